@@ -1,0 +1,67 @@
+// KV append and gather: one thread per 16-byte chunk of a row (8 bf16/fp16
+// elements) of K and of V; rows of num_kv_heads * head_dim elements.
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/append_kv_cuda.h"
+
+namespace attnserve {
+namespace {
+
+// ELEMS: 16-bit elements per thread: 8 (16-byte accesses) or 1.
+template <int ELEMS, bool SCATTER>
+__global__ void __launch_bounds__(256)
+    CopyRowsKernel(uint16_t* cache_k, uint16_t* cache_v, uint16_t* rows_k, uint16_t* rows_v,
+                   const int64_t* slots, int64_t n, int64_t row_elems, int64_t layer_slot0) {
+  using V = typename std::conditional<ELEMS == 8, uint4, uint16_t>::type;
+  const int64_t chunks = row_elems / ELEMS;
+  const int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const int64_t i = idx / chunks;
+  if (i >= n) return;
+  const int64_t c = idx - i * chunks;
+  const int64_t cache_off = (layer_slot0 + slots[i]) * row_elems + c * ELEMS;
+  const int64_t row_off = i * row_elems + c * ELEMS;
+  if (SCATTER) {
+    *reinterpret_cast<V*>(cache_k + cache_off) = *reinterpret_cast<const V*>(rows_k + row_off);
+    *reinterpret_cast<V*>(cache_v + cache_off) = *reinterpret_cast<const V*>(rows_v + row_off);
+  } else {
+    *reinterpret_cast<V*>(rows_k + row_off) = *reinterpret_cast<const V*>(cache_k + cache_off);
+    *reinterpret_cast<V*>(rows_v + row_off) = *reinterpret_cast<const V*>(cache_v + cache_off);
+  }
+}
+
+template <bool SCATTER>
+cudaError_t Launch(void* cache_k, void* cache_v, void* k, void* v, const int64_t* slots, int64_t n,
+                   int32_t layer, const KvGeometry& geo, cudaStream_t stream) {
+  const int64_t row_elems = geo.RowElems();
+  if (n == 0 || row_elems == 0) return cudaSuccess;
+  const int64_t layer_slot0 = int64_t{layer} * geo.SlotsPerLayer();
+  auto* ck = static_cast<uint16_t*>(cache_k);
+  auto* cv = static_cast<uint16_t*>(cache_v);
+  auto* rk = static_cast<uint16_t*>(k);
+  auto* rv = static_cast<uint16_t*>(v);
+  if (row_elems % 8 == 0) {
+    const int64_t blocks = (n * (row_elems / 8) + 255) / 256;
+    CopyRowsKernel<8, SCATTER><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        ck, cv, rk, rv, slots, n, row_elems, layer_slot0);
+  } else {
+    const int64_t blocks = (n * row_elems + 255) / 256;
+    CopyRowsKernel<1, SCATTER><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        ck, cv, rk, rv, slots, n, row_elems, layer_slot0);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t AppendKvCuda(const AppendKvParams& p, cudaStream_t stream) {
+  return Launch<true>(p.k_cache, p.v_cache, const_cast<void*>(p.k), const_cast<void*>(p.v),
+                      p.slots, p.n, p.layer, p.geo, stream);
+}
+
+cudaError_t GatherKvCuda(const GatherKvParams& p, cudaStream_t stream) {
+  return Launch<false>(const_cast<void*>(p.k_cache), const_cast<void*>(p.v_cache), p.k, p.v,
+                       p.slots, p.n, p.layer, p.geo, stream);
+}
+
+}  // namespace attnserve

@@ -1,0 +1,107 @@
+// Paged prefill attention on tensor cores: one launch for a whole ragged
+// batch (sequences may mix layers, scales, masks and LSE bases), plus the
+// host-side plan that cuts the batch into work items and splits long KV
+// ranges so that the items fill the GPU.
+//
+// Usage (the CudaBackend does exactly this; all device pointers):
+//   PrefillPlan plan;
+//   BuildPrefillPlan(seqs, num_seqs, geo, PrefillPlanOptions{...}, &plan);
+//   // upload plan.items and plan.merges next to seqs / kv_indices / q
+//   PagedPrefillCuda(params, d_items, n_items, d_part_o, d_part_lse, stream);
+//   if (!plan.merges.empty())
+//     MergeSplitsCuda(params, d_merges, n_merges, plan.merge_pairs,
+//                     d_part_o, d_part_lse, stream);
+//
+// Conventions are those of kernels/paged_prefill.h (DESIGN.md section 3).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/common.h"
+#include "kernels/paged_prefill.h"
+
+namespace attnserve {
+
+// One unit of work: (sequence, KV head, packed query tile, KV chunk). A tile's
+// rows are (query token, query head within the KV head's group) pairs:
+// packed row r of a sequence is token r / group, query head
+// kv_head * group + r % group.
+struct PrefillWorkItem {
+  int32_t seq = 0;        // index into the batch's seqs
+  int32_t kv_head = 0;
+  int32_t row_begin = 0;  // first packed row of the tile within the sequence
+  int32_t kv_begin = 0;   // KV positions [kv_begin, kv_end) of this chunk
+  int32_t kv_end = 0;
+  // -1: the item covers the whole KV range and writes o / lse itself.
+  // Otherwise the offset, in (row, head) pairs, of this chunk's fp32 partial
+  // state: part_o[(part_base + t * num_qo_heads + h) * head_dim + d] and
+  // part_lse[part_base + t * num_qo_heads + h] (base-2 LSE), t the token
+  // within the sequence.
+  int32_t part_base = -1;
+};
+
+// A sequence whose KV range was split: the merge pass combines its
+// num_chunks partial states (chunk c at part_off + c * q_len * num_qo_heads)
+// into o / lse rows q_start .. q_start + q_len.
+struct SplitMergeSeq {
+  int32_t q_start = 0;
+  int32_t q_len = 0;
+  int32_t num_chunks = 0;
+  int32_t part_off = 0;      // (row, head) pairs
+  int32_t pair_begin = 0;    // prefix sum of q_len * num_qo_heads over merges
+  int32_t lse_base_e = 0;    // 1: final LSE in natural log
+};
+
+struct PrefillPlanOptions {
+  int32_t num_sms = 132;
+  // Resident CTAs per SM for the kernel chosen (PrefillCtasPerSm).
+  int32_t ctas_per_sm = 2;
+  // Split KV when the unsplit items number fewer than this; 0: 2 waves.
+  int32_t target_items = 0;
+  // Smallest KV chunk (tokens) worth a work item of its own.
+  int32_t min_chunk = 512;
+  // Capacity of the partial workspace in (row, head) pairs.
+  int64_t max_partial_pairs = 0;
+  // Packed rows per tile (PrefillTileRows(head_dim, variant)).
+  int32_t tile_rows = 128;
+};
+
+struct PrefillPlan {
+  std::vector<PrefillWorkItem> items;  // ordered longest first
+  std::vector<SplitMergeSeq> merges;   // empty when nothing was split
+  int64_t partial_pairs = 0;           // partial (row, head) pairs used
+  int32_t merge_pairs = 0;             // (row, head) pairs the merge writes
+};
+
+// Kernel variants for head_dim 128: 0 = 128 packed rows per tile (two
+// 16-row MMA tiles per warp), 1 = 64 rows (one per warp).
+int32_t PrefillTileRows(int32_t head_dim, int32_t variant = 0);
+// Resident CTAs per SM of the kernel for this head_dim / dtype / variant.
+int32_t PrefillCtasPerSm(int32_t head_dim, KvDType dtype, int32_t variant = 0);
+
+// Builds the work items (and split merges) for seqs on the host. Sequences
+// with q_len 0 produce no items. Never fails for validated input.
+void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs,
+                      const KvGeometry& geo, const PrefillPlanOptions& options,
+                      PrefillPlan* plan);
+
+// Runs every work item (one CTA each). params' pointers (q, o, lse, pools,
+// kv_indices, seqs) are device pointers. part_o (partial_pairs, head_dim) and
+// part_lse (partial_pairs) are fp32 workspace, used only by split items.
+// geo.head_dim must be 64, 128 or 256.
+cudaError_t PagedPrefillCuda(const PagedPrefillParams& params,
+                             const PrefillWorkItem* items, int32_t num_items,
+                             float* part_o, float* part_lse, int32_t variant,
+                             cudaStream_t stream);
+
+// Merges the split sequences' partial states into params.o / params.lse
+// (N-way, base-2 math, -inf safe). merges is a device array.
+cudaError_t MergeSplitsCuda(const PagedPrefillParams& params,
+                            const SplitMergeSeq* merges, int32_t num_merges,
+                            int32_t merge_pairs, const float* part_o,
+                            const float* part_lse, cudaStream_t stream);
+
+}  // namespace attnserve
