@@ -1,0 +1,271 @@
+// attnctl: command-line client for attnserve.
+//
+//   attnctl info
+//   attnctl alloc 4
+//   attnctl free 0 1 2 3
+//   attnctl write --layer=0 SLOT...      (random K/V rows; prints a checksum)
+//   attnctl read --layer=0 SLOT...
+//   attnctl prefill --batch=4 --q_len=64 --kv_len=512   (verified; prints errors)
+//   attnctl merge --states=3 --n=16                     (verified)
+//   attnctl health [SERVICE]             (exit 0 only when SERVING)
+#include <cstdio>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "client/client.h"
+#include "client/workload.h"
+#include "kernels/dtype.h"
+#include "kernels/merge_states.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
+ABSL_FLAG(std::string, token, "", "bearer token (also $ATTNSERVE_TOKEN)");
+ABSL_FLAG(bool, tls, false, "use TLS");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA of the server certificate");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mTLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM client key (mTLS)");
+ABSL_FLAG(double, timeout_s, 60, "per-call deadline in seconds");
+ABSL_FLAG(int32_t, layer, 0, "layer for write, read and prefill");
+ABSL_FLAG(int32_t, batch, 4, "prefill: sequences");
+ABSL_FLAG(int32_t, q_len, 64, "prefill: most query rows per sequence (drawn in [0, q_len])");
+ABSL_FLAG(int32_t, kv_len, 256, "prefill: most KV tokens per sequence (drawn in [0, kv_len])");
+ABSL_FLAG(bool, causal, true, "prefill: causal mask");
+ABSL_FLAG(bool, lse_base_e, false, "prefill/merge: natural-log LSE");
+ABSL_FLAG(uint64_t, seed, 1, "random seed");
+ABSL_FLAG(int32_t, states, 3, "merge: number of states");
+ABSL_FLAG(int64_t, n, 16, "merge: tokens per state");
+
+namespace attnserve {
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::cerr << "error: " << status.ToString() << "\n";
+  return 1;
+}
+
+KvGeometry GeometryOf(const v1::ServerInfo& info) {
+  KvGeometry g;
+  g.num_layers = info.num_layers();
+  g.num_pages = info.num_pages();
+  g.page_size = info.page_size();
+  g.num_qo_heads = info.num_qo_heads();
+  g.num_kv_heads = info.num_kv_heads();
+  g.head_dim = info.head_dim();
+  g.dtype = info.kv_dtype() == v1::DTYPE_FP16 ? KvDType::kFp16 : KvDType::kBf16;
+  return g;
+}
+
+absl::StatusOr<std::vector<int64_t>> ParseInts(const std::vector<char*>& args, size_t from) {
+  std::vector<int64_t> out;
+  for (size_t i = from; i < args.size(); ++i) {
+    int64_t v;
+    if (!absl::SimpleAtoi(args[i], &v)) {
+      return absl::InvalidArgumentError(absl::StrCat("not an integer: ", args[i]));
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+uint64_t Checksum(absl::Span<const uint16_t> a) {
+  uint64_t h = 1469598103934665603ull;
+  for (uint16_t x : a) h = (h ^ x) * 1099511628211ull;
+  return h;
+}
+
+int Prefill(Client& client) {
+  const KvGeometry g = GeometryOf(client.info());
+  std::mt19937_64 gen(absl::GetFlag(FLAGS_seed));
+  WorkloadSpec spec;
+  spec.batch = absl::GetFlag(FLAGS_batch);
+  spec.max_q_len = absl::GetFlag(FLAGS_q_len);
+  spec.max_kv_len = absl::GetFlag(FLAGS_kv_len);
+  spec.causal = absl::GetFlag(FLAGS_causal);
+  spec.lse_base_e = absl::GetFlag(FLAGS_lse_base_e);
+  spec.layer = absl::GetFlag(FLAGS_layer);
+  const int64_t need = PagesNeeded(g, spec);
+  auto pages = client.AllocatePages(static_cast<int32_t>(std::max<int64_t>(need, 1)));
+  if (!pages.ok()) return Fail(pages.status());
+  // Fill every allocated page with random K/V and keep a copy for the reference.
+  KvMirror mirror(g);
+  std::vector<int64_t> slots;
+  for (int32_t p : *pages) {
+    for (int32_t o = 0; o < g.page_size; ++o) slots.push_back(int64_t{p} * g.page_size + o);
+  }
+  auto k = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
+  auto v = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
+  absl::Status status = client.WriteKV(spec.layer, slots, k, v);
+  int rc = 0;
+  if (status.ok()) {
+    mirror.Write(spec.layer, slots, k, v);
+    PrefillInputs in = RandomPrefill(gen, g, spec, *pages);
+    PrefillArgs args;
+    args.layer = in.layer;
+    args.q = in.q;
+    args.qo_indptr = in.qo_indptr;
+    args.kv_indptr = in.kv_indptr;
+    args.kv_indices = in.kv_indices;
+    args.kv_last_page_len = in.kv_last_page_len;
+    args.causal = in.causal;
+    args.lse_base_e = in.lse_base_e;
+    auto out = client.Prefill(args);
+    if (!out.ok()) {
+      rc = Fail(out.status());
+    } else {
+      std::vector<double> o_ref, lse_ref;
+      ReferencePrefill(mirror, in, &o_ref, &lse_ref);
+      Comparison c = Compare(g.dtype, o_ref, lse_ref, out->o, out->lse);
+      std::cout << "prefill: batch=" << spec.batch << " total_q=" << in.total_q()
+                << " kv_pages=" << in.kv_indices.size() << " backend=" << client.info().backend()
+                << "\n"
+                << c.ToString() << (c.Ok(g.dtype) ? "  OK" : "  FAILED") << "\n";
+      rc = c.Ok(g.dtype) ? 0 : 3;
+    }
+  } else {
+    rc = Fail(status);
+  }
+  absl::Status freed = client.FreePages(*pages);
+  if (!freed.ok()) return Fail(freed);
+  return rc;
+}
+
+int Merge(Client& client) {
+  const KvGeometry g = GeometryOf(client.info());
+  std::mt19937_64 gen(absl::GetFlag(FLAGS_seed));
+  const int64_t n = absl::GetFlag(FLAGS_n);
+  const int32_t h = g.num_qo_heads, d = g.head_dim;
+  const int num_states = absl::GetFlag(FLAGS_states);
+  std::vector<State> states(num_states);
+  std::normal_distribution<float> lse_dist(0.f, 4.f);
+  for (int s = 0; s < num_states; ++s) {
+    states[s].v = RandomHalves(gen, g.dtype, n * h * d);
+    states[s].lse.resize(n * h);
+    for (auto& l : states[s].lse) l = lse_dist(gen);
+  }
+  // Some rows see nothing in the first state.
+  for (int64_t r = 0; r < n * h; r += 3) states[0].lse[r] = -INFINITY;
+  auto out = client.MergeStates(states, n, h, d, absl::GetFlag(FLAGS_lse_base_e));
+  if (!out.ok()) return Fail(out.status());
+  // float64 reference.
+  const double base_ln = absl::GetFlag(FLAGS_lse_base_e) ? 1.0 : std::log(2.0);
+  double diff = 0, norm = 0, lse_err = 0;
+  for (int64_t r = 0; r < n * h; ++r) {
+    double m = -INFINITY;
+    for (auto& s : states) m = std::max<double>(m, s.lse[r]);
+    double total = 0;
+    std::vector<double> acc(d, 0.0);
+    for (auto& s : states) {
+      const double w = std::exp((s.lse[r] - m) * base_ln);
+      total += w;
+      for (int c = 0; c < d; ++c) acc[c] += w * HalfToFloat(g.dtype, s.v[r * d + c]);
+    }
+    for (int c = 0; c < d; ++c) {
+      const double ref = acc[c] / total;
+      const double got = HalfToFloat(g.dtype, out->v[r * d + c]);
+      diff += (got - ref) * (got - ref);
+      norm += ref * ref;
+    }
+    lse_err = std::max(lse_err, std::abs(out->lse[r] - (m + std::log(total) / base_ln)));
+  }
+  const double rel = std::sqrt(diff / norm);
+  const bool ok = rel < 1e-2 && lse_err < 1e-3;
+  std::cout << "merge: states=" << num_states << " n=" << n << " v_rel_error=" << rel
+            << " lse_max_abs_error=" << lse_err << (ok ? "  OK" : "  FAILED") << "\n";
+  return ok ? 0 : 3;
+}
+
+int Main(std::vector<char*> args) {
+  if (args.size() < 2) {
+    std::cerr << absl::ProgramUsageMessage() << "\n";
+    return 2;
+  }
+  const std::string cmd = args[1];
+  ClientOptions options;
+  options.target = absl::GetFlag(FLAGS_target);
+  options.token = absl::GetFlag(FLAGS_token);
+  if (options.token.empty() && std::getenv("ATTNSERVE_TOKEN") != nullptr) {
+    options.token = std::getenv("ATTNSERVE_TOKEN");
+  }
+  options.tls = absl::GetFlag(FLAGS_tls);
+  options.tls_ca = absl::GetFlag(FLAGS_tls_ca);
+  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  options.timeout_s = absl::GetFlag(FLAGS_timeout_s);
+  auto client = Client::Connect(options);
+  if (!client.ok()) {
+    if (cmd == "health") std::cout << "NOT_SERVING (" << client.status().ToString() << ")\n";
+    return Fail(client.status());
+  }
+  Client& c = **client;
+  if (cmd == "health") {
+    absl::Status s = c.Health(args.size() > 2 ? args[2] : "");
+    std::cout << (s.ok() ? "SERVING" : s.ToString()) << "\n";
+    return s.ok() ? 0 : 1;
+  }
+  if (cmd == "info") {
+    std::cout << c.info().DebugString();
+    return 0;
+  }
+  if (cmd == "alloc") {
+    int32_t count = 1;
+    if (args.size() > 2 && !absl::SimpleAtoi(args[2], &count)) {
+      return Fail(absl::InvalidArgumentError("alloc COUNT"));
+    }
+    auto pages = c.AllocatePages(count);
+    if (!pages.ok()) return Fail(pages.status());
+    std::cout << absl::StrJoin(*pages, " ") << "\n";
+    return 0;
+  }
+  if (cmd == "free") {
+    auto ids = ParseInts(args, 2);
+    if (!ids.ok()) return Fail(ids.status());
+    std::vector<int32_t> pages(ids->begin(), ids->end());
+    absl::Status s = c.FreePages(pages);
+    if (!s.ok()) return Fail(s);
+    std::cout << "freed " << pages.size() << " pages\n";
+    return 0;
+  }
+  if (cmd == "write" || cmd == "read") {
+    auto slots = ParseInts(args, 2);
+    if (!slots.ok()) return Fail(slots.status());
+    const KvGeometry g = GeometryOf(c.info());
+    if (cmd == "write") {
+      std::mt19937_64 gen(absl::GetFlag(FLAGS_seed));
+      auto k = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots->size()) * g.RowElems());
+      auto v = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots->size()) * g.RowElems());
+      absl::Status s = c.WriteKV(absl::GetFlag(FLAGS_layer), *slots, k, v);
+      if (!s.ok()) return Fail(s);
+      std::cout << "wrote " << slots->size() << " rows, k checksum " << Checksum(k)
+                << ", v checksum " << Checksum(v) << "\n";
+    } else {
+      auto kv = c.ReadKV(absl::GetFlag(FLAGS_layer), *slots);
+      if (!kv.ok()) return Fail(kv.status());
+      std::cout << "read " << slots->size() << " rows, k checksum " << Checksum(kv->k)
+                << ", v checksum " << Checksum(kv->v) << "\n";
+    }
+    return 0;
+  }
+  if (cmd == "prefill") return Prefill(c);
+  if (cmd == "merge") return Merge(c);
+  std::cerr << "unknown command: " << cmd << "\n" << absl::ProgramUsageMessage() << "\n";
+  return 2;
+}
+
+}  // namespace
+}  // namespace attnserve
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "attnctl [flags] COMMAND\n"
+      "  info | alloc COUNT | free PAGE... | write SLOT... | read SLOT...\n"
+      "  prefill | merge | health [SERVICE]");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  return attnserve::Main(args);
+}

@@ -1,0 +1,220 @@
+#include "client/client.h"
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace attnserve {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+v1::DType WireDType(const v1::ServerInfo& info) { return info.kv_dtype(); }
+
+void SetTensor(v1::Tensor* t, v1::DType dtype, std::initializer_list<int64_t> shape,
+               const void* data, size_t bytes) {
+  t->set_dtype(dtype);
+  t->mutable_shape()->Assign(shape.begin(), shape.end());
+  t->set_data(data, bytes);
+}
+
+template <typename T>
+std::vector<T> FromBytes(const std::string& bytes) {
+  std::vector<T> out(bytes.size() / sizeof(T));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
+  return out;
+}
+
+}  // namespace
+
+absl::Status Client::FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  std::unique_ptr<Client> c(new Client());
+  c->options_ = options;
+  std::shared_ptr<grpc::ChannelCredentials> creds;
+  if (options.tls) {
+    grpc::SslCredentialsOptions ssl;
+    if (!options.tls_ca.empty()) {
+      auto ca = ReadFile(options.tls_ca);
+      if (!ca.ok()) return ca.status();
+      ssl.pem_root_certs = *ca;
+    }
+    if (!options.tls_cert.empty()) {
+      auto cert = ReadFile(options.tls_cert);
+      if (!cert.ok()) return cert.status();
+      auto key = ReadFile(options.tls_key);
+      if (!key.ok()) return key.status();
+      ssl.pem_cert_chain = *cert;
+      ssl.pem_private_key = *key;
+    }
+    creds = grpc::SslCredentials(ssl);
+  } else {
+    creds = grpc::InsecureChannelCredentials();
+  }
+  grpc::ChannelArguments args;
+  const int max_bytes = static_cast<int>(
+      std::min<int64_t>(options.max_message_bytes + (1 << 20), INT32_MAX));
+  args.SetMaxReceiveMessageSize(max_bytes);
+  args.SetMaxSendMessageSize(max_bytes);
+  c->channel_ = grpc::CreateCustomChannel(options.target, creds, args);
+  c->stub_ = v1::AttentionService::NewStub(c->channel_);
+  auto info = c->GetServerInfo();
+  if (!info.ok()) return info.status();
+  c->info_ = *std::move(info);
+  return c;
+}
+
+void Client::PrepareContext(grpc::ClientContext* ctx) const {
+  if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
+  if (options_.timeout_s > 0) {
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::microseconds(static_cast<int64_t>(options_.timeout_s * 1e6)));
+  }
+}
+
+absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::ServerInfo info;
+  grpc::Status s = stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info);
+  if (!s.ok()) return FromGrpc(s);
+  return info;
+}
+
+absl::StatusOr<std::vector<int32_t>> Client::AllocatePages(int32_t count) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::AllocatePagesRequest req;
+  req.set_count(count);
+  v1::AllocatePagesResponse resp;
+  grpc::Status s = stub_->AllocatePages(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return std::vector<int32_t>(resp.page_ids().begin(), resp.page_ids().end());
+}
+
+absl::Status Client::FreePages(absl::Span<const int32_t> page_ids) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::FreePagesRequest req;
+  req.mutable_page_ids()->Assign(page_ids.begin(), page_ids.end());
+  v1::FreePagesResponse resp;
+  return FromGrpc(stub_->FreePages(&ctx, req, &resp));
+}
+
+absl::Status Client::WriteKV(int32_t layer, absl::Span<const int64_t> slots,
+                             absl::Span<const uint16_t> k, absl::Span<const uint16_t> v) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::WriteKVRequest req;
+  req.set_layer(layer);
+  req.mutable_slots()->Assign(slots.begin(), slots.end());
+  const int64_t n = static_cast<int64_t>(slots.size());
+  SetTensor(req.mutable_k(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
+            k.data(), k.size() * 2);
+  SetTensor(req.mutable_v(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
+            v.data(), v.size() * 2);
+  v1::WriteKVResponse resp;
+  return FromGrpc(stub_->WriteKV(&ctx, req, &resp));
+}
+
+absl::StatusOr<KvData> Client::ReadKV(int32_t layer, absl::Span<const int64_t> slots) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::ReadKVRequest req;
+  req.set_layer(layer);
+  req.mutable_slots()->Assign(slots.begin(), slots.end());
+  v1::ReadKVResponse resp;
+  grpc::Status s = stub_->ReadKV(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return KvData{FromBytes<uint16_t>(resp.k().data()), FromBytes<uint16_t>(resp.v().data())};
+}
+
+absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::PrefillRequest req;
+  req.set_layer(a.layer);
+  const int64_t row = int64_t{info_.num_qo_heads()} * info_.head_dim();
+  const int64_t total_q = row == 0 ? 0 : static_cast<int64_t>(a.q.size()) / row;
+  SetTensor(req.mutable_q(), WireDType(info_), {total_q, info_.num_qo_heads(), info_.head_dim()},
+            a.q.data(), a.q.size() * 2);
+  req.mutable_qo_indptr()->Assign(a.qo_indptr.begin(), a.qo_indptr.end());
+  req.mutable_kv_indptr()->Assign(a.kv_indptr.begin(), a.kv_indptr.end());
+  req.mutable_kv_indices()->Assign(a.kv_indices.begin(), a.kv_indices.end());
+  req.mutable_kv_last_page_len()->Assign(a.kv_last_page_len.begin(), a.kv_last_page_len.end());
+  if (a.sm_scale) req.set_sm_scale(*a.sm_scale);
+  if (a.causal) req.set_causal(*a.causal);
+  req.set_lse_base(a.lse_base_e ? v1::LSE_BASE_E : v1::LSE_BASE_2);
+  if (!a.append_slots.empty()) {
+    const int64_t n = static_cast<int64_t>(a.append_slots.size());
+    req.mutable_append_slots()->Assign(a.append_slots.begin(), a.append_slots.end());
+    SetTensor(req.mutable_append_k(), WireDType(info_),
+              {n, info_.num_kv_heads(), info_.head_dim()}, a.append_k.data(),
+              a.append_k.size() * 2);
+    SetTensor(req.mutable_append_v(), WireDType(info_),
+              {n, info_.num_kv_heads(), info_.head_dim()}, a.append_v.data(),
+              a.append_v.size() * 2);
+  }
+  req.set_expected_incarnation(a.expected_incarnation);
+  v1::PrefillResponse resp;
+  grpc::Status s = stub_->Prefill(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  PrefillResult r;
+  r.o = FromBytes<uint16_t>(resp.output().data());
+  r.lse = FromBytes<float>(resp.lse().data());
+  r.incarnation = resp.incarnation();
+  return r;
+}
+
+absl::StatusOr<State> Client::MergeStates(absl::Span<const State> states, int64_t n, int32_t h,
+                                          int32_t d, bool lse_base_e) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::MergeStatesRequest req;
+  for (const State& st : states) {
+    v1::AttentionState* s = req.add_states();
+    SetTensor(s->mutable_v(), WireDType(info_), {n, h, d}, st.v.data(), st.v.size() * 2);
+    SetTensor(s->mutable_lse(), v1::DTYPE_FP32, {n, h}, st.lse.data(), st.lse.size() * 4);
+  }
+  req.set_lse_base(lse_base_e ? v1::LSE_BASE_E : v1::LSE_BASE_2);
+  v1::MergeStatesResponse resp;
+  grpc::Status s = stub_->MergeStates(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return State{FromBytes<uint16_t>(resp.v().data()), FromBytes<float>(resp.lse().data())};
+}
+
+absl::Status Client::Health(const std::string& service) {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  if (options_.timeout_s <= 0) {
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = health->Check(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat("health of '", service, "' is ",
+                                               grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status())));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve

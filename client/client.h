@@ -1,0 +1,103 @@
+// attnserve C++ client: typed calls over spans.
+//
+//   auto client = attnserve::Client::Connect({.target = "127.0.0.1:50051"});
+//   auto pages = (*client)->AllocatePages(4);
+//   (*client)->WriteKV(/*layer=*/0, slots, k, v);
+//   auto out = (*client)->Prefill(args);   // out->o, out->lse
+//
+// Tensors are raw 16-bit values (bf16 or fp16, as the server's kv_dtype) and
+// float32 LSEs. Errors come back as absl::Status with the server's code and
+// message.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace attnserve {
+
+struct ClientOptions {
+  std::string target = "127.0.0.1:50051";
+  std::string token;            // sent as "authorization: Bearer TOKEN" when set
+  bool tls = false;
+  std::string tls_ca;           // PEM file of the server's CA (TLS)
+  std::string tls_cert;         // PEM client certificate (mTLS)
+  std::string tls_key;          // PEM client key (mTLS)
+  int64_t max_message_bytes = 512ll << 20;
+  double timeout_s = 0;         // per-call deadline; 0: none
+};
+
+struct PrefillArgs {
+  int32_t layer = 0;
+  absl::Span<const uint16_t> q;                // (total_q, num_qo_heads, head_dim)
+  absl::Span<const int32_t> qo_indptr;
+  absl::Span<const int32_t> kv_indptr;
+  absl::Span<const int32_t> kv_indices;
+  absl::Span<const int32_t> kv_last_page_len;
+  std::optional<float> sm_scale;
+  std::optional<bool> causal;
+  bool lse_base_e = false;
+  absl::Span<const int64_t> append_slots;
+  absl::Span<const uint16_t> append_k;         // (n, num_kv_heads, head_dim)
+  absl::Span<const uint16_t> append_v;
+  uint64_t expected_incarnation = 0;
+};
+
+struct PrefillResult {
+  std::vector<uint16_t> o;  // (total_q, num_qo_heads, head_dim)
+  std::vector<float> lse;   // (total_q, num_qo_heads)
+  uint64_t incarnation = 0;
+};
+
+struct KvData {
+  std::vector<uint16_t> k;  // (n, num_kv_heads, head_dim)
+  std::vector<uint16_t> v;
+};
+
+struct State {
+  std::vector<uint16_t> v;  // (n, h, d)
+  std::vector<float> lse;   // (n, h)
+};
+
+class Client {
+ public:
+  // Connects and reads the server's geometry (GetServerInfo).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+
+  const v1::ServerInfo& info() const { return info_; }
+  absl::StatusOr<v1::ServerInfo> GetServerInfo();
+  absl::StatusOr<std::vector<int32_t>> AllocatePages(int32_t count);
+  absl::Status FreePages(absl::Span<const int32_t> page_ids);
+  absl::Status WriteKV(int32_t layer, absl::Span<const int64_t> slots,
+                       absl::Span<const uint16_t> k, absl::Span<const uint16_t> v);
+  absl::StatusOr<KvData> ReadKV(int32_t layer, absl::Span<const int64_t> slots);
+  absl::StatusOr<PrefillResult> Prefill(const PrefillArgs& args);
+  // States each (n, h, d) with LSE (n, h).
+  absl::StatusOr<State> MergeStates(absl::Span<const State> states, int64_t n, int32_t h,
+                                    int32_t d, bool lse_base_e);
+  // Overall health ("" service) or one service; OK only when SERVING.
+  absl::Status Health(const std::string& service = "");
+
+  // For tests that send hand-made (also malformed) requests.
+  v1::AttentionService::Stub* stub() { return stub_.get(); }
+  void PrepareContext(grpc::ClientContext* ctx) const;
+
+  static absl::Status FromGrpc(const grpc::Status& status);
+
+ private:
+  Client() = default;
+
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::AttentionService::Stub> stub_;
+  v1::ServerInfo info_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,167 @@
+#include "client/workload.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_format.h"
+#include "kernels/dtype.h"
+
+namespace attnserve {
+
+std::vector<uint16_t> RandomHalves(std::mt19937_64& gen, KvDType dtype, int64_t n,
+                                   double stddev) {
+  std::normal_distribution<float> dist(0.f, static_cast<float>(stddev));
+  std::vector<uint16_t> out(n);
+  for (auto& x : out) x = FloatToHalf(dtype, dist(gen));
+  return out;
+}
+
+void KvMirror::Write(int32_t layer, absl::Span<const int64_t> slots,
+                     absl::Span<const uint16_t> k_rows, absl::Span<const uint16_t> v_rows) {
+  const int64_t row = geo_.RowElems();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int64_t key = layer * geo_.SlotsPerLayer() + slots[i];
+    k_[key].assign(k_rows.begin() + i * row, k_rows.begin() + (i + 1) * row);
+    v_[key].assign(v_rows.begin() + i * row, v_rows.begin() + (i + 1) * row);
+  }
+}
+
+const uint16_t* KvMirror::Row(const absl::flat_hash_map<int64_t, std::vector<uint16_t>>& rows,
+                              int32_t layer, int64_t slot) const {
+  auto it = rows.find(layer * geo_.SlotsPerLayer() + slot);
+  if (it != rows.end()) return it->second.data();
+  zeros_.assign(geo_.RowElems(), 0);
+  return zeros_.data();
+}
+
+const uint16_t* KvMirror::K(int32_t layer, int64_t slot) const { return Row(k_, layer, slot); }
+const uint16_t* KvMirror::V(int32_t layer, int64_t slot) const { return Row(v_, layer, slot); }
+
+void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<double>* o,
+                      std::vector<double>* lse) {
+  const KvGeometry& g = kv.geometry();
+  const int64_t hq = g.num_qo_heads, d = g.head_dim;
+  const int64_t group = g.num_qo_heads / g.num_kv_heads;
+  const double scale = in.sm_scale ? *in.sm_scale : 1.0 / std::sqrt(static_cast<double>(d));
+  const int64_t total_q = in.total_q();
+  o->assign(total_q * hq * d, 0.0);
+  lse->assign(total_q * hq, -std::numeric_limits<double>::infinity());
+  const int64_t batch = static_cast<int64_t>(in.qo_indptr.size()) - 1;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = in.qo_indptr[b + 1] - in.qo_indptr[b];
+    const int64_t pages = in.kv_indptr[b + 1] - in.kv_indptr[b];
+    const int64_t last = in.kv_last_page_len.empty() ? 1 : in.kv_last_page_len[b];
+    const int64_t kv_len = pages == 0 ? 0 : (pages - 1) * g.page_size + last;
+    // Slot of each KV position.
+    std::vector<int64_t> slots(kv_len);
+    for (int64_t j = 0; j < kv_len; ++j) {
+      slots[j] = int64_t{in.kv_indices[in.kv_indptr[b] + j / g.page_size]} * g.page_size +
+                 j % g.page_size;
+    }
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t row = in.qo_indptr[b] + i;
+      const int64_t visible = in.causal ? std::min(kv_len, i + kv_len - q_len + 1) : kv_len;
+      if (visible <= 0) continue;  // output 0, lse -inf
+      for (int64_t h = 0; h < hq; ++h) {
+        const int64_t kvh = h / group;
+        const uint16_t* qr = in.q.data() + (row * hq + h) * d;
+        std::vector<double> logits(visible);
+        double m = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < visible; ++j) {
+          const uint16_t* kr = kv.K(in.layer, slots[j]) + kvh * d;
+          double dot = 0;
+          for (int64_t c = 0; c < d; ++c) {
+            dot += double{HalfToFloat(g.dtype, qr[c])} * HalfToFloat(g.dtype, kr[c]);
+          }
+          logits[j] = dot * scale;
+          m = std::max(m, logits[j]);
+        }
+        double sum = 0;
+        double* out = o->data() + (row * hq + h) * d;
+        for (int64_t j = 0; j < visible; ++j) {
+          const double w = std::exp(logits[j] - m);
+          sum += w;
+          const uint16_t* vr = kv.V(in.layer, slots[j]) + kvh * d;
+          for (int64_t c = 0; c < d; ++c) out[c] += w * HalfToFloat(g.dtype, vr[c]);
+        }
+        for (int64_t c = 0; c < d; ++c) out[c] /= sum;
+        const double lse_e = m + std::log(sum);
+        (*lse)[row * hq + h] = in.lse_base_e ? lse_e : lse_e / std::log(2.0);
+      }
+    }
+  }
+}
+
+int64_t PagesNeeded(const KvGeometry& geo, const WorkloadSpec& spec) {
+  return int64_t{spec.batch} * ((spec.max_kv_len + geo.page_size - 1) / geo.page_size);
+}
+
+PrefillInputs RandomPrefill(std::mt19937_64& gen, const KvGeometry& geo, const WorkloadSpec& spec,
+                            absl::Span<const int32_t> pages) {
+  PrefillInputs in;
+  in.layer = spec.layer;
+  in.causal = spec.causal;
+  in.lse_base_e = spec.lse_base_e;
+  std::vector<int32_t> shuffled(pages.begin(), pages.end());
+  std::shuffle(shuffled.begin(), shuffled.end(), gen);
+  std::uniform_int_distribution<int32_t> q_dist(0, spec.max_q_len);
+  std::uniform_int_distribution<int32_t> kv_dist(0, spec.max_kv_len);
+  in.qo_indptr.push_back(0);
+  in.kv_indptr.push_back(0);
+  size_t next_page = 0;
+  for (int32_t b = 0; b < spec.batch; ++b) {
+    const int32_t q_len = q_dist(gen);
+    const int32_t kv_len = kv_dist(gen);
+    const int32_t num_pages = (kv_len + geo.page_size - 1) / geo.page_size;
+    for (int32_t p = 0; p < num_pages; ++p) in.kv_indices.push_back(shuffled[next_page++]);
+    in.qo_indptr.push_back(in.qo_indptr.back() + q_len);
+    in.kv_indptr.push_back(in.kv_indptr.back() + num_pages);
+    in.kv_last_page_len.push_back(num_pages == 0 ? 0 : kv_len - (num_pages - 1) * geo.page_size);
+  }
+  in.q = RandomHalves(gen, geo.dtype, in.total_q() * geo.num_qo_heads * geo.head_dim);
+  return in;
+}
+
+bool Comparison::Ok(KvDType) const {
+  return nan_count == 0 && inf_mismatches == 0 && o_rel_error < 1e-2 && lse_max_abs < 1e-3;
+}
+
+std::string Comparison::ToString() const {
+  return absl::StrFormat("o_rel_error=%.3g lse_max_abs_error=%.3g inf_mismatches=%d nan=%d",
+                         o_rel_error, lse_max_abs, inf_mismatches, nan_count);
+}
+
+Comparison Compare(KvDType dtype, absl::Span<const double> o_ref, absl::Span<const double> lse_ref,
+                   absl::Span<const uint16_t> o, absl::Span<const float> lse) {
+  Comparison c;
+  if (o.size() != o_ref.size() || lse.size() != lse_ref.size()) {
+    c.nan_count = -1;
+    c.o_rel_error = std::numeric_limits<double>::infinity();
+    return c;
+  }
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < o.size(); ++i) {
+    const double x = HalfToFloat(dtype, o[i]);
+    if (std::isnan(x)) ++c.nan_count;
+    diff += (x - o_ref[i]) * (x - o_ref[i]);
+    norm += o_ref[i] * o_ref[i];
+  }
+  c.o_rel_error = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (std::isnan(lse[i])) {
+      ++c.nan_count;
+      continue;
+    }
+    const bool ref_inf = std::isinf(lse_ref[i]);
+    const bool got_inf = std::isinf(lse[i]) && lse[i] < 0;
+    if (ref_inf != got_inf) {
+      ++c.inf_mismatches;
+      continue;
+    }
+    if (!ref_inf) c.lse_max_abs = std::max(c.lse_max_abs, std::abs(lse[i] - lse_ref[i]));
+  }
+  return c;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,92 @@
+// Random ragged workloads and an independent float64 reference, used by
+// `attnctl prefill`, the integration tests and attnbench's verification.
+//
+// KvMirror keeps the client's own copy of every K/V row it wrote, so the
+// reference needs nothing from the server.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/types/span.h"
+#include "kernels/common.h"
+
+namespace attnserve {
+
+// Random 16-bit values (bf16 or fp16) drawn from N(0, stddev^2).
+std::vector<uint16_t> RandomHalves(std::mt19937_64& gen, KvDType dtype, int64_t n,
+                                   double stddev = 1.0);
+
+// The client's copy of the K/V rows it wrote, by (layer, slot).
+class KvMirror {
+ public:
+  explicit KvMirror(const KvGeometry& geo) : geo_(geo) {}
+  // k_rows, v_rows: (slots.size(), num_kv_heads, head_dim).
+  void Write(int32_t layer, absl::Span<const int64_t> slots, absl::Span<const uint16_t> k_rows,
+             absl::Span<const uint16_t> v_rows);
+  // Row of (num_kv_heads * head_dim) values; zeros for a slot never written.
+  const uint16_t* K(int32_t layer, int64_t slot) const;
+  const uint16_t* V(int32_t layer, int64_t slot) const;
+  const KvGeometry& geometry() const { return geo_; }
+
+ private:
+  const uint16_t* Row(const absl::flat_hash_map<int64_t, std::vector<uint16_t>>& rows,
+                      int32_t layer, int64_t slot) const;
+  KvGeometry geo_;
+  absl::flat_hash_map<int64_t, std::vector<uint16_t>> k_, v_;  // key: layer * slots + slot
+  mutable std::vector<uint16_t> zeros_;
+};
+
+// One Prefill's inputs, in the API's layout.
+struct PrefillInputs {
+  int32_t layer = 0;
+  std::vector<uint16_t> q;  // (total_q, num_qo_heads, head_dim)
+  std::vector<int32_t> qo_indptr, kv_indptr, kv_indices, kv_last_page_len;
+  std::optional<float> sm_scale;
+  bool causal = true;
+  bool lse_base_e = false;
+  int64_t total_q() const { return qo_indptr.empty() ? 0 : qo_indptr.back(); }
+};
+
+// float64 attention per DESIGN.md section 3: o (total_q, Hq, D), lse
+// (total_q, Hq) with -inf for rows that see nothing.
+void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<double>* o,
+                      std::vector<double>* lse);
+
+// Shape of a random workload.
+struct WorkloadSpec {
+  int32_t batch = 4;
+  int32_t max_q_len = 64;
+  int32_t max_kv_len = 256;
+  bool causal = true;
+  bool lse_base_e = false;
+  int32_t layer = 0;
+};
+
+// Draws sequence lengths and q; assigns pages (shuffled) from `pages`, which
+// must hold enough. Rows that see nothing (q_len > kv_len) and empty
+// sequences arise naturally from the random lengths.
+PrefillInputs RandomPrefill(std::mt19937_64& gen, const KvGeometry& geo, const WorkloadSpec& spec,
+                            absl::Span<const int32_t> pages);
+
+// Pages RandomPrefill may need at most.
+int64_t PagesNeeded(const KvGeometry& geo, const WorkloadSpec& spec);
+
+// Result against the reference (DESIGN.md section 3 tolerances).
+struct Comparison {
+  double o_rel_error = 0;      // ||o - ref|| / ||ref||
+  double lse_max_abs = 0;      // over rows where the reference is finite
+  int64_t inf_mismatches = 0;  // -inf in one but not the other
+  int64_t nan_count = 0;
+  bool Ok(KvDType dtype) const;
+  std::string ToString() const;
+};
+
+Comparison Compare(KvDType dtype, absl::Span<const double> o_ref, absl::Span<const double> lse_ref,
+                   absl::Span<const uint16_t> o, absl::Span<const float> lse);
+
+}  // namespace attnserve

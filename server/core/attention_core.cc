@@ -1,0 +1,198 @@
+#include "server/core/attention_core.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+namespace {
+
+uint64_t MakeIncarnation() {
+  absl::BitGen gen;
+  uint64_t id = 0;
+  while (id == 0) id = absl::Uniform<uint64_t>(gen);  // 0 means "not checked"
+  return id;
+}
+
+}  // namespace
+
+int32_t MaxRequestRows(const CoreOptions& options, const KvGeometry& geo) {
+  const int64_t q_row_bytes = int64_t{geo.num_qo_heads} * geo.head_dim * KvDTypeBytes(geo.dtype);
+  const int64_t rows = options.max_message_bytes / std::max<int64_t>(q_row_bytes, 1);
+  return static_cast<int32_t>(
+      std::clamp<int64_t>(std::max<int64_t>(rows, options.max_batch_tokens), 1, 1 << 30));
+}
+
+AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backend,
+                             Metrics* metrics)
+    : options_(options),
+      backend_(std::move(backend)),
+      metrics_(metrics),
+      incarnation_(MakeIncarnation()),
+      pages_(backend_->Geometry().num_pages, options.tenant_max_pages) {
+  limits_.max_message_bytes = options.max_message_bytes;
+  limits_.max_request_rows = MaxRequestRows(options, backend_->Geometry());
+  limits_.max_request_kv_indices = options.max_request_kv_indices;
+  SchedulerOptions sched;
+  sched.max_batch_tokens = options.max_batch_tokens;
+  sched.max_batch_kv_indices = options.max_request_kv_indices;
+  sched.max_batch_append_rows = limits_.max_request_rows;
+  sched.max_queue_delay_us = options.max_queue_delay_us;
+  sched.max_queue_requests = options.max_queue_requests;
+  scheduler_ = std::make_unique<Scheduler>(backend_.get(), &pages_, metrics_, sched);
+  UpdatePageGauges();
+}
+
+AttentionCore::~AttentionCore() { Shutdown(); }
+
+void AttentionCore::Shutdown() { scheduler_->Stop(); }
+
+ServerInfoData AttentionCore::Info() const {
+  const KvGeometry& g = backend_->Geometry();
+  ServerInfoData info;
+  info.version = kVersion;
+  info.backend = backend_->Name();
+  info.device = backend_->Device();
+  info.num_layers = g.num_layers;
+  info.num_pages = g.num_pages;
+  info.page_size = g.page_size;
+  info.num_qo_heads = g.num_qo_heads;
+  info.num_kv_heads = g.num_kv_heads;
+  info.head_dim = g.head_dim;
+  info.kv_dtype = ToWire(g.dtype);
+  info.free_pages = pages_.FreeCount();
+  info.max_batch_tokens = options_.max_batch_tokens;
+  info.max_message_bytes = options_.max_message_bytes;
+  info.incarnation = incarnation_;
+  return info;
+}
+
+void AttentionCore::UpdatePageGauges() {
+  const int32_t free_pages = pages_.FreeCount();
+  metrics_->SetKvPages(free_pages, pages_.num_pages() - free_pages);
+}
+
+absl::StatusOr<std::vector<int32_t>> AttentionCore::AllocatePages(const std::string& tenant,
+                                                                  int32_t count) {
+  if (count <= 0 || count > pages_.num_pages()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("count=", count, " out of range [1, ", pages_.num_pages(), "] (num_pages)"));
+  }
+  auto pages = pages_.Allocate(tenant, count);
+  UpdatePageGauges();
+  return pages;
+}
+
+absl::Status AttentionCore::FreePages(const std::string& tenant,
+                                      absl::Span<const int32_t> page_ids) {
+  absl::Status status = pages_.Free(tenant, page_ids);
+  UpdatePageGauges();
+  return status;
+}
+
+void AttentionCore::Submit(const std::string& tenant, std::vector<int32_t> pages,
+                           absl::string_view field, std::unique_ptr<Job> job) {
+  absl::Status status = pages_.PinOwned(tenant, pages, field);
+  if (!status.ok()) {
+    job->done(status);
+    return;
+  }
+  job->pinned = std::move(pages);
+  status = scheduler_->Enqueue(job);
+  if (!status.ok()) {  // the job stayed with us
+    pages_.Unpin(job->pinned);
+    job->done(status);
+  }
+}
+
+void AttentionCore::Prefill(const PrefillCall& call, DoneCallback done) {
+  auto validated = ValidatePrefill(call, backend_->Geometry(), limits_, incarnation_);
+  if (!validated.ok()) {
+    done(validated.status());
+    return;
+  }
+  call.out_o->resize(validated->out_bytes);
+  call.out_lse->resize(validated->lse_bytes);
+  auto job = std::make_unique<Job>();
+  job->kind = Job::Kind::kPrefill;
+  job->task = std::move(validated->task);
+  job->task.o = call.out_o->data();
+  job->task.lse = reinterpret_cast<float*>(call.out_lse->data());
+  job->done = std::move(done);
+  Submit(call.tenant, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
+}
+
+void AttentionCore::WriteKv(const WriteKvCall& call, DoneCallback done) {
+  auto pages = ValidateKvRows(call.layer, call.slots, &call.k, &call.v, backend_->Geometry(),
+                              limits_);
+  if (!pages.ok()) {
+    done(pages.status());
+    return;
+  }
+  auto job = std::make_unique<Job>();
+  job->kind = Job::Kind::kWriteKv;
+  job->rows.layer = call.layer;
+  job->rows.slots = call.slots.data();
+  job->rows.n = static_cast<int64_t>(call.slots.size());
+  // The backend only reads k and v for a write.
+  job->rows.k = const_cast<char*>(call.k.data.data());
+  job->rows.v = const_cast<char*>(call.v.data.data());
+  job->done = std::move(done);
+  Submit(call.tenant, *std::move(pages), "slots", std::move(job));
+}
+
+void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
+  auto pages =
+      ValidateKvRows(call.layer, call.slots, nullptr, nullptr, backend_->Geometry(), limits_);
+  if (!pages.ok()) {
+    done(pages.status());
+    return;
+  }
+  const KvGeometry& g = backend_->Geometry();
+  const int64_t n = static_cast<int64_t>(call.slots.size());
+  call.out_k->resize(n * g.RowElems() * KvDTypeBytes(g.dtype));
+  call.out_v->resize(n * g.RowElems() * KvDTypeBytes(g.dtype));
+  auto job = std::make_unique<Job>();
+  job->kind = Job::Kind::kReadKv;
+  job->rows.layer = call.layer;
+  job->rows.slots = call.slots.data();
+  job->rows.n = n;
+  job->rows.k = call.out_k->data();
+  job->rows.v = call.out_v->data();
+  job->done = std::move(done);
+  Submit(call.tenant, *std::move(pages), "slots", std::move(job));
+}
+
+void AttentionCore::MergeStates(const MergeStatesCall& call, DoneCallback done) {
+  auto shape = ValidateMerge(call, backend_->Geometry(), limits_);
+  if (!shape.ok()) {
+    done(shape.status());
+    return;
+  }
+  const int64_t rows = shape->n * shape->h;
+  call.out_v->resize(rows * shape->d * KvDTypeBytes(backend_->Geometry().dtype));
+  call.out_lse->resize(rows * sizeof(float));
+  auto job = std::make_unique<Job>();
+  job->kind = Job::Kind::kMerge;
+  for (size_t i = 0; i < call.v.size(); ++i) {
+    job->merge_v.push_back(call.v[i].data.data());
+    job->merge_lse.push_back(reinterpret_cast<const float*>(call.lse[i].data.data()));
+  }
+  MergeStatesParams& m = job->merge;
+  m.v = job->merge_v.data();
+  m.lse = job->merge_lse.data();
+  m.num_states = static_cast<int32_t>(call.v.size());
+  m.v_out = call.out_v->data();
+  m.lse_out = reinterpret_cast<float*>(call.out_lse->data());
+  m.n = shape->n;
+  m.h = shape->h;
+  m.d = shape->d;
+  m.dtype = backend_->Geometry().dtype;
+  m.lse_base_e = static_cast<uint8_t>(call.lse_base);
+  job->done = std::move(done);
+  Submit("", {}, "", std::move(job));
+}
+
+}  // namespace attnserve

@@ -1,0 +1,82 @@
+// AttentionCore: the layer between the gRPC edge and the backend.
+//
+// It validates every request (server/core/validate.h), checks page ownership
+// and pins the pages a request touches, sizes the response buffers, and
+// queues the work on the scheduler. It never sees a proto: the edge hands it
+// the plain structs of server/core/requests.h.
+//
+// Asynchronous calls (Prefill, WriteKv, ReadKv, MergeStates) run `done`
+// exactly once: at once with the validation error, or from the scheduler's
+// worker when the backend has finished.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/backend.h"
+#include "server/core/page_table.h"
+#include "server/core/requests.h"
+#include "server/core/scheduler.h"
+#include "server/core/validate.h"
+#include "server/metrics.h"
+
+namespace attnserve {
+
+inline constexpr char kVersion[] = "0.1.0";
+
+struct CoreOptions {
+  int32_t max_batch_tokens = 16384;
+  int64_t max_queue_delay_us = 0;
+  int32_t max_queue_requests = 4096;
+  int64_t max_message_bytes = 512ll << 20;
+  int64_t max_request_kv_indices = 1 << 22;
+  int32_t tenant_max_pages = 0;  // 0: no cap
+};
+
+// Query rows (and KV rows) one request may carry: what fits in
+// max_message_bytes, and never fewer than max_batch_tokens.
+int32_t MaxRequestRows(const CoreOptions& options, const KvGeometry& geo);
+
+class AttentionCore {
+ public:
+  AttentionCore(CoreOptions options, std::unique_ptr<Backend> backend, Metrics* metrics);
+  ~AttentionCore();
+
+  ServerInfoData Info() const;
+  uint64_t incarnation() const { return incarnation_; }
+  const KvGeometry& geometry() const { return backend_->Geometry(); }
+
+  absl::StatusOr<std::vector<int32_t>> AllocatePages(const std::string& tenant, int32_t count);
+  absl::Status FreePages(const std::string& tenant, absl::Span<const int32_t> page_ids);
+
+  void Prefill(const PrefillCall& call, DoneCallback done);
+  void WriteKv(const WriteKvCall& call, DoneCallback done);
+  void ReadKv(const ReadKvCall& call, DoneCallback done);
+  void MergeStates(const MergeStatesCall& call, DoneCallback done);
+
+  // Finishes every queued request and stops the worker; later calls get
+  // UNAVAILABLE.
+  void Shutdown();
+
+  int64_t batches_run() const { return scheduler_->batches_run(); }
+  PageTable& pages() { return pages_; }
+
+ private:
+  // Pins `pages` for `tenant` and queues `job`; on any error runs done.
+  void Submit(const std::string& tenant, std::vector<int32_t> pages, absl::string_view field,
+              std::unique_ptr<Job> job);
+  void UpdatePageGauges();
+
+  const CoreOptions options_;
+  const std::unique_ptr<Backend> backend_;
+  Metrics* const metrics_;
+  const uint64_t incarnation_;
+  RequestLimits limits_;
+  PageTable pages_;
+  std::unique_ptr<Scheduler> scheduler_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,108 @@
+#include "server/core/page_table.h"
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+
+PageTable::PageTable(int32_t num_pages, int32_t tenant_max_pages)
+    : tenant_max_pages_(tenant_max_pages), owner_(num_pages, kFree), pins_(num_pages, 0) {
+  free_list_.reserve(num_pages);
+  for (int32_t p = num_pages - 1; p >= 0; --p) free_list_.push_back(p);
+}
+
+int32_t PageTable::TenantId(absl::string_view tenant) {
+  auto [it, inserted] = tenant_ids_.try_emplace(std::string(tenant),
+                                                static_cast<int32_t>(tenant_ids_.size()));
+  if (inserted) tenant_pages_.push_back(0);
+  return it->second;
+}
+
+absl::StatusOr<std::vector<int32_t>> PageTable::Allocate(absl::string_view tenant,
+                                                         int32_t count) {
+  absl::MutexLock lock(&mu_);
+  const int32_t id = TenantId(tenant);
+  if (tenant_max_pages_ > 0 && tenant_pages_[id] + int64_t{count} > tenant_max_pages_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "count=", count, ": tenant holds ", tenant_pages_[id], " pages and may hold at most ",
+        tenant_max_pages_));
+  }
+  if (count > static_cast<int64_t>(free_list_.size())) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "count=", count, " exceeds the ", free_list_.size(), " free pages"));
+  }
+  std::vector<int32_t> pages(free_list_.end() - count, free_list_.end());
+  std::reverse(pages.begin(), pages.end());
+  free_list_.resize(free_list_.size() - count);
+  for (int32_t p : pages) owner_[p] = id;
+  tenant_pages_[id] += count;
+  return pages;
+}
+
+absl::Status PageTable::Free(absl::string_view tenant, absl::Span<const int32_t> page_ids) {
+  absl::MutexLock lock(&mu_);
+  const int32_t id = TenantId(tenant);
+  absl::flat_hash_set<int32_t> seen;
+  seen.reserve(page_ids.size());
+  for (size_t i = 0; i < page_ids.size(); ++i) {
+    const int32_t p = page_ids[i];
+    if (p < 0 || p >= num_pages()) {
+      return absl::InvalidArgumentError(absl::StrCat("page_ids[", i, "]=", p,
+                                                     " out of range [0, ", num_pages(), ")"));
+    }
+    if (!seen.insert(p).second) {
+      return absl::InvalidArgumentError(absl::StrCat("page_ids[", i, "]=", p, " is repeated"));
+    }
+    if (owner_[p] != id) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("page_ids[", i, "]=", p, " is not owned by this tenant"));
+    }
+  }
+  for (int32_t p : page_ids) {
+    if (pins_[p] > 0) {
+      owner_[p] = kReleasing;
+    } else {
+      owner_[p] = kFree;
+      free_list_.push_back(p);
+    }
+  }
+  tenant_pages_[id] -= static_cast<int32_t>(page_ids.size());
+  return absl::OkStatus();
+}
+
+absl::Status PageTable::PinOwned(absl::string_view tenant, absl::Span<const int32_t> pages,
+                                 absl::string_view field) {
+  absl::MutexLock lock(&mu_);
+  const int32_t id = TenantId(tenant);
+  for (int32_t p : pages) {
+    if (owner_[p] != id) {
+      return absl::PermissionDeniedError(
+          absl::StrCat(field, ": page ", p, " is not owned by this tenant"));
+    }
+  }
+  for (int32_t p : pages) ++pins_[p];
+  return absl::OkStatus();
+}
+
+void PageTable::Unpin(absl::Span<const int32_t> pages) {
+  absl::MutexLock lock(&mu_);
+  for (int32_t p : pages) {
+    if (--pins_[p] == 0 && owner_[p] == kReleasing) {
+      owner_[p] = kFree;
+      free_list_.push_back(p);
+    }
+  }
+}
+
+int32_t PageTable::FreeCount() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int32_t>(free_list_.size());
+}
+
+int32_t PageTable::TenantPages(absl::string_view tenant) const {
+  absl::MutexLock lock(&mu_);
+  auto it = tenant_ids_.find(tenant);
+  return it == tenant_ids_.end() ? 0 : tenant_pages_[it->second];
+}
+
+}  // namespace attnserve

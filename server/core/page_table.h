@@ -1,0 +1,68 @@
+// PageTable: which tenant owns each KV page, and which pages queued work
+// still reads.
+//
+// Every request pins the pages it touches (atomically with the ownership
+// check) before it is queued and unpins them when it finishes. A page freed
+// while pinned leaves its owner at once but returns to the free list only
+// when the last pin goes, so no in-flight request ever reads a page that has
+// meanwhile been handed to another tenant.
+//
+//   PageTable pages(/*num_pages=*/1024, /*tenant_max_pages=*/0);
+//   auto ids = pages.Allocate("default", 4);          // {0, 1, 2, 3}
+//   pages.PinOwned("default", {1, 2}, "kv_indices");  // OK
+//   pages.Unpin({1, 2});
+//   pages.Free("default", *ids);
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+
+namespace attnserve {
+
+class PageTable {
+ public:
+  // tenant_max_pages: most pages one tenant may hold; 0 means no cap.
+  PageTable(int32_t num_pages, int32_t tenant_max_pages);
+
+  // Hands `count` free pages to `tenant`. RESOURCE_EXHAUSTED when too few are
+  // free or the tenant's cap would be passed; nothing changes then.
+  absl::StatusOr<std::vector<int32_t>> Allocate(absl::string_view tenant, int32_t count);
+
+  // Frees pages of `tenant`. All or nothing: INVALID_ARGUMENT for an id out of
+  // range or repeated, PERMISSION_DENIED for a page the tenant does not own.
+  absl::Status Free(absl::string_view tenant, absl::Span<const int32_t> page_ids);
+
+  // Checks that every page (distinct, in range) belongs to `tenant` and pins
+  // them all, or pins none and returns PERMISSION_DENIED naming `field`.
+  absl::Status PinOwned(absl::string_view tenant, absl::Span<const int32_t> pages,
+                        absl::string_view field);
+  void Unpin(absl::Span<const int32_t> pages);
+
+  int32_t num_pages() const { return static_cast<int32_t>(owner_.size()); }
+  int32_t FreeCount() const;
+  int32_t TenantPages(absl::string_view tenant) const;
+
+ private:
+  static constexpr int32_t kFree = -1;
+  static constexpr int32_t kReleasing = -2;  // freed by its owner, still pinned
+
+  int32_t TenantId(absl::string_view tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const int32_t tenant_max_pages_;
+  mutable absl::Mutex mu_;
+  std::vector<int32_t> owner_ ABSL_GUARDED_BY(mu_);  // tenant id, kFree or kReleasing
+  std::vector<int32_t> pins_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);  // a stack
+  absl::flat_hash_map<std::string, int32_t> tenant_ids_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> tenant_pages_ ABSL_GUARDED_BY(mu_);  // by tenant id
+};
+
+}  // namespace attnserve

@@ -1,0 +1,97 @@
+// Plain request structs handed from the gRPC edge to the core.
+//
+// The edge converts protos into these views without copying tensor bytes:
+// every span and string_view points into the request message, which the
+// edge keeps alive until the done callback has run. Output buffers are
+// std::strings owned by the response message; the core sizes and fills them.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+
+namespace attnserve {
+
+// Element type on the wire (mirrors attnserve.v1.DType).
+enum class WireDType : int32_t { kUnspecified = 0, kBf16 = 1, kFp16 = 2, kFp32 = 3 };
+
+struct TensorView {
+  int32_t dtype = 0;                  // raw enum value as received
+  std::vector<int64_t> shape;
+  absl::string_view data;
+};
+
+// Called once when a queued request is finished (from the scheduler thread),
+// or at once when validation rejects it.
+using DoneCallback = std::function<void(absl::Status)>;
+
+struct PrefillCall {
+  std::string tenant;
+  int32_t layer = 0;
+  TensorView q;                               // (total_q, num_qo_heads, head_dim)
+  absl::Span<const int32_t> qo_indptr;        // (batch + 1)
+  absl::Span<const int32_t> kv_indptr;        // (batch + 1)
+  absl::Span<const int32_t> kv_indices;       // (kv_indptr[batch])
+  absl::Span<const int32_t> kv_last_page_len; // (batch), may be empty at page_size 1
+  std::optional<float> sm_scale;              // default 1/sqrt(head_dim)
+  std::optional<bool> causal;                 // default true
+  int32_t lse_base = 0;                       // 0: base 2, 1: base e
+  absl::Span<const int64_t> append_slots;     // (n)
+  TensorView append_k;                        // (n, num_kv_heads, head_dim)
+  TensorView append_v;
+  uint64_t expected_incarnation = 0;          // 0: not checked
+  // Outputs, sized by the core: o (total_q, num_qo_heads, head_dim) in
+  // kv_dtype, lse (total_q, num_qo_heads) float32.
+  std::string* out_o = nullptr;
+  std::string* out_lse = nullptr;
+};
+
+struct WriteKvCall {
+  std::string tenant;
+  int32_t layer = 0;
+  absl::Span<const int64_t> slots;  // (n)
+  TensorView k;                     // (n, num_kv_heads, head_dim)
+  TensorView v;
+};
+
+struct ReadKvCall {
+  std::string tenant;
+  int32_t layer = 0;
+  absl::Span<const int64_t> slots;  // (n)
+  std::string* out_k = nullptr;     // (n, num_kv_heads, head_dim), sized by the core
+  std::string* out_v = nullptr;
+};
+
+struct MergeStatesCall {
+  std::vector<TensorView> v;    // each (n, h, d)
+  std::vector<TensorView> lse;  // each (n, h), float32
+  int32_t lse_base = 0;
+  std::string* out_v = nullptr;    // (n, h, d), sized by the core
+  std::string* out_lse = nullptr;  // (n, h)
+};
+
+// Snapshot for GetServerInfo.
+struct ServerInfoData {
+  std::string version;
+  std::string backend;
+  std::string device;
+  int32_t num_layers = 0;
+  int32_t num_pages = 0;
+  int32_t page_size = 0;
+  int32_t num_qo_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  WireDType kv_dtype = WireDType::kBf16;
+  int32_t free_pages = 0;
+  int32_t max_batch_tokens = 0;
+  int64_t max_message_bytes = 0;
+  uint64_t incarnation = 0;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,338 @@
+#include "server/core/validate.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/core/status_macros.h"
+
+namespace attnserve {
+namespace {
+
+const char* DTypeName(int32_t dtype) {
+  switch (dtype) {
+    case 0: return "DTYPE_UNSPECIFIED";
+    case 1: return "DTYPE_BF16";
+    case 2: return "DTYPE_FP16";
+    case 3: return "DTYPE_FP32";
+    default: return "unknown";
+  }
+}
+
+int64_t DTypeBytes(WireDType dtype) { return dtype == WireDType::kFp32 ? 4 : 2; }
+
+absl::Status CheckLayer(int32_t layer, const KvGeometry& geo) {
+  if (layer < 0 || layer >= geo.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer=", layer, " out of range [0, ", geo.num_layers, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckResponseSize(int64_t bytes, const RequestLimits& limits) {
+  if (bytes > limits.max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "response of ", bytes, " bytes exceeds max_message_bytes=", limits.max_message_bytes));
+  }
+  return absl::OkStatus();
+}
+
+// Checks an indptr array: size batch + 1, starts at 0, non-decreasing, ends at `total`.
+absl::Status CheckIndptr(absl::Span<const int32_t> indptr, absl::string_view field,
+                         int64_t total, absl::string_view total_name) {
+  if (indptr.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " is empty: needs batch + 1 >= 1 entries"));
+  }
+  if (indptr[0] != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, "[0]=", indptr[0], " must be 0"));
+  }
+  for (size_t i = 1; i < indptr.size(); ++i) {
+    if (indptr[i] < indptr[i - 1]) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]=", indptr[i],
+                                                     " is less than ", field, "[", i - 1,
+                                                     "]=", indptr[i - 1],
+                                                     ": must be non-decreasing"));
+    }
+  }
+  if (indptr.back() != total) {
+    return absl::InvalidArgumentError(absl::StrCat(field, "[", indptr.size() - 1, "]=",
+                                                   indptr.back(), " must equal ", total_name,
+                                                   "=", total));
+  }
+  return absl::OkStatus();
+}
+
+// Slots in [0, num_pages * page_size), distinct. Returns the distinct pages.
+absl::StatusOr<std::vector<int32_t>> CheckSlots(absl::Span<const int64_t> slots,
+                                                absl::string_view field,
+                                                const KvGeometry& geo) {
+  const int64_t max_slot = geo.SlotsPerLayer();
+  absl::flat_hash_set<int64_t> seen;
+  seen.reserve(slots.size());
+  std::vector<int32_t> pages;
+  pages.reserve(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int64_t s = slots[i];
+    if (s < 0 || s >= max_slot) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]=", s, " out of range [0, ",
+                                                     max_slot, ") (num_pages * page_size)"));
+    }
+    if (!seen.insert(s).second) {
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]=", s, " is repeated"));
+    }
+    pages.push_back(static_cast<int32_t>(s / geo.page_size));
+  }
+  std::sort(pages.begin(), pages.end());
+  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+  return pages;
+}
+
+}  // namespace
+
+WireDType ToWire(KvDType dtype) {
+  return dtype == KvDType::kBf16 ? WireDType::kBf16 : WireDType::kFp16;
+}
+
+absl::Status ValidateTensor(const TensorView& t, absl::string_view field, WireDType dtype,
+                            absl::Span<const int64_t> shape) {
+  if (t.dtype != static_cast<int32_t>(dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype=", DTypeName(t.dtype),
+                                                   " must be ",
+                                                   DTypeName(static_cast<int32_t>(dtype))));
+  }
+  if (t.shape.size() != shape.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape has rank ", t.shape.size(),
+                                                   ", must be [", absl::StrJoin(shape, ", "),
+                                                   "]"));
+  }
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (t.shape[i] != shape[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".shape[", i, "]=", t.shape[i],
+                                                     " must be ", shape[i], " (shape [",
+                                                     absl::StrJoin(shape, ", "), "])"));
+    }
+  }
+  int64_t elems = 1;
+  for (int64_t dim : shape) elems *= dim;
+  const int64_t bytes = elems * DTypeBytes(dtype);
+  if (static_cast<int64_t>(t.data.size()) != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data has ", t.data.size(),
+                                                   " bytes, shape [", absl::StrJoin(shape, ", "),
+                                                   "] needs ", bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call, const KvGeometry& geo,
+                                                 const RequestLimits& limits,
+                                                 uint64_t incarnation) {
+  if (call.expected_incarnation != 0 && call.expected_incarnation != incarnation) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("expected_incarnation=", call.expected_incarnation,
+                     " differs from the server's incarnation ", incarnation,
+                     ": the server restarted and its KV cache is gone"));
+  }
+  ATTN_RETURN_IF_ERROR(CheckLayer(call.layer, geo));
+
+  // q: rank 3 with total_q rows; total_q is bounded before anything is sized by it.
+  if (call.q.shape.size() != 3) {
+    return absl::InvalidArgumentError(absl::StrCat("q.shape has rank ", call.q.shape.size(),
+                                                   ", must be [total_q, ", geo.num_qo_heads,
+                                                   ", ", geo.head_dim, "]"));
+  }
+  const int64_t total_q = call.q.shape[0];
+  if (total_q < 0 || total_q > limits.max_request_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("q.shape[0]=", total_q, " out of range [0, ",
+                                                   limits.max_request_rows, "]"));
+  }
+  const int64_t q_shape[] = {total_q, geo.num_qo_heads, geo.head_dim};
+  ATTN_RETURN_IF_ERROR(ValidateTensor(call.q, "q", ToWire(geo.dtype), q_shape));
+
+  ATTN_RETURN_IF_ERROR(CheckIndptr(call.qo_indptr, "qo_indptr", total_q, "q.shape[0]"));
+  const int64_t batch = static_cast<int64_t>(call.qo_indptr.size()) - 1;
+  if (static_cast<int64_t>(call.kv_indptr.size()) != batch + 1) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_indptr has ", call.kv_indptr.size(),
+                                                   " entries, must have batch + 1 = ", batch + 1,
+                                                   " (as qo_indptr)"));
+  }
+  if (static_cast<int64_t>(call.kv_indices.size()) > limits.max_request_kv_indices) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_indices has ", call.kv_indices.size(),
+                                                   " entries, at most ",
+                                                   limits.max_request_kv_indices));
+  }
+  ATTN_RETURN_IF_ERROR(CheckIndptr(call.kv_indptr, "kv_indptr",
+                                   static_cast<int64_t>(call.kv_indices.size()),
+                                   "len(kv_indices)"));
+  const bool has_last = !call.kv_last_page_len.empty();
+  if (has_last && static_cast<int64_t>(call.kv_last_page_len.size()) != batch) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_last_page_len has ",
+                                                   call.kv_last_page_len.size(),
+                                                   " entries, must have batch = ", batch));
+  }
+  if (!has_last && geo.page_size != 1 && call.kv_indices.size() > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv_last_page_len is missing: it may be omitted only when page_size is 1 (page_size=",
+        geo.page_size, ")"));
+  }
+  std::vector<int32_t> pages(call.kv_indices.begin(), call.kv_indices.end());
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (pages[i] < 0 || pages[i] >= geo.num_pages) {
+      return absl::InvalidArgumentError(absl::StrCat("kv_indices[", i, "]=", pages[i],
+                                                     " out of range [0, ", geo.num_pages, ")"));
+    }
+  }
+
+  float sm_scale = 1.0f / std::sqrt(static_cast<float>(geo.head_dim));
+  if (call.sm_scale.has_value()) {
+    if (!std::isfinite(*call.sm_scale)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sm_scale=", *call.sm_scale, " must be finite"));
+    }
+    sm_scale = *call.sm_scale;
+  }
+  if (call.lse_base != 0 && call.lse_base != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lse_base=", call.lse_base, " must be LSE_BASE_2 (0) or LSE_BASE_E (1)"));
+  }
+
+  ValidatedPrefill out;
+  PrefillTask& task = out.task;
+  task.layer = call.layer;
+  task.q = call.q.data.data();
+  task.total_q = static_cast<int32_t>(total_q);
+  task.kv_indices = call.kv_indices.data();
+  task.num_kv_indices = static_cast<int32_t>(call.kv_indices.size());
+  task.seqs.reserve(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t num_pages = call.kv_indptr[b + 1] - call.kv_indptr[b];
+    int32_t last = geo.page_size == 1 && !has_last ? 1 : (has_last ? call.kv_last_page_len[b] : 0);
+    if (num_pages > 0 && (last < 1 || last > geo.page_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("kv_last_page_len[", b, "]=", last,
+                                                     " out of range [1, ", geo.page_size,
+                                                     "] (page_size)"));
+    }
+    if (num_pages == 0 && (last < 0 || last > geo.page_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("kv_last_page_len[", b, "]=", last,
+                                                     " out of range [0, ", geo.page_size,
+                                                     "] (sequence ", b, " has no pages)"));
+    }
+    PrefillSeq seq;
+    seq.q_start = call.qo_indptr[b];
+    seq.q_len = call.qo_indptr[b + 1] - call.qo_indptr[b];
+    seq.kv_start = call.kv_indptr[b];
+    const int64_t kv_len =
+        num_pages == 0 ? 0 : int64_t{num_pages - 1} * geo.page_size + last;
+    if (kv_len > INT32_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", b, " has ", kv_len,
+                                                     " KV tokens, at most ", INT32_MAX));
+    }
+    seq.kv_len = static_cast<int32_t>(kv_len);
+    seq.layer = call.layer;
+    seq.sm_scale = sm_scale;
+    seq.causal = call.causal.value_or(true) ? 1 : 0;
+    seq.lse_base_e = static_cast<uint8_t>(call.lse_base);
+    task.seqs.push_back(seq);
+  }
+
+  // Fused append.
+  const int64_t n_append = static_cast<int64_t>(call.append_slots.size());
+  if (n_append > limits.max_request_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("append_slots has ", n_append,
+                                                   " entries, at most ",
+                                                   limits.max_request_rows));
+  }
+  if (n_append > 0 || !call.append_k.data.empty() || !call.append_v.data.empty()) {
+    const int64_t kv_shape[] = {n_append, geo.num_kv_heads, geo.head_dim};
+    ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_k, "append_k", ToWire(geo.dtype), kv_shape));
+    ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_v, "append_v", ToWire(geo.dtype), kv_shape));
+    ATTN_ASSIGN_OR_RETURN(std::vector<int32_t> append_pages,
+                          CheckSlots(call.append_slots, "append_slots", geo));
+    pages.insert(pages.end(), append_pages.begin(), append_pages.end());
+    task.append_slots = call.append_slots.data();
+    task.num_append = n_append;
+    task.append_k = call.append_k.data.data();
+    task.append_v = call.append_v.data.data();
+  }
+
+  out.out_bytes = total_q * geo.num_qo_heads * geo.head_dim * KvDTypeBytes(geo.dtype);
+  out.lse_bytes = total_q * geo.num_qo_heads * static_cast<int64_t>(sizeof(float));
+  ATTN_RETURN_IF_ERROR(CheckResponseSize(out.out_bytes + out.lse_bytes, limits));
+
+  std::sort(pages.begin(), pages.end());
+  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+  out.pages = std::move(pages);
+  return out;
+}
+
+absl::StatusOr<std::vector<int32_t>> ValidateKvRows(int32_t layer,
+                                                    absl::Span<const int64_t> slots,
+                                                    const TensorView* k, const TensorView* v,
+                                                    const KvGeometry& geo,
+                                                    const RequestLimits& limits) {
+  ATTN_RETURN_IF_ERROR(CheckLayer(layer, geo));
+  const int64_t n = static_cast<int64_t>(slots.size());
+  if (n > limits.max_request_rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slots has ", n, " entries, at most ", limits.max_request_rows));
+  }
+  if (k != nullptr) {
+    const int64_t shape[] = {n, geo.num_kv_heads, geo.head_dim};
+    ATTN_RETURN_IF_ERROR(ValidateTensor(*k, "k", ToWire(geo.dtype), shape));
+    ATTN_RETURN_IF_ERROR(ValidateTensor(*v, "v", ToWire(geo.dtype), shape));
+  } else {
+    ATTN_RETURN_IF_ERROR(
+        CheckResponseSize(2 * n * geo.RowElems() * KvDTypeBytes(geo.dtype), limits));
+  }
+  return CheckSlots(slots, "slots", geo);
+}
+
+absl::StatusOr<MergeShape> ValidateMerge(const MergeStatesCall& call, const KvGeometry& geo,
+                                         const RequestLimits& limits) {
+  if (call.v.empty()) {
+    return absl::InvalidArgumentError("states is empty: needs at least 1 state");
+  }
+  if (call.lse_base != 0 && call.lse_base != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lse_base=", call.lse_base, " must be LSE_BASE_2 (0) or LSE_BASE_E (1)"));
+  }
+  const TensorView& first = call.v[0];
+  if (first.shape.size() != 3) {
+    return absl::InvalidArgumentError(absl::StrCat("states[0].v.shape has rank ",
+                                                   first.shape.size(), ", must be [n, h, d]"));
+  }
+  MergeShape shape;
+  if (first.shape[0] < 0 || first.shape[1] <= 0 || first.shape[2] <= 0 ||
+      first.shape[1] > 4096 || first.shape[2] > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "states[0].v.shape=[", absl::StrJoin(first.shape, ", "),
+        "] out of range: n >= 0, 1 <= h <= 4096, 1 <= d <= 1024"));
+  }
+  shape.n = first.shape[0];
+  shape.h = static_cast<int32_t>(first.shape[1]);
+  shape.d = static_cast<int32_t>(first.shape[2]);
+  const int64_t rows = shape.n * shape.h;
+  const int64_t v_bytes = rows * shape.d * KvDTypeBytes(geo.dtype);
+  ATTN_RETURN_IF_ERROR(CheckResponseSize(v_bytes + rows * 4, limits));
+  const int64_t v_shape[] = {shape.n, shape.h, shape.d};
+  const int64_t lse_shape[] = {shape.n, shape.h};
+  for (size_t i = 0; i < call.v.size(); ++i) {
+    ATTN_RETURN_IF_ERROR(ValidateTensor(call.v[i], absl::StrCat("states[", i, "].v"),
+                                        ToWire(geo.dtype), v_shape));
+    ATTN_RETURN_IF_ERROR(ValidateTensor(call.lse[i], absl::StrCat("states[", i, "].lse"),
+                                        WireDType::kFp32, lse_shape));
+    const auto* lse = reinterpret_cast<const float*>(call.lse[i].data.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      float l;
+      std::memcpy(&l, lse + r, sizeof(l));
+      if (std::isnan(l) || l == std::numeric_limits<float>::infinity()) {
+        return absl::InvalidArgumentError(absl::StrCat("states[", i, "].lse[", r, "]=", l,
+                                                       " must be finite or -inf"));
+      }
+    }
+  }
+  return shape;
+}
+
+}  // namespace attnserve

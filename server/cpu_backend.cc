@@ -1,0 +1,99 @@
+#include "server/cpu_backend.h"
+
+#include <new>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kernels/append_kv.h"
+#include "kernels/paged_prefill.h"
+
+namespace attnserve {
+
+absl::StatusOr<std::unique_ptr<Backend>> CpuBackend::Create(const KvGeometry& geometry) {
+  std::unique_ptr<CpuBackend> backend(new CpuBackend(geometry));
+  try {
+    backend->k_pool_.assign(geometry.PoolElems(), 0);
+    backend->v_pool_.assign(geometry.PoolElems(), 0);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate the KV cache in host memory: ",
+        2 * geometry.PoolElems() * KvDTypeBytes(geometry.dtype), " bytes"));
+  }
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+std::string CpuBackend::Device() const {
+  return absl::StrCat("cpu (", std::thread::hardware_concurrency(), " threads)");
+}
+
+absl::Status CpuBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchStats* stats) {
+  const absl::Time start = absl::Now();
+  for (const PrefillTask& t : tasks) {
+    if (t.num_append == 0) continue;
+    AppendKvParams a;
+    a.k_cache = k_pool_.data();
+    a.v_cache = v_pool_.data();
+    a.k = t.append_k;
+    a.v = t.append_v;
+    a.slots = t.append_slots;
+    a.n = t.num_append;
+    a.layer = t.layer;
+    a.geo = geo_;
+    AppendKvCpu(a);
+    ++stats->append_launches;
+  }
+  const absl::Time appended = absl::Now();
+  stats->append_seconds = absl::ToDoubleSeconds(appended - start);
+  for (const PrefillTask& t : tasks) {
+    PagedPrefillParams p;
+    p.q = t.q;
+    p.o = t.o;
+    p.lse = t.lse;
+    p.k_cache = k_pool_.data();
+    p.v_cache = v_pool_.data();
+    p.kv_indices = t.kv_indices;
+    p.seqs = t.seqs.data();
+    p.num_seqs = static_cast<int32_t>(t.seqs.size());
+    p.total_q = t.total_q;
+    p.geo = geo_;
+    PagedPrefillCpu(p);
+  }
+  // The CPU backend's "launch" is one pass over the whole batch.
+  stats->attention_launches = 1;
+  stats->attention_seconds = absl::ToDoubleSeconds(absl::Now() - appended);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::WriteKv(const KvRows& rows, BatchStats* stats) {
+  const absl::Time start = absl::Now();
+  AppendKvParams a;
+  a.k_cache = k_pool_.data();
+  a.v_cache = v_pool_.data();
+  a.k = rows.k;
+  a.v = rows.v;
+  a.slots = rows.slots;
+  a.n = rows.n;
+  a.layer = rows.layer;
+  a.geo = geo_;
+  AppendKvCpu(a);
+  stats->append_launches = 1;
+  stats->append_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::ReadKv(const KvRows& rows) {
+  GatherKvParams g;
+  g.k_cache = k_pool_.data();
+  g.v_cache = v_pool_.data();
+  g.k = rows.k;
+  g.v = rows.v;
+  g.slots = rows.slots;
+  g.n = rows.n;
+  g.layer = rows.layer;
+  g.geo = geo_;
+  GatherKvCpu(g);
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve

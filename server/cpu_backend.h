@@ -1,0 +1,34 @@
+// CpuBackend: the reference backend. KV pools in host memory, the CPU
+// reference kernels of kernels/, always built.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/backend.h"
+
+namespace attnserve {
+
+class CpuBackend final : public Backend {
+ public:
+  // Allocates and zeroes the K and V pools (geometry.PoolElems() each).
+  static absl::StatusOr<std::unique_ptr<Backend>> Create(const KvGeometry& geometry);
+
+  std::string Name() const override { return "cpu"; }
+  std::string Device() const override;
+  const KvGeometry& Geometry() const override { return geo_; }
+
+  absl::Status RunBatch(absl::Span<const PrefillTask> tasks, BatchStats* stats) override;
+  absl::Status WriteKv(const KvRows& rows, BatchStats* stats) override;
+  absl::Status ReadKv(const KvRows& rows) override;
+
+ private:
+  explicit CpuBackend(const KvGeometry& geometry) : geo_(geometry) {}
+
+  KvGeometry geo_;
+  std::vector<uint16_t> k_pool_;
+  std::vector<uint16_t> v_pool_;
+};
+
+}  // namespace attnserve

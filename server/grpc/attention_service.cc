@@ -1,0 +1,277 @@
+#include "server/grpc/attention_service.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "server/grpc/status_mapping.h"
+
+namespace attnserve {
+namespace {
+
+TensorView View(const v1::Tensor& t) {
+  TensorView view;
+  view.dtype = t.dtype();
+  view.shape.assign(t.shape().begin(), t.shape().end());
+  view.data = t.data();
+  return view;
+}
+
+template <typename T>
+absl::Span<const T> Span(const google::protobuf::RepeatedField<T>& field) {
+  return absl::MakeConstSpan(field.data(), static_cast<size_t>(field.size()));
+}
+
+void SetTensor(v1::Tensor* t, v1::DType dtype, std::initializer_list<int64_t> shape) {
+  t->set_dtype(dtype);
+  t->mutable_shape()->Assign(shape.begin(), shape.end());
+}
+
+}  // namespace
+
+// One RPC in flight: authenticates, and on Finish records the metrics and
+// finishes the reactor. Deletes itself when finished.
+class AttentionServiceImpl::Call {
+ public:
+  Call(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx, const char* method,
+       int64_t bytes_in)
+      : service_(service), reactor_(ctx->DefaultReactor()), method_(method), start_(absl::Now()) {
+    service_->metrics_->inflight().Increment();
+    service_->metrics_->AddTransferBytes(bytes_in, 0);
+    if (service_->draining_) {
+      status_ = absl::UnavailableError("server is draining");
+      return;
+    }
+    absl::string_view authorization;
+    auto it = ctx->client_metadata().find("authorization");
+    if (it != ctx->client_metadata().end()) {
+      authorization = absl::string_view(it->second.data(), it->second.size());
+    }
+    auto tenant = service_->auth_->Authenticate(authorization);
+    if (tenant.ok()) {
+      tenant_ = *std::move(tenant);
+    } else {
+      status_ = tenant.status();
+    }
+  }
+
+  // False when authentication (or draining) already failed the call; then
+  // Finish has to be called with status().
+  bool ok() const { return status_.ok(); }
+  const absl::Status& status() const { return status_; }
+  const std::string& tenant() const { return tenant_; }
+  grpc::ServerUnaryReactor* reactor() const { return reactor_; }
+
+  void Finish(const absl::Status& status, int64_t bytes_out = 0) {
+    grpc::Status grpc_status = ToGrpcStatus(status);
+    Metrics* metrics = service_->metrics_;
+    metrics->ObserveRequest(method_, GrpcCodeName(grpc_status.error_code()),
+                            absl::ToDoubleSeconds(absl::Now() - start_));
+    if (status.ok()) metrics->AddTransferBytes(0, bytes_out);
+    metrics->inflight().Decrement();
+    grpc::ServerUnaryReactor* reactor = reactor_;
+    delete this;
+    reactor->Finish(grpc_status);
+  }
+
+ private:
+  AttentionServiceImpl* const service_;
+  grpc::ServerUnaryReactor* const reactor_;
+  const char* const method_;
+  const absl::Time start_;
+  absl::Status status_;
+  std::string tenant_;
+};
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
+    grpc::CallbackServerContext* ctx, const v1::GetServerInfoRequest*, v1::ServerInfo* response) {
+  auto* call = new Call(this, ctx, "GetServerInfo", 0);
+  grpc::ServerUnaryReactor* reactor = call->reactor();
+  if (!call->ok()) {
+    call->Finish(call->status());
+    return reactor;
+  }
+  ServerInfoData info = core_->Info();
+  response->set_version(info.version);
+  response->set_backend(info.backend);
+  response->set_device(info.device);
+  response->set_num_layers(info.num_layers);
+  response->set_num_pages(info.num_pages);
+  response->set_page_size(info.page_size);
+  response->set_num_qo_heads(info.num_qo_heads);
+  response->set_num_kv_heads(info.num_kv_heads);
+  response->set_head_dim(info.head_dim);
+  response->set_kv_dtype(static_cast<v1::DType>(info.kv_dtype));
+  response->set_free_pages(info.free_pages);
+  response->set_max_batch_tokens(info.max_batch_tokens);
+  response->set_max_message_bytes(info.max_message_bytes);
+  response->set_incarnation(info.incarnation);
+  call->Finish(absl::OkStatus());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(
+    grpc::CallbackServerContext* ctx, const v1::AllocatePagesRequest* request,
+    v1::AllocatePagesResponse* response) {
+  auto* call = new Call(this, ctx, "AllocatePages", 0);
+  grpc::ServerUnaryReactor* reactor = call->reactor();
+  if (!call->ok()) {
+    call->Finish(call->status());
+    return reactor;
+  }
+  auto pages = core_->AllocatePages(call->tenant(), request->count());
+  if (pages.ok()) {
+    response->mutable_page_ids()->Assign(pages->begin(), pages->end());
+    response->set_incarnation(core_->incarnation());
+  }
+  call->Finish(pages.status());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerContext* ctx,
+                                                          const v1::FreePagesRequest* request,
+                                                          v1::FreePagesResponse*) {
+  auto* call = new Call(this, ctx, "FreePages", 0);
+  grpc::ServerUnaryReactor* reactor = call->reactor();
+  if (!call->ok()) {
+    call->Finish(call->status());
+    return reactor;
+  }
+  call->Finish(core_->FreePages(call->tenant(), Span(request->page_ids())));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::WriteKV(grpc::CallbackServerContext* ctx,
+                                                        const v1::WriteKVRequest* request,
+                                                        v1::WriteKVResponse*) {
+  auto* call = new Call(this, ctx, "WriteKV",
+                        static_cast<int64_t>(request->k().data().size() + request->v().data().size()));
+  grpc::ServerUnaryReactor* reactor = call->reactor();
+  if (!call->ok()) {
+    call->Finish(call->status());
+    return reactor;
+  }
+  WriteKvCall c;
+  c.tenant = call->tenant();
+  c.layer = request->layer();
+  c.slots = Span(request->slots());
+  c.k = View(request->k());
+  c.v = View(request->v());
+  core_->WriteKv(c, [call](absl::Status status) { call->Finish(status); });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ReadKV(grpc::CallbackServerContext* ctx,
+                                                       const v1::ReadKVRequest* request,
+                                                       v1::ReadKVResponse* response) {
+  auto* call = new Call(this, ctx, "ReadKV", 0);
+  grpc::ServerUnaryReactor* reactor = call->reactor();
+  if (!call->ok()) {
+    call->Finish(call->status());
+    return reactor;
+  }
+  ReadKvCall c;
+  c.tenant = call->tenant();
+  c.layer = request->layer();
+  c.slots = Span(request->slots());
+  c.out_k = response->mutable_k()->mutable_data();
+  c.out_v = response->mutable_v()->mutable_data();
+  const KvGeometry& g = core_->geometry();
+  const auto dtype = static_cast<v1::DType>(ToWire(g.dtype));
+  const int64_t n = request->slots_size();
+  core_->ReadKv(c, [call, response, dtype, n, g](absl::Status status) {
+    if (status.ok()) {
+      SetTensor(response->mutable_k(), dtype, {n, g.num_kv_heads, g.head_dim});
+      SetTensor(response->mutable_v(), dtype, {n, g.num_kv_heads, g.head_dim});
+    }
+    call->Finish(status, static_cast<int64_t>(response->k().data().size() +
+                                              response->v().data().size()));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerContext* ctx,
+                                                        const v1::PrefillRequest* request,
+                                                        v1::PrefillResponse* response) {
+  auto* call = new Call(
+      this, ctx, "Prefill",
+      static_cast<int64_t>(request->q().data().size() + request->append_k().data().size() +
+                           request->append_v().data().size()));
+  grpc::ServerUnaryReactor* reactor = call->reactor();
+  if (!call->ok()) {
+    call->Finish(call->status());
+    return reactor;
+  }
+  PrefillCall c;
+  c.tenant = call->tenant();
+  c.layer = request->layer();
+  c.q = View(request->q());
+  c.qo_indptr = Span(request->qo_indptr());
+  c.kv_indptr = Span(request->kv_indptr());
+  c.kv_indices = Span(request->kv_indices());
+  c.kv_last_page_len = Span(request->kv_last_page_len());
+  if (request->has_sm_scale()) c.sm_scale = request->sm_scale();
+  if (request->has_causal()) c.causal = request->causal();
+  c.lse_base = request->lse_base();
+  c.append_slots = Span(request->append_slots());
+  c.append_k = View(request->append_k());
+  c.append_v = View(request->append_v());
+  c.expected_incarnation = request->expected_incarnation();
+  c.out_o = response->mutable_output()->mutable_data();
+  c.out_lse = response->mutable_lse()->mutable_data();
+  const KvGeometry& g = core_->geometry();
+  const auto dtype = static_cast<v1::DType>(ToWire(g.dtype));
+  const int64_t total_q = c.q.shape.empty() ? 0 : c.q.shape[0];
+  const uint64_t incarnation = core_->incarnation();
+  core_->Prefill(c, [call, response, dtype, total_q, g, incarnation](absl::Status status) {
+    if (status.ok()) {
+      SetTensor(response->mutable_output(), dtype, {total_q, g.num_qo_heads, g.head_dim});
+      SetTensor(response->mutable_lse(), v1::DTYPE_FP32, {total_q, g.num_qo_heads});
+      response->set_incarnation(incarnation);
+    } else {
+      response->Clear();
+    }
+    call->Finish(status, static_cast<int64_t>(response->output().data().size() +
+                                              response->lse().data().size()));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(
+    grpc::CallbackServerContext* ctx, const v1::MergeStatesRequest* request,
+    v1::MergeStatesResponse* response) {
+  int64_t bytes_in = 0;
+  for (const auto& s : request->states()) bytes_in += s.v().data().size() + s.lse().data().size();
+  auto* call = new Call(this, ctx, "MergeStates", bytes_in);
+  grpc::ServerUnaryReactor* reactor = call->reactor();
+  if (!call->ok()) {
+    call->Finish(call->status());
+    return reactor;
+  }
+  MergeStatesCall c;
+  for (const auto& s : request->states()) {
+    c.v.push_back(View(s.v()));
+    c.lse.push_back(View(s.lse()));
+  }
+  c.lse_base = request->lse_base();
+  c.out_v = response->mutable_v()->mutable_data();
+  c.out_lse = response->mutable_lse()->mutable_data();
+  std::vector<int64_t> shape;
+  if (!c.v.empty()) shape = c.v[0].shape;
+  const auto dtype = static_cast<v1::DType>(ToWire(core_->geometry().dtype));
+  core_->MergeStates(c, [call, response, dtype, shape](absl::Status status) {
+    if (status.ok()) {
+      response->mutable_v()->set_dtype(dtype);
+      response->mutable_v()->mutable_shape()->Assign(shape.begin(), shape.end());
+      response->mutable_lse()->set_dtype(v1::DTYPE_FP32);
+      response->mutable_lse()->mutable_shape()->Assign(shape.begin(), shape.begin() + 2);
+    } else {
+      response->Clear();
+    }
+    call->Finish(status, static_cast<int64_t>(response->v().data().size() +
+                                              response->lse().data().size()));
+  });
+  return reactor;
+}
+
+}  // namespace attnserve

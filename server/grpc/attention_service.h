@@ -1,0 +1,57 @@
+// The gRPC edge of attnserve.v1.AttentionService (callback API).
+//
+// Each handler authenticates the caller, converts the request proto into the
+// core's plain structs (views, no tensor copies), and returns the reactor at
+// once; the core finishes it, from the scheduler thread for queued work.
+// Status conversion happens in exactly one place (status_mapping.h).
+#pragma once
+
+#include <atomic>
+
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "server/core/attention_core.h"
+#include "server/grpc/auth.h"
+#include "server/metrics.h"
+
+namespace attnserve {
+
+class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+ public:
+  AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth, Metrics* metrics)
+      : core_(core), auth_(auth), metrics_(metrics) {}
+
+  // New requests get UNAVAILABLE from now on (graceful drain).
+  void StartDraining() { draining_ = true; }
+
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::ServerInfo* response) override;
+  grpc::ServerUnaryReactor* AllocatePages(grpc::CallbackServerContext* ctx,
+                                          const v1::AllocatePagesRequest* request,
+                                          v1::AllocatePagesResponse* response) override;
+  grpc::ServerUnaryReactor* FreePages(grpc::CallbackServerContext* ctx,
+                                      const v1::FreePagesRequest* request,
+                                      v1::FreePagesResponse* response) override;
+  grpc::ServerUnaryReactor* WriteKV(grpc::CallbackServerContext* ctx,
+                                    const v1::WriteKVRequest* request,
+                                    v1::WriteKVResponse* response) override;
+  grpc::ServerUnaryReactor* ReadKV(grpc::CallbackServerContext* ctx,
+                                   const v1::ReadKVRequest* request,
+                                   v1::ReadKVResponse* response) override;
+  grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* ctx,
+                                    const v1::PrefillRequest* request,
+                                    v1::PrefillResponse* response) override;
+  grpc::ServerUnaryReactor* MergeStates(grpc::CallbackServerContext* ctx,
+                                        const v1::MergeStatesRequest* request,
+                                        v1::MergeStatesResponse* response) override;
+
+ private:
+  class Call;
+
+  AttentionCore* const core_;
+  const TokenAuth* const auth_;
+  Metrics* const metrics_;
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace attnserve

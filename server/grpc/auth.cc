@@ -1,0 +1,67 @@
+#include "server/grpc/auth.h"
+
+#include <fstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace attnserve {
+
+absl::StatusOr<absl::flat_hash_map<std::string, std::string>> TokenAuth::Parse(
+    const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("--auth_tokens_file=", path, ": cannot open"));
+  absl::flat_hash_map<std::string, std::string> tenants;
+  std::string line;
+  for (int line_no = 1; std::getline(in, line); ++line_no) {
+    absl::string_view text = line;
+    if (auto hash = text.find('#'); hash != absl::string_view::npos) text = text.substr(0, hash);
+    std::vector<absl::string_view> fields =
+        absl::StrSplit(text, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
+    if (fields.empty()) continue;
+    if (fields.size() != 2) {
+      return absl::InvalidArgumentError(absl::StrCat("--auth_tokens_file=", path, " line ",
+                                                     line_no, ": expected 'TOKEN TENANT'"));
+    }
+    tenants[std::string(fields[0])] = std::string(fields[1]);
+  }
+  return tenants;
+}
+
+absl::StatusOr<std::unique_ptr<TokenAuth>> TokenAuth::Load(const std::string& path) {
+  auto auth = std::make_unique<TokenAuth>();
+  auth->path_ = path;
+  if (!path.empty()) {
+    auto tenants = Parse(path);
+    if (!tenants.ok()) return tenants.status();
+    absl::MutexLock lock(&auth->mu_);
+    auth->tenants_ = *std::move(tenants);
+  }
+  return auth;
+}
+
+absl::Status TokenAuth::Reload() {
+  if (path_.empty()) return absl::OkStatus();
+  auto tenants = Parse(path_);
+  if (!tenants.ok()) return tenants.status();
+  absl::MutexLock lock(&mu_);
+  tenants_ = *std::move(tenants);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> TokenAuth::Authenticate(absl::string_view authorization) const {
+  if (path_.empty()) return std::string(kDefaultTenant);
+  constexpr absl::string_view kBearer = "Bearer ";
+  if (!absl::StartsWith(authorization, kBearer)) {
+    return absl::UnauthenticatedError("missing 'authorization: Bearer TOKEN' metadata");
+  }
+  absl::string_view token = absl::StripAsciiWhitespace(authorization.substr(kBearer.size()));
+  absl::MutexLock lock(&mu_);
+  auto it = tenants_.find(token);
+  if (it == tenants_.end()) return absl::UnauthenticatedError("unknown bearer token");
+  return it->second;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,201 @@
+// attnserve: the GPU-resident attention server. Flags are defined here only
+// and read once into the options structs of the layers below.
+#include <csignal>
+#include <cstdlib>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "spdlog/spdlog.h"
+#include "server/backend_factory.h"
+#include "server/core/attention_core.h"
+#include "server/grpc/auth.h"
+#include "server/grpc/server.h"
+#include "server/metrics.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC address (host:port; port 0 picks one)");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "Prometheus /metrics address (host:port; empty turns it off)");
+ABSL_FLAG(std::string, backend, "auto", "auto (CUDA when a GPU is present), cuda or cpu");
+ABSL_FLAG(int32_t, device, 0, "CUDA device ordinal");
+ABSL_FLAG(int32_t, num_layers, 4, "layers of KV cache");
+ABSL_FLAG(int32_t, num_pages, 1024, "KV pages (shared by all layers); see --kv_cache_bytes");
+ABSL_FLAG(int64_t, kv_cache_bytes, 0,
+          "when > 0, size the KV cache (K and V, all layers) to this many bytes instead of "
+          "--num_pages");
+ABSL_FLAG(int32_t, page_size, 16, "tokens per page (1..128)");
+ABSL_FLAG(int32_t, num_qo_heads, 32, "query heads");
+ABSL_FLAG(int32_t, num_kv_heads, 4, "KV heads (must divide num_qo_heads)");
+ABSL_FLAG(int32_t, head_dim, 128, "head dimension (64, 128 or 256)");
+ABSL_FLAG(std::string, kv_dtype, "bf16", "bf16 or fp16");
+ABSL_FLAG(int32_t, max_batch_tokens, 16384, "query rows per batch (a larger request runs alone)");
+ABSL_FLAG(int64_t, max_queue_delay_us, 0,
+          "most microseconds a batch waits for more requests while the device is busy");
+ABSL_FLAG(int32_t, max_queue_requests, 4096, "queued requests before RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response in bytes");
+ABSL_FLAG(int32_t, tenant_max_pages, 0, "most pages one tenant may hold (0: no cap)");
+ABSL_FLAG(std::string, auth_tokens_file, "", "file of 'TOKEN TENANT' lines; empty: no auth");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate (TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM server key (TLS)");
+ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA for client certificates (mTLS)");
+ABSL_FLAG(int32_t, drain_timeout_s, 30, "seconds in-flight requests get after SIGTERM");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
+
+namespace attnserve {
+namespace {
+
+absl::StatusOr<KvGeometry> GeometryFromFlags() {
+  KvGeometry g;
+  g.num_layers = absl::GetFlag(FLAGS_num_layers);
+  g.page_size = absl::GetFlag(FLAGS_page_size);
+  g.num_qo_heads = absl::GetFlag(FLAGS_num_qo_heads);
+  g.num_kv_heads = absl::GetFlag(FLAGS_num_kv_heads);
+  g.head_dim = absl::GetFlag(FLAGS_head_dim);
+  const std::string dtype = absl::GetFlag(FLAGS_kv_dtype);
+  if (dtype == "bf16") {
+    g.dtype = KvDType::kBf16;
+  } else if (dtype == "fp16") {
+    g.dtype = KvDType::kFp16;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_dtype=", dtype, " must be bf16 or fp16"));
+  }
+  if (g.num_layers < 1 || g.num_layers > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("--num_layers=", g.num_layers, " out of range [1, 1024]"));
+  }
+  if (g.page_size < 1 || g.page_size > 128) {
+    return absl::InvalidArgumentError(absl::StrCat("--page_size=", g.page_size, " out of range [1, 128]"));
+  }
+  if (g.head_dim != 64 && g.head_dim != 128 && g.head_dim != 256) {
+    return absl::InvalidArgumentError(absl::StrCat("--head_dim=", g.head_dim, " must be 64, 128 or 256"));
+  }
+  if (g.num_kv_heads < 1 || g.num_qo_heads < 1 || g.num_qo_heads > 256 ||
+      g.num_qo_heads % g.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--num_qo_heads=", g.num_qo_heads, " must be in [1, 256] and a multiple of --num_kv_heads=",
+        g.num_kv_heads));
+  }
+  const int64_t cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  int64_t pages = absl::GetFlag(FLAGS_num_pages);
+  if (cache_bytes > 0) pages = cache_bytes / BytesPerPage(g);
+  if (pages < 1 || pages > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "KV pages=", pages, " out of range [1, ", INT32_MAX, "] (--num_pages or --kv_cache_bytes / ",
+        BytesPerPage(g), " bytes per page)"));
+  }
+  g.num_pages = static_cast<int32_t>(pages);
+  return g;
+}
+
+int Run() {
+  spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+  // Signals are taken by one thread with sigwait; block them everywhere else.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto geometry = GeometryFromFlags();
+  if (!geometry.ok()) {
+    spdlog::error("{}", geometry.status().ToString());
+    return 2;
+  }
+  CoreOptions core_options;
+  core_options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  core_options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  core_options.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
+  core_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  core_options.tenant_max_pages = absl::GetFlag(FLAGS_tenant_max_pages);
+  if (core_options.max_batch_tokens < 1 || core_options.max_message_bytes < 1024 ||
+      core_options.max_message_bytes > INT32_MAX || core_options.max_queue_requests < 1) {
+    spdlog::error("--max_batch_tokens >= 1, --max_queue_requests >= 1 and --max_message_bytes in "
+                  "[1024, 2^31) are required");
+    return 2;
+  }
+
+  BackendOptions backend_options;
+  backend_options.kind = absl::GetFlag(FLAGS_backend);
+  backend_options.device = absl::GetFlag(FLAGS_device);
+  backend_options.geometry = *geometry;
+  backend_options.max_batch_rows = MaxRequestRows(core_options, *geometry);
+  backend_options.max_batch_kv_indices = core_options.max_request_kv_indices;
+  backend_options.max_batch_append_rows = backend_options.max_batch_rows;
+  auto backend = MakeBackend(backend_options);
+  if (!backend.ok()) {
+    spdlog::error("backend: {}", backend.status().ToString());
+    return 1;
+  }
+  auto auth = TokenAuth::Load(absl::GetFlag(FLAGS_auth_tokens_file));
+  if (!auth.ok()) {
+    spdlog::error("{}", auth.status().ToString());
+    return 2;
+  }
+
+  Metrics metrics;
+  AttentionCore core(core_options, *std::move(backend), &metrics);
+  ServerOptions server_options;
+  server_options.listen = absl::GetFlag(FLAGS_listen);
+  server_options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  server_options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  server_options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  server_options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  server_options.max_message_bytes = core_options.max_message_bytes;
+  auto server = AttnServer::Start(server_options, &core, auth->get(), &metrics);
+  if (!server.ok()) {
+    spdlog::error("{}", server.status().ToString());
+    return 1;
+  }
+  const ServerInfoData info = core.Info();
+  spdlog::info(
+      "attnserve {} started: backend={} device=\"{}\" layers={} pages={} page_size={} "
+      "qo_heads={} kv_heads={} head_dim={} kv_dtype={} auth={} tls={}",
+      info.version, info.backend, info.device, info.num_layers, info.num_pages, info.page_size,
+      info.num_qo_heads, info.num_kv_heads, info.head_dim, absl::GetFlag(FLAGS_kv_dtype),
+      (*auth)->enabled() ? "on" : "off", server_options.tls_cert.empty() ? "off" : "on");
+  // Tests and scripts read this line to find the ports.
+  spdlog::info("listening grpc={} metrics={}", (*server)->grpc_address(),
+               (*server)->metrics_address().empty() ? "off" : (*server)->metrics_address());
+
+  std::thread signal_thread([&] {
+    bool draining = false;
+    for (;;) {
+      int sig = 0;
+      if (sigwait(&signals, &sig) != 0) continue;
+      if (sig == SIGHUP) {
+        absl::Status s = (*auth)->Reload();
+        if (s.ok()) {
+          spdlog::info("SIGHUP: reloaded --auth_tokens_file");
+        } else {
+          spdlog::error("SIGHUP: keeping the old tokens: {}", s.ToString());
+        }
+        continue;
+      }
+      if (draining) {
+        spdlog::warn("second signal: exiting at once");
+        std::_Exit(1);
+      }
+      draining = true;
+      spdlog::info("signal {}: draining (up to {} s)", sig, absl::GetFlag(FLAGS_drain_timeout_s));
+      std::thread([&] { (*server)->Drain(absl::Seconds(absl::GetFlag(FLAGS_drain_timeout_s))); })
+          .detach();
+    }
+  });
+  signal_thread.detach();
+  (*server)->Wait();
+  core.Shutdown();
+  spdlog::info("attnserve stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace attnserve
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("attnserve: GPU-resident paged attention server");
+  absl::ParseCommandLine(argc, argv);
+  return attnserve::Run();
+}

@@ -1,0 +1,103 @@
+#include "server/metrics.h"
+
+namespace attnserve {
+namespace {
+
+// Exponential buckets: start, start*factor, ... (count of them).
+prometheus::Histogram::BucketBoundaries Exponential(double start, double factor, int count) {
+  prometheus::Histogram::BucketBoundaries b;
+  double v = start;
+  for (int i = 0; i < count; ++i, v *= factor) b.push_back(v);
+  return b;
+}
+
+// 1 us .. ~34 s in steps of 2x: resolves queue waits, small kernels and
+// 16k-row prefills alike.
+prometheus::Histogram::BucketBoundaries Seconds() { return Exponential(1e-6, 2.0, 26); }
+
+}  // namespace
+
+Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  requests_total_ = &prometheus::BuildCounter()
+                         .Name("attnserve_requests_total")
+                         .Help("RPCs finished, by method and gRPC status code")
+                         .Register(*registry_);
+  request_duration_ = &prometheus::BuildHistogram()
+                           .Name("attnserve_request_duration_seconds")
+                           .Help("Server-side RPC latency in seconds")
+                           .Register(*registry_);
+  queue_wait_ = &prometheus::BuildHistogram()
+                     .Name("attnserve_queue_wait_seconds")
+                     .Help("Time a request waited in the scheduler queue, seconds")
+                     .Register(*registry_)
+                     .Add({}, Seconds());
+  batch_requests_ = &prometheus::BuildHistogram()
+                         .Name("attnserve_batch_requests")
+                         .Help("Requests per attention launch")
+                         .Register(*registry_)
+                         .Add({}, Exponential(1, 2, 11));
+  batch_tokens_ = &prometheus::BuildHistogram()
+                       .Name("attnserve_batch_tokens")
+                       .Help("Query rows per attention launch")
+                       .Register(*registry_)
+                       .Add({}, Exponential(1, 2, 18));
+  kernel_launches_ = &prometheus::BuildCounter()
+                          .Name("attnserve_kernel_launches_total")
+                          .Help("Kernel launches by kernel (attention, merge, append)")
+                          .Register(*registry_);
+  kernel_duration_ = &prometheus::BuildHistogram()
+                          .Name("attnserve_kernel_duration_seconds")
+                          .Help("Kernel time per batch in seconds (device time on CUDA)")
+                          .Register(*registry_);
+  auto& pages = prometheus::BuildGauge()
+                    .Name("attnserve_kv_pages")
+                    .Help("KV cache pages by state")
+                    .Register(*registry_);
+  kv_free_ = &pages.Add({{"state", "free"}});
+  kv_used_ = &pages.Add({{"state", "used"}});
+  auto& bytes = prometheus::BuildCounter()
+                    .Name("attnserve_transfer_bytes_total")
+                    .Help("Tensor bytes received (in) and sent (out)")
+                    .Register(*registry_);
+  bytes_in_ = &bytes.Add({{"direction", "in"}});
+  bytes_out_ = &bytes.Add({{"direction", "out"}});
+  inflight_ = &prometheus::BuildGauge()
+                   .Name("attnserve_inflight_requests")
+                   .Help("RPCs being handled")
+                   .Register(*registry_)
+                   .Add({});
+  // Create the kernel series up front so dashboards see them at zero.
+  for (const char* k : {"attention", "merge", "append"}) {
+    kernel_launches_->Add({{"kernel", k}});
+    kernel_duration_->Add({{"kernel", k}}, Seconds());
+  }
+}
+
+void Metrics::ObserveRequest(absl::string_view method, absl::string_view code, double seconds) {
+  requests_total_->Add({{"method", std::string(method)}, {"code", std::string(code)}})
+      .Increment();
+  request_duration_->Add({{"method", std::string(method)}}, Seconds()).Observe(seconds);
+}
+
+void Metrics::ObserveBatch(int requests, int64_t tokens) {
+  batch_requests_->Observe(requests);
+  batch_tokens_->Observe(static_cast<double>(tokens));
+}
+
+void Metrics::ObserveKernel(absl::string_view kernel, int launches, double seconds) {
+  if (launches <= 0) return;
+  kernel_launches_->Add({{"kernel", std::string(kernel)}}).Increment(launches);
+  kernel_duration_->Add({{"kernel", std::string(kernel)}}, Seconds()).Observe(seconds);
+}
+
+void Metrics::SetKvPages(int64_t free_pages, int64_t used_pages) {
+  kv_free_->Set(static_cast<double>(free_pages));
+  kv_used_->Set(static_cast<double>(used_pages));
+}
+
+void Metrics::AddTransferBytes(int64_t in_bytes, int64_t out_bytes) {
+  if (in_bytes > 0) bytes_in_->Increment(static_cast<double>(in_bytes));
+  if (out_bytes > 0) bytes_out_->Increment(static_cast<double>(out_bytes));
+}
+
+}  // namespace attnserve
