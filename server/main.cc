@@ -43,6 +43,9 @@ ABSL_FLAG(std::string, tls_key, "", "PEM server key (TLS)");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA for client certificates (mTLS)");
 ABSL_FLAG(int32_t, drain_timeout_s, 30, "seconds in-flight requests get after SIGTERM");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
+ABSL_FLAG(bool, access_log, false, "log one line per RPC (method, tenant, code, seconds)");
+ABSL_FLAG(int32_t, max_tenant_queue_requests, 0,
+          "queued requests of one tenant before RESOURCE_EXHAUSTED (0: --max_queue_requests)");
 
 namespace attnserve {
 namespace {
@@ -110,6 +113,7 @@ int Run() {
   core_options.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
   core_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   core_options.tenant_max_pages = absl::GetFlag(FLAGS_tenant_max_pages);
+  core_options.max_tenant_queue_requests = absl::GetFlag(FLAGS_max_tenant_queue_requests);
   if (core_options.max_batch_tokens < 1 || core_options.max_message_bytes < 1024 ||
       core_options.max_message_bytes > INT32_MAX || core_options.max_queue_requests < 1) {
     spdlog::error("--max_batch_tokens >= 1, --max_queue_requests >= 1 and --max_message_bytes in "
@@ -144,11 +148,17 @@ int Run() {
   server_options.tls_key = absl::GetFlag(FLAGS_tls_key);
   server_options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   server_options.max_message_bytes = core_options.max_message_bytes;
+  server_options.access_log = absl::GetFlag(FLAGS_access_log);
   auto server = AttnServer::Start(server_options, &core, auth->get(), &metrics);
   if (!server.ok()) {
     spdlog::error("{}", server.status().ToString());
     return 1;
   }
+  AttnServer* server_ptr = server->get();
+  core.SetFaultHandler([server_ptr](const absl::Status& status) {
+    spdlog::error("backend fault, health set to NOT_SERVING: {}", status.ToString());
+    server_ptr->SetNotServing();
+  });
   const ServerInfoData info = core.Info();
   spdlog::info(
       "attnserve {} started: backend={} device=\"{}\" layers={} pages={} page_size={} "

@@ -41,6 +41,7 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
   sched.max_batch_append_rows = limits_.max_request_rows;
   sched.max_queue_delay_us = options.max_queue_delay_us;
   sched.max_queue_requests = options.max_queue_requests;
+  sched.max_tenant_queue_requests = options.max_tenant_queue_requests;
   scheduler_ = std::make_unique<Scheduler>(backend_.get(), &pages_, metrics_, sched);
   UpdatePageGauges();
 }
@@ -92,9 +93,13 @@ absl::Status AttentionCore::FreePages(const std::string& tenant,
   return status;
 }
 
-void AttentionCore::Submit(const std::string& tenant, std::vector<int32_t> pages,
+template <typename CallT>
+void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
                            absl::string_view field, std::unique_ptr<Job> job) {
-  absl::Status status = pages_.PinOwned(tenant, pages, field);
+  job->tenant = call.tenant;
+  job->deadline = call.deadline;
+  job->is_cancelled = call.is_cancelled;
+  absl::Status status = pages_.PinOwned(call.tenant, pages, field);
   if (!status.ok()) {
     job->done(status);
     return;
@@ -121,7 +126,7 @@ void AttentionCore::Prefill(const PrefillCall& call, DoneCallback done) {
   job->task.o = call.out_o->data();
   job->task.lse = reinterpret_cast<float*>(call.out_lse->data());
   job->done = std::move(done);
-  Submit(call.tenant, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
+  Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
 }
 
 void AttentionCore::WriteKv(const WriteKvCall& call, DoneCallback done) {
@@ -140,7 +145,7 @@ void AttentionCore::WriteKv(const WriteKvCall& call, DoneCallback done) {
   job->rows.k = const_cast<char*>(call.k.data.data());
   job->rows.v = const_cast<char*>(call.v.data.data());
   job->done = std::move(done);
-  Submit(call.tenant, *std::move(pages), "slots", std::move(job));
+  Submit(call, *std::move(pages), "slots", std::move(job));
 }
 
 void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
@@ -162,7 +167,7 @@ void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
   job->rows.k = call.out_k->data();
   job->rows.v = call.out_v->data();
   job->done = std::move(done);
-  Submit(call.tenant, *std::move(pages), "slots", std::move(job));
+  Submit(call, *std::move(pages), "slots", std::move(job));
 }
 
 void AttentionCore::MergeStates(const MergeStatesCall& call, DoneCallback done) {
@@ -192,7 +197,7 @@ void AttentionCore::MergeStates(const MergeStatesCall& call, DoneCallback done) 
   m.dtype = backend_->Geometry().dtype;
   m.lse_base_e = static_cast<uint8_t>(call.lse_base);
   job->done = std::move(done);
-  Submit("", {}, "", std::move(job));
+  Submit(call, {}, "", std::move(job));
 }
 
 }  // namespace attnserve

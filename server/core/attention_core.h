@@ -31,6 +31,7 @@ struct CoreOptions {
   int32_t max_batch_tokens = 16384;
   int64_t max_queue_delay_us = 0;
   int32_t max_queue_requests = 4096;
+  int32_t max_tenant_queue_requests = 0;  // 0: max_queue_requests
   int64_t max_message_bytes = 512ll << 20;
   int64_t max_request_kv_indices = 1 << 22;
   int32_t tenant_max_pages = 0;  // 0: no cap
@@ -61,12 +62,17 @@ class AttentionCore {
   // UNAVAILABLE.
   void Shutdown();
 
+  void SetFaultHandler(std::function<void(const absl::Status&)> handler) {
+    scheduler_->SetFaultHandler(std::move(handler));
+  }
+
   int64_t batches_run() const { return scheduler_->batches_run(); }
   PageTable& pages() { return pages_; }
 
  private:
   // Pins `pages` for `tenant` and queues `job`; on any error runs done.
-  void Submit(const std::string& tenant, std::vector<int32_t> pages, absl::string_view field,
+  template <typename CallT>
+  void Submit(const CallT& call, std::vector<int32_t> pages, absl::string_view field,
               std::unique_ptr<Job> job);
   void UpdatePageGauges();
 

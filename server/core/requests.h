@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 
 namespace attnserve {
@@ -31,8 +32,14 @@ struct TensorView {
 // or at once when validation rejects it.
 using DoneCallback = std::function<void(absl::Status)>;
 
+// Every asynchronous call below carries the caller's tenant, its deadline
+// (the request is dropped before launch once it passes) and an optional
+// cancellation probe.
+
 struct PrefillCall {
   std::string tenant;
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> is_cancelled;
   int32_t layer = 0;
   TensorView q;                               // (total_q, num_qo_heads, head_dim)
   absl::Span<const int32_t> qo_indptr;        // (batch + 1)
@@ -54,6 +61,8 @@ struct PrefillCall {
 
 struct WriteKvCall {
   std::string tenant;
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> is_cancelled;
   int32_t layer = 0;
   absl::Span<const int64_t> slots;  // (n)
   TensorView k;                     // (n, num_kv_heads, head_dim)
@@ -62,6 +71,8 @@ struct WriteKvCall {
 
 struct ReadKvCall {
   std::string tenant;
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> is_cancelled;
   int32_t layer = 0;
   absl::Span<const int64_t> slots;  // (n)
   std::string* out_k = nullptr;     // (n, num_kv_heads, head_dim), sized by the core
@@ -69,6 +80,9 @@ struct ReadKvCall {
 };
 
 struct MergeStatesCall {
+  std::string tenant;
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> is_cancelled;
   std::vector<TensorView> v;    // each (n, h, d)
   std::vector<TensorView> lse;  // each (n, h), float32
   int32_t lse_base = 0;

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/time/clock.h"
+#include "spdlog/spdlog.h"
 #include "server/grpc/status_mapping.h"
 
 namespace attnserve {
@@ -35,7 +36,11 @@ class AttentionServiceImpl::Call {
  public:
   Call(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx, const char* method,
        int64_t bytes_in)
-      : service_(service), reactor_(ctx->DefaultReactor()), method_(method), start_(absl::Now()) {
+      : service_(service),
+        ctx_(ctx),
+        reactor_(ctx->DefaultReactor()),
+        method_(method),
+        start_(absl::Now()) {
     service_->metrics_->inflight().Increment();
     service_->metrics_->AddTransferBytes(bytes_in, 0);
     if (service_->draining_) {
@@ -62,6 +67,18 @@ class AttentionServiceImpl::Call {
   const std::string& tenant() const { return tenant_; }
   grpc::ServerUnaryReactor* reactor() const { return reactor_; }
 
+  // Fills the caller, deadline and cancellation probe of a core call struct.
+  template <typename CallT>
+  void Bind(CallT* c) const {
+    c->tenant = tenant_;
+    const auto deadline = ctx_->deadline();
+    if (deadline != std::chrono::system_clock::time_point::max()) {
+      c->deadline = absl::FromChrono(deadline);
+    }
+    grpc::CallbackServerContext* ctx = ctx_;
+    c->is_cancelled = [ctx] { return ctx->IsCancelled(); };
+  }
+
   void Finish(const absl::Status& status, int64_t bytes_out = 0) {
     grpc::Status grpc_status = ToGrpcStatus(status);
     Metrics* metrics = service_->metrics_;
@@ -69,6 +86,11 @@ class AttentionServiceImpl::Call {
                             absl::ToDoubleSeconds(absl::Now() - start_));
     if (status.ok()) metrics->AddTransferBytes(0, bytes_out);
     metrics->inflight().Decrement();
+    if (service_->access_log_) {
+      spdlog::info("access method={} tenant={} code={} seconds={:.6f} bytes_out={}", method_,
+                   tenant_.empty() ? "-" : tenant_, GrpcCodeName(grpc_status.error_code()),
+                   absl::ToDoubleSeconds(absl::Now() - start_), bytes_out);
+    }
     grpc::ServerUnaryReactor* reactor = reactor_;
     delete this;
     reactor->Finish(grpc_status);
@@ -76,6 +98,7 @@ class AttentionServiceImpl::Call {
 
  private:
   AttentionServiceImpl* const service_;
+  grpc::CallbackServerContext* const ctx_;
   grpc::ServerUnaryReactor* const reactor_;
   const char* const method_;
   const absl::Time start_;
@@ -152,7 +175,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::WriteKV(grpc::CallbackServerCont
     return reactor;
   }
   WriteKvCall c;
-  c.tenant = call->tenant();
+  call->Bind(&c);
   c.layer = request->layer();
   c.slots = Span(request->slots());
   c.k = View(request->k());
@@ -171,7 +194,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ReadKV(grpc::CallbackServerConte
     return reactor;
   }
   ReadKvCall c;
-  c.tenant = call->tenant();
+  call->Bind(&c);
   c.layer = request->layer();
   c.slots = Span(request->slots());
   c.out_k = response->mutable_k()->mutable_data();
@@ -203,7 +226,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerCont
     return reactor;
   }
   PrefillCall c;
-  c.tenant = call->tenant();
+  call->Bind(&c);
   c.layer = request->layer();
   c.q = View(request->q());
   c.qo_indptr = Span(request->qo_indptr());
@@ -249,6 +272,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(
     return reactor;
   }
   MergeStatesCall c;
+  call->Bind(&c);
   for (const auto& s : request->states()) {
     c.v.push_back(View(s.v()));
     c.lse.push_back(View(s.lse()));

@@ -17,8 +17,10 @@ namespace attnserve {
 
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
-  AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth, Metrics* metrics)
-      : core_(core), auth_(auth), metrics_(metrics) {}
+  // access_log: one log line per finished RPC (method, tenant, code, time).
+  AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth, Metrics* metrics,
+                       bool access_log)
+      : core_(core), auth_(auth), metrics_(metrics), access_log_(access_log) {}
 
   // New requests get UNAVAILABLE from now on (graceful drain).
   void StartDraining() { draining_ = true; }
@@ -51,6 +53,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   AttentionCore* const core_;
   const TokenAuth* const auth_;
   Metrics* const metrics_;
+  const bool access_log_;
   std::atomic<bool> draining_{false};
 };
 

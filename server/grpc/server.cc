@@ -76,7 +76,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  s->service_ = std::make_unique<AttentionServiceImpl>(core, auth, metrics);
+  s->service_ = std::make_unique<AttentionServiceImpl>(core, auth, metrics, options.access_log);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(options.listen, *creds, &port);
@@ -101,10 +101,14 @@ AttnServer::~AttnServer() {
   if (server_) server_->Shutdown();
 }
 
-void AttnServer::Drain(absl::Duration timeout) {
+void AttnServer::SetNotServing() {
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   health->SetServingStatus(false);
   health->SetServingStatus(kServiceName, false);
+}
+
+void AttnServer::Drain(absl::Duration timeout) {
+  SetNotServing();
   service_->StartDraining();
   server_->Shutdown(absl::ToChronoTime(absl::Now() + timeout));
   core_->Shutdown();

@@ -23,6 +23,7 @@ struct ServerOptions {
   std::string tls_key;
   std::string tls_client_ca;  // PEM; also require client certificates (mTLS)
   int64_t max_message_bytes = 512ll << 20;
+  bool access_log = false;    // one log line per RPC
 };
 
 inline constexpr char kServiceName[] = "attnserve.v1.AttentionService";
@@ -42,6 +43,9 @@ class AttnServer {
   // Graceful drain: health NOT_SERVING, new RPCs UNAVAILABLE, in-flight RPCs
   // finish (cancelled after `timeout`), then the core's queue is drained.
   void Drain(absl::Duration timeout);
+  // Health NOT_SERVING (e.g. after a backend fault); the server keeps
+  // answering so that operators can read its state.
+  void SetNotServing();
   void Wait();
 
  private:
