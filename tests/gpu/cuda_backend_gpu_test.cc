@@ -1,0 +1,230 @@
+// CudaBackend through the Backend interface: WriteKv / ReadKv, RunBatch with
+// several tasks (layers, fused appends) against the float64 reference, launch
+// counts, split-KV on a long sequence, and clean failure without a device.
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server/backend.h"
+#include "server/backend_factory.h"
+#include "server/cuda_backend.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace attnserve {
+namespace {
+
+using gpu_test::HostBatch;
+
+BackendOptions Options(const KvGeometry& g) {
+  BackendOptions o;
+  o.kind = "cuda";
+  o.geometry = g;
+  o.max_batch_rows = 4096;
+  o.max_batch_kv_indices = 1 << 17;
+  o.max_batch_append_rows = 1024;
+  return o;
+}
+
+TEST(CudaBackend, FailsCleanlyWithoutDevice) {
+  if (gpu_test::DeviceCount() > 0) {
+    // With a device: an impossible pool must fail with a status, not crash.
+    KvGeometry g;
+    g.num_layers = 1 << 12;
+    g.num_pages = 1 << 20;
+    g.page_size = 16;
+    g.num_qo_heads = 32;
+    g.num_kv_heads = 8;
+    g.head_dim = 128;
+    auto b = MakeCudaBackend(Options(g));
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted) << b.status();
+    return;
+  }
+  KvGeometry g;
+  g.num_layers = 1;
+  g.num_pages = 16;
+  g.page_size = 16;
+  g.num_qo_heads = 8;
+  g.num_kv_heads = 2;
+  g.head_dim = 128;
+  auto b = MakeCudaBackend(Options(g));
+  EXPECT_FALSE(b.ok());
+  GTEST_SKIP() << "skipped: no GPU";
+}
+
+TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(99);
+  for (int round = 0; round < 24; ++round) {
+    HostBatch b;
+    const int dims[] = {64, 128, 256};
+    b.geo.head_dim = dims[round % 3];
+    b.geo.num_qo_heads = round % 2 ? 32 : 8;
+    b.geo.num_kv_heads = round % 4 < 2 ? 4 : 8;
+    if (b.geo.num_qo_heads < b.geo.num_kv_heads) b.geo.num_kv_heads = b.geo.num_qo_heads;
+    const int page_sizes[] = {1, 16, 64};
+    b.geo.page_size = page_sizes[(round / 3) % 3];
+    b.geo.dtype = round % 5 < 3 ? KvDType::kBf16 : KvDType::kFp16;
+    b.geo.num_layers = 3;
+    b.geo.num_pages = 2048 / b.geo.page_size + 8;
+    gpu_test::MakePools(&b, &rng);
+    auto made = MakeCudaBackend(Options(b.geo));
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::unique_ptr<Backend> backend = std::move(made).value();
+    EXPECT_EQ(backend->Name(), "cuda");
+
+    // Fill the device pools with the host pools through WriteKv, one layer
+    // at a time (exercises chunking: more rows than max_batch_append_rows).
+    const int64_t spl = b.geo.SlotsPerLayer();
+    const int64_t re = b.geo.RowElems();
+    std::vector<int64_t> slots(spl);
+    for (int64_t i = 0; i < spl; ++i) slots[i] = i;
+    BatchStats wstats;
+    for (int layer = 0; layer < b.geo.num_layers; ++layer) {
+      KvRows rows;
+      rows.layer = layer;
+      rows.slots = slots.data();
+      rows.n = spl;
+      rows.k = b.k_pool.data() + layer * spl * re;
+      rows.v = b.v_pool.data() + layer * spl * re;
+      ASSERT_TRUE(backend->WriteKv(rows, &wstats).ok());
+    }
+    EXPECT_GT(wstats.append_launches, 0);
+
+    // Tasks: each its own request (layer, seqs, indices), plus a fused append
+    // on the first task that overwrites some slots of its layer.
+    const int ntasks = 1 + rng() % 4;
+    std::vector<HostBatch> parts(ntasks);
+    std::vector<PrefillTask> tasks(ntasks);
+    std::vector<std::vector<uint16_t>> outs(ntasks);
+    std::vector<std::vector<float>> lses(ntasks);
+    std::vector<int64_t> app_slots;
+    std::vector<uint16_t> app_k, app_v;
+    for (int t = 0; t < ntasks; ++t) {
+      HostBatch& p = parts[t];
+      p.geo = b.geo;
+      const int layer = rng() % b.geo.num_layers;
+      const int nseq = 1 + rng() % 4;
+      for (int s = 0; s < nseq; ++s) {
+        int q_len = 1 + rng() % 100;
+        int kv_len = rng() % 3 == 0 ? static_cast<int>(rng() % 50) : q_len + static_cast<int>(rng() % 800);
+        if (rng() % 6 == 0) q_len = 0;
+        gpu_test::AddSeq(&p, q_len, kv_len, layer, rng() % 4 != 0, rng() % 3 == 0,
+                         1 / std::sqrt(float(b.geo.head_dim)), &rng);
+      }
+      gpu_test::FinishBatch(&p, 1.f, &rng);
+      PrefillTask& task = tasks[t];
+      task.layer = layer;
+      task.q = p.q.data();
+      task.total_q = p.total_q;
+      task.seqs = p.seqs;
+      task.kv_indices = p.kv_indices.data();
+      task.num_kv_indices = static_cast<int32_t>(p.kv_indices.size());
+      outs[t].assign(size_t(p.total_q) * b.geo.num_qo_heads * b.geo.head_dim, 0xFFFF);
+      lses[t].assign(size_t(p.total_q) * b.geo.num_qo_heads, NAN);
+      task.o = outs[t].data();
+      task.lse = lses[t].data();
+    }
+    {
+      const int n = 1 + rng() % 200;
+      for (int i = 0; i < n; ++i) app_slots.push_back(rng() % spl);
+      app_slots.push_back(app_slots[0]);  // a repeated slot: the last write wins
+      app_k.resize(app_slots.size() * re);
+      app_v.resize(app_slots.size() * re);
+      gpu_test::FillRandom(&app_k, b.geo.dtype, 1.f, &rng);
+      gpu_test::FillRandom(&app_v, b.geo.dtype, 1.f, &rng);
+      tasks[0].append_slots = app_slots.data();
+      tasks[0].num_append = static_cast<int64_t>(app_slots.size());
+      tasks[0].append_k = app_k.data();
+      tasks[0].append_v = app_v.data();
+      const int64_t base = int64_t{tasks[0].layer} * spl;
+      for (size_t i = 0; i < app_slots.size(); ++i) {
+        std::memcpy(&b.k_pool[(base + app_slots[i]) * re], &app_k[i * re], re * 2);
+        std::memcpy(&b.v_pool[(base + app_slots[i]) * re], &app_v[i * re], re * 2);
+      }
+    }
+    BatchStats stats;
+    absl::Status st = backend->RunBatch(tasks, &stats);
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(stats.attention_launches, 1);
+    EXPECT_LE(stats.merge_launches, 1);
+    EXPECT_EQ(stats.append_launches, 1);
+    for (int t = 0; t < ntasks; ++t) {
+      HostBatch& p = parts[t];
+      p.k_pool = b.k_pool;
+      p.v_pool = b.v_pool;
+      std::vector<double> o_ref, lse_ref;
+      gpu_test::Reference(p, &o_ref, &lse_ref);
+      EXPECT_EQ(gpu_test::Compare(b.geo.dtype, outs[t], lses[t], o_ref, lse_ref), "")
+          << "round " << round << " task " << t << " D=" << b.geo.head_dim << " ps=" << b.geo.page_size;
+    }
+
+    // ReadKv returns what the pools hold (including the fused append).
+    KvRows rd;
+    rd.layer = tasks[0].layer;
+    std::vector<int64_t> rs(app_slots.begin(), app_slots.end());
+    rs.push_back(spl - 1);
+    rd.slots = rs.data();
+    rd.n = static_cast<int64_t>(rs.size());
+    std::vector<uint16_t> rk(rs.size() * re, 0xFFFF), rv(rs.size() * re, 0xFFFF);
+    rd.k = rk.data();
+    rd.v = rv.data();
+    ASSERT_TRUE(backend->ReadKv(rd).ok());
+    const int64_t base = int64_t{rd.layer} * spl;
+    for (size_t i = 0; i < rs.size(); ++i) {
+      ASSERT_EQ(0, std::memcmp(&rk[i * re], &b.k_pool[(base + rs[i]) * re], re * 2)) << "row " << i;
+      ASSERT_EQ(0, std::memcmp(&rv[i * re], &b.v_pool[(base + rs[i]) * re], re * 2)) << "row " << i;
+    }
+  }
+}
+
+TEST(CudaBackend, LongKvSplitsAndMergesOnce) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(123);
+  HostBatch b;
+  b.geo.head_dim = 128;
+  b.geo.num_qo_heads = 32;
+  b.geo.num_kv_heads = 4;
+  b.geo.page_size = 1;
+  b.geo.dtype = KvDType::kBf16;
+  b.geo.num_layers = 1;
+  b.geo.num_pages = 70000;
+  gpu_test::MakePools(&b, &rng);
+  auto made = MakeCudaBackend(Options(b.geo));
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::unique_ptr<Backend> backend = std::move(made).value();
+  std::vector<int64_t> slots(b.geo.SlotsPerLayer());
+  for (size_t i = 0; i < slots.size(); ++i) slots[i] = i;
+  KvRows rows;
+  rows.slots = slots.data();
+  rows.n = static_cast<int64_t>(slots.size());
+  rows.k = b.k_pool.data();
+  rows.v = b.v_pool.data();
+  ASSERT_TRUE(backend->WriteKv(rows, nullptr).ok());
+  gpu_test::AddSeq(&b, 4, 69000, 0, true, false, 1 / std::sqrt(128.f), &rng);
+  gpu_test::FinishBatch(&b, 1.f, &rng);
+  PrefillTask task;
+  task.q = b.q.data();
+  task.total_q = b.total_q;
+  task.seqs = b.seqs;
+  task.kv_indices = b.kv_indices.data();
+  task.num_kv_indices = static_cast<int32_t>(b.kv_indices.size());
+  std::vector<uint16_t> o(size_t(b.total_q) * 32 * 128, 0xFFFF);
+  std::vector<float> lse(size_t(b.total_q) * 32, NAN);
+  task.o = o.data();
+  task.lse = lse.data();
+  BatchStats stats;
+  ASSERT_TRUE(backend->RunBatch({task}, &stats).ok());
+  EXPECT_EQ(stats.attention_launches, 1);
+  EXPECT_EQ(stats.merge_launches, 1);
+  EXPECT_GT(stats.attention_seconds, 0);
+  std::vector<double> o_ref, lse_ref;
+  gpu_test::Reference(b, &o_ref, &lse_ref);
+  EXPECT_EQ(gpu_test::Compare(b.geo.dtype, o, lse, o_ref, lse_ref), "");
+}
+
+}  // namespace
+}  // namespace attnserve

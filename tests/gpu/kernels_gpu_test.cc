@@ -1,0 +1,360 @@
+// The CUDA kernels alone (paged prefill + split merge, N-way merge, KV
+// append/gather) on random data against a float64 reference. Outputs are
+// poisoned with 0xFF bytes (NaN) before every run.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/append_kv_cuda.h"
+#include "kernels/merge_states_cuda.h"
+#include "kernels/paged_prefill_cuda.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace attnserve {
+namespace {
+
+using gpu_test::HostBatch;
+
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t n = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t count) : n(count) {
+    if (cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) ptr = nullptr;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { cudaFree(ptr); }
+  void Upload(const std::vector<T>& v) {
+    cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  std::vector<T> Download() const {
+    std::vector<T> v(n);
+    cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return v;
+  }
+  void Poison() { cudaMemset(ptr, 0xFF, std::max<size_t>(n, 1) * sizeof(T)); }
+};
+
+int NumSms() {
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms;
+}
+
+struct RunResult {
+  std::string error;
+  bool split = false;
+};
+
+// Runs the batch through plan + prefill (+ merge) and compares.
+RunResult RunAndCheck(const HostBatch& b, int variant, bool force_split, int min_chunk) {
+  RunResult res;
+  const KvGeometry& g = b.geo;
+  PrefillPlanOptions opt;
+  opt.num_sms = force_split ? 1 << 20 : NumSms();
+  opt.ctas_per_sm = PrefillCtasPerSm(g.head_dim, g.dtype, variant);
+  opt.min_chunk = min_chunk;
+  opt.tile_rows = PrefillTileRows(g.head_dim, variant);
+  opt.max_partial_pairs = int64_t{1} << 24;
+  PrefillPlan plan;
+  BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
+  res.split = !plan.merges.empty();
+
+  DeviceBuffer<uint16_t> k(b.k_pool.size()), v(b.v_pool.size()), q(b.q.size());
+  DeviceBuffer<uint16_t> o(b.q.size());
+  DeviceBuffer<float> lse(size_t(b.total_q) * g.num_qo_heads);
+  DeviceBuffer<int32_t> idx(b.kv_indices.size());
+  DeviceBuffer<PrefillSeq> seqs(b.seqs.size());
+  DeviceBuffer<PrefillWorkItem> items(plan.items.size());
+  DeviceBuffer<SplitMergeSeq> merges(plan.merges.size());
+  DeviceBuffer<float> part_o(size_t(plan.partial_pairs) * g.head_dim);
+  DeviceBuffer<float> part_lse(plan.partial_pairs);
+  k.Upload(b.k_pool);
+  v.Upload(b.v_pool);
+  q.Upload(b.q);
+  idx.Upload(b.kv_indices);
+  seqs.Upload(b.seqs);
+  items.Upload(plan.items);
+  merges.Upload(plan.merges);
+  o.Poison();
+  lse.Poison();
+  part_o.Poison();
+  part_lse.Poison();
+
+  PagedPrefillParams p;
+  p.q = q.ptr;
+  p.o = o.ptr;
+  p.lse = lse.ptr;
+  p.k_cache = k.ptr;
+  p.v_cache = v.ptr;
+  p.kv_indices = idx.ptr;
+  p.seqs = seqs.ptr;
+  p.num_seqs = static_cast<int32_t>(b.seqs.size());
+  p.total_q = b.total_q;
+  p.geo = g;
+  cudaError_t err = PagedPrefillCuda(p, items.ptr, static_cast<int32_t>(plan.items.size()), part_o.ptr,
+                                     part_lse.ptr, variant, nullptr);
+  if (err == cudaSuccess && !plan.merges.empty()) {
+    err = MergeSplitsCuda(p, merges.ptr, static_cast<int32_t>(plan.merges.size()), plan.merge_pairs,
+                          part_o.ptr, part_lse.ptr, nullptr);
+  }
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) {
+    res.error = std::string("CUDA: ") + cudaGetErrorString(err);
+    return res;
+  }
+  std::vector<double> o_ref, lse_ref;
+  gpu_test::Reference(b, &o_ref, &lse_ref);
+  res.error = gpu_test::Compare(g.dtype, o.Download(), lse.Download(), o_ref, lse_ref);
+  return res;
+}
+
+std::string Describe(const HostBatch& b, int variant, bool split) {
+  std::string s = "D=" + std::to_string(b.geo.head_dim) + " H=" + std::to_string(b.geo.num_qo_heads) +
+                  " KVH=" + std::to_string(b.geo.num_kv_heads) + " ps=" + std::to_string(b.geo.page_size) +
+                  (b.geo.dtype == KvDType::kBf16 ? " bf16" : " fp16") + " variant=" + std::to_string(variant) +
+                  (split ? " split" : "") + " seqs:";
+  for (const auto& q : b.seqs) {
+    s += " (" + std::to_string(q.q_len) + "/" + std::to_string(q.kv_len) + (q.causal ? " c" : " nc") +
+         (q.lse_base_e ? " e" : "") + " L" + std::to_string(q.layer) + ")";
+  }
+  return s;
+}
+
+TEST(PagedPrefillCuda, RandomRaggedBatches) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(20261130);
+  const int kBatches = 300;
+  int splits = 0;
+  for (int it = 0; it < kBatches; ++it) {
+    HostBatch b;
+    const int dims[] = {64, 128, 128, 128, 256};
+    const int heads[][2] = {{4, 4}, {8, 2}, {16, 2}, {8, 1}, {32, 4}};
+    const int page_sizes[] = {1, 16, 64};
+    const int* hh = heads[rng() % 5];
+    b.geo.head_dim = dims[rng() % 5];
+    b.geo.num_qo_heads = hh[0];
+    b.geo.num_kv_heads = hh[1];
+    b.geo.page_size = page_sizes[rng() % 3];
+    b.geo.dtype = rng() % 2 ? KvDType::kBf16 : KvDType::kFp16;
+    b.geo.num_layers = 1 + rng() % 3;
+    b.geo.num_pages = std::max(4, 1200 / b.geo.page_size);
+    gpu_test::MakePools(&b, &rng);
+    const int nseq = 1 + rng() % 5;
+    for (int s = 0; s < nseq; ++s) {
+      int q_len = 0, kv_len = 0;
+      switch (rng() % 8) {
+        case 0: q_len = 0; kv_len = rng() % 100; break;                        // empty sequence
+        case 1: q_len = 1 + rng() % 40; kv_len = 0; break;                     // no pages
+        case 2: kv_len = rng() % 60; q_len = kv_len + 1 + rng() % 50; break;   // q_len > kv_len
+        case 3: q_len = 1; kv_len = 1 + rng() % 900; break;                    // decode
+        default: q_len = 1 + rng() % 140; kv_len = q_len + rng() % 700; break;
+      }
+      const bool causal = rng() % 4 != 0;
+      const bool base_e = rng() % 3 == 0;
+      const float scale = (0.5f + (rng() % 1000) / 1000.f) / std::sqrt(float(b.geo.head_dim));
+      gpu_test::AddSeq(&b, q_len, kv_len, rng() % b.geo.num_layers, causal, base_e, scale, &rng);
+    }
+    gpu_test::FinishBatch(&b, rng() % 4 == 0 ? 3.f : 1.f, &rng);
+    const int variant = b.geo.head_dim == 128 ? static_cast<int>(rng() % 2) : 0;
+    const bool force_split = rng() % 3 == 0;
+    const int min_chunk = 64 << (rng() % 3);
+    const RunResult r = RunAndCheck(b, variant, force_split, min_chunk);
+    splits += r.split;
+    ASSERT_EQ(r.error, "") << "batch " << it << ": " << Describe(b, variant, r.split);
+  }
+  EXPECT_GT(splits, 20) << "too few batches exercised split-KV";
+}
+
+TEST(PagedPrefillCuda, LongKvForcesSplit) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(7);
+  HostBatch b;
+  b.geo.head_dim = 128;
+  b.geo.num_qo_heads = 8;
+  b.geo.num_kv_heads = 1;
+  b.geo.page_size = 16;
+  b.geo.dtype = KvDType::kBf16;
+  b.geo.num_layers = 2;
+  b.geo.num_pages = 4500;  // 72,000 slots per layer
+  gpu_test::MakePools(&b, &rng);
+  gpu_test::AddSeq(&b, 7, 70001, 1, true, false, 1 / std::sqrt(128.f), &rng);
+  gpu_test::AddSeq(&b, 3, 66000, 0, false, true, 0.1f, &rng);
+  gpu_test::AddSeq(&b, 1, 100, 0, true, false, 1 / std::sqrt(128.f), &rng);
+  gpu_test::FinishBatch(&b, 2.f, &rng);
+  const RunResult r = RunAndCheck(b, 0, false, 512);
+  EXPECT_TRUE(r.split) << "a 70k-token KV with 10 query rows must be split";
+  EXPECT_EQ(r.error, "") << Describe(b, 0, r.split);
+}
+
+TEST(PagedPrefillCuda, DenseLargeTiles) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  // Several full tiles per sequence, both kernel variants, 32/4 heads.
+  std::mt19937_64 rng(11);
+  for (int variant = 0; variant < 2; ++variant) {
+    HostBatch b;
+    b.geo.head_dim = 128;
+    b.geo.num_qo_heads = 32;
+    b.geo.num_kv_heads = 4;
+    b.geo.page_size = 1;
+    b.geo.dtype = KvDType::kBf16;
+    b.geo.num_layers = 1;
+    b.geo.num_pages = 3000;
+    gpu_test::MakePools(&b, &rng);
+    gpu_test::AddSeq(&b, 300, 1000, 0, true, false, 1 / std::sqrt(128.f), &rng);
+    gpu_test::AddSeq(&b, 257, 257, 0, true, false, 1 / std::sqrt(128.f), &rng);
+    gpu_test::FinishBatch(&b, 1.f, &rng);
+    const RunResult r = RunAndCheck(b, variant, false, 512);
+    EXPECT_EQ(r.error, "") << Describe(b, variant, r.split);
+  }
+}
+
+TEST(MergeStatesCuda, RandomStatesWithNegInf) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(3);
+  for (int it = 0; it < 40; ++it) {
+    const KvDType dt = it % 2 ? KvDType::kBf16 : KvDType::kFp16;
+    const int dims[] = {64, 128, 256, 8, 20};
+    const int d = dims[it % 5];
+    const int h = 1 + rng() % 8;
+    const int64_t n = 1 + rng() % 300;
+    const int ns = 1 + rng() % 5;
+    const bool base_e = rng() % 2;
+    std::vector<std::vector<uint16_t>> vs(ns, std::vector<uint16_t>(n * h * d));
+    std::vector<std::vector<float>> ls(ns, std::vector<float>(n * h));
+    std::normal_distribution<float> nd(0.f, 3.f);
+    for (int s = 0; s < ns; ++s) {
+      gpu_test::FillRandom(&vs[s], dt, 1.f, &rng);
+      for (auto& x : ls[s]) x = rng() % 5 == 0 ? -INFINITY : nd(rng);
+    }
+    for (int64_t r = 0; r < n * h; r += 7) {  // some rows all -inf
+      for (int s = 0; s < ns; ++s) ls[s][r] = -INFINITY;
+    }
+    std::vector<DeviceBuffer<uint16_t>*> dv;
+    std::vector<DeviceBuffer<float>*> dl;
+    std::vector<const void*> vptr;
+    std::vector<const float*> lptr;
+    for (int s = 0; s < ns; ++s) {
+      dv.push_back(new DeviceBuffer<uint16_t>(vs[s].size()));
+      dl.push_back(new DeviceBuffer<float>(ls[s].size()));
+      dv.back()->Upload(vs[s]);
+      dl.back()->Upload(ls[s]);
+      vptr.push_back(dv.back()->ptr);
+      lptr.push_back(dl.back()->ptr);
+    }
+    DeviceBuffer<const void*> d_vptr(ns);
+    DeviceBuffer<const float*> d_lptr(ns);
+    d_vptr.Upload(vptr);
+    d_lptr.Upload(lptr);
+    DeviceBuffer<uint16_t> out(n * h * d);
+    DeviceBuffer<float> out_lse(n * h);
+    out.Poison();
+    out_lse.Poison();
+    MergeStatesParams p;
+    p.v = d_vptr.ptr;
+    p.lse = d_lptr.ptr;
+    p.num_states = ns;
+    p.v_out = out.ptr;
+    p.lse_out = out_lse.ptr;
+    p.n = n;
+    p.h = h;
+    p.d = d;
+    p.dtype = dt;
+    p.lse_base_e = base_e;
+    ASSERT_CUDA(MergeStatesCuda(p, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<double> o_ref(n * h * d, 0.0), l_ref(n * h, -INFINITY);
+    const double to2 = base_e ? 1 / std::log(2.0) : 1.0;
+    for (int64_t r = 0; r < n * h; ++r) {
+      double m = -INFINITY;
+      for (int s = 0; s < ns; ++s) m = std::max(m, double(ls[s][r]) * to2);
+      if (m == -INFINITY) continue;
+      double ws = 0;
+      for (int s = 0; s < ns; ++s) {
+        if (ls[s][r] == -INFINITY) continue;
+        const double w = std::exp2(double(ls[s][r]) * to2 - m);
+        ws += w;
+        for (int e = 0; e < d; ++e) o_ref[r * d + e] += w * gpu_test::FromHalfBits(dt, vs[s][r * d + e]);
+      }
+      for (int e = 0; e < d; ++e) o_ref[r * d + e] /= ws;
+      l_ref[r] = (m + std::log2(ws)) / to2;
+    }
+    EXPECT_EQ(gpu_test::Compare(dt, out.Download(), out_lse.Download(), o_ref, l_ref), "")
+        << "iteration " << it << " d=" << d << " states=" << ns;
+    for (auto* x : dv) delete x;
+    for (auto* x : dl) delete x;
+  }
+}
+
+TEST(AppendKvCuda, ScatterThenGatherRoundTrips) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(5);
+  for (int ps : {1, 16}) {
+    KvGeometry g;
+    g.num_layers = 3;
+    g.num_pages = 64;
+    g.page_size = ps;
+    g.num_qo_heads = 8;
+    g.num_kv_heads = 2;
+    g.head_dim = 128;
+    DeviceBuffer<uint16_t> kc(g.PoolElems()), vc(g.PoolElems());
+    ASSERT_CUDA(cudaMemset(kc.ptr, 0, g.PoolElems() * 2));
+    ASSERT_CUDA(cudaMemset(vc.ptr, 0, g.PoolElems() * 2));
+    // Unique random slots in layer 2, written through layer-global slots.
+    std::vector<int64_t> slots(g.SlotsPerLayer());
+    for (size_t i = 0; i < slots.size(); ++i) slots[i] = i;
+    std::shuffle(slots.begin(), slots.end(), rng);
+    slots.resize(slots.size() / 2);
+    const int64_t n = slots.size();
+    std::vector<int64_t> global(slots);
+    for (auto& s : global) s += 2 * g.SlotsPerLayer();
+    std::vector<uint16_t> k(n * g.RowElems()), v(n * g.RowElems());
+    gpu_test::FillRandom(&k, KvDType::kBf16, 1.f, &rng);
+    gpu_test::FillRandom(&v, KvDType::kBf16, 1.f, &rng);
+    DeviceBuffer<int64_t> ds(n), dg(n);
+    ds.Upload(slots);
+    dg.Upload(global);
+    DeviceBuffer<uint16_t> dk(k.size()), dv(v.size()), gk(k.size()), gv(v.size());
+    dk.Upload(k);
+    dv.Upload(v);
+    gk.Poison();
+    gv.Poison();
+    AppendKvParams a;
+    a.k_cache = kc.ptr;
+    a.v_cache = vc.ptr;
+    a.k = dk.ptr;
+    a.v = dv.ptr;
+    a.slots = dg.ptr;
+    a.n = n;
+    a.layer = 0;
+    a.geo = g;
+    ASSERT_CUDA(AppendKvCuda(a, nullptr));
+    GatherKvParams gp;
+    gp.k_cache = kc.ptr;
+    gp.v_cache = vc.ptr;
+    gp.k = gk.ptr;
+    gp.v = gv.ptr;
+    gp.slots = ds.ptr;
+    gp.n = n;
+    gp.layer = 2;
+    gp.geo = g;
+    ASSERT_CUDA(GatherKvCuda(gp, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    EXPECT_EQ(gk.Download(), k);
+    EXPECT_EQ(gv.Download(), v);
+    // Layers 0 and 1 untouched.
+    std::vector<uint16_t> pool = kc.Download();
+    for (int64_t i = 0; i < 2 * g.LayerElems(); ++i) ASSERT_EQ(pool[i], 0) << i;
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
