@@ -1,0 +1,345 @@
+// attnserve_kernel_bench: times the CUDA kernels on the ANCHORS.md workloads.
+//
+// Paged prefill (one attention launch + the merge launch when split) for the
+// four anchor workloads and a sweep of sequence lengths / decode batch sizes,
+// 32 query heads / 4 KV heads / head_dim 128 / bf16 / causal, page ids in
+// random order, page_size 1 and 16; and the N-way merge at 65,536 and 512
+// tokens x 32 heads x 128. CUDA events, warm-up, median of repeats, input
+// sets rotated when one set fits in L2. FLOPs as ANCHORS.md counts them:
+// 4 * head_dim * num_qo_heads * (visible (query, key) pairs).
+//
+// Usage: attnserve_kernel_bench [--quick] [--variant=N]
+// Prints one "RESULT key=value ..." line per measurement, then a table.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/merge_states_cuda.h"
+#include "kernels/paged_prefill_cuda.h"
+
+namespace attnserve {
+namespace {
+
+#define CHECK_CUDA(expr)                                                             \
+  do {                                                                               \
+    cudaError_t e_ = (expr);                                                         \
+    if (e_ != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                  \
+    }                                                                                \
+  } while (0)
+
+constexpr int kH = 32, kKvh = 4, kD = 128;
+
+struct Workload {
+  std::string name;
+  int batch, q_len, kv_len;
+};
+
+struct Result {
+  std::string name;
+  int page_size = 0;
+  int variant = 0;
+  double ms = 0;
+  double tflops = 0;
+  double kv_tbs = 0;  // K/V bytes read / time
+  size_t items = 0;
+  bool split = false;
+};
+
+// Fills n bf16 values with N(0, 1) using a simple device-side generator-free
+// path: host random, uploaded once (never zeros).
+void FillRandomBf16(void* dst, size_t n, uint64_t seed) {
+  std::vector<uint16_t> h(std::min<size_t>(n, size_t{1} << 24));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (auto& x : h) {
+    float f = nd(rng);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7fff + ((u >> 16) & 1);
+    x = static_cast<uint16_t>(u >> 16);
+  }
+  for (size_t off = 0; off < n; off += h.size()) {
+    const size_t c = std::min(h.size(), n - off);
+    CHECK_CUDA(cudaMemcpy(static_cast<uint16_t*>(dst) + off, h.data(), c * 2, cudaMemcpyHostToDevice));
+  }
+}
+
+double Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int NumSms() {
+  int dev = 0, sms = 0;
+  CHECK_CUDA(cudaGetDevice(&dev));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+int L2Bytes() {
+  int dev = 0, l2 = 0;
+  CHECK_CUDA(cudaGetDevice(&dev));
+  CHECK_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+  return l2;
+}
+
+Result RunPrefill(const Workload& w, int page_size, int variant, int repeats) {
+  Result res;
+  res.name = w.name;
+  res.page_size = page_size;
+  res.variant = variant;
+  KvGeometry g;
+  g.num_layers = 1;
+  g.page_size = page_size;
+  g.num_qo_heads = kH;
+  g.num_kv_heads = kKvh;
+  g.head_dim = kD;
+  g.dtype = KvDType::kBf16;
+  const int pages_per_seq = (w.kv_len + page_size - 1) / page_size;
+  g.num_pages = pages_per_seq * w.batch;
+
+  std::vector<PrefillSeq> seqs(w.batch);
+  std::vector<int32_t> idx(size_t(pages_per_seq) * w.batch);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::mt19937_64 rng(42);
+  std::shuffle(idx.begin(), idx.end(), rng);  // random page order
+  double pairs = 0;
+  for (int b = 0; b < w.batch; ++b) {
+    PrefillSeq& s = seqs[b];
+    s.q_start = b * w.q_len;
+    s.q_len = w.q_len;
+    s.kv_start = b * pages_per_seq;
+    s.kv_len = w.kv_len;
+    s.sm_scale = 1.f / std::sqrt(float(kD));
+    s.causal = 1;
+    for (int i = 0; i < w.q_len; ++i) pairs += std::min(w.kv_len, std::max(0, i + w.kv_len - w.q_len + 1));
+  }
+  const double flops = 4.0 * kD * kH * pairs;
+  const double kv_bytes = 2.0 * w.batch * double(w.kv_len) * kKvh * kD * 2;
+
+  PrefillPlanOptions opt;
+  opt.num_sms = NumSms();
+  opt.ctas_per_sm = PrefillCtasPerSm(kD, KvDType::kBf16, variant);
+  opt.tile_rows = PrefillTileRows(kD, variant);
+  opt.max_partial_pairs = int64_t{4} * opt.num_sms * opt.ctas_per_sm * opt.tile_rows;
+  PrefillPlan plan;
+  BuildPrefillPlan(seqs.data(), w.batch, g, opt, &plan);
+  res.items = plan.items.size();
+  res.split = !plan.merges.empty();
+
+  const size_t q_elems = size_t(w.batch) * w.q_len * kH * kD;
+  const size_t pool_elems = g.PoolElems();
+  const size_t set_bytes = (q_elems + 2 * pool_elems) * 2;
+  const int sets = set_bytes * 2 < size_t(L2Bytes()) * 4 ? 4 : 1;
+  std::vector<void*> qs(sets), ks(sets), vs(sets);
+  for (int i = 0; i < sets; ++i) {
+    CHECK_CUDA(cudaMalloc(&qs[i], q_elems * 2));
+    CHECK_CUDA(cudaMalloc(&ks[i], pool_elems * 2));
+    CHECK_CUDA(cudaMalloc(&vs[i], pool_elems * 2));
+    FillRandomBf16(qs[i], q_elems, 1 + i);
+    FillRandomBf16(ks[i], pool_elems, 100 + i);
+    FillRandomBf16(vs[i], pool_elems, 200 + i);
+  }
+  void *o, *lse, *d_idx, *d_seqs, *d_items, *d_merges, *part_o, *part_lse;
+  CHECK_CUDA(cudaMalloc(&o, q_elems * 2));
+  CHECK_CUDA(cudaMalloc(&lse, size_t(w.batch) * w.q_len * kH * 4));
+  CHECK_CUDA(cudaMalloc(&d_idx, idx.size() * 4));
+  CHECK_CUDA(cudaMalloc(&d_seqs, seqs.size() * sizeof(PrefillSeq)));
+  CHECK_CUDA(cudaMalloc(&d_items, plan.items.size() * sizeof(PrefillWorkItem)));
+  CHECK_CUDA(cudaMalloc(&d_merges, std::max<size_t>(1, plan.merges.size()) * sizeof(SplitMergeSeq)));
+  CHECK_CUDA(cudaMalloc(&part_o, std::max<int64_t>(1, plan.partial_pairs) * kD * 4));
+  CHECK_CUDA(cudaMalloc(&part_lse, std::max<int64_t>(1, plan.partial_pairs) * 4));
+  CHECK_CUDA(cudaMemcpy(d_idx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_seqs, seqs.data(), seqs.size() * sizeof(PrefillSeq), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(d_items, plan.items.data(), plan.items.size() * sizeof(PrefillWorkItem),
+                        cudaMemcpyHostToDevice));
+  if (!plan.merges.empty()) {
+    CHECK_CUDA(cudaMemcpy(d_merges, plan.merges.data(), plan.merges.size() * sizeof(SplitMergeSeq),
+                          cudaMemcpyHostToDevice));
+  }
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::vector<float> times;
+  for (int r = 0; r < repeats + 3; ++r) {
+    const int s = r % sets;
+    PagedPrefillParams p;
+    p.q = qs[s];
+    p.o = o;
+    p.lse = static_cast<float*>(lse);
+    p.k_cache = ks[s];
+    p.v_cache = vs[s];
+    p.kv_indices = static_cast<int32_t*>(d_idx);
+    p.seqs = static_cast<PrefillSeq*>(d_seqs);
+    p.num_seqs = w.batch;
+    p.total_q = w.batch * w.q_len;
+    p.geo = g;
+    CHECK_CUDA(cudaEventRecord(e0));
+    CHECK_CUDA(PagedPrefillCuda(p, static_cast<PrefillWorkItem*>(d_items), static_cast<int32_t>(plan.items.size()),
+                                static_cast<float*>(part_o), static_cast<float*>(part_lse), variant, nullptr));
+    if (!plan.merges.empty()) {
+      CHECK_CUDA(MergeSplitsCuda(p, static_cast<SplitMergeSeq*>(d_merges), static_cast<int32_t>(plan.merges.size()),
+                                 plan.merge_pairs, static_cast<float*>(part_o), static_cast<float*>(part_lse),
+                                 nullptr));
+    }
+    CHECK_CUDA(cudaEventRecord(e1));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (r >= 3) times.push_back(ms);
+  }
+  // Sanity: no NaN in the output LSE of the last run.
+  std::vector<float> h_lse(size_t(w.batch) * w.q_len * kH);
+  CHECK_CUDA(cudaMemcpy(h_lse.data(), lse, h_lse.size() * 4, cudaMemcpyDeviceToHost));
+  for (float x : h_lse) {
+    if (std::isnan(x)) {
+      std::fprintf(stderr, "NaN LSE in %s\n", w.name.c_str());
+      std::exit(1);
+    }
+  }
+  res.ms = Median(times);
+  res.tflops = flops / (res.ms * 1e-3) / 1e12;
+  res.kv_tbs = kv_bytes / (res.ms * 1e-3) / 1e12;
+  for (int i = 0; i < sets; ++i) {
+    cudaFree(qs[i]);
+    cudaFree(ks[i]);
+    cudaFree(vs[i]);
+  }
+  for (void* p : {o, lse, d_idx, d_seqs, d_items, d_merges, part_o, part_lse}) cudaFree(p);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::printf("RESULT kernel=prefill workload=%s batch=%d q=%d kv=%d page_size=%d variant=%d ms=%.4f tflops=%.1f "
+              "kv_tbs=%.2f items=%zu split=%d\n",
+              w.name.c_str(), w.batch, w.q_len, w.kv_len, page_size, variant, res.ms, res.tflops, res.kv_tbs,
+              res.items, res.split ? 1 : 0);
+  std::fflush(stdout);
+  return res;
+}
+
+// Two bf16 states (n, 32, 128) -> one; bytes = states read + output written.
+void RunMerge(int64_t n, int repeats) {
+  const int h = 32, d = 128, ns = 2;
+  const size_t elems = size_t(n) * h * d;
+  const double bytes = (ns + 1.0) * elems * 2 + (ns + 1.0) * n * h * 4;
+  const int sets = bytes * 2 < double(L2Bytes()) * 4 ? 16 : 1;
+  struct Set {
+    void* v[2];
+    float* l[2];
+    const void** dv;
+    const float** dl;
+  };
+  std::vector<Set> all(sets);
+  for (auto& s : all) {
+    for (int i = 0; i < ns; ++i) {
+      CHECK_CUDA(cudaMalloc(&s.v[i], elems * 2));
+      FillRandomBf16(s.v[i], elems, 7 + i);
+      CHECK_CUDA(cudaMalloc(&s.l[i], size_t(n) * h * 4));
+      std::vector<float> hl(size_t(n) * h);
+      std::mt19937 rng(i);
+      std::normal_distribution<float> nd(0.f, 2.f);
+      for (auto& x : hl) x = nd(rng);
+      CHECK_CUDA(cudaMemcpy(s.l[i], hl.data(), hl.size() * 4, cudaMemcpyHostToDevice));
+    }
+    CHECK_CUDA(cudaMalloc(&s.dv, sizeof(void*) * ns));
+    CHECK_CUDA(cudaMalloc(&s.dl, sizeof(float*) * ns));
+    CHECK_CUDA(cudaMemcpy(s.dv, s.v, sizeof(void*) * ns, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(s.dl, s.l, sizeof(float*) * ns, cudaMemcpyHostToDevice));
+  }
+  void *out, *out_lse;
+  CHECK_CUDA(cudaMalloc(&out, elems * 2));
+  CHECK_CUDA(cudaMalloc(&out_lse, size_t(n) * h * 4));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::vector<float> times;
+  for (int r = 0; r < repeats + 3; ++r) {
+    const Set& s = all[r % sets];
+    MergeStatesParams p;
+    p.v = s.dv;
+    p.lse = s.dl;
+    p.num_states = ns;
+    p.v_out = out;
+    p.lse_out = static_cast<float*>(out_lse);
+    p.n = n;
+    p.h = h;
+    p.d = d;
+    CHECK_CUDA(cudaEventRecord(e0));
+    CHECK_CUDA(MergeStatesCuda(p, nullptr));
+    CHECK_CUDA(cudaEventRecord(e1));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (r >= 3) times.push_back(ms);
+  }
+  const double ms = Median(times);
+  std::printf("RESULT kernel=merge tokens=%lld states=2 ms=%.4f us=%.1f tbs=%.2f\n", static_cast<long long>(n), ms,
+              ms * 1e3, bytes / (ms * 1e-3) / 1e12);
+  std::fflush(stdout);
+  for (auto& s : all) {
+    for (int i = 0; i < ns; ++i) {
+      cudaFree(s.v[i]);
+      cudaFree(s.l[i]);
+    }
+    cudaFree(s.dv);
+    cudaFree(s.dl);
+  }
+  cudaFree(out);
+  cudaFree(out_lse);
+}
+
+}  // namespace
+}  // namespace attnserve
+
+int main(int argc, char** argv) {
+  using namespace attnserve;
+  bool quick = false;
+  int only_variant = -1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strncmp(argv[i], "--variant=", 10) == 0) only_variant = std::atoi(argv[i] + 10);
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  const int reps = quick ? 5 : 20;
+  const std::vector<Workload> anchors = {
+      {"long", 1, 16384, 16384}, {"batch", 16, 2048, 2048}, {"prefix", 32, 512, 4096}, {"decode", 64, 1, 4096}};
+  std::vector<Result> results;
+  for (int variant : {0, 1}) {
+    if (only_variant >= 0 && variant != only_variant) continue;
+    for (int ps : {1, 16}) {
+      for (const auto& w : anchors) results.push_back(RunPrefill(w, ps, variant, reps));
+    }
+  }
+  // Sweep: 16k query tokens split into sequences of 512..16k; decode batches.
+  const int best_variant = only_variant >= 0 ? only_variant : 0;
+  for (int len = 512; len <= 16384; len *= 2) {
+    RunPrefill({"sweep_len" + std::to_string(len), 16384 / len, len, len}, 1, best_variant, reps);
+  }
+  for (int b : {1, 8, 32, 128, 256}) {
+    RunPrefill({"sweep_decode_b" + std::to_string(b), b, 1, 4096}, 1, best_variant, reps);
+  }
+  for (int b : {1, 4, 16}) {
+    RunPrefill({"sweep_prefix_b" + std::to_string(b), b, 512, 4096}, 1, best_variant, reps);
+  }
+  RunMerge(65536, reps * 2);
+  RunMerge(512, reps * 5);
+
+  std::printf("\n%-8s %3s %3s %10s %10s %10s %7s %5s\n", "workload", "ps", "var", "ms", "TFLOP/s", "KV TB/s", "items",
+              "split");
+  for (const auto& r : results) {
+    std::printf("%-8s %3d %3d %10.4f %10.1f %10.2f %7zu %5d\n", r.name.c_str(), r.page_size, r.variant, r.ms, r.tflops,
+                r.kv_tbs, r.items, r.split ? 1 : 0);
+  }
+  return 0;
+}
