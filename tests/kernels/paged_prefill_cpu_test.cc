@@ -1,0 +1,558 @@
+// PagedPrefillCpu and AppendKvCpu / GatherKvCpu against a float64 reference
+// written here from the FlashInfer-Bench definition
+// (gqa_paged_prefill_causal_h32_kv4_d128_ps1, generalised as in DESIGN.md
+// section 3): GQA, bottom-right causal mask, base-2 LSE by default, output 0
+// and LSE -inf for a row that sees nothing.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/append_kv.h"
+#include "kernels/dtype.h"
+#include "kernels/paged_prefill.h"
+#include "tests/kernels/kernel_test_util.h"
+
+namespace attnserve {
+namespace {
+
+using testing_util::DTypeName;
+using testing_util::IsPoisonFloat;
+using testing_util::IsPoisonHalf;
+using testing_util::kNegInf;
+using testing_util::Poison;
+using testing_util::RandomNonzeroHalves;
+using testing_util::RelNormError;
+
+// One sequence of a test batch. `pages` empty: drawn at random (with
+// replacement, so ids repeat and come in any order).
+struct SeqSpec {
+  int32_t q_len = 0;
+  int32_t kv_len = 0;
+  int32_t layer = 0;
+  float sm_scale = 0.f;
+  bool causal = true;
+  bool lse_base_e = false;
+  std::vector<int32_t> pages;
+};
+
+// A whole kernel input: pools, queries and the ragged batch.
+struct Problem {
+  KvGeometry geo;
+  std::vector<uint16_t> k_cache, v_cache;  // (num_layers, num_pages, page_size, Hkv, D)
+  std::vector<uint16_t> q;                 // (total_q, Hq, D)
+  std::vector<int32_t> kv_indices;
+  std::vector<PrefillSeq> seqs;
+  int32_t total_q = 0;
+};
+
+int32_t PagesFor(int32_t kv_len, int32_t page_size) {
+  return (kv_len + page_size - 1) / page_size;
+}
+
+Problem MakeProblem(std::mt19937_64& gen, const KvGeometry& geo,
+                    const std::vector<SeqSpec>& specs) {
+  Problem p;
+  p.geo = geo;
+  p.k_cache = RandomNonzeroHalves(gen, geo.dtype, geo.PoolElems());
+  p.v_cache = RandomNonzeroHalves(gen, geo.dtype, geo.PoolElems());
+  std::uniform_int_distribution<int32_t> page_dist(0, geo.num_pages - 1);
+  for (const SeqSpec& s : specs) {
+    PrefillSeq seq;
+    seq.q_start = p.total_q;
+    seq.q_len = s.q_len;
+    seq.kv_start = static_cast<int32_t>(p.kv_indices.size());
+    seq.kv_len = s.kv_len;
+    seq.layer = s.layer;
+    seq.sm_scale = s.sm_scale;
+    seq.causal = s.causal ? 1 : 0;
+    seq.lse_base_e = s.lse_base_e ? 1 : 0;
+    const int32_t num_pages = PagesFor(s.kv_len, geo.page_size);
+    if (!s.pages.empty()) {
+      EXPECT_EQ(static_cast<int32_t>(s.pages.size()), num_pages);
+      p.kv_indices.insert(p.kv_indices.end(), s.pages.begin(), s.pages.end());
+    } else {
+      for (int32_t i = 0; i < num_pages; ++i) p.kv_indices.push_back(page_dist(gen));
+    }
+    p.seqs.push_back(seq);
+    p.total_q += s.q_len;
+  }
+  p.q = RandomNonzeroHalves(gen, geo.dtype,
+                            int64_t{p.total_q} * geo.num_qo_heads * geo.head_dim);
+  return p;
+}
+
+// float64 reference, written from the definition: for each sequence, the
+// logits of every (row, head) against all kv_len positions, masked to -inf
+// where the bottom-right causal mask hides them; softmax over the rest.
+void Reference(const Problem& p, std::vector<double>* o, std::vector<double>* lse) {
+  const KvGeometry& g = p.geo;
+  const int64_t hq = g.num_qo_heads, hkv = g.num_kv_heads, d = g.head_dim, ps = g.page_size;
+  const int64_t group = hq / hkv;
+  o->assign(int64_t{p.total_q} * hq * d, 0.0);
+  lse->assign(int64_t{p.total_q} * hq, kNegInf);
+  auto half = [&](uint16_t x) { return static_cast<double>(HalfToFloat(g.dtype, x)); };
+  for (const PrefillSeq& s : p.seqs) {
+    const int64_t delta = int64_t{s.kv_len} - s.q_len;
+    for (int64_t i = 0; i < s.q_len; ++i) {
+      const int64_t row = s.q_start + i;
+      for (int64_t h = 0; h < hq; ++h) {
+        const int64_t kv_head = h / group;
+        std::vector<double> logits(s.kv_len, kNegInf);
+        double m = kNegInf;
+        for (int64_t j = 0; j < s.kv_len; ++j) {
+          if (s.causal && j > i + delta) continue;
+          const int64_t page = p.kv_indices[s.kv_start + j / ps];
+          const int64_t k_off =
+              (((int64_t{s.layer} * g.num_pages + page) * ps + j % ps) * hkv + kv_head) * d;
+          double dot = 0;
+          for (int64_t c = 0; c < d; ++c) {
+            dot += half(p.q[(row * hq + h) * d + c]) * half(p.k_cache[k_off + c]);
+          }
+          logits[j] = dot * static_cast<double>(s.sm_scale);
+          m = std::max(m, logits[j]);
+        }
+        if (m == kNegInf) continue;  // sees nothing: output 0, LSE -inf
+        double sum = 0;
+        double* out = o->data() + (row * hq + h) * d;
+        for (int64_t j = 0; j < s.kv_len; ++j) {
+          if (logits[j] == kNegInf) continue;
+          const double w = std::exp(logits[j] - m);
+          sum += w;
+          const int64_t page = p.kv_indices[s.kv_start + j / ps];
+          const int64_t v_off =
+              (((int64_t{s.layer} * g.num_pages + page) * ps + j % ps) * hkv + kv_head) * d;
+          for (int64_t c = 0; c < d; ++c) out[c] += w * half(p.v_cache[v_off + c]);
+        }
+        for (int64_t c = 0; c < d; ++c) out[c] /= sum;
+        const double lse_e = m + std::log(sum);
+        (*lse)[row * hq + h] = s.lse_base_e ? lse_e : lse_e / std::log(2.0);
+      }
+    }
+  }
+}
+
+// What a run produced: outputs with one poisoned guard row past the end.
+struct Output {
+  std::vector<uint16_t> o;  // (total_q + 1, Hq, D)
+  std::vector<float> lse;   // (total_q + 1, Hq)
+};
+
+Output RunKernel(const Problem& p) {
+  const KvGeometry& g = p.geo;
+  Output out;
+  out.o.resize(int64_t{p.total_q + 1} * g.num_qo_heads * g.head_dim);
+  out.lse.resize(int64_t{p.total_q + 1} * g.num_qo_heads);
+  Poison(out.o);
+  Poison(out.lse);
+  PagedPrefillParams params;
+  params.q = p.q.data();
+  params.o = out.o.data();
+  params.lse = out.lse.data();
+  params.k_cache = p.k_cache.data();
+  params.v_cache = p.v_cache.data();
+  params.kv_indices = p.kv_indices.data();
+  params.seqs = p.seqs.data();
+  params.num_seqs = static_cast<int32_t>(p.seqs.size());
+  params.total_q = p.total_q;
+  params.geo = g;
+  PagedPrefillCpu(params);
+  return out;
+}
+
+// Counts of the edge cases a problem exercised, so that a test can prove it
+// covered what it claims.
+struct Coverage {
+  int64_t blind_rows = 0;   // (row, head) pairs that see nothing
+  int64_t seen_rows = 0;
+};
+
+// Checks a run against the reference with DESIGN.md's tolerances; returns
+// what was covered.
+Coverage CheckAgainstReference(const Problem& p, const Output& out) {
+  const KvGeometry& g = p.geo;
+  const int64_t hq = g.num_qo_heads, d = g.head_dim;
+  std::vector<double> o_ref, lse_ref;
+  Reference(p, &o_ref, &lse_ref);
+  Coverage cov;
+
+  // Nothing written past total_q.
+  bool guard_intact = true;
+  for (int64_t c = 0; c < hq * d; ++c) {
+    guard_intact &= IsPoisonHalf(out.o[int64_t{p.total_q} * hq * d + c]);
+  }
+  for (int64_t h = 0; h < hq; ++h) {
+    guard_intact &= IsPoisonFloat(out.lse[int64_t{p.total_q} * hq + h]);
+  }
+  EXPECT_TRUE(guard_intact) << "o or lse written past total_q";
+
+  const int64_t n_o = int64_t{p.total_q} * hq * d;
+  const double rel = RelNormError(g.dtype, out.o.data(), o_ref.data(), n_o);
+  EXPECT_LT(rel, 1e-2) << "relative norm error of o over the whole tensor";
+
+  int failures = 0;
+  for (int64_t r = 0; r < int64_t{p.total_q} * hq && failures < 10; ++r) {
+    const float got = out.lse[r];
+    const uint16_t* o_row = out.o.data() + r * d;
+    if (lse_ref[r] == kNegInf) {
+      ++cov.blind_rows;
+      bool zero = true;
+      for (int64_t c = 0; c < d; ++c) zero &= HalfToFloat(g.dtype, o_row[c]) == 0.f;
+      if (!(got == -std::numeric_limits<float>::infinity()) || !zero) {
+        ADD_FAILURE() << "row " << r / hq << " head " << r % hq
+                      << " sees nothing: want o = 0 and lse = -inf, got lse " << got
+                      << (zero ? "" : " and nonzero o");
+        ++failures;
+      }
+      continue;
+    }
+    ++cov.seen_rows;
+    const double row_rel = RelNormError(g.dtype, o_row, o_ref.data() + r * d, d);
+    if (!std::isfinite(got) || std::abs(got - lse_ref[r]) >= 1e-3 || !(row_rel < 2e-2)) {
+      ADD_FAILURE() << "row " << r / hq << " head " << r % hq << ": lse " << got << " want "
+                    << lse_ref[r] << ", o row relative error " << row_rel;
+      ++failures;
+    }
+  }
+  return cov;
+}
+
+// ------------------------------------------------------------ random configs
+
+enum class Mode { kOn, kOff, kMixed };
+
+struct Config {
+  std::string name;
+  int32_t page_size;
+  int32_t head_dim;
+  int32_t num_qo_heads;
+  int32_t num_kv_heads;
+  KvDType dtype;
+  Mode causal;
+  Mode lse_base_e;
+  int32_t num_layers;
+  int32_t random_seqs;  // besides the forced edge cases
+  int32_t max_q_len;
+  int32_t max_kv_len;
+};
+
+std::string ConfigName(const ::testing::TestParamInfo<Config>& info) { return info.param.name; }
+void PrintTo(const Config& c, std::ostream* os) { *os << c.name; }
+
+bool Draw(std::mt19937_64& gen, Mode mode) {
+  if (mode == Mode::kMixed) return std::bernoulli_distribution(0.5)(gen);
+  return mode == Mode::kOn;
+}
+
+// Forced edge cases plus random sequences, shuffled.
+std::vector<SeqSpec> MakeSpecs(std::mt19937_64& gen, const Config& c) {
+  const int32_t ps = c.page_size;
+  std::uniform_int_distribution<int32_t> q_dist(1, c.max_q_len);
+  std::uniform_int_distribution<int32_t> kv_dist(1, c.max_kv_len);
+  std::vector<SeqSpec> specs;
+  auto add = [&](int32_t q_len, int32_t kv_len) {
+    SeqSpec s;
+    s.q_len = q_len;
+    s.kv_len = kv_len;
+    specs.push_back(s);
+  };
+  add(0, kv_dist(gen));   // no query rows
+  add(q_dist(gen), 0);    // no pages: every row sees nothing
+  add(0, 0);              // nothing at all
+  // More rows than KV tokens: under the causal mask the first rows see nothing.
+  // kv_len is made a partial last page where page_size allows.
+  {
+    int32_t kv = std::max(1, std::min(c.max_kv_len, ps + ps / 2 + 1));
+    add(kv + 1 + q_dist(gen) % 8, kv);
+  }
+  add(q_dist(gen), std::max(1, c.max_kv_len / ps) * ps);  // exactly full last page
+  add(1, kv_dist(gen));                                   // a decode row
+  add(c.max_q_len, c.max_q_len);                          // square causal block
+  for (int32_t i = 0; i < c.random_seqs; ++i) add(q_dist(gen), kv_dist(gen));
+  std::shuffle(specs.begin(), specs.end(), gen);
+  std::uniform_int_distribution<int32_t> layer_dist(0, c.num_layers - 1);
+  std::uniform_real_distribution<float> scale_dist(0.5f, 1.5f);
+  for (SeqSpec& s : specs) {
+    s.layer = layer_dist(gen);
+    s.sm_scale = scale_dist(gen) / std::sqrt(static_cast<float>(c.head_dim));
+    s.causal = Draw(gen, c.causal);
+    s.lse_base_e = Draw(gen, c.lse_base_e);
+  }
+  return specs;
+}
+
+class PagedPrefillRandomTest : public ::testing::TestWithParam<Config> {};
+
+TEST_P(PagedPrefillRandomTest, MatchesFloat64Reference) {
+  const Config& c = GetParam();
+  std::mt19937_64 gen(std::hash<std::string>()(c.name));
+  const std::vector<SeqSpec> specs = MakeSpecs(gen, c);
+  int64_t pages_needed = 0;
+  for (const SeqSpec& s : specs) pages_needed += PagesFor(s.kv_len, c.page_size);
+  KvGeometry geo;
+  geo.num_layers = c.num_layers;
+  // Fewer pages than the batch needs: ids repeat within and across sequences.
+  geo.num_pages = static_cast<int32_t>(std::max<int64_t>(4, pages_needed * 2 / 3));
+  geo.page_size = c.page_size;
+  geo.num_qo_heads = c.num_qo_heads;
+  geo.num_kv_heads = c.num_kv_heads;
+  geo.head_dim = c.head_dim;
+  geo.dtype = c.dtype;
+  const Problem p = MakeProblem(gen, geo, specs);
+  const Output out = RunKernel(p);
+  const Coverage cov = CheckAgainstReference(p, out);
+  // The forced edge cases guarantee rows that see nothing and rows that see KV.
+  EXPECT_GT(cov.blind_rows, 0);
+  EXPECT_GT(cov.seen_rows, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Configs, PagedPrefillRandomTest,
+    ::testing::Values(
+        // page_size 1, the FlashInfer-Bench definition's shape (32 x 128, GQA 8).
+        Config{"Ps1H32Kv4D128Bf16Causal", 1, 128, 32, 4, KvDType::kBf16, Mode::kOn, Mode::kOff,
+               2, 3, 40, 160},
+        Config{"Ps16H32Kv4D128Bf16Causal", 16, 128, 32, 4, KvDType::kBf16, Mode::kOn, Mode::kOff,
+               2, 3, 40, 200},
+        // GQA group 1, 4 and 8 at page_size 1 and 16.
+        Config{"Ps1Group1D128Bf16", 1, 128, 4, 4, KvDType::kBf16, Mode::kOn, Mode::kOff, 3, 6,
+               48, 200},
+        Config{"Ps1Group4D64Fp16LseE", 1, 64, 8, 2, KvDType::kFp16, Mode::kOn, Mode::kOn, 3, 6,
+               48, 200},
+        Config{"Ps1Group8D128Fp16NonCausal", 1, 128, 8, 1, KvDType::kFp16, Mode::kOff,
+               Mode::kOff, 2, 5, 48, 150},
+        Config{"Ps16Group1D64Fp16", 16, 64, 4, 4, KvDType::kFp16, Mode::kOn, Mode::kOff, 3, 6,
+               48, 300},
+        Config{"Ps16Group4D128Bf16LseE", 16, 128, 8, 2, KvDType::kBf16, Mode::kOn, Mode::kOn, 3,
+               6, 48, 300},
+        Config{"Ps16Group8D64Bf16NonCausal", 16, 64, 8, 1, KvDType::kBf16, Mode::kOff,
+               Mode::kOff, 3, 6, 48, 300},
+        // head_dim 256 in both dtypes.
+        Config{"Ps16Group2D256Bf16", 16, 256, 4, 2, KvDType::kBf16, Mode::kOn, Mode::kOff, 2, 4,
+               32, 200},
+        Config{"Ps1Group4D256Fp16LseE", 1, 256, 4, 1, KvDType::kFp16, Mode::kOn, Mode::kOn, 2, 4,
+               32, 120},
+        // page_size 128: many partial last pages and sequences inside one page.
+        Config{"Ps128Group4D64Bf16", 128, 64, 8, 2, KvDType::kBf16, Mode::kOn, Mode::kOff, 2, 4,
+               48, 400},
+        Config{"Ps128Group1D128Fp16NonCausalLseE", 128, 128, 4, 4, KvDType::kFp16, Mode::kOff,
+               Mode::kOn, 2, 4, 48, 300},
+        // Every per-sequence setting mixed inside one batch: layers, scales,
+        // masks and LSE bases.
+        Config{"Ps16MixedEverything", 16, 128, 8, 2, KvDType::kBf16, Mode::kMixed, Mode::kMixed,
+               4, 10, 48, 250},
+        Config{"Ps1MixedEverythingFp16", 1, 64, 8, 1, KvDType::kFp16, Mode::kMixed,
+               Mode::kMixed, 4, 10, 32, 120}),
+    ConfigName);
+
+// ------------------------------------------------------------ hand-made cases
+
+KvGeometry SmallGeometry(int32_t page_size, KvDType dtype = KvDType::kBf16) {
+  KvGeometry g;
+  g.num_layers = 2;
+  g.num_pages = 8;
+  g.page_size = page_size;
+  g.num_qo_heads = 8;
+  g.num_kv_heads = 2;
+  g.head_dim = 64;
+  g.dtype = dtype;
+  return g;
+}
+
+SeqSpec Seq(int32_t q_len, int32_t kv_len, std::vector<int32_t> pages = {}, int32_t layer = 0) {
+  SeqSpec s;
+  s.q_len = q_len;
+  s.kv_len = kv_len;
+  s.layer = layer;
+  s.sm_scale = 1.f / 8.f;
+  s.pages = std::move(pages);
+  return s;
+}
+
+// Page ids out of order and repeated, within one sequence and across two.
+TEST(PagedPrefillTest, PagesOutOfOrderAndRepeated) {
+  std::mt19937_64 gen(11);
+  const KvGeometry geo = SmallGeometry(4);
+  const Problem p = MakeProblem(
+      gen, geo, {Seq(5, 15, {6, 1, 6, 0}), Seq(7, 9, {1, 7, 1}, 1), Seq(3, 4, {6})});
+  CheckAgainstReference(p, RunKernel(p));
+}
+
+// With q_len > kv_len under the causal mask exactly the first q_len - kv_len
+// rows see nothing; the rest see 1, 2, ... positions.
+TEST(PagedPrefillTest, CausalRowsBeforeTheKvSeeNothing) {
+  std::mt19937_64 gen(12);
+  const KvGeometry geo = SmallGeometry(16);
+  const Problem p = MakeProblem(gen, geo, {Seq(10, 3, {2})});
+  const Output out = RunKernel(p);
+  const Coverage cov = CheckAgainstReference(p, out);
+  EXPECT_EQ(cov.blind_rows, 7 * geo.num_qo_heads);
+  // Row 7 sees exactly position 0: its output is V[0] of its KV head (rounded).
+  const int64_t d = geo.head_dim;
+  for (int32_t h = 0; h < geo.num_qo_heads; ++h) {
+    const int32_t kv_head = h / (geo.num_qo_heads / geo.num_kv_heads);
+    const uint16_t* v0 = p.v_cache.data() + (int64_t{2} * geo.page_size * 2 + kv_head) * d;
+    for (int64_t c = 0; c < d; ++c) {
+      ASSERT_EQ(out.o[(int64_t{7} * geo.num_qo_heads + h) * d + c], v0[c]) << "head " << h;
+    }
+    EXPECT_TRUE(std::isfinite(out.lse[7 * geo.num_qo_heads + h]));
+  }
+}
+
+// Non-causal, the same rows see every position (nothing is blind).
+TEST(PagedPrefillTest, NonCausalRowsSeeEverything) {
+  std::mt19937_64 gen(13);
+  const KvGeometry geo = SmallGeometry(16);
+  std::vector<SeqSpec> specs = {Seq(10, 3, {2}), Seq(4, 40, {5, 3, 0})};
+  for (SeqSpec& s : specs) s.causal = false;
+  const Problem p = MakeProblem(gen, geo, specs);
+  const Coverage cov = CheckAgainstReference(p, RunKernel(p));
+  EXPECT_EQ(cov.blind_rows, 0);
+}
+
+// A batch of only empty sequences and sequences without pages.
+TEST(PagedPrefillTest, OnlyEmptySequences) {
+  std::mt19937_64 gen(14);
+  const KvGeometry geo = SmallGeometry(1, KvDType::kFp16);
+  std::vector<SeqSpec> specs = {Seq(0, 0), Seq(3, 0), Seq(0, 5, {1, 2, 3, 4, 5}), Seq(2, 0)};
+  specs[3].causal = false;
+  const Problem p = MakeProblem(gen, geo, specs);
+  const Coverage cov = CheckAgainstReference(p, RunKernel(p));
+  EXPECT_EQ(cov.blind_rows, 5 * geo.num_qo_heads);
+  EXPECT_EQ(cov.seen_rows, 0);
+}
+
+// The same sequence in both LSE bases: LSE_e = LSE_2 * ln 2, same output.
+TEST(PagedPrefillTest, LseBasesAgree) {
+  std::mt19937_64 gen(15);
+  const KvGeometry geo = SmallGeometry(16);
+  std::vector<SeqSpec> specs = {Seq(9, 30, {4, 7}), Seq(9, 30, {4, 7})};
+  specs[1].lse_base_e = true;
+  Problem p = MakeProblem(gen, geo, specs);
+  // Both sequences get the same queries.
+  const int64_t row = int64_t{geo.num_qo_heads} * geo.head_dim;
+  std::copy(p.q.begin(), p.q.begin() + 9 * row, p.q.begin() + 9 * row);
+  const Output out = RunKernel(p);
+  CheckAgainstReference(p, out);
+  for (int64_t r = 0; r < 9 * geo.num_qo_heads; ++r) {
+    EXPECT_NEAR(out.lse[r] * std::log(2.0), out.lse[9 * geo.num_qo_heads + r], 1e-4);
+  }
+  EXPECT_TRUE(std::equal(out.o.begin(), out.o.begin() + 9 * row, out.o.begin() + 9 * row));
+}
+
+// Same data in two layers' pages gives different results: the kernel reads
+// the layer each sequence names.
+TEST(PagedPrefillTest, EachSequenceReadsItsLayer) {
+  std::mt19937_64 gen(16);
+  KvGeometry geo = SmallGeometry(16);
+  geo.num_layers = 3;
+  const Problem p = MakeProblem(gen, geo, {Seq(6, 20, {3, 1}, 2), Seq(6, 20, {3, 1}, 0)});
+  CheckAgainstReference(p, RunKernel(p));
+}
+
+// Large logits (a big sm_scale) must not overflow: the max is subtracted.
+TEST(PagedPrefillTest, LargeLogitsStayFinite) {
+  std::mt19937_64 gen(17);
+  const KvGeometry geo = SmallGeometry(16);
+  std::vector<SeqSpec> specs = {Seq(8, 40, {0, 1, 2})};
+  specs[0].sm_scale = 30.f;
+  const Problem p = MakeProblem(gen, geo, specs);
+  CheckAgainstReference(p, RunKernel(p));
+}
+
+// ------------------------------------------------------------ append / gather
+
+TEST(AppendKvTest, AppendThenGatherRoundTripsAndTouchesNothingElse) {
+  std::mt19937_64 gen(21);
+  for (int32_t page_size : {1, 16}) {
+    SCOPED_TRACE(testing::Message() << "page_size " << page_size);
+    KvGeometry geo = SmallGeometry(page_size, KvDType::kFp16);
+    geo.num_layers = 3;
+    std::vector<uint16_t> k_cache = RandomNonzeroHalves(gen, geo.dtype, geo.PoolElems());
+    std::vector<uint16_t> v_cache = RandomNonzeroHalves(gen, geo.dtype, geo.PoolElems());
+    // Distinct slots in any order, several in the same page.
+    std::vector<int64_t> all(geo.SlotsPerLayer());
+    for (int64_t s = 0; s < geo.SlotsPerLayer(); ++s) all[s] = s;
+    std::shuffle(all.begin(), all.end(), gen);
+    const int64_t n = std::min<int64_t>(5, geo.SlotsPerLayer() / 2) + geo.SlotsPerLayer() / 3;
+    std::vector<int64_t> slots(all.begin(), all.begin() + n);
+    const int64_t row = geo.RowElems();
+    const std::vector<uint16_t> k = RandomNonzeroHalves(gen, geo.dtype, n * row);
+    const std::vector<uint16_t> v = RandomNonzeroHalves(gen, geo.dtype, n * row);
+
+    std::vector<uint16_t> k_want = k_cache, v_want = v_cache;
+    const int32_t layer = 1;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t off = (layer * geo.SlotsPerLayer() + slots[i]) * row;
+      std::copy(k.begin() + i * row, k.begin() + (i + 1) * row, k_want.begin() + off);
+      std::copy(v.begin() + i * row, v.begin() + (i + 1) * row, v_want.begin() + off);
+    }
+
+    AppendKvParams a;
+    a.k_cache = k_cache.data();
+    a.v_cache = v_cache.data();
+    a.k = k.data();
+    a.v = v.data();
+    a.slots = slots.data();
+    a.n = n;
+    a.layer = layer;
+    a.geo = geo;
+    AppendKvCpu(a);
+    EXPECT_TRUE(k_cache == k_want) << "append wrote K other than the given rows";
+    EXPECT_TRUE(v_cache == v_want) << "append wrote V other than the given rows";
+
+    std::vector<uint16_t> k_back(n * row + row), v_back(n * row + row);
+    Poison(k_back);
+    Poison(v_back);
+    GatherKvParams gp;
+    gp.k_cache = k_cache.data();
+    gp.v_cache = v_cache.data();
+    gp.k = k_back.data();
+    gp.v = v_back.data();
+    gp.slots = slots.data();
+    gp.n = n;
+    gp.layer = layer;
+    gp.geo = geo;
+    GatherKvCpu(gp);
+    EXPECT_TRUE(std::equal(k.begin(), k.end(), k_back.begin()));
+    EXPECT_TRUE(std::equal(v.begin(), v.end(), v_back.begin()));
+    for (int64_t c = n * row; c < n * row + row; ++c) {
+      ASSERT_TRUE(IsPoisonHalf(k_back[c]) && IsPoisonHalf(v_back[c])) << "gather overran";
+    }
+  }
+}
+
+// Rows appended into pages are what a following prefill attends to.
+TEST(AppendKvTest, PrefillSeesAppendedRows) {
+  std::mt19937_64 gen(22);
+  const KvGeometry geo = SmallGeometry(16);
+  Problem p = MakeProblem(gen, geo, {Seq(12, 27, {5, 2}, 1)});
+  // Overwrite the sequence's positions 16..26 (page 2, offsets 0..10).
+  const int64_t n = 11;
+  std::vector<int64_t> slots(n);
+  for (int64_t i = 0; i < n; ++i) slots[i] = 2 * geo.page_size + i;
+  const std::vector<uint16_t> k = RandomNonzeroHalves(gen, geo.dtype, n * geo.RowElems(), 2.0);
+  const std::vector<uint16_t> v = RandomNonzeroHalves(gen, geo.dtype, n * geo.RowElems(), 2.0);
+  const Output before = RunKernel(p);
+  AppendKvParams a;
+  a.k_cache = p.k_cache.data();
+  a.v_cache = p.v_cache.data();
+  a.k = k.data();
+  a.v = v.data();
+  a.slots = slots.data();
+  a.n = n;
+  a.layer = 1;
+  a.geo = geo;
+  AppendKvCpu(a);
+  const Output after = RunKernel(p);
+  CheckAgainstReference(p, after);
+  EXPECT_FALSE(before.o == after.o) << "the appended rows changed nothing";
+}
+
+}  // namespace
+}  // namespace attnserve
