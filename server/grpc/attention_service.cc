@@ -47,6 +47,8 @@ class AttentionServiceImpl::Call {
       status_ = absl::UnavailableError("server is draining");
       return;
     }
+    accepted_ = true;
+    ++service_->accepted_inflight_;
     absl::string_view authorization;
     auto it = ctx->client_metadata().find("authorization");
     if (it != ctx->client_metadata().end()) {
@@ -86,6 +88,10 @@ class AttentionServiceImpl::Call {
                             absl::ToDoubleSeconds(absl::Now() - start_));
     if (status.ok()) metrics->AddTransferBytes(0, bytes_out);
     metrics->inflight().Decrement();
+    if (accepted_) {
+      service_->last_accepted_finish_ns_ = absl::GetCurrentTimeNanos();
+      --service_->accepted_inflight_;
+    }
     if (service_->access_log_) {
       spdlog::info("access method={} tenant={} code={} seconds={:.6f} bytes_out={}", method_,
                    tenant_.empty() ? "-" : tenant_, GrpcCodeName(grpc_status.error_code()),
@@ -104,6 +110,7 @@ class AttentionServiceImpl::Call {
   const absl::Time start_;
   absl::Status status_;
   std::string tenant_;
+  bool accepted_ = false;  // arrived before the drain began
 };
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(

@@ -24,6 +24,10 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
   // New requests get UNAVAILABLE from now on (graceful drain).
   void StartDraining() { draining_ = true; }
+  // RPCs accepted before the drain began and still being handled.
+  int64_t accepted_inflight() const { return accepted_inflight_; }
+  // When the last accepted RPC finished (absl::GetCurrentTimeNanos()).
+  int64_t last_accepted_finish_ns() const { return last_accepted_finish_ns_; }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest* request,
@@ -55,6 +59,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   Metrics* const metrics_;
   const bool access_log_;
   std::atomic<bool> draining_{false};
+  std::atomic<int64_t> accepted_inflight_{0};
+  std::atomic<int64_t> last_accepted_finish_ns_{0};
 };
 
 }  // namespace attnserve

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -108,9 +109,22 @@ void AttnServer::SetNotServing() {
 }
 
 void AttnServer::Drain(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
   SetNotServing();
+  // While the listener stays open, new RPCs get UNAVAILABLE from the service
+  // (a clear "go elsewhere") rather than the CANCELLED that a shut-down
+  // server gives; accepted ones run to completion. The listener closes once
+  // nothing accepted has been running for a short quiet period, so that a
+  // client's follow-up call (e.g. FreePages after its Prefill) is refused
+  // cleanly too.
   service_->StartDraining();
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + timeout));
+  constexpr int64_t kQuietNs = 200'000'000;
+  while (absl::Now() < deadline &&
+         (service_->accepted_inflight() > 0 ||
+          absl::GetCurrentTimeNanos() - service_->last_accepted_finish_ns() < kQuietNs)) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  server_->Shutdown(absl::ToChronoTime(deadline));
   core_->Shutdown();
 }
 
