@@ -5,30 +5,10 @@
 
 #include "absl/time/clock.h"
 #include "spdlog/spdlog.h"
+#include "server/grpc/convert.h"
 #include "server/grpc/status_mapping.h"
 
 namespace attnserve {
-namespace {
-
-TensorView View(const v1::Tensor& t) {
-  TensorView view;
-  view.dtype = t.dtype();
-  view.shape.assign(t.shape().begin(), t.shape().end());
-  view.data = t.data();
-  return view;
-}
-
-template <typename T>
-absl::Span<const T> Span(const google::protobuf::RepeatedField<T>& field) {
-  return absl::MakeConstSpan(field.data(), static_cast<size_t>(field.size()));
-}
-
-void SetTensor(v1::Tensor* t, v1::DType dtype, std::initializer_list<int64_t> shape) {
-  t->set_dtype(dtype);
-  t->mutable_shape()->Assign(shape.begin(), shape.end());
-}
-
-}  // namespace
 
 // One RPC in flight: authenticates, and on Finish records the metrics and
 // finishes the reactor. Deletes itself when finished.
@@ -167,7 +147,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerCo
     call->Finish(call->status());
     return reactor;
   }
-  call->Finish(core_->FreePages(call->tenant(), Span(request->page_ids())));
+  call->Finish(core_->FreePages(
+      call->tenant(), absl::MakeConstSpan(request->page_ids().data(),
+                                          static_cast<size_t>(request->page_ids_size()))));
   return reactor;
 }
 
@@ -183,10 +165,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::WriteKV(grpc::CallbackServerCont
   }
   WriteKvCall c;
   call->Bind(&c);
-  c.layer = request->layer();
-  c.slots = Span(request->slots());
-  c.k = View(request->k());
-  c.v = View(request->v());
+  ToCall(*request, &c);
   core_->WriteKv(c, [call](absl::Status status) { call->Finish(status); });
   return reactor;
 }
@@ -202,17 +181,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ReadKV(grpc::CallbackServerConte
   }
   ReadKvCall c;
   call->Bind(&c);
-  c.layer = request->layer();
-  c.slots = Span(request->slots());
-  c.out_k = response->mutable_k()->mutable_data();
-  c.out_v = response->mutable_v()->mutable_data();
+  ToCall(*request, response, &c);
   const KvGeometry& g = core_->geometry();
   const auto dtype = static_cast<v1::DType>(ToWire(g.dtype));
   const int64_t n = request->slots_size();
   core_->ReadKv(c, [call, response, dtype, n, g](absl::Status status) {
     if (status.ok()) {
-      SetTensor(response->mutable_k(), dtype, {n, g.num_kv_heads, g.head_dim});
-      SetTensor(response->mutable_v(), dtype, {n, g.num_kv_heads, g.head_dim});
+      SetTensorHeader(response->mutable_k(), dtype, {n, g.num_kv_heads, g.head_dim});
+      SetTensorHeader(response->mutable_v(), dtype, {n, g.num_kv_heads, g.head_dim});
     }
     call->Finish(status, static_cast<int64_t>(response->k().data().size() +
                                               response->v().data().size()));
@@ -234,29 +210,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerCont
   }
   PrefillCall c;
   call->Bind(&c);
-  c.layer = request->layer();
-  c.q = View(request->q());
-  c.qo_indptr = Span(request->qo_indptr());
-  c.kv_indptr = Span(request->kv_indptr());
-  c.kv_indices = Span(request->kv_indices());
-  c.kv_last_page_len = Span(request->kv_last_page_len());
-  if (request->has_sm_scale()) c.sm_scale = request->sm_scale();
-  if (request->has_causal()) c.causal = request->causal();
-  c.lse_base = request->lse_base();
-  c.append_slots = Span(request->append_slots());
-  c.append_k = View(request->append_k());
-  c.append_v = View(request->append_v());
-  c.expected_incarnation = request->expected_incarnation();
-  c.out_o = response->mutable_output()->mutable_data();
-  c.out_lse = response->mutable_lse()->mutable_data();
+  ToCall(*request, response, &c);
   const KvGeometry& g = core_->geometry();
   const auto dtype = static_cast<v1::DType>(ToWire(g.dtype));
   const int64_t total_q = c.q.shape.empty() ? 0 : c.q.shape[0];
   const uint64_t incarnation = core_->incarnation();
   core_->Prefill(c, [call, response, dtype, total_q, g, incarnation](absl::Status status) {
     if (status.ok()) {
-      SetTensor(response->mutable_output(), dtype, {total_q, g.num_qo_heads, g.head_dim});
-      SetTensor(response->mutable_lse(), v1::DTYPE_FP32, {total_q, g.num_qo_heads});
+      SetTensorHeader(response->mutable_output(), dtype, {total_q, g.num_qo_heads, g.head_dim});
+      SetTensorHeader(response->mutable_lse(), v1::DTYPE_FP32, {total_q, g.num_qo_heads});
       response->set_incarnation(incarnation);
     } else {
       response->Clear();
@@ -280,22 +242,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(
   }
   MergeStatesCall c;
   call->Bind(&c);
-  for (const auto& s : request->states()) {
-    c.v.push_back(View(s.v()));
-    c.lse.push_back(View(s.lse()));
-  }
-  c.lse_base = request->lse_base();
-  c.out_v = response->mutable_v()->mutable_data();
-  c.out_lse = response->mutable_lse()->mutable_data();
+  ToCall(*request, response, &c);
   std::vector<int64_t> shape;
-  if (!c.v.empty()) shape = c.v[0].shape;
+  if (!c.v.empty()) shape = c.v[0].shape;  // validated rank 3 when the merge succeeds
   const auto dtype = static_cast<v1::DType>(ToWire(core_->geometry().dtype));
   core_->MergeStates(c, [call, response, dtype, shape](absl::Status status) {
     if (status.ok()) {
-      response->mutable_v()->set_dtype(dtype);
-      response->mutable_v()->mutable_shape()->Assign(shape.begin(), shape.end());
-      response->mutable_lse()->set_dtype(v1::DTYPE_FP32);
-      response->mutable_lse()->mutable_shape()->Assign(shape.begin(), shape.begin() + 2);
+      SetTensorHeader(response->mutable_v(), dtype, shape);
+      SetTensorHeader(response->mutable_lse(), v1::DTYPE_FP32,
+                      absl::MakeConstSpan(shape.data(), 2));
     } else {
       response->Clear();
     }
