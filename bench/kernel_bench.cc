@@ -235,8 +235,6 @@ void RunMerge(int64_t n, int repeats) {
   struct Set {
     void* v[2];
     float* l[2];
-    const void** dv;
-    const float** dl;
   };
   std::vector<Set> all(sets);
   for (auto& s : all) {
@@ -250,10 +248,6 @@ void RunMerge(int64_t n, int repeats) {
       for (auto& x : hl) x = nd(rng);
       CHECK_CUDA(cudaMemcpy(s.l[i], hl.data(), hl.size() * 4, cudaMemcpyHostToDevice));
     }
-    CHECK_CUDA(cudaMalloc(&s.dv, sizeof(void*) * ns));
-    CHECK_CUDA(cudaMalloc(&s.dl, sizeof(float*) * ns));
-    CHECK_CUDA(cudaMemcpy(s.dv, s.v, sizeof(void*) * ns, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(s.dl, s.l, sizeof(float*) * ns, cudaMemcpyHostToDevice));
   }
   void *out, *out_lse;
   CHECK_CUDA(cudaMalloc(&out, elems * 2));
@@ -265,8 +259,10 @@ void RunMerge(int64_t n, int repeats) {
   for (int r = 0; r < repeats + 3; ++r) {
     const Set& s = all[r % sets];
     MergeStatesParams p;
-    p.v = s.dv;
-    p.lse = s.dl;
+    const void* vp[2] = {s.v[0], s.v[1]};
+    const float* lp[2] = {s.l[0], s.l[1]};
+    p.v = vp;
+    p.lse = lp;
     p.num_states = ns;
     p.v_out = out;
     p.lse_out = static_cast<float*>(out_lse);
@@ -290,8 +286,6 @@ void RunMerge(int64_t n, int repeats) {
       cudaFree(s.v[i]);
       cudaFree(s.l[i]);
     }
-    cudaFree(s.dv);
-    cudaFree(s.dl);
   }
   cudaFree(out);
   cudaFree(out_lse);

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/merge_states_cuda.h"
 #include "kernels/mma_sm80.cuh"
@@ -16,11 +17,22 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// VEC: elements per thread, 8 (16-byte accesses) or 1 (any head_dim).
+constexpr int kMaxStates = 16;
+
+// State pointers travel by value: no dependent pointer loads in the kernel.
+struct StatePtrs {
+  const void* v[kMaxStates];
+  const float* lse[kMaxStates];
+};
+
+// VEC: elements per thread, 8 (16-byte accesses) or 1 (any head_dim). All
+// LSE loads are issued before the math and all vector loads before the sums,
+// so a thread has every state's bytes in flight at once.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(256)
-    MergeStatesKernel(const void* const* v, const float* const* lse, int32_t num_states,
-                      T* v_out, float* lse_out, int64_t rows, int32_t d, int32_t base_e) {
+    MergeStatesKernel(const StatePtrs ptrs, int32_t num_states, T* v_out, float* lse_out, int64_t rows,
+                      int32_t d, int32_t base_e) {
+  using Raw = typename std::conditional<VEC == 8, uint4, T>::type;
   const int chunks = d / VEC;
   const int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const int64_t row = idx / chunks;
@@ -28,38 +40,43 @@ __global__ void __launch_bounds__(256)
   const int c = static_cast<int>(idx - row * chunks);
   // LSEs in base 2 for the math.
   const float to2 = base_e ? kLog2e : 1.f;
+  float l[kMaxStates];
+#pragma unroll
+  for (int s = 0; s < kMaxStates; ++s) l[s] = s < num_states ? __ldg(ptrs.lse[s] + row) * to2 : -INFINITY;
+  Raw raw[kMaxStates];
+#pragma unroll
+  for (int s = 0; s < kMaxStates; ++s) {
+    if (s < num_states && l[s] != -INFINITY) {
+      raw[s] = __ldg(reinterpret_cast<const Raw*>(static_cast<const T*>(ptrs.v[s]) + row * d + c * VEC));
+    }
+  }
   float m = -INFINITY;
-  for (int s = 0; s < num_states; ++s) m = fmaxf(m, __ldg(lse[s] + row) * to2);
+#pragma unroll
+  for (int s = 0; s < kMaxStates; ++s) m = fmaxf(m, l[s]);
   float acc[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) acc[i] = 0.f;
   float wsum = 0.f;
   if (m != -INFINITY) {
-    for (int s = 0; s < num_states; ++s) {
-      const float l = __ldg(lse[s] + row) * to2;
-      if (l == -INFINITY) continue;
-      const float w = exp2f(l - m);
-      wsum += w;
-      const T* src = static_cast<const T*>(v[s]) + row * d + c * VEC;
-      if constexpr (VEC == 8) {
-        const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
-        const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += w * mma::ToFloat<T>(e[i]);
-      } else {
-        acc[0] += w * mma::ToFloat<T>(src[0]);
-      }
+    for (int s = 0; s < kMaxStates; ++s) {
+      if (s >= num_states || l[s] == -INFINITY) continue;
+      const float w = exp2f(l[s] - m);
+      wsum += w;
+      const T* e = reinterpret_cast<const T*>(&raw[s]);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] += w * mma::ToFloat<T>(e[i]);
     }
   }
   const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
   T* dst = v_out + row * d + c * VEC;
   if constexpr (VEC == 8) {
-    uint4 raw;
-    raw.x = mma::Pack2<T>(acc[0] * inv, acc[1] * inv);
-    raw.y = mma::Pack2<T>(acc[2] * inv, acc[3] * inv);
-    raw.z = mma::Pack2<T>(acc[4] * inv, acc[5] * inv);
-    raw.w = mma::Pack2<T>(acc[6] * inv, acc[7] * inv);
-    *reinterpret_cast<uint4*>(dst) = raw;
+    uint4 out;
+    out.x = mma::Pack2<T>(acc[0] * inv, acc[1] * inv);
+    out.y = mma::Pack2<T>(acc[2] * inv, acc[3] * inv);
+    out.z = mma::Pack2<T>(acc[4] * inv, acc[5] * inv);
+    out.w = mma::Pack2<T>(acc[6] * inv, acc[7] * inv);
+    *reinterpret_cast<uint4*>(dst) = out;
   } else {
     dst[0] = mma::FromFloat<T>(acc[0] * inv);
   }
@@ -75,16 +92,21 @@ cudaError_t Launch(const MergeStatesParams& p, cudaStream_t stream) {
   const int64_t rows = p.n * p.h;
   const int64_t threads = rows * (p.d / VEC);
   if (threads == 0) return cudaSuccess;
+  StatePtrs ptrs = {};
+  for (int s = 0; s < p.num_states; ++s) {
+    ptrs.v[s] = p.v[s];
+    ptrs.lse[s] = p.lse[s];
+  }
   const int64_t blocks = (threads + 255) / 256;
   MergeStatesKernel<T, VEC><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-      p.v, p.lse, p.num_states, static_cast<T*>(p.v_out), p.lse_out, rows, p.d, p.lse_base_e);
+      ptrs, p.num_states, static_cast<T*>(p.v_out), p.lse_out, rows, p.d, p.lse_base_e);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t MergeStatesCuda(const MergeStatesParams& p, cudaStream_t stream) {
-  if (p.num_states < 0 || p.d <= 0 || p.h < 0 || p.n < 0) return cudaErrorInvalidValue;
+  if (p.num_states < 0 || p.num_states > kMaxStates || p.d <= 0 || p.h < 0 || p.n < 0) return cudaErrorInvalidValue;
   const bool vec = p.d % 8 == 0;
   if (p.dtype == KvDType::kBf16) {
     return vec ? Launch<__nv_bfloat16, 8>(p, stream) : Launch<__nv_bfloat16, 1>(p, stream);

@@ -2,10 +2,12 @@
 // kernels/merge_states.h for the math). fp32 math, 16-byte loads and stores
 // when head_dim is a multiple of 8; -inf safe (all -inf gives 0 and -inf).
 //
-// Unlike the CPU reference, params.v and params.lse point to DEVICE arrays of
-// num_states device pointers, and v_out / lse_out are device pointers.
+// params.v and params.lse are HOST arrays of num_states (at most 16) DEVICE
+// pointers; they travel to the kernel by value. v_out / lse_out are device
+// pointers. More than 16 states: cudaErrorInvalidValue (merge in rounds).
 //
-//   MergeStatesParams p;  // p.v = d_v_ptrs, p.lse = d_lse_ptrs, ...
+//   const void* v[2] = {d_v0, d_v1};  const float* l[2] = {d_l0, d_l1};
+//   MergeStatesParams p;  // p.v = v, p.lse = l, p.num_states = 2, ...
 //   MergeStatesCuda(p, stream);
 #pragma once
 

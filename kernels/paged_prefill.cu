@@ -46,7 +46,8 @@ struct Traits {
   static constexpr int kRowBytes = D * 2;
   static constexpr int kQBytes = kM * kRowBytes;
   static constexpr int kKvBytes = KB * kRowBytes;  // one stage of K (or V)
-  static constexpr int kSmemBytes = kQBytes + 4 * kKvBytes;
+  static constexpr int kOffBytes = 2 * KB * 8;      // row offsets, 2 blocks
+  static constexpr int kSmemBytes = kQBytes + 4 * kKvBytes + kOffBytes;
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kKvPasses = KB / kRowsPerPass;
   static constexpr int kQPasses = kM / kRowsPerPass;
@@ -75,6 +76,9 @@ __global__ void __launch_bounds__(128, 2)
   uint8_t* s_q = smem;
   uint8_t* s_k = smem + Tr::kQBytes;               // 2 stages
   uint8_t* s_v = s_k + 2 * Tr::kKvBytes;           // 2 stages
+  // Element offsets of the K/V rows of the next two blocks (-1: past the end),
+  // computed one block ahead so no page-table load sits on the issue path.
+  int64_t* s_off = reinterpret_cast<int64_t*>(s_v + 2 * Tr::kKvBytes);
   const uint32_t a_q = mma::SmemAddr(s_q);
   const uint32_t a_k = mma::SmemAddr(s_k);
   const uint32_t a_v = mma::SmemAddr(s_v);
@@ -130,52 +134,47 @@ __global__ void __launch_bounds__(128, 2)
   const int32_t* pages = args.kv_indices + seq.kv_start;
   const int ps = args.page_size;
 
-  int slots[Tr::kKvPasses];  // slot within the layer, -1 past the end
-  auto load_slots = [&](int block) {
-    const int start = kv_begin + block * KB;
-#pragma unroll
-    for (int p = 0; p < Tr::kKvPasses; ++p) {
-      const int pos = start + p * Tr::kRowsPerPass + kv_r0;
-      if (pos < kv_end) {
-        const int page = __ldg(pages + pos / ps);
-        slots[p] = page * ps + pos % ps;
-      } else {
-        slots[p] = -1;
-      }
-    }
+  // Row offsets of block `block` into s_off[block & 1]; called by every
+  // thread, rows strided by the CTA size.
+  auto page_offset = [&](int block, int row) -> int64_t {
+    const int pos = kv_begin + block * KB + row;
+    if (pos >= kv_end) return -1;
+    const int page = __ldg(pages + pos / ps);
+    return ((int64_t)page * ps + pos % ps) * row_stride;
   };
-  auto issue_kv = [&](int stage) {
+  auto issue_kv = [&](int block) {
+    const int stage = block & 1;
+    const int64_t* offs = s_off + stage * KB;
 #pragma unroll
     for (int p = 0; p < Tr::kKvPasses; ++p) {
       const int r = p * Tr::kRowsPerPass + kv_r0;
-      const bool valid = slots[p] >= 0;
-      const int64_t off = valid ? (int64_t)slots[p] * row_stride : 0;
+      const int64_t o = offs[r];
+      const bool valid = o >= 0;
+      const int64_t off = valid ? o : 0;
       const uint32_t so = stage * Tr::kKvBytes + Swz<Tr::kRowBytes>(r, kv_c);
       mma::CpAsync16(a_k + so, k_base + off, valid);
       mma::CpAsync16(a_v + so, v_base + off, valid);
     }
   };
 
-  if (num_blocks > 0) {
-    load_slots(0);
-    issue_kv(0);
+  for (int r = tid; r < 2 * KB; r += Tr::kThreads) {
+    s_off[r] = r < KB ? page_offset(0, r) : page_offset(1, r - KB);
   }
+  __syncthreads();
+  if (num_blocks > 0) issue_kv(0);
   mma::CpAsyncCommit();
-  if (num_blocks > 1) load_slots(1);
 
   // ---- Per-row state. Thread holds rows lane/4 (h = 0) and lane/4 + 8 (h = 1)
   // of each of its MT m-tiles.
   const int warp_row0 = warp * 16 * MT;
-  int row_lim[MT][2];  // KV positions < row_lim are visible to the row
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int pr = item.row_begin + warp_row0 + mt * 16 + (lane >> 2) + h * 8;
-      const int t = pr / group;
-      row_lim[mt][h] = causal ? min(item.kv_end, t + diag + 1) : item.kv_end;
-    }
-  }
+  // KV positions < RowLimit(mt, h) are visible to the thread's row (mt, h);
+  // recomputed on boundary blocks only, to keep registers for the tiles.
+  const int item_kv_end = item.kv_end;
+  const int row_base = item.row_begin + warp_row0 + (lane >> 2);
+  auto row_limit = [&](int mt, int h) {
+    const int t = (row_base + mt * 16 + h * 8) / group;
+    return causal ? min(item_kv_end, t + diag + 1) : item_kv_end;
+  };
   float o_acc[MT][D / 8][4];
   float m_run[MT][2];
   float l_run[MT][2];
@@ -193,17 +192,28 @@ __global__ void __launch_bounds__(128, 2)
 
   uint32_t q_frag[Tr::kQInRegs ? D / 16 : 1][4];
 
+  // Warps whose rows are all past the sequence (decode tiles) skip the math.
+  const bool warp_active = (item.row_begin + warp_row0) / group < q_len;
+
   for (int b = 0; b < num_blocks; ++b) {
     const int stage = b & 1;
     if (b + 1 < num_blocks) {
-      issue_kv(stage ^ 1);
+      issue_kv(b + 1);
       mma::CpAsyncCommit();
-      if (b + 2 < num_blocks) load_slots(b + 2);
       mma::CpAsyncWait<1>();
     } else {
       mma::CpAsyncWait<0>();
     }
     __syncthreads();
+    // Page offsets of block b + 2 (into the slot block b used); loaded now,
+    // stored after the math so the load latency hides behind it.
+    const bool next_offs = b + 2 < num_blocks && tid < KB;
+    const int64_t off_next = next_offs ? page_offset(b + 2, tid) : 0;
+    if (!warp_active) {
+      if (next_offs) s_off[(b & 1) * KB + tid] = off_next;
+      __syncthreads();
+      continue;
+    }
 
     if constexpr (Tr::kQInRegs) {
       if (b == 0) {
@@ -257,13 +267,23 @@ __global__ void __launch_bounds__(128, 2)
 #pragma unroll
       for (int n = 0; n < KB / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = s[mt][n][e] * scale_log2;
-          if (need_mask) {
-            const int pos = block_start + n * 8 + (lane & 3) * 2 + (e & 1);
-            if (pos >= row_lim[mt][e >> 1]) v = -INFINITY;
+        for (int e = 0; e < 4; ++e) s[mt][n][e] *= scale_log2;
+      }
+    }
+    if (need_mask) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int lim = row_limit(mt, h);
+#pragma unroll
+          for (int n = 0; n < KB / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int pos = block_start + n * 8 + (lane & 3) * 2 + e;
+              if (pos >= lim) s[mt][n][2 * h + e] = -INFINITY;
+            }
           }
-          s[mt][n][e] = v;
         }
       }
     }
@@ -323,6 +343,7 @@ __global__ void __launch_bounds__(128, 2)
         }
       }
     }
+    if (next_offs) s_off[(b & 1) * KB + tid] = off_next;
     __syncthreads();  // the next iteration refills this stage
   }
   if (num_blocks == 0) mma::CpAsyncWait<0>();

@@ -107,9 +107,11 @@ class CudaBackend final : public Backend {
   KvGeometry geo_;
   std::string device_name_;
   int32_t num_sms_ = 0;
-  int32_t ctas_per_sm_ = 1;
-  int32_t tile_rows_ = 128;
-  int32_t variant_ = 0;
+  // Kernel variants (paged_prefill_cuda.h): 0 = 128-row tiles, the prefill
+  // path; 1 = 64-row tiles, picked when no sequence packs more than 64 rows
+  // (decode), where it measured faster.
+  int32_t ctas_per_sm_[2] = {1, 1};
+  int32_t tile_rows_[2] = {128, 64};
 
   int64_t max_rows_ = 0;
   int64_t max_indices_ = 0;
@@ -191,16 +193,21 @@ absl::Status CudaBackend::Init() {
   }
   device_name_ = absl::StrCat(prop.name, " (device ", options_.device, ")");
   num_sms_ = prop.multiProcessorCount;
-  tile_rows_ = PrefillTileRows(g.head_dim, variant_);
-  ctas_per_sm_ = PrefillCtasPerSm(g.head_dim, g.dtype, variant_);
+  for (int v = 0; v < 2; ++v) {
+    tile_rows_[v] = PrefillTileRows(g.head_dim, v);
+    ctas_per_sm_[v] = PrefillCtasPerSm(g.head_dim, g.dtype, v);
+  }
   cudaGetLastError();
+  const int32_t min_tile = std::min(tile_rows_[0], tile_rows_[1]);
 
   const int64_t H = g.num_qo_heads, D = g.head_dim, group = g.num_qo_heads / g.num_kv_heads;
   max_rows_ = std::max<int64_t>(options_.max_batch_rows, 1);
   max_indices_ = std::max<int64_t>(options_.max_batch_kv_indices, 1);
   max_append_ = std::max<int64_t>(options_.max_batch_append_rows, 1024);
-  max_partial_pairs_ = std::max<int64_t>(int64_t{4} * num_sms_ * ctas_per_sm_ * tile_rows_, 1 << 16);
-  max_items_ = g.num_kv_heads * (max_rows_ * group / tile_rows_ + max_rows_ + 1) + 2 * max_partial_pairs_;
+  max_partial_pairs_ = std::max<int64_t>(
+      int64_t{4} * num_sms_ * std::max(ctas_per_sm_[0], ctas_per_sm_[1]) * std::max(tile_rows_[0], tile_rows_[1]),
+      1 << 16);
+  max_items_ = g.num_kv_heads * (max_rows_ * group / min_tile + max_rows_ + 1) + 2 * max_partial_pairs_;
   const int64_t row_bytes = g.RowElems() * 2;
 
   in_capacity_ = AlignUp(max_rows_ * H * D * 2) + AlignUp(max_indices_ * 4) +
@@ -266,12 +273,17 @@ absl::Status CudaBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchSta
     return absl::ResourceExhaustedError(absl::StrCat("batch appends ", total_append, " rows; the CUDA backend holds at most ", max_append_));
   }
 
+  int64_t max_packed_rows = 0;
+  for (const PrefillSeq& s : seqs_) {
+    max_packed_rows = std::max<int64_t>(max_packed_rows, int64_t{s.q_len} * (g.num_qo_heads / g.num_kv_heads));
+  }
+  const int32_t variant = g.head_dim == 128 && max_packed_rows <= tile_rows_[1] ? 1 : 0;
   PrefillPlanOptions popt;
   popt.num_sms = num_sms_;
-  popt.ctas_per_sm = ctas_per_sm_;
+  popt.ctas_per_sm = ctas_per_sm_[variant];
   popt.min_chunk = kMinChunk;
   popt.max_partial_pairs = max_partial_pairs_;
-  popt.tile_rows = tile_rows_;
+  popt.tile_rows = tile_rows_[variant];
   BuildPrefillPlan(seqs_.data(), static_cast<int32_t>(seqs_.size()), g, popt, &plan_);
   if (static_cast<int64_t>(plan_.items.size()) > max_items_) {
     return absl::InternalError(absl::StrCat("plan has ", plan_.items.size(), " work items; workspace holds ", max_items_));
@@ -379,7 +391,7 @@ absl::Status CudaBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchSta
     ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[2], stream_));
     ATTNSERVE_CUDA_RETURN_IF_ERROR(PagedPrefillCuda(
         pp, reinterpret_cast<const PrefillWorkItem*>(d_in_ + off_items), static_cast<int32_t>(plan_.items.size()),
-        d_part_o_, d_part_lse_, variant_, stream_));
+        d_part_o_, d_part_lse_, variant, stream_));
     ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[3], stream_));
   }
   if (merge) {
