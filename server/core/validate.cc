@@ -303,11 +303,14 @@ absl::StatusOr<MergeShape> ValidateMerge(const MergeStatesCall& call, const KvGe
                                                    first.shape.size(), ", must be [n, h, d]"));
   }
   MergeShape shape;
-  if (first.shape[0] < 0 || first.shape[1] <= 0 || first.shape[2] <= 0 ||
-      first.shape[1] > 4096 || first.shape[2] > 1024) {
+  // n is bounded too, so that the byte counts below cannot overflow int64.
+  if (first.shape[0] < 0 || first.shape[0] > limits.max_message_bytes ||
+      first.shape[1] <= 0 || first.shape[2] <= 0 || first.shape[1] > 4096 ||
+      first.shape[2] > 1024) {
     return absl::InvalidArgumentError(absl::StrCat(
         "states[0].v.shape=[", absl::StrJoin(first.shape, ", "),
-        "] out of range: n >= 0, 1 <= h <= 4096, 1 <= d <= 1024"));
+        "] out of range: 0 <= n <= max_message_bytes=", limits.max_message_bytes,
+        ", 1 <= h <= 4096, 1 <= d <= 1024"));
   }
   shape.n = first.shape[0];
   shape.h = static_cast<int32_t>(first.shape[1]);
