@@ -1,0 +1,207 @@
+// PageTable: allocation, ownership, quotas, all-or-nothing frees and pins.
+#include "server/core/page_table.h"
+
+#include <algorithm>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::set<int32_t> AsSet(const std::vector<int32_t>& v) { return {v.begin(), v.end()}; }
+
+TEST(PageTableTest, AllocatesDistinctPagesInRangeToTheTenant) {
+  PageTable pages(16, 0);
+  EXPECT_EQ(pages.num_pages(), 16);
+  EXPECT_EQ(pages.FreeCount(), 16);
+  auto a = pages.Allocate("alice", 5);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = pages.Allocate("bob", 11);
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(a->size(), 5u);
+  ASSERT_EQ(b->size(), 11u);
+  std::set<int32_t> all = AsSet(*a);
+  all.insert(b->begin(), b->end());
+  EXPECT_EQ(all.size(), 16u) << "a page was handed out twice";
+  EXPECT_GE(*all.begin(), 0);
+  EXPECT_LT(*all.rbegin(), 16);
+  EXPECT_EQ(pages.FreeCount(), 0);
+  EXPECT_EQ(pages.TenantPages("alice"), 5);
+  EXPECT_EQ(pages.TenantPages("bob"), 11);
+  EXPECT_EQ(pages.TenantPages("carol"), 0);
+  // Each tenant owns exactly its own pages.
+  EXPECT_TRUE(pages.PinOwned("alice", *a, "kv_indices").ok());
+  pages.Unpin(*a);
+  EXPECT_EQ(pages.PinOwned("alice", {(*b)[0]}, "kv_indices").code(),
+            absl::StatusCode::kPermissionDenied);
+}
+
+TEST(PageTableTest, AllocateMoreThanFreeFailsAndChangesNothing) {
+  PageTable pages(8, 0);
+  ASSERT_TRUE(pages.Allocate("alice", 6).ok());
+  auto r = pages.Allocate("bob", 3);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("count=3"));
+  EXPECT_EQ(pages.FreeCount(), 2);
+  EXPECT_EQ(pages.TenantPages("bob"), 0);
+  EXPECT_TRUE(pages.Allocate("bob", 2).ok());
+  EXPECT_EQ(pages.FreeCount(), 0);
+}
+
+TEST(PageTableTest, QuotaCapsEachTenantSeparately) {
+  PageTable pages(32, /*tenant_max_pages=*/5);
+  ASSERT_TRUE(pages.Allocate("alice", 3).ok());
+  auto over = pages.Allocate("alice", 3);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(over.status().message()), HasSubstr("at most 5"));
+  EXPECT_EQ(pages.TenantPages("alice"), 3);
+  EXPECT_EQ(pages.FreeCount(), 29);
+  // Another tenant has its own quota.
+  auto bob = pages.Allocate("bob", 5);
+  ASSERT_TRUE(bob.ok());
+  // Up to the cap exactly, and freeing gives quota back.
+  auto more = pages.Allocate("alice", 2);
+  ASSERT_TRUE(more.ok());
+  EXPECT_EQ(pages.Allocate("alice", 1).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(pages.Free("alice", *more).ok());
+  EXPECT_TRUE(pages.Allocate("alice", 2).ok());
+}
+
+TEST(PageTableTest, OnlyTheOwnerMayFree) {
+  PageTable pages(8, 0);
+  auto a = pages.Allocate("alice", 2);
+  ASSERT_TRUE(a.ok());
+  absl::Status s = pages.Free("bob", *a);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("page_ids[0]"));
+  EXPECT_EQ(pages.TenantPages("alice"), 2);
+  EXPECT_EQ(pages.FreeCount(), 6);
+  // A free page is owned by nobody.
+  EXPECT_TRUE(pages.Free("alice", *a).ok());
+  EXPECT_EQ(pages.Free("alice", *a).code(), absl::StatusCode::kPermissionDenied);
+}
+
+TEST(PageTableTest, FreeIsAllOrNothing) {
+  PageTable pages(8, 0);
+  auto a = pages.Allocate("alice", 3);
+  auto b = pages.Allocate("bob", 1);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const int32_t foreign = (*b)[0];
+  // One foreign page among own pages: nothing is freed.
+  absl::Status s = pages.Free("alice", {(*a)[0], (*a)[1], foreign});
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("page_ids[2]"));
+  EXPECT_EQ(pages.FreeCount(), 4);
+  EXPECT_EQ(pages.TenantPages("alice"), 3);
+  EXPECT_TRUE(pages.PinOwned("alice", *a, "x").ok()) << "alice lost a page in a failed free";
+  pages.Unpin(*a);
+  // Out of range and repeated ids: INVALID_ARGUMENT naming the entry, nothing freed.
+  s = pages.Free("alice", {(*a)[0], 8});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("page_ids[1]=8"));
+  s = pages.Free("alice", {(*a)[0], -1});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("page_ids[1]=-1"));
+  s = pages.Free("alice", {(*a)[2], (*a)[0], (*a)[2]});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("repeated"));
+  EXPECT_EQ(pages.FreeCount(), 4);
+  EXPECT_EQ(pages.TenantPages("alice"), 3);
+}
+
+TEST(PageTableTest, PinOwnedIsAllOrNothing) {
+  PageTable pages(8, 0);
+  auto a = pages.Allocate("alice", 2);
+  auto b = pages.Allocate("bob", 1);
+  ASSERT_TRUE(a.ok() && b.ok());
+  absl::Status s = pages.PinOwned("alice", {(*a)[0], (*b)[0]}, "kv_indices");
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("kv_indices"));
+  // The failed pin left (*a)[0] unpinned: freeing it returns it at once.
+  ASSERT_TRUE(pages.Free("alice", {(*a)[0]}).ok());
+  EXPECT_EQ(pages.FreeCount(), 6);
+}
+
+TEST(PageTableTest, PageFreedWhilePinnedIsNotReallocatedUntilUnpinned) {
+  PageTable pages(4, 0);
+  auto a = pages.Allocate("alice", 2);
+  ASSERT_TRUE(a.ok());
+  const int32_t pinned = (*a)[0];
+  ASSERT_TRUE(pages.PinOwned("alice", {pinned}, "kv_indices").ok());
+  ASSERT_TRUE(pages.PinOwned("alice", {pinned}, "kv_indices").ok());  // two requests
+  ASSERT_TRUE(pages.Free("alice", *a).ok());
+  // The owner lost it at once...
+  EXPECT_EQ(pages.TenantPages("alice"), 0);
+  EXPECT_EQ(pages.PinOwned("alice", {pinned}, "kv_indices").code(),
+            absl::StatusCode::kPermissionDenied);
+  // ...but it is not free while pinned: only the unpinned page came back.
+  EXPECT_EQ(pages.FreeCount(), 3);
+  auto b = pages.Allocate("bob", 3);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(AsSet(*b).count(pinned), 0u) << "a pinned page was handed to another tenant";
+  EXPECT_EQ(pages.Allocate("bob", 1).status().code(), absl::StatusCode::kResourceExhausted);
+  pages.Unpin({pinned});
+  EXPECT_EQ(pages.FreeCount(), 0) << "freed with one pin still held";
+  pages.Unpin({pinned});
+  EXPECT_EQ(pages.FreeCount(), 1);
+  auto c = pages.Allocate("carol", 1);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ((*c)[0], pinned);
+}
+
+TEST(PageTableTest, UnpinOfAnOwnedPageKeepsItOwned) {
+  PageTable pages(4, 0);
+  auto a = pages.Allocate("alice", 1);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(pages.PinOwned("alice", *a, "slots").ok());
+  pages.Unpin(*a);
+  EXPECT_EQ(pages.FreeCount(), 3);
+  EXPECT_EQ(pages.TenantPages("alice"), 1);
+  EXPECT_TRUE(pages.PinOwned("alice", *a, "slots").ok());
+  pages.Unpin(*a);
+}
+
+TEST(PageTableTest, ConcurrentAllocateAndFreeNeverShareAPage) {
+  constexpr int kThreads = 8;
+  constexpr int kRounds = 300;
+  PageTable pages(64, 0);
+  std::vector<std::vector<int32_t>> held(kThreads);
+  std::vector<int> failures(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const std::string tenant = "tenant" + std::to_string(t);
+      for (int r = 0; r < kRounds; ++r) {
+        auto got = pages.Allocate(tenant, 1 + r % 3);
+        if (!got.ok()) continue;  // momentarily out of pages
+        held[t].insert(held[t].end(), got->begin(), got->end());
+        if (!pages.PinOwned(tenant, *got, "x").ok()) ++failures[t];
+        pages.Unpin(*got);
+        if (held[t].size() > 4) {
+          if (!pages.Free(tenant, held[t]).ok()) ++failures[t];
+          held[t].clear();
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  std::set<int32_t> all;
+  size_t total = 0;
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(failures[t], 0) << "thread " << t << " lost a page it held";
+    all.insert(held[t].begin(), held[t].end());
+    total += held[t].size();
+    EXPECT_EQ(pages.TenantPages("tenant" + std::to_string(t)), static_cast<int32_t>(held[t].size()));
+  }
+  EXPECT_EQ(all.size(), total) << "two tenants hold the same page";
+  EXPECT_EQ(pages.FreeCount(), 64 - static_cast<int32_t>(total));
+}
+
+}  // namespace
+}  // namespace attnserve

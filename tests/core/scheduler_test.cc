@@ -1,0 +1,340 @@
+// Scheduler: concurrent jobs queued behind a busy backend are served in
+// fewer batches than jobs, within max_batch_tokens; every done callback runs
+// exactly once; a full queue is RESOURCE_EXHAUSTED; pins are released.
+//
+// A fake Backend blocks inside its first batch until the test releases it, so
+// later jobs are known to be queued (no sleeps, no timing).
+#include "server/core/scheduler.h"
+
+#include <atomic>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+#include "server/metrics.h"
+
+namespace attnserve {
+namespace {
+
+// Records every call; the first RunBatch blocks until Release().
+class FakeBackend final : public Backend {
+ public:
+  FakeBackend() {
+    geo_.num_layers = 1;
+    geo_.num_pages = 16;
+    geo_.page_size = 1;
+    geo_.num_qo_heads = 1;
+    geo_.num_kv_heads = 1;
+    geo_.head_dim = 64;
+  }
+
+  std::string Name() const override { return "fake"; }
+  std::string Device() const override { return "fake"; }
+  const KvGeometry& Geometry() const override { return geo_; }
+
+  absl::Status RunBatch(absl::Span<const PrefillTask> tasks, BatchStats* stats) override {
+    bool first;
+    {
+      absl::MutexLock lock(&mu_);
+      first = !blocked_once_;
+      blocked_once_ = true;
+      std::vector<int32_t> ids, rows;
+      for (const PrefillTask& t : tasks) {
+        ids.push_back(t.layer);  // the test's job id
+        rows.push_back(t.total_q);
+      }
+      batches_.push_back(ids);
+      batch_rows_.push_back(rows);
+      ops_.push_back('P');
+    }
+    if (first && block_first_) {
+      entered_.Notify();
+      release_.WaitForNotification();
+    }
+    // Each job's own output: its id, so that results cannot be swapped.
+    for (const PrefillTask& t : tasks) *static_cast<int32_t*>(t.o) = t.layer;
+    stats->attention_launches = 1;
+    return status_;
+  }
+  absl::Status WriteKv(const KvRows&, BatchStats*) override {
+    absl::MutexLock lock(&mu_);
+    ops_.push_back('W');
+    return absl::OkStatus();
+  }
+  absl::Status ReadKv(const KvRows&) override {
+    absl::MutexLock lock(&mu_);
+    ops_.push_back('R');
+    return absl::OkStatus();
+  }
+
+  void set_block_first(bool b) { block_first_ = b; }
+  void set_status(absl::Status s) { status_ = s; }
+  void WaitEntered() { entered_.WaitForNotification(); }
+  void Release() { release_.Notify(); }
+  std::vector<std::vector<int32_t>> batches() const {
+    absl::MutexLock lock(&mu_);
+    return batches_;
+  }
+  std::vector<std::vector<int32_t>> batch_rows() const {
+    absl::MutexLock lock(&mu_);
+    return batch_rows_;
+  }
+  std::string ops() const {
+    absl::MutexLock lock(&mu_);
+    return ops_;
+  }
+
+ private:
+  KvGeometry geo_;
+  bool block_first_ = true;
+  absl::Status status_;
+  absl::Notification entered_, release_;
+  mutable absl::Mutex mu_;
+  bool blocked_once_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::vector<int32_t>> batches_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<int32_t>> batch_rows_ ABSL_GUARDED_BY(mu_);
+  std::string ops_ ABSL_GUARDED_BY(mu_);
+};
+
+// Counts done callbacks per job id and lets the test wait for all of them.
+class DoneLog {
+ public:
+  explicit DoneLog(int jobs) : calls_(jobs, 0), statuses_(jobs) {}
+  DoneCallback For(int id) {
+    return [this, id](absl::Status s) {
+      absl::MutexLock lock(&mu_);
+      ++calls_[id];
+      statuses_[id] = s;
+      ++total_;
+    };
+  }
+  void WaitFor(int total) {
+    absl::MutexLock lock(&mu_);
+    auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return total_ >= total; };
+    mu_.Await(absl::Condition(&reached));
+  }
+  int calls(int id) {
+    absl::MutexLock lock(&mu_);
+    return calls_[id];
+  }
+  absl::Status status(int id) {
+    absl::MutexLock lock(&mu_);
+    return statuses_[id];
+  }
+  int total() {
+    absl::MutexLock lock(&mu_);
+    return total_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<int> calls_ ABSL_GUARDED_BY(mu_);
+  std::vector<absl::Status> statuses_ ABSL_GUARDED_BY(mu_);
+  int total_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  static constexpr int kMaxJobs = 256;
+
+  SchedulerTest() : pages_(16, 0), outputs_(kMaxJobs, -1), log_(kMaxJobs) {}
+
+  void Start(SchedulerOptions options) {
+    scheduler_ = std::make_unique<Scheduler>(&backend_, &pages_, &metrics_, options);
+  }
+
+  std::unique_ptr<Job> Prefill(int id, int32_t rows) {
+    auto job = std::make_unique<Job>();
+    job->kind = Job::Kind::kPrefill;
+    job->task.layer = id;
+    job->task.total_q = rows;
+    job->task.o = &outputs_[id];
+    job->done = log_.For(id);
+    return job;
+  }
+  std::unique_ptr<Job> KvJob(int id, Job::Kind kind) {
+    auto job = std::make_unique<Job>();
+    job->kind = kind;
+    job->done = log_.For(id);
+    return job;
+  }
+  void MustEnqueue(std::unique_ptr<Job> job) {
+    absl::Status s = scheduler_->Enqueue(job);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(job, nullptr) << "Enqueue kept a job it accepted";
+  }
+
+  FakeBackend backend_;
+  PageTable pages_;
+  Metrics metrics_;
+  std::vector<int32_t> outputs_;
+  DoneLog log_;
+  std::unique_ptr<Scheduler> scheduler_;
+};
+
+TEST_F(SchedulerTest, ConcurrentJobsQueuedBehindABusyBackendShareBatches) {
+  constexpr int kThreads = 8, kPerThread = 6;
+  constexpr int kJobs = 1 + kThreads * kPerThread;
+  Start(SchedulerOptions{});
+  MustEnqueue(Prefill(0, 3));
+  backend_.WaitEntered();  // the worker is inside batch 1; everything else queues
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kPerThread; ++i) MustEnqueue(Prefill(1 + t * kPerThread + i, 1 + i));
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(log_.total(), 0) << "a job finished while the backend was blocked";
+  backend_.Release();
+  log_.WaitFor(kJobs);
+
+  for (int id = 0; id < kJobs; ++id) {
+    EXPECT_EQ(log_.calls(id), 1) << "job " << id;
+    EXPECT_TRUE(log_.status(id).ok()) << "job " << id << ": " << log_.status(id);
+    EXPECT_EQ(outputs_[id], id) << "job " << id << " got another job's output";
+  }
+  const auto batches = backend_.batches();
+  EXPECT_LT(static_cast<int>(batches.size()), kJobs);
+  // Everything queued behind batch 1 fits one batch of 16384 rows.
+  ASSERT_EQ(batches.size(), 2u);
+  EXPECT_EQ(batches[0], std::vector<int32_t>{0});
+  EXPECT_EQ(static_cast<int>(batches[1].size()), kJobs - 1);
+  EXPECT_EQ(scheduler_->batches_run(), 2);
+  // Each job was served exactly once across the batches.
+  std::vector<int> served(kJobs, 0);
+  for (const auto& b : batches) {
+    for (int32_t id : b) ++served[id];
+  }
+  for (int id = 0; id < kJobs; ++id) EXPECT_EQ(served[id], 1) << "job " << id;
+}
+
+TEST_F(SchedulerTest, BatchesStayWithinMaxBatchTokensAndABigJobRunsAlone) {
+  SchedulerOptions options;
+  options.max_batch_tokens = 10;
+  Start(options);
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();
+  // 4 + 4 fit, 4 + 4 + 4 do not; 25 rows exceed the limit and run alone.
+  MustEnqueue(Prefill(1, 4));
+  MustEnqueue(Prefill(2, 4));
+  MustEnqueue(Prefill(3, 4));
+  MustEnqueue(Prefill(4, 25));
+  MustEnqueue(Prefill(5, 6));
+  MustEnqueue(Prefill(6, 4));
+  backend_.Release();
+  log_.WaitFor(7);
+  const std::vector<std::vector<int32_t>> want = {{0}, {1, 2}, {3}, {4}, {5, 6}};
+  EXPECT_EQ(backend_.batches(), want);
+  for (const auto& rows : backend_.batch_rows()) {
+    int32_t sum = 0;
+    for (int32_t r : rows) sum += r;
+    EXPECT_TRUE(sum <= 10 || rows.size() == 1) << "batch of " << sum << " rows";
+  }
+  for (int id = 0; id < 7; ++id) EXPECT_EQ(log_.calls(id), 1);
+}
+
+TEST_F(SchedulerTest, KvJobsKeepTheirPlaceInQueueOrder) {
+  Start(SchedulerOptions{});
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();
+  MustEnqueue(Prefill(1, 1));
+  MustEnqueue(Prefill(2, 1));
+  MustEnqueue(KvJob(3, Job::Kind::kWriteKv));
+  MustEnqueue(Prefill(4, 1));
+  MustEnqueue(KvJob(5, Job::Kind::kReadKv));
+  MustEnqueue(Prefill(6, 1));
+  MustEnqueue(Prefill(7, 1));
+  backend_.Release();
+  log_.WaitFor(8);
+  EXPECT_EQ(backend_.ops(), "PPWPRP");
+  const std::vector<std::vector<int32_t>> want = {{0}, {1, 2}, {4}, {6, 7}};
+  EXPECT_EQ(backend_.batches(), want);
+  for (int id = 0; id < 8; ++id) EXPECT_EQ(log_.calls(id), 1);
+}
+
+TEST_F(SchedulerTest, FullQueueIsResourceExhaustedAndKeepsTheJob) {
+  SchedulerOptions options;
+  options.max_queue_requests = 3;
+  Start(options);
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();  // job 0 left the queue
+  MustEnqueue(Prefill(1, 1));
+  MustEnqueue(Prefill(2, 1));
+  MustEnqueue(Prefill(3, 1));
+  std::unique_ptr<Job> rejected = Prefill(4, 1);
+  absl::Status s = scheduler_->Enqueue(rejected);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("max_queue_requests=3"), absl::string_view::npos) << s;
+  ASSERT_NE(rejected, nullptr) << "a rejected job must stay with the caller";
+  backend_.Release();
+  log_.WaitFor(4);
+  scheduler_->Stop();
+  for (int id = 0; id < 4; ++id) EXPECT_EQ(log_.calls(id), 1);
+  EXPECT_EQ(log_.calls(4), 0) << "the scheduler ran the done callback of a job it refused";
+  // After Stop, Enqueue is UNAVAILABLE and the job stays with the caller.
+  std::unique_ptr<Job> late = Prefill(5, 1);
+  EXPECT_EQ(scheduler_->Enqueue(late).code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(late, nullptr);
+}
+
+TEST_F(SchedulerTest, StopFinishesEveryQueuedJob) {
+  Start(SchedulerOptions{});
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();
+  for (int id = 1; id < 20; ++id) MustEnqueue(Prefill(id, 2));
+  MustEnqueue(KvJob(20, Job::Kind::kWriteKv));
+  std::thread stopper([&] { scheduler_->Stop(); });
+  backend_.Release();
+  stopper.join();
+  EXPECT_EQ(log_.total(), 21) << "Stop returned before draining the queue";
+  for (int id = 0; id <= 20; ++id) {
+    EXPECT_EQ(log_.calls(id), 1) << "job " << id;
+    EXPECT_TRUE(log_.status(id).ok());
+  }
+  scheduler_->Stop();  // a second Stop is harmless
+  EXPECT_EQ(log_.total(), 21);
+}
+
+TEST_F(SchedulerTest, BackendErrorReachesEveryJobOfTheBatch) {
+  backend_.set_status(absl::InternalError("device lost"));
+  Start(SchedulerOptions{});
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();
+  MustEnqueue(Prefill(1, 1));
+  MustEnqueue(Prefill(2, 1));
+  backend_.Release();
+  log_.WaitFor(3);
+  for (int id = 0; id < 3; ++id) {
+    EXPECT_EQ(log_.calls(id), 1);
+    EXPECT_EQ(log_.status(id).code(), absl::StatusCode::kInternal);
+  }
+}
+
+TEST_F(SchedulerTest, PinsAreReleasedBeforeTheDoneCallback) {
+  backend_.set_block_first(false);
+  Start(SchedulerOptions{});
+  auto pages = pages_.Allocate("alice", 2);
+  ASSERT_TRUE(pages.ok());
+  ASSERT_TRUE(pages_.PinOwned("alice", *pages, "kv_indices").ok());
+  // The owner frees the pages while the request is in flight.
+  ASSERT_TRUE(pages_.Free("alice", *pages).ok());
+  EXPECT_EQ(pages_.FreeCount(), 14);
+  absl::Notification done;
+  int free_in_callback = -1;
+  auto job = Prefill(0, 1);
+  job->pinned = *pages;
+  job->done = [&](absl::Status) {
+    free_in_callback = pages_.FreeCount();
+    done.Notify();
+  };
+  MustEnqueue(std::move(job));
+  done.WaitForNotification();
+  EXPECT_EQ(free_in_callback, 16);
+}
+
+}  // namespace
+}  // namespace attnserve
