@@ -198,6 +198,7 @@ int Main(std::vector<char*> args) {
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.timeout_s = absl::GetFlag(FLAGS_timeout_s);
+  options.fetch_info = cmd != "health";  // probes carry no credentials
   auto client = Client::Connect(options);
   if (!client.ok()) {
     if (cmd == "health") std::cout << "NOT_SERVING (" << client.status().ToString() << ")\n";

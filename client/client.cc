@@ -73,6 +73,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   args.SetMaxSendMessageSize(max_bytes);
   c->channel_ = grpc::CreateCustomChannel(options.target, creds, args);
   c->stub_ = v1::AttentionService::NewStub(c->channel_);
+  if (!options.fetch_info) return c;
   auto info = c->GetServerInfo();
   if (!info.ok()) return info.status();
   c->info_ = *std::move(info);

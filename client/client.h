@@ -32,6 +32,9 @@ struct ClientOptions {
   std::string tls_key;          // PEM client key (mTLS)
   int64_t max_message_bytes = 512ll << 20;
   double timeout_s = 0;         // per-call deadline; 0: none
+  // Read the geometry (GetServerInfo) at connect time. Health checks need no
+  // credentials and skip it.
+  bool fetch_info = true;
 };
 
 struct PrefillArgs {
@@ -68,7 +71,8 @@ struct State {
 
 class Client {
  public:
-  // Connects and reads the server's geometry (GetServerInfo).
+  // Connects and, unless options.fetch_info is false, reads the server's
+  // geometry (GetServerInfo).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
 
   const v1::ServerInfo& info() const { return info_; }
