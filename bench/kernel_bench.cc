@@ -8,7 +8,7 @@
 // sets rotated when one set fits in L2. FLOPs as ANCHORS.md counts them:
 // 4 * head_dim * num_qo_heads * (visible (query, key) pairs).
 //
-// Usage: attnserve_kernel_bench [--quick] [--variant=N]
+// Usage: attnserve_kernel_bench [--quick] [--variant=N] [--merge-only]
 // Prints one "RESULT key=value ..." line per measurement, then a table.
 #include <cuda_runtime.h>
 
@@ -297,9 +297,11 @@ void RunMerge(int64_t n, int repeats) {
 int main(int argc, char** argv) {
   using namespace attnserve;
   bool quick = false;
+  bool merge_only = false;
   int only_variant = -1;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strcmp(argv[i], "--merge-only") == 0) merge_only = true;
     if (std::strncmp(argv[i], "--variant=", 10) == 0) only_variant = std::atoi(argv[i] + 10);
   }
   cudaDeviceProp prop;
@@ -309,6 +311,11 @@ int main(int argc, char** argv) {
   const std::vector<Workload> anchors = {
       {"long", 1, 16384, 16384}, {"batch", 16, 2048, 2048}, {"prefix", 32, 512, 4096}, {"decode", 64, 1, 4096}};
   std::vector<Result> results;
+  if (merge_only) {
+    RunMerge(65536, reps * 2);
+    RunMerge(512, reps * 5);
+    return 0;
+  }
   for (int variant : {0, 1}) {
     if (only_variant >= 0 && variant != only_variant) continue;
     for (int ps : {1, 16}) {
