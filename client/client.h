@@ -76,6 +76,8 @@ class Client {
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
 
   const v1::ServerInfo& info() const { return info_; }
+  // Per-call deadline from now on (0: none).
+  void set_timeout_s(double seconds) { options_.timeout_s = seconds; }
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
   absl::StatusOr<std::vector<int32_t>> AllocatePages(int32_t count);
   absl::Status FreePages(absl::Span<const int32_t> page_ids);

@@ -1,5 +1,7 @@
 // attnserve: the GPU-resident attention server. Flags are defined here only
 // and read once into the options structs of the layers below.
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdlib>
 #include <thread>
@@ -161,9 +163,9 @@ int Run() {
   });
   const ServerInfoData info = core.Info();
   spdlog::info(
-      "attnserve {} started: backend={} device=\"{}\" layers={} pages={} page_size={} "
+      "attnserve {} started: pid={} backend={} device=\"{}\" layers={} pages={} page_size={} "
       "qo_heads={} kv_heads={} head_dim={} kv_dtype={} auth={} tls={}",
-      info.version, info.backend, info.device, info.num_layers, info.num_pages, info.page_size,
+      info.version, getpid(), info.backend, info.device, info.num_layers, info.num_pages, info.page_size,
       info.num_qo_heads, info.num_kv_heads, info.head_dim, absl::GetFlag(FLAGS_kv_dtype),
       (*auth)->enabled() ? "on" : "off", server_options.tls_cert.empty() ? "off" : "on");
   // Tests and scripts read this line to find the ports.
