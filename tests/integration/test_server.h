@@ -1,0 +1,88 @@
+// TestServer: runs the real attnserve binary as a child process for the
+// integration tests.
+//
+// It starts build/bin/attnserve (ATTNSERVE_BIN) on 127.0.0.1:0 for gRPC and
+// metrics with the CPU backend, reads the child's output for the line
+// `listening grpc=HOST:PORT metrics=HOST:PORT` to learn the ports, then
+// waits on the gRPC health check (wait-for-ready, no sleeps) until SERVING.
+// The destructor sends SIGTERM and reaps the child.
+//
+//   TestServerOptions options;
+//   options.page_size = 16;
+//   auto server = TestServer::Start(options);
+//   auto client = Client::Connect({.target = (*server)->grpc_address()});
+//   ...
+//   EXPECT_EQ((*server)->Stop(), 0);  // exited cleanly
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace attnserve {
+
+struct TestServerOptions {
+  int32_t num_layers = 2;
+  int32_t num_pages = 256;
+  int32_t page_size = 16;
+  int32_t num_qo_heads = 8;
+  int32_t num_kv_heads = 2;
+  int32_t head_dim = 64;
+  std::string kv_dtype = "bf16";
+  std::vector<std::string> extra_flags;  // e.g. "--auth_tokens_file=/tmp/x"
+  double start_timeout_s = 60;
+};
+
+class TestServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<TestServer>> Start(const TestServerOptions& options);
+  ~TestServer();
+
+  const std::string& grpc_address() const { return grpc_address_; }
+  const std::string& metrics_address() const { return metrics_address_; }
+  const TestServerOptions& options() const { return options_; }
+
+  // True while the child has not exited.
+  bool Alive();
+  // SIGTERM, then waits for the child. Returns its exit code, or 128 + the
+  // signal that killed it. Later calls return the same value.
+  int Stop();
+  // Everything the child has written to stdout and stderr so far.
+  std::string Output() const;
+
+ private:
+  TestServer() = default;
+  void ReadOutput();
+
+  TestServerOptions options_;
+  pid_t pid_ = -1;
+  int out_fd_ = -1;
+  int exit_code_ = -1;
+  std::string grpc_address_;
+  std::string metrics_address_;
+  std::thread reader_;
+  mutable absl::Mutex mu_;
+  std::string output_ ABSL_GUARDED_BY(mu_);
+};
+
+// Plain HTTP/1.0 GET of http://address/path; returns the body (200 only).
+absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path);
+
+// The value of the Prometheus sample `name{labels}` in an exposition text;
+// labels is the exact text between the braces ("" for none). NOT_FOUND when
+// absent.
+absl::StatusOr<double> MetricValue(const std::string& text, const std::string& name,
+                                   const std::string& labels = "");
+
+// Runs a program with arguments, waits, and returns its exit code (128 +
+// signal when killed) with its combined stdout and stderr in *output.
+int RunProgram(const std::vector<std::string>& argv, std::string* output);
+
+}  // namespace attnserve
