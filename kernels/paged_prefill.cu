@@ -19,6 +19,8 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+// Largest growth (base 2) of a row's max that leaves O unrescaled (LAZY).
+constexpr float kLazyRescale = 8.f;
 
 struct PrefillKernelArgs {
   const void* q;            // (total_q, H, D)
@@ -68,7 +70,9 @@ __device__ __forceinline__ float Exp2(float x) {
   return y;
 }
 
-template <int D, int MT, int KB, typename T>
+// LAZY: scale folded into the exponent's FFMA and the O rescale skipped
+// while no row's max grows by more than kLazyRescale (see the softmax).
+template <int D, int MT, int KB, bool LAZY, typename T>
 __global__ void __launch_bounds__(128, 2)
     PagedPrefillKernel(const PrefillKernelArgs args) {
   using Tr = Traits<D, MT, KB>;
@@ -188,7 +192,13 @@ __global__ void __launch_bounds__(128, 2)
     m_run[mt][0] = m_run[mt][1] = -INFINITY;
     l_run[mt][0] = l_run[mt][1] = 0.f;
   }
-  const float scale_log2 = seq.sm_scale * kLog2e;
+  // LAZY takes row maxima on raw logits, so it needs a positive scale: a
+  // negative one is moved into Q (sign flip in shared memory, once), and a
+  // zero one becomes 1e-30 (every logit rounds to 0 either way, while masked
+  // logits stay -inf instead of -inf * 0).
+  const bool negate_q = LAZY && seq.sm_scale < 0.f;
+  const float scale_log2 =
+      LAZY ? fmaxf(fabsf(seq.sm_scale) * kLog2e, 1e-30f) : seq.sm_scale * kLog2e;
 
   uint32_t q_frag[Tr::kQInRegs ? D / 16 : 1][4];
 
@@ -209,6 +219,16 @@ __global__ void __launch_bounds__(128, 2)
     // stored after the math so the load latency hides behind it.
     const bool next_offs = b + 2 < num_blocks && tid < KB;
     const int64_t off_next = next_offs ? page_offset(b + 2, tid) : 0;
+    if (negate_q && b == 0) {  // the Q tile landed with block 0
+#pragma unroll
+      for (int i = tid; i < Tr::kQBytes / 16; i += Tr::kThreads) {
+        uint4* p = reinterpret_cast<uint4*>(s_q) + i;
+        uint4 v = *p;
+        v.x ^= 0x80008000u; v.y ^= 0x80008000u; v.z ^= 0x80008000u; v.w ^= 0x80008000u;
+        *p = v;
+      }
+      __syncthreads();
+    }
     if (!warp_active) {
       if (next_offs) s_off[(b & 1) * KB + tid] = off_next;
       __syncthreads();
@@ -259,15 +279,17 @@ __global__ void __launch_bounds__(128, 2)
       }
     }
 
-    // ---- Scale, mask (boundary blocks only), online softmax in base 2.
+    // ---- Mask (boundary blocks only), online softmax in base 2.
     const int block_start = kv_begin + b * KB;
     const bool need_mask = block_start + KB > full_end;
+    if constexpr (!LAZY) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int n = 0; n < KB / 8; ++n) {
+        for (int n = 0; n < KB / 8; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][n][e] *= scale_log2;
+          for (int e = 0; e < 4; ++e) s[mt][n][e] *= scale_log2;
+        }
       }
     }
     if (need_mask) {
@@ -287,6 +309,65 @@ __global__ void __launch_bounds__(128, 2)
         }
       }
     }
+    if constexpr (LAZY) {
+      // s holds raw logits; m_run is in scaled base-2 units. A row's running
+      // max moves only when the block's max exceeds it by more than
+      // kLazyRescale, and then for the whole warp at once (one vote), so most
+      // blocks skip the O rescale. Between moves p = 2^(s * scale - m) <=
+      // 2^kLazyRescale: no overflow in fp32 or bf16, and O / l share the same
+      // stale m, so the result is unchanged.
+      float mx2[MT][2];
+      bool grow = false;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int n = 0; n < KB / 8; ++n) {
+            mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
+          }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          mx2[mt][h] = mx * scale_log2;
+          grow |= mx2[mt][h] > m_run[mt][h] + kLazyRescale;
+        }
+      }
+      if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float m_new = fmaxf(m_run[mt][h], mx2[mt][h]);
+            const float alpha = Exp2(m_run[mt][h] - (m_new == -INFINITY ? 0.f : m_new));
+            m_run[mt][h] = m_new;
+            l_run[mt][h] *= alpha;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+              o_acc[mt][n][2 * h] *= alpha;
+              o_acc[mt][n][2 * h + 1] *= alpha;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float neg_m = m_run[mt][h] == -INFINITY ? 0.f : -m_run[mt][h];
+          float sum = 0.f;
+#pragma unroll
+          for (int n = 0; n < KB / 8; ++n) {
+            const float p0 = Exp2(fmaf(s[mt][n][2 * h], scale_log2, neg_m));
+            const float p1 = Exp2(fmaf(s[mt][n][2 * h + 1], scale_log2, neg_m));
+            s[mt][n][2 * h] = p0;
+            s[mt][n][2 * h + 1] = p1;
+            sum += p0 + p1;
+          }
+          l_run[mt][h] += sum;
+        }
+      }
+    } else {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -318,6 +399,7 @@ __global__ void __launch_bounds__(128, 2)
           o_acc[mt][n][2 * h + 1] *= alpha;
         }
       }
+    }
     }
 
     // ---- O += P V.
@@ -495,20 +577,20 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-template <int D, int MT, int KB, typename T>
+template <int D, int MT, int KB, bool LAZY, typename T>
 cudaError_t LaunchPrefill(const PrefillKernelArgs& args, int32_t num_items, cudaStream_t stream) {
   using Tr = Traits<D, MT, KB>;
-  auto kernel = PagedPrefillKernel<D, MT, KB, T>;
+  auto kernel = PagedPrefillKernel<D, MT, KB, LAZY, T>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 
-template <int D, int MT, int KB, typename T>
+template <int D, int MT, int KB, bool LAZY, typename T>
 int32_t CtasPerSm() {
   using Tr = Traits<D, MT, KB>;
-  auto kernel = PagedPrefillKernel<D, MT, KB, T>;
+  auto kernel = PagedPrefillKernel<D, MT, KB, LAZY, T>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes) != cudaSuccess) return 1;
   int n = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Tr::kThreads, Tr::kSmemBytes) != cudaSuccess) return 1;
@@ -516,21 +598,22 @@ int32_t CtasPerSm() {
 }
 
 // Turns the run-time (head_dim, variant, dtype) into the kernel's constants.
-#define ATTNSERVE_DISPATCH_PREFILL(head_dim, variant, dtype, FN, ...)           \
-  [&]() {                                                                        \
-    if ((dtype) == KvDType::kBf16) {                                             \
-      using T = __nv_bfloat16;                                                   \
-      if ((head_dim) == 64) return FN<64, 2, 64, T>(__VA_ARGS__);                \
-      if ((head_dim) == 128 && (variant) == 1) return FN<128, 1, 64, T>(__VA_ARGS__); \
-      if ((head_dim) == 128) return FN<128, 2, 64, T>(__VA_ARGS__);              \
-      return FN<256, 1, 32, T>(__VA_ARGS__);                                     \
-    } else {                                                                     \
-      using T = __half;                                                          \
-      if ((head_dim) == 64) return FN<64, 2, 64, T>(__VA_ARGS__);                \
-      if ((head_dim) == 128 && (variant) == 1) return FN<128, 1, 64, T>(__VA_ARGS__); \
-      if ((head_dim) == 128) return FN<128, 2, 64, T>(__VA_ARGS__);              \
-      return FN<256, 1, 32, T>(__VA_ARGS__);                                     \
-    }                                                                            \
+// Variant 2 is the 128-row tile with the v2 softmax, for A/B in the bench.
+#define ATTNSERVE_DISPATCH_PREFILL_T(head_dim, variant, FN, ...)                     \
+  if ((head_dim) == 64) return FN<64, 2, 64, true, T>(__VA_ARGS__);                  \
+  if ((head_dim) == 128 && (variant) == 1) return FN<128, 1, 64, true, T>(__VA_ARGS__); \
+  if ((head_dim) == 128 && (variant) == 2) return FN<128, 2, 64, false, T>(__VA_ARGS__); \
+  if ((head_dim) == 128) return FN<128, 2, 64, true, T>(__VA_ARGS__);                \
+  return FN<256, 1, 32, true, T>(__VA_ARGS__)
+#define ATTNSERVE_DISPATCH_PREFILL(head_dim, variant, dtype, FN, ...)        \
+  [&]() {                                                                     \
+    if ((dtype) == KvDType::kBf16) {                                          \
+      using T = __nv_bfloat16;                                                \
+      ATTNSERVE_DISPATCH_PREFILL_T(head_dim, variant, FN, __VA_ARGS__);       \
+    } else {                                                                  \
+      using T = __half;                                                       \
+      ATTNSERVE_DISPATCH_PREFILL_T(head_dim, variant, FN, __VA_ARGS__);       \
+    }                                                                         \
   }()
 
 }  // namespace
@@ -634,7 +717,14 @@ void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry
   plan->partial_pairs = part_off;
   plan->merge_pairs = pair_begin;
 
-  // Longest first, so that the tail of the grid holds the short items.
+  // Order: L2 sections of whole (sequence, KV head) groups, longest item
+  // first inside each section. Every tile of a group reads the same K/V rows;
+  // a plain global longest-first order runs the same tile of every group at
+  // once, so the resident CTAs touch every group's K/V and each tile re-reads
+  // it from DRAM (prefix 32x512/4096: 268 MB live against a 60 MB L2). A
+  // section holds groups whose K/V bytes sum to at most l2_section_bytes, so
+  // the CTAs in flight (about one section) share what is in L2, while the
+  // tail of the grid still holds the short items of the last section.
   auto cost = [&](const PrefillWorkItem& it) {
     const PrefillSeq& s = seqs[it.seq];
     int end = it.kv_end;
@@ -644,13 +734,46 @@ void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry
     }
     return std::max(end - it.kv_begin, 0);
   };
-  std::vector<int32_t> costs(plan->items.size());
-  for (size_t i = 0; i < costs.size(); ++i) costs[i] = cost(plan->items[i]);
-  std::vector<int32_t> order(costs.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return costs[a] > costs[b]; });
-  std::vector<PrefillWorkItem> sorted(order.size());
-  for (size_t i = 0; i < order.size(); ++i) sorted[i] = plan->items[order[i]];
+  const size_t n = plan->items.size();
+  std::vector<int32_t> costs(n);
+  for (size_t i = 0; i < n; ++i) costs[i] = cost(plan->items[i]);
+  // Items were emitted group by group: [group_begin[g], group_begin[g + 1]).
+  std::vector<int32_t> group_begin;
+  std::vector<int32_t> group_max;    // longest item of the group (tokens)
+  std::vector<int64_t> group_bytes;  // K + V bytes the group reads
+  const int64_t token_bytes = int64_t{2} * geo.head_dim * 2;  // K and V, 16-bit
+  for (size_t i = 0; i < n; ++i) {
+    const PrefillWorkItem& it = plan->items[i];
+    if (i == 0 || it.seq != plan->items[i - 1].seq || it.kv_head != plan->items[i - 1].kv_head) {
+      group_begin.push_back(static_cast<int32_t>(i));
+      group_max.push_back(0);
+      group_bytes.push_back(int64_t{seqs[it.seq].kv_len} * token_bytes);
+    }
+    group_max.back() = std::max(group_max.back(), costs[i]);
+  }
+  group_begin.push_back(static_cast<int32_t>(n));
+  const int num_groups = static_cast<int>(group_max.size());
+  std::vector<int32_t> group_order(num_groups);
+  std::iota(group_order.begin(), group_order.end(), 0);
+  std::stable_sort(group_order.begin(), group_order.end(),
+                   [&](int32_t a, int32_t b) { return group_max[a] > group_max[b]; });
+
+  std::vector<int32_t> order;
+  order.reserve(n);
+  const int64_t budget = options.l2_section_bytes > 0 ? options.l2_section_bytes : INT64_MAX;
+  auto by_cost = [&](int32_t a, int32_t b) { return costs[a] > costs[b]; };
+  for (int gi = 0; gi < num_groups;) {
+    const size_t section_begin = order.size();
+    int64_t bytes = 0;
+    do {
+      const int32_t g = group_order[gi++];
+      bytes += group_bytes[g];
+      for (int32_t i = group_begin[g]; i < group_begin[g + 1]; ++i) order.push_back(i);
+    } while (gi < num_groups && bytes + group_bytes[group_order[gi]] <= budget);
+    std::stable_sort(order.begin() + section_begin, order.end(), by_cost);
+  }
+  std::vector<PrefillWorkItem> sorted(n);
+  for (size_t i = 0; i < n; ++i) sorted[i] = plan->items[order[i]];
   plan->items.swap(sorted);
 }
 

@@ -67,17 +67,24 @@ struct PrefillPlanOptions {
   int64_t max_partial_pairs = 0;
   // Packed rows per tile (PrefillTileRows(head_dim, variant)).
   int32_t tile_rows = 128;
+  // Items run in sections of whole (sequence, KV head) groups whose K/V
+  // bytes sum to at most this, longest first within a section, so that the
+  // CTAs in flight share K/V through L2 (a quarter of an H100/H200 L2).
+  // 0: one section, plain longest-first order.
+  int64_t l2_section_bytes = int64_t{16} << 20;
 };
 
 struct PrefillPlan {
-  std::vector<PrefillWorkItem> items;  // ordered longest first
+  std::vector<PrefillWorkItem> items;  // L2 sections, longest first in each
   std::vector<SplitMergeSeq> merges;   // empty when nothing was split
   int64_t partial_pairs = 0;           // partial (row, head) pairs used
   int32_t merge_pairs = 0;             // (row, head) pairs the merge writes
 };
 
 // Kernel variants for head_dim 128: 0 = 128 packed rows per tile (two
-// 16-row MMA tiles per warp), 1 = 64 rows (one per warp).
+// 16-row MMA tiles per warp), 1 = 64 rows (one per warp), 2 = variant 0 with
+// the previous softmax (scale multiply, O rescale every block), kept only for
+// A/B timing in bench/kernel_bench.cc.
 int32_t PrefillTileRows(int32_t head_dim, int32_t variant = 0);
 // Resident CTAs per SM of the kernel for this head_dim / dtype / variant.
 int32_t PrefillCtasPerSm(int32_t head_dim, KvDType dtype, int32_t variant = 0);
