@@ -32,7 +32,7 @@ void SetTensor(v1::Tensor* t, v1::DType dtype, std::initializer_list<int64_t> sh
 template <typename T>
 std::vector<T> FromBytes(const std::string& bytes) {
   std::vector<T> out(bytes.size() / sizeof(T));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
   return out;
 }
 
