@@ -183,7 +183,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(ServerGpuBatching, ConcurrentLayersAndLongKvSplit) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "skipped: no GPU";
   const Config c{16, 16, 2, 128, "bf16"};
-  auto server = StartServer(c, "cuda", 8192);
+  auto server = StartServer(c, "cuda", 40000);  // 96 requests of up to 5 x 64 pages
   ASSERT_NE(server, nullptr);
   auto setup = ConnectTo(*server);
   ASSERT_NE(setup, nullptr);
