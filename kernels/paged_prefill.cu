@@ -428,7 +428,13 @@ __global__ void __launch_bounds__(128, 2)
     if (next_offs) s_off[(b & 1) * KB + tid] = off_next;
     __syncthreads();  // the next iteration refills this stage
   }
-  if (num_blocks == 0) mma::CpAsyncWait<0>();
+  // No block ran, so no loop barrier ordered the Q tile's cp.async (each
+  // thread loads rows of every warp) before the epilogue stages this warp's
+  // output into its Q rows: wait for all threads' copies, not just our own.
+  if (num_blocks == 0) {
+    mma::CpAsyncWait<0>();
+    __syncthreads();  // num_blocks is uniform over the CTA
+  }
 
   // ---- Epilogue: normalise, LSE (base 2 internally), write.
   float inv[MT][2];
