@@ -50,17 +50,6 @@ int Fail(const absl::Status& status) {
   return 1;
 }
 
-KvGeometry GeometryOf(const v1::ServerInfo& info) {
-  KvGeometry g;
-  g.num_layers = info.num_layers();
-  g.num_pages = info.num_pages();
-  g.page_size = info.page_size();
-  g.num_qo_heads = info.num_qo_heads();
-  g.num_kv_heads = info.num_kv_heads();
-  g.head_dim = info.head_dim();
-  g.dtype = info.kv_dtype() == v1::DTYPE_FP16 ? KvDType::kFp16 : KvDType::kBf16;
-  return g;
-}
 
 absl::StatusOr<std::vector<int64_t>> ParseInts(const std::vector<char*>& args, size_t from) {
   std::vector<int64_t> out;
@@ -95,10 +84,7 @@ int Prefill(Client& client) {
   if (!pages.ok()) return Fail(pages.status());
   // Fill every allocated page with random K/V and keep a copy for the reference.
   KvMirror mirror(g);
-  std::vector<int64_t> slots;
-  for (int32_t p : *pages) {
-    for (int32_t o = 0; o < g.page_size; ++o) slots.push_back(int64_t{p} * g.page_size + o);
-  }
+  std::vector<int64_t> slots = SlotsOfPages(g, *pages);
   auto k = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
   auto v = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
   absl::Status status = client.WriteKV(spec.layer, slots, k, v);
@@ -106,15 +92,7 @@ int Prefill(Client& client) {
   if (status.ok()) {
     mirror.Write(spec.layer, slots, k, v);
     PrefillInputs in = RandomPrefill(gen, g, spec, *pages);
-    PrefillArgs args;
-    args.layer = in.layer;
-    args.q = in.q;
-    args.qo_indptr = in.qo_indptr;
-    args.kv_indptr = in.kv_indptr;
-    args.kv_indices = in.kv_indices;
-    args.kv_last_page_len = in.kv_last_page_len;
-    args.causal = in.causal;
-    args.lse_base_e = in.lse_base_e;
+    PrefillArgs args = ArgsOf(in);
     auto out = client.Prefill(args);
     if (!out.ok()) {
       rc = Fail(out.status());

@@ -38,6 +38,18 @@ std::vector<T> FromBytes(const std::string& bytes) {
 
 }  // namespace
 
+KvGeometry GeometryOf(const v1::ServerInfo& info) {
+  KvGeometry g;
+  g.num_layers = info.num_layers();
+  g.num_pages = info.num_pages();
+  g.page_size = info.page_size();
+  g.num_qo_heads = info.num_qo_heads();
+  g.num_kv_heads = info.num_kv_heads();
+  g.head_dim = info.head_dim();
+  g.dtype = info.kv_dtype() == v1::DTYPE_FP16 ? KvDType::kFp16 : KvDType::kBf16;
+  return g;
+}
+
 absl::Status Client::FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());

@@ -20,6 +20,7 @@
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "kernels/common.h"
 
 namespace attnserve {
 
@@ -68,6 +69,9 @@ struct State {
   std::vector<uint16_t> v;  // (n, h, d)
   std::vector<float> lse;   // (n, h)
 };
+
+// The KV geometry a server reports.
+KvGeometry GeometryOf(const v1::ServerInfo& info);
 
 class Client {
  public:

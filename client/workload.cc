@@ -93,6 +93,29 @@ void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<d
   }
 }
 
+PrefillArgs ArgsOf(const PrefillInputs& in) {
+  PrefillArgs a;
+  a.layer = in.layer;
+  a.q = in.q;
+  a.qo_indptr = in.qo_indptr;
+  a.kv_indptr = in.kv_indptr;
+  a.kv_indices = in.kv_indices;
+  a.kv_last_page_len = in.kv_last_page_len;
+  a.sm_scale = in.sm_scale;
+  a.causal = in.causal;
+  a.lse_base_e = in.lse_base_e;
+  return a;
+}
+
+std::vector<int64_t> SlotsOfPages(const KvGeometry& geo, absl::Span<const int32_t> pages) {
+  std::vector<int64_t> slots;
+  slots.reserve(pages.size() * geo.page_size);
+  for (int32_t p : pages) {
+    for (int32_t o = 0; o < geo.page_size; ++o) slots.push_back(int64_t{p} * geo.page_size + o);
+  }
+  return slots;
+}
+
 int64_t PagesNeeded(const KvGeometry& geo, const WorkloadSpec& spec) {
   return int64_t{spec.batch} * ((spec.max_kv_len + geo.page_size - 1) / geo.page_size);
 }

@@ -13,6 +13,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/types/span.h"
+#include "client/client.h"
 #include "kernels/common.h"
 
 namespace attnserve {
@@ -56,6 +57,12 @@ struct PrefillInputs {
 // (total_q, Hq) with -inf for rows that see nothing.
 void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<double>* o,
                       std::vector<double>* lse);
+
+// The Prefill arguments viewing `in` (which must outlive them).
+PrefillArgs ArgsOf(const PrefillInputs& in);
+
+// Every slot of `pages`, page by page: page * page_size + offset.
+std::vector<int64_t> SlotsOfPages(const KvGeometry& geo, absl::Span<const int32_t> pages);
 
 // Shape of a random workload.
 struct WorkloadSpec {

@@ -30,17 +30,6 @@ struct Config {
   const char* dtype;
 };
 
-KvGeometry GeometryOf(const v1::ServerInfo& info) {
-  KvGeometry g;
-  g.num_layers = info.num_layers();
-  g.num_pages = info.num_pages();
-  g.page_size = info.page_size();
-  g.num_qo_heads = info.num_qo_heads();
-  g.num_kv_heads = info.num_kv_heads();
-  g.head_dim = info.head_dim();
-  g.dtype = info.kv_dtype() == v1::DTYPE_FP16 ? KvDType::kFp16 : KvDType::kBf16;
-  return g;
-}
 
 std::unique_ptr<TestServer> StartServer(const Config& c, const std::string& backend,
                                         int32_t num_pages) {
@@ -67,28 +56,12 @@ std::unique_ptr<Client> ConnectTo(const TestServer& server) {
   return c.ok() ? *std::move(c) : nullptr;
 }
 
-PrefillArgs ArgsOf(const PrefillInputs& in) {
-  PrefillArgs a;
-  a.layer = in.layer;
-  a.q = in.q;
-  a.qo_indptr = in.qo_indptr;
-  a.kv_indptr = in.kv_indptr;
-  a.kv_indices = in.kv_indices;
-  a.kv_last_page_len = in.kv_last_page_len;
-  a.sm_scale = in.sm_scale;
-  a.causal = in.causal;
-  a.lse_base_e = in.lse_base_e;
-  return a;
-}
 
 // Writes random K/V into every slot of `pages` on each client (same data).
 void FillPages(std::mt19937_64& gen, const KvGeometry& g, int32_t layer,
                const std::vector<int32_t>& pages, const std::vector<Client*>& clients,
                KvMirror* mirror) {
-  std::vector<int64_t> slots;
-  for (int32_t p : pages) {
-    for (int o = 0; o < g.page_size; ++o) slots.push_back(int64_t{p} * g.page_size + o);
-  }
+  std::vector<int64_t> slots = SlotsOfPages(g, pages);
   // Chunks keep each message small.
   const size_t chunk = 4096;
   for (size_t at = 0; at < slots.size(); at += chunk) {

@@ -44,17 +44,6 @@ constexpr float kNegInfF = -std::numeric_limits<float>::infinity();
 
 // ------------------------------------------------------------ helpers
 
-KvGeometry GeometryOf(const v1::ServerInfo& info) {
-  KvGeometry g;
-  g.num_layers = info.num_layers();
-  g.num_pages = info.num_pages();
-  g.page_size = info.page_size();
-  g.num_qo_heads = info.num_qo_heads();
-  g.num_kv_heads = info.num_kv_heads();
-  g.head_dim = info.head_dim();
-  g.dtype = info.kv_dtype() == v1::DTYPE_FP16 ? KvDType::kFp16 : KvDType::kBf16;
-  return g;
-}
 
 std::unique_ptr<Client> Connect(const TestServer& server, const std::string& token = "") {
   ClientOptions options;
@@ -68,10 +57,7 @@ std::unique_ptr<Client> Connect(const TestServer& server, const std::string& tok
 
 // Every slot of `pages`, in page order.
 std::vector<int64_t> SlotsOf(const KvGeometry& g, absl::Span<const int32_t> pages) {
-  std::vector<int64_t> slots;
-  for (int32_t p : pages) {
-    for (int32_t o = 0; o < g.page_size; ++o) slots.push_back(int64_t{p} * g.page_size + o);
-  }
+  std::vector<int64_t> slots = SlotsOfPages(g, pages);
   return slots;
 }
 
@@ -125,19 +111,6 @@ PrefillInputs EdgeCaseInputs(std::mt19937_64& gen, const KvGeometry& g,
   return in;
 }
 
-PrefillArgs ArgsOf(const PrefillInputs& in) {
-  PrefillArgs a;
-  a.layer = in.layer;
-  a.q = in.q;
-  a.qo_indptr = in.qo_indptr;
-  a.kv_indptr = in.kv_indptr;
-  a.kv_indices = in.kv_indices;
-  a.kv_last_page_len = in.kv_last_page_len;
-  a.sm_scale = in.sm_scale;
-  a.causal = in.causal;
-  a.lse_base_e = in.lse_base_e;
-  return a;
-}
 
 // Checks a Prefill result against the float64 reference: DESIGN.md's
 // tolerances, and rows that see nothing exactly 0 with LSE -inf. Returns the

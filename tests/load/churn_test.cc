@@ -33,17 +33,6 @@ constexpr int64_t kRssGrowthBoundKb = 256 * 1024;  // 256 MiB
 const std::vector<int32_t> kOnePage = {0, 1};
 const std::vector<int32_t> kLastLenOne = {1};
 
-KvGeometry GeometryOf(const v1::ServerInfo& info) {
-  KvGeometry g;
-  g.num_layers = info.num_layers();
-  g.num_pages = info.num_pages();
-  g.page_size = info.page_size();
-  g.num_qo_heads = info.num_qo_heads();
-  g.num_kv_heads = info.num_kv_heads();
-  g.head_dim = info.head_dim();
-  g.dtype = info.kv_dtype() == v1::DTYPE_FP16 ? KvDType::kFp16 : KvDType::kBf16;
-  return g;
-}
 
 // Resident set of a process in KiB, from /proc.
 int64_t RssKb(int pid) {
@@ -138,10 +127,7 @@ void ClientLoop(ChurnTest* test, Client& client, Client& short_deadline, const K
       tally.Wrong(absl::StrCat("AllocatePages: ", pages.status().ToString()));
       continue;
     }
-    std::vector<int64_t> slots;
-    for (int32_t p : *pages) {
-      for (int o = 0; o < g.page_size; ++o) slots.push_back(int64_t{p} * g.page_size + o);
-    }
+    std::vector<int64_t> slots = SlotsOfPages(g, *pages);
     auto k = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
     auto v = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
     KvMirror mirror(g);
@@ -150,15 +136,7 @@ void ClientLoop(ChurnTest* test, Client& client, Client& short_deadline, const K
     }
     mirror.Write(spec.layer, slots, k, v);
     PrefillInputs in = RandomPrefill(gen, g, spec, *pages);
-    PrefillArgs args;
-    args.layer = in.layer;
-    args.q = in.q;
-    args.qo_indptr = in.qo_indptr;
-    args.kv_indptr = in.kv_indptr;
-    args.kv_indices = in.kv_indices;
-    args.kv_last_page_len = in.kv_last_page_len;
-    args.causal = in.causal;
-    args.lse_base_e = in.lse_base_e;
+    PrefillArgs args = ArgsOf(in);
 
     if (action < 45) {  // valid, verified
       auto out = client.Prefill(args);
@@ -357,17 +335,9 @@ TEST_F(ChurnTest, TwoTenantsUnderChurnStayCorrectAndLeakNothing) {
   ASSERT_TRUE(pages.ok());
   PrefillInputs in = RandomPrefill(gen2, g, spec, *pages);
   KvMirror mirror(g);
-  PrefillArgs args;
-  args.q = in.q;
-  args.qo_indptr = in.qo_indptr;
-  args.kv_indptr = in.kv_indptr;
-  args.kv_indices = in.kv_indices;
-  args.kv_last_page_len = in.kv_last_page_len;
+  PrefillArgs args = ArgsOf(in);
   // Write the pages so that the reference knows them.
-  std::vector<int64_t> slots;
-  for (int32_t p : *pages) {
-    for (int o = 0; o < g.page_size; ++o) slots.push_back(int64_t{p} * g.page_size + o);
-  }
+  std::vector<int64_t> slots = SlotsOfPages(g, *pages);
   auto k = RandomHalves(gen2, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
   auto v = RandomHalves(gen2, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
   ASSERT_TRUE(a->WriteKV(0, slots, k, v).ok());
