@@ -195,6 +195,41 @@ TEST(PagedPrefillCuda, LongKvForcesSplit) {
   EXPECT_EQ(r.error, "") << Describe(b, 0, r.split);
 }
 
+// Causal tiles whose rows all sit before the diagonal (q_len > kv_len, or no
+// KV) run no KV block and must write zeros; they ran beside busy tiles in
+// one launch, where another warp's late Q copy once landed over the staged
+// output (server batching test, o wrong, LSE right). Many such tiles, many
+// launches, both head_dim 128 variants, split and not.
+TEST(PagedPrefillCuda, TilesWithNoKvBlockBesideBusyTiles) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(31);
+  for (int rep = 0; rep < 24; ++rep) {
+    HostBatch b;
+    b.geo.head_dim = 128;
+    b.geo.num_qo_heads = 16;
+    b.geo.num_kv_heads = 2;
+    b.geo.page_size = 16;
+    b.geo.dtype = KvDType::kBf16;
+    b.geo.num_layers = 3;
+    b.geo.num_pages = 2048;
+    gpu_test::MakePools(&b, &rng);
+    const int variant = rep % 2;
+    const int q_big = variant == 1 ? 8 : 256;  // variant 1 holds 64 packed rows
+    for (int s = 0; s < 24; ++s) {
+      const float scale = 1 / std::sqrt(128.f);
+      if (s % 3 == 0) {
+        gpu_test::AddSeq(&b, q_big, 700 + rng() % 1000, rng() % 3, true, false, scale, &rng);
+      } else {
+        gpu_test::AddSeq(&b, q_big, variant == 1 ? 0 : rng() % 128, rng() % 3, true, s % 2, scale, &rng);
+      }
+    }
+    gpu_test::FinishBatch(&b, 2.f, &rng);
+    const bool force_split = rep % 3 == 2;
+    const RunResult r = RunAndCheck(b, variant, force_split, 512);
+    ASSERT_EQ(r.error, "") << "rep " << rep << ": " << Describe(b, variant, r.split);
+  }
+}
+
 TEST(PagedPrefillCuda, DenseLargeTiles) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
   // Several full tiles per sequence, both kernel variants, 32/4 heads.
