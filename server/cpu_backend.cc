@@ -27,20 +27,25 @@ std::string CpuBackend::Device() const {
   return absl::StrCat("cpu (", std::thread::hardware_concurrency(), " threads)");
 }
 
+void CpuBackend::Append(int32_t layer, const int64_t* slots, int64_t n, const void* k,
+                        const void* v) {
+  AppendKvParams a;
+  a.k_cache = k_pool_.data();
+  a.v_cache = v_pool_.data();
+  a.k = k;
+  a.v = v;
+  a.slots = slots;
+  a.n = n;
+  a.layer = layer;
+  a.geo = geo_;
+  AppendKvCpu(a);
+}
+
 absl::Status CpuBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchStats* stats) {
   const absl::Time start = absl::Now();
   for (const PrefillTask& t : tasks) {
     if (t.num_append == 0) continue;
-    AppendKvParams a;
-    a.k_cache = k_pool_.data();
-    a.v_cache = v_pool_.data();
-    a.k = t.append_k;
-    a.v = t.append_v;
-    a.slots = t.append_slots;
-    a.n = t.num_append;
-    a.layer = t.layer;
-    a.geo = geo_;
-    AppendKvCpu(a);
+    Append(t.layer, t.append_slots, t.num_append, t.append_k, t.append_v);
     ++stats->append_launches;
   }
   const absl::Time appended = absl::Now();
@@ -67,16 +72,7 @@ absl::Status CpuBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchStat
 
 absl::Status CpuBackend::WriteKv(const KvRows& rows, BatchStats* stats) {
   const absl::Time start = absl::Now();
-  AppendKvParams a;
-  a.k_cache = k_pool_.data();
-  a.v_cache = v_pool_.data();
-  a.k = rows.k;
-  a.v = rows.v;
-  a.slots = rows.slots;
-  a.n = rows.n;
-  a.layer = rows.layer;
-  a.geo = geo_;
-  AppendKvCpu(a);
+  Append(rows.layer, rows.slots, rows.n, rows.k, rows.v);
   stats->append_launches = 1;
   stats->append_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   return absl::OkStatus();

@@ -25,6 +25,8 @@ class CpuBackend final : public Backend {
 
  private:
   explicit CpuBackend(const KvGeometry& geometry) : geo_(geometry) {}
+  // Scatters n rows (k, v: (n, num_kv_heads, head_dim)) into `layer` by slot.
+  void Append(int32_t layer, const int64_t* slots, int64_t n, const void* k, const void* v);
 
   KvGeometry geo_;
   std::vector<uint16_t> k_pool_;
