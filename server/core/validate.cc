@@ -150,6 +150,13 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call, const 
   const int64_t q_shape[] = {total_q, geo.num_qo_heads, geo.head_dim};
   ATTN_RETURN_IF_ERROR(ValidateTensor(call.q, "q", ToWire(geo.dtype), q_shape));
 
+  // Sequences are bounded like rows, before anything is sized by their count.
+  if (static_cast<int64_t>(call.qo_indptr.size()) > int64_t{limits.max_request_rows} + 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "qo_indptr has ", call.qo_indptr.size(), " entries: at most ",
+        int64_t{limits.max_request_rows} + 1, " (a request holds at most max_request_rows=",
+        limits.max_request_rows, " sequences)"));
+  }
   ATTN_RETURN_IF_ERROR(CheckIndptr(call.qo_indptr, "qo_indptr", total_q, "q.shape[0]"));
   const int64_t batch = static_cast<int64_t>(call.qo_indptr.size()) - 1;
   if (static_cast<int64_t>(call.kv_indptr.size()) != batch + 1) {

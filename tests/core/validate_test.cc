@@ -298,7 +298,19 @@ INSTANTIATE_TEST_SUITE_P(
                     [](F& f) { f.call.append_v.data = absl::string_view(f.v_bytes).substr(1); },
                     kInvalid, "append_v.data"},
         PrefillCase{"AppendRowsWithoutSlots", [](F& f) { f.call.append_slots = {}; },
-                    kInvalid, "append_k.shape[0]"}),
+                    kInvalid, "append_k.shape[0]"},
+        // 65 empty sequences (the limit is max_request_rows = 64): refused
+        // before anything is sized by their count.
+        PrefillCase{"TooManySequences",
+                    [](F& f) {
+                      static const std::vector<int32_t> kMany = [] {
+                        std::vector<int32_t> v(66, 0);
+                        v.back() = 8;
+                        return v;
+                      }();
+                      f.call.qo_indptr = kMany;
+                    },
+                    kInvalid, "qo_indptr has 66 entries: at most 65"}),
     [](const ::testing::TestParamInfo<PrefillCase>& info) { return info.param.name; });
 
 // A response over max_message_bytes is RESOURCE_EXHAUSTED, one byte under is fine.
