@@ -1,0 +1,589 @@
+// attnbench: load generator for a running attnserve.
+//
+//   attnbench --workload=decode --batch=64 --kv_len=4096 --concurrency=16 --duration_s=30
+//   attnbench --workload=prefill --batch=1 --q_len=16384 --requests=20 --json=out.json
+//   attnbench --workload=decode --rate=500 --concurrency=64 --metrics=127.0.0.1:9464
+//
+// Closed loop (default): --concurrency clients, each with its own Client and
+// channel, send back to back. Open loop (--rate=R): Poisson arrivals at R
+// requests/s, served by --concurrency clients; an arrival that finds
+// --concurrency requests already outstanding is dropped and counted, and a
+// request's latency runs from its scheduled arrival.
+//
+// Each client allocates its pages and writes random K/V once (keeping a copy
+// in a KvMirror); the timed loop only sends Prefill. --verify compares every
+// response with the float64 reference. Exit code 0 only when no request failed
+// and (with --verify) none was wrong.
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "client/client.h"
+#include "client/workload.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
+ABSL_FLAG(std::string, token, "", "bearer token (also $ATTNSERVE_TOKEN)");
+ABSL_FLAG(bool, tls, false, "use TLS");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA of the server certificate");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mTLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM client key (mTLS)");
+ABSL_FLAG(double, timeout_s, 60, "per-call deadline in seconds");
+ABSL_FLAG(std::string, workload, "decode", "decode | prefill | prefix | mixed");
+ABSL_FLAG(int32_t, batch, 1, "sequences per request");
+ABSL_FLAG(int32_t, q_len, 128, "prefill/prefix: query rows per sequence");
+ABSL_FLAG(int32_t, kv_len, 1024, "decode/prefix: keys per sequence");
+ABSL_FLAG(int32_t, layer, 0, "layer the requests read");
+ABSL_FLAG(int32_t, concurrency, 1,
+          "clients (closed loop); most requests outstanding at once (open loop)");
+ABSL_FLAG(double, rate, 0, "open loop: target requests/s with Poisson arrivals; 0: closed loop");
+ABSL_FLAG(double, duration_s, 0,
+          "run for this long (seconds); 0: until --requests, or 10 s without --requests");
+ABSL_FLAG(int64_t, requests, 0, "stop after this many requests (0: only --duration_s)");
+ABSL_FLAG(bool, verify, false, "check every response against the float64 reference");
+ABSL_FLAG(std::string, metrics, "", "HOST:PORT of the server's /metrics, for requests per launch");
+ABSL_FLAG(std::string, json, "", "also write the results as JSON to this path");
+ABSL_FLAG(uint64_t, seed, 1, "random seed");
+
+namespace attnserve {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kVariants = 2;                   // different q/pages per shape and client
+constexpr size_t kMaxLatencySamples = 100000;  // in the JSON
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// One request shape, built once per client: its inputs, reference and cost.
+struct Shape {
+  std::string name;
+  PrefillInputs in;
+  std::vector<double> o_ref, lse_ref;  // with --verify
+  int64_t rows = 0;                    // query rows
+  double flops = 0;                    // 4 * head_dim * num_qo_heads * visible pairs
+};
+
+// Sequences of (q_len, kv_len) each over consecutive pages taken from `pages`
+// starting at *next.
+Shape MakeShape(std::mt19937_64& gen, const KvGeometry& g, const std::string& name, int32_t batch,
+                int32_t q_len, int32_t kv_len, const std::vector<int32_t>& pages, size_t* next) {
+  Shape s;
+  s.name = name;
+  PrefillInputs& in = s.in;
+  in.layer = absl::GetFlag(FLAGS_layer);
+  in.causal = true;
+  in.qo_indptr.push_back(0);
+  in.kv_indptr.push_back(0);
+  const int32_t num_pages = (kv_len + g.page_size - 1) / g.page_size;
+  int64_t visible = 0;
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int32_t p = 0; p < num_pages; ++p) in.kv_indices.push_back(pages[(*next)++]);
+    in.qo_indptr.push_back(in.qo_indptr.back() + q_len);
+    in.kv_indptr.push_back(in.kv_indptr.back() + num_pages);
+    in.kv_last_page_len.push_back(num_pages == 0 ? 0 : kv_len - (num_pages - 1) * g.page_size);
+    for (int64_t i = 0; i < q_len; ++i) {
+      visible += std::max<int64_t>(0, std::min<int64_t>(kv_len, i + kv_len - q_len + 1));
+    }
+  }
+  in.q = RandomHalves(gen, g.dtype, in.total_q() * g.num_qo_heads * g.head_dim);
+  s.rows = in.total_q();
+  s.flops = 4.0 * g.head_dim * g.num_qo_heads * static_cast<double>(visible);
+  return s;
+}
+
+struct ShapeSpec {
+  std::string name;
+  int32_t q_len, kv_len;
+};
+
+std::vector<ShapeSpec> ShapesOf(const std::string& workload) {
+  const int32_t q = absl::GetFlag(FLAGS_q_len), kv = absl::GetFlag(FLAGS_kv_len);
+  const ShapeSpec decode{"decode", 1, kv}, prefill{"prefill", q, q}, prefix{"prefix", q, kv};
+  if (workload == "decode") return {decode};
+  if (workload == "prefill") return {prefill};
+  if (workload == "prefix") return {prefix};
+  if (workload == "mixed") return {decode, prefill, prefix};
+  return {};
+}
+
+// Everything measured, shared by the clients and the progress line.
+class Stats {
+ public:
+  void Record(double latency_s, const absl::Status& status, bool wrong, const Shape& shape) {
+    absl::MutexLock lock(&mu_);
+    ++done_;
+    if (!status.ok()) {
+      ++errors_[absl::StatusCodeToString(status.code())];
+      return;
+    }
+    if (wrong) ++wrong_;
+    ++ok_;
+    rows_ += shape.rows;
+    flops_ += shape.flops;
+    latencies_.push_back(latency_s);
+  }
+  void Dropped() {
+    absl::MutexLock lock(&mu_);
+    ++dropped_;
+  }
+  int64_t done() const {
+    absl::MutexLock lock(&mu_);
+    return done_;
+  }
+
+  struct Snapshot {
+    int64_t done = 0, ok = 0, wrong = 0, dropped = 0, rows = 0;
+    double flops = 0;
+    std::map<std::string, int64_t> errors;
+    std::vector<double> sorted;   // OK latencies, seconds, ascending
+    std::vector<double> samples;  // at most kMaxLatencySamples, in arrival order
+    int64_t Errors() const {
+      int64_t n = wrong;
+      for (const auto& [code, count] : errors) n += count;
+      return n;
+    }
+    // Nearest rank; 0 when nothing was measured.
+    double Percentile(double p) const {
+      if (sorted.empty()) return 0;
+      const size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * sorted.size()));
+      return sorted[std::min(sorted.size() - 1, rank == 0 ? 0 : rank - 1)];
+    }
+  };
+  Snapshot Take(bool with_samples) const {
+    Snapshot s;
+    absl::MutexLock lock(&mu_);
+    s.done = done_, s.ok = ok_, s.wrong = wrong_, s.dropped = dropped_, s.rows = rows_;
+    s.flops = flops_;
+    s.errors = errors_;
+    s.sorted = latencies_;
+    if (with_samples) {
+      const size_t stride = (latencies_.size() + kMaxLatencySamples - 1) / kMaxLatencySamples;
+      for (size_t i = 0; i < latencies_.size(); i += std::max<size_t>(stride, 1)) {
+        s.samples.push_back(latencies_[i]);
+      }
+    }
+    std::sort(s.sorted.begin(), s.sorted.end());
+    return s;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  int64_t done_ = 0, ok_ = 0, wrong_ = 0, dropped_ = 0, rows_ = 0;
+  double flops_ = 0;
+  std::map<std::string, int64_t> errors_;
+  std::vector<double> latencies_;
+};
+
+// One client: its connection, pages, K/V copy and prepared requests.
+class Worker {
+ public:
+  absl::Status SetUp(const ClientOptions& options, const std::vector<ShapeSpec>& specs,
+                     uint64_t seed, bool verify) {
+    auto client = Client::Connect(options);
+    if (!client.ok()) return client.status();
+    client_ = *std::move(client);
+    const KvGeometry g = GeometryOf(client_->info());
+    const int32_t batch = absl::GetFlag(FLAGS_batch);
+    int64_t need = 0;
+    for (const ShapeSpec& s : specs) {
+      need += int64_t{kVariants} * batch * ((s.kv_len + g.page_size - 1) / g.page_size);
+    }
+    auto pages = client_->AllocatePages(static_cast<int32_t>(std::max<int64_t>(need, 1)));
+    if (!pages.ok()) return pages.status();
+    pages_ = *std::move(pages);
+    std::mt19937_64 gen(seed);
+    std::shuffle(pages_.begin(), pages_.end(), gen);
+    mirror_ = std::make_unique<KvMirror>(g);
+    const int32_t layer = absl::GetFlag(FLAGS_layer);
+    const std::vector<int64_t> slots = SlotsOfPages(g, pages_);
+    // Written in pieces so that no WriteKV approaches the message limit.
+    const size_t chunk = std::max<int64_t>(1, (16ll << 20) / (2 * g.RowElems()));
+    for (size_t at = 0; at < slots.size(); at += chunk) {
+      const size_t n = std::min(chunk, slots.size() - at);
+      absl::Span<const int64_t> part = absl::MakeConstSpan(slots).subspan(at, n);
+      auto k = RandomHalves(gen, g.dtype, static_cast<int64_t>(n) * g.RowElems());
+      auto v = RandomHalves(gen, g.dtype, static_cast<int64_t>(n) * g.RowElems());
+      absl::Status s = client_->WriteKV(layer, part, k, v);
+      if (!s.ok()) return s;
+      mirror_->Write(layer, part, k, v);
+    }
+    // Shapes in the order requests cycle through them: mixed alternates.
+    size_t next = 0;
+    for (int variant = 0; variant < kVariants; ++variant) {
+      for (const ShapeSpec& s : specs) {
+        shapes_.push_back(MakeShape(gen, g, s.name, batch, s.q_len, s.kv_len, pages_, &next));
+        if (verify) {
+          ReferencePrefill(*mirror_, shapes_.back().in, &shapes_.back().o_ref,
+                           &shapes_.back().lse_ref);
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Sends the next request; latency runs from `start` (its scheduled arrival
+  // in the open loop).
+  void SendOne(Clock::time_point start, bool verify, Stats* stats) {
+    const Shape& shape = shapes_[next_++ % shapes_.size()];
+    auto out = client_->Prefill(ArgsOf(shape.in));
+    const double latency = Seconds(Clock::now() - start);
+    bool wrong = false;
+    if (out.ok() && verify) {
+      const Comparison c =
+          Compare(GeometryOf(client_->info()).dtype, shape.o_ref, shape.lse_ref, out->o, out->lse);
+      wrong = !c.Ok(GeometryOf(client_->info()).dtype);
+      if (wrong) std::cerr << "\nwrong result (" << shape.name << "): " << c.ToString() << "\n";
+    }
+    stats->Record(latency, out.status(), wrong, shape);
+  }
+
+  void TearDown() {
+    if (client_ != nullptr && !pages_.empty()) {
+      absl::Status s = client_->FreePages(pages_);
+      if (!s.ok()) std::cerr << "free pages: " << s.ToString() << "\n";
+    }
+  }
+
+ private:
+  std::unique_ptr<Client> client_;
+  std::vector<int32_t> pages_;
+  std::unique_ptr<KvMirror> mirror_;
+  std::vector<Shape> shapes_;
+  size_t next_ = 0;
+};
+
+// The attnserve_batch_requests histogram's sum and count from /metrics.
+absl::StatusOr<std::pair<double, double>> ScrapeBatchRequests(const std::string& address) {
+  std::vector<std::string> hp = absl::StrSplit(address, absl::MaxSplits(':', 1));
+  if (hp.size() != 2) return absl::InvalidArgumentError("--metrics: want HOST:PORT");
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  if (getaddrinfo(hp[0].c_str(), hp[1].c_str(), &hints, &res) != 0 || res == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot resolve ", address));
+  }
+  const int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
+  const bool connected = fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0;
+  freeaddrinfo(res);
+  if (!connected) {
+    if (fd >= 0) close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot connect to ", address));
+  }
+  const std::string request = absl::StrCat("GET /metrics HTTP/1.0\r\nHost: ", address, "\r\n\r\n");
+  std::string body;
+  bool sent = send(fd, request.data(), request.size(), 0) == static_cast<ssize_t>(request.size());
+  char buf[65536];
+  for (ssize_t n; sent && (n = recv(fd, buf, sizeof(buf), 0)) > 0;) body.append(buf, n);
+  close(fd);
+  double sum = -1, count = -1;
+  for (absl::string_view line : absl::StrSplit(body, '\n')) {
+    if (absl::ConsumePrefix(&line, "attnserve_batch_requests_sum ")) {
+      absl::SimpleAtod(line, &sum);
+    } else if (absl::ConsumePrefix(&line, "attnserve_batch_requests_count ")) {
+      absl::SimpleAtod(line, &count);
+    }
+  }
+  if (sum < 0 || count < 0) {
+    return absl::NotFoundError(absl::StrCat("no attnserve_batch_requests at ", address));
+  }
+  return std::make_pair(sum, count);
+}
+
+// Open-loop arrivals waiting for a free client.
+class ArrivalQueue {
+ public:
+  explicit ArrivalQueue(int64_t bound) : bound_(bound) {}
+  // False (dropped) when `bound` requests are already queued or in flight.
+  bool Push(Clock::time_point t) {
+    absl::MutexLock lock(&mu_);
+    if (static_cast<int64_t>(queue_.size()) + in_flight_ >= bound_) return false;
+    queue_.push_back(t);
+    return true;
+  }
+  // Next arrival, or nullopt once closed and empty.
+  std::optional<Clock::time_point> Pop() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](ArrivalQueue* q) { return !q->queue_.empty() || q->closed_; }, this));
+    if (queue_.empty()) return std::nullopt;
+    const Clock::time_point t = queue_.front();
+    queue_.erase(queue_.begin());
+    ++in_flight_;
+    return t;
+  }
+  void Done() {
+    absl::MutexLock lock(&mu_);
+    --in_flight_;
+  }
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<Clock::time_point> queue_;
+  int64_t in_flight_ = 0;
+  const int64_t bound_;
+  bool closed_ = false;
+};
+
+std::string Ms(double s) { return absl::StrFormat("%.3f", s * 1e3); }
+
+int Main() {
+  const std::string workload = absl::GetFlag(FLAGS_workload);
+  const std::vector<ShapeSpec> specs = ShapesOf(workload);
+  const int32_t concurrency = absl::GetFlag(FLAGS_concurrency);
+  const double rate = absl::GetFlag(FLAGS_rate);
+  const int64_t max_requests = absl::GetFlag(FLAGS_requests);
+  const double duration_s = absl::GetFlag(FLAGS_duration_s) > 0 ? absl::GetFlag(FLAGS_duration_s)
+                                                                : (max_requests > 0 ? 0 : 10);
+  const bool verify = absl::GetFlag(FLAGS_verify);
+  const std::string metrics = absl::GetFlag(FLAGS_metrics);
+  if (specs.empty()) {
+    std::cerr << "error: --workload must be decode, prefill, prefix or mixed\n";
+    return 2;
+  }
+  if (concurrency < 1 || absl::GetFlag(FLAGS_batch) < 1 || absl::GetFlag(FLAGS_q_len) < 1 ||
+      absl::GetFlag(FLAGS_kv_len) < 1 || rate < 0 || max_requests < 0 ||
+      absl::GetFlag(FLAGS_duration_s) < 0) {
+    std::cerr << "error: --concurrency, --batch, --q_len, --kv_len must be >= 1; --rate, "
+                 "--requests, --duration_s >= 0\n";
+    return 2;
+  }
+
+  ClientOptions options;
+  options.target = absl::GetFlag(FLAGS_target);
+  options.token = absl::GetFlag(FLAGS_token);
+  if (options.token.empty() && std::getenv("ATTNSERVE_TOKEN") != nullptr) {
+    options.token = std::getenv("ATTNSERVE_TOKEN");
+  }
+  options.tls = absl::GetFlag(FLAGS_tls);
+  options.tls_ca = absl::GetFlag(FLAGS_tls_ca);
+  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  options.timeout_s = absl::GetFlag(FLAGS_timeout_s);
+
+  // Set-up: every client connects, allocates and writes its K/V (in parallel).
+  std::vector<Worker> workers(concurrency);
+  std::vector<absl::Status> setup(concurrency);
+  {
+    std::vector<std::thread> threads;
+    for (int i = 0; i < concurrency; ++i) {
+      threads.emplace_back([&, i] {
+        setup[i] =
+            workers[i].SetUp(options, specs, absl::GetFlag(FLAGS_seed) * 1000003 + i, verify);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (const absl::Status& s : setup) {
+    if (!s.ok()) {
+      std::cerr << "error: set-up: " << s.ToString() << "\n";
+      for (Worker& w : workers) w.TearDown();
+      return 1;
+    }
+  }
+  auto info_client = Client::Connect(options);
+  if (!info_client.ok()) {
+    std::cerr << "error: " << info_client.status().ToString() << "\n";
+    for (Worker& w : workers) w.TearDown();
+    return 1;
+  }
+  const v1::ServerInfo info = (*info_client)->info();
+
+  std::optional<std::pair<double, double>> metrics_before;
+  std::string metrics_note = "not measured (no --metrics)";
+  if (!metrics.empty()) {
+    auto m = ScrapeBatchRequests(metrics);
+    if (m.ok()) {
+      metrics_before = *m;
+    } else {
+      metrics_note = absl::StrCat("not measured (", m.status().ToString(), ")");
+    }
+  }
+
+  // The timed run.
+  Stats stats;
+  std::atomic<int64_t> issued{0};  // closed loop: requests claimed
+  std::atomic<bool> stop{false};
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point end = duration_s > 0
+                                    ? start + std::chrono::duration_cast<Clock::duration>(
+                                                  std::chrono::duration<double>(duration_s))
+                                    : Clock::time_point::max();
+  ArrivalQueue arrivals(concurrency);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < concurrency; ++i) {
+    threads.emplace_back([&, i] {
+      Worker& w = workers[i];
+      if (rate > 0) {
+        while (auto t = arrivals.Pop()) {
+          w.SendOne(*t, verify, &stats);
+          arrivals.Done();
+        }
+        return;
+      }
+      while (Clock::now() < end) {
+        if (max_requests > 0 && issued.fetch_add(1) >= max_requests) break;
+        w.SendOne(Clock::now(), verify, &stats);
+      }
+    });
+  }
+  std::thread arrival_thread;
+  if (rate > 0) {
+    arrival_thread = std::thread([&] {
+      std::mt19937_64 gen(absl::GetFlag(FLAGS_seed));
+      std::exponential_distribution<double> gap(rate);
+      Clock::time_point t = start;
+      int64_t accepted = 0;
+      while (!stop.load() && (max_requests <= 0 || accepted < max_requests)) {
+        t += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap(gen)));
+        if (t >= end) break;
+        std::this_thread::sleep_until(t);
+        if (arrivals.Push(t)) {
+          ++accepted;
+        } else {
+          stats.Dropped();
+        }
+      }
+      arrivals.Close();
+    });
+  }
+
+  // Progress once a second until every client is done.
+  std::atomic<bool> finished{false};
+  std::thread progress([&] {
+    const bool tty = isatty(STDERR_FILENO);
+    int64_t last_done = 0;
+    Clock::time_point last = start;
+    while (!finished.load()) {
+      for (int i = 0; i < 10 && !finished.load(); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      if (finished.load()) break;
+      const Stats::Snapshot s = stats.Take(false);
+      const Clock::time_point now = Clock::now();
+      std::cerr << absl::StrFormat(
+          "%s%6.1fs  done %d  %.1f req/s  p50 %s ms  p99 %s ms  errors %d%s", tty ? "\r" : "",
+          Seconds(now - start), s.done, (s.done - last_done) / Seconds(now - last),
+          Ms(s.Percentile(50)), Ms(s.Percentile(99)), s.Errors(), tty ? "  " : "\n");
+      last_done = s.done;
+      last = now;
+    }
+    if (tty) std::cerr << "\n";
+  });
+  for (auto& t : threads) t.join();
+  const double elapsed = Seconds(Clock::now() - start);
+  stop = true;
+  if (arrival_thread.joinable()) arrival_thread.join();
+  finished = true;
+  progress.join();
+
+  std::optional<double> per_launch;
+  if (metrics_before) {
+    auto m = ScrapeBatchRequests(metrics);
+    if (!m.ok()) {
+      metrics_note = absl::StrCat("not measured (", m.status().ToString(), ")");
+    } else if (m->second - metrics_before->second <= 0) {
+      metrics_note = "not measured (no attention launch counted)";
+    } else {
+      per_launch = (m->first - metrics_before->first) / (m->second - metrics_before->second);
+      metrics_note = absl::StrFormat("%.2f", *per_launch);
+    }
+  }
+  for (Worker& w : workers) w.TearDown();
+
+  // Report.
+  const Stats::Snapshot s = stats.Take(!absl::GetFlag(FLAGS_json).empty());
+  const double rps = s.ok / elapsed, rows_ps = s.rows / elapsed, tflops = s.flops / elapsed / 1e12;
+  std::vector<std::string> codes;
+  for (const auto& [code, count] : s.errors) codes.push_back(absl::StrCat(code, "=", count));
+  if (s.wrong > 0) codes.push_back(absl::StrCat("WRONG_RESULT=", s.wrong));
+  const std::string mode =
+      rate > 0 ? absl::StrFormat("open loop, %.1f req/s target, at most %d outstanding", rate,
+                                 concurrency)
+               : absl::StrFormat("closed loop, %d clients", concurrency);
+  std::cout << absl::StrFormat(
+      "attnbench: %s workload, batch=%d q_len=%d kv_len=%d, %s\n"
+      "server:     %s backend, %d qo heads, %d kv heads, head_dim %d, page_size %d, %s\n"
+      "requests:   %d in %.2f s (%d OK, %d dropped by the open loop)%s\n"
+      "throughput: %.1f requests/s, %.1f query rows/s, %.4g TFLOP/s\n"
+      "latency ms: p50 %s  p90 %s  p99 %s  max %s\n"
+      "errors:     %s\n"
+      "requests per launch: %s\n",
+      workload, absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_q_len), absl::GetFlag(FLAGS_kv_len),
+      mode, info.backend(), info.num_qo_heads(), info.num_kv_heads(), info.head_dim(),
+      info.page_size(), v1::DType_Name(info.kv_dtype()), s.done, elapsed, s.ok, s.dropped,
+      verify ? ", every response verified" : "", rps, rows_ps, tflops, Ms(s.Percentile(50)),
+      Ms(s.Percentile(90)), Ms(s.Percentile(99)), Ms(s.Percentile(100)),
+      codes.empty() ? "none" : absl::StrJoin(codes, " "), metrics_note);
+
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    std::vector<std::string> errors;
+    for (const auto& [code, count] : s.errors)
+      errors.push_back(absl::StrFormat("\"%s\": %d", code, count));
+    std::vector<std::string> samples;
+    samples.reserve(s.samples.size());
+    for (double x : s.samples) samples.push_back(absl::StrFormat("%.6g", x * 1e3));
+    std::ofstream f(path);
+    f << absl::StrFormat(
+        "{\n  \"workload\": \"%s\", \"mode\": \"%s\", \"concurrency\": %d, \"rate\": %.6g,\n"
+        "  \"batch\": %d, \"q_len\": %d, \"kv_len\": %d, \"verify\": %s,\n"
+        "  \"backend\": \"%s\", \"num_qo_heads\": %d, \"num_kv_heads\": %d, \"head_dim\": %d,\n"
+        "  \"page_size\": %d, \"kv_dtype\": \"%s\",\n"
+        "  \"requests\": %d, \"ok\": %d, \"dropped\": %d, \"elapsed_s\": %.6g,\n"
+        "  \"requests_per_s\": %.6g, \"query_rows_per_s\": %.6g, \"tflops\": %.6g,\n"
+        "  \"latency_ms\": {\"p50\": %s, \"p90\": %s, \"p99\": %s, \"max\": %s},\n"
+        "  \"errors\": %d, \"errors_by_code\": {%s}, \"wrong_results\": %d,\n"
+        "  \"mean_requests_per_launch\": %s,\n"
+        "  \"latencies_ms\": [%s]\n}\n",
+        workload, rate > 0 ? "open" : "closed", concurrency, rate, absl::GetFlag(FLAGS_batch),
+        absl::GetFlag(FLAGS_q_len), absl::GetFlag(FLAGS_kv_len), verify ? "true" : "false",
+        info.backend(), info.num_qo_heads(), info.num_kv_heads(), info.head_dim(), info.page_size(),
+        v1::DType_Name(info.kv_dtype()), s.done, s.ok, s.dropped, elapsed, rps, rows_ps, tflops,
+        Ms(s.Percentile(50)), Ms(s.Percentile(90)), Ms(s.Percentile(99)), Ms(s.Percentile(100)),
+        s.Errors(), absl::StrJoin(errors, ", "), s.wrong,
+        per_launch ? absl::StrFormat("%.6g", *per_launch) : "null", absl::StrJoin(samples, ", "));
+    if (!f.good()) {
+      std::cerr << "error: cannot write " << path << "\n";
+      return 1;
+    }
+  }
+  return s.Errors() == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace attnserve
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "attnbench [flags]: closed-loop (--concurrency) or open-loop (--rate) load on an attnserve;\n"
+      "  --workload=decode|prefill|prefix|mixed --batch --q_len --kv_len, --verify, --json=PATH");
+  absl::ParseCommandLine(argc, argv);
+  return attnserve::Main();
+}

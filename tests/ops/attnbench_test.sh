@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# attnbench against the CPU backend: short verified closed-loop runs (decode
+# and prefill) and a short open-loop run; checks the exit code, the JSON's
+# keys, the request count, and that requests per launch was read from
+# /metrics.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+source "$ROOT/tests/ops/lib.sh"
+ATTNBENCH=${ATTNBENCH:-$ROOT/build/bin/attnbench}
+WORK=$(mktemp -d)
+trap 'stop_server; rm -rf "$WORK"' EXIT
+
+start_server || { echo "0 passed, 1 failed"; exit 1; }
+bench() { "$ATTNBENCH" --target="$GRPC_ADDR" --metrics="$METRICS_ADDR" "$@" 2>"$WORK/stderr"; }
+# json_check FILE REQUESTS: every key present, requests as asked, no errors,
+# and a numeric mean_requests_per_launch.
+json_check() {
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+keys = ["workload", "mode", "concurrency", "requests", "ok", "elapsed_s", "requests_per_s",
+        "query_rows_per_s", "tflops", "latency_ms", "errors", "errors_by_code",
+        "wrong_results", "mean_requests_per_launch", "latencies_ms"]
+missing = [k for k in keys if k not in r]
+assert not missing, missing
+assert set(r["latency_ms"]) == {"p50", "p90", "p99", "max"}, r["latency_ms"]
+assert r["requests"] == int(sys.argv[2]) == r["ok"], (r["requests"], r["ok"])
+assert r["errors"] == 0 and r["wrong_results"] == 0, r
+assert isinstance(r["mean_requests_per_launch"], (int, float)) and r["mean_requests_per_launch"] >= 1, r
+assert len(r["latencies_ms"]) == r["ok"] and r["requests_per_s"] > 0 and r["tflops"] > 0, r
+PY
+}
+
+for w in decode prefill; do
+  bench --workload=$w --concurrency=4 --requests=40 --verify --batch=3 --q_len=16 --kv_len=64 \
+    --json="$WORK/$w.json" >"$WORK/$w.out"
+  check "$w closed loop, verified, exits 0" test $? -eq 0
+  check "$w JSON has the keys and 40 requests" json_check "$WORK/$w.json" 40
+  check "$w table reports requests per launch" grep -Eq "requests per launch: [0-9.]+$" "$WORK/$w.out"
+done
+
+# 30 arrivals at 10/s: about 3 s, so the once-a-second progress line shows.
+bench --workload=mixed --rate=10 --concurrency=4 --requests=30 --verify --batch=2 --q_len=16 \
+  --kv_len=64 --json="$WORK/open.json" >"$WORK/open.out"
+check "open loop, mixed, verified, exits 0" test $? -eq 0
+check "open loop JSON has the keys and 30 requests" json_check "$WORK/open.json" 30
+check "open loop JSON says open" grep -q '"mode": "open"' "$WORK/open.json"
+check "progress line on stderr" grep -q "done [0-9]* .*req/s .*p99" "$WORK/stderr"
+
+"$ATTNBENCH" --target="$GRPC_ADDR" --workload=decode --requests=5 --kv_len=32 >"$WORK/nometrics.out" 2>/dev/null
+check "without --metrics: exit 0 and a note" grep -q "not measured (no --metrics)" "$WORK/nometrics.out"
+"$ATTNBENCH" --target="$GRPC_ADDR" --workload=decode --requests=5 --batch=999 --kv_len=4096 >/dev/null 2>&1
+check "a set-up the server refuses exits non-zero" test $? -ne 0
+check "every page freed afterwards" test "$(metric 'attnserve_kv_pages{state="used"}')" = 0
+finish
