@@ -83,6 +83,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
       std::min<int64_t>(options.max_message_bytes + (1 << 20), INT32_MAX));
   args.SetMaxReceiveMessageSize(max_bytes);
   args.SetMaxSendMessageSize(max_bytes);
+  // Each Client gets its own connection (gRPC would otherwise share one TCP
+  // connection among channels of the same target), so that N clients in
+  // attnbench or the tests really are N concurrent connections.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   c->channel_ = grpc::CreateCustomChannel(options.target, creds, args);
   c->stub_ = v1::AttentionService::NewStub(c->channel_);
   if (!options.fetch_info) return c;
