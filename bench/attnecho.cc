@@ -1,0 +1,151 @@
+// attnecho: the transport floor for attnbench. It serves
+// attnserve.v1.AttentionService with the same geometry flags as attnserve
+// but computes nothing: Prefill answers with the query bytes as the output
+// and zero LSEs (the same sizes as a real answer), KV writes are accepted and
+// dropped. attnbench run against it measures gRPC, serialization and the
+// network alone, so that a report can split end-to-end time into transport
+// floor + kernel time + server overhead.
+//
+//   attnecho --listen=127.0.0.1:50061 --num_qo_heads=32 --head_dim=128 &
+//   attnbench --target=127.0.0.1:50061 --workload=decode --concurrency=16
+#include <atomic>
+#include <iostream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50061", "gRPC address (port 0 picks one)");
+ABSL_FLAG(int32_t, num_layers, 4, "reported layers");
+ABSL_FLAG(int32_t, num_pages, 1 << 20, "reported pages (allocation never runs out)");
+ABSL_FLAG(int32_t, page_size, 16, "reported tokens per page");
+ABSL_FLAG(int32_t, num_qo_heads, 32, "query heads");
+ABSL_FLAG(int32_t, num_kv_heads, 4, "KV heads");
+ABSL_FLAG(int32_t, head_dim, 128, "head dimension");
+ABSL_FLAG(std::string, kv_dtype, "bf16", "bf16 or fp16");
+ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response in bytes");
+
+namespace attnserve {
+namespace {
+
+class EchoService final : public v1::AttentionService::CallbackService {
+ public:
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
+                                          const v1::GetServerInfoRequest*,
+                                          v1::ServerInfo* info) override {
+    info->set_version("echo");
+    info->set_backend("echo");
+    info->set_device("none (attnecho: transport floor)");
+    info->set_num_layers(absl::GetFlag(FLAGS_num_layers));
+    info->set_num_pages(absl::GetFlag(FLAGS_num_pages));
+    info->set_page_size(absl::GetFlag(FLAGS_page_size));
+    info->set_num_qo_heads(absl::GetFlag(FLAGS_num_qo_heads));
+    info->set_num_kv_heads(absl::GetFlag(FLAGS_num_kv_heads));
+    info->set_head_dim(absl::GetFlag(FLAGS_head_dim));
+    info->set_kv_dtype(absl::GetFlag(FLAGS_kv_dtype) == "fp16" ? v1::DTYPE_FP16 : v1::DTYPE_BF16);
+    info->set_free_pages(absl::GetFlag(FLAGS_num_pages));
+    info->set_max_message_bytes(absl::GetFlag(FLAGS_max_message_bytes));
+    info->set_incarnation(1);
+    return Done(ctx);
+  }
+
+  grpc::ServerUnaryReactor* AllocatePages(grpc::CallbackServerContext* ctx,
+                                          const v1::AllocatePagesRequest* request,
+                                          v1::AllocatePagesResponse* response) override {
+    const int32_t pages = absl::GetFlag(FLAGS_num_pages);
+    if (request->count() <= 0 || request->count() > pages) {
+      return Done(ctx, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "count out of range"));
+    }
+    // Page ids cycle through the reported range; nothing is stored.
+    for (int32_t i = 0; i < request->count(); ++i) {
+      response->add_page_ids(static_cast<int32_t>(next_page_++ % pages));
+    }
+    response->set_incarnation(1);
+    return Done(ctx);
+  }
+
+  grpc::ServerUnaryReactor* FreePages(grpc::CallbackServerContext* ctx, const v1::FreePagesRequest*,
+                                      v1::FreePagesResponse*) override {
+    return Done(ctx);
+  }
+
+  grpc::ServerUnaryReactor* WriteKV(grpc::CallbackServerContext* ctx, const v1::WriteKVRequest*,
+                                    v1::WriteKVResponse*) override {
+    return Done(ctx);
+  }
+
+  grpc::ServerUnaryReactor* ReadKV(grpc::CallbackServerContext* ctx,
+                                   const v1::ReadKVRequest* request,
+                                   v1::ReadKVResponse* response) override {
+    const int64_t bytes = int64_t{request->slots_size()} * absl::GetFlag(FLAGS_num_kv_heads) *
+                          absl::GetFlag(FLAGS_head_dim) * 2;
+    response->mutable_k()->mutable_data()->resize(bytes);
+    response->mutable_v()->mutable_data()->resize(bytes);
+    return Done(ctx);
+  }
+
+  grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* ctx,
+                                    const v1::PrefillRequest* request,
+                                    v1::PrefillResponse* response) override {
+    // The output has the query's shape and size: send the query back.
+    *response->mutable_output() = request->q();
+    const int64_t rows = request->q().shape_size() > 0 ? request->q().shape(0) : 0;
+    v1::Tensor* lse = response->mutable_lse();
+    lse->set_dtype(v1::DTYPE_FP32);
+    lse->add_shape(rows);
+    lse->add_shape(absl::GetFlag(FLAGS_num_qo_heads));
+    lse->mutable_data()->resize(rows * absl::GetFlag(FLAGS_num_qo_heads) * 4);
+    response->set_incarnation(1);
+    return Done(ctx);
+  }
+
+  grpc::ServerUnaryReactor* MergeStates(grpc::CallbackServerContext* ctx,
+                                        const v1::MergeStatesRequest* request,
+                                        v1::MergeStatesResponse* response) override {
+    if (request->states_size() > 0) {
+      *response->mutable_v() = request->states(0).v();
+      *response->mutable_lse() = request->states(0).lse();
+    }
+    return Done(ctx);
+  }
+
+ private:
+  static grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx,
+                                        grpc::Status status = grpc::Status::OK) {
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    reactor->Finish(status);
+    return reactor;
+  }
+
+  std::atomic<int64_t> next_page_{0};
+};
+
+}  // namespace
+}  // namespace attnserve
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("attnecho: attnserve's API with no compute (transport floor)");
+  absl::ParseCommandLine(argc, argv);
+  attnserve::EchoService service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  const int max_bytes = static_cast<int>(
+      std::min<int64_t>(absl::GetFlag(FLAGS_max_message_bytes) + (1 << 20), INT32_MAX));
+  builder.SetMaxReceiveMessageSize(max_bytes);
+  builder.SetMaxSendMessageSize(max_bytes);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::cerr << "attnecho: cannot bind --listen=" << listen << "\n";
+    return 1;
+  }
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  std::cout << "attnecho listening grpc=" << host << ":" << port << std::endl;
+  server->Wait();
+  return 0;
+}
