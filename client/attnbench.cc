@@ -43,16 +43,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "client/cli_flags.h"
 #include "client/client.h"
 #include "client/workload.h"
 
-ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
-ABSL_FLAG(std::string, token, "", "bearer token (also $ATTNSERVE_TOKEN)");
-ABSL_FLAG(bool, tls, false, "use TLS");
-ABSL_FLAG(std::string, tls_ca, "", "PEM CA of the server certificate");
-ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mTLS)");
-ABSL_FLAG(std::string, tls_key, "", "PEM client key (mTLS)");
-ABSL_FLAG(double, timeout_s, 60, "per-call deadline in seconds");
 ABSL_FLAG(std::string, workload, "decode", "decode | prefill | prefix | mixed");
 ABSL_FLAG(int32_t, batch, 1, "sequences per request");
 ABSL_FLAG(int32_t, q_len, 128, "prefill/prefix: query rows per sequence");
@@ -376,17 +370,7 @@ int Main() {
     return 2;
   }
 
-  ClientOptions options;
-  options.target = absl::GetFlag(FLAGS_target);
-  options.token = absl::GetFlag(FLAGS_token);
-  if (options.token.empty() && std::getenv("ATTNSERVE_TOKEN") != nullptr) {
-    options.token = std::getenv("ATTNSERVE_TOKEN");
-  }
-  options.tls = absl::GetFlag(FLAGS_tls);
-  options.tls_ca = absl::GetFlag(FLAGS_tls_ca);
-  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
-  options.tls_key = absl::GetFlag(FLAGS_tls_key);
-  options.timeout_s = absl::GetFlag(FLAGS_timeout_s);
+  ClientOptions options = ClientOptionsFromFlags();
 
   // Set-up: every client connects, allocates and writes its K/V (in parallel).
   std::vector<Worker> workers(concurrency);

@@ -20,18 +20,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "client/cli_flags.h"
 #include "client/client.h"
 #include "client/workload.h"
 #include "kernels/dtype.h"
 #include "kernels/merge_states.h"
 
-ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
-ABSL_FLAG(std::string, token, "", "bearer token (also $ATTNSERVE_TOKEN)");
-ABSL_FLAG(bool, tls, false, "use TLS");
-ABSL_FLAG(std::string, tls_ca, "", "PEM CA of the server certificate");
-ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mTLS)");
-ABSL_FLAG(std::string, tls_key, "", "PEM client key (mTLS)");
-ABSL_FLAG(double, timeout_s, 60, "per-call deadline in seconds");
 ABSL_FLAG(int32_t, layer, 0, "layer for write, read and prefill");
 ABSL_FLAG(int32_t, batch, 4, "prefill: sequences");
 ABSL_FLAG(int32_t, q_len, 64, "prefill: most query rows per sequence (drawn in [0, q_len])");
@@ -165,17 +159,7 @@ int Main(std::vector<char*> args) {
     return 2;
   }
   const std::string cmd = args[1];
-  ClientOptions options;
-  options.target = absl::GetFlag(FLAGS_target);
-  options.token = absl::GetFlag(FLAGS_token);
-  if (options.token.empty() && std::getenv("ATTNSERVE_TOKEN") != nullptr) {
-    options.token = std::getenv("ATTNSERVE_TOKEN");
-  }
-  options.tls = absl::GetFlag(FLAGS_tls);
-  options.tls_ca = absl::GetFlag(FLAGS_tls_ca);
-  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
-  options.tls_key = absl::GetFlag(FLAGS_tls_key);
-  options.timeout_s = absl::GetFlag(FLAGS_timeout_s);
+  ClientOptions options = ClientOptionsFromFlags();
   options.fetch_info = cmd != "health";  // probes carry no credentials
   auto client = Client::Connect(options);
   if (!client.ok()) {

@@ -1,0 +1,33 @@
+#include "client/cli_flags.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "absl/flags/flag.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
+ABSL_FLAG(std::string, token, "", "bearer token (also $ATTNSERVE_TOKEN)");
+ABSL_FLAG(bool, tls, false, "use TLS");
+ABSL_FLAG(std::string, tls_ca, "", "PEM CA of the server certificate");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mTLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM client key (mTLS)");
+ABSL_FLAG(double, timeout_s, 60, "per-call deadline in seconds");
+
+namespace attnserve {
+
+ClientOptions ClientOptionsFromFlags() {
+  ClientOptions options;
+  options.target = absl::GetFlag(FLAGS_target);
+  options.token = absl::GetFlag(FLAGS_token);
+  if (options.token.empty() && std::getenv("ATTNSERVE_TOKEN") != nullptr) {
+    options.token = std::getenv("ATTNSERVE_TOKEN");
+  }
+  options.tls = absl::GetFlag(FLAGS_tls);
+  options.tls_ca = absl::GetFlag(FLAGS_tls_ca);
+  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  options.timeout_s = absl::GetFlag(FLAGS_timeout_s);
+  return options;
+}
+
+}  // namespace attnserve
