@@ -40,8 +40,10 @@ class PageTable {
   // range or repeated, PERMISSION_DENIED for a page the tenant does not own.
   absl::Status Free(absl::string_view tenant, absl::Span<const int32_t> page_ids);
 
-  // Checks that every page (distinct, in range) belongs to `tenant` and pins
-  // them all, or pins none and returns PERMISSION_DENIED naming `field`.
+  // Checks that every page (in range) belongs to `tenant` and pins them all,
+  // or pins none and returns PERMISSION_DENIED naming `field`. Pins are
+  // counts: a page listed n times is pinned n times, and Unpin of the same
+  // list releases them.
   absl::Status PinOwned(absl::string_view tenant, absl::Span<const int32_t> pages,
                         absl::string_view field);
   void Unpin(absl::Span<const int32_t> pages);

@@ -84,9 +84,7 @@ absl::StatusOr<std::vector<int32_t>> CheckSlots(absl::Span<const int64_t> slots,
     }
     pages.push_back(static_cast<int32_t>(s / geo.page_size));
   }
-  std::sort(pages.begin(), pages.end());
-  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
-  return pages;
+  return pages;  // one entry per slot: pins are counts, repeats are fine
 }
 
 }  // namespace
@@ -267,8 +265,8 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call, const 
   out.lse_bytes = total_q * geo.num_qo_heads * static_cast<int64_t>(sizeof(float));
   ATTN_RETURN_IF_ERROR(CheckResponseSize(out.out_bytes + out.lse_bytes, limits));
 
-  std::sort(pages.begin(), pages.end());
-  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+  // Not sorted or deduplicated: a pin is a count, so a page listed twice is
+  // pinned and unpinned twice, and sorting 16k shuffled ids cost ~1 ms.
   out.pages = std::move(pages);
   return out;
 }

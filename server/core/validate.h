@@ -22,10 +22,10 @@ struct RequestLimits {
 };
 
 // A Prefill that passed validation: the backend task (output pointers still
-// unset) and the distinct pages it touches, to be pinned.
+// unset) and the pages it touches, to be pinned.
 struct ValidatedPrefill {
   PrefillTask task;
-  std::vector<int32_t> pages;  // sorted, distinct
+  std::vector<int32_t> pages;  // one entry per reference (repeats allowed)
   int64_t out_bytes = 0;       // bytes of o
   int64_t lse_bytes = 0;       // bytes of lse
 };
@@ -36,7 +36,7 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call,
                                                  uint64_t incarnation);
 
 // WriteKV / ReadKV: layer and slots; for WriteKV also k and v (pass nullptr
-// for ReadKV). Returns the distinct pages the slots fall in.
+// for ReadKV). Returns the page of each slot (repeats allowed).
 absl::StatusOr<std::vector<int32_t>> ValidateKvRows(int32_t layer,
                                                     absl::Span<const int64_t> slots,
                                                     const TensorView* k, const TensorView* v,

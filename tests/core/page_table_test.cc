@@ -155,6 +155,28 @@ TEST(PageTableTest, PageFreedWhilePinnedIsNotReallocatedUntilUnpinned) {
   EXPECT_EQ((*c)[0], pinned);
 }
 
+// One request may list a page several times (validation does not dedupe):
+// each occurrence is one pin, and the same list unpinned releases them all.
+TEST(PageTableTest, RepeatedPagesInOneListArePinnedPerOccurrence) {
+  PageTable pages(4, 0);
+  auto a = pages.Allocate("alice", 2);
+  ASSERT_TRUE(a.ok());
+  const std::vector<int32_t> list = {(*a)[1], (*a)[0], (*a)[1], (*a)[1]};
+  ASSERT_TRUE(pages.PinOwned("alice", list, "kv_indices").ok());
+  ASSERT_TRUE(pages.Free("alice", *a).ok());
+  EXPECT_EQ(pages.FreeCount(), 2) << "pinned pages came back while in use";
+  pages.Unpin(list);
+  EXPECT_EQ(pages.FreeCount(), 4) << "the list's pins were not all released";
+  // A list holding a page of another tenant pins nothing.
+  auto b = pages.Allocate("bob", 1);
+  auto c = pages.Allocate("carol", 1);
+  ASSERT_TRUE(b.ok() && c.ok());
+  EXPECT_EQ(pages.PinOwned("bob", {(*b)[0], (*b)[0], (*c)[0]}, "kv_indices").code(),
+            absl::StatusCode::kPermissionDenied);
+  ASSERT_TRUE(pages.Free("bob", *b).ok());
+  EXPECT_EQ(pages.FreeCount(), 3) << "a refused PinOwned left a pin behind";
+}
+
 TEST(PageTableTest, UnpinOfAnOwnedPageKeepsItOwned) {
   PageTable pages(4, 0);
   auto a = pages.Allocate("alice", 1);
