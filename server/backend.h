@@ -6,8 +6,16 @@
 // returns absl::Status. Implementations: CpuBackend (always built) and
 // CudaBackend (built with ATTNSERVE_CUDA).
 //
-// Threading: the scheduler calls RunBatch / WriteKv / ReadKv from one worker
-// thread at a time; Info() may be called from any thread.
+// Batches are pipelined: Submit packs a batch and queues its work on the
+// device without waiting; Complete waits for the oldest submitted batch and
+// writes its outputs. Up to PipelineDepth() batches may be submitted and not
+// yet completed, so the next batch's upload overlaps the current one's
+// kernels and the previous one's download.
+//
+// Threading: one thread calls Submit, WriteKv, ReadKv and MergeStates; one
+// other thread may call Complete at the same time. WriteKv, ReadKv and
+// MergeStates are called only while no batch is submitted and not completed.
+// Name, Device and Geometry may be called from any thread.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +33,7 @@
 namespace attnserve {
 
 // One validated Prefill request as the backend sees it. All pointers are host
-// memory owned by the caller and valid until RunBatch returns.
+// memory owned by the caller and valid until the batch's Complete returns.
 struct PrefillTask {
   int32_t layer = 0;
   const void* q = nullptr;              // (total_q, num_qo_heads, head_dim)
@@ -45,8 +53,9 @@ struct PrefillTask {
   float* lse = nullptr;                   // (total_q, num_qo_heads)
 };
 
-// What one batch cost, for metrics. Durations in seconds: device time on
-// CUDA (events), wall time on the CPU backend.
+// What one batch cost, for metrics. Kernel durations in seconds: device time
+// on CUDA (events), wall time on the CPU backend. Host durations are wall
+// time on the calling thread.
 struct BatchStats {
   int32_t attention_launches = 0;
   int32_t merge_launches = 0;
@@ -54,6 +63,9 @@ struct BatchStats {
   double attention_seconds = 0;
   double merge_seconds = 0;
   double append_seconds = 0;
+  double submit_seconds = 0;  // Submit: plan, pack and queue the batch
+  double wait_seconds = 0;    // Complete: waiting for the device
+  double unpack_seconds = 0;  // Complete: outputs to the tasks
 };
 
 // Scatter (WriteKV) or gather (ReadKV) of rows by slot. Host pointers.
@@ -73,10 +85,25 @@ class Backend {
   virtual std::string Device() const = 0;  // human-readable device name
   virtual const KvGeometry& Geometry() const = 0;
 
-  // Runs one batch: every task's fused append (in order), then attention
-  // for every task. On error no output is valid.
-  virtual absl::Status RunBatch(absl::Span<const PrefillTask> tasks,
-                                BatchStats* stats) = 0;
+  // Batches that may be submitted and not yet completed (at least 1).
+  virtual int PipelineDepth() const { return 1; }
+
+  // Queues one batch: every task's fused append (in order), then attention
+  // for every task. The tasks' pointers must stay valid until the matching
+  // Complete returns. On error nothing was queued and the batch needs no
+  // Complete. stats receives submit_seconds.
+  virtual absl::Status Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) = 0;
+
+  // Waits for the oldest submitted batch and writes its outputs (o, lse of
+  // each task). On error none of that batch's outputs is valid.
+  virtual absl::Status Complete(BatchStats* stats) = 0;
+
+  // Submit and Complete of one batch.
+  absl::Status RunBatch(absl::Span<const PrefillTask> tasks, BatchStats* stats) {
+    absl::Status st = Submit(tasks, stats);
+    if (!st.ok()) return st;
+    return Complete(stats);
+  }
 
   // Writes rows (k, v read) into the pools.
   virtual absl::Status WriteKv(const KvRows& rows, BatchStats* stats) = 0;

@@ -41,15 +41,17 @@ void CpuBackend::Append(int32_t layer, const int64_t* slots, int64_t n, const vo
   AppendKvCpu(a);
 }
 
-absl::Status CpuBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchStats* stats) {
+absl::Status CpuBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) {
+  if (pending_) return absl::FailedPreconditionError("the CPU backend holds one batch at a time");
   const absl::Time start = absl::Now();
+  BatchStats s;
   for (const PrefillTask& t : tasks) {
     if (t.num_append == 0) continue;
     Append(t.layer, t.append_slots, t.num_append, t.append_k, t.append_v);
-    ++stats->append_launches;
+    ++s.append_launches;
   }
   const absl::Time appended = absl::Now();
-  stats->append_seconds = absl::ToDoubleSeconds(appended - start);
+  s.append_seconds = absl::ToDoubleSeconds(appended - start);
   for (const PrefillTask& t : tasks) {
     PagedPrefillParams p;
     p.q = t.q;
@@ -65,8 +67,22 @@ absl::Status CpuBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchStat
     PagedPrefillCpu(p);
   }
   // The CPU backend's "launch" is one pass over the whole batch.
-  stats->attention_launches = 1;
-  stats->attention_seconds = absl::ToDoubleSeconds(absl::Now() - appended);
+  s.attention_launches = 1;
+  s.attention_seconds = absl::ToDoubleSeconds(absl::Now() - appended);
+  if (stats != nullptr) stats->submit_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  pending_stats_ = s;
+  pending_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Complete(BatchStats* stats) {
+  if (!pending_) return absl::FailedPreconditionError("no batch was submitted");
+  pending_ = false;
+  if (stats == nullptr) return absl::OkStatus();
+  stats->append_launches += pending_stats_.append_launches;
+  stats->append_seconds += pending_stats_.append_seconds;
+  stats->attention_launches += pending_stats_.attention_launches;
+  stats->attention_seconds += pending_stats_.attention_seconds;
   return absl::OkStatus();
 }
 

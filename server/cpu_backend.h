@@ -19,7 +19,9 @@ class CpuBackend final : public Backend {
   std::string Device() const override;
   const KvGeometry& Geometry() const override { return geo_; }
 
-  absl::Status RunBatch(absl::Span<const PrefillTask> tasks, BatchStats* stats) override;
+  // The CPU computes the batch in Submit; Complete hands back its status.
+  absl::Status Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) override;
+  absl::Status Complete(BatchStats* stats) override;
   absl::Status WriteKv(const KvRows& rows, BatchStats* stats) override;
   absl::Status ReadKv(const KvRows& rows) override;
 
@@ -29,6 +31,8 @@ class CpuBackend final : public Backend {
   void Append(int32_t layer, const int64_t* slots, int64_t n, const void* k, const void* v);
 
   KvGeometry geo_;
+  bool pending_ = false;     // a batch was submitted and not completed
+  BatchStats pending_stats_;
   std::vector<uint16_t> k_pool_;
   std::vector<uint16_t> v_pool_;
 };

@@ -1,6 +1,15 @@
 // CudaBackend: paged KV pools in device memory and the batched attention path.
-// Everything is allocated in Create(); RunBatch / WriteKv / ReadKv only pack
-// into pinned staging, copy, launch and copy back.
+// Everything is allocated in Create(); Submit / Complete / WriteKv / ReadKv
+// only pack into pinned staging, copy, launch and copy back.
+//
+// Pipeline: kSlots staging slots, each a pinned input buffer and its device
+// mirror plus a device output buffer and its pinned mirror. A batch in slot s
+// is uploaded on the copy-in stream, computed on the compute stream (after
+// the upload's event) and downloaded on the copy-out stream (after the
+// compute's event), so batch N+1's upload and batch N-1's download overlap
+// batch N's kernels. The compute stream runs batches in submission order, so
+// a batch's appends never race another batch's attention. Split partials are
+// only touched on the compute stream and are shared by all slots.
 #include "server/cuda_backend.h"
 
 #include <cuda_runtime.h>
@@ -8,12 +17,14 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "kernels/append_kv_cuda.h"
 #include "kernels/paged_prefill_cuda.h"
 
@@ -72,15 +83,23 @@ class CudaBackend final : public Backend {
 
   ~CudaBackend() override {
     cudaSetDevice(options_.device);
-    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-    for (cudaEvent_t e : events_) {
-      if (e != nullptr) cudaEventDestroy(e);
+    for (cudaStream_t st : {copy_in_, compute_, copy_out_}) {
+      if (st != nullptr) cudaStreamSynchronize(st);
     }
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-    const void* device_ptrs[] = {k_pool_, v_pool_, d_in_, d_out_, d_part_o_, d_part_lse_};
+    for (Slot& slot : slots_) {
+      for (cudaEvent_t e : slot.events) {
+        if (e != nullptr) cudaEventDestroy(e);
+      }
+      cudaFree(slot.d_in);
+      cudaFree(slot.d_out);
+      cudaFreeHost(slot.h_in);
+      cudaFreeHost(slot.h_out);
+    }
+    for (cudaStream_t st : {copy_in_, compute_, copy_out_}) {
+      if (st != nullptr) cudaStreamDestroy(st);
+    }
+    const void* device_ptrs[] = {k_pool_, v_pool_, d_part_o_, d_part_lse_};
     for (const void* p : device_ptrs) cudaFree(const_cast<void*>(p));
-    cudaFreeHost(h_in_);
-    cudaFreeHost(h_out_);
   }
 
   absl::Status Init();
@@ -89,7 +108,9 @@ class CudaBackend final : public Backend {
   std::string Device() const override { return device_name_; }
   const KvGeometry& Geometry() const override { return geo_; }
 
-  absl::Status RunBatch(absl::Span<const PrefillTask> tasks, BatchStats* stats) override;
+  int PipelineDepth() const override { return kSlots; }
+  absl::Status Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) override;
+  absl::Status Complete(BatchStats* stats) override;
   absl::Status WriteKv(const KvRows& rows, BatchStats* stats) override;
   absl::Status ReadKv(const KvRows& rows) override;
   // MergeStates stays on the CPU default: its inputs and outputs live in host
@@ -102,6 +123,9 @@ class CudaBackend final : public Backend {
   // Packs slots / k / v of rows [begin, begin + n) of `rows` for WriteKv.
   absl::Status CopyRowsChunk(const KvRows& rows, int64_t begin, int64_t n, bool scatter,
                              float* seconds);
+  // FailedPrecondition unless no batch is in flight (WriteKv / ReadKv use
+  // slot 0's staging and the compute stream synchronously).
+  absl::Status CheckIdle();
 
   BackendOptions options_;
   KvGeometry geo_;
@@ -121,23 +145,51 @@ class CudaBackend final : public Backend {
 
   void* k_pool_ = nullptr;
   void* v_pool_ = nullptr;
-  // Inputs: pinned host staging and its device mirror (same layout).
-  uint8_t* h_in_ = nullptr;
-  uint8_t* d_in_ = nullptr;
-  int64_t in_capacity_ = 0;
-  // Outputs: o then lse.
-  uint8_t* h_out_ = nullptr;
-  uint8_t* d_out_ = nullptr;
-  int64_t out_capacity_ = 0;
   float* d_part_o_ = nullptr;
   float* d_part_lse_ = nullptr;
+  int64_t in_capacity_ = 0;
+  int64_t out_capacity_ = 0;
 
-  cudaStream_t stream_ = nullptr;
-  // append begin/end, attention begin/end, merge begin/end.
-  cudaEvent_t events_[6] = {};
+  // One batch's staging and what Complete needs to finish it.
+  struct Slot {
+    uint8_t* h_in = nullptr;   // pinned inputs, packed
+    uint8_t* d_in = nullptr;   // their device mirror (same layout)
+    uint8_t* d_out = nullptr;  // outputs: o, then lse at off_lse
+    uint8_t* h_out = nullptr;  // pinned mirror of d_out
+    // append begin/end, attention begin/end, merge begin/end, uploaded,
+    // computed, downloaded.
+    cudaEvent_t events[9] = {};
+    // The batch in flight.
+    struct Output {
+      void* o;
+      float* lse;
+      int64_t rows;
+    };
+    std::vector<Output> outputs;
+    int64_t off_lse = 0;
+    int64_t total_q = 0;
+    bool appended = false, attended = false, merged = false;
+    absl::Time submitted;
+  };
+  static constexpr int kSlots = 2;
+  enum { kAppendBegin, kAppendEnd, kAttnBegin, kAttnEnd, kMergeBegin, kMergeEnd, kUploaded,
+         kComputed, kDownloaded };
+  Slot slots_[kSlots];
+  // Submitted batches occupy slots head_, head_ + 1, ... (mod kSlots).
+  absl::Mutex ring_mu_;
+  int head_ ABSL_GUARDED_BY(ring_mu_) = 0;
+  int in_flight_ ABSL_GUARDED_BY(ring_mu_) = 0;
 
-  PrefillPlan plan_;  // reused between batches
+  cudaStream_t copy_in_ = nullptr;
+  cudaStream_t compute_ = nullptr;
+  cudaStream_t copy_out_ = nullptr;
+
+  // Submit's scratch, reused between batches (Submit runs on one thread).
+  PrefillPlan plan_;
   std::vector<PrefillSeq> seqs_;
+  std::vector<std::pair<int32_t, int64_t>> append_rows_;  // (task, row)
+  std::vector<int64_t> append_slots_;
+  absl::flat_hash_map<int64_t, int64_t> last_append_;
 };
 
 absl::Status CudaBackend::Alloc(void** p, int64_t bytes, const char* what) {
@@ -224,24 +276,52 @@ absl::Status CudaBackend::Init() {
   // Poison-proof: a fresh page reads zeros, never stale data.
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemset(k_pool_, 0, pool_bytes));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemset(v_pool_, 0, pool_bytes));
-  if (!(st = Alloc(reinterpret_cast<void**>(&d_in_), in_capacity_, "input staging")).ok()) return st;
-  if (!(st = Alloc(reinterpret_cast<void**>(&d_out_), out_capacity_, "output staging")).ok()) return st;
   if (!(st = Alloc(reinterpret_cast<void**>(&d_part_o_), max_partial_pairs_ * D * 4, "split partials")).ok()) {
     return st;
   }
   if (!(st = Alloc(reinterpret_cast<void**>(&d_part_lse_), max_partial_pairs_ * 4, "split LSEs")).ok()) {
     return st;
   }
-  if (!(st = AllocHost(reinterpret_cast<void**>(&h_in_), in_capacity_, "input staging")).ok()) return st;
-  if (!(st = AllocHost(reinterpret_cast<void**>(&h_out_), out_capacity_, "output staging")).ok()) return st;
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  for (cudaEvent_t& e : events_) ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  for (Slot& slot : slots_) {
+    if (!(st = Alloc(reinterpret_cast<void**>(&slot.d_in), in_capacity_, "input staging")).ok()) return st;
+    if (!(st = Alloc(reinterpret_cast<void**>(&slot.d_out), out_capacity_, "output staging")).ok()) return st;
+    if (!(st = AllocHost(reinterpret_cast<void**>(&slot.h_in), in_capacity_, "input staging")).ok()) return st;
+    if (!(st = AllocHost(reinterpret_cast<void**>(&slot.h_out), out_capacity_, "output staging")).ok()) {
+      return st;
+    }
+    for (cudaEvent_t& e : slot.events) ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  }
+  for (cudaStream_t* stream : {&copy_in_, &compute_, &copy_out_}) {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking));
+  }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   plan_.items.reserve(1024);
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchStats* stats) {
+absl::Status CudaBackend::CheckIdle() {
+  absl::MutexLock lock(&ring_mu_);
+  if (in_flight_ != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(in_flight_, " batch(es) in flight: KV reads and writes need an idle backend"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) {
+  const absl::Time start = absl::Now();
+  int s_index;
+  {
+    absl::MutexLock lock(&ring_mu_);
+    if (in_flight_ >= kSlots) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the CUDA backend holds at most ", kSlots, " batches in flight"));
+    }
+    s_index = (head_ + in_flight_) % kSlots;
+  }
+  // The slot is free: its previous batch was completed (downloaded and
+  // unpacked), so its staging may be overwritten.
+  Slot& slot = slots_[s_index];
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   const KvGeometry& g = geo_;
   const int64_t H = g.num_qo_heads, D = g.head_dim;
@@ -291,29 +371,29 @@ absl::Status CudaBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchSta
 
   // ---- Appends, in task order; a later write to the same slot wins, so only
   // the last write of each (layer, slot) is kept (one launch, no races).
-  std::vector<std::pair<int32_t, int64_t>> append_rows;  // (task, row)
-  std::vector<int64_t> append_slots;
+  append_rows_.clear();
+  append_slots_.clear();
   if (total_append > 0) {
-    std::unordered_map<int64_t, int64_t> last;
-    last.reserve(total_append * 2);
+    last_append_.clear();
+    last_append_.reserve(total_append);
     for (int32_t ti = 0; ti < static_cast<int32_t>(tasks.size()); ++ti) {
       const PrefillTask& t = tasks[ti];
       for (int64_t r = 0; r < t.num_append; ++r) {
-        const int64_t slot = int64_t{t.layer} * g.SlotsPerLayer() + t.append_slots[r];
-        auto [pos, inserted] = last.try_emplace(slot, static_cast<int64_t>(append_rows.size()));
+        const int64_t kv_slot = int64_t{t.layer} * g.SlotsPerLayer() + t.append_slots[r];
+        auto [pos, inserted] = last_append_.try_emplace(kv_slot, static_cast<int64_t>(append_rows_.size()));
         if (inserted) {
-          append_rows.push_back({ti, r});
-          append_slots.push_back(slot);
+          append_rows_.push_back({ti, r});
+          append_slots_.push_back(kv_slot);
         } else {
-          append_rows[pos->second] = {ti, r};
+          append_rows_[pos->second] = {ti, r};
         }
       }
     }
   }
-  const int64_t n_append = static_cast<int64_t>(append_slots.size());
+  const int64_t n_append = static_cast<int64_t>(append_slots_.size());
 
-  // ---- Pack inputs into pinned staging.
-  Packer in(h_in_, in_capacity_);
+  // ---- Pack inputs into the slot's pinned staging.
+  Packer in(slot.h_in, in_capacity_);
   const int64_t off_q = in.Take(total_q * H * D * 2);
   const int64_t off_idx = in.Take(total_idx * 4);
   const int64_t off_seqs = in.Take(static_cast<int64_t>(seqs_.size() * sizeof(PrefillSeq)));
@@ -344,11 +424,11 @@ absl::Status CudaBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchSta
       std::memcpy(in.At(off_merges), plan_.merges.data(), plan_.merges.size() * sizeof(SplitMergeSeq));
     }
     if (n_append > 0) {
-      std::memcpy(in.At(off_slots), append_slots.data(), n_append * 8);
+      std::memcpy(in.At(off_slots), append_slots_.data(), n_append * 8);
       const size_t rb = size_t(row_elems) * 2;
       for (int64_t i = 0; i < n_append; ++i) {
-        const PrefillTask& t = tasks[append_rows[i].first];
-        const int64_t r = append_rows[i].second;
+        const PrefillTask& t = tasks[append_rows_[i].first];
+        const int64_t r = append_rows_[i].second;
         std::memcpy(in.At(off_k) + i * rb, static_cast<const uint8_t*>(t.append_k) + r * rb, rb);
         std::memcpy(in.At(off_v) + i * rb, static_cast<const uint8_t*>(t.append_v) + r * rb, rb);
       }
@@ -357,83 +437,156 @@ absl::Status CudaBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchSta
   const int64_t off_o = 0;
   const int64_t off_lse = AlignUp(total_q * H * D * 2);
   const int64_t out_bytes = off_lse + total_q * H * 4;
-
-  // ---- One upload, appends, one attention launch, merge if split, one download.
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_in_, h_in_, in.used(), cudaMemcpyHostToDevice, stream_));
-  if (n_append > 0) {
-    AppendKvParams ap;
-    ap.k_cache = k_pool_;
-    ap.v_cache = v_pool_;
-    ap.k = d_in_ + off_k;
-    ap.v = d_in_ + off_v;
-    ap.slots = reinterpret_cast<const int64_t*>(d_in_ + off_slots);
-    ap.n = n_append;
-    ap.layer = 0;  // slots are layer-global
-    ap.geo = g;
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[0], stream_));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(AppendKvCuda(ap, stream_));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[1], stream_));
-  }
-  PagedPrefillParams pp;
-  pp.q = d_in_ + off_q;
-  pp.o = d_out_ + off_o;
-  pp.lse = reinterpret_cast<float*>(d_out_ + off_lse);
-  pp.k_cache = k_pool_;
-  pp.v_cache = v_pool_;
-  pp.kv_indices = reinterpret_cast<const int32_t*>(d_in_ + off_idx);
-  pp.seqs = reinterpret_cast<const PrefillSeq*>(d_in_ + off_seqs);
-  pp.num_seqs = static_cast<int32_t>(seqs_.size());
-  pp.total_q = static_cast<int32_t>(total_q);
-  pp.geo = g;
+  uint8_t* const d_in = slot.d_in;
+  cudaEvent_t* const ev = slot.events;
   const bool attend = !plan_.items.empty();
   const bool merge = !plan_.merges.empty();
-  if (attend) {
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[2], stream_));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(PagedPrefillCuda(
-        pp, reinterpret_cast<const PrefillWorkItem*>(d_in_ + off_items), static_cast<int32_t>(plan_.items.size()),
-        d_part_o_, d_part_lse_, variant, stream_));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[3], stream_));
-  }
-  if (merge) {
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[4], stream_));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(MergeSplitsCuda(pp, reinterpret_cast<const SplitMergeSeq*>(d_in_ + off_merges),
-                                                   static_cast<int32_t>(plan_.merges.size()), plan_.merge_pairs,
-                                                   d_part_o_, d_part_lse_, stream_));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[5], stream_));
-  }
-  if (total_q > 0) {
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_out_, d_out_, out_bytes, cudaMemcpyDeviceToHost, stream_));
-  }
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
 
-  // ---- Outputs back to each task.
-  {
-    int64_t row = 0;
-    for (const PrefillTask& t : tasks) {
-      if (t.total_q > 0) {
-        std::memcpy(t.o, h_out_ + off_o + row * H * D * 2, size_t(t.total_q) * H * D * 2);
-        std::memcpy(t.lse, h_out_ + off_lse + row * H * 4, size_t(t.total_q) * H * 4);
-      }
-      row += t.total_q;
-    }
-  }
-  if (stats != nullptr) {
-    float ms = 0;
+  // ---- Upload (copy-in stream); appends, one attention launch, a merge if
+  // anything was split (compute stream); one download (copy-out stream).
+  // A failure after the upload was queued leaves work on the streams that reads
+  // this slot: wait for it (the device is probably lost; the scheduler's fault
+  // handler marks the server unhealthy) so the slot is never reused under it.
+  const absl::Status launched = [&]() -> absl::Status {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_in, slot.h_in, in.used(), cudaMemcpyHostToDevice, copy_in_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[kUploaded], copy_in_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_, ev[kUploaded], 0));
     if (n_append > 0) {
-      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events_[0], events_[1]));
-      stats->append_launches += 1;
-      stats->append_seconds += ms * 1e-3;
+      AppendKvParams ap;
+      ap.k_cache = k_pool_;
+      ap.v_cache = v_pool_;
+      ap.k = d_in + off_k;
+      ap.v = d_in + off_v;
+      ap.slots = reinterpret_cast<const int64_t*>(d_in + off_slots);
+      ap.n = n_append;
+      ap.layer = 0;  // slots are layer-global
+      ap.geo = g;
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[kAppendBegin], compute_));
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(AppendKvCuda(ap, compute_));
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[kAppendEnd], compute_));
     }
+    PagedPrefillParams pp;
+    pp.q = d_in + off_q;
+    pp.o = slot.d_out + off_o;
+    pp.lse = reinterpret_cast<float*>(slot.d_out + off_lse);
+    pp.k_cache = k_pool_;
+    pp.v_cache = v_pool_;
+    pp.kv_indices = reinterpret_cast<const int32_t*>(d_in + off_idx);
+    pp.seqs = reinterpret_cast<const PrefillSeq*>(d_in + off_seqs);
+    pp.num_seqs = static_cast<int32_t>(seqs_.size());
+    pp.total_q = static_cast<int32_t>(total_q);
+    pp.geo = g;
     if (attend) {
-      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events_[2], events_[3]));
-      stats->attention_launches += 1;
-      stats->attention_seconds += ms * 1e-3;
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[kAttnBegin], compute_));
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(PagedPrefillCuda(
+          pp, reinterpret_cast<const PrefillWorkItem*>(d_in + off_items), static_cast<int32_t>(plan_.items.size()),
+          d_part_o_, d_part_lse_, variant, compute_));
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[kAttnEnd], compute_));
     }
     if (merge) {
-      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events_[4], events_[5]));
-      stats->merge_launches += 1;
-      stats->merge_seconds += ms * 1e-3;
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[kMergeBegin], compute_));
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(MergeSplitsCuda(pp, reinterpret_cast<const SplitMergeSeq*>(d_in + off_merges),
+                                                     static_cast<int32_t>(plan_.merges.size()), plan_.merge_pairs,
+                                                     d_part_o_, d_part_lse_, compute_));
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[kMergeEnd], compute_));
     }
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[kComputed], compute_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_out_, ev[kComputed], 0));
+    if (total_q > 0) {
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(slot.h_out, slot.d_out, out_bytes, cudaMemcpyDeviceToHost, copy_out_));
+    }
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[kDownloaded], copy_out_));
+    return absl::OkStatus();
+  }();
+  if (!launched.ok()) {
+    for (cudaStream_t st : {copy_in_, compute_, copy_out_}) cudaStreamSynchronize(st);
+    return launched;
+  }
+
+  slot.outputs.clear();
+  for (const PrefillTask& t : tasks) slot.outputs.push_back({t.o, t.lse, t.total_q});
+  slot.off_lse = off_lse;
+  slot.total_q = total_q;
+  slot.appended = n_append > 0;
+  slot.attended = attend;
+  slot.merged = merge;
+  {
+    absl::MutexLock lock(&ring_mu_);
+    ++in_flight_;
+  }
+  if (stats != nullptr) stats->submit_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Complete(BatchStats* stats) {
+  int s_index;
+  {
+    absl::MutexLock lock(&ring_mu_);
+    if (in_flight_ == 0) return absl::FailedPreconditionError("no batch was submitted");
+    s_index = head_;
+  }
+  Slot& slot = slots_[s_index];
+  // The slot leaves the ring however this ends, so that the pipeline never
+  // wedges on a failed batch.
+  auto release = [this] {
+    absl::MutexLock lock(&ring_mu_);
+    head_ = (head_ + 1) % kSlots;
+    --in_flight_;
+  };
+  const absl::Time start = absl::Now();
+  cudaError_t err = cudaSetDevice(options_.device);
+  if (err == cudaSuccess) err = cudaEventSynchronize(slot.events[kDownloaded]);
+  if (err != cudaSuccess) {
+    release();
+    return absl::InternalError(absl::StrCat("waiting for a batch: ", cudaGetErrorName(err), " (",
+                                            cudaGetErrorString(err), ")"));
+  }
+  const absl::Time downloaded = absl::Now();
+
+  // ---- Outputs back to each task.
+  const int64_t H = geo_.num_qo_heads, D = geo_.head_dim;
+  int64_t row = 0;
+  for (const Slot::Output& out : slot.outputs) {
+    if (out.rows > 0) {
+      std::memcpy(out.o, slot.h_out + row * H * D * 2, size_t(out.rows) * H * D * 2);
+      std::memcpy(out.lse, slot.h_out + slot.off_lse + row * H * 4, size_t(out.rows) * H * 4);
+    }
+    row += out.rows;
+  }
+  const absl::Time unpacked = absl::Now();
+  // Kernel times, read while the slot (and its events) is still ours.
+  BatchStats t;
+  float ms = 0;
+  auto elapsed = [&](int begin, int end) {
+    if (err == cudaSuccess) err = cudaEventElapsedTime(&ms, slot.events[begin], slot.events[end]);
+    return err == cudaSuccess ? ms * 1e-3 : 0.0;
+  };
+  if (slot.appended) {
+    t.append_launches = 1;
+    t.append_seconds = elapsed(kAppendBegin, kAppendEnd);
+  }
+  if (slot.attended) {
+    t.attention_launches = 1;
+    t.attention_seconds = elapsed(kAttnBegin, kAttnEnd);
+  }
+  if (slot.merged) {
+    t.merge_launches = 1;
+    t.merge_seconds = elapsed(kMergeBegin, kMergeEnd);
+  }
+  release();
+  if (stats != nullptr) {
+    stats->append_launches += t.append_launches;
+    stats->append_seconds += t.append_seconds;
+    stats->attention_launches += t.attention_launches;
+    stats->attention_seconds += t.attention_seconds;
+    stats->merge_launches += t.merge_launches;
+    stats->merge_seconds += t.merge_seconds;
+    stats->wait_seconds += absl::ToDoubleSeconds(downloaded - start);
+    stats->unpack_seconds += absl::ToDoubleSeconds(unpacked - downloaded);
+  }
+  if (err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("timing a batch: ", cudaGetErrorName(err)));
   }
   return absl::OkStatus();
 }
@@ -441,7 +594,8 @@ absl::Status CudaBackend::RunBatch(absl::Span<const PrefillTask> tasks, BatchSta
 absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64_t n, bool scatter,
                                         float* seconds) {
   const int64_t rb = geo_.RowElems() * 2;
-  Packer in(h_in_, in_capacity_);
+  Slot& slot = slots_[0];
+  Packer in(slot.h_in, in_capacity_);
   const int64_t off_slots = in.Take(n * 8);
   const int64_t off_k = in.Take(n * rb);
   const int64_t off_v = in.Take(n * rb);
@@ -452,48 +606,49 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
     std::memcpy(in.At(off_v), static_cast<const uint8_t*>(rows.v) + begin * rb, n * rb);
   }
   const int64_t upload = scatter ? in.used() : n * 8;
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_in_, h_in_, upload, cudaMemcpyHostToDevice, stream_));
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[0], stream_));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_in, slot.h_in, upload, cudaMemcpyHostToDevice, compute_));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.events[kAppendBegin], compute_));
   if (scatter) {
     AppendKvParams ap;
     ap.k_cache = k_pool_;
     ap.v_cache = v_pool_;
-    ap.k = d_in_ + off_k;
-    ap.v = d_in_ + off_v;
-    ap.slots = reinterpret_cast<const int64_t*>(d_in_ + off_slots);
+    ap.k = slot.d_in + off_k;
+    ap.v = slot.d_in + off_v;
+    ap.slots = reinterpret_cast<const int64_t*>(slot.d_in + off_slots);
     ap.n = n;
     ap.layer = rows.layer;
     ap.geo = geo_;
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(AppendKvCuda(ap, stream_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(AppendKvCuda(ap, compute_));
   } else {
     GatherKvParams gp;
     gp.k_cache = k_pool_;
     gp.v_cache = v_pool_;
-    gp.k = d_in_ + off_k;
-    gp.v = d_in_ + off_v;
-    gp.slots = reinterpret_cast<const int64_t*>(d_in_ + off_slots);
+    gp.k = slot.d_in + off_k;
+    gp.v = slot.d_in + off_v;
+    gp.slots = reinterpret_cast<const int64_t*>(slot.d_in + off_slots);
     gp.n = n;
     gp.layer = rows.layer;
     gp.geo = geo_;
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(GatherKvCuda(gp, stream_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(GatherKvCuda(gp, compute_));
   }
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(events_[1], stream_));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.events[kAppendEnd], compute_));
   if (!scatter) {
     ATTNSERVE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(h_in_ + off_k, d_in_ + off_k, off_v + n * rb - off_k, cudaMemcpyDeviceToHost, stream_));
+        cudaMemcpyAsync(slot.h_in + off_k, slot.d_in + off_k, off_v + n * rb - off_k, cudaMemcpyDeviceToHost, compute_));
   }
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
   if (!scatter) {
     std::memcpy(static_cast<uint8_t*>(rows.k) + begin * rb, in.At(off_k), n * rb);
     std::memcpy(static_cast<uint8_t*>(rows.v) + begin * rb, in.At(off_v), n * rb);
   }
   float ms = 0;
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, events_[0], events_[1]));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, slot.events[kAppendBegin], slot.events[kAppendEnd]));
   *seconds += ms * 1e-3f;
   return absl::OkStatus();
 }
 
 absl::Status CudaBackend::WriteKv(const KvRows& rows, BatchStats* stats) {
+  if (absl::Status st = CheckIdle(); !st.ok()) return st;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   float seconds = 0;
   int32_t launches = 0;
@@ -511,6 +666,7 @@ absl::Status CudaBackend::WriteKv(const KvRows& rows, BatchStats* stats) {
 }
 
 absl::Status CudaBackend::ReadKv(const KvRows& rows) {
+  if (absl::Status st = CheckIdle(); !st.ok()) return st;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   float seconds = 0;
   for (int64_t begin = 0; begin < rows.n; begin += max_append_) {

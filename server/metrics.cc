@@ -49,6 +49,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                           .Name("attnserve_kernel_duration_seconds")
                           .Help("Kernel time per batch in seconds (device time on CUDA)")
                           .Register(*registry_);
+  batch_stage_ = &prometheus::BuildHistogram()
+                      .Name("attnserve_batch_stage_seconds")
+                      .Help("Host time per batch by stage (submit, wait, unpack, finish)")
+                      .Register(*registry_);
   auto& pages = prometheus::BuildGauge()
                     .Name("attnserve_kv_pages")
                     .Help("KV cache pages by state")
@@ -71,6 +75,9 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
     kernel_launches_->Add({{"kernel", k}});
     kernel_duration_->Add({{"kernel", k}}, Seconds());
   }
+  for (const char* stage : {"submit", "wait", "unpack", "finish"}) {
+    batch_stage_->Add({{"stage", stage}}, Seconds());
+  }
 }
 
 void Metrics::ObserveRequest(absl::string_view method, absl::string_view code, double seconds) {
@@ -88,6 +95,10 @@ void Metrics::ObserveKernel(absl::string_view kernel, int launches, double secon
   if (launches <= 0) return;
   kernel_launches_->Add({{"kernel", std::string(kernel)}}).Increment(launches);
   kernel_duration_->Add({{"kernel", std::string(kernel)}}, Seconds()).Observe(seconds);
+}
+
+void Metrics::ObserveStage(absl::string_view stage, double seconds) {
+  batch_stage_->Add({{"stage", std::string(stage)}}, Seconds()).Observe(seconds);
 }
 
 void Metrics::SetKvPages(int64_t free_pages, int64_t used_pages) {

@@ -28,6 +28,10 @@ class Metrics {
   void ObserveBatch(int requests, int64_t tokens);
   // kernel: "attention", "merge" or "append"; seconds of device (or CPU) time.
   void ObserveKernel(absl::string_view kernel, int launches, double seconds);
+  // Host time of one batch stage: "submit" (plan, pack, queue), "wait" (for
+  // the device), "unpack" (outputs to the responses), "finish" (pages
+  // unpinned, responses handed to gRPC).
+  void ObserveStage(absl::string_view stage, double seconds);
   void SetKvPages(int64_t free_pages, int64_t used_pages);
   void AddTransferBytes(int64_t in_bytes, int64_t out_bytes);
   prometheus::Gauge& inflight() { return *inflight_; }
@@ -41,6 +45,7 @@ class Metrics {
   prometheus::Histogram* batch_tokens_;
   prometheus::Family<prometheus::Counter>* kernel_launches_;
   prometheus::Family<prometheus::Histogram>* kernel_duration_;
+  prometheus::Family<prometheus::Histogram>* batch_stage_;
   prometheus::Gauge* kv_free_;
   prometheus::Gauge* kv_used_;
   prometheus::Counter* bytes_in_;

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace attnserve {
 
@@ -11,6 +12,9 @@ Scheduler::Scheduler(Backend* backend, PageTable* pages, Metrics* metrics,
                      SchedulerOptions options)
     : backend_(backend), pages_(pages), metrics_(metrics), options_(options) {
   worker_ = std::thread([this] { Loop(); });
+  completer_ = std::thread([this] { CompleteLoop(); });
+  const int finishers = std::clamp<int>(std::thread::hardware_concurrency() / 2, 1, 8);
+  for (int i = 0; i < finishers; ++i) finishers_.emplace_back([this] { FinishLoop(); });
 }
 
 Scheduler::~Scheduler() { Stop(); }
@@ -38,6 +42,7 @@ absl::Status Scheduler::Enqueue(std::unique_ptr<Job>& job) {
         " requests queued, max_tenant_queue_requests=", tenant_cap));
   }
   job->enqueued = absl::Now();
+  if (job->kind == Job::Kind::kPrefill) queued_prefill_rows_ += job->task.total_q;
   it->second.push_back(std::move(job));
   ++queued_;
   return absl::OkStatus();
@@ -51,6 +56,12 @@ void Scheduler::Stop() {
       stopping_ = true;
     }
     worker_.join();
+    completer_.join();
+    {
+      absl::MutexLock lock(&finish_mu_);
+      finish_stop_ = true;  // the finishers drain their queue, then exit
+    }
+    for (std::thread& t : finishers_) t.join();
   });
 }
 
@@ -64,16 +75,51 @@ int64_t Scheduler::batches_run() const {
   return batches_run_;
 }
 
+std::unique_ptr<Job> Scheduler::PopFront(std::deque<std::unique_ptr<Job>>& queue) {
+  std::unique_ptr<Job> job = std::move(queue.front());
+  queue.pop_front();
+  --queued_;
+  if (job->kind == Job::Kind::kPrefill) queued_prefill_rows_ -= job->task.total_q;
+  return job;
+}
+
 void Scheduler::DropStale(std::deque<std::unique_ptr<Job>>& queue,
                           std::vector<std::unique_ptr<Job>>& dropped) {
   const absl::Time now = absl::Now();
   while (!queue.empty()) {
     Job& job = *queue.front();
     if (job.deadline > now && !(job.is_cancelled && job.is_cancelled())) return;
-    dropped.push_back(std::move(queue.front()));
-    queue.pop_front();
-    --queued_;
+    dropped.push_back(PopFront(queue));
   }
+}
+
+const Job* Scheduler::NextJob() const {
+  const size_t n = queues_.size();
+  for (size_t i = 0; i < n; ++i) {
+    const auto& queue = queues_[(next_tenant_ + i) % n].second;
+    if (!queue.empty()) return queue.front().get();
+  }
+  return nullptr;
+}
+
+absl::Time Scheduler::OldestEnqueued() const {
+  absl::Time oldest = absl::InfiniteFuture();
+  for (const auto& [tenant, queue] : queues_) {
+    if (!queue.empty()) oldest = std::min(oldest, queue.front()->enqueued);
+  }
+  return oldest;
+}
+
+bool Scheduler::WorkerReady() const {
+  if (stopping_ && queued_ == 0) return true;  // drained: exit
+  const Job* next = NextJob();
+  if (next == nullptr) return false;
+  // Other jobs run alone on an idle backend, in queue order.
+  if (next->kind != Job::Kind::kPrefill) return busy_ == 0;
+  if (busy_ >= backend_->PipelineDepth()) return false;
+  if (busy_ == 0 || stopping_) return true;  // idle device: go at once
+  if (queued_prefill_rows_ >= options_.max_batch_tokens) return true;
+  return absl::Now() >= OldestEnqueued() + absl::Microseconds(options_.max_queue_delay_us);
 }
 
 std::vector<std::unique_ptr<Job>> Scheduler::TakeWork(
@@ -92,13 +138,8 @@ std::vector<std::unique_ptr<Job>> Scheduler::TakeWork(
   }
   if (first == n) return work;
   next_tenant_ = (first + 1) % n;
-  auto pop = [&](size_t t) {
-    work.push_back(std::move(queues_[t].second.front()));
-    queues_[t].second.pop_front();
-    --queued_;
-  };
   if (queues_[first].second.front()->kind != Job::Kind::kPrefill) {
-    pop(first);
+    work.push_back(PopFront(queues_[first].second));
     return work;
   }
   // Round-robin: each tenant adds its next prefill per turn while it fits.
@@ -119,7 +160,7 @@ std::vector<std::unique_ptr<Job>> Scheduler::TakeWork(
       rows += next.total_q;
       indices += next.num_kv_indices;
       appends += next.num_append;
-      pop(t);
+      work.push_back(PopFront(queue));
       added = true;
       if (!fits) return work;
     }
@@ -132,13 +173,29 @@ void Scheduler::Loop() {
     std::vector<std::unique_ptr<Job>> work, dropped;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || queued_ > 0;
-      };
-      mu_.Await(absl::Condition(&ready));
-      if (queued_ == 0) return;  // stopping and drained
+      for (;;) {
+        // A batch held for more requests waits until the delay ceiling of
+        // its oldest request; a newly queued job recomputes that ceiling.
+        absl::Time deadline = absl::InfiniteFuture();
+        if (busy_ > 0 && queued_ > 0) {
+          deadline = OldestEnqueued() + absl::Microseconds(options_.max_queue_delay_us);
+        }
+        const int64_t queued_before = queued_;
+        auto wake = [this, queued_before]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return WorkerReady() || queued_ != queued_before;
+        };
+        mu_.AwaitWithDeadline(absl::Condition(&wake), deadline);
+        if (WorkerReady()) break;
+      }
+      if (stopping_ && queued_ == 0) {
+        worker_done_ = true;  // the completer finishes what is in flight
+        return;
+      }
       work = TakeWork(dropped);
-      if (!work.empty() && work[0]->kind == Job::Kind::kPrefill) ++batches_run_;
+      if (!work.empty() && work[0]->kind == Job::Kind::kPrefill) {
+        ++batches_run_;
+        ++busy_;  // reserved before Submit, so the rule sees it at once
+      }
     }
     for (auto& job : dropped) {
       const bool cancelled = job->is_cancelled && job->is_cancelled();
@@ -147,52 +204,131 @@ void Scheduler::Loop() {
                                  : absl::DeadlineExceededError(
                                        "deadline passed while the request was queued"));
     }
-    if (!work.empty()) Run(work);
+    if (work.empty()) continue;
+    const absl::Time start = absl::Now();
+    for (const auto& job : work) {
+      metrics_->ObserveQueueWait(absl::ToDoubleSeconds(start - job->enqueued));
+    }
+    if (work[0]->kind == Job::Kind::kPrefill) {
+      SubmitBatch(work);
+    } else {
+      RunJob(std::move(work[0]));
+    }
   }
 }
 
-void Scheduler::Run(std::vector<std::unique_ptr<Job>>& work) {
-  const absl::Time start = absl::Now();
-  for (const auto& job : work) metrics_->ObserveQueueWait(absl::ToDoubleSeconds(start - job->enqueued));
+void Scheduler::SubmitBatch(std::vector<std::unique_ptr<Job>>& work) {
+  InFlight batch;
+  std::vector<PrefillTask> tasks;
+  tasks.reserve(work.size());
+  for (const auto& job : work) {
+    tasks.push_back(job->task);
+    batch.rows += job->task.total_q;
+  }
+  const absl::Status status = backend_->Submit(tasks, &batch.stats);
+  if (!status.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      --busy_;
+    }
+    ReportFault(status);
+    for (auto& job : work) Finish(std::move(job), status);
+    return;
+  }
+  batch.jobs = std::move(work);
+  absl::MutexLock lock(&mu_);
+  in_flight_.push_back(std::move(batch));
+}
 
+void Scheduler::CompleteLoop() {
+  for (;;) {
+    InFlight batch;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !in_flight_.empty() || (worker_done_ && busy_ == 0);
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (in_flight_.empty()) return;  // the worker has exited and all is done
+      batch = std::move(in_flight_.front());
+      in_flight_.pop_front();
+    }
+    const absl::Status status = backend_->Complete(&batch.stats);
+    metrics_->ObserveBatch(static_cast<int>(batch.jobs.size()), batch.rows);
+    ObserveStats(batch.stats);
+    ReportFault(status);
+    const absl::Time finish_start = absl::Now();
+    if (batch.jobs.size() > 1) {
+      absl::MutexLock lock(&finish_mu_);
+      for (size_t i = 1; i < batch.jobs.size(); ++i) {
+        finish_queue_.emplace_back(std::move(batch.jobs[i]), status);
+      }
+    }
+    Finish(std::move(batch.jobs[0]), status);
+    metrics_->ObserveStage("finish", absl::ToDoubleSeconds(absl::Now() - finish_start));
+    absl::MutexLock lock(&mu_);
+    --busy_;
+  }
+}
+
+void Scheduler::FinishLoop() {
+  for (;;) {
+    std::pair<std::unique_ptr<Job>, absl::Status> item;
+    {
+      absl::MutexLock lock(&finish_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(finish_mu_) {
+        return finish_stop_ || !finish_queue_.empty();
+      };
+      finish_mu_.Await(absl::Condition(&ready));
+      if (finish_queue_.empty()) return;  // stopping and drained
+      item = std::move(finish_queue_.front());
+      finish_queue_.pop_front();
+    }
+    Finish(std::move(item.first), item.second);
+  }
+}
+
+void Scheduler::RunJob(std::unique_ptr<Job> job) {
   BatchStats stats;
   absl::Status status;
-  Job& first = *work[0];
-  switch (first.kind) {
-    case Job::Kind::kPrefill: {
-      std::vector<PrefillTask> tasks;
-      tasks.reserve(work.size());
-      int64_t rows = 0;
-      for (const auto& job : work) {
-        tasks.push_back(job->task);
-        rows += job->task.total_q;
-      }
-      status = backend_->RunBatch(tasks, &stats);
-      metrics_->ObserveBatch(static_cast<int>(work.size()), rows);
-      break;
-    }
+  switch (job->kind) {
     case Job::Kind::kWriteKv:
-      status = backend_->WriteKv(first.rows, &stats);
+      status = backend_->WriteKv(job->rows, &stats);
       break;
     case Job::Kind::kReadKv:
-      status = backend_->ReadKv(first.rows);
+      status = backend_->ReadKv(job->rows);
       break;
     case Job::Kind::kMerge:
-      status = backend_->MergeStates(first.merge);
+      status = backend_->MergeStates(job->merge);
+      break;
+    case Job::Kind::kPrefill:
+      status = absl::InternalError("a prefill job reached RunJob");
       break;
   }
+  ObserveStats(stats);
+  ReportFault(status);
+  Finish(std::move(job), status);
+}
+
+void Scheduler::ObserveStats(const BatchStats& stats) {
   metrics_->ObserveKernel("attention", stats.attention_launches, stats.attention_seconds);
   metrics_->ObserveKernel("merge", stats.merge_launches, stats.merge_seconds);
   metrics_->ObserveKernel("append", stats.append_launches, stats.append_seconds);
-  if (absl::IsInternal(status) || absl::IsUnknown(status) || absl::IsDataLoss(status)) {
-    std::function<void(const absl::Status&)> on_fault;
-    {
-      absl::MutexLock lock(&mu_);
-      on_fault = on_fault_;
-    }
-    if (on_fault) on_fault(status);
+  if (stats.attention_launches > 0 || stats.submit_seconds > 0) {
+    metrics_->ObserveStage("submit", stats.submit_seconds);
+    metrics_->ObserveStage("wait", stats.wait_seconds);
+    metrics_->ObserveStage("unpack", stats.unpack_seconds);
   }
-  for (auto& job : work) Finish(std::move(job), status);
+}
+
+void Scheduler::ReportFault(const absl::Status& status) {
+  if (!(absl::IsInternal(status) || absl::IsUnknown(status) || absl::IsDataLoss(status))) return;
+  std::function<void(const absl::Status&)> on_fault;
+  {
+    absl::MutexLock lock(&mu_);
+    on_fault = on_fault_;
+  }
+  if (on_fault) on_fault(status);
 }
 
 void Scheduler::Finish(std::unique_ptr<Job> job, const absl::Status& status) {

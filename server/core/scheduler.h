@@ -9,11 +9,16 @@
 // dropped before launch (DEADLINE_EXCEEDED / CANCELLED). Every job's pinned
 // pages are unpinned and its done callback runs after the backend returns.
 //
-// The backend runs batches synchronously on the worker, so the device is idle
-// whenever a batch is formed: the worker never waits for more work once it
-// has some, and batches grow under load from the requests that arrive while
-// the previous batch runs. max_queue_delay_us is therefore a ceiling that the
-// current worker never needs (kept for a pipelined backend).
+// Batches are pipelined (Backend::Submit / Complete): the worker thread forms
+// and submits the next batch while up to Backend::PipelineDepth() earlier
+// ones run, and a completion thread waits for each batch in order, writes
+// its outputs and finishes its jobs. When the device is idle the next batch
+// goes at once, however small; while a batch runs, the next one waits for
+// more requests until the running batch finishes, the queued rows reach
+// max_batch_tokens, or its oldest request has waited max_queue_delay_us,
+// whichever comes first (a ceiling, never a fixed wait). WriteKV, ReadKV
+// and MergeStates jobs run on the worker once every submitted batch has
+// completed, so they are ordered with the batches around them.
 #pragma once
 
 #include <cstdint>
@@ -56,7 +61,7 @@ struct SchedulerOptions {
   int32_t max_batch_tokens = 16384;     // query rows per batch
   int64_t max_batch_kv_indices = 1 << 22;
   int64_t max_batch_append_rows = 65536;
-  int64_t max_queue_delay_us = 0;
+  int64_t max_queue_delay_us = 200;     // ceiling on holding a batch while the device is busy
   int32_t max_queue_requests = 4096;    // queued jobs (all tenants) before RESOURCE_EXHAUSTED
   int32_t max_tenant_queue_requests = 0;  // queued jobs of one tenant; 0: max_queue_requests
 };
@@ -82,7 +87,22 @@ class Scheduler {
   int64_t batches_run() const;
 
  private:
-  void Loop();
+  // A submitted batch awaiting Complete.
+  struct InFlight {
+    std::vector<std::unique_ptr<Job>> jobs;
+    int64_t rows = 0;
+    BatchStats stats;
+  };
+
+  void Loop();           // the worker: forms and submits batches, runs other jobs
+  void CompleteLoop();   // the completion thread
+  // True when the worker has something to do now: exit, a job to run, or a
+  // batch to submit (see the header comment for the rule).
+  bool WorkerReady() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job TakeWork would start with, or null when every queue is empty.
+  const Job* NextJob() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // When the oldest queued job was enqueued (InfiniteFuture when none).
+  absl::Time OldestEnqueued() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes the next unit of work off the queues (a prefill batch or one job),
   // and moves expired or cancelled jobs into `dropped`.
   std::vector<std::unique_ptr<Job>> TakeWork(std::vector<std::unique_ptr<Job>>& dropped)
@@ -90,8 +110,14 @@ class Scheduler {
   // Pops a tenant's expired or cancelled jobs off its front into `dropped`.
   void DropStale(std::deque<std::unique_ptr<Job>>& queue,
                  std::vector<std::unique_ptr<Job>>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Run(std::vector<std::unique_ptr<Job>>& work);
+  std::unique_ptr<Job> PopFront(std::deque<std::unique_ptr<Job>>& queue)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SubmitBatch(std::vector<std::unique_ptr<Job>>& work);
+  void RunJob(std::unique_ptr<Job> job);
+  void ObserveStats(const BatchStats& stats);
+  void ReportFault(const absl::Status& status);
   void Finish(std::unique_ptr<Job> job, const absl::Status& status);
+  void FinishLoop();  // a finisher thread
 
   Backend* const backend_;
   PageTable* const pages_;
@@ -104,10 +130,22 @@ class Scheduler {
       ABSL_GUARDED_BY(mu_);
   size_t next_tenant_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t queued_prefill_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);  // submitted, awaiting the completer
+  int32_t busy_ ABSL_GUARDED_BY(mu_) = 0;  // submitted and not yet completed
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool worker_done_ ABSL_GUARDED_BY(mu_) = false;
   int64_t batches_run_ ABSL_GUARDED_BY(mu_) = 0;
   std::function<void(const absl::Status&)> on_fault_ ABSL_GUARDED_BY(mu_);
   std::thread worker_;
+  std::thread completer_;
+  // Jobs handed to the finisher threads, and whether they should exit once
+  // the queue is empty.
+  absl::Mutex finish_mu_;
+  std::deque<std::pair<std::unique_ptr<Job>, absl::Status>> finish_queue_
+      ABSL_GUARDED_BY(finish_mu_);
+  bool finish_stop_ ABSL_GUARDED_BY(finish_mu_) = false;
+  std::vector<std::thread> finishers_;
   absl::once_flag stop_once_;
 };
 

@@ -2,8 +2,9 @@
 // fewer batches than jobs, within max_batch_tokens; every done callback runs
 // exactly once; a full queue is RESOURCE_EXHAUSTED; pins are released.
 //
-// A fake Backend blocks inside its first batch until the test releases it, so
-// later jobs are known to be queued (no sleeps, no timing).
+// A fake Backend blocks in the Complete of its first batch (the device is
+// "running" it) until the test releases it, so later jobs are known to be
+// queued (no sleeps, no timing). Its pipeline depth is set per test.
 #include "server/core/scheduler.h"
 
 #include <atomic>
@@ -19,7 +20,7 @@
 namespace attnserve {
 namespace {
 
-// Records every call; the first RunBatch blocks until Release().
+// Records every call; the first Complete blocks until Release().
 class FakeBackend final : public Backend {
  public:
   FakeBackend() {
@@ -34,42 +35,75 @@ class FakeBackend final : public Backend {
   std::string Name() const override { return "fake"; }
   std::string Device() const override { return "fake"; }
   const KvGeometry& Geometry() const override { return geo_; }
+  int PipelineDepth() const override { return depth_; }
 
-  absl::Status RunBatch(absl::Span<const PrefillTask> tasks, BatchStats* stats) override {
+  absl::Status Submit(absl::Span<const PrefillTask> tasks, BatchStats*) override {
+    absl::MutexLock lock(&mu_);
+    EXPECT_LT(static_cast<int>(pending_.size()), depth_) << "more batches in flight than the depth";
+    std::vector<int32_t> ids, rows;
+    std::vector<std::pair<int32_t*, int32_t>> outputs;
+    for (const PrefillTask& t : tasks) {
+      ids.push_back(t.layer);  // the test's job id
+      rows.push_back(t.total_q);
+      outputs.push_back({static_cast<int32_t*>(t.o), t.layer});
+    }
+    batches_.push_back(ids);
+    batch_rows_.push_back(rows);
+    pending_.push_back(outputs);
+    ops_.push_back('P');
+    return absl::OkStatus();
+  }
+  absl::Status Complete(BatchStats* stats) override {
     bool first;
     {
       absl::MutexLock lock(&mu_);
       first = !blocked_once_;
       blocked_once_ = true;
-      std::vector<int32_t> ids, rows;
-      for (const PrefillTask& t : tasks) {
-        ids.push_back(t.layer);  // the test's job id
-        rows.push_back(t.total_q);
-      }
-      batches_.push_back(ids);
-      batch_rows_.push_back(rows);
-      ops_.push_back('P');
     }
     if (first && block_first_) {
       entered_.Notify();
       release_.WaitForNotification();
     }
+    absl::MutexLock lock(&mu_);
+    EXPECT_FALSE(pending_.empty()) << "Complete without a submitted batch";
+    if (pending_.empty()) return absl::InternalError("nothing submitted");
     // Each job's own output: its id, so that results cannot be swapped.
-    for (const PrefillTask& t : tasks) *static_cast<int32_t*>(t.o) = t.layer;
+    for (auto [o, id] : pending_.front()) *o = id;
+    pending_.erase(pending_.begin());
+    ++completed_;
     stats->attention_launches = 1;
     return status_;
   }
   absl::Status WriteKv(const KvRows&, BatchStats*) override {
     absl::MutexLock lock(&mu_);
+    EXPECT_TRUE(pending_.empty()) << "WriteKv while a batch is in flight";
     ops_.push_back('W');
     return absl::OkStatus();
   }
   absl::Status ReadKv(const KvRows&) override {
     absl::MutexLock lock(&mu_);
+    EXPECT_TRUE(pending_.empty()) << "ReadKv while a batch is in flight";
     ops_.push_back('R');
     return absl::OkStatus();
   }
 
+  void set_depth(int depth) { depth_ = depth; }
+  int submitted() const {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(batches_.size());
+  }
+  int completed() const {
+    absl::MutexLock lock(&mu_);
+    return completed_;
+  }
+  // Waits (at most `limit`) until `n` batches were submitted.
+  bool WaitSubmitted(int n, absl::Duration limit) const {
+    absl::MutexLock lock(&mu_);
+    auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return static_cast<int>(batches_.size()) >= n;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&reached), limit);
+  }
   void set_block_first(bool b) { block_first_ = b; }
   void set_status(absl::Status s) { status_ = s; }
   void WaitEntered() { entered_.WaitForNotification(); }
@@ -90,6 +124,7 @@ class FakeBackend final : public Backend {
  private:
   KvGeometry geo_;
   bool block_first_ = true;
+  int depth_ = 1;
   absl::Status status_;
   absl::Notification entered_, release_;
   mutable absl::Mutex mu_;
@@ -97,6 +132,8 @@ class FakeBackend final : public Backend {
   std::vector<std::vector<int32_t>> batches_ ABSL_GUARDED_BY(mu_);
   std::vector<std::vector<int32_t>> batch_rows_ ABSL_GUARDED_BY(mu_);
   std::string ops_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<std::pair<int32_t*, int32_t>>> pending_ ABSL_GUARDED_BY(mu_);
+  int completed_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Counts done callbacks per job id and lets the test wait for all of them.
@@ -115,6 +152,11 @@ class DoneLog {
     absl::MutexLock lock(&mu_);
     auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return total_ >= total; };
     mu_.Await(absl::Condition(&reached));
+  }
+  bool WaitFor(int total, absl::Duration limit) {
+    absl::MutexLock lock(&mu_);
+    auto reached = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return total_ >= total; };
+    return mu_.AwaitWithTimeout(absl::Condition(&reached), limit);
   }
   int calls(int id) {
     absl::MutexLock lock(&mu_);
@@ -334,6 +376,97 @@ TEST_F(SchedulerTest, PinsAreReleasedBeforeTheDoneCallback) {
   MustEnqueue(std::move(job));
   done.WaitForNotification();
   EXPECT_EQ(free_in_callback, 16);
+}
+
+// Pipelining (depth 2): while batch 0 runs, the next batch is submitted
+// once its oldest request reaches the delay ceiling, without waiting for
+// batch 0; a third waits for a free slot.
+TEST_F(SchedulerTest, NextBatchIsSubmittedWhileTheCurrentOneRuns) {
+  backend_.set_depth(2);
+  SchedulerOptions options;
+  options.max_queue_delay_us = 0;
+  Start(options);
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();  // batch 0 is "on the device"
+  MustEnqueue(Prefill(1, 1));
+  ASSERT_TRUE(backend_.WaitSubmitted(2, absl::Seconds(30)))
+      << "batch 1 was not submitted while batch 0 ran";
+  EXPECT_EQ(backend_.completed(), 0);
+  MustEnqueue(Prefill(2, 1));
+  MustEnqueue(Prefill(3, 1));
+  backend_.Release();
+  log_.WaitFor(4);
+  const std::vector<std::vector<int32_t>> want = {{0}, {1}, {2, 3}};
+  EXPECT_EQ(backend_.batches(), want);
+  for (int id = 0; id < 4; ++id) {
+    EXPECT_EQ(log_.calls(id), 1);
+    EXPECT_EQ(outputs_[id], id);
+  }
+}
+
+// The delay is a ceiling: a batch held while the device is busy goes when
+// its oldest request has waited max_queue_delay_us, even though the running
+// batch has not finished.
+TEST_F(SchedulerTest, HeldBatchGoesAtTheDelayCeiling) {
+  backend_.set_depth(2);
+  SchedulerOptions options;
+  options.max_queue_delay_us = 20000;
+  Start(options);
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();
+  MustEnqueue(Prefill(1, 1));
+  EXPECT_TRUE(backend_.WaitSubmitted(2, absl::Seconds(30)))
+      << "the held batch never went although its delay ceiling passed";
+  EXPECT_EQ(backend_.completed(), 0);
+  backend_.Release();
+  log_.WaitFor(2);
+}
+
+// Below the ceiling, requests that arrive while a batch runs gather into one
+// batch that goes when the running batch finishes.
+TEST_F(SchedulerTest, RequestsGatherWhileTheDeviceIsBusy) {
+  backend_.set_depth(2);
+  SchedulerOptions options;
+  options.max_queue_delay_us = int64_t{3600} * 1000 * 1000;  // an hour: never reached
+  Start(options);
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();
+  for (int id = 1; id <= 5; ++id) MustEnqueue(Prefill(id, 1));
+  backend_.Release();
+  log_.WaitFor(6);
+  const std::vector<std::vector<int32_t>> want = {{0}, {1, 2, 3, 4, 5}};
+  EXPECT_EQ(backend_.batches(), want);
+}
+
+// An idle device never waits: with an hour-long ceiling a lone request
+// still completes at once.
+TEST_F(SchedulerTest, LoneRequestOnAnIdleDeviceGoesAtOnce) {
+  backend_.set_depth(2);
+  backend_.set_block_first(false);
+  SchedulerOptions options;
+  options.max_queue_delay_us = int64_t{3600} * 1000 * 1000;
+  Start(options);
+  MustEnqueue(Prefill(0, 1));
+  EXPECT_TRUE(log_.WaitFor(1, absl::Seconds(30))) << "a lone request waited for the ceiling";
+  MustEnqueue(Prefill(1, 1));
+  EXPECT_TRUE(log_.WaitFor(2, absl::Seconds(30)));
+}
+
+// KV jobs run only when no batch is in flight (the fake backend fails the
+// test otherwise) and keep their queue order.
+TEST_F(SchedulerTest, KvJobsWaitForBatchesInFlight) {
+  backend_.set_depth(2);
+  SchedulerOptions options;
+  options.max_queue_delay_us = 0;
+  Start(options);
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();
+  MustEnqueue(KvJob(1, Job::Kind::kWriteKv));
+  MustEnqueue(Prefill(2, 1));
+  MustEnqueue(KvJob(3, Job::Kind::kReadKv));
+  backend_.Release();
+  log_.WaitFor(4);
+  EXPECT_EQ(backend_.ops(), "PWPR");
 }
 
 }  // namespace

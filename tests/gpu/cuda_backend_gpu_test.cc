@@ -1,6 +1,7 @@
 // CudaBackend through the Backend interface: WriteKv / ReadKv, RunBatch with
 // several tasks (layers, fused appends) against the float64 reference, launch
-// counts, split-KV on a long sequence, and clean failure without a device.
+// counts, split-KV on a long sequence, pipelined batches (Submit / Complete)
+// in submission order, and clean failure without a device.
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -224,6 +225,120 @@ TEST(CudaBackend, LongKvSplitsAndMergesOnce) {
   std::vector<double> o_ref, lse_ref;
   gpu_test::Reference(b, &o_ref, &lse_ref);
   EXPECT_EQ(gpu_test::Compare(b.geo.dtype, o, lse, o_ref, lse_ref), "");
+}
+
+// Two batches in flight: batch B's fused append overwrites KV that batch A
+// reads. A must see the old rows and B the new ones (the compute stream keeps
+// submission order), both against the float64 reference; a third Submit and
+// a ReadKv while batches are in flight are refused.
+TEST(CudaBackend, PipelinedBatchesKeepSubmissionOrder) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(321);
+  for (int round = 0; round < 6; ++round) {
+    KvGeometry geo;
+    geo.head_dim = 128;
+    geo.num_qo_heads = 32;
+    geo.num_kv_heads = 4;
+    geo.page_size = round % 2 ? 16 : 1;
+    geo.dtype = KvDType::kBf16;
+    geo.num_layers = 1;
+    geo.num_pages = 40000 / geo.page_size;
+    HostBatch pools;
+    pools.geo = geo;
+    gpu_test::MakePools(&pools, &rng);
+    auto made = MakeCudaBackend(Options(geo));
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::unique_ptr<Backend> backend = std::move(made).value();
+    ASSERT_EQ(backend->PipelineDepth(), 2);
+    std::vector<int64_t> slots(geo.SlotsPerLayer());
+    for (size_t i = 0; i < slots.size(); ++i) slots[i] = i;
+    KvRows rows;
+    rows.slots = slots.data();
+    rows.n = static_cast<int64_t>(slots.size());
+    rows.k = pools.k_pool.data();
+    rows.v = pools.v_pool.data();
+    ASSERT_TRUE(backend->WriteKv(rows, nullptr).ok());
+
+    // A: one long sequence (split and merged on some rounds) and a short one.
+    HostBatch a, b;
+    a.geo = b.geo = geo;
+    gpu_test::AddSeq(&a, 1 + rng() % 64, 20000 + rng() % 10000, 0, true, false,
+                     1 / std::sqrt(128.f), &rng);
+    gpu_test::AddSeq(&a, 1 + rng() % 300, 1000 + rng() % 2000, 0, rng() % 2, false,
+                     1 / std::sqrt(128.f), &rng);
+    gpu_test::FinishBatch(&a, 1.f, &rng);
+    // B reads the same pages as A's first sequence and appends over some of
+    // its slots.
+    b.seqs.push_back(a.seqs[0]);
+    b.seqs[0].q_start = 0;
+    b.seqs[0].kv_start = 0;
+    b.kv_indices.assign(a.kv_indices.begin(), a.kv_indices.begin() + (a.seqs[0].kv_len + geo.page_size - 1) / geo.page_size);
+    b.total_q = b.seqs[0].q_len;
+    gpu_test::FinishBatch(&b, 1.f, &rng);
+    std::vector<int64_t> app_slots;
+    for (int i = 0; i < 500; ++i) {
+      const int64_t pos = rng() % a.seqs[0].kv_len;
+      app_slots.push_back(int64_t{b.kv_indices[pos / geo.page_size]} * geo.page_size + pos % geo.page_size);
+    }
+    const int64_t re = geo.RowElems();
+    std::vector<uint16_t> app_k(app_slots.size() * re), app_v(app_slots.size() * re);
+    gpu_test::FillRandom(&app_k, geo.dtype, 1.f, &rng);
+    gpu_test::FillRandom(&app_v, geo.dtype, 1.f, &rng);
+
+    auto make_task = [&](HostBatch& h, std::vector<uint16_t>* o, std::vector<float>* lse) {
+      PrefillTask t;
+      t.q = h.q.data();
+      t.total_q = h.total_q;
+      t.seqs = h.seqs;
+      t.kv_indices = h.kv_indices.data();
+      t.num_kv_indices = static_cast<int32_t>(h.kv_indices.size());
+      o->assign(size_t(h.total_q) * geo.num_qo_heads * geo.head_dim, 0xFFFF);  // poison
+      lse->assign(size_t(h.total_q) * geo.num_qo_heads, NAN);
+      t.o = o->data();
+      t.lse = lse->data();
+      return t;
+    };
+    std::vector<uint16_t> o_a, o_b;
+    std::vector<float> lse_a, lse_b;
+    PrefillTask ta = make_task(a, &o_a, &lse_a);
+    PrefillTask tb = make_task(b, &o_b, &lse_b);
+    tb.append_slots = app_slots.data();
+    tb.num_append = static_cast<int64_t>(app_slots.size());
+    tb.append_k = app_k.data();
+    tb.append_v = app_v.data();
+
+    BatchStats sa, sb;
+    ASSERT_TRUE(backend->Submit({ta}, &sa).ok());
+    ASSERT_TRUE(backend->Submit({tb}, &sb).ok());
+    BatchStats sc;
+    EXPECT_EQ(backend->Submit({ta}, &sc).code(), absl::StatusCode::kFailedPrecondition);
+    std::vector<uint16_t> rk(re), rv(re);
+    KvRows rd;
+    rd.slots = app_slots.data();
+    rd.n = 1;
+    rd.k = rk.data();
+    rd.v = rv.data();
+    EXPECT_EQ(backend->ReadKv(rd).code(), absl::StatusCode::kFailedPrecondition);
+    ASSERT_TRUE(backend->Complete(&sa).ok());
+    ASSERT_TRUE(backend->Complete(&sb).ok());
+    EXPECT_EQ(sa.attention_launches, 1);
+    EXPECT_EQ(sb.append_launches, 1);
+    EXPECT_EQ(backend->Complete(&sc).code(), absl::StatusCode::kFailedPrecondition);
+
+    a.k_pool = pools.k_pool;
+    a.v_pool = pools.v_pool;
+    std::vector<double> o_ref, lse_ref;
+    gpu_test::Reference(a, &o_ref, &lse_ref);
+    EXPECT_EQ(gpu_test::Compare(geo.dtype, o_a, lse_a, o_ref, lse_ref), "") << "round " << round << " batch A";
+    b.k_pool = std::move(pools.k_pool);
+    b.v_pool = std::move(pools.v_pool);
+    for (size_t i = 0; i < app_slots.size(); ++i) {
+      std::memcpy(&b.k_pool[app_slots[i] * re], &app_k[i * re], re * 2);
+      std::memcpy(&b.v_pool[app_slots[i] * re], &app_v[i * re], re * 2);
+    }
+    gpu_test::Reference(b, &o_ref, &lse_ref);
+    EXPECT_EQ(gpu_test::Compare(geo.dtype, o_b, lse_b, o_ref, lse_ref), "") << "round " << round << " batch B";
+  }
 }
 
 }  // namespace
