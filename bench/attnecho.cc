@@ -9,12 +9,15 @@
 //   attnecho --listen=127.0.0.1:50061 --num_qo_heads=32 --head_dim=128 &
 //   attnbench --target=127.0.0.1:50061 --workload=decode --concurrency=16
 #include <atomic>
+#include <deque>
 #include <iostream>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -27,9 +30,49 @@ ABSL_FLAG(int32_t, num_kv_heads, 4, "KV heads");
 ABSL_FLAG(int32_t, head_dim, 128, "head dimension");
 ABSL_FLAG(std::string, kv_dtype, "bf16", "bf16 or fp16");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response in bytes");
+ABSL_FLAG(bool, respond_from_worker, false,
+          "answer Prefill from one worker thread, as attnserve's scheduler does, "
+          "instead of inside the RPC handler (measures that hand-off)");
 
 namespace attnserve {
 namespace {
+
+// One thread that finishes reactors handed to it, in order.
+class Responder {
+ public:
+  Responder() : thread_([this] { Loop(); }) {}
+  ~Responder() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+  void Push(grpc::ServerUnaryReactor* reactor) {
+    absl::MutexLock lock(&mu_);
+    queue_.push_back(reactor);
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      grpc::ServerUnaryReactor* reactor;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](Responder* r) { return r->stop_ || !r->queue_.empty(); }, this));
+        if (queue_.empty()) return;
+        reactor = queue_.front();
+        queue_.pop_front();
+      }
+      reactor->Finish(grpc::Status::OK);
+    }
+  }
+  absl::Mutex mu_;
+  std::deque<grpc::ServerUnaryReactor*> queue_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
 
 class EchoService final : public v1::AttentionService::CallbackService {
  public:
@@ -99,6 +142,11 @@ class EchoService final : public v1::AttentionService::CallbackService {
     lse->add_shape(absl::GetFlag(FLAGS_num_qo_heads));
     lse->mutable_data()->resize(rows * absl::GetFlag(FLAGS_num_qo_heads) * 4);
     response->set_incarnation(1);
+    if (responder_ != nullptr) {
+      grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+      responder_->Push(reactor);
+      return reactor;
+    }
     return Done(ctx);
   }
 
@@ -121,6 +169,8 @@ class EchoService final : public v1::AttentionService::CallbackService {
   }
 
   std::atomic<int64_t> next_page_{0};
+  std::unique_ptr<Responder> responder_ =
+      absl::GetFlag(FLAGS_respond_from_worker) ? std::make_unique<Responder>() : nullptr;
 };
 
 }  // namespace
