@@ -170,7 +170,7 @@ def main():
     # 64-sequence request alone, and many single-sequence clients batched.
     vkv = "--kv_len=256" if a.smoke else "--kv_len=4096"
     verify = []
-    for vname, vargs in (("verify_decode64", ["--batch=64", "--concurrency=1", "--requests=20"]),
+    for vname, vargs in (("verify_decode64", ["--batch=64", "--concurrency=1", "--requests=8"]),
                          ("verify_decode1_c16", ["--batch=1", "--concurrency=16", "--requests=400"])):
         res = bench(bin_dir, serve_addr, ["--workload=decode", vkv, "--verify"] + vargs,
                     os.path.join(a.out, f"{vname}.json"), os.path.join(a.out, f"{vname}.log"))
