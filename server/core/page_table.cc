@@ -74,13 +74,17 @@ absl::Status PageTable::PinOwned(absl::string_view tenant, absl::Span<const int3
                                  absl::string_view field) {
   absl::MutexLock lock(&mu_);
   const int32_t id = TenantId(tenant);
-  for (int32_t p : pages) {
+  // One pass (requests list thousands of pages); a page of another tenant
+  // undoes the pins taken so far.
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const int32_t p = pages[i];
     if (owner_[p] != id) {
+      for (size_t j = 0; j < i; ++j) --pins_[pages[j]];
       return absl::PermissionDeniedError(
           absl::StrCat(field, ": page ", p, " is not owned by this tenant"));
     }
+    ++pins_[p];
   }
-  for (int32_t p : pages) ++pins_[p];
   return absl::OkStatus();
 }
 
