@@ -9,6 +9,25 @@
 #include "server/grpc/status_mapping.h"
 
 namespace attnserve {
+namespace {
+
+// Pairs kept for reuse, and the most output-buffer capacity they may hold:
+// enough for 64 in-flight decode batches of 64 sequences, while a rare
+// 128 MiB prefill response is freed after use rather than kept.
+constexpr size_t kPooledPrefillMessages = 256;
+constexpr int64_t kPooledPrefillBytes = int64_t{256} << 20;
+
+}  // namespace
+
+AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth,
+                                           Metrics* metrics, bool access_log)
+    : core_(core),
+      auth_(auth),
+      metrics_(metrics),
+      access_log_(access_log),
+      prefill_messages_(kPooledPrefillMessages, kPooledPrefillBytes, ResetForReuse) {
+  SetMessageAllocatorFor_Prefill(&prefill_messages_);
+}
 
 // One RPC in flight: authenticates, and on Finish records the metrics and
 // finishes the reactor. Deletes itself when finished.

@@ -11,6 +11,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/core/attention_core.h"
 #include "server/grpc/auth.h"
+#include "server/grpc/message_pool.h"
 #include "server/metrics.h"
 
 namespace attnserve {
@@ -19,8 +20,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
  public:
   // access_log: one log line per finished RPC (method, tenant, code, time).
   AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth, Metrics* metrics,
-                       bool access_log)
-      : core_(core), auth_(auth), metrics_(metrics), access_log_(access_log) {}
+                       bool access_log);
 
   // New requests get UNAVAILABLE from now on (graceful drain).
   void StartDraining() { draining_ = true; }
@@ -61,6 +61,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> accepted_inflight_{0};
   std::atomic<int64_t> last_accepted_finish_ns_{0};
+  // Prefill responses are recycled with their output buffers (message_pool.h).
+  MessagePool<v1::PrefillRequest, v1::PrefillResponse> prefill_messages_;
 };
 
 }  // namespace attnserve

@@ -1,5 +1,7 @@
 #include "server/grpc/convert.h"
 
+#include <memory>
+
 namespace attnserve {
 namespace {
 
@@ -59,6 +61,22 @@ void ToCall(const v1::MergeStatesRequest& r, v1::MergeStatesResponse* response,
   c->lse_base = r.lse_base();
   c->out_v = response->mutable_v()->mutable_data();
   c->out_lse = response->mutable_lse()->mutable_data();
+}
+
+int64_t ResetForReuse(v1::PrefillRequest* request, v1::PrefillResponse* response) {
+  request->Clear();
+  std::unique_ptr<v1::Tensor> output(response->release_output());
+  std::unique_ptr<v1::Tensor> lse(response->release_lse());
+  response->Clear();
+  int64_t kept = 0;
+  for (v1::Tensor* t : {output.get(), lse.get()}) {
+    if (t == nullptr) continue;
+    t->Clear();  // keeps the data string's capacity
+    kept += static_cast<int64_t>(t->data().capacity());
+  }
+  if (output != nullptr) response->set_allocated_output(output.release());
+  if (lse != nullptr) response->set_allocated_lse(lse.release());
+  return kept;
 }
 
 void SetTensorHeader(v1::Tensor* t, v1::DType dtype, absl::Span<const int64_t> shape) {

@@ -16,6 +16,11 @@ void ToCall(const v1::ReadKVRequest& request, v1::ReadKVResponse* response, Read
 void ToCall(const v1::MergeStatesRequest& request, v1::MergeStatesResponse* response,
             MergeStatesCall* call);
 
+// Clears a Prefill request/response pair for the next call (MessagePool) but
+// keeps the response's output and lse tensors, and so their data capacity:
+// Clear() on the response would delete them. Returns the bytes kept.
+int64_t ResetForReuse(v1::PrefillRequest* request, v1::PrefillResponse* response);
+
 // Sets dtype and shape of an output tensor (its bytes are already there).
 void SetTensorHeader(v1::Tensor* t, v1::DType dtype, absl::Span<const int64_t> shape);
 
