@@ -6,7 +6,7 @@
 writes serving-latency-cdf.png (one curve per file, from its per-request
 latencies) and, when the files span more than one concurrency,
 serving-throughput.png (requests/s against concurrency, one line per
-workload and mode).
+backend, workload and mode; attnecho's results are the transport floor).
 """
 import argparse
 import json
@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def label(r):
     mode = f"rate {r['rate']:g}/s" if r["mode"] == "open" else f"c={r['concurrency']}"
-    return f"{r['workload']} b={r['batch']} {mode}"
+    return f"{r.get('backend', '?')}: {r['workload']} b={r['batch']} {mode}"
 
 
 def latency_cdf(results, path):
@@ -42,12 +42,13 @@ def latency_cdf(results, path):
 def throughput(results, path):
     series = defaultdict(list)
     for r in results:
-        series[(r["workload"], r["batch"], r["mode"])].append((r["concurrency"], r["requests_per_s"]))
+        key = (r.get("backend", "?"), r["workload"], r["batch"], r["mode"])
+        series[key].append((r["concurrency"], r["requests_per_s"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (workload, batch, mode), points in sorted(series.items()):
+    for (backend, workload, batch, mode), points in sorted(series.items()):
         points.sort()
         ax.plot([c for c, _ in points], [t for _, t in points], marker="o",
-                label=f"{workload} b={batch} {mode} loop")
+                label=f"{backend}: {workload} b={batch} {mode} loop")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency (clients)")
     ax.set_ylabel("requests/s")

@@ -34,7 +34,7 @@ ABSL_FLAG(int32_t, num_kv_heads, 4, "KV heads (must divide num_qo_heads)");
 ABSL_FLAG(int32_t, head_dim, 128, "head dimension (64, 128 or 256)");
 ABSL_FLAG(std::string, kv_dtype, "bf16", "bf16 or fp16");
 ABSL_FLAG(int32_t, max_batch_tokens, 16384, "query rows per batch (a larger request runs alone)");
-ABSL_FLAG(int64_t, max_queue_delay_us, 200,
+ABSL_FLAG(int64_t, max_queue_delay_us, 1000,
           "most microseconds a batch waits for more requests while the device is busy");
 ABSL_FLAG(int32_t, max_queue_requests, 4096, "queued requests before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response in bytes");

@@ -29,7 +29,7 @@ inline constexpr char kVersion[] = "0.1.0";
 
 struct CoreOptions {
   int32_t max_batch_tokens = 16384;
-  int64_t max_queue_delay_us = 200;
+  int64_t max_queue_delay_us = 1000;
   int32_t max_queue_requests = 4096;
   int32_t max_tenant_queue_requests = 0;  // 0: max_queue_requests
   int64_t max_message_bytes = 512ll << 20;

@@ -61,7 +61,7 @@ struct SchedulerOptions {
   int32_t max_batch_tokens = 16384;     // query rows per batch
   int64_t max_batch_kv_indices = 1 << 22;
   int64_t max_batch_append_rows = 65536;
-  int64_t max_queue_delay_us = 200;     // ceiling on holding a batch while the device is busy
+  int64_t max_queue_delay_us = 1000;    // ceiling on holding a batch while the device is busy
   int32_t max_queue_requests = 4096;    // queued jobs (all tenants) before RESOURCE_EXHAUSTED
   int32_t max_tenant_queue_requests = 0;  // queued jobs of one tenant; 0: max_queue_requests
 };
