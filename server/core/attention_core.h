@@ -6,8 +6,9 @@
 // the plain structs of server/core/requests.h.
 //
 // Asynchronous calls (Prefill, WriteKv, ReadKv, MergeStates) run `done`
-// exactly once: at once with the validation error, or from the scheduler's
-// worker when the backend has finished.
+// exactly once: at once with the validation error, or from one of the
+// scheduler's threads (completion, finisher or worker) when the backend has
+// finished.
 #pragma once
 
 #include <cstdint>

@@ -64,7 +64,7 @@ absl::Status CheckIndptr(absl::Span<const int32_t> indptr, absl::string_view fie
   return absl::OkStatus();
 }
 
-// Slots in [0, num_pages * page_size), distinct. Returns the distinct pages.
+// Slots in [0, num_pages * page_size), distinct. Returns the page of each slot.
 absl::StatusOr<std::vector<int32_t>> CheckSlots(absl::Span<const int64_t> slots,
                                                 absl::string_view field,
                                                 const KvGeometry& geo) {
