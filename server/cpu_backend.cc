@@ -1,5 +1,6 @@
 #include "server/cpu_backend.h"
 
+#include <algorithm>
 #include <new>
 #include <thread>
 
@@ -91,6 +92,19 @@ absl::Status CpuBackend::WriteKv(const KvRows& rows, BatchStats* stats) {
   Append(rows.layer, rows.slots, rows.n, rows.k, rows.v);
   stats->append_launches = 1;
   stats->append_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::ZeroPages(absl::Span<const int32_t> pages, BatchStats*) {
+  // Pool layout (layer, page, slot in page, KV head, dim).
+  const int64_t page_elems = int64_t{geo_.page_size} * geo_.RowElems();
+  for (int32_t layer = 0; layer < geo_.num_layers; ++layer) {
+    for (int32_t page : pages) {
+      const int64_t at = (int64_t{layer} * geo_.num_pages + page) * page_elems;
+      std::fill_n(k_pool_.begin() + at, page_elems, uint16_t{0});
+      std::fill_n(v_pool_.begin() + at, page_elems, uint16_t{0});
+    }
+  }
   return absl::OkStatus();
 }
 

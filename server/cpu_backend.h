@@ -24,6 +24,8 @@ class CpuBackend final : public Backend {
   absl::Status Complete(BatchStats* stats) override;
   absl::Status WriteKv(const KvRows& rows, BatchStats* stats) override;
   absl::Status ReadKv(const KvRows& rows) override;
+  // A memset of each page's rows in each layer.
+  absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) override;
 
  private:
   explicit CpuBackend(const KvGeometry& geometry) : geo_(geometry) {}

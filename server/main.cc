@@ -36,6 +36,9 @@ ABSL_FLAG(std::string, kv_dtype, "bf16", "bf16 or fp16");
 ABSL_FLAG(int32_t, max_batch_tokens, 16384, "query rows per batch (a larger request runs alone)");
 ABSL_FLAG(int64_t, max_queue_delay_us, 1000,
           "most microseconds a batch waits for more requests while the device is busy");
+ABSL_FLAG(bool, scrub_freed_pages, true,
+          "zero a freed page's KV before it can be allocated again (off only when every "
+          "client is trusted with every other's data)");
 ABSL_FLAG(int32_t, max_queue_requests, 4096, "queued requests before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response in bytes");
 ABSL_FLAG(int32_t, tenant_max_pages, 0, "most pages one tenant may hold (0: no cap)");
@@ -112,6 +115,7 @@ int Run() {
   CoreOptions core_options;
   core_options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   core_options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  core_options.scrub_freed_pages = absl::GetFlag(FLAGS_scrub_freed_pages);
   core_options.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
   core_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   core_options.tenant_max_pages = absl::GetFlag(FLAGS_tenant_max_pages);

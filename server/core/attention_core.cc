@@ -31,7 +31,7 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
       backend_(std::move(backend)),
       metrics_(metrics),
       incarnation_(MakeIncarnation()),
-      pages_(backend_->Geometry().num_pages, options.tenant_max_pages) {
+      pages_(backend_->Geometry().num_pages, options.tenant_max_pages, options.scrub_freed_pages) {
   limits_.max_message_bytes = options.max_message_bytes;
   limits_.max_request_rows = MaxRequestRows(options, backend_->Geometry());
   limits_.max_request_kv_indices = options.max_request_kv_indices;
@@ -86,11 +86,20 @@ absl::StatusOr<std::vector<int32_t>> AttentionCore::AllocatePages(const std::str
   return pages;
 }
 
-absl::Status AttentionCore::FreePages(const std::string& tenant,
-                                      absl::Span<const int32_t> page_ids) {
+void AttentionCore::FreePages(const std::string& tenant, absl::Span<const int32_t> page_ids,
+                              DoneCallback done) {
   absl::Status status = pages_.Free(tenant, page_ids);
   UpdatePageGauges();
-  return status;
+  if (!status.ok()) {
+    done(status);
+    return;
+  }
+  // A freed page still holds its owner's KV: it is zeroed before anyone can
+  // allocate it again.
+  scheduler_->ScrubReleased([this, done = std::move(done)](absl::Status) {
+    UpdatePageGauges();
+    done(absl::OkStatus());
+  });
 }
 
 template <typename CallT>

@@ -31,6 +31,7 @@ inline constexpr char kVersion[] = "0.1.0";
 struct CoreOptions {
   int32_t max_batch_tokens = 16384;
   int64_t max_queue_delay_us = 1000;
+  bool scrub_freed_pages = true;  // zero a freed page before it can be allocated again
   int32_t max_queue_requests = 4096;
   int32_t max_tenant_queue_requests = 0;  // 0: max_queue_requests
   int64_t max_message_bytes = 512ll << 20;
@@ -52,7 +53,11 @@ class AttentionCore {
   const KvGeometry& geometry() const { return backend_->Geometry(); }
 
   absl::StatusOr<std::vector<int32_t>> AllocatePages(const std::string& tenant, int32_t count);
-  absl::Status FreePages(const std::string& tenant, absl::Span<const int32_t> page_ids);
+  // Frees the pages (all or nothing). `done` runs once the ones not in use
+  // are zeroed and free again; pages still pinned by requests in flight are
+  // zeroed and freed when those finish. The ids must stay valid until then.
+  void FreePages(const std::string& tenant, absl::Span<const int32_t> page_ids,
+                 DoneCallback done);
 
   void Prefill(const PrefillCall& call, DoneCallback done);
   void WriteKv(const WriteKvCall& call, DoneCallback done);

@@ -5,8 +5,11 @@
 
 namespace attnserve {
 
-PageTable::PageTable(int32_t num_pages, int32_t tenant_max_pages)
-    : tenant_max_pages_(tenant_max_pages), owner_(num_pages, kFree), pins_(num_pages, 0) {
+PageTable::PageTable(int32_t num_pages, int32_t tenant_max_pages, bool scrub_freed)
+    : tenant_max_pages_(tenant_max_pages),
+      scrub_freed_(scrub_freed),
+      owner_(num_pages, kFree),
+      pins_(num_pages, 0) {
   free_list_.reserve(num_pages);
   for (int32_t p = num_pages - 1; p >= 0; --p) free_list_.push_back(p);
 }
@@ -62,8 +65,7 @@ absl::Status PageTable::Free(absl::string_view tenant, absl::Span<const int32_t>
     if (pins_[p] > 0) {
       owner_[p] = kReleasing;
     } else {
-      owner_[p] = kFree;
-      free_list_.push_back(p);
+      Release(p);
     }
   }
   tenant_pages_[id] -= static_cast<int32_t>(page_ids.size());
@@ -91,10 +93,33 @@ absl::Status PageTable::PinOwned(absl::string_view tenant, absl::Span<const int3
 void PageTable::Unpin(absl::Span<const int32_t> pages) {
   absl::MutexLock lock(&mu_);
   for (int32_t p : pages) {
-    if (--pins_[p] == 0 && owner_[p] == kReleasing) {
-      owner_[p] = kFree;
-      free_list_.push_back(p);
-    }
+    if (--pins_[p] == 0 && owner_[p] == kReleasing) Release(p);
+  }
+}
+
+void PageTable::Release(int32_t page) {
+  if (scrub_freed_) {
+    owner_[page] = kScrubbing;
+    released_.push_back(page);
+  } else {
+    owner_[page] = kFree;
+    free_list_.push_back(page);
+  }
+}
+
+std::vector<int32_t> PageTable::TakeReleased() {
+  absl::MutexLock lock(&mu_);
+  std::vector<int32_t> out;
+  out.swap(released_);
+  return out;
+}
+
+void PageTable::FinishScrub(absl::Span<const int32_t> pages) {
+  absl::MutexLock lock(&mu_);
+  for (int32_t p : pages) {
+    if (owner_[p] != kScrubbing) continue;  // not ours to free (a caller bug)
+    owner_[p] = kFree;
+    free_list_.push_back(p);
   }
 }
 

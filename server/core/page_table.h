@@ -30,7 +30,10 @@ namespace attnserve {
 class PageTable {
  public:
   // tenant_max_pages: most pages one tenant may hold; 0 means no cap.
-  PageTable(int32_t num_pages, int32_t tenant_max_pages);
+  // scrub_freed: a freed page (once unpinned) does not go back to the free
+  // list but waits in TakeReleased() until FinishScrub() says its KV rows
+  // were zeroed, so that no tenant can read what another left behind.
+  PageTable(int32_t num_pages, int32_t tenant_max_pages, bool scrub_freed = false);
 
   // Hands `count` free pages to `tenant`. RESOURCE_EXHAUSTED when too few are
   // free or the tenant's cap would be passed; nothing changes then.
@@ -48,6 +51,12 @@ class PageTable {
                         absl::string_view field);
   void Unpin(absl::Span<const int32_t> pages);
 
+  // With scrub_freed: the pages freed and unpinned since the last call; each
+  // is returned once and stays out of the free list until FinishScrub.
+  std::vector<int32_t> TakeReleased();
+  // Pages from TakeReleased whose KV rows are now zero: they become free.
+  void FinishScrub(absl::Span<const int32_t> pages);
+
   int32_t num_pages() const { return static_cast<int32_t>(owner_.size()); }
   int32_t FreeCount() const;
   int32_t TenantPages(absl::string_view tenant) const;
@@ -55,14 +64,20 @@ class PageTable {
  private:
   static constexpr int32_t kFree = -1;
   static constexpr int32_t kReleasing = -2;  // freed by its owner, still pinned
+  static constexpr int32_t kScrubbing = -3;  // freed and unpinned, not yet zeroed
+
+  // A freed, unpinned page: to the free list, or to released_ for scrubbing.
+  void Release(int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   int32_t TenantId(absl::string_view tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int32_t tenant_max_pages_;
+  const bool scrub_freed_;
   mutable absl::Mutex mu_;
-  std::vector<int32_t> owner_ ABSL_GUARDED_BY(mu_);  // tenant id, kFree or kReleasing
+  std::vector<int32_t> owner_ ABSL_GUARDED_BY(mu_);  // tenant id, kFree, kReleasing or kScrubbing
   std::vector<int32_t> pins_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);  // a stack
+  std::vector<int32_t> released_ ABSL_GUARDED_BY(mu_);   // awaiting TakeReleased
   absl::flat_hash_map<std::string, int32_t> tenant_ids_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> tenant_pages_ ABSL_GUARDED_BY(mu_);  // by tenant id
 };

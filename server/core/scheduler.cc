@@ -1,12 +1,24 @@
 #include "server/core/scheduler.h"
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "spdlog/spdlog.h"
 
 namespace attnserve {
+namespace {
+
+// The queue of the scheduler's own jobs (page scrubs); no tenant has an empty
+// name (auth maps tokens to non-empty tenants, no auth uses "default").
+constexpr char kInternalTenant[] = "";
+// Rows per layer one scrub job zeroes: bounds how long it holds the device.
+constexpr int64_t kScrubRowsPerJob = 16384;
+
+}  // namespace
 
 Scheduler::Scheduler(Backend* backend, PageTable* pages, Metrics* metrics,
                      SchedulerOptions options)
@@ -63,6 +75,58 @@ void Scheduler::Stop() {
     }
     for (std::thread& t : finishers_) t.join();
   });
+}
+
+void Scheduler::ScrubReleased(DoneCallback done) {
+  std::vector<int32_t> pages = pages_->TakeReleased();
+  if (pages.empty()) {
+    if (done) done(absl::OkStatus());
+    return;
+  }
+  const int64_t page_size = backend_->Geometry().page_size;
+  const size_t per_job = static_cast<size_t>(std::max<int64_t>(1, kScrubRowsPerJob / page_size));
+  std::vector<std::unique_ptr<Job>> jobs;
+  for (size_t begin = 0; begin < pages.size(); begin += per_job) {
+    auto job = std::make_unique<Job>();
+    job->kind = Job::Kind::kScrub;
+    job->tenant = kInternalTenant;
+    job->scrub.assign(pages.begin() + begin,
+                      pages.begin() + std::min(pages.size(), begin + per_job));
+    jobs.push_back(std::move(job));
+  }
+  // `done` runs when the last part finishes, whatever order they finish in.
+  auto remaining = std::make_shared<std::atomic<size_t>>(jobs.size());
+  auto shared_done = std::make_shared<DoneCallback>(std::move(done));
+  for (auto& job : jobs) {
+    job->done = [remaining, shared_done](absl::Status) {
+      if (remaining->fetch_sub(1) == 1 && *shared_done) (*shared_done)(absl::OkStatus());
+    };
+  }
+  std::vector<std::unique_ptr<Job>> refused;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = std::find_if(queues_.begin(), queues_.end(),
+                           [](const auto& q) { return q.first == kInternalTenant; });
+    if (it == queues_.end() && !stopping_) {
+      queues_.emplace_back(kInternalTenant, std::deque<std::unique_ptr<Job>>());
+      it = queues_.end() - 1;
+    }
+    for (auto& job : jobs) {
+      if (stopping_) {
+        refused.push_back(std::move(job));
+        continue;
+      }
+      // Internal work is never refused for queue limits: a page left
+      // unscrubbed would be lost to every tenant.
+      job->enqueued = absl::Now();
+      it->second.push_back(std::move(job));
+      ++queued_;
+    }
+  }
+  for (auto& job : refused) {
+    DoneCallback d = std::move(job->done);
+    d(absl::UnavailableError("server is shutting down"));
+  }
 }
 
 void Scheduler::SetFaultHandler(std::function<void(const absl::Status&)> handler) {
@@ -301,6 +365,19 @@ void Scheduler::RunJob(std::unique_ptr<Job> job) {
     case Job::Kind::kMerge:
       status = backend_->MergeStates(job->merge);
       break;
+    case Job::Kind::kScrub:
+      status = backend_->ZeroPages(job->scrub, &stats);
+      if (status.ok()) {
+        pages_->FinishScrub(job->scrub);
+        const int32_t free_pages = pages_->FreeCount();
+        metrics_->SetKvPages(free_pages, pages_->num_pages() - free_pages);
+      } else {
+        // The pages stay out of the free list: handing them out unzeroed
+        // would leak their previous owner's KV.
+        spdlog::error("zeroing {} freed pages failed, they stay unavailable: {}",
+                      job->scrub.size(), status.ToString());
+      }
+      break;
     case Job::Kind::kPrefill:
       status = absl::InternalError("a prefill job reached RunJob");
       break;
@@ -334,6 +411,7 @@ void Scheduler::ReportFault(const absl::Status& status) {
 void Scheduler::Finish(std::unique_ptr<Job> job, const absl::Status& status) {
   if (!job->pinned.empty()) {
     pages_->Unpin(job->pinned);  // may release pages freed while in flight
+    ScrubReleased(nullptr);
     const int32_t free_pages = pages_->FreeCount();
     metrics_->SetKvPages(free_pages, pages_->num_pages() - free_pages);
   }

@@ -42,7 +42,7 @@
 namespace attnserve {
 
 struct Job {
-  enum class Kind { kPrefill, kWriteKv, kReadKv, kMerge };
+  enum class Kind { kPrefill, kWriteKv, kReadKv, kMerge, kScrub };
   Kind kind = Kind::kPrefill;
   PrefillTask task;                    // kPrefill
   KvRows rows;                         // kWriteKv, kReadKv
@@ -50,6 +50,7 @@ struct Job {
   std::vector<const void*> merge_v;
   std::vector<const float*> merge_lse;
   std::vector<int32_t> pinned;         // pages unpinned when the job finishes
+  std::vector<int32_t> scrub;          // kScrub: released pages to zero, then free
   std::string tenant;                  // fairness key
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> is_cancelled;  // may be empty
@@ -78,6 +79,15 @@ class Scheduler {
 
   // Refuses new jobs, finishes every queued one, joins the worker.
   void Stop();
+
+  // Queues the zeroing of every page the page table has released (freed and
+  // unpinned) since the last call; each page rejoins the free list once its
+  // KV rows are zero in every layer. The work goes in jobs of a bounded size
+  // on an internal queue that takes its round-robin turn with the tenants,
+  // so a large free cannot stall everyone else. `done` (may be null) runs
+  // once all of it has finished, OK also when there was nothing to do or the
+  // scheduler is stopping (the pages then stay out of the free list).
+  void ScrubReleased(DoneCallback done);
 
   // Called (from the worker) when the backend fails with INTERNAL, UNKNOWN or
   // DATA_LOSS: the device may be unusable and health should say so.

@@ -166,9 +166,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerCo
     call->Finish(call->status());
     return reactor;
   }
-  call->Finish(core_->FreePages(
-      call->tenant(), absl::MakeConstSpan(request->page_ids().data(),
-                                          static_cast<size_t>(request->page_ids_size()))));
+  core_->FreePages(call->tenant(),
+                   absl::MakeConstSpan(request->page_ids().data(),
+                                       static_cast<size_t>(request->page_ids_size())),
+                   [call](absl::Status status) { call->Finish(status); });
   return reactor;
 }
 

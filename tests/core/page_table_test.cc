@@ -177,6 +177,37 @@ TEST(PageTableTest, RepeatedPagesInOneListArePinnedPerOccurrence) {
   EXPECT_EQ(pages.FreeCount(), 3) << "a refused PinOwned left a pin behind";
 }
 
+// With scrub_freed, a freed page is handed out again only after FinishScrub:
+// freed unpinned pages at once, pinned ones when their last pin goes, each
+// returned by TakeReleased exactly once.
+TEST(PageTableTest, ScrubbedTableFreesPagesOnlyAfterFinishScrub) {
+  PageTable pages(4, 0, /*scrub_freed=*/true);
+  auto a = pages.Allocate("alice", 4);
+  ASSERT_TRUE(a.ok());
+  const int32_t pinned = (*a)[3];
+  ASSERT_TRUE(pages.PinOwned("alice", {pinned}, "kv_indices").ok());
+  ASSERT_TRUE(pages.Free("alice", *a).ok());
+  EXPECT_EQ(pages.FreeCount(), 0) << "freed pages are free before they are zeroed";
+  EXPECT_EQ(pages.Allocate("bob", 1).status().code(), absl::StatusCode::kResourceExhausted);
+  std::vector<int32_t> released = pages.TakeReleased();
+  EXPECT_EQ(AsSet(released), (std::set<int32_t>{(*a)[0], (*a)[1], (*a)[2]}));
+  EXPECT_TRUE(pages.TakeReleased().empty()) << "a released page was returned twice";
+  pages.FinishScrub(released);
+  EXPECT_EQ(pages.FreeCount(), 3);
+  // The pinned page follows when its pin goes.
+  pages.Unpin({pinned});
+  EXPECT_EQ(pages.FreeCount(), 3);
+  EXPECT_EQ(pages.TakeReleased(), std::vector<int32_t>{pinned});
+  // FinishScrub of a page that is not being scrubbed changes nothing.
+  pages.FinishScrub({(*a)[0]});
+  EXPECT_EQ(pages.FreeCount(), 3);
+  pages.FinishScrub({pinned});
+  EXPECT_EQ(pages.FreeCount(), 4);
+  auto b = pages.Allocate("bob", 4);
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(AsSet(*b).count(pinned), 1u);
+}
+
 TEST(PageTableTest, UnpinOfAnOwnedPageKeepsItOwned) {
   PageTable pages(4, 0);
   auto a = pages.Allocate("alice", 1);

@@ -7,8 +7,11 @@
 // queued (no sleeps, no timing). Its pipeline depth is set per test.
 #include "server/core/scheduler.h"
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
+#include <set>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -74,12 +77,33 @@ class FakeBackend final : public Backend {
     stats->attention_launches = 1;
     return status_;
   }
-  absl::Status WriteKv(const KvRows&, BatchStats*) override {
+  absl::Status WriteKv(const KvRows& rows, BatchStats*) override {
     absl::MutexLock lock(&mu_);
     EXPECT_TRUE(pending_.empty()) << "WriteKv while a batch is in flight";
     ops_.push_back('W');
+    // Rows written, as (layer, slot) with whether both K and V were zero.
+    const int64_t row_bytes = geo_.RowElems() * 2;
+    for (int64_t i = 0; i < rows.n; ++i) {
+      bool zero = true;
+      for (const void* src : {static_cast<const void*>(rows.k), static_cast<const void*>(rows.v)}) {
+        if (src == nullptr) continue;
+        const auto* b = static_cast<const uint8_t*>(src) + i * row_bytes;
+        zero = zero && std::all_of(b, b + row_bytes, [](uint8_t x) { return x == 0; });
+      }
+      written_.push_back({rows.layer, rows.slots[i], zero});
+    }
     return absl::OkStatus();
   }
+  struct Written {
+    int32_t layer;
+    int64_t slot;
+    bool zero;
+  };
+  std::vector<Written> written() const {
+    absl::MutexLock lock(&mu_);
+    return written_;
+  }
+  KvGeometry& mutable_geometry() { return geo_; }
   absl::Status ReadKv(const KvRows&) override {
     absl::MutexLock lock(&mu_);
     EXPECT_TRUE(pending_.empty()) << "ReadKv while a batch is in flight";
@@ -134,6 +158,7 @@ class FakeBackend final : public Backend {
   std::string ops_ ABSL_GUARDED_BY(mu_);
   std::vector<std::vector<std::pair<int32_t*, int32_t>>> pending_ ABSL_GUARDED_BY(mu_);
   int completed_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<Written> written_ ABSL_GUARDED_BY(mu_);
 };
 
 // Counts done callbacks per job id and lets the test wait for all of them.
@@ -467,6 +492,66 @@ TEST_F(SchedulerTest, KvJobsWaitForBatchesInFlight) {
   backend_.Release();
   log_.WaitFor(4);
   EXPECT_EQ(backend_.ops(), "PWPR");
+}
+
+// Freed pages are zeroed through the backend (every slot of every layer,
+// from zero rows) before they rejoin the free list; the done callback runs
+// once all of it is finished, and pages freed while pinned follow when the
+// request holding them finishes.
+TEST(SchedulerScrubTest, ReleasedPagesAreZeroedInEveryLayerThenFreed) {
+  FakeBackend backend;
+  backend.set_block_first(false);
+  KvGeometry& g = backend.mutable_geometry();
+  g.num_layers = 3;
+  g.num_pages = 2000;
+  g.page_size = 16;  // 2000 pages x 16 rows: several scrub jobs and WriteKv calls
+  PageTable pages(g.num_pages, 0, /*scrub_freed=*/true);
+  Metrics metrics;
+  Scheduler scheduler(&backend, &pages, &metrics, SchedulerOptions{});
+
+  auto mine = pages.Allocate("alice", g.num_pages);
+  ASSERT_TRUE(mine.ok());
+  const int32_t held = (*mine)[5];
+  ASSERT_TRUE(pages.PinOwned("alice", {held}, "kv_indices").ok());
+  ASSERT_TRUE(pages.Free("alice", *mine).ok());
+  EXPECT_EQ(pages.FreeCount(), 0);
+  absl::Notification scrubbed;
+  scheduler.ScrubReleased([&](absl::Status s) {
+    EXPECT_TRUE(s.ok()) << s;
+    scrubbed.Notify();
+  });
+  ASSERT_TRUE(scrubbed.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_EQ(pages.FreeCount(), g.num_pages - 1) << "the pinned page was freed, or others were not";
+  {
+    std::set<std::pair<int32_t, int64_t>> rows;
+    for (const auto& w : backend.written()) {
+      EXPECT_TRUE(w.zero) << "scrub wrote a non-zero row";
+      rows.insert({w.layer, w.slot});
+    }
+    EXPECT_EQ(static_cast<int64_t>(rows.size()), int64_t{g.num_layers} * (g.num_pages - 1) * g.page_size);
+    for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+      for (int64_t j = 0; j < g.page_size; ++j) {
+        EXPECT_EQ(rows.count({layer, int64_t{held} * g.page_size + j}), 0u) << "the pinned page was zeroed";
+        EXPECT_EQ(rows.count({layer, int64_t{(*mine)[0]} * g.page_size + j}), 1u);
+      }
+    }
+  }
+  // The request holding the last page finishes: that page is zeroed and freed.
+  absl::Notification done;
+  auto job = std::make_unique<Job>();
+  job->kind = Job::Kind::kPrefill;
+  int32_t out = 0;
+  job->task.o = &out;
+  job->pinned = {held};
+  job->tenant = "alice";
+  job->done = [&](absl::Status) { done.Notify(); };
+  ASSERT_TRUE(scheduler.Enqueue(job).ok());
+  done.WaitForNotification();
+  scheduler.Stop();  // runs every queued job first, the page's scrub included
+  EXPECT_EQ(pages.FreeCount(), g.num_pages);
+  int held_rows = 0;
+  for (const auto& w : backend.written()) held_rows += w.slot / g.page_size == held;
+  EXPECT_EQ(held_rows, g.num_layers * g.page_size);
 }
 
 }  // namespace

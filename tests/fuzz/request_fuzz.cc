@@ -163,10 +163,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       v1::FreePagesRequest req;
       if (!req.ParseFromArray(body, body_size)) return 0;
       auto given = h.core->AllocatePages("a", req.page_ids_size() % 4 + 1);
+      const auto ids = absl::MakeConstSpan(req.page_ids().data(),
+                                           static_cast<size_t>(req.page_ids_size()));
       Report("FreePages",
-             h.core->FreePages("a", absl::MakeConstSpan(req.page_ids().data(),
-                                                        static_cast<size_t>(req.page_ids_size()))));
-      if (given.ok()) (void)h.core->FreePages("a", *given);
+             h.Wait([&](DoneCallback done) { h.core->FreePages("a", ids, std::move(done)); }));
+      if (given.ok()) {
+        (void)h.Wait([&](DoneCallback done) { h.core->FreePages("a", *given, std::move(done)); });
+      }
       break;
     }
   }

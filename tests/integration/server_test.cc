@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <set>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -1194,6 +1195,44 @@ TEST_P(AuthServerTest, EveryMalformedRequestGetsItsCodeAndChangesNothing) {
   EXPECT_TRUE(Send(Who::kAlice, free_req).ok());
   // Bob's data is still his, exactly.
   EXPECT_TRUE(Read(*bob_, geo_, *bob_pages) == bob_before);
+}
+
+// A freed page is zeroed before another tenant can get it: alice fills pages
+// with KV and frees them, bob then allocates every free page and reads only
+// zeros from hers.
+TEST_P(AuthServerTest, FreedPagesAreZeroedBeforeAnotherTenantGetsThem) {
+  std::mt19937_64 gen(GetParam() + 7);
+  auto info = alice_->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  const int32_t free_before = info->free_pages();
+  auto mine = alice_->AllocatePages(8);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  const std::vector<int64_t> slots = SlotsOf(geo_, *mine);
+  const int64_t n = static_cast<int64_t>(slots.size());
+  for (int32_t layer = 0; layer < geo_.num_layers; ++layer) {
+    const auto k = RandomHalves(gen, geo_.dtype, n * geo_.RowElems());
+    const auto v = RandomHalves(gen, geo_.dtype, n * geo_.RowElems());
+    ASSERT_TRUE(alice_->WriteKV(layer, slots, k, v).ok());
+  }
+  ASSERT_TRUE(alice_->FreePages(*mine).ok());
+  // Once FreePages has answered, the pages are free again (and zero).
+  info = alice_->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->free_pages(), free_before);
+
+  auto all = bob_->AllocatePages(info->free_pages());
+  ASSERT_TRUE(all.ok()) << all.status();
+  const std::set<int32_t> got(all->begin(), all->end());
+  for (int32_t p : *mine) ASSERT_EQ(got.count(p), 1u) << "page " << p << " not handed out";
+  const Snapshot seen = Read(*bob_, geo_, *mine);
+  ASSERT_EQ(static_cast<int32_t>(seen.layers.size()), geo_.num_layers);
+  for (const KvData& layer : seen.layers) {
+    EXPECT_TRUE(std::all_of(layer.k.begin(), layer.k.end(), [](uint16_t x) { return x == 0; }))
+        << "bob read alice's K rows";
+    EXPECT_TRUE(std::all_of(layer.v.begin(), layer.v.end(), [](uint16_t x) { return x == 0; }))
+        << "bob read alice's V rows";
+  }
+  ASSERT_TRUE(bob_->FreePages(*all).ok());
 }
 
 TEST_P(AuthServerTest, HealthNeedsNoTokenButTheServiceDoes) {
