@@ -169,7 +169,6 @@ class CudaBackend final : public Backend {
     int64_t off_lse = 0;
     int64_t total_q = 0;
     bool appended = false, attended = false, merged = false;
-    absl::Time submitted;
   };
   static constexpr int kSlots = 2;
   enum { kAppendBegin, kAppendEnd, kAttnBegin, kAttnEnd, kMergeBegin, kMergeEnd, kUploaded,

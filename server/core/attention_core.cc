@@ -96,10 +96,8 @@ void AttentionCore::FreePages(const std::string& tenant, absl::Span<const int32_
   }
   // A freed page still holds its owner's KV: it is zeroed before anyone can
   // allocate it again.
-  scheduler_->ScrubReleased([this, done = std::move(done)](absl::Status) {
-    UpdatePageGauges();
-    done(absl::OkStatus());
-  });
+  // The scheduler updates the page gauges as each part is zeroed.
+  scheduler_->ScrubReleased(std::move(done));
 }
 
 template <typename CallT>
@@ -116,7 +114,8 @@ void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
   job->pinned = std::move(pages);
   status = scheduler_->Enqueue(job);
   if (!status.ok()) {  // the job stayed with us
-    pages_.Unpin(job->pinned);
+    // A page its owner freed meanwhile is released by this unpin.
+    if (pages_.Unpin(job->pinned)) scheduler_->ScrubReleased(nullptr);
     job->done(status);
   }
 }

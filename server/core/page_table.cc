@@ -90,11 +90,16 @@ absl::Status PageTable::PinOwned(absl::string_view tenant, absl::Span<const int3
   return absl::OkStatus();
 }
 
-void PageTable::Unpin(absl::Span<const int32_t> pages) {
+bool PageTable::Unpin(absl::Span<const int32_t> pages) {
   absl::MutexLock lock(&mu_);
+  bool released = false;
   for (int32_t p : pages) {
-    if (--pins_[p] == 0 && owner_[p] == kReleasing) Release(p);
+    if (--pins_[p] == 0 && owner_[p] == kReleasing) {
+      Release(p);
+      released = true;
+    }
   }
+  return released && scrub_freed_;
 }
 
 void PageTable::Release(int32_t page) {

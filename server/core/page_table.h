@@ -49,7 +49,9 @@ class PageTable {
   // list releases them.
   absl::Status PinOwned(absl::string_view tenant, absl::Span<const int32_t> pages,
                         absl::string_view field);
-  void Unpin(absl::Span<const int32_t> pages);
+  // True when a page freed while pinned was released for scrubbing (then
+  // TakeReleased has work).
+  bool Unpin(absl::Span<const int32_t> pages);
 
   // With scrub_freed: the pages freed and unpinned since the last call; each
   // is returned once and stays out of the free list until FinishScrub.

@@ -39,25 +39,32 @@ absl::Status Scheduler::Enqueue(std::unique_ptr<Job>& job) {
         "queue full: ", queued_, " requests queued, max_queue_requests=",
         options_.max_queue_requests));
   }
-  auto it = std::find_if(queues_.begin(), queues_.end(),
-                         [&](const auto& q) { return q.first == job->tenant; });
-  if (it == queues_.end()) {
-    queues_.emplace_back(job->tenant, std::deque<std::unique_ptr<Job>>());
-    it = queues_.end() - 1;
-  }
+  std::deque<std::unique_ptr<Job>>& queue = QueueOf(job->tenant);
   const int64_t tenant_cap = options_.max_tenant_queue_requests > 0
                                  ? options_.max_tenant_queue_requests
                                  : options_.max_queue_requests;
-  if (static_cast<int64_t>(it->second.size()) >= tenant_cap) {
+  if (static_cast<int64_t>(queue.size()) >= tenant_cap) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "queue full for this tenant: ", it->second.size(),
+        "queue full for this tenant: ", queue.size(),
         " requests queued, max_tenant_queue_requests=", tenant_cap));
   }
+  Push(queue, std::move(job));
+  return absl::OkStatus();
+}
+
+std::deque<std::unique_ptr<Job>>& Scheduler::QueueOf(const std::string& tenant) {
+  auto it = std::find_if(queues_.begin(), queues_.end(),
+                         [&](const auto& q) { return q.first == tenant; });
+  if (it != queues_.end()) return it->second;
+  queues_.emplace_back(tenant, std::deque<std::unique_ptr<Job>>());
+  return queues_.back().second;
+}
+
+void Scheduler::Push(std::deque<std::unique_ptr<Job>>& queue, std::unique_ptr<Job> job) {
   job->enqueued = absl::Now();
   if (job->kind == Job::Kind::kPrefill) queued_prefill_rows_ += job->task.total_q;
-  it->second.push_back(std::move(job));
+  queue.push_back(std::move(job));
   ++queued_;
-  return absl::OkStatus();
 }
 
 void Scheduler::Stop() {
@@ -102,31 +109,17 @@ void Scheduler::ScrubReleased(DoneCallback done) {
       if (remaining->fetch_sub(1) == 1 && *shared_done) (*shared_done)(absl::OkStatus());
     };
   }
-  std::vector<std::unique_ptr<Job>> refused;
   {
     absl::MutexLock lock(&mu_);
-    auto it = std::find_if(queues_.begin(), queues_.end(),
-                           [](const auto& q) { return q.first == kInternalTenant; });
-    if (it == queues_.end() && !stopping_) {
-      queues_.emplace_back(kInternalTenant, std::deque<std::unique_ptr<Job>>());
-      it = queues_.end() - 1;
-    }
-    for (auto& job : jobs) {
-      if (stopping_) {
-        refused.push_back(std::move(job));
-        continue;
-      }
+    if (!stopping_) {
       // Internal work is never refused for queue limits: a page left
       // unscrubbed would be lost to every tenant.
-      job->enqueued = absl::Now();
-      it->second.push_back(std::move(job));
-      ++queued_;
+      std::deque<std::unique_ptr<Job>>& queue = QueueOf(kInternalTenant);
+      for (auto& job : jobs) Push(queue, std::move(job));
+      return;
     }
   }
-  for (auto& job : refused) {
-    DoneCallback d = std::move(job->done);
-    d(absl::UnavailableError("server is shutting down"));
-  }
+  for (auto& job : jobs) job->done(absl::UnavailableError("server is shutting down"));
 }
 
 void Scheduler::SetFaultHandler(std::function<void(const absl::Status&)> handler) {
@@ -410,8 +403,8 @@ void Scheduler::ReportFault(const absl::Status& status) {
 
 void Scheduler::Finish(std::unique_ptr<Job> job, const absl::Status& status) {
   if (!job->pinned.empty()) {
-    pages_->Unpin(job->pinned);  // may release pages freed while in flight
-    ScrubReleased(nullptr);
+    // Pages freed while this job was in flight are released now.
+    if (pages_->Unpin(job->pinned)) ScrubReleased(nullptr);
     const int32_t free_pages = pages_->FreeCount();
     metrics_->SetKvPages(free_pages, pages_->num_pages() - free_pages);
   }

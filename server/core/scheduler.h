@@ -122,6 +122,12 @@ class Scheduler {
                  std::vector<std::unique_ptr<Job>>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::unique_ptr<Job> PopFront(std::deque<std::unique_ptr<Job>>& queue)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The tenant's queue, created empty on first use.
+  std::deque<std::unique_ptr<Job>>& QueueOf(const std::string& tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Appends a job to a queue and counts it (no limits checked).
+  void Push(std::deque<std::unique_ptr<Job>>& queue, std::unique_ptr<Job> job)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SubmitBatch(std::vector<std::unique_ptr<Job>>& work);
   void RunJob(std::unique_ptr<Job> job);
   void ObserveStats(const BatchStats& stats);

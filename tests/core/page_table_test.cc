@@ -194,8 +194,8 @@ TEST(PageTableTest, ScrubbedTableFreesPagesOnlyAfterFinishScrub) {
   EXPECT_TRUE(pages.TakeReleased().empty()) << "a released page was returned twice";
   pages.FinishScrub(released);
   EXPECT_EQ(pages.FreeCount(), 3);
-  // The pinned page follows when its pin goes.
-  pages.Unpin({pinned});
+  // The pinned page follows when its pin goes, and Unpin says so.
+  EXPECT_TRUE(pages.Unpin({pinned}));
   EXPECT_EQ(pages.FreeCount(), 3);
   EXPECT_EQ(pages.TakeReleased(), std::vector<int32_t>{pinned});
   // FinishScrub of a page that is not being scrubbed changes nothing.

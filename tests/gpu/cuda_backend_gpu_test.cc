@@ -29,6 +29,25 @@ BackendOptions Options(const KvGeometry& g) {
   return o;
 }
 
+// Writes the host pools of `b` into the backend's pools, one WriteKv per
+// layer (more rows than max_batch_append_rows, so WriteKv chunks them).
+absl::Status UploadPools(Backend& backend, HostBatch& b, BatchStats* stats) {
+  const int64_t spl = b.geo.SlotsPerLayer();
+  const int64_t re = b.geo.RowElems();
+  std::vector<int64_t> slots(spl);
+  for (int64_t i = 0; i < spl; ++i) slots[i] = i;
+  for (int layer = 0; layer < b.geo.num_layers; ++layer) {
+    KvRows rows;
+    rows.layer = layer;
+    rows.slots = slots.data();
+    rows.n = spl;
+    rows.k = b.k_pool.data() + layer * spl * re;
+    rows.v = b.v_pool.data() + layer * spl * re;
+    if (absl::Status st = backend.WriteKv(rows, stats); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
 TEST(CudaBackend, FailsCleanlyWithoutDevice) {
   if (gpu_test::DeviceCount() > 0) {
     // With a device: an impossible pool must fail with a status, not crash.
@@ -77,22 +96,11 @@ TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
     std::unique_ptr<Backend> backend = std::move(made).value();
     EXPECT_EQ(backend->Name(), "cuda");
 
-    // Fill the device pools with the host pools through WriteKv, one layer
-    // at a time (exercises chunking: more rows than max_batch_append_rows).
+    // Fill the device pools with the host pools through WriteKv.
     const int64_t spl = b.geo.SlotsPerLayer();
     const int64_t re = b.geo.RowElems();
-    std::vector<int64_t> slots(spl);
-    for (int64_t i = 0; i < spl; ++i) slots[i] = i;
     BatchStats wstats;
-    for (int layer = 0; layer < b.geo.num_layers; ++layer) {
-      KvRows rows;
-      rows.layer = layer;
-      rows.slots = slots.data();
-      rows.n = spl;
-      rows.k = b.k_pool.data() + layer * spl * re;
-      rows.v = b.v_pool.data() + layer * spl * re;
-      ASSERT_TRUE(backend->WriteKv(rows, &wstats).ok());
-    }
+    ASSERT_TRUE(UploadPools(*backend, b, &wstats).ok());
     EXPECT_GT(wstats.append_launches, 0);
 
     // Tasks: each its own request (layer, seqs, indices), plus a fused append
@@ -197,14 +205,7 @@ TEST(CudaBackend, LongKvSplitsAndMergesOnce) {
   auto made = MakeCudaBackend(Options(b.geo));
   ASSERT_TRUE(made.ok()) << made.status();
   std::unique_ptr<Backend> backend = std::move(made).value();
-  std::vector<int64_t> slots(b.geo.SlotsPerLayer());
-  for (size_t i = 0; i < slots.size(); ++i) slots[i] = i;
-  KvRows rows;
-  rows.slots = slots.data();
-  rows.n = static_cast<int64_t>(slots.size());
-  rows.k = b.k_pool.data();
-  rows.v = b.v_pool.data();
-  ASSERT_TRUE(backend->WriteKv(rows, nullptr).ok());
+  ASSERT_TRUE(UploadPools(*backend, b, nullptr).ok());
   gpu_test::AddSeq(&b, 4, 69000, 0, true, false, 1 / std::sqrt(128.f), &rng);
   gpu_test::FinishBatch(&b, 1.f, &rng);
   PrefillTask task;
@@ -250,14 +251,7 @@ TEST(CudaBackend, PipelinedBatchesKeepSubmissionOrder) {
     ASSERT_TRUE(made.ok()) << made.status();
     std::unique_ptr<Backend> backend = std::move(made).value();
     ASSERT_EQ(backend->PipelineDepth(), 2);
-    std::vector<int64_t> slots(geo.SlotsPerLayer());
-    for (size_t i = 0; i < slots.size(); ++i) slots[i] = i;
-    KvRows rows;
-    rows.slots = slots.data();
-    rows.n = static_cast<int64_t>(slots.size());
-    rows.k = pools.k_pool.data();
-    rows.v = pools.v_pool.data();
-    ASSERT_TRUE(backend->WriteKv(rows, nullptr).ok());
+    ASSERT_TRUE(UploadPools(*backend, pools, nullptr).ok());
 
     // A: one long sequence (split and merged on some rounds) and a short one.
     HostBatch a, b;
