@@ -29,6 +29,7 @@
 #include "kernels/common.h"
 #include "kernels/merge_states.h"
 #include "kernels/paged_prefill.h"
+#include "server/host_buffer.h"
 
 namespace attnserve {
 
@@ -48,9 +49,12 @@ struct PrefillTask {
   int64_t num_append = 0;
   const void* append_k = nullptr;         // (num_append, num_kv_heads, head_dim)
   const void* append_v = nullptr;         // (num_append, num_kv_heads, head_dim)
-  // Outputs.
+  // Outputs. Every byte of both is written when the batch completes.
   void* o = nullptr;                      // (total_q, num_qo_heads, head_dim)
   float* lse = nullptr;                   // (total_q, num_qo_heads)
+  // o and lse lie in a pinned buffer from this backend's AllocateOutput: the
+  // device may copy into them directly instead of through staging.
+  bool out_pinned = false;
 };
 
 // What one batch cost, for metrics. Kernel durations in seconds: device time
@@ -84,6 +88,11 @@ class Backend {
   virtual std::string Name() const = 0;    // "cpu" or "cuda"
   virtual std::string Device() const = 0;  // human-readable device name
   virtual const KvGeometry& Geometry() const = 0;
+
+  // Host memory for one request's outputs (o then lse, as the core lays them
+  // out). Called from any thread. Default: the heap. An empty buffer means
+  // the memory is not there.
+  virtual HostBuffer AllocateOutput(int64_t bytes) { return HeapBuffer(bytes); }
 
   // Batches that may be submitted and not yet completed (at least 1).
   virtual int PipelineDepth() const { return 1; }

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -108,6 +109,14 @@ class CudaBackend final : public Backend {
   std::string Device() const override { return device_name_; }
   const KvGeometry& Geometry() const override { return geo_; }
 
+  // Outputs of at least kDirectOutputBytes get a pinned buffer the download
+  // lands in (no unpack copy); smaller ones cost less to unpack from staging
+  // than to download one by one, and come from the heap.
+  HostBuffer AllocateOutput(int64_t bytes) override {
+    if (bytes >= kDirectOutputBytes && output_pool_ != nullptr) return output_pool_->Get(bytes);
+    return HeapBuffer(bytes);
+  }
+
   int PipelineDepth() const override { return kSlots; }
   absl::Status Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) override;
   absl::Status Complete(BatchStats* stats) override;
@@ -143,6 +152,11 @@ class CudaBackend final : public Backend {
   int64_t max_items_ = 0;
   int64_t max_partial_pairs_ = 0;
 
+  // Pinned response buffers (AllocateOutput), at most one batch's output
+  // staging in all; blocks are pinned on first use and then recycled.
+  static constexpr int64_t kDirectOutputBytes = SizeClassPool::kMinClass;
+  std::shared_ptr<SizeClassPool> output_pool_;
+
   void* k_pool_ = nullptr;
   void* v_pool_ = nullptr;
   float* d_part_o_ = nullptr;
@@ -164,6 +178,7 @@ class CudaBackend final : public Backend {
       void* o;
       float* lse;
       int64_t rows;
+      bool pinned;  // downloaded into o and lse directly, nothing to unpack
     };
     std::vector<Output> outputs;
     int64_t off_lse = 0;
@@ -293,6 +308,19 @@ absl::Status CudaBackend::Init() {
   for (cudaStream_t* stream : {&copy_in_, &compute_, &copy_out_}) {
     ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking));
   }
+  SizeClassPool::Allocator pinned;
+  pinned.allocate = [](int64_t bytes) -> void* {
+    void* p = nullptr;
+    // Portable: pinned for every context, whichever thread allocates it.
+    if (cudaHostAlloc(&p, static_cast<size_t>(bytes), cudaHostAllocPortable) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return p;
+  };
+  pinned.free = [](void* p) { cudaFreeHost(p); };
+  pinned.pinned = true;
+  output_pool_ = SizeClassPool::Create(std::move(pinned), out_capacity_);
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   plan_.items.reserve(1024);
   return absl::OkStatus();
@@ -491,7 +519,24 @@ absl::Status CudaBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats
     }
     ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[kComputed], compute_));
     ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_out_, ev[kComputed], 0));
-    if (total_q > 0) {
+    // Outputs in pinned response buffers are copied straight into them; the
+    // rest go through the slot's staging and Complete unpacks them.
+    bool staged = false;
+    int64_t row = 0;
+    for (const PrefillTask& t : tasks) {
+      if (t.total_q > 0 && t.out_pinned) {
+        ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(t.o, slot.d_out + off_o + row * H * D * 2,
+                                                       size_t(t.total_q) * H * D * 2,
+                                                       cudaMemcpyDeviceToHost, copy_out_));
+        ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(t.lse, slot.d_out + off_lse + row * H * 4,
+                                                       size_t(t.total_q) * H * 4,
+                                                       cudaMemcpyDeviceToHost, copy_out_));
+      } else if (t.total_q > 0) {
+        staged = true;
+      }
+      row += t.total_q;
+    }
+    if (staged) {
       ATTNSERVE_CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(slot.h_out, slot.d_out, out_bytes, cudaMemcpyDeviceToHost, copy_out_));
     }
@@ -504,7 +549,7 @@ absl::Status CudaBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats
   }
 
   slot.outputs.clear();
-  for (const PrefillTask& t : tasks) slot.outputs.push_back({t.o, t.lse, t.total_q});
+  for (const PrefillTask& t : tasks) slot.outputs.push_back({t.o, t.lse, t.total_q, t.out_pinned});
   slot.off_lse = off_lse;
   slot.total_q = total_q;
   slot.appended = n_append > 0;
@@ -547,7 +592,7 @@ absl::Status CudaBackend::Complete(BatchStats* stats) {
   const int64_t H = geo_.num_qo_heads, D = geo_.head_dim;
   int64_t row = 0;
   for (const Slot::Output& out : slot.outputs) {
-    if (out.rows > 0) {
+    if (out.rows > 0 && !out.pinned) {
       std::memcpy(out.o, slot.h_out + row * H * D * 2, size_t(out.rows) * H * D * 2);
       std::memcpy(out.lse, slot.h_out + slot.off_lse + row * H * 4, size_t(out.rows) * H * 4);
     }

@@ -126,13 +126,29 @@ void AttentionCore::Prefill(const PrefillCall& call, DoneCallback done) {
     done(validated.status());
     return;
   }
-  call.out_o->resize(validated->out_bytes);
-  call.out_lse->resize(validated->lse_bytes);
+  // One buffer for both outputs, from the backend (pinned where that lets the
+  // device copy into it); never zero-filled, the backend writes every byte.
+  PrefillOutput* out = call.out;
+  out->o_bytes = validated->out_bytes;
+  out->lse_offset = (validated->out_bytes + 63) / 64 * 64;
+  out->lse_bytes = validated->lse_bytes;
+  const int64_t out_bytes = out->lse_offset + out->lse_bytes;
+  if (out_bytes > 0) {
+    out->buffer = backend_->AllocateOutput(out_bytes);
+    if (out->buffer.data() == nullptr) {
+      done(absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", out_bytes, " bytes of host memory for the response")));
+      return;
+    }
+  }
   auto job = std::make_unique<Job>();
   job->kind = Job::Kind::kPrefill;
   job->task = std::move(validated->task);
-  job->task.o = call.out_o->data();
-  job->task.lse = reinterpret_cast<float*>(call.out_lse->data());
+  if (out_bytes > 0) {
+    job->task.o = out->buffer.data();
+    job->task.lse = reinterpret_cast<float*>(out->buffer.data() + out->lse_offset);
+    job->task.out_pinned = out->buffer.pinned();
+  }
   job->done = std::move(done);
   Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
 }

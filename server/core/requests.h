@@ -2,8 +2,10 @@
 //
 // The edge converts protos into these views without copying tensor bytes:
 // every span and string_view points into the request message, which the
-// edge keeps alive until the done callback has run. Output buffers are
-// std::strings owned by the response message; the core sizes and fills them.
+// edge keeps alive until the done callback has run. Prefill's outputs go to a
+// HostBuffer the core gets from the backend and the edge sends from; the
+// other calls' outputs are std::strings owned by the response message, which
+// the core sizes and fills.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "server/host_buffer.h"
 
 namespace attnserve {
 
@@ -36,6 +39,16 @@ using DoneCallback = std::function<void(absl::Status)>;
 // (the request is dropped before launch once it passes) and an optional
 // cancellation probe.
 
+// Prefill's outputs, filled by the core: o (total_q, num_qo_heads, head_dim)
+// in kv_dtype at offset 0, then lse (total_q, num_qo_heads) float32 at
+// lse_offset, both in `buffer` (empty when total_q is 0).
+struct PrefillOutput {
+  HostBuffer buffer;
+  int64_t o_bytes = 0;
+  int64_t lse_offset = 0;
+  int64_t lse_bytes = 0;
+};
+
 struct PrefillCall {
   std::string tenant;
   absl::Time deadline = absl::InfiniteFuture();
@@ -53,10 +66,7 @@ struct PrefillCall {
   TensorView append_k;                        // (n, num_kv_heads, head_dim)
   TensorView append_v;
   uint64_t expected_incarnation = 0;          // 0: not checked
-  // Outputs, sized by the core: o (total_q, num_qo_heads, head_dim) in
-  // kv_dtype, lse (total_q, num_qo_heads) float32.
-  std::string* out_o = nullptr;
-  std::string* out_lse = nullptr;
+  PrefillOutput* out = nullptr;               // filled by the core
 };
 
 struct WriteKvCall {

@@ -11,10 +11,10 @@
 namespace attnserve {
 namespace {
 
-// Pairs kept for reuse, and the most output-buffer capacity they may hold:
-// enough for 64 in-flight decode batches of 64 sequences, while a rare
-// 128 MiB prefill response is freed after use rather than kept.
-constexpr size_t kPooledPrefillMessages = 256;
+// Requests kept for reuse, and the most buffer capacity they may hold: enough
+// for 256 in-flight decode requests of 64 sequences, while a rare 128 MiB
+// prefill's query is freed after use rather than kept.
+constexpr size_t kPooledPrefillRequests = 256;
 constexpr int64_t kPooledPrefillBytes = int64_t{256} << 20;
 
 }  // namespace
@@ -25,9 +25,8 @@ AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth*
       auth_(auth),
       metrics_(metrics),
       access_log_(access_log),
-      prefill_messages_(kPooledPrefillMessages, kPooledPrefillBytes, ResetForReuse) {
-  SetMessageAllocatorFor_Prefill(&prefill_messages_);
-}
+      prefill_requests_(kPooledPrefillRequests, kPooledPrefillBytes,
+                        [](v1::PrefillRequest* r) { return ResetForReuse(r); }) {}
 
 // One RPC in flight: authenticates, and on Finish records the metrics and
 // finishes the reactor. Deletes itself when finished.
@@ -217,34 +216,48 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ReadKV(grpc::CallbackServerConte
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerContext* ctx,
-                                                        const v1::PrefillRequest* request,
-                                                        v1::PrefillResponse* response) {
-  auto* call = new Call(
-      this, ctx, "Prefill",
-      static_cast<int64_t>(request->q().data().size() + request->append_k().data().size() +
-                           request->append_v().data().size()));
+                                                        const grpc::ByteBuffer* request_bytes,
+                                                        grpc::ByteBuffer* response) {
+  auto* call = new Call(this, ctx, "Prefill", 0);
   grpc::ServerUnaryReactor* reactor = call->reactor();
   if (!call->ok()) {
     call->Finish(call->status());
     return reactor;
   }
+  // What the request and its output need until the response is encoded.
+  struct State {
+    RecyclingPool<v1::PrefillRequest>::Ptr request;
+    PrefillOutput out;
+  };
+  auto* state = new State{prefill_requests_.Get(), {}};
+  const v1::PrefillRequest& request = *state->request;
+  if (!ParseInto(*request_bytes, state->request.get())) {
+    delete state;
+    call->Finish(absl::InvalidArgumentError(
+        "request does not parse as an attnserve.v1.PrefillRequest"));
+    return reactor;
+  }
+  metrics_->AddTransferBytes(static_cast<int64_t>(request.q().data().size() +
+                                                  request.append_k().data().size() +
+                                                  request.append_v().data().size()),
+                             0);
   PrefillCall c;
   call->Bind(&c);
-  ToCall(*request, response, &c);
+  ToCall(request, &c);
+  c.out = &state->out;
   const KvGeometry& g = core_->geometry();
   const auto dtype = static_cast<v1::DType>(ToWire(g.dtype));
   const int64_t total_q = c.q.shape.empty() ? 0 : c.q.shape[0];
   const uint64_t incarnation = core_->incarnation();
-  core_->Prefill(c, [call, response, dtype, total_q, g, incarnation](absl::Status status) {
+  core_->Prefill(c, [call, state, response, dtype, total_q, g, incarnation](absl::Status status) {
+    int64_t bytes_out = 0;
     if (status.ok()) {
-      SetTensorHeader(response->mutable_output(), dtype, {total_q, g.num_qo_heads, g.head_dim});
-      SetTensorHeader(response->mutable_lse(), v1::DTYPE_FP32, {total_q, g.num_qo_heads});
-      response->set_incarnation(incarnation);
-    } else {
-      response->Clear();
+      bytes_out = state->out.o_bytes + state->out.lse_bytes;
+      *response = EncodePrefillResponse(std::move(state->out), dtype, total_q, g.num_qo_heads,
+                                        g.head_dim, incarnation);
     }
-    call->Finish(status, static_cast<int64_t>(response->output().data().size() +
-                                              response->lse().data().size()));
+    delete state;  // the request goes back to the pool; the output lives in the response
+    call->Finish(status, bytes_out);
   });
   return reactor;
 }

@@ -4,6 +4,12 @@
 // core's plain structs (views, no tensor copies), and returns the reactor at
 // once; the core finishes it, from the scheduler thread for queued work.
 // Status conversion happens in exactly one place (status_mapping.h).
+//
+// Prefill, the hot path, is a raw method: its request is parsed into a
+// recycled message (the query lands in a buffer that is already mapped), and
+// its response is sent straight from the output buffer the backend filled
+// (pinned memory the device copied into, on CUDA): no zero-fill, no copy into
+// the response message, no serialization copy.
 #pragma once
 
 #include <atomic>
@@ -16,7 +22,9 @@
 
 namespace attnserve {
 
-class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+class AttentionServiceImpl final
+    : public v1::AttentionService::WithRawCallbackMethod_Prefill<
+          v1::AttentionService::CallbackService> {
  public:
   // access_log: one log line per finished RPC (method, tenant, code, time).
   AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth, Metrics* metrics,
@@ -45,8 +53,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                    const v1::ReadKVRequest* request,
                                    v1::ReadKVResponse* response) override;
   grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* ctx,
-                                    const v1::PrefillRequest* request,
-                                    v1::PrefillResponse* response) override;
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* MergeStates(grpc::CallbackServerContext* ctx,
                                         const v1::MergeStatesRequest* request,
                                         v1::MergeStatesResponse* response) override;
@@ -61,8 +69,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> accepted_inflight_{0};
   std::atomic<int64_t> last_accepted_finish_ns_{0};
-  // Prefill responses are recycled with their output buffers (message_pool.h).
-  MessagePool<v1::PrefillRequest, v1::PrefillResponse> prefill_messages_;
+  // Prefill requests are recycled with their tensor buffers (message_pool.h).
+  RecyclingPool<v1::PrefillRequest> prefill_requests_;
 };
 
 }  // namespace attnserve

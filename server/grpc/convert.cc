@@ -1,6 +1,16 @@
 #include "server/grpc/convert.h"
 
+#include <atomic>
+#include <climits>
 #include <memory>
+#include <string>
+#include <vector>
+
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/wire_format_lite.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "grpcpp/support/slice.h"
 
 namespace attnserve {
 namespace {
@@ -20,7 +30,7 @@ absl::Span<const T> Span(const google::protobuf::RepeatedField<T>& field) {
 
 }  // namespace
 
-void ToCall(const v1::PrefillRequest& r, v1::PrefillResponse* response, PrefillCall* c) {
+void ToCall(const v1::PrefillRequest& r, PrefillCall* c) {
   c->layer = r.layer();
   c->q = View(r.q());
   c->qo_indptr = Span(r.qo_indptr());
@@ -34,8 +44,6 @@ void ToCall(const v1::PrefillRequest& r, v1::PrefillResponse* response, PrefillC
   c->append_k = View(r.append_k());
   c->append_v = View(r.append_v());
   c->expected_incarnation = r.expected_incarnation();
-  c->out_o = response->mutable_output()->mutable_data();
-  c->out_lse = response->mutable_lse()->mutable_data();
 }
 
 void ToCall(const v1::WriteKVRequest& r, WriteKvCall* c) {
@@ -63,20 +71,111 @@ void ToCall(const v1::MergeStatesRequest& r, v1::MergeStatesResponse* response,
   c->out_lse = response->mutable_lse()->mutable_data();
 }
 
-int64_t ResetForReuse(v1::PrefillRequest* request, v1::PrefillResponse* response) {
-  request->Clear();
-  std::unique_ptr<v1::Tensor> output(response->release_output());
-  std::unique_ptr<v1::Tensor> lse(response->release_lse());
-  response->Clear();
-  int64_t kept = 0;
-  for (v1::Tensor* t : {output.get(), lse.get()}) {
+int64_t ResetForReuse(v1::PrefillRequest* request) {
+  std::unique_ptr<v1::Tensor> q(request->release_q());
+  std::unique_ptr<v1::Tensor> append_k(request->release_append_k());
+  std::unique_ptr<v1::Tensor> append_v(request->release_append_v());
+  request->Clear();  // repeated fields keep their capacity
+  int64_t kept = static_cast<int64_t>(request->qo_indptr().Capacity() +
+                                      request->kv_indptr().Capacity() +
+                                      request->kv_indices().Capacity() +
+                                      request->kv_last_page_len().Capacity()) * 4 +
+                 static_cast<int64_t>(request->append_slots().Capacity()) * 8;
+  for (v1::Tensor* t : {q.get(), append_k.get(), append_v.get()}) {
     if (t == nullptr) continue;
     t->Clear();  // keeps the data string's capacity
     kept += static_cast<int64_t>(t->data().capacity());
   }
-  if (output != nullptr) response->set_allocated_output(output.release());
-  if (lse != nullptr) response->set_allocated_lse(lse.release());
+  if (q != nullptr) request->set_allocated_q(q.release());
+  if (append_k != nullptr) request->set_allocated_append_k(append_k.release());
+  if (append_v != nullptr) request->set_allocated_append_v(append_v.release());
   return kept;
+}
+
+bool ParseInto(const grpc::ByteBuffer& bytes, google::protobuf::MessageLite* request) {
+  // The reader only reads; gRPC's API takes the buffer non-const.
+  grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(&bytes));
+  if (!reader.status().ok()) return false;
+  google::protobuf::io::CodedInputStream input(&reader);
+  input.SetTotalBytesLimit(INT_MAX);
+  // Merge, not Parse: Parse would Clear() first and drop the kept tensors.
+  return request->MergeFromCodedStream(&input) && input.ConsumedEntireMessage() &&
+         reader.status().ok();
+}
+
+namespace {
+
+using google::protobuf::internal::WireFormatLite;
+
+// One HostBuffer shared by the response's two data slices.
+struct SharedBuffer {
+  explicit SharedBuffer(HostBuffer b, int refs) : buffer(std::move(b)), refs(refs) {}
+  HostBuffer buffer;
+  std::atomic<int> refs;
+};
+
+void Unref(void* p) {
+  auto* shared = static_cast<SharedBuffer*>(p);
+  if (shared->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete shared;
+}
+
+// Appends the field tag and length of a Tensor message, then its dtype and
+// shape, then the tag and length of its data: everything that precedes the
+// data bytes, in the order the generated serializer writes them.
+void AppendTensorHead(uint32_t field, v1::DType dtype, absl::Span<const int64_t> shape,
+                      int64_t data_bytes, std::string* out) {
+  v1::Tensor head;
+  head.set_dtype(dtype);
+  head.mutable_shape()->Assign(shape.begin(), shape.end());
+  const size_t head_bytes = head.ByteSizeLong();
+  const size_t data_field =
+      data_bytes == 0 ? 0
+                      : WireFormatLite::TagSize(3, WireFormatLite::TYPE_BYTES) +
+                            google::protobuf::io::CodedOutputStream::VarintSize64(
+                                static_cast<uint64_t>(data_bytes)) +
+                            static_cast<size_t>(data_bytes);
+  google::protobuf::io::StringOutputStream stream(out);
+  google::protobuf::io::CodedOutputStream coded(&stream);
+  coded.WriteTag(WireFormatLite::MakeTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+  coded.WriteVarint64(head_bytes + data_field);
+  head.SerializeWithCachedSizes(&coded);
+  if (data_bytes > 0) {
+    coded.WriteTag(WireFormatLite::MakeTag(3, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+    coded.WriteVarint64(static_cast<uint64_t>(data_bytes));
+  }
+}
+
+}  // namespace
+
+grpc::ByteBuffer EncodePrefillResponse(PrefillOutput out, v1::DType dtype, int64_t total_q,
+                                       int32_t num_qo_heads, int32_t head_dim,
+                                       uint64_t incarnation) {
+  const int64_t o_shape[] = {total_q, num_qo_heads, head_dim};
+  const int64_t lse_shape[] = {total_q, num_qo_heads};
+  std::string o_head, lse_head, tail;
+  AppendTensorHead(1, dtype, o_shape, out.o_bytes, &o_head);
+  AppendTensorHead(2, v1::DTYPE_FP32, lse_shape, out.lse_bytes, &lse_head);
+  if (incarnation != 0) {
+    google::protobuf::io::StringOutputStream stream(&tail);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.WriteTag(WireFormatLite::MakeTag(3, WireFormatLite::WIRETYPE_FIXED64));
+    coded.WriteLittleEndian64(incarnation);
+  }
+  const int refs = (out.o_bytes > 0 ? 1 : 0) + (out.lse_bytes > 0 ? 1 : 0);
+  char* const data = out.buffer.data();
+  SharedBuffer* shared = refs > 0 ? new SharedBuffer(std::move(out.buffer), refs) : nullptr;
+  std::vector<grpc::Slice> slices;
+  slices.reserve(5);
+  slices.emplace_back(o_head.data(), o_head.size());
+  if (out.o_bytes > 0) {
+    slices.emplace_back(data, static_cast<size_t>(out.o_bytes), Unref, shared);
+  }
+  slices.emplace_back(lse_head.data(), lse_head.size());
+  if (out.lse_bytes > 0) {
+    slices.emplace_back(data + out.lse_offset, static_cast<size_t>(out.lse_bytes), Unref, shared);
+  }
+  if (!tail.empty()) slices.emplace_back(tail.data(), tail.size());
+  return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
 void SetTensorHeader(v1::Tensor* t, v1::DType dtype, absl::Span<const int64_t> shape) {

@@ -1,25 +1,43 @@
 // Proto <-> core struct conversion for the gRPC edge. No tensor bytes are
 // copied: the core structs view the request message, which must outlive
-// them. Used by the service handlers and by the fuzz targets.
+// them, and a Prefill response is sent from the core's output buffer. Used by
+// the service handlers and by the fuzz targets.
 #pragma once
 
+#include <cstdint>
+
 #include "attnserve/v1/attention.pb.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "server/core/requests.h"
 
 namespace attnserve {
 
 // Each fills every request field of `call`; the caller sets tenant,
 // deadline and cancellation. Output pointers go to `response`.
-void ToCall(const v1::PrefillRequest& request, v1::PrefillResponse* response, PrefillCall* call);
+// Prefill's outputs go to call->out, which the caller sets.
+void ToCall(const v1::PrefillRequest& request, PrefillCall* call);
 void ToCall(const v1::WriteKVRequest& request, WriteKvCall* call);
 void ToCall(const v1::ReadKVRequest& request, v1::ReadKVResponse* response, ReadKvCall* call);
 void ToCall(const v1::MergeStatesRequest& request, v1::MergeStatesResponse* response,
             MergeStatesCall* call);
 
-// Clears a Prefill request/response pair for the next call (MessagePool) but
-// keeps the response's output and lse tensors, and so their data capacity:
-// Clear() on the response would delete them. Returns the bytes kept.
-int64_t ResetForReuse(v1::PrefillRequest* request, v1::PrefillResponse* response);
+// Clears a Prefill request for the next call (RecyclingPool) but keeps its
+// q, append_k and append_v tensors, and so their data capacity (Clear() on
+// the request would delete them). Returns the bytes of capacity kept.
+int64_t ResetForReuse(v1::PrefillRequest* request);
+
+// Parses a request's wire bytes into `request`, which must be clear (fresh or
+// ResetForReuse): strings and repeated fields it still holds are refilled in
+// place, so their buffers are reused. False when the bytes do not parse.
+bool ParseInto(const grpc::ByteBuffer& bytes, google::protobuf::MessageLite* request);
+
+// The wire bytes of an attnserve.v1.PrefillResponse whose output and lse
+// data are out's buffer: the slices point into it and keep it alive until
+// gRPC has sent them (no copy). The bytes equal what the generated code
+// would serialize for the same response.
+grpc::ByteBuffer EncodePrefillResponse(PrefillOutput out, v1::DType dtype, int64_t total_q,
+                                       int32_t num_qo_heads, int32_t head_dim,
+                                       uint64_t incarnation);
 
 // Sets dtype and shape of an output tensor (its bytes are already there).
 void SetTensorHeader(v1::Tensor* t, v1::DType dtype, absl::Span<const int64_t> shape);

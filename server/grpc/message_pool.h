@@ -1,22 +1,23 @@
-// MessagePool: a gRPC MessageAllocator that recycles request/response pairs.
+// RecyclingPool: hands out objects (request messages) and takes them back
+// for the next call instead of deleting them.
 //
-// A Prefill response carries one output tensor as large as the query; with a
-// fresh response per call, every call mallocs that buffer, faults its pages
-// in while the core sizes it, and frees it again (about 100 us for a 512 KiB
-// decode batch). A recycled response keeps its tensors, and a cleared
-// string keeps its capacity, so the next call's output lands in memory that
-// is already mapped. (Requests are recycled as objects only: gRPC parses
-// with ParseFrom, which clears the message and drops its tensors first.)
+// A Prefill request carries a query tensor of up to hundreds of MiB. Parsed
+// into a fresh message, every call mallocs that buffer and faults its pages
+// in while gRPC's bytes are copied into it. A recycled request whose tensors
+// were kept (ResetForReuse in convert.h) parses into memory that is already
+// mapped: clearing a string keeps its capacity.
 //
-// Memory stays bounded: a released pair goes back to the pool only while the
-// pool holds fewer than max_pooled pairs and at most max_pooled_bytes of
-// buffer capacity in all; any other pair is deleted, so a 128 MiB prefill
-// does not pin 256 MiB of buffers for the rest of the process.
+// Memory stays bounded: a returned object goes back to the pool only while
+// the pool holds fewer than max_pooled objects and at most max_pooled_bytes
+// of buffer capacity in all; any other is deleted, so one 128 MiB prefill
+// does not keep 128 MiB for the rest of the process.
 //
-//   MessagePool<v1::PrefillRequest, v1::PrefillResponse> pool(64, 256 << 20, Reset);
-//   service.SetMessageAllocatorFor_Prefill(&pool);  // must outlive the server
-// where Reset(request, response) clears both for the next call, keeping
-// whatever buffers it wants reused, and returns the bytes of capacity kept.
+//   RecyclingPool<v1::PrefillRequest> pool(256, 256 << 20, ResetForReuse);
+//   RecyclingPool<v1::PrefillRequest>::Ptr request = pool.Get();
+//   ...  // the request goes back to the pool when `request` is destroyed
+// where ResetForReuse(request) clears it for the next call, keeping whatever
+// buffers it wants reused, and returns the bytes of capacity kept. The pool
+// must outlive every Ptr it handed out.
 #pragma once
 
 #include <cstddef>
@@ -27,37 +28,55 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
-#include "grpcpp/support/message_allocator.h"
 
 namespace attnserve {
 
-template <typename Request, typename Response>
-class MessagePool final : public grpc::MessageAllocator<Request, Response> {
+template <typename T>
+class RecyclingPool {
  public:
-  // Clears a pair for reuse; returns the bytes of buffer capacity it kept.
-  using ResetFn = std::function<int64_t(Request*, Response*)>;
+  // Clears an object for reuse; returns the bytes of buffer capacity it kept.
+  using ResetFn = std::function<int64_t(T*)>;
 
-  MessagePool(size_t max_pooled, int64_t max_pooled_bytes, ResetFn reset)
+  class Recycler {
+   public:
+    explicit Recycler(RecyclingPool* pool = nullptr) : pool_(pool) {}
+    void operator()(T* object) const {
+      if (pool_ != nullptr) {
+        pool_->Recycle(object);
+      } else {
+        delete object;
+      }
+    }
+
+   private:
+    RecyclingPool* pool_;
+  };
+  using Ptr = std::unique_ptr<T, Recycler>;
+
+  RecyclingPool(size_t max_pooled, int64_t max_pooled_bytes, ResetFn reset)
       : max_pooled_(max_pooled), max_pooled_bytes_(max_pooled_bytes), reset_(std::move(reset)) {}
+  RecyclingPool(const RecyclingPool&) = delete;
+  RecyclingPool& operator=(const RecyclingPool&) = delete;
 
-  ~MessagePool() override {
-    for (Holder* h : free_) delete h;
+  ~RecyclingPool() {
+    for (auto& entry : free_) delete entry.first;
   }
 
-  grpc::MessageHolder<Request, Response>* AllocateMessages() override {
+  // A pooled object if there is one, else a new one.
+  Ptr Get() {
     {
       absl::MutexLock lock(&mu_);
       if (!free_.empty()) {
-        Holder* h = free_.back();
+        auto [object, bytes] = free_.back();
         free_.pop_back();
-        pooled_bytes_ -= h->bytes;
-        return h;
+        pooled_bytes_ -= bytes;
+        return Ptr(object, Recycler(this));
       }
     }
-    return new Holder(this);
+    return Ptr(new T(), Recycler(this));
   }
 
-  // Pairs and buffer bytes held for reuse now (for tests).
+  // Objects and buffer bytes held for reuse now (for tests).
   size_t pooled() const {
     absl::MutexLock lock(&mu_);
     return free_.size();
@@ -68,37 +87,24 @@ class MessagePool final : public grpc::MessageAllocator<Request, Response> {
   }
 
  private:
-  struct Holder final : grpc::MessageHolder<Request, Response> {
-    explicit Holder(MessagePool* pool) : pool(pool) {
-      this->set_request(&request);
-      this->set_response(&response);
-    }
-    void Release() override { pool->Recycle(this); }
-
-    MessagePool* const pool;
-    Request request;
-    Response response;
-    int64_t bytes = 0;  // capacity when pooled
-  };
-
-  void Recycle(Holder* h) {
-    h->bytes = reset_(&h->request, &h->response);
+  void Recycle(T* object) {
+    const int64_t bytes = reset_(object);
     {
       absl::MutexLock lock(&mu_);
-      if (free_.size() < max_pooled_ && pooled_bytes_ + h->bytes <= max_pooled_bytes_) {
-        pooled_bytes_ += h->bytes;
-        free_.push_back(h);
+      if (free_.size() < max_pooled_ && pooled_bytes_ + bytes <= max_pooled_bytes_) {
+        pooled_bytes_ += bytes;
+        free_.emplace_back(object, bytes);
         return;
       }
     }
-    delete h;
+    delete object;
   }
 
   const size_t max_pooled_;
   const int64_t max_pooled_bytes_;
   const ResetFn reset_;
   mutable absl::Mutex mu_;
-  std::vector<Holder*> free_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<T*, int64_t>> free_ ABSL_GUARDED_BY(mu_);
   int64_t pooled_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

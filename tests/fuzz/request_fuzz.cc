@@ -17,6 +17,7 @@
 #include "server/core/attention_core.h"
 #include "server/cpu_backend.h"
 #include "server/grpc/convert.h"
+#include "server/grpc/message_pool.h"
 
 namespace attnserve {
 namespace {
@@ -114,17 +115,36 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int body_size = static_cast<int>(size - 1);
   switch (rpc) {
     case 0: {
-      v1::PrefillRequest req;
-      if (!req.ParseFromArray(body, body_size)) return 0;
-      v1::PrefillResponse resp;
+      // As the server's raw Prefill handler: parsed into a recycled request,
+      // the response encoded from the output buffer and parsed back.
+      static auto* pool = new RecyclingPool<v1::PrefillRequest>(
+          2, 64 << 20, [](v1::PrefillRequest* r) { return ResetForReuse(r); });
+      RecyclingPool<v1::PrefillRequest>::Ptr req = pool->Get();
+      grpc::Slice slice(body, static_cast<size_t>(body_size));
+      if (!ParseInto(grpc::ByteBuffer(&slice, 1), req.get())) return 0;
+      PrefillOutput out;
       PrefillCall c;
-      ToCall(req, &resp, &c);
+      ToCall(*req, &c);
+      c.out = &out;
       c.tenant = "a";
       absl::Status s = h.Wait([&](DoneCallback done) { h.core->Prefill(c, std::move(done)); });
       Report("Prefill", s);
-      if (s.ok() && resp.lse().data().size() != static_cast<size_t>(c.q.shape[0]) *
-                                                    h.core->geometry().num_qo_heads * 4) {
-        std::abort();  // an accepted request must get a whole LSE
+      if (!s.ok()) break;
+      const KvGeometry& g = h.core->geometry();
+      const int64_t total_q = c.q.shape[0];
+      grpc::Slice wire;
+      if (!EncodePrefillResponse(std::move(out), v1::DTYPE_BF16, total_q, g.num_qo_heads,
+                                 g.head_dim, 1)
+               .DumpToSingleSlice(&wire)
+               .ok()) {
+        std::abort();
+      }
+      v1::PrefillResponse resp;
+      if (!resp.ParseFromArray(wire.begin(), static_cast<int>(wire.size())) ||
+          resp.lse().data().size() != static_cast<size_t>(total_q) * g.num_qo_heads * 4 ||
+          resp.output().data().size() !=
+              static_cast<size_t>(total_q) * g.num_qo_heads * g.head_dim * 2) {
+        std::abort();  // an accepted request must get a whole output and LSE
       }
       break;
     }

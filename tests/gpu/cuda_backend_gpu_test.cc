@@ -1,5 +1,6 @@
 // CudaBackend through the Backend interface: WriteKv / ReadKv, RunBatch with
-// several tasks (layers, fused appends) against the float64 reference, launch
+// several tasks (layers, fused appends; outputs in the caller's memory or in
+// pinned buffers from AllocateOutput) against the float64 reference, launch
 // counts, split-KV on a long sequence, pipelined batches (Submit / Complete)
 // in submission order, and clean failure without a device.
 #include <cmath>
@@ -78,6 +79,7 @@ TEST(CudaBackend, FailsCleanlyWithoutDevice) {
 TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(99);
+  int pinned_tasks = 0;  // tasks whose outputs were downloaded directly
   for (int round = 0; round < 24; ++round) {
     HostBatch b;
     const int dims[] = {64, 128, 256};
@@ -110,6 +112,7 @@ TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
     std::vector<PrefillTask> tasks(ntasks);
     std::vector<std::vector<uint16_t>> outs(ntasks);
     std::vector<std::vector<float>> lses(ntasks);
+    std::vector<HostBuffer> bufs(ntasks);
     std::vector<int64_t> app_slots;
     std::vector<uint16_t> app_k, app_v;
     for (int t = 0; t < ntasks; ++t) {
@@ -136,6 +139,18 @@ TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
       lses[t].assign(size_t(p.total_q) * b.geo.num_qo_heads, NAN);
       task.o = outs[t].data();
       task.lse = lses[t].data();
+      if (rng() % 2 == 0 && p.total_q > 0) {
+        // As the core does: one buffer from the backend, o then lse, poisoned;
+        // the larger ones are pinned and downloaded into directly.
+        const int64_t o_bytes = int64_t(outs[t].size()) * 2;
+        bufs[t] = backend->AllocateOutput(o_bytes + int64_t(lses[t].size()) * 4);
+        ASSERT_NE(bufs[t].data(), nullptr);
+        std::memset(bufs[t].data(), 0xFF, bufs[t].size());
+        task.o = bufs[t].data();
+        task.lse = reinterpret_cast<float*>(bufs[t].data() + o_bytes);
+        task.out_pinned = bufs[t].pinned();
+        pinned_tasks += task.out_pinned ? 1 : 0;
+      }
     }
     {
       const int n = 1 + rng() % 200;
@@ -162,6 +177,10 @@ TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
     EXPECT_LE(stats.merge_launches, 1);
     EXPECT_EQ(stats.append_launches, 1);
     for (int t = 0; t < ntasks; ++t) {
+      if (bufs[t].data() != nullptr) {
+        std::memcpy(outs[t].data(), tasks[t].o, outs[t].size() * 2);
+        std::memcpy(lses[t].data(), tasks[t].lse, lses[t].size() * 4);
+      }
       HostBatch& p = parts[t];
       p.k_pool = b.k_pool;
       p.v_pool = b.v_pool;
@@ -188,6 +207,7 @@ TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
       ASSERT_EQ(0, std::memcmp(&rv[i * re], &b.v_pool[(base + rs[i]) * re], re * 2)) << "row " << i;
     }
   }
+  EXPECT_GT(pinned_tasks, 0) << "no batch downloaded into a pinned response buffer";
 }
 
 TEST(CudaBackend, LongKvSplitsAndMergesOnce) {
