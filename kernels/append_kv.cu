@@ -1,5 +1,6 @@
 // KV append and gather: one thread per 16-byte chunk of a row (8 bf16/fp16
 // elements) of K and of V; rows of num_kv_heads * head_dim elements.
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -52,7 +53,36 @@ cudaError_t Launch(void* cache_k, void* cache_v, void* k, void* v, const int64_t
   return cudaGetLastError();
 }
 
+// One block per (listed page, layer): a page of one layer is contiguous,
+// page_bytes of K and the same of V (a multiple of 16: head_dim % 8 == 0).
+__global__ void __launch_bounds__(256)
+    ZeroPagesKernel(uint4* cache_k, uint4* cache_v, const int32_t* pages, int64_t num_listed,
+                    int64_t page_chunks, int64_t layer_chunks) {
+  const int64_t layer = blockIdx.y;
+  for (int64_t i = blockIdx.x; i < num_listed; i += gridDim.x) {
+    const int64_t base = layer * layer_chunks + int64_t{pages[i]} * page_chunks;
+    for (int64_t c = threadIdx.x; c < page_chunks; c += blockDim.x) {
+      cache_k[base + c] = make_uint4(0, 0, 0, 0);
+      cache_v[base + c] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 }  // namespace
+
+cudaError_t ZeroPagesCuda(const ZeroPagesParams& p, cudaStream_t stream) {
+  const KvGeometry& g = p.geo;
+  if (p.num_pages_listed == 0 || g.num_layers == 0) return cudaSuccess;
+  const int64_t page_bytes = int64_t{g.page_size} * g.RowElems() * 2;
+  if (page_bytes % 16 != 0 || g.num_layers > 65535) return cudaErrorInvalidValue;
+  const int64_t page_chunks = page_bytes / 16;
+  const int64_t layer_chunks = int64_t{g.num_pages} * page_chunks;
+  const unsigned blocks_x = static_cast<unsigned>(std::min<int64_t>(p.num_pages_listed, 1 << 16));
+  ZeroPagesKernel<<<dim3(blocks_x, static_cast<unsigned>(g.num_layers)), 256, 0, stream>>>(
+      static_cast<uint4*>(p.k_cache), static_cast<uint4*>(p.v_cache), p.pages, p.num_pages_listed,
+      page_chunks, layer_chunks);
+  return cudaGetLastError();
+}
 
 cudaError_t AppendKvCuda(const AppendKvParams& p, cudaStream_t stream) {
   return Launch<true>(p.k_cache, p.v_cache, const_cast<void*>(p.k), const_cast<void*>(p.v),

@@ -37,4 +37,14 @@ struct GatherKvParams {
 
 void GatherKvCpu(const GatherKvParams& params);
 
+// Sets every row of `pages` to zero in every layer, K and V (freed pages are
+// scrubbed before anyone may allocate them again).
+struct ZeroPagesParams {
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  const int32_t* pages = nullptr;  // (num_pages_listed) validated page ids
+  int64_t num_pages_listed = 0;
+  KvGeometry geo;
+};
+
 }  // namespace attnserve

@@ -14,5 +14,7 @@ namespace attnserve {
 
 cudaError_t AppendKvCuda(const AppendKvParams& params, cudaStream_t stream);
 cudaError_t GatherKvCuda(const GatherKvParams& params, cudaStream_t stream);
+// One launch over every (layer, listed page); 16-byte stores.
+cudaError_t ZeroPagesCuda(const ZeroPagesParams& params, cudaStream_t stream);
 
 }  // namespace attnserve

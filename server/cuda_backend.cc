@@ -122,6 +122,8 @@ class CudaBackend final : public Backend {
   absl::Status Complete(BatchStats* stats) override;
   absl::Status WriteKv(const KvRows& rows, BatchStats* stats) override;
   absl::Status ReadKv(const KvRows& rows) override;
+  // On the device: only the page ids cross PCIe, not the zeros.
+  absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) override;
   // MergeStates stays on the CPU default: its inputs and outputs live in host
   // memory, so a GPU pass would move every byte over PCIe (tens of GB/s, after
   // a copy into pinned staging) where the CPU reads it once at memory speed.
@@ -717,6 +719,42 @@ absl::Status CudaBackend::ReadKv(const KvRows& rows) {
     const int64_t n = std::min(max_append_, rows.n - begin);
     absl::Status st = CopyRowsChunk(rows, begin, n, /*scatter=*/false, &seconds);
     if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) {
+  if (absl::Status st = CheckIdle(); !st.ok()) return st;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  Slot& slot = slots_[0];
+  const int64_t per_launch = in_capacity_ / 4;
+  float seconds = 0;
+  int32_t launches = 0;
+  for (size_t begin = 0; begin < pages.size(); begin += per_launch) {
+    const int64_t n = std::min<int64_t>(per_launch, static_cast<int64_t>(pages.size() - begin));
+    std::memcpy(slot.h_in, pages.data() + begin, n * 4);
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(slot.d_in, slot.h_in, n * 4, cudaMemcpyHostToDevice, compute_));
+    ZeroPagesParams zp;
+    zp.k_cache = k_pool_;
+    zp.v_cache = v_pool_;
+    zp.pages = reinterpret_cast<const int32_t*>(slot.d_in);
+    zp.num_pages_listed = n;
+    zp.geo = geo_;
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.events[kAppendBegin], compute_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(ZeroPagesCuda(zp, compute_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.events[kAppendEnd], compute_));
+    // The next chunk reuses the staging: wait for this one.
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
+    float ms = 0;
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        cudaEventElapsedTime(&ms, slot.events[kAppendBegin], slot.events[kAppendEnd]));
+    seconds += ms / 1e3f;
+    ++launches;
+  }
+  if (stats != nullptr) {
+    stats->append_launches += launches;
+    stats->append_seconds += seconds;
   }
   return absl::OkStatus();
 }

@@ -3,6 +3,7 @@
 // pinned buffers from AllocateOutput) against the float64 reference, launch
 // counts, split-KV on a long sequence, pipelined batches (Submit / Complete)
 // in submission order, and clean failure without a device.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -252,6 +253,62 @@ TEST(CudaBackend, LongKvSplitsAndMergesOnce) {
 // reads. A must see the old rows and B the new ones (the compute stream keeps
 // submission order), both against the float64 reference; a third Submit and
 // a ReadKv while batches are in flight are refused.
+TEST(CudaBackend, ZeroPagesClearsExactlyTheListedPagesInEveryLayer) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(5);
+  for (int page_size : {1, 16}) {
+    for (int head_dim : {64, 256}) {
+      HostBatch b;
+      b.geo.page_size = page_size;
+      b.geo.head_dim = head_dim;
+      b.geo.num_qo_heads = 8;
+      b.geo.num_kv_heads = 2;
+      b.geo.num_layers = 3;
+      b.geo.num_pages = 4096 / page_size + 5;
+      gpu_test::MakePools(&b, &rng);
+      auto made = MakeCudaBackend(Options(b.geo));
+      ASSERT_TRUE(made.ok()) << made.status();
+      std::unique_ptr<Backend> backend = std::move(made).value();
+      ASSERT_TRUE(UploadPools(*backend, b, nullptr).ok());
+      // A random third of the pages, shuffled, the last page among them.
+      std::vector<int32_t> pages;
+      for (int32_t p = 0; p < b.geo.num_pages; ++p) {
+        if (rng() % 3 == 0 || p == b.geo.num_pages - 1) pages.push_back(p);
+      }
+      std::shuffle(pages.begin(), pages.end(), rng);
+      BatchStats stats;
+      ASSERT_TRUE(backend->ZeroPages(pages, &stats).ok());
+      EXPECT_GE(stats.append_launches, 1);
+      std::vector<bool> zeroed(b.geo.num_pages, false);
+      for (int32_t p : pages) zeroed[p] = true;
+      // Read every row back: listed pages are zero, all others unchanged.
+      const int64_t spl = b.geo.SlotsPerLayer(), re = b.geo.RowElems();
+      std::vector<int64_t> slots(spl);
+      for (int64_t i = 0; i < spl; ++i) slots[i] = i;
+      std::vector<uint16_t> k(spl * re), v(spl * re);
+      for (int layer = 0; layer < b.geo.num_layers; ++layer) {
+        KvRows rd;
+        rd.layer = layer;
+        rd.slots = slots.data();
+        rd.n = spl;
+        rd.k = k.data();
+        rd.v = v.data();
+        ASSERT_TRUE(backend->ReadKv(rd).ok());
+        for (int64_t slot = 0; slot < spl; ++slot) {
+          const bool z = zeroed[slot / page_size];
+          for (int64_t e = 0; e < re; ++e) {
+            const size_t at = size_t(slot * re + e);
+            const uint16_t want_k = z ? 0 : b.k_pool[layer * spl * re + at];
+            const uint16_t want_v = z ? 0 : b.v_pool[layer * spl * re + at];
+            ASSERT_EQ(k[at], want_k) << "layer " << layer << " slot " << slot << " ps " << page_size;
+            ASSERT_EQ(v[at], want_v) << "layer " << layer << " slot " << slot << " ps " << page_size;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaBackend, PipelinedBatchesKeepSubmissionOrder) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(321);
