@@ -12,11 +12,9 @@
 // yet completed, so the next batch's upload overlaps the current one's
 // kernels and the previous one's download.
 //
-// Threading: calls of Submit, WriteKv, ReadKv, ZeroPages and MergeStates
-// never overlap (the scheduler serializes them, not always on one thread);
-// one other thread may call Complete at the same time. WriteKv, ReadKv,
-// ZeroPages and MergeStates are called only while no batch is submitted and
-// not completed.
+// Threading: one thread calls Submit, WriteKv, ReadKv and MergeStates; one
+// other thread may call Complete at the same time. WriteKv, ReadKv and
+// MergeStates are called only while no batch is submitted and not completed.
 // Name, Device and Geometry may be called from any thread.
 #pragma once
 
@@ -98,11 +96,6 @@ class Backend {
 
   // Batches that may be submitted and not yet completed (at least 1).
   virtual int PipelineDepth() const { return 1; }
-
-  // True when Submit only packs and queues device work, returning in about
-  // the time of a copy of its inputs: the scheduler may then submit a lone
-  // request on the request's own thread instead of handing it to its worker.
-  virtual bool SubmitOnlyQueues() const { return false; }
 
   // Queues one batch: every task's fused append (in order), then attention
   // for every task. The tasks' pointers must stay valid until the matching

@@ -118,7 +118,6 @@ class CudaBackend final : public Backend {
   }
 
   int PipelineDepth() const override { return kSlots; }
-  bool SubmitOnlyQueues() const override { return true; }
   absl::Status Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) override;
   absl::Status Complete(BatchStats* stats) override;
   absl::Status WriteKv(const KvRows& rows, BatchStats* stats) override;

@@ -32,42 +32,23 @@ Scheduler::Scheduler(Backend* backend, PageTable* pages, Metrics* metrics,
 Scheduler::~Scheduler() { Stop(); }
 
 absl::Status Scheduler::Enqueue(std::unique_ptr<Job>& job) {
-  std::vector<std::unique_ptr<Job>> work, dropped;
-  {
-    absl::MutexLock lock(&mu_);
-    if (stopping_) return absl::UnavailableError("server is shutting down");
-    if (queued_ >= options_.max_queue_requests) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "queue full: ", queued_, " requests queued, max_queue_requests=",
-          options_.max_queue_requests));
-    }
-    std::deque<std::unique_ptr<Job>>& queue = QueueOf(job->tenant);
-    const int64_t tenant_cap = options_.max_tenant_queue_requests > 0
-                                   ? options_.max_tenant_queue_requests
-                                   : options_.max_queue_requests;
-    if (static_cast<int64_t>(queue.size()) >= tenant_cap) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "queue full for this tenant: ", queue.size(),
-          " requests queued, max_tenant_queue_requests=", tenant_cap));
-    }
-    // Inline when the device is idle and nothing else waits (header comment).
-    const bool submit_here = job->kind == Job::Kind::kPrefill && queued_ == 0 && busy_ == 0 &&
-                             !submitting_ && backend_->SubmitOnlyQueues();
-    Push(queue, std::move(job));
-    if (!submit_here) return absl::OkStatus();
-    work = TakeWork(dropped);  // this job, or nothing when it already expired
-    if (!work.empty()) {
-      ++batches_run_;
-      ++busy_;
-      submitting_ = true;
-    }
-  }
-  FinishDropped(dropped);
-  if (work.empty()) return absl::OkStatus();
-  metrics_->ObserveQueueWait(absl::ToDoubleSeconds(absl::Now() - work[0]->enqueued));
-  SubmitBatch(work);
   absl::MutexLock lock(&mu_);
-  submitting_ = false;
+  if (stopping_) return absl::UnavailableError("server is shutting down");
+  if (queued_ >= options_.max_queue_requests) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "queue full: ", queued_, " requests queued, max_queue_requests=",
+        options_.max_queue_requests));
+  }
+  std::deque<std::unique_ptr<Job>>& queue = QueueOf(job->tenant);
+  const int64_t tenant_cap = options_.max_tenant_queue_requests > 0
+                                 ? options_.max_tenant_queue_requests
+                                 : options_.max_queue_requests;
+  if (static_cast<int64_t>(queue.size()) >= tenant_cap) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "queue full for this tenant: ", queue.size(),
+        " requests queued, max_tenant_queue_requests=", tenant_cap));
+  }
+  Push(queue, std::move(job));
   return absl::OkStatus();
 }
 
@@ -188,7 +169,6 @@ absl::Time Scheduler::OldestEnqueued() const {
 
 bool Scheduler::WorkerReady() const {
   if (stopping_ && queued_ == 0) return true;  // drained: exit
-  if (submitting_) return false;  // an enqueuer is submitting inline
   const Job* next = NextJob();
   if (next == nullptr) return false;
   // Other jobs run alone on an idle backend, in queue order.
@@ -273,9 +253,14 @@ void Scheduler::Loop() {
         ++batches_run_;
         ++busy_;  // reserved before Submit, so the rule sees it at once
       }
-      if (!work.empty()) submitting_ = true;
     }
-    FinishDropped(dropped);
+    for (auto& job : dropped) {
+      const bool cancelled = job->is_cancelled && job->is_cancelled();
+      Finish(std::move(job), cancelled
+                                 ? absl::CancelledError("request cancelled before launch")
+                                 : absl::DeadlineExceededError(
+                                       "deadline passed while the request was queued"));
+    }
     if (work.empty()) continue;
     const absl::Time start = absl::Now();
     for (const auto& job : work) {
@@ -286,18 +271,6 @@ void Scheduler::Loop() {
     } else {
       RunJob(std::move(work[0]));
     }
-    absl::MutexLock lock(&mu_);
-    submitting_ = false;
-  }
-}
-
-void Scheduler::FinishDropped(std::vector<std::unique_ptr<Job>>& dropped) {
-  for (auto& job : dropped) {
-    const bool cancelled = job->is_cancelled && job->is_cancelled();
-    Finish(std::move(job), cancelled
-                               ? absl::CancelledError("request cancelled before launch")
-                               : absl::DeadlineExceededError(
-                                     "deadline passed while the request was queued"));
   }
 }
 

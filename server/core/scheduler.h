@@ -1,4 +1,4 @@
-// Scheduler: per-tenant queues and a worker thread that forms batches.
+// Scheduler: one queue, one worker thread that owns the backend.
 //
 // Each tenant has its own FIFO queue. Prefill jobs are drained into batches
 // round-robin across tenants, one job per tenant per turn (up to
@@ -19,13 +19,6 @@
 // whichever comes first (a ceiling, never a fixed wait). WriteKV, ReadKV
 // and MergeStates jobs run on the worker once every submitted batch has
 // completed, so they are ordered with the batches around them.
-//
-// A prefill that arrives while the device is idle and nothing is queued is
-// submitted on the enqueuing thread itself when the backend's Submit only
-// queues device work (Backend::SubmitOnlyQueues): the batch the worker would
-// form is that one job anyway, and the hand-off to the worker costs tens of
-// microseconds of a lone request's latency. Only one thread calls the
-// backend at a time, worker or enqueuer.
 #pragma once
 
 #include <cstdint>
@@ -136,8 +129,6 @@ class Scheduler {
   void Push(std::deque<std::unique_ptr<Job>>& queue, std::unique_ptr<Job> job)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SubmitBatch(std::vector<std::unique_ptr<Job>>& work);
-  // Finishes jobs TakeWork dropped: CANCELLED or DEADLINE_EXCEEDED.
-  void FinishDropped(std::vector<std::unique_ptr<Job>>& dropped);
   void RunJob(std::unique_ptr<Job> job);
   void ObserveStats(const BatchStats& stats);
   void ReportFault(const absl::Status& status);
@@ -158,10 +149,6 @@ class Scheduler {
   int64_t queued_prefill_rows_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);  // submitted, awaiting the completer
   int32_t busy_ ABSL_GUARDED_BY(mu_) = 0;  // submitted and not yet completed
-  // A thread (the worker, or an enqueuer submitting inline) has taken work
-  // off the queues and is calling the backend: nobody else may until it is
-  // done (backend.h's threading rule).
-  bool submitting_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool worker_done_ ABSL_GUARDED_BY(mu_) = false;
   int64_t batches_run_ ABSL_GUARDED_BY(mu_) = 0;

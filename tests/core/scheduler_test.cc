@@ -39,12 +39,9 @@ class FakeBackend final : public Backend {
   std::string Device() const override { return "fake"; }
   const KvGeometry& Geometry() const override { return geo_; }
   int PipelineDepth() const override { return depth_; }
-  bool SubmitOnlyQueues() const override { return submit_only_queues_; }
 
   absl::Status Submit(absl::Span<const PrefillTask> tasks, BatchStats*) override {
-    OneCallAtATime one(this);
     absl::MutexLock lock(&mu_);
-    submit_threads_.push_back(std::this_thread::get_id());
     EXPECT_LT(static_cast<int>(pending_.size()), depth_) << "more batches in flight than the depth";
     std::vector<int32_t> ids, rows;
     std::vector<std::pair<int32_t*, int32_t>> outputs;
@@ -81,11 +78,6 @@ class FakeBackend final : public Backend {
     return status_;
   }
   absl::Status WriteKv(const KvRows& rows, BatchStats*) override {
-    OneCallAtATime one(this);
-    if (block_writes_) {
-      write_entered_.Notify();
-      write_release_.WaitForNotification();
-    }
     absl::MutexLock lock(&mu_);
     EXPECT_TRUE(pending_.empty()) << "WriteKv while a batch is in flight";
     ops_.push_back('W');
@@ -113,7 +105,6 @@ class FakeBackend final : public Backend {
   }
   KvGeometry& mutable_geometry() { return geo_; }
   absl::Status ReadKv(const KvRows&) override {
-    OneCallAtATime one(this);
     absl::MutexLock lock(&mu_);
     EXPECT_TRUE(pending_.empty()) << "ReadKv while a batch is in flight";
     ops_.push_back('R');
@@ -121,15 +112,6 @@ class FakeBackend final : public Backend {
   }
 
   void set_depth(int depth) { depth_ = depth; }
-  void set_submit_only_queues(bool b) { submit_only_queues_ = b; }
-  // The first WriteKv blocks (inside the backend) until ReleaseWrite().
-  void set_block_writes(bool b) { block_writes_ = b; }
-  void WaitWriteEntered() { write_entered_.WaitForNotification(); }
-  void ReleaseWrite() { write_release_.Notify(); }
-  std::vector<std::thread::id> submit_threads() const {
-    absl::MutexLock lock(&mu_);
-    return submit_threads_;
-  }
   int submitted() const {
     absl::MutexLock lock(&mu_);
     return static_cast<int>(batches_.size());
@@ -164,23 +146,7 @@ class FakeBackend final : public Backend {
   }
 
  private:
-  // Fails the test when two threads are inside the backend at once
-  // (backend.h: Submit, WriteKv, ReadKv never overlap).
-  struct OneCallAtATime {
-    explicit OneCallAtATime(FakeBackend* b) : b(b) {
-      EXPECT_EQ(b->active_.fetch_add(1), 0) << "two backend calls overlap";
-      absl::SleepFor(absl::Microseconds(300));  // widens the window for an overlap
-    }
-    ~OneCallAtATime() { b->active_.fetch_sub(1); }
-    FakeBackend* b;
-  };
-
   KvGeometry geo_;
-  std::atomic<int> active_{0};
-  bool submit_only_queues_ = false;
-  bool block_writes_ = false;
-  absl::Notification write_entered_, write_release_;
-  std::vector<std::thread::id> submit_threads_ ABSL_GUARDED_BY(mu_);
   bool block_first_ = true;
   int depth_ = 1;
   absl::Status status_;
@@ -237,17 +203,13 @@ class DoneLog {
   int total_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Every scheduler test runs twice: with the worker submitting every batch,
-// and with a backend whose Submit only queues, so that a lone request is
-// submitted on the enqueuing thread (GetParam() true).
-class SchedulerTest : public ::testing::TestWithParam<bool> {
+class SchedulerTest : public ::testing::Test {
  protected:
   static constexpr int kMaxJobs = 256;
 
   SchedulerTest() : pages_(16, 0), outputs_(kMaxJobs, -1), log_(kMaxJobs) {}
 
   void Start(SchedulerOptions options) {
-    backend_.set_submit_only_queues(GetParam());
     scheduler_ = std::make_unique<Scheduler>(&backend_, &pages_, &metrics_, options);
   }
 
@@ -280,7 +242,7 @@ class SchedulerTest : public ::testing::TestWithParam<bool> {
   std::unique_ptr<Scheduler> scheduler_;
 };
 
-TEST_P(SchedulerTest, ConcurrentJobsQueuedBehindABusyBackendShareBatches) {
+TEST_F(SchedulerTest, ConcurrentJobsQueuedBehindABusyBackendShareBatches) {
   constexpr int kThreads = 8, kPerThread = 6;
   constexpr int kJobs = 1 + kThreads * kPerThread;
   Start(SchedulerOptions{});
@@ -317,7 +279,7 @@ TEST_P(SchedulerTest, ConcurrentJobsQueuedBehindABusyBackendShareBatches) {
   for (int id = 0; id < kJobs; ++id) EXPECT_EQ(served[id], 1) << "job " << id;
 }
 
-TEST_P(SchedulerTest, BatchesStayWithinMaxBatchTokensAndABigJobRunsAlone) {
+TEST_F(SchedulerTest, BatchesStayWithinMaxBatchTokensAndABigJobRunsAlone) {
   SchedulerOptions options;
   options.max_batch_tokens = 10;
   Start(options);
@@ -342,7 +304,7 @@ TEST_P(SchedulerTest, BatchesStayWithinMaxBatchTokensAndABigJobRunsAlone) {
   for (int id = 0; id < 7; ++id) EXPECT_EQ(log_.calls(id), 1);
 }
 
-TEST_P(SchedulerTest, KvJobsKeepTheirPlaceInQueueOrder) {
+TEST_F(SchedulerTest, KvJobsKeepTheirPlaceInQueueOrder) {
   Start(SchedulerOptions{});
   MustEnqueue(Prefill(0, 1));
   backend_.WaitEntered();
@@ -361,7 +323,7 @@ TEST_P(SchedulerTest, KvJobsKeepTheirPlaceInQueueOrder) {
   for (int id = 0; id < 8; ++id) EXPECT_EQ(log_.calls(id), 1);
 }
 
-TEST_P(SchedulerTest, FullQueueIsResourceExhaustedAndKeepsTheJob) {
+TEST_F(SchedulerTest, FullQueueIsResourceExhaustedAndKeepsTheJob) {
   SchedulerOptions options;
   options.max_queue_requests = 3;
   Start(options);
@@ -386,7 +348,7 @@ TEST_P(SchedulerTest, FullQueueIsResourceExhaustedAndKeepsTheJob) {
   EXPECT_NE(late, nullptr);
 }
 
-TEST_P(SchedulerTest, StopFinishesEveryQueuedJob) {
+TEST_F(SchedulerTest, StopFinishesEveryQueuedJob) {
   Start(SchedulerOptions{});
   MustEnqueue(Prefill(0, 1));
   backend_.WaitEntered();
@@ -404,7 +366,7 @@ TEST_P(SchedulerTest, StopFinishesEveryQueuedJob) {
   EXPECT_EQ(log_.total(), 21);
 }
 
-TEST_P(SchedulerTest, BackendErrorReachesEveryJobOfTheBatch) {
+TEST_F(SchedulerTest, BackendErrorReachesEveryJobOfTheBatch) {
   backend_.set_status(absl::InternalError("device lost"));
   Start(SchedulerOptions{});
   MustEnqueue(Prefill(0, 1));
@@ -419,7 +381,7 @@ TEST_P(SchedulerTest, BackendErrorReachesEveryJobOfTheBatch) {
   }
 }
 
-TEST_P(SchedulerTest, PinsAreReleasedBeforeTheDoneCallback) {
+TEST_F(SchedulerTest, PinsAreReleasedBeforeTheDoneCallback) {
   backend_.set_block_first(false);
   Start(SchedulerOptions{});
   auto pages = pages_.Allocate("alice", 2);
@@ -444,7 +406,7 @@ TEST_P(SchedulerTest, PinsAreReleasedBeforeTheDoneCallback) {
 // Pipelining (depth 2): while batch 0 runs, the next batch is submitted
 // once its oldest request reaches the delay ceiling, without waiting for
 // batch 0; a third waits for a free slot.
-TEST_P(SchedulerTest, NextBatchIsSubmittedWhileTheCurrentOneRuns) {
+TEST_F(SchedulerTest, NextBatchIsSubmittedWhileTheCurrentOneRuns) {
   backend_.set_depth(2);
   SchedulerOptions options;
   options.max_queue_delay_us = 0;
@@ -470,7 +432,7 @@ TEST_P(SchedulerTest, NextBatchIsSubmittedWhileTheCurrentOneRuns) {
 // The delay is a ceiling: a batch held while the device is busy goes when
 // its oldest request has waited max_queue_delay_us, even though the running
 // batch has not finished.
-TEST_P(SchedulerTest, HeldBatchGoesAtTheDelayCeiling) {
+TEST_F(SchedulerTest, HeldBatchGoesAtTheDelayCeiling) {
   backend_.set_depth(2);
   SchedulerOptions options;
   options.max_queue_delay_us = 20000;
@@ -487,7 +449,7 @@ TEST_P(SchedulerTest, HeldBatchGoesAtTheDelayCeiling) {
 
 // Below the ceiling, requests that arrive while a batch runs gather into one
 // batch that goes when the running batch finishes.
-TEST_P(SchedulerTest, RequestsGatherWhileTheDeviceIsBusy) {
+TEST_F(SchedulerTest, RequestsGatherWhileTheDeviceIsBusy) {
   backend_.set_depth(2);
   SchedulerOptions options;
   options.max_queue_delay_us = int64_t{3600} * 1000 * 1000;  // an hour: never reached
@@ -503,7 +465,7 @@ TEST_P(SchedulerTest, RequestsGatherWhileTheDeviceIsBusy) {
 
 // An idle device never waits: with an hour-long ceiling a lone request
 // still completes at once.
-TEST_P(SchedulerTest, LoneRequestOnAnIdleDeviceGoesAtOnce) {
+TEST_F(SchedulerTest, LoneRequestOnAnIdleDeviceGoesAtOnce) {
   backend_.set_depth(2);
   backend_.set_block_first(false);
   SchedulerOptions options;
@@ -517,7 +479,7 @@ TEST_P(SchedulerTest, LoneRequestOnAnIdleDeviceGoesAtOnce) {
 
 // KV jobs run only when no batch is in flight (the fake backend fails the
 // test otherwise) and keep their queue order.
-TEST_P(SchedulerTest, KvJobsWaitForBatchesInFlight) {
+TEST_F(SchedulerTest, KvJobsWaitForBatchesInFlight) {
   backend_.set_depth(2);
   SchedulerOptions options;
   options.max_queue_delay_us = 0;
@@ -536,64 +498,6 @@ TEST_P(SchedulerTest, KvJobsWaitForBatchesInFlight) {
 // from zero rows) before they rejoin the free list; the done callback runs
 // once all of it is finished, and pages freed while pinned follow when the
 // request holding them finishes.
-// A lone request on an idle device is submitted by the thread that queued it
-// when the backend allows it, and by the worker otherwise; under concurrent
-// enqueues of both kinds of job the backend is never entered twice at once.
-TEST_P(SchedulerTest, LoneRequestIsSubmittedInlineOnlyWhenTheBackendAllowsIt) {
-  backend_.set_depth(2);
-  backend_.set_block_first(false);
-  SchedulerOptions options;
-  options.max_queue_delay_us = 0;  // the worker submits as soon as a slot is free
-  Start(options);
-  MustEnqueue(Prefill(0, 1));
-  ASSERT_TRUE(log_.WaitFor(1, absl::Seconds(30)));
-  ASSERT_EQ(backend_.submit_threads().size(), 1u);
-  EXPECT_EQ(backend_.submit_threads()[0] == std::this_thread::get_id(), GetParam());
-
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 8; ++t) {
-    threads.emplace_back([this, t] {
-      for (int i = 0; i < 16; ++i) {
-        const int id = 1 + t * 16 + i;
-        MustEnqueue(i % 4 == 3 ? KvJob(id, Job::Kind::kWriteKv) : Prefill(id, 1));
-        if (i % 5 == 0) absl::SleepFor(absl::Microseconds(200));  // let the device go idle
-      }
-    });
-  }
-  for (std::thread& th : threads) th.join();
-  ASSERT_TRUE(log_.WaitFor(1 + 8 * 16, absl::Seconds(60)));
-  for (int id = 1; id <= 8 * 16; ++id) {
-    EXPECT_EQ(log_.calls(id), 1) << id;
-    EXPECT_TRUE(log_.status(id).ok()) << id << " " << log_.status(id);
-    if ((id - 1) % 16 % 4 != 3) EXPECT_EQ(outputs_[id], id);
-  }
-}
-
-// An idle device with an empty queue is not enough for an inline submit:
-// while the worker is inside the backend (a KV write) the prefill waits.
-TEST_P(SchedulerTest, NoInlineSubmitWhileTheWorkerIsInTheBackend) {
-  backend_.set_depth(2);
-  backend_.set_block_first(false);
-  backend_.set_block_writes(true);
-  SchedulerOptions options;
-  options.max_queue_delay_us = 0;
-  Start(options);
-  MustEnqueue(KvJob(0, Job::Kind::kWriteKv));
-  backend_.WaitWriteEntered();
-  MustEnqueue(Prefill(1, 1));
-  absl::SleepFor(absl::Milliseconds(20));
-  EXPECT_EQ(backend_.submitted(), 0) << "a prefill was submitted during a KV write";
-  backend_.ReleaseWrite();
-  ASSERT_TRUE(log_.WaitFor(2, absl::Seconds(30)));
-  EXPECT_EQ(backend_.ops(), "WP");
-  EXPECT_EQ(outputs_[1], 1);
-}
-
-INSTANTIATE_TEST_SUITE_P(WorkerOrInline, SchedulerTest, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? "InlineSubmit" : "WorkerSubmits";
-                         });
-
 TEST(SchedulerScrubTest, ReleasedPagesAreZeroedInEveryLayerThenFreed) {
   FakeBackend backend;
   backend.set_block_first(false);
