@@ -92,14 +92,45 @@ int64_t ResetForReuse(v1::PrefillRequest* request) {
   return kept;
 }
 
-bool ParseInto(const grpc::ByteBuffer& bytes, google::protobuf::MessageLite* request) {
-  // The reader only reads; gRPC's API takes the buffer non-const.
+bool TopLevelLengthsFit(const grpc::ByteBuffer& bytes) {
+  using google::protobuf::internal::WireFormatLite;
   grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(&bytes));
   if (!reader.status().ok()) return false;
   google::protobuf::io::CodedInputStream input(&reader);
-  input.SetTotalBytesLimit(INT_MAX);
+  for (;;) {
+    const uint32_t tag = input.ReadTag();
+    if (tag == 0) return true;  // the end, or a malformed tag the parser will reject
+    uint64_t value = 0;
+    uint32_t length = 0;
+    switch (WireFormatLite::GetTagWireType(tag)) {
+      case WireFormatLite::WIRETYPE_VARINT:
+        if (!input.ReadVarint64(&value)) return false;
+        break;
+      case WireFormatLite::WIRETYPE_FIXED64:
+        if (!input.Skip(8)) return false;
+        break;
+      case WireFormatLite::WIRETYPE_FIXED32:
+        if (!input.Skip(4)) return false;
+        break;
+      case WireFormatLite::WIRETYPE_LENGTH_DELIMITED:
+        // Skip fails when fewer bytes follow than the field claims.
+        if (!input.ReadVarint32(&length) || !input.Skip(static_cast<int>(length))) return false;
+        break;
+      default:  // groups: no attnserve message has them
+        return false;
+    }
+  }
+}
+
+bool ParseInto(const grpc::ByteBuffer& bytes, google::protobuf::MessageLite* request) {
+  if (bytes.Length() > INT_MAX || !TopLevelLengthsFit(bytes)) return false;
+  // The reader only reads; gRPC's API takes the buffer non-const.
+  grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(&bytes));
+  if (!reader.status().ok()) return false;
   // Merge, not Parse: Parse would Clear() first and drop the kept tensors.
-  return request->MergeFromCodedStream(&input) && input.ConsumedEntireMessage() &&
+  // Bounded by the message's real size: an unbounded stream lets a field
+  // that claims more bytes than the message holds reserve up to 50 MB first.
+  return request->MergeFromBoundedZeroCopyStream(&reader, static_cast<int>(bytes.Length())) &&
          reader.status().ok();
 }
 

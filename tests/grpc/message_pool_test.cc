@@ -118,6 +118,39 @@ TEST(PrefillWireTest, GarbageDoesNotParse) {
   EXPECT_FALSE(ParseInto(grpc::ByteBuffer(&slice, 1), r.get()));
 }
 
+grpc::ByteBuffer Bytes(const std::string& s) {
+  grpc::Slice slice(s.data(), s.size());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+TEST(PrefillWireTest, FieldsClaimingMoreBytesThanTheMessageHoldsAreRejectedUnparsed) {
+  // Valid requests, in one slice or many, pass.
+  const v1::PrefillRequest valid = MakeRequest(3000, 40, /*with_optionals=*/true, 3);
+  EXPECT_TRUE(TopLevelLengthsFit(ToWireBytes(valid)));
+  EXPECT_TRUE(TopLevelLengthsFit(Bytes(valid.SerializeAsString())));
+  EXPECT_TRUE(TopLevelLengthsFit(Bytes("")));
+  // q (field 2) claims 1 GiB and holds 16 bytes: protobuf alone would
+  // reserve 50 MB for its data before failing.
+  const std::string big_q = std::string("\x12\x80\x80\x80\x80\x04", 6) +
+                            std::string("\x1a\xf0\xff\xff\xff\x03", 6) + std::string(10, 'x');
+  // An unknown length-delimited field (127) claiming 1 GiB.
+  const std::string big_unknown = std::string("\xfa\x07\x80\x80\x80\x80\x04", 7) + "yyyy";
+  // A start-group tag (field 1, wire type 3); a truncated varint.
+  const std::string group("\x0b\x0c", 2);
+  const std::string truncated("\x08\xff", 2);
+  for (const std::string& bad : {big_q, big_unknown, group, truncated}) {
+    EXPECT_FALSE(TopLevelLengthsFit(Bytes(bad)));
+    v1::PrefillRequest r;
+    EXPECT_FALSE(ParseInto(Bytes(bad), &r));
+  }
+  // A nested claim beyond its parent passes the top-level walk; the bounded
+  // parse then rejects it.
+  const std::string nested_over = std::string("\x12\x06\x1a\x80\x80\x80\x80\x04", 8);
+  EXPECT_TRUE(TopLevelLengthsFit(Bytes(nested_over)));
+  v1::PrefillRequest r;
+  EXPECT_FALSE(ParseInto(Bytes(nested_over), &r));
+}
+
 TEST(RecyclingPoolTest, StaysWithinItsCountAndByteBounds) {
   Pool pool(2, 1 << 20, Reset);
   {

@@ -24,10 +24,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "client/client.h"
 #include "client/workload.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
 #include "tests/integration/test_server.h"
@@ -863,6 +867,25 @@ class AuthServerTest : public ::testing::TestWithParam<int32_t> {
   ATTN_SEND(GetServerInfo, ServerInfo)
 #undef ATTN_SEND
 
+  // Raw bytes to Prefill as `who`: what no generated client sends.
+  grpc::Status SendRawPrefill(Who who, const std::string& bytes) {
+    grpc::GenericStub stub(
+        grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    Prepare(who, &ctx);
+    grpc::Slice slice(bytes.data(), bytes.size());
+    grpc::ByteBuffer request(&slice, 1), response;
+    absl::Notification done;
+    grpc::Status status;
+    stub.UnaryCall(&ctx, "/attnserve.v1.AttentionService/Prefill", grpc::StubOptions(), &request,
+                   &response, [&](grpc::Status s) {
+                     status = std::move(s);
+                     done.Notify();
+                   });
+    done.WaitForNotification();
+    return status;
+  }
+
   std::string tokens_path_;
   std::unique_ptr<TestServer> server_;
   std::unique_ptr<Client> alice_, bob_;
@@ -994,7 +1017,19 @@ TEST_P(AuthServerTest, EveryMalformedRequestGetsItsCodeAndChangesNothing) {
   const int64_t num_slots = int64_t{num_pages} * ps;
   auto none = [](auto&) {};
 
+  // Prefill bytes that are not a PrefillRequest: truncated, a field claiming
+  // 1 GiB that is not there (rejected before anything is reserved for it).
+  const std::string wire = prefill.SerializeAsString();
+  const std::string truncated = wire.substr(0, wire.size() / 2);
+  const std::string claims_1gib = std::string("\x12\x80\x80\x80\x80\x04", 6) +
+                                  std::string("\x1a\xf0\xff\xff\xff\x03", 6) + "xyz";
+  auto Raw = [this](Who who, std::string bytes) {
+    return [this, who, bytes] { return SendRawPrefill(who, bytes); };
+  };
   const std::vector<Rejection> cases = {
+      {"Prefill truncated bytes", Raw(Who::kAlice, truncated), kInvalid, "does not parse"},
+      {"Prefill field claiming 1 GiB", Raw(Who::kAlice, claims_1gib), kInvalid, "does not parse"},
+      {"Prefill raw bytes without a token", Raw(Who::kNoToken, claims_1gib), kUnauth, ""},
       // Prefill: every field.
       {"Prefill layer", P(Who::kAlice, [](auto& r) { r.set_layer(2); }), kInvalid, "layer"},
       {"Prefill q.dtype", P(Who::kAlice, [](auto& r) { r.mutable_q()->set_dtype(v1::DTYPE_FP16); }),
