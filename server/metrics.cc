@@ -41,15 +41,15 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                        .Help("Query rows per attention launch")
                        .Register(*registry_)
                        .Add({}, Exponential(1, 2, 18));
-  kernel_launches_ = &prometheus::BuildCounter()
+  auto& kernel_launches = prometheus::BuildCounter()
                           .Name("attnserve_kernel_launches_total")
                           .Help("Kernel launches by kernel (attention, merge, append)")
                           .Register(*registry_);
-  kernel_duration_ = &prometheus::BuildHistogram()
+  auto& kernel_duration = prometheus::BuildHistogram()
                           .Name("attnserve_kernel_duration_seconds")
                           .Help("Kernel time per batch in seconds (device time on CUDA)")
                           .Register(*registry_);
-  batch_stage_ = &prometheus::BuildHistogram()
+  auto& batch_stage = prometheus::BuildHistogram()
                       .Name("attnserve_batch_stage_seconds")
                       .Help("Host time per batch by stage (submit, wait, unpack, finish)")
                       .Register(*registry_);
@@ -70,14 +70,15 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                    .Help("RPCs being handled")
                    .Register(*registry_)
                    .Add({});
-  // Create the kernel series up front so dashboards see them at zero.
-  for (const char* k : {"attention", "merge", "append"}) {
-    kernel_launches_->Add({{"kernel", k}});
-    kernel_duration_->Add({{"kernel", k}}, Seconds());
+  // The kernel and stage series exist from the start (dashboards see them at
+  // zero), in the order of the Kernel and Stage enums.
+  const char* kernels[] = {"attention", "merge", "append"};
+  for (int i = 0; i < 3; ++i) {
+    kernel_launches_[i] = &kernel_launches.Add({{"kernel", kernels[i]}});
+    kernel_duration_[i] = &kernel_duration.Add({{"kernel", kernels[i]}}, Seconds());
   }
-  for (const char* stage : {"submit", "wait", "unpack", "finish"}) {
-    batch_stage_->Add({{"stage", stage}}, Seconds());
-  }
+  const char* stages[] = {"submit", "wait", "unpack", "finish"};
+  for (int i = 0; i < 4; ++i) batch_stage_[i] = &batch_stage.Add({{"stage", stages[i]}}, Seconds());
 }
 
 void Metrics::ObserveRequest(absl::string_view method, absl::string_view code, double seconds) {
@@ -91,14 +92,14 @@ void Metrics::ObserveBatch(int requests, int64_t tokens) {
   batch_tokens_->Observe(static_cast<double>(tokens));
 }
 
-void Metrics::ObserveKernel(absl::string_view kernel, int launches, double seconds) {
+void Metrics::ObserveKernel(Kernel kernel, int launches, double seconds) {
   if (launches <= 0) return;
-  kernel_launches_->Add({{"kernel", std::string(kernel)}}).Increment(launches);
-  kernel_duration_->Add({{"kernel", std::string(kernel)}}, Seconds()).Observe(seconds);
+  kernel_launches_[static_cast<int>(kernel)]->Increment(launches);
+  kernel_duration_[static_cast<int>(kernel)]->Observe(seconds);
 }
 
-void Metrics::ObserveStage(absl::string_view stage, double seconds) {
-  batch_stage_->Add({{"stage", std::string(stage)}}, Seconds()).Observe(seconds);
+void Metrics::ObserveStage(Stage stage, double seconds) {
+  batch_stage_[static_cast<int>(stage)]->Observe(seconds);
 }
 
 void Metrics::SetKvPages(int64_t free_pages, int64_t used_pages) {

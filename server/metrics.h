@@ -26,12 +26,14 @@ class Metrics {
   void ObserveRequest(absl::string_view method, absl::string_view code, double seconds);
   void ObserveQueueWait(double seconds) { queue_wait_->Observe(seconds); }
   void ObserveBatch(int requests, int64_t tokens);
-  // kernel: "attention", "merge" or "append"; seconds of device (or CPU) time.
-  void ObserveKernel(absl::string_view kernel, int launches, double seconds);
-  // Host time of one batch stage: "submit" (plan, pack, queue), "wait" (for
-  // the device), "unpack" (outputs to the responses), "finish" (pages
-  // unpinned, responses handed to gRPC).
-  void ObserveStage(absl::string_view stage, double seconds);
+  enum class Kernel { kAttention, kMerge, kAppend };
+  // Launches of one kernel in a batch and their device (or CPU) seconds.
+  void ObserveKernel(Kernel kernel, int launches, double seconds);
+  // Host time of one batch stage: submit (plan, pack, queue), wait (for the
+  // device), unpack (outputs to the responses), finish (pages unpinned,
+  // responses handed to gRPC).
+  enum class Stage { kSubmit, kWait, kUnpack, kFinish };
+  void ObserveStage(Stage stage, double seconds);
   void SetKvPages(int64_t free_pages, int64_t used_pages);
   void AddTransferBytes(int64_t in_bytes, int64_t out_bytes);
   prometheus::Gauge& inflight() { return *inflight_; }
@@ -43,9 +45,11 @@ class Metrics {
   prometheus::Histogram* queue_wait_;
   prometheus::Histogram* batch_requests_;
   prometheus::Histogram* batch_tokens_;
-  prometheus::Family<prometheus::Counter>* kernel_launches_;
-  prometheus::Family<prometheus::Histogram>* kernel_duration_;
-  prometheus::Family<prometheus::Histogram>* batch_stage_;
+  // Series of the fixed label values, indexed by Kernel and Stage: created
+  // once, so a batch's observations look nothing up.
+  prometheus::Counter* kernel_launches_[3];
+  prometheus::Histogram* kernel_duration_[3];
+  prometheus::Histogram* batch_stage_[4];
   prometheus::Gauge* kv_free_;
   prometheus::Gauge* kv_used_;
   prometheus::Counter* bytes_in_;

@@ -322,7 +322,7 @@ void Scheduler::CompleteLoop() {
       }
     }
     Finish(std::move(batch.jobs[0]), status);
-    metrics_->ObserveStage("finish", absl::ToDoubleSeconds(absl::Now() - finish_start));
+    metrics_->ObserveStage(Metrics::Stage::kFinish, absl::ToDoubleSeconds(absl::Now() - finish_start));
     absl::MutexLock lock(&mu_);
     --busy_;
   }
@@ -381,13 +381,13 @@ void Scheduler::RunJob(std::unique_ptr<Job> job) {
 }
 
 void Scheduler::ObserveStats(const BatchStats& stats) {
-  metrics_->ObserveKernel("attention", stats.attention_launches, stats.attention_seconds);
-  metrics_->ObserveKernel("merge", stats.merge_launches, stats.merge_seconds);
-  metrics_->ObserveKernel("append", stats.append_launches, stats.append_seconds);
+  metrics_->ObserveKernel(Metrics::Kernel::kAttention, stats.attention_launches, stats.attention_seconds);
+  metrics_->ObserveKernel(Metrics::Kernel::kMerge, stats.merge_launches, stats.merge_seconds);
+  metrics_->ObserveKernel(Metrics::Kernel::kAppend, stats.append_launches, stats.append_seconds);
   if (stats.attention_launches > 0 || stats.submit_seconds > 0) {
-    metrics_->ObserveStage("submit", stats.submit_seconds);
-    metrics_->ObserveStage("wait", stats.wait_seconds);
-    metrics_->ObserveStage("unpack", stats.unpack_seconds);
+    metrics_->ObserveStage(Metrics::Stage::kSubmit, stats.submit_seconds);
+    metrics_->ObserveStage(Metrics::Stage::kWait, stats.wait_seconds);
+    metrics_->ObserveStage(Metrics::Stage::kUnpack, stats.unpack_seconds);
   }
 }
 
