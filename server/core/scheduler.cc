@@ -276,13 +276,14 @@ void Scheduler::Loop() {
 
 void Scheduler::SubmitBatch(std::vector<std::unique_ptr<Job>>& work) {
   InFlight batch;
-  std::vector<PrefillTask> tasks;
-  tasks.reserve(work.size());
-  for (const auto& job : work) {
-    tasks.push_back(job->task);
+  // The tasks move out of their jobs: nothing reads a job's task after this,
+  // and their pointers (into the requests) stay valid until Finish.
+  submit_tasks_.clear();
+  for (auto& job : work) {
     batch.rows += job->task.total_q;
+    submit_tasks_.push_back(std::move(job->task));
   }
-  const absl::Status status = backend_->Submit(tasks, &batch.stats);
+  const absl::Status status = backend_->Submit(submit_tasks_, &batch.stats);
   if (!status.ok()) {
     {
       absl::MutexLock lock(&mu_);

@@ -154,6 +154,7 @@ class Scheduler {
   int64_t batches_run_ ABSL_GUARDED_BY(mu_) = 0;
   std::function<void(const absl::Status&)> on_fault_ ABSL_GUARDED_BY(mu_);
   std::thread worker_;
+  std::vector<PrefillTask> submit_tasks_;  // the worker's scratch for SubmitBatch
   std::thread completer_;
   // Jobs handed to the finisher threads, and whether they should exit once
   // the queue is empty.
