@@ -120,9 +120,8 @@ class Backend {
   virtual absl::Status ReadKv(const KvRows& rows) = 0;
 
   // Sets every KV row of `pages` to zero in every layer (freed pages, before
-  // anyone may allocate them again). Same threading as WriteKv. Default:
-  // WriteKv of zero rows, in chunks.
-  virtual absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats);
+  // anyone may allocate them again). Same threading as WriteKv.
+  virtual absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) = 0;
 
   // N-way merge of states in host memory. Default: the CPU reference.
   virtual absl::Status MergeStates(const MergeStatesParams& params) {
