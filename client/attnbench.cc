@@ -248,9 +248,9 @@ class Worker {
     const double latency = Seconds(Clock::now() - start);
     bool wrong = false;
     if (out.ok() && verify) {
-      const Comparison c =
-          Compare(GeometryOf(client_->info()).dtype, shape.o_ref, shape.lse_ref, out->o, out->lse);
-      wrong = !c.Ok(GeometryOf(client_->info()).dtype);
+      const KvDType dtype = GeometryOf(client_->info()).dtype;
+      const Comparison c = Compare(dtype, shape.o_ref, shape.lse_ref, out->o, out->lse);
+      wrong = !c.Ok(dtype);
       if (wrong) std::cerr << "\nwrong result (" << shape.name << "): " << c.ToString() << "\n";
     }
     stats->Record(latency, out.status(), wrong, shape);

@@ -195,18 +195,18 @@ grpc::ByteBuffer EncodePrefillResponse(PrefillOutput out, v1::DType dtype, int64
   const int refs = (out.o_bytes > 0 ? 1 : 0) + (out.lse_bytes > 0 ? 1 : 0);
   char* const data = out.buffer.data();
   SharedBuffer* shared = refs > 0 ? new SharedBuffer(std::move(out.buffer), refs) : nullptr;
-  std::vector<grpc::Slice> slices;
-  slices.reserve(5);
-  slices.emplace_back(o_head.data(), o_head.size());
+  grpc::Slice slices[5];
+  size_t n = 0;
+  slices[n++] = grpc::Slice(o_head.data(), o_head.size());
   if (out.o_bytes > 0) {
-    slices.emplace_back(data, static_cast<size_t>(out.o_bytes), Unref, shared);
+    slices[n++] = grpc::Slice(data, static_cast<size_t>(out.o_bytes), Unref, shared);
   }
-  slices.emplace_back(lse_head.data(), lse_head.size());
+  slices[n++] = grpc::Slice(lse_head.data(), lse_head.size());
   if (out.lse_bytes > 0) {
-    slices.emplace_back(data + out.lse_offset, static_cast<size_t>(out.lse_bytes), Unref, shared);
+    slices[n++] = grpc::Slice(data + out.lse_offset, static_cast<size_t>(out.lse_bytes), Unref, shared);
   }
-  if (!tail.empty()) slices.emplace_back(tail.data(), tail.size());
-  return grpc::ByteBuffer(slices.data(), slices.size());
+  if (!tail.empty()) slices[n++] = grpc::Slice(tail.data(), tail.size());
+  return grpc::ByteBuffer(slices, n);
 }
 
 void SetTensorHeader(v1::Tensor* t, v1::DType dtype, absl::Span<const int64_t> shape) {

@@ -60,17 +60,11 @@ std::unique_ptr<Client> Connect(const TestServer& server, const std::string& tok
   return client.ok() ? *std::move(client) : nullptr;
 }
 
-// Every slot of `pages`, in page order.
-std::vector<int64_t> SlotsOf(const KvGeometry& g, absl::Span<const int32_t> pages) {
-  std::vector<int64_t> slots = SlotsOfPages(g, pages);
-  return slots;
-}
-
 // Writes random K/V into every slot of `pages` in `layer`, and into the mirror.
 void FillPages(Client& client, KvMirror& mirror, std::mt19937_64& gen, int32_t layer,
                absl::Span<const int32_t> pages) {
   const KvGeometry& g = mirror.geometry();
-  const std::vector<int64_t> slots = SlotsOf(g, pages);
+  const std::vector<int64_t> slots = SlotsOfPages(g, pages);
   const int64_t n = static_cast<int64_t>(slots.size()) * g.RowElems();
   const std::vector<uint16_t> k = RandomHalves(gen, g.dtype, n), v = RandomHalves(gen, g.dtype, n);
   absl::Status s = client.WriteKV(layer, slots, k, v);
@@ -160,7 +154,7 @@ struct Snapshot {
 
 Snapshot Read(Client& client, const KvGeometry& g, absl::Span<const int32_t> pages) {
   Snapshot s;
-  const std::vector<int64_t> slots = SlotsOf(g, pages);
+  const std::vector<int64_t> slots = SlotsOfPages(g, pages);
   for (int32_t layer = 0; layer < g.num_layers; ++layer) {
     auto kv = client.ReadKV(layer, slots);
     EXPECT_TRUE(kv.ok()) << kv.status();
@@ -274,7 +268,7 @@ TEST_P(ServerTest, ReadKvReturnsExactlyWhatWriteKvWrote) {
   std::mt19937_64 gen(GetParam() + 100);
   auto pages = client_->AllocatePages(GetParam() == 1 ? 40 : 4);
   ASSERT_TRUE(pages.ok()) << pages.status();
-  std::vector<int64_t> slots = SlotsOf(geo_, *pages);
+  std::vector<int64_t> slots = SlotsOfPages(geo_, *pages);
   std::shuffle(slots.begin(), slots.end(), gen);
   slots.resize(slots.size() * 3 / 4);
   const int64_t row = geo_.RowElems();
@@ -637,7 +631,7 @@ TEST_P(ServerTest, ConcurrentClientsGetCorrectResultsInFewerBatchesThanRequests)
           client ? client->AllocatePages(static_cast<int32_t>(PagesNeeded(geo_, spec)))
                  : absl::UnavailableError("no client");
       if (pages.ok()) {
-        const std::vector<int64_t> slots = SlotsOf(geo_, *pages);
+        const std::vector<int64_t> slots = SlotsOfPages(geo_, *pages);
         const int64_t n = static_cast<int64_t>(slots.size()) * geo_.RowElems();
         auto k = RandomHalves(gen, geo_.dtype, n), v = RandomHalves(gen, geo_.dtype, n);
         absl::Status s = client->WriteKV(spec.layer, slots, k, v);
@@ -921,8 +915,8 @@ TEST_P(AuthServerTest, EveryMalformedRequestGetsItsCodeAndChangesNothing) {
   // Valid requests (sent at the end, to prove that each rejection below is
   // due to its one broken field).
   const PrefillInputs in = EdgeCaseInputs(gen, geo_, *alice_pages, 1, true, false, 2, 16, 60);
-  const std::vector<int64_t> alice_slots = SlotsOf(geo_, *alice_pages);
-  const std::vector<int64_t> bob_slots = SlotsOf(geo_, *bob_pages);
+  const std::vector<int64_t> alice_slots = SlotsOfPages(geo_, *alice_pages);
+  const std::vector<int64_t> bob_slots = SlotsOfPages(geo_, *bob_pages);
   const std::vector<int64_t> append_slots = {alice_slots[3], alice_slots[0], alice_slots[7]};
   const auto ak = RandomHalves(gen, geo_.dtype, 3 * geo_.RowElems());
   const auto av = RandomHalves(gen, geo_.dtype, 3 * geo_.RowElems());
@@ -1242,7 +1236,7 @@ TEST_P(AuthServerTest, FreedPagesAreZeroedBeforeAnotherTenantGetsThem) {
   const int32_t free_before = info->free_pages();
   auto mine = alice_->AllocatePages(8);
   ASSERT_TRUE(mine.ok()) << mine.status();
-  const std::vector<int64_t> slots = SlotsOf(geo_, *mine);
+  const std::vector<int64_t> slots = SlotsOfPages(geo_, *mine);
   const int64_t n = static_cast<int64_t>(slots.size());
   for (int32_t layer = 0; layer < geo_.num_layers; ++layer) {
     const auto k = RandomHalves(gen, geo_.dtype, n * geo_.RowElems());
