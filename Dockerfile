@@ -6,7 +6,7 @@
 #   docker build -t attnserve:0.1.0 .
 #   docker run --rm --gpus all -p 50051:50051 -p 9464:9464 attnserve:0.1.0 --backend=cuda
 #
-# Extra arguments are appended to the server's flags (DESIGN.md section 6). The
+# Extra arguments are appended to the server's flags (docs/design.md section 6). The
 # same image serves the CPU backend (--backend=cpu) on a machine without a GPU.
 # tests/deploy/validate.sh checks this file against CMakeLists.txt and deploy/k8s/.
 

@@ -53,7 +53,7 @@ struct PrefillInputs {
   int64_t total_q() const { return qo_indptr.empty() ? 0 : qo_indptr.back(); }
 };
 
-// float64 attention per DESIGN.md section 3: o (total_q, Hq, D), lse
+// float64 attention per docs/design.md section 3: o (total_q, Hq, D), lse
 // (total_q, Hq) with -inf for rows that see nothing.
 void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<double>* o,
                       std::vector<double>* lse);
@@ -83,7 +83,7 @@ PrefillInputs RandomPrefill(std::mt19937_64& gen, const KvGeometry& geo, const W
 // Pages RandomPrefill may need at most.
 int64_t PagesNeeded(const KvGeometry& geo, const WorkloadSpec& spec);
 
-// Result against the reference (DESIGN.md section 3 tolerances).
+// Result against the reference (docs/design.md section 3 tolerances).
 struct Comparison {
   double o_rel_error = 0;      // ||o - ref|| / ||ref||
   double lse_max_abs = 0;      // over rows where the reference is finite

@@ -1,7 +1,7 @@
 // Paged prefill attention: params shared by the CPU reference
 // (PagedPrefillCpu, here) and the CUDA kernel (paged_prefill_cuda.h).
 //
-// Conventions (DESIGN.md section 3):
+// Conventions (docs/design.md section 3):
 //  - GQA: query head h reads KV head h / (num_qo_heads / num_kv_heads).
 //  - Causal mask aligned bottom-right: row i (0-based within its sequence)
 //    sees KV positions j <= i + kv_len - q_len.

@@ -12,7 +12,7 @@
 //     MergeSplitsCuda(params, d_merges, n_merges, plan.merge_pairs,
 //                     d_part_o, d_part_lse, stream);
 //
-// Conventions are those of kernels/paged_prefill.h (DESIGN.md section 3).
+// Conventions are those of kernels/paged_prefill.h (docs/design.md section 3).
 #pragma once
 
 #include <cuda_runtime.h>

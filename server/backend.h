@@ -1,4 +1,4 @@
-// Backend: the compute interface below the core (DESIGN.md section 2).
+// Backend: the compute interface below the core (docs/design.md section 2).
 //
 // The core validates every request, pins the pages it touches and hands the
 // backend whole batches. A backend never sees a proto or a tenant; it gets

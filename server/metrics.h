@@ -1,4 +1,4 @@
-// Metrics: the Prometheus families of DESIGN.md section 7, built once on one
+// Metrics: the Prometheus families of docs/design.md section 7, built once on one
 // registry. Components keep a pointer to Metrics and update it; the exposer
 // (server/grpc/server.cc) serves the registry on --metrics_listen.
 #pragma once

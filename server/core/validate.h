@@ -1,5 +1,5 @@
 // Validation of every request field before anything is queued
-// (DESIGN.md section 4). Pure functions: no page table, no device. Errors
+// (docs/design.md section 4). Pure functions: no page table, no device. Errors
 // name the field and the bound; the code is INVALID_ARGUMENT for malformed
 // input, RESOURCE_EXHAUSTED for sizes over a limit and FAILED_PRECONDITION
 // for a stale expected_incarnation.

@@ -14,7 +14,7 @@
 //    drain time, security context, resources, placeholder Secrets;
 //  - the Dockerfile against the build (CMakeLists.txt) and .dockerignore;
 //  - the metric names, labels and label values of the dashboard and the alert
-//    rules against DESIGN.md section 7 (and docs/operations.md, server/metrics.cc).
+//    rules against docs/design.md section 7 (and docs/operations.md, server/metrics.cc).
 import fs from "node:fs";
 import path from "node:path";
 import { parseAllDocuments, parse as parseYaml } from "yaml";
@@ -689,7 +689,7 @@ async function overlayChecks(name, objs, img) {
 }
 
 // ------------------------------------------------------------------ metrics
-// DESIGN.md section 7: name -> { type, labels: { label: [values] | null } }.
+// docs/design.md section 7: name -> { type, labels: { label: [values] | null } }.
 function parseMetricTable(md, heading) {
   const start = md.search(heading);
   if (start < 0) return null;
@@ -714,13 +714,7 @@ function parseMetricTable(md, heading) {
 }
 
 function findDesign() {
-  const candidates = [
-    process.env.ATTNSERVE_DESIGN,
-    path.join(root, "DESIGN.md"),
-    path.join(root, "docs/DESIGN.md"),
-    path.join(root, "shared/DESIGN.md"),
-    path.join(root, "../shared/DESIGN.md"),
-  ].filter(Boolean);
+  const candidates = [process.env.ATTNSERVE_DESIGN, path.join(root, "docs/design.md")].filter(Boolean);
   return candidates.find((c) => fs.existsSync(c));
 }
 
@@ -834,7 +828,7 @@ function checkExpr(expr, known, allowUp) {
       continue;
     }
     if (!base) {
-      p.push(`${sel.name} is not a DESIGN section 7 metric`);
+      p.push(`${sel.name} is not a docs/design.md section 7 metric`);
       continue;
     }
     const info = known.get(base);
@@ -867,8 +861,7 @@ async function metricChecks() {
   const ops = fs.existsSync(opsPath)
     ? parseMetricTable(fs.readFileSync(opsPath, "utf8"), /\n## Metrics/)
     : null;
-  // DESIGN.md is the contract; docs/operations.md mirrors it for clones
-  // without DESIGN.md.
+  // docs/design.md is the contract; docs/operations.md mirrors it.
   const known = design && design.size ? design : ops;
   const source = design && design.size ? path.relative(root, designPath) : "docs/operations.md";
   console.log(`#    metric names from ${source}`);
@@ -885,7 +878,7 @@ async function metricChecks() {
   );
   if (!known) return;
 
-  await check("metrics: docs/operations.md lists exactly DESIGN section 7's metrics, types and labels", () => {
+  await check("metrics: docs/operations.md lists exactly docs/design.md section 7's metrics, types and labels", () => {
     const p = [];
     if (!ops) return ["docs/operations.md has no '## Metrics' table"];
     if (!design) return []; // nothing to compare with
@@ -896,13 +889,13 @@ async function metricChecks() {
         p.push(`${n}: ${o.type} {${Object.keys(o.labels)}} vs ${info.type} {${Object.keys(info.labels)}}`);
       }
     }
-    for (const n of ops.keys()) if (!design.has(n)) p.push(`${n} is not in DESIGN section 7`);
+    for (const n of ops.keys()) if (!design.has(n)) p.push(`${n} is not in docs/design.md section 7`);
     return p;
   });
 
   // Families beyond the contract must be documented in their own table.
   const extra = fs.existsSync(opsPath)
-    ? parseMetricTable(fs.readFileSync(opsPath, "utf8"), /\n## Metrics beyond DESIGN/) || new Map()
+    ? parseMetricTable(fs.readFileSync(opsPath, "utf8"), /\n## Metrics beyond docs\/design\.md/) || new Map()
     : new Map();
   await check("metrics: server/metrics.cc registers the contract's names, and only documented extras", () => {
     const src = read("server/metrics.cc");

@@ -1,6 +1,6 @@
 // Shared pieces of the GPU tests: a float64 attention reference, random
 // ragged batches over a host copy of the paged pools, and the comparison
-// rules of DESIGN.md section 3 (relative norm error < 1e-2 per tensor, LSE
+// rules of docs/design.md section 3 (relative norm error < 1e-2 per tensor, LSE
 // abs error < 1e-3 on finite rows, exact -inf agreement, no NaN anywhere).
 #pragma once
 

@@ -2,7 +2,7 @@
 // driven through the C++ client (client/client.h) and hand-made protos.
 //
 // Results are checked against the float64 reference of client/workload.h
-// with DESIGN.md's tolerances; errors by their gRPC code and a message that
+// with docs/design.md's tolerances; errors by their gRPC code and a message that
 // names the field; batching by the server's own Prometheus metrics.
 #include <unistd.h>
 
@@ -111,7 +111,7 @@ PrefillInputs EdgeCaseInputs(std::mt19937_64& gen, const KvGeometry& g,
 }
 
 
-// Checks a Prefill result against the float64 reference: DESIGN.md's
+// Checks a Prefill result against the float64 reference: docs/design.md's
 // tolerances, and rows that see nothing exactly 0 with LSE -inf. Returns the
 // number of (row, head) pairs that see nothing.
 int64_t ExpectMatchesReference(const KvMirror& mirror, const PrefillInputs& in,
@@ -500,7 +500,7 @@ TEST_P(ServerTest, ExpectedIncarnationIsChecked) {
 
 // ------------------------------------------------------------ MergeStates
 
-// float64 merge of DESIGN.md section 3.
+// float64 merge of docs/design.md section 3.
 void ReferenceMerge(const std::vector<State>& states, int64_t rows, int32_t d, KvDType dtype,
                     bool base_e, std::vector<double>* v, std::vector<double>* lse) {
   v->assign(rows * d, 0.0);

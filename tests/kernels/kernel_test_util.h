@@ -1,5 +1,5 @@
 // Helpers shared by the CPU kernel tests: random half data, poisoning and
-// the float64 comparisons of DESIGN.md section 3.
+// the float64 comparisons of docs/design.md section 3.
 #pragma once
 
 #include <cmath>

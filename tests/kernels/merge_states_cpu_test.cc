@@ -1,4 +1,4 @@
-// MergeStatesCpu against a float64 reference of the merge in DESIGN.md
+// MergeStatesCpu against a float64 reference of the merge in docs/design.md
 // section 3 (FlashInfer paper, section 2.2), N-way, with -inf states, in both
 // LSE bases; and split-KV attention merged by LSE equals the unsplit one.
 #include <algorithm>
@@ -94,7 +94,7 @@ void ReferenceMerge(const States& s, std::vector<double>* v, std::vector<double>
   }
 }
 
-// Compares with DESIGN.md's tolerances; returns the rows that were all -inf.
+// Compares with docs/design.md's tolerances; returns the rows that were all -inf.
 int64_t CheckMerge(const States& s, const Merged& got) {
   std::vector<double> v_ref, lse_ref;
   ReferenceMerge(s, &v_ref, &lse_ref);

@@ -1,6 +1,6 @@
 // PagedPrefillCpu and AppendKvCpu / GatherKvCpu against a float64 reference
 // written here from the FlashInfer-Bench definition
-// (gqa_paged_prefill_causal_h32_kv4_d128_ps1, generalised as in DESIGN.md
+// (gqa_paged_prefill_causal_h32_kv4_d128_ps1, generalised as in docs/design.md
 // section 3): GQA, bottom-right causal mask, base-2 LSE by default, output 0
 // and LSE -inf for a row that sees nothing.
 #include <algorithm>
@@ -172,7 +172,7 @@ struct Coverage {
   int64_t seen_rows = 0;
 };
 
-// Checks a run against the reference with DESIGN.md's tolerances; returns
+// Checks a run against the reference with docs/design.md's tolerances; returns
 // what was covered.
 Coverage CheckAgainstReference(const Problem& p, const Output& out) {
   const KvGeometry& g = p.geo;

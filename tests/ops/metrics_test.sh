@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Live metrics: drives traffic through a real server, then checks the scrape
-# with promtool, checks that every DESIGN section 7 family is present and
+# with promtool, checks that every docs/design.md section 7 family is present and
 # moves as the traffic implies, that every metric name the dashboard and the
 # alert rules use is exported, and that a real Prometheus server scrapes it.
 set -uo pipefail
