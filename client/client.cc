@@ -96,6 +96,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   return c;
 }
 
+void Client::Learn(uint64_t seen) {
+  uint64_t expected = 0;
+  incarnation_.compare_exchange_strong(expected, seen, std::memory_order_relaxed);
+}
+
 void Client::PrepareContext(grpc::ClientContext* ctx) const {
   if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
   if (options_.timeout_s > 0) {
@@ -110,6 +115,7 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   v1::ServerInfo info;
   grpc::Status s = stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info);
   if (!s.ok()) return FromGrpc(s);
+  Learn(info.incarnation());
   return info;
 }
 
@@ -118,9 +124,11 @@ absl::StatusOr<std::vector<int32_t>> Client::AllocatePages(int32_t count) {
   PrepareContext(&ctx);
   v1::AllocatePagesRequest req;
   req.set_count(count);
+  req.set_expected_incarnation(incarnation());
   v1::AllocatePagesResponse resp;
   grpc::Status s = stub_->AllocatePages(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
+  Learn(resp.incarnation());
   return std::vector<int32_t>(resp.page_ids().begin(), resp.page_ids().end());
 }
 
@@ -129,8 +137,11 @@ absl::Status Client::FreePages(absl::Span<const int32_t> page_ids) {
   PrepareContext(&ctx);
   v1::FreePagesRequest req;
   req.mutable_page_ids()->Assign(page_ids.begin(), page_ids.end());
+  req.set_expected_incarnation(incarnation());
   v1::FreePagesResponse resp;
-  return FromGrpc(stub_->FreePages(&ctx, req, &resp));
+  grpc::Status s = stub_->FreePages(&ctx, req, &resp);
+  if (s.ok()) Learn(resp.incarnation());
+  return FromGrpc(s);
 }
 
 absl::Status Client::WriteKV(int32_t layer, absl::Span<const int64_t> slots,
@@ -145,8 +156,11 @@ absl::Status Client::WriteKV(int32_t layer, absl::Span<const int64_t> slots,
             k.data(), k.size() * 2);
   SetTensor(req.mutable_v(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
             v.data(), v.size() * 2);
+  req.set_expected_incarnation(incarnation());
   v1::WriteKVResponse resp;
-  return FromGrpc(stub_->WriteKV(&ctx, req, &resp));
+  grpc::Status s = stub_->WriteKV(&ctx, req, &resp);
+  if (s.ok()) Learn(resp.incarnation());
+  return FromGrpc(s);
 }
 
 absl::StatusOr<KvData> Client::ReadKV(int32_t layer, absl::Span<const int64_t> slots) {
@@ -155,9 +169,11 @@ absl::StatusOr<KvData> Client::ReadKV(int32_t layer, absl::Span<const int64_t> s
   v1::ReadKVRequest req;
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
+  req.set_expected_incarnation(incarnation());
   v1::ReadKVResponse resp;
   grpc::Status s = stub_->ReadKV(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
+  Learn(resp.incarnation());
   return KvData{FromBytes<uint16_t>(resp.k().data()), FromBytes<uint16_t>(resp.v().data())};
 }
 
@@ -187,10 +203,12 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
               {n, info_.num_kv_heads(), info_.head_dim()}, a.append_v.data(),
               a.append_v.size() * 2);
   }
-  req.set_expected_incarnation(a.expected_incarnation);
+  req.set_expected_incarnation(a.expected_incarnation != 0 ? a.expected_incarnation
+                                                           : incarnation());
   v1::PrefillResponse resp;
   grpc::Status s = stub_->Prefill(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
+  Learn(resp.incarnation());
   PrefillResult r;
   r.o = FromBytes<uint16_t>(resp.output().data());
   r.lse = FromBytes<float>(resp.lse().data());

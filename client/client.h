@@ -8,8 +8,16 @@
 // Tensors are raw 16-bit values (bf16 or fp16, as the server's kv_dtype) and
 // float32 LSEs. Errors come back as absl::Status with the server's code and
 // message.
+//
+// Restart safety: the client remembers the server's incarnation from its
+// first answer and sends it as expected_incarnation with every later request
+// that names pages or slots. After a server restart those requests fail with
+// FAILED_PRECONDITION instead of touching pages that may now belong to
+// someone else; ForgetIncarnation() accepts the new server once the caller
+// has dropped what it held.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -51,7 +59,7 @@ struct PrefillArgs {
   absl::Span<const int64_t> append_slots;
   absl::Span<const uint16_t> append_k;         // (n, num_kv_heads, head_dim)
   absl::Span<const uint16_t> append_v;
-  uint64_t expected_incarnation = 0;
+  uint64_t expected_incarnation = 0;  // 0: the client's remembered incarnation
 };
 
 struct PrefillResult {
@@ -92,6 +100,12 @@ class Client {
   // States each (n, h, d) with LSE (n, h).
   absl::StatusOr<State> MergeStates(absl::Span<const State> states, int64_t n, int32_t h,
                                     int32_t d, bool lse_base_e);
+  // The server incarnation this client expects (0 before any answer).
+  uint64_t incarnation() const { return incarnation_.load(std::memory_order_relaxed); }
+  // Accept whatever incarnation answers next (after a restart, once the
+  // caller has re-created its pages).
+  void ForgetIncarnation() { incarnation_.store(0, std::memory_order_relaxed); }
+
   // Overall health ("" service) or one service; OK only when SERVING.
   absl::Status Health(const std::string& service = "");
 
@@ -104,7 +118,11 @@ class Client {
  private:
   Client() = default;
 
+  // Remembers `seen` when nothing was remembered yet.
+  void Learn(uint64_t seen);
+
   ClientOptions options_;
+  std::atomic<uint64_t> incarnation_{0};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
   v1::ServerInfo info_;

@@ -89,6 +89,15 @@ class Backend {
   virtual std::string Device() const = 0;  // human-readable device name
   virtual const KvGeometry& Geometry() const = 0;
 
+  // Memory the backend holds on its device (the KV pools, staging and
+  // workspace; the KV pools' host memory for the CPU backend), and the
+  // device's total, in bytes; fixed after construction.
+  struct MemoryUsage {
+    int64_t used_bytes = 0;
+    int64_t total_bytes = 0;
+  };
+  virtual MemoryUsage Memory() const { return {}; }
+
   // Host memory for one request's outputs (o then lse, as the core lays them
   // out). Called from any thread. Default: the heap. An empty buffer means
   // the memory is not there.

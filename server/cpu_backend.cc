@@ -1,5 +1,7 @@
 #include "server/cpu_backend.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <new>
 #include <thread>
@@ -26,6 +28,13 @@ absl::StatusOr<std::unique_ptr<Backend>> CpuBackend::Create(const KvGeometry& ge
 
 std::string CpuBackend::Device() const {
   return absl::StrCat("cpu (", std::thread::hardware_concurrency(), " threads)");
+}
+
+Backend::MemoryUsage CpuBackend::Memory() const {
+  MemoryUsage m;
+  m.used_bytes = static_cast<int64_t>((k_pool_.size() + v_pool_.size()) * sizeof(uint16_t));
+  m.total_bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  return m;
 }
 
 void CpuBackend::Append(int32_t layer, const int64_t* slots, int64_t n, const void* k,

@@ -107,6 +107,7 @@ class CudaBackend final : public Backend {
 
   std::string Name() const override { return "cuda"; }
   std::string Device() const override { return device_name_; }
+  MemoryUsage Memory() const override { return memory_; }
   const KvGeometry& Geometry() const override { return geo_; }
 
   // Outputs of at least kDirectOutputBytes get a pinned buffer the download
@@ -141,6 +142,7 @@ class CudaBackend final : public Backend {
   BackendOptions options_;
   KvGeometry geo_;
   std::string device_name_;
+  MemoryUsage memory_;  // read once Init has allocated everything
   int32_t num_sms_ = 0;
   // Kernel variants (paged_prefill_cuda.h): 0 = 128-row tiles, the prefill
   // path; 1 = 64-row tiles, picked when no sequence packs more than 64 rows
@@ -325,6 +327,10 @@ absl::Status CudaBackend::Init() {
   output_pool_ = SizeClassPool::Create(std::move(pinned), out_capacity_);
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   plan_.items.reserve(1024);
+  size_t free_bytes = 0, total_bytes = 0;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  memory_.used_bytes = static_cast<int64_t>(total_bytes - free_bytes);
+  memory_.total_bytes = static_cast<int64_t>(total_bytes);
   return absl::OkStatus();
 }
 

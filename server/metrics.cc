@@ -1,5 +1,9 @@
 #include "server/metrics.h"
 
+#include <algorithm>
+
+#include "absl/time/clock.h"
+
 namespace attnserve {
 namespace {
 
@@ -20,12 +24,38 @@ prometheus::Histogram::BucketBoundaries Seconds() { return Exponential(1e-6, 2.0
 Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   requests_total_ = &prometheus::BuildCounter()
                          .Name("attnserve_requests_total")
-                         .Help("RPCs finished, by method and gRPC status code")
+                         .Help("RPCs finished, by method, gRPC status code and request shape")
                          .Register(*registry_);
   request_duration_ = &prometheus::BuildHistogram()
                            .Name("attnserve_request_duration_seconds")
-                           .Help("Server-side RPC latency in seconds")
+                           .Help("Server-side RPC latency in seconds, by method and request shape")
                            .Register(*registry_);
+  queue_depth_ = &prometheus::BuildGauge()
+                      .Name("attnserve_queue_depth")
+                      .Help("Requests queued in the scheduler, all tenants")
+                      .Register(*registry_)
+                      .Add({});
+  tenant_pages_ = &prometheus::BuildGauge()
+                       .Name("attnserve_tenant_kv_pages")
+                       .Help("KV cache pages held, by tenant")
+                       .Register(*registry_);
+  auto& memory = prometheus::BuildGauge()
+                     .Name("attnserve_device_memory_bytes")
+                     .Help("Memory of the backend's device (host memory of the KV pool on the "
+                           "CPU backend), by state")
+                     .Register(*registry_);
+  memory_used_ = &memory.Add({{"state", "used"}});
+  memory_total_ = &memory.Add({{"state", "total"}});
+  build_info_ = &prometheus::BuildGauge()
+                     .Name("attnserve_build_info")
+                     .Help("1, labelled with the server's version, commit, backend and device")
+                     .Register(*registry_);
+  prometheus::BuildGauge()
+      .Name("process_start_time_seconds")
+      .Help("Start time of the process since the Unix epoch in seconds")
+      .Register(*registry_)
+      .Add({})
+      .Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
   queue_wait_ = &prometheus::BuildHistogram()
                      .Name("attnserve_queue_wait_seconds")
                      .Help("Time a request waited in the scheduler queue, seconds")
@@ -81,10 +111,57 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   for (int i = 0; i < 4; ++i) batch_stage_[i] = &batch_stage.Add({{"stage", stages[i]}}, Seconds());
 }
 
-void Metrics::ObserveRequest(absl::string_view method, absl::string_view code, double seconds) {
-  requests_total_->Add({{"method", std::string(method)}, {"code", std::string(code)}})
-      .Increment();
-  request_duration_->Add({{"method", std::string(method)}}, Seconds()).Observe(seconds);
+const char* Metrics::RpcName(Rpc rpc) {
+  switch (rpc) {
+    case Rpc::kGetServerInfo: return "GetServerInfo";
+    case Rpc::kAllocatePages: return "AllocatePages";
+    case Rpc::kFreePages: return "FreePages";
+    case Rpc::kWriteKV: return "WriteKV";
+    case Rpc::kReadKV: return "ReadKV";
+    case Rpc::kPrefill: return "Prefill";
+    case Rpc::kMergeStates: return "MergeStates";
+    case Rpc::kCount: break;
+  }
+  return "unknown";
+}
+
+void Metrics::ObserveRequest(Rpc rpc, absl::StatusCode code, Shape shape, double seconds) {
+  static const char* const kShapeNames[] = {"none", "decode", "prefill"};
+  const int r = static_cast<int>(rpc);
+  const int c = std::clamp(static_cast<int>(code), 0, kCodes - 1);
+  const int sh = static_cast<int>(shape);
+  prometheus::Counter* counter = requests_[r][c][sh].load(std::memory_order_acquire);
+  prometheus::Histogram* duration = durations_[r][sh].load(std::memory_order_acquire);
+  if (counter == nullptr || duration == nullptr) {
+    absl::MutexLock lock(&series_mu_);
+    const std::string method = RpcName(rpc);
+    counter = &requests_total_->Add({{"method", method},
+                                     {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(c))},
+                                     {"shape", kShapeNames[sh]}});
+    duration = &request_duration_->Add({{"method", method}, {"shape", kShapeNames[sh]}}, Seconds());
+    requests_[r][c][sh].store(counter, std::memory_order_release);
+    durations_[r][sh].store(duration, std::memory_order_release);
+  }
+  counter->Increment();
+  duration->Observe(seconds);
+}
+
+void Metrics::SetTenantPages(const std::string& tenant, int64_t pages) {
+  absl::MutexLock lock(&series_mu_);
+  tenant_pages_->Add({{"tenant", tenant}}).Set(static_cast<double>(pages));
+}
+
+void Metrics::SetMemory(int64_t used_bytes, int64_t total_bytes) {
+  memory_used_->Set(static_cast<double>(used_bytes));
+  memory_total_->Set(static_cast<double>(total_bytes));
+}
+
+void Metrics::SetBuildInfo(const std::string& version, const std::string& commit,
+                           const std::string& backend, const std::string& device) {
+  absl::MutexLock lock(&series_mu_);
+  build_info_->Add({{"version", version}, {"commit", commit}, {"backend", backend},
+                    {"device", device}})
+      .Set(1);
 }
 
 void Metrics::ObserveBatch(int requests, int64_t tokens) {

@@ -3,10 +3,13 @@
 // (server/grpc/server.cc) serves the registry on --metrics_listen.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
@@ -21,9 +24,30 @@ class Metrics {
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
-  // One finished RPC: method is the RPC name, code the gRPC code name
-  // ("OK", "INVALID_ARGUMENT", ...), seconds the handler's wall time.
-  void ObserveRequest(absl::string_view method, absl::string_view code, double seconds);
+  // The RPCs of attnserve.v1.AttentionService (the `method` label).
+  enum class Rpc {
+    kGetServerInfo, kAllocatePages, kFreePages, kWriteKV, kReadKV, kPrefill, kMergeStates,
+    kCount
+  };
+  static const char* RpcName(Rpc rpc);
+  // The `shape` label: kDecode for a Prefill whose every sequence has at most
+  // 8 query rows, kPrefill for other Prefills, kNone for the other RPCs.
+  enum class Shape { kNone, kDecode, kPrefill, kCount };
+
+  // One finished RPC with its status code (gRPC's numbering) and the
+  // handler's wall time in seconds. Each (method, code, shape) series is
+  // created on first use and then updated without a lookup.
+  void ObserveRequest(Rpc rpc, absl::StatusCode code, Shape shape, double seconds);
+  // Requests queued in the scheduler, all tenants.
+  void SetQueueDepth(int64_t requests) { queue_depth_->Set(static_cast<double>(requests)); }
+  // Pages a tenant holds.
+  void SetTenantPages(const std::string& tenant, int64_t pages);
+  // Memory the backend holds: device memory (CUDA) or the KV pool's host
+  // memory (CPU), and the total there is.
+  void SetMemory(int64_t used_bytes, int64_t total_bytes);
+  // attnserve_build_info{version, commit, backend, device} = 1.
+  void SetBuildInfo(const std::string& version, const std::string& commit,
+                    const std::string& backend, const std::string& device);
   void ObserveQueueWait(double seconds) { queue_wait_->Observe(seconds); }
   void ObserveBatch(int requests, int64_t tokens);
   enum class Kernel { kAttention, kMerge, kAppend };
@@ -40,8 +64,19 @@ class Metrics {
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
+  static constexpr int kRpcs = static_cast<int>(Rpc::kCount);
+  static constexpr int kCodes = 17;  // gRPC's codes 0..16
+  static constexpr int kShapes = static_cast<int>(Shape::kCount);
   prometheus::Family<prometheus::Counter>* requests_total_;
   prometheus::Family<prometheus::Histogram>* request_duration_;
+  prometheus::Family<prometheus::Gauge>* tenant_pages_;
+  prometheus::Family<prometheus::Gauge>* build_info_;
+  absl::Mutex series_mu_;  // creates the lazily made series below
+  std::atomic<prometheus::Counter*> requests_[kRpcs][kCodes][kShapes] = {};
+  std::atomic<prometheus::Histogram*> durations_[kRpcs][kShapes] = {};
+  prometheus::Gauge* queue_depth_;
+  prometheus::Gauge* memory_used_;
+  prometheus::Gauge* memory_total_;
   prometheus::Histogram* queue_wait_;
   prometheus::Histogram* batch_requests_;
   prometheus::Histogram* batch_tokens_;

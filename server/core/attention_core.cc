@@ -5,6 +5,7 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "server/core/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -44,6 +45,8 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
   sched.max_tenant_queue_requests = options.max_tenant_queue_requests;
   scheduler_ = std::make_unique<Scheduler>(backend_.get(), &pages_, metrics_, sched);
   UpdatePageGauges();
+  const Backend::MemoryUsage memory = backend_->Memory();
+  metrics_->SetMemory(memory.used_bytes, memory.total_bytes);
 }
 
 AttentionCore::~AttentionCore() { Shutdown(); }
@@ -75,21 +78,28 @@ void AttentionCore::UpdatePageGauges() {
   metrics_->SetKvPages(free_pages, pages_.num_pages() - free_pages);
 }
 
-absl::StatusOr<std::vector<int32_t>> AttentionCore::AllocatePages(const std::string& tenant,
+absl::StatusOr<std::vector<int32_t>> AttentionCore::AllocatePages(const CallContext& ctx,
                                                                   int32_t count) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
   if (count <= 0 || count > pages_.num_pages()) {
     return absl::InvalidArgumentError(
         absl::StrCat("count=", count, " out of range [1, ", pages_.num_pages(), "] (num_pages)"));
   }
-  auto pages = pages_.Allocate(tenant, count);
+  auto pages = pages_.Allocate(ctx.tenant, count);
   UpdatePageGauges();
+  if (pages.ok()) metrics_->SetTenantPages(ctx.tenant, pages_.TenantPages(ctx.tenant));
   return pages;
 }
 
-void AttentionCore::FreePages(const std::string& tenant, absl::Span<const int32_t> page_ids,
+void AttentionCore::FreePages(const CallContext& ctx, absl::Span<const int32_t> page_ids,
                               DoneCallback done) {
-  absl::Status status = pages_.Free(tenant, page_ids);
+  if (absl::Status stale = CheckIncarnation(ctx.expected_incarnation, incarnation_); !stale.ok()) {
+    done(stale);
+    return;
+  }
+  absl::Status status = pages_.Free(ctx.tenant, page_ids);
   UpdatePageGauges();
+  if (status.ok()) metrics_->SetTenantPages(ctx.tenant, pages_.TenantPages(ctx.tenant));
   if (!status.ok()) {
     done(status);
     return;
@@ -104,6 +114,7 @@ template <typename CallT>
 void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
                            absl::string_view field, std::unique_ptr<Job> job) {
   job->tenant = call.tenant;
+  job->request_id = call.request_id;
   job->deadline = call.deadline;
   job->is_cancelled = call.is_cancelled;
   absl::Status status = pages_.PinOwned(call.tenant, pages, field);
@@ -153,7 +164,16 @@ void AttentionCore::Prefill(const PrefillCall& call, DoneCallback done) {
   Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
 }
 
+void AttentionCore::Cancel(const std::string& tenant, uint64_t request_id) {
+  scheduler_->CancelQueued(tenant, request_id);
+}
+
 void AttentionCore::WriteKv(const WriteKvCall& call, DoneCallback done) {
+  if (absl::Status stale = CheckIncarnation(call.expected_incarnation, incarnation_);
+      !stale.ok()) {
+    done(stale);
+    return;
+  }
   auto pages = ValidateKvRows(call.layer, call.slots, &call.k, &call.v, backend_->Geometry(),
                               limits_);
   if (!pages.ok()) {
@@ -173,6 +193,11 @@ void AttentionCore::WriteKv(const WriteKvCall& call, DoneCallback done) {
 }
 
 void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
+  if (absl::Status stale = CheckIncarnation(call.expected_incarnation, incarnation_);
+      !stale.ok()) {
+    done(stale);
+    return;
+  }
   auto pages =
       ValidateKvRows(call.layer, call.slots, nullptr, nullptr, backend_->Geometry(), limits_);
   if (!pages.ok()) {

@@ -27,6 +27,7 @@
 namespace attnserve {
 
 inline constexpr char kVersion[] = "0.1.0";
+inline constexpr char kGitCommit[] = "unknown";
 
 struct CoreOptions {
   int32_t max_batch_tokens = 16384;
@@ -51,18 +52,24 @@ class AttentionCore {
   ServerInfoData Info() const;
   uint64_t incarnation() const { return incarnation_; }
   const KvGeometry& geometry() const { return backend_->Geometry(); }
+  const RequestLimits& limits() const { return limits_; }
 
-  absl::StatusOr<std::vector<int32_t>> AllocatePages(const std::string& tenant, int32_t count);
+  absl::StatusOr<std::vector<int32_t>> AllocatePages(const CallContext& ctx, int32_t count);
   // Frees the pages (all or nothing). `done` runs once the ones not in use
   // are zeroed and free again; pages still pinned by requests in flight are
   // zeroed and freed when those finish. The ids must stay valid until then.
-  void FreePages(const std::string& tenant, absl::Span<const int32_t> page_ids,
-                 DoneCallback done);
+  void FreePages(const CallContext& ctx, absl::Span<const int32_t> page_ids, DoneCallback done);
 
   void Prefill(const PrefillCall& call, DoneCallback done);
   void WriteKv(const WriteKvCall& call, DoneCallback done);
   void ReadKv(const ReadKvCall& call, DoneCallback done);
   void MergeStates(const MergeStatesCall& call, DoneCallback done);
+
+  // The caller of request `request_id` (CallContext) gave up: if the request
+  // is still queued it leaves the queue now, its pages are unpinned and its
+  // done runs with CANCELLED. A request already running, or unknown, is
+  // left alone.
+  void Cancel(const std::string& tenant, uint64_t request_id);
 
   // Finishes every queued request and stops the worker; later calls get
   // UNAVAILABLE.
@@ -73,7 +80,6 @@ class AttentionCore {
   }
 
   int64_t batches_run() const { return scheduler_->batches_run(); }
-  PageTable& pages() { return pages_; }
 
  private:
   // Pins `pages` for `tenant` and queues `job`; on any error runs done.

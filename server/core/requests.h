@@ -35,9 +35,18 @@ struct TensorView {
 // or at once when validation rejects it.
 using DoneCallback = std::function<void(absl::Status)>;
 
-// Every asynchronous call below carries the caller's tenant, its deadline
-// (the request is dropped before launch once it passes) and an optional
-// cancellation probe.
+// What every call carries besides its fields: the caller's tenant, its
+// deadline (the request is dropped before launch once it passes), an
+// optional cancellation probe, the edge's request id (AttentionCore::Cancel
+// names it) and the incarnation the caller expects (docs/design.md section
+// 4: a stale one fails with FAILED_PRECONDITION and changes nothing).
+struct CallContext {
+  std::string tenant;
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> is_cancelled;
+  uint64_t request_id = 0;
+  uint64_t expected_incarnation = 0;  // 0: not checked
+};
 
 // Prefill's outputs, filled by the core: o (total_q, num_qo_heads, head_dim)
 // in kv_dtype at offset 0, then lse (total_q, num_qo_heads) float32 at
@@ -49,10 +58,7 @@ struct PrefillOutput {
   int64_t lse_bytes = 0;
 };
 
-struct PrefillCall {
-  std::string tenant;
-  absl::Time deadline = absl::InfiniteFuture();
-  std::function<bool()> is_cancelled;
+struct PrefillCall : CallContext {
   int32_t layer = 0;
   TensorView q;                               // (total_q, num_qo_heads, head_dim)
   absl::Span<const int32_t> qo_indptr;        // (batch + 1)
@@ -65,34 +71,24 @@ struct PrefillCall {
   absl::Span<const int64_t> append_slots;     // (n)
   TensorView append_k;                        // (n, num_kv_heads, head_dim)
   TensorView append_v;
-  uint64_t expected_incarnation = 0;          // 0: not checked
   PrefillOutput* out = nullptr;               // filled by the core
 };
 
-struct WriteKvCall {
-  std::string tenant;
-  absl::Time deadline = absl::InfiniteFuture();
-  std::function<bool()> is_cancelled;
+struct WriteKvCall : CallContext {
   int32_t layer = 0;
   absl::Span<const int64_t> slots;  // (n)
   TensorView k;                     // (n, num_kv_heads, head_dim)
   TensorView v;
 };
 
-struct ReadKvCall {
-  std::string tenant;
-  absl::Time deadline = absl::InfiniteFuture();
-  std::function<bool()> is_cancelled;
+struct ReadKvCall : CallContext {
   int32_t layer = 0;
   absl::Span<const int64_t> slots;  // (n)
   std::string* out_k = nullptr;     // (n, num_kv_heads, head_dim), sized by the core
   std::string* out_v = nullptr;
 };
 
-struct MergeStatesCall {
-  std::string tenant;
-  absl::Time deadline = absl::InfiniteFuture();
-  std::function<bool()> is_cancelled;
+struct MergeStatesCall : CallContext {
   std::vector<TensorView> v;    // each (n, h, d)
   std::vector<TensorView> lse;  // each (n, h), float32
   int32_t lse_base = 0;

@@ -65,6 +65,26 @@ void Scheduler::Push(std::deque<std::unique_ptr<Job>>& queue, std::unique_ptr<Jo
   if (job->kind == Job::Kind::kPrefill) queued_prefill_rows_ += job->task.total_q;
   queue.push_back(std::move(job));
   ++queued_;
+  metrics_->SetQueueDepth(queued_);
+}
+
+bool Scheduler::CancelQueued(const std::string& tenant, uint64_t request_id) {
+  if (request_id == 0) return false;
+  std::unique_ptr<Job> job;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = std::find_if(queues_.begin(), queues_.end(),
+                           [&](const auto& q) { return q.first == tenant; });
+    if (it == queues_.end()) return false;
+    std::deque<std::unique_ptr<Job>>& queue = it->second;
+    auto pos = std::find_if(queue.begin(), queue.end(),
+                            [&](const auto& j) { return j->request_id == request_id; });
+    if (pos == queue.end()) return false;
+    std::rotate(queue.begin(), pos, pos + 1);  // to the front, the rest in order
+    job = PopFront(queue);
+  }
+  Finish(std::move(job), absl::CancelledError("request cancelled by the client while queued"));
+  return true;
 }
 
 void Scheduler::Stop() {
@@ -136,6 +156,7 @@ std::unique_ptr<Job> Scheduler::PopFront(std::deque<std::unique_ptr<Job>>& queue
   std::unique_ptr<Job> job = std::move(queue.front());
   queue.pop_front();
   --queued_;
+  metrics_->SetQueueDepth(queued_);
   if (job->kind == Job::Kind::kPrefill) queued_prefill_rows_ -= job->task.total_q;
   return job;
 }

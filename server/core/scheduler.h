@@ -1,4 +1,5 @@
-// Scheduler: one queue, one worker thread that owns the backend.
+// Scheduler: per-tenant queues, a worker thread that owns the backend, a
+// completion thread and finisher threads.
 //
 // Each tenant has its own FIFO queue. Prefill jobs are drained into batches
 // round-robin across tenants, one job per tenant per turn (up to
@@ -6,7 +7,8 @@
 // flood cannot hold the device; each batch goes to the backend in one call.
 // WriteKV, ReadKV and MergeStates jobs run one at a time, in their tenant's
 // queue order. A job whose deadline has passed or whose caller cancelled is
-// dropped before launch (DEADLINE_EXCEEDED / CANCELLED). Every job's pinned
+// dropped before launch (DEADLINE_EXCEEDED / CANCELLED); a cancelled one
+// leaves at once when the edge calls CancelQueued. Every job's pinned
 // pages are unpinned and its done callback runs after the backend returns.
 //
 // Batches are pipelined (Backend::Submit / Complete): the worker thread forms
@@ -52,6 +54,7 @@ struct Job {
   std::vector<int32_t> pinned;         // pages unpinned when the job finishes
   std::vector<int32_t> scrub;          // kScrub: released pages to zero, then free
   std::string tenant;                  // fairness key
+  uint64_t request_id = 0;             // the edge's id (CancelQueued); 0 for internal jobs
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> is_cancelled;  // may be empty
   DoneCallback done;
@@ -76,6 +79,12 @@ class Scheduler {
   // (RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE after Stop) the
   // job stays with the caller.
   absl::Status Enqueue(std::unique_ptr<Job>& job);
+
+  // Takes the tenant's queued job with this request id (non-zero) off the
+  // queue and finishes it with CANCELLED: its pages are unpinned and its
+  // buffers released now, not when the worker would have reached it. False
+  // when no such job is queued (already running, finished or unknown).
+  bool CancelQueued(const std::string& tenant, uint64_t request_id);
 
   // Refuses new jobs, finishes every queued one, joins the worker.
   void Stop();

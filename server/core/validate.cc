@@ -123,15 +123,20 @@ absl::Status ValidateTensor(const TensorView& t, absl::string_view field, WireDT
   return absl::OkStatus();
 }
 
+absl::Status CheckIncarnation(uint64_t expected, uint64_t incarnation) {
+  if (expected != 0 && expected != incarnation) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("expected_incarnation=", expected, " differs from the server's incarnation ",
+                     incarnation, ": the server restarted, its KV cache is gone and its pages "
+                     "may belong to others now; allocate and write again"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call, const KvGeometry& geo,
                                                  const RequestLimits& limits,
                                                  uint64_t incarnation) {
-  if (call.expected_incarnation != 0 && call.expected_incarnation != incarnation) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("expected_incarnation=", call.expected_incarnation,
-                     " differs from the server's incarnation ", incarnation,
-                     ": the server restarted and its KV cache is gone"));
-  }
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(call.expected_incarnation, incarnation));
   ATTN_RETURN_IF_ERROR(CheckLayer(call.layer, geo));
 
   // q: rank 3 with total_q rows; total_q is bounded before anything is sized by it.
@@ -297,6 +302,11 @@ absl::StatusOr<MergeShape> ValidateMerge(const MergeStatesCall& call, const KvGe
                                          const RequestLimits& limits) {
   if (call.v.empty()) {
     return absl::InvalidArgumentError("states is empty: needs at least 1 state");
+  }
+  if (static_cast<int64_t>(call.v.size()) > kMaxMergeStates) {
+    return absl::InvalidArgumentError(absl::StrCat("states has ", call.v.size(),
+                                                   " entries, at most ", kMaxMergeStates,
+                                                   " (max_merge_states)"));
   }
   if (call.lse_base != 0 && call.lse_base != 1) {
     return absl::InvalidArgumentError(absl::StrCat(

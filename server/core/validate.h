@@ -30,6 +30,10 @@ struct ValidatedPrefill {
   int64_t lse_bytes = 0;       // bytes of lse
 };
 
+// FAILED_PRECONDITION when a caller expects another incarnation than the
+// server's (0: not checked): it outlived a restart.
+absl::Status CheckIncarnation(uint64_t expected, uint64_t incarnation);
+
 absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call,
                                                  const KvGeometry& geo,
                                                  const RequestLimits& limits,
@@ -43,7 +47,11 @@ absl::StatusOr<std::vector<int32_t>> ValidateKvRows(int32_t layer,
                                                     const KvGeometry& geo,
                                                     const RequestLimits& limits);
 
-// MergeStates: every state the same (n, h, d), v in kv dtype, lse float32.
+// States one MergeStates request may merge.
+inline constexpr int64_t kMaxMergeStates = 256;
+
+// MergeStates: at most kMaxMergeStates states, every one the same (n, h, d),
+// v in kv dtype, lse float32.
 struct MergeShape {
   int64_t n = 0;
   int32_t h = 0;

@@ -1,9 +1,13 @@
 #include "server/grpc/attention_service.h"
 
+#include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpcpp/support/proto_buffer_writer.h"
 #include "spdlog/spdlog.h"
 #include "server/grpc/convert.h"
 #include "server/grpc/status_mapping.h"
@@ -17,6 +21,17 @@ namespace {
 constexpr size_t kPooledPrefillRequests = 256;
 constexpr int64_t kPooledPrefillBytes = int64_t{256} << 20;
 
+// Query rows per sequence up to which a Prefill counts as decode in the
+// metrics' `shape` label (the speculative-decoding range).
+constexpr int32_t kDecodeMaxRows = 8;
+
+Metrics::Shape ShapeOf(const v1::PrefillRequest& r) {
+  for (int i = 1; i < r.qo_indptr_size(); ++i) {
+    if (r.qo_indptr(i) - r.qo_indptr(i - 1) > kDecodeMaxRows) return Metrics::Shape::kPrefill;
+  }
+  return Metrics::Shape::kDecode;
+}
+
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth,
@@ -25,52 +40,77 @@ AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth*
       auth_(auth),
       metrics_(metrics),
       access_log_(access_log),
+      limits_(core->limits().max_request_rows, core->limits().max_request_kv_indices,
+              core->geometry().num_pages, kMaxMergeStates),
       prefill_requests_(kPooledPrefillRequests, kPooledPrefillBytes,
                         [](v1::PrefillRequest* r) { return ResetForReuse(r); }) {}
 
-// One RPC in flight: authenticates, and on Finish records the metrics and
-// finishes the reactor. Deletes itself when finished.
-class AttentionServiceImpl::Call {
+// One RPC: its reactor. It admits the call (drain, authentication), parses
+// the request against its wire limits, and is finished exactly once, by
+// whoever claims it first: the handler (errors found at once), the core's
+// done callback, or AbandonInflight. It is deleted when gRPC is done with it
+// and nothing else holds a reference.
+class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
  public:
-  Call(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx, const char* method,
-       int64_t bytes_in)
+  Call(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx, Metrics::Rpc rpc,
+       const grpc::ByteBuffer* request, grpc::ByteBuffer* response)
       : service_(service),
         ctx_(ctx),
-        reactor_(ctx->DefaultReactor()),
-        method_(method),
+        rpc_(rpc),
+        request_(request),
+        response_(response),
+        request_id_(service->next_request_id_++),
+        bytes_in_(static_cast<int64_t>(request->Length())),
         start_(absl::Now()) {
     service_->metrics_->inflight().Increment();
-    service_->metrics_->AddTransferBytes(bytes_in, 0);
+    absl::MutexLock lock(&service_->calls_mu_);
+    service_->calls_.insert(this);
+  }
+
+  // Drain and authentication, before a byte of the request is parsed. False
+  // when the call was refused (and is finished).
+  bool Admit() {
     if (service_->draining_) {
-      status_ = absl::UnavailableError("server is draining");
-      return;
+      FinishNow(absl::UnavailableError("server is draining"));
+      return false;
     }
     accepted_ = true;
     ++service_->accepted_inflight_;
     absl::string_view authorization;
-    auto it = ctx->client_metadata().find("authorization");
-    if (it != ctx->client_metadata().end()) {
+    auto it = ctx_->client_metadata().find("authorization");
+    if (it != ctx_->client_metadata().end()) {
       authorization = absl::string_view(it->second.data(), it->second.size());
     }
     auto tenant = service_->auth_->Authenticate(authorization);
-    if (tenant.ok()) {
-      tenant_ = *std::move(tenant);
-    } else {
-      status_ = tenant.status();
+    if (!tenant.ok()) {
+      FinishNow(tenant.status());
+      return false;
     }
+    tenant_ = *std::move(tenant);
+    return true;
   }
 
-  // False when authentication (or draining) already failed the call; then
-  // Finish has to be called with status().
-  bool ok() const { return status_.ok(); }
-  const absl::Status& status() const { return status_; }
-  const std::string& tenant() const { return tenant_; }
-  grpc::ServerUnaryReactor* reactor() const { return reactor_; }
+  // Parses the request into `message` after checking it against `limits`.
+  // False when it does not fit or parse (the call is finished): with
+  // INVALID_ARGUMENT, or CANCELLED / DEADLINE_EXCEEDED when the client gave
+  // up while sending it, so that a client's own timeout is not counted as
+  // its bad input.
+  bool Parse(const WireMessage& limits, google::protobuf::MessageLite* message) {
+    absl::Status status = ParseInto(*request_, limits, message);
+    if (status.ok()) return true;
+    if (ctx_->IsCancelled()) {
+      const bool expired = ctx_->deadline() <= std::chrono::system_clock::now();
+      status = expired ? absl::DeadlineExceededError("deadline passed while the request arrived")
+                       : absl::CancelledError("cancelled while the request arrived");
+    }
+    FinishNow(status);
+    return false;
+  }
 
-  // Fills the caller, deadline and cancellation probe of a core call struct.
-  template <typename CallT>
-  void Bind(CallT* c) const {
+  // Fills the caller's context of a core call.
+  void Bind(CallContext* c) const {
     c->tenant = tenant_;
+    c->request_id = request_id_;
     const auto deadline = ctx_->deadline();
     if (deadline != std::chrono::system_clock::time_point::max()) {
       c->deadline = absl::FromChrono(deadline);
@@ -79,218 +119,329 @@ class AttentionServiceImpl::Call {
     c->is_cancelled = [ctx] { return ctx->IsCancelled(); };
   }
 
-  void Finish(const absl::Status& status, int64_t bytes_out = 0) {
+  void set_shape(Metrics::Shape shape) { shape_ = shape; }
+  const std::string& tenant() const { return tenant_; }
+
+  // The core's done callback holds a reference until it has run.
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref() {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  // The first caller wins and must then call Finish; later callers must not
+  // touch the response.
+  bool Claim() { return !claimed_.exchange(true, std::memory_order_acq_rel); }
+
+  // Finishes a claimed call. On OK the response is `message` serialized, or
+  // `bytes` when message is null.
+  void Finish(absl::Status status, const google::protobuf::Message* message = nullptr,
+              grpc::ByteBuffer* bytes = nullptr) {
+    int64_t bytes_out = 0;
+    if (status.ok()) {
+      if (message != nullptr) {
+        bool own = false;
+        grpc::Status s = grpc::SerializationTraits<google::protobuf::Message>::Serialize(
+            *message, response_, &own);
+        if (!s.ok()) status = absl::InternalError("cannot serialize the response");
+      } else if (bytes != nullptr) {
+        response_->Swap(bytes);
+      }
+      bytes_out = status.ok() ? static_cast<int64_t>(response_->Length()) : 0;
+    }
     grpc::Status grpc_status = ToGrpcStatus(status);
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start_);
     Metrics* metrics = service_->metrics_;
-    metrics->ObserveRequest(method_, GrpcCodeName(grpc_status.error_code()),
-                            absl::ToDoubleSeconds(absl::Now() - start_));
-    if (status.ok()) metrics->AddTransferBytes(0, bytes_out);
+    metrics->ObserveRequest(rpc_, static_cast<absl::StatusCode>(grpc_status.error_code()),
+                            shape_, seconds);
+    metrics->AddTransferBytes(bytes_in_, bytes_out);
     metrics->inflight().Decrement();
     if (accepted_) {
       service_->last_accepted_finish_ns_ = absl::GetCurrentTimeNanos();
       --service_->accepted_inflight_;
     }
     if (service_->access_log_) {
-      spdlog::info("access method={} tenant={} code={} seconds={:.6f} bytes_out={}", method_,
-                   tenant_.empty() ? "-" : tenant_, GrpcCodeName(grpc_status.error_code()),
-                   absl::ToDoubleSeconds(absl::Now() - start_), bytes_out);
+      spdlog::info(
+          "access method={} tenant={} peer={} request_id={} code={} seconds={:.6f} bytes_in={} "
+          "bytes_out={} error=\"{}\"",
+          Metrics::RpcName(rpc_), tenant_.empty() ? "-" : tenant_, ctx_->peer(), request_id_,
+          GrpcCodeName(grpc_status.error_code()), seconds, bytes_in_, bytes_out,
+          grpc_status.error_message());
     }
-    grpc::ServerUnaryReactor* reactor = reactor_;
-    delete this;
-    reactor->Finish(grpc_status);
+    ServerUnaryReactor::Finish(grpc_status);
+  }
+
+  // Claims and finishes at once (errors found by the handler).
+  void FinishNow(const absl::Status& status) {
+    if (Claim()) Finish(status);
+  }
+
+  bool finished() const { return claimed_.load(std::memory_order_acquire); }
+
+  void OnCancel() override {
+    // Queued work leaves the queue now; the core then finishes the call.
+    if (!finished() && !tenant_.empty()) service_->core_->Cancel(tenant_, request_id_);
+  }
+
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&service_->calls_mu_);
+      service_->calls_.erase(this);
+    }
+    Unref();
   }
 
  private:
   AttentionServiceImpl* const service_;
   grpc::CallbackServerContext* const ctx_;
-  grpc::ServerUnaryReactor* const reactor_;
-  const char* const method_;
+  const Metrics::Rpc rpc_;
+  const grpc::ByteBuffer* const request_;
+  grpc::ByteBuffer* const response_;
+  const uint64_t request_id_;
+  const int64_t bytes_in_;
   const absl::Time start_;
-  absl::Status status_;
   std::string tenant_;
+  Metrics::Shape shape_ = Metrics::Shape::kNone;
   bool accepted_ = false;  // arrived before the drain began
+  std::atomic<bool> claimed_{false};
+  std::atomic<int> refs_{1};  // gRPC's, until OnDone
 };
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(
-    grpc::CallbackServerContext* ctx, const v1::GetServerInfoRequest*, v1::ServerInfo* response) {
-  auto* call = new Call(this, ctx, "GetServerInfo", 0);
-  grpc::ServerUnaryReactor* reactor = call->reactor();
-  if (!call->ok()) {
-    call->Finish(call->status());
-    return reactor;
-  }
-  ServerInfoData info = core_->Info();
-  response->set_version(info.version);
-  response->set_backend(info.backend);
-  response->set_device(info.device);
-  response->set_num_layers(info.num_layers);
-  response->set_num_pages(info.num_pages);
-  response->set_page_size(info.page_size);
-  response->set_num_qo_heads(info.num_qo_heads);
-  response->set_num_kv_heads(info.num_kv_heads);
-  response->set_head_dim(info.head_dim);
-  response->set_kv_dtype(static_cast<v1::DType>(info.kv_dtype));
-  response->set_free_pages(info.free_pages);
-  response->set_max_batch_tokens(info.max_batch_tokens);
-  response->set_max_message_bytes(info.max_message_bytes);
-  response->set_incarnation(info.incarnation);
-  call->Finish(absl::OkStatus());
-  return reactor;
+AttentionServiceImpl::~AttentionServiceImpl() = default;
+
+AttentionServiceImpl::Call* AttentionServiceImpl::Start(grpc::CallbackServerContext* ctx,
+                                                        Metrics::Rpc rpc,
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  auto* call = new Call(this, ctx, rpc, request, response);
+  call->Admit();
+  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(
-    grpc::CallbackServerContext* ctx, const v1::AllocatePagesRequest* request,
-    v1::AllocatePagesResponse* response) {
-  auto* call = new Call(this, ctx, "AllocatePages", 0);
-  grpc::ServerUnaryReactor* reactor = call->reactor();
-  if (!call->ok()) {
-    call->Finish(call->status());
-    return reactor;
+int AttentionServiceImpl::AbandonInflight(const absl::Status& status) {
+  std::vector<Call*> calls;
+  {
+    absl::MutexLock lock(&calls_mu_);
+    for (Call* call : calls_) {
+      call->Ref();  // alive until we are done with it, whoever finishes first
+      calls.push_back(call);
+    }
   }
-  auto pages = core_->AllocatePages(call->tenant(), request->count());
+  int abandoned = 0;
+  for (Call* call : calls) {
+    if (call->Claim()) {
+      call->Finish(status);
+      ++abandoned;
+    }
+    call->Unref();
+  }
+  return abandoned;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServerContext* ctx,
+                                                              const grpc::ByteBuffer* request,
+                                                              grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kGetServerInfo, request, response);
+  if (call->finished()) return call;
+  v1::GetServerInfoRequest parsed;
+  if (!call->Parse(limits_.get_server_info, &parsed)) return call;
+  const ServerInfoData info = core_->Info();
+  v1::ServerInfo out;
+  out.set_version(info.version);
+  out.set_backend(info.backend);
+  out.set_device(info.device);
+  out.set_num_layers(info.num_layers);
+  out.set_num_pages(info.num_pages);
+  out.set_page_size(info.page_size);
+  out.set_num_qo_heads(info.num_qo_heads);
+  out.set_num_kv_heads(info.num_kv_heads);
+  out.set_head_dim(info.head_dim);
+  out.set_kv_dtype(static_cast<v1::DType>(info.kv_dtype));
+  out.set_free_pages(info.free_pages);
+  out.set_max_batch_tokens(info.max_batch_tokens);
+  out.set_max_message_bytes(info.max_message_bytes);
+  out.set_incarnation(info.incarnation);
+  if (call->Claim()) call->Finish(absl::OkStatus(), &out);
+  return call;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(grpc::CallbackServerContext* ctx,
+                                                              const grpc::ByteBuffer* request,
+                                                              grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kAllocatePages, request, response);
+  if (call->finished()) return call;
+  v1::AllocatePagesRequest parsed;
+  if (!call->Parse(limits_.allocate_pages, &parsed)) return call;
+  CallContext c;
+  call->Bind(&c);
+  c.expected_incarnation = parsed.expected_incarnation();
+  auto pages = core_->AllocatePages(c, parsed.count());
+  v1::AllocatePagesResponse out;
   if (pages.ok()) {
-    response->mutable_page_ids()->Assign(pages->begin(), pages->end());
-    response->set_incarnation(core_->incarnation());
+    out.mutable_page_ids()->Assign(pages->begin(), pages->end());
+    out.set_incarnation(core_->incarnation());
   }
-  call->Finish(pages.status());
-  return reactor;
+  if (call->Claim()) call->Finish(pages.status(), &out);
+  return call;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerContext* ctx,
-                                                          const v1::FreePagesRequest* request,
-                                                          v1::FreePagesResponse*) {
-  auto* call = new Call(this, ctx, "FreePages", 0);
-  grpc::ServerUnaryReactor* reactor = call->reactor();
-  if (!call->ok()) {
-    call->Finish(call->status());
-    return reactor;
-  }
-  core_->FreePages(call->tenant(),
-                   absl::MakeConstSpan(request->page_ids().data(),
-                                       static_cast<size_t>(request->page_ids_size())),
-                   [call](absl::Status status) { call->Finish(status); });
-  return reactor;
+                                                          const grpc::ByteBuffer* request,
+                                                          grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kFreePages, request, response);
+  if (call->finished()) return call;
+  auto parsed = std::make_shared<v1::FreePagesRequest>();
+  if (!call->Parse(limits_.free_pages, parsed.get())) return call;
+  CallContext c;
+  call->Bind(&c);
+  c.expected_incarnation = parsed->expected_incarnation();
+  call->Ref();
+  const uint64_t incarnation = core_->incarnation();
+  core_->FreePages(c,
+                   absl::MakeConstSpan(parsed->page_ids().data(),
+                                       static_cast<size_t>(parsed->page_ids_size())),
+                   [call, parsed, incarnation](absl::Status status) {
+                     if (call->Claim()) {
+                       v1::FreePagesResponse out;
+                       out.set_incarnation(incarnation);
+                       call->Finish(status, &out);
+                     }
+                     call->Unref();
+                   });
+  return call;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::WriteKV(grpc::CallbackServerContext* ctx,
-                                                        const v1::WriteKVRequest* request,
-                                                        v1::WriteKVResponse*) {
-  auto* call = new Call(this, ctx, "WriteKV",
-                        static_cast<int64_t>(request->k().data().size() + request->v().data().size()));
-  grpc::ServerUnaryReactor* reactor = call->reactor();
-  if (!call->ok()) {
-    call->Finish(call->status());
-    return reactor;
-  }
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kWriteKV, request, response);
+  if (call->finished()) return call;
+  auto parsed = std::make_shared<v1::WriteKVRequest>();
+  if (!call->Parse(limits_.write_kv, parsed.get())) return call;
   WriteKvCall c;
   call->Bind(&c);
-  ToCall(*request, &c);
-  core_->WriteKv(c, [call](absl::Status status) { call->Finish(status); });
-  return reactor;
+  ToCall(*parsed, &c);
+  call->Ref();
+  const uint64_t incarnation = core_->incarnation();
+  core_->WriteKv(c, [call, parsed, incarnation](absl::Status status) {
+    if (call->Claim()) {
+      v1::WriteKVResponse out;
+      out.set_incarnation(incarnation);
+      call->Finish(status, &out);
+    }
+    call->Unref();
+  });
+  return call;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ReadKV(grpc::CallbackServerContext* ctx,
-                                                       const v1::ReadKVRequest* request,
-                                                       v1::ReadKVResponse* response) {
-  auto* call = new Call(this, ctx, "ReadKV", 0);
-  grpc::ServerUnaryReactor* reactor = call->reactor();
-  if (!call->ok()) {
-    call->Finish(call->status());
-    return reactor;
-  }
+                                                       const grpc::ByteBuffer* request,
+                                                       grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kReadKV, request, response);
+  if (call->finished()) return call;
+  struct State {
+    v1::ReadKVRequest request;
+    v1::ReadKVResponse response;
+  };
+  auto state = std::make_shared<State>();
+  if (!call->Parse(limits_.read_kv, &state->request)) return call;
   ReadKvCall c;
   call->Bind(&c);
-  ToCall(*request, response, &c);
+  ToCall(state->request, &state->response, &c);
   const KvGeometry& g = core_->geometry();
   const auto dtype = static_cast<v1::DType>(ToWire(g.dtype));
-  const int64_t n = request->slots_size();
-  core_->ReadKv(c, [call, response, dtype, n, g](absl::Status status) {
-    if (status.ok()) {
-      SetTensorHeader(response->mutable_k(), dtype, {n, g.num_kv_heads, g.head_dim});
-      SetTensorHeader(response->mutable_v(), dtype, {n, g.num_kv_heads, g.head_dim});
+  call->Ref();
+  const uint64_t incarnation = core_->incarnation();
+  core_->ReadKv(c, [call, state, dtype, g, incarnation](absl::Status status) {
+    if (call->Claim()) {
+      v1::ReadKVResponse& out = state->response;
+      const int64_t n = state->request.slots_size();
+      if (status.ok()) {
+        SetTensorHeader(out.mutable_k(), dtype, {n, g.num_kv_heads, g.head_dim});
+        SetTensorHeader(out.mutable_v(), dtype, {n, g.num_kv_heads, g.head_dim});
+        out.set_incarnation(incarnation);
+      }
+      call->Finish(status, &out);
     }
-    call->Finish(status, static_cast<int64_t>(response->k().data().size() +
-                                              response->v().data().size()));
+    call->Unref();
   });
-  return reactor;
+  return call;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerContext* ctx,
-                                                        const grpc::ByteBuffer* request_bytes,
+                                                        const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
-  auto* call = new Call(this, ctx, "Prefill", 0);
-  grpc::ServerUnaryReactor* reactor = call->reactor();
-  if (!call->ok()) {
-    call->Finish(call->status());
-    return reactor;
-  }
+  Call* call = Start(ctx, Metrics::Rpc::kPrefill, request, response);
+  if (call->finished()) return call;
   // What the request and its output need until the response is encoded.
   struct State {
     RecyclingPool<v1::PrefillRequest>::Ptr request;
     PrefillOutput out;
   };
   auto* state = new State{prefill_requests_.Get(), {}};
-  const v1::PrefillRequest& request = *state->request;
-  if (!ParseInto(*request_bytes, state->request.get())) {
+  if (!call->Parse(limits_.prefill, state->request.get())) {
     delete state;
-    call->Finish(absl::InvalidArgumentError(
-        "request does not parse as an attnserve.v1.PrefillRequest"));
-    return reactor;
+    return call;
   }
-  metrics_->AddTransferBytes(static_cast<int64_t>(request.q().data().size() +
-                                                  request.append_k().data().size() +
-                                                  request.append_v().data().size()),
-                             0);
+  const v1::PrefillRequest& parsed = *state->request;
+  call->set_shape(ShapeOf(parsed));
   PrefillCall c;
   call->Bind(&c);
-  ToCall(request, &c);
+  ToCall(parsed, &c);
   c.out = &state->out;
   const KvGeometry& g = core_->geometry();
   const auto dtype = static_cast<v1::DType>(ToWire(g.dtype));
   const int64_t total_q = c.q.shape.empty() ? 0 : c.q.shape[0];
   const uint64_t incarnation = core_->incarnation();
-  core_->Prefill(c, [call, state, response, dtype, total_q, g, incarnation](absl::Status status) {
-    int64_t bytes_out = 0;
-    if (status.ok()) {
-      bytes_out = state->out.o_bytes + state->out.lse_bytes;
-      *response = EncodePrefillResponse(std::move(state->out), dtype, total_q, g.num_qo_heads,
-                                        g.head_dim, incarnation);
+  call->Ref();
+  core_->Prefill(c, [call, state, dtype, total_q, g, incarnation](absl::Status status) {
+    if (call->Claim()) {
+      grpc::ByteBuffer bytes;
+      if (status.ok()) {
+        bytes = EncodePrefillResponse(std::move(state->out), dtype, total_q, g.num_qo_heads,
+                                      g.head_dim, incarnation);
+      }
+      delete state;  // the request goes back to the pool; the output lives in `bytes`
+      call->Finish(status, nullptr, &bytes);
+    } else {
+      delete state;
     }
-    delete state;  // the request goes back to the pool; the output lives in the response
-    call->Finish(status, bytes_out);
+    call->Unref();
   });
-  return reactor;
+  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(
-    grpc::CallbackServerContext* ctx, const v1::MergeStatesRequest* request,
-    v1::MergeStatesResponse* response) {
-  int64_t bytes_in = 0;
-  for (const auto& s : request->states()) bytes_in += s.v().data().size() + s.lse().data().size();
-  auto* call = new Call(this, ctx, "MergeStates", bytes_in);
-  grpc::ServerUnaryReactor* reactor = call->reactor();
-  if (!call->ok()) {
-    call->Finish(call->status());
-    return reactor;
-  }
+grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(grpc::CallbackServerContext* ctx,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kMergeStates, request, response);
+  if (call->finished()) return call;
+  struct State {
+    v1::MergeStatesRequest request;
+    v1::MergeStatesResponse response;
+  };
+  auto state = std::make_shared<State>();
+  if (!call->Parse(limits_.merge_states, &state->request)) return call;
   MergeStatesCall c;
   call->Bind(&c);
-  ToCall(*request, response, &c);
+  ToCall(state->request, &state->response, &c);
   std::vector<int64_t> shape;
   if (!c.v.empty()) shape = c.v[0].shape;  // validated rank 3 when the merge succeeds
   const auto dtype = static_cast<v1::DType>(ToWire(core_->geometry().dtype));
-  core_->MergeStates(c, [call, response, dtype, shape](absl::Status status) {
-    if (status.ok()) {
-      SetTensorHeader(response->mutable_v(), dtype, shape);
-      SetTensorHeader(response->mutable_lse(), v1::DTYPE_FP32,
-                      absl::MakeConstSpan(shape.data(), 2));
-    } else {
-      response->Clear();
+  const uint64_t incarnation = core_->incarnation();
+  call->Ref();
+  core_->MergeStates(c, [call, state, dtype, shape, incarnation](absl::Status status) {
+    if (call->Claim()) {
+      v1::MergeStatesResponse& out = state->response;
+      if (status.ok()) {
+        SetTensorHeader(out.mutable_v(), dtype, shape);
+        SetTensorHeader(out.mutable_lse(), v1::DTYPE_FP32, absl::MakeConstSpan(shape.data(), 2));
+        out.set_incarnation(incarnation);
+      }
+      call->Finish(status, &out);
     }
-    call->Finish(status, static_cast<int64_t>(response->v().data().size() +
-                                              response->lse().data().size()));
+    call->Unref();
   });
-  return reactor;
+  return call;
 }
 
 }  // namespace attnserve

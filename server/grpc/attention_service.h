@@ -1,34 +1,56 @@
 // The gRPC edge of attnserve.v1.AttentionService (callback API).
 //
-// Each handler authenticates the caller, converts the request proto into the
-// core's plain structs (views, no tensor copies), and returns the reactor at
-// once; the core finishes it, from the scheduler thread for queued work.
+// Every method is a raw method: the handler gets the request's wire bytes,
+// authenticates the caller from the metadata before anything is parsed,
+// checks the bytes against the request's wire limits (wire_limits.h) and
+// only then parses them, so that no request, with or without a token, costs
+// much more memory than its own size. It converts the parsed proto into the
+// core's plain structs (views, no tensor copies) and returns the reactor at
+// once; the core finishes it, from the scheduler's threads for queued work.
 // Status conversion happens in exactly one place (status_mapping.h).
 //
-// Prefill, the hot path, is a raw method: its request is parsed into a
-// recycled message (the query lands in a buffer that is already mapped), and
-// its response is sent straight from the output buffer the backend filled
-// (pinned memory the device copied into, on CUDA): no zero-fill, no copy into
-// the response message, no serialization copy.
+// Prefill, the hot path, parses into a recycled message (the query lands in
+// a buffer that is already mapped), and its response is sent straight from
+// the output buffer the backend filled (pinned memory the device copied
+// into, on CUDA): no zero-fill, no copy into a response message, no
+// serialization copy.
+//
+// A call whose client cancels leaves the scheduler's queue at once
+// (AttentionCore::Cancel). At the end of a drain, AbandonInflight answers
+// every call still running with UNAVAILABLE, so that shutdown never waits
+// on a batch.
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/core/attention_core.h"
 #include "server/grpc/auth.h"
 #include "server/grpc/message_pool.h"
+#include "server/grpc/wire_limits.h"
 #include "server/metrics.h"
 
 namespace attnserve {
 
-class AttentionServiceImpl final
-    : public v1::AttentionService::WithRawCallbackMethod_Prefill<
-          v1::AttentionService::CallbackService> {
+using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_GetServerInfo<
+    v1::AttentionService::WithRawCallbackMethod_AllocatePages<
+        v1::AttentionService::WithRawCallbackMethod_FreePages<
+            v1::AttentionService::WithRawCallbackMethod_WriteKV<
+                v1::AttentionService::WithRawCallbackMethod_ReadKV<
+                    v1::AttentionService::WithRawCallbackMethod_Prefill<
+                        v1::AttentionService::WithRawCallbackMethod_MergeStates<
+                            v1::AttentionService::Service>>>>>>>;
+
+class AttentionServiceImpl final : public RawAttentionService {
  public:
-  // access_log: one log line per finished RPC (method, tenant, code, time).
+  // access_log: one log line per finished RPC (method, tenant, peer, request
+  // id, code, seconds, bytes, error text).
   AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth, Metrics* metrics,
                        bool access_log);
+  ~AttentionServiceImpl() override;
 
   // New requests get UNAVAILABLE from now on (graceful drain).
   void StartDraining() { draining_ = true; }
@@ -36,39 +58,53 @@ class AttentionServiceImpl final
   int64_t accepted_inflight() const { return accepted_inflight_; }
   // When the last accepted RPC finished (absl::GetCurrentTimeNanos()).
   int64_t last_accepted_finish_ns() const { return last_accepted_finish_ns_; }
+  // Finishes every RPC still in flight with `status` and returns how many
+  // there were. Work they queued or started is never answered: the process
+  // is about to exit.
+  int AbandonInflight(const absl::Status& status);
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
-                                          const v1::GetServerInfoRequest* request,
-                                          v1::ServerInfo* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* AllocatePages(grpc::CallbackServerContext* ctx,
-                                          const v1::AllocatePagesRequest* request,
-                                          v1::AllocatePagesResponse* response) override;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* FreePages(grpc::CallbackServerContext* ctx,
-                                      const v1::FreePagesRequest* request,
-                                      v1::FreePagesResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* WriteKV(grpc::CallbackServerContext* ctx,
-                                    const v1::WriteKVRequest* request,
-                                    v1::WriteKVResponse* response) override;
+                                    const grpc::ByteBuffer* request,
+                                    grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ReadKV(grpc::CallbackServerContext* ctx,
-                                   const v1::ReadKVRequest* request,
-                                   v1::ReadKVResponse* response) override;
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* ctx,
                                     const grpc::ByteBuffer* request,
                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* MergeStates(grpc::CallbackServerContext* ctx,
-                                        const v1::MergeStatesRequest* request,
-                                        v1::MergeStatesResponse* response) override;
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
 
  private:
   class Call;
+
+  // A new call, admitted (not draining, authenticated) or already finished
+  // with the reason it was not; call->finished() tells which.
+  Call* Start(grpc::CallbackServerContext* ctx, Metrics::Rpc rpc,
+              const grpc::ByteBuffer* request, grpc::ByteBuffer* response);
 
   AttentionCore* const core_;
   const TokenAuth* const auth_;
   Metrics* const metrics_;
   const bool access_log_;
+  const RequestWireLimits limits_;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> accepted_inflight_{0};
   std::atomic<int64_t> last_accepted_finish_ns_{0};
+  std::atomic<uint64_t> next_request_id_{1};
+  // Calls not yet done, for AbandonInflight.
+  absl::Mutex calls_mu_;
+  absl::flat_hash_set<Call*> calls_ ABSL_GUARDED_BY(calls_mu_);
   // Prefill requests are recycled with their tensor buffers (message_pool.h).
   RecyclingPool<v1::PrefillRequest> prefill_requests_;
 };

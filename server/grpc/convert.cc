@@ -11,6 +11,8 @@
 #include "google/protobuf/wire_format_lite.h"
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
+#include "absl/strings/str_cat.h"
+#include "server/core/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -47,6 +49,7 @@ void ToCall(const v1::PrefillRequest& r, PrefillCall* c) {
 }
 
 void ToCall(const v1::WriteKVRequest& r, WriteKvCall* c) {
+  c->expected_incarnation = r.expected_incarnation();
   c->layer = r.layer();
   c->slots = Span(r.slots());
   c->k = View(r.k());
@@ -54,6 +57,7 @@ void ToCall(const v1::WriteKVRequest& r, WriteKvCall* c) {
 }
 
 void ToCall(const v1::ReadKVRequest& r, v1::ReadKVResponse* response, ReadKvCall* c) {
+  c->expected_incarnation = r.expected_incarnation();
   c->layer = r.layer();
   c->slots = Span(r.slots());
   c->out_k = response->mutable_k()->mutable_data();
@@ -92,46 +96,20 @@ int64_t ResetForReuse(v1::PrefillRequest* request) {
   return kept;
 }
 
-bool TopLevelLengthsFit(const grpc::ByteBuffer& bytes) {
-  using google::protobuf::internal::WireFormatLite;
-  grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(&bytes));
-  if (!reader.status().ok()) return false;
-  google::protobuf::io::CodedInputStream input(&reader);
-  for (;;) {
-    const uint32_t tag = input.ReadTag();
-    if (tag == 0) return true;  // the end, or a malformed tag the parser will reject
-    uint64_t value = 0;
-    uint32_t length = 0;
-    switch (WireFormatLite::GetTagWireType(tag)) {
-      case WireFormatLite::WIRETYPE_VARINT:
-        if (!input.ReadVarint64(&value)) return false;
-        break;
-      case WireFormatLite::WIRETYPE_FIXED64:
-        if (!input.Skip(8)) return false;
-        break;
-      case WireFormatLite::WIRETYPE_FIXED32:
-        if (!input.Skip(4)) return false;
-        break;
-      case WireFormatLite::WIRETYPE_LENGTH_DELIMITED:
-        // Skip fails when fewer bytes follow than the field claims.
-        if (!input.ReadVarint32(&length) || !input.Skip(static_cast<int>(length))) return false;
-        break;
-      default:  // groups: no attnserve message has them
-        return false;
-    }
-  }
-}
-
-bool ParseInto(const grpc::ByteBuffer& bytes, google::protobuf::MessageLite* request) {
-  if (bytes.Length() > INT_MAX || !TopLevelLengthsFit(bytes)) return false;
+absl::Status ParseInto(const grpc::ByteBuffer& bytes, const WireMessage& limits,
+                       google::protobuf::MessageLite* request) {
+  ATTN_RETURN_IF_ERROR(CheckWire(bytes, limits));
   // The reader only reads; gRPC's API takes the buffer non-const.
   grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(&bytes));
-  if (!reader.status().ok()) return false;
   // Merge, not Parse: Parse would Clear() first and drop the kept tensors.
   // Bounded by the message's real size: an unbounded stream lets a field
   // that claims more bytes than the message holds reserve up to 50 MB first.
-  return request->MergeFromBoundedZeroCopyStream(&reader, static_cast<int>(bytes.Length())) &&
-         reader.status().ok();
+  if (!reader.status().ok() ||
+      !request->MergeFromBoundedZeroCopyStream(&reader, static_cast<int>(bytes.Length())) ||
+      !reader.status().ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("request does not parse as ", limits.name));
+  }
+  return absl::OkStatus();
 }
 
 namespace {

@@ -9,6 +9,7 @@
 #include "attnserve/v1/attention.pb.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "server/core/requests.h"
+#include "server/grpc/wire_limits.h"
 
 namespace attnserve {
 
@@ -28,17 +29,11 @@ int64_t ResetForReuse(v1::PrefillRequest* request);
 
 // Parses a request's wire bytes into `request`, which must be clear (fresh or
 // ResetForReuse): strings and repeated fields it still holds are refilled in
-// place, so their buffers are reused. False when the bytes do not parse, or
-// when TopLevelLengthsFit rejects them.
-bool ParseInto(const grpc::ByteBuffer& bytes, google::protobuf::MessageLite* request);
-
-// True when every top-level length-delimited field of the message fits in the
-// bytes that follow it (and the message has no groups). protobuf reserves up
-// to 50 MB for a string before it finds out that the bytes it claims are not
-// there; with the top level bounded by the real size, every nested claim is
-// bounded by its parent's, so a tiny request cannot make the server reserve
-// more memory than it sent.
-bool TopLevelLengthsFit(const grpc::ByteBuffer& bytes);
+// place, so their buffers are reused. The bytes are first checked against
+// `limits` (wire_limits.h), so that no claim in them costs memory that was
+// not sent. INVALID_ARGUMENT naming the field when they do not fit or parse.
+absl::Status ParseInto(const grpc::ByteBuffer& bytes, const WireMessage& limits,
+                       google::protobuf::MessageLite* request);
 
 // The wire bytes of an attnserve.v1.PrefillResponse whose output and lse
 // data are out's buffer: the slices point into it and keep it alive until

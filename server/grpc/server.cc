@@ -1,5 +1,12 @@
 #include "server/grpc/server.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -9,6 +16,9 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "CivetServer.h"
+#include "prometheus/text_serializer.h"
+#include "server/core/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -51,7 +61,103 @@ std::string HostOf(const std::string& address) {
   return colon == std::string::npos ? address : address.substr(0, colon);
 }
 
+// Fails with a clear message when something already listens on `address`
+// (host:port; port 0 always passes). gRPC and civetweb only say that they
+// could not start.
+absl::Status CheckPortFree(const std::string& address, absl::string_view flag) {
+  const auto colon = address.rfind(':');
+  if (colon == std::string::npos) return absl::OkStatus();  // left to the server to reject
+  std::string host = address.substr(0, colon);
+  const std::string port = address.substr(colon + 1);
+  if (port == "0") return absl::OkStatus();
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found) != 0) {
+    return absl::OkStatus();  // left to the server to reject
+  }
+  absl::Status status;
+  for (addrinfo* a = found; a != nullptr && status.ok(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // TIME_WAIT is no clash
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 && errno == EADDRINUSE) {
+      status = absl::AlreadyExistsError(absl::StrCat(
+          flag, "=", address, ": the address is already in use (another attnserve, or another "
+          "program, listens there); stop it or choose another port"));
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return status;
+}
+
+// Takes gRPC's reflection plugin out of a server: linking the reflection
+// library registers it for every server, and reflection answers without a
+// token.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+                                    return p->name() == "proto_server_reflection";
+                                  }),
+                   plugins->end());
+  }
+};
+
 }  // namespace
+
+// Serves the registry in the Prometheus text format at /metrics.
+class MetricsEndpoint final : public CivetHandler {
+ public:
+  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
+      const std::string& listen, std::shared_ptr<prometheus::Registry> registry) {
+    ATTN_RETURN_IF_ERROR(CheckPortFree(listen, "--metrics_listen"));
+    std::unique_ptr<MetricsEndpoint> e(new MetricsEndpoint(std::move(registry)));
+    try {
+      e->server_ = std::make_unique<CivetServer>(
+          std::vector<std::string>{"listening_ports", listen, "num_threads", "2"});
+    } catch (const std::exception& ex) {
+      return absl::UnavailableError(
+          absl::StrCat("--metrics_listen=", listen, ": cannot serve metrics there: ", ex.what()));
+    }
+    e->server_->addHandler("/metrics", e.get());
+    const std::vector<int> ports = e->server_->getListeningPorts();
+    e->port_ = ports.empty() ? 0 : ports[0];
+    return e;
+  }
+
+  ~MetricsEndpoint() override {
+    if (server_) server_->removeHandler("/metrics");
+  }
+
+  int port() const { return port_; }
+
+  bool handleGet(CivetServer*, mg_connection* conn) override {
+    const std::string body = prometheus::TextSerializer().Serialize(registry_->Collect());
+    mg_printf(conn,
+              "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+              "Content-Length: %zu\r\nConnection: close\r\n\r\n",
+              body.size());
+    mg_write(conn, body.data(), body.size());
+    return true;
+  }
+
+ private:
+  explicit MetricsEndpoint(std::shared_ptr<prometheus::Registry> registry)
+      : registry_(std::move(registry)) {}
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<CivetServer> server_;
+  int port_ = 0;
+};
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOptions& options,
                                                               AttentionCore* core,
@@ -62,23 +168,23 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   auto creds = Credentials(options);
   if (!creds.ok()) return creds.status();
 
+  ATTN_RETURN_IF_ERROR(CheckPortFree(options.listen, "--listen"));
   if (!options.metrics_listen.empty()) {
-    try {
-      s->exposer_ = std::make_unique<prometheus::Exposer>(options.metrics_listen);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(
-          absl::StrCat("--metrics_listen=", options.metrics_listen, ": ", e.what()));
-    }
-    s->exposer_->RegisterCollectable(metrics->registry());
-    auto ports = s->exposer_->GetListeningPorts();
-    s->metrics_address_ = absl::StrCat(HostOf(options.metrics_listen), ":",
-                                       ports.empty() ? 0 : ports[0]);
+    auto endpoint = MetricsEndpoint::Start(options.metrics_listen, metrics->registry());
+    if (!endpoint.ok()) return endpoint.status();
+    s->metrics_endpoint_ = *std::move(endpoint);
+    s->metrics_address_ =
+        absl::StrCat(HostOf(options.metrics_listen), ":", s->metrics_endpoint_->port());
   }
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   s->service_ = std::make_unique<AttentionServiceImpl>(core, auth, metrics, options.access_log);
   grpc::ServerBuilder builder;
+  // One server per port: with SO_REUSEPORT a second server on the same port
+  // would start and take half of the first one's connections.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   int port = 0;
   builder.AddListeningPort(options.listen, *creds, &port);
   builder.RegisterService(s->service_.get());
@@ -89,7 +195,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
       std::min<int64_t>(options.max_message_bytes + (1 << 20), INT32_MAX)));
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || port == 0) {
-    return absl::UnavailableError(absl::StrCat("--listen=", options.listen, ": cannot bind"));
+    return absl::UnavailableError(absl::StrCat(
+        "--listen=", options.listen, ": cannot listen there (address in use, not local, or "
+        "malformed)"));
   }
   s->grpc_address_ = absl::StrCat(HostOf(options.listen), ":", port);
   grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService();
@@ -102,13 +210,15 @@ AttnServer::~AttnServer() {
   if (server_) server_->Shutdown();
 }
 
+AttnServer::AttnServer() = default;
+
 void AttnServer::SetNotServing() {
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   health->SetServingStatus(false);
   health->SetServingStatus(kServiceName, false);
 }
 
-void AttnServer::Drain(absl::Duration timeout) {
+int AttnServer::Drain(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   SetNotServing();
   // While the listener stays open, new RPCs get UNAVAILABLE from the service
@@ -124,8 +234,16 @@ void AttnServer::Drain(absl::Duration timeout) {
           absl::GetCurrentTimeNanos() - service_->last_accepted_finish_ns() < kQuietNs)) {
     absl::SleepFor(absl::Milliseconds(5));
   }
-  server_->Shutdown(absl::ToChronoTime(deadline));
-  core_->Shutdown();
+  // What still runs at the deadline is answered now and abandoned.
+  const int abandoned = service_->AbandonInflight(absl::UnavailableError(absl::StrCat(
+      "server shut down before the request finished (drain timeout ",
+      absl::FormatDuration(timeout), ")")));
+  // Every RPC is finished: this only closes the listener and the connections
+  // (an idle client's connection included) and waits for the last responses
+  // to leave.
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Milliseconds(200)));
+  if (abandoned == 0) core_->Shutdown();  // nothing queued or running: returns at once
+  return abandoned;
 }
 
 void AttnServer::Wait() { server_->Wait(); }

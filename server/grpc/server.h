@@ -1,5 +1,9 @@
 // AttnServer: builds and runs the gRPC server (AttentionService, standard
-// health checks, reflection) and the Prometheus exposer.
+// health checks, reflection) and the Prometheus endpoint.
+//
+// Both ports are exclusive: gRPC's SO_REUSEPORT is turned off, so a second
+// server on a port the first holds fails to start with a clear error instead
+// of sharing its clients (and their KV state) with the first.
 #pragma once
 
 #include <memory>
@@ -8,7 +12,6 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
-#include "prometheus/exposer.h"
 #include "server/core/attention_core.h"
 #include "server/grpc/attention_service.h"
 #include "server/grpc/auth.h"
@@ -24,7 +27,10 @@ struct ServerOptions {
   std::string tls_client_ca;  // PEM; also require client certificates (mTLS)
   int64_t max_message_bytes = 512ll << 20;
   bool access_log = false;    // one log line per RPC
+  bool reflection = true;     // serve gRPC server reflection (it needs no token)
 };
+
+class MetricsEndpoint;
 
 inline constexpr char kServiceName[] = "attnserve.v1.AttentionService";
 
@@ -40,21 +46,25 @@ class AttnServer {
   const std::string& grpc_address() const { return grpc_address_; }
   const std::string& metrics_address() const { return metrics_address_; }
 
-  // Graceful drain: health NOT_SERVING, new RPCs UNAVAILABLE, in-flight RPCs
-  // finish (cancelled after `timeout`), then the core's queue is drained.
-  void Drain(absl::Duration timeout);
+  // Graceful drain: health NOT_SERVING, new RPCs UNAVAILABLE, accepted RPCs
+  // run to completion for up to `timeout`; RPCs still running then are
+  // answered UNAVAILABLE and abandoned. The listener then closes and, when
+  // nothing was abandoned, the core is shut down. Returns the RPCs
+  // abandoned: when non-zero the backend may still be running a batch, and
+  // the process should exit without waiting for it.
+  int Drain(absl::Duration timeout);
   // Health NOT_SERVING (e.g. after a backend fault); the server keeps
   // answering so that operators can read its state.
   void SetNotServing();
   void Wait();
 
  private:
-  AttnServer() = default;
+  AttnServer();
 
   AttentionCore* core_ = nullptr;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   std::string grpc_address_;
   std::string metrics_address_;
 };

@@ -22,6 +22,12 @@
 namespace attnserve {
 namespace {
 
+CallContext Tenant(const char* tenant) {
+  CallContext c;
+  c.tenant = tenant;
+  return c;
+}
+
 struct Harness {
   Metrics metrics;
   std::unique_ptr<AttentionCore> core;
@@ -42,8 +48,8 @@ struct Harness {
     options.max_request_kv_indices = 4096;
     core = std::make_unique<AttentionCore>(options, *CpuBackend::Create(g), &metrics);
     // Pages 0..7 for tenant a (the fuzzer's), 8..11 for tenant b.
-    (void)core->AllocatePages("a", 8);
-    auto b_pages = core->AllocatePages("b", 4);
+    (void)core->AllocatePages(Tenant("a"), 8);
+    auto b_pages = core->AllocatePages(Tenant("b"), 4);
     for (int32_t p : *b_pages) {
       for (int o = 0; o < g.page_size; ++o) b_slots.push_back(int64_t{p} * g.page_size + o);
     }
@@ -106,6 +112,23 @@ void Report(const char* rpc, const absl::Status& s) {
 }
 }  // namespace attnserve
 
+namespace attnserve {
+// The server's limits for the fuzz harness's core, as the service builds them.
+const RequestWireLimits& Limits() {
+  static const RequestWireLimits* limits = new RequestWireLimits(
+      H().core->limits().max_request_rows, H().core->limits().max_request_kv_indices,
+      H().core->geometry().num_pages, kMaxMergeStates);
+  return *limits;
+}
+
+// As the server's handlers: the wire limits, then the bounded parse.
+bool ParseBody(const void* body, int size, const WireMessage& limits,
+               google::protobuf::MessageLite* request) {
+  grpc::Slice slice(body, static_cast<size_t>(size));
+  return ParseInto(grpc::ByteBuffer(&slice, 1), limits, request).ok();
+}
+}  // namespace attnserve
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace attnserve;
   if (size < 1) return 0;
@@ -121,7 +144,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           2, 64 << 20, [](v1::PrefillRequest* r) { return ResetForReuse(r); });
       RecyclingPool<v1::PrefillRequest>::Ptr req = pool->Get();
       grpc::Slice slice(body, static_cast<size_t>(body_size));
-      if (!ParseInto(grpc::ByteBuffer(&slice, 1), req.get())) return 0;
+      if (!ParseInto(grpc::ByteBuffer(&slice, 1), Limits().prefill, req.get()).ok()) return 0;
       PrefillOutput out;
       PrefillCall c;
       ToCall(*req, &c);
@@ -150,7 +173,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     case 1: {
       v1::WriteKVRequest req;
-      if (!req.ParseFromArray(body, body_size)) return 0;
+      if (!ParseBody(body, body_size, Limits().write_kv, &req)) return 0;
       WriteKvCall c;
       ToCall(req, &c);
       c.tenant = "a";
@@ -159,7 +182,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     case 2: {
       v1::ReadKVRequest req;
-      if (!req.ParseFromArray(body, body_size)) return 0;
+      if (!ParseBody(body, body_size, Limits().read_kv, &req)) return 0;
       v1::ReadKVResponse resp;
       ReadKvCall c;
       ToCall(req, &resp, &c);
@@ -169,7 +192,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     case 3: {
       v1::MergeStatesRequest req;
-      if (!req.ParseFromArray(body, body_size)) return 0;
+      if (!ParseBody(body, body_size, Limits().merge_states, &req)) return 0;
       v1::MergeStatesResponse resp;
       MergeStatesCall c;
       ToCall(req, &resp, &c);
@@ -181,14 +204,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 4: {
       // Allocate then free what was given, or free arbitrary ids.
       v1::FreePagesRequest req;
-      if (!req.ParseFromArray(body, body_size)) return 0;
-      auto given = h.core->AllocatePages("a", req.page_ids_size() % 4 + 1);
+      if (!ParseBody(body, body_size, Limits().free_pages, &req)) return 0;
+      CallContext a;
+      a.tenant = "a";
+      auto given = h.core->AllocatePages(a, req.page_ids_size() % 4 + 1);
       const auto ids = absl::MakeConstSpan(req.page_ids().data(),
                                            static_cast<size_t>(req.page_ids_size()));
       Report("FreePages",
-             h.Wait([&](DoneCallback done) { h.core->FreePages("a", ids, std::move(done)); }));
+             h.Wait([&](DoneCallback done) { h.core->FreePages(a, ids, std::move(done)); }));
       if (given.ok()) {
-        (void)h.Wait([&](DoneCallback done) { h.core->FreePages("a", *given, std::move(done)); });
+        (void)h.Wait([&](DoneCallback done) { h.core->FreePages(a, *given, std::move(done)); });
       }
       break;
     }

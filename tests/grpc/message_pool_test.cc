@@ -71,13 +71,24 @@ std::string Flatten(const grpc::ByteBuffer& b) {
   return out;
 }
 
+grpc::ByteBuffer Bytes(const std::string& s) {
+  grpc::Slice slice(s.data(), s.size());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// Bounds far above what these tests send.
+const RequestWireLimits& Limits() {
+  static const RequestWireLimits* limits = new RequestWireLimits(1 << 20, 1 << 22, 1 << 20, 256);
+  return *limits;
+}
+
 TEST(PrefillWireTest, RecycledRequestParsesLikeAFreshOneAndReusesItsQueryBuffer) {
   Pool pool(4, 1 << 20, Reset);
   const v1::PrefillRequest first = MakeRequest(100000, 300, /*with_optionals=*/true, 1);
   const char* q_buffer = nullptr;
   {
     Pool::Ptr r = pool.Get();
-    ASSERT_TRUE(ParseInto(ToWireBytes(first), r.get()));
+    ASSERT_TRUE(ParseInto(ToWireBytes(first), Limits().prefill, r.get()).ok());
     EXPECT_EQ(r->SerializeAsString(), first.SerializeAsString());
     q_buffer = r->q().data().data();
   }
@@ -90,7 +101,7 @@ TEST(PrefillWireTest, RecycledRequestParsesLikeAFreshOneAndReusesItsQueryBuffer)
   Pool::Ptr r = pool.Get();
   EXPECT_EQ(pool.pooled(), 0u);
   EXPECT_EQ(pool.pooled_bytes(), 0);
-  ASSERT_TRUE(ParseInto(ToWireBytes(second), r.get()));
+  ASSERT_TRUE(ParseInto(ToWireBytes(second), Limits().prefill, r.get()).ok());
   EXPECT_EQ(r->q().data(), second.q().data());
   EXPECT_EQ(r->q().data().data(), q_buffer) << "the query buffer was not reused";
   EXPECT_FALSE(r->has_sm_scale());
@@ -115,20 +126,16 @@ TEST(PrefillWireTest, GarbageDoesNotParse) {
   Pool::Ptr r = pool.Get();
   const char bad[] = {'\x0a', '\x7f', 'x'};  // field 1 claims 127 bytes, has 1
   grpc::Slice slice(bad, sizeof(bad));
-  EXPECT_FALSE(ParseInto(grpc::ByteBuffer(&slice, 1), r.get()));
+  EXPECT_FALSE(ParseInto(grpc::ByteBuffer(&slice, 1), Limits().prefill, r.get()).ok());
 }
 
-grpc::ByteBuffer Bytes(const std::string& s) {
-  grpc::Slice slice(s.data(), s.size());
-  return grpc::ByteBuffer(&slice, 1);
-}
 
 TEST(PrefillWireTest, FieldsClaimingMoreBytesThanTheMessageHoldsAreRejectedUnparsed) {
   // Valid requests, in one slice or many, pass.
   const v1::PrefillRequest valid = MakeRequest(3000, 40, /*with_optionals=*/true, 3);
-  EXPECT_TRUE(TopLevelLengthsFit(ToWireBytes(valid)));
-  EXPECT_TRUE(TopLevelLengthsFit(Bytes(valid.SerializeAsString())));
-  EXPECT_TRUE(TopLevelLengthsFit(Bytes("")));
+  EXPECT_TRUE(CheckWire(ToWireBytes(valid), Limits().prefill).ok());
+  EXPECT_TRUE(CheckWire(Bytes(valid.SerializeAsString()), Limits().prefill).ok());
+  EXPECT_TRUE(CheckWire(Bytes(""), Limits().prefill).ok());
   // q (field 2) claims 1 GiB and holds 16 bytes: protobuf alone would
   // reserve 50 MB for its data before failing.
   const std::string big_q = std::string("\x12\x80\x80\x80\x80\x04", 6) +
@@ -138,17 +145,13 @@ TEST(PrefillWireTest, FieldsClaimingMoreBytesThanTheMessageHoldsAreRejectedUnpar
   // A start-group tag (field 1, wire type 3); a truncated varint.
   const std::string group("\x0b\x0c", 2);
   const std::string truncated("\x08\xff", 2);
-  for (const std::string& bad : {big_q, big_unknown, group, truncated}) {
-    EXPECT_FALSE(TopLevelLengthsFit(Bytes(bad)));
-    v1::PrefillRequest r;
-    EXPECT_FALSE(ParseInto(Bytes(bad), &r));
-  }
-  // A nested claim beyond its parent passes the top-level walk; the bounded
-  // parse then rejects it.
+  // A nested claim beyond its parent: q holds 6 bytes, its data claims 1 GiB.
   const std::string nested_over = std::string("\x12\x06\x1a\x80\x80\x80\x80\x04", 8);
-  EXPECT_TRUE(TopLevelLengthsFit(Bytes(nested_over)));
-  v1::PrefillRequest r;
-  EXPECT_FALSE(ParseInto(Bytes(nested_over), &r));
+  for (const std::string& bad : {big_q, big_unknown, group, truncated, nested_over}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(CheckWire(Bytes(bad), Limits().prefill)));
+    v1::PrefillRequest r;
+    EXPECT_FALSE(ParseInto(Bytes(bad), Limits().prefill, &r).ok());
+  }
 }
 
 TEST(RecyclingPoolTest, StaysWithinItsCountAndByteBounds) {

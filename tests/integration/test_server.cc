@@ -176,9 +176,11 @@ bool TestServer::Alive() {
   return true;
 }
 
-int TestServer::Stop() {
+int TestServer::Stop() { return WaitForExit(/*signal_first=*/true); }
+
+int TestServer::WaitForExit(bool signal_first) {
   if (pid_ > 0 && Alive()) {
-    kill(pid_, SIGTERM);
+    if (signal_first) kill(pid_, SIGTERM);
     int status = 0;
     while (waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
     }

@@ -48,18 +48,23 @@ class TestServer {
   const std::string& grpc_address() const { return grpc_address_; }
   const std::string& metrics_address() const { return metrics_address_; }
   const TestServerOptions& options() const { return options_; }
+  pid_t pid() const { return pid_; }
 
   // True while the child has not exited.
   bool Alive();
   // SIGTERM, then waits for the child. Returns its exit code, or 128 + the
   // signal that killed it. Later calls return the same value.
   int Stop();
+  // Waits for the child to exit (after a signal the test sent itself), with
+  // Stop's return value.
+  int Wait() { return WaitForExit(/*signal_first=*/false); }
   // Everything the child has written to stdout and stderr so far.
   std::string Output() const;
 
  private:
   TestServer() = default;
   void ReadOutput();
+  int WaitForExit(bool signal_first);
 
   TestServerOptions options_;
   pid_t pid_ = -1;

@@ -24,12 +24,26 @@ check "promtool accepts the live scrape" promtool check metrics <<<"$body"
 for family in attnserve_requests_total attnserve_request_duration_seconds \
   attnserve_queue_wait_seconds attnserve_batch_requests attnserve_batch_tokens \
   attnserve_kernel_launches_total attnserve_kernel_duration_seconds attnserve_kv_pages \
-  attnserve_transfer_bytes_total attnserve_inflight_requests; do
+  attnserve_transfer_bytes_total attnserve_inflight_requests attnserve_queue_depth \
+  attnserve_tenant_kv_pages attnserve_device_memory_bytes attnserve_build_info \
+  process_start_time_seconds; do
   check "family $family present" grep -q "^# TYPE $family " <<<"$body"
 done
-check "requests_total counts 3 OK Prefill" test "$(metric 'attnserve_requests_total{code="OK",method="Prefill"}')" = 3
+ok_prefills=$(( $(metric 'attnserve_requests_total{code="OK",method="Prefill",shape="prefill"}') +
+  $(metric 'attnserve_requests_total{code="OK",method="Prefill",shape="decode"}') ))
+check "requests_total counts 3 OK Prefill (decode and prefill shapes)" test "$ok_prefills" = 3
 check "requests_total counts the bad FreePages as INVALID_ARGUMENT" \
-  test "$(metric 'attnserve_requests_total{code="INVALID_ARGUMENT",method="FreePages"}')" = 1
+  test "$(metric 'attnserve_requests_total{code="INVALID_ARGUMENT",method="FreePages",shape="none"}')" = 1
+check "queue depth back to 0" test "$(metric 'attnserve_queue_depth')" = 0
+check "tenant default holds no pages after the frees" \
+  test "$(metric 'attnserve_tenant_kv_pages{tenant="default"}')" = 0
+check "build_info names the version and the backend" \
+  grep -q '^attnserve_build_info{.*backend="cpu".*version="' <<<"$body"
+check "process_start_time_seconds is a recent Unix time" \
+  awk -v v="$(metric 'process_start_time_seconds')" -v now="$(date +%s)" 'BEGIN { exit !(v > now - 600 && v <= now) }'
+check "device memory used is the KV pool" \
+  awk -v v="$(metric 'attnserve_device_memory_bytes{state="used"}')" 'BEGIN { exit !(v > 0) }'
+check "no NaN in the scrape" bash -c '! grep -qi "nan$" <<<"$1"' _ "$body"
 check "kv_pages free back to the start after frees" test "$(metric 'attnserve_kv_pages{state="free"}')" = 256
 check "kv_pages used back to 0" test "$(metric 'attnserve_kv_pages{state="used"}')" = 0
 check "3 attention launches" test "$(metric 'attnserve_kernel_launches_total{kernel="attention"}')" = 3

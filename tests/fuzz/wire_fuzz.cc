@@ -1,0 +1,81 @@
+// libFuzzer target for the edge's wire limits (server/grpc/wire_limits.h):
+// every input is checked and parsed as each attnserve.v1 request, exactly as
+// the handlers do. It aborts when
+//  - a request passes the limits but its parsed repeated fields hold more
+//    entries than the limits allow (the walker miscounted), or
+//  - ParseInto accepts bytes that protobuf's own parser rejects, or parses
+//    them into a different message.
+// Cheap per input, so a nightly run reaches 10^7 executions in minutes.
+#include <cstdint>
+#include <cstdlib>
+
+#include "attnserve/v1/attention.pb.h"
+#include "server/grpc/convert.h"
+#include "server/grpc/wire_limits.h"
+
+namespace attnserve {
+namespace {
+
+// Small bounds, so that inputs of a few KiB can cross them.
+constexpr int64_t kRows = 64, kIndices = 256, kPages = 32, kStates = 4;
+
+const RequestWireLimits& Limits() {
+  static const RequestWireLimits* limits = new RequestWireLimits(kRows, kIndices, kPages, kStates);
+  return *limits;
+}
+
+void Require(bool condition) {
+  if (!condition) std::abort();
+}
+
+void CheckTensor(const v1::Tensor& t) { Require(t.shape_size() <= 8); }
+
+template <typename M>
+bool ParseBoth(const grpc::ByteBuffer& bytes, const uint8_t* data, size_t size,
+               const WireMessage& limits, M* parsed) {
+  if (!ParseInto(bytes, limits, parsed).ok()) return false;
+  M reference;
+  Require(reference.ParseFromArray(data, static_cast<int>(size)));
+  Require(reference.SerializeAsString() == parsed->SerializeAsString());
+  return true;
+}
+
+}  // namespace
+}  // namespace attnserve
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace attnserve;
+  if (size > (1 << 20)) return 0;
+  grpc::Slice slice(data, size);
+  const grpc::ByteBuffer bytes(&slice, 1);
+  const RequestWireLimits& l = Limits();
+  if (v1::PrefillRequest r; ParseBoth(bytes, data, size, l.prefill, &r)) {
+    Require(r.qo_indptr_size() <= kRows + 1 && r.kv_indptr_size() <= kRows + 1);
+    Require(r.kv_indices_size() <= kIndices && r.kv_last_page_len_size() <= kRows);
+    Require(r.append_slots_size() <= kRows);
+    CheckTensor(r.q());
+    CheckTensor(r.append_k());
+    CheckTensor(r.append_v());
+  }
+  if (v1::WriteKVRequest r; ParseBoth(bytes, data, size, l.write_kv, &r)) {
+    Require(r.slots_size() <= kRows);
+    CheckTensor(r.k());
+    CheckTensor(r.v());
+  }
+  if (v1::ReadKVRequest r; ParseBoth(bytes, data, size, l.read_kv, &r)) {
+    Require(r.slots_size() <= kRows);
+  }
+  if (v1::FreePagesRequest r; ParseBoth(bytes, data, size, l.free_pages, &r)) {
+    Require(r.page_ids_size() <= kPages);
+  }
+  if (v1::MergeStatesRequest r; ParseBoth(bytes, data, size, l.merge_states, &r)) {
+    Require(r.states_size() <= kStates);
+    for (const auto& s : r.states()) {
+      CheckTensor(s.v());
+      CheckTensor(s.lse());
+    }
+  }
+  if (v1::AllocatePagesRequest r; ParseBoth(bytes, data, size, l.allocate_pages, &r)) {
+  }
+  return 0;
+}
