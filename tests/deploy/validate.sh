@@ -4,7 +4,7 @@
 # dashboard and the Prometheus alert rules. From the repository root:
 #
 #   bash tests/deploy/validate.sh            # every check; exit 1 on any failure
-#   bash tests/deploy/validate.sh --update   # regenerate deploy/k8s/base/prometheusrule.yaml
+#   bash tests/deploy/validate.sh --update   # regenerate deploy/k8s/components/monitoring/prometheusrule.yaml
 #
 # Needs kubectl (with kustomize v5) or kustomize, node >= 18 with npm (the
 # schema packages are pinned in tests/deploy/package-lock.json and installed
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.." || exit 2
 root=$PWD
 here=tests/deploy
 rule_src=deploy/prometheus/alerts.yaml
-rule_crd=deploy/k8s/base/prometheusrule.yaml
+rule_crd=deploy/k8s/components/monitoring/prometheusrule.yaml
 
 # The Prometheus Operator's copy of the alert rules: alerts.yaml's groups under
 # a PrometheusRule, so that the two cannot drift apart.
@@ -101,14 +101,20 @@ render() { # render NAME DIR: a failed render leaves no file to check
   "${kustomize_cmd[@]}" "$2" >"$work/rendered/$1.yaml" || { rm -f "$work/rendered/$1.yaml"; return 1; }
 }
 # Each overlay as shipped, and each overlay with every optional component
-# (auth, TLS) turned on, so that the components are validated too.
+# (auth, monitoring, TLS) turned on, so that the components are validated too.
 components=()
 for c in deploy/k8s/components/*/; do [[ -f "$c/kustomization.yaml" ]] && components+=("${c%/}"); done
 for dir in deploy/k8s/overlays/*/; do
   name=$(basename "$dir")
   if ((${#kustomize_cmd[@]})); then
     check "kustomize: overlays/$name renders" render "$name" "$dir"
-    if ((${#components[@]})); then
+    # The components the overlay does not include already (a component
+    # included twice would add its objects twice).
+    extra=()
+    for c in "${components[@]}"; do
+      grep -Eq "^[[:space:]]*-[[:space:]]*(\.\./)+components/${c##*/}/?[[:space:]]*$" "$dir/kustomization.yaml" || extra+=("$c")
+    done
+    if ((${#extra[@]})); then
       # kustomize wants relative paths.
       tmp="$work/with-components-$name"
       mkdir -p "$tmp"
@@ -118,9 +124,9 @@ for dir in deploy/k8s/overlays/*/; do
         echo "resources:"
         echo "  - $(realpath --relative-to="$tmp" "$dir")"
         echo "components:"
-        for c in "${components[@]}"; do echo "  - $(realpath --relative-to="$tmp" "$c")"; done
+        for c in "${extra[@]}"; do echo "  - $(realpath --relative-to="$tmp" "$c")"; done
       } >"$tmp/kustomization.yaml"
-      check "kustomize: overlays/$name with components (${components[*]##*/}) renders" \
+      check "kustomize: overlays/$name with components (${extra[*]##*/}) renders" \
         render "$name+components" "$work/with-components-$name"
     fi
   else
