@@ -193,8 +193,12 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
   if (a.sm_scale) req.set_sm_scale(*a.sm_scale);
   if (a.causal) req.set_causal(*a.causal);
   req.set_lse_base(a.lse_base_e ? v1::LSE_BASE_E : v1::LSE_BASE_2);
-  if (!a.append_slots.empty()) {
-    const int64_t n = static_cast<int64_t>(a.append_slots.size());
+  if (!a.append_slots.empty() || !a.append_k.empty()) {
+    // With a plan the slots are the plan's: the rows come from append_k.
+    const int64_t row = int64_t{info_.num_kv_heads()} * info_.head_dim();
+    const int64_t n = !a.append_slots.empty() ? static_cast<int64_t>(a.append_slots.size())
+                      : row == 0             ? 0
+                                             : static_cast<int64_t>(a.append_k.size()) / row;
     req.mutable_append_slots()->Assign(a.append_slots.begin(), a.append_slots.end());
     SetTensor(req.mutable_append_k(), WireDType(info_),
               {n, info_.num_kv_heads(), info_.head_dim()}, a.append_k.data(),
@@ -205,6 +209,7 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
   }
   req.set_expected_incarnation(a.expected_incarnation != 0 ? a.expected_incarnation
                                                            : incarnation());
+  req.set_plan_id(a.plan_id);
   v1::PrefillResponse resp;
   grpc::Status s = stub_->Prefill(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
@@ -214,6 +219,34 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
   r.lse = FromBytes<float>(resp.lse().data());
   r.incarnation = resp.incarnation();
   return r;
+}
+
+absl::StatusOr<uint64_t> Client::CreatePlan(const PlanLayout& layout) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::CreatePlanRequest req;
+  req.mutable_qo_indptr()->Assign(layout.qo_indptr.begin(), layout.qo_indptr.end());
+  req.mutable_kv_indptr()->Assign(layout.kv_indptr.begin(), layout.kv_indptr.end());
+  req.mutable_kv_indices()->Assign(layout.kv_indices.begin(), layout.kv_indices.end());
+  req.mutable_kv_last_page_len()->Assign(layout.kv_last_page_len.begin(),
+                                         layout.kv_last_page_len.end());
+  req.mutable_append_slots()->Assign(layout.append_slots.begin(), layout.append_slots.end());
+  req.set_expected_incarnation(incarnation());
+  v1::CreatePlanResponse resp;
+  grpc::Status s = stub_->CreatePlan(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  Learn(resp.incarnation());
+  return resp.plan_id();
+}
+
+absl::Status Client::ReleasePlan(uint64_t plan_id) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::ReleasePlanRequest req;
+  req.set_plan_id(plan_id);
+  req.set_expected_incarnation(incarnation());
+  v1::ReleasePlanResponse resp;
+  return FromGrpc(stub_->ReleasePlan(&ctx, req, &resp));
 }
 
 absl::StatusOr<State> Client::MergeStates(absl::Span<const State> states, int64_t n, int32_t h,

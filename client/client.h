@@ -60,6 +60,18 @@ struct PrefillArgs {
   absl::Span<const uint16_t> append_k;         // (n, num_kv_heads, head_dim)
   absl::Span<const uint16_t> append_v;
   uint64_t expected_incarnation = 0;  // 0: the client's remembered incarnation
+  // A plan from CreatePlan: then qo_indptr .. kv_last_page_len and
+  // append_slots stay empty, and append_k/append_v have the plan's rows.
+  uint64_t plan_id = 0;
+};
+
+// A step's layout for CreatePlan (the same arrays as PrefillArgs).
+struct PlanLayout {
+  absl::Span<const int32_t> qo_indptr;
+  absl::Span<const int32_t> kv_indptr;
+  absl::Span<const int32_t> kv_indices;
+  absl::Span<const int32_t> kv_last_page_len;
+  absl::Span<const int64_t> append_slots;
 };
 
 struct PrefillResult {
@@ -97,6 +109,10 @@ class Client {
                        absl::Span<const uint16_t> k, absl::Span<const uint16_t> v);
   absl::StatusOr<KvData> ReadKV(int32_t layer, absl::Span<const int64_t> slots);
   absl::StatusOr<PrefillResult> Prefill(const PrefillArgs& args);
+  // Registers a step's layout once; every layer's Prefill then names the
+  // returned plan id instead of sending the layout. ReleasePlan when done.
+  absl::StatusOr<uint64_t> CreatePlan(const PlanLayout& layout);
+  absl::Status ReleasePlan(uint64_t plan_id);
   // States each (n, h, d) with LSE (n, h).
   absl::StatusOr<State> MergeStates(absl::Span<const State> states, int64_t n, int32_t h,
                                     int32_t d, bool lse_base_e);

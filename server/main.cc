@@ -64,6 +64,10 @@ ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA for client certificates (mTLS)
 ABSL_FLAG(int32_t, drain_timeout_s, 30, "seconds in-flight requests get after SIGTERM");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
 ABSL_FLAG(bool, access_log, false, "log one line per RPC (method, tenant, code, seconds)");
+ABSL_FLAG(int32_t, max_plans_per_tenant, 64,
+          "step plans (CreatePlan) one tenant may hold at once");
+ABSL_FLAG(int64_t, plan_idle_timeout_s, 300,
+          "seconds after which an unused plan is released (its pages unpinned)");
 ABSL_FLAG(std::string, reflection, "auto",
           "serve gRPC server reflection: on, off, or auto (on only without --auth_tokens_file: "
           "reflection answers without a token)");
@@ -153,6 +157,12 @@ int Run() {
   core_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   core_options.tenant_max_pages = absl::GetFlag(FLAGS_tenant_max_pages);
   core_options.max_tenant_queue_requests = absl::GetFlag(FLAGS_max_tenant_queue_requests);
+  core_options.max_plans_per_tenant = absl::GetFlag(FLAGS_max_plans_per_tenant);
+  core_options.plan_idle_timeout_s = absl::GetFlag(FLAGS_plan_idle_timeout_s);
+  if (core_options.max_plans_per_tenant < 1 || core_options.plan_idle_timeout_s < 1) {
+    spdlog::error("--max_plans_per_tenant and --plan_idle_timeout_s must be at least 1");
+    return 2;
+  }
   if (core_options.max_batch_tokens < 1 || core_options.max_message_bytes < 1024 ||
       core_options.max_message_bytes > INT32_MAX || core_options.max_queue_requests < 1) {
     spdlog::error("--max_batch_tokens >= 1, --max_queue_requests >= 1 and --max_message_bytes in "

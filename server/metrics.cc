@@ -120,6 +120,8 @@ const char* Metrics::RpcName(Rpc rpc) {
     case Rpc::kReadKV: return "ReadKV";
     case Rpc::kPrefill: return "Prefill";
     case Rpc::kMergeStates: return "MergeStates";
+    case Rpc::kCreatePlan: return "CreatePlan";
+    case Rpc::kReleasePlan: return "ReleasePlan";
     case Rpc::kCount: break;
   }
   return "unknown";

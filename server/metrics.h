@@ -27,7 +27,7 @@ class Metrics {
   // The RPCs of attnserve.v1.AttentionService (the `method` label).
   enum class Rpc {
     kGetServerInfo, kAllocatePages, kFreePages, kWriteKV, kReadKV, kPrefill, kMergeStates,
-    kCount
+    kCreatePlan, kReleasePlan, kCount
   };
   static const char* RpcName(Rpc rpc);
   // The `shape` label: kDecode for a Prefill whose every sequence has at most

@@ -32,7 +32,8 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
       backend_(std::move(backend)),
       metrics_(metrics),
       incarnation_(MakeIncarnation()),
-      pages_(backend_->Geometry().num_pages, options.tenant_max_pages, options.scrub_freed_pages) {
+      pages_(backend_->Geometry().num_pages, options.tenant_max_pages, options.scrub_freed_pages),
+      plans_(options.max_plans_per_tenant, absl::Seconds(options.plan_idle_timeout_s)) {
   limits_.max_message_bytes = options.max_message_bytes;
   limits_.max_request_rows = MaxRequestRows(options, backend_->Geometry());
   limits_.max_request_kv_indices = options.max_request_kv_indices;
@@ -131,8 +132,57 @@ void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
   }
 }
 
+absl::StatusOr<uint64_t> AttentionCore::CreatePlan(const CallContext& ctx,
+                                                    const PrefillLayout& layout) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+  plans_.TakeExpired(absl::Now());
+  auto plan = std::make_unique<Plan>();
+  plan->tenant = ctx.tenant;
+  plan->kv_indices.assign(layout.kv_indices.begin(), layout.kv_indices.end());
+  plan->append_slots.assign(layout.append_slots.begin(), layout.append_slots.end());
+  const PrefillLayout owned{layout.qo_indptr, layout.kv_indptr, plan->kv_indices,
+                            layout.kv_last_page_len, plan->append_slots};
+  ATTN_ASSIGN_OR_RETURN(plan->layout, ValidatePlanLayout(owned, backend_->Geometry(), limits_));
+  ATTN_RETURN_IF_ERROR(pages_.PinOwned(ctx.tenant, plan->layout.pages, "kv_indices/append_slots",
+                                       PageTable::Holder::kPlan));
+  // The pins go with the last reference: the table's, or a request's that
+  // still uses the plan after it was released.
+  std::shared_ptr<Plan> shared(plan.release(), [this](Plan* p) {
+    if (pages_.Unpin(p->layout.pages, PageTable::Holder::kPlan)) {
+      scheduler_->ScrubReleased(nullptr);
+    }
+    UpdatePageGauges();
+    delete p;
+  });
+  return plans_.Add(std::move(shared));
+}
+
+absl::Status AttentionCore::ReleasePlan(const CallContext& ctx, uint64_t plan_id) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+  return plans_.Remove(ctx.tenant, plan_id);
+}
+
 void AttentionCore::Prefill(const PrefillCall& call, DoneCallback done) {
-  auto validated = ValidatePrefill(call, backend_->Geometry(), limits_, incarnation_);
+  std::shared_ptr<const Plan> plan;
+  absl::StatusOr<ValidatedPrefill> validated;
+  if (call.plan_id != 0) {
+    if (absl::Status stale = CheckIncarnation(call.expected_incarnation, incarnation_);
+        !stale.ok()) {
+      done(stale);
+      return;
+    }
+    auto found = plans_.Find(call.tenant, call.plan_id);
+    if (!found.ok()) {
+      done(found.status());
+      return;
+    }
+    plan = *std::move(found);
+    validated = ValidatePlannedPrefill(call, plan->layout, plan->kv_indices.data(),
+                                       plan->append_slots.data(), backend_->Geometry(), limits_,
+                                       incarnation_);
+  } else {
+    validated = ValidatePrefill(call, backend_->Geometry(), limits_, incarnation_);
+  }
   if (!validated.ok()) {
     done(validated.status());
     return;
@@ -155,6 +205,7 @@ void AttentionCore::Prefill(const PrefillCall& call, DoneCallback done) {
   auto job = std::make_unique<Job>();
   job->kind = Job::Kind::kPrefill;
   job->task = std::move(validated->task);
+  job->plan = std::move(plan);
   if (out_bytes > 0) {
     job->task.o = out->buffer.data();
     job->task.lse = reinterpret_cast<float*>(out->buffer.data() + out->lse_offset);

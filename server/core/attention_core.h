@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "server/backend.h"
 #include "server/core/page_table.h"
+#include "server/core/plan_table.h"
 #include "server/core/requests.h"
 #include "server/core/scheduler.h"
 #include "server/core/validate.h"
@@ -38,6 +39,8 @@ struct CoreOptions {
   int64_t max_message_bytes = 512ll << 20;
   int64_t max_request_kv_indices = 1 << 22;
   int32_t tenant_max_pages = 0;  // 0: no cap
+  int32_t max_plans_per_tenant = 64;
+  int64_t plan_idle_timeout_s = 300;  // a plan unused this long is released
 };
 
 // Query rows (and KV rows) one request may carry: what fits in
@@ -59,6 +62,12 @@ class AttentionCore {
   // are zeroed and free again; pages still pinned by requests in flight are
   // zeroed and freed when those finish. The ids must stay valid until then.
   void FreePages(const CallContext& ctx, absl::Span<const int32_t> page_ids, DoneCallback done);
+
+  // Registers a step's layout (validated, its pages pinned) for the caller's
+  // tenant and returns its plan id; Prefill calls then name it (plan_id).
+  absl::StatusOr<uint64_t> CreatePlan(const CallContext& ctx, const PrefillLayout& layout);
+  // Releases a plan: its pages are unpinned once no request uses it.
+  absl::Status ReleasePlan(const CallContext& ctx, uint64_t plan_id);
 
   void Prefill(const PrefillCall& call, DoneCallback done);
   void WriteKv(const WriteKvCall& call, DoneCallback done);
@@ -95,6 +104,8 @@ class AttentionCore {
   RequestLimits limits_;
   PageTable pages_;
   std::unique_ptr<Scheduler> scheduler_;
+  // After scheduler_: a plan going away unpins its pages through both.
+  PlanTable plans_;
 };
 
 }  // namespace attnserve

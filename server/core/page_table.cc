@@ -9,7 +9,8 @@ PageTable::PageTable(int32_t num_pages, int32_t tenant_max_pages, bool scrub_fre
     : tenant_max_pages_(tenant_max_pages),
       scrub_freed_(scrub_freed),
       owner_(num_pages, kFree),
-      pins_(num_pages, 0) {
+      pins_(num_pages, 0),
+      plan_pins_(num_pages, 0) {
   free_list_.reserve(num_pages);
   for (int32_t p = num_pages - 1; p >= 0; --p) free_list_.push_back(p);
 }
@@ -60,6 +61,11 @@ absl::Status PageTable::Free(absl::string_view tenant, absl::Span<const int32_t>
       return absl::PermissionDeniedError(
           absl::StrCat("page_ids[", i, "]=", p, " is not owned by this tenant"));
     }
+    if (plan_pins_[p] > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "page_ids[", i, "]=", p, " is held by ", plan_pins_[p],
+          " plan(s) (CreatePlan): release them (ReleasePlan) before freeing the page"));
+    }
   }
   for (int32_t p : page_ids) {
     if (pins_[p] > 0) {
@@ -73,7 +79,7 @@ absl::Status PageTable::Free(absl::string_view tenant, absl::Span<const int32_t>
 }
 
 absl::Status PageTable::PinOwned(absl::string_view tenant, absl::Span<const int32_t> pages,
-                                 absl::string_view field) {
+                                 absl::string_view field, Holder holder) {
   absl::MutexLock lock(&mu_);
   const int32_t id = TenantId(tenant);
   // One pass (requests list thousands of pages); a page of another tenant
@@ -81,19 +87,24 @@ absl::Status PageTable::PinOwned(absl::string_view tenant, absl::Span<const int3
   for (size_t i = 0; i < pages.size(); ++i) {
     const int32_t p = pages[i];
     if (owner_[p] != id) {
-      for (size_t j = 0; j < i; ++j) --pins_[pages[j]];
+      for (size_t j = 0; j < i; ++j) {
+        --pins_[pages[j]];
+        if (holder == Holder::kPlan) --plan_pins_[pages[j]];
+      }
       return absl::PermissionDeniedError(
           absl::StrCat(field, ": page ", p, " is not owned by this tenant"));
     }
     ++pins_[p];
+    if (holder == Holder::kPlan) ++plan_pins_[p];
   }
   return absl::OkStatus();
 }
 
-bool PageTable::Unpin(absl::Span<const int32_t> pages) {
+bool PageTable::Unpin(absl::Span<const int32_t> pages, Holder holder) {
   absl::MutexLock lock(&mu_);
   bool released = false;
   for (int32_t p : pages) {
+    if (holder == Holder::kPlan) --plan_pins_[p];
     if (--pins_[p] == 0 && owner_[p] == kReleasing) {
       Release(p);
       released = true;

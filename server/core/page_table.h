@@ -40,18 +40,23 @@ class PageTable {
   absl::StatusOr<std::vector<int32_t>> Allocate(absl::string_view tenant, int32_t count);
 
   // Frees pages of `tenant`. All or nothing: INVALID_ARGUMENT for an id out of
-  // range or repeated, PERMISSION_DENIED for a page the tenant does not own.
+  // range or repeated, PERMISSION_DENIED for a page the tenant does not own,
+  // FAILED_PRECONDITION for a page a plan holds.
   absl::Status Free(absl::string_view tenant, absl::Span<const int32_t> page_ids);
+
+  // Who holds a pin: a request in flight, or a plan (CreatePlan). A page a
+  // plan holds cannot be freed (FAILED_PRECONDITION) until the plan lets go.
+  enum class Holder { kRequest, kPlan };
 
   // Checks that every page (in range) belongs to `tenant` and pins them all,
   // or pins none and returns PERMISSION_DENIED naming `field`. Pins are
   // counts: a page listed n times is pinned n times, and Unpin of the same
-  // list releases them.
+  // list (and holder) releases them.
   absl::Status PinOwned(absl::string_view tenant, absl::Span<const int32_t> pages,
-                        absl::string_view field);
+                        absl::string_view field, Holder holder = Holder::kRequest);
   // True when a page freed while pinned was released for scrubbing (then
   // TakeReleased has work).
-  bool Unpin(absl::Span<const int32_t> pages);
+  bool Unpin(absl::Span<const int32_t> pages, Holder holder = Holder::kRequest);
 
   // With scrub_freed: the pages freed and unpinned since the last call; each
   // is returned once and stays out of the free list until FinishScrub.
@@ -77,7 +82,8 @@ class PageTable {
   const bool scrub_freed_;
   mutable absl::Mutex mu_;
   std::vector<int32_t> owner_ ABSL_GUARDED_BY(mu_);  // tenant id, kFree, kReleasing or kScrubbing
-  std::vector<int32_t> pins_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> pins_ ABSL_GUARDED_BY(mu_);       // all holders
+  std::vector<int32_t> plan_pins_ ABSL_GUARDED_BY(mu_);  // the plans' share of pins_
   std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);  // a stack
   std::vector<int32_t> released_ ABSL_GUARDED_BY(mu_);   // awaiting TakeReleased
   absl::flat_hash_map<std::string, int32_t> tenant_ids_ ABSL_GUARDED_BY(mu_);

@@ -38,6 +38,7 @@
 #include "absl/time/time.h"
 #include "server/backend.h"
 #include "server/core/page_table.h"
+#include "server/core/plan_table.h"
 #include "server/core/requests.h"
 #include "server/metrics.h"
 
@@ -52,6 +53,7 @@ struct Job {
   std::vector<const void*> merge_v;
   std::vector<const float*> merge_lse;
   std::vector<int32_t> pinned;         // pages unpinned when the job finishes
+  std::shared_ptr<const Plan> plan;    // kPrefill naming a plan: its arrays and pins live on
   std::vector<int32_t> scrub;          // kScrub: released pages to zero, then free
   std::string tenant;                  // fairness key
   uint64_t request_id = 0;             // the edge's id (CancelQueued); 0 for internal jobs

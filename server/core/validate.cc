@@ -133,67 +133,120 @@ absl::Status CheckIncarnation(uint64_t expected, uint64_t incarnation) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call, const KvGeometry& geo,
-                                                 const RequestLimits& limits,
-                                                 uint64_t incarnation) {
-  ATTN_RETURN_IF_ERROR(CheckIncarnation(call.expected_incarnation, incarnation));
-  ATTN_RETURN_IF_ERROR(CheckLayer(call.layer, geo));
-
-  // q: rank 3 with total_q rows; total_q is bounded before anything is sized by it.
-  if (call.q.shape.size() != 3) {
-    return absl::InvalidArgumentError(absl::StrCat("q.shape has rank ", call.q.shape.size(),
-                                                   ", must be [total_q, ", geo.num_qo_heads,
-                                                   ", ", geo.head_dim, "]"));
-  }
-  const int64_t total_q = call.q.shape[0];
-  if (total_q < 0 || total_q > limits.max_request_rows) {
-    return absl::InvalidArgumentError(absl::StrCat("q.shape[0]=", total_q, " out of range [0, ",
-                                                   limits.max_request_rows, "]"));
-  }
-  const int64_t q_shape[] = {total_q, geo.num_qo_heads, geo.head_dim};
-  ATTN_RETURN_IF_ERROR(ValidateTensor(call.q, "q", ToWire(geo.dtype), q_shape));
-
+absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int64_t total_q,
+                                               absl::string_view total_name,
+                                               const KvGeometry& geo,
+                                               const RequestLimits& limits) {
   // Sequences are bounded like rows, before anything is sized by their count.
-  if (static_cast<int64_t>(call.qo_indptr.size()) > int64_t{limits.max_request_rows} + 1) {
+  if (static_cast<int64_t>(layout.qo_indptr.size()) > int64_t{limits.max_request_rows} + 1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "qo_indptr has ", call.qo_indptr.size(), " entries: at most ",
+        "qo_indptr has ", layout.qo_indptr.size(), " entries: at most ",
         int64_t{limits.max_request_rows} + 1, " (a request holds at most max_request_rows=",
         limits.max_request_rows, " sequences)"));
   }
-  ATTN_RETURN_IF_ERROR(CheckIndptr(call.qo_indptr, "qo_indptr", total_q, "q.shape[0]"));
-  const int64_t batch = static_cast<int64_t>(call.qo_indptr.size()) - 1;
-  if (static_cast<int64_t>(call.kv_indptr.size()) != batch + 1) {
-    return absl::InvalidArgumentError(absl::StrCat("kv_indptr has ", call.kv_indptr.size(),
+  ATTN_RETURN_IF_ERROR(CheckIndptr(layout.qo_indptr, "qo_indptr", total_q, total_name));
+  const int64_t batch = static_cast<int64_t>(layout.qo_indptr.size()) - 1;
+  if (static_cast<int64_t>(layout.kv_indptr.size()) != batch + 1) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_indptr has ", layout.kv_indptr.size(),
                                                    " entries, must have batch + 1 = ", batch + 1,
                                                    " (as qo_indptr)"));
   }
-  if (static_cast<int64_t>(call.kv_indices.size()) > limits.max_request_kv_indices) {
-    return absl::InvalidArgumentError(absl::StrCat("kv_indices has ", call.kv_indices.size(),
+  if (static_cast<int64_t>(layout.kv_indices.size()) > limits.max_request_kv_indices) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_indices has ", layout.kv_indices.size(),
                                                    " entries, at most ",
                                                    limits.max_request_kv_indices));
   }
-  ATTN_RETURN_IF_ERROR(CheckIndptr(call.kv_indptr, "kv_indptr",
-                                   static_cast<int64_t>(call.kv_indices.size()),
+  ATTN_RETURN_IF_ERROR(CheckIndptr(layout.kv_indptr, "kv_indptr",
+                                   static_cast<int64_t>(layout.kv_indices.size()),
                                    "len(kv_indices)"));
-  const bool has_last = !call.kv_last_page_len.empty();
-  if (has_last && static_cast<int64_t>(call.kv_last_page_len.size()) != batch) {
+  const bool has_last = !layout.kv_last_page_len.empty();
+  if (has_last && static_cast<int64_t>(layout.kv_last_page_len.size()) != batch) {
     return absl::InvalidArgumentError(absl::StrCat("kv_last_page_len has ",
-                                                   call.kv_last_page_len.size(),
+                                                   layout.kv_last_page_len.size(),
                                                    " entries, must have batch = ", batch));
   }
-  if (!has_last && geo.page_size != 1 && call.kv_indices.size() > 0) {
+  if (!has_last && geo.page_size != 1 && layout.kv_indices.size() > 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "kv_last_page_len is missing: it may be omitted only when page_size is 1 (page_size=",
         geo.page_size, ")"));
   }
-  std::vector<int32_t> pages(call.kv_indices.begin(), call.kv_indices.end());
-  for (size_t i = 0; i < pages.size(); ++i) {
-    if (pages[i] < 0 || pages[i] >= geo.num_pages) {
-      return absl::InvalidArgumentError(absl::StrCat("kv_indices[", i, "]=", pages[i],
+  ValidatedLayout out;
+  out.total_q = total_q;
+  out.pages.assign(layout.kv_indices.begin(), layout.kv_indices.end());
+  for (size_t i = 0; i < out.pages.size(); ++i) {
+    if (out.pages[i] < 0 || out.pages[i] >= geo.num_pages) {
+      return absl::InvalidArgumentError(absl::StrCat("kv_indices[", i, "]=", out.pages[i],
                                                      " out of range [0, ", geo.num_pages, ")"));
     }
   }
+  out.seqs.reserve(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t num_pages = layout.kv_indptr[b + 1] - layout.kv_indptr[b];
+    int32_t last =
+        geo.page_size == 1 && !has_last ? 1 : (has_last ? layout.kv_last_page_len[b] : 0);
+    if (num_pages > 0 && (last < 1 || last > geo.page_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("kv_last_page_len[", b, "]=", last,
+                                                     " out of range [1, ", geo.page_size,
+                                                     "] (page_size)"));
+    }
+    if (num_pages == 0 && (last < 0 || last > geo.page_size)) {
+      return absl::InvalidArgumentError(absl::StrCat("kv_last_page_len[", b, "]=", last,
+                                                     " out of range [0, ", geo.page_size,
+                                                     "] (sequence ", b, " has no pages)"));
+    }
+    PrefillSeq seq;
+    seq.q_start = layout.qo_indptr[b];
+    seq.q_len = layout.qo_indptr[b + 1] - layout.qo_indptr[b];
+    seq.kv_start = layout.kv_indptr[b];
+    const int64_t kv_len =
+        num_pages == 0 ? 0 : int64_t{num_pages - 1} * geo.page_size + last;
+    if (kv_len > INT32_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", b, " has ", kv_len,
+                                                     " KV tokens, at most ", INT32_MAX));
+    }
+    seq.kv_len = static_cast<int32_t>(kv_len);
+    out.seqs.push_back(seq);
+  }
+  out.num_append = static_cast<int64_t>(layout.append_slots.size());
+  if (out.num_append > limits.max_request_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("append_slots has ", out.num_append,
+                                                   " entries, at most ",
+                                                   limits.max_request_rows));
+  }
+  if (out.num_append > 0) {
+    ATTN_ASSIGN_OR_RETURN(std::vector<int32_t> append_pages,
+                          CheckSlots(layout.append_slots, "append_slots", geo));
+    out.pages.insert(out.pages.end(), append_pages.begin(), append_pages.end());
+  }
+  // Not sorted or deduplicated: a pin is a count, so a page listed twice is
+  // pinned and unpinned twice, and sorting 16k shuffled ids cost ~1 ms.
+  return out;
+}
 
+absl::StatusOr<ValidatedLayout> ValidatePlanLayout(const PrefillLayout& layout,
+                                                   const KvGeometry& geo,
+                                                   const RequestLimits& limits) {
+  if (layout.qo_indptr.empty()) {
+    return absl::InvalidArgumentError("qo_indptr is empty: needs batch + 1 >= 1 entries");
+  }
+  const int64_t total_q = layout.qo_indptr.back();
+  if (total_q < 0 || total_q > limits.max_request_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("qo_indptr[", layout.qo_indptr.size() - 1,
+                                                   "]=", total_q, " out of range [0, ",
+                                                   limits.max_request_rows,
+                                                   "] (max_request_rows)"));
+  }
+  return ValidateLayout(layout, total_q, "the last entry", geo, limits);
+}
+
+namespace {
+
+// What a Prefill carries besides its layout: layer, q with the layout's rows,
+// scale, mask, LSE base, and the append rows the layout's slots receive.
+absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
+                                                       const ValidatedLayout& layout,
+                                                       const KvGeometry& geo,
+                                                       const RequestLimits& limits) {
   float sm_scale = 1.0f / std::sqrt(static_cast<float>(geo.head_dim));
   if (call.sm_scale.has_value()) {
     if (!std::isfinite(*call.sm_scale)) {
@@ -206,74 +259,96 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call, const 
     return absl::InvalidArgumentError(absl::StrCat(
         "lse_base=", call.lse_base, " must be LSE_BASE_2 (0) or LSE_BASE_E (1)"));
   }
-
   ValidatedPrefill out;
   PrefillTask& task = out.task;
   task.layer = call.layer;
   task.q = call.q.data.data();
-  task.total_q = static_cast<int32_t>(total_q);
-  task.kv_indices = call.kv_indices.data();
-  task.num_kv_indices = static_cast<int32_t>(call.kv_indices.size());
-  task.seqs.reserve(batch);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int32_t num_pages = call.kv_indptr[b + 1] - call.kv_indptr[b];
-    int32_t last = geo.page_size == 1 && !has_last ? 1 : (has_last ? call.kv_last_page_len[b] : 0);
-    if (num_pages > 0 && (last < 1 || last > geo.page_size)) {
-      return absl::InvalidArgumentError(absl::StrCat("kv_last_page_len[", b, "]=", last,
-                                                     " out of range [1, ", geo.page_size,
-                                                     "] (page_size)"));
-    }
-    if (num_pages == 0 && (last < 0 || last > geo.page_size)) {
-      return absl::InvalidArgumentError(absl::StrCat("kv_last_page_len[", b, "]=", last,
-                                                     " out of range [0, ", geo.page_size,
-                                                     "] (sequence ", b, " has no pages)"));
-    }
-    PrefillSeq seq;
-    seq.q_start = call.qo_indptr[b];
-    seq.q_len = call.qo_indptr[b + 1] - call.qo_indptr[b];
-    seq.kv_start = call.kv_indptr[b];
-    const int64_t kv_len =
-        num_pages == 0 ? 0 : int64_t{num_pages - 1} * geo.page_size + last;
-    if (kv_len > INT32_MAX) {
-      return absl::InvalidArgumentError(absl::StrCat("sequence ", b, " has ", kv_len,
-                                                     " KV tokens, at most ", INT32_MAX));
-    }
-    seq.kv_len = static_cast<int32_t>(kv_len);
+  task.total_q = static_cast<int32_t>(layout.total_q);
+  task.num_kv_indices = static_cast<int32_t>(layout.pages.size() - layout.num_append);
+  task.seqs = layout.seqs;
+  for (PrefillSeq& seq : task.seqs) {
     seq.layer = call.layer;
     seq.sm_scale = sm_scale;
     seq.causal = call.causal.value_or(true) ? 1 : 0;
     seq.lse_base_e = static_cast<uint8_t>(call.lse_base);
-    task.seqs.push_back(seq);
   }
-
-  // Fused append.
-  const int64_t n_append = static_cast<int64_t>(call.append_slots.size());
-  if (n_append > limits.max_request_rows) {
-    return absl::InvalidArgumentError(absl::StrCat("append_slots has ", n_append,
-                                                   " entries, at most ",
-                                                   limits.max_request_rows));
-  }
+  const int64_t n_append = layout.num_append;
   if (n_append > 0 || !call.append_k.data.empty() || !call.append_v.data.empty()) {
     const int64_t kv_shape[] = {n_append, geo.num_kv_heads, geo.head_dim};
     ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_k, "append_k", ToWire(geo.dtype), kv_shape));
     ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_v, "append_v", ToWire(geo.dtype), kv_shape));
-    ATTN_ASSIGN_OR_RETURN(std::vector<int32_t> append_pages,
-                          CheckSlots(call.append_slots, "append_slots", geo));
-    pages.insert(pages.end(), append_pages.begin(), append_pages.end());
-    task.append_slots = call.append_slots.data();
     task.num_append = n_append;
     task.append_k = call.append_k.data.data();
     task.append_v = call.append_v.data.data();
   }
-
-  out.out_bytes = total_q * geo.num_qo_heads * geo.head_dim * KvDTypeBytes(geo.dtype);
-  out.lse_bytes = total_q * geo.num_qo_heads * static_cast<int64_t>(sizeof(float));
+  out.out_bytes = layout.total_q * geo.num_qo_heads * geo.head_dim * KvDTypeBytes(geo.dtype);
+  out.lse_bytes = layout.total_q * geo.num_qo_heads * static_cast<int64_t>(sizeof(float));
   ATTN_RETURN_IF_ERROR(CheckResponseSize(out.out_bytes + out.lse_bytes, limits));
-
-  // Not sorted or deduplicated: a pin is a count, so a page listed twice is
-  // pinned and unpinned twice, and sorting 16k shuffled ids cost ~1 ms.
-  out.pages = std::move(pages);
   return out;
+}
+
+// q: rank 3 with total_q rows, where expected_rows (-1: any) says how many.
+absl::StatusOr<int64_t> CheckQuery(const TensorView& q, int64_t expected_rows,
+                                   const KvGeometry& geo, const RequestLimits& limits) {
+  if (q.shape.size() != 3) {
+    return absl::InvalidArgumentError(absl::StrCat("q.shape has rank ", q.shape.size(),
+                                                   ", must be [total_q, ", geo.num_qo_heads,
+                                                   ", ", geo.head_dim, "]"));
+  }
+  const int64_t total_q = q.shape[0];
+  if (total_q < 0 || total_q > limits.max_request_rows) {
+    return absl::InvalidArgumentError(absl::StrCat("q.shape[0]=", total_q, " out of range [0, ",
+                                                   limits.max_request_rows, "]"));
+  }
+  if (expected_rows >= 0 && total_q != expected_rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "q.shape[0]=", total_q, " must equal the plan's query rows ", expected_rows));
+  }
+  const int64_t q_shape[] = {total_q, geo.num_qo_heads, geo.head_dim};
+  ATTN_RETURN_IF_ERROR(ValidateTensor(q, "q", ToWire(geo.dtype), q_shape));
+  return total_q;
+}
+
+}  // namespace
+
+absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call, const KvGeometry& geo,
+                                                 const RequestLimits& limits,
+                                                 uint64_t incarnation) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(call.expected_incarnation, incarnation));
+  ATTN_RETURN_IF_ERROR(CheckLayer(call.layer, geo));
+  ATTN_ASSIGN_OR_RETURN(const int64_t total_q, CheckQuery(call.q, -1, geo, limits));
+  const PrefillLayout fields{call.qo_indptr, call.kv_indptr, call.kv_indices,
+                             call.kv_last_page_len, call.append_slots};
+  ATTN_ASSIGN_OR_RETURN(ValidatedLayout layout,
+                        ValidateLayout(fields, total_q, "q.shape[0]", geo, limits));
+  ATTN_ASSIGN_OR_RETURN(ValidatedPrefill out, ValidateAgainstLayout(call, layout, geo, limits));
+  // The task reads the request's own arrays.
+  out.task.kv_indices = call.kv_indices.data();
+  if (out.task.num_append > 0) out.task.append_slots = call.append_slots.data();
+  out.pages = std::move(layout.pages);
+  return out;
+}
+
+absl::StatusOr<ValidatedPrefill> ValidatePlannedPrefill(const PrefillCall& call,
+                                                        const ValidatedLayout& plan,
+                                                        const int32_t* kv_indices,
+                                                        const int64_t* append_slots,
+                                                        const KvGeometry& geo,
+                                                        const RequestLimits& limits,
+                                                        uint64_t incarnation) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(call.expected_incarnation, incarnation));
+  if (!call.qo_indptr.empty() || !call.kv_indptr.empty() || !call.kv_indices.empty() ||
+      !call.kv_last_page_len.empty() || !call.append_slots.empty()) {
+    return absl::InvalidArgumentError(
+        "plan_id is set: qo_indptr, kv_indptr, kv_indices, kv_last_page_len and append_slots "
+        "must be empty (the plan holds them)");
+  }
+  ATTN_RETURN_IF_ERROR(CheckLayer(call.layer, geo));
+  ATTN_RETURN_IF_ERROR(CheckQuery(call.q, plan.total_q, geo, limits).status());
+  ATTN_ASSIGN_OR_RETURN(ValidatedPrefill out, ValidateAgainstLayout(call, plan, geo, limits));
+  out.task.kv_indices = kv_indices;
+  if (out.task.num_append > 0) out.task.append_slots = append_slots;
+  return out;  // no pages: the plan pins them
 }
 
 absl::StatusOr<std::vector<int32_t>> ValidateKvRows(int32_t layer,

@@ -30,6 +30,36 @@ struct ValidatedPrefill {
   int64_t lse_bytes = 0;       // bytes of lse
 };
 
+// A batch's layout (FlashInfer's): the fields a Prefill and a CreatePlan share.
+struct PrefillLayout {
+  absl::Span<const int32_t> qo_indptr;         // (batch + 1)
+  absl::Span<const int32_t> kv_indptr;         // (batch + 1)
+  absl::Span<const int32_t> kv_indices;        // (kv_indptr[batch])
+  absl::Span<const int32_t> kv_last_page_len;  // (batch), may be empty at page_size 1
+  absl::Span<const int64_t> append_slots;      // (n)
+};
+
+// A layout that passed validation: the sequences (q_start, q_len, kv_start,
+// kv_len set; the per-request fields not) and the pages it touches.
+struct ValidatedLayout {
+  int64_t total_q = 0;
+  std::vector<PrefillSeq> seqs;
+  std::vector<int32_t> pages;  // kv_indices, then the append slots' pages (repeats allowed)
+  int64_t num_append = 0;
+};
+
+// Checks a layout whose qo_indptr must end at total_q (named total_name in
+// errors): indptrs, page ids in range, last-page lengths, append slots in
+// range and distinct.
+absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int64_t total_q,
+                                               absl::string_view total_name,
+                                               const KvGeometry& geo,
+                                               const RequestLimits& limits);
+// A CreatePlan's layout: as ValidateLayout, total_q taken from qo_indptr.
+absl::StatusOr<ValidatedLayout> ValidatePlanLayout(const PrefillLayout& layout,
+                                                   const KvGeometry& geo,
+                                                   const RequestLimits& limits);
+
 // FAILED_PRECONDITION when a caller expects another incarnation than the
 // server's (0: not checked): it outlived a restart.
 absl::Status CheckIncarnation(uint64_t expected, uint64_t incarnation);
@@ -38,6 +68,18 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call,
                                                  const KvGeometry& geo,
                                                  const RequestLimits& limits,
                                                  uint64_t incarnation);
+
+// A Prefill naming a plan (call.plan_id): its layout fields must be empty,
+// q must have the plan's rows and the append tensors its append rows. The
+// task reads kv_indices and append_slots from the plan's arrays; no pages
+// are returned (the plan holds their pins).
+absl::StatusOr<ValidatedPrefill> ValidatePlannedPrefill(const PrefillCall& call,
+                                                        const ValidatedLayout& plan,
+                                                        const int32_t* kv_indices,
+                                                        const int64_t* append_slots,
+                                                        const KvGeometry& geo,
+                                                        const RequestLimits& limits,
+                                                        uint64_t incarnation);
 
 // WriteKV / ReadKV: layer and slots; for WriteKV also k and v (pass nullptr
 // for ReadKV). Returns the page of each slot (repeats allowed).

@@ -445,3 +445,44 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(grpc::CallbackServer
 }
 
 }  // namespace attnserve
+
+namespace attnserve {
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CreatePlan(grpc::CallbackServerContext* ctx,
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kCreatePlan, request, response);
+  if (call->finished()) return call;
+  v1::CreatePlanRequest parsed;
+  if (!call->Parse(limits_.create_plan, &parsed)) return call;
+  CallContext c;
+  call->Bind(&c);
+  c.expected_incarnation = parsed.expected_incarnation();
+  auto id = core_->CreatePlan(c, ToLayout(parsed));
+  v1::CreatePlanResponse out;
+  if (id.ok()) {
+    out.set_plan_id(*id);
+    out.set_incarnation(core_->incarnation());
+  }
+  if (call->Claim()) call->Finish(id.status(), &out);
+  return call;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ReleasePlan(grpc::CallbackServerContext* ctx,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kReleasePlan, request, response);
+  if (call->finished()) return call;
+  v1::ReleasePlanRequest parsed;
+  if (!call->Parse(limits_.release_plan, &parsed)) return call;
+  CallContext c;
+  call->Bind(&c);
+  c.expected_incarnation = parsed.expected_incarnation();
+  const absl::Status status = core_->ReleasePlan(c, parsed.plan_id());
+  v1::ReleasePlanResponse out;
+  out.set_incarnation(core_->incarnation());
+  if (call->Claim()) call->Finish(status, &out);
+  return call;
+}
+
+}  // namespace attnserve

@@ -35,14 +35,16 @@
 
 namespace attnserve {
 
-using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_GetServerInfo<
+using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_CreatePlan<
+    v1::AttentionService::WithRawCallbackMethod_ReleasePlan<
+    v1::AttentionService::WithRawCallbackMethod_GetServerInfo<
     v1::AttentionService::WithRawCallbackMethod_AllocatePages<
         v1::AttentionService::WithRawCallbackMethod_FreePages<
             v1::AttentionService::WithRawCallbackMethod_WriteKV<
                 v1::AttentionService::WithRawCallbackMethod_ReadKV<
                     v1::AttentionService::WithRawCallbackMethod_Prefill<
                         v1::AttentionService::WithRawCallbackMethod_MergeStates<
-                            v1::AttentionService::Service>>>>>>>;
+                            v1::AttentionService::Service>>>>>>>>>;
 
 class AttentionServiceImpl final : public RawAttentionService {
  public:
@@ -82,6 +84,12 @@ class AttentionServiceImpl final : public RawAttentionService {
                                     const grpc::ByteBuffer* request,
                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* MergeStates(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* CreatePlan(grpc::CallbackServerContext* ctx,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ReleasePlan(grpc::CallbackServerContext* ctx,
                                         const grpc::ByteBuffer* request,
                                         grpc::ByteBuffer* response) override;
 

@@ -46,6 +46,12 @@ void ToCall(const v1::PrefillRequest& r, PrefillCall* c) {
   c->append_k = View(r.append_k());
   c->append_v = View(r.append_v());
   c->expected_incarnation = r.expected_incarnation();
+  c->plan_id = r.plan_id();
+}
+
+PrefillLayout ToLayout(const v1::CreatePlanRequest& r) {
+  return PrefillLayout{Span(r.qo_indptr()), Span(r.kv_indptr()), Span(r.kv_indices()),
+                       Span(r.kv_last_page_len()), Span(r.append_slots())};
 }
 
 void ToCall(const v1::WriteKVRequest& r, WriteKvCall* c) {

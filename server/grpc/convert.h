@@ -9,6 +9,7 @@
 #include "attnserve/v1/attention.pb.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "server/core/requests.h"
+#include "server/core/validate.h"
 #include "server/grpc/wire_limits.h"
 
 namespace attnserve {
@@ -17,6 +18,8 @@ namespace attnserve {
 // deadline and cancellation. Output pointers go to `response`.
 // Prefill's outputs go to call->out, which the caller sets.
 void ToCall(const v1::PrefillRequest& request, PrefillCall* call);
+// A CreatePlan's layout, viewing the request's arrays.
+PrefillLayout ToLayout(const v1::CreatePlanRequest& request);
 void ToCall(const v1::WriteKVRequest& request, WriteKvCall* call);
 void ToCall(const v1::ReadKVRequest& request, v1::ReadKVResponse* response, ReadKvCall* call);
 void ToCall(const v1::MergeStatesRequest& request, v1::MergeStatesResponse* response,

@@ -69,6 +69,8 @@ struct RequestWireLimits {
   WireMessage read_kv;
   WireMessage prefill;
   WireMessage merge_states;
+  WireMessage create_plan;
+  WireMessage release_plan;
 };
 
 }  // namespace attnserve

@@ -1,0 +1,76 @@
+// PlanTable: the step layouts clients registered with CreatePlan.
+//
+// A page id names the same slots in every layer, so one decode step's layout
+// (indptrs, page ids, last-page lengths, append slots) is the same for all
+// of a model's layers. A client registers it once; every layer's Prefill then
+// names the plan instead of sending the layout again, and the server
+// neither re-validates nor re-pins it. A plan's pages stay pinned (and
+// cannot be freed) until the plan is released, expires, or the server stops.
+//
+//   PlanTable plans(/*max_per_tenant=*/64, absl::Seconds(300));
+//   auto id = plans.Add(std::move(plan));          // RESOURCE_EXHAUSTED past the cap
+//   auto found = plans.Find("default", *id);       // shared: in-flight jobs keep it alive
+//   plans.Remove("default", *id);
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/random/random.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/core/validate.h"
+
+namespace attnserve {
+
+struct Plan {
+  uint64_t id = 0;
+  std::string tenant;
+  std::vector<int32_t> kv_indices;    // the tasks point into these two
+  std::vector<int64_t> append_slots;
+  ValidatedLayout layout;             // layout.pages are pinned for the plan
+};
+
+class PlanTable {
+ public:
+  PlanTable(int32_t max_per_tenant, absl::Duration idle_timeout)
+      : max_per_tenant_(max_per_tenant), idle_timeout_(idle_timeout) {}
+
+  // Registers `plan` under a new random non-zero id (set in the plan) and
+  // returns it. RESOURCE_EXHAUSTED when the tenant already holds
+  // max_per_tenant plans.
+  absl::StatusOr<uint64_t> Add(std::shared_ptr<Plan> plan);
+  // The tenant's plan, marked used now. NOT_FOUND for an id it does not
+  // know (never made, released, expired, or made before a restart),
+  // PERMISSION_DENIED for another tenant's.
+  absl::StatusOr<std::shared_ptr<const Plan>> Find(absl::string_view tenant, uint64_t id);
+  // Takes the tenant's plan out of the table (errors as Find). Its pages stay
+  // pinned until the last request using it has finished.
+  absl::Status Remove(absl::string_view tenant, uint64_t id);
+  // Takes out every plan unused for the idle timeout; returns how many.
+  int TakeExpired(absl::Time now);
+
+  int32_t max_per_tenant() const { return max_per_tenant_; }
+  absl::Duration idle_timeout() const { return idle_timeout_; }
+
+ private:
+  struct Entry {
+    std::shared_ptr<const Plan> plan;
+    absl::Time last_used;
+  };
+  absl::StatusOr<Entry*> Lookup(absl::string_view tenant, uint64_t id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const int32_t max_per_tenant_;
+  const absl::Duration idle_timeout_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<uint64_t, Entry> plans_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int32_t> per_tenant_ ABSL_GUARDED_BY(mu_);
+  absl::BitGen gen_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace attnserve
