@@ -3,8 +3,8 @@
 # attnserve image: the server and attnctl, built with the CUDA backend on CUDA 13
 # and Ubuntu 24.04, run as a non-root user. From the repository root:
 #
-#   docker build -t attnserve:0.1.0 .
-#   docker run --rm --gpus all -p 50051:50051 -p 9464:9464 attnserve:0.1.0 --backend=cuda
+#   docker build -t attnserve:0.2.0 .
+#   docker run --rm --gpus all -p 50051:50051 -p 9464:9464 attnserve:0.2.0 --backend=cuda
 #
 # Extra arguments are appended to the server's flags (docs/design.md section 6). The
 # same image serves the CPU backend (--backend=cpu) on a machine without a GPU.
@@ -25,9 +25,10 @@ RUN ATTNSERVE_TEST_DEPS=0 bash scripts/install_deps.sh \
  && rm -rf /var/lib/apt/lists/*
 
 # Only what the build reads (tests and benchmarks are off).
-COPY CMakeLists.txt ./
+COPY CMakeLists.txt LICENSE ./
 COPY cmake/ cmake/
 COPY proto/ proto/
+COPY common/ common/
 COPY kernels/ kernels/
 COPY server/ server/
 COPY client/ client/
@@ -47,7 +48,7 @@ FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime
 
 ARG CUDA_VERSION
 ARG UBUNTU_VERSION
-ARG ATTNSERVE_VERSION=0.1.0
+ARG ATTNSERVE_VERSION=0.2.0
 ARG VCS_REF=unknown
 ARG BUILD_DATE=unknown
 LABEL org.opencontainers.image.title="attnserve" \
