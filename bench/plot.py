@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Charts from attnbench --json results (matplotlib).
 
   python3 bench/plot.py run-c1.json run-c4.json run-c16.json --out serving
