@@ -3,10 +3,10 @@
 # attnserve images: the server and attnctl, run as a non-root user. Two targets,
 # from the repository root:
 #
-#   docker build -t attnserve:0.1.0 .                                  # CUDA (the default target)
-#   docker build --target runtime-cpu -t attnserve:0.1.0-cpu .         # CPU only, no CUDA
-#   docker run --rm --gpus all -p 50051:50051 -p 9464:9464 attnserve:0.1.0 --backend=cuda
-#   docker run --rm -p 50051:50051 attnserve:0.1.0-cpu --backend=cpu
+#   docker build -t attnserve:0.2.0 .                                  # CUDA (the default target)
+#   docker build --target runtime-cpu -t attnserve:0.2.0-cpu .         # CPU only, no CUDA
+#   docker run --rm --gpus all -p 50051:50051 -p 9464:9464 attnserve:0.2.0 --backend=cuda
+#   docker run --rm -p 50051:50051 attnserve:0.2.0-cpu --backend=cpu
 #
 # The CUDA image is built on CUDA 13 and Ubuntu 24.04 and also serves the CPU
 # backend; the CPU image is built on Debian 12 with -DATTNSERVE_CUDA=OFF.
@@ -29,9 +29,10 @@ RUN ATTNSERVE_TEST_DEPS=0 bash scripts/install_deps.sh \
  && rm -rf /var/lib/apt/lists/*
 
 # Only what the build reads (tests and benchmarks are off).
-COPY CMakeLists.txt ./
+COPY CMakeLists.txt LICENSE ./
 COPY cmake/ cmake/
 COPY proto/ proto/
+COPY common/ common/
 COPY kernels/ kernels/
 COPY server/ server/
 COPY client/ client/
@@ -39,8 +40,10 @@ COPY client/ client/
 # The install tree is relocatable: bin/ and lib/ with an RPATH of $ORIGIN/../lib
 # and every non-system shared library it needs bundled in lib/. cudart is
 # linked statically, so the binaries need only the driver from CUDA.
+ARG VCS_REF=unknown
 RUN cmake -S . -B build -G Ninja \
       -DCMAKE_BUILD_TYPE=Release \
+      -DATTNSERVE_GIT_COMMIT=${VCS_REF} \
       -DATTNSERVE_CUDA=ON \
       -DATTNSERVE_TESTS=OFF \
  && cmake --build build --parallel \
@@ -57,15 +60,18 @@ COPY scripts/install_deps.sh scripts/install_deps.sh
 RUN ATTNSERVE_TEST_DEPS=0 bash scripts/install_deps.sh \
  && rm -rf /var/lib/apt/lists/*
 
-COPY CMakeLists.txt ./
+COPY CMakeLists.txt LICENSE ./
 COPY cmake/ cmake/
 COPY proto/ proto/
+COPY common/ common/
 COPY kernels/ kernels/
 COPY server/ server/
 COPY client/ client/
 
+ARG VCS_REF=unknown
 RUN cmake -S . -B build -G Ninja \
       -DCMAKE_BUILD_TYPE=Release \
+      -DATTNSERVE_GIT_COMMIT=${VCS_REF} \
       -DATTNSERVE_CUDA=OFF \
       -DATTNSERVE_TESTS=OFF \
  && cmake --build build --parallel \
@@ -77,7 +83,7 @@ RUN cmake -S . -B build -G Ninja \
 FROM debian:${DEBIAN_VERSION}-slim AS runtime-cpu
 
 ARG DEBIAN_VERSION
-ARG ATTNSERVE_VERSION=0.1.0
+ARG ATTNSERVE_VERSION=0.2.0
 ARG VCS_REF=unknown
 ARG BUILD_DATE=unknown
 LABEL org.opencontainers.image.title="attnserve" \
@@ -113,7 +119,7 @@ FROM nvidia/cuda:${CUDA_VERSION}-base-ubuntu${UBUNTU_VERSION} AS runtime
 
 ARG CUDA_VERSION
 ARG UBUNTU_VERSION
-ARG ATTNSERVE_VERSION=0.1.0
+ARG ATTNSERVE_VERSION=0.2.0
 ARG VCS_REF=unknown
 ARG BUILD_DATE=unknown
 LABEL org.opencontainers.image.title="attnserve" \

@@ -15,10 +15,9 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "common/usage.h"
 #include "grpcpp/grpcpp.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50061", "gRPC address (port 0 picks one)");
@@ -177,8 +176,12 @@ class EchoService final : public v1::AttentionService::CallbackService {
 }  // namespace attnserve
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("attnecho: attnserve's API with no compute (transport floor)");
-  absl::ParseCommandLine(argc, argv);
+  attnserve::ParseCommandLine(
+      argc, argv,
+      {"attnecho",
+       "attnecho [flags]: attnserve's API with no compute, the transport floor for attnbench.\n"
+       "Prefill answers with the query bytes as the output; KV writes are dropped.",
+       {{"bench/attnecho.cc", "Flags"}}});
   attnserve::EchoService service;
   grpc::ServerBuilder builder;
   int port = 0;

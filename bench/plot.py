@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Charts from attnbench --json results (matplotlib).
 
   python3 bench/plot.py decode-c1.json decode-c4.json decode-c16.json --out serving

@@ -34,8 +34,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -46,6 +44,7 @@
 #include "client/cli_flags.h"
 #include "client/client.h"
 #include "client/workload.h"
+#include "common/usage.h"
 
 ABSL_FLAG(std::string, workload, "decode", "decode | prefill | prefix | mixed");
 ABSL_FLAG(int32_t, batch, 1, "sequences per request");
@@ -68,7 +67,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kVariants = 2;                   // different q/pages per shape and client
+constexpr int kVariants = 2;                   // requests per shape and client: same pages, other q
 constexpr size_t kMaxLatencySamples = 100000;  // in the JSON
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -114,6 +113,25 @@ struct ShapeSpec {
   std::string name;
   int32_t q_len, kv_len;
 };
+
+// KV pages one client holds for the run: `batch` sequences of kv_len keys per
+// shape. The variants of a shape read the same pages with different queries.
+int64_t PagesPerClient(const std::vector<ShapeSpec>& specs, int32_t batch, int32_t page_size) {
+  int64_t pages = 0;
+  for (const ShapeSpec& s : specs) pages += int64_t{batch} * ((s.kv_len + page_size - 1) / page_size);
+  return pages;
+}
+
+// The request shape as the banner shows it: only the lengths the workload uses.
+std::string ShapeText(const std::string& workload) {
+  const int32_t batch = absl::GetFlag(FLAGS_batch);
+  const int32_t q = absl::GetFlag(FLAGS_q_len), kv = absl::GetFlag(FLAGS_kv_len);
+  if (workload == "decode") {
+    return absl::StrFormat("batch=%d kv_len=%d (one query row per sequence)", batch, kv);
+  }
+  if (workload == "prefill") return absl::StrFormat("batch=%d q_len=%d (keys = queries)", batch, q);
+  return absl::StrFormat("batch=%d q_len=%d kv_len=%d", batch, q, kv);
+}
 
 std::vector<ShapeSpec> ShapesOf(const std::string& workload) {
   const int32_t q = absl::GetFlag(FLAGS_q_len), kv = absl::GetFlag(FLAGS_kv_len);
@@ -203,10 +221,7 @@ class Worker {
     client_ = *std::move(client);
     const KvGeometry g = GeometryOf(client_->info());
     const int32_t batch = absl::GetFlag(FLAGS_batch);
-    int64_t need = 0;
-    for (const ShapeSpec& s : specs) {
-      need += int64_t{kVariants} * batch * ((s.kv_len + g.page_size - 1) / g.page_size);
-    }
+    const int64_t need = PagesPerClient(specs, batch, g.page_size);
     auto pages = client_->AllocatePages(static_cast<int32_t>(std::max<int64_t>(need, 1)));
     if (!pages.ok()) return pages.status();
     pages_ = *std::move(pages);
@@ -226,10 +241,17 @@ class Worker {
       if (!s.ok()) return s;
       mirror_->Write(layer, part, k, v);
     }
-    // Shapes in the order requests cycle through them: mixed alternates.
-    size_t next = 0;
+    // Shapes in the order requests cycle through them: mixed alternates. Each
+    // shape has its own pages; its variants share them.
+    std::vector<size_t> first_page(specs.size(), 0);
+    for (size_t i = 1; i < specs.size(); ++i) {
+      first_page[i] = first_page[i - 1] + static_cast<size_t>(PagesPerClient({specs[i - 1]}, batch,
+                                                                             g.page_size));
+    }
     for (int variant = 0; variant < kVariants; ++variant) {
-      for (const ShapeSpec& s : specs) {
+      for (size_t i = 0; i < specs.size(); ++i) {
+        const ShapeSpec& s = specs[i];
+        size_t next = first_page[i];
         shapes_.push_back(MakeShape(gen, g, s.name, batch, s.q_len, s.kv_len, pages_, &next));
         if (verify) {
           ReferencePrefill(*mirror_, shapes_.back().in, &shapes_.back().o_ref,
@@ -371,6 +393,28 @@ int Main() {
   }
 
   ClientOptions options = ClientOptionsFromFlags();
+  auto info_client = Client::Connect(options);
+  if (!info_client.ok()) {
+    std::cerr << "error: " << info_client.status().ToString() << "\n";
+    return 1;
+  }
+  // Every client holds its pages for the whole run: say so before allocating
+  // when they cannot fit.
+  const v1::ServerInfo& start_info = (*info_client)->info();
+  const int64_t per_client =
+      PagesPerClient(specs, absl::GetFlag(FLAGS_batch), start_info.page_size());
+  if (per_client * concurrency > start_info.free_pages()) {
+    int32_t most_keys = 0;
+    for (const ShapeSpec& s : specs) most_keys = std::max(most_keys, s.kv_len);
+    std::cerr << absl::StrFormat(
+        "error: --concurrency=%d clients x %d KV pages each (--batch=%d sequences of up to %d "
+        "keys, page_size %d, per request shape) = %d pages, but the server has %d of its %d "
+        "pages free: lower --concurrency, --batch or --kv_len (--q_len for prefill), or start "
+        "attnserve with more --num_pages\n",
+        concurrency, per_client, absl::GetFlag(FLAGS_batch), most_keys, start_info.page_size(),
+        per_client * concurrency, start_info.free_pages(), start_info.num_pages());
+    return 1;
+  }
 
   // Set-up: every client connects, allocates and writes its K/V (in parallel).
   std::vector<Worker> workers(concurrency);
@@ -391,12 +435,6 @@ int Main() {
       for (Worker& w : workers) w.TearDown();
       return 1;
     }
-  }
-  auto info_client = Client::Connect(options);
-  if (!info_client.ok()) {
-    std::cerr << "error: " << info_client.status().ToString() << "\n";
-    for (Worker& w : workers) w.TearDown();
-    return 1;
   }
   const v1::ServerInfo info = (*info_client)->info();
 
@@ -513,15 +551,14 @@ int Main() {
                                  concurrency)
                : absl::StrFormat("closed loop, %d clients", concurrency);
   std::cout << absl::StrFormat(
-      "attnbench: %s workload, batch=%d q_len=%d kv_len=%d, %s\n"
+      "attnbench: %s workload, %s, %s\n"
       "server:     %s backend, %d qo heads, %d kv heads, head_dim %d, page_size %d, %s\n"
       "requests:   %d in %.2f s (%d OK, %d dropped by the open loop)%s\n"
       "throughput: %.1f requests/s, %.1f query rows/s, %.4g TFLOP/s\n"
       "latency ms: p50 %s  p90 %s  p99 %s  max %s\n"
       "errors:     %s\n"
       "requests per launch: %s\n",
-      workload, absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_q_len), absl::GetFlag(FLAGS_kv_len),
-      mode, info.backend(), info.num_qo_heads(), info.num_kv_heads(), info.head_dim(),
+      workload, ShapeText(workload), mode, info.backend(), info.num_qo_heads(), info.num_kv_heads(), info.head_dim(),
       info.page_size(), v1::DType_Name(info.kv_dtype()), s.done, elapsed, s.ok, s.dropped,
       verify ? ", every response verified" : "", rps, rows_ps, tflops, Ms(s.Percentile(50)),
       Ms(s.Percentile(90)), Ms(s.Percentile(99)), Ms(s.Percentile(100)),
@@ -565,9 +602,12 @@ int Main() {
 }  // namespace attnserve
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "attnbench [flags]: closed-loop (--concurrency) or open-loop (--rate) load on an attnserve;\n"
-      "  --workload=decode|prefill|prefix|mixed --batch --q_len --kv_len, --verify, --json=PATH");
-  absl::ParseCommandLine(argc, argv);
+  attnserve::ParseCommandLine(
+      argc, argv,
+      {"attnbench",
+       "attnbench [flags]: closed-loop (--concurrency) or open-loop (--rate) load on a running\n"
+       "attnserve. Each client holds --batch x ceil(--kv_len / page_size) KV pages per request\n"
+       "shape for the run; --verify checks every response against a float64 reference.",
+       {{"client/attnbench.cc", "Flags"}, {"client/cli_flags.cc", "Connection flags"}}});
   return attnserve::Main();
 }

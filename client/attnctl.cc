@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -23,8 +22,8 @@
 #include "client/cli_flags.h"
 #include "client/client.h"
 #include "client/workload.h"
-#include "kernels/dtype.h"
-#include "kernels/merge_states.h"
+#include "common/dtype.h"
+#include "common/usage.h"
 
 ABSL_FLAG(int32_t, layer, 0, "layer for write, read and prefill");
 ABSL_FLAG(int32_t, batch, 4, "prefill: sequences");
@@ -155,7 +154,7 @@ int Merge(Client& client) {
 
 int Main(std::vector<char*> args) {
   if (args.size() < 2) {
-    std::cerr << absl::ProgramUsageMessage() << "\n";
+    std::cerr << absl::ProgramUsageMessage() << "\n(attnctl --help also lists the flags)\n";
     return 2;
   }
   const std::string cmd = args[1];
@@ -225,10 +224,18 @@ int Main(std::vector<char*> args) {
 }  // namespace attnserve
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "attnctl [flags] COMMAND\n"
-      "  info | alloc COUNT | free PAGE... | write SLOT... | read SLOT...\n"
-      "  prefill | merge | health [SERVICE]");
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> args = attnserve::ParseCommandLine(
+      argc, argv,
+      {"attnctl",
+       "attnctl [flags] COMMAND: command-line client for attnserve.\n"
+       "  info                 the server's geometry, backend, free pages and incarnation\n"
+       "  alloc COUNT          allocate pages; prints their ids\n"
+       "  free PAGE...         free pages\n"
+       "  write SLOT...        random K/V rows into slots of --layer; prints checksums\n"
+       "  read SLOT...         read K/V rows of --layer; prints checksums\n"
+       "  prefill              a random ragged batch, verified against a float64 reference\n"
+       "  merge                random states merged by the server, verified\n"
+       "  health [SERVICE]     exit 0 only when SERVING",
+       {{"client/attnctl.cc", "Flags"}, {"client/cli_flags.cc", "Connection flags"}}});
   return attnserve::Main(args);
 }

@@ -27,8 +27,8 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "common/kv_geometry.h"
 #include "grpcpp/grpcpp.h"
-#include "kernels/common.h"
 
 namespace attnserve {
 

@@ -5,7 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_format.h"
-#include "kernels/dtype.h"
+#include "common/dtype.h"
 
 namespace attnserve {
 

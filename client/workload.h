@@ -14,7 +14,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/types/span.h"
 #include "client/client.h"
-#include "kernels/common.h"
+#include "common/kv_geometry.h"
 
 namespace attnserve {
 

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "kernels/common.h"
+#include "common/kv_geometry.h"
 
 namespace attnserve {
 

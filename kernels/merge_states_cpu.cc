@@ -3,7 +3,7 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/dtype.h"
+#include "common/dtype.h"
 #include "kernels/merge_states.h"
 
 namespace attnserve {

@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "kernels/common.h"
+#include "common/kv_geometry.h"
 
 namespace attnserve {
 

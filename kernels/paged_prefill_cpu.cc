@@ -4,7 +4,7 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/dtype.h"
+#include "common/dtype.h"
 #include "kernels/paged_prefill.h"
 
 namespace attnserve {

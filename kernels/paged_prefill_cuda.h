@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/common.h"
+#include "common/kv_geometry.h"
 #include "kernels/paged_prefill.h"
 
 namespace attnserve {

@@ -21,7 +21,8 @@ build_pkgs=(
   libgtest-dev libgmock-dev libbenchmark-dev
   openssl curl python3
 )
-test_pkgs=(prometheus yamllint clang libclang-rt-14-dev libomp-14-dev)
+# python3-matplotlib: bench/plot.py (for Debian's /usr/bin/python3).
+test_pkgs=(prometheus yamllint clang libclang-rt-14-dev libomp-14-dev python3-matplotlib)
 # kubectl (for `kubectl kustomize`) may already come from another package.
 command -v kubectl >/dev/null 2>&1 || test_pkgs+=(kubernetes-client)
 # Node.js (for offline Kubernetes schema validation) may come from elsewhere.

@@ -26,7 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "kernels/common.h"
+#include "common/kv_geometry.h"
 #include "kernels/merge_states.h"
 #include "kernels/paged_prefill.h"
 #include "server/host_buffer.h"

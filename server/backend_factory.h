@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "kernels/common.h"
+#include "common/kv_geometry.h"
 #include "server/backend.h"
 
 namespace attnserve {

@@ -19,12 +19,11 @@
 #endif
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/usage.h"
 #include "spdlog/spdlog.h"
 #include "server/backend_factory.h"
 #include "server/core/attention_core.h"
@@ -278,7 +277,11 @@ int Run() {
 }  // namespace attnserve
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("attnserve: GPU-resident paged attention server");
-  absl::ParseCommandLine(argc, argv);
+  attnserve::ParseCommandLine(
+      argc, argv,
+      {"attnserve",
+       "attnserve [flags]: the GPU-resident paged attention server (CUDA backend, or the CPU\n"
+       "reference backend). Flags, ports, metrics and signals: docs/operations.md.",
+       {{"server/main.cc", "Flags"}}});
   return attnserve::Run();
 }

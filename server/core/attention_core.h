@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/version.h"  // kVersion: CMake's project(VERSION)
 #include "server/backend.h"
 #include "server/core/page_table.h"
 #include "server/core/plan_table.h"
@@ -26,9 +27,6 @@
 #include "server/metrics.h"
 
 namespace attnserve {
-
-inline constexpr char kVersion[] = "0.1.0";
-inline constexpr char kGitCommit[] = "unknown";
 
 struct CoreOptions {
   int32_t max_batch_tokens = 16384;

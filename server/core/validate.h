@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "kernels/common.h"
+#include "common/kv_geometry.h"
 #include "server/backend.h"
 #include "server/core/requests.h"
 

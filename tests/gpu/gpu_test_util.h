@@ -17,8 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/kv_geometry.h"
 #include "gtest/gtest.h"
-#include "kernels/common.h"
 #include "kernels/paged_prefill.h"
 
 namespace attnserve {

@@ -17,8 +17,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "client/workload.h"
+#include "common/dtype.h"
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
 #include "server/cuda_backend.h"
 #include "tests/integration/test_server.h"
 

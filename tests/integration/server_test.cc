@@ -27,13 +27,13 @@
 #include "absl/synchronization/notification.h"
 #include "client/client.h"
 #include "client/workload.h"
+#include "common/dtype.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
 #include "tests/integration/test_server.h"
 
 #ifndef ATTNCTL_BIN

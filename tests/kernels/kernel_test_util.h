@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "common/dtype.h"
+#include "common/kv_geometry.h"
 #include "gtest/gtest.h"
-#include "kernels/common.h"
-#include "kernels/dtype.h"
 
 namespace attnserve {
 namespace testing_util {

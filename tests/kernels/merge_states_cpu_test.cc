@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "common/dtype.h"
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
 #include "kernels/merge_states.h"
 #include "kernels/paged_prefill.h"
 #include "tests/kernels/kernel_test_util.h"

@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "common/dtype.h"
 #include "gtest/gtest.h"
 #include "kernels/append_kv.h"
-#include "kernels/dtype.h"
 #include "kernels/paged_prefill.h"
 #include "tests/kernels/kernel_test_util.h"
 

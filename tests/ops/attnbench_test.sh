@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # attnbench against the CPU backend: short verified closed-loop runs (decode
 # and prefill) and a short open-loop run; checks the exit code, the JSON's
-# keys, the request count, and that requests per launch was read from
-# /metrics.
+# keys, the request count, that requests per launch was read from /metrics,
+# and that a run that needs more KV pages than the server has free is
+# refused up front with the numbers.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 source "$ROOT/tests/ops/lib.sh"
@@ -49,7 +50,17 @@ check "progress line on stderr" grep -q "done [0-9]* .*req/s .*p99" "$WORK/stder
 
 "$ATTNBENCH" --target="$GRPC_ADDR" --workload=decode --requests=5 --kv_len=32 >"$WORK/nometrics.out" 2>/dev/null
 check "without --metrics: exit 0 and a note" grep -q "not measured (no --metrics)" "$WORK/nometrics.out"
-"$ATTNBENCH" --target="$GRPC_ADDR" --workload=decode --requests=5 --batch=999 --kv_len=4096 >/dev/null 2>&1
-check "a set-up the server refuses exits non-zero" test $? -ne 0
+check "decode banner shows batch and kv_len only" \
+  grep -q "^attnbench: decode workload, batch=3 kv_len=64 (one query row per sequence), " "$WORK/decode.out"
+# 4 clients x 64 pages (kv_len 1024, page_size 16) fill the 256-page server
+# exactly: the two variants of a shape share their pages.
+bench --workload=decode --concurrency=4 --requests=8 --verify --kv_len=1024 >"$WORK/full.out"
+check "4 decode clients of 64 pages fit 256 pages, verified" test $? -eq 0
+"$ATTNBENCH" --target="$GRPC_ADDR" --workload=decode --requests=5 --batch=999 --kv_len=4096 \
+  >/dev/null 2>"$WORK/toobig.err"
+check "a set-up the server cannot hold exits non-zero" test $? -ne 0
+check "... and says why before allocating: pages needed, free, the flags to change" grep -q \
+  "error: --concurrency=1 clients x 255744 KV pages each .* = 255744 pages, but the server has 256 of its 256 pages free: lower --concurrency, --batch or --kv_len .*--num_pages" \
+  "$WORK/toobig.err"
 check "every page freed afterwards" test "$(metric 'attnserve_kv_pages{state="used"}')" = 0
 finish

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "kernels/common.h"
+#include "common/kv_geometry.h"
 
 namespace attnserve {
 

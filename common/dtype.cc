@@ -1,4 +1,4 @@
-#include "kernels/dtype.h"
+#include "common/dtype.h"
 
 #include <cstring>
 

@@ -1,8 +1,10 @@
-// Types shared by the CPU reference kernels and the CUDA kernels.
+// The KV cache's element type and geometry, shared by the kernels (CPU and
+// CUDA), the server and the client library. Plain C++: no CUDA, no gRPC.
 //
 // Every kernel family (paged_prefill, merge_states, append_kv) has a params
-// struct of plain pointers and sizes declared in its own header; the CPU
-// reference and the CUDA launcher take the same struct.
+// struct of plain pointers and sizes declared in its own header under
+// kernels/; the CPU reference and the CUDA launcher take the same struct and
+// the KvGeometry below.
 #pragma once
 
 #include <cstdint>

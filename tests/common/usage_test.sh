@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# --help and --version of every program (common/usage.cc). For each of
+# attnserve, attnctl, attnbench and attnecho:
+#   --help, -h and --helpfull exit 0; --help has one line per flag that the
+#   program's own sources define (read here from their ABSL_FLAGs, not from
+#   the binary), with its default and a meaning, and no other flag lines;
+#   --helpfull adds Abseil's (--flagfile);
+#   no output names the source or build directory;
+#   --version exits 0 and prints "NAME VERSION (commit HASH)" with CMake's
+#   project version and a commit of this repository ("unknown" outside git);
+#   an unknown flag still exits non-zero.
+# Env: SOURCE_DIR, BUILD_DIR, VERSION, and ATTNSERVE, ATTNCTL, ATTNBENCH, ATTNECHO.
+set -uo pipefail
+source "$SOURCE_DIR/tests/ops/lib.sh"  # check, finish
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+# Flag names defined with ABSL_FLAG in the given sources (repository paths).
+own_flags() {
+  for f in "$@"; do
+    grep -ozP 'ABSL_FLAG\(\s*[\w:]+\s*,\s*\K\w+' "$SOURCE_DIR/$f" | tr '\0' '\n'
+  done | sort -u
+}
+
+# lists_flags HELP FLAG...: a line "  --FLAG=DEFAULT  meaning" for each.
+lists_flags() {
+  local help=$1 missing=()
+  shift
+  for flag in "$@"; do
+    grep -Eq "^  --$flag=[^ ]*  +[^ ]" "$help" || missing+=("--$flag")
+  done
+  ((${#missing[@]} == 0)) || { echo "missing or without default and meaning: ${missing[*]}"; return 1; }
+}
+
+# flag_lines HELP: how many lines list a flag.
+flag_lines() { grep -Ec '^  --[a-z0-9_]+=' "$1"; }
+
+no_build_paths() {
+  ! grep -F -e "$SOURCE_DIR" -e "$BUILD_DIR" "$@"
+}
+
+version_ok() {  # version_ok NAME FILE
+  local line hash
+  line=$(cat "$2")
+  [[ "$line" =~ ^$1\ ${VERSION//./\\.}\ \(commit\ ([0-9a-f]{7,40}|unknown)\)$ ]] ||
+    { echo "got '$line'"; return 1; }
+  hash=${BASH_REMATCH[1]}
+  [[ "$hash" == unknown ]] && ! git -C "$SOURCE_DIR" rev-parse HEAD >/dev/null 2>&1 && return 0
+  git -C "$SOURCE_DIR" cat-file -e "$hash^{commit}" || { echo "$hash is not a commit here"; return 1; }
+}
+
+run() {  # run NAME BINARY SOURCES...
+  local name=$1 bin=$2
+  shift 2
+  mapfile -t flags < <(own_flags "$@")
+  check "$name: its sources define flags (${#flags[@]})" test "${#flags[@]}" -gt 0
+  "$bin" --help >"$WORK/$name.help" 2>&1
+  check "$name --help exits 0" test $? -eq 0
+  check "$name --help lists every own flag with default and meaning" lists_flags "$WORK/$name.help" "${flags[@]}"
+  check "$name --help lists no other flag" test "$(flag_lines "$WORK/$name.help")" -eq "${#flags[@]}"
+  check "$name --help starts with the version line" grep -q "^$name $VERSION (commit " "$WORK/$name.help"
+  "$bin" -h >"$WORK/$name.h" 2>&1
+  check "$name -h exits 0 and prints --help's text" cmp -s "$WORK/$name.h" "$WORK/$name.help"
+  "$bin" --helpfull >"$WORK/$name.helpfull" 2>&1
+  check "$name --helpfull exits 0" test $? -eq 0
+  check "$name --helpfull lists own flags and Abseil's --flagfile" \
+    lists_flags "$WORK/$name.helpfull" "${flags[@]}" flagfile
+  "$bin" --version >"$WORK/$name.version" 2>&1
+  check "$name --version exits 0" test $? -eq 0
+  check "$name --version prints '$name $VERSION (commit HASH)'" version_ok "$name" "$WORK/$name.version"
+  check "$name: no source or build path in any output" \
+    no_build_paths "$WORK/$name.help" "$WORK/$name.helpfull" "$WORK/$name.version"
+  "$bin" --no_such_flag >/dev/null 2>&1
+  check "$name --no_such_flag exits non-zero" test $? -ne 0
+}
+
+run attnserve "$ATTNSERVE" server/main.cc
+run attnctl "$ATTNCTL" client/attnctl.cc client/cli_flags.cc
+run attnbench "$ATTNBENCH" client/attnbench.cc client/cli_flags.cc
+run attnecho "$ATTNECHO" bench/attnecho.cc
+finish
