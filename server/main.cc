@@ -216,9 +216,9 @@ int Run() {
   const ServerInfoData info = core.Info();
   metrics.SetBuildInfo(info.version, kGitCommit, info.backend, info.device);
   spdlog::info(
-      "attnserve {} started: pid={} backend={} device=\"{}\" layers={} pages={} page_size={} "
-      "qo_heads={} kv_heads={} head_dim={} kv_dtype={} auth={} tls={}",
-      info.version, getpid(), info.backend, info.device, info.num_layers, info.num_pages, info.page_size,
+      "attnserve {} (commit {}) started: pid={} backend={} device=\"{}\" layers={} pages={} "
+      "page_size={} qo_heads={} kv_heads={} head_dim={} kv_dtype={} auth={} tls={}",
+      info.version, kGitCommit, getpid(), info.backend, info.device, info.num_layers, info.num_pages, info.page_size,
       info.num_qo_heads, info.num_kv_heads, info.head_dim, absl::GetFlag(FLAGS_kv_dtype),
       (*auth)->enabled() ? "on" : "off", server_options.tls_cert.empty() ? "off" : "on");
   // Tests and scripts read this line to find the ports.

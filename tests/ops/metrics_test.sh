@@ -40,7 +40,7 @@ check "tenant default holds no pages after the frees" \
 check "build_info names the version and the backend" \
   grep -q '^attnserve_build_info{.*backend="cpu".*version="' <<<"$body"
 check "process_start_time_seconds is a recent Unix time" \
-  awk -v v="$(metric 'process_start_time_seconds')" -v now="$(date +%s)" 'BEGIN { exit !(v > now - 600 && v <= now) }'
+  awk -v v="$(metric 'process_start_time_seconds')" -v now="$(date +%s)" 'BEGIN { exit !(v > now - 600 && v <= now + 1) }'
 check "device memory used is the KV pool" \
   awk -v v="$(metric 'attnserve_device_memory_bytes{state="used"}')" 'BEGIN { exit !(v > 0) }'
 check "no NaN in the scrape" bash -c '! grep -qi "nan$" <<<"$1"' _ "$body"
