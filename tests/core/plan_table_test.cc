@@ -17,8 +17,8 @@ std::shared_ptr<Plan> PlanOf(const std::string& tenant, int* released) {
 }
 
 TEST(PlanTableTest, PlansBelongToTheirTenantAndAreCappedPerTenant) {
+  int released = 0;  // outlives the table, whose plans count into it
   PlanTable plans(2, absl::Seconds(60));
-  int released = 0;
   auto a1 = plans.Add(PlanOf("a", &released));
   auto a2 = plans.Add(PlanOf("a", &released));
   ASSERT_TRUE(a1.ok() && a2.ok());
@@ -42,8 +42,8 @@ TEST(PlanTableTest, PlansBelongToTheirTenantAndAreCappedPerTenant) {
 }
 
 TEST(PlanTableTest, PlansUnusedForTheIdleTimeoutExpire) {
-  PlanTable plans(8, absl::Seconds(60));
   int released = 0;
+  PlanTable plans(8, absl::Seconds(60));
   auto used = plans.Add(PlanOf("a", &released));
   auto idle = plans.Add(PlanOf("a", &released));
   ASSERT_TRUE(used.ok() && idle.ok());
