@@ -120,8 +120,10 @@ class TensorRef:
         return self.data_end - self.data_start
 
 
-def parse_tensor(buf, start: int, end: int) -> TensorRef:
-    t = TensorRef(data_start=start, data_end=start)
+def parse_tensor(buf, start: int, end: int, into: TensorRef | None = None) -> TensorRef:
+    """Reads a Tensor message; merges into `into` as protobuf merges a repeated
+    occurrence of a message field (scalars: last wins; shape: appended)."""
+    t = TensorRef(data_start=start, data_end=start) if into is None else into
     for number, wire_type, value, s, e in fields(buf, start, end):
         if number == 1 and wire_type == _VARINT:
             t.dtype = value
@@ -147,7 +149,7 @@ def parse_tensor_message(buf, tensor_fields: tuple, incarnation_field: int):
     incarnation = 0
     for number, wire_type, value, s, e in fields(buf):
         if number in tensors and wire_type == _LEN:
-            tensors[number] = parse_tensor(buf, s, e)
+            parse_tensor(buf, s, e, tensors[number])
         elif number == incarnation_field and wire_type == _FIXED64:
             incarnation = value
     return tensors, incarnation
