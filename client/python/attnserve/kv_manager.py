@@ -187,6 +187,8 @@ class _Bookkeeping:
         return plan
 
     def _take(self, seq_ids) -> list:
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("finish: seq_ids has duplicates")
         missing = [sid for sid in seq_ids if sid not in self._seqs]
         if missing:
             raise KeyError(f"finish: unknown sequence(s) {missing}")
