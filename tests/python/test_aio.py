@@ -9,6 +9,7 @@ import torch
 
 import attnserve
 from attnserve.aio import AsyncClient
+from test_client import heavy_prefill_args
 from attnserve.reference import (KvMirror, compare, reference_merge, reference_prefill,
                                  within_tolerance)
 
@@ -94,8 +95,10 @@ def test_errors_and_lazy_info(server):
             with pytest.raises(attnserve.InvalidArgument, match="layer"):
                 await c.prefill(99, np.ones((1, 8, 64), np.float32), [0, 1], [0, 0], [], [])
             assert c.server_info.num_layers == 2        # read on first use
+            pages = await c.allocate_pages(64)
             with pytest.raises(attnserve.DeadlineExceeded):
-                await c.info(timeout=1e-9)
+                await c.prefill(*heavy_prefill_args(c, pages), causal=False, timeout=0.001)
+            await c.free_pages(pages)
             c._incarnation ^= 1                          # as if the server had restarted
             with pytest.raises(attnserve.StaleIncarnation):
                 await c.prefill(0, np.ones((1, 8, 64), np.float32), [0, 1], [0, 0], [], [])

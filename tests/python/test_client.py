@@ -184,10 +184,20 @@ def test_merge_states_matches_reference(client):
     assert np.array_equal(tv.float().numpy(), client.merge_states(states)[0])
 
 
+def heavy_prefill_args(client, pages):
+    """A Prefill that takes the CPU server far more than a millisecond: 4096
+    query rows over 64 pages of keys, 2 GFLOP and 4 MiB of queries."""
+    g = client.server_info
+    q = np.random.default_rng(8).standard_normal((4096, g.num_qo_heads, g.head_dim))
+    return (0, q.astype(np.float32), [0, 4096], [0, len(pages)], pages, [16])
+
+
 def test_deadline_and_unavailable(client):
+    pages = client.allocate_pages(64)
     with pytest.raises(attnserve.DeadlineExceeded) as e:
-        client.info(timeout=1e-9)
+        client.prefill(*heavy_prefill_args(client, pages), causal=False, timeout=0.001)
     assert e.value.code.name == "DEADLINE_EXCEEDED"
+    client.free_pages(pages)
     with pytest.raises(attnserve.Unavailable):
         attnserve.Client("127.0.0.1:1", timeout=5)
 
