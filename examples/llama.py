@@ -12,14 +12,17 @@ prefill, then greedy decode, with the attention of every layer computed
             two micro-batches: while one micro-batch's attention is on the
             server, the other's MLP and projections run here.
 
-`--attention all` (the default) runs the three and checks that the logits
-agree within bf16 tolerance at every step and the greedy tokens are identical.
+`--attention all` (the default) runs the three, the second and third fed the
+first one's tokens, and checks that every step's logits agree within bf16
+tolerance and that the greedy tokens are identical, except at near-ties: where
+the two best logits are closer than the runs' difference, no numerics can
+order them (they occur at the realistic size; --strict fails on them too).
 The server's geometry (layers, heads, head_dim, dtype) must be the model's:
 the example reads it from info() and stops with the differences otherwise.
 
-  scripts/run.sh &                                   # default geometry = --preset realistic
-  PYTHONPATH=client/python python3 examples/llama.py --preset realistic --batch 4 --steps 8
-  # on a GPU machine, the real thing:
+  scripts/run.sh &                   # the server's default geometry: --preset default
+  PYTHONPATH=client/python python3 examples/llama.py --preset default
+  # on a GPU machine, against a server there (same geometry):
   PYTHONPATH=client/python python3 examples/llama.py --preset realistic --device cuda
 """
 
@@ -69,8 +72,12 @@ PRESETS = {
     # Fits CPU CI: the attention geometry of tests/python's servers.
     "small": dict(config=Config(vocab=512, layers=2, qo_heads=8, kv_heads=2, head_dim=64,
                                 ffn=1024), batch=4, steps=8, prompt_len=(3, 24)),
-    # The server's default geometry (scripts/run.sh): 4 layers, 32 query / 4 KV
-    # heads of 128, bf16; Llama-2-7B's widths otherwise.
+    # The attention of the server's default flags (scripts/run.sh): 4 layers, 32
+    # query / 4 KV heads of 128, bf16; a narrow MLP and vocabulary so that it
+    # runs in seconds on a CPU.
+    "default": dict(config=Config(vocab=1024, layers=4, qo_heads=32, kv_heads=4, head_dim=128,
+                                  ffn=1024), batch=2, steps=8, prompt_len=(4, 16)),
+    # The same attention with Llama-2-7B's widths, batch and length: for a GPU.
     "realistic": dict(config=Config(vocab=32000, layers=4, qo_heads=32, kv_heads=4, head_dim=128,
                                     ffn=11008), batch=64, steps=128, prompt_len=(16, 64)),
 }
@@ -103,7 +110,9 @@ class Model:
                 wo=w(h, c.qo_heads * c.head_dim, h), mlp_norm=norm_weight(h),
                 w_gate=w(h, h, c.ffn), w_up=w(h, h, c.ffn), w_down=w(c.ffn, c.ffn, h)))
         self.final_norm = norm_weight(h)
-        self.lm_head = w(h, h, c.vocab)
+        # Logits in float32 whatever the compute dtype: bf16 logits tie often
+        # enough to make greedy decoding arbitrary.
+        self.lm_head = w(h, h, c.vocab).float()
         half = c.head_dim // 2
         self.inv_freq = (1.0 / c.rope_theta ** (torch.arange(half, dtype=torch.float32) / half)
                          ).to(self.device)
@@ -137,7 +146,7 @@ class Model:
         return x + (F.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
 
     def logits(self, x):
-        return (self.rms_norm(x, self.final_norm) @ self.lm_head).float()
+        return self.rms_norm(x, self.final_norm).float() @ self.lm_head
 
 
 # ---------------------------------------------------------------- attention
@@ -320,16 +329,25 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def generate(model, attn, prompts, steps, wire_dtype, mode) -> Run:
+def _next_inputs(tokens, follow, step):
+    """Each sequence's next input: its own greedy token, or follow[:, step] when
+    following another run's tokens (so that two runs' logits stay comparable)."""
+    chosen = tokens[-1] if follow is None else follow[:, step]
+    return [[int(t)] for t in chosen.tolist()]
+
+
+def generate(model, attn, prompts, steps, wire_dtype, mode, follow=None) -> Run:
+    """Prefill, then `steps` greedy decode steps. follow [batch, steps + 1]: feed
+    these tokens instead of the run's own (its own argmax is still recorded)."""
     seq_ids = list(range(len(prompts)))
     t0 = time.perf_counter()
     logits = [forward(model, attn, seq_ids, prompts, wire_dtype)]
     tokens = [logits[-1].argmax(-1)]
     _sync(model.device)
     t1 = time.perf_counter()
-    for _ in range(steps):
-        step_tokens = [[int(t)] for t in tokens[-1].tolist()]
-        logits.append(forward(model, attn, seq_ids, step_tokens, wire_dtype))
+    for step in range(steps):
+        logits.append(forward(model, attn, seq_ids, _next_inputs(tokens, follow, step),
+                              wire_dtype))
         tokens.append(logits[-1].argmax(-1))
     _sync(model.device)
     t2 = time.perf_counter()
@@ -338,7 +356,8 @@ def generate(model, attn, prompts, steps, wire_dtype, mode) -> Run:
                list(getattr(attn, "round_trips", [])))
 
 
-async def generate_pingpong(model, client: AsyncClient, prompts, steps, wire_dtype) -> Run:
+async def generate_pingpong(model, client: AsyncClient, prompts, steps, wire_dtype,
+                            follow=None) -> Run:
     """generate() with two micro-batches in flight: each step runs both halves'
     forward passes concurrently, so one's attention overlaps the other's MLP."""
     mgr = attnserve.AsyncKvManager(client)
@@ -359,8 +378,8 @@ async def generate_pingpong(model, client: AsyncClient, prompts, steps, wire_dty
     tokens = [logits[-1].argmax(-1)]
     _sync(model.device)
     t1 = time.perf_counter()
-    for _ in range(steps):
-        logits.append(await step([[int(t)] for t in tokens[-1].tolist()]))
+    for i in range(steps):
+        logits.append(await step(_next_inputs(tokens, follow, i)))
         tokens.append(logits[-1].argmax(-1))
     _sync(model.device)
     t2 = time.perf_counter()
@@ -389,11 +408,24 @@ def check_geometry(cfg: Config, info: attnserve.ServerInfo, wire: str) -> None:
 
 
 def compare_runs(a: Run, b: Run, rel_tol: float) -> dict:
-    """Per-step relative norm error of the logits, and where the tokens differ."""
+    """a against the reference b, which a followed (the same inputs at every step).
+
+    max_logits_rel_error: the largest relative norm error of a step's logits.
+    greedy_differences: (seq, step) where the argmax differs; each is a near-tie
+    when b's two best logits there are closer than the largest difference
+    between a's and b's logits in that row (the numerics cannot order them).
+    """
     errors = [float((x - y).norm() / y.norm()) for x, y in zip(a.logits, b.logits)]
-    return {"max_logits_rel_error": max(errors), "tokens_identical": bool(torch.equal(a.tokens,
-                                                                                     b.tokens)),
-            "ok": max(errors) < rel_tol and bool(torch.equal(a.tokens, b.tokens))}
+    diff = (a.tokens != b.tokens).nonzero().tolist()             # [(seq, step), ...]
+    near_ties = 0
+    for seq, step in diff:
+        top2 = b.logits[step][seq].topk(2).values
+        if float(top2[0] - top2[1]) <= float((a.logits[step][seq] - b.logits[step][seq]).abs().max()):
+            near_ties += 1
+    return {"max_logits_rel_error": max(errors), "tokens_identical": not diff,
+            "greedy_differences": len(diff), "greedy_differences_at_near_ties": near_ties,
+            "tokens_compared": int(a.tokens.numel()),
+            "ok": max(errors) < rel_tol and near_ties == len(diff)}
 
 
 def random_prompts(vocab, batch, lo, hi, seed):
@@ -415,11 +447,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="decode steps after the prefill")
     p.add_argument("--prompt_len", default=None, help="MIN:MAX tokens per prompt")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for the model")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="model compute dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="model compute dtype; with bfloat16 the modes' greedy tokens part "
+                        "ways after the first near-tie, so compare in float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rel_tol", type=float, default=2e-2,
                    help="largest relative error of a step's logits between modes")
+    p.add_argument("--strict", action="store_true",
+                   help="also fail when greedy tokens differ at near-ties")
     p.add_argument("--timeout", type=float, default=300, help="per-call deadline, seconds")
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
@@ -432,8 +467,7 @@ def main(argv=None) -> int:
     steps = preset["steps"] if args.steps is None else args.steps
     lo, hi = preset["prompt_len"] if args.prompt_len is None else map(
         int, args.prompt_len.split(":"))
-    dtype = getattr(torch, args.dtype) if args.dtype else (
-        torch.bfloat16 if torch.device(args.device).type == "cuda" else torch.float32)
+    dtype = getattr(torch, args.dtype)
     wire_dtype = torch.bfloat16 if args.attn_dtype == "bf16" else torch.float16
 
     modes = ["local", "server", "pingpong"] if args.attention == "all" else [args.attention]
@@ -453,18 +487,23 @@ def main(argv=None) -> int:
           f" batch {batch}, prompts {lo}..{hi} tokens, {steps} decode steps", flush=True)
 
     runs = {}
+    follow = None  # with several modes, the later ones follow the first one's tokens
     for mode in modes:
         if mode == "local":
             runs[mode] = generate(model, LocalAttention(cfg, args.device, wire_dtype), prompts,
-                                  steps, wire_dtype, mode)
+                                  steps, wire_dtype, mode, follow)
         elif mode == "server":
-            runs[mode] = generate(model, ServerAttention(client), prompts, steps, wire_dtype, mode)
+            runs[mode] = generate(model, ServerAttention(client), prompts, steps, wire_dtype, mode,
+                                  follow)
         else:
             async def pingpong():
                 async with AsyncClient(args.target, token=args.token,
                                        timeout=args.timeout) as aclient:
-                    return await generate_pingpong(model, aclient, prompts, steps, wire_dtype)
+                    return await generate_pingpong(model, aclient, prompts, steps, wire_dtype,
+                                                   follow)
             runs[mode] = asyncio.run(pingpong())
+        if follow is None and len(modes) > 1:
+            follow = runs[mode].tokens
         print(json.dumps(runs[mode].summary(batch)), flush=True)
 
     report = {"config": dataclasses.asdict(cfg), "batch": batch, "steps": steps,
@@ -474,8 +513,13 @@ def main(argv=None) -> int:
     for other in names[1:]:
         c = compare_runs(runs[other], runs[names[0]], args.rel_tol)
         report["comparisons"][f"{other}_vs_{names[0]}"] = c
+        if args.strict:
+            c["ok"] = c["ok"] and c["tokens_identical"]
         print(f"{other} vs {names[0]}: max logits rel error {c['max_logits_rel_error']:.2e}, "
-              f"tokens identical: {c['tokens_identical']}", flush=True)
+              f"greedy tokens identical: {c['tokens_identical']}"
+              + ("" if c["tokens_identical"] else
+                 f" ({c['greedy_differences']} of {c['tokens_compared']} differ, "
+                 f"{c['greedy_differences_at_near_ties']} of them at near-ties)"), flush=True)
         ok &= c["ok"]
     if args.json:
         with open(args.json, "w") as f:

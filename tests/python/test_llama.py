@@ -26,13 +26,16 @@ def runs(server):
         start_free = client.info().free_pages
         local = llama.generate(model, llama.LocalAttention(CFG, "cpu"), prompts, STEPS, wire,
                                "local")
+        # The server runs are fed the local run's tokens, so that every step's
+        # logits compare; their own greedy choices must still be the same.
         remote = llama.generate(model, llama.ServerAttention(client), prompts, STEPS, wire,
-                                "server")
+                                "server", follow=local.tokens)
         assert client.info().free_pages == start_free          # finished sequences freed
 
         async def pingpong():
             async with AsyncClient(server.address, timeout=120) as aclient:
-                return await llama.generate_pingpong(model, aclient, prompts, STEPS, wire)
+                return await llama.generate_pingpong(model, aclient, prompts, STEPS, wire,
+                                                     follow=local.tokens)
         pp = asyncio.run(pingpong())
         assert client.info().free_pages == start_free
     return local, remote, pp, prompts
@@ -68,9 +71,26 @@ def test_main_reports_and_agrees(server, tmp_path):
     assert code == 0
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["runs"]] == ["local", "server", "pingpong"]
-    assert all(c["ok"] for c in report["comparisons"].values())
+    for c in report["comparisons"].values():
+        assert c["ok"] and c["tokens_identical"] and c["max_logits_rel_error"] < 2e-2, c
     server_run = report["runs"][1]
     assert server_run["decode_tokens_per_s"] > 0 and server_run["layer_round_trip_ms_mean"] > 0
+
+
+def test_compare_runs_tells_near_ties_from_errors():
+    # Reference: sequence 0's best two logits tie at step 0; sequence 1's do not.
+    ref_logits = [torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.5, 2.0]])] * 2
+    ref = llama.Run("ref", torch.tensor([[0, 0], [2, 2]]), ref_logits, 0, 0, [])
+    tie = llama.Run("tie", torch.tensor([[1, 0], [2, 2]]), ref_logits, 0, 0, [])
+    c = llama.compare_runs(tie, ref, 2e-2)
+    assert (c["greedy_differences"], c["greedy_differences_at_near_ties"]) == (1, 1)
+    assert c["ok"] and not c["tokens_identical"]
+    flip = llama.Run("flip", torch.tensor([[0, 0], [1, 2]]), ref_logits, 0, 0, [])
+    c = llama.compare_runs(flip, ref, 2e-2)
+    assert (c["greedy_differences"], c["greedy_differences_at_near_ties"], c["ok"]) == (1, 0,
+                                                                                     False)
+    far = llama.Run("far", ref.tokens, [l * 1.5 for l in ref_logits], 0, 0, [])
+    assert not llama.compare_runs(far, ref, 2e-2)["ok"]
 
 
 def test_geometry_mismatch_is_refused():
