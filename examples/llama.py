@@ -20,7 +20,7 @@ order them (they occur at the realistic size; --strict fails on them too).
 The server's geometry (layers, heads, head_dim, dtype) must be the model's:
 the example reads it from info() and stops with the differences otherwise.
 
-  scripts/run.sh &                   # the server's default geometry: --preset default
+  scripts/run.sh        # the server's default geometry (--preset default); in another shell:
   PYTHONPATH=client/python python3 examples/llama.py --preset default
   # on a GPU machine, against a server there (same geometry):
   PYTHONPATH=client/python python3 examples/llama.py --preset realistic --device cuda
