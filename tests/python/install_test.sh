@@ -13,6 +13,8 @@ check() {  # check NAME COMMAND...
   if "$@" >"$work/out" 2>&1; then passed=$((passed + 1)); echo "ok: $name"
   else failed=$((failed + 1)); echo "FAILED: $name"; cat "$work/out"; fi
 }
+tree() { find client/python -name __pycache__ -prune -o -print | sort; }
+tree >"$work/tree.before"
 check "venv" "$python" -m venv --system-site-packages "$work/venv"
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 check "pip install ./client/python (no index)" "$work/venv/bin/pip" install ./client/python
@@ -24,8 +26,8 @@ assert pb.PrefillRequest(layer=3).layer == 3
 print(attnserve.__file__)'"
 check "metadata names the dependencies" bash -c \
   "'$work/venv/bin/pip' show attnserve | grep -q '^Requires: grpcio, numpy, protobuf'"
-check "no files written into the source tree" bash -c \
-  "test -z \"\$(git status --porcelain --ignored client/python | grep -v __pycache__)\""
+tree >"$work/tree.after"
+check "no files written into the source tree" diff "$work/tree.before" "$work/tree.after"
 check "editable install" "$work/venv/bin/pip" install -e ./client/python
 check "editable imports the source tree" bash -c "cd '$work' && '$work/venv/bin/python' -c '
 import attnserve, os; assert attnserve.__file__ == os.path.realpath(\"$PWD/client/python/attnserve/__init__.py\"), attnserve.__file__'"

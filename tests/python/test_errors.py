@@ -71,6 +71,25 @@ def test_invalid_argument_on_write_and_allocate(client):
     client.free_pages(pages)
 
 
+def test_arguments_that_cannot_be_sent_fail_before_any_call(client):
+    g = client.server_info
+    q = q_rows(1, g)
+    with pytest.raises(ValueError, match="kv_indices"):
+        client.prefill(0, q, [0, 1], [0, 1], [1 << 40], [1])
+    with pytest.raises(ValueError, match="layer"):
+        client.prefill(1 << 40, q, [0, 1], [0, 0], [], [])
+    with pytest.raises(ValueError, match="count"):
+        client.allocate_pages(1 << 31)
+    with pytest.raises(TypeError, match="qo_indptr"):
+        client.prefill(0, q, [0.0, 1.5], [0, 0], [], [])
+    with pytest.raises(TypeError, match="q: numpy dtype"):
+        client.prefill(0, np.array([["a"]]), [0, 1], [0, 0], [], [])
+    with pytest.raises(ValueError, match="lse_base"):
+        client.prefill(0, q, [0, 1], [0, 0], [], [], lse_base="10")
+    with pytest.raises(ValueError, match="append_k and append_v"):
+        client.prefill(0, q, [0, 1], [0, 0], [], [], append_slots=[0], append_k=q)
+
+
 def test_resource_exhausted(client):
     g = client.info()
     held = client.allocate_pages(g.free_pages - 3)

@@ -95,18 +95,18 @@ class PrefillLayout:
     def encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None, *, sm_scale=None,
                causal=None, lse_base: str = "2", append_slots=None) -> "PrefillLayout":
         req = pb.PrefillRequest()
-        req.qo_indptr.extend(_ints(qo_indptr, "qo_indptr"))
-        req.kv_indptr.extend(_ints(kv_indptr, "kv_indptr"))
-        req.kv_indices.extend(_ints(kv_indices, "kv_indices"))
+        _extend(req.qo_indptr, qo_indptr, "qo_indptr")
+        _extend(req.kv_indptr, kv_indptr, "kv_indptr")
+        _extend(req.kv_indices, kv_indices, "kv_indices")
         if kv_last_page_len is not None:
-            req.kv_last_page_len.extend(_ints(kv_last_page_len, "kv_last_page_len"))
+            _extend(req.kv_last_page_len, kv_last_page_len, "kv_last_page_len")
         if sm_scale is not None:
             req.sm_scale = float(sm_scale)
         if causal is not None:
             req.causal = bool(causal)
         req.lse_base = _lse_base(lse_base)
-        slots = _ints(append_slots, "append_slots") if append_slots is not None else []
-        req.append_slots.extend(slots)
+        slots = _extend(req.append_slots, append_slots, "append_slots") \
+            if append_slots is not None else []
         total_q = req.qo_indptr[-1] if len(req.qo_indptr) else 0
         return PrefillLayout(req.SerializeToString(), int(total_q), len(slots))
 
@@ -119,6 +119,24 @@ def _ints(values, name: str) -> list:
         return arr.astype(np.int64, copy=False).reshape(-1).tolist()
     except (TypeError, ValueError) as e:
         raise type(e)(f"{name}: {e}") from None
+
+
+def _extend(repeated, values, name: str) -> list:
+    """Appends integer values to a repeated field; ValueError names the field
+    when one does not fit its type (int32 or int64)."""
+    ints = _ints(values, name)
+    try:
+        repeated.extend(ints)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: {e}") from None
+    return ints
+
+
+def _int32(value, name: str) -> int:
+    v = int(value)
+    if not -(1 << 31) <= v < (1 << 31):
+        raise ValueError(f"{name}={v} does not fit in int32")
+    return v
 
 
 def _lse_base(base) -> int:
@@ -232,7 +250,8 @@ class _Core:
         return "GetServerInfo", pb.GetServerInfoRequest().SerializeToString(), parse
 
     def _req_allocate(self, count: int) -> _Request:
-        req = pb.AllocatePagesRequest(count=int(count), expected_incarnation=self._incarnation)
+        req = pb.AllocatePagesRequest(count=_int32(count, "count"),
+                                      expected_incarnation=self._incarnation)
 
         def parse(raw):
             resp = pb.AllocatePagesResponse.FromString(raw)
@@ -242,7 +261,7 @@ class _Core:
 
     def _req_free(self, page_ids) -> _Request:
         req = pb.FreePagesRequest(expected_incarnation=self._incarnation)
-        req.page_ids.extend(_ints(page_ids, "page_ids"))
+        _extend(req.page_ids, page_ids, "page_ids")
 
         def parse(raw):
             self._observe(pb.FreePagesResponse.FromString(raw).incarnation, "FreePages")
@@ -250,8 +269,9 @@ class _Core:
 
     def _req_write_kv(self, layer: int, slots, k, v) -> _Request:
         wire = self.server_info.wire_dtype
-        req = pb.WriteKVRequest(layer=int(layer), expected_incarnation=self._incarnation)
-        req.slots.extend(_ints(slots, "slots"))
+        req = pb.WriteKVRequest(layer=_int32(layer, "layer"),
+                                expected_incarnation=self._incarnation)
+        _extend(req.slots, slots, "slots")
         k_shape, k_data = _dt.to_wire(k, wire, "k")
         v_shape, v_data = _dt.to_wire(v, wire, "v")
         body = b"".join((req.SerializeToString(),
@@ -263,8 +283,8 @@ class _Core:
         return "WriteKV", body, parse
 
     def _req_read_kv(self, layer: int, slots, out, device) -> _Request:
-        req = pb.ReadKVRequest(layer=int(layer), expected_incarnation=self._incarnation)
-        req.slots.extend(_ints(slots, "slots"))
+        req = pb.ReadKVRequest(layer=_int32(layer, "layer"), expected_incarnation=self._incarnation)
+        _extend(req.slots, slots, "slots")
         out = self._out(out, None)
 
         def parse(raw):
@@ -277,7 +297,8 @@ class _Core:
     def _req_prefill(self, layer: int, q, layout: PrefillLayout, append_k, append_v, out,
                      device) -> _Request:
         wire = self.server_info.wire_dtype
-        small = pb.PrefillRequest(layer=int(layer), expected_incarnation=self._incarnation)
+        small = pb.PrefillRequest(layer=_int32(layer, "layer"),
+                                  expected_incarnation=self._incarnation)
         q_shape, q_data = _dt.to_wire(q, wire, "q")
         pieces = [small.SerializeToString(), layout.encoded,
                   _wire.tensor_head(2, wire, q_shape, q_data.nbytes), q_data]
