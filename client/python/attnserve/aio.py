@@ -38,7 +38,7 @@ class AsyncClient(_Core):
         super().__init__(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                          tls_key=tls_key, timeout=timeout, max_message_bytes=max_message_bytes,
                          out=out, channel_options=channel_options)
-        self._info_lock = asyncio.Lock()
+        self._info_lock: Optional[asyncio.Lock] = None  # made in the loop that uses it
         self._open()
 
     def _open(self) -> None:
@@ -82,6 +82,8 @@ class AsyncClient(_Core):
 
     async def _ensure_info(self) -> None:
         if self._info is None:
+            if self._info_lock is None:
+                self._info_lock = asyncio.Lock()
             async with self._info_lock:
                 if self._info is None:
                     await self.info()

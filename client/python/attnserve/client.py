@@ -24,9 +24,8 @@ forget_incarnation() (same channel) or reconnect() (new channel, fresh info).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import grpc
 import numpy as np
@@ -112,13 +111,14 @@ class PrefillLayout:
 
 
 def _ints(values, name: str) -> list:
+    """values (a sequence or array of integers) as a flat list of int."""
     try:
         arr = np.asarray(values)
-        if arr.size and arr.dtype.kind not in "iu":
-            raise TypeError(f"{name}: integers expected, got {arr.dtype}")
-        return arr.astype(np.int64, copy=False).reshape(-1).tolist()
     except (TypeError, ValueError) as e:
-        raise type(e)(f"{name}: {e}") from None
+        raise TypeError(f"{name}: {e}") from None
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: integers expected, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False).reshape(-1).tolist()
 
 
 def _extend(repeated, values, name: str) -> list:

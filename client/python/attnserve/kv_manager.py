@@ -266,7 +266,13 @@ class AsyncKvManager(_Bookkeeping):
                  lse_base: str = "2"):
         super().__init__(causal=causal, sm_scale=sm_scale, lse_base=lse_base)
         self.client = client
-        self._lock = asyncio.Lock()
+        self._lock_made: Optional[asyncio.Lock] = None  # made in the loop that uses it
+
+    @property
+    def _lock(self) -> asyncio.Lock:
+        if self._lock_made is None:
+            self._lock_made = asyncio.Lock()
+        return self._lock_made
 
     async def _page_size(self) -> int:
         await self.client._ensure_info()
