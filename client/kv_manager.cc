@@ -4,55 +4,26 @@
 #include <limits>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 
 namespace attnserve {
 
 KvManager::KvManager(Client* client, KvManagerOptions options)
-    : client_(client),
-      options_(options),
-      page_size_(client->info().page_size()),
-      incarnation_(client->info().incarnation()) {}
+    : client_(client), options_(options), page_size_(client->info().page_size()) {}
 
-absl::Status KvManager::CheckIncarnation(uint64_t incarnation) const {
-  // A server that does not check expected_incarnation on an RPC still
-  // reports its own: a different one means it restarted.
-  if (incarnation == 0 || incarnation_ == 0 || incarnation == incarnation_) {
-    return absl::OkStatus();
-  }
-  return absl::FailedPreconditionError(
-      absl::StrCat("the server's incarnation is ", incarnation, ", this manager expected ",
-                   incarnation_, ": the server restarted and its KV cache is gone"));
+void KvManager::Retire(const std::shared_ptr<const StepPlan>& plan) {
+  if (plan == nullptr || !live_steps_.erase(plan->step)) return;
+  if (plan->plan_id != 0) unreleased_.push_back(plan->plan_id);
 }
 
-absl::StatusOr<std::vector<int32_t>> KvManager::AllocatePages(int32_t count) {
-  grpc::ClientContext ctx;
-  client_->PrepareContext(&ctx);
-  v1::AllocatePagesRequest req;
-  req.set_count(count);
-  req.set_expected_incarnation(incarnation_);
-  v1::AllocatePagesResponse resp;
-  grpc::Status s = client_->stub()->AllocatePages(&ctx, req, &resp);
-  if (!s.ok()) return Client::FromGrpc(s);
-  if (absl::Status st = CheckIncarnation(resp.incarnation()); !st.ok()) return st;
-  if (resp.page_ids_size() != count) {
-    return absl::InternalError(
-        absl::StrCat("AllocatePages returned ", resp.page_ids_size(), " pages, asked ", count));
+absl::Status KvManager::ReleaseStale() {
+  while (!unreleased_.empty()) {
+    absl::Status s = client_->ReleasePlan(unreleased_.back());
+    // NOT_FOUND: the server dropped it already (idle timeout or restart).
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
+    unreleased_.pop_back();
   }
-  return std::vector<int32_t>(resp.page_ids().begin(), resp.page_ids().end());
-}
-
-absl::Status KvManager::FreePages(absl::Span<const int32_t> pages) {
-  grpc::ClientContext ctx;
-  client_->PrepareContext(&ctx);
-  v1::FreePagesRequest req;
-  req.mutable_page_ids()->Assign(pages.begin(), pages.end());
-  req.set_expected_incarnation(incarnation_);
-  v1::FreePagesResponse resp;
-  grpc::Status s = client_->stub()->FreePages(&ctx, req, &resp);
-  if (!s.ok()) return Client::FromGrpc(s);
-  return CheckIncarnation(resp.incarnation());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::Plan(
@@ -97,43 +68,76 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::Plan(
   }
   std::vector<int32_t> new_pages;
   if (total_need > 0) {
-    auto allocated = AllocatePages(static_cast<int32_t>(total_need));
+    auto allocated = client_->AllocatePages(static_cast<int32_t>(total_need));
     if (!allocated.ok()) return allocated.status();
     new_pages = *std::move(allocated);
   }
 
-  // Commit: nothing below fails.
+  // The layout, and each sequence's pages after the step; nothing changes yet.
   auto plan = std::make_shared<StepPlan>();
-  plan->step = ++step_;
+  plan->step = step_ + 1;
   plan->seq_ids.assign(seq_ids.begin(), seq_ids.end());
   plan->q_lens.assign(q_lens.begin(), q_lens.end());
   plan->qo_indptr = {0};
   plan->kv_indptr = {0};
   plan->append_slots.reserve(total_q);
   plan->positions.reserve(total_q);
+  std::vector<std::vector<int32_t>> pages_after(seq_ids.size());
   size_t taken = 0;
   for (size_t b = 0; b < seq_ids.size(); ++b) {
-    Sequence& s = seqs_[seq_ids[b]];
-    s.pages.insert(s.pages.end(), new_pages.begin() + taken,
-                   new_pages.begin() + taken + needs[b]);
+    auto it = seqs_.find(seq_ids[b]);
+    std::vector<int32_t>& pages = pages_after[b];
+    if (it != seqs_.end()) pages = it->second.pages;
+    pages.insert(pages.end(), new_pages.begin() + taken, new_pages.begin() + taken + needs[b]);
     taken += needs[b];
-    const int64_t start = s.length;
-    s.length += q_lens[b];
-    s.plan_step = plan->step;
-    for (int64_t pos = start; pos < s.length; ++pos) {
+    const int64_t start = it == seqs_.end() ? 0 : it->second.length;
+    const int64_t length = start + q_lens[b];
+    for (int64_t pos = start; pos < length; ++pos) {
       plan->positions.push_back(pos);
-      plan->append_slots.push_back(int64_t{s.pages[pos / page_size_]} * page_size_ +
+      plan->append_slots.push_back(int64_t{pages[pos / page_size_]} * page_size_ +
                                    pos % page_size_);
     }
-    plan->kv_indices.insert(plan->kv_indices.end(), s.pages.begin(), s.pages.end());
+    plan->kv_indices.insert(plan->kv_indices.end(), pages.begin(), pages.end());
     plan->qo_indptr.push_back(plan->qo_indptr.back() + q_lens[b]);
     plan->kv_indptr.push_back(static_cast<int32_t>(plan->kv_indices.size()));
-    plan->kv_lens.push_back(static_cast<int32_t>(s.length));
-    const int64_t num_pages = static_cast<int64_t>(s.pages.size());
+    plan->kv_lens.push_back(static_cast<int32_t>(length));
+    const int64_t num_pages = static_cast<int64_t>(pages.size());
     plan->kv_last_page_len.push_back(
-        num_pages == 0 ? 0 : static_cast<int32_t>(s.length - (num_pages - 1) * page_size_));
+        num_pages == 0 ? 0 : static_cast<int32_t>(length - (num_pages - 1) * page_size_));
+  }
+
+  // Register the layout once for every layer. A failure gives the new pages back.
+  if (options_.server_plans) {
+    PlanLayout layout;
+    layout.qo_indptr = plan->qo_indptr;
+    layout.kv_indptr = plan->kv_indptr;
+    layout.kv_indices = plan->kv_indices;
+    layout.kv_last_page_len = plan->kv_last_page_len;
+    layout.append_slots = plan->append_slots;
+    auto id = client_->CreatePlan(layout);
+    if (id.ok()) {
+      plan->plan_id = *id;
+    } else if (id.status().code() == absl::StatusCode::kUnimplemented) {
+      options_.server_plans = false;  // a server without plans: send the layout
+    } else {
+      if (!new_pages.empty()) client_->FreePages(new_pages).IgnoreError();
+      return id.status();
+    }
+  }
+
+  // Commit: nothing below fails.
+  step_ = plan->step;
+  live_steps_.insert(plan->step);
+  for (size_t b = 0; b < seq_ids.size(); ++b) {
+    Sequence& s = seqs_[seq_ids[b]];
+    s.pages = std::move(pages_after[b]);
+    s.length = plan->kv_lens[b];
+    Retire(s.plan);
+    s.plan = plan;
   }
   latest_ = plan;
+  // A failed release stays queued for the next Plan() or Finish().
+  ReleaseStale().IgnoreError();
   return std::shared_ptr<const StepPlan>(plan);
 }
 
@@ -143,34 +147,29 @@ absl::StatusOr<PrefillResult> KvManager::Run(int32_t layer, absl::Span<const uin
                                              const StepPlan* plan) {
   if (plan == nullptr) plan = latest_.get();
   if (plan == nullptr) return absl::FailedPreconditionError("Run before any Plan");
-  for (int64_t id : plan->seq_ids) {
-    auto it = seqs_.find(id);
-    if (it == seqs_.end() || it->second.plan_step != plan->step) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the plan of step ", plan->step, " is stale: sequence ", id,
-                       it == seqs_.end() ? " was finished" : " was planned again"));
-    }
+  if (!live_steps_.contains(plan->step)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the plan of step ", plan->step,
+                     " is stale: a later Plan() or Finish() changed one of its sequences"));
   }
-  // Today every layer sends the layout; a server-side plan RPC would register
-  // it once in Plan() and name it here instead.
   PrefillArgs args;
   args.layer = layer;
   args.q = q;
-  args.qo_indptr = plan->qo_indptr;
-  args.kv_indptr = plan->kv_indptr;
-  args.kv_indices = plan->kv_indices;
-  args.kv_last_page_len = plan->kv_last_page_len;
+  if (plan->plan_id != 0) {
+    args.plan_id = plan->plan_id;  // the server has the layout
+  } else {
+    args.qo_indptr = plan->qo_indptr;
+    args.kv_indptr = plan->kv_indptr;
+    args.kv_indices = plan->kv_indices;
+    args.kv_last_page_len = plan->kv_last_page_len;
+    args.append_slots = plan->append_slots;
+  }
   args.sm_scale = options_.sm_scale;
   args.causal = options_.causal;
   args.lse_base_e = options_.lse_base_e;
-  args.append_slots = plan->append_slots;
   args.append_k = k_new;
   args.append_v = v_new;
-  args.expected_incarnation = incarnation_;
-  auto result = client_->Prefill(args);
-  if (!result.ok()) return result.status();
-  if (absl::Status st = CheckIncarnation(result->incarnation); !st.ok()) return st;
-  return result;
+  return client_->Prefill(args);
 }
 
 absl::Status KvManager::Finish(absl::Span<const int64_t> seq_ids) {
@@ -184,19 +183,26 @@ absl::Status KvManager::Finish(absl::Span<const int64_t> seq_ids) {
     if (it == seqs_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " unknown"));
     pages.insert(pages.end(), it->second.pages.begin(), it->second.pages.end());
   }
+  // The plans of these sequences pin their pages: release them first.
+  for (int64_t id : seq_ids) Retire(seqs_[id].plan);
+  if (absl::Status s = ReleaseStale(); !s.ok()) return s;
   if (!pages.empty()) {
-    if (absl::Status s = FreePages(pages); !s.ok()) return s;
+    if (absl::Status s = client_->FreePages(pages); !s.ok()) return s;
   }
   for (int64_t id : seq_ids) seqs_.erase(id);
   return absl::OkStatus();
 }
 
-absl::Status KvManager::Release() { return Finish(Sequences()); }
+absl::Status KvManager::Release() {
+  if (seqs_.empty()) return ReleaseStale();
+  return Finish(Sequences());
+}
 
 void KvManager::Reset() {
   seqs_.clear();
+  live_steps_.clear();
+  unreleased_.clear();
   latest_.reset();
-  incarnation_ = client_->info().incarnation();
 }
 
 int64_t KvManager::KvLen(int64_t seq_id) const {

@@ -14,8 +14,9 @@
 //
 // Plan() grows each sequence by its q_len: it allocates the pages the step
 // needs (one AllocatePages for the whole batch), advances the lengths (once
-// per step, not per layer) and lays the step out once. Run() sends one
-// Prefill per layer with the fused append of that layer's new K/V rows.
+// per step, not per layer), lays the step out once and registers the layout
+// with the server (CreatePlan). Run() sends one Prefill per layer that names
+// the plan, with the fused append of that layer's new K/V rows.
 //
 // Not thread-safe: one thread plans, runs and finishes.
 #pragma once
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -38,6 +40,9 @@ struct KvManagerOptions {
   bool causal = true;
   std::optional<float> sm_scale;  // default 1/sqrt(head_dim)
   bool lse_base_e = false;
+  // Register each step's layout with CreatePlan; false sends it with every
+  // layer instead (as for a server without plans, which also turns it off).
+  bool server_plans = true;
 };
 
 // One step's layout. Shapes in brackets; batch = seq_ids.size().
@@ -52,6 +57,7 @@ struct StepPlan {
   std::vector<int32_t> kv_last_page_len;  // [batch], 0 for a sequence without pages
   std::vector<int64_t> append_slots;      // [total_q] where each new token's K/V goes
   std::vector<int64_t> positions;         // [total_q] each new token's position
+  uint64_t plan_id = 0;                   // the server's plan; 0: the layout travels
   int64_t total_q() const { return qo_indptr.empty() ? 0 : qo_indptr.back(); }
 };
 
@@ -76,13 +82,13 @@ class KvManager {
                                     absl::Span<const uint16_t> v_new,
                                     const StepPlan* plan = nullptr);
 
-  // Frees the sequences' pages (one FreePages) and forgets them. NOT_FOUND
-  // for an unknown id (and nothing freed).
+  // Releases the sequences' plans, frees their pages (one FreePages) and
+  // forgets them. NOT_FOUND for an unknown id (and nothing freed).
   absl::Status Finish(absl::Span<const int64_t> seq_ids);
   // Finish() of every sequence.
   absl::Status Release();
-  // Forgets every sequence without freeing (the server restarted), and takes
-  // the incarnation of the client's info again.
+  // Forgets every sequence and plan without an RPC (the server restarted;
+  // then client->ForgetIncarnation() once the state is re-created).
   void Reset();
 
   // Length of a sequence; -1 when unknown.
@@ -93,25 +99,29 @@ class KvManager {
   int64_t NumPages() const;
   std::vector<int64_t> Sequences() const;
   int32_t page_size() const { return page_size_; }
+  // False once a server answered CreatePlan with UNIMPLEMENTED.
+  bool server_plans() const { return options_.server_plans; }
 
  private:
   struct Sequence {
     std::vector<int32_t> pages;
     int64_t length = 0;
-    int64_t plan_step = 0;  // the latest plan that includes it
+    std::shared_ptr<const StepPlan> plan;  // the latest plan that includes it
   };
 
-  absl::StatusOr<std::vector<int32_t>> AllocatePages(int32_t count);
-  absl::Status FreePages(absl::Span<const int32_t> pages);
-  absl::Status CheckIncarnation(uint64_t incarnation) const;
+  // Marks a sequence's plan stale; its server plan waits in unreleased_.
+  void Retire(const std::shared_ptr<const StepPlan>& plan);
+  // ReleasePlan of the stale server plans; NOT_FOUND counts as released.
+  absl::Status ReleaseStale();
 
   Client* client_;
   KvManagerOptions options_;
   int32_t page_size_;
-  uint64_t incarnation_;
   int64_t step_ = 0;
   absl::flat_hash_map<int64_t, Sequence> seqs_;
   std::shared_ptr<const StepPlan> latest_;
+  absl::flat_hash_set<int64_t> live_steps_;  // plans no later plan or Finish touched
+  std::vector<uint64_t> unreleased_;
 };
 
 }  // namespace attnserve

@@ -62,7 +62,11 @@ void ExpectLayout(const KvManager& mgr, const StepPlan& plan,
   }
 }
 
-TEST(KvManagerTest, ManyStepsWithSequencesFinishingAndStarting) {
+// With server plans (CreatePlan, the default) and with the layout sent with
+// every layer.
+class KvManagerStepsTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(KvManagerStepsTest, ManyStepsWithSequencesFinishingAndStarting) {
   TestServerOptions options;  // 2 layers, 256 pages of 16, 8 / 2 heads of 64, bf16
   auto server = TestServer::Start(options);
   ASSERT_TRUE(server.ok()) << server.status();
@@ -70,7 +74,9 @@ TEST(KvManagerTest, ManyStepsWithSequencesFinishingAndStarting) {
   ASSERT_NE(client, nullptr);
   const KvGeometry g = GeometryOf(client->info());
   const int32_t start_free = FreePages(*client);
-  KvManager mgr(client.get());
+  KvManagerOptions manager_options;
+  manager_options.server_plans = GetParam();
+  KvManager mgr(client.get(), manager_options);
   KvMirror mirror(g);
   std::mt19937_64 gen(30);
   std::vector<int64_t> active;
@@ -102,6 +108,7 @@ TEST(KvManagerTest, ManyStepsWithSequencesFinishingAndStarting) {
     auto plan = mgr.Plan(active, q_lens);
     ASSERT_TRUE(plan.ok()) << plan.status();
     ExpectLayout(mgr, **plan, before);
+    EXPECT_EQ((*plan)->plan_id != 0, GetParam());
     EXPECT_EQ(FreePages(*client), start_free - mgr.NumPages());
     const int64_t total_q = (*plan)->total_q();
     for (int32_t layer = 0; layer < g.num_layers; ++layer) {
@@ -132,8 +139,11 @@ TEST(KvManagerTest, ManyStepsWithSequencesFinishingAndStarting) {
   ASSERT_TRUE(mgr.Release().ok());
   EXPECT_EQ(mgr.NumPages(), 0);
   EXPECT_TRUE(mgr.Sequences().empty());
-  EXPECT_EQ(FreePages(*client), start_free);
+  EXPECT_EQ(FreePages(*client), start_free);  // plans released, pages freed
 }
+
+INSTANTIATE_TEST_SUITE_P(Plans, KvManagerStepsTest, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "ServerPlans" : "Layout"; });
 
 TEST(KvManagerTest, PlanIsAtomicWhenPagesRunOut) {
   TestServerOptions options;
@@ -185,7 +195,7 @@ TEST(KvManagerTest, StalePlansBadArgumentsAndMicroBatches) {
   EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(stale.status().message(), HasSubstr("stale"));
   ASSERT_TRUE(mgr.Finish({2}).ok());
-  EXPECT_THAT(mgr.Run(0, q, kv, kv, b->get()).status().message(), HasSubstr("finished"));
+  EXPECT_THAT(mgr.Run(0, q, kv, kv, b->get()).status().message(), HasSubstr("stale"));
   EXPECT_EQ(mgr.Finish({2}).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(mgr.Finish({1, 1}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(mgr.Plan({}, {}).status().code(), absl::StatusCode::kInvalidArgument);

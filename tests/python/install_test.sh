@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # docs/python.md's install command, offline: a fresh venv that sees the
 # system's grpcio/protobuf/numpy, `pip install ./client/python` with no index
-# at all, then the installed package (not the source tree) imported and used.
+# at all, then the installed package (not the source tree) imported and used;
+# its version is the project's (CMakeLists.txt).
 # Run from the repository root: tests/python/install_test.sh [PYTHON].
 set -uo pipefail
 python=${1:-/usr/bin/python3}
@@ -13,6 +14,7 @@ check() {  # check NAME COMMAND...
   if "$@" >"$work/out" 2>&1; then passed=$((passed + 1)); echo "ok: $name"
   else failed=$((failed + 1)); echo "FAILED: $name"; cat "$work/out"; fi
 }
+version=$(sed -n 's/^project(attnserve VERSION \([0-9.]*\).*/\1/p' CMakeLists.txt)
 tree() { find client/python -name __pycache__ -prune -o -print | sort; }
 tree >"$work/tree.before"
 check "venv" "$python" -m venv --system-site-packages "$work/venv"
@@ -21,7 +23,7 @@ check "pip install ./client/python (no index)" "$work/venv/bin/pip" install ./cl
 check "imports the installed copy" bash -c "cd '$work' && '$work/venv/bin/python' -c '
 import attnserve, attnserve.v1.attention_pb2 as pb
 assert attnserve.__file__.startswith(\"$work/venv/\"), attnserve.__file__
-assert attnserve.__version__ == \"0.1.0\"
+assert attnserve.__version__ == \"$version\", (attnserve.__version__, \"$version\")
 assert pb.PrefillRequest(layer=3).layer == 3
 print(attnserve.__file__)'"
 check "metadata names the dependencies" bash -c \

@@ -135,6 +135,39 @@ def test_prefill_fused_append(client):
     client.free_pages(pages)
 
 
+def test_server_plans(client):
+    """A layout registered once (create_plan) and named by every layer's
+    Prefill gives what the layout itself gives."""
+    g = client.server_info
+    rng = np.random.default_rng(9)
+    mirror = KvMirror(g.num_kv_heads, g.head_dim)
+    pages = client.allocate_pages(6)
+    for layer in range(g.num_layers):
+        fill(client, mirror, rng, layer, pages[:5])
+    q_lens_kv = [(3, 40), (1, 17), (6, 33)]
+    q, qo, kv, idx, last = ragged(rng, g, pages[:5], q_lens_kv)
+    append = [pages[5] * g.page_size + i for i in range(qo[-1])]
+    plan_id = client.create_plan(qo, kv, idx, last, append)
+    assert plan_id != 0
+    layout = attnserve.PrefillLayout.for_plan(plan_id, qo[-1], len(append), lse_base="e")
+    for layer in range(g.num_layers):
+        k = rng.standard_normal((qo[-1], 2, 64)).astype(np.float32)
+        v = rng.standard_normal((qo[-1], 2, 64)).astype(np.float32)
+        r = client.prefill_layout(layer, q, layout, k, v)
+        mirror.write(layer, append, k, v)
+        want = client.prefill(layer, q, qo, kv, idx, last, lse_base="e")
+        assert np.array_equal(r.output, want.output) and np.array_equal(r.lse, want.lse)
+        ref = reference_prefill(mirror, layer, q, qo, kv, idx, last, page_size=16,
+                                lse_base="e")
+        assert within_tolerance(compare(*ref, r.output, r.lse))
+    with pytest.raises(attnserve.FailedPrecondition):   # pinned while the plan lives
+        client.free_pages(pages)
+    client.release_plan(plan_id)
+    client.free_pages(pages)
+    with pytest.raises(attnserve.NotFound):
+        client.release_plan(plan_id)
+
+
 def test_torch_in_torch_out(client):
     g = client.server_info
     rng = np.random.default_rng(4)

@@ -35,12 +35,13 @@ def check_layout(mgr, plan, before):
         assert plan.append_slots[rows].tolist() == want_slots
 
 
-def test_many_steps_with_sequences_finishing_and_starting(server, client):
+@pytest.mark.parametrize("server_plans", [True, False])
+def test_many_steps_with_sequences_finishing_and_starting(server, client, server_plans):
     g = client.server_info
     rng = np.random.default_rng(20)
     mirror = KvMirror(g.num_kv_heads, g.head_dim)
     start_free = client.info().free_pages
-    mgr = attnserve.KvManager(client)
+    mgr = attnserve.KvManager(client, server_plans=server_plans)
     active, next_id, steps_checked, finished = [], 0, 0, 0
     for step in range(30):
         # Start 0-2 sequences (a prompt each), finish some, decode the rest.
@@ -62,6 +63,7 @@ def test_many_steps_with_sequences_finishing_and_starting(server, client):
         before = {s: mgr.kv_len(s) for s in active if s in mgr.sequences}
         plan = mgr.plan(active, q_lens)
         check_layout(mgr, plan, before)
+        assert (plan.plan_id != 0) == server_plans
         assert client.info().free_pages == start_free - mgr.num_pages
         for layer in range(g.num_layers):
             q = rng.standard_normal((plan.total_q, 8, 64)).astype(np.float32)
@@ -77,7 +79,7 @@ def test_many_steps_with_sequences_finishing_and_starting(server, client):
             steps_checked += 1
     assert steps_checked >= 40 and finished >= 3 and next_id >= 8
     assert max(mgr.kv_len(s) for s in mgr.sequences) > 2 * g.page_size  # crossed pages
-    mgr.release()
+    mgr.release()                       # plans released first: else FreePages fails
     assert mgr.sequences == [] and mgr.num_pages == 0
     assert client.info().free_pages == start_free
 
@@ -132,6 +134,54 @@ def test_plans_go_stale_and_micro_batches_coexist(client):
     mgr.plan([1], [2])
     with pytest.raises(attnserve.InvalidArgument, match="append_k"):
         mgr.run(0, np.ones((2, 8, 64), np.float32), kv, kv)
+    mgr.release()
+    assert client.info().free_pages == start_free
+
+
+def test_a_server_without_plans_gets_the_layout(client):
+    """CreatePlan answered UNIMPLEMENTED (an older server): the manager sends
+    the layout with every layer from then on."""
+    class NoPlans:
+        def __init__(self, inner):
+            self.inner, self.server_info = inner, inner.server_info
+
+        def create_plan(self, *args, **kwargs):
+            raise attnserve.Unimplemented("unknown method CreatePlan")
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    g = client.server_info
+    mgr = attnserve.KvManager(NoPlans(client))
+    rng = np.random.default_rng(22)
+    mirror = KvMirror(g.num_kv_heads, g.head_dim)
+    plan = mgr.plan([1, 2], [20, 3])
+    assert plan.plan_id == 0 and not mgr.server_plans
+    q = rng.standard_normal((23, 8, 64)).astype(np.float32)
+    k = rng.standard_normal((23, 2, 64)).astype(np.float32)
+    r = mgr.run(0, q, k, k)
+    mirror.write(0, plan.append_slots, k, k)
+    ref = reference_prefill(mirror, 0, q, plan.qo_indptr, plan.kv_indptr, plan.kv_indices,
+                            plan.kv_last_page_len, page_size=g.page_size)
+    assert within_tolerance(compare(*ref, r.output, r.lse))
+    mgr.release()
+
+
+def test_finish_releases_the_plans_that_pin_the_pages(client):
+    start_free = client.info().free_pages
+    mgr = attnserve.KvManager(client)
+    a = mgr.plan(["x", "y"], [5, 40])
+    pages_x = mgr.pages_of("x")
+    # The live plan pins its pages: freeing them behind the manager's back fails.
+    with pytest.raises(attnserve.FailedPrecondition):
+        client.free_pages(pages_x)
+    mgr.finish("x")                       # releases plan a (it includes x), then frees
+    assert client.info().free_pages == start_free - len(mgr.pages_of("y"))
+    with pytest.raises(RuntimeError, match="stale"):
+        mgr.run(0, np.ones((45, 8, 64), np.float32), np.ones((45, 2, 64), np.float32),
+                np.ones((45, 2, 64), np.float32), plan=a)
+    b = mgr.plan(["y"], [1])
+    assert b.plan_id not in (0, a.plan_id)
     mgr.release()
     assert client.info().free_pages == start_free
 

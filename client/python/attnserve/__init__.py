@@ -18,7 +18,7 @@ from attnserve.errors import (Aborted, AlreadyExists, AttnserveError, Cancelled,
                               Unknown)
 from attnserve.kv_manager import AsyncKvManager, KvManager, Plan
 
-__version__ = "0.1.0"
+from attnserve._version import __version__
 
 __all__ = [
     "Client", "AsyncClient", "ServerInfo", "PrefillResult", "PrefillLayout",

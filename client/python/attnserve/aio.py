@@ -127,6 +127,16 @@ class AsyncClient(_Core):
         return await self._call(
             self._req_prefill(layer, q, layout, append_k, append_v, out, device), timeout)
 
+    async def create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None,
+                          append_slots=None, *, timeout: Optional[float] = None) -> int:
+        await self._ensure_info()
+        return await self._call(self._req_create_plan(qo_indptr, kv_indptr, kv_indices,
+                                                      kv_last_page_len, append_slots), timeout)
+
+    async def release_plan(self, plan_id: int, *, timeout: Optional[float] = None) -> None:
+        await self._ensure_info()
+        return await self._call(self._req_release_plan(plan_id), timeout)
+
     async def merge_states(self, states, *, lse_base: str = "2", out: Optional[str] = None,
                            device=None, timeout: Optional[float] = None):
         await self._ensure_info()

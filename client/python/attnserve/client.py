@@ -39,7 +39,7 @@ SERVICE = "attnserve.v1.AttentionService"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 _METHODS = ("GetServerInfo", "AllocatePages", "FreePages", "WriteKV", "ReadKV", "Prefill",
-            "MergeStates")
+            "MergeStates", "CreatePlan", "ReleasePlan")
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,19 @@ class PrefillLayout:
     encoded: bytes
     total_q: int
     num_append: int
+    plan_id: int = 0  # a server plan (CreatePlan) stands for the layout fields
+
+    @staticmethod
+    def for_plan(plan_id: int, total_q: int, num_append: int, *, sm_scale=None, causal=None,
+                 lse_base: str = "2") -> "PrefillLayout":
+        """The layout of a plan registered with create_plan(): the plan id and
+        the options; the indptrs, page ids and append slots stay on the server."""
+        req = pb.PrefillRequest(plan_id=int(plan_id), lse_base=_lse_base(lse_base))
+        if sm_scale is not None:
+            req.sm_scale = float(sm_scale)
+        if causal is not None:
+            req.causal = bool(causal)
+        return PrefillLayout(req.SerializeToString(), int(total_q), int(num_append), int(plan_id))
 
     @staticmethod
     def encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None, *, sm_scale=None,
@@ -323,6 +336,30 @@ class _Core:
             return PrefillResult(output, lse_out, incarnation)
         return "Prefill", b"".join(pieces), parse
 
+    def _req_create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                         append_slots) -> _Request:
+        req = pb.CreatePlanRequest(expected_incarnation=self._incarnation)
+        _extend(req.qo_indptr, qo_indptr, "qo_indptr")
+        _extend(req.kv_indptr, kv_indptr, "kv_indptr")
+        _extend(req.kv_indices, kv_indices, "kv_indices")
+        if kv_last_page_len is not None:
+            _extend(req.kv_last_page_len, kv_last_page_len, "kv_last_page_len")
+        if append_slots is not None:
+            _extend(req.append_slots, append_slots, "append_slots")
+
+        def parse(raw):
+            resp = pb.CreatePlanResponse.FromString(raw)
+            self._observe(resp.incarnation, "CreatePlan")
+            return resp.plan_id
+        return "CreatePlan", req.SerializeToString(), parse
+
+    def _req_release_plan(self, plan_id: int) -> _Request:
+        req = pb.ReleasePlanRequest(plan_id=int(plan_id), expected_incarnation=self._incarnation)
+
+        def parse(raw):
+            self._observe(pb.ReleasePlanResponse.FromString(raw).incarnation, "ReleasePlan")
+        return "ReleasePlan", req.SerializeToString(), parse
+
     def _req_merge(self, states, lse_base, out, device) -> _Request:
         wire = self.server_info.wire_dtype
         pieces = [pb.MergeStatesRequest(lse_base=_lse_base(lse_base)).SerializeToString()]
@@ -471,6 +508,22 @@ class Client(_Core):
         """prefill() with a layout encoded once (PrefillLayout.encode) for many layers."""
         return self._call(self._req_prefill(layer, q, layout, append_k, append_v, out, device),
                           timeout)
+
+    def create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None,
+                    append_slots=None, *, timeout: Optional[float] = None) -> int:
+        """Registers a step's layout once (docs/design.md section 4); its id.
+
+        Every layer's Prefill then names it: prefill_layout(layer, q,
+        PrefillLayout.for_plan(plan_id, total_q, len(append_slots)), k, v).
+        The plan pins its pages until release_plan() (or the server's idle
+        timeout): free_pages() of them fails meanwhile.
+        """
+        return self._call(self._req_create_plan(qo_indptr, kv_indptr, kv_indices,
+                                                kv_last_page_len, append_slots), timeout)
+
+    def release_plan(self, plan_id: int, *, timeout: Optional[float] = None) -> None:
+        """Drops a plan; its pages are unpinned once no request uses it."""
+        return self._call(self._req_release_plan(plan_id), timeout)
 
     def merge_states(self, states, *, lse_base: str = "2", out: Optional[str] = None,
                      device=None, timeout: Optional[float] = None):

@@ -11,10 +11,11 @@ the same semantics.
     mgr.finish(7)                              # frees sequence 7's pages
 
 plan() grows each sequence by its q_len: it allocates the pages the step
-needs (one AllocatePages for the whole batch), advances the lengths, and
-computes the step's layout once: qo_indptr, kv_indptr, kv_indices,
-kv_last_page_len, the append slots and each new token's position. run()
-sends one Prefill per layer with the fused append of that layer's K/V rows.
+needs (one AllocatePages for the whole batch), advances the lengths, computes
+the step's layout once (qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+the append slots and each new token's position) and registers it with the
+server (CreatePlan). run() sends one Prefill per layer that names the plan,
+with the fused append of that layer's K/V rows.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Hashable, Optional, Sequence
 import numpy as np
 
 from attnserve.client import PrefillLayout, PrefillResult
+from attnserve.errors import AttnserveError, NotFound, Unimplemented
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Plan:
     kv_last_page_len [batch]: the Prefill layout (docs/design.md section 3).
     append_slots [total_q] (int64): where each new token's K/V goes.
     positions [total_q] (int64): each new token's position in its sequence.
+    plan_id: the server's plan (CreatePlan), 0 when the layout travels instead.
     """
 
     seq_ids: tuple
@@ -51,7 +54,8 @@ class Plan:
     append_slots: np.ndarray
     positions: np.ndarray
     step: int
-    layout: PrefillLayout = field(repr=False)
+    layout: Optional[PrefillLayout] = field(default=None, repr=False)
+    plan_id: int = 0
     valid: bool = True
 
     @property
@@ -76,13 +80,17 @@ class _Bookkeeping:
     """Everything but the RPCs: sequences, their pages, the layout of a step."""
 
     def __init__(self, *, causal: bool = True, sm_scale: Optional[float] = None,
-                 lse_base: str = "2"):
+                 lse_base: str = "2", server_plans: bool = True):
         self.causal = causal
         self.sm_scale = sm_scale
         self.lse_base = lse_base
+        # Register each step's layout with CreatePlan (False: send it with every
+        # layer, as for a server without plans, which also turns this off).
+        self.server_plans = server_plans
         self._seqs: dict = {}
         self._step = 0
         self._latest: Optional[Plan] = None
+        self._unreleased: list = []  # server plans gone stale, still to release
 
     # ------------------------------------------------------------ queries
     @property
@@ -101,12 +109,13 @@ class _Bookkeeping:
         return sum(len(s.pages) for s in self._seqs.values())
 
     def reset(self) -> None:
-        """Forgets every sequence without freeing (after a server restart)."""
+        """Forgets every sequence and plan without an RPC (after a server restart)."""
         for s in self._seqs.values():
             if s.plan is not None:
                 s.plan.valid = False
         self._seqs.clear()
         self._latest = None
+        self._unreleased.clear()
 
     # ------------------------------------------------------------ planning
     def _pages_needed(self, page_size: int, seq_ids: Sequence, q_lens) -> tuple:
@@ -129,53 +138,75 @@ class _Bookkeeping:
             needs.append(max(0, -(-(length + q_len) // page_size) - held))
         return lens.astype(np.int64), needs
 
-    def _commit(self, page_size: int, seq_ids: Sequence, q_lens: np.ndarray, needs: list,
-                new_pages: list) -> Plan:
-        self._step += 1
+    def _lay_out(self, page_size: int, seq_ids: Sequence, q_lens: np.ndarray, needs: list,
+                 new_pages: list) -> tuple:
+        """The step's Plan and each sequence's (pages, length) after it; changes nothing."""
         batch = len(seq_ids)
-        total_q = int(q_lens.sum())
         qo_indptr = np.zeros(batch + 1, np.int32)
         kv_indptr = np.zeros(batch + 1, np.int32)
         kv_lens = np.zeros(batch, np.int32)
         last = np.zeros(batch, np.int32)
-        indices, slots, positions = [], [], []
+        indices, slots, positions, after = [], [], [], []
         taken = 0
-        seqs = []
         for b, (sid, q_len, need) in enumerate(zip(seq_ids, q_lens.tolist(), needs)):
+            s = self._seqs.get(sid)
+            pages = (list(s.pages) if s is not None else []) + new_pages[taken:taken + need]
+            taken += need
+            start = s.length if s is not None else 0
+            length = start + q_len
+            pos = np.arange(start, length, dtype=np.int64)
+            arr = np.asarray(pages, dtype=np.int64)
+            positions.append(pos)
+            slots.append(arr[pos // page_size] * page_size + pos % page_size)
+            indices.extend(pages)
+            qo_indptr[b + 1] = qo_indptr[b] + q_len
+            kv_indptr[b + 1] = kv_indptr[b] + len(pages)
+            kv_lens[b] = length
+            last[b] = length - (len(pages) - 1) * page_size if pages else 0
+            after.append((pages, length))
+        plan = Plan(seq_ids=tuple(seq_ids), q_lens=q_lens.astype(np.int32), kv_lens=kv_lens,
+                    qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                    kv_indices=np.asarray(indices, dtype=np.int32), kv_last_page_len=last,
+                    append_slots=np.concatenate(slots), positions=np.concatenate(positions),
+                    step=self._step + 1)
+        return plan, after
+
+    def _options(self) -> dict:
+        return dict(sm_scale=self.sm_scale, causal=self.causal, lse_base=self.lse_base)
+
+    def _layout_bytes(self, plan: Plan) -> PrefillLayout:
+        """The layout sent with every layer when there is no server plan."""
+        return PrefillLayout.encode(plan.qo_indptr, plan.kv_indptr, plan.kv_indices,
+                                    plan.kv_last_page_len, append_slots=plan.append_slots,
+                                    **self._options())
+
+    def _plan_layout(self, plan: Plan, plan_id: int) -> None:
+        plan.plan_id = plan_id
+        plan.layout = PrefillLayout.for_plan(plan_id, plan.total_q, len(plan.append_slots),
+                                             **self._options())
+
+    def _create_args(self, plan: Plan) -> tuple:
+        return (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len,
+                plan.append_slots)
+
+    def _apply(self, plan: Plan, after: list) -> None:
+        """Commits the plan: lengths and pages advance; older plans of its
+        sequences go stale (their server plans wait in _unreleased)."""
+        self._step = plan.step
+        for sid, (pages, length) in zip(plan.seq_ids, after):
             s = self._seqs.get(sid)
             if s is None:
                 s = self._seqs[sid] = _Sequence()
-            s.pages.extend(new_pages[taken:taken + need])
-            taken += need
-            start = s.length
-            s.length += q_len
-            pos = np.arange(start, s.length, dtype=np.int64)
-            pages = np.asarray(s.pages, dtype=np.int64)
-            positions.append(pos)
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
-            indices.extend(s.pages)
-            qo_indptr[b + 1] = qo_indptr[b] + q_len
-            kv_indptr[b + 1] = kv_indptr[b] + len(s.pages)
-            kv_lens[b] = s.length
-            last[b] = s.length - (len(s.pages) - 1) * page_size if s.pages else 0
-            seqs.append(s)
-        append_slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
-        kv_indices = np.asarray(indices, dtype=np.int32)
-        layout = PrefillLayout.encode(qo_indptr, kv_indptr, kv_indices, last,
-                                      sm_scale=self.sm_scale, causal=self.causal,
-                                      lse_base=self.lse_base, append_slots=append_slots)
-        plan = Plan(seq_ids=tuple(seq_ids), q_lens=q_lens.astype(np.int32), kv_lens=kv_lens,
-                    qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
-                    kv_last_page_len=last, append_slots=append_slots,
-                    positions=np.concatenate(positions) if positions else np.zeros(0, np.int64),
-                    step=self._step, layout=layout)
-        assert total_q == plan.total_q
-        for s in seqs:
-            if s.plan is not None:
-                s.plan.valid = False  # a later step moved this sequence on
+            s.pages, s.length = pages, length
+            self._retire(s.plan)
             s.plan = plan
         self._latest = plan
-        return plan
+
+    def _retire(self, plan: Optional[Plan]) -> None:
+        if plan is not None and plan.valid:
+            plan.valid = False
+            if plan.plan_id:
+                self._unreleased.append(plan.plan_id)
 
     def _plan_for_run(self, plan: Optional[Plan]) -> Plan:
         plan = self._latest if plan is None else plan
@@ -187,6 +218,7 @@ class _Bookkeeping:
         return plan
 
     def _take(self, seq_ids) -> list:
+        """The pages of seq_ids; their plans go stale."""
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("finish: seq_ids has duplicates")
         missing = [sid for sid in seq_ids if sid not in self._seqs]
@@ -194,14 +226,19 @@ class _Bookkeeping:
             raise KeyError(f"finish: unknown sequence(s) {missing}")
         pages = []
         for sid in seq_ids:
-            pages.extend(self._seqs[sid].pages)
+            s = self._seqs[sid]
+            pages.extend(s.pages)
+            self._retire(s.plan)
         return pages
 
     def _drop(self, seq_ids) -> None:
         for sid in seq_ids:
-            s = self._seqs.pop(sid)
-            if s.plan is not None:
-                s.plan.valid = False
+            self._seqs.pop(sid)
+
+    @staticmethod
+    def _released(plan_id: int, error: Optional[AttnserveError]) -> bool:
+        # NOT_FOUND: the server dropped it already (idle timeout or restart).
+        return error is None or isinstance(error, NotFound)
 
 
 class KvManager(_Bookkeeping):
@@ -210,11 +247,14 @@ class KvManager(_Bookkeeping):
     Args:
       client: an attnserve.Client (its server's page_size is used).
       causal, sm_scale, lse_base: the Prefill options of every run().
+      server_plans: register each step's layout with CreatePlan (default);
+        False sends the layout with every layer instead.
     """
 
     def __init__(self, client, *, causal: bool = True, sm_scale: Optional[float] = None,
-                 lse_base: str = "2"):
-        super().__init__(causal=causal, sm_scale=sm_scale, lse_base=lse_base)
+                 lse_base: str = "2", server_plans: bool = True):
+        super().__init__(causal=causal, sm_scale=sm_scale, lse_base=lse_base,
+                         server_plans=server_plans)
         self.client = client
         self.page_size = client.server_info.page_size
 
@@ -222,13 +262,47 @@ class KvManager(_Bookkeeping):
         """Grows seq_ids[b] by q_lens[b] tokens and lays the step out.
 
         A sequence not seen before starts empty. Allocates the pages the step
-        needs in one call; on failure (e.g. ResourceExhausted) nothing changes.
-        Lengths advance here, once per step: every layer's run() then appends
-        at the same positions.
+        needs in one call and registers the layout; on failure (e.g.
+        ResourceExhausted) nothing changes. Lengths advance here, once per
+        step: every layer's run() then appends at the same positions.
         """
         lens, needs = self._pages_needed(self.page_size, seq_ids, q_lens)
         new_pages = self.client.allocate_pages(sum(needs)) if sum(needs) else []
-        return self._commit(self.page_size, seq_ids, lens, needs, new_pages)
+        plan, after = self._lay_out(self.page_size, seq_ids, lens, needs, new_pages)
+        try:
+            self._register(plan)
+        except BaseException:
+            if new_pages:
+                try:
+                    self.client.free_pages(new_pages)
+                except AttnserveError:
+                    pass  # the first error is the one to report
+            raise
+        self._apply(plan, after)
+        self._release_stale(strict=False)
+        return plan
+
+    def _register(self, plan: Plan) -> None:
+        if self.server_plans:
+            try:
+                self._plan_layout(plan, self.client.create_plan(*self._create_args(plan)))
+                return
+            except Unimplemented:
+                self.server_plans = False  # a server without plans
+        plan.layout = self._layout_bytes(plan)
+
+    def _release_stale(self, strict: bool) -> None:
+        """ReleasePlan for plans gone stale; with strict, the first failure raises."""
+        pending, self._unreleased = self._unreleased, []
+        for i, plan_id in enumerate(pending):
+            try:
+                self.client.release_plan(plan_id)
+            except AttnserveError as e:
+                if not self._released(plan_id, e):
+                    self._unreleased.extend(pending[i:])
+                    if strict:
+                        raise
+                    return
 
     def run(self, layer: int, q, k_new, v_new, *, plan: Optional[Plan] = None,
             **kwargs) -> PrefillResult:
@@ -243,8 +317,10 @@ class KvManager(_Bookkeeping):
         return self.client.prefill_layout(layer, q, p.layout, k_new, v_new, **kwargs)
 
     def finish(self, *seq_ids: Hashable) -> None:
-        """Frees the sequences' pages (one FreePages) and forgets them."""
+        """Releases the sequences' plans, frees their pages (one FreePages) and
+        forgets them."""
         pages = self._take(seq_ids)
+        self._release_stale(strict=True)
         if pages:
             self.client.free_pages(pages)
         self._drop(seq_ids)
@@ -253,6 +329,8 @@ class KvManager(_Bookkeeping):
         """finish() for every sequence."""
         if self._seqs:
             self.finish(*self._seqs)
+        else:
+            self._release_stale(strict=True)
 
 
 class AsyncKvManager(_Bookkeeping):
@@ -263,8 +341,9 @@ class AsyncKvManager(_Bookkeeping):
     """
 
     def __init__(self, client, *, causal: bool = True, sm_scale: Optional[float] = None,
-                 lse_base: str = "2"):
-        super().__init__(causal=causal, sm_scale=sm_scale, lse_base=lse_base)
+                 lse_base: str = "2", server_plans: bool = True):
+        super().__init__(causal=causal, sm_scale=sm_scale, lse_base=lse_base,
+                         server_plans=server_plans)
         self.client = client
         self._lock_made: Optional[asyncio.Lock] = None  # made in the loop that uses it
 
@@ -274,16 +353,46 @@ class AsyncKvManager(_Bookkeeping):
             self._lock_made = asyncio.Lock()
         return self._lock_made
 
-    async def _page_size(self) -> int:
-        await self.client._ensure_info()
-        return self.client.server_info.page_size
-
     async def plan(self, seq_ids: Sequence, q_lens) -> Plan:
         async with self._lock:
-            page_size = await self._page_size()
+            await self.client._ensure_info()
+            page_size = self.client.server_info.page_size
             lens, needs = self._pages_needed(page_size, seq_ids, q_lens)
             new_pages = await self.client.allocate_pages(sum(needs)) if sum(needs) else []
-            return self._commit(page_size, seq_ids, lens, needs, new_pages)
+            plan, after = self._lay_out(page_size, seq_ids, lens, needs, new_pages)
+            try:
+                await self._register(plan)
+            except BaseException:
+                if new_pages:
+                    try:
+                        await self.client.free_pages(new_pages)
+                    except AttnserveError:
+                        pass
+                raise
+            self._apply(plan, after)
+            await self._release_stale(strict=False)
+            return plan
+
+    async def _register(self, plan: Plan) -> None:
+        if self.server_plans:
+            try:
+                self._plan_layout(plan, await self.client.create_plan(*self._create_args(plan)))
+                return
+            except Unimplemented:
+                self.server_plans = False
+        plan.layout = self._layout_bytes(plan)
+
+    async def _release_stale(self, strict: bool) -> None:
+        pending, self._unreleased = self._unreleased, []
+        for i, plan_id in enumerate(pending):
+            try:
+                await self.client.release_plan(plan_id)
+            except AttnserveError as e:
+                if not self._released(plan_id, e):
+                    self._unreleased.extend(pending[i:])
+                    if strict:
+                        raise
+                    return
 
     async def run(self, layer: int, q, k_new, v_new, *, plan: Optional[Plan] = None,
                   **kwargs) -> PrefillResult:
@@ -293,6 +402,7 @@ class AsyncKvManager(_Bookkeeping):
     async def finish(self, *seq_ids: Hashable) -> None:
         async with self._lock:
             pages = self._take(seq_ids)
+            await self._release_stale(strict=True)
             if pages:
                 await self.client.free_pages(pages)
             self._drop(seq_ids)
@@ -300,3 +410,6 @@ class AsyncKvManager(_Bookkeeping):
     async def release(self) -> None:
         if self._seqs:
             await self.finish(*list(self._seqs))
+        else:
+            async with self._lock:
+                await self._release_stale(strict=True)

@@ -8,7 +8,7 @@ It builds a pure-Python wheel of the `attnserve` package (with the generated,
 checked-in attnserve/v1/attention_pb2.py), an sdist, and an editable wheel
 (PEP 660: a .pth file naming this directory). Metadata comes from
 pyproject.toml's [project] table (read with tomllib: Python 3.11 or newer to
-build; the package itself runs on 3.9+).
+build; the package itself runs on 3.9+); the version from attnserve/_version.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import base64
 import hashlib
 import io
 import os
+import re
 import tarfile
 import time
 import zipfile
@@ -26,6 +27,14 @@ PACKAGE = "attnserve"
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # fixed zip timestamps: reproducible wheels
 
 
+def _version() -> str:
+    with open(os.path.join(ROOT, PACKAGE, "_version.py"), encoding="utf-8") as f:
+        match = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M)
+    if not match:
+        raise RuntimeError(f"no __version__ in {PACKAGE}/_version.py")
+    return match.group(1)
+
+
 def _project() -> dict:
     try:
         import tomllib
@@ -33,7 +42,10 @@ def _project() -> dict:
         raise RuntimeError("building the attnserve wheel needs Python 3.11+ (tomllib); on older "
                            "Pythons put client/python on PYTHONPATH instead") from e
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        return tomllib.load(f)["project"]
+        project = tomllib.load(f)["project"]
+    if "version" in project.get("dynamic", []):
+        project["version"] = _version()
+    return project
 
 
 def _dist_name(project: dict) -> str:
