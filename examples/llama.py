@@ -232,8 +232,8 @@ class LocalAttention:
 class ServerAttention:
     """Attention on attnserve through the blocking client and KvManager."""
 
-    def __init__(self, client):
-        self.mgr = attnserve.KvManager(client)
+    def __init__(self, client, server_plans: bool = True):
+        self.mgr = attnserve.KvManager(client, server_plans=server_plans)
         self.round_trips: list = []
 
     def begin_step(self, seq_ids, q_lens):
@@ -357,10 +357,10 @@ def generate(model, attn, prompts, steps, wire_dtype, mode, follow=None) -> Run:
 
 
 async def generate_pingpong(model, client: AsyncClient, prompts, steps, wire_dtype,
-                            follow=None) -> Run:
+                            follow=None, server_plans: bool = True) -> Run:
     """generate() with two micro-batches in flight: each step runs both halves'
     forward passes concurrently, so one's attention overlaps the other's MLP."""
-    mgr = attnserve.AsyncKvManager(client)
+    mgr = attnserve.AsyncKvManager(client, server_plans=server_plans)
     round_trips: list = []
     half = (len(prompts) + 1) // 2
     groups = [list(range(0, half)), list(range(half, len(prompts)))]
@@ -453,6 +453,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rel_tol", type=float, default=2e-2,
                    help="largest relative error of a step's logits between modes")
+    p.add_argument("--no_server_plans", action="store_true",
+                   help="send each step's layout with every layer instead of CreatePlan")
     p.add_argument("--strict", action="store_true",
                    help="also fail when greedy tokens differ at near-ties")
     p.add_argument("--timeout", type=float, default=300, help="per-call deadline, seconds")
@@ -493,14 +495,14 @@ def main(argv=None) -> int:
             runs[mode] = generate(model, LocalAttention(cfg, args.device, wire_dtype), prompts,
                                   steps, wire_dtype, mode, follow)
         elif mode == "server":
-            runs[mode] = generate(model, ServerAttention(client), prompts, steps, wire_dtype, mode,
-                                  follow)
+            runs[mode] = generate(model, ServerAttention(client, not args.no_server_plans),
+                                  prompts, steps, wire_dtype, mode, follow)
         else:
             async def pingpong():
                 async with AsyncClient(args.target, token=args.token,
                                        timeout=args.timeout) as aclient:
                     return await generate_pingpong(model, aclient, prompts, steps, wire_dtype,
-                                                   follow)
+                                                   follow, not args.no_server_plans)
             runs[mode] = asyncio.run(pingpong())
         if follow is None and len(modes) > 1:
             follow = runs[mode].tokens
