@@ -172,6 +172,31 @@ TEST(KvManagerTest, PlanIsAtomicWhenPagesRunOut) {
   EXPECT_EQ(FreePages(*client), 6);
 }
 
+TEST(KvManagerTest, PlanIsAtomicWhenTheServerRefusesThePlan) {
+  TestServerOptions options;
+  options.num_layers = 1;
+  options.num_pages = 16;
+  options.extra_flags = {"--max_plans_per_tenant=2"};
+  auto server = TestServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = Connect(**server);
+  ASSERT_NE(client, nullptr);
+  KvManager mgr(client.get());
+  ASSERT_TRUE(mgr.Plan({1}, {20}).ok());  // live plans: 1
+  ASSERT_TRUE(mgr.Plan({2}, {3}).ok());   // live plans: 2
+  const int32_t free = FreePages(*client);
+  auto over = mgr.Plan({3}, {40});        // a third: over the cap
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_EQ(mgr.KvLen(3), -1);
+  EXPECT_EQ(FreePages(*client), free);    // its 3 new pages went back
+  ASSERT_TRUE(mgr.Finish({2}).ok());      // releases 2's plan
+  auto fits = mgr.Plan({3}, {40});
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_NE((*fits)->plan_id, 0u);
+  ASSERT_TRUE(mgr.Release().ok());
+  EXPECT_EQ(FreePages(*client), 16);
+}
+
 TEST(KvManagerTest, StalePlansBadArgumentsAndMicroBatches) {
   TestServerOptions options;
   auto server = TestServer::Start(options);

@@ -104,6 +104,25 @@ def test_plan_is_atomic_when_pages_run_out():
         client.close()
 
 
+def test_plan_is_atomic_when_the_server_refuses_the_plan():
+    with TestServer(num_layers=1, num_pages=16, extra_flags=["--max_plans_per_tenant=2"]) as server:
+        client = attnserve.Client(server.address, timeout=60)
+        mgr = attnserve.KvManager(client)
+        mgr.plan(["a"], [20])                                  # live plans: 1
+        mgr.plan(["b"], [3])                                   # live plans: 2
+        free = client.info().free_pages
+        with pytest.raises(attnserve.ResourceExhausted):
+            mgr.plan(["c"], [40])                              # a third: over the cap
+        assert "c" not in mgr.sequences
+        assert client.info().free_pages == free                # its 3 new pages went back
+        mgr.finish("b")                                        # releases b's plan
+        plan = mgr.plan(["c"], [40])
+        assert plan.plan_id != 0 and mgr.kv_len("c") == 40
+        mgr.release()
+        assert client.info().free_pages == 16
+        client.close()
+
+
 def test_plans_go_stale_and_micro_batches_coexist(client):
     mgr = attnserve.KvManager(client)
     start_free = client.info().free_pages
