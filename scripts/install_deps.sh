@@ -22,7 +22,11 @@ build_pkgs=(
   openssl curl python3
 )
 # python3-matplotlib: bench/plot.py (for Debian's /usr/bin/python3).
-test_pkgs=(prometheus yamllint clang libclang-rt-14-dev libomp-14-dev python3-matplotlib)
+# python3-grpcio ... python3-pip: the Python client's tests (tests/python) and
+# its offline install.
+test_pkgs=(prometheus yamllint clang libclang-rt-14-dev libomp-14-dev python3-matplotlib
+  python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch python3-venv
+  python3-pip)
 # kubectl (for `kubectl kustomize`) may already come from another package.
 command -v kubectl >/dev/null 2>&1 || test_pkgs+=(kubernetes-client)
 # Node.js (for offline Kubernetes schema validation) may come from elsewhere.

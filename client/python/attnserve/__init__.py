@@ -1,0 +1,31 @@
+"""Python client for attnserve, the GPU-resident attention server.
+
+    import attnserve
+    client = attnserve.Client("127.0.0.1:50051")
+    mgr = attnserve.KvManager(client)
+
+docs/python.md is the guide; proto/attnserve/v1/attention.proto and
+docs/design.md are the contract.
+"""
+
+from attnserve.client import Client, PrefillLayout, PrefillResult, ServerInfo
+from attnserve.aio import AsyncClient
+from attnserve.dtypes import bf16_bits_to_float32, float32_to_bf16_bits
+from attnserve.errors import (Aborted, AlreadyExists, AttnserveError, Cancelled, DataLoss,
+                              DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
+                              NotFound, OutOfRange, PermissionDenied, ResourceExhausted,
+                              StaleIncarnation, Unauthenticated, Unavailable, Unimplemented,
+                              Unknown)
+from attnserve.kv_manager import AsyncKvManager, KvManager, Plan
+
+from attnserve._version import __version__
+
+__all__ = [
+    "Client", "AsyncClient", "ServerInfo", "PrefillResult", "PrefillLayout",
+    "KvManager", "AsyncKvManager", "Plan",
+    "float32_to_bf16_bits", "bf16_bits_to_float32",
+    "AttnserveError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",
+    "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition",
+    "StaleIncarnation", "Aborted", "OutOfRange", "Unimplemented", "Internal", "Unavailable",
+    "DataLoss", "Unauthenticated",
+]

@@ -1,0 +1,152 @@
+"""asyncio client (grpc.aio): the same methods as attnserve.Client, awaited.
+
+    async with attnserve.AsyncClient("127.0.0.1:50051") as client:   # reads info()
+        pages = await client.allocate_pages(2)
+        a, b = await asyncio.gather(client.prefill(0, q0, ...), client.prefill(1, q1, ...))
+
+Many calls may be in flight at once on one client; the server batches
+concurrent Prefills into one kernel launch. Methods that need the server's
+geometry read info() first if the client has not yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Iterable, Optional
+
+import grpc
+import grpc.aio
+
+from attnserve import _wire
+from attnserve.client import (DEFAULT_MAX_MESSAGE_BYTES, HEALTH_CHECK, _METHODS, PrefillLayout,
+                              PrefillResult, ServerInfo, _Core, _method_path)
+from attnserve.errors import from_rpc_error
+
+
+class AsyncClient(_Core):
+    """asyncio twin of attnserve.Client (same arguments, same results).
+
+    Make it inside the event loop that will use it. `async with` reads the
+    server's info on entry and closes the channel on exit.
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: Optional[str] = None,
+                 tls: bool = False, tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
+                 tls_key: Optional[str] = None, timeout: Optional[float] = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, out: str = "numpy",
+                 channel_options: Iterable = ()):
+        super().__init__(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
+                         tls_key=tls_key, timeout=timeout, max_message_bytes=max_message_bytes,
+                         out=out, channel_options=channel_options)
+        self._info_lock: Optional[asyncio.Lock] = None  # made in the loop that uses it
+        self._open()
+
+    def _open(self) -> None:
+        if self._credentials is not None:
+            self._channel = grpc.aio.secure_channel(self.target, self._credentials,
+                                                    options=self._channel_options)
+        else:
+            self._channel = grpc.aio.insecure_channel(self.target, options=self._channel_options)
+        self._stubs = {name: self._channel.unary_unary(_method_path(name)) for name in _METHODS}
+        self._health = self._channel.unary_unary(HEALTH_CHECK)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        try:
+            await self.info()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def reconnect(self) -> ServerInfo:
+        """New channel, incarnation forgotten, geometry read again."""
+        await self.close()
+        self.forget_incarnation()
+        self._open()
+        return await self.info()
+
+    async def _call(self, request, timeout):
+        method, body, parse = request
+        try:
+            raw = await self._stubs[method](body, timeout=self._timeout(timeout),
+                                            metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, method) from None
+        return parse(raw)
+
+    async def _ensure_info(self) -> None:
+        if self._info is None:
+            if self._info_lock is None:
+                self._info_lock = asyncio.Lock()
+            async with self._info_lock:
+                if self._info is None:
+                    await self.info()
+
+    # ------------------------------------------------------------ the API
+    async def info(self, *, timeout: Optional[float] = None) -> ServerInfo:
+        return await self._call(self._req_info(), timeout)
+
+    async def allocate_pages(self, count: int, *, timeout: Optional[float] = None) -> list:
+        await self._ensure_info()
+        return await self._call(self._req_allocate(count), timeout)
+
+    async def free_pages(self, page_ids, *, timeout: Optional[float] = None) -> None:
+        await self._ensure_info()
+        return await self._call(self._req_free(page_ids), timeout)
+
+    async def write_kv(self, layer: int, slots, k, v, *, timeout: Optional[float] = None) -> None:
+        await self._ensure_info()
+        return await self._call(self._req_write_kv(layer, slots, k, v), timeout)
+
+    async def read_kv(self, layer: int, slots, *, out: Optional[str] = None, device=None,
+                      timeout: Optional[float] = None):
+        await self._ensure_info()
+        return await self._call(self._req_read_kv(layer, slots, out, device), timeout)
+
+    async def prefill(self, layer: int, q, qo_indptr, kv_indptr, kv_indices,
+                      kv_last_page_len=None, *, sm_scale: Optional[float] = None,
+                      causal: Optional[bool] = None, lse_base: str = "2", append_slots=None,
+                      append_k=None, append_v=None, out: Optional[str] = None, device=None,
+                      timeout: Optional[float] = None) -> PrefillResult:
+        layout = PrefillLayout.encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                      sm_scale=sm_scale, causal=causal, lse_base=lse_base,
+                                      append_slots=append_slots)
+        return await self.prefill_layout(layer, q, layout, append_k, append_v, out=out,
+                                         device=device, timeout=timeout)
+
+    async def prefill_layout(self, layer: int, q, layout: PrefillLayout, append_k=None,
+                             append_v=None, *, out: Optional[str] = None, device=None,
+                             timeout: Optional[float] = None) -> PrefillResult:
+        await self._ensure_info()
+        return await self._call(
+            self._req_prefill(layer, q, layout, append_k, append_v, out, device), timeout)
+
+    async def create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None,
+                          append_slots=None, *, timeout: Optional[float] = None) -> int:
+        await self._ensure_info()
+        return await self._call(self._req_create_plan(qo_indptr, kv_indptr, kv_indices,
+                                                      kv_last_page_len, append_slots), timeout)
+
+    async def release_plan(self, plan_id: int, *, timeout: Optional[float] = None) -> None:
+        await self._ensure_info()
+        return await self._call(self._req_release_plan(plan_id), timeout)
+
+    async def merge_states(self, states, *, lse_base: str = "2", out: Optional[str] = None,
+                           device=None, timeout: Optional[float] = None):
+        await self._ensure_info()
+        return await self._call(self._req_merge(states, lse_base, out, device), timeout)
+
+    async def health(self, service: str = "", *, timeout: Optional[float] = None) -> str:
+        t = self._timeout(timeout)
+        try:
+            raw = await self._health(_wire.health_request(service),
+                                     timeout=5.0 if t is None else t, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "Health/Check") from None
+        return _wire.health_status(raw)

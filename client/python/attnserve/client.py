@@ -1,0 +1,548 @@
+"""The attnserve client (sync); attnserve.aio.AsyncClient is its asyncio twin.
+
+    import attnserve
+    client = attnserve.Client("127.0.0.1:50051")           # reads info() at once
+    pages = client.allocate_pages(2)
+    slots = [p * client.server_info.page_size + i for p in pages for i in range(16)]
+    client.write_kv(0, slots, k, v)                        # k, v: [32, kv_heads, head_dim]
+    r = client.prefill(0, q, qo_indptr=[0, 4], kv_indptr=[0, 2], kv_indices=pages,
+                       kv_last_page_len=[16])
+    r.output, r.lse                                        # [4, qo_heads, head_dim], [4, qo_heads]
+
+Tensors go in as numpy or torch (see attnserve.dtypes) and come out as numpy
+(default) or torch: `out="torch"` (and `device=`), or automatically when the
+query is a torch tensor. Every failure raises a subclass of
+attnserve.AttnserveError with the server's code and message.
+
+Incarnation: the client learns the server's incarnation from its first
+response and sends it as `expected_incarnation` on every later request that
+names pages or slots; it also checks the incarnation of every response. After
+a server restart each such call raises StaleIncarnation instead of touching
+pages that now belong to someone else. Re-create the state after
+forget_incarnation() (same channel) or reconnect() (new channel, fresh info).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import grpc
+import numpy as np
+
+from attnserve import _wire
+from attnserve import dtypes as _dt
+from attnserve.errors import StaleIncarnation, from_rpc_error
+from attnserve.v1 import attention_pb2 as pb
+
+SERVICE = "attnserve.v1.AttentionService"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
+_METHODS = ("GetServerInfo", "AllocatePages", "FreePages", "WriteKV", "ReadKV", "Prefill",
+            "MergeStates", "CreatePlan", "ReleasePlan")
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """GetServerInfo's answer; kv_dtype is "bf16" or "fp16"."""
+
+    version: str
+    backend: str
+    device: str
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    free_pages: int
+    max_batch_tokens: int
+    max_message_bytes: int
+    incarnation: int
+
+    @property
+    def wire_dtype(self) -> int:
+        return _dt.DTYPE_FP16 if self.kv_dtype == "fp16" else _dt.DTYPE_BF16
+
+
+@dataclass
+class PrefillResult:
+    """output [total_q, num_qo_heads, head_dim]; lse [total_q, num_qo_heads] float32."""
+
+    output: Any
+    lse: Any
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class PrefillLayout:
+    """A ragged batch's layout, encoded once and reused for every layer.
+
+    It holds the Prefill fields that do not change from layer to layer
+    (indptrs, page ids, last-page lengths, append slots, sm_scale, causal,
+    lse_base) as serialized protobuf bytes. KvManager.plan() makes one per
+    step; run() sends it with each layer's tensors. When the server grows a
+    plan RPC, a layout becomes a registered plan id and nothing above changes.
+    """
+
+    encoded: bytes
+    total_q: int
+    num_append: int
+    plan_id: int = 0  # a server plan (CreatePlan) stands for the layout fields
+
+    @staticmethod
+    def for_plan(plan_id: int, total_q: int, num_append: int, *, sm_scale=None, causal=None,
+                 lse_base: str = "2") -> "PrefillLayout":
+        """The layout of a plan registered with create_plan(): the plan id and
+        the options; the indptrs, page ids and append slots stay on the server."""
+        req = pb.PrefillRequest(plan_id=int(plan_id), lse_base=_lse_base(lse_base))
+        if sm_scale is not None:
+            req.sm_scale = float(sm_scale)
+        if causal is not None:
+            req.causal = bool(causal)
+        return PrefillLayout(req.SerializeToString(), int(total_q), int(num_append), int(plan_id))
+
+    @staticmethod
+    def encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None, *, sm_scale=None,
+               causal=None, lse_base: str = "2", append_slots=None) -> "PrefillLayout":
+        req = pb.PrefillRequest()
+        _extend(req.qo_indptr, qo_indptr, "qo_indptr")
+        _extend(req.kv_indptr, kv_indptr, "kv_indptr")
+        _extend(req.kv_indices, kv_indices, "kv_indices")
+        if kv_last_page_len is not None:
+            _extend(req.kv_last_page_len, kv_last_page_len, "kv_last_page_len")
+        if sm_scale is not None:
+            req.sm_scale = float(sm_scale)
+        if causal is not None:
+            req.causal = bool(causal)
+        req.lse_base = _lse_base(lse_base)
+        slots = _extend(req.append_slots, append_slots, "append_slots") \
+            if append_slots is not None else []
+        total_q = req.qo_indptr[-1] if len(req.qo_indptr) else 0
+        return PrefillLayout(req.SerializeToString(), int(total_q), len(slots))
+
+
+def _ints(values, name: str) -> list:
+    """values (a sequence or array of integers) as a flat list of int."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: {e}") from None
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: integers expected, got {arr.dtype}")
+    return arr.astype(np.int64, copy=False).reshape(-1).tolist()
+
+
+def _extend(repeated, values, name: str) -> list:
+    """Appends integer values to a repeated field; ValueError names the field
+    when one does not fit its type (int32 or int64)."""
+    ints = _ints(values, name)
+    try:
+        repeated.extend(ints)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name}: {e}") from None
+    return ints
+
+
+def _int32(value, name: str) -> int:
+    v = int(value)
+    if not -(1 << 31) <= v < (1 << 31):
+        raise ValueError(f"{name}={v} does not fit in int32")
+    return v
+
+
+def _lse_base(base) -> int:
+    if base in ("2", 2, pb.LSE_BASE_2):
+        return pb.LSE_BASE_2
+    if base in ("e", pb.LSE_BASE_E):
+        return pb.LSE_BASE_E
+    raise ValueError(f"lse_base must be '2' or 'e', not {base!r}")
+
+
+def _read(path: Optional[str]) -> Optional[bytes]:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+# One request: the method's name, its serialized bytes and the function that
+# turns the response bytes into the result.
+_Request = tuple  # (method: str, request: bytes, parse: Callable[[bytes], Any])
+
+
+class _Core:
+    """State and wire encoding shared by Client and AsyncClient."""
+
+    def __init__(self, target: str, *, token: Optional[str], tls: bool, tls_ca: Optional[str],
+                 tls_cert: Optional[str], tls_key: Optional[str], timeout: Optional[float],
+                 max_message_bytes: int, out: str, channel_options: Iterable = ()):
+        if out not in ("numpy", "torch", "raw"):
+            raise ValueError(f"out must be 'numpy', 'torch' or 'raw', not {out!r}")
+        if bool(tls_cert) != bool(tls_key):
+            raise ValueError("tls_cert and tls_key go together (mTLS)")
+        self.target = target
+        self.timeout = timeout
+        self.out = out
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        limit = int(min(max_message_bytes + (1 << 20), (1 << 31) - 1))
+        self._channel_options = [
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            # Each client its own connection, as the C++ client does.
+            ("grpc.use_local_subchannel_pool", 1),
+            *channel_options,
+        ]
+        self._credentials = None
+        if tls or tls_ca or tls_cert:
+            self._credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca), private_key=_read(tls_key),
+                certificate_chain=_read(tls_cert))
+        self._incarnation = 0
+        self._info: Optional[ServerInfo] = None
+
+    # ------------------------------------------------------------ incarnation
+    @property
+    def incarnation(self) -> int:
+        """The server incarnation this client expects (0: not learned yet)."""
+        return self._incarnation
+
+    def forget_incarnation(self) -> None:
+        """Accept whatever incarnation the next response carries."""
+        self._incarnation = 0
+
+    def _observe(self, incarnation: int, method: str) -> None:
+        if not incarnation:
+            return
+        if not self._incarnation:
+            self._incarnation = incarnation
+        elif incarnation != self._incarnation:
+            raise StaleIncarnation(
+                f"the server's incarnation is {incarnation}, this client expected "
+                f"{self._incarnation}: the server restarted and its KV cache is gone "
+                "(forget_incarnation() or reconnect() after re-creating state)",
+                grpc.StatusCode.FAILED_PRECONDITION, method)
+
+    @property
+    def server_info(self) -> ServerInfo:
+        """The ServerInfo read at connect time (or by the last info())."""
+        if self._info is None:
+            raise RuntimeError("no server info yet: call info() first")
+        return self._info
+
+    def _timeout(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    def _out(self, out, like):
+        if out is not None:
+            return out
+        return "torch" if _dt.is_torch(like) else self.out
+
+    @staticmethod
+    def _device(device, like):
+        if device is not None:
+            return device
+        return like.device if _dt.is_torch(like) else None
+
+    # ------------------------------------------------------------ requests
+    def _req_info(self) -> _Request:
+        def parse(raw):
+            m = pb.ServerInfo.FromString(raw)
+            info = ServerInfo(
+                version=m.version, backend=m.backend, device=m.device, num_layers=m.num_layers,
+                num_pages=m.num_pages, page_size=m.page_size, num_qo_heads=m.num_qo_heads,
+                num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                kv_dtype=_dt.DTYPE_NAMES.get(m.kv_dtype, str(m.kv_dtype)), free_pages=m.free_pages,
+                max_batch_tokens=m.max_batch_tokens, max_message_bytes=m.max_message_bytes,
+                incarnation=m.incarnation)
+            self._info = info
+            if not self._incarnation:
+                self._incarnation = info.incarnation
+            return info
+        return "GetServerInfo", pb.GetServerInfoRequest().SerializeToString(), parse
+
+    def _req_allocate(self, count: int) -> _Request:
+        req = pb.AllocatePagesRequest(count=_int32(count, "count"),
+                                      expected_incarnation=self._incarnation)
+
+        def parse(raw):
+            resp = pb.AllocatePagesResponse.FromString(raw)
+            self._observe(resp.incarnation, "AllocatePages")
+            return list(resp.page_ids)
+        return "AllocatePages", req.SerializeToString(), parse
+
+    def _req_free(self, page_ids) -> _Request:
+        req = pb.FreePagesRequest(expected_incarnation=self._incarnation)
+        _extend(req.page_ids, page_ids, "page_ids")
+
+        def parse(raw):
+            self._observe(pb.FreePagesResponse.FromString(raw).incarnation, "FreePages")
+        return "FreePages", req.SerializeToString(), parse
+
+    def _req_write_kv(self, layer: int, slots, k, v) -> _Request:
+        wire = self.server_info.wire_dtype
+        req = pb.WriteKVRequest(layer=_int32(layer, "layer"),
+                                expected_incarnation=self._incarnation)
+        _extend(req.slots, slots, "slots")
+        k_shape, k_data = _dt.to_wire(k, wire, "k")
+        v_shape, v_data = _dt.to_wire(v, wire, "v")
+        body = b"".join((req.SerializeToString(),
+                         _wire.tensor_head(3, wire, k_shape, k_data.nbytes), k_data,
+                         _wire.tensor_head(4, wire, v_shape, v_data.nbytes), v_data))
+
+        def parse(raw):
+            self._observe(pb.WriteKVResponse.FromString(raw).incarnation, "WriteKV")
+        return "WriteKV", body, parse
+
+    def _req_read_kv(self, layer: int, slots, out, device) -> _Request:
+        req = pb.ReadKVRequest(layer=_int32(layer, "layer"), expected_incarnation=self._incarnation)
+        _extend(req.slots, slots, "slots")
+        out = self._out(out, None)
+
+        def parse(raw):
+            tensors, incarnation = _wire.parse_tensor_message(raw, (1, 2), 3)
+            self._observe(incarnation, "ReadKV")
+            return tuple(_dt.from_wire(raw, t.data_start, t.nbytes, t.shape, t.dtype, out, device)
+                         for t in (tensors[1], tensors[2]))
+        return "ReadKV", req.SerializeToString(), parse
+
+    def _req_prefill(self, layer: int, q, layout: PrefillLayout, append_k, append_v, out,
+                     device) -> _Request:
+        wire = self.server_info.wire_dtype
+        small = pb.PrefillRequest(layer=_int32(layer, "layer"),
+                                  expected_incarnation=self._incarnation)
+        q_shape, q_data = _dt.to_wire(q, wire, "q")
+        pieces = [small.SerializeToString(), layout.encoded,
+                  _wire.tensor_head(2, wire, q_shape, q_data.nbytes), q_data]
+        if append_k is not None or append_v is not None:
+            if append_k is None or append_v is None:
+                raise ValueError("append_k and append_v go together")
+            k_shape, k_data = _dt.to_wire(append_k, wire, "append_k")
+            v_shape, v_data = _dt.to_wire(append_v, wire, "append_v")
+            pieces += [_wire.tensor_head(11, wire, k_shape, k_data.nbytes), k_data,
+                       _wire.tensor_head(12, wire, v_shape, v_data.nbytes), v_data]
+        out_kind = self._out(out, q)
+        out_device = self._device(device, q)
+
+        def parse(raw):
+            tensors, incarnation = _wire.parse_tensor_message(raw, (1, 2), 3)
+            self._observe(incarnation, "Prefill")
+            o, lse = tensors[1], tensors[2]
+            output = _dt.from_wire(raw, o.data_start, o.nbytes, o.shape, o.dtype, out_kind,
+                                   out_device)
+            lse_out = _dt.from_wire(raw, lse.data_start, lse.nbytes, lse.shape, lse.dtype,
+                                    "numpy" if out_kind == "raw" else out_kind, out_device)
+            return PrefillResult(output, lse_out, incarnation)
+        return "Prefill", b"".join(pieces), parse
+
+    def _req_create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                         append_slots) -> _Request:
+        req = pb.CreatePlanRequest(expected_incarnation=self._incarnation)
+        _extend(req.qo_indptr, qo_indptr, "qo_indptr")
+        _extend(req.kv_indptr, kv_indptr, "kv_indptr")
+        _extend(req.kv_indices, kv_indices, "kv_indices")
+        if kv_last_page_len is not None:
+            _extend(req.kv_last_page_len, kv_last_page_len, "kv_last_page_len")
+        if append_slots is not None:
+            _extend(req.append_slots, append_slots, "append_slots")
+
+        def parse(raw):
+            resp = pb.CreatePlanResponse.FromString(raw)
+            self._observe(resp.incarnation, "CreatePlan")
+            return resp.plan_id
+        return "CreatePlan", req.SerializeToString(), parse
+
+    def _req_release_plan(self, plan_id: int) -> _Request:
+        req = pb.ReleasePlanRequest(plan_id=int(plan_id), expected_incarnation=self._incarnation)
+
+        def parse(raw):
+            self._observe(pb.ReleasePlanResponse.FromString(raw).incarnation, "ReleasePlan")
+        return "ReleasePlan", req.SerializeToString(), parse
+
+    def _req_merge(self, states, lse_base, out, device) -> _Request:
+        wire = self.server_info.wire_dtype
+        pieces = [pb.MergeStatesRequest(lse_base=_lse_base(lse_base)).SerializeToString()]
+        like = None
+        for i, (v, lse) in enumerate(states):
+            like = v if like is None else like
+            v_shape, v_data = _dt.to_wire(v, wire, f"states[{i}].v")
+            l_shape, l_data = _dt.f32_to_wire(lse, f"states[{i}].lse")
+            v_head = _wire.tensor_head(1, wire, v_shape, v_data.nbytes)
+            l_head = _wire.tensor_head(2, _dt.DTYPE_FP32, l_shape, l_data.nbytes)
+            size = len(v_head) + v_data.nbytes + len(l_head) + l_data.nbytes
+            pieces += [_wire.tag(1, 2) + _wire.varint(size), v_head, v_data, l_head, l_data]
+        out_kind = self._out(out, like)
+        out_device = self._device(device, like)
+
+        def parse(raw):
+            tensors, incarnation = _wire.parse_tensor_message(raw, (1, 2), 3)
+            self._observe(incarnation, "MergeStates")
+            v, lse = tensors[1], tensors[2]
+            return (_dt.from_wire(raw, v.data_start, v.nbytes, v.shape, v.dtype, out_kind,
+                                  out_device),
+                    _dt.from_wire(raw, lse.data_start, lse.nbytes, lse.shape, lse.dtype,
+                                  "numpy" if out_kind == "raw" else out_kind, out_device))
+        return "MergeStates", b"".join(pieces), parse
+
+
+def _method_path(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+class Client(_Core):
+    """Blocking client. Thread-safe: calls from several threads share one channel.
+
+    Args:
+      target: "host:port" of the server.
+      token: sent as "authorization: Bearer TOKEN" on every call.
+      tls: use TLS (implied by tls_ca / tls_cert); tls_ca: PEM file of the CA
+        that signed the server's certificate (default: the system's roots);
+        tls_cert, tls_key: PEM client certificate and key (mTLS).
+      timeout: default per-call deadline in seconds (None: none); every
+        method also takes timeout=.
+      max_message_bytes: largest request or response (default 512 MiB, as the
+        server's default --max_message_bytes).
+      out: default result format, "numpy" or "torch" ("raw": bf16 bits).
+      fetch_info: read the server's geometry now (health checks need none).
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, token: Optional[str] = None,
+                 tls: bool = False, tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
+                 tls_key: Optional[str] = None, timeout: Optional[float] = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, out: str = "numpy",
+                 fetch_info: bool = True, channel_options: Iterable = ()):
+        super().__init__(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
+                         tls_key=tls_key, timeout=timeout, max_message_bytes=max_message_bytes,
+                         out=out, channel_options=channel_options)
+        self._open()
+        if fetch_info:
+            try:
+                self.info()
+            except BaseException:
+                self.close()
+                raise
+
+    def _open(self) -> None:
+        if self._credentials is not None:
+            self._channel = grpc.secure_channel(self.target, self._credentials,
+                                                options=self._channel_options)
+        else:
+            self._channel = grpc.insecure_channel(self.target, options=self._channel_options)
+        self._stubs = {name: self._channel.unary_unary(_method_path(name)) for name in _METHODS}
+        self._health = self._channel.unary_unary(HEALTH_CHECK)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def reconnect(self) -> ServerInfo:
+        """New channel, incarnation forgotten, geometry read again."""
+        self.close()
+        self.forget_incarnation()
+        self._open()
+        return self.info()
+
+    def _call(self, request: _Request, timeout):
+        method, body, parse = request
+        try:
+            raw = self._stubs[method](body, timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, method) from None
+        return parse(raw)
+
+    # ------------------------------------------------------------ the API
+    def info(self, *, timeout: Optional[float] = None) -> ServerInfo:
+        """GetServerInfo: geometry, free pages, incarnation."""
+        return self._call(self._req_info(), timeout)
+
+    def allocate_pages(self, count: int, *, timeout: Optional[float] = None) -> list:
+        """count new pages owned by this client's tenant; their ids."""
+        return self._call(self._req_allocate(count), timeout)
+
+    def free_pages(self, page_ids, *, timeout: Optional[float] = None) -> None:
+        """Returns pages to the server (only their owner may)."""
+        return self._call(self._req_free(page_ids), timeout)
+
+    def write_kv(self, layer: int, slots, k, v, *, timeout: Optional[float] = None) -> None:
+        """Scatters rows: k, v [n, num_kv_heads, head_dim] into slots [n] of layer.
+
+        A slot is page_id * page_size + offset.
+        """
+        return self._call(self._req_write_kv(layer, slots, k, v), timeout)
+
+    def read_kv(self, layer: int, slots, *, out: Optional[str] = None, device=None,
+                timeout: Optional[float] = None):
+        """(k, v), each [n, num_kv_heads, head_dim], of slots [n] in layer."""
+        return self._call(self._req_read_kv(layer, slots, out, device), timeout)
+
+    def prefill(self, layer: int, q, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None, *,
+                sm_scale: Optional[float] = None, causal: Optional[bool] = None,
+                lse_base: str = "2", append_slots=None, append_k=None, append_v=None,
+                out: Optional[str] = None, device=None,
+                timeout: Optional[float] = None) -> PrefillResult:
+        """Paged attention over a ragged batch (docs/design.md sections 3-4).
+
+        q [total_q, num_qo_heads, head_dim]; qo_indptr, kv_indptr [batch + 1];
+        kv_indices: page ids; kv_last_page_len [batch] in 1..page_size.
+        sm_scale defaults to 1/sqrt(head_dim), causal to True (bottom-right),
+        lse_base to "2" ("e": natural log). append_slots [n] with append_k,
+        append_v [n, num_kv_heads, head_dim] are written before attention.
+        Returns output [total_q, num_qo_heads, head_dim] and lse
+        [total_q, num_qo_heads] (float32; -inf where a row sees nothing).
+        """
+        layout = PrefillLayout.encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                      sm_scale=sm_scale, causal=causal, lse_base=lse_base,
+                                      append_slots=append_slots)
+        return self.prefill_layout(layer, q, layout, append_k, append_v, out=out, device=device,
+                                   timeout=timeout)
+
+    def prefill_layout(self, layer: int, q, layout: PrefillLayout, append_k=None, append_v=None,
+                       *, out: Optional[str] = None, device=None,
+                       timeout: Optional[float] = None) -> PrefillResult:
+        """prefill() with a layout encoded once (PrefillLayout.encode) for many layers."""
+        return self._call(self._req_prefill(layer, q, layout, append_k, append_v, out, device),
+                          timeout)
+
+    def create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None,
+                    append_slots=None, *, timeout: Optional[float] = None) -> int:
+        """Registers a step's layout once (docs/design.md section 4); its id.
+
+        Every layer's Prefill then names it: prefill_layout(layer, q,
+        PrefillLayout.for_plan(plan_id, total_q, len(append_slots)), k, v).
+        The plan pins its pages until release_plan() (or the server's idle
+        timeout): free_pages() of them fails meanwhile.
+        """
+        return self._call(self._req_create_plan(qo_indptr, kv_indptr, kv_indices,
+                                                kv_last_page_len, append_slots), timeout)
+
+    def release_plan(self, plan_id: int, *, timeout: Optional[float] = None) -> None:
+        """Drops a plan; its pages are unpinned once no request uses it."""
+        return self._call(self._req_release_plan(plan_id), timeout)
+
+    def merge_states(self, states, *, lse_base: str = "2", out: Optional[str] = None,
+                     device=None, timeout: Optional[float] = None):
+        """Merges partial attention states [(v [n, h, d], lse [n, h]), ...] by LSE.
+
+        Returns (v, lse) of the same shapes.
+        """
+        return self._call(self._req_merge(states, lse_base, out, device), timeout)
+
+    def health(self, service: str = "", *, timeout: Optional[float] = None) -> str:
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", "UNKNOWN" or "SERVICE_UNKNOWN".
+
+        service "" is the server as a whole; "attnserve.v1.AttentionService"
+        the API. The deadline defaults to 5 s when the client has none.
+        """
+        t = self._timeout(timeout)
+        try:
+            raw = self._health(_wire.health_request(service), timeout=5.0 if t is None else t,
+                               metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "Health/Check") from None
+        return _wire.health_status(raw)

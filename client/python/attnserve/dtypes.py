@@ -1,0 +1,166 @@
+"""Conversions between numpy / torch arrays and the wire's 16-bit tensors.
+
+The wire carries raw little-endian 16-bit values in the server's kv_dtype
+(bf16 or fp16) and float32 LSEs (docs/design.md section 3). numpy has no
+bfloat16, so bf16 values live in numpy as uint16 bit patterns:
+
+    bits = float32_to_bf16_bits(x)   # round to nearest even; NaN stays NaN
+    y = bf16_bits_to_float32(bits)   # exact
+
+Inputs accepted wherever a tensor goes to the server:
+  * torch tensors (CPU or CUDA) of any floating dtype; bf16 / fp16 tensors that
+    match the server's dtype are sent as they are (a CUDA tensor is copied to
+    the host once), others are converted by torch on their device first;
+  * numpy floating arrays (float32, float16; float64 is rounded to float32
+    first), converted with round-to-nearest-even;
+  * numpy uint16 / int16 arrays, taken as raw 16-bit values already in the
+    server's dtype (what float32_to_bf16_bits returns).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+try:  # torch is optional
+    import torch
+except ImportError:  # pragma: no cover - exercised only where torch is absent
+    torch = None
+
+# attention.proto's DType enum.
+DTYPE_BF16 = 1
+DTYPE_FP16 = 2
+DTYPE_FP32 = 3
+DTYPE_NAMES = {0: "unspecified", DTYPE_BF16: "bf16", DTYPE_FP16: "fp16", DTYPE_FP32: "fp32"}
+
+
+def float32_to_bf16_bits(x) -> np.ndarray:
+    """bf16 bit patterns (uint16) of x, rounded to nearest, ties to even.
+
+    Infinities stay infinite, values above the largest bf16 round to infinity,
+    and NaN stays NaN (sign kept, quiet bit set).
+    """
+    f = np.ascontiguousarray(x, dtype=np.float32)
+    bits = f.view(np.uint32)
+    # Adding 0x7FFF plus the lowest kept bit carries into bit 16 exactly when
+    # the dropped half is above the midpoint, or at it with an odd kept part.
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        out[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+    return out
+
+
+def bf16_bits_to_float32(bits) -> np.ndarray:
+    """float32 values of bf16 bit patterns (exact)."""
+    b = np.ascontiguousarray(bits).view(np.uint16)
+    return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def is_torch(x) -> bool:
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _torch_dtype(wire_dtype: int):
+    return torch.bfloat16 if wire_dtype == DTYPE_BF16 else torch.float16
+
+
+def to_wire(x, wire_dtype: int, name: str):
+    """(shape, memoryview of the raw bytes) of x as wire_dtype values.
+
+    The memoryview views x's own memory whenever x already holds wire_dtype
+    values contiguously on the host; otherwise it views one converted copy.
+    """
+    if wire_dtype not in (DTYPE_BF16, DTYPE_FP16):
+        raise ValueError(f"{name}: unsupported server kv_dtype {DTYPE_NAMES.get(wire_dtype, wire_dtype)}")
+    if is_torch(x):
+        if not x.is_floating_point():
+            raise TypeError(f"{name}: torch dtype {x.dtype} is not a floating type")
+        want = _torch_dtype(wire_dtype)
+        if x.dtype != want:
+            x = x.to(want)  # on x's device, before the transfer
+        x = x.detach()
+        if x.device.type != "cpu":
+            x = x.to("cpu")
+        x = x.contiguous()
+        shape = tuple(x.shape)
+        arr = x.view(torch.int16).numpy()
+        return shape, memoryview(arr).cast("B") if arr.size else memoryview(b"")
+    arr = np.asarray(x)
+    if arr.dtype in (np.uint16, np.int16):
+        raw = arr
+    elif arr.dtype.kind == "f":
+        if wire_dtype == DTYPE_FP16:
+            raw = arr.astype(np.float16, copy=False)
+        else:
+            raw = float32_to_bf16_bits(arr)
+    else:
+        raise TypeError(
+            f"{name}: numpy dtype {arr.dtype} is neither floating nor uint16 "
+            f"(raw {DTYPE_NAMES[wire_dtype]} bits)")
+    raw = np.ascontiguousarray(raw)
+    return arr.shape, memoryview(raw).cast("B") if raw.size else memoryview(b"")
+
+
+def f32_to_wire(x, name: str):
+    """(shape, memoryview) of x as float32 (LSEs)."""
+    if is_torch(x):
+        x = x.detach().to("cpu", torch.float32).contiguous()
+        return tuple(x.shape), memoryview(x.numpy()).cast("B") if x.numel() else memoryview(b"")
+    arr = np.ascontiguousarray(x, dtype=np.float32)
+    return arr.shape, memoryview(arr).cast("B") if arr.size else memoryview(b"")
+
+
+def _np_view(buf, start: int, nbytes: int, dtype) -> np.ndarray:
+    itemsize = np.dtype(dtype).itemsize
+    return np.frombuffer(buf, dtype=dtype, count=nbytes // itemsize, offset=start)
+
+
+def from_wire(buf, start: int, nbytes: int, shape, wire_dtype: int, out: str, device=None):
+    """A response tensor as numpy or torch, viewing buf where it can.
+
+    out: "numpy" (bf16 widened to float32, fp16 as float16, fp32 as float32),
+         "raw" (uint16 bit patterns; float32 for fp32),
+         "torch" (torch bf16/fp16/float32 on `device`, default CPU).
+    """
+    shape = tuple(int(s) for s in shape)
+    if wire_dtype == DTYPE_FP32:
+        np_dtype = np.float32
+    elif wire_dtype in (DTYPE_BF16, DTYPE_FP16):
+        np_dtype = np.uint16
+    else:
+        raise ValueError(f"response tensor has dtype {DTYPE_NAMES.get(wire_dtype, wire_dtype)}")
+    itemsize = np.dtype(np_dtype).itemsize
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 0
+    if count * itemsize != nbytes:
+        raise ValueError(f"response tensor of shape {list(shape)} holds {nbytes} bytes, "
+                         f"expected {count * itemsize}")
+    raw = _np_view(buf, start, nbytes, np_dtype).reshape(shape)
+    if out == "raw":
+        return raw
+    if out == "numpy":
+        if wire_dtype == DTYPE_BF16:
+            return bf16_bits_to_float32(raw).reshape(shape)
+        if wire_dtype == DTYPE_FP16:
+            return raw.view(np.float16)
+        return raw
+    if out == "torch":
+        if torch is None:
+            raise RuntimeError("out='torch' needs torch, which is not importable")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if device.type == "cpu" and raw.ctypes.data % itemsize:
+            raw = raw.copy()  # torch kernels expect aligned elements
+        view = raw.view(np.int16) if np_dtype == np.uint16 else raw
+        with warnings.catch_warnings():
+            # The response bytes are not writable in Python's eyes; this client
+            # holds their only reference, so the tensor may own them.
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(view)
+        if wire_dtype == DTYPE_BF16:
+            t = t.view(torch.bfloat16)
+        elif wire_dtype == DTYPE_FP16:
+            t = t.view(torch.float16)
+        return t.to(device) if device.type != "cpu" else t
+    raise ValueError(f"out must be 'numpy', 'torch' or 'raw', not {out!r}")

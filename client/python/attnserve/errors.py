@@ -1,0 +1,135 @@
+"""Typed errors: one class per gRPC status code, all under AttnserveError.
+
+Every error the client raises for a failed call carries the server's gRPC
+code (`code`, a grpc.StatusCode) and message (`details`), so callers can
+catch the class they care about:
+
+    try:
+        client.allocate_pages(10_000)
+    except attnserve.ResourceExhausted as e:
+        print(e.code, e.details)   # StatusCode.RESOURCE_EXHAUSTED, "... free ..."
+
+docs/design.md section 4 says which code each kind of bad request gets.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class AttnserveError(Exception):
+    """A call failed; `code` is the grpc.StatusCode, `details` the message."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, details: str, code: grpc.StatusCode | None = None, method: str = ""):
+        if code is not None:
+            self.code = code
+        self.details = details
+        self.method = method
+        where = f"{method}: " if method else ""
+        super().__init__(f"{where}{self.code.name}: {details}")
+
+
+class Cancelled(AttnserveError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class Unknown(AttnserveError):
+    code = grpc.StatusCode.UNKNOWN
+
+
+class InvalidArgument(AttnserveError):
+    """Malformed or out-of-range input; the message names the field and the bound."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class DeadlineExceeded(AttnserveError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class NotFound(AttnserveError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(AttnserveError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class PermissionDenied(AttnserveError):
+    """A page or slot that belongs to another tenant."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ResourceExhausted(AttnserveError):
+    """No free pages, over the tenant's quota, queue full, or message too large."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(AttnserveError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StaleIncarnation(FailedPrecondition):
+    """The server restarted since this client learned its incarnation.
+
+    Its KV cache is gone and page ids may now belong to someone else. Re-create
+    the state (pages, KV) after client.forget_incarnation() or reconnect().
+    """
+
+
+class Aborted(AttnserveError):
+    code = grpc.StatusCode.ABORTED
+
+
+class OutOfRange(AttnserveError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class Unimplemented(AttnserveError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class Internal(AttnserveError):
+    code = grpc.StatusCode.INTERNAL
+
+
+class Unavailable(AttnserveError):
+    """The server is unreachable, draining, or not SERVING."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DataLoss(AttnserveError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class Unauthenticated(AttnserveError):
+    """Missing or unknown bearer token."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (Cancelled, Unknown, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists,
+                PermissionDenied, ResourceExhausted, FailedPrecondition, Aborted, OutOfRange,
+                Unimplemented, Internal, Unavailable, DataLoss, Unauthenticated)
+}
+
+
+def error_for(code: grpc.StatusCode, details: str, method: str = "") -> AttnserveError:
+    """The typed error for a gRPC status (code other than OK)."""
+    if code == grpc.StatusCode.FAILED_PRECONDITION and "incarnation" in details:
+        return StaleIncarnation(details, code, method)
+    return _BY_CODE.get(code, AttnserveError)(details, code, method)
+
+
+def from_rpc_error(error: grpc.RpcError, method: str = "") -> AttnserveError:
+    """The typed error for a failed call (sync grpc.RpcError or grpc.aio.AioRpcError)."""
+    code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = error.details() if callable(getattr(error, "details", None)) else str(error)
+    return error_for(code or grpc.StatusCode.UNKNOWN, details or "", method)

@@ -1,0 +1,141 @@
+"""float64 reference of the server's math (docs/design.md section 3), in numpy.
+
+Independent of the server: KvMirror keeps the client's own copy of every K/V
+row it wrote, and reference_prefill / reference_merge compute in float64
+what the server computes in fp32, for checking results:
+
+    mirror = KvMirror(num_kv_heads, head_dim)
+    mirror.write(layer, slots, k, v)             # what was sent to write_kv
+    o, lse = reference_prefill(mirror, layer, q, qo_indptr, kv_indptr, kv_indices,
+                               kv_last_page_len, page_size=16)
+    o_err, lse_err, inf_ok = compare(o, lse, result.output, result.lse)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from attnserve import dtypes as _dt
+
+
+def as_float64(x, wire_dtype: int = _dt.DTYPE_BF16) -> np.ndarray:
+    """The values the server sees for x (numpy float/uint16 bits or torch), in float64."""
+    if _dt.is_torch(x):
+        return x.detach().to("cpu").double().numpy()
+    arr = np.asarray(x)
+    if arr.dtype == np.uint16:
+        if wire_dtype == _dt.DTYPE_FP16:
+            return arr.view(np.float16).astype(np.float64)
+        return _dt.bf16_bits_to_float32(arr).astype(np.float64).reshape(arr.shape)
+    if wire_dtype == _dt.DTYPE_FP16:
+        return arr.astype(np.float16).astype(np.float64)
+    return _dt.bf16_bits_to_float32(_dt.float32_to_bf16_bits(arr)).astype(np.float64).reshape(arr.shape)
+
+
+class KvMirror:
+    """The client's copy of K/V rows by (layer, slot); unwritten slots read as 0."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, wire_dtype: int = _dt.DTYPE_BF16):
+        self.row_shape = (num_kv_heads, head_dim)
+        self.wire_dtype = wire_dtype
+        self._k: dict = {}
+        self._v: dict = {}
+
+    def write(self, layer: int, slots, k, v) -> None:
+        """k, v [n, num_kv_heads, head_dim] as sent to the server."""
+        k64, v64 = as_float64(k, self.wire_dtype), as_float64(v, self.wire_dtype)
+        for i, slot in enumerate(np.asarray(slots).reshape(-1).tolist()):
+            self._k[(layer, slot)] = k64[i]
+            self._v[(layer, slot)] = v64[i]
+
+    def rows(self, layer: int, slots) -> tuple:
+        """(k, v) [n, num_kv_heads, head_dim] float64 of slots."""
+        zero = np.zeros(self.row_shape)
+        ks = [self._k.get((layer, s), zero) for s in slots]
+        vs = [self._v.get((layer, s), zero) for s in slots]
+        if not ks:
+            return np.zeros((0, *self.row_shape)), np.zeros((0, *self.row_shape))
+        return np.stack(ks), np.stack(vs)
+
+
+def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_indices,
+                      kv_last_page_len, *, page_size: int, causal: bool = True,
+                      sm_scale: float | None = None, lse_base: str = "2") -> tuple:
+    """(o [total_q, Hq, D], lse [total_q, Hq]) in float64; -inf LSE and 0 output
+    where a row sees nothing."""
+    q64 = as_float64(q, mirror.wire_dtype)
+    total_q, hq, d = q64.shape
+    hkv = mirror.row_shape[0]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    o = np.zeros((total_q, hq, d))
+    lse = np.full((total_q, hq), -np.inf)
+    qo = np.asarray(qo_indptr).tolist()
+    kvp = np.asarray(kv_indptr).tolist()
+    idx = np.asarray(kv_indices).tolist()
+    last = None if kv_last_page_len is None else np.asarray(kv_last_page_len).tolist()
+    for b in range(len(qo) - 1):
+        q_len = qo[b + 1] - qo[b]
+        pages = idx[kvp[b]:kvp[b + 1]]
+        kv_len = 0 if not pages else (len(pages) - 1) * page_size + (last[b] if last else 1)
+        slots = [pages[j // page_size] * page_size + j % page_size for j in range(kv_len)]
+        k, v = mirror.rows(layer, slots)                      # [kv_len, Hkv, D]
+        k = np.repeat(k, group, axis=1)                      # [kv_len, Hq, D]
+        v = np.repeat(v, group, axis=1)
+        for i in range(q_len):
+            row = qo[b] + i
+            visible = min(kv_len, i + kv_len - q_len + 1) if causal else kv_len
+            if visible <= 0:
+                continue
+            logits = np.einsum("hd,jhd->hj", q64[row], k[:visible]) * scale   # [Hq, visible]
+            m = logits.max(axis=1, keepdims=True)
+            w = np.exp(logits - m)
+            s = w.sum(axis=1, keepdims=True)
+            o[row] = np.einsum("hj,jhd->hd", w / s, v[:visible])
+            lse_e = (m + np.log(s))[:, 0]
+            lse[row] = lse_e if lse_base == "e" else lse_e / math.log(2.0)
+    return o, lse
+
+
+def reference_merge(states, lse_base: str = "2", wire_dtype: int = _dt.DTYPE_BF16) -> tuple:
+    """Merge of [(v [n, h, d], lse [n, h]), ...] by LSE, in float64."""
+    vs = np.stack([as_float64(v, wire_dtype) for v, _ in states])           # [s, n, h, d]
+    lses = np.stack([np.asarray(l, dtype=np.float64) for _, l in states])  # [s, n, h]
+    base = math.e if lse_base == "e" else 2.0
+    m = lses.max(axis=0)
+    finite = np.isfinite(m)
+    m_safe = np.where(finite, m, 0.0)
+    w = np.where(np.isfinite(lses), np.power(base, lses - m_safe), 0.0)      # [s, n, h]
+    total = w.sum(axis=0)
+    o = np.where(finite[..., None], (w[..., None] * vs).sum(axis=0) /
+                 np.where(total > 0, total, 1.0)[..., None], 0.0)
+    lse = np.where(finite, m_safe + np.log(np.where(total > 0, total, 1.0)) / math.log(base),
+                   -np.inf)
+    return o, lse
+
+
+def compare(o_ref, lse_ref, o, lse) -> dict:
+    """docs/design.md's measures: relative norm error of o, max LSE error on
+    finite rows, -inf mismatches and NaNs."""
+    o64 = np.asarray(as_float64(o) if not isinstance(o, np.ndarray) or o.dtype == np.uint16
+                     else o, dtype=np.float64)
+    lse64 = np.asarray(lse.detach().cpu().numpy() if _dt.is_torch(lse) else lse, dtype=np.float64)
+    norm = np.linalg.norm(o_ref)
+    err = np.linalg.norm(o64 - o_ref)
+    ref_inf = np.isneginf(lse_ref)
+    got_inf = np.isneginf(lse64)
+    finite = ~ref_inf & ~got_inf
+    return {
+        "o_rel_error": float(err / norm) if norm > 0 else float(err),
+        "lse_max_abs": float(np.abs(lse64[finite] - lse_ref[finite]).max()) if finite.any() else 0.0,
+        "inf_mismatches": int((ref_inf != got_inf).sum()),
+        "nan": int(np.isnan(o64).sum() + np.isnan(lse64).sum()),
+    }
+
+
+def within_tolerance(c: dict) -> bool:
+    """docs/design.md section 3: o within 1e-2, LSE within 1e-3, exact -inf, no NaN."""
+    return c["nan"] == 0 and c["inf_mismatches"] == 0 and c["o_rel_error"] < 1e-2 and \
+        c["lse_max_abs"] < 1e-3
