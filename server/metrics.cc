@@ -91,7 +91,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   kv_used_ = &pages.Add({{"state", "used"}});
   auto& bytes = prometheus::BuildCounter()
                     .Name("attnserve_transfer_bytes_total")
-                    .Help("Tensor bytes received (in) and sent (out)")
+                    .Help("Request bytes received (in) and response bytes sent (out)")
                     .Register(*registry_);
   bytes_in_ = &bytes.Add({{"direction", "in"}});
   bytes_out_ = &bytes.Add({{"direction", "out"}});
