@@ -1,5 +1,6 @@
 #include "client/client.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -90,9 +91,26 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   c->channel_ = grpc::CreateCustomChannel(options.target, creds, args);
   c->stub_ = v1::AttentionService::NewStub(c->channel_);
   if (!options.fetch_info) return c;
-  auto info = c->GetServerInfo();
-  if (!info.ok()) return info.status();
-  c->info_ = *std::move(info);
+  // The first call waits for the channel to be ready (a failed first
+  // connection attempt is retried) up to connect_timeout_s.
+  grpc::ClientContext ctx;
+  c->PrepareContext(&ctx);
+  ctx.set_wait_for_ready(true);
+  const double wait_s = options.timeout_s > 0 ? std::min(options.timeout_s, options.connect_timeout_s)
+                                              : options.connect_timeout_s;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::microseconds(static_cast<int64_t>(wait_s * 1e6)));
+  v1::ServerInfo info;
+  grpc::Status s = c->stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info);
+  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+      c->channel_->GetState(false) != GRPC_CHANNEL_READY) {
+    return absl::UnavailableError(absl::StrCat("cannot reach ", options.target, " within ",
+                                               wait_s, " s (connect_timeout_s): ",
+                                               s.error_message()));
+  }
+  if (!s.ok()) return FromGrpc(s);
+  c->Learn(info.incarnation());
+  c->info_ = std::move(info);
   return c;
 }
 

@@ -41,6 +41,9 @@ struct ClientOptions {
   std::string tls_key;          // PEM client key (mTLS)
   int64_t max_message_bytes = 512ll << 20;
   double timeout_s = 0;         // per-call deadline; 0: none
+  // Connect waits this long for the server to become reachable (a refused or
+  // failed first connection is retried within it) before giving up.
+  double connect_timeout_s = 10;
   // Read the geometry (GetServerInfo) at connect time. Health checks need no
   // credentials and skip it.
   bool fetch_info = true;

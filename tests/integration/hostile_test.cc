@@ -247,9 +247,11 @@ TEST(HostileInputTest, CancelledRequestsLeaveTheQueueAndGiveTheirMemoryBack) {
               "16 MiB prefills\n",
               max_inflight.load(), rss_start / 1048576.0, rss_end / 1048576.0);
 #ifndef ATTNSERVE_SANITIZED
-  // The recycled request pool keeps up to 256 MiB (attention_service.cc); the
-  // rest is slack for malloc's arenas. Before the fix this grew past 4 GB.
-  EXPECT_LE(rss_end - rss_start, int64_t{448} << 20) << "memory was not given back";
+  // What may stay: the recycled request pool (256 MiB, attention_service.cc),
+  // plus what malloc keeps of the last outstanding requests' buffers (10 x
+  // 16 MiB received by gRPC and again parsed) and its arenas. The server
+  // before the fix held 1.1 GB here, and 3-4.5 GB in longer runs.
+  EXPECT_LE(rss_end - rss_start, int64_t{768} << 20) << "memory was not given back";
 #endif
   EXPECT_TRUE((*client)->Health().ok());
 }
