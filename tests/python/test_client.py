@@ -272,3 +272,30 @@ def test_large_message(client):
                                        page_size=16, causal=False)
     assert within_tolerance(compare(o_ref, lse_ref, r.output[pick], r.lse[pick]))
     client.free_pages(pages)
+
+
+def test_a_client_waits_for_a_server_that_starts_later():
+    import socket
+    import threading
+    import time
+    with socket.socket() as s:  # a free port, given to the server a moment later
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = {}
+
+    def start():
+        time.sleep(1.0)
+        started["server"] = TestServer(num_layers=1, num_pages=16,
+                                       extra_flags=[f"--listen=127.0.0.1:{port}"])
+
+    t = threading.Thread(target=start)
+    t.start()
+    try:
+        with attnserve.Client(f"127.0.0.1:{port}", timeout=60, connect_timeout=30) as c:
+            assert c.server_info.num_layers == 1
+    finally:
+        t.join()
+        if "server" in started:
+            started["server"].stop()
+    with pytest.raises(attnserve.Unavailable, match="within 0.5 s"):
+        attnserve.Client(f"127.0.0.1:{port}", connect_timeout=0.5)

@@ -20,7 +20,7 @@ import grpc.aio
 from attnserve import _wire
 from attnserve.client import (DEFAULT_MAX_MESSAGE_BYTES, HEALTH_CHECK, _METHODS, PrefillLayout,
                               PrefillResult, ServerInfo, _Core, _method_path)
-from attnserve.errors import from_rpc_error
+from attnserve.errors import Unavailable, from_rpc_error
 
 
 class AsyncClient(_Core):
@@ -34,10 +34,11 @@ class AsyncClient(_Core):
                  tls: bool = False, tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
                  tls_key: Optional[str] = None, timeout: Optional[float] = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, out: str = "numpy",
-                 channel_options: Iterable = ()):
+                 channel_options: Iterable = (), connect_timeout: float = 10.0):
         super().__init__(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                          tls_key=tls_key, timeout=timeout, max_message_bytes=max_message_bytes,
                          out=out, channel_options=channel_options)
+        self.connect_timeout = connect_timeout
         self._info_lock: Optional[asyncio.Lock] = None  # made in the loop that uses it
         self._open()
 
@@ -53,8 +54,19 @@ class AsyncClient(_Core):
     async def close(self) -> None:
         await self._channel.close()
 
+    async def _wait_ready(self) -> None:
+        """Waits up to connect_timeout (at most timeout) for the server."""
+        wait = self.connect_timeout if self.timeout is None else min(self.timeout,
+                                                                     self.connect_timeout)
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), wait)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"cannot reach {self.target} within {wait} s (connect_timeout)",
+                              grpc.StatusCode.UNAVAILABLE, "GetServerInfo") from None
+
     async def __aenter__(self) -> "AsyncClient":
         try:
+            await self._wait_ready()
             await self.info()
         except BaseException:
             await self.close()
@@ -69,6 +81,7 @@ class AsyncClient(_Core):
         await self.close()
         self.forget_incarnation()
         self._open()
+        await self._wait_ready()
         return await self.info()
 
     async def _call(self, request, timeout):

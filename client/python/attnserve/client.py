@@ -32,7 +32,7 @@ import numpy as np
 
 from attnserve import _wire
 from attnserve import dtypes as _dt
-from attnserve.errors import StaleIncarnation, from_rpc_error
+from attnserve.errors import StaleIncarnation, Unavailable, from_rpc_error
 from attnserve.v1 import attention_pb2 as pb
 
 SERVICE = "attnserve.v1.AttentionService"
@@ -405,23 +405,38 @@ class Client(_Core):
         server's default --max_message_bytes).
       out: default result format, "numpy" or "torch" ("raw": bf16 bits).
       fetch_info: read the server's geometry now (health checks need none).
+      connect_timeout: with fetch_info, wait this long (at most `timeout`) for
+        the server to become reachable, retrying a failed first connection,
+        before raising Unavailable.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", *, token: Optional[str] = None,
                  tls: bool = False, tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
                  tls_key: Optional[str] = None, timeout: Optional[float] = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, out: str = "numpy",
-                 fetch_info: bool = True, channel_options: Iterable = ()):
+                 fetch_info: bool = True, channel_options: Iterable = (),
+                 connect_timeout: float = 10.0):
         super().__init__(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                          tls_key=tls_key, timeout=timeout, max_message_bytes=max_message_bytes,
                          out=out, channel_options=channel_options)
+        self.connect_timeout = connect_timeout
         self._open()
         if fetch_info:
             try:
+                self._wait_ready()
                 self.info()
             except BaseException:
                 self.close()
                 raise
+
+    def _wait_ready(self) -> None:
+        wait = self.connect_timeout if self.timeout is None else min(self.timeout,
+                                                                     self.connect_timeout)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=wait)
+        except grpc.FutureTimeoutError:
+            raise Unavailable(f"cannot reach {self.target} within {wait} s (connect_timeout)",
+                              grpc.StatusCode.UNAVAILABLE, "GetServerInfo") from None
 
     def _open(self) -> None:
         if self._credentials is not None:
@@ -446,6 +461,7 @@ class Client(_Core):
         self.close()
         self.forget_incarnation()
         self._open()
+        self._wait_ready()
         return self.info()
 
     def _call(self, request: _Request, timeout):
