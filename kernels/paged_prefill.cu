@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(128, 2)
   const int group = H / KVH;
   const int kvh = item.kv_head;
   const int q_len = seq.q_len;
-  const int diag = seq.kv_len - seq.q_len;  // row t sees j <= t + diag
+  const int diag = seq.kv_len - seq.q_len + seq.causal_shift;  // row t sees j <= t + diag
   const bool causal = seq.causal != 0;
 
   const int t_first = item.row_begin / group;
@@ -736,7 +736,7 @@ void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry
     int end = it.kv_end;
     if (s.causal) {
       const int t_last = std::min(s.q_len - 1, (it.row_begin + M - 1) / group);
-      end = std::min(end, t_last + s.kv_len - s.q_len + 1);
+      end = std::min(end, t_last + s.kv_len - s.q_len + s.causal_shift + 1);
     }
     return std::max(end - it.kv_begin, 0);
   };

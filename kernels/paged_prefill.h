@@ -4,7 +4,8 @@
 // Conventions (docs/design.md section 3):
 //  - GQA: query head h reads KV head h / (num_qo_heads / num_kv_heads).
 //  - Causal mask aligned bottom-right: row i (0-based within its sequence)
-//    sees KV positions j <= i + kv_len - q_len.
+//    sees KV positions j <= i + kv_len - q_len + causal_shift (causal_shift
+//    is 0 unless the request places its KV range inside a longer sequence).
 //  - LSE is the log-sum-exp of the scaled logits over the visible positions,
 //    base 2 unless the sequence asks for base e.
 //  - A row that sees nothing gets output 0 and LSE -inf; never NaN.
@@ -26,7 +27,12 @@ struct PrefillSeq {
   int32_t kv_len = 0;      // KV tokens: (pages - 1) * page_size + last_page_len
   int32_t layer = 0;       // layer of the KV pools to read
   float sm_scale = 0.f;    // logit scale, natural units (1/sqrt(head_dim) default)
-  uint8_t causal = 1;      // 1: bottom-right aligned causal mask
+  // Causal only: row i sees KV positions j <= i + kv_len - q_len +
+  // causal_shift. 0 is bottom-right alignment; a server that holds only part
+  // of a sequence's keys gets the number of the sequence's keys held after
+  // its range (docs/design.md section 3).
+  int32_t causal_shift = 0;
+  uint8_t causal = 1;      // 1: causal mask
   uint8_t lse_base_e = 0;  // 1: LSE in natural log; 0: base 2
   uint8_t pad_[2] = {0, 0};
 };

@@ -58,10 +58,11 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
           const int head = kv_head * group + static_cast<int>(item % group);
           const int64_t row = seq.q_start + i;
           const int64_t q_off = (row * g.num_qo_heads + head) * d;
-          // Bottom-right causal alignment: row i sees j <= i + kv_len - q_len.
+          // Causal: row i sees j <= i + kv_len - q_len + causal_shift.
           int64_t visible = seq.kv_len;
           if (seq.causal) {
-            visible = std::min<int64_t>(visible, int64_t{i} + seq.kv_len - seq.q_len + 1);
+            visible = std::min<int64_t>(
+                visible, int64_t{i} + seq.kv_len - seq.q_len + seq.causal_shift + 1);
           }
           float* out_lse = p.lse + row * g.num_qo_heads + head;
           if (visible <= 0) {
