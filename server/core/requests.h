@@ -18,7 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "server/host_buffer.h"
+#include "server/backend/host_buffer.h"
 
 namespace attnserve {
 
