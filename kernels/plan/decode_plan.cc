@@ -40,6 +40,19 @@ bool DecodeBatchQualifies(const PrefillSeq* seqs, int32_t num_seqs, const KvGeom
   return true;
 }
 
+int32_t SeqsForPrefillFamily(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
+                             std::vector<PrefillSeq>* prefill_seqs) {
+  prefill_seqs->assign(seqs, seqs + std::max(num_seqs, 0));
+  int32_t decode = 0;
+  for (PrefillSeq& s : *prefill_seqs) {
+    if (DecodeSeqQualifies(s, geo)) {
+      s.q_len = 0;
+      ++decode;
+    }
+  }
+  return decode;
+}
+
 int32_t DecodeTileRows(int32_t head_dim, int32_t max_rows) {
   const int32_t cap = head_dim == 256 ? 16 : 32;
   int32_t m = 16;

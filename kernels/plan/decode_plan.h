@@ -102,6 +102,14 @@ bool DecodeSeqQualifies(const PrefillSeq& seq, const KvGeometry& geo);
 bool DecodeBatchQualifies(const PrefillSeq* seqs, int32_t num_seqs,
                           const KvGeometry& geo);
 
+// For a mixed batch (a few prefill chunks + many decode rows): copies seqs
+// into *prefill_seqs with q_len set to 0 for every sequence the decode family
+// takes, so that BuildPrefillPlan on the copy plans exactly the others (its
+// items index the same device seqs array; only the host plan reads the copy).
+// Returns the number of sequences left to the decode family.
+int32_t SeqsForPrefillFamily(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
+                             std::vector<PrefillSeq>* prefill_seqs);
+
 // Packed rows per tile for the decode kernel: 16 or 32, the smaller that
 // holds max_rows (q_len * group of the largest sequence); 16 for head_dim 256
 // so the fp32 output accumulators stay in registers (no spills). Sequences

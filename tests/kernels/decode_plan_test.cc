@@ -146,6 +146,27 @@ TEST(DecodePlan, Qualification) {
   CheckPlan(mixed, g, plan);
 }
 
+TEST(DecodePlan, MixedBatchSplitsIntoTwoFamilies) {
+  const KvGeometry g = Geo(32, 4, 128);
+  const std::vector<PrefillSeq> seqs = {Seq(1, 100), Seq(300, 900), Seq(8, 50), Seq(0, 7), Seq(9, 9)};
+  std::vector<PrefillSeq> rest;
+  EXPECT_EQ(SeqsForPrefillFamily(seqs.data(), 5, g, &rest), 2);
+  ASSERT_EQ(rest.size(), 5u);
+  const int want_q[] = {0, 300, 0, 0, 9};
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(rest[i].q_len, want_q[i]) << i;
+    EXPECT_EQ(rest[i].kv_len, seqs[i].kv_len) << i;
+  }
+  // Every sequence with rows is in exactly one family.
+  const DecodePlan plan = Plan(seqs, g);
+  std::set<int> decode_seqs;
+  for (const auto& it : plan.items) decode_seqs.insert(it.seq);
+  EXPECT_EQ(decode_seqs, (std::set<int>{0, 2}));
+  // Unsupported head_dim: everything stays with prefill.
+  EXPECT_EQ(SeqsForPrefillFamily(seqs.data(), 5, Geo(32, 4, 96), &rest), 0);
+  EXPECT_EQ(rest[0].q_len, 1);
+}
+
 TEST(DecodePlan, TileRows) {
   EXPECT_EQ(DecodeTileRows(128, 1), 16);
   EXPECT_EQ(DecodeTileRows(128, 8), 16);
