@@ -4,7 +4,8 @@ set(ATTNSERVE_CUDA_SOURCES
   kernels/prefill_cuda.cu
   kernels/sm80/prefill.cu
   kernels/merge/merge.cu
-  kernels/kv/kv_rows.cu)
+  kernels/kv/kv_rows.cu
+  kernels/decode/decode_cuda.cu)
 set(ATTNSERVE_CUDA_BACKEND_SOURCES
   server/backend/cuda/cuda_backend.cc
   server/backend/cuda/batch_packer.cc

@@ -151,7 +151,7 @@ inline void Reference(const HostBatch& b, std::vector<double>* o, std::vector<do
         qd.resize(D);
         for (int d = 0; d < D; ++d) qd[d] = FromHalfBits(g.dtype, b.q[row * D + d]);
         int vis = s.kv_len;
-        if (s.causal) vis = std::min(vis, std::max(0, t + s.kv_len - s.q_len + 1));
+        if (s.causal) vis = std::min(vis, std::max(0, t + s.kv_len - s.q_len + s.causal_shift + 1));
         if (vis <= 0) continue;
         double mx = -INFINITY;
         for (int j = 0; j < vis; ++j) {
