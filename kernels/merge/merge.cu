@@ -22,23 +22,42 @@ namespace {
 constexpr int kMaxStates = 16;
 constexpr int kThreads = 256;
 
-// VEC elements of type E at p, as floats: 16- or 32-byte loads for VEC 8.
+// VEC elements of type E, as loaded: one 16-byte load for 8 16-bit
+// elements, two for 8 floats, one element for VEC 1. Loading and converting
+// are separate so that every state's load is issued before any is waited on.
 template <typename E, int VEC>
-__device__ __forceinline__ void LoadVec(const E* p, float (&v)[VEC]) {
+struct Raw {
+  using Type = typename std::conditional<VEC == 8, typename std::conditional<std::is_same_v<E, float>, float4[2], uint4>::type, E>::type;
+  Type v;
+};
+
+template <typename E, int VEC>
+__device__ __forceinline__ void LoadRaw(const E* p, Raw<E, VEC>& r) {
   if constexpr (VEC == 8 && std::is_same_v<E, float>) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    r.v[0] = __ldg(reinterpret_cast<const float4*>(p));
+    r.v[1] = __ldg(reinterpret_cast<const float4*>(p) + 1);
   } else if constexpr (VEC == 8) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-    const E* e = reinterpret_cast<const E*>(&raw);
+    r.v = __ldg(reinterpret_cast<const uint4*>(p));
+  } else if constexpr (std::is_same_v<E, float>) {
+    r.v = __ldg(p);
+  } else {
+    r.v = p[0];
+  }
+}
+
+template <typename E, int VEC>
+__device__ __forceinline__ void ToFloats(const Raw<E, VEC>& r, float (&v)[VEC]) {
+  if constexpr (VEC == 8 && std::is_same_v<E, float>) {
+    v[0] = r.v[0].x; v[1] = r.v[0].y; v[2] = r.v[0].z; v[3] = r.v[0].w;
+    v[4] = r.v[1].x; v[5] = r.v[1].y; v[6] = r.v[1].z; v[7] = r.v[1].w;
+  } else if constexpr (VEC == 8) {
+    const E* e = reinterpret_cast<const E*>(&r.v);
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = mma::ToFloat<E>(e[i]);
   } else if constexpr (std::is_same_v<E, float>) {
-    v[0] = __ldg(p);
+    v[0] = r.v;
   } else {
-    v[0] = mma::ToFloat<E>(p[0]);
+    v[0] = mma::ToFloat<E>(r.v);
   }
 }
 
@@ -153,10 +172,10 @@ __global__ void __launch_bounds__(kThreads) MergeKernel(const Src src, int64_t r
     float l[NS];
 #pragma unroll
     for (int s = 0; s < NS; ++s) l[s] = lse_of(s);
-    float v[NS][VEC];
+    Raw<E, VEC> raw[NS];
 #pragma unroll
     for (int s = 0; s < NS; ++s) {
-      if (l[s] != -INFINITY) LoadVec<E, VEC>(v_of(s), v[s]);
+      if (l[s] != -INFINITY) LoadRaw<E, VEC>(v_of(s), raw[s]);
     }
 #pragma unroll
     for (int s = 0; s < NS; ++s) m = fmaxf(m, l[s]);
@@ -166,8 +185,10 @@ __global__ void __launch_bounds__(kThreads) MergeKernel(const Src src, int64_t r
         if (l[s] == -INFINITY) continue;
         const float w = exp2f(l[s] - m);
         wsum += w;
+        float v[VEC];
+        ToFloats<E, VEC>(raw[s], v);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) acc[i] += w * v[s][i];
+        for (int i = 0; i < VEC; ++i) acc[i] += w * v[i];
       }
     }
   } else {
@@ -178,8 +199,10 @@ __global__ void __launch_bounds__(kThreads) MergeKernel(const Src src, int64_t r
         if (l == -INFINITY) continue;
         const float w = exp2f(l - m);
         wsum += w;
+        Raw<E, VEC> raw;
+        LoadRaw<E, VEC>(v_of(s), raw);
         float v[VEC];
-        LoadVec<E, VEC>(v_of(s), v);
+        ToFloats<E, VEC>(raw, v);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) acc[i] += w * v[i];
       }

@@ -104,7 +104,7 @@ TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
     const int64_t re = b.geo.RowElems();
     BatchStats wstats;
     ASSERT_TRUE(UploadPools(*backend, b, &wstats).ok());
-    EXPECT_GT(wstats.append_launches, 0);
+    EXPECT_GT(wstats.kv_rows_launches, 0);
 
     // Tasks: each its own request (layer, seqs, indices), plus a fused append
     // on the first task that overwrites some slots of its layer.
@@ -278,7 +278,7 @@ TEST(CudaBackend, ZeroPagesClearsExactlyTheListedPagesInEveryLayer) {
       std::shuffle(pages.begin(), pages.end(), rng);
       BatchStats stats;
       ASSERT_TRUE(backend->ZeroPages(pages, &stats).ok());
-      EXPECT_GE(stats.append_launches, 1);
+      EXPECT_GE(stats.zero_launches, 1);
       std::vector<bool> zeroed(b.geo.num_pages, false);
       for (int32_t p : pages) zeroed[p] = true;
       // Read every row back: listed pages are zero, all others unchanged.
