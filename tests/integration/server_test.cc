@@ -1,7 +1,7 @@
 // Integration tests: the real attnserve binary (CPU backend) on a free port,
 // driven through the C++ client (client/client.h) and hand-made protos.
 //
-// Results are checked against the float64 reference of client/workload.h
+// Results are checked against the float64 reference of common/reference.h
 // with docs/design.md's tolerances; errors by their gRPC code and a message that
 // names the field; batching by the server's own Prometheus metrics.
 #include <unistd.h>
@@ -28,6 +28,7 @@
 #include "client/client.h"
 #include "client/workload.h"
 #include "common/dtype.h"
+#include "common/reference.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
@@ -511,25 +512,12 @@ TEST_P(ServerTest, ExpectedIncarnationIsChecked) {
 
 // ------------------------------------------------------------ MergeStates
 
-// float64 merge of docs/design.md section 3.
+// The float64 merge of common/reference.h over the client's states.
 void ReferenceMerge(const std::vector<State>& states, int64_t rows, int32_t d, KvDType dtype,
                     bool base_e, std::vector<double>* v, std::vector<double>* lse) {
-  v->assign(rows * d, 0.0);
-  lse->assign(rows, -std::numeric_limits<double>::infinity());
-  for (int64_t r = 0; r < rows; ++r) {
-    double m = -std::numeric_limits<double>::infinity();
-    for (const State& s : states) m = std::max<double>(m, s.lse[r]);
-    if (std::isinf(m)) continue;
-    double total = 0;
-    for (const State& s : states) {
-      if (std::isinf(s.lse[r])) continue;
-      const double w = base_e ? std::exp(s.lse[r] - m) : std::exp2(s.lse[r] - m);
-      total += w;
-      for (int32_t c = 0; c < d; ++c) (*v)[r * d + c] += w * HalfToFloat(dtype, s.v[r * d + c]);
-    }
-    for (int32_t c = 0; c < d; ++c) (*v)[r * d + c] /= total;
-    (*lse)[r] = m + (base_e ? std::log(total) : std::log2(total));
-  }
+  std::vector<reference::State> ref;
+  for (const State& s : states) ref.push_back({s.v.data(), s.lse.data()});
+  reference::Merge(dtype, ref, rows, d, base_e, v, lse);
 }
 
 TEST_P(ServerTest, MergeStatesMatchesTheReference) {
