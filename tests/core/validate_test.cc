@@ -63,7 +63,7 @@ struct PrefillFixture {
   void Rebind() {
     call.tenant = "default";
     call.layer = 1;
-    call.q.dtype = 1;
+    call.q.dtype = TensorDType::kBf16;
     call.q.shape = {8, 4, 64};
     call.q.data = q_bytes;
     call.qo_indptr = qo_indptr;
@@ -71,8 +71,8 @@ struct PrefillFixture {
     call.kv_indices = kv_indices;
     call.kv_last_page_len = kv_last_page_len;
     call.append_slots = append_slots;
-    call.append_k = {1, {2, 2, 64}, k_bytes};
-    call.append_v = {1, {2, 2, 64}, v_bytes};
+    call.append_k = {TensorDType::kBf16, {2, 2, 64}, k_bytes};
+    call.append_v = {TensorDType::kBf16, {2, 2, 64}, v_bytes};
   }
   absl::StatusOr<ValidatedPrefill> Validate() const {
     return ValidatePrefill(call, geo, Limits(), kIncarnation);
@@ -218,10 +218,10 @@ INSTANTIATE_TEST_SUITE_P(
                     "q.shape[1]"},
         PrefillCase{"QHeadDim", [](F& f) { f.call.q.shape = {4, 4, 128}; }, kInvalid,
                     "q.shape[2]"},
-        PrefillCase{"QDTypeFp16", [](F& f) { f.call.q.dtype = 2; }, kInvalid, "q.dtype"},
-        PrefillCase{"QDTypeUnspecified", [](F& f) { f.call.q.dtype = 0; }, kInvalid,
+        PrefillCase{"QDTypeFp16", [](F& f) { f.call.q.dtype = TensorDType::kFp16; }, kInvalid, "q.dtype"},
+        PrefillCase{"QDTypeUnspecified", [](F& f) { f.call.q.dtype = TensorDType::kUnspecified; }, kInvalid,
                     "q.dtype"},
-        PrefillCase{"QDTypeUnknown", [](F& f) { f.call.q.dtype = 17; }, kInvalid, "q.dtype"},
+        PrefillCase{"QDTypeUnknown", [](F& f) { f.call.q.dtype = TensorDType::kUnknown; }, kInvalid, "q.dtype"},
         PrefillCase{"QDataShort",
                     [](F& f) { f.call.q.data = absl::string_view(f.q_bytes).substr(2); },
                     kInvalid, "q.data"},
@@ -293,7 +293,7 @@ INSTANTIATE_TEST_SUITE_P(
                     "append_k"},
         PrefillCase{"AppendKShape", [](F& f) { f.call.append_k.shape = {2, 4, 32}; },
                     kInvalid, "append_k.shape[1]"},
-        PrefillCase{"AppendKDType", [](F& f) { f.call.append_k.dtype = 3; }, kInvalid,
+        PrefillCase{"AppendKDType", [](F& f) { f.call.append_k.dtype = TensorDType::kFp32; }, kInvalid,
                     "append_k.dtype"},
         PrefillCase{"AppendVData",
                     [](F& f) { f.call.append_v.data = absl::string_view(f.v_bytes).substr(1); },
@@ -332,7 +332,7 @@ struct KvFixture {
   KvGeometry geo = Geo();
   std::vector<int64_t> slots{0, 17, 159, 16};
   std::string k_bytes = Bytes(4 * 2 * 64 * 2), v_bytes = Bytes(4 * 2 * 64 * 2);
-  TensorView k{1, {4, 2, 64}, k_bytes}, v{1, {4, 2, 64}, v_bytes};
+  TensorView k{TensorDType::kBf16, {4, 2, 64}, k_bytes}, v{TensorDType::kBf16, {4, 2, 64}, v_bytes};
   int32_t layer = 0;
   RequestLimits limits = Limits();
   absl::StatusOr<std::vector<int32_t>> Write() const {
@@ -389,7 +389,7 @@ INSTANTIATE_TEST_SUITE_P(
                "slots[3]=17"},
         KvCase{"WriteSlotsOverLimit", [](KvFixture& f) { f.limits.max_request_rows = 3; },
                false, kInvalid, "slots"},
-        KvCase{"WriteKDType", [](KvFixture& f) { f.k.dtype = 2; }, false, kInvalid,
+        KvCase{"WriteKDType", [](KvFixture& f) { f.k.dtype = TensorDType::kFp16; }, false, kInvalid,
                "k.dtype"},
         KvCase{"WriteKRows", [](KvFixture& f) { f.k.shape[0] = 3; }, false, kInvalid,
                "k.shape[0]"},
@@ -430,8 +430,8 @@ struct MergeFixture {
       lse_bytes.push_back(b);
     }
     for (int i = 0; i < 3; ++i) {
-      call.v.push_back({1, {3, 2, 8}, v_bytes[i]});
-      call.lse.push_back({3, {3, 2}, lse_bytes[i]});
+      call.v.push_back({TensorDType::kBf16, {3, 2, 8}, v_bytes[i]});
+      call.lse.push_back({TensorDType::kFp32, {3, 2}, lse_bytes[i]});
     }
   }
   void SetLse(int state, int index, float value) {
@@ -498,21 +498,21 @@ INSTANTIATE_TEST_SUITE_P(
                     f.v_bytes.assign(3, Bytes(4096));
                     f.lse_bytes.assign(3, std::string(4096, '\0'));
                     for (int i = 0; i < 3; ++i) {
-                      f.call.v[i] = {1, {n, 1024, 2}, f.v_bytes[i]};
-                      f.call.lse[i] = {3, {n, 1024}, f.lse_bytes[i]};
+                      f.call.v[i] = {TensorDType::kBf16, {n, 1024, 2}, f.v_bytes[i]};
+                      f.call.lse[i] = {TensorDType::kFp32, {n, 1024}, f.lse_bytes[i]};
                     }
                   },
                   kInvalid, "states[0].v.shape"},
         MergeCase{"LaterVShape", [](MergeFixture& f) { f.call.v[2].shape = {3, 2, 4}; },
                   kInvalid, "states[2].v.shape[2]"},
-        MergeCase{"LaterVDType", [](MergeFixture& f) { f.call.v[1].dtype = 2; }, kInvalid,
+        MergeCase{"LaterVDType", [](MergeFixture& f) { f.call.v[1].dtype = TensorDType::kFp16; }, kInvalid,
                   "states[1].v.dtype"},
         MergeCase{"VData",
                   [](MergeFixture& f) {
                     f.call.v[1].data = absl::string_view(f.v_bytes[1]).substr(2);
                   },
                   kInvalid, "states[1].v.data"},
-        MergeCase{"LseDType", [](MergeFixture& f) { f.call.lse[0].dtype = 1; }, kInvalid,
+        MergeCase{"LseDType", [](MergeFixture& f) { f.call.lse[0].dtype = TensorDType::kBf16; }, kInvalid,
                   "states[0].lse.dtype"},
         MergeCase{"LseShape", [](MergeFixture& f) { f.call.lse[2].shape = {2, 3}; }, kInvalid,
                   "states[2].lse.shape[0]"},
