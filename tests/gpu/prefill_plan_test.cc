@@ -26,12 +26,12 @@ namespace {
 
 struct Batch {
   KvGeometry geo;
-  std::vector<PrefillSeq> seqs;  // flattened, q_len > 0 only (as RunBatch)
+  std::vector<PrefillSeq> seqs;  // flattened, q_len > 0 only (as CudaBackend::Submit)
   int32_t total_q = 0;           // rows of o, including dropped sequences' (none)
 };
 
 // One server batch: `tasks` requests of 2-5 sequences each, offsets shifted
-// exactly as CudaBackend::RunBatch does.
+// exactly as CudaBackend::Submit does.
 Batch RandomBatch(std::mt19937_64& gen, const KvGeometry& geo, int tasks, bool mixed) {
   Batch b;
   b.geo = geo;
@@ -210,7 +210,7 @@ TEST(PrefillPlan, MultiRequestBatchesLikeTheConcurrentServerTest) {
   for (int trial = 0; trial < 400; ++trial) {
     const int tasks = 1 + trial % 12;
     Batch b = RandomBatch(gen, g, tasks, /*mixed=*/true);
-    // Variant choice as in RunBatch.
+    // Variant choice as in CudaBackend::Submit.
     int64_t max_packed = 0;
     for (const PrefillSeq& s : b.seqs) max_packed = std::max<int64_t>(max_packed, int64_t{s.q_len} * 8);
     const int variant = max_packed <= PrefillTileRows(128, 1) ? 1 : 0;
