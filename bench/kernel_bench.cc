@@ -8,7 +8,9 @@
 // sets rotated when one set fits in L2. FLOPs as ANCHORS.md counts them:
 // 4 * head_dim * num_qo_heads * (visible (query, key) pairs).
 //
-// Usage: attnserve_kernel_bench [--quick] [--variant=N] [--merge-only]
+// Usage: attnserve_kernel_bench [--quick] [--kernel=auto|sm80|sm80_rows64] [--merge-only]
+// --kernel=auto (the default) times what the server picks per workload
+// (ChoosePrefillKernel); a name forces that kernel.
 // Prints one "RESULT key=value ..." line per measurement, then a table.
 #include <cuda_runtime.h>
 
@@ -22,8 +24,9 @@
 #include <string>
 #include <vector>
 
-#include "kernels/merge_states_cuda.h"
-#include "kernels/paged_prefill_cuda.h"
+#include "kernels/merge/merge_cuda.h"
+#include "kernels/plan/kernel_select.h"
+#include "kernels/prefill_cuda.h"
 
 namespace attnserve {
 namespace {
@@ -47,7 +50,7 @@ struct Workload {
 struct Result {
   std::string name;
   int page_size = 0;
-  int variant = 0;
+  std::string kernel;
   int section_mb = 0;
   double ms = 0;
   double tflops = 0;
@@ -102,11 +105,12 @@ int L2Bytes() {
 
 // section_mb: PrefillPlanOptions::l2_section_bytes in MiB (0: plain
 // longest-first order); -1 keeps the plan's default.
-Result RunPrefill(const Workload& w, int page_size, int variant, int repeats, int section_mb = -1) {
+// forced: the kernel to time, or nullptr for the one the server would pick.
+Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced, int repeats,
+                  int section_mb = -1) {
   Result res;
   res.name = w.name;
   res.page_size = page_size;
-  res.variant = variant;
   KvGeometry g;
   g.num_layers = 1;
   g.page_size = page_size;
@@ -136,10 +140,16 @@ Result RunPrefill(const Workload& w, int page_size, int variant, int repeats, in
   const double flops = 4.0 * kD * kH * pairs;
   const double kv_bytes = 2.0 * w.batch * double(w.kv_len) * kKvh * kD * 2;
 
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const PrefillKernel kernel =
+      forced != nullptr ? *forced
+                        : ChoosePrefillKernel(g, PrefillDevice{prop.major, prop.minor}, int64_t{w.q_len} * (kH / kKvh));
+  res.kernel = PrefillKernelName(kernel);
   PrefillPlanOptions opt;
   opt.num_sms = NumSms();
-  opt.ctas_per_sm = PrefillCtasPerSm(kD, KvDType::kBf16, variant);
-  opt.tile_rows = PrefillTileRows(kD, variant);
+  opt.ctas_per_sm = PrefillCtasPerSm(kernel, kD, KvDType::kBf16);
+  opt.tile_rows = PrefillTileRows(kernel, kD);
   opt.max_partial_pairs = int64_t{4} * opt.num_sms * opt.ctas_per_sm * opt.tile_rows;
   if (section_mb >= 0) opt.l2_section_bytes = int64_t{section_mb} << 20;
   res.section_mb = static_cast<int>(opt.l2_section_bytes >> 20);
@@ -197,7 +207,7 @@ Result RunPrefill(const Workload& w, int page_size, int variant, int repeats, in
     p.geo = g;
     CHECK_CUDA(cudaEventRecord(e0));
     CHECK_CUDA(PagedPrefillCuda(p, static_cast<PrefillWorkItem*>(d_items), static_cast<int32_t>(plan.items.size()),
-                                static_cast<float*>(part_o), static_cast<float*>(part_lse), variant, nullptr));
+                                static_cast<float*>(part_o), static_cast<float*>(part_lse), kernel, nullptr));
     if (!plan.merges.empty()) {
       CHECK_CUDA(MergeSplitsCuda(p, static_cast<SplitMergeSeq*>(d_merges), static_cast<int32_t>(plan.merges.size()),
                                  plan.merge_pairs, static_cast<float*>(part_o), static_cast<float*>(part_lse),
@@ -229,9 +239,9 @@ Result RunPrefill(const Workload& w, int page_size, int variant, int repeats, in
   for (void* p : {o, lse, d_idx, d_seqs, d_items, d_merges, part_o, part_lse}) cudaFree(p);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
-  std::printf("RESULT kernel=prefill workload=%s batch=%d q=%d kv=%d page_size=%d variant=%d section_mb=%d ms=%.4f "
+  std::printf("RESULT kernel=prefill workload=%s batch=%d q=%d kv=%d page_size=%d family=%s section_mb=%d ms=%.4f "
               "tflops=%.1f kv_tbs=%.2f items=%zu split=%d\n",
-              w.name.c_str(), w.batch, w.q_len, w.kv_len, page_size, variant, res.section_mb, res.ms, res.tflops,
+              w.name.c_str(), w.batch, w.q_len, w.kv_len, page_size, res.kernel.c_str(), res.section_mb, res.ms, res.tflops,
               res.kv_tbs, res.items, res.split ? 1 : 0);
   std::fflush(stdout);
   return res;
@@ -309,11 +319,11 @@ int main(int argc, char** argv) {
   using namespace attnserve;
   bool quick = false;
   bool merge_only = false;
-  int only_variant = -1;
+  std::string only_kernel = "auto";
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--merge-only") == 0) merge_only = true;
-    if (std::strncmp(argv[i], "--variant=", 10) == 0) only_variant = std::atoi(argv[i] + 10);
+    if (std::strncmp(argv[i], "--kernel=", 9) == 0) only_kernel = argv[i] + 9;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -327,34 +337,48 @@ int main(int argc, char** argv) {
     RunMerge(512, reps * 5);
     return 0;
   }
-  // (variant, L2 section MiB): the production kernels with the default plan
-  // first, then the A/B pairs: variant 2 is variant 0 with the previous
-  // softmax; section 0 is the previous plain longest-first order.
-  const std::vector<std::pair<int, int>> configs = {{0, -1}, {1, -1}, {2, 0}, {2, -1}, {0, 0}, {0, 8}};
-  for (const auto& [variant, section_mb] : configs) {
-    if (only_variant >= 0 && variant != only_variant) continue;
+  // The kernel to force, if any.
+  PrefillKernel forced_kernel = PrefillKernel::kSm80;
+  const PrefillKernel* forced = nullptr;
+  if (only_kernel != "auto") {
+    bool known = false;
+    for (int k = 0; k < kNumPrefillKernels; ++k) {
+      if (only_kernel == PrefillKernelName(static_cast<PrefillKernel>(k))) {
+        forced_kernel = static_cast<PrefillKernel>(k);
+        known = true;
+      }
+    }
+    if (!known) {
+      std::fprintf(stderr, "--kernel=%s: expected auto, sm80 or sm80_rows64\n", only_kernel.c_str());
+      return 2;
+    }
+    forced = &forced_kernel;
+  }
+  // The server's choice with the default plan first, then A/B of the plan's
+  // L2 sections (0: plain longest-first order; 8 MiB).
+  const std::vector<int> sections = {-1, 0, 8};
+  for (int section_mb : sections) {
     for (int ps : {1, 16}) {
-      for (const auto& w : anchors) results.push_back(RunPrefill(w, ps, variant, reps, section_mb));
+      for (const auto& w : anchors) results.push_back(RunPrefill(w, ps, forced, reps, section_mb));
     }
   }
   // Sweep: 16k query tokens split into sequences of 512..16k; decode batches.
-  const int best_variant = only_variant >= 0 ? only_variant : 0;
   for (int len = 512; len <= 16384; len *= 2) {
-    RunPrefill({"sweep_len" + std::to_string(len), 16384 / len, len, len}, 1, best_variant, reps);
+    RunPrefill({"sweep_len" + std::to_string(len), 16384 / len, len, len}, 1, forced, reps);
   }
   for (int b : {1, 8, 32, 128, 256}) {
-    RunPrefill({"sweep_decode_b" + std::to_string(b), b, 1, 4096}, 1, best_variant, reps);
+    RunPrefill({"sweep_decode_b" + std::to_string(b), b, 1, 4096}, 1, forced, reps);
   }
   for (int b : {1, 4, 16}) {
-    RunPrefill({"sweep_prefix_b" + std::to_string(b), b, 512, 4096}, 1, best_variant, reps);
+    RunPrefill({"sweep_prefix_b" + std::to_string(b), b, 512, 4096}, 1, forced, reps);
   }
   RunMerge(65536, reps * 2);
   RunMerge(512, reps * 5);
 
-  std::printf("\n%-8s %3s %3s %4s %10s %10s %10s %7s %5s\n", "workload", "ps", "var", "L2MB", "ms", "TFLOP/s",
+  std::printf("\n%-8s %3s %-12s %4s %10s %10s %10s %7s %5s\n", "workload", "ps", "kernel", "L2MB", "ms", "TFLOP/s",
               "KV TB/s", "items", "split");
   for (const auto& r : results) {
-    std::printf("%-8s %3d %3d %4d %10.4f %10.1f %10.2f %7zu %5d\n", r.name.c_str(), r.page_size, r.variant,
+    std::printf("%-8s %3d %-12s %4d %10.4f %10.1f %10.2f %7zu %5d\n", r.name.c_str(), r.page_size, r.kernel.c_str(),
                 r.section_mb, r.ms, r.tflops, r.kv_tbs, r.items, r.split ? 1 : 0);
   }
   return 0;

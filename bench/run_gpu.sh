@@ -57,23 +57,22 @@ for w, rows in ours.items():
         if r is None: return "-"
         return f'{float(r["ms"]):.3f}' if unit == "ms" else f'{float(r["tflops"]):.1f}'
     def best(ps):
-        # Production kernels (variants 0 / 1) with the default plan order.
-        c = [r for r in rows if r["page_size"] == ps and r["variant"] in ("0", "1")
-             and r.get("section_mb", "16") == "16"]
+        # The server's kernel choice with the default plan order.
+        c = [r for r in rows if r["page_size"] == ps and r.get("section_mb", "16") == "16"]
         if not c: return None
         return min(c, key=lambda r: float(r["ms"]))
     b1, b16 = best("1"), best("16")
-    v = f' (v{b1["variant"]})' if b1 else ""
+    v = f' ({b1["family"]})' if b1 else ""
     print(f"| {w} | {fmt(b1)}{v} | {fmt(b16)} | {fmt(torch_.get((w,'cudnn')))} | {fmt(torch_.get((w,'fa2')))} | {unit} |")
 ab = {}
 for w, rows in ours.items():
     for r in rows:
         if w in ("long", "batch", "prefix", "decode"):
-            ab.setdefault((w, r["page_size"]), {})[(r["variant"], r.get("section_mb", "-"))] = r
+            ab.setdefault((w, r["page_size"]), {})[(r["family"], r.get("section_mb", "-"))] = r
 if ab:
     cfgs = sorted({c for v in ab.values() for c in v})
-    print("\nA/B (TFLOP/s; decode ms), columns v<variant>/L2<section MiB>")
-    print("| workload | ps | " + " | ".join(f"v{v}/L2{m}" for v, m in cfgs) + " |")
+    print("\nA/B (TFLOP/s; decode ms), columns <kernel>/L2<section MiB>")
+    print("| workload | ps | " + " | ".join(f"{v}/L2{m}" for v, m in cfgs) + " |")
     print("|---|---|" + "---|" * len(cfgs))
     for (w, ps), v in ab.items():
         cells = []

@@ -1,7 +1,13 @@
-# Sources of the CUDA kernels and the CUDA backend (built with ATTNSERVE_CUDA).
+# Sources of the CUDA kernel families and the CUDA backend (built with
+# ATTNSERVE_CUDA). One line per family folder.
 set(ATTNSERVE_CUDA_SOURCES
-  kernels/paged_prefill.cu
-  kernels/merge_states.cu
-  kernels/append_kv.cu)
+  kernels/prefill_cuda.cu
+  kernels/sm80/prefill.cu
+  kernels/merge/merge.cu
+  kernels/kv/kv_rows.cu
+  kernels/decode/decode_cuda.cu)
 set(ATTNSERVE_CUDA_BACKEND_SOURCES
-  server/cuda_backend.cc)
+  server/backend/cuda/cuda_backend.cc
+  server/backend/cuda/batch_packer.cc
+  server/backend/cuda/staging_ring.cc
+  server/backend/cuda/cuda_util.cc)

@@ -16,10 +16,12 @@ enum class KvDType : int32_t { kBf16 = 0, kFp16 = 1 };
 
 inline constexpr int64_t KvDTypeBytes(KvDType) { return 2; }
 
-// The head dimensions every backend supports, and how messages name them.
+// The head_dims attnserve serves (every backend; the CUDA kernels are
+// specialised for exactly these).
 inline constexpr bool IsSupportedHeadDim(int32_t head_dim) {
   return head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
+// How messages name them.
 inline constexpr const char kSupportedHeadDims[] = "64, 128 or 256";
 
 // Geometry of the paged KV cache. For each layer, K and V are each shaped

@@ -25,7 +25,7 @@
 #include "absl/time/time.h"
 #include "common/usage.h"
 #include "spdlog/spdlog.h"
-#include "server/backend_factory.h"
+#include "server/backend/factory.h"
 #include "server/core/attention_core.h"
 #include "server/core/attention_core.h"
 #include "server/grpc/auth.h"

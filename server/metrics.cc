@@ -73,7 +73,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                        .Add({}, Exponential(1, 2, 18));
   auto& kernel_launches = prometheus::BuildCounter()
                           .Name("attnserve_kernel_launches_total")
-                          .Help("Kernel launches by kernel (attention, merge, append)")
+                          .Help("Kernel launches by kernel (attention, merge, append, kv_rows, zero_pages)")
                           .Register(*registry_);
   auto& kernel_duration = prometheus::BuildHistogram()
                           .Name("attnserve_kernel_duration_seconds")
@@ -102,8 +102,9 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                    .Add({});
   // The kernel and stage series exist from the start (dashboards see them at
   // zero), in the order of the Kernel and Stage enums.
-  const char* kernels[] = {"attention", "merge", "append"};
-  for (int i = 0; i < 3; ++i) {
+  const char* kernels[] = {"attention", "merge", "append", "kv_rows", "zero_pages"};
+  static_assert(sizeof(kernels) / sizeof(kernels[0]) == kNumKernels);
+  for (int i = 0; i < kNumKernels; ++i) {
     kernel_launches_[i] = &kernel_launches.Add({{"kernel", kernels[i]}});
     kernel_duration_[i] = &kernel_duration.Add({{"kernel", kernels[i]}}, Seconds());
   }

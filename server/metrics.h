@@ -50,7 +50,11 @@ class Metrics {
                     const std::string& backend, const std::string& device);
   void ObserveQueueWait(double seconds) { queue_wait_->Observe(seconds); }
   void ObserveBatch(int requests, int64_t tokens);
-  enum class Kernel { kAttention, kMerge, kAppend };
+  // attention and merge: a Prefill batch's launches; append: its fused
+  // appends; kv_rows: WriteKV scatters and ReadKV gathers; zero_pages: freed
+  // pages zeroed before reuse.
+  enum class Kernel { kAttention, kMerge, kAppend, kKvRows, kZeroPages };
+  static constexpr int kNumKernels = 5;
   // Launches of one kernel in a batch and their device (or CPU) seconds.
   void ObserveKernel(Kernel kernel, int launches, double seconds);
   // Host time of one batch stage: submit (plan, pack, queue), wait (for the
@@ -82,8 +86,8 @@ class Metrics {
   prometheus::Histogram* batch_tokens_;
   // Series of the fixed label values, indexed by Kernel and Stage: created
   // once, so a batch's observations look nothing up.
-  prometheus::Counter* kernel_launches_[3];
-  prometheus::Histogram* kernel_duration_[3];
+  prometheus::Counter* kernel_launches_[kNumKernels];
+  prometheus::Histogram* kernel_duration_[kNumKernels];
   prometheus::Histogram* batch_stage_[4];
   prometheus::Gauge* kv_free_;
   prometheus::Gauge* kv_used_;

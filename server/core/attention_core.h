@@ -18,7 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/version.h"  // kVersion: CMake's project(VERSION)
-#include "server/backend.h"
+#include "server/backend/backend.h"
 #include "server/core/page_table.h"
 #include "server/core/plan_table.h"
 #include "server/core/requests.h"

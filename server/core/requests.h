@@ -19,7 +19,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/kv_geometry.h"
-#include "server/host_buffer.h"
+#include "server/backend/host_buffer.h"
 
 namespace attnserve {
 

@@ -375,7 +375,7 @@ void Scheduler::RunJob(std::unique_ptr<Job> job) {
       status = backend_->WriteKv(job->rows, &stats);
       break;
     case Job::Kind::kReadKv:
-      status = backend_->ReadKv(job->rows);
+      status = backend_->ReadKv(job->rows, &stats);
       break;
     case Job::Kind::kMerge:
       status = backend_->MergeStates(job->merge);
@@ -406,6 +406,8 @@ void Scheduler::ObserveStats(const BatchStats& stats) {
   metrics_->ObserveKernel(Metrics::Kernel::kAttention, stats.attention_launches, stats.attention_seconds);
   metrics_->ObserveKernel(Metrics::Kernel::kMerge, stats.merge_launches, stats.merge_seconds);
   metrics_->ObserveKernel(Metrics::Kernel::kAppend, stats.append_launches, stats.append_seconds);
+  metrics_->ObserveKernel(Metrics::Kernel::kKvRows, stats.kv_rows_launches, stats.kv_rows_seconds);
+  metrics_->ObserveKernel(Metrics::Kernel::kZeroPages, stats.zero_launches, stats.zero_seconds);
   if (stats.attention_launches > 0 || stats.submit_seconds > 0) {
     metrics_->ObserveStage(Metrics::Stage::kSubmit, stats.submit_seconds);
     metrics_->ObserveStage(Metrics::Stage::kWait, stats.wait_seconds);

@@ -36,7 +36,7 @@
 #include "absl/base/call_once.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/backend.h"
+#include "server/backend/backend.h"
 #include "server/core/page_table.h"
 #include "server/core/plan_table.h"
 #include "server/core/requests.h"

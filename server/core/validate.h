@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/kv_geometry.h"
-#include "server/backend.h"
+#include "server/backend/backend.h"
 #include "server/core/requests.h"
 
 namespace attnserve {

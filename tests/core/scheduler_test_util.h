@@ -117,7 +117,7 @@ class FakeBackend final : public Backend {
     return written_;
   }
   KvGeometry& mutable_geometry() { return geo_; }
-  absl::Status ReadKv(const KvRows&) override {
+  absl::Status ReadKv(const KvRows&, BatchStats*) override {
     absl::MutexLock lock(&mu_);
     EXPECT_TRUE(pending_.empty()) << "ReadKv while a batch is in flight";
     ops_.push_back('R');

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "server/core/attention_core.h"
-#include "server/cpu_backend.h"
+#include "server/backend/cpu/cpu_backend.h"
 #include "server/grpc/convert.h"
 #include "server/grpc/message_pool.h"
 

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "server/backend.h"
-#include "server/backend_factory.h"
-#include "server/cuda_backend.h"
+#include "server/backend/backend.h"
+#include "server/backend/factory.h"
+#include "server/backend/cuda/cuda_backend.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace attnserve {
@@ -208,7 +208,7 @@ TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
     std::vector<uint16_t> rk(rs.size() * re, 0xFFFF), rv(rs.size() * re, 0xFFFF);
     rd.k = rk.data();
     rd.v = rv.data();
-    ASSERT_TRUE(backend->ReadKv(rd).ok());
+    ASSERT_TRUE(backend->ReadKv(rd, nullptr).ok());
     const int64_t base = int64_t{rd.layer} * spl;
     for (size_t i = 0; i < rs.size(); ++i) {
       ASSERT_EQ(0, std::memcmp(&rk[i * re], &b.k_pool[(base + rs[i]) * re], re * 2)) << "row " << i;
@@ -300,7 +300,7 @@ TEST(CudaBackend, ZeroPagesClearsExactlyTheListedPagesInEveryLayer) {
         rd.n = spl;
         rd.k = k.data();
         rd.v = v.data();
-        ASSERT_TRUE(backend->ReadKv(rd).ok());
+        ASSERT_TRUE(backend->ReadKv(rd, nullptr).ok());
         for (int64_t slot = 0; slot < spl; ++slot) {
           const bool z = zeroed[slot / page_size];
           for (int64_t e = 0; e < re; ++e) {
@@ -396,7 +396,7 @@ TEST(CudaBackend, PipelinedBatchesKeepSubmissionOrder) {
     rd.n = 1;
     rd.k = rk.data();
     rd.v = rv.data();
-    EXPECT_EQ(backend->ReadKv(rd).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(backend->ReadKv(rd, nullptr).code(), absl::StatusCode::kFailedPrecondition);
     ASSERT_TRUE(backend->Complete(&sa).ok());
     ASSERT_TRUE(backend->Complete(&sb).ok());
     EXPECT_EQ(sa.attention_launches, 1);

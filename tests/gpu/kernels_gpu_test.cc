@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/append_kv_cuda.h"
-#include "kernels/merge_states_cuda.h"
-#include "kernels/paged_prefill_cuda.h"
+#include "kernels/kv/kv_rows_cuda.h"
+#include "kernels/merge/merge_cuda.h"
+#include "kernels/prefill_cuda.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace attnserve {
@@ -55,14 +55,17 @@ struct RunResult {
 };
 
 // Runs the batch through plan + prefill (+ merge) and compares.
+// variant 1: the 64-row tile kernel (head_dim 128); 0: the default tile.
+PrefillKernel KernelOf(int variant) { return variant == 1 ? PrefillKernel::kSm80Rows64 : PrefillKernel::kSm80; }
+
 RunResult RunAndCheck(const HostBatch& b, int variant, bool force_split, int min_chunk) {
   RunResult res;
   const KvGeometry& g = b.geo;
   PrefillPlanOptions opt;
   opt.num_sms = force_split ? 1 << 20 : NumSms();
-  opt.ctas_per_sm = PrefillCtasPerSm(g.head_dim, g.dtype, variant);
+  opt.ctas_per_sm = PrefillCtasPerSm(KernelOf(variant), g.head_dim, g.dtype);
   opt.min_chunk = min_chunk;
-  opt.tile_rows = PrefillTileRows(g.head_dim, variant);
+  opt.tile_rows = PrefillTileRows(KernelOf(variant), g.head_dim);
   opt.max_partial_pairs = int64_t{1} << 24;
   PrefillPlan plan;
   BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
@@ -101,7 +104,7 @@ RunResult RunAndCheck(const HostBatch& b, int variant, bool force_split, int min
   p.total_q = b.total_q;
   p.geo = g;
   cudaError_t err = PagedPrefillCuda(p, items.ptr, static_cast<int32_t>(plan.items.size()), part_o.ptr,
-                                     part_lse.ptr, variant, nullptr);
+                                     part_lse.ptr, KernelOf(variant), nullptr);
   if (err == cudaSuccess && !plan.merges.empty()) {
     err = MergeSplitsCuda(p, merges.ptr, static_cast<int32_t>(plan.merges.size()), plan.merge_pairs,
                           part_o.ptr, part_lse.ptr, nullptr);

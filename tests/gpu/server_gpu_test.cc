@@ -19,7 +19,7 @@
 #include "client/workload.h"
 #include "common/dtype.h"
 #include "gtest/gtest.h"
-#include "server/cuda_backend.h"
+#include "server/backend/cuda/cuda_backend.h"
 #include "tests/integration/test_server.h"
 
 namespace attnserve {

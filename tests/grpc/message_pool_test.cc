@@ -14,7 +14,7 @@
 #include "grpcpp/support/slice.h"
 #include "gtest/gtest.h"
 #include "server/grpc/convert.h"
-#include "server/host_buffer.h"
+#include "server/backend/host_buffer.h"
 
 namespace attnserve {
 namespace {

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/backend.h"
+#include "server/backend/backend.h"
 
 namespace attnserve {
 
@@ -24,7 +24,7 @@ class CpuBackend final : public Backend {
   absl::Status Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) override;
   absl::Status Complete(BatchStats* stats) override;
   absl::Status WriteKv(const KvRows& rows, BatchStats* stats) override;
-  absl::Status ReadKv(const KvRows& rows) override;
+  absl::Status ReadKv(const KvRows& rows, BatchStats* stats) override;
   // A memset of each page's rows in each layer.
   absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) override;
 

@@ -29,7 +29,7 @@
 #include "common/kv_geometry.h"
 #include "kernels/merge_states.h"
 #include "kernels/paged_prefill.h"
-#include "server/host_buffer.h"
+#include "server/backend/host_buffer.h"
 
 namespace attnserve {
 
@@ -63,10 +63,14 @@ struct PrefillTask {
 struct BatchStats {
   int32_t attention_launches = 0;
   int32_t merge_launches = 0;
-  int32_t append_launches = 0;
+  int32_t append_launches = 0;   // fused appends of a Prefill batch
+  int32_t kv_rows_launches = 0;  // WriteKV scatters and ReadKV gathers
+  int32_t zero_launches = 0;     // freed pages zeroed
   double attention_seconds = 0;
   double merge_seconds = 0;
   double append_seconds = 0;
+  double kv_rows_seconds = 0;
+  double zero_seconds = 0;
   double submit_seconds = 0;  // Submit: plan, pack and queue the batch
   double wait_seconds = 0;    // Complete: waiting for the device
   double unpack_seconds = 0;  // Complete: outputs to the tasks
@@ -119,7 +123,7 @@ class Backend {
   // Writes rows (k, v read) into the pools.
   virtual absl::Status WriteKv(const KvRows& rows, BatchStats* stats) = 0;
   // Reads rows (k, v written) out of the pools.
-  virtual absl::Status ReadKv(const KvRows& rows) = 0;
+  virtual absl::Status ReadKv(const KvRows& rows, BatchStats* stats) = 0;
 
   // Sets every KV row of `pages` to zero in every layer (freed pages, before
   // anyone may allocate them again). Same threading as WriteKv.

@@ -1,4 +1,4 @@
-#include "server/host_buffer.h"
+#include "server/backend/host_buffer.h"
 
 #include <algorithm>
 #include <cstdlib>

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "kernels/append_kv_cuda.h"
+#include "kernels/kv/kv_rows_cuda.h"
 
 namespace attnserve {
 namespace {

@@ -1,9 +1,9 @@
-#include "server/backend_factory.h"
+#include "server/backend/factory.h"
 
 #include "absl/strings/str_cat.h"
-#include "server/cpu_backend.h"
+#include "server/backend/cpu/cpu_backend.h"
 #if defined(ATTNSERVE_WITH_CUDA)
-#include "server/cuda_backend.h"
+#include "server/backend/cuda/cuda_backend.h"
 #endif
 
 namespace attnserve {

@@ -5,12 +5,12 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/math.h"
 #include "kernels/paged_prefill.h"
 
 namespace attnserve {
 namespace {
 
-constexpr float kLn2 = 0.69314718055994530942f;
 
 // Gathers the K and V rows of one KV head of one sequence into float
 // buffers (kv_len, head_dim), following the page table.

@@ -1,4 +1,4 @@
-#include "server/cpu_backend.h"
+#include "server/backend/cpu/cpu_backend.h"
 
 #include <unistd.h>
 
@@ -99,12 +99,15 @@ absl::Status CpuBackend::Complete(BatchStats* stats) {
 absl::Status CpuBackend::WriteKv(const KvRows& rows, BatchStats* stats) {
   const absl::Time start = absl::Now();
   Append(rows.layer, rows.slots, rows.n, rows.k, rows.v);
-  stats->append_launches = 1;
-  stats->append_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (stats != nullptr) {
+    stats->kv_rows_launches += 1;
+    stats->kv_rows_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  }
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::ZeroPages(absl::Span<const int32_t> pages, BatchStats*) {
+absl::Status CpuBackend::ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) {
+  const absl::Time start = absl::Now();
   // Pool layout (layer, page, slot in page, KV head, dim).
   const int64_t page_elems = int64_t{geo_.page_size} * geo_.RowElems();
   for (int32_t layer = 0; layer < geo_.num_layers; ++layer) {
@@ -114,10 +117,15 @@ absl::Status CpuBackend::ZeroPages(absl::Span<const int32_t> pages, BatchStats*)
       std::fill_n(v_pool_.begin() + at, page_elems, uint16_t{0});
     }
   }
+  if (stats != nullptr) {
+    stats->zero_launches += 1;
+    stats->zero_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  }
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::ReadKv(const KvRows& rows) {
+absl::Status CpuBackend::ReadKv(const KvRows& rows, BatchStats* stats) {
+  const absl::Time start = absl::Now();
   GatherKvParams g;
   g.k_cache = k_pool_.data();
   g.v_cache = v_pool_.data();
@@ -128,6 +136,10 @@ absl::Status CpuBackend::ReadKv(const KvRows& rows) {
   g.layer = rows.layer;
   g.geo = geo_;
   GatherKvCpu(g);
+  if (stats != nullptr) {
+    stats->kv_rows_launches += 1;
+    stats->kv_rows_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  }
   return absl::OkStatus();
 }
 

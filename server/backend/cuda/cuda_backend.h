@@ -6,8 +6,8 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "server/backend.h"
-#include "server/backend_factory.h"
+#include "server/backend/backend.h"
+#include "server/backend/factory.h"
 
 namespace attnserve {
 

@@ -1,8 +1,8 @@
-// Property checks of BuildPrefillPlan (host code of kernels/paged_prefill.cu),
+// Property checks of BuildPrefillPlan (kernels/plan/prefill_plan.cc),
 // on random multi-request batches shaped like the server's: several tasks of
 // 2-5 sequences each flattened into one batch (q_len 0 dropped), decode-like
 // and prefill-like, causal and not, q_len > kv_len, empty KV, one long KV.
-// Needs no GPU and never skips: it runs wherever the CUDA kernels build.
+// Plain host code: runs in every build, with or without CUDA.
 //
 // Checked for every plan: each (sequence, KV head, packed row) sees every KV
 // position in [0, kv_len) through exactly one item, and the kernel's clipped
@@ -19,19 +19,20 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/paged_prefill_cuda.h"
+#include "kernels/plan/kernel_select.h"
+#include "kernels/plan/prefill_plan.h"
 
 namespace attnserve {
 namespace {
 
 struct Batch {
   KvGeometry geo;
-  std::vector<PrefillSeq> seqs;  // flattened, q_len > 0 only (as CudaBackend::Submit)
+  std::vector<PrefillSeq> seqs;  // flattened, q_len > 0 only (as the CUDA backend packs them)
   int32_t total_q = 0;           // rows of o, including dropped sequences' (none)
 };
 
 // One server batch: `tasks` requests of 2-5 sequences each, offsets shifted
-// exactly as CudaBackend::Submit does.
+// exactly as the CUDA backend's batch packer does.
 Batch RandomBatch(std::mt19937_64& gen, const KvGeometry& geo, int tasks, bool mixed) {
   Batch b;
   b.geo = geo;
@@ -52,6 +53,8 @@ Batch RandomBatch(std::mt19937_64& gen, const KvGeometry& geo, int tasks, bool m
       s.layer = t % 3;
       s.sm_scale = 0.088f;
       s.causal = causal;
+      // A server holding part of a context-parallel sequence's keys.
+      if (gen() % 4 == 0) s.causal_shift = static_cast<int32_t>(gen() % 600) - 100;
       s.lse_base_e = static_cast<uint8_t>(gen() % 2);
       q += s.q_len;
       idx += pages;
@@ -106,7 +109,7 @@ std::string CheckPlan(const Batch& b, const PrefillPlanOptions& opt, const Prefi
     }
     // The kernel's clipping (PagedPrefillKernel): rows past q_len are not
     // written; kv_end is cut at the tile's last row's causal limit.
-    const int diag = s.kv_len - s.q_len;
+    const int diag = s.kv_len - s.q_len + s.causal_shift;
     const int t_first = it.row_begin / group;
     const int t_last = std::min(s.q_len - 1, (it.row_begin + M - 1) / group);
     int kv_end = it.kv_end, full_end = it.kv_end;
@@ -210,13 +213,13 @@ TEST(PrefillPlan, MultiRequestBatchesLikeTheConcurrentServerTest) {
   for (int trial = 0; trial < 400; ++trial) {
     const int tasks = 1 + trial % 12;
     Batch b = RandomBatch(gen, g, tasks, /*mixed=*/true);
-    // Variant choice as in CudaBackend::Submit.
+    // The kernel the server would pick for the batch.
     int64_t max_packed = 0;
     for (const PrefillSeq& s : b.seqs) max_packed = std::max<int64_t>(max_packed, int64_t{s.q_len} * 8);
-    const int variant = max_packed <= PrefillTileRows(128, 1) ? 1 : 0;
+    const PrefillKernel kernel = ChoosePrefillKernel(g, PrefillDevice{}, max_packed);
     for (int ctas : {1, 2, 3}) {
       for (int64_t l2 : {int64_t{16} << 20, int64_t{0}, int64_t{1} << 20}) {
-        const PrefillPlanOptions opt = ServerOptions(PrefillTileRows(128, variant), ctas, l2);
+        const PrefillPlanOptions opt = ServerOptions(PrefillTileRows(kernel, 128), ctas, l2);
         PrefillPlan plan;
         BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
         const std::string err = CheckPlan(b, opt, plan);
@@ -239,8 +242,8 @@ TEST(PrefillPlan, OtherGeometriesAndTileSizes) {
   for (const KvGeometry& g : geos) {
     for (int trial = 0; trial < 60; ++trial) {
       Batch b = RandomBatch(gen, g, 1 + trial % 8, trial % 3 != 0);
-      for (int variant : {0, 1}) {
-        const PrefillPlanOptions opt = ServerOptions(PrefillTileRows(g.head_dim, variant), 1 + trial % 3, int64_t{16} << 20);
+      for (PrefillKernel kernel : {PrefillKernel::kSm80, PrefillKernel::kSm80Rows64}) {
+        const PrefillPlanOptions opt = ServerOptions(PrefillTileRows(kernel, g.head_dim), 1 + trial % 3, int64_t{16} << 20);
         PrefillPlan plan;
         BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
         ASSERT_EQ(CheckPlan(b, opt, plan), "") << "H " << g.num_qo_heads << " KVH " << g.num_kv_heads
@@ -265,7 +268,7 @@ TEST(PrefillPlan, LongKvBesideShortAndSmallWorkspace) {
     b.seqs.push_back(longs);
     b.total_q += longs.q_len;
     for (int64_t cap : {int64_t{0}, int64_t{1} << 16, int64_t{4096}}) {
-      PrefillPlanOptions opt = ServerOptions(PrefillTileRows(128, 0), 2, int64_t{16} << 20);
+      PrefillPlanOptions opt = ServerOptions(PrefillTileRows(PrefillKernel::kSm80, 128), 2, int64_t{16} << 20);
       if (cap > 0) opt.max_partial_pairs = cap;
       PrefillPlan plan;
       BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
@@ -281,7 +284,7 @@ TEST(PrefillPlan, CheckerCatchesCorruptPlans) {
   int checked = 0;
   for (int trial = 0; trial < 200 && checked < 20; ++trial) {
     Batch b = RandomBatch(gen, g, 4 + trial % 8, true);
-    const PrefillPlanOptions opt = ServerOptions(PrefillTileRows(128, 0), 2, int64_t{16} << 20);
+    const PrefillPlanOptions opt = ServerOptions(PrefillTileRows(PrefillKernel::kSm80, 128), 2, int64_t{16} << 20);
     PrefillPlan plan;
     BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
     if (plan.merges.size() < 2) continue;

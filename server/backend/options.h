@@ -1,13 +1,11 @@
-// Picks and builds the backend named by --backend (auto, cuda, cpu).
+// What a backend is built with: which one, on which device, the KV geometry,
+// and the batch sizes its staging and workspace must hold.
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <string>
 
-#include "absl/status/statusor.h"
 #include "common/kv_geometry.h"
-#include "server/backend.h"
 
 namespace attnserve {
 
@@ -23,13 +21,5 @@ struct BackendOptions {
   int64_t max_batch_kv_indices = 0;
   int64_t max_batch_append_rows = 0;
 };
-
-// True when this build has the CUDA backend and a CUDA device is visible.
-bool CudaDevicePresent();
-
-// Bytes of one page across all layers, K and V (for --kv_cache_bytes).
-int64_t BytesPerPage(const KvGeometry& geo);
-
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options);
 
 }  // namespace attnserve

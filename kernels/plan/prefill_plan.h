@@ -1,21 +1,15 @@
-// Paged prefill attention on tensor cores: one launch for a whole ragged
-// batch (sequences may mix layers, scales, masks and LSE bases), plus the
-// host-side plan that cuts the batch into work items and splits long KV
-// ranges so that the items fill the GPU.
+// Host plan for the paged prefill families: cuts a validated ragged batch
+// into work items (sequence, KV head, packed query tile, KV chunk), splits
+// long KV ranges when the batch alone would leave SMs idle, and orders the
+// items for L2 locality. Plain C++ (no CUDA): tests/kernels/prefill_plan_test
+// runs it on every build.
 //
-// Usage (the CudaBackend does exactly this; all device pointers):
+//   PrefillPlanOptions opt = ...;   // from the chosen kernel (kernel_select.h)
 //   PrefillPlan plan;
-//   BuildPrefillPlan(seqs, num_seqs, geo, PrefillPlanOptions{...}, &plan);
-//   // upload plan.items and plan.merges next to seqs / kv_indices / q
-//   PagedPrefillCuda(params, d_items, n_items, d_part_o, d_part_lse, stream);
-//   if (!plan.merges.empty())
-//     MergeSplitsCuda(params, d_merges, n_merges, plan.merge_pairs,
-//                     d_part_o, d_part_lse, stream);
-//
-// Conventions are those of kernels/paged_prefill.h (docs/design.md section 3).
+//   BuildPrefillPlan(seqs, num_seqs, geo, opt, &plan);
+//   // upload plan.items and plan.merges; launch the family; if anything was
+//   // split, the merge family combines plan.merges' partial states.
 #pragma once
-
-#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <vector>
@@ -57,7 +51,7 @@ struct SplitMergeSeq {
 
 struct PrefillPlanOptions {
   int32_t num_sms = 132;
-  // Resident CTAs per SM for the kernel chosen (PrefillCtasPerSm).
+  // Resident CTAs per SM for the kernel chosen (PrefillCtasPerSm in kernels/dispatch.h).
   int32_t ctas_per_sm = 2;
   // Split KV when the unsplit items number fewer than this; 0: 2 waves.
   int32_t target_items = 0;
@@ -65,7 +59,7 @@ struct PrefillPlanOptions {
   int32_t min_chunk = 512;
   // Capacity of the partial workspace in (row, head) pairs.
   int64_t max_partial_pairs = 0;
-  // Packed rows per tile (PrefillTileRows(head_dim, variant)).
+  // Packed rows per tile (PrefillTileRows in kernel_select.h).
   int32_t tile_rows = 128;
   // Items run in sections of whole (sequence, KV head) groups whose K/V
   // bytes sum to at most this, longest first within a section, so that the
@@ -81,34 +75,10 @@ struct PrefillPlan {
   int32_t merge_pairs = 0;             // (row, head) pairs the merge writes
 };
 
-// Kernel variants for head_dim 128: 0 = 128 packed rows per tile (two
-// 16-row MMA tiles per warp), 1 = 64 rows (one per warp), 2 = variant 0 with
-// the previous softmax (scale multiply, O rescale every block), kept only for
-// A/B timing in bench/kernel_bench.cc.
-int32_t PrefillTileRows(int32_t head_dim, int32_t variant = 0);
-// Resident CTAs per SM of the kernel for this head_dim / dtype / variant.
-int32_t PrefillCtasPerSm(int32_t head_dim, KvDType dtype, int32_t variant = 0);
-
 // Builds the work items (and split merges) for seqs on the host. Sequences
 // with q_len 0 produce no items. Never fails for validated input.
 void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs,
                       const KvGeometry& geo, const PrefillPlanOptions& options,
                       PrefillPlan* plan);
-
-// Runs every work item (one CTA each). params' pointers (q, o, lse, pools,
-// kv_indices, seqs) are device pointers. part_o (partial_pairs, head_dim) and
-// part_lse (partial_pairs) are fp32 workspace, used only by split items.
-// geo.head_dim must be 64, 128 or 256.
-cudaError_t PagedPrefillCuda(const PagedPrefillParams& params,
-                             const PrefillWorkItem* items, int32_t num_items,
-                             float* part_o, float* part_lse, int32_t variant,
-                             cudaStream_t stream);
-
-// Merges the split sequences' partial states into params.o / params.lse
-// (N-way, base-2 math, -inf safe). merges is a device array.
-cudaError_t MergeSplitsCuda(const PagedPrefillParams& params,
-                            const SplitMergeSeq* merges, int32_t num_merges,
-                            int32_t merge_pairs, const float* part_o,
-                            const float* part_lse, cudaStream_t stream);
 
 }  // namespace attnserve

@@ -1,0 +1,386 @@
+// attnserve_decode_bench: times the decode kernel family (kernels/decode/)
+// on the workloads of issue #14 against the prefill kernel on the same
+// inputs, and the same-run device copy ceiling.
+//
+// Shapes: 32 query heads / 4 KV heads / head_dim 128 / bf16, page ids in
+// random order, page_size 1 and 16. Timing: CUDA events around each launch
+// (the decode launch includes its fused merge; the prefill one is followed by
+// its merge launch when split), warm-up, median of repeats, input sets
+// rotated when one set fits in L2. K/V bytes = 2 * batch * kv_len * 4 heads *
+// 128 * 2 bytes: each byte read once is the floor.
+//
+// Usage: attnserve_decode_bench [--quick]
+// Prints one "RESULT key=value ..." line per measurement, then a table with
+// the issue's targets.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/decode/decode_cuda.h"
+#include "kernels/merge/merge_cuda.h"
+#include "kernels/plan/kernel_select.h"
+#include "kernels/prefill_cuda.h"
+#include "kernels/plan/decode_plan.h"
+
+namespace attnserve {
+namespace {
+
+#define CHECK_CUDA(expr)                                                                             \
+  do {                                                                                               \
+    cudaError_t e_ = (expr);                                                                         \
+    if (e_ != cudaSuccess) {                                                                         \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_));    \
+      std::exit(1);                                                                                  \
+    }                                                                                                \
+  } while (0)
+
+constexpr int kH = 32, kKvh = 4, kD = 128;
+
+struct Workload {
+  std::string name;
+  int batch, q_len, kv_len, page_size;
+  // Target: max ms (0: none) and min TB/s (0: none), kernel time incl. merge.
+  double target_ms, target_tbs;
+};
+
+// Fills n bf16 values with N(0, 1) (never zeros) from a host table.
+void FillRandomBf16(void* dst, size_t n, uint64_t seed) {
+  static const std::vector<uint16_t> table = [] {
+    std::vector<uint16_t> h((size_t{1} << 24) + (size_t{1} << 20));
+    std::mt19937_64 rng(12345);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& x : h) {
+      float f = nd(rng);
+      if (f == 0.f) f = 1e-3f;
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      u += 0x7fff + ((u >> 16) & 1);
+      x = static_cast<uint16_t>(u >> 16);
+    }
+    return h;
+  }();
+  const size_t chunk = size_t{1} << 24;
+  const size_t start = (seed * 104729) % (size_t{1} << 20);
+  for (size_t off = 0; off < n; off += chunk) {
+    const size_t c = std::min(chunk, n - off);
+    CHECK_CUDA(cudaMemcpy(static_cast<uint16_t*>(dst) + off, table.data() + start, c * 2, cudaMemcpyHostToDevice));
+  }
+}
+
+double Median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int NumSms() {
+  int dev = 0, sms = 0;
+  CHECK_CUDA(cudaGetDevice(&dev));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+int L2Bytes() {
+  int dev = 0, l2 = 0;
+  CHECK_CUDA(cudaGetDevice(&dev));
+  CHECK_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+  return l2;
+}
+
+// Times fn (one launch sequence on the default stream) with events.
+template <typename Fn>
+double TimeMs(int repeats, Fn&& fn) {
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::vector<float> times;
+  for (int r = 0; r < repeats + 5; ++r) {
+    CHECK_CUDA(cudaEventRecord(e0));
+    fn(r);
+    CHECK_CUDA(cudaEventRecord(e1));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    if (r >= 5) times.push_back(ms);
+  }
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  return Median(times);
+}
+
+struct Row {
+  std::string name;
+  int page_size;
+  double ms, tbs, merge_share, prefill_ms;
+  double target_ms, target_tbs;
+};
+
+Row RunWorkload(const Workload& w, int repeats) {
+  KvGeometry g;
+  g.num_layers = 1;
+  g.page_size = w.page_size;
+  g.num_qo_heads = kH;
+  g.num_kv_heads = kKvh;
+  g.head_dim = kD;
+  g.dtype = KvDType::kBf16;
+  const int pages_per_seq = (w.kv_len + w.page_size - 1) / w.page_size;
+  g.num_pages = pages_per_seq * w.batch;
+
+  std::vector<PrefillSeq> seqs(w.batch);
+  std::vector<int32_t> idx(size_t(pages_per_seq) * w.batch);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::mt19937_64 rng(42);
+  std::shuffle(idx.begin(), idx.end(), rng);  // random page order
+  for (int b = 0; b < w.batch; ++b) {
+    PrefillSeq& s = seqs[b];
+    s.q_start = b * w.q_len;
+    s.q_len = w.q_len;
+    s.kv_start = b * pages_per_seq;
+    s.kv_len = w.kv_len;
+    s.sm_scale = 1.f / std::sqrt(float(kD));
+    s.causal = 1;
+  }
+  const double kv_bytes = 2.0 * w.batch * double(w.kv_len) * kKvh * kD * 2;
+
+  // ---- Plans: decode (heuristic, and unsplit for A/B), prefill variant 1 / 0.
+  const int sms = NumSms();
+  DecodePlanOptions dopt;
+  dopt.num_sms = sms;
+  const int tile_rows = DecodeTileRows(kD, w.q_len * (kH / kKvh));
+  dopt.ctas_per_sm = DecodeCtasPerSm(kD, g.dtype, tile_rows);
+  DecodePlan dplan;
+  BuildDecodePlan(seqs.data(), w.batch, g, dopt, &dplan);
+  DecodePlanOptions nopt = dopt;
+  nopt.no_split = true;
+  DecodePlan nplan;
+  BuildDecodePlan(seqs.data(), w.batch, g, nopt, &nplan);
+
+  const size_t q_elems = size_t(w.batch) * w.q_len * kH * kD;
+  const size_t pool_elems = g.PoolElems();
+  const double set_bytes = double(q_elems + 2 * pool_elems) * 2;
+  const int sets = std::clamp(static_cast<int>(std::ceil(4.0 * L2Bytes() / set_bytes)), 1, 16);
+  std::vector<void*> qs(sets), ks(sets), vs(sets);
+  for (int i = 0; i < sets; ++i) {
+    CHECK_CUDA(cudaMalloc(&qs[i], q_elems * 2));
+    CHECK_CUDA(cudaMalloc(&ks[i], pool_elems * 2));
+    CHECK_CUDA(cudaMalloc(&vs[i], pool_elems * 2));
+    FillRandomBf16(qs[i], q_elems, 1 + i);
+    FillRandomBf16(ks[i], pool_elems, 100 + i);
+    FillRandomBf16(vs[i], pool_elems, 200 + i);
+  }
+  auto dev_copy = [](const void* src, size_t bytes) {
+    void* d = nullptr;
+    CHECK_CUDA(cudaMalloc(&d, std::max<size_t>(bytes, 4)));
+    if (bytes > 0) CHECK_CUDA(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice));
+    return d;
+  };
+  void* o_dec = nullptr;
+  void* o_pre = nullptr;
+  float* lse = nullptr;
+  CHECK_CUDA(cudaMalloc(&o_dec, q_elems * 2));
+  CHECK_CUDA(cudaMalloc(&o_pre, q_elems * 2));
+  CHECK_CUDA(cudaMalloc(&lse, size_t(w.batch) * w.q_len * kH * 4));
+  void* d_idx = dev_copy(idx.data(), idx.size() * 4);
+  void* d_seqs = dev_copy(seqs.data(), seqs.size() * sizeof(PrefillSeq));
+  void* d_items = dev_copy(dplan.items.data(), dplan.items.size() * sizeof(DecodeWorkItem));
+  void* d_nitems = dev_copy(nplan.items.data(), nplan.items.size() * sizeof(DecodeWorkItem));
+  float *part_o, *part_lse;
+  int32_t* counters;
+  CHECK_CUDA(cudaMalloc(&part_o, std::max<int64_t>(dplan.PartOBytes(kD), 4)));
+  CHECK_CUDA(cudaMalloc(&part_lse, std::max<int64_t>(dplan.PartLseBytes(), 4)));
+  CHECK_CUDA(cudaMalloc(&counters, std::max<int64_t>(dplan.CounterBytes(), 4)));
+  CHECK_CUDA(cudaMemset(counters, 0, std::max<int64_t>(dplan.CounterBytes(), 4)));
+
+  auto params = [&](int r, void* o) {
+    const int s = r % sets;
+    PagedPrefillParams p;
+    p.q = qs[s];
+    p.o = o;
+    p.lse = lse;
+    p.k_cache = ks[s];
+    p.v_cache = vs[s];
+    p.kv_indices = static_cast<int32_t*>(d_idx);
+    p.seqs = static_cast<PrefillSeq*>(d_seqs);
+    p.num_seqs = w.batch;
+    p.total_q = w.batch * w.q_len;
+    p.geo = g;
+    return p;
+  };
+  const int n_items = static_cast<int>(dplan.items.size());
+  const double ms = TimeMs(repeats, [&](int r) {
+    CHECK_CUDA(PagedDecodeCuda(params(r, o_dec), dplan.tile_rows, static_cast<DecodeWorkItem*>(d_items), n_items,
+                               part_o, part_lse, counters, nullptr));
+  });
+  // The last timed run used set (repeats + 4) % sets: keep its output.
+  const int last_set = (repeats + 4) % sets;
+  std::vector<uint16_t> h_dec(q_elems);
+  CHECK_CUDA(cudaMemcpy(h_dec.data(), o_dec, q_elems * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> h_lse(size_t(w.batch) * w.q_len * kH);
+  CHECK_CUDA(cudaMemcpy(h_lse.data(), lse, h_lse.size() * 4, cudaMemcpyDeviceToHost));
+  for (float x : h_lse) {
+    if (!std::isfinite(x)) {
+      std::fprintf(stderr, "non-finite LSE in %s\n", w.name.c_str());
+      std::exit(1);
+    }
+  }
+  double ms_nomerge = ms;
+  if (dplan.split_tiles > 0) {
+    ms_nomerge = TimeMs(repeats, [&](int r) {
+      CHECK_CUDA(PagedDecodeCuda(params(r, o_dec), dplan.tile_rows, static_cast<DecodeWorkItem*>(d_items), n_items,
+                                 part_o, part_lse, counters, nullptr, /*skip_merge=*/true));
+    });
+  }
+  const double merge_share = std::max(0.0, (ms - ms_nomerge) / ms);
+  std::printf("RESULT kernel=decode workload=%s batch=%d q=%d kv=%d page_size=%d ms=%.4f kv_tbs=%.3f items=%d "
+              "tile_rows=%d chunk=%d split_tiles=%d ctas_per_sm=%d ms_without_merge=%.4f merge_share=%.3f\n",
+              w.name.c_str(), w.batch, w.q_len, w.kv_len, w.page_size, ms, kv_bytes / (ms * 1e-3) / 1e12, n_items,
+              dplan.tile_rows, dplan.chunk_len, dplan.split_tiles, dopt.ctas_per_sm, ms_nomerge, merge_share);
+  std::fflush(stdout);
+  if (dplan.split_tiles > 0) {
+    const double ms_n = TimeMs(repeats, [&](int r) {
+      CHECK_CUDA(PagedDecodeCuda(params(r, o_dec), nplan.tile_rows, static_cast<DecodeWorkItem*>(d_nitems),
+                                 static_cast<int>(nplan.items.size()), nullptr, nullptr, nullptr, nullptr));
+    });
+    std::printf("RESULT kernel=decode_nosplit workload=%s page_size=%d ms=%.4f kv_tbs=%.3f items=%zu\n",
+                w.name.c_str(), w.page_size, ms_n, kv_bytes / (ms_n * 1e-3) / 1e12, nplan.items.size());
+    std::fflush(stdout);
+  }
+
+  // ---- The prefill kernel on the same inputs (variants 1: 64 rows, 0: 128).
+  double best_prefill = 1e30;
+  for (int variant : {1, 0}) {
+    PrefillPlanOptions popt;
+    popt.num_sms = sms;
+    const PrefillKernel pk = variant == 1 ? PrefillKernel::kSm80Rows64 : PrefillKernel::kSm80;
+    popt.ctas_per_sm = PrefillCtasPerSm(pk, kD, KvDType::kBf16);
+    popt.tile_rows = PrefillTileRows(pk, kD);
+    popt.max_partial_pairs = int64_t{4} * popt.num_sms * popt.ctas_per_sm * popt.tile_rows;
+    PrefillPlan pplan;
+    BuildPrefillPlan(seqs.data(), w.batch, g, popt, &pplan);
+    void* p_items = dev_copy(pplan.items.data(), pplan.items.size() * sizeof(PrefillWorkItem));
+    void* p_merges = dev_copy(pplan.merges.data(), pplan.merges.size() * sizeof(SplitMergeSeq));
+    float *pp_o, *pp_lse;
+    CHECK_CUDA(cudaMalloc(&pp_o, std::max<int64_t>(pplan.partial_pairs, 1) * kD * 4));
+    CHECK_CUDA(cudaMalloc(&pp_lse, std::max<int64_t>(pplan.partial_pairs, 1) * 4));
+    const int np = static_cast<int>(pplan.items.size());
+    const double pms = TimeMs(repeats, [&](int r) {
+      const PagedPrefillParams p = params(r, o_pre);
+      CHECK_CUDA(PagedPrefillCuda(p, static_cast<PrefillWorkItem*>(p_items), np, pp_o, pp_lse, pk, nullptr));
+      if (!pplan.merges.empty()) {
+        CHECK_CUDA(MergeSplitsCuda(p, static_cast<SplitMergeSeq*>(p_merges), static_cast<int>(pplan.merges.size()),
+                                   pplan.merge_pairs, pp_o, pp_lse, nullptr));
+      }
+    });
+    best_prefill = std::min(best_prefill, pms);
+    // Cross-check on the same input set: decode vs prefill outputs.
+    const PagedPrefillParams p = params(last_set, o_pre);
+    CHECK_CUDA(PagedPrefillCuda(p, static_cast<PrefillWorkItem*>(p_items), np, pp_o, pp_lse, pk, nullptr));
+    if (!pplan.merges.empty()) {
+      CHECK_CUDA(MergeSplitsCuda(p, static_cast<SplitMergeSeq*>(p_merges), static_cast<int>(pplan.merges.size()),
+                                 pplan.merge_pairs, pp_o, pp_lse, nullptr));
+    }
+    std::vector<uint16_t> h_pre(q_elems);
+    CHECK_CUDA(cudaMemcpy(h_pre.data(), o_pre, q_elems * 2, cudaMemcpyDeviceToHost));
+    double max_diff = 0;
+    for (size_t i = 0; i < q_elems; ++i) {
+      auto f = [](uint16_t u) {
+        const uint32_t x = uint32_t{u} << 16;
+        float y;
+        std::memcpy(&y, &x, 4);
+        return double(y);
+      };
+      const double d = std::fabs(f(h_dec[i]) - f(h_pre[i]));
+      max_diff = std::isnan(d) ? INFINITY : std::max(max_diff, d);
+    }
+    std::printf("RESULT kernel=prefill workload=%s page_size=%d variant=%d ms=%.4f kv_tbs=%.3f items=%d split=%d "
+                "max_abs_diff_vs_decode=%.3g\n",
+                w.name.c_str(), w.page_size, variant, pms, kv_bytes / (pms * 1e-3) / 1e12, np,
+                pplan.merges.empty() ? 0 : 1, max_diff);
+    std::fflush(stdout);
+    cudaFree(p_items);
+    cudaFree(p_merges);
+    cudaFree(pp_o);
+    cudaFree(pp_lse);
+  }
+
+  for (int i = 0; i < sets; ++i) {
+    cudaFree(qs[i]);
+    cudaFree(ks[i]);
+    cudaFree(vs[i]);
+  }
+  for (void* p : {o_dec, o_pre, static_cast<void*>(lse), d_idx, d_seqs, d_items, d_nitems,
+                  static_cast<void*>(part_o), static_cast<void*>(part_lse), static_cast<void*>(counters)}) {
+    cudaFree(p);
+  }
+  CHECK_CUDA(cudaGetLastError());
+  return {w.name, w.page_size, ms, kv_bytes / (ms * 1e-3) / 1e12, merge_share, best_prefill, w.target_ms,
+          w.target_tbs};
+}
+
+// cudaMemcpy device to device of 1 GiB: bytes read + written / time.
+double CopyCeilingTbs(int repeats) {
+  const size_t bytes = size_t{1} << 30;
+  void *a, *b;
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&b, bytes));
+  CHECK_CUDA(cudaMemset(a, 1, bytes));
+  const double ms = TimeMs(repeats, [&](int) { CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); });
+  cudaFree(a);
+  cudaFree(b);
+  const double tbs = 2.0 * bytes / (ms * 1e-3) / 1e12;
+  std::printf("RESULT kernel=copy bytes=%zu ms=%.4f tbs=%.3f\n", bytes, ms, tbs);
+  std::fflush(stdout);
+  return tbs;
+}
+
+}  // namespace
+}  // namespace attnserve
+
+int main(int argc, char** argv) {
+  using namespace attnserve;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  const int reps = quick ? 10 : 50;
+  const double copy_tbs = CopyCeilingTbs(reps);
+  // name, batch, q_len, kv_len, page_size, target ms (max), target TB/s (min)
+  const std::vector<Workload> workloads = {
+      {"decode_b64", 64, 1, 4096, 1, 0.135, 0},     {"decode_b64", 64, 1, 4096, 16, 0.135, 0},
+      {"decode_b128", 128, 1, 4096, 1, 0, 0},       {"decode_b256", 256, 1, 4096, 1, 0.54, 0},
+      {"decode_b8_128k", 8, 1, 131072, 1, 0, 3.8},  {"decode_b8_128k", 8, 1, 131072, 16, 0, 3.8},
+      {"decode_b1", 1, 1, 4096, 1, 0.015, 0},       {"decode_b1", 1, 1, 4096, 16, 0.015, 0},
+      {"spec_b64_q4", 64, 4, 4096, 1, 0, 3.8},      {"spec_b64_q4", 64, 4, 4096, 16, 0, 3.8},
+  };
+  std::vector<Row> rows;
+  for (const auto& w : workloads) rows.push_back(RunWorkload(w, reps));
+
+  std::printf("\ncopy ceiling (cudaMemcpy D2D 1 GiB, read + write): %.2f TB/s\n", copy_tbs);
+  std::printf("%-15s %3s %9s %8s %7s %11s %8s %-16s %s\n", "workload", "ps", "ms", "TB/s", "merge%", "prefill_ms",
+              "speedup", "target", "met");
+  for (const auto& r : rows) {
+    char target[64] = "-";
+    bool met = true;
+    if (r.target_ms > 0) {
+      std::snprintf(target, sizeof(target), "<= %.3f ms", r.target_ms);
+      met = r.ms <= r.target_ms;
+    } else if (r.target_tbs > 0) {
+      std::snprintf(target, sizeof(target), ">= %.1f TB/s", r.target_tbs);
+      met = r.tbs >= r.target_tbs;
+    }
+    std::printf("%-15s %3d %9.4f %8.2f %6.1f%% %11.4f %7.2fx %-16s %s\n", r.name.c_str(), r.page_size, r.ms, r.tbs,
+                100 * r.merge_share, r.prefill_ms, r.prefill_ms / r.ms, target,
+                (r.target_ms > 0 || r.target_tbs > 0) ? (met ? "yes" : "NO") : "");
+  }
+  return 0;
+}

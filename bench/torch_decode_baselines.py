@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""PyTorch SDPA baselines (cuDNN and flash backends) on the decode shapes of
+attnserve_decode_bench: 32 query heads, 4 KV heads, head_dim 128, bf16,
+dense contiguous K/V (no paging), causal aligned bottom-right.
+
+The shapes and how each call is made come from torch_baselines.py (same
+directory): q_len 1 runs SDPA without a mask (every key is visible) with
+enable_gqa=True; q_len 4 (speculative) gives cuDNN an explicit bottom-right
+boolean mask with enable_gqa=True and runs flash through
+torch.ops.aten._flash_attention_forward(is_causal=True), which is bottom-right
+aligned, with GQA native. When a call fails the fallback repeats K/V to 32
+heads (repeat_interleave); the `how` column of each TORCH line says which
+way ran. kv_tbs = K/V bytes (2 * batch * kv_len * 4 * 128 * 2) / time.
+
+Usage: bench/torch_decode_baselines.py [--quick]
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+
+import torch_baselines  # noqa: E402
+
+# name, batch, q_len, kv_len (attnserve_decode_bench's workloads).
+SHAPES = [
+    ("decode_b64", 64, 1, 4096),
+    ("decode_b128", 128, 1, 4096),
+    ("decode_b256", 256, 1, 4096),
+    ("decode_b8_128k", 8, 1, 131072),
+    ("decode_b1", 1, 1, 4096),
+    ("spec_b64_q4", 64, 4, 4096),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    reps = 10 if args.quick else 50
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
+    for name, b, ql, kl in SHAPES:
+        torch_baselines.run(name, b, ql, kl, reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,566 @@
+// Paged decode attention (few query rows per sequence) on mma.sync, sm_80+.
+//
+// One CTA per DecodeWorkItem: 4 warps share one packed Q tile (every query
+// head of the KV group x every query row of the sequence, 16 * MT rows) and
+// split the item's KV range between them in steps of 16 tokens (warp w takes
+// steps w, w + 4, ...). Each warp streams its own K/V through a private
+// kStages-deep cp.async ring (16-byte copies, no CTA barrier in the main
+// loop), with the page-table entry of the step after next loaded one
+// iteration ahead. S = Q K^T and O += P V are m16n8k16 MMAs with the packed
+// rows as M; online softmax in base 2. At the end the 4 warps' states are
+// combined through shared memory. Split items write an fp32 partial and
+// count themselves done on the tile's counter; the last one merges the
+// tile's partials and writes o / lse (decode_plan.h).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/decode/decode_cuda.h"
+#include "kernels/math.h"
+#include "kernels/sm80/mma.cuh"
+
+namespace attnserve {
+namespace {
+
+
+struct DecodeKernelArgs {
+  const void* q;              // (total_q, H, D)
+  void* o;                    // (total_q, H, D)
+  float* lse;                 // (total_q, H)
+  const void* k_cache;        // (L, pages, page_size, KVH, D)
+  const void* v_cache;
+  const int32_t* kv_indices;
+  const PrefillSeq* seqs;
+  const DecodeWorkItem* items;
+  float* part_o;              // (slots * M, D) fp32
+  float* part_lse;            // (slots * M) base 2
+  int32_t* counters;          // (split tiles)
+  int32_t num_qo_heads;
+  int32_t num_kv_heads;
+  int32_t page_size;
+  int32_t skip_merge;
+  int64_t slots_per_layer;
+};
+
+template <int D, int MT>
+struct DecodeTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kM = 16 * MT;             // packed rows per tile
+  static constexpr int kTok = 16;                // KV tokens per warp step
+  static constexpr int kChunks = D / 8;          // 16-byte chunks per row
+  static constexpr int kRowBytes = D * 2;
+  // Ring depth per warp: about 96 KiB of K/V per CTA (two CTAs per SM) for
+  // head_dim 64 / 128; 128 KiB (one CTA per SM) for 256.
+  static constexpr int kStages = D == 64 ? 6 : D == 128 ? 3 : 2;
+  static constexpr int kStageBytes = kTok * kRowBytes;  // K (or V) of a step
+  static constexpr int kWarpRingBytes = kStages * 2 * kStageBytes;
+  static constexpr int kQBytes = kM * kRowBytes;
+  static constexpr int kLoopBytes = kQBytes + kWarps * kWarpRingBytes;
+  // Epilogue: each warp's scaled O, fp32, rows padded against bank conflicts.
+  static constexpr int kOStride = D + 4;
+  static constexpr int kCombineBytes = kWarps * kM * kOStride * 4;
+  // Merge: weight of each chunk for each row.
+  static constexpr int kMergeBytes = kMaxDecodeChunks * kM * 4;
+  static constexpr int kMainBytes =
+      kLoopBytes > kCombineBytes ? (kLoopBytes > kMergeBytes ? kLoopBytes : kMergeBytes)
+                                 : (kCombineBytes > kMergeBytes ? kCombineBytes : kMergeBytes);
+  // Then: m and l per (warp, row), row max and row sum, the last-CTA flag.
+  static constexpr int kSmemBytes = kMainBytes + (2 * kWarps * kM + 2 * kM) * 4 + 16;
+  static constexpr int kRowsPerPass = 32 / kChunks;
+  static constexpr int kPasses = kTok / kRowsPerPass;
+  static_assert(kChunks >= 8 && 32 % kChunks == 0, "head_dim 64, 128 or 256");
+};
+
+// Byte offset of 16-byte chunk c of row r in a swizzled tile.
+template <int ROW_BYTES>
+__device__ __forceinline__ uint32_t Swz(int r, int c) {
+  return r * ROW_BYTES + ((c ^ (r & 7)) << 4);
+}
+
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 PackOut(const float (&v)[8]) {
+  return make_uint4(mma::Pack2<T>(v[0], v[1]), mma::Pack2<T>(v[2], v[3]), mma::Pack2<T>(v[4], v[5]),
+                    mma::Pack2<T>(v[6], v[7]));
+}
+
+template <int D, int MT, typename T>
+__global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelArgs args) {
+  using Tr = DecodeTraits<D, MT>;
+  constexpr int kM = Tr::kM;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  uint8_t* s_q = smem;
+  const uint32_t a_q = mma::SmemAddr(s_q);
+  const uint32_t a_ring = mma::SmemAddr(smem + Tr::kQBytes + warp * Tr::kWarpRingBytes);
+  float* s_m = reinterpret_cast<float*>(smem + Tr::kMainBytes);  // (warps, M)
+  float* s_l = s_m + Tr::kWarps * kM;                             // (warps, M)
+  float* s_row_m = s_l + Tr::kWarps * kM;                         // (M)
+  float* s_row_l = s_row_m + kM;                                  // (M)
+  int* s_last = reinterpret_cast<int*>(s_row_l + kM);
+
+  const DecodeWorkItem item = args.items[blockIdx.x];
+  const PrefillSeq seq = args.seqs[item.seq];
+  const int H = args.num_qo_heads;
+  const int KVH = args.num_kv_heads;
+  const int group = H / KVH;
+  const int kvh = item.kv_head;
+  const int q_len = seq.q_len;
+  const int diag = seq.kv_len - seq.q_len + seq.causal_shift;  // row t sees j <= t + diag
+  const bool causal = seq.causal != 0;
+
+  // KV range of the tile: clipped to what its last row sees; blocks ending at
+  // or before full_end need no mask.
+  const int t_first = item.row_begin / group;
+  const int t_last = min(q_len - 1, (item.row_begin + kM - 1) / group);
+  const int kv_begin = item.kv_begin;
+  int kv_end = item.kv_end;
+  int full_end = item.kv_end;
+  if (causal) {
+    kv_end = min(kv_end, t_last + diag + 1);
+    full_end = min(full_end, t_first + diag + 1);
+  }
+  const int num_steps = kv_end > kv_begin ? (kv_end - kv_begin + Tr::kTok - 1) / Tr::kTok : 0;
+  const int my_steps = num_steps > warp ? (num_steps - warp + Tr::kWarps - 1) / Tr::kWarps : 0;
+
+  // ---- K/V addressing: lane loads chunk kv_c of rows kv_r0 + p * kRowsPerPass.
+  const int kv_c = lane % Tr::kChunks;
+  const int kv_r0 = lane / Tr::kChunks;
+  const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+  const int64_t kv_base = static_cast<int64_t>(seq.layer) * args.slots_per_layer * row_stride + kvh * D + kv_c * 8;
+  const T* k_base = static_cast<const T*>(args.k_cache) + kv_base;
+  const T* v_base = static_cast<const T*>(args.v_cache) + kv_base;
+  const int32_t* pages = args.kv_indices + seq.kv_start;
+  const int ps = args.page_size;
+
+  // Lane l holds the page of token (l & 15) of a step (-1: past the range).
+  auto step_pos = [&](int i) { return kv_begin + (i * Tr::kWarps + warp) * Tr::kTok + (lane & 15); };
+  auto load_page = [&](int i) -> int {
+    const int pos = step_pos(i);
+    return (i < my_steps && pos < kv_end) ? __ldg(pages + pos / ps) : -1;
+  };
+  auto issue = [&](int i, int page) {
+    const int pos = step_pos(i);
+    const int64_t off = page >= 0 ? (static_cast<int64_t>(page) * ps + pos % ps) * row_stride : -1;
+    const uint32_t k_st = a_ring + (i % Tr::kStages) * 2 * Tr::kStageBytes;
+    const uint32_t v_st = k_st + Tr::kStageBytes;
+#pragma unroll
+    for (int p = 0; p < Tr::kPasses; ++p) {
+      const int r = p * Tr::kRowsPerPass + kv_r0;
+      const long long o = __shfl_sync(0xffffffffu, static_cast<long long>(off), r);
+      const bool valid = o >= 0;
+      const int64_t src = valid ? o : 0;
+      mma::CpAsync16(k_st + Swz<Tr::kRowBytes>(r, kv_c), k_base + src, valid);
+      mma::CpAsync16(v_st + Swz<Tr::kRowBytes>(r, kv_c), v_base + src, valid);
+    }
+  };
+
+  // ---- Prologue: the first kStages - 1 steps in flight, then Q.
+#pragma unroll
+  for (int s = 0; s < Tr::kStages - 1; ++s) {
+    if (s < my_steps) issue(s, load_page(s));
+    mma::CpAsyncCommit();
+  }
+  int page_next = load_page(Tr::kStages - 1);
+
+  // Q tile: packed row r -> token r / group, head kvh * group + r % group.
+  {
+    const T* q = static_cast<const T*>(args.q);
+    for (int idx = tid; idx < kM * Tr::kChunks; idx += Tr::kThreads) {
+      const int r = idx / Tr::kChunks;
+      const int c = idx % Tr::kChunks;
+      const int pr = item.row_begin + r;
+      const int t = pr / group;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (t < q_len) {
+        const int head = kvh * group + (pr - t * group);
+        v = __ldg(reinterpret_cast<const uint4*>(q + (static_cast<int64_t>(seq.q_start + t) * H + head) * D + c * 8));
+      }
+      *reinterpret_cast<uint4*>(s_q + Swz<Tr::kRowBytes>(r, c)) = v;
+    }
+  }
+  __syncthreads();
+
+  // Thread holds rows lane / 4 (h = 0) and lane / 4 + 8 (h = 1) of each m-tile;
+  // KV positions < lim[mt][h] are visible to them.
+  int lim[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = (item.row_begin + mt * 16 + (lane >> 2) + h * 8) / group;
+      lim[mt][h] = causal ? min(item.kv_end, t + diag + 1) : item.kv_end;
+    }
+  }
+  const float scale_log2 = seq.sm_scale * kLog2e;
+  float o_acc[MT][D / 8][4];
+  float m_run[MT][2];
+  float l_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[mt][n][e] = 0.f;
+    }
+    m_run[mt][0] = m_run[mt][1] = -INFINITY;
+    l_run[mt][0] = l_run[mt][1] = 0.f;
+  }
+
+  // ---- Main loop over this warp's steps.
+  for (int i = 0; i < my_steps; ++i) {
+    const int ahead = i + Tr::kStages - 1;
+    if (ahead < my_steps) issue(ahead, page_next);
+    mma::CpAsyncCommit();
+    page_next = load_page(ahead + 1);  // used next iteration: latency hidden
+    mma::CpAsyncWait<Tr::kStages - 1>();
+    __syncwarp();
+    const uint32_t k_st = a_ring + (i % Tr::kStages) * 2 * Tr::kStageBytes;
+    const uint32_t v_st = k_st + Tr::kStageBytes;
+
+    // S = Q K^T: s[mt][n] covers tokens n * 8 .. n * 8 + 7 of the step.
+    float s[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t kb[4];
+      mma::LdMatrixX4(kb, k_st + Swz<Tr::kRowBytes>(((lane >> 4) << 3) + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        uint32_t qa[4];
+        mma::LdMatrixX4(qa, a_q + Swz<Tr::kRowBytes>(mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        mma::Mma16816<T>(s[mt][0], qa, kb[0], kb[1]);
+        mma::Mma16816<T>(s[mt][1], qa, kb[2], kb[3]);
+      }
+    }
+
+    // Scale, mask (boundary steps only), online softmax in base 2.
+    const int step_start = kv_begin + (i * Tr::kWarps + warp) * Tr::kTok;
+    const bool need_mask = step_start + Tr::kTok > full_end;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x = s[mt][n][2 * h + e] * scale_log2;
+            if (need_mask && step_start + n * 8 + (lane & 3) * 2 + e >= lim[mt][h]) x = -INFINITY;
+            s[mt][n][2 * h + e] = x;
+          }
+        }
+        float mx = fmaxf(fmaxf(s[mt][0][2 * h], s[mt][0][2 * h + 1]), fmaxf(s[mt][1][2 * h], s[mt][1][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[mt][h], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = Exp2(m_run[mt][h] - m_use);
+        m_run[mt][h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = Exp2(s[mt][n][2 * h + e] - m_use);
+            s[mt][n][2 * h + e] = p;
+            sum += p;
+          }
+        }
+        l_run[mt][h] = l_run[mt][h] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          o_acc[mt][n][2 * h] *= alpha;
+          o_acc[mt][n][2 * h + 1] *= alpha;
+        }
+      }
+    }
+
+    // O += P V: P is one 16x16 A fragment per m-tile.
+    uint32_t pa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      pa[mt][0] = mma::Pack2<T>(s[mt][0][0], s[mt][0][1]);
+      pa[mt][1] = mma::Pack2<T>(s[mt][0][2], s[mt][0][3]);
+      pa[mt][2] = mma::Pack2<T>(s[mt][1][0], s[mt][1][1]);
+      pa[mt][3] = mma::Pack2<T>(s[mt][1][2], s[mt][1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t vb[4];
+      mma::LdMatrixX4Trans(vb, v_st + Swz<Tr::kRowBytes>(((lane >> 3) & 1) * 8 + (lane & 7), dp * 2 + (lane >> 4)));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma::Mma16816<T>(o_acc[mt][2 * dp], pa[mt], vb[0], vb[1]);
+        mma::Mma16816<T>(o_acc[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+      }
+    }
+    __syncwarp();  // the next iteration refills the stage before this one
+  }
+  mma::CpAsyncWait<0>();
+
+  // ---- Combine the 4 warps: row max / sum, then each warp's O scaled by
+  // 2^(m_w - m) / l into shared memory (over Q and the rings: barrier first).
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if ((lane & 3) == 0) {
+        const int r = mt * 16 + (lane >> 2) + h * 8;
+        s_m[warp * kM + r] = m_run[mt][h];
+        s_l[warp * kM + r] = l;
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < kM) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) m = fmaxf(m, s_m[w * kM + tid]);
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      const float mw = s_m[w * kM + tid];
+      if (mw != -INFINITY) l += s_l[w * kM + tid] * Exp2(mw - m);
+    }
+    s_row_m[tid] = m;
+    s_row_l[tid] = l;
+  }
+  __syncthreads();
+  float* s_o = reinterpret_cast<float*>(smem);  // (warps, M, kOStride)
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = mt * 16 + (lane >> 2) + h * 8;
+      const float l = s_row_l[r];
+      const float f = (m_run[mt][h] != -INFINITY && l > 0.f) ? Exp2(m_run[mt][h] - s_row_m[r]) / l : 0.f;
+      float* dst = s_o + (warp * kM + r) * Tr::kOStride + (lane & 3) * 2;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o_acc[mt][n][2 * h] * f, o_acc[mt][n][2 * h + 1] * f);
+      }
+    }
+  }
+  __syncthreads();
+  // Sum over warps of 8 consecutive values of row r starting at column c8 * 8.
+  auto sum_warps = [&](int r, int c8, float (&v)[8]) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = 0.f;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      const float* src = s_o + (w * kM + r) * Tr::kOStride + c8 * 8;
+      const float4 a = *reinterpret_cast<const float4*>(src);
+      const float4 b = *reinterpret_cast<const float4*>(src + 4);
+      v[0] += a.x; v[1] += a.y; v[2] += a.z; v[3] += a.w;
+      v[4] += b.x; v[5] += b.y; v[6] += b.z; v[7] += b.w;
+    }
+  };
+  auto row_lse2 = [&](int r) {
+    const float l = s_row_l[r];
+    return l > 0.f ? s_row_m[r] + log2f(l) : -INFINITY;
+  };
+  T* o_out = static_cast<T*>(args.o);
+  auto out_row = [&](int r, int* t_out) -> int64_t {  // (q row, head) index; -1 for padding
+    const int pr = item.row_begin + r;
+    const int t = pr / group;
+    if (t >= q_len) return -1;
+    *t_out = t;
+    return static_cast<int64_t>(seq.q_start + t) * H + kvh * group + (pr - t * group);
+  };
+  auto write_lse = [&](int64_t row, float lse2) {
+    args.lse[row] = (seq.lse_base_e && lse2 != -INFINITY) ? lse2 * kLn2 : lse2;
+  };
+
+  if (item.split_tile < 0) {
+    for (int idx = tid; idx < kM * Tr::kChunks; idx += Tr::kThreads) {
+      const int r = idx / Tr::kChunks;
+      const int c8 = idx % Tr::kChunks;
+      int t;
+      const int64_t row = out_row(r, &t);
+      if (row < 0) continue;
+      float v[8];
+      sum_warps(r, c8, v);
+      *reinterpret_cast<uint4*>(o_out + row * D + c8 * 8) = PackOut<T>(v);
+    }
+    if (tid < kM) {
+      int t;
+      const int64_t row = out_row(tid, &t);
+      if (row >= 0) write_lse(row, row_lse2(tid));
+    }
+    return;
+  }
+
+  // ---- Split chunk: fp32 partial (o, base-2 lse) into its slot.
+  const int64_t slot = static_cast<int64_t>(item.part_begin) + item.chunk;
+  for (int idx = tid; idx < kM * Tr::kChunks; idx += Tr::kThreads) {
+    const int r = idx / Tr::kChunks;
+    const int c8 = idx % Tr::kChunks;
+    float v[8];
+    sum_warps(r, c8, v);
+    float4* dst = reinterpret_cast<float4*>(args.part_o + (slot * kM + r) * D + c8 * 8);
+    __stcg(dst, make_float4(v[0], v[1], v[2], v[3]));
+    __stcg(dst + 1, make_float4(v[4], v[5], v[6], v[7]));
+  }
+  if (tid < kM) __stcg(args.part_lse + slot * kM + tid, row_lse2(tid));
+  if (args.skip_merge) return;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const int done = atomicAdd(args.counters + item.split_tile, 1);
+    *s_last = done == item.num_chunks - 1;
+  }
+  __syncthreads();
+  if (!*s_last) return;
+  __threadfence();
+
+  // ---- Last chunk of the tile: merge the num_chunks partials.
+  const int nc = item.num_chunks;
+  const int64_t base = item.part_begin;
+  float* s_w = reinterpret_cast<float*>(smem);  // (chunks, M): weight / sum
+  if (tid < kM) {
+    float m = -INFINITY;
+    for (int c = 0; c < nc; ++c) m = fmaxf(m, __ldcg(args.part_lse + (base + c) * kM + tid));
+    float l = 0.f;
+    for (int c = 0; c < nc; ++c) {
+      const float x = __ldcg(args.part_lse + (base + c) * kM + tid);
+      const float w = x == -INFINITY ? 0.f : Exp2(x - m);
+      s_w[c * kM + tid] = w;
+      l += w;
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int c = 0; c < nc; ++c) s_w[c * kM + tid] *= inv;
+    s_row_m[tid] = l > 0.f ? m + log2f(l) : -INFINITY;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < kM * Tr::kChunks; idx += Tr::kThreads) {
+    const int r = idx / Tr::kChunks;
+    const int c8 = idx % Tr::kChunks;
+    int t;
+    const int64_t row = out_row(r, &t);
+    if (row < 0) continue;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = 0.f;
+    for (int c = 0; c < nc; ++c) {
+      const float w = s_w[c * kM + r];
+      if (w == 0.f) continue;
+      const float4* src = reinterpret_cast<const float4*>(args.part_o + ((base + c) * kM + r) * D + c8 * 8);
+      const float4 a = __ldcg(src);
+      const float4 b = __ldcg(src + 1);
+      v[0] += w * a.x; v[1] += w * a.y; v[2] += w * a.z; v[3] += w * a.w;
+      v[4] += w * b.x; v[5] += w * b.y; v[6] += w * b.z; v[7] += w * b.w;
+    }
+    *reinterpret_cast<uint4*>(o_out + row * D + c8 * 8) = PackOut<T>(v);
+  }
+  if (tid < kM) {
+    int t;
+    const int64_t row = out_row(tid, &t);
+    if (row >= 0) write_lse(row, s_row_m[tid]);
+  }
+  if (tid == 0) args.counters[item.split_tile] = 0;  // ready for the next launch
+}
+
+template <int D, int MT, typename T>
+cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream) {
+  using Tr = DecodeTraits<D, MT>;
+  auto kernel = PagedDecodeKernel<D, MT, T>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <int D, int MT, typename T>
+int32_t CtasPerSm() {
+  using Tr = DecodeTraits<D, MT>;
+  auto kernel = PagedDecodeKernel<D, MT, T>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Tr::kThreads, Tr::kSmemBytes) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return std::max(n, 1);
+}
+
+// (head_dim, tile_rows, dtype) -> the kernel's constants. Invalid pairs
+// return cudaErrorInvalidValue (for CtasPerSm: 1) through FALLBACK.
+#define ATTNSERVE_DISPATCH_DECODE_T(head_dim, tile_rows, FALLBACK, FN, ...) \
+  if ((head_dim) == 64 && (tile_rows) == 16) return FN<64, 1, T>(__VA_ARGS__);   \
+  if ((head_dim) == 64 && (tile_rows) == 32) return FN<64, 2, T>(__VA_ARGS__);   \
+  if ((head_dim) == 128 && (tile_rows) == 16) return FN<128, 1, T>(__VA_ARGS__); \
+  if ((head_dim) == 128 && (tile_rows) == 32) return FN<128, 2, T>(__VA_ARGS__); \
+  if ((head_dim) == 256 && (tile_rows) == 16) return FN<256, 1, T>(__VA_ARGS__); \
+  return FALLBACK
+#define ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, FALLBACK, FN, ...)   \
+  [&]() {                                                                          \
+    if ((dtype) == KvDType::kBf16) {                                               \
+      using T = __nv_bfloat16;                                                     \
+      ATTNSERVE_DISPATCH_DECODE_T(head_dim, tile_rows, FALLBACK, FN, __VA_ARGS__); \
+    } else {                                                                       \
+      using T = __half;                                                            \
+      ATTNSERVE_DISPATCH_DECODE_T(head_dim, tile_rows, FALLBACK, FN, __VA_ARGS__); \
+    }                                                                              \
+  }()
+
+}  // namespace
+
+int32_t DecodeCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows) {
+  return ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, int32_t{1}, CtasPerSm);
+}
+
+cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows, const DecodeWorkItem* items,
+                            int32_t num_items, float* part_o, float* part_lse, int32_t* counters,
+                            cudaStream_t stream, bool skip_merge) {
+  const KvGeometry& geo = params.geo;
+  if (!DecodeGeometrySupported(geo)) return cudaErrorInvalidValue;
+  if (tile_rows != DecodeTileRows(geo.head_dim, tile_rows)) return cudaErrorInvalidValue;
+  if (num_items < 0) return cudaErrorInvalidValue;
+  if (num_items == 0) return cudaSuccess;
+  DecodeKernelArgs args;
+  args.q = params.q;
+  args.o = params.o;
+  args.lse = params.lse;
+  args.k_cache = params.k_cache;
+  args.v_cache = params.v_cache;
+  args.kv_indices = params.kv_indices;
+  args.seqs = params.seqs;
+  args.items = items;
+  args.part_o = part_o;
+  args.part_lse = part_lse;
+  args.counters = counters;
+  args.num_qo_heads = geo.num_qo_heads;
+  args.num_kv_heads = geo.num_kv_heads;
+  args.page_size = geo.page_size;
+  args.skip_merge = skip_merge ? 1 : 0;
+  args.slots_per_layer = geo.SlotsPerLayer();
+  return ATTNSERVE_DISPATCH_DECODE(geo.head_dim, tile_rows, geo.dtype, cudaErrorInvalidValue, LaunchDecode, args,
+                                   num_items, stream);
+}
+
+}  // namespace attnserve

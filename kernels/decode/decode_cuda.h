@@ -1,0 +1,50 @@
+// Paged decode attention on tensor cores for batches with few query rows per
+// sequence (1..kMaxDecodeQueryRows): one launch runs every work item of a
+// DecodePlan (kernels/plan/decode_plan.h), including the merge of split KV
+// chunks (the last CTA of a split tile merges; no second launch).
+//
+// Semantics are those of the prefill family (kernels/paged_prefill.h,
+// docs/design.md section 3): mixed layers, scales, masks and LSE bases in one
+// batch, GQA, causal with causal_shift, rows that see nothing get 0 and LSE
+// -inf, base-2 LSE unless lse_base_e, fp32 accumulation, bf16 / fp16,
+// head_dim 64 / 128 / 256, any page_size.
+//
+// Usage (all device pointers except the plan):
+//   DecodePlanOptions opt;
+//   opt.num_sms = <SM count>;
+//   opt.ctas_per_sm = DecodeCtasPerSm(geo.head_dim, geo.dtype, tile_rows);
+//   BuildDecodePlan(seqs, num_seqs, geo, opt, &plan);
+//   // upload plan.items; part_o / part_lse / counters sized by the plan
+//   // (counters zeroed once when allocated: the kernel leaves them zero)
+//   PagedDecodeCuda(params, plan.tile_rows, d_items, plan.items.size(),
+//                   d_part_o, d_part_lse, d_counters, stream);
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/kv_geometry.h"
+#include "kernels/paged_prefill.h"
+#include "kernels/plan/decode_plan.h"
+
+namespace attnserve {
+
+// Resident CTAs per SM of the decode kernel for this configuration (for
+// DecodePlanOptions::ctas_per_sm). tile_rows as DecodeTileRows returns it.
+int32_t DecodeCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows);
+
+// Runs every work item (one CTA of 128 threads each). params: q, o, lse,
+// pools, kv_indices and seqs are device pointers, as for PagedPrefillCuda.
+// tile_rows: plan.tile_rows. part_o (plan.partial_slots * tile_rows,
+// head_dim) and part_lse (plan.partial_slots * tile_rows) are fp32
+// workspace; counters (plan.split_tiles) int32, zero on entry and left zero
+// on exit. All three may be null when the plan split nothing.
+// skip_merge: benchmark only; split tiles leave their partials unmerged
+// (o / lse of split sequences are then not written).
+cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows,
+                            const DecodeWorkItem* items, int32_t num_items,
+                            float* part_o, float* part_lse, int32_t* counters,
+                            cudaStream_t stream, bool skip_merge = false);
+
+}  // namespace attnserve

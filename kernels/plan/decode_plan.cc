@@ -1,0 +1,204 @@
+// Host plan of the decode family: see decode_plan.h.
+#include "kernels/plan/decode_plan.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace attnserve {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// KV positions [0, end) that some row of the sequence sees: the last row
+// (t = q_len - 1) sees j <= kv_len - 1 + causal_shift when causal.
+int32_t VisibleEnd(const PrefillSeq& s) {
+  if (!s.causal) return s.kv_len;
+  const int64_t end = int64_t{s.kv_len} + s.causal_shift;
+  return static_cast<int32_t>(std::clamp<int64_t>(end, 0, s.kv_len));
+}
+
+}  // namespace
+
+bool DecodeGeometrySupported(const KvGeometry& geo) {
+  return (geo.head_dim == 64 || geo.head_dim == 128 || geo.head_dim == 256) &&
+         geo.num_kv_heads > 0 && geo.num_qo_heads > 0 &&
+         geo.num_qo_heads % geo.num_kv_heads == 0 && geo.page_size > 0;
+}
+
+bool DecodeSeqQualifies(const PrefillSeq& seq, const KvGeometry& geo) {
+  return seq.q_len >= 1 && seq.q_len <= kMaxDecodeQueryRows && DecodeGeometrySupported(geo);
+}
+
+bool DecodeBatchQualifies(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo) {
+  if (!DecodeGeometrySupported(geo)) return false;
+  for (int32_t i = 0; i < num_seqs; ++i) {
+    if (seqs[i].q_len > 0 && !DecodeSeqQualifies(seqs[i], geo)) return false;
+  }
+  return true;
+}
+
+int32_t SeqsForPrefillFamily(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
+                             std::vector<PrefillSeq>* prefill_seqs) {
+  prefill_seqs->assign(seqs, seqs + std::max(num_seqs, 0));
+  int32_t decode = 0;
+  for (PrefillSeq& s : *prefill_seqs) {
+    if (DecodeSeqQualifies(s, geo)) {
+      s.q_len = 0;
+      ++decode;
+    }
+  }
+  return decode;
+}
+
+int32_t DecodeTileRows(int32_t head_dim, int32_t max_rows) {
+  const int32_t cap = head_dim == 256 ? 16 : 32;
+  int32_t m = 16;
+  while (m < cap && m < max_rows) m *= 2;
+  return m;
+}
+
+void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
+                     const DecodePlanOptions& options, DecodePlan* plan) {
+  plan->items.clear();
+  plan->chunk_len = 0;
+  plan->split_tiles = 0;
+  plan->partial_slots = 0;
+  plan->num_seqs_planned = 0;
+  plan->tile_rows = 16;
+  if (!DecodeGeometrySupported(geo)) return;
+  const int32_t kvh_count = geo.num_kv_heads;
+  const int32_t group = geo.num_qo_heads / geo.num_kv_heads;
+
+  // Qualifying sequences and the tile size they need.
+  std::vector<int32_t> planned;
+  int32_t max_rows = 1;
+  for (int32_t i = 0; i < num_seqs; ++i) {
+    if (!DecodeSeqQualifies(seqs[i], geo)) continue;
+    planned.push_back(i);
+    max_rows = std::max(max_rows, seqs[i].q_len * group);
+  }
+  plan->num_seqs_planned = static_cast<int32_t>(planned.size());
+  if (planned.empty()) return;
+  const int32_t m = DecodeTileRows(geo.head_dim, max_rows);
+  plan->tile_rows = m;
+  auto tiles_of = [&](const PrefillSeq& s) { return static_cast<int32_t>(CeilDiv(int64_t{s.q_len} * group, m)); };
+
+  // ---- Chunk length. Candidates: no split, then chunk lengths that cut the
+  // longest visible range into k = 1, 2, ... pieces (rounded to the quantum,
+  // at least min_chunk). Cost of a candidate, in KV tokens of one CTA:
+  //   waves * (longest chunk + cta_overhead) + merge_tokens * max chunks,
+  // waves = ceil(sum of item costs / (slots * (longest + overhead))): the
+  // batch's items packed into waves of the slowest item, which is exact for
+  // uniform batches (decode 64 x 4096 on 264 slots: one wave unsplit) and
+  // close for mixed ones. The cheapest wins; ties go to fewer chunks.
+  const int64_t slots = int64_t{std::max(options.num_sms, 1)} * std::max(options.ctas_per_sm, 1);
+  const int64_t overhead = std::max(options.cta_overhead_tokens, 0);
+  const int64_t quantum = kDecodeChunkQuantum;
+  const int64_t min_chunk = std::max<int64_t>(quantum, CeilDiv(std::max(options.min_chunk, 1), quantum) * quantum);
+  int64_t v_max = 0;
+  for (int32_t i : planned) v_max = std::max<int64_t>(v_max, VisibleEnd(seqs[i]));
+
+  struct Eval {
+    bool ok = false;
+    double cost = 0;
+    int64_t max_chunks = 1;
+  };
+  auto evaluate = [&](int64_t len) {  // len 0: no split
+    Eval e;
+    int64_t longest = 0;
+    double work = 0;
+    for (int32_t i : planned) {
+      const PrefillSeq& s = seqs[i];
+      const int64_t vis = VisibleEnd(s);
+      const int64_t chunks = (len > 0 && vis > len) ? CeilDiv(vis, len) : 1;
+      if (chunks > kMaxDecodeChunks) return e;
+      const int64_t item_len = chunks > 1 ? len : vis;
+      const int64_t items = int64_t{kvh_count} * tiles_of(s) * chunks;
+      longest = std::max(longest, item_len);
+      work += double(items) * double(item_len + overhead);
+      e.max_chunks = std::max(e.max_chunks, chunks);
+    }
+    const double per_item = double(longest + overhead);
+    const double waves = std::ceil(work / (double(slots) * per_item) - 1e-9);
+    e.cost = std::max(waves, 1.0) * per_item +
+             (e.max_chunks > 1 ? double(options.merge_tokens_per_chunk) * double(e.max_chunks) : 0.0);
+    e.ok = true;
+    return e;
+  };
+
+  int64_t chunk_len = 0;  // 0: no split
+  if (options.force_chunk > 0) {
+    chunk_len = std::max<int64_t>(quantum, CeilDiv(options.force_chunk, quantum) * quantum);
+    if (!evaluate(chunk_len).ok) chunk_len = CeilDiv(CeilDiv(v_max, kMaxDecodeChunks), quantum) * quantum;
+  } else if (!options.no_split && v_max > min_chunk) {
+    Eval best = evaluate(0);
+    int64_t prev = -1;
+    for (int64_t k = 2; k <= kMaxDecodeChunks; ++k) {
+      const int64_t len = std::max(min_chunk, CeilDiv(CeilDiv(v_max, k), quantum) * quantum);
+      if (len == prev) continue;
+      prev = len;
+      const Eval e = evaluate(len);
+      if (e.ok && e.cost < best.cost * 0.98) {
+        best = e;
+        chunk_len = len;
+      }
+      if (len == min_chunk) break;
+    }
+  }
+
+  // ---- Items, tile by tile.
+  int64_t slot = 0;
+  int32_t split_tiles = 0;
+  std::vector<int32_t> cost;  // visible tokens per item, for the order
+  for (int32_t i : planned) {
+    const PrefillSeq& s = seqs[i];
+    const int32_t vis = VisibleEnd(s);
+    const int32_t chunks =
+        (chunk_len > 0 && vis > chunk_len) ? static_cast<int32_t>(CeilDiv(vis, chunk_len)) : 1;
+    const int32_t nt = tiles_of(s);
+    for (int32_t kvh = 0; kvh < kvh_count; ++kvh) {
+      for (int32_t t = 0; t < nt; ++t) {
+        for (int32_t c = 0; c < chunks; ++c) {
+          DecodeWorkItem it;
+          it.seq = i;
+          it.kv_head = kvh;
+          it.row_begin = t * m;
+          it.num_chunks = chunks;
+          it.chunk = c;
+          if (chunks > 1) {
+            it.kv_begin = static_cast<int32_t>(c * chunk_len);
+            it.kv_end = static_cast<int32_t>(std::min<int64_t>((c + 1) * chunk_len, vis));
+            it.split_tile = split_tiles;
+            it.part_begin = static_cast<int32_t>(slot);
+          } else {
+            // Unsplit: the whole KV range; the kernel clips per row.
+            it.kv_begin = 0;
+            it.kv_end = s.kv_len;
+          }
+          plan->items.push_back(it);
+          cost.push_back(std::min(it.kv_end, vis) - it.kv_begin);
+        }
+        if (chunks > 1) {
+          slot += chunks;
+          ++split_tiles;
+        }
+      }
+    }
+  }
+  plan->chunk_len = split_tiles > 0 ? static_cast<int32_t>(chunk_len) : 0;
+  plan->split_tiles = split_tiles;
+  plan->partial_slots = slot;
+
+  // Longest first, so the tail of the grid holds the short items.
+  std::vector<int32_t> order(plan->items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return cost[a] > cost[b]; });
+  std::vector<DecodeWorkItem> sorted(order.size());
+  for (size_t i = 0; i < order.size(); ++i) sorted[i] = plan->items[order[i]];
+  plan->items.swap(sorted);
+}
+
+}  // namespace attnserve

@@ -1,0 +1,126 @@
+// Host plan for the decode kernel family (kernels/decode/decode_cuda.h):
+// which sequences of a batch it runs, how their KV ranges are cut into work
+// items (one CTA each) and where split items keep their partial states.
+// Plain C++ (no CUDA), unit-tested without a GPU
+// (tests/kernels/decode_plan_test.cc).
+//
+// A work item is (sequence, KV head, packed row tile, KV chunk). Its tile
+// packs every query head of the KV head's group and every query row of the
+// sequence: packed row r is token r / group, query head
+// kv_head * group + r % group, so each K/V byte is read once per group. A
+// sequence whose KV range is split into n chunks gives n items per tile that
+// write fp32 partial states; the last of them to finish merges the n
+// partials (an atomic counter per tile) and writes o / lse. No second launch.
+//
+// Usage (device copies of items; counters zeroed once, at allocation):
+//   DecodePlan plan;
+//   BuildDecodePlan(seqs, num_seqs, geo, DecodePlanOptions{...}, &plan);
+//   PagedDecodeCuda(params, plan.tile_rows, d_items, plan.items.size(),
+//                   d_part_o, d_part_lse, d_counters, stream);
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common/kv_geometry.h"
+#include "kernels/paged_prefill.h"
+
+namespace attnserve {
+
+// Most query rows per sequence the decode family takes (speculative decode
+// up to 8 draft tokens); longer sequences go to the prefill family.
+inline constexpr int32_t kMaxDecodeQueryRows = 8;
+// Most KV chunks one sequence is split into (bounds the merge's shared
+// memory).
+inline constexpr int32_t kMaxDecodeChunks = 128;
+// KV tokens a CTA consumes per round (4 warps x 16); chunks are multiples.
+inline constexpr int32_t kDecodeChunkQuantum = 64;
+
+// One CTA of the decode kernel.
+struct DecodeWorkItem {
+  int32_t seq = 0;        // index into the batch's seqs
+  int32_t kv_head = 0;
+  int32_t row_begin = 0;  // first packed row of the tile within the sequence
+  int32_t kv_begin = 0;   // KV positions [kv_begin, kv_end) of this chunk
+  int32_t kv_end = 0;
+  // -1: unsplit, the item writes o / lse itself. Otherwise the tile's
+  // counter: counters[split_tile] counts finished chunks of the tile.
+  int32_t split_tile = -1;
+  int32_t chunk = 0;       // chunk index within the tile's chunks
+  int32_t num_chunks = 1;  // chunks of this tile
+  // Partial tile slot of chunk 0; chunk c uses slot part_begin + c:
+  // part_o[((slot * tile_rows) + r) * head_dim + d] and
+  // part_lse[slot * tile_rows + r] (base-2), r the packed row in the tile.
+  int32_t part_begin = 0;
+};
+
+struct DecodePlanOptions {
+  int32_t num_sms = 132;
+  // Resident CTAs per SM of the kernel (DecodeCtasPerSm on the device).
+  int32_t ctas_per_sm = 2;
+  // Smallest KV chunk (tokens) of a split item; rounded up to
+  // kDecodeChunkQuantum.
+  int32_t min_chunk = 128;
+  // Cost model (in KV-token units of one CTA's streaming time): fixed cost of
+  // a CTA (launch, pipeline fill, epilogue), and the extra cost per chunk of
+  // the merge that the last CTA of a split tile runs.
+  int32_t cta_overhead_tokens = 128;
+  int32_t merge_tokens_per_chunk = 8;
+  // Forces every sequence longer than min_chunk into chunks of this many
+  // tokens (0: the heuristic). For tests and A/B benchmarks.
+  int32_t force_chunk = 0;
+  // Never split (for A/B benchmarks).
+  bool no_split = false;
+};
+
+struct DecodePlan {
+  std::vector<DecodeWorkItem> items;  // longest chunk first
+  int32_t tile_rows = 16;     // packed rows per tile (16 or 32)
+  int32_t chunk_len = 0;      // KV tokens per split chunk; 0 if none split
+  int32_t split_tiles = 0;    // counters the kernel uses (int32 each)
+  int64_t partial_slots = 0;  // partial tile slots (tile_rows rows each)
+  int32_t num_seqs_planned = 0;
+  // Workspace the kernel needs, in bytes: part_o, part_lse, counters.
+  int64_t PartOBytes(int32_t head_dim) const {
+    return partial_slots * tile_rows * head_dim * 4;
+  }
+  int64_t PartLseBytes() const { return partial_slots * tile_rows * 4; }
+  int64_t CounterBytes() const { return int64_t{split_tiles} * 4; }
+};
+
+// Whether the decode family supports this geometry (head_dim 64, 128 or
+// 256; num_qo_heads a multiple of num_kv_heads).
+bool DecodeGeometrySupported(const KvGeometry& geo);
+
+// Whether the decode family runs this sequence: 1..kMaxDecodeQueryRows query
+// rows on a supported geometry. Sequences with q_len 0 qualify for neither
+// family (they produce no rows).
+bool DecodeSeqQualifies(const PrefillSeq& seq, const KvGeometry& geo);
+
+// Whether the whole batch can run through the decode family alone: every
+// sequence with rows qualifies.
+bool DecodeBatchQualifies(const PrefillSeq* seqs, int32_t num_seqs,
+                          const KvGeometry& geo);
+
+// For a mixed batch (a few prefill chunks + many decode rows): copies seqs
+// into *prefill_seqs with q_len set to 0 for every sequence the decode family
+// takes, so that BuildPrefillPlan on the copy plans exactly the others (its
+// items index the same device seqs array; only the host plan reads the copy).
+// Returns the number of sequences left to the decode family.
+int32_t SeqsForPrefillFamily(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
+                             std::vector<PrefillSeq>* prefill_seqs);
+
+// Packed rows per tile for the decode kernel: 16 or 32, the smaller that
+// holds max_rows (q_len * group of the largest sequence); 16 for head_dim 256
+// so the fp32 output accumulators stay in registers (no spills). Sequences
+// with more packed rows get several tiles (each reads the group's K/V).
+int32_t DecodeTileRows(int32_t head_dim, int32_t max_rows);
+
+// Plans the qualifying sequences of the batch (DecodeSeqQualifies); the rest
+// are left to the prefill family. Never fails for validated input (page ids
+// in range, kv_len consistent with the indices).
+void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs,
+                     const KvGeometry& geo, const DecodePlanOptions& options,
+                     DecodePlan* plan);
+
+}  // namespace attnserve

@@ -1,0 +1,29 @@
+// The one switch from PrefillKernel to a family's entry points.
+#include "kernels/prefill_cuda.h"
+
+#include "kernels/sm80/prefill_sm80.h"
+
+namespace attnserve {
+
+cudaError_t PagedPrefillCuda(const PagedPrefillParams& params, const PrefillWorkItem* items,
+                             int32_t num_items, float* part_o, float* part_lse,
+                             PrefillKernel kernel, cudaStream_t stream) {
+  switch (kernel) {
+    case PrefillKernel::kSm80:
+    case PrefillKernel::kSm80Rows64:
+      return PagedPrefillSm80(params, items, num_items, part_o, part_lse,
+                              kernel == PrefillKernel::kSm80Rows64, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+int32_t PrefillCtasPerSm(PrefillKernel kernel, int32_t head_dim, KvDType dtype) {
+  switch (kernel) {
+    case PrefillKernel::kSm80:
+    case PrefillKernel::kSm80Rows64:
+      return Sm80PrefillCtasPerSm(head_dim, dtype, kernel == PrefillKernel::kSm80Rows64);
+  }
+  return 1;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,66 @@
+// The sm80 prefill family's shapes and shared-memory layout, and the small
+// device helpers its kernel is built from (kernels/sm80/prefill_kernel.cuh).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/paged_prefill.h"
+#include "kernels/plan/prefill_plan.h"
+
+namespace attnserve {
+namespace sm80 {
+
+// Largest growth (base 2) of a row's running max that leaves O unrescaled
+// (the lazy rescale of the online softmax, prefill_kernel.cuh).
+constexpr float kLazyRescale = 8.f;
+
+struct PrefillKernelArgs {
+  const void* q;            // (total_q, H, D)
+  void* o;                  // (total_q, H, D)
+  float* lse;               // (total_q, H)
+  const void* k_cache;      // (L, pages, page_size, KVH, D)
+  const void* v_cache;
+  const int32_t* kv_indices;
+  const PrefillSeq* seqs;
+  const PrefillWorkItem* items;
+  float* part_o;            // (pairs, D) fp32
+  float* part_lse;          // (pairs) base 2
+  int32_t num_qo_heads;
+  int32_t num_kv_heads;
+  int32_t page_size;
+  int64_t slots_per_layer;
+};
+
+template <int D, int MT, int KB>
+struct Traits {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kM = kWarps * 16 * MT;     // packed rows per tile
+  static constexpr int kChunks = D / 8;            // 16-byte chunks per row
+  static constexpr int kRowBytes = D * 2;
+  static constexpr int kQBytes = kM * kRowBytes;
+  static constexpr int kKvBytes = KB * kRowBytes;  // one stage of K (or V)
+  static constexpr int kOffBytes = 2 * KB * 8;      // row offsets, 2 blocks
+  static constexpr int kSmemBytes = kQBytes + 4 * kKvBytes + kOffBytes;
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kKvPasses = KB / kRowsPerPass;
+  static constexpr int kQPasses = kM / kRowsPerPass;
+  // Q fragments stay in registers when they fit beside O and S.
+  static constexpr bool kQInRegs = (MT == 1 && D <= 128);
+  static_assert(KB % kRowsPerPass == 0 && kM % kRowsPerPass == 0, "tiling");
+};
+
+// Byte offset of 16-byte chunk c of row r in a swizzled tile.
+template <int ROW_BYTES>
+__device__ __forceinline__ uint32_t Swz(int r, int c) {
+  return r * ROW_BYTES + ((c ^ (r & 7)) << 4);
+}
+
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace sm80
+}  // namespace attnserve

@@ -1,0 +1,157 @@
+#include "server/backend/cuda/batch_packer.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "server/backend/cuda/cuda_util.h"
+
+namespace attnserve {
+namespace {
+
+// Smallest KV chunk (tokens) worth a split work item of its own.
+constexpr int32_t kMinChunk = 512;
+
+}  // namespace
+
+int64_t BatchPacker::InputCapacity() const {
+  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
+  const int64_t kv_row = geo_.RowElems() * KvDTypeBytes(geo_.dtype);
+  return AlignUp(limits_.max_rows * q_row) + AlignUp(limits_.max_indices * 4) +
+         AlignUp(limits_.max_rows * int64_t{sizeof(PrefillSeq)}) +
+         AlignUp(limits_.max_items * int64_t{sizeof(PrefillWorkItem)}) +
+         AlignUp(limits_.max_rows * int64_t{sizeof(SplitMergeSeq)}) + AlignUp(limits_.max_append * 8) +
+         2 * AlignUp(limits_.max_append * kv_row) + kStagingAlign;
+}
+
+int64_t BatchPacker::OutputCapacity() const {
+  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
+  return AlignUp(limits_.max_rows * q_row) + AlignUp(limits_.max_rows * geo_.num_qo_heads * 4) + kStagingAlign;
+}
+
+absl::Status BatchPacker::Flatten(absl::Span<const PrefillTask> tasks, PackedBatch* out, int64_t* total_idx) {
+  int64_t total_q = 0, idx = 0, total_append = 0;
+  seqs_.clear();
+  for (const PrefillTask& t : tasks) {
+    for (const PrefillSeq& s : t.seqs) {
+      if (s.q_len <= 0) continue;
+      PrefillSeq b = s;
+      b.q_start = static_cast<int32_t>(s.q_start + total_q);
+      b.kv_start = static_cast<int32_t>(s.kv_start + idx);
+      b.layer = t.layer;
+      seqs_.push_back(b);
+    }
+    total_q += t.total_q;
+    idx += t.num_kv_indices;
+    total_append += t.num_append;
+  }
+  if (total_q > limits_.max_rows || total_q > INT32_MAX || idx > limits_.max_indices ||
+      total_append > limits_.max_append) {
+    return absl::InternalError(absl::StrCat("batch of ", total_q, " rows, ", idx, " kv indices and ",
+                                            total_append, " appended rows exceeds the CUDA staging (",
+                                            limits_.max_rows, ", ", limits_.max_indices, ", ",
+                                            limits_.max_append, ")"));
+  }
+  out->total_q = total_q;
+  out->num_seqs = static_cast<int32_t>(seqs_.size());
+  *total_idx = idx;
+  return absl::OkStatus();
+}
+
+absl::Status BatchPacker::Plan(PackedBatch* out) {
+  const int64_t group = geo_.num_qo_heads / geo_.num_kv_heads;
+  int64_t max_packed_rows = 0;
+  for (const PrefillSeq& s : seqs_) max_packed_rows = std::max<int64_t>(max_packed_rows, s.q_len * group);
+  out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows);
+  PrefillPlanOptions popt;
+  popt.num_sms = limits_.num_sms;
+  popt.ctas_per_sm = limits_.ctas_per_sm[static_cast<int>(out->kernel)];
+  popt.min_chunk = kMinChunk;
+  popt.max_partial_pairs = limits_.max_partial_pairs;
+  popt.tile_rows = PrefillTileRows(out->kernel, geo_.head_dim);
+  BuildPrefillPlan(seqs_.data(), static_cast<int32_t>(seqs_.size()), geo_, popt, &plan_);
+  if (static_cast<int64_t>(plan_.items.size()) > limits_.max_items) {
+    return absl::InternalError(
+        absl::StrCat("plan has ", plan_.items.size(), " work items; workspace holds ", limits_.max_items));
+  }
+  out->num_items = static_cast<int32_t>(plan_.items.size());
+  out->num_merges = static_cast<int32_t>(plan_.merges.size());
+  out->merge_pairs = plan_.merge_pairs;
+  return absl::OkStatus();
+}
+
+void BatchPacker::DedupAppends(absl::Span<const PrefillTask> tasks) {
+  append_rows_.clear();
+  append_slots_.clear();
+  last_append_.clear();
+  for (int32_t ti = 0; ti < static_cast<int32_t>(tasks.size()); ++ti) {
+    const PrefillTask& t = tasks[ti];
+    for (int64_t r = 0; r < t.num_append; ++r) {
+      const int64_t kv_slot = int64_t{t.layer} * geo_.SlotsPerLayer() + t.append_slots[r];
+      auto [pos, inserted] = last_append_.try_emplace(kv_slot, static_cast<int64_t>(append_rows_.size()));
+      if (inserted) {
+        append_rows_.push_back({ti, r});
+        append_slots_.push_back(kv_slot);
+      } else {
+        append_rows_[pos->second] = {ti, r};
+      }
+    }
+  }
+}
+
+absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* staging, int64_t in_capacity,
+                               PackedBatch* out) {
+  *out = PackedBatch();
+  int64_t total_idx = 0;
+  if (absl::Status st = Flatten(tasks, out, &total_idx); !st.ok()) return st;
+  if (absl::Status st = Plan(out); !st.ok()) return st;
+  DedupAppends(tasks);
+  const int64_t n_append = static_cast<int64_t>(append_slots_.size());
+  out->num_append = n_append;
+
+  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
+  const int64_t kv_row = geo_.RowElems() * KvDTypeBytes(geo_.dtype);
+  StagingPacker in(staging, in_capacity);
+  out->off_q = in.Take(out->total_q * q_row);
+  out->off_idx = in.Take(total_idx * 4);
+  out->off_seqs = in.Take(static_cast<int64_t>(seqs_.size() * sizeof(PrefillSeq)));
+  out->off_items = in.Take(static_cast<int64_t>(plan_.items.size() * sizeof(PrefillWorkItem)));
+  out->off_merges = in.Take(static_cast<int64_t>(plan_.merges.size() * sizeof(SplitMergeSeq)));
+  out->off_slots = in.Take(n_append * 8);
+  out->off_k = in.Take(n_append * kv_row);
+  out->off_v = in.Take(n_append * kv_row);
+  for (int64_t off : {out->off_q, out->off_idx, out->off_seqs, out->off_items, out->off_merges, out->off_slots,
+                      out->off_k, out->off_v}) {
+    if (off < 0) return absl::InternalError("input staging overflow");
+  }
+  int64_t row = 0, idx = 0;
+  for (const PrefillTask& t : tasks) {
+    if (t.total_q > 0) std::memcpy(in.At(out->off_q) + row * q_row, t.q, size_t(t.total_q) * q_row);
+    if (t.num_kv_indices > 0) std::memcpy(in.At(out->off_idx) + idx * 4, t.kv_indices, size_t(t.num_kv_indices) * 4);
+    row += t.total_q;
+    idx += t.num_kv_indices;
+  }
+  if (!seqs_.empty()) std::memcpy(in.At(out->off_seqs), seqs_.data(), seqs_.size() * sizeof(PrefillSeq));
+  if (!plan_.items.empty()) {
+    std::memcpy(in.At(out->off_items), plan_.items.data(), plan_.items.size() * sizeof(PrefillWorkItem));
+  }
+  if (!plan_.merges.empty()) {
+    std::memcpy(in.At(out->off_merges), plan_.merges.data(), plan_.merges.size() * sizeof(SplitMergeSeq));
+  }
+  if (n_append > 0) {
+    std::memcpy(in.At(out->off_slots), append_slots_.data(), n_append * 8);
+    for (int64_t i = 0; i < n_append; ++i) {
+      const PrefillTask& t = tasks[append_rows_[i].first];
+      const int64_t r = append_rows_[i].second;
+      std::memcpy(in.At(out->off_k) + i * kv_row, static_cast<const uint8_t*>(t.append_k) + r * kv_row, kv_row);
+      std::memcpy(in.At(out->off_v) + i * kv_row, static_cast<const uint8_t*>(t.append_v) + r * kv_row, kv_row);
+    }
+  }
+  out->in_bytes = in.used();
+  out->off_lse = AlignUp(out->total_q * q_row);
+  out->out_bytes = out->off_lse + out->total_q * geo_.num_qo_heads * 4;
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,88 @@
+// Turns one batch of validated PrefillTasks into what the device runs: the
+// batch-global sequences, the chosen kernel and its plan, the appends with
+// only the last write of each slot kept, and all of their bytes packed into
+// a pinned staging buffer at offsets its device mirror shares. Host code
+// only: no CUDA call, so the packer is the same on every GPU.
+//
+// The scheduler decides what a batch may hold (server/core/scheduler.cc);
+// the backend's staging is sized from the same limits, so a batch that does
+// not fit is an internal error, reported as such.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "common/kv_geometry.h"
+#include "kernels/paged_prefill.h"
+#include "kernels/plan/kernel_select.h"
+#include "kernels/plan/prefill_plan.h"
+#include "server/backend/backend.h"
+
+namespace attnserve {
+
+// What the staging was sized for, and the device the plan targets.
+struct PackerLimits {
+  int64_t max_rows = 0;           // query rows per batch
+  int64_t max_indices = 0;        // KV page ids per batch
+  int64_t max_append = 0;         // appended rows per batch
+  int64_t max_items = 0;          // plan work items
+  int64_t max_partial_pairs = 0;  // split-KV workspace, (row, head) pairs
+  int32_t num_sms = 0;
+  PrefillDevice device;
+  int32_t ctas_per_sm[kNumPrefillKernels] = {1, 1};  // by PrefillKernel
+};
+
+// One packed batch: the kernel, the counts, and byte offsets into the input
+// staging (and, for outputs, the output staging: o at 0, lse at off_lse).
+struct PackedBatch {
+  PrefillKernel kernel = PrefillKernel::kSm80;
+  int64_t total_q = 0;
+  int32_t num_seqs = 0;
+  int32_t num_items = 0;
+  int32_t num_merges = 0;
+  int32_t merge_pairs = 0;
+  int64_t num_append = 0;  // after dropping overwritten slots
+  int64_t off_q = 0, off_idx = 0, off_seqs = 0, off_items = 0, off_merges = 0;
+  int64_t off_slots = 0, off_k = 0, off_v = 0;
+  int64_t in_bytes = 0;  // staging bytes to upload
+  int64_t off_lse = 0;
+  int64_t out_bytes = 0;
+};
+
+class BatchPacker {
+ public:
+  BatchPacker(const KvGeometry& geo, const PackerLimits& limits) : geo_(geo), limits_(limits) {}
+
+  // Staging bytes one batch at the limits needs, input and output.
+  int64_t InputCapacity() const;
+  int64_t OutputCapacity() const;
+
+  // Packs `tasks` into staging (in_capacity bytes of pinned memory).
+  absl::Status Pack(absl::Span<const PrefillTask> tasks, uint8_t* staging, int64_t in_capacity,
+                    PackedBatch* out);
+
+ private:
+  // Batch-global sequences (q_start / kv_start shifted, layer set, q_len 0
+  // dropped) into seqs_, and the batch's totals checked against the limits.
+  absl::Status Flatten(absl::Span<const PrefillTask> tasks, PackedBatch* out, int64_t* total_idx);
+  // The kernel for the batch and its work items into plan_.
+  absl::Status Plan(PackedBatch* out);
+  // Appends in task order; a later write to the same (layer, slot) wins, so
+  // only the last is kept (one launch, no races).
+  void DedupAppends(absl::Span<const PrefillTask> tasks);
+
+  KvGeometry geo_;
+  PackerLimits limits_;
+  // Scratch reused between batches (Pack runs on one thread).
+  PrefillPlan plan_;
+  std::vector<PrefillSeq> seqs_;
+  std::vector<std::pair<int32_t, int64_t>> append_rows_;  // (task, row)
+  std::vector<int64_t> append_slots_;                     // layer-global
+  absl::flat_hash_map<int64_t, int64_t> last_append_;
+};
+
+}  // namespace attnserve

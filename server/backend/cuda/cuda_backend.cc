@@ -1,0 +1,513 @@
+// CudaBackend: paged KV pools in device memory and the batched attention path
+// (docs/design.md section 2.3). Everything is allocated in Init(); Submit and
+// Complete orchestrate a BatchPacker (host: flatten, plan, dedup, pack) and a
+// StagingRing (the pipelined slots and streams); WriteKv / ReadKv / ZeroPages
+// copy through the idle slot synchronously.
+//
+// The compute stream runs batches in submission order, so a batch's appends
+// never race another batch's attention. Split partials are only touched on
+// the compute stream and are shared by all slots.
+#include "server/backend/cuda/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "kernels/kv/kv_rows_cuda.h"
+#include "kernels/merge/merge_cuda.h"
+#include "kernels/prefill_cuda.h"
+#include "server/backend/cuda/batch_packer.h"
+#include "server/backend/cuda/cuda_util.h"
+#include "server/backend/cuda/staging_ring.h"
+#include "server/core/status_macros.h"
+
+namespace attnserve {
+
+int CudaDeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear; "no driver" is not an error here
+    return 0;
+  }
+  return n;
+}
+
+namespace {
+
+using Ev = StagingRing::Event;
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(const BackendOptions& options) : options_(options), geo_(options.geometry) {}
+
+  ~CudaBackend() override {
+    cudaSetDevice(options_.device);
+    for (cudaStream_t st : {copy_in_, compute_, copy_out_}) {
+      if (st != nullptr) cudaStreamSynchronize(st);
+    }
+    ring_.reset();  // its buffers and events, before the streams go
+    for (cudaStream_t st : {copy_in_, compute_, copy_out_}) {
+      if (st != nullptr) cudaStreamDestroy(st);
+    }
+    const void* device_ptrs[] = {k_pool_, v_pool_, d_part_o_, d_part_lse_};
+    for (const void* p : device_ptrs) cudaFree(const_cast<void*>(p));
+  }
+
+  absl::Status Init();
+
+  std::string Name() const override { return "cuda"; }
+  std::string Device() const override { return device_name_; }
+  MemoryUsage Memory() const override { return memory_; }
+  const KvGeometry& Geometry() const override { return geo_; }
+
+  // Outputs of at least kDirectOutputBytes get a pinned buffer the download
+  // lands in (no unpack copy); smaller ones cost less to unpack from staging
+  // than to download one by one, and come from the heap.
+  HostBuffer AllocateOutput(int64_t bytes) override {
+    if (bytes >= kDirectOutputBytes && output_pool_ != nullptr) return output_pool_->Get(bytes);
+    return HeapBuffer(bytes);
+  }
+
+  int PipelineDepth() const override { return StagingRing::kSlots; }
+  absl::Status Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) override;
+  absl::Status Complete(BatchStats* stats) override;
+  absl::Status WriteKv(const KvRows& rows, BatchStats* stats) override;
+  absl::Status ReadKv(const KvRows& rows, BatchStats* stats) override;
+  // On the device: only the page ids cross PCIe, not the zeros.
+  absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) override;
+  // MergeStates stays on the CPU default: its inputs and outputs live in host
+  // memory, so a GPU pass would move every byte over PCIe (tens of GB/s, after
+  // a copy into pinned staging) where the CPU reads it once at memory speed.
+
+ private:
+  // Queues one packed batch's upload, kernels and download on the streams.
+  absl::Status Launch(absl::Span<const PrefillTask> tasks, const PackedBatch& b, StagingRing::Slot& slot);
+  // Packs slots / k / v of rows [begin, begin + n) of `rows` for WriteKv.
+  absl::Status CopyRowsChunk(const KvRows& rows, int64_t begin, int64_t n, bool scatter,
+                             float* seconds);
+  // FailedPrecondition unless no batch is in flight (WriteKv / ReadKv use
+  // the idle slot's staging and the compute stream synchronously).
+  absl::Status CheckIdle();
+
+  BackendOptions options_;
+  KvGeometry geo_;
+  std::string device_name_;
+  MemoryUsage memory_;  // read once Init has allocated everything
+  int64_t max_append_ = 0;
+
+  // Pinned response buffers (AllocateOutput), at most one batch's output
+  // staging in all; blocks are pinned on first use and then recycled.
+  static constexpr int64_t kDirectOutputBytes = SizeClassPool::kMinClass;
+  std::shared_ptr<SizeClassPool> output_pool_;
+
+  void* k_pool_ = nullptr;
+  void* v_pool_ = nullptr;
+  float* d_part_o_ = nullptr;
+  float* d_part_lse_ = nullptr;
+
+  std::optional<BatchPacker> packer_;  // used by Submit's thread only
+  std::unique_ptr<StagingRing> ring_;
+  cudaStream_t copy_in_ = nullptr;
+  cudaStream_t compute_ = nullptr;
+  cudaStream_t copy_out_ = nullptr;
+};
+
+absl::Status CudaBackend::Init() {
+  const int count = CudaDeviceCount();
+  if (count == 0) return absl::FailedPreconditionError("no CUDA device is visible");
+  if (options_.device < 0 || options_.device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device ", options_.device, " out of range: ", count, " CUDA device(s) visible"));
+  }
+  const KvGeometry& g = geo_;
+  if (!IsSupportedHeadDim(g.head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head_dim ", g.head_dim, " not supported by the CUDA backend (", kSupportedHeadDims, ")"));
+  }
+  if (g.num_kv_heads <= 0 || g.num_qo_heads % g.num_kv_heads != 0 || g.num_layers <= 0 ||
+      g.num_pages <= 0 || g.page_size <= 0) {
+    return absl::InvalidArgumentError("invalid KV geometry");
+  }
+  if (g.SlotsPerLayer() >= (int64_t{1} << 31)) {
+    return absl::InvalidArgumentError("num_pages * page_size must stay below 2^31 per layer");
+  }
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  cudaDeviceProp prop;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, options_.device));
+  if (prop.major < 8) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(prop.name, " has compute capability ", prop.major, ".", prop.minor, "; 8.0+ needed"));
+  }
+  device_name_ = absl::StrCat(prop.name, " (device ", options_.device, ")");
+
+  // What the packer plans with: the device, each kernel's occupancy, and the
+  // batch sizes the staging holds.
+  PackerLimits lim;
+  lim.num_sms = prop.multiProcessorCount;
+  lim.device = PrefillDevice{prop.major, prop.minor};
+  int32_t max_ctas = 1, min_tile = INT32_MAX, max_tile = 0;
+  for (int k = 0; k < kNumPrefillKernels; ++k) {
+    const auto kernel = static_cast<PrefillKernel>(k);
+    lim.ctas_per_sm[k] = PrefillCtasPerSm(kernel, g.head_dim, g.dtype);
+    max_ctas = std::max(max_ctas, lim.ctas_per_sm[k]);
+    min_tile = std::min(min_tile, PrefillTileRows(kernel, g.head_dim));
+    max_tile = std::max(max_tile, PrefillTileRows(kernel, g.head_dim));
+  }
+  cudaGetLastError();
+  const int64_t group = g.num_qo_heads / g.num_kv_heads;
+  lim.max_rows = std::max<int64_t>(options_.max_batch_rows, 1);
+  lim.max_indices = std::max<int64_t>(options_.max_batch_kv_indices, 1);
+  lim.max_append = max_append_ = std::max<int64_t>(options_.max_batch_append_rows, 1024);
+  lim.max_partial_pairs = std::max<int64_t>(int64_t{4} * lim.num_sms * max_ctas * max_tile, 1 << 16);
+  lim.max_items = g.num_kv_heads * (lim.max_rows * group / min_tile + lim.max_rows + 1) + 2 * lim.max_partial_pairs;
+  packer_.emplace(g, lim);
+
+  const int64_t pool_bytes = g.PoolElems() * KvDTypeBytes(g.dtype);
+  ATTN_RETURN_IF_ERROR(DeviceAlloc(&k_pool_, pool_bytes, "the K pool", options_.device));
+  ATTN_RETURN_IF_ERROR(DeviceAlloc(&v_pool_, pool_bytes, "the V pool", options_.device));
+  // Poison-proof: a fresh page reads zeros, never stale data.
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemset(k_pool_, 0, pool_bytes));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemset(v_pool_, 0, pool_bytes));
+  ATTN_RETURN_IF_ERROR(DeviceAlloc(reinterpret_cast<void**>(&d_part_o_),
+                                   lim.max_partial_pairs * g.head_dim * 4, "split partials", options_.device));
+  ATTN_RETURN_IF_ERROR(DeviceAlloc(reinterpret_cast<void**>(&d_part_lse_), lim.max_partial_pairs * 4,
+                                   "split LSEs", options_.device));
+  ring_ = std::make_unique<StagingRing>();
+  ATTN_RETURN_IF_ERROR(ring_->Init(packer_->InputCapacity(), packer_->OutputCapacity(), options_.device));
+  for (cudaStream_t* stream : {&copy_in_, &compute_, &copy_out_}) {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking));
+  }
+  SizeClassPool::Allocator pinned;
+  pinned.allocate = [](int64_t bytes) -> void* {
+    void* p = nullptr;
+    // Portable: pinned for every context, whichever thread allocates it.
+    if (cudaHostAlloc(&p, static_cast<size_t>(bytes), cudaHostAllocPortable) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return p;
+  };
+  pinned.free = [](void* p) { cudaFreeHost(p); };
+  pinned.pinned = true;
+  output_pool_ = SizeClassPool::Create(std::move(pinned), ring_->out_capacity());
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  size_t free_bytes = 0, total_bytes = 0;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  memory_.used_bytes = static_cast<int64_t>(total_bytes - free_bytes);
+  memory_.total_bytes = static_cast<int64_t>(total_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CheckIdle() {
+  if (const int n = ring_->InFlight(); n != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(n, " batch(es) in flight: KV reads and writes need an idle backend"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) {
+  const absl::Time start = absl::Now();
+  ATTN_ASSIGN_OR_RETURN(StagingRing::Slot* slot, ring_->NextFree());
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  PackedBatch b;
+  ATTN_RETURN_IF_ERROR(packer_->Pack(tasks, slot->h_in, ring_->in_capacity(), &b));
+  if (absl::Status launched = Launch(tasks, b, *slot); !launched.ok()) {
+    // Work queued before the failure reads this slot: wait for it (the device
+    // is probably lost; the scheduler's fault handler marks the server
+    // unhealthy) so the slot is never reused under it.
+    for (cudaStream_t st : {copy_in_, compute_, copy_out_}) cudaStreamSynchronize(st);
+    return launched;
+  }
+  slot->outputs.clear();
+  for (const PrefillTask& t : tasks) slot->outputs.push_back({t.o, t.lse, t.total_q, t.out_pinned});
+  slot->off_lse = b.off_lse;
+  slot->appended = b.num_append > 0;
+  slot->attended = b.num_items > 0;
+  slot->merged = b.num_merges > 0;
+  ring_->Commit();
+  if (stats != nullptr) stats->submit_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Launch(absl::Span<const PrefillTask> tasks, const PackedBatch& b,
+                                 StagingRing::Slot& slot) {
+  const KvGeometry& g = geo_;
+  const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim * KvDTypeBytes(g.dtype);
+  const int64_t lse_row = int64_t{g.num_qo_heads} * 4;
+  uint8_t* const d_in = slot.d_in;
+  cudaEvent_t* const ev = slot.events;
+  // Upload (copy-in stream); appends, one attention launch, a merge if
+  // anything was split (compute stream); one download (copy-out stream).
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_in, slot.h_in, b.in_bytes, cudaMemcpyHostToDevice, copy_in_));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kUploaded], copy_in_));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_, ev[Ev::kUploaded], 0));
+  if (b.num_append > 0) {
+    AppendKvParams ap;
+    ap.k_cache = k_pool_;
+    ap.v_cache = v_pool_;
+    ap.k = d_in + b.off_k;
+    ap.v = d_in + b.off_v;
+    ap.slots = reinterpret_cast<const int64_t*>(d_in + b.off_slots);
+    ap.n = b.num_append;
+    ap.layer = 0;  // slots are layer-global
+    ap.geo = g;
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kAppendBegin], compute_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(AppendKvCuda(ap, compute_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kAppendEnd], compute_));
+  }
+  PagedPrefillParams pp;
+  pp.q = d_in + b.off_q;
+  pp.o = slot.d_out;
+  pp.lse = reinterpret_cast<float*>(slot.d_out + b.off_lse);
+  pp.k_cache = k_pool_;
+  pp.v_cache = v_pool_;
+  pp.kv_indices = reinterpret_cast<const int32_t*>(d_in + b.off_idx);
+  pp.seqs = reinterpret_cast<const PrefillSeq*>(d_in + b.off_seqs);
+  pp.num_seqs = b.num_seqs;
+  pp.total_q = static_cast<int32_t>(b.total_q);
+  pp.geo = g;
+  if (b.num_items > 0) {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kAttnBegin], compute_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(PagedPrefillCuda(pp, reinterpret_cast<const PrefillWorkItem*>(d_in + b.off_items),
+                                                    b.num_items, d_part_o_, d_part_lse_, b.kernel, compute_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kAttnEnd], compute_));
+  }
+  if (b.num_merges > 0) {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kMergeBegin], compute_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(MergeSplitsCuda(pp, reinterpret_cast<const SplitMergeSeq*>(d_in + b.off_merges),
+                                                   b.num_merges, b.merge_pairs, d_part_o_, d_part_lse_, compute_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kMergeEnd], compute_));
+  }
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kComputed], compute_));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_out_, ev[Ev::kComputed], 0));
+  // Outputs in pinned response buffers are copied straight into them; the
+  // rest go through the slot's staging and Complete unpacks them.
+  bool staged = false;
+  int64_t row = 0;
+  for (const PrefillTask& t : tasks) {
+    if (t.total_q > 0 && t.out_pinned) {
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(t.o, slot.d_out + row * q_row, size_t(t.total_q) * q_row,
+                                                     cudaMemcpyDeviceToHost, copy_out_));
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(t.lse, slot.d_out + b.off_lse + row * lse_row,
+                                                     size_t(t.total_q) * lse_row, cudaMemcpyDeviceToHost,
+                                                     copy_out_));
+    } else if (t.total_q > 0) {
+      staged = true;
+    }
+    row += t.total_q;
+  }
+  if (staged) {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(slot.h_out, slot.d_out, b.out_bytes, cudaMemcpyDeviceToHost, copy_out_));
+  }
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kDownloaded], copy_out_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Complete(BatchStats* stats) {
+  ATTN_ASSIGN_OR_RETURN(StagingRing::Slot* slot, ring_->Oldest());
+  const absl::Time start = absl::Now();
+  cudaError_t err = cudaSetDevice(options_.device);
+  if (err == cudaSuccess) err = cudaEventSynchronize(slot->events[Ev::kDownloaded]);
+  if (err != cudaSuccess) {
+    ring_->Release();
+    return absl::InternalError(absl::StrCat("waiting for a batch: ", cudaGetErrorName(err), " (",
+                                            cudaGetErrorString(err), ")"));
+  }
+  const absl::Time downloaded = absl::Now();
+
+  // Outputs back to each task.
+  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
+  const int64_t lse_row = int64_t{geo_.num_qo_heads} * 4;
+  int64_t row = 0;
+  for (const StagingRing::Slot::Output& out : slot->outputs) {
+    if (out.rows > 0 && !out.pinned) {
+      std::memcpy(out.o, slot->h_out + row * q_row, size_t(out.rows) * q_row);
+      std::memcpy(out.lse, slot->h_out + slot->off_lse + row * lse_row, size_t(out.rows) * lse_row);
+    }
+    row += out.rows;
+  }
+  const absl::Time unpacked = absl::Now();
+  // Kernel times, read while the slot (and its events) is still ours.
+  BatchStats t;
+  float ms = 0;
+  auto elapsed = [&](int begin, int end) {
+    if (err == cudaSuccess) err = cudaEventElapsedTime(&ms, slot->events[begin], slot->events[end]);
+    return err == cudaSuccess ? ms * 1e-3 : 0.0;
+  };
+  if (slot->appended) {
+    t.append_launches = 1;
+    t.append_seconds = elapsed(Ev::kAppendBegin, Ev::kAppendEnd);
+  }
+  if (slot->attended) {
+    t.attention_launches = 1;
+    t.attention_seconds = elapsed(Ev::kAttnBegin, Ev::kAttnEnd);
+  }
+  if (slot->merged) {
+    t.merge_launches = 1;
+    t.merge_seconds = elapsed(Ev::kMergeBegin, Ev::kMergeEnd);
+  }
+  ring_->Release();
+  if (stats != nullptr) {
+    stats->append_launches += t.append_launches;
+    stats->append_seconds += t.append_seconds;
+    stats->attention_launches += t.attention_launches;
+    stats->attention_seconds += t.attention_seconds;
+    stats->merge_launches += t.merge_launches;
+    stats->merge_seconds += t.merge_seconds;
+    stats->wait_seconds += absl::ToDoubleSeconds(downloaded - start);
+    stats->unpack_seconds += absl::ToDoubleSeconds(unpacked - downloaded);
+  }
+  if (err != cudaSuccess) {
+    return absl::InternalError(absl::StrCat("timing a batch: ", cudaGetErrorName(err)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64_t n, bool scatter,
+                                        float* seconds) {
+  const int64_t rb = geo_.RowElems() * KvDTypeBytes(geo_.dtype);
+  StagingRing::Slot& slot = ring_->IdleSlot();
+  StagingPacker in(slot.h_in, ring_->in_capacity());
+  const int64_t off_slots = in.Take(n * 8);
+  const int64_t off_k = in.Take(n * rb);
+  const int64_t off_v = in.Take(n * rb);
+  if (off_slots < 0 || off_k < 0 || off_v < 0) return absl::InternalError("KV staging overflow");
+  std::memcpy(in.At(off_slots), rows.slots + begin, n * 8);
+  if (scatter) {
+    std::memcpy(in.At(off_k), static_cast<const uint8_t*>(rows.k) + begin * rb, n * rb);
+    std::memcpy(in.At(off_v), static_cast<const uint8_t*>(rows.v) + begin * rb, n * rb);
+  }
+  const int64_t upload = scatter ? in.used() : n * 8;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_in, slot.h_in, upload, cudaMemcpyHostToDevice, compute_));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.events[StagingRing::kAppendBegin], compute_));
+  if (scatter) {
+    AppendKvParams ap;
+    ap.k_cache = k_pool_;
+    ap.v_cache = v_pool_;
+    ap.k = slot.d_in + off_k;
+    ap.v = slot.d_in + off_v;
+    ap.slots = reinterpret_cast<const int64_t*>(slot.d_in + off_slots);
+    ap.n = n;
+    ap.layer = rows.layer;
+    ap.geo = geo_;
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(AppendKvCuda(ap, compute_));
+  } else {
+    GatherKvParams gp;
+    gp.k_cache = k_pool_;
+    gp.v_cache = v_pool_;
+    gp.k = slot.d_in + off_k;
+    gp.v = slot.d_in + off_v;
+    gp.slots = reinterpret_cast<const int64_t*>(slot.d_in + off_slots);
+    gp.n = n;
+    gp.layer = rows.layer;
+    gp.geo = geo_;
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(GatherKvCuda(gp, compute_));
+  }
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.events[StagingRing::kAppendEnd], compute_));
+  if (!scatter) {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(slot.h_in + off_k, slot.d_in + off_k, off_v + n * rb - off_k, cudaMemcpyDeviceToHost, compute_));
+  }
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
+  if (!scatter) {
+    std::memcpy(static_cast<uint8_t*>(rows.k) + begin * rb, in.At(off_k), n * rb);
+    std::memcpy(static_cast<uint8_t*>(rows.v) + begin * rb, in.At(off_v), n * rb);
+  }
+  float ms = 0;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, slot.events[StagingRing::kAppendBegin], slot.events[StagingRing::kAppendEnd]));
+  *seconds += ms * 1e-3f;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::WriteKv(const KvRows& rows, BatchStats* stats) {
+  if (absl::Status st = CheckIdle(); !st.ok()) return st;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  float seconds = 0;
+  int32_t launches = 0;
+  for (int64_t begin = 0; begin < rows.n; begin += max_append_) {
+    const int64_t n = std::min(max_append_, rows.n - begin);
+    absl::Status st = CopyRowsChunk(rows, begin, n, /*scatter=*/true, &seconds);
+    if (!st.ok()) return st;
+    ++launches;
+  }
+  if (stats != nullptr) {
+    stats->kv_rows_launches += launches;
+    stats->kv_rows_seconds += seconds;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ReadKv(const KvRows& rows, BatchStats* stats) {
+  if (absl::Status st = CheckIdle(); !st.ok()) return st;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  float seconds = 0;
+  int32_t launches = 0;
+  for (int64_t begin = 0; begin < rows.n; begin += max_append_) {
+    const int64_t n = std::min(max_append_, rows.n - begin);
+    absl::Status st = CopyRowsChunk(rows, begin, n, /*scatter=*/false, &seconds);
+    if (!st.ok()) return st;
+    ++launches;
+  }
+  if (stats != nullptr) {
+    stats->kv_rows_launches += launches;
+    stats->kv_rows_seconds += seconds;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) {
+  if (absl::Status st = CheckIdle(); !st.ok()) return st;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  StagingRing::Slot& slot = ring_->IdleSlot();
+  const int64_t per_launch = ring_->in_capacity() / 4;
+  float seconds = 0;
+  int32_t launches = 0;
+  for (size_t begin = 0; begin < pages.size(); begin += per_launch) {
+    const int64_t n = std::min<int64_t>(per_launch, static_cast<int64_t>(pages.size() - begin));
+    std::memcpy(slot.h_in, pages.data() + begin, n * 4);
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(slot.d_in, slot.h_in, n * 4, cudaMemcpyHostToDevice, compute_));
+    ZeroPagesParams zp;
+    zp.k_cache = k_pool_;
+    zp.v_cache = v_pool_;
+    zp.pages = reinterpret_cast<const int32_t*>(slot.d_in);
+    zp.num_pages_listed = n;
+    zp.geo = geo_;
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.events[StagingRing::kAppendBegin], compute_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(ZeroPagesCuda(zp, compute_));
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.events[StagingRing::kAppendEnd], compute_));
+    // The next chunk reuses the staging: wait for this one.
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
+    float ms = 0;
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(
+        cudaEventElapsedTime(&ms, slot.events[StagingRing::kAppendBegin], slot.events[StagingRing::kAppendEnd]));
+    seconds += ms / 1e3f;
+    ++launches;
+  }
+  if (stats != nullptr) {
+    stats->zero_launches += launches;
+    stats->zero_seconds += seconds;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const BackendOptions& options) {
+  auto backend = std::make_unique<CudaBackend>(options);
+  absl::Status st = backend->Init();
+  if (!st.ok()) return st;  // the destructor frees whatever was allocated
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace attnserve

@@ -1,0 +1,337 @@
+// The decode kernel family (kernels/decode/decode_cuda.h) with its host plan,
+// on random data against the float64 reference of gpu_test_util.h. Outputs,
+// LSEs and the partial workspace are poisoned with 0xFF bytes (NaN) before
+// every run; every batch runs twice on the same split counters, which the
+// kernel must leave at zero.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/decode/decode_cuda.h"
+#include "kernels/plan/decode_plan.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace attnserve {
+namespace {
+
+using gpu_test::HostBatch;
+
+// Device buffer whose every call is checked: errors land in *err (first one
+// wins) so that a test reports the failing call instead of crashing.
+template <typename T>
+struct DeviceBuffer {
+  T* ptr = nullptr;
+  size_t n = 0;
+  std::string* err;
+  DeviceBuffer(size_t count, std::string* e) : n(count), err(e) {
+    Check(cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)), "cudaMalloc");
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { cudaFree(ptr); }
+  void Check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess && err->empty()) *err = std::string(what) + ": " + cudaGetErrorString(e);
+  }
+  void Upload(const std::vector<T>& v) {
+    if (!v.empty()) Check(cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
+  }
+  std::vector<T> Download() {
+    std::vector<T> v(n);
+    if (n > 0) Check(cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), "download");
+    return v;
+  }
+  void Poison() { Check(cudaMemset(ptr, 0xFF, std::max<size_t>(n, 1) * sizeof(T)), "poison"); }
+  void Zero() { Check(cudaMemset(ptr, 0, std::max<size_t>(n, 1) * sizeof(T)), "zero"); }
+};
+
+int NumSms() {
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms;
+}
+
+struct RunResult {
+  std::string error;
+  bool split = false;
+};
+
+// Plans and runs the batch twice (poisoning outputs before each run) and
+// compares both runs to the reference. force_chunk 0: the heuristic with
+// this GPU's SM count.
+RunResult RunAndCheck(const HostBatch& b, int force_chunk) {
+  RunResult res;
+  std::string& err = res.error;
+  const KvGeometry& g = b.geo;
+  DecodePlanOptions opt;
+  opt.num_sms = NumSms();
+  int max_rows = 1;
+  for (const auto& s : b.seqs) max_rows = std::max(max_rows, s.q_len * (g.num_qo_heads / g.num_kv_heads));
+  opt.ctas_per_sm = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows));
+  opt.force_chunk = force_chunk;
+  DecodePlan plan;
+  BuildDecodePlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
+  res.split = plan.split_tiles > 0;
+
+  DeviceBuffer<uint16_t> k(b.k_pool.size(), &err), v(b.v_pool.size(), &err), q(b.q.size(), &err);
+  DeviceBuffer<uint16_t> o(b.q.size(), &err);
+  DeviceBuffer<float> lse(size_t(b.total_q) * g.num_qo_heads, &err);
+  DeviceBuffer<int32_t> idx(b.kv_indices.size(), &err);
+  DeviceBuffer<PrefillSeq> seqs(b.seqs.size(), &err);
+  DeviceBuffer<DecodeWorkItem> items(plan.items.size(), &err);
+  DeviceBuffer<float> part_o(size_t(plan.partial_slots) * plan.tile_rows * g.head_dim, &err);
+  DeviceBuffer<float> part_lse(size_t(plan.partial_slots) * plan.tile_rows, &err);
+  DeviceBuffer<int32_t> counters(plan.split_tiles, &err);
+  k.Upload(b.k_pool);
+  v.Upload(b.v_pool);
+  q.Upload(b.q);
+  idx.Upload(b.kv_indices);
+  seqs.Upload(b.seqs);
+  items.Upload(plan.items);
+  counters.Zero();
+  if (!err.empty()) return res;
+
+  PagedPrefillParams p;
+  p.q = q.ptr;
+  p.o = o.ptr;
+  p.lse = lse.ptr;
+  p.k_cache = k.ptr;
+  p.v_cache = v.ptr;
+  p.kv_indices = idx.ptr;
+  p.seqs = seqs.ptr;
+  p.num_seqs = static_cast<int32_t>(b.seqs.size());
+  p.total_q = b.total_q;
+  p.geo = g;
+  std::vector<double> o_ref, lse_ref;
+  gpu_test::Reference(b, &o_ref, &lse_ref);
+  for (int run = 0; run < 2; ++run) {
+    o.Poison();
+    lse.Poison();
+    part_o.Poison();
+    part_lse.Poison();
+    cudaError_t e = PagedDecodeCuda(p, plan.tile_rows, items.ptr, static_cast<int32_t>(plan.items.size()),
+                                    part_o.ptr, part_lse.ptr, counters.ptr, nullptr);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+      err = "run " + std::to_string(run) + ": CUDA: " + cudaGetErrorString(e);
+      return res;
+    }
+    const std::string cmp = gpu_test::Compare(g.dtype, o.Download(), lse.Download(), o_ref, lse_ref);
+    if (!err.empty()) return res;
+    if (!cmp.empty()) {
+      err = "run " + std::to_string(run) + ": " + cmp;
+      return res;
+    }
+    for (int32_t c : counters.Download()) {
+      if (plan.split_tiles > 0 && c != 0) {
+        err = "run " + std::to_string(run) + ": a split counter was left at " + std::to_string(c);
+        return res;
+      }
+    }
+  }
+  return res;
+}
+
+std::string Describe(const HostBatch& b, int force_chunk, bool split) {
+  std::string s = "D=" + std::to_string(b.geo.head_dim) + " H=" + std::to_string(b.geo.num_qo_heads) +
+                  " KVH=" + std::to_string(b.geo.num_kv_heads) + " ps=" + std::to_string(b.geo.page_size) +
+                  (b.geo.dtype == KvDType::kBf16 ? " bf16" : " fp16") + " force_chunk=" +
+                  std::to_string(force_chunk) + (split ? " split" : "") + " seqs:";
+  for (const auto& q : b.seqs) {
+    s += " (" + std::to_string(q.q_len) + "/" + std::to_string(q.kv_len) + (q.causal ? " c" : " nc") +
+         (q.causal_shift != 0 ? " shift" + std::to_string(q.causal_shift) : "") + (q.lse_base_e ? " e" : "") +
+         " L" + std::to_string(q.layer) + ")";
+  }
+  return s;
+}
+
+float RandomScale(int head_dim, std::mt19937_64* rng) {
+  return (0.5f + ((*rng)() % 1000) / 1000.f) / std::sqrt(float(head_dim));
+}
+
+TEST(PagedDecodeCuda, RejectsUnsupportedShapes) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  PagedPrefillParams p;
+  p.geo.head_dim = 96;
+  p.geo.num_qo_heads = 8;
+  p.geo.num_kv_heads = 2;
+  p.geo.page_size = 16;
+  EXPECT_EQ(PagedDecodeCuda(p, 16, nullptr, 1, nullptr, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  p.geo.head_dim = 128;
+  EXPECT_EQ(PagedDecodeCuda(p, 64, nullptr, 1, nullptr, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  p.geo.head_dim = 256;
+  EXPECT_EQ(PagedDecodeCuda(p, 32, nullptr, 1, nullptr, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(PagedDecodeCuda(p, 16, nullptr, 0, nullptr, nullptr, nullptr, nullptr), cudaSuccess);
+  cudaGetLastError();
+}
+
+// Random geometries (head_dim 64/128/256, GQA 1/4/8/16, page_size 1/16/64,
+// bf16/fp16), 1..8 query rows, causal or not, causal_shift, base-e LSE, mixed
+// layers and scales, sequences with 0 or 1 key; split by the heuristic or
+// forced into short chunks.
+TEST(PagedDecodeCuda, RandomBatches) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(20261214);
+  const int kBatches = 120;
+  int splits = 0, unsplit = 0;
+  for (int it = 0; it < kBatches; ++it) {
+    HostBatch b;
+    const int dims[] = {64, 128, 128, 256};
+    const int heads[][2] = {{4, 4}, {8, 2}, {32, 4}, {16, 2}, {8, 1}, {16, 1}};
+    const int page_sizes[] = {1, 16, 64};
+    const int* hh = heads[rng() % 6];
+    b.geo.head_dim = dims[rng() % 4];
+    b.geo.num_qo_heads = hh[0];
+    b.geo.num_kv_heads = hh[1];
+    b.geo.page_size = page_sizes[rng() % 3];
+    b.geo.dtype = rng() % 2 ? KvDType::kBf16 : KvDType::kFp16;
+    b.geo.num_layers = 1 + rng() % 2;
+    // Small pools keep the host side fast; longer sequences repeat page ids.
+    b.geo.num_pages = std::max(8, 2048 / b.geo.page_size);
+    gpu_test::MakePools(&b, &rng);
+    const int nseq = 1 + rng() % 6;
+    for (int s = 0; s < nseq; ++s) {
+      const int q_len = 1 + rng() % 8;
+      int kv_len = 0;
+      switch (rng() % 6) {
+        case 0: kv_len = rng() % 3; break;  // 0, 1 or 2 keys
+        case 1: kv_len = 3000 + rng() % 2500; break;
+        default: kv_len = 1 + rng() % 1500; break;
+      }
+      const bool causal = rng() % 4 != 0;
+      gpu_test::AddSeq(&b, q_len, kv_len, rng() % b.geo.num_layers, causal, rng() % 3 == 0,
+                       RandomScale(b.geo.head_dim, &rng), &rng);
+      if (rng() % 3 == 0) b.seqs.back().causal_shift = static_cast<int>(rng() % 41) - 30;
+    }
+    gpu_test::FinishBatch(&b, rng() % 4 == 0 ? 3.f : 1.f, &rng);
+    const int force_chunk = rng() % 3 == 0 ? 64 << (rng() % 3) : 0;
+    const RunResult r = RunAndCheck(b, force_chunk);
+    (r.split ? splits : unsplit)++;
+    ASSERT_EQ(r.error, "") << "batch " << it << ": " << Describe(b, force_chunk, r.split);
+  }
+  EXPECT_GT(splits, 30) << "too few batches exercised split KV";
+  EXPECT_GT(unsplit, 10) << "too few batches ran unsplit";
+}
+
+// Every (page_size, GQA, head_dim, dtype) corner, 1..8 rows causal
+// bottom-right, split and unsplit.
+TEST(PagedDecodeCuda, GeometryGrid) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(5);
+  for (int ps : {1, 16, 64}) {
+    for (int group : {1, 4, 8}) {
+      for (int d : {64, 128, 256}) {
+        for (KvDType dt : {KvDType::kBf16, KvDType::kFp16}) {
+          for (int force_chunk : {0, 128}) {
+            HostBatch b;
+            b.geo.head_dim = d;
+            b.geo.num_kv_heads = 2;
+            b.geo.num_qo_heads = 2 * group;
+            b.geo.page_size = ps;
+            b.geo.dtype = dt;
+            b.geo.num_layers = 1;
+            b.geo.num_pages = std::max(8, 1024 / ps);
+            gpu_test::MakePools(&b, &rng);
+            for (int q_len = 1; q_len <= 8; ++q_len) {
+              gpu_test::AddSeq(&b, q_len, q_len * 97 + 300, 0, true, false, RandomScale(d, &rng), &rng);
+            }
+            gpu_test::FinishBatch(&b, 1.f, &rng);
+            const RunResult r = RunAndCheck(b, force_chunk);
+            if (force_chunk > 0) EXPECT_TRUE(r.split);
+            ASSERT_EQ(r.error, "") << Describe(b, force_chunk, r.split);
+          }
+        }
+      }
+    }
+  }
+}
+
+// causal_shift != 0: positive (the server holds a middle part of a
+// sequence), negative (rows see fewer keys; some none at all), split and not.
+TEST(PagedDecodeCuda, CausalShift) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(9);
+  for (int force_chunk : {0, 64, 256}) {
+    HostBatch b;
+    b.geo.head_dim = 128;
+    b.geo.num_qo_heads = 16;
+    b.geo.num_kv_heads = 2;
+    b.geo.page_size = 16;
+    b.geo.dtype = KvDType::kBf16;
+    b.geo.num_layers = 2;
+    b.geo.num_pages = 600;
+    gpu_test::MakePools(&b, &rng);
+    const int shifts[] = {5, 1000, -1, -3, -7, -300, -2000, 0};
+    for (int i = 0; i < 8; ++i) {
+      gpu_test::AddSeq(&b, 1 + i % 8, 900 + 13 * i, i % 2, true, i % 3 == 0, RandomScale(128, &rng), &rng);
+      b.seqs.back().causal_shift = shifts[i];
+    }
+    gpu_test::FinishBatch(&b, 2.f, &rng);
+    const RunResult r = RunAndCheck(b, force_chunk);
+    ASSERT_EQ(r.error, "") << Describe(b, force_chunk, r.split);
+  }
+}
+
+// Sequences of one key (rows before the diagonal see nothing: 0 and -inf)
+// and of no key, beside longer ones.
+TEST(PagedDecodeCuda, OneKeyAndEmptySequences) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(13);
+  for (int force_chunk : {0, 64}) {
+    HostBatch b;
+    b.geo.head_dim = 64;
+    b.geo.num_qo_heads = 8;
+    b.geo.num_kv_heads = 1;
+    b.geo.page_size = 1;
+    b.geo.dtype = KvDType::kFp16;
+    b.geo.num_layers = 1;
+    b.geo.num_pages = 3000;
+    gpu_test::MakePools(&b, &rng);
+    for (int q_len = 1; q_len <= 8; ++q_len) {
+      gpu_test::AddSeq(&b, q_len, 1, 0, true, q_len % 2, 0.125f, &rng);
+      gpu_test::AddSeq(&b, q_len, 1, 0, false, false, 0.125f, &rng);
+      gpu_test::AddSeq(&b, q_len, 0, 0, q_len % 2, false, 0.125f, &rng);
+    }
+    gpu_test::AddSeq(&b, 2, 2500, 0, true, false, 0.125f, &rng);
+    gpu_test::FinishBatch(&b, 1.f, &rng);
+    const RunResult r = RunAndCheck(b, force_chunk);
+    ASSERT_EQ(r.error, "") << Describe(b, force_chunk, r.split);
+  }
+}
+
+// A KV range longer than 64k keys (split by the heuristic), beside short
+// sequences; mixed layers, scales (one negative) and LSE bases.
+TEST(PagedDecodeCuda, LongSequenceMixedLayersAndScales) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(17);
+  HostBatch b;
+  b.geo.head_dim = 128;
+  b.geo.num_qo_heads = 8;
+  b.geo.num_kv_heads = 1;
+  b.geo.page_size = 16;
+  b.geo.dtype = KvDType::kBf16;
+  b.geo.num_layers = 3;
+  b.geo.num_pages = 4500;  // 72,000 slots per layer
+  gpu_test::MakePools(&b, &rng);
+  gpu_test::AddSeq(&b, 1, 70001, 2, true, false, 1 / std::sqrt(128.f), &rng);
+  gpu_test::AddSeq(&b, 4, 66000, 0, true, true, 0.05f, &rng);
+  gpu_test::AddSeq(&b, 8, 65537, 1, false, false, -0.07f, &rng);
+  gpu_test::AddSeq(&b, 1, 100, 1, true, false, 0.2f, &rng);
+  gpu_test::AddSeq(&b, 3, 3, 0, true, true, 0.09f, &rng);
+  gpu_test::FinishBatch(&b, 2.f, &rng);
+  const RunResult r = RunAndCheck(b, 0);
+  EXPECT_TRUE(r.split) << "a 70k-key decode must be split";
+  EXPECT_EQ(r.error, "") << Describe(b, 0, r.split);
+  const RunResult unsplit = RunAndCheck(b, 1 << 20);  // chunks longer than any sequence: no split
+  EXPECT_FALSE(unsplit.split);
+  EXPECT_EQ(unsplit.error, "") << Describe(b, 1 << 20, unsplit.split);
+}
+
+}  // namespace
+}  // namespace attnserve

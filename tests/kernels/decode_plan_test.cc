@@ -1,0 +1,293 @@
+// BuildDecodePlan on the host (no GPU): which sequences it takes, that its
+// items cover every (sequence, KV head, row tile) exactly once over the
+// visible KV range, the split bookkeeping the kernel's merge relies on, and
+// the split heuristic on the decode shapes of issue #14.
+#include "kernels/plan/decode_plan.h"
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace attnserve {
+namespace {
+
+KvGeometry Geo(int h, int kvh, int d, int ps = 16) {
+  KvGeometry g;
+  g.num_layers = 2;
+  g.num_pages = 1 << 20;
+  g.page_size = ps;
+  g.num_qo_heads = h;
+  g.num_kv_heads = kvh;
+  g.head_dim = d;
+  return g;
+}
+
+PrefillSeq Seq(int q_len, int kv_len, bool causal = true, int shift = 0) {
+  PrefillSeq s;
+  s.q_len = q_len;
+  s.kv_len = kv_len;
+  s.causal = causal;
+  s.causal_shift = shift;
+  s.sm_scale = 0.1f;
+  return s;
+}
+
+int VisibleEnd(const PrefillSeq& s) {
+  if (!s.causal) return s.kv_len;
+  return std::clamp(s.kv_len + s.causal_shift, 0, s.kv_len);
+}
+
+// Checks every structural property; returns the number of items per tile.
+void CheckPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const DecodePlan& plan) {
+  const int group = g.num_qo_heads / g.num_kv_heads;
+  const int m = plan.tile_rows;
+  ASSERT_TRUE(m == 16 || m == 32);
+  int max_rows = 1;
+  for (const auto& s : seqs) {
+    if (DecodeSeqQualifies(s, g)) max_rows = std::max(max_rows, s.q_len * group);
+  }
+  EXPECT_EQ(m, DecodeTileRows(g.head_dim, max_rows));
+  // (seq, kv_head, row_begin) -> items
+  std::map<std::tuple<int, int, int>, std::vector<DecodeWorkItem>> tiles;
+  for (const auto& it : plan.items) {
+    ASSERT_GE(it.seq, 0);
+    ASSERT_LT(it.seq, static_cast<int>(seqs.size()));
+    ASSERT_TRUE(DecodeSeqQualifies(seqs[it.seq], g)) << "item for a non-qualifying sequence " << it.seq;
+    ASSERT_GE(it.kv_head, 0);
+    ASSERT_LT(it.kv_head, g.num_kv_heads);
+    ASSERT_EQ(it.row_begin % m, 0);
+    ASSERT_LT(it.row_begin, seqs[it.seq].q_len * group);
+    tiles[{it.seq, it.kv_head, it.row_begin}].push_back(it);
+  }
+  std::set<int> counters;
+  std::vector<int> slot_used(plan.partial_slots, 0);
+  for (int i = 0; i < static_cast<int>(seqs.size()); ++i) {
+    const PrefillSeq& s = seqs[i];
+    if (!DecodeSeqQualifies(s, g)) continue;
+    const int nt = (s.q_len * group + m - 1) / m;
+    for (int h = 0; h < g.num_kv_heads; ++h) {
+      for (int t = 0; t < nt; ++t) {
+        auto found = tiles.find({i, h, t * m});
+        ASSERT_NE(found, tiles.end()) << "tile missing: seq " << i << " head " << h << " tile " << t;
+        std::vector<DecodeWorkItem> items = found->second;
+        std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.chunk < b.chunk; });
+        const int n = static_cast<int>(items.size());
+        ASSERT_LE(n, kMaxDecodeChunks);
+        if (n == 1) {
+          EXPECT_EQ(items[0].split_tile, -1);
+          EXPECT_EQ(items[0].kv_begin, 0);
+          EXPECT_EQ(items[0].kv_end, s.kv_len);
+          continue;
+        }
+        // Split: chunks 0..n-1 tile [0, visible end) in order.
+        const int vis = VisibleEnd(s);
+        int pos = 0;
+        for (int c = 0; c < n; ++c) {
+          const auto& it = items[c];
+          EXPECT_EQ(it.chunk, c);
+          EXPECT_EQ(it.num_chunks, n);
+          EXPECT_EQ(it.kv_begin, pos);
+          EXPECT_GT(it.kv_end, it.kv_begin);
+          EXPECT_EQ(it.split_tile, items[0].split_tile);
+          EXPECT_EQ(it.part_begin, items[0].part_begin);
+          ASSERT_GE(it.part_begin + c, 0);
+          ASSERT_LT(it.part_begin + c, plan.partial_slots);
+          EXPECT_EQ(slot_used[it.part_begin + c]++, 0) << "partial slot used twice";
+          pos = it.kv_end;
+        }
+        EXPECT_EQ(pos, vis);
+        ASSERT_GE(items[0].split_tile, 0);
+        ASSERT_LT(items[0].split_tile, plan.split_tiles);
+        EXPECT_TRUE(counters.insert(items[0].split_tile).second) << "counter shared by two tiles";
+      }
+    }
+  }
+  EXPECT_EQ(static_cast<int>(counters.size()), plan.split_tiles);
+  // Longest (visible) chunk first.
+  for (size_t i = 1; i < plan.items.size(); ++i) {
+    auto len = [&](const DecodeWorkItem& it) { return std::min(it.kv_end, VisibleEnd(seqs[it.seq])) - it.kv_begin; };
+    EXPECT_GE(len(plan.items[i - 1]), len(plan.items[i])) << "item " << i;
+  }
+}
+
+DecodePlan Plan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, DecodePlanOptions opt = {}) {
+  DecodePlan plan;
+  BuildDecodePlan(seqs.data(), static_cast<int32_t>(seqs.size()), g, opt, &plan);
+  return plan;
+}
+
+std::vector<PrefillSeq> Uniform(int batch, int q_len, int kv_len) {
+  std::vector<PrefillSeq> seqs;
+  for (int i = 0; i < batch; ++i) seqs.push_back(Seq(q_len, kv_len));
+  return seqs;
+}
+
+TEST(DecodePlan, Qualification) {
+  const KvGeometry g = Geo(32, 4, 128);
+  EXPECT_TRUE(DecodeSeqQualifies(Seq(1, 10), g));
+  EXPECT_TRUE(DecodeSeqQualifies(Seq(8, 10), g));
+  EXPECT_FALSE(DecodeSeqQualifies(Seq(9, 10), g));
+  EXPECT_FALSE(DecodeSeqQualifies(Seq(0, 10), g));
+  EXPECT_FALSE(DecodeSeqQualifies(Seq(1, 10), Geo(32, 4, 96)));
+  EXPECT_FALSE(DecodeSeqQualifies(Seq(1, 10), Geo(32, 5, 128)));
+  std::vector<PrefillSeq> mixed = {Seq(1, 100), Seq(0, 5), Seq(4, 100)};
+  EXPECT_TRUE(DecodeBatchQualifies(mixed.data(), 3, g));
+  mixed.push_back(Seq(100, 300));
+  EXPECT_FALSE(DecodeBatchQualifies(mixed.data(), 4, g));
+  // The plan takes the qualifying sequences only.
+  const DecodePlan plan = Plan(mixed, g);
+  EXPECT_EQ(plan.num_seqs_planned, 2);
+  for (const auto& it : plan.items) EXPECT_TRUE(it.seq == 0 || it.seq == 2);
+  CheckPlan(mixed, g, plan);
+}
+
+TEST(DecodePlan, MixedBatchSplitsIntoTwoFamilies) {
+  const KvGeometry g = Geo(32, 4, 128);
+  const std::vector<PrefillSeq> seqs = {Seq(1, 100), Seq(300, 900), Seq(8, 50), Seq(0, 7), Seq(9, 9)};
+  std::vector<PrefillSeq> rest;
+  EXPECT_EQ(SeqsForPrefillFamily(seqs.data(), 5, g, &rest), 2);
+  ASSERT_EQ(rest.size(), 5u);
+  const int want_q[] = {0, 300, 0, 0, 9};
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(rest[i].q_len, want_q[i]) << i;
+    EXPECT_EQ(rest[i].kv_len, seqs[i].kv_len) << i;
+  }
+  // Every sequence with rows is in exactly one family.
+  const DecodePlan plan = Plan(seqs, g);
+  std::set<int> decode_seqs;
+  for (const auto& it : plan.items) decode_seqs.insert(it.seq);
+  EXPECT_EQ(decode_seqs, (std::set<int>{0, 2}));
+  // Unsupported head_dim: everything stays with prefill.
+  EXPECT_EQ(SeqsForPrefillFamily(seqs.data(), 5, Geo(32, 4, 96), &rest), 0);
+  EXPECT_EQ(rest[0].q_len, 1);
+}
+
+TEST(DecodePlan, TileRows) {
+  EXPECT_EQ(DecodeTileRows(128, 1), 16);
+  EXPECT_EQ(DecodeTileRows(128, 8), 16);
+  EXPECT_EQ(DecodeTileRows(128, 17), 32);
+  EXPECT_EQ(DecodeTileRows(128, 64), 32);  // capped: two tiles per sequence
+  EXPECT_EQ(DecodeTileRows(64, 64), 32);
+  EXPECT_EQ(DecodeTileRows(64, 20), 32);
+  EXPECT_EQ(DecodeTileRows(256, 32), 16);
+  // 32 / 4 heads, 8 rows, head_dim 128: 64 packed rows in two tiles of 32.
+  const KvGeometry g = Geo(32, 4, 128);
+  const std::vector<PrefillSeq> seqs = {Seq(8, 500)};
+  const DecodePlan plan = Plan(seqs, g);
+  EXPECT_EQ(plan.tile_rows, 32);
+  CheckPlan(seqs, g, plan);
+}
+
+TEST(DecodePlan, HeuristicOnIssueShapes) {
+  const KvGeometry g = Geo(32, 4, 128, 1);
+  DecodePlanOptions opt;
+  opt.num_sms = 132;
+  opt.ctas_per_sm = 2;
+  // 64 x 4096: 256 tiles already fill 264 slots: no split.
+  {
+    const auto seqs = Uniform(64, 1, 4096);
+    const DecodePlan p = Plan(seqs, g, opt);
+    EXPECT_EQ(p.split_tiles, 0);
+    EXPECT_EQ(p.items.size(), 256u);
+    CheckPlan(seqs, g, p);
+  }
+  // 256 x 4096: 1024 tiles, about 4 waves: no split.
+  {
+    const auto seqs = Uniform(256, 1, 4096);
+    const DecodePlan p = Plan(seqs, g, opt);
+    EXPECT_EQ(p.split_tiles, 0);
+    CheckPlan(seqs, g, p);
+  }
+  // 8 x 131072: 32 tiles; split so that the items fill the GPU.
+  {
+    const auto seqs = Uniform(8, 1, 131072);
+    const DecodePlan p = Plan(seqs, g, opt);
+    EXPECT_EQ(p.split_tiles, 32);
+    EXPECT_GE(p.items.size(), 200u);
+    EXPECT_LE(p.items.size(), 264u);
+    CheckPlan(seqs, g, p);
+  }
+  // 1 x 4096: 4 tiles; split into short chunks.
+  {
+    const auto seqs = Uniform(1, 1, 4096);
+    const DecodePlan p = Plan(seqs, g, opt);
+    EXPECT_EQ(p.split_tiles, 4);
+    EXPECT_GE(p.items.size(), 32u);
+    EXPECT_GE(p.chunk_len, opt.min_chunk);
+    CheckPlan(seqs, g, p);
+  }
+  // Speculative 64 x 4 rows: 32 packed rows in one tile, no split.
+  {
+    const auto seqs = Uniform(64, 4, 4096);
+    const DecodePlan p = Plan(seqs, g, opt);
+    EXPECT_EQ(p.tile_rows, 32);
+    EXPECT_EQ(p.items.size(), 256u);
+    CheckPlan(seqs, g, p);
+  }
+}
+
+TEST(DecodePlan, ForcedAndDisabledSplit) {
+  const KvGeometry g = Geo(8, 2, 64, 16);
+  const std::vector<PrefillSeq> seqs = {Seq(1, 1000), Seq(3, 64), Seq(2, 65), Seq(1, 1), Seq(1, 0)};
+  DecodePlanOptions opt;
+  opt.force_chunk = 100;  // rounded up to 128
+  DecodePlan p = Plan(seqs, g, opt);
+  EXPECT_EQ(p.chunk_len, 128);
+  CheckPlan(seqs, g, p);
+  EXPECT_EQ(p.split_tiles, 2);  // seq 0, both KV heads
+  opt = {};
+  opt.no_split = true;
+  p = Plan(seqs, g, opt);
+  EXPECT_EQ(p.split_tiles, 0);
+  CheckPlan(seqs, g, p);
+}
+
+TEST(DecodePlan, CausalShiftClipsTheSplitRange) {
+  const KvGeometry g = Geo(4, 4, 128, 1);
+  // The last row sees keys < 1000 - 300 = 700; nothing, when shifted past.
+  const std::vector<PrefillSeq> seqs = {Seq(2, 1000, true, -300), Seq(1, 1000, true, -2000),
+                                        Seq(1, 1000, false, -300), Seq(4, 1000, true, 5)};
+  DecodePlanOptions opt;
+  opt.force_chunk = 256;
+  const DecodePlan p = Plan(seqs, g, opt);
+  CheckPlan(seqs, g, p);
+  for (const auto& it : p.items) {
+    if (it.seq == 0) EXPECT_LE(it.kv_end, 700);
+    if (it.seq == 1) {
+      EXPECT_EQ(it.split_tile, -1);  // one unsplit item that writes zeros
+    }
+  }
+}
+
+TEST(DecodePlan, RandomBatches) {
+  std::mt19937_64 rng(14);
+  for (int iter = 0; iter < 300; ++iter) {
+    const int dims[] = {64, 128, 256};
+    const int heads[][2] = {{4, 4}, {8, 2}, {32, 4}, {64, 8}, {16, 1}};
+    const int* hh = heads[rng() % 5];
+    const KvGeometry g = Geo(hh[0], hh[1], dims[rng() % 3], 1 << (rng() % 7));
+    std::vector<PrefillSeq> seqs;
+    const int n = 1 + rng() % 40;
+    for (int i = 0; i < n; ++i) {
+      const int q = rng() % 11;
+      const int kv = rng() % 4 == 0 ? static_cast<int>(rng() % 200000) : static_cast<int>(rng() % 5000);
+      seqs.push_back(Seq(q, kv, rng() % 3 != 0, static_cast<int>(rng() % 200) - 150));
+    }
+    DecodePlanOptions opt;
+    opt.num_sms = 1 + rng() % 140;
+    opt.ctas_per_sm = 1 + rng() % 3;
+    if (rng() % 4 == 0) opt.force_chunk = 1 + rng() % 3000;
+    const DecodePlan p = Plan(seqs, g, opt);
+    SCOPED_TRACE(iter);
+    CheckPlan(seqs, g, p);
+    if (HasFatalFailure()) return;
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
