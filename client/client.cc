@@ -171,9 +171,9 @@ absl::Status Client::WriteKV(int32_t layer, absl::Span<const int64_t> slots,
   req.mutable_slots()->Assign(slots.begin(), slots.end());
   const int64_t n = static_cast<int64_t>(slots.size());
   SetTensor(req.mutable_k(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
-            k.data(), k.size() * 2);
+            k.data(), k.size() * sizeof(uint16_t));
   SetTensor(req.mutable_v(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
-            v.data(), v.size() * 2);
+            v.data(), v.size() * sizeof(uint16_t));
   req.set_expected_incarnation(incarnation());
   v1::WriteKVResponse resp;
   grpc::Status s = stub_->WriteKV(&ctx, req, &resp);
@@ -203,7 +203,7 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
   const int64_t row = int64_t{info_.num_qo_heads()} * info_.head_dim();
   const int64_t total_q = row == 0 ? 0 : static_cast<int64_t>(a.q.size()) / row;
   SetTensor(req.mutable_q(), WireDType(info_), {total_q, info_.num_qo_heads(), info_.head_dim()},
-            a.q.data(), a.q.size() * 2);
+            a.q.data(), a.q.size() * sizeof(uint16_t));
   req.mutable_qo_indptr()->Assign(a.qo_indptr.begin(), a.qo_indptr.end());
   req.mutable_kv_indptr()->Assign(a.kv_indptr.begin(), a.kv_indptr.end());
   req.mutable_kv_indices()->Assign(a.kv_indices.begin(), a.kv_indices.end());
@@ -220,10 +220,10 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
     req.mutable_append_slots()->Assign(a.append_slots.begin(), a.append_slots.end());
     SetTensor(req.mutable_append_k(), WireDType(info_),
               {n, info_.num_kv_heads(), info_.head_dim()}, a.append_k.data(),
-              a.append_k.size() * 2);
+              a.append_k.size() * sizeof(uint16_t));
     SetTensor(req.mutable_append_v(), WireDType(info_),
               {n, info_.num_kv_heads(), info_.head_dim()}, a.append_v.data(),
-              a.append_v.size() * 2);
+              a.append_v.size() * sizeof(uint16_t));
   }
   req.set_expected_incarnation(a.expected_incarnation != 0 ? a.expected_incarnation
                                                            : incarnation());
@@ -274,7 +274,7 @@ absl::StatusOr<State> Client::MergeStates(absl::Span<const State> states, int64_
   v1::MergeStatesRequest req;
   for (const State& st : states) {
     v1::AttentionState* s = req.add_states();
-    SetTensor(s->mutable_v(), WireDType(info_), {n, h, d}, st.v.data(), st.v.size() * 2);
+    SetTensor(s->mutable_v(), WireDType(info_), {n, h, d}, st.v.data(), st.v.size() * sizeof(uint16_t));
     SetTensor(s->mutable_lse(), v1::DTYPE_FP32, {n, h}, st.lse.data(), st.lse.size() * 4);
   }
   req.set_lse_base(lse_base_e ? v1::LSE_BASE_E : v1::LSE_BASE_2);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_format.h"
 #include "common/dtype.h"
+#include "common/reference.h"
 
 namespace attnserve {
 
@@ -38,59 +39,43 @@ const uint16_t* KvMirror::Row(const absl::flat_hash_map<int64_t, std::vector<uin
 const uint16_t* KvMirror::K(int32_t layer, int64_t slot) const { return Row(k_, layer, slot); }
 const uint16_t* KvMirror::V(int32_t layer, int64_t slot) const { return Row(v_, layer, slot); }
 
+namespace {
+
+// The mirror as the reference's source of K/V rows.
+class MirrorRows final : public reference::KvRows {
+ public:
+  explicit MirrorRows(const KvMirror& kv) : kv_(kv) {}
+  const uint16_t* K(int32_t layer, int64_t slot) const override { return kv_.K(layer, slot); }
+  const uint16_t* V(int32_t layer, int64_t slot) const override { return kv_.V(layer, slot); }
+
+ private:
+  const KvMirror& kv_;
+};
+
+}  // namespace
+
 void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<double>* o,
                       std::vector<double>* lse) {
   const KvGeometry& g = kv.geometry();
-  const int64_t hq = g.num_qo_heads, d = g.head_dim;
-  const int64_t group = g.num_qo_heads / g.num_kv_heads;
-  const double scale = in.sm_scale ? *in.sm_scale : 1.0 / std::sqrt(static_cast<double>(d));
-  const int64_t total_q = in.total_q();
-  o->assign(total_q * hq * d, 0.0);
-  lse->assign(total_q * hq, -std::numeric_limits<double>::infinity());
+  const double scale =
+      in.sm_scale ? *in.sm_scale : 1.0 / std::sqrt(static_cast<double>(g.head_dim));
+  std::vector<reference::Seq> seqs;
   const int64_t batch = static_cast<int64_t>(in.qo_indptr.size()) - 1;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t q_len = in.qo_indptr[b + 1] - in.qo_indptr[b];
+    reference::Seq s;
+    s.q_start = in.qo_indptr[b];
+    s.q_len = in.qo_indptr[b + 1] - in.qo_indptr[b];
+    s.kv_start = in.kv_indptr[b];
     const int64_t pages = in.kv_indptr[b + 1] - in.kv_indptr[b];
     const int64_t last = in.kv_last_page_len.empty() ? 1 : in.kv_last_page_len[b];
-    const int64_t kv_len = pages == 0 ? 0 : (pages - 1) * g.page_size + last;
-    // Slot of each KV position.
-    std::vector<int64_t> slots(kv_len);
-    for (int64_t j = 0; j < kv_len; ++j) {
-      slots[j] = int64_t{in.kv_indices[in.kv_indptr[b] + j / g.page_size]} * g.page_size +
-                 j % g.page_size;
-    }
-    for (int64_t i = 0; i < q_len; ++i) {
-      const int64_t row = in.qo_indptr[b] + i;
-      const int64_t visible = in.causal ? std::min(kv_len, i + kv_len - q_len + 1) : kv_len;
-      if (visible <= 0) continue;  // output 0, lse -inf
-      for (int64_t h = 0; h < hq; ++h) {
-        const int64_t kvh = h / group;
-        const uint16_t* qr = in.q.data() + (row * hq + h) * d;
-        std::vector<double> logits(visible);
-        double m = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < visible; ++j) {
-          const uint16_t* kr = kv.K(in.layer, slots[j]) + kvh * d;
-          double dot = 0;
-          for (int64_t c = 0; c < d; ++c) {
-            dot += double{HalfToFloat(g.dtype, qr[c])} * HalfToFloat(g.dtype, kr[c]);
-          }
-          logits[j] = dot * scale;
-          m = std::max(m, logits[j]);
-        }
-        double sum = 0;
-        double* out = o->data() + (row * hq + h) * d;
-        for (int64_t j = 0; j < visible; ++j) {
-          const double w = std::exp(logits[j] - m);
-          sum += w;
-          const uint16_t* vr = kv.V(in.layer, slots[j]) + kvh * d;
-          for (int64_t c = 0; c < d; ++c) out[c] += w * HalfToFloat(g.dtype, vr[c]);
-        }
-        for (int64_t c = 0; c < d; ++c) out[c] /= sum;
-        const double lse_e = m + std::log(sum);
-        (*lse)[row * hq + h] = in.lse_base_e ? lse_e : lse_e / std::log(2.0);
-      }
-    }
+    s.kv_len = pages == 0 ? 0 : (pages - 1) * g.page_size + last;
+    s.layer = in.layer;
+    s.sm_scale = scale;
+    s.causal = in.causal;
+    s.lse_base_e = in.lse_base_e;
+    seqs.push_back(s);
   }
+  reference::Prefill(g, MirrorRows(kv), in.q.data(), in.total_q(), in.kv_indices, seqs, o, lse);
 }
 
 PrefillArgs ArgsOf(const PrefillInputs& in) {

@@ -1,5 +1,6 @@
-// Random ragged workloads and an independent float64 reference, used by
-// `attnctl prefill`, the integration tests and attnbench's verification.
+// Random ragged workloads and their float64 reference (common/reference.h),
+// used by `attnctl prefill`, the integration tests and attnbench's
+// verification.
 //
 // KvMirror keeps the client's own copy of every K/V row it wrote, so the
 // reference needs nothing from the server.

@@ -21,6 +21,8 @@ inline constexpr int64_t KvDTypeBytes(KvDType) { return 2; }
 inline constexpr bool IsSupportedHeadDim(int32_t head_dim) {
   return head_dim == 64 || head_dim == 128 || head_dim == 256;
 }
+// How messages name them.
+inline constexpr const char kSupportedHeadDims[] = "64, 128 or 256";
 
 // Geometry of the paged KV cache. For each layer, K and V are each shaped
 // [num_pages, page_size, num_kv_heads, head_dim]; the pools hold all layers

@@ -97,8 +97,9 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
   if (g.page_size < 1 || g.page_size > 128) {
     return absl::InvalidArgumentError(absl::StrCat("--page_size=", g.page_size, " out of range [1, 128]"));
   }
-  if (g.head_dim != 64 && g.head_dim != 128 && g.head_dim != 256) {
-    return absl::InvalidArgumentError(absl::StrCat("--head_dim=", g.head_dim, " must be 64, 128 or 256"));
+  if (!IsSupportedHeadDim(g.head_dim)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--head_dim=", g.head_dim, " must be ", kSupportedHeadDims));
   }
   if (g.num_kv_heads < 1 || g.num_qo_heads < 1 || g.num_qo_heads > 256 ||
       g.num_qo_heads % g.num_kv_heads != 0) {

@@ -120,13 +120,6 @@ class Backend {
   // each task). On error none of that batch's outputs is valid.
   virtual absl::Status Complete(BatchStats* stats) = 0;
 
-  // Submit and Complete of one batch.
-  absl::Status RunBatch(absl::Span<const PrefillTask> tasks, BatchStats* stats) {
-    absl::Status st = Submit(tasks, stats);
-    if (!st.ok()) return st;
-    return Complete(stats);
-  }
-
   // Writes rows (k, v read) into the pools.
   virtual absl::Status WriteKv(const KvRows& rows, BatchStats* stats) = 0;
   // Reads rows (k, v written) out of the pools.

@@ -66,7 +66,7 @@ ServerInfoData AttentionCore::Info() const {
   info.num_qo_heads = g.num_qo_heads;
   info.num_kv_heads = g.num_kv_heads;
   info.head_dim = g.head_dim;
-  info.kv_dtype = ToWire(g.dtype);
+  info.kv_dtype = g.dtype;
   info.free_pages = pages_.FreeCount();
   info.max_batch_tokens = options_.max_batch_tokens;
   info.max_message_bytes = options_.max_message_bytes;
@@ -190,6 +190,11 @@ void AttentionCore::Prefill(const PrefillCall& call, DoneCallback done) {
   // One buffer for both outputs, from the backend (pinned where that lets the
   // device copy into it); never zero-filled, the backend writes every byte.
   PrefillOutput* out = call.out;
+  const KvGeometry& g = backend_->Geometry();
+  out->dtype = g.dtype;
+  out->total_q = validated->task.total_q;
+  out->num_qo_heads = g.num_qo_heads;
+  out->head_dim = g.head_dim;
   out->o_bytes = validated->out_bytes;
   out->lse_offset = (validated->out_bytes + 63) / 64 * 64;
   out->lse_bytes = validated->lse_bytes;

@@ -18,15 +18,37 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/kv_geometry.h"
 #include "server/backend/host_buffer.h"
 
 namespace attnserve {
 
-// Element type on the wire (mirrors attnserve.v1.DType).
-enum class WireDType : int32_t { kUnspecified = 0, kBf16 = 1, kFp16 = 2, kFp32 = 3 };
+// Element type of a tensor as its caller declared it: one of common's
+// KvDType, float32 (LSE), or one no field takes (unspecified, or not an
+// attnserve.v1.DType at all). The edge maps attnserve.v1.DType onto it in
+// one place (server/grpc/convert.h); validation compares it with what each
+// field needs.
+enum class TensorDType : int32_t { kUnspecified, kBf16, kFp16, kFp32, kUnknown };
+
+// The tensor dtype of the KV element type.
+inline TensorDType TensorDTypeOf(KvDType dtype) {
+  return dtype == KvDType::kBf16 ? TensorDType::kBf16 : TensorDType::kFp16;
+}
+
+// Its name in error messages: the API's ("DTYPE_BF16", ...) or "unknown".
+inline const char* TensorDTypeName(TensorDType dtype) {
+  switch (dtype) {
+    case TensorDType::kUnspecified: return "DTYPE_UNSPECIFIED";
+    case TensorDType::kBf16: return "DTYPE_BF16";
+    case TensorDType::kFp16: return "DTYPE_FP16";
+    case TensorDType::kFp32: return "DTYPE_FP32";
+    case TensorDType::kUnknown: break;
+  }
+  return "unknown";
+}
 
 struct TensorView {
-  int32_t dtype = 0;                  // raw enum value as received
+  TensorDType dtype = TensorDType::kUnspecified;
   std::vector<int64_t> shape;
   absl::string_view data;
 };
@@ -48,11 +70,16 @@ struct CallContext {
   uint64_t expected_incarnation = 0;  // 0: not checked
 };
 
-// Prefill's outputs, filled by the core: o (total_q, num_qo_heads, head_dim)
-// in kv_dtype at offset 0, then lse (total_q, num_qo_heads) float32 at
-// lse_offset, both in `buffer` (empty when total_q is 0).
+// Prefill's outputs, filled by the core with their shapes: o (total_q,
+// num_qo_heads, head_dim) in dtype at offset 0, then lse (total_q,
+// num_qo_heads) float32 at lse_offset, both in `buffer` (empty when total_q
+// is 0). The edge encodes the response from this alone.
 struct PrefillOutput {
   HostBuffer buffer;
+  KvDType dtype = KvDType::kBf16;
+  int64_t total_q = 0;
+  int32_t num_qo_heads = 0;
+  int32_t head_dim = 0;
   int64_t o_bytes = 0;
   int64_t lse_offset = 0;
   int64_t lse_bytes = 0;
@@ -108,7 +135,7 @@ struct ServerInfoData {
   int32_t num_qo_heads = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
-  WireDType kv_dtype = WireDType::kBf16;
+  KvDType kv_dtype = KvDType::kBf16;
   int32_t free_pages = 0;
   int32_t max_batch_tokens = 0;
   int64_t max_message_bytes = 0;

@@ -11,17 +11,17 @@
 namespace attnserve {
 namespace {
 
-const char* DTypeName(int32_t dtype) {
+// Bytes per element of the dtypes a field may require.
+int64_t DTypeBytes(TensorDType dtype) {
   switch (dtype) {
-    case 0: return "DTYPE_UNSPECIFIED";
-    case 1: return "DTYPE_BF16";
-    case 2: return "DTYPE_FP16";
-    case 3: return "DTYPE_FP32";
-    default: return "unknown";
+    case TensorDType::kBf16: return KvDTypeBytes(KvDType::kBf16);
+    case TensorDType::kFp16: return KvDTypeBytes(KvDType::kFp16);
+    case TensorDType::kFp32: return int64_t{sizeof(float)};
+    case TensorDType::kUnspecified:
+    case TensorDType::kUnknown: break;
   }
+  return 0;  // no field requires these
 }
-
-int64_t DTypeBytes(WireDType dtype) { return dtype == WireDType::kFp32 ? 4 : 2; }
 
 absl::Status CheckLayer(int32_t layer, const KvGeometry& geo) {
   if (layer < 0 || layer >= geo.num_layers) {
@@ -89,16 +89,11 @@ absl::StatusOr<std::vector<int32_t>> CheckSlots(absl::Span<const int64_t> slots,
 
 }  // namespace
 
-WireDType ToWire(KvDType dtype) {
-  return dtype == KvDType::kBf16 ? WireDType::kBf16 : WireDType::kFp16;
-}
-
-absl::Status ValidateTensor(const TensorView& t, absl::string_view field, WireDType dtype,
+absl::Status ValidateTensor(const TensorView& t, absl::string_view field, TensorDType dtype,
                             absl::Span<const int64_t> shape) {
-  if (t.dtype != static_cast<int32_t>(dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype=", DTypeName(t.dtype),
-                                                   " must be ",
-                                                   DTypeName(static_cast<int32_t>(dtype))));
+  if (t.dtype != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype=", TensorDTypeName(t.dtype),
+                                                   " must be ", TensorDTypeName(dtype)));
   }
   if (t.shape.size() != shape.size()) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".shape has rank ", t.shape.size(),
@@ -275,8 +270,8 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
   const int64_t n_append = layout.num_append;
   if (n_append > 0 || !call.append_k.data.empty() || !call.append_v.data.empty()) {
     const int64_t kv_shape[] = {n_append, geo.num_kv_heads, geo.head_dim};
-    ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_k, "append_k", ToWire(geo.dtype), kv_shape));
-    ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_v, "append_v", ToWire(geo.dtype), kv_shape));
+    ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_k, "append_k", TensorDTypeOf(geo.dtype), kv_shape));
+    ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_v, "append_v", TensorDTypeOf(geo.dtype), kv_shape));
     task.num_append = n_append;
     task.append_k = call.append_k.data.data();
     task.append_v = call.append_v.data.data();
@@ -305,7 +300,7 @@ absl::StatusOr<int64_t> CheckQuery(const TensorView& q, int64_t expected_rows,
         "q.shape[0]=", total_q, " must equal the plan's query rows ", expected_rows));
   }
   const int64_t q_shape[] = {total_q, geo.num_qo_heads, geo.head_dim};
-  ATTN_RETURN_IF_ERROR(ValidateTensor(q, "q", ToWire(geo.dtype), q_shape));
+  ATTN_RETURN_IF_ERROR(ValidateTensor(q, "q", TensorDTypeOf(geo.dtype), q_shape));
   return total_q;
 }
 
@@ -364,8 +359,8 @@ absl::StatusOr<std::vector<int32_t>> ValidateKvRows(int32_t layer,
   }
   if (k != nullptr) {
     const int64_t shape[] = {n, geo.num_kv_heads, geo.head_dim};
-    ATTN_RETURN_IF_ERROR(ValidateTensor(*k, "k", ToWire(geo.dtype), shape));
-    ATTN_RETURN_IF_ERROR(ValidateTensor(*v, "v", ToWire(geo.dtype), shape));
+    ATTN_RETURN_IF_ERROR(ValidateTensor(*k, "k", TensorDTypeOf(geo.dtype), shape));
+    ATTN_RETURN_IF_ERROR(ValidateTensor(*v, "v", TensorDTypeOf(geo.dtype), shape));
   } else {
     ATTN_RETURN_IF_ERROR(
         CheckResponseSize(2 * n * geo.RowElems() * KvDTypeBytes(geo.dtype), limits));
@@ -412,9 +407,9 @@ absl::StatusOr<MergeShape> ValidateMerge(const MergeStatesCall& call, const KvGe
   const int64_t lse_shape[] = {shape.n, shape.h};
   for (size_t i = 0; i < call.v.size(); ++i) {
     ATTN_RETURN_IF_ERROR(ValidateTensor(call.v[i], absl::StrCat("states[", i, "].v"),
-                                        ToWire(geo.dtype), v_shape));
+                                        TensorDTypeOf(geo.dtype), v_shape));
     ATTN_RETURN_IF_ERROR(ValidateTensor(call.lse[i], absl::StrCat("states[", i, "].lse"),
-                                        WireDType::kFp32, lse_shape));
+                                        TensorDType::kFp32, lse_shape));
     const auto* lse = reinterpret_cast<const float*>(call.lse[i].data.data());
     for (int64_t r = 0; r < rows; ++r) {
       float l;

@@ -103,9 +103,7 @@ absl::StatusOr<MergeShape> ValidateMerge(const MergeStatesCall& call, const KvGe
                                          const RequestLimits& limits);
 
 // Checks a tensor's dtype, shape and byte size. `field` names it in errors.
-absl::Status ValidateTensor(const TensorView& t, absl::string_view field, WireDType dtype,
+absl::Status ValidateTensor(const TensorView& t, absl::string_view field, TensorDType dtype,
                             absl::Span<const int64_t> shape);
-
-WireDType ToWire(KvDType dtype);
 
 }  // namespace attnserve

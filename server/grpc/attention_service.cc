@@ -25,6 +25,16 @@ constexpr int64_t kPooledPrefillBytes = int64_t{256} << 20;
 // metrics' `shape` label (the speculative-decoding range).
 constexpr int32_t kDecodeMaxRows = 8;
 
+// The incarnation a request expects, for the requests that carry one.
+template <typename Request>
+auto ExpectedIncarnation(const Request& r, int) -> decltype(uint64_t{r.expected_incarnation()}) {
+  return r.expected_incarnation();
+}
+template <typename Request>
+uint64_t ExpectedIncarnation(const Request&, long) {
+  return 0;  // GetServerInfo, MergeStates: not checked
+}
+
 Metrics::Shape ShapeOf(const v1::PrefillRequest& r) {
   for (int i = 1; i < r.qo_indptr_size(); ++i) {
     if (r.qo_indptr(i) - r.qo_indptr(i - 1) > kDecodeMaxRows) return Metrics::Shape::kPrefill;
@@ -113,6 +123,21 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
     }
     FinishNow(status);
     return false;
+  }
+
+  // What every handler does first, once Start has admitted the call: parses
+  // the request into `parsed` and fills the core's CallContext (tenant,
+  // deadline, cancellation, request id, the expected incarnation where the
+  // request has one; `c` may be null). False when the call is finished
+  // (refused, or the request does not parse): the handler returns then.
+  template <typename Request>
+  bool Open(const WireMessage& limits, Request* parsed, CallContext* c) {
+    if (finished() || !Parse(limits, parsed)) return false;
+    if (c != nullptr) {
+      Bind(c);
+      c->expected_incarnation = ExpectedIncarnation(*parsed, 0);
+    }
+    return true;
   }
 
   // Fills the caller's context of a core call.
@@ -249,9 +274,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServ
                                                               const grpc::ByteBuffer* request,
                                                               grpc::ByteBuffer* response) {
   Call* call = Start(ctx, Metrics::Rpc::kGetServerInfo, request, response);
-  if (call->finished()) return call;
   v1::GetServerInfoRequest parsed;
-  if (!call->Parse(limits_.get_server_info, &parsed)) return call;
+  if (!call->Open(limits_.get_server_info, &parsed, nullptr)) return call;
   const ServerInfoData info = core_->Info();
   v1::ServerInfo out;
   out.set_version(info.version);
@@ -263,7 +287,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServ
   out.set_num_qo_heads(info.num_qo_heads);
   out.set_num_kv_heads(info.num_kv_heads);
   out.set_head_dim(info.head_dim);
-  out.set_kv_dtype(static_cast<v1::DType>(info.kv_dtype));
+  out.set_kv_dtype(ToProto(info.kv_dtype));
   out.set_free_pages(info.free_pages);
   out.set_max_batch_tokens(info.max_batch_tokens);
   out.set_max_message_bytes(info.max_message_bytes);
@@ -276,12 +300,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(grpc::CallbackServ
                                                               const grpc::ByteBuffer* request,
                                                               grpc::ByteBuffer* response) {
   Call* call = Start(ctx, Metrics::Rpc::kAllocatePages, request, response);
-  if (call->finished()) return call;
   v1::AllocatePagesRequest parsed;
-  if (!call->Parse(limits_.allocate_pages, &parsed)) return call;
   CallContext c;
-  call->Bind(&c);
-  c.expected_incarnation = parsed.expected_incarnation();
+  if (!call->Open(limits_.allocate_pages, &parsed, &c)) return call;
   auto pages = core_->AllocatePages(c, parsed.count());
   v1::AllocatePagesResponse out;
   if (pages.ok()) {
@@ -296,12 +317,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerCo
                                                           const grpc::ByteBuffer* request,
                                                           grpc::ByteBuffer* response) {
   Call* call = Start(ctx, Metrics::Rpc::kFreePages, request, response);
-  if (call->finished()) return call;
   auto parsed = std::make_shared<v1::FreePagesRequest>();
-  if (!call->Parse(limits_.free_pages, parsed.get())) return call;
   CallContext c;
-  call->Bind(&c);
-  c.expected_incarnation = parsed->expected_incarnation();
+  if (!call->Open(limits_.free_pages, parsed.get(), &c)) return call;
   call->Ref();
   const uint64_t incarnation = core_->incarnation();
   core_->FreePages(c,
@@ -322,11 +340,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::WriteKV(grpc::CallbackServerCont
                                                         const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
   Call* call = Start(ctx, Metrics::Rpc::kWriteKV, request, response);
-  if (call->finished()) return call;
   auto parsed = std::make_shared<v1::WriteKVRequest>();
-  if (!call->Parse(limits_.write_kv, parsed.get())) return call;
   WriteKvCall c;
-  call->Bind(&c);
+  if (!call->Open(limits_.write_kv, parsed.get(), &c)) return call;
   ToCall(*parsed, &c);
   call->Ref();
   const uint64_t incarnation = core_->incarnation();
@@ -345,18 +361,16 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ReadKV(grpc::CallbackServerConte
                                                        const grpc::ByteBuffer* request,
                                                        grpc::ByteBuffer* response) {
   Call* call = Start(ctx, Metrics::Rpc::kReadKV, request, response);
-  if (call->finished()) return call;
   struct State {
     v1::ReadKVRequest request;
     v1::ReadKVResponse response;
   };
   auto state = std::make_shared<State>();
-  if (!call->Parse(limits_.read_kv, &state->request)) return call;
   ReadKvCall c;
-  call->Bind(&c);
+  if (!call->Open(limits_.read_kv, &state->request, &c)) return call;
   ToCall(state->request, &state->response, &c);
   const KvGeometry& g = core_->geometry();
-  const auto dtype = static_cast<v1::DType>(ToWire(g.dtype));
+  const v1::DType dtype = ToProto(g.dtype);
   call->Ref();
   const uint64_t incarnation = core_->incarnation();
   core_->ReadKv(c, [call, state, dtype, g, incarnation](absl::Status status) {
@@ -379,35 +393,28 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerCont
                                                         const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
   Call* call = Start(ctx, Metrics::Rpc::kPrefill, request, response);
-  if (call->finished()) return call;
+  if (call->finished()) return call;  // refused: no pooled request taken
   // What the request and its output need until the response is encoded.
   struct State {
     RecyclingPool<v1::PrefillRequest>::Ptr request;
     PrefillOutput out;
   };
   auto* state = new State{prefill_requests_.Get(), {}};
-  if (!call->Parse(limits_.prefill, state->request.get())) {
+  PrefillCall c;
+  if (!call->Open(limits_.prefill, state->request.get(), &c)) {
     delete state;
     return call;
   }
   const v1::PrefillRequest& parsed = *state->request;
   call->set_shape(ShapeOf(parsed));
-  PrefillCall c;
-  call->Bind(&c);
   ToCall(parsed, &c);
   c.out = &state->out;
-  const KvGeometry& g = core_->geometry();
-  const auto dtype = static_cast<v1::DType>(ToWire(g.dtype));
-  const int64_t total_q = c.q.shape.empty() ? 0 : c.q.shape[0];
   const uint64_t incarnation = core_->incarnation();
   call->Ref();
-  core_->Prefill(c, [call, state, dtype, total_q, g, incarnation](absl::Status status) {
+  core_->Prefill(c, [call, state, incarnation](absl::Status status) {
     if (call->Claim()) {
       grpc::ByteBuffer bytes;
-      if (status.ok()) {
-        bytes = EncodePrefillResponse(std::move(state->out), dtype, total_q, g.num_qo_heads,
-                                      g.head_dim, incarnation);
-      }
+      if (status.ok()) bytes = EncodePrefillResponse(std::move(state->out), incarnation);
       delete state;  // the request goes back to the pool; the output lives in `bytes`
       call->Finish(status, nullptr, &bytes);
     } else {
@@ -422,19 +429,17 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(grpc::CallbackServer
                                                             const grpc::ByteBuffer* request,
                                                             grpc::ByteBuffer* response) {
   Call* call = Start(ctx, Metrics::Rpc::kMergeStates, request, response);
-  if (call->finished()) return call;
   struct State {
     v1::MergeStatesRequest request;
     v1::MergeStatesResponse response;
   };
   auto state = std::make_shared<State>();
-  if (!call->Parse(limits_.merge_states, &state->request)) return call;
   MergeStatesCall c;
-  call->Bind(&c);
+  if (!call->Open(limits_.merge_states, &state->request, &c)) return call;
   ToCall(state->request, &state->response, &c);
   std::vector<int64_t> shape;
   if (!c.v.empty()) shape = c.v[0].shape;  // validated rank 3 when the merge succeeds
-  const auto dtype = static_cast<v1::DType>(ToWire(core_->geometry().dtype));
+  const v1::DType dtype = ToProto(core_->geometry().dtype);
   const uint64_t incarnation = core_->incarnation();
   call->Ref();
   core_->MergeStates(c, [call, state, dtype, shape, incarnation](absl::Status status) {
@@ -460,12 +465,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreatePlan(grpc::CallbackServerC
                                                            const grpc::ByteBuffer* request,
                                                            grpc::ByteBuffer* response) {
   Call* call = Start(ctx, Metrics::Rpc::kCreatePlan, request, response);
-  if (call->finished()) return call;
   v1::CreatePlanRequest parsed;
-  if (!call->Parse(limits_.create_plan, &parsed)) return call;
   CallContext c;
-  call->Bind(&c);
-  c.expected_incarnation = parsed.expected_incarnation();
+  if (!call->Open(limits_.create_plan, &parsed, &c)) return call;
   auto id = core_->CreatePlan(c, ToLayout(parsed));
   v1::CreatePlanResponse out;
   if (id.ok()) {
@@ -480,12 +482,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ReleasePlan(grpc::CallbackServer
                                                             const grpc::ByteBuffer* request,
                                                             grpc::ByteBuffer* response) {
   Call* call = Start(ctx, Metrics::Rpc::kReleasePlan, request, response);
-  if (call->finished()) return call;
   v1::ReleasePlanRequest parsed;
-  if (!call->Parse(limits_.release_plan, &parsed)) return call;
   CallContext c;
-  call->Bind(&c);
-  c.expected_incarnation = parsed.expected_incarnation();
+  if (!call->Open(limits_.release_plan, &parsed, &c)) return call;
   const absl::Status status = core_->ReleasePlan(c, parsed.plan_id());
   v1::ReleasePlanResponse out;
   out.set_incarnation(core_->incarnation());

@@ -19,7 +19,7 @@ namespace {
 
 TensorView View(const v1::Tensor& t) {
   TensorView view;
-  view.dtype = t.dtype();
+  view.dtype = FromProto(t.dtype());
   view.shape.assign(t.shape().begin(), t.shape().end());
   view.data = t.data();
   return view;
@@ -31,6 +31,24 @@ absl::Span<const T> Span(const google::protobuf::RepeatedField<T>& field) {
 }
 
 }  // namespace
+
+TensorDType FromProto(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_UNSPECIFIED: return TensorDType::kUnspecified;
+    case v1::DTYPE_BF16: return TensorDType::kBf16;
+    case v1::DTYPE_FP16: return TensorDType::kFp16;
+    case v1::DTYPE_FP32: return TensorDType::kFp32;
+    default: return TensorDType::kUnknown;  // any other value a client may send
+  }
+}
+
+v1::DType ToProto(KvDType dtype) {
+  switch (dtype) {
+    case KvDType::kBf16: return v1::DTYPE_BF16;
+    case KvDType::kFp16: return v1::DTYPE_FP16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
 
 void ToCall(const v1::PrefillRequest& r, PrefillCall* c) {
   c->layer = r.layer();
@@ -45,7 +63,6 @@ void ToCall(const v1::PrefillRequest& r, PrefillCall* c) {
   c->append_slots = Span(r.append_slots());
   c->append_k = View(r.append_k());
   c->append_v = View(r.append_v());
-  c->expected_incarnation = r.expected_incarnation();
   c->plan_id = r.plan_id();
 }
 
@@ -55,7 +72,6 @@ PrefillLayout ToLayout(const v1::CreatePlanRequest& r) {
 }
 
 void ToCall(const v1::WriteKVRequest& r, WriteKvCall* c) {
-  c->expected_incarnation = r.expected_incarnation();
   c->layer = r.layer();
   c->slots = Span(r.slots());
   c->k = View(r.k());
@@ -63,7 +79,6 @@ void ToCall(const v1::WriteKVRequest& r, WriteKvCall* c) {
 }
 
 void ToCall(const v1::ReadKVRequest& r, v1::ReadKVResponse* response, ReadKvCall* c) {
-  c->expected_incarnation = r.expected_incarnation();
   c->layer = r.layer();
   c->slots = Span(r.slots());
   c->out_k = response->mutable_k()->mutable_data();
@@ -162,13 +177,11 @@ void AppendTensorHead(uint32_t field, v1::DType dtype, absl::Span<const int64_t>
 
 }  // namespace
 
-grpc::ByteBuffer EncodePrefillResponse(PrefillOutput out, v1::DType dtype, int64_t total_q,
-                                       int32_t num_qo_heads, int32_t head_dim,
-                                       uint64_t incarnation) {
-  const int64_t o_shape[] = {total_q, num_qo_heads, head_dim};
-  const int64_t lse_shape[] = {total_q, num_qo_heads};
+grpc::ByteBuffer EncodePrefillResponse(PrefillOutput out, uint64_t incarnation) {
+  const int64_t o_shape[] = {out.total_q, out.num_qo_heads, out.head_dim};
+  const int64_t lse_shape[] = {out.total_q, out.num_qo_heads};
   std::string o_head, lse_head, tail;
-  AppendTensorHead(1, dtype, o_shape, out.o_bytes, &o_head);
+  AppendTensorHead(1, ToProto(out.dtype), o_shape, out.o_bytes, &o_head);
   AppendTensorHead(2, v1::DTYPE_FP32, lse_shape, out.lse_bytes, &lse_head);
   if (incarnation != 0) {
     google::protobuf::io::StringOutputStream stream(&tail);

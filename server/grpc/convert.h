@@ -14,8 +14,15 @@
 
 namespace attnserve {
 
-// Each fills every request field of `call`; the caller sets tenant,
-// deadline and cancellation. Output pointers go to `response`.
+// The one mapping between the API's attnserve.v1.DType and the core's
+// dtypes: a received tensor's declared dtype (any value a client may send),
+// and the dtype of the tensors the server sends (the KV element type).
+TensorDType FromProto(v1::DType dtype);
+v1::DType ToProto(KvDType dtype);
+
+// Each fills every request field of `call` but the CallContext (tenant,
+// deadline, cancellation, request id, expected incarnation), which the
+// handler sets. Output pointers go to `response`.
 // Prefill's outputs go to call->out, which the caller sets.
 void ToCall(const v1::PrefillRequest& request, PrefillCall* call);
 // A CreatePlan's layout, viewing the request's arrays.
@@ -39,12 +46,10 @@ absl::Status ParseInto(const grpc::ByteBuffer& bytes, const WireMessage& limits,
                        google::protobuf::MessageLite* request);
 
 // The wire bytes of an attnserve.v1.PrefillResponse whose output and lse
-// data are out's buffer: the slices point into it and keep it alive until
-// gRPC has sent them (no copy). The bytes equal what the generated code
-// would serialize for the same response.
-grpc::ByteBuffer EncodePrefillResponse(PrefillOutput out, v1::DType dtype, int64_t total_q,
-                                       int32_t num_qo_heads, int32_t head_dim,
-                                       uint64_t incarnation);
+// data are out's buffer, shaped as out says: the slices point into it and
+// keep it alive until gRPC has sent them (no copy). The bytes equal what the
+// generated code would serialize for the same response.
+grpc::ByteBuffer EncodePrefillResponse(PrefillOutput out, uint64_t incarnation);
 
 // Sets dtype and shape of an output tensor (its bytes are already there).
 void SetTensorHeader(v1::Tensor* t, v1::DType dtype, absl::Span<const int64_t> shape);

@@ -1,5 +1,5 @@
-// The one place where absl::Status becomes grpc::Status (and back, for the
-// client's benefit in tests).
+// The one place where absl::Status becomes grpc::Status, and the gRPC code
+// names of the metrics' `code` label.
 #pragma once
 
 #include "absl/status/status.h"

@@ -150,23 +150,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ToCall(*req, &c);
       c.out = &out;
       c.tenant = "a";
+      c.expected_incarnation = req->expected_incarnation();
       absl::Status s = h.Wait([&](DoneCallback done) { h.core->Prefill(c, std::move(done)); });
       Report("Prefill", s);
       if (!s.ok()) break;
       const KvGeometry& g = h.core->geometry();
       const int64_t total_q = c.q.shape[0];
       grpc::Slice wire;
-      if (!EncodePrefillResponse(std::move(out), v1::DTYPE_BF16, total_q, g.num_qo_heads,
-                                 g.head_dim, 1)
-               .DumpToSingleSlice(&wire)
-               .ok()) {
+      if (!EncodePrefillResponse(std::move(out), 1).DumpToSingleSlice(&wire).ok()) {
         std::abort();
       }
       v1::PrefillResponse resp;
       if (!resp.ParseFromArray(wire.begin(), static_cast<int>(wire.size())) ||
           resp.lse().data().size() != static_cast<size_t>(total_q) * g.num_qo_heads * 4 ||
           resp.output().data().size() !=
-              static_cast<size_t>(total_q) * g.num_qo_heads * g.head_dim * 2) {
+              static_cast<size_t>(total_q * g.num_qo_heads * g.head_dim * KvDTypeBytes(g.dtype))) {
         std::abort();  // an accepted request must get a whole output and LSE
       }
       break;
@@ -177,6 +175,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       WriteKvCall c;
       ToCall(req, &c);
       c.tenant = "a";
+      c.expected_incarnation = req.expected_incarnation();
       Report("WriteKV", h.Wait([&](DoneCallback done) { h.core->WriteKv(c, std::move(done)); }));
       break;
     }
@@ -187,6 +186,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       ReadKvCall c;
       ToCall(req, &resp, &c);
       c.tenant = "a";
+      c.expected_incarnation = req.expected_incarnation();
       Report("ReadKV", h.Wait([&](DoneCallback done) { h.core->ReadKv(c, std::move(done)); }));
       break;
     }

@@ -1,4 +1,4 @@
-// CudaBackend through the Backend interface: WriteKv / ReadKv, RunBatch with
+// CudaBackend through the Backend interface: WriteKv / ReadKv, a batch (Submit + Complete) with
 // several tasks (layers, fused appends; outputs in the caller's memory or in
 // pinned buffers from AllocateOutput) against the float64 reference, launch
 // counts, split-KV on a long sequence, pipelined batches (Submit / Complete)
@@ -18,6 +18,13 @@
 
 namespace attnserve {
 namespace {
+
+// Submit and Complete of one batch.
+absl::Status RunBatch(Backend& backend, absl::Span<const PrefillTask> tasks, BatchStats* stats) {
+  absl::Status st = backend.Submit(tasks, stats);
+  if (!st.ok()) return st;
+  return backend.Complete(stats);
+}
 
 using gpu_test::HostBatch;
 
@@ -172,7 +179,7 @@ TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
       }
     }
     BatchStats stats;
-    absl::Status st = backend->RunBatch(tasks, &stats);
+    absl::Status st = RunBatch(*backend, tasks, &stats);
     ASSERT_TRUE(st.ok()) << st;
     EXPECT_EQ(stats.attention_launches, 1);
     EXPECT_LE(stats.merge_launches, 1);
@@ -240,7 +247,7 @@ TEST(CudaBackend, LongKvSplitsAndMergesOnce) {
   task.o = o.data();
   task.lse = lse.data();
   BatchStats stats;
-  ASSERT_TRUE(backend->RunBatch({task}, &stats).ok());
+  ASSERT_TRUE(RunBatch(*backend, {task}, &stats).ok());
   EXPECT_EQ(stats.attention_launches, 1);
   EXPECT_EQ(stats.merge_launches, 1);
   EXPECT_GT(stats.attention_seconds, 0);

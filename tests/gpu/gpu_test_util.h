@@ -1,4 +1,4 @@
-// Shared pieces of the GPU tests: a float64 attention reference, random
+// Shared pieces of the GPU tests: common/reference.h's float64 reference, random
 // ragged batches over a host copy of the paged pools, and the comparison
 // rules of docs/design.md section 3 (relative norm error < 1e-2 per tensor, LSE
 // abs error < 1e-3 on finite rows, exact -inf agreement, no NaN anywhere).
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/kv_geometry.h"
+#include "common/reference.h"
 #include "gtest/gtest.h"
 #include "kernels/paged_prefill.h"
 
@@ -118,67 +119,27 @@ inline void MakePools(HostBatch* b, std::mt19937_64* rng) {
   FillRandom(&b->v_pool, b->geo.dtype, 1.f, rng);
 }
 
-// float64 reference: o (total_q, H, D), lse (total_q, H) in each seq's base.
+// The float64 reference of common/reference.h: o (total_q, H, D), lse
+// (total_q, H) in each seq's base; split over up to 32 threads.
 inline void Reference(const HostBatch& b, std::vector<double>* o, std::vector<double>* lse) {
-  const KvGeometry& g = b.geo;
-  const int H = g.num_qo_heads, KVH = g.num_kv_heads, D = g.head_dim, ps = g.page_size;
-  const int group = H / KVH;
-  o->assign(size_t(b.total_q) * H * D, 0.0);
-  lse->assign(size_t(b.total_q) * H, -INFINITY);
-  std::vector<std::pair<int, int>> work;  // (seq, head)
-  for (int s = 0; s < static_cast<int>(b.seqs.size()); ++s) {
-    for (int h = 0; h < H; ++h) work.push_back({s, h});
+  std::vector<reference::Seq> seqs;
+  for (const PrefillSeq& s : b.seqs) {
+    reference::Seq r;
+    r.q_start = s.q_start;
+    r.q_len = s.q_len;
+    r.kv_start = s.kv_start;
+    r.kv_len = s.kv_len;
+    r.layer = s.layer;
+    r.sm_scale = s.sm_scale;
+    r.causal = s.causal != 0;
+    r.causal_shift = s.causal_shift;
+    r.lse_base_e = s.lse_base_e != 0;
+    seqs.push_back(r);
   }
-  auto run = [&](size_t begin, size_t step) {
-    std::vector<double> kd, vd, score, qd;
-    for (size_t w = begin; w < work.size(); w += step) {
-      const PrefillSeq& s = b.seqs[work[w].first];
-      const int h = work[w].second;
-      const int kvh = h / group;
-      kd.assign(size_t(s.kv_len) * D, 0.0);
-      vd.assign(size_t(s.kv_len) * D, 0.0);
-      for (int j = 0; j < s.kv_len; ++j) {
-        const int64_t slot = int64_t{b.kv_indices[s.kv_start + j / ps]} * ps + j % ps;
-        const int64_t base = ((int64_t{s.layer} * g.SlotsPerLayer() + slot) * KVH + kvh) * D;
-        for (int d = 0; d < D; ++d) {
-          kd[size_t(j) * D + d] = FromHalfBits(g.dtype, b.k_pool[base + d]);
-          vd[size_t(j) * D + d] = FromHalfBits(g.dtype, b.v_pool[base + d]);
-        }
-      }
-      score.resize(s.kv_len);
-      for (int t = 0; t < s.q_len; ++t) {
-        const int64_t row = int64_t{s.q_start + t} * H + h;
-        qd.resize(D);
-        for (int d = 0; d < D; ++d) qd[d] = FromHalfBits(g.dtype, b.q[row * D + d]);
-        int vis = s.kv_len;
-        if (s.causal) vis = std::min(vis, std::max(0, t + s.kv_len - s.q_len + s.causal_shift + 1));
-        if (vis <= 0) continue;
-        double mx = -INFINITY;
-        for (int j = 0; j < vis; ++j) {
-          double acc = 0;
-          for (int d = 0; d < D; ++d) acc += qd[d] * kd[size_t(j) * D + d];
-          score[j] = acc * s.sm_scale;
-          mx = std::max(mx, score[j]);
-        }
-        double sum = 0;
-        for (int j = 0; j < vis; ++j) {
-          score[j] = std::exp(score[j] - mx);
-          sum += score[j];
-        }
-        double* orow = &(*o)[row * D];
-        for (int j = 0; j < vis; ++j) {
-          const double p = score[j] / sum;
-          for (int d = 0; d < D; ++d) orow[d] += p * vd[size_t(j) * D + d];
-        }
-        const double ln = mx + std::log(sum);
-        (*lse)[row] = s.lse_base_e ? ln : ln / std::log(2.0);
-      }
-    }
-  };
-  const size_t nt = std::max(1u, std::min(32u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < nt; ++i) threads.emplace_back(run, i, nt);
-  for (auto& t : threads) t.join();
+  const int threads =
+      static_cast<int>(std::max(1u, std::min(32u, std::thread::hardware_concurrency())));
+  reference::Prefill(b.geo, reference::HostPools(b.geo, b.k_pool.data(), b.v_pool.data()),
+                     b.q.data(), b.total_q, b.kv_indices, seqs, o, lse, threads);
 }
 
 // Compares (o bits, lse) to the reference; returns an empty string when OK.

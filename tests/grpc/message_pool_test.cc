@@ -179,7 +179,11 @@ TEST(PrefillWireTest, EncodedResponseEqualsTheGeneratedSerialization) {
   const int32_t heads = 4, dim = 64;
   for (bool pinned : {false, true}) {
     PrefillOutput out;
-    out.o_bytes = total_q * heads * dim * 2;
+    out.dtype = KvDType::kFp16;
+    out.total_q = total_q;
+    out.num_qo_heads = heads;
+    out.head_dim = dim;
+    out.o_bytes = total_q * heads * dim * KvDTypeBytes(out.dtype);
     out.lse_offset = (out.o_bytes + 63) / 64 * 64;
     out.lse_bytes = total_q * heads * 4;
     out.buffer = HeapBuffer(out.lse_offset + out.lse_bytes);
@@ -197,9 +201,7 @@ TEST(PrefillWireTest, EncodedResponseEqualsTheGeneratedSerialization) {
     expected.set_incarnation(0x1234567890abcdefULL);
 
     const char* data = out.buffer.data();
-    grpc::ByteBuffer wire =
-        EncodePrefillResponse(std::move(out), v1::DTYPE_FP16, total_q, heads, dim,
-                              0x1234567890abcdefULL);
+    grpc::ByteBuffer wire = EncodePrefillResponse(std::move(out), 0x1234567890abcdefULL);
     EXPECT_EQ(Flatten(wire), expected.SerializeAsString());
     // Sent from the buffer itself, not a copy.
     std::vector<grpc::Slice> slices;
@@ -214,7 +216,10 @@ TEST(PrefillWireTest, EncodedResponseEqualsTheGeneratedSerialization) {
 
 TEST(PrefillWireTest, EmptyOutputsEncodeAsTheGeneratedSerialization) {
   PrefillOutput out;  // total_q 0: no buffer, no data fields
-  grpc::ByteBuffer wire = EncodePrefillResponse(std::move(out), v1::DTYPE_BF16, 0, 8, 128, 3);
+  out.dtype = KvDType::kBf16;
+  out.num_qo_heads = 8;
+  out.head_dim = 128;
+  grpc::ByteBuffer wire = EncodePrefillResponse(std::move(out), 3);
   v1::PrefillResponse expected;
   expected.mutable_output()->set_dtype(v1::DTYPE_BF16);
   for (int64_t d : {0, 8, 128}) expected.mutable_output()->add_shape(d);
@@ -237,13 +242,16 @@ class CountingSource final : public BufferSource {
 TEST(PrefillWireTest, OutputBufferIsReleasedWithTheLastSlice) {
   auto source = std::make_shared<CountingSource>();
   PrefillOutput out;
+  out.total_q = 1;
+  out.num_qo_heads = 4;
+  out.head_dim = 128;
   out.o_bytes = 1024;
   out.lse_offset = 1024;
   out.lse_bytes = 64;
   out.buffer = HostBuffer(std::malloc(1088), 1088, 1088, false, source);
   std::vector<grpc::Slice> slices;
   {
-    grpc::ByteBuffer wire = EncodePrefillResponse(std::move(out), v1::DTYPE_BF16, 1, 4, 128, 1);
+    grpc::ByteBuffer wire = EncodePrefillResponse(std::move(out), 1);
     ASSERT_TRUE(wire.Dump(&slices).ok());  // the slices hold references too
   }
   EXPECT_EQ(source->released, 0);

@@ -20,11 +20,13 @@ P=$WORK/prefix
 installed() {
   local missing=()
   for f in bin/attnserve bin/attnctl bin/attnbench bin/attnecho \
-    lib/libattnserve_client.a lib/libattnserve_common.a lib/libattnserve_proto.a \
+    lib/libattnserve_client.a lib/libattnserve_common.a lib/libattnserve_reference.a \
+    lib/libattnserve_proto.a \
     lib/cmake/attnserve/attnserveConfig.cmake lib/cmake/attnserve/attnserveConfigVersion.cmake \
     lib/cmake/attnserve/attnserveTargets.cmake include/attnserve/version.h \
     include/attnserve/client/client.h include/attnserve/client/workload.h \
     include/attnserve/common/kv_geometry.h include/attnserve/common/dtype.h \
+    include/attnserve/common/reference.h \
     include/attnserve/v1/attention.proto include/attnserve/v1/attention.pb.h \
     include/attnserve/v1/attention.grpc.pb.h share/doc/attnserve/LICENSE; do
     [[ -f "$P/$f" ]] || missing+=("$f")

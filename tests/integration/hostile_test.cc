@@ -172,7 +172,7 @@ v1::PrefillRequest SlowPrefill(const KvGeometry& g, const std::vector<int32_t>& 
   const std::vector<uint16_t> q = RandomHalves(gen, g.dtype, rows * g.num_qo_heads * g.head_dim);
   r.mutable_q()->set_dtype(g.dtype == KvDType::kFp16 ? v1::DTYPE_FP16 : v1::DTYPE_BF16);
   for (int64_t d : {rows, int64_t{g.num_qo_heads}, int64_t{g.head_dim}}) r.mutable_q()->add_shape(d);
-  r.mutable_q()->set_data(q.data(), q.size() * 2);
+  r.mutable_q()->set_data(q.data(), q.size() * sizeof(uint16_t));
   r.add_qo_indptr(0);
   r.add_qo_indptr(static_cast<int32_t>(rows));
   r.add_kv_indptr(0);
@@ -197,7 +197,8 @@ TEST(HostileInputTest, CancelledRequestsLeaveTheQueueAndGiveTheirMemoryBack) {
   ASSERT_TRUE(pages.ok());
   std::mt19937_64 gen(11);
   // 16 MiB of queries each: 16384 rows of 8 heads x 64 dims in bf16.
-  const int64_t rows = (int64_t{16} << 20) / (int64_t{g.num_qo_heads} * g.head_dim * 2);
+  const int64_t rows =
+      (int64_t{16} << 20) / (int64_t{g.num_qo_heads} * g.head_dim * KvDTypeBytes(g.dtype));
   const std::string bytes = SlowPrefill(g, *pages, rows, gen).SerializeAsString();
   const int64_t rss_start = ProcStatusBytes((*server)->pid(), "VmRSS");
 

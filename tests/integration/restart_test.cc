@@ -134,7 +134,7 @@ TEST(RestartSafetyTest, EveryResponseCarriesTheIncarnation) {
   for (v1::Tensor* t : {write.mutable_k(), write.mutable_v()}) {
     t->set_dtype(c->info().kv_dtype());
     for (int64_t d : {int64_t{1}, int64_t{g.num_kv_heads}, int64_t{g.head_dim}}) t->add_shape(d);
-    t->set_data(row.data(), row.size() * 2);
+    t->set_data(row.data(), row.size() * sizeof(uint16_t));
   }
   v1::WriteKVResponse written;
   v1::ReadKVRequest read;

@@ -1,4 +1,4 @@
-// MergeStatesCpu against a float64 reference of the merge in docs/design.md
+// MergeStatesCpu against the float64 merge of common/reference.h (docs/design.md
 // section 3 (FlashInfer paper, section 2.2), N-way, with -inf states, in both
 // LSE bases; and split-KV attention merged by LSE equals the unsplit one.
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/reference.h"
 #include "gtest/gtest.h"
 #include "kernels/merge_states.h"
 #include "kernels/paged_prefill.h"
@@ -69,29 +70,11 @@ Merged RunMerge(const States& s) {
   return m;
 }
 
-// float64 merge: m = max lse_i, w_i = base^(lse_i - m), o = sum w_i o_i /
-// sum w_i, lse = m + log_base(sum w_i); all -inf gives (0, -inf).
+// The float64 merge of common/reference.h.
 void ReferenceMerge(const States& s, std::vector<double>* v, std::vector<double>* lse) {
-  const int64_t rows = s.n * s.h;
-  v->assign(rows * s.d, 0.0);
-  lse->assign(rows, kNegInf);
-  for (int64_t r = 0; r < rows; ++r) {
-    double m = kNegInf;
-    for (const auto& l : s.lse) m = std::max(m, static_cast<double>(l[r]));
-    if (m == kNegInf) continue;
-    double total = 0;
-    for (size_t i = 0; i < s.v.size(); ++i) {
-      const double l = s.lse[i][r];
-      if (l == kNegInf) continue;
-      const double w = s.lse_base_e ? std::exp(l - m) : std::exp2(l - m);
-      total += w;
-      for (int64_t c = 0; c < s.d; ++c) {
-        (*v)[r * s.d + c] += w * HalfToFloat(s.dtype, s.v[i][r * s.d + c]);
-      }
-    }
-    for (int64_t c = 0; c < s.d; ++c) (*v)[r * s.d + c] /= total;
-    (*lse)[r] = m + (s.lse_base_e ? std::log(total) : std::log2(total));
-  }
+  std::vector<reference::State> states;
+  for (size_t i = 0; i < s.v.size(); ++i) states.push_back({s.v[i].data(), s.lse[i].data()});
+  reference::Merge(s.dtype, states, s.n * s.h, s.d, s.lse_base_e, v, lse);
 }
 
 // Compares with docs/design.md's tolerances; returns the rows that were all -inf.

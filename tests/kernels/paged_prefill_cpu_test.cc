@@ -1,8 +1,7 @@
-// PagedPrefillCpu and AppendKvCpu / GatherKvCpu against a float64 reference
-// written here from the FlashInfer-Bench definition
-// (gqa_paged_prefill_causal_h32_kv4_d128_ps1, generalised as in docs/design.md
-// section 3): GQA, bottom-right causal mask, base-2 LSE by default, output 0
-// and LSE -inf for a row that sees nothing.
+// PagedPrefillCpu and AppendKvCpu / GatherKvCpu against the float64 reference
+// of common/reference.h (docs/design.md section 3): GQA, bottom-right causal
+// mask, base-2 LSE by default, output 0 and LSE -inf for a row that sees
+// nothing.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -13,6 +12,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "common/reference.h"
 #include "gtest/gtest.h"
 #include "kernels/append_kv.h"
 #include "kernels/paged_prefill.h"
@@ -87,54 +87,24 @@ Problem MakeProblem(std::mt19937_64& gen, const KvGeometry& geo,
   return p;
 }
 
-// float64 reference, written from the definition: for each sequence, the
-// logits of every (row, head) against all kv_len positions, masked to -inf
-// where the bottom-right causal mask hides them; softmax over the rest.
+// The float64 reference of common/reference.h on the problem's pools.
 void Reference(const Problem& p, std::vector<double>* o, std::vector<double>* lse) {
-  const KvGeometry& g = p.geo;
-  const int64_t hq = g.num_qo_heads, hkv = g.num_kv_heads, d = g.head_dim, ps = g.page_size;
-  const int64_t group = hq / hkv;
-  o->assign(int64_t{p.total_q} * hq * d, 0.0);
-  lse->assign(int64_t{p.total_q} * hq, kNegInf);
-  auto half = [&](uint16_t x) { return static_cast<double>(HalfToFloat(g.dtype, x)); };
+  std::vector<reference::Seq> seqs;
   for (const PrefillSeq& s : p.seqs) {
-    const int64_t delta = int64_t{s.kv_len} - s.q_len;
-    for (int64_t i = 0; i < s.q_len; ++i) {
-      const int64_t row = s.q_start + i;
-      for (int64_t h = 0; h < hq; ++h) {
-        const int64_t kv_head = h / group;
-        std::vector<double> logits(s.kv_len, kNegInf);
-        double m = kNegInf;
-        for (int64_t j = 0; j < s.kv_len; ++j) {
-          if (s.causal && j > i + delta) continue;
-          const int64_t page = p.kv_indices[s.kv_start + j / ps];
-          const int64_t k_off =
-              (((int64_t{s.layer} * g.num_pages + page) * ps + j % ps) * hkv + kv_head) * d;
-          double dot = 0;
-          for (int64_t c = 0; c < d; ++c) {
-            dot += half(p.q[(row * hq + h) * d + c]) * half(p.k_cache[k_off + c]);
-          }
-          logits[j] = dot * static_cast<double>(s.sm_scale);
-          m = std::max(m, logits[j]);
-        }
-        if (m == kNegInf) continue;  // sees nothing: output 0, LSE -inf
-        double sum = 0;
-        double* out = o->data() + (row * hq + h) * d;
-        for (int64_t j = 0; j < s.kv_len; ++j) {
-          if (logits[j] == kNegInf) continue;
-          const double w = std::exp(logits[j] - m);
-          sum += w;
-          const int64_t page = p.kv_indices[s.kv_start + j / ps];
-          const int64_t v_off =
-              (((int64_t{s.layer} * g.num_pages + page) * ps + j % ps) * hkv + kv_head) * d;
-          for (int64_t c = 0; c < d; ++c) out[c] += w * half(p.v_cache[v_off + c]);
-        }
-        for (int64_t c = 0; c < d; ++c) out[c] /= sum;
-        const double lse_e = m + std::log(sum);
-        (*lse)[row * hq + h] = s.lse_base_e ? lse_e : lse_e / std::log(2.0);
-      }
-    }
+    reference::Seq r;
+    r.q_start = s.q_start;
+    r.q_len = s.q_len;
+    r.kv_start = s.kv_start;
+    r.kv_len = s.kv_len;
+    r.layer = s.layer;
+    r.sm_scale = s.sm_scale;
+    r.causal = s.causal != 0;
+    r.causal_shift = s.causal_shift;
+    r.lse_base_e = s.lse_base_e != 0;
+    seqs.push_back(r);
   }
+  reference::Prefill(p.geo, reference::HostPools(p.geo, p.k_cache.data(), p.v_cache.data()),
+                     p.q.data(), p.total_q, p.kv_indices, seqs, o, lse);
 }
 
 // What a run produced: outputs with one poisoned guard row past the end.
@@ -413,6 +383,23 @@ TEST(PagedPrefillTest, NonCausalRowsSeeEverything) {
   const Problem p = MakeProblem(gen, geo, specs);
   const Coverage cov = CheckAgainstReference(p, RunKernel(p));
   EXPECT_EQ(cov.blind_rows, 0);
+}
+
+// causal_shift moves the diagonal: row i sees j <= i + kv_len - q_len +
+// causal_shift. Negative shifts blind the first rows, positive ones show
+// more; each sequence has its own.
+TEST(PagedPrefillTest, CausalShiftMovesTheDiagonal) {
+  std::mt19937_64 gen(21);
+  const KvGeometry geo = SmallGeometry(16);
+  std::vector<SeqSpec> specs = {Seq(12, 20, {1, 4}), Seq(12, 20, {1, 4}), Seq(12, 20, {1, 4}),
+                                Seq(5, 40, {0, 2, 6})};
+  Problem p = MakeProblem(gen, geo, specs);
+  const int32_t shifts[] = {0, -12, 3, -38};
+  for (size_t i = 0; i < p.seqs.size(); ++i) p.seqs[i].causal_shift = shifts[i];
+  const Coverage cov = CheckAgainstReference(p, RunKernel(p));
+  // Shift -12 at q_len 12, kv_len 20: rows 0..3 see nothing; shift -38 at
+  // q_len 5, kv_len 40: rows 0..2 see nothing.
+  EXPECT_EQ(cov.blind_rows, (4 + 3) * geo.num_qo_heads);
 }
 
 // A batch of only empty sequences and sequences without pages.

@@ -218,7 +218,7 @@ void ClientLoop(ChurnTest* test, Client& client, Client& short_deadline, const K
       auto* q = req.mutable_q();
       q->set_dtype(g.dtype == KvDType::kBf16 ? v1::DTYPE_BF16 : v1::DTYPE_FP16);
       for (int64_t d : {in.total_q(), int64_t{g.num_qo_heads}, int64_t{g.head_dim}}) q->add_shape(d);
-      q->set_data(in.q.data(), in.q.size() * 2);
+      q->set_data(in.q.data(), in.q.size() * sizeof(uint16_t));
       req.mutable_qo_indptr()->Assign(in.qo_indptr.begin(), in.qo_indptr.end());
       req.mutable_kv_indptr()->Assign(in.kv_indptr.begin(), in.kv_indptr.end());
       req.mutable_kv_indices()->Assign(in.kv_indices.begin(), in.kv_indices.end());
@@ -240,7 +240,7 @@ void ClientLoop(ChurnTest* test, Client& client, Client& short_deadline, const K
         ReferencePrefill(mirror, in, &o_ref, &lse_ref);
         std::vector<uint16_t> o(resp.output().data().size() / 2);
         std::vector<float> lse(resp.lse().data().size() / 4);
-        if (!o.empty()) std::memcpy(o.data(), resp.output().data().data(), o.size() * 2);
+        if (!o.empty()) std::memcpy(o.data(), resp.output().data().data(), o.size() * sizeof(uint16_t));
         if (!lse.empty()) std::memcpy(lse.data(), resp.lse().data().data(), lse.size() * 4);
         Comparison c = Compare(g.dtype, o_ref, lse_ref, o, lse);
         if (c.Ok(g.dtype)) {

@@ -129,8 +129,8 @@ absl::Status CudaBackend::Init() {
   }
   const KvGeometry& g = geo_;
   if (!IsSupportedHeadDim(g.head_dim)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("head_dim ", g.head_dim, " not supported by the CUDA backend (64, 128 or 256)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head_dim ", g.head_dim, " not supported by the CUDA backend (", kSupportedHeadDims, ")"));
   }
   if (g.num_kv_heads <= 0 || g.num_qo_heads % g.num_kv_heads != 0 || g.num_layers <= 0 ||
       g.num_pages <= 0 || g.page_size <= 0) {

@@ -1,0 +1,113 @@
+#include "common/reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <thread>
+#include <utility>
+
+#include "common/dtype.h"
+
+namespace attnserve {
+namespace reference {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+// One (sequence, query head): every row of the sequence for that head.
+void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
+                    const std::vector<int32_t>& kv_indices, const Seq& s, int64_t h,
+                    std::vector<double>* o, std::vector<double>* lse) {
+  const int64_t hq = g.num_qo_heads, d = g.head_dim, ps = g.page_size;
+  const int64_t kv_head = h / (g.num_qo_heads / g.num_kv_heads);
+  auto half = [&](uint16_t x) { return static_cast<double>(HalfToFloat(g.dtype, x)); };
+  // K and V of this head at every position, in float64.
+  std::vector<double> k(s.kv_len * d), v(s.kv_len * d);
+  for (int64_t j = 0; j < s.kv_len; ++j) {
+    const int64_t slot = int64_t{kv_indices[s.kv_start + j / ps]} * ps + j % ps;
+    const uint16_t* kr = kv.K(s.layer, slot) + kv_head * d;
+    const uint16_t* vr = kv.V(s.layer, slot) + kv_head * d;
+    for (int64_t c = 0; c < d; ++c) {
+      k[j * d + c] = half(kr[c]);
+      v[j * d + c] = half(vr[c]);
+    }
+  }
+  std::vector<double> qd(d), logits(s.kv_len);
+  for (int64_t i = 0; i < s.q_len; ++i) {
+    const int64_t row = s.q_start + i;
+    const int64_t visible =
+        s.causal ? std::min(s.kv_len, i + s.kv_len - s.q_len + s.causal_shift + 1) : s.kv_len;
+    if (visible <= 0) continue;  // sees nothing: o 0, lse -inf
+    for (int64_t c = 0; c < d; ++c) qd[c] = half(q[(row * hq + h) * d + c]);
+    double m = kNegInf;
+    for (int64_t j = 0; j < visible; ++j) {
+      double dot = 0;
+      for (int64_t c = 0; c < d; ++c) dot += qd[c] * k[j * d + c];
+      logits[j] = dot * s.sm_scale;
+      m = std::max(m, logits[j]);
+    }
+    double sum = 0;
+    double* out = o->data() + (row * hq + h) * d;
+    for (int64_t j = 0; j < visible; ++j) {
+      const double w = std::exp(logits[j] - m);
+      sum += w;
+      for (int64_t c = 0; c < d; ++c) out[c] += w * v[j * d + c];
+    }
+    for (int64_t c = 0; c < d; ++c) out[c] /= sum;
+    const double lse_e = m + std::log(sum);
+    (*lse)[row * hq + h] = s.lse_base_e ? lse_e : lse_e / std::log(2.0);
+  }
+}
+
+}  // namespace
+
+void Prefill(const KvGeometry& geo, const KvRows& kv, const uint16_t* q, int64_t total_q,
+             const std::vector<int32_t>& kv_indices, const std::vector<Seq>& seqs,
+             std::vector<double>* o, std::vector<double>* lse, int threads) {
+  const int64_t hq = geo.num_qo_heads;
+  o->assign(total_q * hq * geo.head_dim, 0.0);
+  lse->assign(total_q * hq, kNegInf);
+  std::vector<std::pair<size_t, int64_t>> work;  // (sequence, head)
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    for (int64_t h = 0; h < hq; ++h) work.emplace_back(s, h);
+  }
+  // Each (sequence, head) writes its own elements of o and lse.
+  auto run = [&](size_t begin, size_t step) {
+    for (size_t w = begin; w < work.size(); w += step) {
+      PrefillSeqHead(geo, kv, q, kv_indices, seqs[work[w].first], work[w].second, o, lse);
+    }
+  };
+  const size_t n = static_cast<size_t>(std::max(1, threads));
+  if (n == 1) {
+    run(0, 1);
+    return;
+  }
+  std::vector<std::thread> pool;
+  for (size_t i = 0; i < n; ++i) pool.emplace_back(run, i, n);
+  for (std::thread& t : pool) t.join();
+}
+
+void Merge(KvDType dtype, const std::vector<State>& states, int64_t rows, int32_t d,
+           bool lse_base_e, std::vector<double>* v, std::vector<double>* lse) {
+  v->assign(rows * d, 0.0);
+  lse->assign(rows, kNegInf);
+  for (int64_t r = 0; r < rows; ++r) {
+    double m = kNegInf;
+    for (const State& s : states) m = std::max(m, static_cast<double>(s.lse[r]));
+    if (m == kNegInf) continue;
+    double total = 0;
+    double* out = v->data() + r * d;
+    for (const State& s : states) {
+      const double l = s.lse[r];
+      if (l == kNegInf) continue;
+      const double w = lse_base_e ? std::exp(l - m) : std::exp2(l - m);
+      total += w;
+      for (int32_t c = 0; c < d; ++c) out[c] += w * HalfToFloat(dtype, s.v[r * d + c]);
+    }
+    for (int32_t c = 0; c < d; ++c) out[c] /= total;
+    (*lse)[r] = m + (lse_base_e ? std::log(total) : std::log2(total));
+  }
+}
+
+}  // namespace reference
+}  // namespace attnserve

@@ -1,0 +1,86 @@
+// The float64 reference of attnserve's numerics (docs/design.md section 3):
+// paged prefill attention and the N-way merge of (output, LSE) states.
+// Written from the definitions, sharing no code with the kernels, so that the
+// tests that compare a kernel (CPU or CUDA) or the whole server with it can
+// fail. Used by the kernel, integration and GPU tests and by
+// `attnbench --verify` (through client/workload.h). Plain C++: no CUDA, no
+// gRPC.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common/kv_geometry.h"
+
+namespace attnserve {
+namespace reference {
+
+// Where the reference reads K and V: the row of (layer, slot), num_kv_heads *
+// head_dim values in the geometry's dtype. Must be safe to call from several
+// threads at once when Prefill is given more than one thread.
+class KvRows {
+ public:
+  virtual ~KvRows() = default;
+  virtual const uint16_t* K(int32_t layer, int64_t slot) const = 0;
+  virtual const uint16_t* V(int32_t layer, int64_t slot) const = 0;
+};
+
+// Host pools laid out as the server's: [num_layers, num_pages, page_size,
+// num_kv_heads, head_dim] each. The pointers must outlive this.
+class HostPools final : public KvRows {
+ public:
+  HostPools(const KvGeometry& geo, const uint16_t* k_pool, const uint16_t* v_pool)
+      : geo_(geo), k_(k_pool), v_(v_pool) {}
+  const uint16_t* K(int32_t layer, int64_t slot) const override { return k_ + Offset(layer, slot); }
+  const uint16_t* V(int32_t layer, int64_t slot) const override { return v_ + Offset(layer, slot); }
+
+ private:
+  int64_t Offset(int32_t layer, int64_t slot) const {
+    return (int64_t{layer} * geo_.SlotsPerLayer() + slot) * geo_.RowElems();
+  }
+  KvGeometry geo_;
+  const uint16_t* k_;
+  const uint16_t* v_;
+};
+
+// One sequence of a ragged batch.
+struct Seq {
+  int64_t q_start = 0;   // first query row in q
+  int64_t q_len = 0;     // query rows
+  int64_t kv_start = 0;  // first page id of the sequence in kv_indices
+  int64_t kv_len = 0;    // tokens; position j is slot kv_indices[kv_start + j / page_size] *
+                         // page_size + j % page_size
+  int32_t layer = 0;
+  double sm_scale = 0;   // logits are dot(q, k) * sm_scale
+  bool causal = true;
+  // Causal: row i sees positions j <= i + kv_len - q_len + causal_shift (0:
+  // bottom-right alignment).
+  int64_t causal_shift = 0;
+  bool lse_base_e = false;  // LSE in natural log; base 2 otherwise
+};
+
+// Paged prefill attention in float64. q: (total_q, num_qo_heads, head_dim) in
+// geo.dtype. Query head h reads KV head h / (num_qo_heads / num_kv_heads).
+// Fills o (total_q, num_qo_heads, head_dim) and lse (total_q, num_qo_heads),
+// each in its sequence's base; a row that sees nothing (and a row of no
+// sequence) gets o = 0 and lse = -inf. `threads` > 1 splits the (sequence,
+// head) pairs over that many threads.
+void Prefill(const KvGeometry& geo, const KvRows& kv, const uint16_t* q, int64_t total_q,
+             const std::vector<int32_t>& kv_indices, const std::vector<Seq>& seqs,
+             std::vector<double>* o, std::vector<double>* lse, int threads = 1);
+
+// One partial state: v (rows, d) in the dtype given to Merge, lse (rows).
+struct State {
+  const uint16_t* v = nullptr;
+  const float* lse = nullptr;
+};
+
+// N-way merge in float64: for each row, m = max lse_i, w_i = base^(lse_i - m),
+// v = sum w_i v_i / sum w_i, lse = m + log_base(sum w_i). A -inf state adds
+// nothing; a row whose states are all -inf gets (0, -inf). Fills v (rows, d)
+// and lse (rows).
+void Merge(KvDType dtype, const std::vector<State>& states, int64_t rows, int32_t d,
+           bool lse_base_e, std::vector<double>* v, std::vector<double>* lse);
+
+}  // namespace reference
+}  // namespace attnserve

@@ -1,0 +1,166 @@
+// Scheduler batching: concurrent jobs queued behind a busy backend are served
+// in fewer batches than jobs, within max_batch_tokens; queue order, a full
+// queue (RESOURCE_EXHAUSTED), Stop and backend errors; every done callback
+// runs exactly once.
+#include "server/core/scheduler.h"
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <set>
+#include <utility>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+#include "server/metrics.h"
+#include "tests/core/scheduler_test_util.h"
+
+namespace attnserve {
+namespace scheduler_test {
+namespace {
+
+TEST_F(SchedulerTest, ConcurrentJobsQueuedBehindABusyBackendShareBatches) {
+  constexpr int kThreads = 8, kPerThread = 6;
+  constexpr int kJobs = 1 + kThreads * kPerThread;
+  Start(SchedulerOptions{});
+  MustEnqueue(Prefill(0, 3));
+  backend_.WaitEntered();  // the worker is inside batch 1; everything else queues
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kPerThread; ++i) MustEnqueue(Prefill(1 + t * kPerThread + i, 1 + i));
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(log_.total(), 0) << "a job finished while the backend was blocked";
+  backend_.Release();
+  log_.WaitFor(kJobs);
+
+  for (int id = 0; id < kJobs; ++id) {
+    EXPECT_EQ(log_.calls(id), 1) << "job " << id;
+    EXPECT_TRUE(log_.status(id).ok()) << "job " << id << ": " << log_.status(id);
+    EXPECT_EQ(outputs_[id], id) << "job " << id << " got another job's output";
+  }
+  const auto batches = backend_.batches();
+  EXPECT_LT(static_cast<int>(batches.size()), kJobs);
+  // Everything queued behind batch 1 fits one batch of 16384 rows.
+  ASSERT_EQ(batches.size(), 2u);
+  EXPECT_EQ(batches[0], std::vector<int32_t>{0});
+  EXPECT_EQ(static_cast<int>(batches[1].size()), kJobs - 1);
+  EXPECT_EQ(scheduler_->batches_run(), 2);
+  // Each job was served exactly once across the batches.
+  std::vector<int> served(kJobs, 0);
+  for (const auto& b : batches) {
+    for (int32_t id : b) ++served[id];
+  }
+  for (int id = 0; id < kJobs; ++id) EXPECT_EQ(served[id], 1) << "job " << id;
+}
+
+TEST_F(SchedulerTest, BatchesStayWithinMaxBatchTokensAndABigJobRunsAlone) {
+  SchedulerOptions options;
+  options.max_batch_tokens = 10;
+  Start(options);
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();
+  // 4 + 4 fit, 4 + 4 + 4 do not; 25 rows exceed the limit and run alone.
+  MustEnqueue(Prefill(1, 4));
+  MustEnqueue(Prefill(2, 4));
+  MustEnqueue(Prefill(3, 4));
+  MustEnqueue(Prefill(4, 25));
+  MustEnqueue(Prefill(5, 6));
+  MustEnqueue(Prefill(6, 4));
+  backend_.Release();
+  log_.WaitFor(7);
+  const std::vector<std::vector<int32_t>> want = {{0}, {1, 2}, {3}, {4}, {5, 6}};
+  EXPECT_EQ(backend_.batches(), want);
+  for (const auto& rows : backend_.batch_rows()) {
+    int32_t sum = 0;
+    for (int32_t r : rows) sum += r;
+    EXPECT_TRUE(sum <= 10 || rows.size() == 1) << "batch of " << sum << " rows";
+  }
+  for (int id = 0; id < 7; ++id) EXPECT_EQ(log_.calls(id), 1);
+}
+
+TEST_F(SchedulerTest, KvJobsKeepTheirPlaceInQueueOrder) {
+  Start(SchedulerOptions{});
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();
+  MustEnqueue(Prefill(1, 1));
+  MustEnqueue(Prefill(2, 1));
+  MustEnqueue(KvJob(3, Job::Kind::kWriteKv));
+  MustEnqueue(Prefill(4, 1));
+  MustEnqueue(KvJob(5, Job::Kind::kReadKv));
+  MustEnqueue(Prefill(6, 1));
+  MustEnqueue(Prefill(7, 1));
+  backend_.Release();
+  log_.WaitFor(8);
+  EXPECT_EQ(backend_.ops(), "PPWPRP");
+  const std::vector<std::vector<int32_t>> want = {{0}, {1, 2}, {4}, {6, 7}};
+  EXPECT_EQ(backend_.batches(), want);
+  for (int id = 0; id < 8; ++id) EXPECT_EQ(log_.calls(id), 1);
+}
+
+TEST_F(SchedulerTest, FullQueueIsResourceExhaustedAndKeepsTheJob) {
+  SchedulerOptions options;
+  options.max_queue_requests = 3;
+  Start(options);
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();  // job 0 left the queue
+  MustEnqueue(Prefill(1, 1));
+  MustEnqueue(Prefill(2, 1));
+  MustEnqueue(Prefill(3, 1));
+  std::unique_ptr<Job> rejected = Prefill(4, 1);
+  absl::Status s = scheduler_->Enqueue(rejected);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("max_queue_requests=3"), absl::string_view::npos) << s;
+  ASSERT_NE(rejected, nullptr) << "a rejected job must stay with the caller";
+  backend_.Release();
+  log_.WaitFor(4);
+  scheduler_->Stop();
+  for (int id = 0; id < 4; ++id) EXPECT_EQ(log_.calls(id), 1);
+  EXPECT_EQ(log_.calls(4), 0) << "the scheduler ran the done callback of a job it refused";
+  // After Stop, Enqueue is UNAVAILABLE and the job stays with the caller.
+  std::unique_ptr<Job> late = Prefill(5, 1);
+  EXPECT_EQ(scheduler_->Enqueue(late).code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(late, nullptr);
+}
+
+TEST_F(SchedulerTest, StopFinishesEveryQueuedJob) {
+  Start(SchedulerOptions{});
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();
+  for (int id = 1; id < 20; ++id) MustEnqueue(Prefill(id, 2));
+  MustEnqueue(KvJob(20, Job::Kind::kWriteKv));
+  std::thread stopper([&] { scheduler_->Stop(); });
+  backend_.Release();
+  stopper.join();
+  EXPECT_EQ(log_.total(), 21) << "Stop returned before draining the queue";
+  for (int id = 0; id <= 20; ++id) {
+    EXPECT_EQ(log_.calls(id), 1) << "job " << id;
+    EXPECT_TRUE(log_.status(id).ok());
+  }
+  scheduler_->Stop();  // a second Stop is harmless
+  EXPECT_EQ(log_.total(), 21);
+}
+
+TEST_F(SchedulerTest, BackendErrorReachesEveryJobOfTheBatch) {
+  backend_.set_status(absl::InternalError("device lost"));
+  Start(SchedulerOptions{});
+  MustEnqueue(Prefill(0, 1));
+  backend_.WaitEntered();
+  MustEnqueue(Prefill(1, 1));
+  MustEnqueue(Prefill(2, 1));
+  backend_.Release();
+  log_.WaitFor(3);
+  for (int id = 0; id < 3; ++id) {
+    EXPECT_EQ(log_.calls(id), 1);
+    EXPECT_EQ(log_.status(id).code(), absl::StatusCode::kInternal);
+  }
+}
+
+}  // namespace
+}  // namespace scheduler_test
+}  // namespace attnserve
