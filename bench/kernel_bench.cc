@@ -9,11 +9,11 @@
 // 4 * head_dim * num_qo_heads * (visible (query, key) pairs).
 //
 // Usage: attnserve_kernel_bench [--quick] [--kernel=auto|sm80|sm80_rows64|sm90] [--merge-only]
-//                               [--workload=long|batch|prefix|decode]
+//                               [--workload=NAME[,NAME...]]
 // --kernel=auto (the default) times what the server picks per workload
 // (ChoosePrefillKernel); a name forces that kernel (sm90: sm_90 devices only).
-// --workload times that anchor workload alone (page_size 1 and 16, the
-// default plan; no sweep, no merge): for profilers.
+// --workload times only the named anchor workloads (long, batch, prefix,
+// decode) at page_size 1 and 16 with the default plan: no sweep, no merge.
 // Prints one "RESULT key=value ..." line per measurement, then a table.
 #include <cuda_runtime.h>
 
@@ -365,13 +365,28 @@ int main(int argc, char** argv) {
     forced = &forced_kernel;
   }
   if (!only_workload.empty()) {
-    for (const auto& w : anchors) {
-      if (w.name != only_workload) continue;
-      for (int ps : {1, 16}) RunPrefill(w, ps, forced, reps);
-      return 0;
+    std::vector<const Workload*> picked;
+    size_t start = 0;
+    while (start <= only_workload.size()) {
+      size_t end = only_workload.find(',', start);
+      if (end == std::string::npos) end = only_workload.size();
+      const std::string name = only_workload.substr(start, end - start);
+      const Workload* found = nullptr;
+      for (const auto& w : anchors) {
+        if (w.name == name) found = &w;
+      }
+      if (found == nullptr) {
+        std::fprintf(stderr, "--workload=%s: expected names among long, batch, prefix, decode\n",
+                     only_workload.c_str());
+        return 2;
+      }
+      picked.push_back(found);
+      start = end + 1;
     }
-    std::fprintf(stderr, "--workload=%s: expected long, batch, prefix or decode\n", only_workload.c_str());
-    return 2;
+    for (const Workload* w : picked) {
+      for (int ps : {1, 16}) RunPrefill(*w, ps, forced, reps);
+    }
+    return 0;
   }
   // The server's choice with the default plan first, then A/B of the plan's
   // L2 sections (0: plain longest-first order; 8 MiB).
