@@ -112,8 +112,9 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
       }
       CpAsyncCommit();
     }
-    // Completes the group issued before the latest one and arrives on its
-    // barrier (the Q tile's first, then K0, V0, K1, ...).
+    // Copy groups in issue order: G0 the Q tile, then K_b = G(2b+1) and
+    // V_b = G(2b+2). complete(g), once cp.async has waited for group g, makes
+    // its bytes visible to wgmma (the async proxy) and arrives on its barrier.
     auto complete_q = [&]() {
       if (negate_q) {
 #pragma unroll
@@ -126,6 +127,14 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
       }
       FenceProxyAsync();
       MbarArrive(bar_q);
+    };
+    auto complete = [&](int g) {
+      if (g == 0) {
+        complete_q();
+        return;
+      }
+      FenceProxyAsync();
+      MbarArrive((g & 1) ? bar_k(((g - 1) >> 1) % S) : bar_v(((g - 2) >> 1) % S));
     };
 
     const int64_t row_stride = (int64_t)args.num_kv_heads * D;
@@ -160,26 +169,16 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
       NamedBarSync(1, 128);
       if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
       if (b >= S) MbarWait(bar_empty(stage), ((b / S) & 1) ^ 1);
+      // kInFlight groups stay in flight; the oldest beyond them completes.
       issue(k_base, a_k + stage * Tr::kKvBytes, slots);
-      CpAsyncWait<1>();  // the group before K_b: Q or V_{b-1}
-      if (b == 0) {
-        complete_q();
-      } else {
-        FenceProxyAsync();
-        MbarArrive(bar_v((b - 1) % S));
-      }
+      CpAsyncWait<Tr::kInFlight>();
+      if (2 * b + 1 - Tr::kInFlight >= 0) complete(2 * b + 1 - Tr::kInFlight);
       issue(v_base, a_v + stage * Tr::kKvBytes, slots);
-      CpAsyncWait<1>();  // K_b
-      FenceProxyAsync();
-      MbarArrive(bar_k(stage));
+      CpAsyncWait<Tr::kInFlight>();
+      if (2 * b + 2 - Tr::kInFlight >= 0) complete(2 * b + 2 - Tr::kInFlight);
     }
     CpAsyncWait<0>();
-    if (num_blocks == 0) {
-      complete_q();
-    } else {
-      FenceProxyAsync();
-      MbarArrive(bar_v((num_blocks - 1) % S));
-    }
+    for (int g = max(0, 2 * num_blocks - Tr::kInFlight + 1); g <= 2 * num_blocks; ++g) complete(g);
     return;
   }
 

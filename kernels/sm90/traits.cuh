@@ -40,6 +40,12 @@ struct Traits {
   static constexpr int kWgRows = 64;        // rows per consumer warpgroup
   static constexpr int kKB = 128;           // KV tokens per block
   static constexpr int kStages = D == 64 ? 4 : 3;
+  // Copy groups (one K or V block each) a producer thread keeps in flight
+  // before it waits for the oldest. Before it refills a stage, the producer
+  // must have completed the V block the consumers release it after
+  // (G(2(b - kStages) + 2) by the time it has issued G(2b)): at most
+  // 2 * kStages - 2.
+  static constexpr int kInFlight = 2 * kStages - 2;
   static constexpr int kThreads = 384;
   static constexpr int kProducerRegs = 56;  // setmaxnreg after the split
   static constexpr int kConsumerRegs = 224;
