@@ -12,7 +12,9 @@
 //    query rows: S = Q K^T by wgmma with both operands in shared memory
 //    (K-major), the boundary mask, the lazy online softmax in base 2, and
 //    O += P V by wgmma with P in registers and V in shared memory (MN-major);
-//    then they release the stage (empty mbarrier).
+//    then they release the stage (empty mbarrier). The two take turns to
+//    issue S (ping-pong, named barriers) so one's softmax overlaps the other's
+//    GEMMs.
 // The epilogue normalises and writes either the final o / lse or, for a
 // split item, an fp32 partial state for the merge family, as kernels/sm80.
 //
@@ -210,6 +212,13 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};
 
+  // Ping-pong: the two consumer warpgroups take turns issuing S = Q K^T
+  // (named barriers kTurnBar + warpgroup, 256 threads: one warpgroup syncs,
+  // the other arrives), so that one's softmax runs beside the other's GEMMs.
+  // Warpgroup 0 goes first; every sync meets exactly one arrive (warpgroup 1
+  // gives the first and skips its last), so no arrival outlives the CTA.
+  constexpr int kTurnBar = 2;
+  if (Tr::kPingPong && cw == 1 && num_blocks > 0) NamedBarArrive(kTurnBar + 0, 256);
   if (num_blocks > 0) MbarWait(bar_q, 0);
   for (int b = 0; b < num_blocks; ++b) {
     const int stage = b % S;
@@ -218,6 +227,11 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
     const bool do_math = wg_active && block_start < wg_kv_end;
     MbarWait(bar_k(stage), parity);
     float s[KB / 2];
+    // Whether this warpgroup hands the turn over after issuing (all but
+    // warpgroup 1's last block).
+    const bool pass_turn = !(cw == 1 && b == num_blocks - 1);
+    if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
+    if (!do_math && Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
     if (do_math) {
       // ---- S = Q K^T (fp32), 64 x KB per warpgroup.
       const uint32_t k_stage = a_k + stage * Tr::kKvBytes;
@@ -229,6 +243,7 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
         WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
       }
       WgmmaCommit();
+      if (Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
       WgmmaWait<0>();
       FenceRegs(s);
 

@@ -55,9 +55,13 @@ __device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
-// Named barrier over `threads` threads (a multiple of 32).
+// Named barrier over `threads` threads (a multiple of 32): Sync waits for
+// all of them, Arrive counts this warp in without waiting.
 __device__ __forceinline__ void NamedBarSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- Register reallocation between warpgroups (the kernel must start with a

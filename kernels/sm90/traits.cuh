@@ -47,6 +47,8 @@ struct Traits {
   // 2 * kStages - 2.
   static constexpr int kInFlight = 2 * kStages - 2;
   static constexpr int kThreads = 384;
+  // The consumer warpgroups take turns issuing S = Q K^T (prefill_kernel.cuh).
+  static constexpr bool kPingPong = true;
   static constexpr int kProducerRegs = 56;  // setmaxnreg after the split
   static constexpr int kConsumerRegs = 224;
   static constexpr int kChunks = D / 8;     // 16-byte chunks per row
