@@ -283,6 +283,37 @@ TEST_P(PagedPrefillCuda, DenseLargeTiles) {
   }
 }
 
+// A ladder from the simplest launch up, each its own failure: one full tile
+// (16 tokens x group 8 = 128 packed rows) against exactly one KV block, then
+// two blocks, then enough blocks to wrap the shared-memory ring several
+// times; non-causal, then causal; both head_dims and dtypes. A layout bug
+// fails the first rung; a pipeline bug only the later ones.
+TEST_P(PagedPrefillCuda, SingleTileLadder) {
+  std::mt19937_64 rng(17);
+  for (int d : {64, 128}) {
+    for (KvDType dt : {KvDType::kBf16, KvDType::kFp16}) {
+      for (int causal = 0; causal < 2; ++causal) {
+        for (int kv : {128, 256, 1000}) {
+          HostBatch b;
+          b.geo.head_dim = d;
+          b.geo.num_qo_heads = 16;
+          b.geo.num_kv_heads = 2;
+          b.geo.page_size = 1;
+          b.geo.dtype = dt;
+          b.geo.num_layers = 1;
+          b.geo.num_pages = 1024;
+          gpu_test::MakePools(&b, &rng);
+          gpu_test::AddSeq(&b, 16, kv, 0, causal != 0, false, 1 / std::sqrt(float(d)), &rng);
+          gpu_test::FinishBatch(&b, 1.f, &rng);
+          const PrefillKernel kernel = Kernel(0, d);
+          const RunResult r = RunAndCheck(b, kernel, false, 512);
+          ASSERT_EQ(r.error, "") << "kv " << kv << ": " << Describe(b, kernel, r.split);
+        }
+      }
+    }
+  }
+}
+
 // causal_shift != 0 (a server holding part of a sequence's keys): negative,
 // small and large positive shifts, several query tiles, GQA 4 and 8, both
 // head_dims, page sizes 1 and 16, bf16 and fp16, split and not.
