@@ -2,7 +2,7 @@
 // tile shapes, and the heuristic that picks one per batch. Plain C++ (no
 // CUDA), unit-tested in tests/kernels/kernel_select_test.cc.
 //
-// A family is a folder under kernels/ (kernels/sm80/ today). Adding one is a
+// A family is a folder under kernels/ (kernels/sm80/, kernels/sm90/). Adding one is a
 // new enum value here, its tile rows in PrefillTileRows, one line in
 // ChoosePrefillKernel, and one case in kernels/prefill_cuda.cu's dispatch
 // (docs/design.md section 2.4).
