@@ -8,9 +8,12 @@
 // sets rotated when one set fits in L2. FLOPs as ANCHORS.md counts them:
 // 4 * head_dim * num_qo_heads * (visible (query, key) pairs).
 //
-// Usage: attnserve_kernel_bench [--quick] [--kernel=auto|sm80|sm80_rows64] [--merge-only]
+// Usage: attnserve_kernel_bench [--quick] [--kernel=auto|sm80|sm80_rows64|sm90] [--merge-only]
+//                               [--workload=NAME[,NAME...]]
 // --kernel=auto (the default) times what the server picks per workload
-// (ChoosePrefillKernel); a name forces that kernel.
+// (ChoosePrefillKernel); a name forces that kernel (sm90: sm_90 devices only).
+// --workload times only the named anchor workloads (long, batch, prefix,
+// decode) at page_size 1 and 16 with the default plan: no sweep, no merge.
 // Prints one "RESULT key=value ..." line per measurement, then a table.
 #include <cuda_runtime.h>
 
@@ -320,10 +323,12 @@ int main(int argc, char** argv) {
   bool quick = false;
   bool merge_only = false;
   std::string only_kernel = "auto";
+  std::string only_workload;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--merge-only") == 0) merge_only = true;
     if (std::strncmp(argv[i], "--kernel=", 9) == 0) only_kernel = argv[i] + 9;
+    if (std::strncmp(argv[i], "--workload=", 11) == 0) only_workload = argv[i] + 11;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -349,10 +354,39 @@ int main(int argc, char** argv) {
       }
     }
     if (!known) {
-      std::fprintf(stderr, "--kernel=%s: expected auto, sm80 or sm80_rows64\n", only_kernel.c_str());
+      std::fprintf(stderr, "--kernel=%s: expected auto, sm80, sm80_rows64 or sm90\n", only_kernel.c_str());
+      return 2;
+    }
+    if (forced_kernel == PrefillKernel::kSm90 && prop.major != 9) {
+      std::fprintf(stderr, "--kernel=sm90: the sm90 family runs only on sm_90 devices; this one is sm_%d%d\n",
+                   prop.major, prop.minor);
       return 2;
     }
     forced = &forced_kernel;
+  }
+  if (!only_workload.empty()) {
+    std::vector<const Workload*> picked;
+    size_t start = 0;
+    while (start <= only_workload.size()) {
+      size_t end = only_workload.find(',', start);
+      if (end == std::string::npos) end = only_workload.size();
+      const std::string name = only_workload.substr(start, end - start);
+      const Workload* found = nullptr;
+      for (const auto& w : anchors) {
+        if (w.name == name) found = &w;
+      }
+      if (found == nullptr) {
+        std::fprintf(stderr, "--workload=%s: expected names among long, batch, prefix, decode\n",
+                     only_workload.c_str());
+        return 2;
+      }
+      picked.push_back(found);
+      start = end + 1;
+    }
+    for (const Workload* w : picked) {
+      for (int ps : {1, 16}) RunPrefill(*w, ps, forced, reps);
+    }
+    return 0;
   }
   // The server's choice with the default plan first, then A/B of the plan's
   // L2 sections (0: plain longest-first order; 8 MiB).

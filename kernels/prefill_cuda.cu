@@ -2,6 +2,7 @@
 #include "kernels/prefill_cuda.h"
 
 #include "kernels/sm80/prefill_sm80.h"
+#include "kernels/sm90/prefill_sm90.h"
 
 namespace attnserve {
 
@@ -13,6 +14,8 @@ cudaError_t PagedPrefillCuda(const PagedPrefillParams& params, const PrefillWork
     case PrefillKernel::kSm80Rows64:
       return PagedPrefillSm80(params, items, num_items, part_o, part_lse,
                               kernel == PrefillKernel::kSm80Rows64, stream);
+    case PrefillKernel::kSm90:
+      return PagedPrefillSm90(params, items, num_items, part_o, part_lse, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -22,6 +25,8 @@ int32_t PrefillCtasPerSm(PrefillKernel kernel, int32_t head_dim, KvDType dtype) 
     case PrefillKernel::kSm80:
     case PrefillKernel::kSm80Rows64:
       return Sm80PrefillCtasPerSm(head_dim, dtype, kernel == PrefillKernel::kSm80Rows64);
+    case PrefillKernel::kSm90:
+      return Sm90PrefillCtasPerSm(head_dim, dtype);
   }
   return 1;
 }

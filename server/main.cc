@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "common/usage.h"
 #include "spdlog/spdlog.h"
+#include "kernels/plan/kernel_select.h"
 #include "server/backend/factory.h"
 #include "server/core/attention_core.h"
 #include "server/core/attention_core.h"
@@ -47,6 +48,9 @@ ABSL_FLAG(int32_t, num_qo_heads, 32, "query heads");
 ABSL_FLAG(int32_t, num_kv_heads, 4, "KV heads (must divide num_qo_heads)");
 ABSL_FLAG(int32_t, head_dim, 128, "head dimension (64, 128 or 256)");
 ABSL_FLAG(std::string, kv_dtype, "bf16", "bf16 or fp16");
+ABSL_FLAG(std::string, prefill_kernel, "auto",
+          "CUDA prefill kernel family: auto (the heuristic's choice for the device), sm80 (mma.sync) "
+          "or sm90 (wgmma; Hopper GPUs only, head_dim 64 and 128)");
 ABSL_FLAG(int32_t, max_batch_tokens, 16384, "query rows per batch (a larger request runs alone)");
 ABSL_FLAG(int64_t, max_queue_delay_us, 1000,
           "most microseconds a batch waits for more requests while the device is busy");
@@ -171,6 +175,11 @@ int Run() {
   }
 
   BackendOptions backend_options;
+  const std::string prefill_kernel = absl::GetFlag(FLAGS_prefill_kernel);
+  if (!ParsePrefillFamily(prefill_kernel.c_str(), &backend_options.prefill_family)) {
+    spdlog::error("--prefill_kernel={} must be auto, sm80 or sm90", prefill_kernel);
+    return 2;
+  }
   backend_options.kind = absl::GetFlag(FLAGS_backend);
   backend_options.device = absl::GetFlag(FLAGS_device);
   backend_options.geometry = *geometry;
@@ -215,12 +224,15 @@ int Run() {
     server_ptr->SetNotServing();
   });
   const ServerInfoData info = core.Info();
-  metrics.SetBuildInfo(info.version, kGitCommit, info.backend, info.device);
+  // The prefill kernel family the CUDA backend picks from; the CPU backend
+  // runs its reference kernels whatever the flag says.
+  const std::string family = info.backend == "cuda" ? PrefillFamilyName(backend_options.prefill_family) : "cpu";
+  metrics.SetBuildInfo(info.version, kGitCommit, info.backend, info.device, family);
   spdlog::info(
       "attnserve {} (commit {}) started: pid={} backend={} device=\"{}\" layers={} pages={} "
-      "page_size={} qo_heads={} kv_heads={} head_dim={} kv_dtype={} auth={} tls={}",
+      "page_size={} qo_heads={} kv_heads={} head_dim={} kv_dtype={} prefill_kernel={} auth={} tls={}",
       info.version, kGitCommit, getpid(), info.backend, info.device, info.num_layers, info.num_pages, info.page_size,
-      info.num_qo_heads, info.num_kv_heads, info.head_dim, absl::GetFlag(FLAGS_kv_dtype),
+      info.num_qo_heads, info.num_kv_heads, info.head_dim, absl::GetFlag(FLAGS_kv_dtype), family,
       (*auth)->enabled() ? "on" : "off", server_options.tls_cert.empty() ? "off" : "on");
   // Tests and scripts read this line to find the ports.
   spdlog::info("listening grpc={} metrics={}", (*server)->grpc_address(),

@@ -48,7 +48,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   memory_total_ = &memory.Add({{"state", "total"}});
   build_info_ = &prometheus::BuildGauge()
                      .Name("attnserve_build_info")
-                     .Help("1, labelled with the server's version, commit, backend and device")
+                     .Help("1, labelled with the server's version, commit, backend, device and prefill kernel family")
                      .Register(*registry_);
   prometheus::BuildGauge()
       .Name("process_start_time_seconds")
@@ -160,10 +160,11 @@ void Metrics::SetMemory(int64_t used_bytes, int64_t total_bytes) {
 }
 
 void Metrics::SetBuildInfo(const std::string& version, const std::string& commit,
-                           const std::string& backend, const std::string& device) {
+                           const std::string& backend, const std::string& device,
+                           const std::string& prefill_kernel) {
   absl::MutexLock lock(&series_mu_);
   build_info_->Add({{"version", version}, {"commit", commit}, {"backend", backend},
-                    {"device", device}})
+                    {"device", device}, {"prefill_kernel", prefill_kernel}})
       .Set(1);
 }
 

@@ -45,9 +45,10 @@ class Metrics {
   // Memory the backend holds: device memory (CUDA) or the KV pool's host
   // memory (CPU), and the total there is.
   void SetMemory(int64_t used_bytes, int64_t total_bytes);
-  // attnserve_build_info{version, commit, backend, device} = 1.
+  // attnserve_build_info{version, commit, backend, device, prefill_kernel} = 1.
   void SetBuildInfo(const std::string& version, const std::string& commit,
-                    const std::string& backend, const std::string& device);
+                    const std::string& backend, const std::string& device,
+                    const std::string& prefill_kernel);
   void ObserveQueueWait(double seconds) { queue_wait_->Observe(seconds); }
   void ObserveBatch(int requests, int64_t tokens);
   // attention and merge: a Prefill batch's launches; append: its fused

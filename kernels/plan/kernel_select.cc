@@ -1,5 +1,7 @@
 #include "kernels/plan/kernel_select.h"
 
+#include <cstring>
+
 namespace attnserve {
 
 const char* PrefillKernelName(PrefillKernel kernel) {
@@ -8,23 +10,61 @@ const char* PrefillKernelName(PrefillKernel kernel) {
       return "sm80";
     case PrefillKernel::kSm80Rows64:
       return "sm80_rows64";
+    case PrefillKernel::kSm90:
+      return "sm90";
   }
   return "unknown";
 }
 
 int32_t PrefillTileRows(PrefillKernel kernel, int32_t head_dim) {
-  // 4 warps x 16 rows x MMA tiles per warp (kernels/sm80/traits.cuh).
+  // sm90: 2 consumer warpgroups x 64 rows (kernels/sm90/traits.cuh).
+  if (kernel == PrefillKernel::kSm90) return 128;
+  // sm80: 4 warps x 16 rows x MMA tiles per warp (kernels/sm80/traits.cuh).
   if (head_dim == 256) return 64;
   if (kernel == PrefillKernel::kSm80Rows64 && head_dim == 128) return 64;
   return 128;
 }
 
-PrefillKernel ChoosePrefillKernel(const KvGeometry& geo, const PrefillDevice& /*device*/,
-                                  int64_t max_packed_rows) {
+bool ParsePrefillFamily(const char* text, PrefillFamily* family) {
+  if (std::strcmp(text, "auto") == 0) {
+    *family = PrefillFamily::kAuto;
+  } else if (std::strcmp(text, "sm80") == 0) {
+    *family = PrefillFamily::kSm80;
+  } else if (std::strcmp(text, "sm90") == 0) {
+    *family = PrefillFamily::kSm90;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+const char* PrefillFamilyName(PrefillFamily family) {
+  switch (family) {
+    case PrefillFamily::kAuto:
+      return "auto";
+    case PrefillFamily::kSm80:
+      return "sm80";
+    case PrefillFamily::kSm90:
+      return "sm90";
+  }
+  return "unknown";
+}
+
+bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device) {
+  return family != PrefillFamily::kSm90 || device.sm_major == 9;
+}
+
+PrefillKernel ChoosePrefillKernel(const KvGeometry& geo, const PrefillDevice& device,
+                                  int64_t max_packed_rows, PrefillFamily family) {
+  const bool sm90_shape = geo.head_dim == 64 || geo.head_dim == 128;
+  if (family == PrefillFamily::kSm90 && sm90_shape) return PrefillKernel::kSm90;
   // 64-row tiles when no sequence fills more (decode): half the CTA's rows
   // would be idle in a 128-row tile, and twice the CTAs share the batch.
   if (geo.head_dim == 128 && max_packed_rows <= PrefillTileRows(PrefillKernel::kSm80Rows64, 128)) {
     return PrefillKernel::kSm80Rows64;
+  }
+  if (family == PrefillFamily::kAuto && kAutoPicksSm90 && device.sm_major == 9 && sm90_shape) {
+    return PrefillKernel::kSm90;
   }
   return PrefillKernel::kSm80;
 }

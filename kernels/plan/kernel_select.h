@@ -2,7 +2,7 @@
 // tile shapes, and the heuristic that picks one per batch. Plain C++ (no
 // CUDA), unit-tested in tests/kernels/kernel_select_test.cc.
 //
-// A family is a folder under kernels/ (kernels/sm80/ today). Adding one is a
+// A family is a folder under kernels/ (kernels/sm80/, kernels/sm90/). Adding one is a
 // new enum value here, its tile rows in PrefillTileRows, one line in
 // ChoosePrefillKernel, and one case in kernels/prefill_cuda.cu's dispatch
 // (docs/design.md section 2.4).
@@ -22,11 +22,14 @@ enum class PrefillKernel : int32_t {
   // batches whose every sequence packs at most 64 rows (decode-sized), where
   // a 128-row tile would be half empty.
   kSm80Rows64,
+  // wgmma (sm_90a only, kernels/sm90/): a cp.async producer warpgroup and two
+  // consumer warpgroups of 64 rows, 128-row tiles, head_dim 64 and 128.
+  kSm90,
 };
-inline constexpr int kNumPrefillKernels = 2;
+inline constexpr int kNumPrefillKernels = 3;
 
-// Stable lower-case name, used as the `kernel` label value's suffix in
-// metrics and in benchmark output: "sm80", "sm80_rows64".
+// Stable lower-case name, used in metrics (the `family` label) and in
+// benchmark output: "sm80", "sm80_rows64", "sm90".
 const char* PrefillKernelName(PrefillKernel kernel);
 
 // Packed query rows per tile (the plan's tile_rows).
@@ -38,9 +41,32 @@ struct PrefillDevice {
   int32_t sm_minor = 0;
 };
 
+// Which families the heuristic may pick from (the server's
+// --prefill_kernel=auto|sm80|sm90).
+enum class PrefillFamily : int32_t {
+  kAuto,  // the heuristic's choice for the device
+  kSm80,  // the mma.sync family only (kSm80 or kSm80Rows64)
+  kSm90,  // the wgmma family wherever it runs the head_dim (64, 128);
+          // head_dim 256 stays on kSm80
+};
+
+// "auto" / "sm80" / "sm90" -> *family; false for any other text.
+bool ParsePrefillFamily(const char* text, PrefillFamily* family);
+const char* PrefillFamilyName(PrefillFamily family);
+
+// Whether the family's kernels run on the device: kSm90 needs compute
+// capability 9.x (sm_90a code only).
+bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device);
+
+// Whether kAuto picks kSm90 on Hopper. Off until the wgmma family has passed
+// the GPU kernel tests on an H200 and beaten kSm80 there
+// (bench/run_sm90_gpu.sh); --prefill_kernel=sm90 forces it meanwhile.
+inline constexpr bool kAutoPicksSm90 = false;
+
 // The kernel for a batch whose longest sequence packs max_packed_rows rows
-// (q_len * num_qo_heads / num_kv_heads).
+// (q_len * num_qo_heads / num_kv_heads), among the family's kernels.
 PrefillKernel ChoosePrefillKernel(const KvGeometry& geo, const PrefillDevice& device,
-                                  int64_t max_packed_rows);
+                                  int64_t max_packed_rows,
+                                  PrefillFamily family = PrefillFamily::kAuto);
 
 }  // namespace attnserve

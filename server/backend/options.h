@@ -6,6 +6,7 @@
 #include <string>
 
 #include "common/kv_geometry.h"
+#include "kernels/plan/kernel_select.h"
 
 namespace attnserve {
 
@@ -20,6 +21,10 @@ struct BackendOptions {
   // Most KV page indices / appended rows one batch may hold.
   int64_t max_batch_kv_indices = 0;
   int64_t max_batch_append_rows = 0;
+  // CUDA: the prefill kernel families the packer may pick from
+  // (--prefill_kernel); kSm90 on a device other than sm_90 fails Init. The
+  // CPU backend ignores it.
+  PrefillFamily prefill_family = PrefillFamily::kAuto;
 };
 
 }  // namespace attnserve

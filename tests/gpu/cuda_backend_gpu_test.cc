@@ -28,9 +28,10 @@ absl::Status RunBatch(Backend& backend, absl::Span<const PrefillTask> tasks, Bat
 
 using gpu_test::HostBatch;
 
-BackendOptions Options(const KvGeometry& g) {
+BackendOptions Options(const KvGeometry& g, PrefillFamily family = PrefillFamily::kAuto) {
   BackendOptions o;
   o.kind = "cuda";
+  o.prefill_family = family;
   o.geometry = g;
   o.max_batch_rows = 4096;
   o.max_batch_kv_indices = 1 << 17;
@@ -84,8 +85,42 @@ TEST(CudaBackend, FailsCleanlyWithoutDevice) {
   GTEST_SKIP() << "skipped: no GPU";
 }
 
-TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
+bool DeviceIsHopper() {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+  return major == 9;
+}
+
+// --prefill_kernel=sm90 off Hopper: Init fails, naming the flag.
+TEST(CudaBackend, Sm90FamilyOffHopperFailsAtStart) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
+  if (DeviceIsHopper()) GTEST_SKIP() << "skipped: this device runs the sm90 family";
+  KvGeometry g;
+  g.num_layers = 1;
+  g.num_pages = 16;
+  g.page_size = 16;
+  g.num_qo_heads = 8;
+  g.num_kv_heads = 2;
+  g.head_dim = 128;
+  auto b = MakeCudaBackend(Options(g, PrefillFamily::kSm90));
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition) << b.status();
+  EXPECT_NE(b.status().message().find("--prefill_kernel=sm90"), absl::string_view::npos) << b.status();
+}
+
+// The backend end to end once per --prefill_kernel family (sm90: Hopper only).
+class CudaBackendFamily : public ::testing::TestWithParam<PrefillFamily> {
+ protected:
+  void SetUp() override {
+    ATTNSERVE_SKIP_WITHOUT_GPU();
+    if (GetParam() == PrefillFamily::kSm90 && !DeviceIsHopper()) {
+      GTEST_SKIP() << "skipped: the sm90 family needs an sm_90 device";
+    }
+  }
+};
+
+TEST_P(CudaBackendFamily, WriteReadAndBatchedPrefillMatchReference) {
   std::mt19937_64 rng(99);
   int pinned_tasks = 0;  // tasks whose outputs were downloaded directly
   for (int round = 0; round < 24; ++round) {
@@ -101,7 +136,7 @@ TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
     b.geo.num_layers = 3;
     b.geo.num_pages = 2048 / b.geo.page_size + 8;
     gpu_test::MakePools(&b, &rng);
-    auto made = MakeCudaBackend(Options(b.geo));
+    auto made = MakeCudaBackend(Options(b.geo, GetParam()));
     ASSERT_TRUE(made.ok()) << made.status();
     std::unique_ptr<Backend> backend = std::move(made).value();
     EXPECT_EQ(backend->Name(), "cuda");
@@ -217,6 +252,12 @@ TEST(CudaBackend, WriteReadAndBatchedPrefillMatchReference) {
   }
   EXPECT_GT(pinned_tasks, 0) << "no batch downloaded into a pinned response buffer";
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, CudaBackendFamily,
+                         ::testing::Values(PrefillFamily::kAuto, PrefillFamily::kSm90),
+                         [](const ::testing::TestParamInfo<PrefillFamily>& info) {
+                           return std::string(PrefillFamilyName(info.param));
+                         });
 
 TEST(CudaBackend, LongKvSplitsAndMergesOnce) {
   ATTNSERVE_SKIP_WITHOUT_GPU();

@@ -1,6 +1,8 @@
 // The CUDA kernels alone (paged prefill + split merge, N-way merge, KV
 // append/gather) on random data against a float64 reference. Outputs are
-// poisoned with 0xFF bytes (NaN) before every run.
+// poisoned with 0xFF bytes (NaN) before every run. Every paged prefill test
+// runs once per kernel family (PagedPrefillCuda/<test>/sm80 and .../sm90);
+// the sm90 runs skip, saying so, on devices other than sm_90.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -54,18 +56,23 @@ struct RunResult {
   bool split = false;
 };
 
-// Runs the batch through plan + prefill (+ merge) and compares.
-// variant 1: the 64-row tile kernel (head_dim 128); 0: the default tile.
-PrefillKernel KernelOf(int variant) { return variant == 1 ? PrefillKernel::kSm80Rows64 : PrefillKernel::kSm80; }
+// The kernel a test runs: the family's kernel for the head_dim. sm80:
+// variant 1 is the 64-row tile kernel (head_dim 128), 0 the default tile.
+// sm90: head_dim 64 and 128 (256 stays on sm80, as the server picks).
+PrefillKernel KernelOf(PrefillFamily family, int variant, int head_dim) {
+  if (family == PrefillFamily::kSm90 && (head_dim == 64 || head_dim == 128)) return PrefillKernel::kSm90;
+  return variant == 1 ? PrefillKernel::kSm80Rows64 : PrefillKernel::kSm80;
+}
 
-RunResult RunAndCheck(const HostBatch& b, int variant, bool force_split, int min_chunk) {
+// Runs the batch through plan + prefill (+ merge) and compares.
+RunResult RunAndCheck(const HostBatch& b, PrefillKernel kernel, bool force_split, int min_chunk) {
   RunResult res;
   const KvGeometry& g = b.geo;
   PrefillPlanOptions opt;
   opt.num_sms = force_split ? 1 << 20 : NumSms();
-  opt.ctas_per_sm = PrefillCtasPerSm(KernelOf(variant), g.head_dim, g.dtype);
+  opt.ctas_per_sm = PrefillCtasPerSm(kernel, g.head_dim, g.dtype);
   opt.min_chunk = min_chunk;
-  opt.tile_rows = PrefillTileRows(KernelOf(variant), g.head_dim);
+  opt.tile_rows = PrefillTileRows(kernel, g.head_dim);
   opt.max_partial_pairs = int64_t{1} << 24;
   PrefillPlan plan;
   BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
@@ -104,7 +111,7 @@ RunResult RunAndCheck(const HostBatch& b, int variant, bool force_split, int min
   p.total_q = b.total_q;
   p.geo = g;
   cudaError_t err = PagedPrefillCuda(p, items.ptr, static_cast<int32_t>(plan.items.size()), part_o.ptr,
-                                     part_lse.ptr, KernelOf(variant), nullptr);
+                                     part_lse.ptr, kernel, nullptr);
   if (err == cudaSuccess && !plan.merges.empty()) {
     err = MergeSplitsCuda(p, merges.ptr, static_cast<int32_t>(plan.merges.size()), plan.merge_pairs,
                           part_o.ptr, part_lse.ptr, nullptr);
@@ -120,20 +127,39 @@ RunResult RunAndCheck(const HostBatch& b, int variant, bool force_split, int min
   return res;
 }
 
-std::string Describe(const HostBatch& b, int variant, bool split) {
+std::string Describe(const HostBatch& b, PrefillKernel kernel, bool split) {
   std::string s = "D=" + std::to_string(b.geo.head_dim) + " H=" + std::to_string(b.geo.num_qo_heads) +
                   " KVH=" + std::to_string(b.geo.num_kv_heads) + " ps=" + std::to_string(b.geo.page_size) +
-                  (b.geo.dtype == KvDType::kBf16 ? " bf16" : " fp16") + " variant=" + std::to_string(variant) +
+                  (b.geo.dtype == KvDType::kBf16 ? " bf16" : " fp16") + " kernel=" + PrefillKernelName(kernel) +
                   (split ? " split" : "") + " seqs:";
   for (const auto& q : b.seqs) {
     s += " (" + std::to_string(q.q_len) + "/" + std::to_string(q.kv_len) + (q.causal ? " c" : " nc") +
+         (q.causal_shift != 0 ? " shift" + std::to_string(q.causal_shift) : "") +
          (q.lse_base_e ? " e" : "") + " L" + std::to_string(q.layer) + ")";
   }
   return s;
 }
 
-TEST(PagedPrefillCuda, RandomRaggedBatches) {
-  ATTNSERVE_SKIP_WITHOUT_GPU();
+// Parameterized over the kernel family; skips the families the device does
+// not run.
+class PagedPrefillCuda : public ::testing::TestWithParam<PrefillFamily> {
+ protected:
+  void SetUp() override {
+    ATTNSERVE_SKIP_WITHOUT_GPU();
+    int dev = 0;
+    cudaDeviceProp prop;
+    ASSERT_CUDA(cudaGetDevice(&dev));
+    ASSERT_CUDA(cudaGetDeviceProperties(&prop, dev));
+    if (!PrefillFamilyRunsOn(GetParam(), PrefillDevice{prop.major, prop.minor})) {
+      GTEST_SKIP() << "skipped: the " << PrefillFamilyName(GetParam()) << " family needs an sm_90 device; this is sm_"
+                   << prop.major << prop.minor;
+    }
+  }
+  PrefillKernel Kernel(int variant, int head_dim) const { return KernelOf(GetParam(), variant, head_dim); }
+  bool Sm90() const { return GetParam() == PrefillFamily::kSm90; }
+};
+
+TEST_P(PagedPrefillCuda, RandomRaggedBatches) {
   std::mt19937_64 rng(20261130);
   const int kBatches = 300;
   int splits = 0;
@@ -143,7 +169,7 @@ TEST(PagedPrefillCuda, RandomRaggedBatches) {
     const int heads[][2] = {{4, 4}, {8, 2}, {16, 2}, {8, 1}, {32, 4}};
     const int page_sizes[] = {1, 16, 64};
     const int* hh = heads[rng() % 5];
-    b.geo.head_dim = dims[rng() % 5];
+    b.geo.head_dim = dims[rng() % (Sm90() ? 4 : 5)];  // sm90: head_dim 64 and 128
     b.geo.num_qo_heads = hh[0];
     b.geo.num_kv_heads = hh[1];
     b.geo.page_size = page_sizes[rng() % 3];
@@ -165,20 +191,21 @@ TEST(PagedPrefillCuda, RandomRaggedBatches) {
       const bool base_e = rng() % 3 == 0;
       const float scale = (0.5f + (rng() % 1000) / 1000.f) / std::sqrt(float(b.geo.head_dim));
       gpu_test::AddSeq(&b, q_len, kv_len, rng() % b.geo.num_layers, causal, base_e, scale, &rng);
+      if (causal && rng() % 4 == 0) b.seqs.back().causal_shift = static_cast<int>(rng() % 61) - 30;
     }
     gpu_test::FinishBatch(&b, rng() % 4 == 0 ? 3.f : 1.f, &rng);
     const int variant = b.geo.head_dim == 128 ? static_cast<int>(rng() % 2) : 0;
     const bool force_split = rng() % 3 == 0;
     const int min_chunk = 64 << (rng() % 3);
-    const RunResult r = RunAndCheck(b, variant, force_split, min_chunk);
+    const PrefillKernel kernel = Kernel(variant, b.geo.head_dim);
+    const RunResult r = RunAndCheck(b, kernel, force_split, min_chunk);
     splits += r.split;
-    ASSERT_EQ(r.error, "") << "batch " << it << ": " << Describe(b, variant, r.split);
+    ASSERT_EQ(r.error, "") << "batch " << it << ": " << Describe(b, kernel, r.split);
   }
   EXPECT_GT(splits, 20) << "too few batches exercised split-KV";
 }
 
-TEST(PagedPrefillCuda, LongKvForcesSplit) {
-  ATTNSERVE_SKIP_WITHOUT_GPU();
+TEST_P(PagedPrefillCuda, LongKvForcesSplit) {
   std::mt19937_64 rng(7);
   HostBatch b;
   b.geo.head_dim = 128;
@@ -193,9 +220,10 @@ TEST(PagedPrefillCuda, LongKvForcesSplit) {
   gpu_test::AddSeq(&b, 3, 66000, 0, false, true, 0.1f, &rng);
   gpu_test::AddSeq(&b, 1, 100, 0, true, false, 1 / std::sqrt(128.f), &rng);
   gpu_test::FinishBatch(&b, 2.f, &rng);
-  const RunResult r = RunAndCheck(b, 0, false, 512);
+  const PrefillKernel kernel = Kernel(0, 128);
+  const RunResult r = RunAndCheck(b, kernel, false, 512);
   EXPECT_TRUE(r.split) << "a 70k-token KV with 10 query rows must be split";
-  EXPECT_EQ(r.error, "") << Describe(b, 0, r.split);
+  EXPECT_EQ(r.error, "") << Describe(b, kernel, r.split);
 }
 
 // Causal tiles whose rows all sit before the diagonal (q_len > kv_len, or no
@@ -203,8 +231,7 @@ TEST(PagedPrefillCuda, LongKvForcesSplit) {
 // one launch, where another warp's late Q copy once landed over the staged
 // output (server batching test, o wrong, LSE right). Many such tiles, many
 // launches, both head_dim 128 variants, split and not.
-TEST(PagedPrefillCuda, TilesWithNoKvBlockBesideBusyTiles) {
-  ATTNSERVE_SKIP_WITHOUT_GPU();
+TEST_P(PagedPrefillCuda, TilesWithNoKvBlockBesideBusyTiles) {
   std::mt19937_64 rng(31);
   for (int rep = 0; rep < 24; ++rep) {
     HostBatch b;
@@ -228,13 +255,13 @@ TEST(PagedPrefillCuda, TilesWithNoKvBlockBesideBusyTiles) {
     }
     gpu_test::FinishBatch(&b, 2.f, &rng);
     const bool force_split = rep % 3 == 2;
-    const RunResult r = RunAndCheck(b, variant, force_split, 512);
-    ASSERT_EQ(r.error, "") << "rep " << rep << ": " << Describe(b, variant, r.split);
+    const PrefillKernel kernel = Kernel(variant, 128);
+    const RunResult r = RunAndCheck(b, kernel, force_split, 512);
+    ASSERT_EQ(r.error, "") << "rep " << rep << ": " << Describe(b, kernel, r.split);
   }
 }
 
-TEST(PagedPrefillCuda, DenseLargeTiles) {
-  ATTNSERVE_SKIP_WITHOUT_GPU();
+TEST_P(PagedPrefillCuda, DenseLargeTiles) {
   // Several full tiles per sequence, both kernel variants, 32/4 heads.
   std::mt19937_64 rng(11);
   for (int variant = 0; variant < 2; ++variant) {
@@ -250,10 +277,79 @@ TEST(PagedPrefillCuda, DenseLargeTiles) {
     gpu_test::AddSeq(&b, 300, 1000, 0, true, false, 1 / std::sqrt(128.f), &rng);
     gpu_test::AddSeq(&b, 257, 257, 0, true, false, 1 / std::sqrt(128.f), &rng);
     gpu_test::FinishBatch(&b, 1.f, &rng);
-    const RunResult r = RunAndCheck(b, variant, false, 512);
-    EXPECT_EQ(r.error, "") << Describe(b, variant, r.split);
+    const PrefillKernel kernel = Kernel(variant, 128);
+    const RunResult r = RunAndCheck(b, kernel, false, 512);
+    EXPECT_EQ(r.error, "") << Describe(b, kernel, r.split);
   }
 }
+
+// A ladder from the simplest launch up, each its own failure: one full tile
+// (16 tokens x group 8 = 128 packed rows) against exactly one KV block, then
+// two blocks, then enough blocks to wrap the shared-memory ring several
+// times; non-causal, then causal; both head_dims and dtypes. A layout bug
+// fails the first rung; a pipeline bug only the later ones.
+TEST_P(PagedPrefillCuda, SingleTileLadder) {
+  std::mt19937_64 rng(17);
+  for (int d : {64, 128}) {
+    for (KvDType dt : {KvDType::kBf16, KvDType::kFp16}) {
+      for (int causal = 0; causal < 2; ++causal) {
+        for (int kv : {128, 256, 1000}) {
+          HostBatch b;
+          b.geo.head_dim = d;
+          b.geo.num_qo_heads = 16;
+          b.geo.num_kv_heads = 2;
+          b.geo.page_size = 1;
+          b.geo.dtype = dt;
+          b.geo.num_layers = 1;
+          b.geo.num_pages = 1024;
+          gpu_test::MakePools(&b, &rng);
+          gpu_test::AddSeq(&b, 16, kv, 0, causal != 0, false, 1 / std::sqrt(float(d)), &rng);
+          gpu_test::FinishBatch(&b, 1.f, &rng);
+          const PrefillKernel kernel = Kernel(0, d);
+          const RunResult r = RunAndCheck(b, kernel, false, 512);
+          ASSERT_EQ(r.error, "") << "kv " << kv << ": " << Describe(b, kernel, r.split);
+        }
+      }
+    }
+  }
+}
+
+// causal_shift != 0 (a server holding part of a sequence's keys): negative,
+// small and large positive shifts, several query tiles, GQA 4 and 8, both
+// head_dims, page sizes 1 and 16, bf16 and fp16, split and not.
+TEST_P(PagedPrefillCuda, CausalShift) {
+  std::mt19937_64 rng(41);
+  const int shifts[] = {-300, -37, -1, 1, 5, 129, 700};
+  int rep = 0;
+  for (int d : {64, 128}) {
+    for (int ps : {1, 16}) {
+      HostBatch b;
+      b.geo.head_dim = d;
+      b.geo.num_qo_heads = 32;
+      b.geo.num_kv_heads = ps == 1 ? 4 : 8;  // GQA 8 and 4
+      b.geo.page_size = ps;
+      b.geo.dtype = ps == 1 ? KvDType::kBf16 : KvDType::kFp16;
+      b.geo.num_layers = 2;
+      b.geo.num_pages = 3000 / ps;
+      gpu_test::MakePools(&b, &rng);
+      for (int shift : shifts) {
+        gpu_test::AddSeq(&b, 40 + rng() % 200, 300 + rng() % 900, rng() % 2, true, shift % 2 != 0,
+                         1 / std::sqrt(float(d)), &rng);
+        b.seqs.back().causal_shift = shift;
+      }
+      gpu_test::FinishBatch(&b, 1.f, &rng);
+      const PrefillKernel kernel = Kernel(0, d);
+      const RunResult r = RunAndCheck(b, kernel, rep++ % 2 == 1, 128);
+      EXPECT_EQ(r.error, "") << Describe(b, kernel, r.split);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, PagedPrefillCuda,
+                         ::testing::Values(PrefillFamily::kSm80, PrefillFamily::kSm90),
+                         [](const ::testing::TestParamInfo<PrefillFamily>& info) {
+                           return std::string(PrefillFamilyName(info.param));
+                         });
 
 TEST(MergeStatesCuda, RandomStatesWithNegInf) {
   ATTNSERVE_SKIP_WITHOUT_GPU();

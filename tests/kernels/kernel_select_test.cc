@@ -24,6 +24,8 @@ TEST(KernelSelect, TileRowsPerHeadDim) {
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm80, 128), 128);
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm80, 256), 64);
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm80Rows64, 128), 64);
+  EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm90, 64), 128);
+  EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm90, 128), 128);
 }
 
 TEST(KernelSelect, Rows64OnlyForShortTilesAtHeadDim128) {
@@ -39,6 +41,49 @@ TEST(KernelSelect, Rows64OnlyForShortTilesAtHeadDim128) {
 TEST(KernelSelect, NamesAreStableLabels) {
   EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm80)), "sm80");
   EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm80Rows64)), "sm80_rows64");
+  EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm90)), "sm90");
+}
+
+TEST(KernelSelect, ForcedFamilies) {
+  const PrefillDevice h200{9, 0};
+  // sm90 forced: every batch at head_dim 64 and 128, decode-sized ones too;
+  // head_dim 256 stays on sm80.
+  for (int64_t rows : {1, 64, 65, 4096}) {
+    EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, rows, PrefillFamily::kSm90), PrefillKernel::kSm90);
+    EXPECT_EQ(ChoosePrefillKernel(Geo(16, 4, 64), h200, rows, PrefillFamily::kSm90), PrefillKernel::kSm90);
+  }
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 256), h200, 4096, PrefillFamily::kSm90), PrefillKernel::kSm80);
+  // sm80 forced: the mma.sync heuristic on Hopper too.
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096, PrefillFamily::kSm80), PrefillKernel::kSm80);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 8, PrefillFamily::kSm80), PrefillKernel::kSm80Rows64);
+  // auto: sm90 on Hopper only once kAutoPicksSm90 is set; never elsewhere.
+  const PrefillKernel long_h200 = ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096);
+  EXPECT_EQ(long_h200, kAutoPicksSm90 ? PrefillKernel::kSm90 : PrefillKernel::kSm80);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), PrefillDevice{8, 0}, 4096), PrefillKernel::kSm80);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), PrefillDevice{8, 9}, 4096), PrefillKernel::kSm80);
+}
+
+TEST(KernelSelect, FamilyFlagValues) {
+  PrefillFamily f = PrefillFamily::kSm80;
+  EXPECT_TRUE(ParsePrefillFamily("auto", &f));
+  EXPECT_EQ(f, PrefillFamily::kAuto);
+  EXPECT_TRUE(ParsePrefillFamily("sm90", &f));
+  EXPECT_EQ(f, PrefillFamily::kSm90);
+  EXPECT_TRUE(ParsePrefillFamily("sm80", &f));
+  EXPECT_EQ(f, PrefillFamily::kSm80);
+  for (const char* bad : {"", "SM90", "sm90a", "sm80_rows64", "hopper"}) {
+    EXPECT_FALSE(ParsePrefillFamily(bad, &f)) << bad;
+  }
+  for (PrefillFamily g : {PrefillFamily::kAuto, PrefillFamily::kSm80, PrefillFamily::kSm90}) {
+    PrefillFamily back;
+    ASSERT_TRUE(ParsePrefillFamily(PrefillFamilyName(g), &back));
+    EXPECT_EQ(back, g);
+  }
+  EXPECT_TRUE(PrefillFamilyRunsOn(PrefillFamily::kSm90, PrefillDevice{9, 0}));
+  EXPECT_FALSE(PrefillFamilyRunsOn(PrefillFamily::kSm90, PrefillDevice{8, 9}));
+  EXPECT_FALSE(PrefillFamilyRunsOn(PrefillFamily::kSm90, PrefillDevice{10, 0}));
+  EXPECT_TRUE(PrefillFamilyRunsOn(PrefillFamily::kSm80, PrefillDevice{8, 0}));
+  EXPECT_TRUE(PrefillFamilyRunsOn(PrefillFamily::kAuto, PrefillDevice{8, 0}));
 }
 
 }  // namespace

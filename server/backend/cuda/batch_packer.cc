@@ -63,7 +63,7 @@ absl::Status BatchPacker::Plan(PackedBatch* out) {
   const int64_t group = geo_.num_qo_heads / geo_.num_kv_heads;
   int64_t max_packed_rows = 0;
   for (const PrefillSeq& s : seqs_) max_packed_rows = std::max<int64_t>(max_packed_rows, s.q_len * group);
-  out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows);
+  out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows, limits_.family);
   PrefillPlanOptions popt;
   popt.num_sms = limits_.num_sms;
   popt.ctas_per_sm = limits_.ctas_per_sm[static_cast<int>(out->kernel)];

@@ -33,7 +33,8 @@ struct PackerLimits {
   int64_t max_partial_pairs = 0;  // split-KV workspace, (row, head) pairs
   int32_t num_sms = 0;
   PrefillDevice device;
-  int32_t ctas_per_sm[kNumPrefillKernels] = {1, 1};  // by PrefillKernel
+  PrefillFamily family = PrefillFamily::kAuto;  // --prefill_kernel
+  int32_t ctas_per_sm[kNumPrefillKernels] = {1, 1, 1};  // by PrefillKernel
 };
 
 // One packed batch: the kernel, the counts, and byte offsets into the input

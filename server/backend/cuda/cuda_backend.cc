@@ -147,12 +147,18 @@ absl::Status CudaBackend::Init() {
         absl::StrCat(prop.name, " has compute capability ", prop.major, ".", prop.minor, "; 8.0+ needed"));
   }
   device_name_ = absl::StrCat(prop.name, " (device ", options_.device, ")");
+  if (!PrefillFamilyRunsOn(options_.prefill_family, PrefillDevice{prop.major, prop.minor})) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--prefill_kernel=", PrefillFamilyName(options_.prefill_family), " needs a Hopper GPU (compute capability 9.x); ",
+        prop.name, " has ", prop.major, ".", prop.minor, " (use --prefill_kernel=auto or sm80)"));
+  }
 
   // What the packer plans with: the device, each kernel's occupancy, and the
   // batch sizes the staging holds.
   PackerLimits lim;
   lim.num_sms = prop.multiProcessorCount;
   lim.device = PrefillDevice{prop.major, prop.minor};
+  lim.family = options_.prefill_family;
   int32_t max_ctas = 1, min_tile = INT32_MAX, max_tile = 0;
   for (int k = 0; k < kNumPrefillKernels; ++k) {
     const auto kernel = static_cast<PrefillKernel>(k);

@@ -1,0 +1,383 @@
+// The sm90 paged prefill kernel: wgmma with a warp-specialized producer.
+//
+// One CTA per work item, 3 warpgroups:
+//  - warpgroup 0 (producer, registers lowered by setmaxnreg) gathers the Q
+//    tile and then K/V blocks of kKB rows with cp.async into a kStages-deep
+//    ring; page_size 1 gathers arbitrary rows, which the tensor copy engine
+//    cannot. Each thread owns one KV row's page-table lookup per block,
+//    loaded one block ahead. A group of copies is complete when cp.async
+//    waits for it; the thread then fences to the async proxy and arrives on
+//    the stage's mbarrier (K and V apart, so S = Q K^T starts before V lands).
+//  - warpgroups 1 and 2 (consumers, registers raised) each own 64 packed
+//    query rows: S = Q K^T by wgmma with both operands in shared memory
+//    (K-major), the boundary mask, the lazy online softmax in base 2, and
+//    O += P V by wgmma with P in registers and V in shared memory (MN-major);
+//    then they release the stage (empty mbarrier). The two take turns to
+//    issue S (ping-pong, named barriers) so one's softmax overlaps the other's
+//    GEMMs.
+// The epilogue normalises and writes either the final o / lse or, for a
+// split item, an fp32 partial state for the merge family, as kernels/sm80.
+//
+// Semantics are those of kernels/paged_prefill.h and kernels/sm80 (GQA
+// packing, causal with causal_shift, empty rows -> 0 and -inf, base-2 LSE).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/math.h"
+#include "kernels/sm90/ptx.cuh"
+#include "kernels/sm90/traits.cuh"
+
+namespace attnserve {
+namespace sm90 {
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ATTNSERVE_SM90_DEVICE 1
+#else
+#define ATTNSERVE_SM90_DEVICE 0
+#endif
+
+template <int D, typename T>
+__global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKernelArgs args) {
+#if ATTNSERVE_SM90_DEVICE
+  using Tr = Traits<D>;
+  constexpr int KB = Tr::kKB;
+  constexpr int S = Tr::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  // Align to the 1024-byte swizzle atom (descriptors assume base offset 0).
+  const uint32_t raw_addr = SmemAddr(smem_raw);
+  uint8_t* smem = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);
+  const uint32_t base = SmemAddr(smem);
+  const uint32_t a_q = base + Tr::kQOff;
+  const uint32_t a_k = base + Tr::kKOff;
+  const uint32_t a_v = base + Tr::kVOff;
+  int32_t* s_slot = reinterpret_cast<int32_t*>(smem + Tr::kSlotOff);
+  const uint32_t bar_q = base + Tr::kBarOff;
+  auto bar_k = [&](int s) { return bar_q + 8 * (1 + s); };
+  auto bar_v = [&](int s) { return bar_q + 8 * (1 + S + s); };
+  auto bar_empty = [&](int s) { return bar_q + 8 * (1 + 2 * S + s); };
+
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7;  // 0 producer, 1..2 consumers
+
+  const PrefillWorkItem item = args.items[blockIdx.x];
+  const PrefillSeq seq = args.seqs[item.seq];
+  const int H = args.num_qo_heads;
+  const int group = H / args.num_kv_heads;
+  const int kvh = item.kv_head;
+  const int q_len = seq.q_len;
+  const int diag = seq.kv_len - seq.q_len + seq.causal_shift;  // row t sees j <= t + diag
+  const bool causal = seq.causal != 0;
+  const int kv_begin = item.kv_begin;
+  // KV positions the tile reads: causal rows stop at their diagonal.
+  const int t_last = min(q_len - 1, (item.row_begin + Tr::kM - 1) / group);
+  const int kv_end = causal ? min(item.kv_end, t_last + diag + 1) : item.kv_end;
+  const int num_blocks = kv_end > kv_begin ? (kv_end - kv_begin + KB - 1) / KB : 0;
+
+  if (tid == 0) {
+    MbarInit(bar_q, 128);
+    for (int s = 0; s < S; ++s) {
+      MbarInit(bar_k(s), 128);
+      MbarInit(bar_v(s), 128);
+      MbarInit(bar_empty(s), 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ======================= producer =======================
+    RegDealloc<Tr::kProducerRegs>();
+    const int c = tid % Tr::kChunks;
+    const int r0 = tid / Tr::kChunks;
+    // A negative scale is moved into Q (sign flip of the thread's own chunks
+    // once they land): the softmax takes row maxima on raw logits and needs a
+    // positive scale.
+    const bool negate_q = seq.sm_scale < 0.f;
+
+    // ---- Q tile: packed row r -> token r / group, head kvh * group + r % group.
+    {
+      const T* q = static_cast<const T*>(args.q);
+#pragma unroll
+      for (int p = 0; p < Tr::kQPasses; ++p) {
+        const int r = p * Tr::kRowsPerPass + r0;
+        const int pr = item.row_begin + r;
+        const int t = pr / group;
+        const int g = pr - t * group;
+        const bool valid = t < q_len;
+        const T* src = valid ? q + ((int64_t)(seq.q_start + t) * H + kvh * group + g) * D + c * 8 : q;
+        CpAsync16(a_q + TileOff<Tr::kM>(r, c), src, valid);
+      }
+      CpAsyncCommit();
+    }
+    // Copy groups in issue order: G0 the Q tile, then K_b = G(2b+1) and
+    // V_b = G(2b+2). complete(g), once cp.async has waited for group g, makes
+    // its bytes visible to wgmma (the async proxy) and arrives on its barrier.
+    auto complete_q = [&]() {
+      if (negate_q) {
+#pragma unroll
+        for (int p = 0; p < Tr::kQPasses; ++p) {
+          uint4* ptr = reinterpret_cast<uint4*>(smem + Tr::kQOff + TileOff<Tr::kM>(p * Tr::kRowsPerPass + r0, c));
+          uint4 v = *ptr;
+          v.x ^= 0x80008000u; v.y ^= 0x80008000u; v.z ^= 0x80008000u; v.w ^= 0x80008000u;
+          *ptr = v;
+        }
+      }
+      FenceProxyAsync();
+      MbarArrive(bar_q);
+    };
+    auto complete = [&](int g) {
+      if (g == 0) {
+        complete_q();
+        return;
+      }
+      FenceProxyAsync();
+      MbarArrive((g & 1) ? bar_k(((g - 1) >> 1) % S) : bar_v(((g - 2) >> 1) % S));
+    };
+
+    const int64_t row_stride = (int64_t)args.num_kv_heads * D;
+    const int64_t kv_base = (int64_t)seq.layer * args.slots_per_layer * row_stride + kvh * D + c * 8;
+    const T* k_base = static_cast<const T*>(args.k_cache) + kv_base;
+    const T* v_base = static_cast<const T*>(args.v_cache) + kv_base;
+    const int32_t* pages = args.kv_indices + seq.kv_start;
+    const int ps = args.page_size;
+    // Slot of row `tid` of block `block` within the layer (-1: past the
+    // end); slots_per_layer < 2^31 (the backend checks).
+    auto row_slot = [&](int block) -> int32_t {
+      const int pos = kv_begin + block * KB + tid;
+      if (pos >= kv_end) return -1;
+      const int page = __ldg(pages + pos / ps);
+      return page * ps + pos % ps;
+    };
+    auto issue = [&](const T* src_base, uint32_t dst, const int32_t* slots) {
+#pragma unroll
+      for (int p = 0; p < Tr::kKvPasses; ++p) {
+        const int r = p * Tr::kRowsPerPass + r0;
+        const int32_t slot = slots[r];
+        CpAsync16(dst + TileOff<KB>(r, c), src_base + (slot >= 0 ? slot * row_stride : 0), slot >= 0);
+      }
+      CpAsyncCommit();
+    };
+
+    int32_t my_slot = num_blocks > 0 ? row_slot(0) : 0;
+    for (int b = 0; b < num_blocks; ++b) {
+      const int stage = b % S;
+      int32_t* slots = s_slot + (b & 1) * KB;
+      slots[tid] = my_slot;
+      NamedBarSync(1, 128);
+      if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
+      if (b >= S) MbarWait(bar_empty(stage), ((b / S) & 1) ^ 1);
+      // kInFlight groups stay in flight; the oldest beyond them completes.
+      issue(k_base, a_k + stage * Tr::kKvBytes, slots);
+      CpAsyncWait<Tr::kInFlight>();
+      if (2 * b + 1 - Tr::kInFlight >= 0) complete(2 * b + 1 - Tr::kInFlight);
+      issue(v_base, a_v + stage * Tr::kKvBytes, slots);
+      CpAsyncWait<Tr::kInFlight>();
+      if (2 * b + 2 - Tr::kInFlight >= 0) complete(2 * b + 2 - Tr::kInFlight);
+    }
+    CpAsyncWait<0>();
+    for (int g = max(0, 2 * num_blocks - Tr::kInFlight + 1); g <= 2 * num_blocks; ++g) complete(g);
+    return;
+  }
+
+  // ======================= consumers =======================
+  RegAlloc<Tr::kConsumerRegs>();
+  const int cw = wg - 1;               // consumer warpgroup 0 / 1
+  const int ctid = tid - 128 * wg;     // thread within the warpgroup
+  const int warp = ctid >> 5;
+  const int lane = tid & 31;
+  const int wg_row0 = cw * Tr::kWgRows;  // first tile row of this warpgroup
+  // Thread rows: wg_row0 + warp * 16 + lane / 4 (h = 0) and + 8 (h = 1).
+  const int row_base = item.row_begin + wg_row0 + warp * 16 + (lane >> 2);
+  const int item_kv_end = item.kv_end;
+  auto row_limit = [&](int h) {
+    const int t = (row_base + h * 8) / group;
+    return causal ? min(item_kv_end, t + diag + 1) : item_kv_end;
+  };
+  // This warpgroup's rows: the KV positions they see, and those all see.
+  const int wg_t_first = (item.row_begin + wg_row0) / group;
+  const int wg_t_last = min(q_len - 1, (item.row_begin + wg_row0 + Tr::kWgRows - 1) / group);
+  const bool wg_active = wg_t_first < q_len;
+  const int wg_kv_end = causal ? min(item_kv_end, wg_t_last + diag + 1) : item_kv_end;
+  const int wg_full_end = causal ? min(item_kv_end, wg_t_first + diag + 1) : item_kv_end;
+  const float scale_log2 = fmaxf(fabsf(seq.sm_scale) * kLog2e, 1e-30f);
+
+  float o_acc[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o_acc[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+
+  // Ping-pong: the two consumer warpgroups take turns issuing S = Q K^T
+  // (named barriers kTurnBar + warpgroup, 256 threads: one warpgroup syncs,
+  // the other arrives), so that one's softmax runs beside the other's GEMMs.
+  // Warpgroup 0 goes first; every sync meets exactly one arrive (warpgroup 1
+  // gives the first and skips its last), so no arrival outlives the CTA.
+  constexpr int kTurnBar = 2;
+  if (Tr::kPingPong && cw == 1 && num_blocks > 0) NamedBarArrive(kTurnBar + 0, 256);
+  if (num_blocks > 0) MbarWait(bar_q, 0);
+  for (int b = 0; b < num_blocks; ++b) {
+    const int stage = b % S;
+    const uint32_t parity = (b / S) & 1;
+    const int block_start = kv_begin + b * KB;
+    const bool do_math = wg_active && block_start < wg_kv_end;
+    MbarWait(bar_k(stage), parity);
+    float s[KB / 2];
+    // Whether this warpgroup hands the turn over after issuing (all but
+    // warpgroup 1's last block).
+    const bool pass_turn = !(cw == 1 && b == num_blocks - 1);
+    if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
+    if (!do_math && Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
+    if (do_math) {
+      // ---- S = Q K^T (fp32), 64 x KB per warpgroup.
+      const uint32_t k_stage = a_k + stage * Tr::kKvBytes;
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t qa = a_q + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
+        const uint32_t kb = k_stage + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
+        WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
+      }
+      WgmmaCommit();
+      if (Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
+      WgmmaWait<0>();
+      FenceRegs(s);
+
+      // ---- Mask (boundary blocks only). s[4 * n + 2 * h + e]: row h, column
+      // n * 8 + (lane % 4) * 2 + e.
+      if (block_start + KB > wg_full_end) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int lim = row_limit(h);
+#pragma unroll
+          for (int n = 0; n < KB / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int pos = block_start + n * 8 + (lane & 3) * 2 + e;
+              if (pos >= lim) s[4 * n + 2 * h + e] = -INFINITY;
+            }
+          }
+        }
+      }
+      // ---- Online softmax in base 2 with the lazy rescale (kernels/sm80):
+      // the running max moves only when a row's block max exceeds it by more
+      // than kLazyRescale, for the whole warp at once.
+      float mx2[2];
+      bool grow = false;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < KB / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx2[h] = mx * scale_log2;
+        grow |= mx2[h] > m_run[h] + kLazyRescale;
+      }
+      if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float m_new = fmaxf(m_run[h], mx2[h]);
+          const float alpha = Exp2(m_run[h] - (m_new == -INFINITY ? 0.f : m_new));
+          m_run[h] = m_new;
+          l_run[h] *= alpha;
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            o_acc[4 * n + 2 * h] *= alpha;
+            o_acc[4 * n + 2 * h + 1] *= alpha;
+          }
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float neg_m = m_run[h] == -INFINITY ? 0.f : -m_run[h];
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < KB / 8; ++n) {
+          const float p0 = Exp2(fmaf(s[4 * n + 2 * h], scale_log2, neg_m));
+          const float p1 = Exp2(fmaf(s[4 * n + 2 * h + 1], scale_log2, neg_m));
+          s[4 * n + 2 * h] = p0;
+          s[4 * n + 2 * h + 1] = p1;
+          sum += p0 + p1;
+        }
+        l_run[h] += sum;
+      }
+    }
+    MbarWait(bar_v(stage), parity);
+    if (do_math) {
+      // ---- O += P V: P (64 x KB) from registers in 16-column slices (the
+      // accumulator layout of S is the A-fragment layout), V MN-major.
+      const uint32_t v_stage = a_v + stage * Tr::kKvBytes;
+      uint32_t pa[KB / 16][4];
+#pragma unroll
+      for (int j = 0; j < KB / 16; ++j) {
+        pa[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
+        pa[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
+        pa[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
+        pa[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
+      }
+      FenceRegs(o_acc);
+      WgmmaFence();
+#pragma unroll
+      for (int j = 0; j < KB / 16; ++j) {
+        WgmmaRS<D, T>(o_acc, pa[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
+      }
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceRegs(o_acc);
+    }
+    MbarArrive(bar_empty(stage));
+  }
+
+  // ---- Epilogue: normalise, LSE (base 2 internally), write.
+  float inv[2];
+  float lse2[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = l_run[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[h] = l > 0.f ? 1.f / l : 0.f;
+    lse2[h] = l > 0.f ? m_run[h] + log2f(l) : -INFINITY;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pr = row_base + h * 8;
+    const int t = pr / group;
+    if (t >= q_len) continue;
+    const int head = kvh * group + (pr - t * group);
+    if (item.part_base >= 0) {
+      // Split chunk: fp32 partial (o, lse) into the workspace.
+      const int64_t pair = (int64_t)item.part_base + (int64_t)t * H + head;
+      float* dst = args.part_o + pair * D + (lane & 3) * 2;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<float2*>(dst + n * 8) =
+            make_float2(o_acc[4 * n + 2 * h] * inv[h], o_acc[4 * n + 2 * h + 1] * inv[h]);
+      }
+      if ((lane & 3) == 0) args.part_lse[pair] = lse2[h];
+    } else {
+      T* dst = static_cast<T*>(args.o) + ((int64_t)(seq.q_start + t) * H + head) * D + (lane & 3) * 2;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<uint32_t*>(dst + n * 8) =
+            Pack2<T>(o_acc[4 * n + 2 * h] * inv[h], o_acc[4 * n + 2 * h + 1] * inv[h]);
+      }
+      if ((lane & 3) == 0) {
+        args.lse[(int64_t)(seq.q_start + t) * H + head] = seq.lse_base_e ? lse2[h] * kLn2 : lse2[h];
+      }
+    }
+  }
+#else
+  // Built for another architecture: the launch refuses devices other than
+  // sm_90 (PagedPrefillSm90), so this body never runs.
+  __trap();
+#endif
+}
+
+}  // namespace sm90
+}  // namespace attnserve

@@ -1,0 +1,86 @@
+// The Hopper prefill family's shapes and shared-memory layout
+// (kernels/sm90/prefill_kernel.cuh).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/paged_prefill.h"
+#include "kernels/plan/prefill_plan.h"
+
+namespace attnserve {
+namespace sm90 {
+
+// Largest growth (base 2) of a row's running max that leaves O unrescaled.
+constexpr float kLazyRescale = 8.f;
+
+struct PrefillKernelArgs {
+  const void* q;            // (total_q, H, D)
+  void* o;                  // (total_q, H, D)
+  float* lse;               // (total_q, H)
+  const void* k_cache;      // (L, pages, page_size, KVH, D)
+  const void* v_cache;
+  const int32_t* kv_indices;
+  const PrefillSeq* seqs;
+  const PrefillWorkItem* items;
+  float* part_o;            // (pairs, D) fp32
+  float* part_lse;          // (pairs) base 2
+  int32_t num_qo_heads;
+  int32_t num_kv_heads;
+  int32_t page_size;
+  int64_t slots_per_layer;
+};
+
+// One CTA = 3 warpgroups: warpgroup 0 loads (cp.async into a kStages-deep
+// ring of K and V blocks), warpgroups 1 and 2 each compute 64 packed query
+// rows of the 128-row tile.
+template <int D>
+struct Traits {
+  static_assert(D == 64 || D == 128, "the sm90 family runs head_dim 64 and 128");
+  static constexpr int kM = 128;            // packed rows per tile
+  static constexpr int kWgRows = 64;        // rows per consumer warpgroup
+  static constexpr int kKB = 128;           // KV tokens per block
+  static constexpr int kStages = D == 64 ? 4 : 3;
+  // Copy groups (one K or V block each) a producer thread keeps in flight
+  // before it waits for the oldest. Before it refills a stage, the producer
+  // must have completed the V block the consumers release it after
+  // (G(2(b - kStages) + 2) by the time it has issued G(2b)): at most
+  // 2 * kStages - 2.
+  static constexpr int kInFlight = 2 * kStages - 2;
+  static constexpr int kThreads = 384;
+  // The consumer warpgroups take turns issuing S = Q K^T (prefill_kernel.cuh).
+  static constexpr bool kPingPong = true;
+  static constexpr int kProducerRegs = 56;  // setmaxnreg after the split
+  static constexpr int kConsumerRegs = 224;
+  static constexpr int kChunks = D / 8;     // 16-byte chunks per row
+  // Tiles are stored as D / 64 column blocks of (rows x 128 bytes), 128-byte
+  // swizzled (TileOff); a column block of R rows spans R * 128 bytes.
+  static constexpr int kQBytes = kM * D * 2;
+  static constexpr int kKvBytes = kKB * D * 2;  // one stage of K (or V)
+  static constexpr int kQOff = 0;
+  static constexpr int kKOff = kQOff + kQBytes;
+  static constexpr int kVOff = kKOff + kStages * kKvBytes;
+  // Slots (page * page_size + offset within the layer, int32; -1 past the
+  // end) of the KV rows of two blocks.
+  static constexpr int kSlotOff = kVOff + kStages * kKvBytes;
+  static constexpr int kBarOff = kSlotOff + 2 * kKB * 4;
+  // Barriers: q_full, k_full[kStages], v_full[kStages], empty[kStages].
+  static constexpr int kNumBars = 1 + 3 * kStages;
+  // + 1024: the dynamic shared memory base is aligned up to 1024 bytes (the
+  // swizzle atom) in the kernel.
+  static constexpr int kSmemBytes = kBarOff + kNumBars * 8 + 1024;
+  static constexpr int kRowsPerPass = 128 / kChunks;  // producer rows per pass
+  static constexpr int kKvPasses = kKB / kRowsPerPass;
+  static constexpr int kQPasses = kM / kRowsPerPass;
+  static_assert(kKB == 128, "one producer thread per KV row of a block");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+  static_assert((kKOff % 1024) == 0 && (kVOff % 1024) == 0 && (kKvBytes % 1024) == 0, "atoms");
+};
+
+// Byte offset of 16-byte chunk c (0 .. D/8) of row r in a tile of R rows.
+template <int R>
+__device__ __forceinline__ uint32_t TileOff(int r, int c) {
+  return (c >> 3) * (R * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+}  // namespace sm90
+}  // namespace attnserve
