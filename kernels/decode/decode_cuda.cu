@@ -440,8 +440,8 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
   // thread. (1) all (chunk, row) LSEs into shared memory at once; (2) one
   // warp per row reduces max and sum over the chunks with shuffles and
   // leaves normalized weights; (3) each thread owns float4 columns of rows
-  // and streams the chunks 8 at a time (8 independent 16-byte loads in
-  // flight), so the merge costs a few L2 round trips, not one per chunk.
+  // and streams the chunks with 16 independent 16-byte loads in flight, so
+  // the merge costs a few L2 round trips, not one per chunk.
   const int nc = item.num_chunks;
   const int64_t base = item.part_begin;
   float* s_w = reinterpret_cast<float*>(smem);  // (chunks, M): lse, then weight

@@ -20,6 +20,10 @@ struct BackendOptions {
   // Most KV page indices / appended rows one batch may hold.
   int64_t max_batch_kv_indices = 0;
   int64_t max_batch_append_rows = 0;
+  // CUDA: run sequences of 1..8 query rows on the decode kernel family
+  // (--decode_kernel=auto); false sends everything to the prefill family
+  // (--decode_kernel=off, for A/B comparisons).
+  bool decode_kernel = true;
 };
 
 }  // namespace attnserve
