@@ -255,7 +255,7 @@ Row RunWorkload(const Workload& w, int repeats) {
 
   // ---- Chunk sweep (page_size 1 only): forced chunk lengths, to refit the
   // plan's cost model (DecodePlanOptions) from one run.
-  if (w.page_size == 1 && w.q_len == 1) {
+  if (w.page_size == 1 && w.q_len == 1 && w.batch != 128 && w.batch != 256) {
     for (int k : {2, 4, 8, 16, 32}) {
       DecodePlanOptions fopt = dopt;
       fopt.force_chunk = (w.kv_len + k - 1) / k;
