@@ -4,7 +4,7 @@
 # --decode_kernel=auto and =off, attnbench decode 64 x 1 over 4096) on this
 # machine's GPU, one after the other (never concurrently), and prints a
 # summary last. Under 5 minutes on an H200: the steps are capped at
-# 80 + 50 + 80 + 30 + 2 x 25 s = 290 s (attnbench filling 1 GiB of KV
+# 70 + 50 + 75 + 25 + 2 x 40 s = 300 s (attnbench filling 1 GiB of KV
 # included); expected about 3 minutes.
 #
 # Usage: bench/run_decode_gpu.sh INSTALL_DIR OUT_DIR
@@ -17,7 +17,8 @@
 #     torch_decode.log, server_{auto,off}.log, attnbench_{auto,off}.log,
 #     metrics_{auto,off}.txt and summary.txt.
 # Run from the repository root or anywhere: the torch script is found next to
-# this file.
+# this file. SERVER_BACKEND=cpu ATTNBENCH_REQUESTS=2 ATTNBENCH_KV_LEN=256
+# dry-runs the server part without a GPU.
 set -u
 if [[ $# -ne 2 ]]; then
   echo "usage: $0 INSTALL_DIR OUT_DIR" >&2
@@ -35,7 +36,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,
 git -C "$here" rev-parse --short HEAD 2>/dev/null | sed 's/^/commit: /' | tee -a "$out/device.txt"
 
 echo "== decode kernel tests"
-timeout 80 "$inst/bin/attnserve_gpu_decode_tests" > "$out/decode_tests.log" 2>&1
+timeout 70 "$inst/bin/attnserve_gpu_decode_tests" > "$out/decode_tests.log" 2>&1
 rc=$?
 echo "tests exit code: $rc" | tee -a "$out/decode_tests.log"
 [[ $rc -ne 0 ]] && status=1
@@ -58,13 +59,13 @@ else
 fi
 
 echo "== decode bench"
-timeout 80 "$inst/bin/attnserve_decode_bench" ${DECODE_BENCH_ARGS:-} > "$out/decode_bench.log" 2>&1
+timeout 75 "$inst/bin/attnserve_decode_bench" ${DECODE_BENCH_ARGS:-} > "$out/decode_bench.log" 2>&1
 rc=$?
 echo "bench exit code: $rc" | tee -a "$out/decode_bench.log"
 [[ $rc -ne 0 ]] && status=1
 
 echo "== torch decode baselines"
-timeout 30 python3 "$here/torch_decode_baselines.py" ${TORCH_ARGS:-} > "$out/torch_decode.log" 2>&1
+timeout 25 python3 "$here/torch_decode_baselines.py" ${TORCH_ARGS:-} > "$out/torch_decode.log" 2>&1
 rc=$?
 echo "torch exit code: $rc" | tee -a "$out/torch_decode.log"
 grep -E "^torch|failed" "$out/torch_decode.log" | head -5
@@ -73,7 +74,7 @@ grep -E "^torch|failed" "$out/torch_decode.log" | head -5
 # off; the server's attention kernel time per request from /metrics.
 server_run() {  # $1: auto | off
   local mode=$1 log="$out/server_$1.log" pid addr maddr
-  "$inst/bin/attnserve" --backend=cuda --decode_kernel="$mode" --listen=127.0.0.1:0 \
+  "$inst/bin/attnserve" --backend="${SERVER_BACKEND:-cuda}" --decode_kernel="$mode" --listen=127.0.0.1:0 \
     --metrics_listen=127.0.0.1:0 --num_layers=1 --page_size=16 --num_pages=20000 \
     --num_qo_heads=32 --num_kv_heads=4 --head_dim=128 --kv_dtype=bf16 >"$log" 2>&1 &
   pid=$!
@@ -83,8 +84,8 @@ server_run() {  # $1: auto | off
   if [[ -z "$addr" ]]; then
     echo "server ($mode) did not start:"; tail -5 "$log"; kill "$pid" 2>/dev/null; status=1; return
   fi
-  timeout 25 "$inst/bin/attnbench" --target="$addr" --metrics="$maddr" --workload=decode --batch=64 \
-    --kv_len=4096 --concurrency=1 --requests=300 --json="$out/attnbench_$mode.json" \
+  timeout 40 "$inst/bin/attnbench" --target="$addr" --metrics="$maddr" --workload=decode --batch=64 \
+    --kv_len="${ATTNBENCH_KV_LEN:-4096}" --concurrency=1 --requests="${ATTNBENCH_REQUESTS:-300}" --json="$out/attnbench_$mode.json" \
     >"$out/attnbench_$mode.log" 2>&1 || { echo "attnbench ($mode) failed"; status=1; }
   python3 -c 'import sys,urllib.request; print(urllib.request.urlopen("http://"+sys.argv[1]+"/metrics", timeout=5).read().decode())' \
     "$maddr" > "$out/metrics_$mode.txt" 2>&1 || echo "metrics ($mode) not read"
