@@ -253,6 +253,37 @@ Row RunWorkload(const Workload& w, int repeats) {
     std::fflush(stdout);
   }
 
+  // ---- Chunk sweep (page_size 1 only): forced chunk lengths, to refit the
+  // plan's cost model (DecodePlanOptions) from one run.
+  if (w.page_size == 1 && w.q_len == 1 && w.batch != 128 && w.batch != 256) {
+    for (int k : {2, 4, 8, 16, 32}) {
+      DecodePlanOptions fopt = dopt;
+      fopt.force_chunk = (w.kv_len + k - 1) / k;
+      DecodePlan fplan;
+      BuildDecodePlan(seqs.data(), w.batch, g, fopt, &fplan);
+      if (fplan.split_tiles == 0) continue;
+      float *f_part_o, *f_part_lse;
+      int32_t* f_counters;
+      CHECK_CUDA(cudaMalloc(&f_part_o, std::max<int64_t>(fplan.PartOBytes(kD), 4)));
+      CHECK_CUDA(cudaMalloc(&f_part_lse, std::max<int64_t>(fplan.PartLseBytes(), 4)));
+      CHECK_CUDA(cudaMalloc(&f_counters, std::max<int64_t>(fplan.CounterBytes(), 4)));
+      CHECK_CUDA(cudaMemset(f_counters, 0, std::max<int64_t>(fplan.CounterBytes(), 4)));
+      void* d_fitems = dev_copy(fplan.items.data(), fplan.items.size() * sizeof(DecodeWorkItem));
+      const int nf = static_cast<int>(fplan.items.size());
+      const double ms_f = TimeMs(repeats, [&](int r) {
+        CHECK_CUDA(PagedDecodeCuda(params(r, o_dec), fplan.tile_rows, static_cast<DecodeWorkItem*>(d_fitems), nf,
+                                   f_part_o, f_part_lse, f_counters, nullptr));
+      });
+      std::printf("RESULT kernel=decode_chunk workload=%s page_size=%d chunk=%d items=%d ms=%.4f kv_tbs=%.3f\n",
+                  w.name.c_str(), w.page_size, fplan.chunk_len, nf, ms_f, kv_bytes / (ms_f * 1e-3) / 1e12);
+      std::fflush(stdout);
+      cudaFree(d_fitems);
+      cudaFree(f_part_o);
+      cudaFree(f_part_lse);
+      cudaFree(f_counters);
+    }
+  }
+
   // ---- The prefill kernel on the same inputs (variants 1: 64 rows, 0: 128).
   double best_prefill = 1e30;
   for (int variant : {1, 0}) {

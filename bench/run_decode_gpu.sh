@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# Runs the decode kernel family's GPU tests, its benchmark and the PyTorch
-# SDPA baselines on this machine's GPU, one after the other (never
-# concurrently), and prints a summary last. Under 4 minutes on an H200 (the
-# three steps are capped at 120 + 90 + 60 s; expected about 1.5 minutes).
+# Runs the decode kernel family's GPU tests, its benchmark, the PyTorch SDPA
+# baselines, and the server end to end (attnserve --backend=cuda with
+# --decode_kernel=auto and =off, attnbench decode 64 x 1 over 4096) on this
+# machine's GPU, one after the other (never concurrently), and prints a
+# summary last. Under 5 minutes on an H200: the steps are capped at
+# 70 + 50 + 75 + 25 + 2 x 40 s = 300 s (attnbench filling 1 GiB of KV
+# included); expected about 3 minutes.
 #
 # Usage: bench/run_decode_gpu.sh INSTALL_DIR OUT_DIR
-#   INSTALL_DIR: cmake --install build --prefix INSTALL_DIR --component decode_gpu
-#     (bin/attnserve_gpu_decode_tests, bin/attnserve_decode_bench)
-#   OUT_DIR receives device.txt, decode_tests.log, decode_bench.log,
-#     torch_decode.log and summary.txt.
+#   INSTALL_DIR: cmake --install build --prefix INSTALL_DIR (bin/attnserve,
+#     bin/attnbench, lib/) and
+#     cmake --install build --prefix INSTALL_DIR --component decode_gpu
+#     (bin/attnserve_gpu_decode_tests, bin/attnserve_decode_bench,
+#     bin/attnserve_gpu_kernel_tests: its CudaBackend decode tests run here)
+#   OUT_DIR receives device.txt, decode_tests.log, backend_tests.log, decode_bench.log,
+#     torch_decode.log, server_{auto,off}.log, attnbench_{auto,off}.log,
+#     metrics_{auto,off}.txt and summary.txt.
 # Run from the repository root or anywhere: the torch script is found next to
-# this file.
+# this file. SERVER_BACKEND=cpu ATTNBENCH_REQUESTS=2 ATTNBENCH_KV_LEN=256
+# dry-runs the server part without a GPU.
 set -u
 if [[ $# -ne 2 ]]; then
   echo "usage: $0 INSTALL_DIR OUT_DIR" >&2
@@ -28,7 +36,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,
 git -C "$here" rev-parse --short HEAD 2>/dev/null | sed 's/^/commit: /' | tee -a "$out/device.txt"
 
 echo "== decode kernel tests"
-timeout 120 "$inst/bin/attnserve_gpu_decode_tests" > "$out/decode_tests.log" 2>&1
+timeout 70 "$inst/bin/attnserve_gpu_decode_tests" > "$out/decode_tests.log" 2>&1
 rc=$?
 echo "tests exit code: $rc" | tee -a "$out/decode_tests.log"
 [[ $rc -ne 0 ]] && status=1
@@ -38,17 +46,58 @@ if grep -q "^\[  SKIPPED \]" "$out/decode_tests.log"; then
 fi
 grep -E "^\[  (PASSED|FAILED|SKIPPED) +\]|^\[       OK \]|^\[  FAILED  \]|Failure|error" "$out/decode_tests.log" | head -40
 
+echo "== CUDA backend tests (decode and mixed batches through CudaBackend)"
+if [[ -x "$inst/bin/attnserve_gpu_kernel_tests" ]]; then
+  timeout 50 "$inst/bin/attnserve_gpu_kernel_tests" \
+    --gtest_filter='CudaBackend.DecodeAndMixed*:CudaBackend.LongKv*' > "$out/backend_tests.log" 2>&1
+  rc=$?
+  echo "backend tests exit code: $rc" | tee -a "$out/backend_tests.log"
+  [[ $rc -ne 0 ]] && status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) +\]|^\[  FAILED  \]|Failure" "$out/backend_tests.log" | head -20
+else
+  echo "no bin/attnserve_gpu_kernel_tests (install the decode_gpu component)"; status=1
+fi
+
 echo "== decode bench"
-timeout 90 "$inst/bin/attnserve_decode_bench" ${DECODE_BENCH_ARGS:-} > "$out/decode_bench.log" 2>&1
+timeout 75 "$inst/bin/attnserve_decode_bench" ${DECODE_BENCH_ARGS:-} > "$out/decode_bench.log" 2>&1
 rc=$?
 echo "bench exit code: $rc" | tee -a "$out/decode_bench.log"
 [[ $rc -ne 0 ]] && status=1
 
 echo "== torch decode baselines"
-timeout 60 python3 "$here/torch_decode_baselines.py" ${TORCH_ARGS:-} > "$out/torch_decode.log" 2>&1
+timeout 25 python3 "$here/torch_decode_baselines.py" ${TORCH_ARGS:-} > "$out/torch_decode.log" 2>&1
 rc=$?
 echo "torch exit code: $rc" | tee -a "$out/torch_decode.log"
 grep -E "^torch|failed" "$out/torch_decode.log" | head -5
+
+# ---- Server end to end: the same decode load with the decode family on and
+# off; the server's attention kernel time per request from /metrics.
+server_run() {  # $1: auto | off
+  local mode=$1 log="$out/server_$1.log" pid addr maddr
+  "$inst/bin/attnserve" --backend="${SERVER_BACKEND:-cuda}" --decode_kernel="$mode" --listen=127.0.0.1:0 \
+    --metrics_listen=127.0.0.1:0 --num_layers=1 --page_size=16 --num_pages=20000 \
+    --num_qo_heads=32 --num_kv_heads=4 --head_dim=128 --kv_dtype=bf16 >"$log" 2>&1 &
+  pid=$!
+  for _ in $(seq 1 300); do grep -q "listening grpc=" "$log" && break; sleep 0.05; done
+  addr=$(grep -o "grpc=[^ ]*" "$log" | head -1 | cut -d= -f2)
+  maddr=$(grep -o "metrics=[^ ]*" "$log" | head -1 | cut -d= -f2)
+  if [[ -z "$addr" ]]; then
+    echo "server ($mode) did not start:"; tail -5 "$log"; kill "$pid" 2>/dev/null; status=1; return
+  fi
+  timeout 40 "$inst/bin/attnbench" --target="$addr" --metrics="$maddr" --workload=decode --batch=64 \
+    --kv_len="${ATTNBENCH_KV_LEN:-4096}" --concurrency=1 --requests="${ATTNBENCH_REQUESTS:-300}" --json="$out/attnbench_$mode.json" \
+    >"$out/attnbench_$mode.log" 2>&1 || { echo "attnbench ($mode) failed"; status=1; }
+  python3 -c 'import sys,urllib.request; print(urllib.request.urlopen("http://"+sys.argv[1]+"/metrics", timeout=5).read().decode())' \
+    "$maddr" > "$out/metrics_$mode.txt" 2>&1 || echo "metrics ($mode) not read"
+  kill -TERM "$pid"; wait "$pid" 2>/dev/null
+}
+echo "== server end to end (decode 64 x 1 over 4096, page_size 16)"
+if [[ -x "$inst/bin/attnserve" && -x "$inst/bin/attnbench" ]]; then
+  server_run auto
+  server_run off
+else
+  echo "no bin/attnserve or bin/attnbench in $inst (cmake --install build --prefix $inst)"; status=1
+fi
 
 python3 - "$out" <<'PY' | tee "$out/summary.txt"
 import os, re, sys
@@ -81,6 +130,43 @@ for (w, ps), r in dec.items():
     pv = "-" if p is None else f'{float(p["ms"]):.4f} (v{p["variant"]})'
     print(f'| {w} | {ps} | {float(r["ms"]):.4f} | {float(r["kv_tbs"]):.2f} | {100*float(r["merge_share"]):.1f}% | '
           f'{r["chunk"]} | {r["items"]} | {ms(n)} | {pv} | {ms(torch_.get((w, "cudnn")))} | {ms(torch_.get((w, "fa2")))} |')
+sweep = [kv(l) for l in open(os.path.join(d, "decode_bench.log"), errors="replace")
+         if l.startswith("RESULT kernel=decode_chunk ")]
+if sweep:
+    print("\nchunk sweep (forced chunk lengths; the plan's choice is the table's 'chunk'):")
+    for r in sweep:
+        print(f'  {r["workload"]} chunk={r["chunk"]} items={r["items"]} ms={float(r["ms"]):.4f} TB/s={float(r["kv_tbs"]):.2f}')
+# Server end to end: attention kernel time per request from /metrics.
+def metric(text, name, labels=""):
+    for line in text.splitlines():
+        if line.startswith(name + ("{" + labels + "}" if labels else "")) or \
+           (labels and line.startswith(name + "{") and labels in line):
+            try: return float(line.split()[-1])
+            except ValueError: pass
+    return None
+print("\nserver end to end, attnbench decode 64 x 1 over 4096 (page_size 16):")
+print("| decode_kernel | requests | attention launches | decode launches | attention ms per batch | attention ms per request | client p50 ms |")
+print("|---|---|---|---|---|---|---|")
+for mode in ("auto", "off"):
+    p = os.path.join(d, f"metrics_{mode}.txt")
+    if not os.path.exists(p):
+        print(f"| {mode} | (no metrics) | | | | | |"); continue
+    t = open(p, errors="replace").read()
+    att_n = metric(t, "attnserve_kernel_duration_seconds_count", 'kernel="attention"')
+    att_s = metric(t, "attnserve_kernel_duration_seconds_sum", 'kernel="attention"')
+    launches = metric(t, "attnserve_kernel_launches_total", 'kernel="attention"')
+    dec = metric(t, "attnserve_kernel_launches_total", 'kernel="attention_decode"')
+    reqs = metric(t, "attnserve_batch_requests_sum")
+    p50 = "-"
+    j = os.path.join(d, f"attnbench_{mode}.json")
+    if os.path.exists(j):
+        import json
+        try:
+            p50 = f'{float(json.load(open(j))["latency_ms"]["p50"]):.3f}'
+        except Exception: pass
+    per_batch = f"{1e3 * att_s / att_n:.4f}" if att_n else "-"
+    per_req = f"{1e3 * att_s / reqs:.4f}" if reqs else "-"
+    print(f"| {mode} | {reqs} | {launches} | {dec} | {per_batch} | {per_req} | {p50} |")
 PY
 echo "== summary table of the bench"
 sed -n '/^copy ceiling/,$p' "$out/decode_bench.log"

@@ -9,6 +9,6 @@ set(ATTNSERVE_CUDA_SOURCES
   kernels/decode/decode_cuda.cu)
 set(ATTNSERVE_CUDA_BACKEND_SOURCES
   server/backend/cuda/cuda_backend.cc
-  server/backend/cuda/batch_packer.cc
+  server/backend/cuda/attention_launch.cc
   server/backend/cuda/staging_ring.cc
   server/backend/cuda/cuda_util.cc)

@@ -37,6 +37,9 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC address (host:port; port
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Prometheus /metrics address (host:port; empty turns it off)");
 ABSL_FLAG(std::string, backend, "auto", "auto (CUDA when a GPU is present), cuda or cpu");
+ABSL_FLAG(std::string, decode_kernel, "auto",
+          "CUDA: auto (sequences of 1..8 query rows run on the decode kernel family) or off (everything on "
+          "the prefill family, for A/B comparisons)");
 ABSL_FLAG(int32_t, device, 0, "CUDA device ordinal");
 ABSL_FLAG(int32_t, num_layers, 4, "layers of KV cache");
 ABSL_FLAG(int32_t, num_pages, 1024, "KV pages (shared by all layers); see --kv_cache_bytes");
@@ -182,6 +185,12 @@ int Run() {
   }
   backend_options.kind = absl::GetFlag(FLAGS_backend);
   backend_options.device = absl::GetFlag(FLAGS_device);
+  const std::string decode_kernel = absl::GetFlag(FLAGS_decode_kernel);
+  if (decode_kernel != "auto" && decode_kernel != "off") {
+    spdlog::error("--decode_kernel={} must be auto or off", decode_kernel);
+    return 2;
+  }
+  backend_options.decode_kernel = decode_kernel == "auto";
   backend_options.geometry = *geometry;
   backend_options.max_batch_rows = MaxRequestRows(core_options, *geometry);
   backend_options.max_batch_kv_indices = core_options.max_request_kv_indices;

@@ -73,7 +73,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                        .Add({}, Exponential(1, 2, 18));
   auto& kernel_launches = prometheus::BuildCounter()
                           .Name("attnserve_kernel_launches_total")
-                          .Help("Kernel launches by kernel (attention, merge, append, kv_rows, zero_pages)")
+                          .Help("Kernel launches by kernel (attention, merge, append, kv_rows, zero_pages; attention_decode: the "
+                                "decode family's share of attention)")
                           .Register(*registry_);
   auto& kernel_duration = prometheus::BuildHistogram()
                           .Name("attnserve_kernel_duration_seconds")
@@ -102,7 +103,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                    .Add({});
   // The kernel and stage series exist from the start (dashboards see them at
   // zero), in the order of the Kernel and Stage enums.
-  const char* kernels[] = {"attention", "merge", "append", "kv_rows", "zero_pages"};
+  const char* kernels[] = {"attention", "merge", "append", "kv_rows", "zero_pages", "attention_decode"};
   static_assert(sizeof(kernels) / sizeof(kernels[0]) == kNumKernels);
   for (int i = 0; i < kNumKernels; ++i) {
     kernel_launches_[i] = &kernel_launches.Add({{"kernel", kernels[i]}});

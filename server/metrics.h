@@ -54,8 +54,10 @@ class Metrics {
   // attention and merge: a Prefill batch's launches; append: its fused
   // appends; kv_rows: WriteKV scatters and ReadKV gathers; zero_pages: freed
   // pages zeroed before reuse.
-  enum class Kernel { kAttention, kMerge, kAppend, kKvRows, kZeroPages };
-  static constexpr int kNumKernels = 5;
+  // kAttentionDecode: the decode family's launches, a subset of kAttention's
+  // (never add the two).
+  enum class Kernel { kAttention, kMerge, kAppend, kKvRows, kZeroPages, kAttentionDecode };
+  static constexpr int kNumKernels = 6;
   // Launches of one kernel in a batch and their device (or CPU) seconds.
   void ObserveKernel(Kernel kernel, int launches, double seconds);
   // Host time of one batch stage: submit (plan, pack, queue), wait (for the

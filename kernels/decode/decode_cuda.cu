@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -435,44 +436,84 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
   if (!*s_last) return;
   __threadfence();
 
-  // ---- Last chunk of the tile: merge the num_chunks partials.
+  // ---- Last chunk of the tile: merge the num_chunks partials with every
+  // thread. (1) all (chunk, row) LSEs into shared memory at once; (2) one
+  // warp per row reduces max and sum over the chunks with shuffles and
+  // leaves normalized weights; (3) each thread owns float4 columns of rows
+  // and streams the chunks with 16 independent 16-byte loads in flight, so
+  // the merge costs a few L2 round trips, not one per chunk.
   const int nc = item.num_chunks;
   const int64_t base = item.part_begin;
-  float* s_w = reinterpret_cast<float*>(smem);  // (chunks, M): weight / sum
-  if (tid < kM) {
+  float* s_w = reinterpret_cast<float*>(smem);  // (chunks, M): lse, then weight
+  for (int idx = tid; idx < nc * kM; idx += Tr::kThreads) s_w[idx] = __ldcg(args.part_lse + base * kM + idx);
+  __syncthreads();
+  for (int r = warp; r < kM; r += Tr::kWarps) {
     float m = -INFINITY;
-    for (int c = 0; c < nc; ++c) m = fmaxf(m, __ldcg(args.part_lse + (base + c) * kM + tid));
+    for (int c = lane; c < nc; c += 32) m = fmaxf(m, s_w[c * kM + r]);
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
     float l = 0.f;
-    for (int c = 0; c < nc; ++c) {
-      const float x = __ldcg(args.part_lse + (base + c) * kM + tid);
+    for (int c = lane; c < nc; c += 32) {
+      const float x = s_w[c * kM + r];
       const float w = x == -INFINITY ? 0.f : Exp2(x - m);
-      s_w[c * kM + tid] = w;
+      s_w[c * kM + r] = w;
       l += w;
     }
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) l += __shfl_xor_sync(0xffffffffu, l, x);
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    for (int c = 0; c < nc; ++c) s_w[c * kM + tid] *= inv;
-    s_row_m[tid] = l > 0.f ? m + log2f(l) : -INFINITY;
+    for (int c = lane; c < nc; c += 32) s_w[c * kM + r] *= inv;
+    if (lane == 0) s_row_m[r] = l > 0.f ? m + log2f(l) : -INFINITY;
   }
   __syncthreads();
-  for (int idx = tid; idx < kM * Tr::kChunks; idx += Tr::kThreads) {
-    const int r = idx / Tr::kChunks;
-    const int c8 = idx % Tr::kChunks;
-    int t;
-    const int64_t row = out_row(r, &t);
-    if (row < 0) continue;
-    float v[8];
+  // Thread owns kCols float4 columns (idx = tid + j * kThreads) and keeps
+  // kColBatch x kChunkBatch = 16 independent 16-byte loads in flight.
+  constexpr int kQuads = D / 4;                         // float4 columns per row
+  constexpr int64_t kSlotQuads = int64_t{kM} * kQuads;  // float4s per partial slot
+  constexpr int kCols = kM * kQuads / Tr::kThreads;     // 2, 4 or 8
+  constexpr int kColBatch = kCols < 4 ? kCols : 4;
+  constexpr int kChunkBatch = 16 / kColBatch;
+  static_assert(kCols * Tr::kThreads == kM * kQuads && kCols % kColBatch == 0, "merge column split");
+  const float4* part = reinterpret_cast<const float4*>(args.part_o) + base * kSlotQuads;
+#pragma unroll 1
+  for (int g = 0; g < kCols; g += kColBatch) {
+    float4 acc[kColBatch];
+    int rows[kColBatch];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = 0.f;
-    for (int c = 0; c < nc; ++c) {
-      const float w = s_w[c * kM + r];
-      if (w == 0.f) continue;
-      const float4* src = reinterpret_cast<const float4*>(args.part_o + ((base + c) * kM + r) * D + c8 * 8);
-      const float4 a = __ldcg(src);
-      const float4 b = __ldcg(src + 1);
-      v[0] += w * a.x; v[1] += w * a.y; v[2] += w * a.z; v[3] += w * a.w;
-      v[4] += w * b.x; v[5] += w * b.y; v[6] += w * b.z; v[7] += w * b.w;
+    for (int j = 0; j < kColBatch; ++j) {
+      acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      rows[j] = (tid + (g + j) * Tr::kThreads) / kQuads;
     }
-    *reinterpret_cast<uint4*>(o_out + row * D + c8 * 8) = PackOut<T>(v);
+#pragma unroll 1
+    for (int c = 0; c < nc; c += kChunkBatch) {
+      float4 a[kColBatch][kChunkBatch];
+#pragma unroll
+      for (int j = 0; j < kColBatch; ++j) {
+#pragma unroll
+        for (int u = 0; u < kChunkBatch; ++u) {
+          a[j][u] = c + u < nc ? __ldcg(part + (c + u) * kSlotQuads + tid + (g + j) * Tr::kThreads)
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kColBatch; ++j) {
+#pragma unroll
+        for (int u = 0; u < kChunkBatch; ++u) {
+          const float w = c + u < nc ? s_w[(c + u) * kM + rows[j]] : 0.f;
+          acc[j].x += w * a[j][u].x; acc[j].y += w * a[j][u].y;
+          acc[j].z += w * a[j][u].z; acc[j].w += w * a[j][u].w;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kColBatch; ++j) {
+      const int q4 = (tid + (g + j) * Tr::kThreads) % kQuads;
+      int t;
+      const int64_t row = out_row(rows[j], &t);
+      if (row < 0) continue;
+      *reinterpret_cast<uint2*>(o_out + row * D + q4 * 4) =
+          make_uint2(mma::Pack2<T>(acc[j].x, acc[j].y), mma::Pack2<T>(acc[j].z, acc[j].w));
+    }
   }
   if (tid < kM) {
     int t;
@@ -486,8 +527,18 @@ template <int D, int MT, typename T>
 cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream) {
   using Tr = DecodeTraits<D, MT>;
   auto kernel = PagedDecodeKernel<D, MT, T>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  // The shared-memory opt-in is per device; set it once per device (a host
+  // call per launch adds to the latency of small decode batches).
+  static std::atomic<uint64_t> configured{0};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
+  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
+  if (bit == 0 || (configured.load(std::memory_order_acquire) & bit) == 0) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    configured.fetch_or(bit, std::memory_order_acq_rel);
+  }
   kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }

@@ -87,44 +87,52 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   auto tiles_of = [&](const PrefillSeq& s) { return static_cast<int32_t>(CeilDiv(int64_t{s.q_len} * group, m)); };
 
   // ---- Chunk length. Candidates: no split, then chunk lengths that cut the
-  // longest visible range into k = 1, 2, ... pieces (rounded to the quantum,
-  // at least min_chunk). Cost of a candidate, in KV tokens of one CTA:
-  //   waves * (longest chunk + cta_overhead) + merge_tokens * max chunks,
-  // waves = ceil(sum of item costs / (slots * (longest + overhead))): the
-  // batch's items packed into waves of the slowest item, which is exact for
-  // uniform batches (decode 64 x 4096 on 264 slots: one wave unsplit) and
-  // close for mixed ones. The cheapest wins; ties go to fewer chunks.
+  // longest visible range into k = 2, 3, ... pieces (rounded to the quantum,
+  // at least min_chunk). Each is priced by the cost model of
+  // DecodePlanOptions (ns): a batch streams at the HBM rate when enough CTAs
+  // are in flight, never faster than its longest CTA alone; a split adds
+  // the merge and the partials' traffic. The cheapest wins; a split must save
+  // 2%. On an H200 (132 SMs x 2): 64..256 x 4096 stay unsplit (256 CTAs
+  // already stream at the HBM rate: a split only adds the merge), 8 x 128k
+  // goes to 4 chunks of 32k (128 CTAs), 1 x 4096 to 11 chunks of 384.
   const int64_t slots = int64_t{std::max(options.num_sms, 1)} * std::max(options.ctas_per_sm, 1);
-  const int64_t overhead = std::max(options.cta_overhead_tokens, 0);
   const int64_t quantum = kDecodeChunkQuantum;
   const int64_t min_chunk = std::max<int64_t>(quantum, CeilDiv(std::max(options.min_chunk, 1), quantum) * quantum);
+  const double token_bytes = 2.0 * geo.head_dim * KvDTypeBytes(geo.dtype);  // K + V of one KV head
+  const double hbm = std::max(options.hbm_bytes_per_ns, 1e-3);
+  const double cta_rate = std::max(options.cta_bytes_per_ns, 1e-3);
   int64_t v_max = 0;
   for (int32_t i : planned) v_max = std::max<int64_t>(v_max, VisibleEnd(seqs[i]));
 
   struct Eval {
     bool ok = false;
     double cost = 0;
-    int64_t max_chunks = 1;
   };
   auto evaluate = [&](int64_t len) {  // len 0: no split
     Eval e;
-    int64_t longest = 0;
-    double work = 0;
+    int64_t longest = 0, max_chunks = 1;
+    double tokens = 0, items = 0, partial_slots = 0;
     for (int32_t i : planned) {
       const PrefillSeq& s = seqs[i];
       const int64_t vis = VisibleEnd(s);
       const int64_t chunks = (len > 0 && vis > len) ? CeilDiv(vis, len) : 1;
       if (chunks > kMaxDecodeChunks) return e;
       const int64_t item_len = chunks > 1 ? len : vis;
-      const int64_t items = int64_t{kvh_count} * tiles_of(s) * chunks;
+      const double tiles = double(kvh_count) * tiles_of(s);
       longest = std::max(longest, item_len);
-      work += double(items) * double(item_len + overhead);
-      e.max_chunks = std::max(e.max_chunks, chunks);
+      tokens += tiles * double(vis);
+      items += tiles * double(chunks);
+      if (chunks > 1) partial_slots += tiles * double(chunks);
+      max_chunks = std::max(max_chunks, chunks);
     }
-    const double per_item = double(longest + overhead);
-    const double waves = std::ceil(work / (double(slots) * per_item) - 1e-9);
-    e.cost = std::max(waves, 1.0) * per_item +
-             (e.max_chunks > 1 ? double(options.merge_tokens_per_chunk) * double(e.max_chunks) : 0.0);
+    if (options.max_partial_slots > 0 && partial_slots > double(options.max_partial_slots)) return e;
+    const double x = items * cta_rate / hbm;
+    const double rate = hbm * x / std::pow(1.0 + x * x * x * x, 0.25);
+    e.cost = std::max(tokens * token_bytes / rate, double(longest) * token_bytes / cta_rate);
+    if (max_chunks > 1) {
+      const double partial_bytes = partial_slots * m * (geo.head_dim + 1) * 4.0;
+      e.cost += options.merge_ns + options.merge_ns_per_chunk * double(max_chunks) + 2.0 * partial_bytes / hbm;
+    }
     e.ok = true;
     return e;
   };
@@ -133,6 +141,7 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   if (options.force_chunk > 0) {
     chunk_len = std::max<int64_t>(quantum, CeilDiv(options.force_chunk, quantum) * quantum);
     if (!evaluate(chunk_len).ok) chunk_len = CeilDiv(CeilDiv(v_max, kMaxDecodeChunks), quantum) * quantum;
+    if (!evaluate(chunk_len).ok) chunk_len = 0;
   } else if (!options.no_split && v_max > min_chunk) {
     Eval best = evaluate(0);
     int64_t prev = -1;

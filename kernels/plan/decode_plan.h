@@ -61,16 +61,37 @@ struct DecodePlanOptions {
   // Smallest KV chunk (tokens) of a split item; rounded up to
   // kDecodeChunkQuantum.
   int32_t min_chunk = 128;
-  // Cost model (in KV-token units of one CTA's streaming time): fixed cost of
-  // a CTA (launch, pipeline fill, epilogue), and the extra cost per chunk of
-  // the merge that the last CTA of a split tile runs.
-  int32_t cta_overhead_tokens = 128;
-  int32_t merge_tokens_per_chunk = 8;
+  // Cost model of a candidate plan, in ns (see BuildDecodePlan), fitted to
+  // the H200 run of issue #14 (bench/NOTES.md, "v1"):
+  //   x      = items * cta_bytes_per_ns / hbm_bytes_per_ns
+  //   rate   = hbm_bytes_per_ns * x / (1 + x^4)^(1/4)   (aggregate, B/ns)
+  //   stream = max(all items' K/V bytes / rate,
+  //                longest item's bytes / cta_bytes_per_ns)
+  //   cost   = stream + (split: merge_ns + merge_ns_per_chunk * max chunks
+  //                      + partial bytes written and read / hbm_bytes_per_ns)
+  // hbm_bytes_per_ns: the marginal rate of decode 64 -> 128 -> 256 x 4096
+  // (4.29 and 4.33 TB/s, the copy ceiling). cta_bytes_per_ns: one CTA alone,
+  // its ring (~96 KiB) in flight per ~1 us round trip; the aggregate
+  // saturates smoothly once items * cta_bytes_per_ns passes the HBM rate
+  // (256 CTAs: 99.9%; 8 x 128k in 256 CTAs measured 4.25 TB/s). The rest of
+  // the 64 x 4096 time (about 10 us over bytes / 4.3 TB/s, and 6 us for
+  // 8 x 128k, with the same 256 CTAs) is a fixed launch / ramp / tail cost
+  // that no split removes, so such batches stay unsplit. merge_*: the last
+  // CTA's merge (fence, atomic, one pass over the LSEs, then 8 KiB of
+  // partials per chunk and 16-row tile at about 100 B/ns into one SM).
+  double hbm_bytes_per_ns = 4300;
+  double cta_bytes_per_ns = 64;
+  double merge_ns = 1000;
+  double merge_ns_per_chunk = 80;
   // Forces every sequence longer than min_chunk into chunks of this many
   // tokens (0: the heuristic). For tests and A/B benchmarks.
   int32_t force_chunk = 0;
   // Never split (for A/B benchmarks).
   bool no_split = false;
+  // Most partial tile slots the caller's workspace holds (0: no bound). A
+  // chunking that needs more is not considered (forced chunks fall back to
+  // longer ones, then to no split).
+  int64_t max_partial_slots = 0;
 };
 
 struct DecodePlan {

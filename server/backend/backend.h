@@ -61,12 +61,17 @@ struct PrefillTask {
 // on CUDA (events), wall time on the CPU backend. Host durations are wall
 // time on the calling thread.
 struct BatchStats {
+  // Attention launches of both kernel families (a batch mixing decode and
+  // prefill sequences: 2); attention_seconds spans all of a batch's.
   int32_t attention_launches = 0;
+  // The decode family's share of them (CUDA; kernels/decode/), and its time.
+  int32_t attention_decode_launches = 0;
   int32_t merge_launches = 0;
   int32_t append_launches = 0;   // fused appends of a Prefill batch
   int32_t kv_rows_launches = 0;  // WriteKV scatters and ReadKV gathers
   int32_t zero_launches = 0;     // freed pages zeroed
   double attention_seconds = 0;
+  double attention_decode_seconds = 0;
   double merge_seconds = 0;
   double append_seconds = 0;
   double kv_rows_seconds = 0;
@@ -74,6 +79,25 @@ struct BatchStats {
   double submit_seconds = 0;  // Submit: plan, pack and queue the batch
   double wait_seconds = 0;    // Complete: waiting for the device
   double unpack_seconds = 0;  // Complete: outputs to the tasks
+
+  // Adds every count and duration of `o`.
+  void Add(const BatchStats& o) {
+    attention_launches += o.attention_launches;
+    attention_decode_launches += o.attention_decode_launches;
+    merge_launches += o.merge_launches;
+    append_launches += o.append_launches;
+    kv_rows_launches += o.kv_rows_launches;
+    zero_launches += o.zero_launches;
+    attention_seconds += o.attention_seconds;
+    attention_decode_seconds += o.attention_decode_seconds;
+    merge_seconds += o.merge_seconds;
+    append_seconds += o.append_seconds;
+    kv_rows_seconds += o.kv_rows_seconds;
+    zero_seconds += o.zero_seconds;
+    submit_seconds += o.submit_seconds;
+    wait_seconds += o.wait_seconds;
+    unpack_seconds += o.unpack_seconds;
+  }
 };
 
 // Scatter (WriteKV) or gather (ReadKV) of rows by slot. Host pointers.

@@ -25,6 +25,10 @@ struct BackendOptions {
   // (--prefill_kernel); kSm90 on a device other than sm_90 fails Init. The
   // CPU backend ignores it.
   PrefillFamily prefill_family = PrefillFamily::kAuto;
+  // CUDA: run sequences of 1..8 query rows on the decode kernel family
+  // (--decode_kernel=auto); false sends everything to the prefill family
+  // (--decode_kernel=off, for A/B comparisons).
+  bool decode_kernel = true;
 };
 
 }  // namespace attnserve

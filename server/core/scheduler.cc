@@ -408,6 +408,8 @@ void Scheduler::ObserveStats(const BatchStats& stats) {
   metrics_->ObserveKernel(Metrics::Kernel::kAppend, stats.append_launches, stats.append_seconds);
   metrics_->ObserveKernel(Metrics::Kernel::kKvRows, stats.kv_rows_launches, stats.kv_rows_seconds);
   metrics_->ObserveKernel(Metrics::Kernel::kZeroPages, stats.zero_launches, stats.zero_seconds);
+  metrics_->ObserveKernel(Metrics::Kernel::kAttentionDecode, stats.attention_decode_launches,
+                          stats.attention_decode_seconds);
   if (stats.attention_launches > 0 || stats.submit_seconds > 0) {
     metrics_->ObserveStage(Metrics::Stage::kSubmit, stats.submit_seconds);
     metrics_->ObserveStage(Metrics::Stage::kWait, stats.wait_seconds);

@@ -2,7 +2,11 @@
 // several tasks (layers, fused appends; outputs in the caller's memory or in
 // pinned buffers from AllocateOutput) against the float64 reference, launch
 // counts, split-KV on a long sequence, pipelined batches (Submit / Complete)
-// in submission order, and clean failure without a device.
+// in submission order, and clean failure without a device. Sequences of
+// 1..8 query rows run on the decode kernel family, longer ones on the
+// prefill family (one launch each per batch); DecodeAndMixedBatches covers
+// that routing (speculative rows, page sizes, split and unsplit, and
+// decode_kernel off).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -27,6 +31,24 @@ absl::Status RunBatch(Backend& backend, absl::Span<const PrefillTask> tasks, Bat
 }
 
 using gpu_test::HostBatch;
+
+// Attention launches (all, decode family) a batch of these tasks makes:
+// one per family with rows.
+std::pair<int, int> ExpectedLaunches(const std::vector<const std::vector<PrefillSeq>*>& task_seqs,
+                                     bool decode_kernel = true) {
+  bool decode = false, prefill = false;
+  for (const auto* seqs : task_seqs) {
+    for (const PrefillSeq& s : *seqs) {
+      if (s.q_len <= 0) continue;
+      if (decode_kernel && s.q_len <= 8) {
+        decode = true;
+      } else {
+        prefill = true;
+      }
+    }
+  }
+  return {int(decode) + int(prefill), int(decode)};
+}
 
 BackendOptions Options(const KvGeometry& g, PrefillFamily family = PrefillFamily::kAuto) {
   BackendOptions o;
@@ -216,7 +238,11 @@ TEST_P(CudaBackendFamily, WriteReadAndBatchedPrefillMatchReference) {
     BatchStats stats;
     absl::Status st = RunBatch(*backend, tasks, &stats);
     ASSERT_TRUE(st.ok()) << st;
-    EXPECT_EQ(stats.attention_launches, 1);
+    std::vector<const std::vector<PrefillSeq>*> all_seqs;
+    for (const PrefillTask& t : tasks) all_seqs.push_back(&t.seqs);
+    const auto [launches, decode_launches] = ExpectedLaunches(all_seqs);
+    EXPECT_EQ(stats.attention_launches, launches);
+    EXPECT_EQ(stats.attention_decode_launches, decode_launches);
     EXPECT_LE(stats.merge_launches, 1);
     EXPECT_EQ(stats.append_launches, 1);
     for (int t = 0; t < ntasks; ++t) {
@@ -259,42 +285,148 @@ INSTANTIATE_TEST_SUITE_P(Families, CudaBackendFamily,
                            return std::string(PrefillFamilyName(info.param));
                          });
 
+// One long sequence: 4 query rows run on the decode family (split, merged
+// inside its one launch), 16 rows on the prefill family (split, then one
+// merge launch).
 TEST(CudaBackend, LongKvSplitsAndMergesOnce) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(123);
-  HostBatch b;
-  b.geo.head_dim = 128;
-  b.geo.num_qo_heads = 32;
-  b.geo.num_kv_heads = 4;
-  b.geo.page_size = 1;
-  b.geo.dtype = KvDType::kBf16;
-  b.geo.num_layers = 1;
-  b.geo.num_pages = 70000;
-  gpu_test::MakePools(&b, &rng);
-  auto made = MakeCudaBackend(Options(b.geo));
-  ASSERT_TRUE(made.ok()) << made.status();
-  std::unique_ptr<Backend> backend = std::move(made).value();
-  ASSERT_TRUE(UploadPools(*backend, b, nullptr).ok());
-  gpu_test::AddSeq(&b, 4, 69000, 0, true, false, 1 / std::sqrt(128.f), &rng);
-  gpu_test::FinishBatch(&b, 1.f, &rng);
-  PrefillTask task;
-  task.q = b.q.data();
-  task.total_q = b.total_q;
-  task.seqs = b.seqs;
-  task.kv_indices = b.kv_indices.data();
-  task.num_kv_indices = static_cast<int32_t>(b.kv_indices.size());
-  std::vector<uint16_t> o(size_t(b.total_q) * 32 * 128, 0xFFFF);
-  std::vector<float> lse(size_t(b.total_q) * 32, NAN);
-  task.o = o.data();
-  task.lse = lse.data();
-  BatchStats stats;
-  ASSERT_TRUE(RunBatch(*backend, {task}, &stats).ok());
-  EXPECT_EQ(stats.attention_launches, 1);
-  EXPECT_EQ(stats.merge_launches, 1);
-  EXPECT_GT(stats.attention_seconds, 0);
-  std::vector<double> o_ref, lse_ref;
-  gpu_test::Reference(b, &o_ref, &lse_ref);
-  EXPECT_EQ(gpu_test::Compare(b.geo.dtype, o, lse, o_ref, lse_ref), "");
+  for (int q_len : {4, 16}) {
+    std::mt19937_64 rng(123 + q_len);
+    HostBatch b;
+    b.geo.head_dim = 128;
+    b.geo.num_qo_heads = 32;
+    b.geo.num_kv_heads = 4;
+    b.geo.page_size = 1;
+    b.geo.dtype = KvDType::kBf16;
+    b.geo.num_layers = 1;
+    b.geo.num_pages = 70000;
+    gpu_test::MakePools(&b, &rng);
+    auto made = MakeCudaBackend(Options(b.geo));
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::unique_ptr<Backend> backend = std::move(made).value();
+    ASSERT_TRUE(UploadPools(*backend, b, nullptr).ok());
+    gpu_test::AddSeq(&b, q_len, 69000, 0, true, false, 1 / std::sqrt(128.f), &rng);
+    gpu_test::FinishBatch(&b, 1.f, &rng);
+    PrefillTask task;
+    task.q = b.q.data();
+    task.total_q = b.total_q;
+    task.seqs = b.seqs;
+    task.kv_indices = b.kv_indices.data();
+    task.num_kv_indices = static_cast<int32_t>(b.kv_indices.size());
+    std::vector<uint16_t> o(size_t(b.total_q) * 32 * 128, 0xFFFF);
+    std::vector<float> lse(size_t(b.total_q) * 32, NAN);
+    task.o = o.data();
+    task.lse = lse.data();
+    BatchStats stats;
+    ASSERT_TRUE(RunBatch(*backend, {task}, &stats).ok());
+    EXPECT_EQ(stats.attention_launches, 1);
+    EXPECT_EQ(stats.attention_decode_launches, q_len <= 8 ? 1 : 0);
+    EXPECT_EQ(stats.merge_launches, q_len <= 8 ? 0 : 1);  // the decode family merges in its launch
+    EXPECT_GT(stats.attention_seconds, 0);
+    std::vector<double> o_ref, lse_ref;
+    gpu_test::Reference(b, &o_ref, &lse_ref);
+    EXPECT_EQ(gpu_test::Compare(b.geo.dtype, o, lse, o_ref, lse_ref), "") << "q_len " << q_len;
+  }
+}
+
+// Decode-only and mixed decode + prefill batches through the backend: page
+// sizes 1 / 16 / 64, 1..8 query rows (speculative decode), GQA, both
+// dtypes, short (unsplit) and long (split) KV, several tasks per batch;
+// every output against the float64 reference, and the launch counts of each
+// family. Every fourth round runs with decode_kernel off (all on prefill).
+TEST(CudaBackend, DecodeAndMixedBatchesMatchReference) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(1414);
+  int decode_batches = 0, mixed_batches = 0, split_like = 0;
+  for (int round = 0; round < 12; ++round) {
+    HostBatch pools;
+    const int dims[] = {128, 64, 256};
+    pools.geo.head_dim = dims[round % 3];
+    const int page_sizes[] = {1, 16, 64};
+    pools.geo.page_size = page_sizes[(round / 3) % 3];
+    pools.geo.num_kv_heads = round % 2 ? 2 : 4;
+    pools.geo.num_qo_heads = pools.geo.num_kv_heads * (round % 4 < 2 ? 4 : 1);
+    pools.geo.dtype = round % 5 < 3 ? KvDType::kBf16 : KvDType::kFp16;
+    pools.geo.num_layers = 2;
+    pools.geo.num_pages = 10000 / pools.geo.page_size + 8;
+    gpu_test::MakePools(&pools, &rng);
+    BackendOptions opt = Options(pools.geo);
+    opt.decode_kernel = round % 4 != 3;
+    auto made = MakeCudaBackend(opt);
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::unique_ptr<Backend> backend = std::move(made).value();
+    ASSERT_TRUE(UploadPools(*backend, pools, nullptr).ok());
+
+    const bool mixed = round % 2 == 1;
+    const int ntasks = 1 + rng() % 3;
+    std::vector<HostBatch> parts(ntasks);
+    std::vector<PrefillTask> tasks(ntasks);
+    std::vector<std::vector<uint16_t>> outs(ntasks);
+    std::vector<std::vector<float>> lses(ntasks);
+    std::vector<const std::vector<PrefillSeq>*> all_seqs;
+    for (int t = 0; t < ntasks; ++t) {
+      HostBatch& p = parts[t];
+      p.geo = pools.geo;
+      const int layer = rng() % 2;
+      const int nseq = 1 + rng() % 5;
+      for (int s = 0; s < nseq; ++s) {
+        const int q_len = (mixed && s == 0 && t == 0) ? 9 + rng() % 120 : 1 + rng() % 8;
+        int kv_len = rng() % 3 == 0 ? 4000 + static_cast<int>(rng() % 5000) : 1 + static_cast<int>(rng() % 2000);
+        if (q_len > 8) kv_len = q_len + static_cast<int>(rng() % 600);
+        gpu_test::AddSeq(&p, q_len, kv_len, layer, rng() % 4 != 0, rng() % 3 == 0,
+                         1 / std::sqrt(float(pools.geo.head_dim)), &rng);
+        if (rng() % 4 == 0) p.seqs.back().causal_shift = static_cast<int>(rng() % 21) - 10;
+        split_like += kv_len >= 4000;
+      }
+      gpu_test::FinishBatch(&p, 1.f, &rng);
+      PrefillTask& task = tasks[t];
+      task.layer = layer;
+      task.q = p.q.data();
+      task.total_q = p.total_q;
+      task.seqs = p.seqs;
+      task.kv_indices = p.kv_indices.data();
+      task.num_kv_indices = static_cast<int32_t>(p.kv_indices.size());
+      outs[t].assign(size_t(p.total_q) * pools.geo.num_qo_heads * pools.geo.head_dim, 0xFFFF);  // poison
+      lses[t].assign(size_t(p.total_q) * pools.geo.num_qo_heads, NAN);
+      task.o = outs[t].data();
+      task.lse = lses[t].data();
+      all_seqs.push_back(&tasks[t].seqs);
+    }
+    std::vector<std::vector<double>> o_refs(ntasks), lse_refs(ntasks);
+    for (int t = 0; t < ntasks; ++t) {
+      HostBatch& p = parts[t];
+      p.k_pool = pools.k_pool;
+      p.v_pool = pools.v_pool;
+      gpu_test::Reference(p, &o_refs[t], &lse_refs[t]);
+      p.k_pool.clear();
+      p.v_pool.clear();
+    }
+    // Twice on one backend: the decode split counters must be left at zero.
+    for (int rep = 0; rep < 2; ++rep) {
+      for (int t = 0; t < ntasks; ++t) {
+        std::fill(outs[t].begin(), outs[t].end(), 0xFFFF);
+        std::fill(lses[t].begin(), lses[t].end(), NAN);
+      }
+      BatchStats stats;
+      const absl::Status st = RunBatch(*backend, tasks, &stats);
+      ASSERT_TRUE(st.ok()) << st;
+      const auto [launches, decode_launches] = ExpectedLaunches(all_seqs, opt.decode_kernel);
+      EXPECT_EQ(stats.attention_launches, launches) << "round " << round;
+      EXPECT_EQ(stats.attention_decode_launches, decode_launches) << "round " << round;
+      if (decode_launches > 0) EXPECT_GT(stats.attention_decode_seconds, 0);
+      EXPECT_GE(stats.attention_seconds, stats.attention_decode_seconds);
+      for (int t = 0; t < ntasks; ++t) {
+        EXPECT_EQ(gpu_test::Compare(pools.geo.dtype, outs[t], lses[t], o_refs[t], lse_refs[t]), "")
+            << "round " << round << " rep " << rep << " task " << t << " D=" << pools.geo.head_dim
+            << " ps=" << pools.geo.page_size << (mixed ? " mixed" : " decode")
+            << (opt.decode_kernel ? "" : " decode_kernel=off");
+      }
+    }
+    (mixed ? mixed_batches : decode_batches)++;
+  }
+  EXPECT_EQ(decode_batches, 6);
+  EXPECT_EQ(mixed_batches, 6);
+  EXPECT_GT(split_like, 3) << "too few long (split) KV sequences";
 }
 
 // Two batches in flight: batch B's fused append overwrites KV that batch A
@@ -440,7 +572,7 @@ TEST(CudaBackend, PipelinedBatchesKeepSubmissionOrder) {
     EXPECT_EQ(backend->ReadKv(rd, nullptr).code(), absl::StatusCode::kFailedPrecondition);
     ASSERT_TRUE(backend->Complete(&sa).ok());
     ASSERT_TRUE(backend->Complete(&sb).ok());
-    EXPECT_EQ(sa.attention_launches, 1);
+    EXPECT_EQ(sa.attention_launches, ExpectedLaunches({&ta.seqs}).first);
     EXPECT_EQ(sb.append_launches, 1);
     EXPECT_EQ(backend->Complete(&sc).code(), absl::StatusCode::kFailedPrecondition);
 

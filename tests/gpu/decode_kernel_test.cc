@@ -64,7 +64,8 @@ struct RunResult {
 
 // Plans and runs the batch twice (poisoning outputs before each run) and
 // compares both runs to the reference. force_chunk 0: the heuristic with
-// this GPU's SM count.
+// this GPU's SM count; > 0: chunks of that many tokens; kNoSplit: never split.
+constexpr int kNoSplit = -1;
 RunResult RunAndCheck(const HostBatch& b, int force_chunk) {
   RunResult res;
   std::string& err = res.error;
@@ -74,7 +75,8 @@ RunResult RunAndCheck(const HostBatch& b, int force_chunk) {
   int max_rows = 1;
   for (const auto& s : b.seqs) max_rows = std::max(max_rows, s.q_len * (g.num_qo_heads / g.num_kv_heads));
   opt.ctas_per_sm = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows));
-  opt.force_chunk = force_chunk;
+  opt.force_chunk = std::max(force_chunk, 0);
+  opt.no_split = force_chunk == kNoSplit;
   DecodePlan plan;
   BuildDecodePlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
   res.split = plan.split_tiles > 0;
@@ -173,14 +175,17 @@ TEST(PagedDecodeCuda, RejectsUnsupportedShapes) {
 
 // Random geometries (head_dim 64/128/256, GQA 1/4/8/16, page_size 1/16/64,
 // bf16/fp16), 1..8 query rows, causal or not, causal_shift, base-e LSE, mixed
-// layers and scales, sequences with 0 or 1 key; split by the heuristic or
-// forced into short chunks.
+// layers and scales, sequences with 0 or 1 key. The plan mode rotates so both
+// paths are covered by construction: batch it % 3 == 0 never splits, 1 is
+// forced into chunks of 64..256 tokens (with one sequence long enough to be
+// cut), 2 runs the heuristic with this GPU's SM count.
 TEST(PagedDecodeCuda, RandomBatches) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(20261214);
   const int kBatches = 120;
   int splits = 0, unsplit = 0;
   for (int it = 0; it < kBatches; ++it) {
+    const int mode = it % 3;
     HostBatch b;
     const int dims[] = {64, 128, 128, 256};
     const int heads[][2] = {{4, 4}, {8, 2}, {32, 4}, {16, 2}, {8, 1}, {16, 1}};
@@ -204,19 +209,24 @@ TEST(PagedDecodeCuda, RandomBatches) {
         case 1: kv_len = 3000 + rng() % 2500; break;
         default: kv_len = 1 + rng() % 1500; break;
       }
+      // A forced split needs a sequence that sees more than one chunk (256
+      // tokens at most; causal_shift takes at most 30 away).
+      if (mode == 1 && s == 0) kv_len = std::max(kv_len, 300 + static_cast<int>(rng() % 700));
       const bool causal = rng() % 4 != 0;
       gpu_test::AddSeq(&b, q_len, kv_len, rng() % b.geo.num_layers, causal, rng() % 3 == 0,
                        RandomScale(b.geo.head_dim, &rng), &rng);
       if (rng() % 3 == 0) b.seqs.back().causal_shift = static_cast<int>(rng() % 41) - 30;
     }
     gpu_test::FinishBatch(&b, rng() % 4 == 0 ? 3.f : 1.f, &rng);
-    const int force_chunk = rng() % 3 == 0 ? 64 << (rng() % 3) : 0;
+    const int force_chunk = mode == 0 ? kNoSplit : mode == 1 ? 64 << (rng() % 3) : 0;
     const RunResult r = RunAndCheck(b, force_chunk);
     (r.split ? splits : unsplit)++;
     ASSERT_EQ(r.error, "") << "batch " << it << ": " << Describe(b, force_chunk, r.split);
+    if (mode == 0) EXPECT_FALSE(r.split) << "batch " << it << ": no_split plan split";
+    if (mode == 1) EXPECT_TRUE(r.split) << "batch " << it << ": forced chunks did not split";
   }
-  EXPECT_GT(splits, 30) << "too few batches exercised split KV";
-  EXPECT_GT(unsplit, 10) << "too few batches ran unsplit";
+  EXPECT_GE(splits, kBatches / 3) << "too few batches exercised split KV";
+  EXPECT_GE(unsplit, kBatches / 3) << "too few batches ran unsplit";
 }
 
 // Every (page_size, GQA, head_dim, dtype) corner, 1..8 rows causal

@@ -5,6 +5,10 @@
 // fp16, several layers in one batch (concurrent clients), a KV longer than
 // 64k tokens that forces split-KV, and the metrics of batching (many
 // requests per attention launch, at most one merge launch per batch).
+// Decode-shaped requests (1..8 query rows per sequence) run on the decode
+// kernel family: DecodeMatchesReferenceAndOffSwitch compares a server with
+// --decode_kernel=auto and one with =off against the reference and checks
+// the attention_decode launch series.
 // Without a GPU every test reports "skipped: no GPU".
 #include <cmath>
 #include <atomic>
@@ -32,7 +36,7 @@ struct Config {
 
 
 std::unique_ptr<TestServer> StartServer(const Config& c, const std::string& backend,
-                                        int32_t num_pages) {
+                                        int32_t num_pages, const std::string& decode_kernel = "auto") {
   TestServerOptions o;
   o.num_layers = 3;
   o.num_pages = num_pages;
@@ -41,7 +45,7 @@ std::unique_ptr<TestServer> StartServer(const Config& c, const std::string& back
   o.num_kv_heads = c.num_kv_heads;
   o.head_dim = c.head_dim;
   o.kv_dtype = c.dtype;
-  o.extra_flags = {"--backend=" + backend};
+  o.extra_flags = {"--backend=" + backend, "--decode_kernel=" + decode_kernel};
   auto s = TestServer::Start(o);
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? *std::move(s) : nullptr;
@@ -140,6 +144,67 @@ TEST_P(ServerGpuTest, CudaServerMatchesCpuServerAndReference) {
   }
 }
 
+// Decode and speculative decode (1..8 rows per sequence, some sequences
+// empty) over short and long KV (long ones split), the same inputs on a CUDA
+// server with the decode family and one with --decode_kernel=off; both
+// against the reference; only the first counts attention_decode launches.
+TEST_P(ServerGpuTest, DecodeMatchesReferenceAndOffSwitch) {
+  const Config c = GetParam();
+  // Up to 5 sequences of up to 6000 tokens per round.
+  const int32_t pages = 5 * 6000 / c.page_size + 64;
+  auto on = StartServer(c, "cuda", pages, "auto");
+  auto off = StartServer(c, "cuda", pages, "off");
+  ASSERT_TRUE(on && off);
+  auto gon = ConnectTo(*on);
+  auto goff = ConnectTo(*off);
+  ASSERT_TRUE(gon && goff);
+  const KvGeometry g = GeometryOf(gon->info());
+  const std::string on_before = *HttpGet(on->metrics_address(), "/metrics");
+  const std::string off_before = *HttpGet(off->metrics_address(), "/metrics");
+  std::mt19937_64 gen(c.page_size * 7 + c.head_dim + c.num_qo_heads);
+  for (int round = 0; round < 10; ++round) {
+    WorkloadSpec spec;
+    spec.batch = 1 + round % 5;
+    spec.max_q_len = round % 2 ? 1 : 8;
+    spec.max_kv_len = round % 3 == 0 ? 6000 : 300;
+    spec.causal = round % 4 != 1;
+    spec.lse_base_e = round % 3 == 2;
+    spec.layer = round % g.num_layers;
+    const int32_t need = static_cast<int32_t>(std::max<int64_t>(PagesNeeded(g, spec), 1));
+    auto p_on = gon->AllocatePages(need);
+    auto p_off = goff->AllocatePages(need);
+    ASSERT_TRUE(p_on.ok() && p_off.ok());
+    ASSERT_EQ(*p_on, *p_off) << "fresh servers hand out the same page ids";
+    KvMirror mirror(g);
+    FillPages(gen, g, spec.layer, *p_on, {gon.get(), goff.get()}, &mirror);
+    const PrefillInputs in = RandomPrefill(gen, g, spec, *p_on);
+    auto o_on = gon->Prefill(ArgsOf(in));
+    auto o_off = goff->Prefill(ArgsOf(in));
+    ASSERT_TRUE(o_on.ok()) << o_on.status();
+    ASSERT_TRUE(o_off.ok()) << o_off.status();
+    std::vector<double> o_ref, lse_ref;
+    ReferencePrefill(mirror, in, &o_ref, &lse_ref);
+    Comparison c_on = Compare(g.dtype, o_ref, lse_ref, o_on->o, o_on->lse);
+    Comparison c_off = Compare(g.dtype, o_ref, lse_ref, o_off->o, o_off->lse);
+    EXPECT_TRUE(c_on.Ok(g.dtype)) << "decode_kernel=auto round " << round << ": " << c_on.ToString();
+    EXPECT_TRUE(c_off.Ok(g.dtype)) << "decode_kernel=off round " << round << ": " << c_off.ToString();
+    ASSERT_TRUE(gon->FreePages(*p_on).ok());
+    ASSERT_TRUE(goff->FreePages(*p_off).ok());
+  }
+  auto delta = [](const TestServer& s, const std::string& before, const std::string& kernel) {
+    const std::string now = *HttpGet(s.metrics_address(), "/metrics");
+    const std::string label = "kernel=\"" + kernel + "\"";
+    return *MetricValue(now, "attnserve_kernel_launches_total", label) -
+           *MetricValue(before, "attnserve_kernel_launches_total", label);
+  };
+  const double on_decode = delta(*on, on_before, "attention_decode");
+  const double on_all = delta(*on, on_before, "attention");
+  EXPECT_GT(on_decode, 0) << "decode requests ran on the decode family";
+  EXPECT_EQ(on_decode, on_all) << "decode-only requests need no prefill launch";
+  EXPECT_EQ(delta(*off, off_before, "attention_decode"), 0) << "--decode_kernel=off";
+  EXPECT_GT(delta(*off, off_before, "attention"), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Geometries, ServerGpuTest,
     ::testing::Values(Config{1, 32, 4, 128, "bf16"}, Config{16, 32, 4, 128, "bf16"},
@@ -190,6 +255,24 @@ TEST(ServerGpuBatching, ConcurrentLayersAndLongKvSplit) {
     const double merges = *MetricValue(after, "attnserve_kernel_launches_total", "kernel=\"merge\"") -
                           *MetricValue(before, "attnserve_kernel_launches_total", "kernel=\"merge\"");
     EXPECT_EQ(merges, 1) << "a 70k-token KV is split and merged in one launch";
+
+    // The same KV with 4 rows: the decode family splits it and merges inside
+    // its one launch (no merge launch).
+    PrefillInputs dec = in;
+    dec.qo_indptr = {0, 4};
+    dec.q = RandomHalves(gen, g.dtype, 4 * g.num_qo_heads * g.head_dim);
+    auto dout = setup->Prefill(ArgsOf(dec));
+    ASSERT_TRUE(dout.ok()) << dout.status();
+    ReferencePrefill(mirror, dec, &o_ref, &lse_ref);
+    Comparison dcmp = Compare(g.dtype, o_ref, lse_ref, dout->o, dout->lse);
+    EXPECT_TRUE(dcmp.Ok(g.dtype)) << "decode: " << dcmp.ToString();
+    const std::string last = *HttpGet(server->metrics_address(), "/metrics");
+    EXPECT_EQ(*MetricValue(last, "attnserve_kernel_launches_total", "kernel=\"merge\"") -
+                  *MetricValue(after, "attnserve_kernel_launches_total", "kernel=\"merge\""),
+              0);
+    EXPECT_EQ(*MetricValue(last, "attnserve_kernel_launches_total", "kernel=\"attention_decode\"") -
+                  *MetricValue(after, "attnserve_kernel_launches_total", "kernel=\"attention_decode\""),
+              1);
     ASSERT_TRUE(setup->FreePages(*pages).ok());
   }
 
@@ -267,14 +350,19 @@ TEST(ServerGpuBatching, ConcurrentLayersAndLongKvSplit) {
     return *MetricValue(m, name, labels) - *MetricValue(before, name, labels);
   };
   const double launches = delta("attnserve_kernel_launches_total", "kernel=\"attention\"");
+  const double decode_launches = delta("attnserve_kernel_launches_total", "kernel=\"attention_decode\"");
   const double merges = delta("attnserve_kernel_launches_total", "kernel=\"merge\"");
   const double batches = delta("attnserve_batch_requests_count", "");
   const double requests = delta("attnserve_batch_requests_sum", "");
   std::cout << "concurrent phase: requests=" << requests << " batches=" << batches
-            << " attention launches=" << launches << " merge launches=" << merges << "\n";
+            << " attention launches=" << launches << " (decode family " << decode_launches
+            << ") merge launches=" << merges << "\n";
   EXPECT_EQ(requests, kClients * kRequests);
-  // A batch whose sequences are all empty needs no launch, hence <=.
-  EXPECT_LE(launches, batches) << "at most one attention launch per batch";
+  // At most one launch per family and batch; a batch whose sequences are all
+  // empty needs none, hence <=.
+  EXPECT_GT(decode_launches, 0) << "decode-like requests ran on the decode family";
+  EXPECT_LE(decode_launches, batches) << "at most one decode launch per batch";
+  EXPECT_LE(launches - decode_launches, batches) << "at most one prefill launch per batch";
   EXPECT_LE(merges, batches) << "at most one merge launch per batch";
   EXPECT_LT(batches, requests) << "concurrent requests share launches";
 }

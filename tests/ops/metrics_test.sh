@@ -47,6 +47,7 @@ check "no NaN in the scrape" bash -c '! grep -qi "nan$" <<<"$1"' _ "$body"
 check "kv_pages free back to the start after frees" test "$(metric 'attnserve_kv_pages{state="free"}')" = 256
 check "kv_pages used back to 0" test "$(metric 'attnserve_kv_pages{state="used"}')" = 0
 check "3 attention launches" test "$(metric 'attnserve_kernel_launches_total{kernel="attention"}')" = 3
+check "attention_decode series present, 0 on the CPU backend" test "$(metric 'attnserve_kernel_launches_total{kernel="attention_decode"}')" = 0
 check "kv_rows launches for the writes" test "$(metric 'attnserve_kernel_launches_total{kernel="kv_rows"}')" = 3
 check "no fused appends (the writes are WriteKV)" test "$(metric 'attnserve_kernel_launches_total{kernel="append"}')" = 0
 check "freed pages zeroed" awk -v v="$(metric 'attnserve_kernel_launches_total{kernel="zero_pages"}')" 'BEGIN { exit !(v >= 1) }'

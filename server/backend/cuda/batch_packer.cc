@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "server/backend/cuda/cuda_util.h"
+#include "server/backend/cuda/staging_packer.h"
 
 namespace attnserve {
 namespace {
@@ -21,6 +21,7 @@ int64_t BatchPacker::InputCapacity() const {
   return AlignUp(limits_.max_rows * q_row) + AlignUp(limits_.max_indices * 4) +
          AlignUp(limits_.max_rows * int64_t{sizeof(PrefillSeq)}) +
          AlignUp(limits_.max_items * int64_t{sizeof(PrefillWorkItem)}) +
+         AlignUp(limits_.max_decode_items * int64_t{sizeof(DecodeWorkItem)}) +
          AlignUp(limits_.max_rows * int64_t{sizeof(SplitMergeSeq)}) + AlignUp(limits_.max_append * 8) +
          2 * AlignUp(limits_.max_append * kv_row) + kStagingAlign;
 }
@@ -59,18 +60,61 @@ absl::Status BatchPacker::Flatten(absl::Span<const PrefillTask> tasks, PackedBat
   return absl::OkStatus();
 }
 
+absl::Status BatchPacker::PlanDecode(PackedBatch* out) {
+  const int32_t n = static_cast<int32_t>(seqs_.size());
+  const int32_t group = geo_.num_qo_heads / geo_.num_kv_heads;
+  int32_t max_rows = 1;
+  for (const PrefillSeq& s : seqs_) {
+    if (DecodeSeqQualifies(s, geo_)) max_rows = std::max(max_rows, s.q_len * group);
+  }
+  const int32_t tile_rows = DecodeTileRows(geo_.head_dim, max_rows);
+  DecodePlanOptions dopt;
+  dopt.num_sms = limits_.num_sms;
+  dopt.ctas_per_sm = limits_.decode_ctas_per_sm[tile_rows == 32 ? 1 : 0];
+  dopt.max_partial_slots = std::max<int64_t>(DecodePartialSlots(limits_, geo_.head_dim), 1);
+  BuildDecodePlan(seqs_.data(), n, geo_, dopt, &decode_plan_);
+  const int64_t items = static_cast<int64_t>(decode_plan_.items.size());
+  if (items > limits_.max_decode_items || decode_plan_.partial_slots > dopt.max_partial_slots) {
+    return absl::InternalError(absl::StrCat("decode plan has ", items, " work items and ",
+                                            decode_plan_.partial_slots, " partial slots; workspace holds ",
+                                            limits_.max_decode_items, " and ", dopt.max_partial_slots));
+  }
+  out->num_decode_seqs = decode_plan_.num_seqs_planned;
+  out->num_decode_items = static_cast<int32_t>(items);
+  out->decode_tile_rows = decode_plan_.tile_rows;
+  out->decode_split_tiles = decode_plan_.split_tiles;
+  return absl::OkStatus();
+}
+
 absl::Status BatchPacker::Plan(PackedBatch* out) {
-  const int64_t group = geo_.num_qo_heads / geo_.num_kv_heads;
-  int64_t max_packed_rows = 0;
-  for (const PrefillSeq& s : seqs_) max_packed_rows = std::max<int64_t>(max_packed_rows, s.q_len * group);
-  out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows, limits_.family);
-  PrefillPlanOptions popt;
-  popt.num_sms = limits_.num_sms;
-  popt.ctas_per_sm = limits_.ctas_per_sm[static_cast<int>(out->kernel)];
-  popt.min_chunk = kMinChunk;
-  popt.max_partial_pairs = limits_.max_partial_pairs;
-  popt.tile_rows = PrefillTileRows(out->kernel, geo_.head_dim);
-  BuildPrefillPlan(seqs_.data(), static_cast<int32_t>(seqs_.size()), geo_, popt, &plan_);
+  decode_plan_.items.clear();
+  int32_t num_decode = 0;
+  const int32_t n = static_cast<int32_t>(seqs_.size());
+  if (limits_.decode && DecodeGeometrySupported(geo_)) {
+    num_decode = SeqsForPrefillFamily(seqs_.data(), n, geo_, &prefill_seqs_);
+  }
+  if (num_decode > 0) {
+    if (absl::Status st = PlanDecode(out); !st.ok()) return st;
+  }
+  // The prefill family plans the rest (decode sequences have q_len 0 in the
+  // copy: no items; its items index the same device seqs array).
+  const std::vector<PrefillSeq>& rest = num_decode > 0 ? prefill_seqs_ : seqs_;
+  plan_.items.clear();
+  plan_.merges.clear();
+  plan_.merge_pairs = 0;
+  if (num_decode < n) {
+    const int64_t group = geo_.num_qo_heads / geo_.num_kv_heads;
+    int64_t max_packed_rows = 0;
+    for (const PrefillSeq& s : rest) max_packed_rows = std::max<int64_t>(max_packed_rows, s.q_len * group);
+    out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows, limits_.family);
+    PrefillPlanOptions popt;
+    popt.num_sms = limits_.num_sms;
+    popt.ctas_per_sm = limits_.ctas_per_sm[static_cast<int>(out->kernel)];
+    popt.min_chunk = kMinChunk;
+    popt.max_partial_pairs = limits_.max_partial_pairs;
+    popt.tile_rows = PrefillTileRows(out->kernel, geo_.head_dim);
+    BuildPrefillPlan(rest.data(), n, geo_, popt, &plan_);
+  }
   if (static_cast<int64_t>(plan_.items.size()) > limits_.max_items) {
     return absl::InternalError(
         absl::StrCat("plan has ", plan_.items.size(), " work items; workspace holds ", limits_.max_items));
@@ -118,11 +162,12 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
   out->off_seqs = in.Take(static_cast<int64_t>(seqs_.size() * sizeof(PrefillSeq)));
   out->off_items = in.Take(static_cast<int64_t>(plan_.items.size() * sizeof(PrefillWorkItem)));
   out->off_merges = in.Take(static_cast<int64_t>(plan_.merges.size() * sizeof(SplitMergeSeq)));
+  out->off_decode_items = in.Take(int64_t{out->num_decode_items} * int64_t{sizeof(DecodeWorkItem)});
   out->off_slots = in.Take(n_append * 8);
   out->off_k = in.Take(n_append * kv_row);
   out->off_v = in.Take(n_append * kv_row);
-  for (int64_t off : {out->off_q, out->off_idx, out->off_seqs, out->off_items, out->off_merges, out->off_slots,
-                      out->off_k, out->off_v}) {
+  for (int64_t off : {out->off_q, out->off_idx, out->off_seqs, out->off_items, out->off_merges,
+                      out->off_decode_items, out->off_slots, out->off_k, out->off_v}) {
     if (off < 0) return absl::InternalError("input staging overflow");
   }
   int64_t row = 0, idx = 0;
@@ -138,6 +183,10 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
   }
   if (!plan_.merges.empty()) {
     std::memcpy(in.At(out->off_merges), plan_.merges.data(), plan_.merges.size() * sizeof(SplitMergeSeq));
+  }
+  if (out->num_decode_items > 0) {
+    std::memcpy(in.At(out->off_decode_items), decode_plan_.items.data(),
+                decode_plan_.items.size() * sizeof(DecodeWorkItem));
   }
   if (n_append > 0) {
     std::memcpy(in.At(out->off_slots), append_slots_.data(), n_append * 8);

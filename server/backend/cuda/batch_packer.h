@@ -1,8 +1,11 @@
 // Turns one batch of validated PrefillTasks into what the device runs: the
-// batch-global sequences, the chosen kernel and its plan, the appends with
+// batch-global sequences, routed to two kernel families (decode: sequences
+// of 1..kMaxDecodeQueryRows rows, kernels/plan/decode_plan.h; prefill: the
+// rest, with the kernel kernel_select picks), their plans, the appends with
 // only the last write of each slot kept, and all of their bytes packed into
 // a pinned staging buffer at offsets its device mirror shares. Host code
-// only: no CUDA call, so the packer is the same on every GPU.
+// only: no CUDA call, so the packer is the same on every GPU and is tested
+// without one (tests/core/batch_packer_test.cc).
 //
 // The scheduler decides what a batch may hold (server/core/scheduler.cc);
 // the backend's staging is sized from the same limits, so a batch that does
@@ -18,6 +21,7 @@
 #include "absl/types/span.h"
 #include "common/kv_geometry.h"
 #include "kernels/paged_prefill.h"
+#include "kernels/plan/decode_plan.h"
 #include "kernels/plan/kernel_select.h"
 #include "kernels/plan/prefill_plan.h"
 #include "server/backend/backend.h"
@@ -35,17 +39,41 @@ struct PackerLimits {
   PrefillDevice device;
   PrefillFamily family = PrefillFamily::kAuto;  // --prefill_kernel
   int32_t ctas_per_sm[kNumPrefillKernels] = {1, 1, 1};  // by PrefillKernel
+  // Decode family: off sends every sequence to the prefill family
+  // (--decode_kernel=off). Its split partials share the prefill family's
+  // workspace (max_partial_pairs (row, head) pairs of head_dim floats; both
+  // families run one after the other on one stream): at most
+  // max_partial_pairs / DecodeMaxTileRows(head_dim) tile slots, and as many
+  // split counters.
+  bool decode = true;
+  int32_t decode_ctas_per_sm[2] = {1, 1};  // by tile rows 16, 32
+  int64_t max_decode_items = 0;
 };
+
+// Packed rows of the largest decode tile for head_dim (32, 16 for 256).
+inline int32_t DecodeMaxTileRows(int32_t head_dim) { return DecodeTileRows(head_dim, 1 << 30); }
+// Decode partial tile slots (and split counters) the limits allow.
+inline int64_t DecodePartialSlots(const PackerLimits& limits, int32_t head_dim) {
+  return limits.max_partial_pairs / DecodeMaxTileRows(head_dim);
+}
 
 // One packed batch: the kernel, the counts, and byte offsets into the input
 // staging (and, for outputs, the output staging: o at 0, lse at off_lse).
 struct PackedBatch {
+  // Prefill family (num_items work items; none when every sequence decodes).
   PrefillKernel kernel = PrefillKernel::kSm80;
   int64_t total_q = 0;
   int32_t num_seqs = 0;
   int32_t num_items = 0;
   int32_t num_merges = 0;
   int32_t merge_pairs = 0;
+  // Decode family: sequences it runs, its work items (at off_decode_items)
+  // and tile rows; split tiles use the shared partials and the counters.
+  int32_t num_decode_seqs = 0;
+  int32_t num_decode_items = 0;
+  int32_t decode_tile_rows = 16;
+  int32_t decode_split_tiles = 0;
+  int64_t off_decode_items = 0;
   int64_t num_append = 0;  // after dropping overwritten slots
   int64_t off_q = 0, off_idx = 0, off_seqs = 0, off_items = 0, off_merges = 0;
   int64_t off_slots = 0, off_k = 0, off_v = 0;
@@ -70,8 +98,10 @@ class BatchPacker {
   // Batch-global sequences (q_start / kv_start shifted, layer set, q_len 0
   // dropped) into seqs_, and the batch's totals checked against the limits.
   absl::Status Flatten(absl::Span<const PrefillTask> tasks, PackedBatch* out, int64_t* total_idx);
-  // The kernel for the batch and its work items into plan_.
+  // Routes the sequences: the decode family's plan into decode_plan_, the
+  // prefill kernel and its work items for the rest into plan_.
   absl::Status Plan(PackedBatch* out);
+  absl::Status PlanDecode(PackedBatch* out);
   // Appends in task order; a later write to the same (layer, slot) wins, so
   // only the last is kept (one launch, no races).
   void DedupAppends(absl::Span<const PrefillTask> tasks);
@@ -80,7 +110,9 @@ class BatchPacker {
   PackerLimits limits_;
   // Scratch reused between batches (Pack runs on one thread).
   PrefillPlan plan_;
+  DecodePlan decode_plan_;
   std::vector<PrefillSeq> seqs_;
+  std::vector<PrefillSeq> prefill_seqs_;  // seqs_ with decode sequences' q_len 0
   std::vector<std::pair<int32_t, int64_t>> append_rows_;  // (task, row)
   std::vector<int64_t> append_slots_;                     // layer-global
   absl::flat_hash_map<int64_t, int64_t> last_append_;

@@ -1,12 +1,15 @@
 // CudaBackend: paged KV pools in device memory and the batched attention path
 // (docs/design.md section 2.3). Everything is allocated in Init(); Submit and
-// Complete orchestrate a BatchPacker (host: flatten, plan, dedup, pack) and a
-// StagingRing (the pipelined slots and streams); WriteKv / ReadKv / ZeroPages
-// copy through the idle slot synchronously.
+// Complete orchestrate a BatchPacker (host: flatten, route to the decode and
+// prefill families, plan, dedup, pack), LaunchAttention (one launch per
+// family, then the prefill split merge) and a StagingRing (the pipelined
+// slots and streams); WriteKv / ReadKv / ZeroPages copy through the idle slot
+// synchronously.
 //
 // The compute stream runs batches in submission order, so a batch's appends
-// never race another batch's attention. Split partials are only touched on
-// the compute stream and are shared by all slots.
+// never race another batch's attention. Split partials (both families) and
+// the decode split counters are only touched on the compute stream and are
+// shared by all slots.
 #include "server/backend/cuda/cuda_backend.h"
 
 #include <cuda_runtime.h>
@@ -21,9 +24,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/decode/decode_cuda.h"
 #include "kernels/kv/kv_rows_cuda.h"
-#include "kernels/merge/merge_cuda.h"
 #include "kernels/prefill_cuda.h"
+#include "server/backend/cuda/attention_launch.h"
 #include "server/backend/cuda/batch_packer.h"
 #include "server/backend/cuda/cuda_util.h"
 #include "server/backend/cuda/staging_ring.h"
@@ -57,7 +61,7 @@ class CudaBackend final : public Backend {
     for (cudaStream_t st : {copy_in_, compute_, copy_out_}) {
       if (st != nullptr) cudaStreamDestroy(st);
     }
-    const void* device_ptrs[] = {k_pool_, v_pool_, d_part_o_, d_part_lse_};
+    const void* device_ptrs[] = {k_pool_, v_pool_, d_part_o_, d_part_lse_, d_counters_};
     for (const void* p : device_ptrs) cudaFree(const_cast<void*>(p));
   }
 
@@ -79,8 +83,8 @@ class CudaBackend final : public Backend {
   int PipelineDepth() const override { return StagingRing::kSlots; }
   absl::Status Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) override;
   absl::Status Complete(BatchStats* stats) override;
-  absl::Status WriteKv(const KvRows& rows, BatchStats* stats) override;
-  absl::Status ReadKv(const KvRows& rows, BatchStats* stats) override;
+  absl::Status WriteKv(const KvRows& rows, BatchStats* stats) override { return CopyRows(rows, true, stats); }
+  absl::Status ReadKv(const KvRows& rows, BatchStats* stats) override { return CopyRows(rows, false, stats); }
   // On the device: only the page ids cross PCIe, not the zeros.
   absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) override;
   // MergeStates stays on the CPU default: its inputs and outputs live in host
@@ -90,6 +94,8 @@ class CudaBackend final : public Backend {
  private:
   // Queues one packed batch's upload, kernels and download on the streams.
   absl::Status Launch(absl::Span<const PrefillTask> tasks, const PackedBatch& b, StagingRing::Slot& slot);
+  // WriteKv (scatter) and ReadKv (gather), in chunks of the staging.
+  absl::Status CopyRows(const KvRows& rows, bool scatter, BatchStats* stats);
   // Packs slots / k / v of rows [begin, begin + n) of `rows` for WriteKv.
   absl::Status CopyRowsChunk(const KvRows& rows, int64_t begin, int64_t n, bool scatter,
                              float* seconds);
@@ -112,6 +118,7 @@ class CudaBackend final : public Backend {
   void* v_pool_ = nullptr;
   float* d_part_o_ = nullptr;
   float* d_part_lse_ = nullptr;
+  int32_t* d_counters_ = nullptr;  // decode split tiles; zero between launches
 
   std::optional<BatchPacker> packer_;  // used by Submit's thread only
   std::unique_ptr<StagingRing> ring_;
@@ -174,6 +181,15 @@ absl::Status CudaBackend::Init() {
   lim.max_append = max_append_ = std::max<int64_t>(options_.max_batch_append_rows, 1024);
   lim.max_partial_pairs = std::max<int64_t>(int64_t{4} * lim.num_sms * max_ctas * max_tile, 1 << 16);
   lim.max_items = g.num_kv_heads * (lim.max_rows * group / min_tile + lim.max_rows + 1) + 2 * lim.max_partial_pairs;
+  // Decode family (--decode_kernel): unsplit items are at most one per (KV
+  // head, 16-row tile) plus one per sequence; split ones add a partial slot
+  // each.
+  lim.decode = options_.decode_kernel && DecodeGeometrySupported(g);
+  lim.decode_ctas_per_sm[0] = DecodeCtasPerSm(g.head_dim, g.dtype, 16);
+  lim.decode_ctas_per_sm[1] = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim));
+  cudaGetLastError();
+  const int64_t decode_slots = DecodePartialSlots(lim, g.head_dim);
+  lim.max_decode_items = g.num_kv_heads * (lim.max_rows * group / 16 + lim.max_rows + 1) + decode_slots;
   packer_.emplace(g, lim);
 
   const int64_t pool_bytes = g.PoolElems() * KvDTypeBytes(g.dtype);
@@ -186,6 +202,9 @@ absl::Status CudaBackend::Init() {
                                    lim.max_partial_pairs * g.head_dim * 4, "split partials", options_.device));
   ATTN_RETURN_IF_ERROR(DeviceAlloc(reinterpret_cast<void**>(&d_part_lse_), lim.max_partial_pairs * 4,
                                    "split LSEs", options_.device));
+  ATTN_RETURN_IF_ERROR(DeviceAlloc(reinterpret_cast<void**>(&d_counters_), decode_slots * 4,
+                                   "decode split counters", options_.device));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemset(d_counters_, 0, decode_slots * 4));  // once: the kernel leaves them 0
   ring_ = std::make_unique<StagingRing>();
   ATTN_RETURN_IF_ERROR(ring_->Init(packer_->InputCapacity(), packer_->OutputCapacity(), options_.device));
   for (cudaStream_t* stream : {&copy_in_, &compute_, &copy_out_}) {
@@ -237,7 +256,8 @@ absl::Status CudaBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats
   for (const PrefillTask& t : tasks) slot->outputs.push_back({t.o, t.lse, t.total_q, t.out_pinned});
   slot->off_lse = b.off_lse;
   slot->appended = b.num_append > 0;
-  slot->attended = b.num_items > 0;
+  slot->attention_launches = (b.num_decode_items > 0 ? 1 : 0) + (b.num_items > 0 ? 1 : 0);
+  slot->decoded = b.num_decode_items > 0;
   slot->merged = b.num_merges > 0;
   ring_->Commit();
   if (stats != nullptr) stats->submit_seconds += absl::ToDoubleSeconds(absl::Now() - start);
@@ -251,8 +271,9 @@ absl::Status CudaBackend::Launch(absl::Span<const PrefillTask> tasks, const Pack
   const int64_t lse_row = int64_t{g.num_qo_heads} * 4;
   uint8_t* const d_in = slot.d_in;
   cudaEvent_t* const ev = slot.events;
-  // Upload (copy-in stream); appends, one attention launch, a merge if
-  // anything was split (compute stream); one download (copy-out stream).
+  // Upload (copy-in stream); appends, one attention launch per family, a
+  // merge if the prefill family split (compute stream); one download
+  // (copy-out stream).
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_in, slot.h_in, b.in_bytes, cudaMemcpyHostToDevice, copy_in_));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kUploaded], copy_in_));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_, ev[Ev::kUploaded], 0));
@@ -281,18 +302,8 @@ absl::Status CudaBackend::Launch(absl::Span<const PrefillTask> tasks, const Pack
   pp.num_seqs = b.num_seqs;
   pp.total_q = static_cast<int32_t>(b.total_q);
   pp.geo = g;
-  if (b.num_items > 0) {
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kAttnBegin], compute_));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(PagedPrefillCuda(pp, reinterpret_cast<const PrefillWorkItem*>(d_in + b.off_items),
-                                                    b.num_items, d_part_o_, d_part_lse_, b.kernel, compute_));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kAttnEnd], compute_));
-  }
-  if (b.num_merges > 0) {
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kMergeBegin], compute_));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(MergeSplitsCuda(pp, reinterpret_cast<const SplitMergeSeq*>(d_in + b.off_merges),
-                                                   b.num_merges, b.merge_pairs, d_part_o_, d_part_lse_, compute_));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kMergeEnd], compute_));
-  }
+  ATTN_RETURN_IF_ERROR(LaunchAttention(pp, b, d_in, AttentionWorkspace{d_part_o_, d_part_lse_, d_counters_},
+                                       compute_, ev));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kComputed], compute_));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_out_, ev[Ev::kComputed], 0));
   // Outputs in pinned response buffers are copied straight into them; the
@@ -354,9 +365,13 @@ absl::Status CudaBackend::Complete(BatchStats* stats) {
     t.append_launches = 1;
     t.append_seconds = elapsed(Ev::kAppendBegin, Ev::kAppendEnd);
   }
-  if (slot->attended) {
-    t.attention_launches = 1;
+  if (slot->attention_launches > 0) {
+    t.attention_launches = slot->attention_launches;
     t.attention_seconds = elapsed(Ev::kAttnBegin, Ev::kAttnEnd);
+  }
+  if (slot->decoded) {
+    t.attention_decode_launches = 1;
+    t.attention_decode_seconds = elapsed(Ev::kAttnBegin, Ev::kDecodeEnd);
   }
   if (slot->merged) {
     t.merge_launches = 1;
@@ -364,12 +379,7 @@ absl::Status CudaBackend::Complete(BatchStats* stats) {
   }
   ring_->Release();
   if (stats != nullptr) {
-    stats->append_launches += t.append_launches;
-    stats->append_seconds += t.append_seconds;
-    stats->attention_launches += t.attention_launches;
-    stats->attention_seconds += t.attention_seconds;
-    stats->merge_launches += t.merge_launches;
-    stats->merge_seconds += t.merge_seconds;
+    stats->Add(t);
     stats->wait_seconds += absl::ToDoubleSeconds(downloaded - start);
     stats->unpack_seconds += absl::ToDoubleSeconds(unpacked - downloaded);
   }
@@ -435,33 +445,14 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::WriteKv(const KvRows& rows, BatchStats* stats) {
+absl::Status CudaBackend::CopyRows(const KvRows& rows, bool scatter, BatchStats* stats) {
   if (absl::Status st = CheckIdle(); !st.ok()) return st;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   float seconds = 0;
   int32_t launches = 0;
   for (int64_t begin = 0; begin < rows.n; begin += max_append_) {
     const int64_t n = std::min(max_append_, rows.n - begin);
-    absl::Status st = CopyRowsChunk(rows, begin, n, /*scatter=*/true, &seconds);
-    if (!st.ok()) return st;
-    ++launches;
-  }
-  if (stats != nullptr) {
-    stats->kv_rows_launches += launches;
-    stats->kv_rows_seconds += seconds;
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CudaBackend::ReadKv(const KvRows& rows, BatchStats* stats) {
-  if (absl::Status st = CheckIdle(); !st.ok()) return st;
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
-  float seconds = 0;
-  int32_t launches = 0;
-  for (int64_t begin = 0; begin < rows.n; begin += max_append_) {
-    const int64_t n = std::min(max_append_, rows.n - begin);
-    absl::Status st = CopyRowsChunk(rows, begin, n, /*scatter=*/false, &seconds);
-    if (!st.ok()) return st;
+    ATTN_RETURN_IF_ERROR(CopyRowsChunk(rows, begin, n, scatter, &seconds));
     ++launches;
   }
   if (stats != nullptr) {

@@ -32,6 +32,7 @@ class StagingRing {
     kAppendEnd,
     kAttnBegin,
     kAttnEnd,
+    kDecodeEnd,  // between the decode and prefill launches of a batch
     kMergeBegin,
     kMergeEnd,
     kUploaded,
@@ -55,7 +56,9 @@ class StagingRing {
     };
     std::vector<Output> outputs;
     int64_t off_lse = 0;
-    bool appended = false, attended = false, merged = false;
+    bool appended = false, merged = false;
+    int32_t attention_launches = 0;  // decode and / or prefill family
+    bool decoded = false;            // the decode family ran (kAttnBegin..kDecodeEnd)
   };
 
   StagingRing() = default;

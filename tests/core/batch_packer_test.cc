@@ -1,0 +1,224 @@
+// The CUDA backend's batch packer (host code, no GPU): how it routes a
+// batch's sequences between the decode and prefill kernel families, and that
+// the staging holds exactly the plans it reports.
+#include "server/backend/cuda/batch_packer.h"
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/plan/decode_plan.h"
+#include "kernels/plan/prefill_plan.h"
+
+namespace attnserve {
+namespace {
+
+KvGeometry Geo(int32_t qo, int32_t kv, int32_t d, int32_t ps) {
+  KvGeometry g;
+  g.num_layers = 2;
+  g.num_qo_heads = qo;
+  g.num_kv_heads = kv;
+  g.head_dim = d;
+  g.page_size = ps;
+  g.num_pages = 4096;
+  return g;
+}
+
+PackerLimits Limits(bool decode) {
+  PackerLimits lim;
+  lim.max_rows = 8192;
+  lim.max_indices = 1 << 20;
+  lim.max_append = 1024;
+  lim.max_partial_pairs = 1 << 16;
+  lim.max_items = 1 << 16;
+  lim.max_decode_items = 1 << 16;
+  lim.num_sms = 132;
+  lim.device = PrefillDevice{9, 0};
+  lim.decode = decode;
+  lim.decode_ctas_per_sm[0] = lim.decode_ctas_per_sm[1] = 2;
+  return lim;
+}
+
+// One request: sequences of (q_len, kv_len), page ids 0, 1, ... per sequence.
+struct Request {
+  std::vector<uint16_t> q;
+  std::vector<int32_t> idx;
+  PrefillTask task;
+};
+
+void MakeRequest(const KvGeometry& g, const std::vector<std::pair<int, int>>& shapes, int layer, Request* r) {
+  int32_t rows = 0, pages = 0;
+  for (auto [q_len, kv_len] : shapes) {
+    PrefillSeq s;
+    s.q_start = rows;
+    s.q_len = q_len;
+    s.kv_start = pages;
+    s.kv_len = kv_len;
+    s.layer = layer;
+    s.causal = 1;
+    s.sm_scale = 0.1f;
+    r->task.seqs.push_back(s);
+    rows += q_len;
+    const int32_t n = (kv_len + g.page_size - 1) / g.page_size;
+    for (int32_t i = 0; i < n; ++i) r->idx.push_back(i % g.num_pages);
+    pages += n;
+  }
+  r->q.assign(size_t(rows) * g.num_qo_heads * g.head_dim, 1);
+  r->task.layer = layer;
+  r->task.q = r->q.data();
+  r->task.total_q = rows;
+  r->task.kv_indices = r->idx.data();
+  r->task.num_kv_indices = static_cast<int32_t>(r->idx.size());
+}
+
+struct Packed {
+  PackedBatch b;
+  std::unique_ptr<uint8_t[]> staging;  // uninitialized: Pack writes what it reports
+  std::vector<PrefillSeq> seqs;
+  std::vector<DecodeWorkItem> decode_items;
+  std::vector<PrefillWorkItem> prefill_items;
+};
+
+Packed Pack(const KvGeometry& g, const PackerLimits& lim, std::vector<Request>& reqs) {
+  Packed p;
+  BatchPacker packer(g, lim);
+  const int64_t capacity = packer.InputCapacity();
+  p.staging.reset(new uint8_t[capacity]);
+  std::vector<PrefillTask> tasks;
+  for (Request& r : reqs) tasks.push_back(r.task);
+  const absl::Status st = packer.Pack(tasks, p.staging.get(), capacity, &p.b);
+  EXPECT_TRUE(st.ok()) << st;
+  p.seqs.resize(p.b.num_seqs);
+  std::memcpy(p.seqs.data(), p.staging.get() + p.b.off_seqs, p.seqs.size() * sizeof(PrefillSeq));
+  p.decode_items.resize(p.b.num_decode_items);
+  std::memcpy(p.decode_items.data(), p.staging.get() + p.b.off_decode_items,
+              p.decode_items.size() * sizeof(DecodeWorkItem));
+  p.prefill_items.resize(p.b.num_items);
+  std::memcpy(p.prefill_items.data(), p.staging.get() + p.b.off_items,
+              p.prefill_items.size() * sizeof(PrefillWorkItem));
+  return p;
+}
+
+// Which family covers each batch sequence, from the packed work items.
+void Coverage(const Packed& p, std::vector<int>* by_decode, std::vector<int>* by_prefill) {
+  by_decode->assign(p.seqs.size(), 0);
+  by_prefill->assign(p.seqs.size(), 0);
+  for (const DecodeWorkItem& it : p.decode_items) (*by_decode)[it.seq]++;
+  for (const PrefillWorkItem& it : p.prefill_items) (*by_prefill)[it.seq]++;
+}
+
+TEST(BatchPacker, DecodeBatchRunsOnlyTheDecodeFamily) {
+  const KvGeometry g = Geo(32, 4, 128, 16);
+  std::vector<Request> reqs(3);
+  MakeRequest(g, {{1, 4096}, {1, 100}}, 0, &reqs[0]);
+  MakeRequest(g, {{8, 300}}, 1, &reqs[1]);          // speculative, 8 rows
+  MakeRequest(g, {{4, 1}, {1, 2000}}, 0, &reqs[2]);
+  const Packed p = Pack(g, Limits(true), reqs);
+  EXPECT_EQ(p.b.num_seqs, 5);
+  EXPECT_EQ(p.b.num_decode_seqs, 5);
+  EXPECT_EQ(p.b.num_items, 0);
+  EXPECT_EQ(p.b.num_merges, 0);
+  EXPECT_GT(p.b.num_decode_items, 0);
+  EXPECT_EQ(p.b.decode_tile_rows, 32);  // 8 rows x group 8 = 64 packed rows: 2 tiles of 32
+  std::vector<int> dec, pre;
+  Coverage(p, &dec, &pre);
+  for (size_t i = 0; i < p.seqs.size(); ++i) {
+    EXPECT_GE(dec[i], g.num_kv_heads) << "seq " << i;
+    EXPECT_EQ(pre[i], 0) << "seq " << i;
+  }
+  // The staged sequences keep their real q_len (the decode kernel reads them)
+  // and batch-global offsets.
+  EXPECT_EQ(p.seqs[2].q_len, 8);
+  EXPECT_EQ(p.seqs[2].q_start, 2);
+  EXPECT_EQ(p.seqs[2].layer, 1);
+  EXPECT_EQ(p.seqs[3].q_start, 10);
+}
+
+TEST(BatchPacker, MixedBatchRoutesEachSequenceToOneFamily) {
+  const KvGeometry g = Geo(16, 2, 64, 1);
+  std::vector<Request> reqs(2);
+  MakeRequest(g, {{1, 700}, {9, 900}, {8, 50}}, 0, &reqs[0]);
+  MakeRequest(g, {{300, 300}, {2, 5000}, {0, 10}}, 1, &reqs[1]);
+  const Packed p = Pack(g, Limits(true), reqs);
+  ASSERT_EQ(p.b.num_seqs, 5);  // q_len 0 dropped
+  EXPECT_EQ(p.b.num_decode_seqs, 3);
+  EXPECT_GT(p.b.num_items, 0);
+  EXPECT_GT(p.b.num_decode_items, 0);
+  std::vector<int> dec, pre;
+  Coverage(p, &dec, &pre);
+  for (size_t i = 0; i < p.seqs.size(); ++i) {
+    const bool decode = p.seqs[i].q_len <= kMaxDecodeQueryRows;
+    EXPECT_EQ(dec[i] > 0, decode) << "seq " << i << " q_len " << p.seqs[i].q_len;
+    EXPECT_EQ(pre[i] > 0, !decode) << "seq " << i << " q_len " << p.seqs[i].q_len;
+  }
+  // 1 x 5000 of 2 KV heads is worth a split on 132 SMs.
+  EXPECT_GT(p.b.decode_split_tiles, 0);
+}
+
+TEST(BatchPacker, DecodeOffRoutesEverythingToPrefill) {
+  const KvGeometry g = Geo(32, 4, 128, 16);
+  std::vector<Request> reqs(1);
+  MakeRequest(g, {{1, 4096}, {3, 100}, {64, 64}}, 0, &reqs[0]);
+  const Packed p = Pack(g, Limits(false), reqs);
+  EXPECT_EQ(p.b.num_decode_seqs, 0);
+  EXPECT_EQ(p.b.num_decode_items, 0);
+  std::vector<int> dec, pre;
+  Coverage(p, &dec, &pre);
+  for (size_t i = 0; i < p.seqs.size(); ++i) EXPECT_GT(pre[i], 0) << "seq " << i;
+}
+
+TEST(BatchPacker, UnsupportedGeometryFallsBackToPrefill) {
+  KvGeometry g = Geo(8, 2, 96, 16);  // head_dim 96: no decode kernel
+  std::vector<Request> reqs(1);
+  MakeRequest(g, {{1, 500}}, 0, &reqs[0]);
+  const Packed p = Pack(g, Limits(true), reqs);
+  EXPECT_EQ(p.b.num_decode_items, 0);
+  EXPECT_GT(p.b.num_items, 0);
+}
+
+// Random mixed batches: every sequence is covered by exactly the family its
+// q_len selects, and the decode items fit the workspace the limits give.
+TEST(BatchPacker, RandomMixedBatches) {
+  std::mt19937 rng(14);
+  for (int it = 0; it < 120; ++it) {
+    const int ps = (int[]){1, 16, 64}[rng() % 3];
+    const int d = (int[]){64, 128, 256}[rng() % 3];
+    const int kvh = 1 + rng() % 4;
+    const KvGeometry g = Geo(kvh * (1 << (rng() % 4)), kvh, d, ps);
+    std::vector<Request> reqs(1 + rng() % 4);
+    for (Request& r : reqs) {
+      std::vector<std::pair<int, int>> shapes;
+      const int n = 1 + rng() % 5;
+      for (int s = 0; s < n; ++s) {
+        const int q_len = rng() % 3 == 0 ? 1 + rng() % 200 : rng() % 9;
+        shapes.push_back({q_len, static_cast<int>(rng() % 6000)});
+      }
+      MakeRequest(g, shapes, rng() % 2, &r);
+    }
+    const bool decode = rng() % 4 != 0;
+    const PackerLimits lim = Limits(decode);
+    const Packed p = Pack(g, lim, reqs);
+    std::vector<int> dec, pre;
+    Coverage(p, &dec, &pre);
+    int decode_seqs = 0;
+    for (size_t i = 0; i < p.seqs.size(); ++i) {
+      ASSERT_GT(p.seqs[i].q_len, 0);
+      const bool want_decode = decode && p.seqs[i].q_len <= kMaxDecodeQueryRows;
+      decode_seqs += want_decode;
+      EXPECT_EQ(dec[i] > 0, want_decode) << "batch " << it << " seq " << i;
+      EXPECT_EQ(pre[i] > 0, !want_decode) << "batch " << it << " seq " << i;
+    }
+    EXPECT_EQ(p.b.num_decode_seqs, decode_seqs);
+    int64_t slots = 0;
+    for (const DecodeWorkItem& di : p.decode_items) {
+      if (di.split_tile >= 0) slots = std::max<int64_t>(slots, di.part_begin + di.num_chunks);
+    }
+    EXPECT_LE(slots, DecodePartialSlots(lim, d));
+    EXPECT_LE(p.b.decode_split_tiles, DecodePartialSlots(lim, d));
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
