@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/transport.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -88,6 +89,15 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   // connection among channels of the same target), so that N clients in
   // attnbench or the tests really are N concurrent connections.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  for (const TransportArg& arg : TransportArgs(options.transport_tuning)) {
+    args.SetInt(arg.name, arg.value);
+  }
+  std::vector<std::string> arg_names;
+  std::string arg_error;
+  for (const TransportArg& arg : ParseTransportArgs(options.grpc_args, &arg_names, &arg_error)) {
+    args.SetInt(arg.name, arg.value);
+  }
+  if (!arg_error.empty()) return absl::InvalidArgumentError(absl::StrCat("grpc_args: ", arg_error));
   c->channel_ = grpc::CreateCustomChannel(options.target, creds, args);
   c->stub_ = v1::AttentionService::NewStub(c->channel_);
   if (!options.fetch_info) return c;

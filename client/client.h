@@ -44,6 +44,10 @@ struct ClientOptions {
   // Connect waits this long for the server to become reachable (a refused or
   // failed first connection is retried within it) before giving up.
   double connect_timeout_s = 10;
+  // gRPC's HTTP/2 and TCP settings for large tensors (common/transport.h);
+  // false: gRPC's defaults. grpc_args: "NAME=INT,..." applied after them.
+  bool transport_tuning = true;
+  std::string grpc_args;
   // Read the geometry (GetServerInfo) at connect time. Health checks need no
   // credentials and skip it.
   bool fetch_info = true;

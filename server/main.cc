@@ -70,6 +70,12 @@ ABSL_FLAG(int64_t, plan_idle_timeout_s, 300,
 ABSL_FLAG(std::string, reflection, "auto",
           "serve gRPC server reflection: on, off, or auto (on only without --auth_tokens_file: "
           "reflection answers without a token)");
+ABSL_FLAG(bool, transport_tuning, true,
+          "gRPC HTTP/2 and TCP settings for large tensors (docs/transport.md); false: gRPC's "
+          "defaults (for A/B measurements)");
+ABSL_FLAG(std::string, grpc_args, "",
+          "extra gRPC channel arguments NAME=INT,... applied after --transport_tuning's "
+          "(experiments)");
 ABSL_FLAG(int32_t, max_tenant_queue_requests, 0,
           "queued requests of one tenant before RESOURCE_EXHAUSTED (0: --max_queue_requests)");
 
@@ -197,6 +203,8 @@ int Run() {
   server_options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   server_options.max_message_bytes = core_options.max_message_bytes;
   server_options.access_log = absl::GetFlag(FLAGS_access_log);
+  server_options.transport_tuning = absl::GetFlag(FLAGS_transport_tuning);
+  server_options.grpc_args = absl::GetFlag(FLAGS_grpc_args);
   const std::string reflection = absl::GetFlag(FLAGS_reflection);
   if (reflection != "auto" && reflection != "on" && reflection != "off") {
     spdlog::error("--reflection={} must be auto, on or off", reflection);

@@ -34,10 +34,12 @@ class AsyncClient(_Core):
                  tls: bool = False, tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
                  tls_key: Optional[str] = None, timeout: Optional[float] = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, out: str = "numpy",
-                 channel_options: Iterable = (), connect_timeout: float = 10.0):
+                 channel_options: Iterable = (), connect_timeout: float = 10.0,
+                 transport_tuning: bool = True):
         super().__init__(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                          tls_key=tls_key, timeout=timeout, max_message_bytes=max_message_bytes,
-                         out=out, channel_options=channel_options)
+                         out=out, channel_options=channel_options,
+                         transport_tuning=transport_tuning)
         self.connect_timeout = connect_timeout
         self._info_lock: Optional[asyncio.Lock] = None  # made in the loop that uses it
         self._open()

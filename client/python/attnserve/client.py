@@ -172,12 +172,26 @@ def _read(path: Optional[str]) -> Optional[bytes]:
 _Request = tuple  # (method: str, request: bytes, parse: Callable[[bytes], Any])
 
 
+# gRPC's HTTP/2 and TCP settings for large tensors: the same names and values
+# as common/transport.h (docs/transport.md, "TCP").
+TRANSPORT_OPTIONS = (
+    ("grpc.http2.max_frame_size", 4 << 20),
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 64 << 20),
+    ("grpc.http2.write_buffer_size", 8 << 20),
+    ("grpc.experimental.tcp_read_chunk_size", 1 << 20),
+    ("grpc.experimental.tcp_min_read_chunk_size", 256 << 10),
+    ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
+)
+
+
 class _Core:
     """State and wire encoding shared by Client and AsyncClient."""
 
     def __init__(self, target: str, *, token: Optional[str], tls: bool, tls_ca: Optional[str],
                  tls_cert: Optional[str], tls_key: Optional[str], timeout: Optional[float],
-                 max_message_bytes: int, out: str, channel_options: Iterable = ()):
+                 max_message_bytes: int, out: str, channel_options: Iterable = (),
+                 transport_tuning: bool = True):
         if out not in ("numpy", "torch", "raw"):
             raise ValueError(f"out must be 'numpy', 'torch' or 'raw', not {out!r}")
         if bool(tls_cert) != bool(tls_key):
@@ -192,6 +206,7 @@ class _Core:
             ("grpc.max_receive_message_length", limit),
             # Each client its own connection, as the C++ client does.
             ("grpc.use_local_subchannel_pool", 1),
+            *(TRANSPORT_OPTIONS if transport_tuning else ()),
             *channel_options,
         ]
         self._credentials = None
@@ -408,6 +423,8 @@ class Client(_Core):
       connect_timeout: with fetch_info, wait this long (at most `timeout`) for
         the server to become reachable, retrying a failed first connection,
         before raising Unavailable.
+      transport_tuning: gRPC settings for large tensors (TRANSPORT_OPTIONS);
+        False: gRPC's defaults. channel_options are applied after them.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", *, token: Optional[str] = None,
@@ -415,10 +432,11 @@ class Client(_Core):
                  tls_key: Optional[str] = None, timeout: Optional[float] = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, out: str = "numpy",
                  fetch_info: bool = True, channel_options: Iterable = (),
-                 connect_timeout: float = 10.0):
+                 connect_timeout: float = 10.0, transport_tuning: bool = True):
         super().__init__(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                          tls_key=tls_key, timeout=timeout, max_message_bytes=max_message_bytes,
-                         out=out, channel_options=channel_options)
+                         out=out, channel_options=channel_options,
+                         transport_tuning=transport_tuning)
         self.connect_timeout = connect_timeout
         self._open()
         if fetch_info:
