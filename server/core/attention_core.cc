@@ -123,7 +123,7 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
       incarnation_(MakeIncarnation()),
       pages_(backend_->Geometry().num_pages, options.tenant_max_pages, options.scrub_freed_pages),
       plans_(options.max_plans_per_tenant, absl::Seconds(options.plan_idle_timeout_s)),
-      regions_(options.regions, nullptr) {
+      regions_(options.regions, backend_->region_device()) {
   limits_.max_message_bytes = options.max_message_bytes;
   limits_.max_request_rows = MaxRequestRows(options, backend_->Geometry());
   limits_.max_request_kv_indices = options.max_request_kv_indices;

@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "server/backend/region_device.h"
 
 namespace attnserve {
 
@@ -53,27 +54,6 @@ struct RegionSpec {
   std::string ipc_handle;
   int32_t device_id = 0;
   int64_t byte_size = 0;
-};
-
-// Device hooks for regions, supplied by the backend that will read and
-// write them. The defaults are the CPU backend's: host memory is used as it
-// is, and CUDA regions are refused.
-class RegionDevice {
- public:
-  virtual ~RegionDevice() = default;
-  // Page-locks [data, data + bytes) so that the device's copy engines reach
-  // it directly; false when that is not done (the region still works, the
-  // backend copies through its staging buffers).
-  virtual bool RegisterHost(void* data, int64_t bytes) { return false; }
-  virtual void UnregisterHost(void* data) {}
-  // Opens a CUDA IPC handle (64 bytes) on `device_id`; the returned device
-  // pointer stays valid until CloseIpc.
-  virtual absl::StatusOr<void*> OpenIpc(absl::string_view handle, int32_t device_id,
-                                        int64_t bytes) {
-    return absl::FailedPreconditionError(
-        "cuda regions need the CUDA backend (this server runs without one)");
-  }
-  virtual void CloseIpc(void* device_ptr) {}
 };
 
 // One mapped region. Unmapped (and unregistered / closed) when the last
