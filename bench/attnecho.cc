@@ -17,6 +17,7 @@
 #include "absl/flags/flag.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "common/transport.h"
 #include "common/usage.h"
 #include "grpcpp/grpcpp.h"
 
@@ -32,6 +33,11 @@ ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response 
 ABSL_FLAG(bool, respond_from_worker, false,
           "answer Prefill from one worker thread, as attnserve's scheduler does, "
           "instead of inside the RPC handler (measures that hand-off)");
+
+ABSL_FLAG(bool, transport_tuning, true,
+          "gRPC HTTP/2 and TCP settings for large tensors, as attnserve's --transport_tuning; "
+          "false: gRPC's defaults");
+ABSL_FLAG(std::string, grpc_args, "", "extra gRPC channel arguments NAME=INT,... (experiments)");
 
 namespace attnserve {
 namespace {
@@ -188,6 +194,20 @@ int main(int argc, char** argv) {
   const std::string listen = absl::GetFlag(FLAGS_listen);
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
+  for (const attnserve::TransportArg& arg :
+       attnserve::TransportArgs(absl::GetFlag(FLAGS_transport_tuning))) {
+    builder.AddChannelArgument(arg.name, arg.value);
+  }
+  std::vector<std::string> arg_names;
+  std::string arg_error;
+  for (const attnserve::TransportArg& arg :
+       attnserve::ParseTransportArgs(absl::GetFlag(FLAGS_grpc_args), &arg_names, &arg_error)) {
+    builder.AddChannelArgument(arg.name, arg.value);
+  }
+  if (!arg_error.empty()) {
+    std::cerr << "attnecho: --grpc_args: " << arg_error << "\n";
+    return 2;
+  }
   const int max_bytes = static_cast<int>(
       std::min<int64_t>(absl::GetFlag(FLAGS_max_message_bytes) + (1 << 20), INT32_MAX));
   builder.SetMaxReceiveMessageSize(max_bytes);

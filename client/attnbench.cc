@@ -14,6 +14,13 @@
 // in a KvMirror); the timed loop only sends Prefill. --verify compares every
 // response with the float64 reference. Exit code 0 only when no request failed
 // and (with --verify) none was wrong.
+//
+// --shm: each client registers a POSIX shm region (the server needs
+// --allow_shared_memory and must share the host) and its requests name it
+// for q, the output and the LSE instead of carrying them (docs/transport.md).
+// The query is written into the region before the clock starts, as an
+// engine that computes it there would have it; the latency is the Prefill
+// call alone.
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -23,6 +30,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -43,6 +51,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/cli_flags.h"
 #include "client/client.h"
+#include "client/shared_memory.h"
 #include "client/workload.h"
 #include "common/usage.h"
 
@@ -58,6 +67,9 @@ ABSL_FLAG(double, duration_s, 0,
           "run for this long (seconds); 0: until --requests, or 10 s without --requests");
 ABSL_FLAG(int64_t, requests, 0, "stop after this many requests (0: only --duration_s)");
 ABSL_FLAG(bool, verify, false, "check every response against the float64 reference");
+ABSL_FLAG(bool, shm, false,
+          "send q and receive the output and LSE through a shared-memory region per client "
+          "(server on this host with --allow_shared_memory)");
 ABSL_FLAG(std::string, metrics, "", "HOST:PORT of the server's /metrics, for requests per launch");
 ABSL_FLAG(std::string, json, "", "also write the results as JSON to this path");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
@@ -215,7 +227,7 @@ class Stats {
 class Worker {
  public:
   absl::Status SetUp(const ClientOptions& options, const std::vector<ShapeSpec>& specs,
-                     uint64_t seed, bool verify) {
+                     uint64_t seed, bool verify, int index) {
     auto client = Client::Connect(options);
     if (!client.ok()) return client.status();
     client_ = *std::move(client);
@@ -259,6 +271,20 @@ class Worker {
         }
       }
     }
+    if (absl::GetFlag(FLAGS_shm)) {
+      // One region for the largest shape: q at 0, then the output, then the LSE.
+      int64_t rows = 0;
+      for (const Shape& sh : shapes_) rows = std::max(rows, sh.in.total_q());
+      const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim * KvDTypeBytes(g.dtype);
+      o_at_ = (rows * q_row + 4095) / 4096 * 4096;
+      lse_at_ = o_at_ + (rows * q_row + 4095) / 4096 * 4096;
+      region_ = absl::StrCat("attnbench-", getpid(), "-", index);
+      auto shm = SharedMemory::Create("/" + region_, std::max<int64_t>(lse_at_ + rows * g.num_qo_heads * 4, 1));
+      if (!shm.ok()) return shm.status();
+      shm_ = *std::move(shm);
+      absl::Status s = client_->RegisterSystemRegion(region_, shm_->key(), 0, shm_->size());
+      if (!s.ok()) return s;
+    }
     return absl::OkStatus();
   }
 
@@ -266,8 +292,28 @@ class Worker {
   // in the open loop).
   void SendOne(Clock::time_point start, bool verify, Stats* stats) {
     const Shape& shape = shapes_[next_++ % shapes_.size()];
-    auto out = client_->Prefill(ArgsOf(shape.in));
+    PrefillArgs args = ArgsOf(shape.in);
+    const int64_t q_bytes = static_cast<int64_t>(shape.in.q.size()) * 2;
+    const int64_t lse_bytes = q_bytes / (2 * GeometryOf(client_->info()).head_dim) * 4;
+    if (shm_ != nullptr) {
+      // Not timed: the query is where an engine would compute it.
+      const Clock::time_point copy_start = Clock::now();
+      std::memcpy(shm_->data(), shape.in.q.data(), q_bytes);
+      start += Clock::now() - copy_start;
+      args.q = {};
+      args.q_region = RegionRef{region_, 0, q_bytes};
+      args.q_rows = shape.in.total_q();
+      args.output_region = RegionRef{region_, o_at_, q_bytes};
+      args.lse_region = RegionRef{region_, lse_at_, lse_bytes};
+    }
+    auto out = client_->Prefill(args);
     const double latency = Seconds(Clock::now() - start);
+    if (out.ok() && shm_ != nullptr && verify) {
+      out->o.assign(reinterpret_cast<const uint16_t*>(shm_->data() + o_at_),
+                    reinterpret_cast<const uint16_t*>(shm_->data() + o_at_ + q_bytes));
+      out->lse.assign(reinterpret_cast<const float*>(shm_->data() + lse_at_),
+                      reinterpret_cast<const float*>(shm_->data() + lse_at_ + lse_bytes));
+    }
     bool wrong = false;
     if (out.ok() && verify) {
       const KvDType dtype = GeometryOf(client_->info()).dtype;
@@ -279,6 +325,11 @@ class Worker {
   }
 
   void TearDown() {
+    if (client_ != nullptr && shm_ != nullptr) {
+      absl::Status s = client_->UnregisterRegion(region_);
+      if (!s.ok()) std::cerr << "unregister region: " << s.ToString() << "\n";
+      shm_.reset();
+    }
     if (client_ != nullptr && !pages_.empty()) {
       absl::Status s = client_->FreePages(pages_);
       if (!s.ok()) std::cerr << "free pages: " << s.ToString() << "\n";
@@ -291,6 +342,10 @@ class Worker {
   std::unique_ptr<KvMirror> mirror_;
   std::vector<Shape> shapes_;
   size_t next_ = 0;
+  // --shm: the client's region (q at 0, output at o_at_, LSE at lse_at_).
+  std::unique_ptr<SharedMemory> shm_;
+  std::string region_;
+  int64_t o_at_ = 0, lse_at_ = 0;
 };
 
 // The attnserve_batch_requests histogram's sum and count from /metrics.
@@ -424,7 +479,8 @@ int Main() {
     for (int i = 0; i < concurrency; ++i) {
       threads.emplace_back([&, i] {
         setup[i] =
-            workers[i].SetUp(options, specs, absl::GetFlag(FLAGS_seed) * 1000003 + i, verify);
+            workers[i].SetUp(options, specs, absl::GetFlag(FLAGS_seed) * 1000003 + i, verify,
+                                static_cast<int>(i));
       });
     }
     for (auto& t : threads) t.join();

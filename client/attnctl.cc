@@ -7,6 +7,8 @@
 //   attnctl read --layer=0 SLOT...
 //   attnctl prefill --batch=4 --q_len=64 --kv_len=512   (verified; prints errors)
 //   attnctl merge --states=3 --n=16                     (verified)
+//   attnctl regions                      (the caller's shared-memory regions)
+//   attnctl unregister NAME...           (e.g. regions a dead client left)
 //   attnctl health [SERVICE]             (exit 0 only when SERVING)
 #include <cstdio>
 #include <iostream>
@@ -214,6 +216,31 @@ int Main(std::vector<char*> args) {
     }
     return 0;
   }
+  if (cmd == "regions") {
+    auto regions = c.ListRegions();
+    if (!regions.ok()) return Fail(regions.status());
+    for (const v1::RegionInfo& r : *regions) {
+      std::cout << r.name() << " kind=" << r.kind() << " bytes=" << r.byte_size();
+      if (r.kind() == "system") {
+        std::cout << " key=" << r.key() << " offset=" << r.offset()
+                  << " key_exists=" << (r.key_exists() ? "yes" : "no")
+                  << " registered=" << (r.registered() ? "yes" : "no");
+      } else {
+        std::cout << " device=" << r.device_id();
+      }
+      std::cout << " in_use=" << r.in_use() << "\n";
+    }
+    std::cout << regions->size() << " regions\n";
+    return 0;
+  }
+  if (cmd == "unregister") {
+    for (size_t i = 2; i < args.size(); ++i) {
+      absl::Status s = c.UnregisterRegion(args[i]);
+      if (!s.ok()) return Fail(s);
+      std::cout << "unregistered " << args[i] << "\n";
+    }
+    return 0;
+  }
   if (cmd == "prefill") return Prefill(c);
   if (cmd == "merge") return Merge(c);
   std::cerr << "unknown command: " << cmd << "\n" << absl::ProgramUsageMessage() << "\n";
@@ -233,6 +260,8 @@ int main(int argc, char** argv) {
        "  free PAGE...         free pages\n"
        "  write SLOT...        random K/V rows into slots of --layer; prints checksums\n"
        "  read SLOT...         read K/V rows of --layer; prints checksums\n"
+       "  regions              the caller's shared-memory regions (docs/transport.md)\n"
+       "  unregister NAME...   unregister regions (e.g. ones a dead client left)\n"
        "  prefill              a random ragged batch, verified against a float64 reference\n"
        "  merge                random states merged by the server, verified\n"
        "  health [SERVICE]     exit 0 only when SERVING",

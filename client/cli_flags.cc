@@ -12,6 +12,10 @@ ABSL_FLAG(std::string, tls_ca, "", "PEM CA of the server certificate");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate (mTLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM client key (mTLS)");
 ABSL_FLAG(double, timeout_s, 60, "per-call deadline in seconds");
+ABSL_FLAG(bool, transport_tuning, true,
+          "gRPC HTTP/2 and TCP settings for large tensors (docs/transport.md); false: gRPC's "
+          "defaults");
+ABSL_FLAG(std::string, grpc_args, "", "extra gRPC channel arguments NAME=INT,... (experiments)");
 
 namespace attnserve {
 
@@ -27,6 +31,8 @@ ClientOptions ClientOptionsFromFlags() {
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.timeout_s = absl::GetFlag(FLAGS_timeout_s);
+  options.transport_tuning = absl::GetFlag(FLAGS_transport_tuning);
+  options.grpc_args = absl::GetFlag(FLAGS_grpc_args);
   return options;
 }
 

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/transport.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -28,6 +29,19 @@ void SetTensor(v1::Tensor* t, v1::DType dtype, std::initializer_list<int64_t> sh
   t->set_dtype(dtype);
   t->mutable_shape()->Assign(shape.begin(), shape.end());
   t->set_data(data, bytes);
+}
+
+void SetRef(v1::RegionRef* r, const RegionRef& ref) {
+  r->set_name(ref.name);
+  r->set_offset(ref.offset);
+  r->set_byte_size(ref.byte_size);
+}
+
+void SetRegionTensor(v1::Tensor* t, v1::DType dtype, std::initializer_list<int64_t> shape,
+                     const RegionRef& ref) {
+  t->set_dtype(dtype);
+  t->mutable_shape()->Assign(shape.begin(), shape.end());
+  SetRef(t->mutable_region(), ref);
 }
 
 template <typename T>
@@ -88,6 +102,15 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   // connection among channels of the same target), so that N clients in
   // attnbench or the tests really are N concurrent connections.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  for (const TransportArg& arg : TransportArgs(options.transport_tuning)) {
+    args.SetInt(arg.name, arg.value);
+  }
+  std::vector<std::string> arg_names;
+  std::string arg_error;
+  for (const TransportArg& arg : ParseTransportArgs(options.grpc_args, &arg_names, &arg_error)) {
+    args.SetInt(arg.name, arg.value);
+  }
+  if (!arg_error.empty()) return absl::InvalidArgumentError(absl::StrCat("grpc_args: ", arg_error));
   c->channel_ = grpc::CreateCustomChannel(options.target, creds, args);
   c->stub_ = v1::AttentionService::NewStub(c->channel_);
   if (!options.fetch_info) return c;
@@ -201,9 +224,14 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
   v1::PrefillRequest req;
   req.set_layer(a.layer);
   const int64_t row = int64_t{info_.num_qo_heads()} * info_.head_dim();
-  const int64_t total_q = row == 0 ? 0 : static_cast<int64_t>(a.q.size()) / row;
-  SetTensor(req.mutable_q(), WireDType(info_), {total_q, info_.num_qo_heads(), info_.head_dim()},
-            a.q.data(), a.q.size() * sizeof(uint16_t));
+  if (a.q_region) {
+    SetRegionTensor(req.mutable_q(), WireDType(info_),
+                    {a.q_rows, info_.num_qo_heads(), info_.head_dim()}, *a.q_region);
+  } else {
+    const int64_t total_q = row == 0 ? 0 : static_cast<int64_t>(a.q.size()) / row;
+    SetTensor(req.mutable_q(), WireDType(info_),
+              {total_q, info_.num_qo_heads(), info_.head_dim()}, a.q.data(), a.q.size() * sizeof(uint16_t));
+  }
   req.mutable_qo_indptr()->Assign(a.qo_indptr.begin(), a.qo_indptr.end());
   req.mutable_kv_indptr()->Assign(a.kv_indptr.begin(), a.kv_indptr.end());
   req.mutable_kv_indices()->Assign(a.kv_indices.begin(), a.kv_indices.end());
@@ -211,7 +239,8 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
   if (a.sm_scale) req.set_sm_scale(*a.sm_scale);
   if (a.causal) req.set_causal(*a.causal);
   req.set_lse_base(a.lse_base_e ? v1::LSE_BASE_E : v1::LSE_BASE_2);
-  if (!a.append_slots.empty() || !a.append_k.empty()) {
+  const bool append_in_region = a.append_k_region || a.append_v_region;
+  if (!append_in_region && (!a.append_slots.empty() || !a.append_k.empty())) {
     // With a plan the slots are the plan's: the rows come from append_k.
     const int64_t row = int64_t{info_.num_kv_heads()} * info_.head_dim();
     const int64_t n = !a.append_slots.empty() ? static_cast<int64_t>(a.append_slots.size())
@@ -224,7 +253,21 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
     SetTensor(req.mutable_append_v(), WireDType(info_),
               {n, info_.num_kv_heads(), info_.head_dim()}, a.append_v.data(),
               a.append_v.size() * sizeof(uint16_t));
+  } else if (append_in_region) {
+    const int64_t n = !a.append_slots.empty() ? static_cast<int64_t>(a.append_slots.size())
+                                              : a.append_rows;
+    req.mutable_append_slots()->Assign(a.append_slots.begin(), a.append_slots.end());
+    if (a.append_k_region) {
+      SetRegionTensor(req.mutable_append_k(), WireDType(info_),
+                      {n, info_.num_kv_heads(), info_.head_dim()}, *a.append_k_region);
+    }
+    if (a.append_v_region) {
+      SetRegionTensor(req.mutable_append_v(), WireDType(info_),
+                      {n, info_.num_kv_heads(), info_.head_dim()}, *a.append_v_region);
+    }
   }
+  if (a.output_region) SetRef(req.mutable_output_region(), *a.output_region);
+  if (a.lse_region) SetRef(req.mutable_lse_region(), *a.lse_region);
   req.set_expected_incarnation(a.expected_incarnation != 0 ? a.expected_incarnation
                                                            : incarnation());
   req.set_plan_id(a.plan_id);
@@ -282,6 +325,89 @@ absl::StatusOr<State> Client::MergeStates(absl::Span<const State> states, int64_
   grpc::Status s = stub_->MergeStates(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
   return State{FromBytes<uint16_t>(resp.v().data()), FromBytes<float>(resp.lse().data())};
+}
+
+absl::Status Client::RegisterSystemRegion(const std::string& name, const std::string& key,
+                                          int64_t offset, int64_t byte_size) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::RegisterRegionRequest req;
+  req.set_name(name);
+  req.mutable_system()->set_key(key);
+  req.mutable_system()->set_offset(offset);
+  req.mutable_system()->set_byte_size(byte_size);
+  v1::RegisterRegionResponse resp;
+  grpc::Status s = stub_->RegisterRegion(&ctx, req, &resp);
+  if (s.ok()) Learn(resp.incarnation());
+  return FromGrpc(s);
+}
+
+absl::Status Client::RegisterCudaRegion(const std::string& name, const std::string& ipc_handle,
+                                        int32_t device_id, int64_t byte_size) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::RegisterRegionRequest req;
+  req.set_name(name);
+  req.mutable_cuda()->set_ipc_handle(ipc_handle);
+  req.mutable_cuda()->set_device_id(device_id);
+  req.mutable_cuda()->set_byte_size(byte_size);
+  v1::RegisterRegionResponse resp;
+  grpc::Status s = stub_->RegisterRegion(&ctx, req, &resp);
+  if (s.ok()) Learn(resp.incarnation());
+  return FromGrpc(s);
+}
+
+absl::Status Client::UnregisterRegion(const std::string& name) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::UnregisterRegionRequest req;
+  req.set_name(name);
+  v1::UnregisterRegionResponse resp;
+  return FromGrpc(stub_->UnregisterRegion(&ctx, req, &resp));
+}
+
+absl::StatusOr<std::vector<v1::RegionInfo>> Client::ListRegions() {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::ListRegionsResponse resp;
+  grpc::Status s = stub_->ListRegions(&ctx, v1::ListRegionsRequest(), &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return std::vector<v1::RegionInfo>(resp.regions().begin(), resp.regions().end());
+}
+
+absl::Status Client::WriteKVFromRegions(int32_t layer, absl::Span<const int64_t> slots,
+                                        const RegionRef& k, const RegionRef& v) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::WriteKVRequest req;
+  req.set_layer(layer);
+  req.mutable_slots()->Assign(slots.begin(), slots.end());
+  const int64_t n = static_cast<int64_t>(slots.size());
+  SetRegionTensor(req.mutable_k(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
+                  k);
+  SetRegionTensor(req.mutable_v(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
+                  v);
+  req.set_expected_incarnation(incarnation());
+  v1::WriteKVResponse resp;
+  grpc::Status s = stub_->WriteKV(&ctx, req, &resp);
+  if (s.ok()) Learn(resp.incarnation());
+  return FromGrpc(s);
+}
+
+absl::Status Client::ReadKVToRegions(int32_t layer, absl::Span<const int64_t> slots,
+                                     const RegionRef& k, const RegionRef& v) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::ReadKVRequest req;
+  req.set_layer(layer);
+  req.mutable_slots()->Assign(slots.begin(), slots.end());
+  req.set_expected_incarnation(incarnation());
+  SetRef(req.mutable_k_region(), k);
+  SetRef(req.mutable_v_region(), v);
+  v1::ReadKVResponse resp;
+  grpc::Status s = stub_->ReadKV(&ctx, req, &resp);
+  if (s.ok()) Learn(resp.incarnation());
+  return FromGrpc(s);
 }
 
 absl::Status Client::Health(const std::string& service) {

@@ -44,9 +44,21 @@ struct ClientOptions {
   // Connect waits this long for the server to become reachable (a refused or
   // failed first connection is retried within it) before giving up.
   double connect_timeout_s = 10;
+  // gRPC's HTTP/2 and TCP settings for large tensors (common/transport.h);
+  // false: gRPC's defaults. grpc_args: "NAME=INT,..." applied after them.
+  bool transport_tuning = true;
+  std::string grpc_args;
   // Read the geometry (GetServerInfo) at connect time. Health checks need no
   // credentials and skip it.
   bool fetch_info = true;
+};
+
+// A byte range of a registered shared-memory region (docs/transport.md),
+// named by a tensor instead of its bytes.
+struct RegionRef {
+  std::string name;
+  int64_t offset = 0;
+  int64_t byte_size = 0;
 };
 
 struct PrefillArgs {
@@ -66,6 +78,17 @@ struct PrefillArgs {
   // A plan from CreatePlan: then qo_indptr .. kv_last_page_len and
   // append_slots stay empty, and append_k/append_v have the plan's rows.
   uint64_t plan_id = 0;
+  // Tensors in regions instead of the spans above (which then stay empty).
+  // With a region q, total_q comes from q_rows.
+  std::optional<RegionRef> q_region;
+  int64_t q_rows = 0;
+  std::optional<RegionRef> append_k_region;  // rows: append_slots.size(), or append_rows
+  std::optional<RegionRef> append_v_region;
+  int64_t append_rows = 0;
+  // Both or neither: the output and the LSE are written there, and the
+  // result's o and lse stay empty.
+  std::optional<RegionRef> output_region;
+  std::optional<RegionRef> lse_region;
 };
 
 // A step's layout for CreatePlan (the same arrays as PrefillArgs).
@@ -119,6 +142,24 @@ class Client {
   // States each (n, h, d) with LSE (n, h).
   absl::StatusOr<State> MergeStates(absl::Span<const State> states, int64_t n, int32_t h,
                                     int32_t d, bool lse_base_e);
+  // Shared-memory regions (docs/transport.md); the server must run with
+  // --allow_shared_memory. A system region maps [offset, offset + byte_size)
+  // of the POSIX shm object `key` (e.g. from SharedMemory in
+  // client/shared_memory.h); a CUDA region the device memory a
+  // cudaIpcMemHandle_t (64 bytes) exports.
+  absl::Status RegisterSystemRegion(const std::string& name, const std::string& key,
+                                    int64_t offset, int64_t byte_size);
+  absl::Status RegisterCudaRegion(const std::string& name, const std::string& ipc_handle,
+                                  int32_t device_id, int64_t byte_size);
+  absl::Status UnregisterRegion(const std::string& name);
+  absl::StatusOr<std::vector<v1::RegionInfo>> ListRegions();
+  // WriteKV with k and v read from regions (n = slots.size() rows each).
+  absl::Status WriteKVFromRegions(int32_t layer, absl::Span<const int64_t> slots,
+                                  const RegionRef& k, const RegionRef& v);
+  // ReadKV with the rows written to regions.
+  absl::Status ReadKVToRegions(int32_t layer, absl::Span<const int64_t> slots,
+                               const RegionRef& k, const RegionRef& v);
+
   // The server incarnation this client expects (0 before any answer).
   uint64_t incarnation() const { return incarnation_.load(std::memory_order_relaxed); }
   // Accept whatever incarnation answers next (after a restart, once the

@@ -77,6 +77,18 @@ ABSL_FLAG(int64_t, plan_idle_timeout_s, 300,
 ABSL_FLAG(std::string, reflection, "auto",
           "serve gRPC server reflection: on, off, or auto (on only without --auth_tokens_file: "
           "reflection answers without a token)");
+ABSL_FLAG(bool, allow_shared_memory, false,
+          "serve RegisterRegion: clients may name shared-memory regions (POSIX shm, CUDA IPC) "
+          "instead of sending tensor bytes; trusts them as docs/transport.md says");
+ABSL_FLAG(int32_t, max_regions_per_tenant, 16, "shared-memory regions one tenant may hold");
+ABSL_FLAG(int64_t, max_region_bytes_per_tenant, int64_t{64} << 30,
+          "bytes of shared-memory regions one tenant may hold");
+ABSL_FLAG(bool, transport_tuning, true,
+          "gRPC HTTP/2 and TCP settings for large tensors (docs/transport.md); false: gRPC's "
+          "defaults (for A/B measurements)");
+ABSL_FLAG(std::string, grpc_args, "",
+          "extra gRPC channel arguments NAME=INT,... applied after --transport_tuning's "
+          "(experiments)");
 ABSL_FLAG(int32_t, max_tenant_queue_requests, 0,
           "queued requests of one tenant before RESOURCE_EXHAUSTED (0: --max_queue_requests)");
 
@@ -166,6 +178,14 @@ int Run() {
   core_options.max_tenant_queue_requests = absl::GetFlag(FLAGS_max_tenant_queue_requests);
   core_options.max_plans_per_tenant = absl::GetFlag(FLAGS_max_plans_per_tenant);
   core_options.plan_idle_timeout_s = absl::GetFlag(FLAGS_plan_idle_timeout_s);
+  core_options.regions.enabled = absl::GetFlag(FLAGS_allow_shared_memory);
+  core_options.regions.max_regions_per_tenant = absl::GetFlag(FLAGS_max_regions_per_tenant);
+  core_options.regions.max_bytes_per_tenant = absl::GetFlag(FLAGS_max_region_bytes_per_tenant);
+  if (core_options.regions.max_regions_per_tenant < 1 ||
+      core_options.regions.max_bytes_per_tenant < 1) {
+    spdlog::error("--max_regions_per_tenant and --max_region_bytes_per_tenant must be at least 1");
+    return 2;
+  }
   if (core_options.max_plans_per_tenant < 1 || core_options.plan_idle_timeout_s < 1) {
     spdlog::error("--max_plans_per_tenant and --plan_idle_timeout_s must be at least 1");
     return 2;
@@ -216,6 +236,8 @@ int Run() {
   server_options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   server_options.max_message_bytes = core_options.max_message_bytes;
   server_options.access_log = absl::GetFlag(FLAGS_access_log);
+  server_options.transport_tuning = absl::GetFlag(FLAGS_transport_tuning);
+  server_options.grpc_args = absl::GetFlag(FLAGS_grpc_args);
   const std::string reflection = absl::GetFlag(FLAGS_reflection);
   if (reflection != "auto" && reflection != "on" && reflection != "off") {
     spdlog::error("--reflection={} must be auto, on or off", reflection);

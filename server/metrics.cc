@@ -92,10 +92,22 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   kv_used_ = &pages.Add({{"state", "used"}});
   auto& bytes = prometheus::BuildCounter()
                     .Name("attnserve_transfer_bytes_total")
-                    .Help("Request bytes received (in) and response bytes sent (out)")
+                    .Help("Bytes received (in) and sent (out): whole requests and responses "
+                          "(path inline), tensor bytes in shared-memory regions (system, cuda)")
                     .Register(*registry_);
-  bytes_in_ = &bytes.Add({{"direction", "in"}});
-  bytes_out_ = &bytes.Add({{"direction", "out"}});
+  static const char* const kPaths[] = {"inline", "system", "cuda"};
+  for (int p = 0; p < 3; ++p) {
+    bytes_in_[p] = &bytes.Add({{"direction", "in"}, {"path", kPaths[p]}});
+    bytes_out_[p] = &bytes.Add({{"direction", "out"}, {"path", kPaths[p]}});
+  }
+  tenant_regions_ = &prometheus::BuildGauge()
+                         .Name("attnserve_tenant_regions")
+                         .Help("Shared-memory regions a tenant holds")
+                         .Register(*registry_);
+  tenant_region_bytes_ = &prometheus::BuildGauge()
+                             .Name("attnserve_tenant_region_bytes")
+                             .Help("Bytes of the shared-memory regions a tenant holds")
+                             .Register(*registry_);
   inflight_ = &prometheus::BuildGauge()
                    .Name("attnserve_inflight_requests")
                    .Help("RPCs being handled")
@@ -124,6 +136,9 @@ const char* Metrics::RpcName(Rpc rpc) {
     case Rpc::kMergeStates: return "MergeStates";
     case Rpc::kCreatePlan: return "CreatePlan";
     case Rpc::kReleasePlan: return "ReleasePlan";
+    case Rpc::kRegisterRegion: return "RegisterRegion";
+    case Rpc::kUnregisterRegion: return "UnregisterRegion";
+    case Rpc::kListRegions: return "ListRegions";
     case Rpc::kCount: break;
   }
   return "unknown";
@@ -189,9 +204,16 @@ void Metrics::SetKvPages(int64_t free_pages, int64_t used_pages) {
   kv_used_->Set(static_cast<double>(used_pages));
 }
 
-void Metrics::AddTransferBytes(int64_t in_bytes, int64_t out_bytes) {
-  if (in_bytes > 0) bytes_in_->Increment(static_cast<double>(in_bytes));
-  if (out_bytes > 0) bytes_out_->Increment(static_cast<double>(out_bytes));
+void Metrics::AddTransferBytes(int64_t in_bytes, int64_t out_bytes, Path path) {
+  const int p = static_cast<int>(path);
+  if (in_bytes > 0) bytes_in_[p]->Increment(static_cast<double>(in_bytes));
+  if (out_bytes > 0) bytes_out_[p]->Increment(static_cast<double>(out_bytes));
+}
+
+void Metrics::SetTenantRegions(const std::string& tenant, int64_t count, int64_t bytes) {
+  absl::MutexLock lock(&series_mu_);
+  tenant_regions_->Add({{"tenant", tenant}}).Set(static_cast<double>(count));
+  tenant_region_bytes_->Add({{"tenant", tenant}}).Set(static_cast<double>(bytes));
 }
 
 }  // namespace attnserve

@@ -27,7 +27,7 @@ class Metrics {
   // The RPCs of attnserve.v1.AttentionService (the `method` label).
   enum class Rpc {
     kGetServerInfo, kAllocatePages, kFreePages, kWriteKV, kReadKV, kPrefill, kMergeStates,
-    kCreatePlan, kReleasePlan, kCount
+    kCreatePlan, kReleasePlan, kRegisterRegion, kUnregisterRegion, kListRegions, kCount
   };
   static const char* RpcName(Rpc rpc);
   // The `shape` label: kDecode for a Prefill whose every sequence has at most
@@ -66,7 +66,13 @@ class Metrics {
   enum class Stage { kSubmit, kWait, kUnpack, kFinish };
   void ObserveStage(Stage stage, double seconds);
   void SetKvPages(int64_t free_pages, int64_t used_pages);
-  void AddTransferBytes(int64_t in_bytes, int64_t out_bytes);
+  // Bytes moved, by path: kInline counts whole requests and responses
+  // (tensors and framing); kSystem and kCuda the tensor bytes that
+  // successful requests read from and wrote to regions of that kind.
+  enum class Path { kInline, kSystem, kCuda };
+  void AddTransferBytes(int64_t in_bytes, int64_t out_bytes, Path path = Path::kInline);
+  // Regions a tenant holds and their bytes.
+  void SetTenantRegions(const std::string& tenant, int64_t count, int64_t bytes);
   prometheus::Gauge& inflight() { return *inflight_; }
 
  private:
@@ -77,6 +83,8 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* requests_total_;
   prometheus::Family<prometheus::Histogram>* request_duration_;
   prometheus::Family<prometheus::Gauge>* tenant_pages_;
+  prometheus::Family<prometheus::Gauge>* tenant_regions_;
+  prometheus::Family<prometheus::Gauge>* tenant_region_bytes_;
   prometheus::Family<prometheus::Gauge>* build_info_;
   absl::Mutex series_mu_;  // creates the lazily made series below
   std::atomic<prometheus::Counter*> requests_[kRpcs][kCodes][kShapes] = {};
@@ -94,8 +102,8 @@ class Metrics {
   prometheus::Histogram* batch_stage_[4];
   prometheus::Gauge* kv_free_;
   prometheus::Gauge* kv_used_;
-  prometheus::Counter* bytes_in_;
-  prometheus::Counter* bytes_out_;
+  prometheus::Counter* bytes_in_[3];
+  prometheus::Counter* bytes_out_[3];
   prometheus::Gauge* inflight_;
 };
 

@@ -30,6 +30,7 @@
 #include "kernels/merge_states.h"
 #include "kernels/paged_prefill.h"
 #include "server/backend/host_buffer.h"
+#include "server/backend/region_device.h"
 
 namespace attnserve {
 
@@ -130,6 +131,10 @@ class Backend {
   // out). Called from any thread. Default: the heap. An empty buffer means
   // the memory is not there.
   virtual HostBuffer AllocateOutput(int64_t bytes) { return HeapBuffer(bytes); }
+
+  // Hooks for shared-memory regions (page-locking host regions, CUDA IPC);
+  // null: the defaults of RegionDevice. Lives as long as the backend.
+  virtual RegionDevice* region_device() { return nullptr; }
 
   // Batches that may be submitted and not yet completed (at least 1).
   virtual int PipelineDepth() const { return 1; }

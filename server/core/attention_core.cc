@@ -19,6 +19,95 @@ uint64_t MakeIncarnation() {
 
 }  // namespace
 
+// The region ranges one request holds: inputs resolved into its tensors'
+// views, outputs checked to be exactly their size and to overlap nothing
+// else the request names. Wrap() hands them to the done callback, which
+// releases them after the edge has answered.
+class AttentionCore::RegionUse {
+ public:
+  RegionUse(const RegionTable* table, const std::string& tenant)
+      : table_(table), tenant_(tenant) {}
+
+  // Points t->data at its region range when t names one.
+  absl::Status Input(TensorView* t, int64_t elem_bytes, const std::string& field) {
+    if (!t->region.set) return absl::OkStatus();
+    if (!t->data.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".data has ", t->data.size(), " bytes and ", field,
+          ".region is set: a tensor's bytes come from one of them"));
+    }
+    ATTN_ASSIGN_OR_RETURN(RegionSlice slice,
+                          table_->Resolve(tenant_, t->region, elem_bytes, field + ".region"));
+    ATTN_RETURN_IF_ERROR(HostOnly(slice, field + ".region"));
+    t->data = absl::string_view(slice.data, static_cast<size_t>(slice.bytes));
+    uses_.push_back({std::move(slice), field + ".region", false});
+    return absl::OkStatus();
+  }
+
+  // The address an output of exactly `bytes` goes to.
+  absl::StatusOr<char*> Output(const RegionRefView& ref, int64_t bytes, int64_t elem_bytes,
+                               const std::string& field, bool* registered) {
+    ATTN_ASSIGN_OR_RETURN(RegionSlice slice, table_->Resolve(tenant_, ref, elem_bytes, field));
+    ATTN_RETURN_IF_ERROR(HostOnly(slice, field));
+    if (slice.bytes != bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".byte_size=", slice.bytes,
+                                                     ", the output needs exactly ", bytes));
+    }
+    for (const Use& u : uses_) {
+      if (u.slice.region == slice.region && slice.bytes > 0 && u.slice.bytes > 0 &&
+          slice.data < u.slice.data + u.slice.bytes && u.slice.data < slice.data + slice.bytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, " [", ref.offset, ", ", ref.offset + bytes, ") overlaps ", u.field,
+            " in region '", ref.name, "': an output may not share bytes with another tensor"));
+      }
+    }
+    *registered = slice.registered();
+    char* data = slice.data;
+    uses_.push_back({std::move(slice), field, true});
+    return data;
+  }
+
+  bool empty() const { return uses_.empty(); }
+
+  // `done`, then the ranges released; on success the bytes counted per path.
+  DoneCallback Wrap(DoneCallback done, Metrics* metrics) {
+    if (uses_.empty()) return done;
+    int64_t in[2] = {0, 0}, out[2] = {0, 0};
+    for (const Use& u : uses_) {
+      const int k = u.slice.on_device() ? 1 : 0;
+      (u.output ? out : in)[k] += u.slice.bytes;
+    }
+    return [done = std::move(done), uses = std::move(uses_), metrics, in0 = in[0], in1 = in[1],
+            out0 = out[0], out1 = out[1]](absl::Status status) mutable {
+      if (status.ok()) {
+        metrics->AddTransferBytes(in0, out0, Metrics::Path::kSystem);
+        metrics->AddTransferBytes(in1, out1, Metrics::Path::kCuda);
+      }
+      done(std::move(status));
+      uses.clear();
+    };
+  }
+
+ private:
+  struct Use {
+    RegionSlice slice;
+    std::string field;
+    bool output = false;
+  };
+
+  // The backends read and write host memory only, for now.
+  static absl::Status HostOnly(const RegionSlice& slice, const std::string& field) {
+    if (!slice.on_device()) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, " names cuda region '", slice.region->name,
+        "', which this server's backend cannot read or write"));
+  }
+
+  const RegionTable* const table_;
+  const std::string& tenant_;
+  std::vector<Use> uses_;
+};
+
 int32_t MaxRequestRows(const CoreOptions& options, const KvGeometry& geo) {
   const int64_t q_row_bytes = int64_t{geo.num_qo_heads} * geo.head_dim * KvDTypeBytes(geo.dtype);
   const int64_t rows = options.max_message_bytes / std::max<int64_t>(q_row_bytes, 1);
@@ -33,7 +122,8 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
       metrics_(metrics),
       incarnation_(MakeIncarnation()),
       pages_(backend_->Geometry().num_pages, options.tenant_max_pages, options.scrub_freed_pages),
-      plans_(options.max_plans_per_tenant, absl::Seconds(options.plan_idle_timeout_s)) {
+      plans_(options.max_plans_per_tenant, absl::Seconds(options.plan_idle_timeout_s)),
+      regions_(options.regions, backend_->region_device()) {
   limits_.max_message_bytes = options.max_message_bytes;
   limits_.max_request_rows = MaxRequestRows(options, backend_->Geometry());
   limits_.max_request_kv_indices = options.max_request_kv_indices;
@@ -162,7 +252,55 @@ absl::Status AttentionCore::ReleasePlan(const CallContext& ctx, uint64_t plan_id
   return plans_.Remove(ctx.tenant, plan_id);
 }
 
-void AttentionCore::Prefill(const PrefillCall& call, DoneCallback done) {
+void AttentionCore::UpdateRegionGauges(const std::string& tenant) {
+  const RegionTable::Usage used = regions_.TenantUsage(tenant);
+  metrics_->SetTenantRegions(tenant, used.count, used.bytes);
+}
+
+absl::Status AttentionCore::RegisterRegion(const CallContext& ctx, const RegionSpec& spec) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+  absl::Status status = regions_.Register(ctx.tenant, spec);
+  UpdateRegionGauges(ctx.tenant);
+  return status;
+}
+
+absl::Status AttentionCore::UnregisterRegion(const CallContext& ctx, absl::string_view name) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+  absl::Status status = regions_.Unregister(ctx.tenant, name);
+  UpdateRegionGauges(ctx.tenant);
+  return status;
+}
+
+std::vector<RegionInfoData> AttentionCore::ListRegions(const CallContext& ctx) {
+  std::vector<RegionInfoData> out = regions_.List(ctx.tenant);
+  UpdateRegionGauges(ctx.tenant);
+  return out;
+}
+
+void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
+  // Tensors in regions: resolved into a copy of the call whose views point
+  // into the mappings (no copy of the bytes).
+  RegionUse regions(&regions_, request.tenant);
+  PrefillCall resolved;
+  const bool any_region = request.q.region.set || request.append_k.region.set ||
+                          request.append_v.region.set || request.out_region.set ||
+                          request.lse_region.set;
+  if (any_region) {
+    resolved = request;
+    const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
+    absl::Status status = regions.Input(&resolved.q, elem, "q");
+    if (status.ok()) status = regions.Input(&resolved.append_k, elem, "append_k");
+    if (status.ok()) status = regions.Input(&resolved.append_v, elem, "append_v");
+    if (status.ok() && resolved.out_region.set != resolved.lse_region.set) {
+      status = absl::InvalidArgumentError(
+          "output_region and lse_region go together: set both or neither");
+    }
+    if (!status.ok()) {
+      done(status);
+      return;
+    }
+  }
+  const PrefillCall& call = any_region ? resolved : request;
   std::shared_ptr<const Plan> plan;
   absl::StatusOr<ValidatedPrefill> validated;
   if (call.plan_id != 0) {
@@ -195,6 +333,33 @@ void AttentionCore::Prefill(const PrefillCall& call, DoneCallback done) {
   out->total_q = validated->task.total_q;
   out->num_qo_heads = g.num_qo_heads;
   out->head_dim = g.head_dim;
+  if (call.out_region.set) {
+    const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
+    bool o_registered = false, lse_registered = false;
+    auto o = regions.Output(call.out_region, validated->out_bytes, elem, "output_region",
+                            &o_registered);
+    if (!o.ok()) {
+      done(o.status());
+      return;
+    }
+    auto lse = regions.Output(call.lse_region, validated->lse_bytes, 4, "lse_region",
+                              &lse_registered);
+    if (!lse.ok()) {
+      done(lse.status());
+      return;
+    }
+    out->in_region = true;
+    auto job = std::make_unique<Job>();
+    job->kind = Job::Kind::kPrefill;
+    job->task = std::move(validated->task);
+    job->plan = std::move(plan);
+    job->task.o = *o;
+    job->task.lse = reinterpret_cast<float*>(*lse);
+    job->task.out_pinned = o_registered && lse_registered;
+    job->done = regions.Wrap(std::move(done), metrics_);
+    Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
+    return;
+  }
   out->o_bytes = validated->out_bytes;
   out->lse_offset = (validated->out_bytes + 63) / 64 * 64;
   out->lse_bytes = validated->lse_bytes;
@@ -216,7 +381,7 @@ void AttentionCore::Prefill(const PrefillCall& call, DoneCallback done) {
     job->task.lse = reinterpret_cast<float*>(out->buffer.data() + out->lse_offset);
     job->task.out_pinned = out->buffer.pinned();
   }
-  job->done = std::move(done);
+  job->done = regions.Wrap(std::move(done), metrics_);
   Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
 }
 
@@ -224,12 +389,26 @@ void AttentionCore::Cancel(const std::string& tenant, uint64_t request_id) {
   scheduler_->CancelQueued(tenant, request_id);
 }
 
-void AttentionCore::WriteKv(const WriteKvCall& call, DoneCallback done) {
-  if (absl::Status stale = CheckIncarnation(call.expected_incarnation, incarnation_);
+void AttentionCore::WriteKv(const WriteKvCall& request, DoneCallback done) {
+  if (absl::Status stale = CheckIncarnation(request.expected_incarnation, incarnation_);
       !stale.ok()) {
     done(stale);
     return;
   }
+  RegionUse regions(&regions_, request.tenant);
+  WriteKvCall resolved;
+  const bool any_region = request.k.region.set || request.v.region.set;
+  if (any_region) {
+    resolved = request;
+    const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
+    absl::Status status = regions.Input(&resolved.k, elem, "k");
+    if (status.ok()) status = regions.Input(&resolved.v, elem, "v");
+    if (!status.ok()) {
+      done(status);
+      return;
+    }
+  }
+  const WriteKvCall& call = any_region ? resolved : request;
   auto pages = ValidateKvRows(call.layer, call.slots, &call.k, &call.v, backend_->Geometry(),
                               limits_);
   if (!pages.ok()) {
@@ -244,7 +423,7 @@ void AttentionCore::WriteKv(const WriteKvCall& call, DoneCallback done) {
   // The backend only reads k and v for a write.
   job->rows.k = const_cast<char*>(call.k.data.data());
   job->rows.v = const_cast<char*>(call.v.data.data());
-  job->done = std::move(done);
+  job->done = regions.Wrap(std::move(done), metrics_);
   Submit(call, *std::move(pages), "slots", std::move(job));
 }
 
@@ -262,28 +441,98 @@ void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
   }
   const KvGeometry& g = backend_->Geometry();
   const int64_t n = static_cast<int64_t>(call.slots.size());
-  call.out_k->resize(n * g.RowElems() * KvDTypeBytes(g.dtype));
-  call.out_v->resize(n * g.RowElems() * KvDTypeBytes(g.dtype));
+  const int64_t elem = KvDTypeBytes(g.dtype);
+  const int64_t bytes = n * g.RowElems() * elem;
   auto job = std::make_unique<Job>();
   job->kind = Job::Kind::kReadKv;
   job->rows.layer = call.layer;
   job->rows.slots = call.slots.data();
   job->rows.n = n;
-  job->rows.k = call.out_k->data();
-  job->rows.v = call.out_v->data();
-  job->done = std::move(done);
+  RegionUse regions(&regions_, call.tenant);
+  if (call.k_region.set != call.v_region.set) {
+    done(absl::InvalidArgumentError("k_region and v_region go together: set both or neither"));
+    return;
+  }
+  if (call.k_region.set) {
+    bool registered = false;
+    auto k = regions.Output(call.k_region, bytes, elem, "k_region", &registered);
+    if (!k.ok()) {
+      done(k.status());
+      return;
+    }
+    auto v = regions.Output(call.v_region, bytes, elem, "v_region", &registered);
+    if (!v.ok()) {
+      done(v.status());
+      return;
+    }
+    job->rows.k = *k;
+    job->rows.v = *v;
+  } else {
+    call.out_k->resize(bytes);
+    call.out_v->resize(bytes);
+    job->rows.k = call.out_k->data();
+    job->rows.v = call.out_v->data();
+  }
+  job->done = regions.Wrap(std::move(done), metrics_);
   Submit(call, *std::move(pages), "slots", std::move(job));
 }
 
-void AttentionCore::MergeStates(const MergeStatesCall& call, DoneCallback done) {
+void AttentionCore::MergeStates(const MergeStatesCall& request, DoneCallback done) {
+  RegionUse regions(&regions_, request.tenant);
+  MergeStatesCall resolved;
+  bool any_region = request.v_region.set || request.lse_region.set;
+  for (size_t i = 0; i < request.v.size() && !any_region; ++i) {
+    any_region = request.v[i].region.set || request.lse[i].region.set;
+  }
+  if (any_region) {
+    resolved = request;
+    const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
+    absl::Status status;
+    for (size_t i = 0; i < resolved.v.size() && status.ok(); ++i) {
+      status = regions.Input(&resolved.v[i], elem, absl::StrCat("states[", i, "].v"));
+      if (status.ok()) {
+        status = regions.Input(&resolved.lse[i], 4, absl::StrCat("states[", i, "].lse"));
+      }
+    }
+    if (status.ok() && resolved.v_region.set != resolved.lse_region.set) {
+      status = absl::InvalidArgumentError(
+          "v_region and lse_region go together: set both or neither");
+    }
+    if (!status.ok()) {
+      done(status);
+      return;
+    }
+  }
+  const MergeStatesCall& call = any_region ? resolved : request;
   auto shape = ValidateMerge(call, backend_->Geometry(), limits_);
   if (!shape.ok()) {
     done(shape.status());
     return;
   }
   const int64_t rows = shape->n * shape->h;
-  call.out_v->resize(rows * shape->d * KvDTypeBytes(backend_->Geometry().dtype));
-  call.out_lse->resize(rows * sizeof(float));
+  const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
+  char* v_out = nullptr;
+  char* lse_out = nullptr;
+  if (call.v_region.set) {
+    bool registered = false;
+    auto v = regions.Output(call.v_region, rows * shape->d * elem, elem, "v_region", &registered);
+    if (!v.ok()) {
+      done(v.status());
+      return;
+    }
+    auto lse = regions.Output(call.lse_region, rows * 4, 4, "lse_region", &registered);
+    if (!lse.ok()) {
+      done(lse.status());
+      return;
+    }
+    v_out = *v;
+    lse_out = *lse;
+  } else {
+    call.out_v->resize(rows * shape->d * elem);
+    call.out_lse->resize(rows * sizeof(float));
+    v_out = call.out_v->data();
+    lse_out = call.out_lse->data();
+  }
   auto job = std::make_unique<Job>();
   job->kind = Job::Kind::kMerge;
   for (size_t i = 0; i < call.v.size(); ++i) {
@@ -294,14 +543,14 @@ void AttentionCore::MergeStates(const MergeStatesCall& call, DoneCallback done) 
   m.v = job->merge_v.data();
   m.lse = job->merge_lse.data();
   m.num_states = static_cast<int32_t>(call.v.size());
-  m.v_out = call.out_v->data();
-  m.lse_out = reinterpret_cast<float*>(call.out_lse->data());
+  m.v_out = v_out;
+  m.lse_out = reinterpret_cast<float*>(lse_out);
   m.n = shape->n;
   m.h = shape->h;
   m.d = shape->d;
   m.dtype = backend_->Geometry().dtype;
   m.lse_base_e = static_cast<uint8_t>(call.lse_base);
-  job->done = std::move(done);
+  job->done = regions.Wrap(std::move(done), metrics_);
   Submit(call, {}, "", std::move(job));
 }
 

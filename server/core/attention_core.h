@@ -21,6 +21,7 @@
 #include "server/backend/backend.h"
 #include "server/core/page_table.h"
 #include "server/core/plan_table.h"
+#include "server/core/region_table.h"
 #include "server/core/requests.h"
 #include "server/core/scheduler.h"
 #include "server/core/validate.h"
@@ -39,6 +40,7 @@ struct CoreOptions {
   int32_t tenant_max_pages = 0;  // 0: no cap
   int32_t max_plans_per_tenant = 64;
   int64_t plan_idle_timeout_s = 300;  // a plan unused this long is released
+  RegionLimits regions;  // shared-memory regions (off by default)
 };
 
 // Query rows (and KV rows) one request may carry: what fits in
@@ -67,6 +69,13 @@ class AttentionCore {
   // Releases a plan: its pages are unpinned once no request uses it.
   absl::Status ReleasePlan(const CallContext& ctx, uint64_t plan_id);
 
+  // Shared-memory regions (region_table.h), owned by ctx.tenant.
+  absl::Status RegisterRegion(const CallContext& ctx, const RegionSpec& spec);
+  absl::Status UnregisterRegion(const CallContext& ctx, absl::string_view name);
+  std::vector<RegionInfoData> ListRegions(const CallContext& ctx);
+
+  // A tensor naming a region is read from it, and an output naming one is
+  // written there: the request holds the region until `done` has run.
   void Prefill(const PrefillCall& call, DoneCallback done);
   void WriteKv(const WriteKvCall& call, DoneCallback done);
   void ReadKv(const ReadKvCall& call, DoneCallback done);
@@ -94,6 +103,10 @@ class AttentionCore {
   void Submit(const CallT& call, std::vector<int32_t> pages, absl::string_view field,
               std::unique_ptr<Job> job);
   void UpdatePageGauges();
+  void UpdateRegionGauges(const std::string& tenant);
+  // Request-side region bookkeeping: the slices a request holds, checked for
+  // overlaps of an output with anything else, and the bytes per path.
+  class RegionUse;
 
   const CoreOptions options_;
   const std::unique_ptr<Backend> backend_;
@@ -104,6 +117,7 @@ class AttentionCore {
   std::unique_ptr<Scheduler> scheduler_;
   // After scheduler_: a plan going away unpins its pages through both.
   PlanTable plans_;
+  RegionTable regions_;
 };
 
 }  // namespace attnserve

@@ -20,6 +20,7 @@
 #include "absl/types/span.h"
 #include "common/kv_geometry.h"
 #include "server/backend/host_buffer.h"
+#include "server/core/region_table.h"
 
 namespace attnserve {
 
@@ -47,10 +48,13 @@ inline const char* TensorDTypeName(TensorDType dtype) {
   return "unknown";
 }
 
+// A request tensor. Its bytes are `data`, or, when region.set, a range of a
+// shared-memory region that the core resolves (and then points data at).
 struct TensorView {
   TensorDType dtype = TensorDType::kUnspecified;
   std::vector<int64_t> shape;
   absl::string_view data;
+  RegionRefView region;
 };
 
 // Called once when a queued request is finished (from the scheduler thread),
@@ -75,6 +79,7 @@ struct CallContext {
 // num_qo_heads) float32 at lse_offset, both in `buffer` (empty when total_q
 // is 0). The edge encodes the response from this alone.
 struct PrefillOutput {
+  bool in_region = false;  // written to the call's out_region / lse_region; no buffer
   HostBuffer buffer;
   KvDType dtype = KvDType::kBf16;
   int64_t total_q = 0;
@@ -99,6 +104,9 @@ struct PrefillCall : CallContext {
   TensorView append_k;                        // (n, num_kv_heads, head_dim)
   TensorView append_v;
   uint64_t plan_id = 0;                       // 0: the layout fields above hold the layout
+  // Both set: o and lse are written there, and `out` gets no buffer.
+  RegionRefView out_region;                   // (total_q, num_qo_heads, head_dim) bytes
+  RegionRefView lse_region;                   // (total_q, num_qo_heads) float32 bytes
   PrefillOutput* out = nullptr;               // filled by the core
 };
 
@@ -114,6 +122,9 @@ struct ReadKvCall : CallContext {
   absl::Span<const int64_t> slots;  // (n)
   std::string* out_k = nullptr;     // (n, num_kv_heads, head_dim), sized by the core
   std::string* out_v = nullptr;
+  // Both set: the rows are written there and out_k / out_v stay empty.
+  RegionRefView k_region;
+  RegionRefView v_region;
 };
 
 struct MergeStatesCall : CallContext {
@@ -122,6 +133,9 @@ struct MergeStatesCall : CallContext {
   int32_t lse_base = 0;
   std::string* out_v = nullptr;    // (n, h, d), sized by the core
   std::string* out_lse = nullptr;  // (n, h)
+  // Both set: the merged state is written there and out_v / out_lse stay empty.
+  RegionRefView v_region;
+  RegionRefView lse_region;
 };
 
 // Snapshot for GetServerInfo.

@@ -110,6 +110,11 @@ absl::Status ValidateTensor(const TensorView& t, absl::string_view field, Tensor
   int64_t elems = 1;
   for (int64_t dim : shape) elems *= dim;
   const int64_t bytes = elems * DTypeBytes(dtype);
+  if (static_cast<int64_t>(t.data.size()) != bytes && t.region.set) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".region.byte_size=", t.data.size(),
+                                                   ", shape [", absl::StrJoin(shape, ", "),
+                                                   "] needs ", bytes));
+  }
   if (static_cast<int64_t>(t.data.size()) != bytes) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".data has ", t.data.size(),
                                                    " bytes, shape [", absl::StrJoin(shape, ", "),

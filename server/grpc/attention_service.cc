@@ -492,4 +492,52 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ReleasePlan(grpc::CallbackServer
   return call;
 }
 
+grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterRegion(grpc::CallbackServerContext* ctx,
+                                                               const grpc::ByteBuffer* request,
+                                                               grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kRegisterRegion, request, response);
+  if (call->finished()) return call;
+  v1::RegisterRegionRequest parsed;
+  if (!call->Parse(limits_.register_region, &parsed)) return call;
+  CallContext c;
+  call->Bind(&c);
+  const absl::Status status = core_->RegisterRegion(c, ToSpec(parsed));
+  v1::RegisterRegionResponse out;
+  out.set_incarnation(core_->incarnation());
+  if (call->Claim()) call->Finish(status, &out);
+  return call;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::UnregisterRegion(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kUnregisterRegion, request, response);
+  if (call->finished()) return call;
+  v1::UnregisterRegionRequest parsed;
+  if (!call->Parse(limits_.unregister_region, &parsed)) return call;
+  CallContext c;
+  call->Bind(&c);
+  const absl::Status status = core_->UnregisterRegion(c, parsed.name());
+  v1::UnregisterRegionResponse out;
+  out.set_incarnation(core_->incarnation());
+  if (call->Claim()) call->Finish(status, &out);
+  return call;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListRegions(grpc::CallbackServerContext* ctx,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kListRegions, request, response);
+  if (call->finished()) return call;
+  v1::ListRegionsRequest parsed;
+  if (!call->Parse(limits_.list_regions, &parsed)) return call;
+  CallContext c;
+  call->Bind(&c);
+  v1::ListRegionsResponse out;
+  for (const RegionInfoData& info : core_->ListRegions(c)) ToProto(info, out.add_regions());
+  out.set_incarnation(core_->incarnation());
+  if (call->Claim()) call->Finish(absl::OkStatus(), &out);
+  return call;
+}
+
 }  // namespace attnserve

@@ -35,7 +35,10 @@
 
 namespace attnserve {
 
-using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_CreatePlan<
+using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_RegisterRegion<
+    v1::AttentionService::WithRawCallbackMethod_UnregisterRegion<
+    v1::AttentionService::WithRawCallbackMethod_ListRegions<
+    v1::AttentionService::WithRawCallbackMethod_CreatePlan<
     v1::AttentionService::WithRawCallbackMethod_ReleasePlan<
     v1::AttentionService::WithRawCallbackMethod_GetServerInfo<
     v1::AttentionService::WithRawCallbackMethod_AllocatePages<
@@ -44,7 +47,7 @@ using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_CreatePl
                 v1::AttentionService::WithRawCallbackMethod_ReadKV<
                     v1::AttentionService::WithRawCallbackMethod_Prefill<
                         v1::AttentionService::WithRawCallbackMethod_MergeStates<
-                            v1::AttentionService::Service>>>>>>>>>;
+                            v1::AttentionService::Service>>>>>>>>>>>>;
 
 class AttentionServiceImpl final : public RawAttentionService {
  public:
@@ -90,6 +93,15 @@ class AttentionServiceImpl final : public RawAttentionService {
                                        const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ReleasePlan(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* ctx,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* ctx,
+                                             const grpc::ByteBuffer* request,
+                                             grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* ctx,
                                         const grpc::ByteBuffer* request,
                                         grpc::ByteBuffer* response) override;
 

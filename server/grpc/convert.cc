@@ -17,11 +17,23 @@
 namespace attnserve {
 namespace {
 
+RegionRefView RefView(bool set, const v1::RegionRef& r) {
+  RegionRefView view;
+  view.set = set;
+  if (set) {
+    view.name = r.name();
+    view.offset = r.offset();
+    view.byte_size = r.byte_size();
+  }
+  return view;
+}
+
 TensorView View(const v1::Tensor& t) {
   TensorView view;
   view.dtype = FromProto(t.dtype());
   view.shape.assign(t.shape().begin(), t.shape().end());
   view.data = t.data();
+  view.region = RefView(t.has_region(), t.region());
   return view;
 }
 
@@ -64,6 +76,8 @@ void ToCall(const v1::PrefillRequest& r, PrefillCall* c) {
   c->append_k = View(r.append_k());
   c->append_v = View(r.append_v());
   c->plan_id = r.plan_id();
+  c->out_region = RefView(r.has_output_region(), r.output_region());
+  c->lse_region = RefView(r.has_lse_region(), r.lse_region());
 }
 
 PrefillLayout ToLayout(const v1::CreatePlanRequest& r) {
@@ -83,6 +97,8 @@ void ToCall(const v1::ReadKVRequest& r, v1::ReadKVResponse* response, ReadKvCall
   c->slots = Span(r.slots());
   c->out_k = response->mutable_k()->mutable_data();
   c->out_v = response->mutable_v()->mutable_data();
+  c->k_region = RefView(r.has_k_region(), r.k_region());
+  c->v_region = RefView(r.has_v_region(), r.v_region());
 }
 
 void ToCall(const v1::MergeStatesRequest& r, v1::MergeStatesResponse* response,
@@ -94,6 +110,37 @@ void ToCall(const v1::MergeStatesRequest& r, v1::MergeStatesResponse* response,
   c->lse_base = r.lse_base();
   c->out_v = response->mutable_v()->mutable_data();
   c->out_lse = response->mutable_lse()->mutable_data();
+  c->v_region = RefView(r.has_v_region(), r.v_region());
+  c->lse_region = RefView(r.has_lse_region(), r.lse_region());
+}
+
+RegionSpec ToSpec(const v1::RegisterRegionRequest& r) {
+  RegionSpec spec;
+  spec.name = r.name();
+  if (r.has_cuda()) {
+    spec.kind = RegionKind::kCuda;
+    spec.ipc_handle = r.cuda().ipc_handle();
+    spec.device_id = r.cuda().device_id();
+    spec.byte_size = r.cuda().byte_size();
+  } else {
+    spec.kind = RegionKind::kSystem;
+    spec.key = r.system().key();
+    spec.offset = r.system().offset();
+    spec.byte_size = r.system().byte_size();
+  }
+  return spec;
+}
+
+void ToProto(const RegionInfoData& info, v1::RegionInfo* out) {
+  out->set_name(info.name);
+  out->set_kind(info.kind == RegionKind::kCuda ? "cuda" : "system");
+  out->set_key(info.key);
+  out->set_offset(info.offset);
+  out->set_byte_size(info.byte_size);
+  out->set_device_id(info.device_id);
+  out->set_in_use(info.in_use);
+  out->set_registered(info.registered);
+  out->set_key_exists(info.key_exists);
 }
 
 int64_t ResetForReuse(v1::PrefillRequest* request) {

@@ -32,6 +32,11 @@ void ToCall(const v1::ReadKVRequest& request, v1::ReadKVResponse* response, Read
 void ToCall(const v1::MergeStatesRequest& request, v1::MergeStatesResponse* response,
             MergeStatesCall* call);
 
+// A RegisterRegion's spec (a request with neither kind set is a system
+// region with an empty key, which the core rejects naming system.key).
+RegionSpec ToSpec(const v1::RegisterRegionRequest& request);
+void ToProto(const RegionInfoData& info, v1::RegionInfo* out);
+
 // Clears a Prefill request for the next call (RecyclingPool) but keeps its
 // q, append_k and append_v tensors, and so their data capacity (Clear() on
 // the request would delete them). Returns the bytes of capacity kept.

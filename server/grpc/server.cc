@@ -17,6 +17,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "CivetServer.h"
+#include "common/transport.h"
 #include "prometheus/text_serializer.h"
 #include "server/core/status_macros.h"
 
@@ -184,6 +185,17 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   // One server per port: with SO_REUSEPORT a second server on the same port
   // would start and take half of the first one's connections.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  for (const TransportArg& arg : TransportArgs(options.transport_tuning)) {
+    builder.AddChannelArgument(arg.name, arg.value);
+  }
+  std::vector<std::string> arg_names;
+  std::string arg_error;
+  for (const TransportArg& arg : ParseTransportArgs(options.grpc_args, &arg_names, &arg_error)) {
+    builder.AddChannelArgument(arg.name, arg.value);
+  }
+  if (!arg_error.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--grpc_args: ", arg_error));
+  }
   if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   int port = 0;
   builder.AddListeningPort(options.listen, *creds, &port);

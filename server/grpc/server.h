@@ -28,6 +28,10 @@ struct ServerOptions {
   int64_t max_message_bytes = 512ll << 20;
   bool access_log = false;    // one log line per RPC
   bool reflection = true;     // serve gRPC server reflection (it needs no token)
+  // gRPC's HTTP/2 and TCP arguments for large messages (common/transport.h);
+  // false: gRPC's defaults. grpc_args: "name=int,..." applied after them.
+  bool transport_tuning = true;
+  std::string grpc_args;
 };
 
 class MetricsEndpoint;

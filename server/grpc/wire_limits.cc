@@ -201,7 +201,10 @@ absl::Status CheckWire(const grpc::ByteBuffer& bytes, const WireMessage& message
 RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, int64_t num_pages,
                                      int64_t max_merge_states) {
   using F = WireField;
-  tensor = {"attnserve.v1.Tensor", {{2, "shape", F::kRepeatedScalar, 8, nullptr, "rank"}}};
+  region_ref = {"attnserve.v1.RegionRef", {}};
+  tensor = {"attnserve.v1.Tensor",
+            {{2, "shape", F::kRepeatedScalar, 8, nullptr, "rank"},
+             {4, "region", F::kMessage, 1, &region_ref, ""}}};
   attention_state = {"attnserve.v1.AttentionState",
                      {{1, "v", F::kMessage, 1, &tensor, ""}, {2, "lse", F::kMessage, 1, &tensor, ""}}};
   get_server_info = {"attnserve.v1.GetServerInfoRequest", {}};
@@ -213,7 +216,9 @@ RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, i
                {3, "k", F::kMessage, 1, &tensor, ""},
                {4, "v", F::kMessage, 1, &tensor, ""}}};
   read_kv = {"attnserve.v1.ReadKVRequest",
-             {{2, "slots", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"}}};
+             {{2, "slots", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"},
+              {4, "k_region", F::kMessage, 1, &region_ref, ""},
+              {5, "v_region", F::kMessage, 1, &region_ref, ""}}};
   prefill = {"attnserve.v1.PrefillRequest",
              {{2, "q", F::kMessage, 1, &tensor, ""},
               {3, "qo_indptr", F::kRepeatedScalar, max_rows + 1, nullptr, "max_request_rows + 1"},
@@ -223,7 +228,9 @@ RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, i
               {6, "kv_last_page_len", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"},
               {10, "append_slots", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"},
               {11, "append_k", F::kMessage, 1, &tensor, ""},
-              {12, "append_v", F::kMessage, 1, &tensor, ""}}};
+              {12, "append_v", F::kMessage, 1, &tensor, ""},
+              {15, "output_region", F::kMessage, 1, &region_ref, ""},
+              {16, "lse_region", F::kMessage, 1, &region_ref, ""}}};
   create_plan = {"attnserve.v1.CreatePlanRequest",
                  {{1, "qo_indptr", F::kRepeatedScalar, max_rows + 1, nullptr, "max_request_rows + 1"},
                   {2, "kv_indptr", F::kRepeatedScalar, max_rows + 1, nullptr, "max_request_rows + 1"},
@@ -234,7 +241,16 @@ RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, i
   release_plan = {"attnserve.v1.ReleasePlanRequest", {}};
   merge_states = {"attnserve.v1.MergeStatesRequest",
                   {{1, "states", F::kRepeatedMessage, max_merge_states, &attention_state,
-                    "max_merge_states"}}};
+                    "max_merge_states"},
+                   {3, "v_region", F::kMessage, 1, &region_ref, ""},
+                   {4, "lse_region", F::kMessage, 1, &region_ref, ""}}};
+  system_region = {"attnserve.v1.SystemRegion", {}};
+  cuda_region = {"attnserve.v1.CudaRegion", {}};
+  register_region = {"attnserve.v1.RegisterRegionRequest",
+                     {{2, "system", F::kMessage, 1, &system_region, ""},
+                      {3, "cuda", F::kMessage, 1, &cuda_region, ""}}};
+  unregister_region = {"attnserve.v1.UnregisterRegionRequest", {}};
+  list_regions = {"attnserve.v1.ListRegionsRequest", {}};
 }
 
 }  // namespace attnserve

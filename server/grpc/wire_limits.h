@@ -60,6 +60,7 @@ struct RequestWireLimits {
   RequestWireLimits(const RequestWireLimits&) = delete;  // the messages point at each other
   RequestWireLimits& operator=(const RequestWireLimits&) = delete;
 
+  WireMessage region_ref;
   WireMessage tensor;
   WireMessage attention_state;
   WireMessage get_server_info;
@@ -71,6 +72,11 @@ struct RequestWireLimits {
   WireMessage merge_states;
   WireMessage create_plan;
   WireMessage release_plan;
+  WireMessage system_region;
+  WireMessage cuda_region;
+  WireMessage register_region;
+  WireMessage unregister_region;
+  WireMessage list_regions;
 };
 
 }  // namespace attnserve

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # --help and --version of every program (common/usage.cc). For each of
-# attnserve, attnctl, attnbench and attnecho:
+# attnserve, attnctl, attnbench, attnecho and tcp_echo:
 #   --help, -h and --helpfull exit 0; --help has one line per flag that the
 #   program's own sources define (read here from their ABSL_FLAGs, not from
 #   the binary), with its default and a meaning, and no other flag lines;
@@ -9,7 +9,7 @@
 #   --version exits 0 and prints "NAME VERSION (commit HASH)" with CMake's
 #   project version and a commit of this repository ("unknown" outside git);
 #   an unknown flag still exits non-zero.
-# Env: SOURCE_DIR, BUILD_DIR, VERSION, and ATTNSERVE, ATTNCTL, ATTNBENCH, ATTNECHO.
+# Env: SOURCE_DIR, BUILD_DIR, VERSION, and ATTNSERVE, ATTNCTL, ATTNBENCH, ATTNECHO, TCP_ECHO.
 set -uo pipefail
 source "$SOURCE_DIR/tests/ops/lib.sh"  # check, finish
 WORK=$(mktemp -d)
@@ -78,4 +78,5 @@ run attnserve "$ATTNSERVE" server/main.cc
 run attnctl "$ATTNCTL" client/attnctl.cc client/cli_flags.cc
 run attnbench "$ATTNBENCH" client/attnbench.cc client/cli_flags.cc
 run attnecho "$ATTNECHO" bench/attnecho.cc
+run tcp_echo "$TCP_ECHO" bench/tcp_echo.cc
 finish

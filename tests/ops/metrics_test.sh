@@ -17,6 +17,7 @@ for seed in 1 2 3; do
   "$ATTNCTL" --target="$GRPC_ADDR" --seed=$seed prefill --batch=3 --q_len=16 --kv_len=64 >/dev/null
 done
 "$ATTNCTL" --target="$GRPC_ADDR" merge --n=4 >/dev/null
+"$ATTNCTL" --target="$GRPC_ADDR" regions >/dev/null  # the region gauges get their tenant
 "$ATTNCTL" --target="$GRPC_ADDR" free 100000 >/dev/null 2>&1
 
 body=$(scrape)
@@ -52,8 +53,8 @@ check "kv_rows launches for the writes" test "$(metric 'attnserve_kernel_launche
 check "no fused appends (the writes are WriteKV)" test "$(metric 'attnserve_kernel_launches_total{kernel="append"}')" = 0
 check "freed pages zeroed" awk -v v="$(metric 'attnserve_kernel_launches_total{kernel="zero_pages"}')" 'BEGIN { exit !(v >= 1) }'
 check "batch_requests observed once per launch" test "$(metric 'attnserve_batch_requests_count')" = 3
-check "transfer bytes in counted" awk -v v="$(metric 'attnserve_transfer_bytes_total{direction="in"}')" 'BEGIN { exit !(v > 0) }'
-check "transfer bytes out counted" awk -v v="$(metric 'attnserve_transfer_bytes_total{direction="out"}')" 'BEGIN { exit !(v > 0) }'
+check "transfer bytes in counted" awk -v v="$(metric 'attnserve_transfer_bytes_total{direction="in",path="inline"}')" 'BEGIN { exit !(v > 0) }'
+check "transfer bytes out counted" awk -v v="$(metric 'attnserve_transfer_bytes_total{direction="out",path="inline"}')" 'BEGIN { exit !(v > 0) }'
 check "no request left in flight" test "$(metric 'attnserve_inflight_requests')" = 0
 
 # Every metric name used by the dashboard and the alert rules is exported.

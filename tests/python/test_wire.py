@@ -86,3 +86,20 @@ def test_health_messages():
     assert _wire.health_status(b"\x08\x01") == "SERVING"
     assert _wire.health_status(b"\x08\x02") == "NOT_SERVING"
     assert _wire.health_status(b"") == "UNKNOWN"
+
+
+def test_transport_options_match_the_cpp_settings():
+    """TRANSPORT_OPTIONS carries common/transport.h's names and values."""
+    import os
+    import re
+    from attnserve.client import TRANSPORT_OPTIONS
+    header = open(os.path.join(os.path.dirname(__file__), "..", "..", "common",
+                               "transport.h")).read()
+    body = header[header.index("if (!tuned) return {};"):header.index("// Parses extra")]
+    cpp = []
+    for name, a, b in re.findall(r'\{"([\w.]+)", (\d+) << (\d+)\}', body):
+        cpp.append((name, int(a) << int(b)))
+    for name, value in re.findall(r'\{"([\w.]+)", (\d+)\}', body):
+        cpp.append((name, int(value)))
+    assert sorted(cpp) == sorted(TRANSPORT_OPTIONS)
+    assert len(cpp) == 7

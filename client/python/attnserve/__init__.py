@@ -8,7 +8,7 @@ docs/python.md is the guide; proto/attnserve/v1/attention.proto and
 docs/design.md are the contract.
 """
 
-from attnserve.client import Client, PrefillLayout, PrefillResult, ServerInfo
+from attnserve.client import Client, PrefillLayout, PrefillResult, RegionInfo, ServerInfo
 from attnserve.aio import AsyncClient
 from attnserve.dtypes import bf16_bits_to_float32, float32_to_bf16_bits
 from attnserve.errors import (Aborted, AlreadyExists, AttnserveError, Cancelled, DataLoss,
@@ -17,12 +17,13 @@ from attnserve.errors import (Aborted, AlreadyExists, AttnserveError, Cancelled,
                               StaleIncarnation, Unauthenticated, Unavailable, Unimplemented,
                               Unknown)
 from attnserve.kv_manager import AsyncKvManager, KvManager, Plan
+from attnserve.regions import RegionTensor, SharedMemoryRegion
 
 from attnserve._version import __version__
 
 __all__ = [
     "Client", "AsyncClient", "ServerInfo", "PrefillResult", "PrefillLayout",
-    "KvManager", "AsyncKvManager", "Plan",
+    "KvManager", "AsyncKvManager", "Plan", "RegionInfo", "RegionTensor", "SharedMemoryRegion",
     "float32_to_bf16_bits", "bf16_bits_to_float32",
     "AttnserveError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",
     "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition",

@@ -34,10 +34,12 @@ class AsyncClient(_Core):
                  tls: bool = False, tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
                  tls_key: Optional[str] = None, timeout: Optional[float] = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, out: str = "numpy",
-                 channel_options: Iterable = (), connect_timeout: float = 10.0):
+                 channel_options: Iterable = (), connect_timeout: float = 10.0,
+                 transport_tuning: bool = True):
         super().__init__(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                          tls_key=tls_key, timeout=timeout, max_message_bytes=max_message_bytes,
-                         out=out, channel_options=channel_options)
+                         out=out, channel_options=channel_options,
+                         transport_tuning=transport_tuning)
         self.connect_timeout = connect_timeout
         self._info_lock: Optional[asyncio.Lock] = None  # made in the loop that uses it
         self._open()
@@ -118,27 +120,28 @@ class AsyncClient(_Core):
         return await self._call(self._req_write_kv(layer, slots, k, v), timeout)
 
     async def read_kv(self, layer: int, slots, *, out: Optional[str] = None, device=None,
-                      timeout: Optional[float] = None):
+                      into=None, timeout: Optional[float] = None):
         await self._ensure_info()
-        return await self._call(self._req_read_kv(layer, slots, out, device), timeout)
+        return await self._call(self._req_read_kv(layer, slots, out, device, into), timeout)
 
     async def prefill(self, layer: int, q, qo_indptr, kv_indptr, kv_indices,
                       kv_last_page_len=None, *, sm_scale: Optional[float] = None,
                       causal: Optional[bool] = None, lse_base: str = "2", append_slots=None,
                       append_k=None, append_v=None, out: Optional[str] = None, device=None,
-                      timeout: Optional[float] = None) -> PrefillResult:
+                      output_to=None, timeout: Optional[float] = None) -> PrefillResult:
         layout = PrefillLayout.encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                       sm_scale=sm_scale, causal=causal, lse_base=lse_base,
                                       append_slots=append_slots)
         return await self.prefill_layout(layer, q, layout, append_k, append_v, out=out,
-                                         device=device, timeout=timeout)
+                                         device=device, output_to=output_to, timeout=timeout)
 
     async def prefill_layout(self, layer: int, q, layout: PrefillLayout, append_k=None,
                              append_v=None, *, out: Optional[str] = None, device=None,
-                             timeout: Optional[float] = None) -> PrefillResult:
+                             output_to=None, timeout: Optional[float] = None) -> PrefillResult:
         await self._ensure_info()
         return await self._call(
-            self._req_prefill(layer, q, layout, append_k, append_v, out, device), timeout)
+            self._req_prefill(layer, q, layout, append_k, append_v, out, device, output_to),
+            timeout)
 
     async def create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None,
                           append_slots=None, *, timeout: Optional[float] = None) -> int:
@@ -151,9 +154,25 @@ class AsyncClient(_Core):
         return await self._call(self._req_release_plan(plan_id), timeout)
 
     async def merge_states(self, states, *, lse_base: str = "2", out: Optional[str] = None,
-                           device=None, timeout: Optional[float] = None):
+                           device=None, into=None, timeout: Optional[float] = None):
         await self._ensure_info()
-        return await self._call(self._req_merge(states, lse_base, out, device), timeout)
+        return await self._call(self._req_merge(states, lse_base, out, device, into), timeout)
+
+    async def register_system_region(self, name: str, key: str, byte_size: int, *,
+                                     offset: int = 0, timeout: Optional[float] = None) -> None:
+        return await self._call(self._req_register_region(name, system=(key, offset, byte_size)),
+                                timeout)
+
+    async def register_cuda_region(self, name: str, ipc_handle: bytes, device_id: int,
+                                   byte_size: int, *, timeout: Optional[float] = None) -> None:
+        return await self._call(
+            self._req_register_region(name, cuda=(ipc_handle, device_id, byte_size)), timeout)
+
+    async def unregister_region(self, name: str, *, timeout: Optional[float] = None) -> None:
+        return await self._call(self._req_unregister_region(name), timeout)
+
+    async def list_regions(self, *, timeout: Optional[float] = None) -> list:
+        return await self._call(self._req_list_regions(), timeout)
 
     async def health(self, service: str = "", *, timeout: Optional[float] = None) -> str:
         t = self._timeout(timeout)

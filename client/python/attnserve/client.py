@@ -33,13 +33,15 @@ import numpy as np
 from attnserve import _wire
 from attnserve import dtypes as _dt
 from attnserve.errors import StaleIncarnation, Unavailable, from_rpc_error
+from attnserve.regions import RegionTensor
 from attnserve.v1 import attention_pb2 as pb
 
 SERVICE = "attnserve.v1.AttentionService"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 _METHODS = ("GetServerInfo", "AllocatePages", "FreePages", "WriteKV", "ReadKV", "Prefill",
-            "MergeStates", "CreatePlan", "ReleasePlan")
+            "MergeStates", "CreatePlan", "ReleasePlan", "RegisterRegion", "UnregisterRegion",
+            "ListRegions")
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,52 @@ def _extend(repeated, values, name: str) -> list:
     return ints
 
 
+def _region_ref(t: RegionTensor) -> "pb.RegionRef":
+    return pb.RegionRef(name=t.region, offset=t.offset, byte_size=t.nbytes)
+
+
+def _region_field(field_number: int, t: RegionTensor, wire_dtype: int, name: str) -> bytes:
+    """A Tensor field naming a region: dtype, shape and the region reference."""
+    if t.dtype != "fp32" and t.wire_dtype != wire_dtype:
+        raise ValueError(f"{name}: region tensor of {t.dtype}, the server's kv_dtype is "
+                         f"{_dt.DTYPE_NAMES[wire_dtype]}")
+    body = pb.Tensor(dtype=t.wire_dtype, shape=list(t.shape),
+                     region=_region_ref(t)).SerializeToString()
+    return _wire.tag(field_number, 2) + _wire.varint(len(body)) + body
+
+
+def _tensor_field(field_number: int, x, wire_dtype: int, name: str) -> list:
+    """The pieces of a Tensor field: x's bytes, or a region reference."""
+    if isinstance(x, RegionTensor):
+        return [_region_field(field_number, x, wire_dtype, name)]
+    shape, data = _dt.to_wire(x, wire_dtype, name)
+    return [_wire.tensor_head(field_number, wire_dtype, shape, data.nbytes), data]
+
+
+def _pair(into, names: str):
+    if into is None:
+        return None
+    if (not isinstance(into, (tuple, list)) or len(into) != 2
+            or not all(isinstance(t, RegionTensor) for t in into)):
+        raise ValueError(f"{names}: a pair of RegionTensors (both or neither)")
+    return into
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """ListRegions' view of one region."""
+
+    name: str
+    kind: str        # "system" or "cuda"
+    key: str
+    offset: int
+    byte_size: int
+    device_id: int
+    in_use: int      # requests holding it now
+    registered: bool  # page-locked for the device's copy engines
+    key_exists: bool  # system: the shm key still names the mapped object
+
+
 def _int32(value, name: str) -> int:
     v = int(value)
     if not -(1 << 31) <= v < (1 << 31):
@@ -172,12 +220,26 @@ def _read(path: Optional[str]) -> Optional[bytes]:
 _Request = tuple  # (method: str, request: bytes, parse: Callable[[bytes], Any])
 
 
+# gRPC's HTTP/2 and TCP settings for large tensors: the same names and values
+# as common/transport.h (docs/transport.md, "TCP").
+TRANSPORT_OPTIONS = (
+    ("grpc.http2.max_frame_size", 4 << 20),
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 64 << 20),
+    ("grpc.http2.write_buffer_size", 8 << 20),
+    ("grpc.experimental.tcp_read_chunk_size", 1 << 20),
+    ("grpc.experimental.tcp_min_read_chunk_size", 256 << 10),
+    ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
+)
+
+
 class _Core:
     """State and wire encoding shared by Client and AsyncClient."""
 
     def __init__(self, target: str, *, token: Optional[str], tls: bool, tls_ca: Optional[str],
                  tls_cert: Optional[str], tls_key: Optional[str], timeout: Optional[float],
-                 max_message_bytes: int, out: str, channel_options: Iterable = ()):
+                 max_message_bytes: int, out: str, channel_options: Iterable = (),
+                 transport_tuning: bool = True):
         if out not in ("numpy", "torch", "raw"):
             raise ValueError(f"out must be 'numpy', 'torch' or 'raw', not {out!r}")
         if bool(tls_cert) != bool(tls_key):
@@ -192,6 +254,7 @@ class _Core:
             ("grpc.max_receive_message_length", limit),
             # Each client its own connection, as the C++ client does.
             ("grpc.use_local_subchannel_pool", 1),
+            *(TRANSPORT_OPTIONS if transport_tuning else ()),
             *channel_options,
         ]
         self._credentials = None
@@ -285,49 +348,55 @@ class _Core:
         req = pb.WriteKVRequest(layer=_int32(layer, "layer"),
                                 expected_incarnation=self._incarnation)
         _extend(req.slots, slots, "slots")
-        k_shape, k_data = _dt.to_wire(k, wire, "k")
-        v_shape, v_data = _dt.to_wire(v, wire, "v")
-        body = b"".join((req.SerializeToString(),
-                         _wire.tensor_head(3, wire, k_shape, k_data.nbytes), k_data,
-                         _wire.tensor_head(4, wire, v_shape, v_data.nbytes), v_data))
+        body = b"".join([req.SerializeToString(), *_tensor_field(3, k, wire, "k"),
+                         *_tensor_field(4, v, wire, "v")])
 
         def parse(raw):
             self._observe(pb.WriteKVResponse.FromString(raw).incarnation, "WriteKV")
         return "WriteKV", body, parse
 
-    def _req_read_kv(self, layer: int, slots, out, device) -> _Request:
+    def _req_read_kv(self, layer: int, slots, out, device, into=None) -> _Request:
         req = pb.ReadKVRequest(layer=_int32(layer, "layer"), expected_incarnation=self._incarnation)
         _extend(req.slots, slots, "slots")
+        into = _pair(into, "into (k, v)")
+        if into is not None:
+            req.k_region.CopyFrom(_region_ref(into[0]))
+            req.v_region.CopyFrom(_region_ref(into[1]))
         out = self._out(out, None)
 
         def parse(raw):
             tensors, incarnation = _wire.parse_tensor_message(raw, (1, 2), 3)
             self._observe(incarnation, "ReadKV")
+            if into is not None:
+                return None
             return tuple(_dt.from_wire(raw, t.data_start, t.nbytes, t.shape, t.dtype, out, device)
                          for t in (tensors[1], tensors[2]))
         return "ReadKV", req.SerializeToString(), parse
 
     def _req_prefill(self, layer: int, q, layout: PrefillLayout, append_k, append_v, out,
-                     device) -> _Request:
+                     device, output_to=None) -> _Request:
         wire = self.server_info.wire_dtype
         small = pb.PrefillRequest(layer=_int32(layer, "layer"),
                                   expected_incarnation=self._incarnation)
-        q_shape, q_data = _dt.to_wire(q, wire, "q")
-        pieces = [small.SerializeToString(), layout.encoded,
-                  _wire.tensor_head(2, wire, q_shape, q_data.nbytes), q_data]
+        output_to = _pair(output_to, "output_to (output, lse)")
+        if output_to is not None:
+            small.output_region.CopyFrom(_region_ref(output_to[0]))
+            small.lse_region.CopyFrom(_region_ref(output_to[1]))
+        pieces = [small.SerializeToString(), layout.encoded, *_tensor_field(2, q, wire, "q")]
         if append_k is not None or append_v is not None:
             if append_k is None or append_v is None:
                 raise ValueError("append_k and append_v go together")
-            k_shape, k_data = _dt.to_wire(append_k, wire, "append_k")
-            v_shape, v_data = _dt.to_wire(append_v, wire, "append_v")
-            pieces += [_wire.tensor_head(11, wire, k_shape, k_data.nbytes), k_data,
-                       _wire.tensor_head(12, wire, v_shape, v_data.nbytes), v_data]
-        out_kind = self._out(out, q)
-        out_device = self._device(device, q)
+            pieces += [*_tensor_field(11, append_k, wire, "append_k"),
+                       *_tensor_field(12, append_v, wire, "append_v")]
+        like = None if isinstance(q, RegionTensor) else q
+        out_kind = self._out(out, like)
+        out_device = self._device(device, like)
 
         def parse(raw):
             tensors, incarnation = _wire.parse_tensor_message(raw, (1, 2), 3)
             self._observe(incarnation, "Prefill")
+            if output_to is not None:
+                return PrefillResult(None, None, incarnation)
             o, lse = tensors[1], tensors[2]
             output = _dt.from_wire(raw, o.data_start, o.nbytes, o.shape, o.dtype, out_kind,
                                    out_device)
@@ -360,30 +429,70 @@ class _Core:
             self._observe(pb.ReleasePlanResponse.FromString(raw).incarnation, "ReleasePlan")
         return "ReleasePlan", req.SerializeToString(), parse
 
-    def _req_merge(self, states, lse_base, out, device) -> _Request:
+    def _req_merge(self, states, lse_base, out, device, into=None) -> _Request:
         wire = self.server_info.wire_dtype
-        pieces = [pb.MergeStatesRequest(lse_base=_lse_base(lse_base)).SerializeToString()]
+        small = pb.MergeStatesRequest(lse_base=_lse_base(lse_base))
+        into = _pair(into, "into (v, lse)")
+        if into is not None:
+            small.v_region.CopyFrom(_region_ref(into[0]))
+            small.lse_region.CopyFrom(_region_ref(into[1]))
+        pieces = [small.SerializeToString()]
         like = None
         for i, (v, lse) in enumerate(states):
-            like = v if like is None else like
-            v_shape, v_data = _dt.to_wire(v, wire, f"states[{i}].v")
-            l_shape, l_data = _dt.f32_to_wire(lse, f"states[{i}].lse")
-            v_head = _wire.tensor_head(1, wire, v_shape, v_data.nbytes)
-            l_head = _wire.tensor_head(2, _dt.DTYPE_FP32, l_shape, l_data.nbytes)
-            size = len(v_head) + v_data.nbytes + len(l_head) + l_data.nbytes
-            pieces += [_wire.tag(1, 2) + _wire.varint(size), v_head, v_data, l_head, l_data]
+            if not isinstance(v, RegionTensor):
+                like = v if like is None else like
+            v_pieces = _tensor_field(1, v, wire, f"states[{i}].v")
+            if isinstance(lse, RegionTensor):
+                l_pieces = [_region_field(2, lse, wire, f"states[{i}].lse")]
+            else:
+                l_shape, l_data = _dt.f32_to_wire(lse, f"states[{i}].lse")
+                l_pieces = [_wire.tensor_head(2, _dt.DTYPE_FP32, l_shape, l_data.nbytes), l_data]
+            size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in v_pieces + l_pieces)
+            pieces += [_wire.tag(1, 2) + _wire.varint(size), *v_pieces, *l_pieces]
         out_kind = self._out(out, like)
         out_device = self._device(device, like)
 
         def parse(raw):
             tensors, incarnation = _wire.parse_tensor_message(raw, (1, 2), 3)
             self._observe(incarnation, "MergeStates")
+            if into is not None:
+                return None
             v, lse = tensors[1], tensors[2]
             return (_dt.from_wire(raw, v.data_start, v.nbytes, v.shape, v.dtype, out_kind,
                                   out_device),
                     _dt.from_wire(raw, lse.data_start, lse.nbytes, lse.shape, lse.dtype,
                                   "numpy" if out_kind == "raw" else out_kind, out_device))
         return "MergeStates", b"".join(pieces), parse
+
+
+    def _req_register_region(self, name: str, system=None, cuda=None) -> _Request:
+        req = pb.RegisterRegionRequest(name=name)
+        if system is not None:
+            key, offset, byte_size = system
+            req.system.CopyFrom(pb.SystemRegion(key=key, offset=int(offset),
+                                                byte_size=int(byte_size)))
+        else:
+            handle, device_id, byte_size = cuda
+            req.cuda.CopyFrom(pb.CudaRegion(ipc_handle=bytes(handle), device_id=int(device_id),
+                                            byte_size=int(byte_size)))
+
+        def parse(raw):
+            self._observe(pb.RegisterRegionResponse.FromString(raw).incarnation, "RegisterRegion")
+        return "RegisterRegion", req.SerializeToString(), parse
+
+    def _req_unregister_region(self, name: str) -> _Request:
+        def parse(raw):
+            self._observe(pb.UnregisterRegionResponse.FromString(raw).incarnation,
+                          "UnregisterRegion")
+        return "UnregisterRegion", pb.UnregisterRegionRequest(name=name).SerializeToString(), parse
+
+    def _req_list_regions(self) -> _Request:
+        def parse(raw):
+            resp = pb.ListRegionsResponse.FromString(raw)
+            self._observe(resp.incarnation, "ListRegions")
+            return [RegionInfo(r.name, r.kind, r.key, r.offset, r.byte_size, r.device_id,
+                               r.in_use, r.registered, r.key_exists) for r in resp.regions]
+        return "ListRegions", pb.ListRegionsRequest().SerializeToString(), parse
 
 
 def _method_path(name: str) -> str:
@@ -408,6 +517,8 @@ class Client(_Core):
       connect_timeout: with fetch_info, wait this long (at most `timeout`) for
         the server to become reachable, retrying a failed first connection,
         before raising Unavailable.
+      transport_tuning: gRPC settings for large tensors (TRANSPORT_OPTIONS);
+        False: gRPC's defaults. channel_options are applied after them.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", *, token: Optional[str] = None,
@@ -415,10 +526,11 @@ class Client(_Core):
                  tls_key: Optional[str] = None, timeout: Optional[float] = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, out: str = "numpy",
                  fetch_info: bool = True, channel_options: Iterable = (),
-                 connect_timeout: float = 10.0):
+                 connect_timeout: float = 10.0, transport_tuning: bool = True):
         super().__init__(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                          tls_key=tls_key, timeout=timeout, max_message_bytes=max_message_bytes,
-                         out=out, channel_options=channel_options)
+                         out=out, channel_options=channel_options,
+                         transport_tuning=transport_tuning)
         self.connect_timeout = connect_timeout
         self._open()
         if fetch_info:
@@ -493,14 +605,17 @@ class Client(_Core):
         return self._call(self._req_write_kv(layer, slots, k, v), timeout)
 
     def read_kv(self, layer: int, slots, *, out: Optional[str] = None, device=None,
-                timeout: Optional[float] = None):
-        """(k, v), each [n, num_kv_heads, head_dim], of slots [n] in layer."""
-        return self._call(self._req_read_kv(layer, slots, out, device), timeout)
+                into=None, timeout: Optional[float] = None):
+        """(k, v), each [n, num_kv_heads, head_dim], of slots [n] in layer.
+
+        into=(k, v) RegionTensors: the rows are written there; returns None.
+        """
+        return self._call(self._req_read_kv(layer, slots, out, device, into), timeout)
 
     def prefill(self, layer: int, q, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None, *,
                 sm_scale: Optional[float] = None, causal: Optional[bool] = None,
                 lse_base: str = "2", append_slots=None, append_k=None, append_v=None,
-                out: Optional[str] = None, device=None,
+                out: Optional[str] = None, device=None, output_to=None,
                 timeout: Optional[float] = None) -> PrefillResult:
         """Paged attention over a ragged batch (docs/design.md sections 3-4).
 
@@ -511,19 +626,22 @@ class Client(_Core):
         append_v [n, num_kv_heads, head_dim] are written before attention.
         Returns output [total_q, num_qo_heads, head_dim] and lse
         [total_q, num_qo_heads] (float32; -inf where a row sees nothing).
+        q, append_k and append_v may be RegionTensors (attnserve.regions);
+        output_to=(output, lse) RegionTensors: the results are written there
+        and the returned PrefillResult's output and lse are None.
         """
         layout = PrefillLayout.encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                       sm_scale=sm_scale, causal=causal, lse_base=lse_base,
                                       append_slots=append_slots)
         return self.prefill_layout(layer, q, layout, append_k, append_v, out=out, device=device,
-                                   timeout=timeout)
+                                   output_to=output_to, timeout=timeout)
 
     def prefill_layout(self, layer: int, q, layout: PrefillLayout, append_k=None, append_v=None,
-                       *, out: Optional[str] = None, device=None,
+                       *, out: Optional[str] = None, device=None, output_to=None,
                        timeout: Optional[float] = None) -> PrefillResult:
         """prefill() with a layout encoded once (PrefillLayout.encode) for many layers."""
-        return self._call(self._req_prefill(layer, q, layout, append_k, append_v, out, device),
-                          timeout)
+        return self._call(self._req_prefill(layer, q, layout, append_k, append_v, out, device,
+                                            output_to), timeout)
 
     def create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None,
                     append_slots=None, *, timeout: Optional[float] = None) -> int:
@@ -542,12 +660,38 @@ class Client(_Core):
         return self._call(self._req_release_plan(plan_id), timeout)
 
     def merge_states(self, states, *, lse_base: str = "2", out: Optional[str] = None,
-                     device=None, timeout: Optional[float] = None):
+                     device=None, into=None, timeout: Optional[float] = None):
         """Merges partial attention states [(v [n, h, d], lse [n, h]), ...] by LSE.
 
-        Returns (v, lse) of the same shapes.
+        Returns (v, lse) of the same shapes. Any v or lse may be a
+        RegionTensor; into=(v, lse) RegionTensors: the result is written
+        there and None is returned.
         """
-        return self._call(self._req_merge(states, lse_base, out, device), timeout)
+        return self._call(self._req_merge(states, lse_base, out, device, into), timeout)
+
+    # ------------------------------------------------------------ regions
+    def register_system_region(self, name: str, key: str, byte_size: int, *, offset: int = 0,
+                               timeout: Optional[float] = None) -> None:
+        """Registers [offset, offset + byte_size) of the POSIX shm object `key`
+        ("/name") as region `name` (docs/transport.md; the server needs
+        --allow_shared_memory). attnserve.regions.SharedMemoryRegion makes one."""
+        return self._call(self._req_register_region(name, system=(key, offset, byte_size)),
+                          timeout)
+
+    def register_cuda_region(self, name: str, ipc_handle: bytes, device_id: int, byte_size: int,
+                             *, timeout: Optional[float] = None) -> None:
+        """Registers CUDA memory exported by IPC handle (attnserve.regions.cuda_ipc_handle).
+        The server answers FailedPrecondition until its backend serves CUDA regions."""
+        return self._call(self._req_register_region(name, cuda=(ipc_handle, device_id, byte_size)),
+                          timeout)
+
+    def unregister_region(self, name: str, *, timeout: Optional[float] = None) -> None:
+        """The name goes at once; requests in flight keep the memory until they finish."""
+        return self._call(self._req_unregister_region(name), timeout)
+
+    def list_regions(self, *, timeout: Optional[float] = None) -> list:
+        """This tenant's regions: a list of RegionInfo."""
+        return self._call(self._req_list_regions(), timeout)
 
     def health(self, service: str = "", *, timeout: Optional[float] = None) -> str:
         """grpc.health.v1 Check: "SERVING", "NOT_SERVING", "UNKNOWN" or "SERVICE_UNKNOWN".

@@ -32,6 +32,7 @@
 #include "server/backend/cuda/cuda_util.h"
 #include "server/backend/cuda/staging_ring.h"
 #include "server/core/status_macros.h"
+#include "spdlog/spdlog.h"
 
 namespace attnserve {
 
@@ -48,9 +49,36 @@ namespace {
 
 using Ev = StagingRing::Event;
 
+// System regions are page-locked once when registered, so that downloads
+// land in them directly (PrefillTask::out_pinned) as in the pinned response
+// buffers. A region that cannot be locked still works, through staging.
+class CudaRegionDevice final : public RegionDevice {
+ public:
+  explicit CudaRegionDevice(int device) : device_(device) {}
+  bool RegisterHost(void* data, int64_t bytes) override {
+    cudaError_t err = cudaSetDevice(device_);
+    if (err == cudaSuccess) err = cudaHostRegister(data, size_t(bytes), cudaHostRegisterPortable);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // not sticky: clear it
+      spdlog::warn("cudaHostRegister of a {}-byte region failed ({}); it is used through staging",
+                   bytes, cudaGetErrorString(err));
+      return false;
+    }
+    return true;
+  }
+  void UnregisterHost(void* data) override {
+    cudaSetDevice(device_);
+    if (cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
+  }
+
+ private:
+  const int device_;
+};
+
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(const BackendOptions& options) : options_(options), geo_(options.geometry) {}
+  explicit CudaBackend(const BackendOptions& options)
+      : options_(options), geo_(options.geometry), region_device_(options.device) {}
 
   ~CudaBackend() override {
     cudaSetDevice(options_.device);
@@ -80,6 +108,8 @@ class CudaBackend final : public Backend {
     return HeapBuffer(bytes);
   }
 
+  RegionDevice* region_device() override { return &region_device_; }
+
   int PipelineDepth() const override { return StagingRing::kSlots; }
   absl::Status Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) override;
   absl::Status Complete(BatchStats* stats) override;
@@ -105,6 +135,7 @@ class CudaBackend final : public Backend {
 
   BackendOptions options_;
   KvGeometry geo_;
+  CudaRegionDevice region_device_;
   std::string device_name_;
   MemoryUsage memory_;  // read once Init has allocated everything
   int64_t max_append_ = 0;

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Transport benchmark: how tensors reach the server, each path in one run.
+
+For decode64 (64 sequences x 1 row over 4,096 keys: 512 KiB of queries in,
+520 KiB out) and one 16k-row prefill (128 MiB each way) it measures, on one
+host over loopback:
+
+  tcp_echo          the same byte counts over one raw TCP connection (the floor)
+  attnecho          the API with no compute, gRPC tuned and untuned
+  attnserve inline  the server, gRPC tuned and untuned (--transport_tuning)
+  attnserve shm     q, output and LSE in a POSIX shm region (attnbench --shm)
+  grpc_args         attnecho with single tuning arguments, to see which matter
+
+and prints one table (also OUT/transport.md). The kernel time per request
+comes from the server's /metrics; "p50 - kernel" is what the transport and
+the server add.
+
+Usage: bench/transport.py INSTALL_DIR OUT_DIR [--backend=cuda] [--smoke]
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serving import GEOMETRY, bench, scrape, start  # noqa: E402
+
+DECODE64 = ["--workload=decode", "--batch=64", "--kv_len=4096", "--concurrency=1"]
+LONG = ["--workload=prefill", "--batch=1", "--q_len=16384", "--concurrency=1", "--duration_s=120"]
+# Single arguments of the tuned set, on attnecho, to see which ones matter.
+SINGLE_ARGS = [
+    ("frame 4 MiB", "grpc.http2.max_frame_size=4194304"),
+    ("window 64 MiB, no BDP", "grpc.http2.bdp_probe=0,grpc.http2.lookahead_bytes=67108864"),
+    ("read chunks 1 MiB", "grpc.experimental.tcp_read_chunk_size=1048576,"
+                          "grpc.experimental.tcp_min_read_chunk_size=262144,"
+                          "grpc.experimental.tcp_max_read_chunk_size=16777216"),
+    ("write buffer 8 MiB", "grpc.http2.write_buffer_size=8388608"),
+]
+
+
+def kernel_ms(before, after):
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    requests = d.get(("batch_requests", "sum"), 0) or 1
+    return sum(d.get((k, "sum"), 0) for k in ("attention", "merge", "append")) / requests * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("install")
+    ap.add_argument("out")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
+    a = ap.parse_args()
+    bin_dir = os.path.join(os.path.abspath(a.install), "bin")
+    os.makedirs(a.out, exist_ok=True)
+    decode, long_ = list(DECODE64), list(LONG)
+    dur, long_n, echo_iters = "--duration_s=5", "--requests=8", "0"
+    if a.smoke:
+        decode = [x.replace("4096", "256").replace("=64", "=4") for x in decode]
+        long_ = [x.replace("16384", "64") for x in long_]
+        dur, long_n, echo_iters = "--duration_s=1", "--requests=2", "50"
+    rows = []  # (case, path, setting, result json, kernel ms)
+    lines = []
+
+    # The raw TCP floor, same byte counts.
+    q_bytes = 64 * 32 * 128 * 2
+    cases = f"{q_bytes}:{q_bytes + 64 * 32 * 4},134217728:{134217728 + 16384 * 32 * 4}"
+    if a.smoke:
+        cases = "4096:4608,65536:73728"
+    tcp = subprocess.run([f"{bin_dir}/tcp_echo", f"--cases={cases}", f"--iterations={echo_iters}"],
+                         capture_output=True, text=True, timeout=120)
+    open(os.path.join(a.out, "tcp_echo.log"), "w").write(tcp.stdout + tcp.stderr)
+    lines += ["tcp_echo (raw TCP round trips over loopback, the floor):", "", tcp.stdout.strip(), ""]
+    print(tcp.stdout, flush=True)
+
+    def run(tag, target, args, extra):
+        res = bench(bin_dir, target, args + extra, os.path.join(a.out, f"{tag}.json"),
+                    os.path.join(a.out, f"{tag}.log"))
+        print(tag, "done" if res else "FAILED", flush=True)
+        return res
+
+    # attnecho, tuned and untuned, and single arguments.
+    for tuning in ("true", "false"):
+        echo, m = start([f"{bin_dir}/attnecho", "--listen=127.0.0.1:0", "--num_layers=2",
+                         f"--transport_tuning={tuning}"] + GEOMETRY,
+                        os.path.join(a.out, f"attnecho_{tuning}.log"), r"listening grpc=(\S+)")
+        t = [f"--transport_tuning={tuning}"]
+        setting = "tuned" if tuning == "true" else "gRPC defaults"
+        rows.append(("decode64", "attnecho (floor)", setting,
+                     run(f"echo_decode64_{tuning}", m.group(1), decode + [dur], t), None))
+        rows.append(("prefill 128 MiB", "attnecho (floor)", setting,
+                     run(f"echo_long_{tuning}", m.group(1), long_ + [long_n], t), None))
+        echo.terminate()
+        echo.wait(timeout=30)
+    if not a.smoke:
+        for i, (label, args) in enumerate(SINGLE_ARGS):
+            echo, m = start([f"{bin_dir}/attnecho", "--listen=127.0.0.1:0", "--num_layers=2",
+                             "--transport_tuning=false", f"--grpc_args={args}"] + GEOMETRY,
+                            os.path.join(a.out, f"attnecho_single{i}.log"), r"listening grpc=(\S+)")
+            t = ["--transport_tuning=false", f"--grpc_args={args}"]
+            rows.append(("decode64", "attnecho (floor)", label,
+                         run(f"echo_decode64_single{i}", m.group(1), decode + ["--duration_s=3"], t), None))
+            rows.append(("prefill 128 MiB", "attnecho (floor)", label,
+                         run(f"echo_long_single{i}", m.group(1), long_ + ["--requests=4"], t), None))
+            echo.terminate()
+            echo.wait(timeout=30)
+
+    # attnserve: inline tuned and untuned; shm regions (tuned server).
+    verify = []
+    for tuning in ("true", "false"):
+        serve, m = start([f"{bin_dir}/attnserve", f"--backend={a.backend}", "--listen=127.0.0.1:0",
+                          "--metrics_listen=127.0.0.1:0", "--num_layers=2", "--num_pages=40000",
+                          "--allow_shared_memory", f"--transport_tuning={tuning}"] + GEOMETRY,
+                         os.path.join(a.out, f"attnserve_{tuning}.log"),
+                         r"listening grpc=(\S+) metrics=(\S+)")
+        addr, metrics = m.group(1), m.group(2)
+        t = [f"--transport_tuning={tuning}"]
+        setting = "tuned" if tuning == "true" else "gRPC defaults"
+        paths = [("inline", [])] + ([("system shm region", ["--shm"])] if tuning == "true" else [])
+        for path, flag in paths:
+            for case, args, n in (("decode64", decode, dur), ("prefill 128 MiB", long_, long_n)):
+                tag = f"serve_{'shm' if flag else 'inline'}_{case.split()[0]}_{tuning}"
+                before = scrape(metrics)
+                res = run(tag, addr, args + [n, f"--metrics={metrics}"] + flag, t)
+                rows.append((case, f"attnserve {path}", setting, res, kernel_ms(before, scrape(metrics))))
+        if tuning == "true":
+            for vname, vflag in (("verify_decode64_inline", []), ("verify_decode64_shm", ["--shm"])):
+                res = run(vname, addr, decode + ["--requests=8", "--verify"] + vflag, t)
+                verify.append((vname, res))
+        serve.terminate()
+        serve.wait(timeout=60)
+
+    lines += ["| case | path | gRPC settings | p50 ms | p99 ms | req/s | kernel ms/request | "
+              "p50 - kernel ms |", "|" + "---|" * 8]
+    for case, path, setting, res, kms in rows:
+        if res is None:
+            lines.append(f"| {case} | {path} | {setting} | failed | | | | |")
+            continue
+        p50, p99 = res["latency_ms"]["p50"], res["latency_ms"]["p99"]
+        k = f"{kms:.4f}" if kms is not None else "-"
+        over = f"{p50 - kms:.3f}" if kms is not None else "-"
+        lines.append(f"| {case} | {path} | {setting} | {p50:.3f} | {p99:.3f} | "
+                     f"{res['requests_per_s']:.1f} | {k} | {over} |")
+    lines.append("")
+    for vname, res in verify:
+        lines.append(f"{vname}: " + ("attnbench failed" if res is None else
+                                     f"{res['ok']} OK of {res['requests']}, wrong results "
+                                     f"{res['wrong_results']}, errors {res['errors']}"))
+    table = "\n".join(lines)
+    open(os.path.join(a.out, "transport.md"), "w").write(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

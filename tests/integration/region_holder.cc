@@ -1,0 +1,50 @@
+// region_holder: a client process for regions_test.cc. It creates a POSIX
+// shm object, fills it with random bf16 values from a seed, registers it as
+// a system region, prints "ready" and waits until it is killed, leaving the
+// region registered and the object in place (it never unregisters).
+//
+//   region_holder TARGET TOKEN KEY NAME BYTES SEED
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "client/client.h"
+#include "client/shared_memory.h"
+#include "client/workload.h"
+
+int main(int argc, char** argv) {
+  if (argc != 7) {
+    std::fprintf(stderr, "usage: region_holder TARGET TOKEN KEY NAME BYTES SEED\n");
+    return 2;
+  }
+  attnserve::ClientOptions options;
+  options.target = argv[1];
+  options.token = argv[2];
+  auto client = attnserve::Client::Connect(options);
+  if (!client.ok()) {
+    std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
+    return 1;
+  }
+  const int64_t bytes = std::atoll(argv[5]);
+  auto shm = attnserve::SharedMemory::Create(argv[3], bytes);
+  if (!shm.ok()) {
+    std::fprintf(stderr, "shm: %s\n", shm.status().ToString().c_str());
+    return 1;
+  }
+  (*shm)->Release();  // a killed process unlinks nothing anyway
+  std::mt19937_64 gen(std::strtoull(argv[6], nullptr, 10));
+  const auto values = attnserve::RandomHalves(gen, attnserve::KvDType::kBf16, bytes / 2);
+  std::memcpy((*shm)->data(), values.data(), values.size() * 2);
+  absl::Status s = (*client)->RegisterSystemRegion(argv[4], argv[3], 0, bytes);
+  if (!s.ok()) {
+    std::fprintf(stderr, "register: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  std::printf("ready\n");
+  std::fflush(stdout);
+  for (;;) pause();
+}

@@ -1,0 +1,163 @@
+"""Shared-memory regions from Python (numpy over multiprocessing.shared_memory)
+against a real CPU server with --allow_shared_memory: every tensor of
+write_kv, read_kv, prefill and merge_states through a region, checked
+against the float64 reference and the same call sent inline; errors and
+ownership."""
+
+import numpy as np
+import pytest
+
+import attnserve
+from attnserve import dtypes as dt
+from attnserve.reference import (KvMirror, compare, reference_merge, reference_prefill,
+                                 within_tolerance)
+from attnserve.regions import SharedMemoryRegion
+from server import TestServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    with TestServer(extra_flags=["--allow_shared_memory", "--max_regions_per_tenant=4"]) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    c = attnserve.Client(server.address, timeout=120)
+    yield c
+    for r in c.list_regions():
+        c.unregister_region(r.name)
+    c.close()
+
+
+def bits(rng, shape):
+    """Random bf16 values as their uint16 bits."""
+    return dt.float32_to_bf16_bits(rng.standard_normal(shape).astype(np.float32))
+
+
+def test_prefill_write_read_through_a_region_match_the_reference(client):
+    g = client.server_info
+    rng = np.random.default_rng(11)
+    pages = client.allocate_pages(5)
+    slots = [p * g.page_size + i for p in pages[:4] for i in range(g.page_size)]
+    n = len(slots)
+    row = (g.num_kv_heads, g.head_dim)
+    total_q = 13
+    q_shape, lse_shape = (total_q, g.num_qo_heads, g.head_dim), (total_q, g.num_qo_heads)
+    with SharedMemoryRegion(1 << 20) as region:
+        region.register(client, "py-io")
+        # K/V in through the region.
+        k_at, v_at = 0, n * 2 * g.num_kv_heads * g.head_dim
+        region.array(k_at, (n, *row), "bf16")[...] = k = bits(rng, (n, *row))
+        region.array(v_at, (n, *row), "bf16")[...] = v = bits(rng, (n, *row))
+        client.write_kv(0, slots, region.tensor(k_at, (n, *row), "bf16"),
+                        region.tensor(v_at, (n, *row), "bf16"))
+        mirror = KvMirror(g.num_kv_heads, g.head_dim)
+        mirror.write(0, slots, k, v)
+        # Prefill: q and two appended rows from the region, output and LSE into it.
+        q_at, ak_at, av_at, o_at, lse_at = 262144, 300000, 301000, 400000, 600000
+        region.array(q_at, q_shape, "bf16")[...] = q = bits(rng, q_shape)
+        region.array(ak_at, (2, *row), "bf16")[...] = ak = bits(rng, (2, *row))
+        region.array(av_at, (2, *row), "bf16")[...] = av = bits(rng, (2, *row))
+        append_slots = [pages[4] * g.page_size, pages[4] * g.page_size + 1]
+        qo, kv, idx, last = [0, 6, 13], [0, 2, 4], pages[:4], [16, 9]
+        r = client.prefill(0, region.tensor(q_at, q_shape, "bf16"), qo, kv, idx, last,
+                           append_slots=append_slots,
+                           append_k=region.tensor(ak_at, (2, *row), "bf16"),
+                           append_v=region.tensor(av_at, (2, *row), "bf16"),
+                           output_to=(region.tensor(o_at, q_shape, "bf16"),
+                                      region.tensor(lse_at, lse_shape, "fp32")))
+        assert r.output is None and r.lse is None
+        mirror.write(0, append_slots, ak, av)
+        o = dt.bf16_bits_to_float32(region.array(o_at, q_shape, "bf16").copy()).reshape(q_shape)
+        lse = region.array(lse_at, lse_shape, "fp32").copy()
+        o_ref, lse_ref = reference_prefill(mirror, 0, q, qo, kv, idx, last, page_size=g.page_size)
+        assert within_tolerance(compare(o_ref, lse_ref, o, lse))
+        inline = client.prefill(0, q, qo, kv, idx, last)
+        assert np.array_equal(inline.output, o) and np.array_equal(inline.lse, lse)
+        # read_kv into the region: the appended rows, bit for bit.
+        back_k, back_v = 700000, 710000
+        assert client.read_kv(0, append_slots,
+                              into=(region.tensor(back_k, (2, *row), "bf16"),
+                                    region.tensor(back_v, (2, *row), "bf16"))) is None
+        assert np.array_equal(region.array(back_k, (2, *row), "bf16"), ak)
+        assert np.array_equal(region.array(back_v, (2, *row), "bf16"), av)
+        info = client.list_regions()
+        assert [(i.name, i.kind, i.key, i.byte_size, i.key_exists) for i in info] == \
+            [("py-io", "system", region.key, 1 << 20, True)]
+        region.close(client)
+    assert client.list_regions() == []
+    client.free_pages(pages)
+
+
+def test_merge_states_through_a_region(client):
+    rng = np.random.default_rng(4)
+    n, h, d = 5, 8, 64
+    states = [(rng.standard_normal((n, h, d)).astype(np.float32),
+               (rng.standard_normal((n, h)) * 3).astype(np.float32)) for _ in range(3)]
+    states[0][1][1, :] = -np.inf
+    with SharedMemoryRegion(1 << 18) as region:
+        region.register(client, "py-merge")
+        refs, at = [], 0
+        for v, lse in states:
+            region.array(at, (n, h, d), "bf16")[...] = dt.float32_to_bf16_bits(v)
+            region.array(at + n * h * d * 2, (n, h), "fp32")[...] = lse
+            refs.append((region.tensor(at, (n, h, d), "bf16"),
+                         region.tensor(at + n * h * d * 2, (n, h), "fp32")))
+            at += n * h * d * 2 + n * h * 4
+        out_v, out_lse = region.tensor(at, (n, h, d), "bf16"), region.tensor(at + n * h * d * 2,
+                                                                             (n, h), "fp32")
+        assert client.merge_states(refs, into=(out_v, out_lse)) is None
+        v = dt.bf16_bits_to_float32(region.array(at, (n, h, d), "bf16").copy()).reshape(n, h, d)
+        lse = region.array(at + n * h * d * 2, (n, h), "fp32").copy()
+        v_ref, lse_ref = reference_merge(states)
+        assert within_tolerance(compare(v_ref, lse_ref, v, lse))
+        inline_v, inline_lse = client.merge_states(states)
+        assert np.array_equal(inline_v, v) and np.array_equal(inline_lse, lse)
+        region.close(client)
+
+
+def test_bad_references_raise_typed_errors_and_change_nothing(client, server):
+    g = client.server_info
+    rng = np.random.default_rng(9)
+    pages = client.allocate_pages(1)
+    slots = [pages[0] * g.page_size]
+    k = bits(rng, (1, g.num_kv_heads, g.head_dim))
+    client.write_kv(0, slots, k, k)
+    shape = (1, g.num_kv_heads, g.head_dim)
+    with SharedMemoryRegion(4096) as region:
+        region.register(client, "py-bad")
+        with pytest.raises(attnserve.NotFound, match="k.region.name: region 'nope'"):
+            client.write_kv(0, slots, attnserve.RegionTensor("nope", 0, shape, "bf16"),
+                            region.tensor(0, shape, "bf16"))
+        with pytest.raises(attnserve.InvalidArgument, match=r"k.region.offset \+ k.region.byte_size"):
+            client.write_kv(0, slots, attnserve.RegionTensor("py-bad", 4000, shape, "bf16"),
+                            region.tensor(0, shape, "bf16"))
+        with pytest.raises(attnserve.InvalidArgument, match="multiple of 2 bytes"):
+            client.write_kv(0, slots, attnserve.RegionTensor("py-bad", 1, shape, "bf16"),
+                            region.tensor(0, shape, "bf16"))
+        with pytest.raises(attnserve.InvalidArgument, match="overlaps"):
+            client.read_kv(0, slots, into=(region.tensor(0, shape, "bf16"),
+                                           region.tensor(2, shape, "bf16")))
+        with pytest.raises(attnserve.AlreadyExists):
+            region.register(client, "py-bad")
+        with pytest.raises(ValueError, match="both or neither"):
+            client.read_kv(0, slots, into=(region.tensor(0, shape, "bf16"),))
+        # Another tenant is another token: without auth every caller is one
+        # tenant, so ownership is tested by the C++ integration test.
+        rk, _ = client.read_kv(0, slots, out="raw")
+        assert np.array_equal(rk, k)  # nothing changed
+    client.free_pages(pages)
+    # The with-block unlinked the object without unregistering (as a crashed
+    # client's resource tracker would): the next list reclaims the region.
+    assert client.list_regions() == []
+    with pytest.raises(attnserve.NotFound):
+        client.unregister_region("py-bad")
+
+
+def test_regions_are_off_without_the_flag():
+    with TestServer() as s, attnserve.Client(s.address, timeout=60) as c:
+        with SharedMemoryRegion(4096) as region:
+            with pytest.raises(attnserve.FailedPrecondition, match="--allow_shared_memory"):
+                region.register(c, "x")
+        assert c.list_regions() == []
