@@ -98,6 +98,7 @@ struct PrefillCall : CallContext {
   absl::Span<const int64_t> append_slots;     // (n)
   TensorView append_k;                        // (n, num_kv_heads, head_dim)
   TensorView append_v;
+  absl::Span<const int32_t> kv_keys_after;    // (batch) or empty: PrefillSeq::causal_shift
   uint64_t plan_id = 0;                       // 0: the layout fields above hold the layout
   PrefillOutput* out = nullptr;               // filled by the core
 };
