@@ -363,3 +363,28 @@ def test_kv_keys_after_through_the_python_client(client):
     with pytest.raises(attnserve.InvalidArgument, match="kv_keys_after has 1 entries"):
         client.create_plan(*layout.values(), kv_keys_after=[3])
     client.free_pages(pages)
+
+
+def test_docs_cluster_md_python_blocks(capsys):
+    """Every Python block of docs/cluster.md, as written, against two servers
+    with the default flags' geometry; each print must print its comment."""
+    import os
+    import re
+    doc = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs",
+                       "cluster.md")
+    blocks = re.findall(r"```python\n(.*?)```", open(doc).read(), re.S)
+    assert blocks
+    servers = start(2, num_layers=4, num_pages=1024, page_size=16, num_qo_heads=32,
+                    num_kv_heads=4, head_dim=128)
+    try:
+        for i, code in enumerate(blocks):
+            expected = [m.group(1).strip() for m in
+                        (re.match(r"^\s*print\(.*\)\s+#\s*(.+)$", line)
+                         for line in code.splitlines()) if m]
+            code = code.replace("127.0.0.1:50051", servers[0].address)
+            code = code.replace("127.0.0.1:50052", servers[1].address)
+            exec(compile(code, f"docs/cluster.md block {i}", "exec"), {"__name__": "__main__"})
+            printed = [line.strip() for line in capsys.readouterr().out.splitlines()]
+            assert printed == expected
+    finally:
+        stop(servers)
