@@ -12,9 +12,10 @@ and measures:
     itself, on one server and spread over two. The two-server rows hold the
     keys [0, s) and [s, L) and send every query to both, with kv_keys_after
     so that the mask is the whole sequence's, and the client merges by LSE
-    (attnserve.merge.merge_states). Split points: the middle (what
-    attnserve.Cluster does with split_min_tokens) and s = L(1 - 1/sqrt(2)),
-    where the two halves of the causal triangle's work are equal. The time
+    (attnserve.merge.merge_states). Split points: the middle, and
+    s = L(1 - 1/sqrt(2)), where the two servers' shares of the causal
+    triangle's work are equal (what attnserve.Cluster does with
+    split_min_tokens: attnserve.cluster.causal_spread). The time
     on the critical path is max over servers of the device time the
     servers' /metrics report for the request (attnserve_kernel_duration_
     seconds, every kernel) plus the client's merge; wall times (with the
@@ -32,7 +33,6 @@ With --backend cpu and small sizes it runs anywhere (a smoke test).
 """
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import re
@@ -157,7 +157,8 @@ def prefill_bench(a, servers, log):
           f"wall {results['one_gpu']['wall_s'] * 1e3:8.1f} ms", file=log, flush=True)
     clients[0].free_pages(whole_pages)
 
-    splits = {"even": L // 2, "balanced": int(round(L * (1 - 1 / math.sqrt(2)) / ps)) * ps}
+    from attnserve.cluster import causal_spread
+    splits = {"even": L // 2, "balanced": causal_spread(L, 2)[0]}
     for name, s in splits.items():
         parts = [load(clients[0], 0, s), load(clients[1], s, L)]
         afters = [L - s, 0]

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <thread>
 #include <utility>
@@ -77,6 +78,25 @@ bool IsStaleIncarnation(const absl::Status& s) {
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
+
+std::vector<int64_t> CausalSpread(int64_t n, int64_t k) {
+  // Every new token's query attends to the new keys before it: a triangle of
+  // n^2 / 2. The keys [a, n) take (n - a)^2 / 2 of it, so the last m of k
+  // shards start at n (1 - sqrt(m / k)).
+  std::vector<int64_t> sizes(std::max<int64_t>(k, 1), 0);
+  int64_t prev = 0;
+  for (int64_t j = 1; j <= k; ++j) {
+    const int64_t bound =
+        j == k ? n
+               : static_cast<int64_t>(std::floor(
+                     static_cast<double>(n) *
+                         (1.0 - std::sqrt(static_cast<double>(k - j) / static_cast<double>(k))) +
+                     0.5));
+    sizes[j - 1] = std::max<int64_t>(0, bound - prev);
+    prev = std::max(prev, bound);
+  }
+  return sizes;
+}
 
 std::vector<int64_t> LostSequences(const absl::Status& status) {
   std::vector<int64_t> ids;
@@ -355,11 +375,12 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
     if (order.empty()) {
       return absl::UnavailableError("no server of the cluster is reachable");
     }
-    // Desired counts: all on the first candidate, or spread evenly.
+    // Desired counts: all on the first candidate, or spread over k.
     std::vector<int64_t> want(order.size(), 0);
     const bool spread = options_.split_min_tokens > 0 && n >= options_.split_min_tokens;
-    const int64_t k = spread ? static_cast<int64_t>(order.size()) : 1;
-    for (int64_t j = 0; j < k; ++j) want[j] = n / k + (j < n % k ? 1 : 0);
+    const std::vector<int64_t> sizes =
+        CausalSpread(n, spread ? static_cast<int64_t>(order.size()) : 1);
+    std::copy(sizes.begin(), sizes.end(), want.begin());
     // Each server takes what fits in its free pages; the rest moves on.
     int64_t carry = 0;
     for (size_t j = 0; j < order.size(); ++j) {

@@ -66,8 +66,9 @@ struct ClusterOptions {
   // many seconds have passed since the last resolution.
   double resolve_interval_s = 30;
   // A step that appends at least this many tokens to one sequence spreads
-  // them evenly over several servers (0: never; a sequence is still spread
-  // when its server has too few free pages).
+  // them over several servers, in ranges that share the causal attention
+  // work evenly (CausalSpread; 0: never; a sequence is still spread when
+  // its server has too few free pages).
   int32_t split_min_tokens = 0;
   // At most this many servers hold one sequence (0: any number).
   int32_t max_servers_per_sequence = 0;
@@ -120,6 +121,12 @@ struct ClusterServer {
   int64_t pages_held = 0;     // held by this cluster's sequences
   int64_t sequences = 0;      // sequences with keys there
 };
+
+// How a step spreads n new tokens of one sequence over k servers, in
+// position order: sizes that give each server the same share of the causal
+// attention among the new tokens (the first shard is the smallest: every
+// later query reads it). Sums to n.
+std::vector<int64_t> CausalSpread(int64_t n, int64_t k);
 
 // The sequences a DATA_LOSS status of Cluster names (empty for any other).
 std::vector<int64_t> LostSequences(const absl::Status& status);

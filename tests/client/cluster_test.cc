@@ -143,6 +143,31 @@ void RunAndCheck(Cluster& cluster, Reference& ref, const ClusterStep& step, std:
   }
 }
 
+TEST(CausalSpreadTest, SharesTheCausalWorkOfTheNewTokens) {
+  EXPECT_THAT(CausalSpread(37, 2), ElementsAre(11, 26));
+  EXPECT_THAT(CausalSpread(37, 3), ElementsAre(7, 9, 21));
+  EXPECT_THAT(CausalSpread(32768, 2), ElementsAre(9598, 23170));  // 1 - 1/sqrt(2)
+  EXPECT_THAT(CausalSpread(0, 3), ElementsAre(0, 0, 0));
+  EXPECT_THAT(CausalSpread(5, 1), ElementsAre(5));
+  // Each shard's work, sum over queries r of the keys [a, b) it sees, is
+  // within one row of the others'.
+  for (int64_t k : {2, 3, 4}) {
+    const int64_t n = 4000;
+    const std::vector<int64_t> sizes = CausalSpread(n, k);
+    int64_t a = 0, lo = INT64_MAX, hi = 0;
+    for (int64_t size : sizes) {
+      const int64_t b = a + size;
+      int64_t work = 0;
+      for (int64_t r = 0; r < n; ++r) work += std::max<int64_t>(0, std::min(r + 1, b) - a);
+      lo = std::min(lo, work);
+      hi = std::max(hi, work);
+      a = b;
+    }
+    EXPECT_EQ(a, n);
+    EXPECT_LT(static_cast<double>(hi - lo) / hi, 0.01) << k;
+  }
+}
+
 TEST(ClusterTest, PlacesNewSequencesOnTheServerWithTheMostFreePages) {
   std::vector<TestServerOptions> opts(3);
   opts[0].num_pages = 40;
@@ -224,9 +249,9 @@ TEST_P(ClusterSplitTest, SpreadSequencesMatchTheReference) {
   Cluster& c = **cluster;
   Reference ref(c.geometry());
   std::mt19937_64 gen(page_size * 10 + num_servers);
-  // 37 and 96 tokens split (37: never at a page boundary with 16; 96 over 2
-  // or 3: at page boundaries with 16 and 1), 5 stays whole.
-  auto step = c.Plan({1, 2, 3}, {37, 5, 96});
+  // 37 and 55 tokens spread (CausalSpread: 37 -> 11 + 26 or 7 + 9 + 21, never
+  // at a page boundary of 16; 55 over 2 -> 16 + 39, at one), 5 stays whole.
+  auto step = c.Plan({1, 2, 3}, {37, 5, 55});
   ASSERT_TRUE(step.ok()) << step.status();
   EXPECT_EQ(static_cast<int32_t>(c.ShardsOf(1).size()), num_servers);
   EXPECT_EQ(c.ShardsOf(2).size(), 1u);
@@ -244,9 +269,9 @@ TEST_P(ClusterSplitTest, SpreadSequencesMatchTheReference) {
     ASSERT_TRUE(decode.ok()) << decode.status();
     RunAndCheck(c, ref, **decode, gen);
   }
-  // The last server got 37 / servers tokens of the prompt, then every decode token.
-  const int64_t last_prompt = 37 / num_servers + (num_servers - 1 < 37 % num_servers ? 1 : 0);
-  EXPECT_EQ(c.ShardsOf(1).back().length, last_prompt + 4);
+  // The last server got its share of the prompt, then every decode token.
+  EXPECT_EQ(c.ShardsOf(1).back().length, CausalSpread(37, num_servers).back() + 4);
+  if (num_servers == 2) EXPECT_EQ(c.ShardsOf(3)[0].length, 16);
   // A causal prefill chunk on a spread sequence: 30 more tokens of 1 (every
   // server holds part of it already, so they go to the last one).
   auto chunk = c.Plan({1}, {30});

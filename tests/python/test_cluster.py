@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import attnserve
+from attnserve.cluster import causal_spread
 from attnserve.merge import merge_states
 from attnserve.reference import (KvMirror, compare, reference_merge, reference_prefill,
                                  within_tolerance)
@@ -87,6 +88,21 @@ def retry_while_unavailable(call, seconds=30):
             time.sleep(0.05)
 
 
+def test_causal_spread_shares_the_causal_work_of_the_new_tokens():
+    assert causal_spread(37, 2) == [11, 26]
+    assert causal_spread(37, 3) == [7, 9, 21]
+    assert causal_spread(32768, 2) == [9598, 23170]
+    assert causal_spread(0, 3) == [0, 0, 0]
+    for k in (2, 3, 4):
+        n, a, work = 4000, 0, []
+        for size in causal_spread(n, k):
+            b = a + size
+            r = np.arange(n)
+            work.append(int(np.clip(np.minimum(r + 1, b) - a, 0, None).sum()))
+            a = b
+        assert a == n and (max(work) - min(work)) / max(work) < 0.01
+
+
 def test_places_new_sequences_on_the_server_with_the_most_free_pages():
     servers = start(3, num_pages=[40, 100, 70])
     try:
@@ -129,7 +145,9 @@ def test_spread_sequences_match_the_reference(page_size, num_servers):
         with attnserve.Cluster([s.address for s in servers], split_min_tokens=24,
                                timeout=120) as c:
             ref, rng = Reference(c.server_info), np.random.default_rng(page_size + num_servers)
-            step = c.plan([1, 2, 3], [37, 5, 96])
+            # 37 and 55 spread (causal_spread: 11 + 26 or 7 + 9 + 21, never at a
+            # page boundary of 16; 55 over 2 -> 16 + 39, at one), 5 whole.
+            step = c.plan([1, 2, 3], [37, 5, 55])
             assert len(c.shards_of(1)) == num_servers and len(c.shards_of(2)) == 1
             assert len(c.shards_of(3)) == num_servers
             pos = 0
@@ -140,8 +158,9 @@ def test_spread_sequences_match_the_reference(page_size, num_servers):
             run_and_check(c, ref, step, rng)
             for _ in range(4):  # decode: the token to the last server, the query to all
                 run_and_check(c, ref, c.plan([3, 1, 2], [1, 1, 1]), rng)
-            last_prompt = 37 // num_servers + (1 if num_servers - 1 < 37 % num_servers else 0)
-            assert c.shards_of(1)[-1].length == last_prompt + 4
+            assert c.shards_of(1)[-1].length == causal_spread(37, num_servers)[-1] + 4
+            if num_servers == 2:
+                assert c.shards_of(3)[0].length == 16
             run_and_check(c, ref, c.plan([1], [30]), rng)  # a causal chunk on a spread sequence
             c.release()
     finally:

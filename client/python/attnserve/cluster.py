@@ -30,6 +30,7 @@ the rest of the cluster keeps working.
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -173,6 +174,21 @@ def getaddrinfo_resolver(host: str, port: str) -> list:
     return sorted(out)
 
 
+def causal_spread(n: int, k: int) -> list:
+    """How a step spreads n new tokens of one sequence over k servers, in
+    position order: each server gets the same share of the causal attention
+    among the new tokens (the keys [a, n) take (n - a)^2 / 2 of the n^2 / 2
+    triangle, so the last m of k shards start at n (1 - sqrt(m / k)); the
+    first shard is the smallest). Sums to n."""
+    k = max(k, 1)
+    sizes, prev = [], 0
+    for j in range(1, k + 1):
+        bound = n if j == k else int(math.floor(n * (1 - math.sqrt((k - j) / k)) + 0.5))
+        sizes.append(max(0, bound - prev))
+        prev = max(prev, bound)
+    return sizes
+
+
 def _rows(x, idx: np.ndarray):
     """x[idx] for numpy or torch."""
     if _dt.is_torch(x):
@@ -193,8 +209,9 @@ class Cluster:
         addresses (socket.getaddrinfo; a Kubernetes headless Service) are
         the servers. A single string is one target.
       split_min_tokens: a step that appends at least this many tokens to one
-        sequence spreads them evenly over several servers (0: never; a
-        sequence still spills over when its server is full).
+        sequence spreads them over several servers, in ranges that share the
+        causal attention work evenly (causal_spread; 0: never; a sequence
+        still spills over when its server is full).
       max_servers_per_sequence: at most this many servers hold one sequence
         (0: any number).
       resolve_interval: a dns:/// target is resolved again by refresh(), and
@@ -237,6 +254,7 @@ class Cluster:
         self._step = 0
         self._latest: Optional[ClusterStep] = None
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool_size = 0
         addresses = []
         for t in targets:
             if t.startswith(_DNS):
@@ -459,8 +477,8 @@ class Cluster:
                 raise AttnserveError("no server of the cluster is reachable",
                                      grpc.StatusCode.UNAVAILABLE, "plan")
             spread = self.split_min_tokens > 0 and n >= self.split_min_tokens
-            k = len(order) if spread else 1
-            want = [n // k + (1 if j < n % k else 0) if j < k else 0 for j in range(len(order))]
+            sizes = causal_spread(n, len(order) if spread else 1)
+            want = sizes + [0] * (len(order) - len(sizes))
             carry, mine = 0, []
             for j, srv in enumerate(order):
                 tail = j == 0 and bool(shards)
@@ -560,10 +578,12 @@ class Cluster:
         return step
 
     def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool._max_workers < len(self._servers):
+        """Threads for the Prefills in flight at once: one per server."""
+        if self._pool is None or self._pool_size < len(self._servers):
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(max_workers=max(1, len(self._servers)),
+            self._pool_size = max(1, len(self._servers))
+            self._pool = ThreadPoolExecutor(max_workers=self._pool_size,
                                             thread_name_prefix="attnserve-cluster")
         return self._pool
 
