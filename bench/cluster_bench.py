@@ -249,11 +249,12 @@ def _decode_run(targets, ids, kv_len, duration, start_value, queue):
     c = attnserve.Cluster(targets, timeout=600, server_plans=False)
     g = c.server_info
     rng = np.random.default_rng(ids[0])
-    step = c.plan(ids, [kv_len] * len(ids))
-    n = step.total_q
-    c.run(0, half_tensor(rng, (n, g.num_qo_heads, g.head_dim)),
-          half_tensor(rng, (n, g.num_kv_heads, g.head_dim)),
-          half_tensor(rng, (n, g.num_kv_heads, g.head_dim)))
+    for done in range(0, kv_len, 1024):  # the prompts, in chunks of 1024 tokens
+        step = c.plan(ids, [min(1024, kv_len - done)] * len(ids))
+        n = step.total_q
+        c.run(0, half_tensor(rng, (n, g.num_qo_heads, g.head_dim)),
+              half_tensor(rng, (n, g.num_kv_heads, g.head_dim)),
+              half_tensor(rng, (n, g.num_kv_heads, g.head_dim)))
     q = half_tensor(rng, (len(ids), g.num_qo_heads, g.head_dim))
     kv = half_tensor(rng, (len(ids), g.num_kv_heads, g.head_dim))
     queue.put(("ready", None))
