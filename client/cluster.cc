@@ -157,7 +157,6 @@ absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Connect(const ClusterOptions& 
           absl::StrCat(options.targets[0], " resolves to no address"));
     }
     addresses = *std::move(resolved);
-    c->resolved_at_ = absl::Now();
   }
   for (const std::string& a : addresses) {
     auto added = c->AddServer(a);
@@ -245,14 +244,10 @@ std::vector<int64_t> Cluster::LoseServer(int32_t server, bool gone) {
   return lost;
 }
 
-absl::Status Cluster::Resolve(bool force) {
+absl::Status Cluster::Resolve() {
   if (dns_host_.empty()) return absl::OkStatus();
-  if (!force && absl::Now() - resolved_at_ < absl::Seconds(options_.resolve_interval_s)) {
-    return absl::OkStatus();
-  }
   auto resolved = options_.resolver(dns_host_, dns_port_);
   if (!resolved.ok()) return resolved.status();  // keep the servers we have
-  resolved_at_ = absl::Now();
   absl::flat_hash_set<std::string> now(resolved->begin(), resolved->end());
   std::vector<std::string> problems;
   std::vector<int64_t> lost;
@@ -285,7 +280,8 @@ absl::Status Cluster::Resolve(bool force) {
 }
 
 absl::Status Cluster::Refresh() {
-  absl::Status resolved = Resolve(/*force=*/true);
+  refreshed_at_ = absl::Now();
+  absl::Status resolved = Resolve();
   std::vector<int64_t> lost = LostSequences(resolved);
   for (int32_t i = 0; i < num_servers(); ++i) {
     Server& s = *servers_[i];
@@ -312,7 +308,6 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
         absl::StrCat(seq_ids.size(), " seq_ids but ", q_lens.size(), " q_lens"));
   }
   absl::flat_hash_set<int64_t> seen;
-  std::vector<int64_t> lost;
   int64_t total_q = 0;
   for (size_t b = 0; b < seq_ids.size(); ++b) {
     if (!seen.insert(seq_ids[b]).second) {
@@ -322,15 +317,22 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
       return absl::InvalidArgumentError(
           absl::StrCat("q_lens[", b, "]=", q_lens[b], " is negative"));
     }
-    auto it = seqs_.find(seq_ids[b]);
-    if (it != seqs_.end() && it->second.lost) lost.push_back(seq_ids[b]);
     total_q += q_lens[b];
   }
-  if (!lost.empty()) return LostError(lost, "a server holding them restarted or left");
   if (total_q > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError("the step has more than 2^31 - 1 tokens");
   }
-  Resolve(/*force=*/false).IgnoreError();  // new servers join; losses show at their next use
+  // Now and then: new servers join, free pages and restarts are read (the
+  // sequences a restart lost are reported when they are named).
+  if (absl::Now() - refreshed_at_ >= absl::Seconds(options_.refresh_interval_s)) {
+    Refresh().IgnoreError();
+  }
+  std::vector<int64_t> lost;
+  for (int64_t id : seq_ids) {
+    auto it = seqs_.find(id);
+    if (it != seqs_.end() && it->second.lost) lost.push_back(id);
+  }
+  if (!lost.empty()) return LostError(lost, "a server holding them restarted or left");
 
   // Free pages per server, as this step uses them up.
   const int64_t ps = geo_.page_size;

@@ -62,9 +62,10 @@ struct ClusterOptions {
   ClientOptions client;
   // Options of every server's KvManager (causal, sm_scale, lse_base, plans).
   KvManagerOptions kv;
-  // A dns:/// target is resolved again by Refresh(), and by Plan() once this
-  // many seconds have passed since the last resolution.
-  double resolve_interval_s = 30;
+  // Plan() runs Refresh() (a dns:/// target resolved again, every server's
+  // Info read: free pages, restarts, unreachable servers back) once this
+  // many seconds have passed since the last one.
+  double refresh_interval_s = 30;
   // A step that appends at least this many tokens to one sequence spreads
   // them over several servers, in ranges that share the causal attention
   // work evenly (CausalSpread; 0: never; a sequence is still spread when
@@ -147,9 +148,11 @@ class Cluster {
 
   // Resolves a dns:/// target again (new servers join; a server that left
   // and cannot be reached loses its sequences) and reads every server's
-  // Info (free pages; a changed incarnation loses its sequences). DATA_LOSS
-  // naming the sequences found lost; FAILED_PRECONDITION naming a new server
-  // whose geometry differs (it is left out).
+  // Info (free pages; a changed incarnation loses its sequences; an
+  // unreachable server takes no new sequences until it answers again).
+  // DATA_LOSS naming the sequences found lost; FAILED_PRECONDITION naming a
+  // new server whose geometry differs (it is left out). Plan() runs it every
+  // refresh_interval_s.
   absl::Status Refresh();
 
   // As KvManager::Plan: seq_ids[b] grows by q_lens[b] tokens. New sequences
@@ -204,7 +207,7 @@ class Cluster {
 
   Cluster() = default;
   absl::StatusOr<int32_t> AddServer(const std::string& address);
-  absl::Status Resolve(bool force);
+  absl::Status Resolve();
   int64_t FreeEstimate(const Server& s) const;
   void ReadInfo(int32_t server, const v1::ServerInfo& info);
   // The server restarted (or left): its sequences are lost; returns them.
@@ -213,7 +216,7 @@ class Cluster {
 
   ClusterOptions options_;
   std::string dns_host_, dns_port_;  // set for a dns:/// target
-  absl::Time resolved_at_ = absl::InfinitePast();
+  absl::Time refreshed_at_ = absl::Now();
   KvGeometry geo_;
   std::vector<std::unique_ptr<Server>> servers_;
   absl::flat_hash_map<int64_t, Sequence> seqs_;

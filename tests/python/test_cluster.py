@@ -316,13 +316,13 @@ def test_discovers_servers_through_dns_and_resolves_again():
             assert (host, p) == ("attnserve-pods.test", "50051")
             return list(answer)
 
-        with attnserve.Cluster("dns:///attnserve-pods.test:50051", resolver=resolver) as c:
+        with attnserve.Cluster("dns:///attnserve-pods.test:50051", resolver=resolver,
+                               refresh_interval=0) as c:  # every plan() refreshes
             assert c.num_servers == 1
             c.plan([1], [16])
             answer.append(servers[1].address)
-            c.refresh()
+            c.plan([2], [16])  # joins at the plan's refresh
             assert c.num_servers == 2
-            c.plan([2], [16])
             assert c.shards_of(2)[0].server == 1  # the new, emptier server
             answer.pop()
             servers[1].stop()

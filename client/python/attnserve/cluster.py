@@ -214,8 +214,9 @@ class Cluster:
         still spills over when its server is full).
       max_servers_per_sequence: at most this many servers hold one sequence
         (0: any number).
-      resolve_interval: a dns:/// target is resolved again by refresh(), and
-        by plan() once this many seconds have passed.
+      refresh_interval: plan() runs refresh() (a dns:/// target resolved
+        again, every server's info read: free pages, restarts, unreachable
+        servers back) once this many seconds have passed since the last.
       resolver: (host, port) -> ["ip:port", ...] for dns:/// (default
         getaddrinfo_resolver; tests put their own).
       causal, sm_scale, lse_base, server_plans: every server's KvManager's.
@@ -227,7 +228,7 @@ class Cluster:
     """
 
     def __init__(self, targets, *, split_min_tokens: int = 0,
-                 max_servers_per_sequence: int = 0, resolve_interval: float = 30.0,
+                 max_servers_per_sequence: int = 0, refresh_interval: float = 30.0,
                  resolver: Optional[Callable[[str, str], list]] = None, causal: bool = True,
                  sm_scale: Optional[float] = None, lse_base: str = "2",
                  server_plans: bool = True, **client_kwargs):
@@ -240,14 +241,14 @@ class Cluster:
             raise ValueError("Cluster: split_min_tokens and max_servers_per_sequence must be >= 0")
         self.split_min_tokens = int(split_min_tokens)
         self.max_servers_per_sequence = int(max_servers_per_sequence)
-        self.resolve_interval = float(resolve_interval)
+        self.refresh_interval = float(refresh_interval)
         self.lse_base = lse_base
         self._kv_options = dict(causal=causal, sm_scale=sm_scale, lse_base=lse_base,
                                 server_plans=server_plans)
         self._client_kwargs = client_kwargs
         self._resolver = resolver or getaddrinfo_resolver
         self._dns: Optional[tuple] = None
-        self._resolved_at = -float("inf")
+        self._refreshed_at = time.monotonic()
         self._servers: list = []
         self._geometry: Optional[dict] = None
         self._seqs: dict = {}
@@ -272,7 +273,6 @@ class Cluster:
             if not addresses:
                 raise AttnserveError(f"{targets[0]} resolves to no address",
                                      grpc.StatusCode.UNAVAILABLE)
-            self._resolved_at = time.monotonic()
         try:
             for a in addresses:
                 self._add_server(a)
@@ -362,13 +362,10 @@ class Cluster:
                 s.reachable = False
         return lost
 
-    def _resolve(self, force: bool) -> None:
+    def _resolve(self) -> None:
         if self._dns is None:
             return
-        if not force and time.monotonic() - self._resolved_at < self.resolve_interval:
-            return
         now = set(self._resolver(*self._dns))
-        self._resolved_at = time.monotonic()
         lost, problems = [], []
         for i, s in enumerate(self._servers):
             if s.gone:
@@ -402,9 +399,10 @@ class Cluster:
         (free pages; a changed incarnation loses its sequences). Raises
         SequencesLost naming the sequences found lost, ValueError naming a new
         server with another geometry (it is left out)."""
+        self._refreshed_at = time.monotonic()
         lost, error = [], None
         try:
-            self._resolve(force=True)
+            self._resolve()
         except SequencesLost as e:
             lost += e.seq_ids
         except (ValueError, AttnserveError) as e:
@@ -451,13 +449,16 @@ class Cluster:
         if (lens < 0).any():
             raise ValueError(f"plan: q_lens[{int(np.argmax(lens < 0))}] is negative")
         lens = lens.astype(np.int64)
+        # Now and then: new servers join, free pages and restarts are read (the
+        # sequences a restart lost are reported when they are named).
+        if time.monotonic() - self._refreshed_at >= self.refresh_interval:
+            try:
+                self.refresh()
+            except (AttnserveError, ValueError):
+                pass
         lost = [sid for sid in seq_ids if sid in self._seqs and self._seqs[sid].lost]
         if lost:
             raise SequencesLost(lost, "a server holding them restarted or left", method="plan")
-        try:
-            self._resolve(force=False)
-        except (AttnserveError, ValueError):
-            pass  # new servers join when they can; losses show at their next use
 
         ps = self._geometry["page_size"]
         free = [s.free_estimate() if s.usable else -1 for s in self._servers]
