@@ -412,12 +412,13 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
   }
 
   // Each server's share: every shard of a sequence (old and new) attends
-  // with all of the step's rows of that sequence.
+  // with the step's rows of that sequence that can see some of it.
   struct Entry {
     size_t b;
     int32_t append;
     int64_t offset;  // first new token appended here, within the step
     int64_t end;     // the shard's end position after the step
+    int32_t skip;    // the step's first rows that see nothing here (causal)
   };
   std::vector<std::vector<Entry>> per_server(servers_.size());
   std::vector<std::vector<Shard>> shards_after(seq_ids.size());
@@ -447,9 +448,13 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
     for (size_t j = 0; j < shards.size(); ++j) {
       const Shard& sh = shards[j];
       const int64_t end = sh.start + sh.length;
+      // The step's row r is position start + r: it sees this shard from
+      // position sh.start on (causal), so the rows before do not go there.
+      const int64_t skip =
+          options_.kv.causal ? std::clamp<int64_t>(sh.start - start, 0, q_lens[b]) : 0;
       per_server[sh.server].push_back(Entry{b, static_cast<int32_t>(appended[j]),
                                             std::max<int64_t>(0, end - appended[j] - start),
-                                            end});
+                                            end, static_cast<int32_t>(skip)});
     }
   }
 
@@ -466,7 +471,7 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
     for (const Entry& e : entries) {
       ids.push_back(seq_ids[e.b]);
       appends.push_back(e.append);
-      rows.push_back(q_lens[e.b]);
+      rows.push_back(q_lens[e.b] - e.skip);
       after.push_back(static_cast<int32_t>(length_after[e.b] - e.end));
     }
     auto planned = servers_[srv]->kv->PlanRows(ids, appends, rows, after);
@@ -514,8 +519,8 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
     for (size_t j = 0; j < entries.size(); ++j) {
       const Entry& e = entries[j];
       const int32_t first = step->qo_indptr[e.b];
-      step->sources[e.b].push_back({static_cast<int32_t>(pi), part.plan->qo_indptr[j]});
-      for (int32_t r = 0; r < q_lens[e.b]; ++r) part.q_rows.push_back(first + r);
+      step->sources[e.b].push_back({static_cast<int32_t>(pi), part.plan->qo_indptr[j], e.skip});
+      for (int32_t r = e.skip; r < q_lens[e.b]; ++r) part.q_rows.push_back(first + r);
       for (int32_t r = 0; r < e.append; ++r) {
         part.append_rows.push_back(first + static_cast<int32_t>(e.offset) + r);
       }
@@ -621,7 +626,7 @@ absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint1
   for (size_t b = 0; b < step->seq_ids.size(); ++b) {
     const auto& sources = step->sources[b];
     const bool whole = std::none_of(sources.begin(), sources.end(),
-                                    [&](const auto& src) { return skipped[src.first]; });
+                                    [&](const auto& src) { return skipped[src.part]; });
     if (!whole) {
       lost.push_back(step->seq_ids[b]);
       continue;
@@ -629,32 +634,44 @@ absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint1
     const int64_t n = step->q_lens[b];
     const int64_t row0 = step->qo_indptr[b];
     if (n == 0) continue;
-    if (sources.size() == 1) {
-      const PrefillResult& r = *results[sources[0].first];
-      const int64_t src = sources[0].second;
-      std::copy_n(r.o.begin() + src * q_row, n * q_row, out.o.begin() + row0 * q_row);
-      std::copy_n(r.lse.begin() + src * hq, n * hq, out.lse.begin() + row0 * hq);
-      continue;
+    // Rows [lo, hi) between two servers' first rows have the same servers:
+    // copy from one, or merge.
+    std::vector<int64_t> cuts = {n};
+    for (const auto& src : sources) cuts.push_back(src.skip);
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+      const int64_t lo = cuts[c], hi = cuts[c + 1];
+      std::vector<const void*> vs;
+      std::vector<const float*> lses;
+      for (const auto& src : sources) {
+        if (src.skip > lo) continue;
+        const PrefillResult& r = *results[src.part];
+        const int64_t at = src.row + (lo - src.skip);  // row lo of the sequence
+        vs.push_back(r.o.data() + at * q_row);
+        lses.push_back(r.lse.data() + at * hq);
+      }
+      if (vs.empty()) continue;  // no causal row is without its own key: not reached
+      uint16_t* o_at = out.o.data() + (row0 + lo) * q_row;
+      float* lse_at = out.lse.data() + (row0 + lo) * hq;
+      if (vs.size() == 1) {
+        std::copy_n(static_cast<const uint16_t*>(vs[0]), (hi - lo) * q_row, o_at);
+        std::copy_n(lses[0], (hi - lo) * hq, lse_at);
+        continue;
+      }
+      MergeStatesParams m;
+      m.v = vs.data();
+      m.lse = lses.data();
+      m.num_states = static_cast<int32_t>(vs.size());
+      m.v_out = o_at;
+      m.lse_out = lse_at;
+      m.n = hi - lo;
+      m.h = hq;
+      m.d = geo_.head_dim;
+      m.dtype = geo_.dtype;
+      m.lse_base_e = options_.kv.lse_base_e ? 1 : 0;
+      MergeStatesCpu(m);
     }
-    std::vector<const void*> vs;
-    std::vector<const float*> lses;
-    for (const auto& [pi, src] : sources) {
-      const PrefillResult& r = *results[pi];
-      vs.push_back(r.o.data() + src * q_row);
-      lses.push_back(r.lse.data() + src * hq);
-    }
-    MergeStatesParams m;
-    m.v = vs.data();
-    m.lse = lses.data();
-    m.num_states = static_cast<int32_t>(vs.size());
-    m.v_out = out.o.data() + row0 * q_row;
-    m.lse_out = out.lse.data() + row0 * hq;
-    m.n = n;
-    m.h = hq;
-    m.d = geo_.head_dim;
-    m.dtype = geo_.dtype;
-    m.lse_base_e = options_.kv.lse_base_e ? 1 : 0;
-    MergeStatesCpu(m);
   }
   for (size_t pi : to_run) {
     if (results[pi].ok()) out.incarnation = results[pi]->incarnation;

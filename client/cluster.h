@@ -105,9 +105,17 @@ struct ClusterStep {
     std::vector<int32_t> append_rows;        // [plan appends] the caller's row of each
   };
   std::vector<Part> parts;
-  // [batch]: for each sequence, (part, first row in that part's output) of
-  // every server holding part of it; more than one means a merge.
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> sources;
+  // Where a sequence's rows come back from one server: rows [skip, q_len)
+  // of the sequence (a causal row sees nothing of a range that starts after
+  // it, so it is not sent there) at `row` of part `part`'s output.
+  struct Source {
+    int32_t part = 0;
+    int32_t row = 0;
+    int32_t skip = 0;
+  };
+  // [batch]: every server holding part of the sequence; more than one means
+  // a merge.
+  std::vector<std::vector<Source>> sources;
 
   int64_t total_q() const { return qo_indptr.empty() ? 0 : qo_indptr.back(); }
 };

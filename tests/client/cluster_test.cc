@@ -262,6 +262,12 @@ TEST_P(ClusterSplitTest, SpreadSequencesMatchTheReference) {
     pos += sh.length;
   }
   EXPECT_EQ(pos, 37);
+  // A causal row goes only to the servers whose range starts at or before it.
+  size_t sent = 0, expected = 5;
+  for (const auto& part : (*step)->parts) sent += part.q_rows.size();
+  for (const Shard& sh : c.ShardsOf(1)) expected += 37 - sh.start;
+  for (const Shard& sh : c.ShardsOf(3)) expected += 55 - sh.start;
+  EXPECT_EQ(sent, expected);
   RunAndCheck(c, ref, **step, gen);
   // Decode: the new token goes to the last server, the query to all.
   for (int round = 0; round < 4; ++round) {

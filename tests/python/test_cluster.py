@@ -36,8 +36,9 @@ class Reference:
     """The whole sequences as one server would hold them: every appended row,
     each sequence at its own slot range (page_size 1)."""
 
-    def __init__(self, info):
+    def __init__(self, info, causal=True, lse_base="2"):
         self.g = info
+        self.causal, self.lse_base = causal, lse_base
         self.mirror = KvMirror(info.num_kv_heads, info.head_dim)
         self.base = {}
 
@@ -60,7 +61,8 @@ class Reference:
             rows += list(range(int(step.qo_indptr[b]), int(step.qo_indptr[b + 1])))
         rows = np.asarray(rows, dtype=np.int64)
         o_ref, lse_ref = reference_prefill(self.mirror, layer, q[rows], qo, kvp, idx, None,
-                                           page_size=1)
+                                           page_size=1, causal=self.causal,
+                                           lse_base=self.lse_base)
         return compare(o_ref, lse_ref, got.output[rows], got.lse[rows])
 
 
@@ -155,6 +157,10 @@ def test_spread_sequences_match_the_reference(page_size, num_servers):
                 assert sh.start == pos
                 pos += sh.length
             assert pos == 37
+            # A causal row goes only to the servers whose range starts at or before it.
+            expected = 5 + sum(37 - sh.start for sh in c.shards_of(1)) + \
+                sum(55 - sh.start for sh in c.shards_of(3))
+            assert sum(len(p.q_rows) for p in step.parts) == expected
             run_and_check(c, ref, step, rng)
             for _ in range(4):  # decode: the token to the last server, the query to all
                 run_and_check(c, ref, c.plan([3, 1, 2], [1, 1, 1]), rng)
@@ -162,6 +168,26 @@ def test_spread_sequences_match_the_reference(page_size, num_servers):
             if num_servers == 2:
                 assert c.shards_of(3)[0].length == 16
             run_and_check(c, ref, c.plan([1], [30]), rng)  # a causal chunk on a spread sequence
+            c.release()
+    finally:
+        stop(servers)
+
+
+@pytest.mark.parametrize("causal,lse_base", [(False, "2"), (True, "e")])
+def test_spread_sequences_without_the_mask_and_in_natural_log(causal, lse_base):
+    servers = start(2)
+    try:
+        with attnserve.Cluster([s.address for s in servers], split_min_tokens=16,
+                               causal=causal, lse_base=lse_base, timeout=120) as c:
+            ref = Reference(c.server_info, causal=causal, lse_base=lse_base)
+            rng = np.random.default_rng(9)
+            step = c.plan([1, 2], [40, 3])
+            assert len(c.shards_of(1)) == 2
+            # Without the mask every row sees every range: all rows go everywhere.
+            assert sum(len(p.q_rows) for p in step.parts) == (80 if not causal else
+                                                              40 + 40 - c.shards_of(1)[1].start) + 3
+            run_and_check(c, ref, step, rng)
+            run_and_check(c, ref, c.plan([2, 1], [1, 2]), rng)
             c.release()
     finally:
         stop(servers)

@@ -101,8 +101,10 @@ class ClusterStep:
     qo_indptr: np.ndarray
     positions: np.ndarray
     parts: list = field(default_factory=list, repr=False)
-    # [batch]: (part, first row in that part's output) of every server
-    # holding part of the sequence; more than one means a merge.
+    # [batch]: (part, row, skip) of every server holding part of the
+    # sequence: its rows [skip, q_len) come back at `row` of that part's
+    # output (a causal row sees nothing of a range that starts after it, so
+    # it is not sent there). More than one server means a merge.
     sources: list = field(default_factory=list, repr=False)
     valid: bool = True
 
@@ -500,8 +502,9 @@ class Cluster:
             chunks.append(mine)
 
         # Each server's share: every shard of a sequence (old and new) attends
-        # with all of the step's rows of that sequence.
-        per_server = [[] for _ in self._servers]  # (b, append, offset, end)
+        # with the step's rows of that sequence that can see some of it.
+        per_server = [[] for _ in self._servers]  # (b, append, offset, end, skip)
+        causal = self._kv_options["causal"]
         shards_after, length_after = [], []
         for b, (sid, n) in enumerate(zip(seq_ids, lens.tolist())):
             seq = self._seqs.get(sid)
@@ -521,7 +524,10 @@ class Cluster:
             shards_after.append(shards)
             for sh, a in zip(shards, appended):
                 end = sh.start + sh.length
-                per_server[sh.server].append((b, a, max(0, end - a - start), end))
+                # The step's row r is position start + r: it sees this shard
+                # from position sh.start on (causal); the rows before stay away.
+                skip = min(max(sh.start - start, 0), n) if causal else 0
+                per_server[sh.server].append((b, a, max(0, end - a - start), end, skip))
 
         step = ClusterStep(step=self._step + 1, seq_ids=tuple(seq_ids),
                            q_lens=lens.astype(np.int32),
@@ -536,10 +542,10 @@ class Cluster:
                 continue
             s = self._servers[srv]
             try:
-                plan = s.kv.plan_rows([seq_ids[b] for b, _, _, _ in entries],
-                                      [a for _, a, _, _ in entries],
-                                      [int(lens[b]) for b, _, _, _ in entries],
-                                      [length_after[b] - end for b, _, _, end in entries])
+                plan = s.kv.plan_rows([seq_ids[e[0]] for e in entries],
+                                      [e[1] for e in entries],
+                                      [int(lens[e[0]]) - e[4] for e in entries],
+                                      [length_after[e[0]] - e[3] for e in entries])
             except BaseException as e:
                 for i, p in reversed(done):
                     try:
@@ -553,17 +559,17 @@ class Cluster:
                 raise
             done.append((srv, plan))
             q_rows, append_rows = [], []
-            for j, (b, a, off, _) in enumerate(entries):
+            for b, a, off, _, skip in entries:
                 first = int(step.qo_indptr[b])
-                q_rows.append(np.arange(first, first + int(lens[b])))
+                q_rows.append(np.arange(first + skip, first + int(lens[b])))
                 append_rows.append(np.arange(first + off, first + off + a))
             step.parts.append(_Part(srv, s.epoch, plan,
                                     np.concatenate(q_rows).astype(np.int64),
                                     np.concatenate(append_rows).astype(np.int64)))
         step.sources = [[] for _ in seq_ids]
         for pi, part in enumerate(step.parts):
-            for j, (b, _, _, _) in enumerate(per_server[part.server]):
-                step.sources[b].append((pi, int(part.plan.qo_indptr[j])))
+            for j, (b, _, _, _, skip) in enumerate(per_server[part.server]):
+                step.sources[b].append((pi, int(part.plan.qo_indptr[j]), skip))
 
         # Commit.
         self._step = step.step
@@ -639,18 +645,22 @@ class Cluster:
         lost = []
         for b, sid in enumerate(step.seq_ids):
             sources = step.sources[b]
-            if any(pi in skipped for pi, _ in sources):
+            if any(pi in skipped for pi, _, _ in sources):
                 lost.append(sid)
                 continue
             n, row0 = int(step.q_lens[b]), int(step.qo_indptr[b])
-            if n == 0:
-                continue
-            vs = [results[pi].output[r:r + n] for pi, r in sources]
-            ls = [results[pi].lse[r:r + n] for pi, r in sources]
-            if len(vs) == 1:
-                out[row0:row0 + n], lse[row0:row0 + n] = vs[0], ls[0]
-            else:
-                out[row0:row0 + n], lse[row0:row0 + n] = merge_states(vs, ls, self.lse_base)
+            # Rows [lo, hi) between two servers' first rows have the same
+            # servers: copy from one, or merge.
+            cuts = sorted({n} | {skip for _, _, skip in sources})
+            for lo, hi in zip(cuts, cuts[1:]):
+                here = [(pi, r + lo - skip) for pi, r, skip in sources if skip <= lo]
+                vs = [results[pi].output[at:at + hi - lo] for pi, at in here]
+                ls = [results[pi].lse[at:at + hi - lo] for pi, at in here]
+                if len(vs) == 1:
+                    out[row0 + lo:row0 + hi], lse[row0 + lo:row0 + hi] = vs[0], ls[0]
+                elif vs:
+                    out[row0 + lo:row0 + hi], lse[row0 + lo:row0 + hi] = merge_states(
+                        vs, ls, self.lse_base)
         incarnation = next((r.incarnation for r in results.values()), 0)
         result = PrefillResult(out, lse, incarnation)
         if lost:
