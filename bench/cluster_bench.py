@@ -10,7 +10,8 @@ and measures:
 
 (a) prefill: one causal prefill of --prefill_len tokens (32k) attending to
     itself, on one server and spread over two. The two-server rows hold the
-    keys [0, s) and [s, L) and send every query to both, with kv_keys_after
+    keys [0, s) and [s, L), send every query to the first and the queries
+    [s, L) to the second (the others see nothing there), with kv_keys_after
     so that the mask is the whole sequence's, and the client merges by LSE
     (attnserve.merge.merge_states). Split points: the middle, and
     s = L(1 - 1/sqrt(2)), where the two servers' shares of the causal
@@ -21,6 +22,8 @@ and measures:
     seconds, every kernel) plus the client's merge; wall times (with the
     transfer of 256 MiB of queries to each server) are reported beside. The
     merged output is checked against the one-server output (relative error).
+    Last, the same prefill through attnserve.Cluster (split_min_tokens=L),
+    K/V appended in the same Prefills: device time and wall time.
 (b) decode: --seqs (128) sequences of --kv_len (4096) keys placed by
     attnserve.Cluster over one server or over two; --clients (32) processes,
     each with its own Cluster and --seqs / --clients of the sequences,
@@ -134,11 +137,13 @@ def prefill_bench(a, servers, log):
                             v[lo + i:lo + min(n, i + step)])
         return pages, n
 
-    def run(client, server, pages, n, after):
+    def run(client, server, pages, n, after, first_row=0):
+        # The queries from first_row on (the rows before see nothing of a
+        # range that starts there, as the cluster leaves them out).
         last = n - (len(pages) - 1) * ps
         before = server.kernel_seconds()
         t0 = time.perf_counter()
-        r = client.prefill(0, q, [0, L], [0, len(pages)], pages, [last],
+        r = client.prefill(0, q[first_row:], [0, L - first_row], [0, len(pages)], pages, [last],
                            kv_keys_after=[after], out="numpy")
         wall = time.perf_counter() - t0
         return r, wall, server.kernel_seconds() - before
@@ -167,7 +172,8 @@ def prefill_bench(a, servers, log):
             out = [None, None]
 
             def go(i):
-                out[i] = run(clients[i], servers[i], parts[i][0], parts[i][1], afters[i])
+                out[i] = run(clients[i], servers[i], parts[i][0], parts[i][1], afters[i],
+                             0 if i == 0 else s)
             t0 = time.perf_counter()
             threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
             for t in threads:
@@ -175,8 +181,11 @@ def prefill_bench(a, servers, log):
             for t in threads:
                 t.join()
             t1 = time.perf_counter()
-            o, lse = merge_states([out[0][0].output, out[1][0].output],
-                                  [out[0][0].lse, out[1][0].lse])
+            # Rows [0, s) come from the first server only; [s, L) are merged.
+            o = np.empty_like(ref)
+            o[:s] = out[0][0].output[:s]
+            o[s:], _ = merge_states([out[0][0].output[s:], out[1][0].output],
+                                    [out[0][0].lse[s:], out[1][0].lse])
             merge_s = time.perf_counter() - t1
             wall = time.perf_counter() - t0
             err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
@@ -197,6 +206,32 @@ def prefill_bench(a, servers, log):
             c.free_pages(pages)
     for c in clients:
         c.close()
+
+    # The same through attnserve.Cluster: the prompt's K/V appended in the
+    # same Prefills, split by causal_spread, merged by the client.
+    cluster = attnserve.Cluster([s.address for s in servers], split_min_tokens=L, timeout=600)
+    rows = []
+    for rep in range(a.reps):
+        before = [s.kernel_seconds() for s in servers]
+        t0 = time.perf_counter()
+        step = cluster.plan([rep], [L])
+        t1 = time.perf_counter()
+        r = cluster.run(0, q, k, v, step=step)
+        wall = time.perf_counter() - t1
+        kern = [s.kernel_seconds() - b for s, b in zip(servers, before)]
+        err = float(np.linalg.norm(r.output - ref) / np.linalg.norm(ref))
+        rows.append((max(kern), wall, t1 - t0, err, [sh.length for sh in cluster.shards_of(rep)]))
+        cluster.finish(rep)
+    cluster.close()
+    results["cluster"] = {"kernel_critical_s": statistics.median(x[0] for x in rows),
+                          "run_wall_s": statistics.median(x[1] for x in rows),
+                          "plan_wall_s": statistics.median(x[2] for x in rows),
+                          "rel_error_vs_one_gpu": max(x[3] for x in rows), "shards": rows[0][4]}
+    r = results["cluster"]
+    print(f"(a) attnserve.Cluster, shards {r['shards']}: kernels on the critical path "
+          f"{r['kernel_critical_s'] * 1e3:8.2f} ms, run wall {r['run_wall_s'] * 1e3:8.1f} ms "
+          f"(plan {r['plan_wall_s'] * 1e3:.1f} ms), rel error {r['rel_error_vs_one_gpu']:.2e}",
+          file=log, flush=True)
     return results
 
 
