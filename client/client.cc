@@ -271,6 +271,7 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
   req.set_expected_incarnation(a.expected_incarnation != 0 ? a.expected_incarnation
                                                            : incarnation());
   req.set_plan_id(a.plan_id);
+  req.mutable_kv_keys_after()->Assign(a.kv_keys_after.begin(), a.kv_keys_after.end());
   v1::PrefillResponse resp;
   grpc::Status s = stub_->Prefill(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
@@ -292,6 +293,7 @@ absl::StatusOr<uint64_t> Client::CreatePlan(const PlanLayout& layout) {
   req.mutable_kv_last_page_len()->Assign(layout.kv_last_page_len.begin(),
                                          layout.kv_last_page_len.end());
   req.mutable_append_slots()->Assign(layout.append_slots.begin(), layout.append_slots.end());
+  req.mutable_kv_keys_after()->Assign(layout.kv_keys_after.begin(), layout.kv_keys_after.end());
   req.set_expected_incarnation(incarnation());
   v1::CreatePlanResponse resp;
   grpc::Status s = stub_->CreatePlan(&ctx, req, &resp);

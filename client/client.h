@@ -75,8 +75,9 @@ struct PrefillArgs {
   absl::Span<const uint16_t> append_k;         // (n, num_kv_heads, head_dim)
   absl::Span<const uint16_t> append_v;
   uint64_t expected_incarnation = 0;  // 0: the client's remembered incarnation
-  // A plan from CreatePlan: then qo_indptr .. kv_last_page_len and
-  // append_slots stay empty, and append_k/append_v have the plan's rows.
+  // A plan from CreatePlan: then qo_indptr .. kv_last_page_len,
+  // append_slots and kv_keys_after stay empty, and append_k/append_v have
+  // the plan's rows.
   uint64_t plan_id = 0;
   // Tensors in regions instead of the spans above (which then stay empty).
   // With a region q, total_q comes from q_rows.
@@ -89,6 +90,9 @@ struct PrefillArgs {
   // result's o and lse stay empty.
   std::optional<RegionRef> output_region;
   std::optional<RegionRef> lse_region;
+  // (batch) or empty: keys of each sequence held after this request's range
+  // (a sequence spread over servers; docs/design.md section 3).
+  absl::Span<const int32_t> kv_keys_after;
 };
 
 // A step's layout for CreatePlan (the same arrays as PrefillArgs).
@@ -98,6 +102,7 @@ struct PlanLayout {
   absl::Span<const int32_t> kv_indices;
   absl::Span<const int32_t> kv_last_page_len;
   absl::Span<const int64_t> append_slots;
+  absl::Span<const int32_t> kv_keys_after;  // (batch) or empty
 };
 
 struct PrefillResult {

@@ -28,6 +28,13 @@ absl::Status KvManager::ReleaseStale() {
 
 absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::Plan(
     absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens) {
+  return PlanRows(seq_ids, q_lens, q_lens, {});
+}
+
+absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanRows(
+    absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens,
+    absl::Span<const int32_t> q_rows, absl::Span<const int32_t> kv_keys_after) {
+  // q_lens: the tokens appended here (Plan()'s name for them).
   if (page_size_ <= 0) {
     return absl::FailedPreconditionError(
         "the client has no server info (Connect with fetch_info = true)");
@@ -36,6 +43,28 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::Plan(
   if (seq_ids.size() != q_lens.size()) {
     return absl::InvalidArgumentError(absl::StrCat(seq_ids.size(), " seq_ids but ",
                                                    q_lens.size(), " q_lens"));
+  }
+  if (q_rows.size() != q_lens.size() ||
+      (!kv_keys_after.empty() && kv_keys_after.size() != q_lens.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        seq_ids.size(), " seq_ids but ", q_rows.size(), " q_rows and ", kv_keys_after.size(),
+        " kv_keys_after"));
+  }
+  int64_t total_rows = 0;
+  for (size_t b = 0; b < q_rows.size(); ++b) {
+    if (q_rows[b] < q_lens[b]) {
+      return absl::InvalidArgumentError(absl::StrCat("q_rows[", b, "]=", q_rows[b],
+                                                     " is less than the tokens appended, ",
+                                                     q_lens[b]));
+    }
+    if (!kv_keys_after.empty() && kv_keys_after[b] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("kv_keys_after[", b, "]=",
+                                                     kv_keys_after[b], " is negative"));
+    }
+    total_rows += q_rows[b];
+  }
+  if (total_rows > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("the step has more than 2^31 - 1 query rows");
   }
   // Pages each sequence needs beyond those it holds.
   absl::flat_hash_set<int64_t> seen;
@@ -77,7 +106,9 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::Plan(
   auto plan = std::make_shared<StepPlan>();
   plan->step = step_ + 1;
   plan->seq_ids.assign(seq_ids.begin(), seq_ids.end());
-  plan->q_lens.assign(q_lens.begin(), q_lens.end());
+  plan->q_lens.assign(q_rows.begin(), q_rows.end());
+  plan->append_lens.assign(q_lens.begin(), q_lens.end());
+  plan->kv_keys_after.assign(kv_keys_after.begin(), kv_keys_after.end());
   plan->qo_indptr = {0};
   plan->kv_indptr = {0};
   plan->append_slots.reserve(total_q);
@@ -98,7 +129,7 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::Plan(
                                    pos % page_size_);
     }
     plan->kv_indices.insert(plan->kv_indices.end(), pages.begin(), pages.end());
-    plan->qo_indptr.push_back(plan->qo_indptr.back() + q_lens[b]);
+    plan->qo_indptr.push_back(plan->qo_indptr.back() + q_rows[b]);
     plan->kv_indptr.push_back(static_cast<int32_t>(plan->kv_indices.size()));
     plan->kv_lens.push_back(static_cast<int32_t>(length));
     const int64_t num_pages = static_cast<int64_t>(pages.size());
@@ -114,6 +145,7 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::Plan(
     layout.kv_indices = plan->kv_indices;
     layout.kv_last_page_len = plan->kv_last_page_len;
     layout.append_slots = plan->append_slots;
+    layout.kv_keys_after = plan->kv_keys_after;
     auto id = client_->CreatePlan(layout);
     if (id.ok()) {
       plan->plan_id = *id;
@@ -163,6 +195,7 @@ absl::StatusOr<PrefillResult> KvManager::Run(int32_t layer, absl::Span<const uin
     args.kv_indices = plan->kv_indices;
     args.kv_last_page_len = plan->kv_last_page_len;
     args.append_slots = plan->append_slots;
+    args.kv_keys_after = plan->kv_keys_after;
   }
   args.sm_scale = options_.sm_scale;
   args.causal = options_.causal;
@@ -170,6 +203,36 @@ absl::StatusOr<PrefillResult> KvManager::Run(int32_t layer, absl::Span<const uin
   args.append_k = k_new;
   args.append_v = v_new;
   return client_->Prefill(args);
+}
+
+absl::Status KvManager::Undo(const std::shared_ptr<const StepPlan>& plan) {
+  if (plan == nullptr) return absl::InvalidArgumentError("Undo of no plan");
+  for (int64_t id : plan->seq_ids) {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end() || it->second.plan != plan) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "Undo: step ", plan->step, " is not the latest plan of sequence ", id));
+    }
+  }
+  std::vector<int32_t> freed;
+  Retire(plan);
+  for (size_t b = 0; b < plan->seq_ids.size(); ++b) {
+    auto it = seqs_.find(plan->seq_ids[b]);
+    Sequence& s = it->second;
+    const int64_t old_length = s.length - plan->append_lens[b];
+    const size_t keep = static_cast<size_t>((old_length + page_size_ - 1) / page_size_);
+    freed.insert(freed.end(), s.pages.begin() + std::min(keep, s.pages.size()), s.pages.end());
+    s.pages.resize(std::min(keep, s.pages.size()));
+    s.length = old_length;
+    s.plan = nullptr;
+    if (old_length == 0 && s.pages.empty()) seqs_.erase(it);
+  }
+  if (latest_ == plan) latest_.reset();
+  absl::Status released = ReleaseStale();
+  if (!freed.empty()) {
+    if (absl::Status s = client_->FreePages(freed); !s.ok()) return s;
+  }
+  return released;
 }
 
 absl::Status KvManager::Finish(absl::Span<const int64_t> seq_ids) {

@@ -49,14 +49,16 @@ struct KvManagerOptions {
 struct StepPlan {
   int64_t step = 0;                       // 1, 2, ... per Plan() of a manager
   std::vector<int64_t> seq_ids;           // [batch], in batch order
-  std::vector<int32_t> q_lens;            // [batch] new tokens this step
+  std::vector<int32_t> q_lens;            // [batch] query rows (Plan(): the new tokens)
+  std::vector<int32_t> append_lens;       // [batch] new tokens (Plan(): q_lens)
   std::vector<int32_t> kv_lens;           // [batch] lengths after the append
   std::vector<int32_t> qo_indptr;         // [batch + 1]
   std::vector<int32_t> kv_indptr;         // [batch + 1]
   std::vector<int32_t> kv_indices;        // [kv_indptr[batch]] page ids
   std::vector<int32_t> kv_last_page_len;  // [batch], 0 for a sequence without pages
-  std::vector<int64_t> append_slots;      // [total_q] where each new token's K/V goes
-  std::vector<int64_t> positions;         // [total_q] each new token's position
+  std::vector<int32_t> kv_keys_after;     // [batch] or empty (PlanRows only)
+  std::vector<int64_t> append_slots;      // [num_append] where each new token's K/V goes
+  std::vector<int64_t> positions;         // [num_append] each new token's position
   uint64_t plan_id = 0;                   // the server's plan; 0: the layout travels
   int64_t total_q() const { return qo_indptr.empty() ? 0 : qo_indptr.back(); }
 };
@@ -72,6 +74,24 @@ class KvManager {
   // naming the field; no pages: RESOURCE_EXHAUSTED) nothing changes.
   absl::StatusOr<std::shared_ptr<const StepPlan>> Plan(absl::Span<const int64_t> seq_ids,
                                                        absl::Span<const int32_t> q_lens);
+
+  // Plan() for one server of a cluster (client/cluster.h), where this
+  // server holds a contiguous range of each sequence: seq_ids[b] grows by
+  // append_lens[b] tokens here, but the step sends q_rows[b] >= append_lens[b]
+  // query rows (the sequence's new tokens, some of which are appended on
+  // other servers), and kv_keys_after[b] of the sequence's keys (after the
+  // step) lie beyond this range (empty: 0). Run() then takes k_new, v_new of
+  // the appended rows only. Atomic as Plan().
+  absl::StatusOr<std::shared_ptr<const StepPlan>> PlanRows(
+      absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> append_lens,
+      absl::Span<const int32_t> q_rows, absl::Span<const int32_t> kv_keys_after);
+
+  // Takes back `plan`, which must be the latest plan of each of its
+  // sequences: their lengths go back, the pages it allocated are freed, its
+  // server plan is released and it goes stale, as do the plans it had made
+  // stale (their server plans are gone). Sequences it started are forgotten.
+  // For a cluster whose step failed on another server.
+  absl::Status Undo(const std::shared_ptr<const StepPlan>& plan);
 
   // One layer of a step: appends k_new, v_new (total_q, kv_heads, head_dim)
   // at the plan's slots, then attends with q (total_q, qo_heads, head_dim).

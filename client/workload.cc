@@ -73,6 +73,7 @@ void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<d
     s.sm_scale = scale;
     s.causal = in.causal;
     s.lse_base_e = in.lse_base_e;
+    s.causal_shift = in.kv_keys_after.empty() ? 0 : in.kv_keys_after[b];
     seqs.push_back(s);
   }
   reference::Prefill(g, MirrorRows(kv), in.q.data(), in.total_q(), in.kv_indices, seqs, o, lse);
@@ -89,6 +90,7 @@ PrefillArgs ArgsOf(const PrefillInputs& in) {
   a.sm_scale = in.sm_scale;
   a.causal = in.causal;
   a.lse_base_e = in.lse_base_e;
+  a.kv_keys_after = in.kv_keys_after;
   return a;
 }
 

@@ -51,11 +51,14 @@ struct PrefillInputs {
   std::optional<float> sm_scale;
   bool causal = true;
   bool lse_base_e = false;
+  // (batch) or empty: keys of each sequence after this range (causal shift).
+  std::vector<int32_t> kv_keys_after;
   int64_t total_q() const { return qo_indptr.empty() ? 0 : qo_indptr.back(); }
 };
 
 // float64 attention per docs/design.md section 3: o (total_q, Hq, D), lse
-// (total_q, Hq) with -inf for rows that see nothing.
+// (total_q, Hq) with -inf for rows that see nothing. Causal row i of
+// sequence b sees j <= i + kv_len - q_len + kv_keys_after[b].
 void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<double>* o,
                       std::vector<double>* lse);
 

@@ -230,8 +230,8 @@ absl::StatusOr<uint64_t> AttentionCore::CreatePlan(const CallContext& ctx,
   plan->tenant = ctx.tenant;
   plan->kv_indices.assign(layout.kv_indices.begin(), layout.kv_indices.end());
   plan->append_slots.assign(layout.append_slots.begin(), layout.append_slots.end());
-  const PrefillLayout owned{layout.qo_indptr, layout.kv_indptr, plan->kv_indices,
-                            layout.kv_last_page_len, plan->append_slots};
+  const PrefillLayout owned{layout.qo_indptr,        layout.kv_indptr,   plan->kv_indices,
+                            layout.kv_last_page_len, plan->append_slots, layout.kv_keys_after};
   ATTN_ASSIGN_OR_RETURN(plan->layout, ValidatePlanLayout(owned, backend_->Geometry(), limits_));
   ATTN_RETURN_IF_ERROR(pages_.PinOwned(ctx.tenant, plan->layout.pages, "kv_indices/append_slots",
                                        PageTable::Holder::kPlan));

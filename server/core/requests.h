@@ -103,6 +103,7 @@ struct PrefillCall : CallContext {
   absl::Span<const int64_t> append_slots;     // (n)
   TensorView append_k;                        // (n, num_kv_heads, head_dim)
   TensorView append_v;
+  absl::Span<const int32_t> kv_keys_after;    // (batch) or empty: PrefillSeq::causal_shift
   uint64_t plan_id = 0;                       // 0: the layout fields above hold the layout
   // Both set: o and lse are written there, and `out` gets no buffer.
   RegionRefView out_region;                   // (total_q, num_qo_heads, head_dim) bytes

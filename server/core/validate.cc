@@ -179,6 +179,13 @@ absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int6
                                                      " out of range [0, ", geo.num_pages, ")"));
     }
   }
+  const bool has_after = !layout.kv_keys_after.empty();
+  if (has_after && static_cast<int64_t>(layout.kv_keys_after.size()) != batch) {
+    return absl::InvalidArgumentError(absl::StrCat("kv_keys_after has ",
+                                                   layout.kv_keys_after.size(),
+                                                   " entries, must have batch = ", batch,
+                                                   " (or none)"));
+  }
   out.seqs.reserve(batch);
   for (int64_t b = 0; b < batch; ++b) {
     const int32_t num_pages = layout.kv_indptr[b + 1] - layout.kv_indptr[b];
@@ -205,6 +212,17 @@ absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int6
                                                      " KV tokens, at most ", INT32_MAX));
     }
     seq.kv_len = static_cast<int32_t>(kv_len);
+    if (has_after) {
+      // The whole sequence's length, kv_len + kv_keys_after, must fit int32.
+      const int64_t after = layout.kv_keys_after[b];
+      const int64_t max_after = int64_t{INT32_MAX} - kv_len;
+      if (after < 0 || after > max_after) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "kv_keys_after[", b, "]=", after, " out of range [0, ", max_after,
+            "] (2^31 - 1 - kv_len=", kv_len, " of sequence ", b, ")"));
+      }
+      seq.causal_shift = static_cast<int32_t>(after);
+    }
     out.seqs.push_back(seq);
   }
   out.num_append = static_cast<int64_t>(layout.append_slots.size());
@@ -317,8 +335,8 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call, const 
   ATTN_RETURN_IF_ERROR(CheckIncarnation(call.expected_incarnation, incarnation));
   ATTN_RETURN_IF_ERROR(CheckLayer(call.layer, geo));
   ATTN_ASSIGN_OR_RETURN(const int64_t total_q, CheckQuery(call.q, -1, geo, limits));
-  const PrefillLayout fields{call.qo_indptr, call.kv_indptr, call.kv_indices,
-                             call.kv_last_page_len, call.append_slots};
+  const PrefillLayout fields{call.qo_indptr,        call.kv_indptr,    call.kv_indices,
+                             call.kv_last_page_len, call.append_slots, call.kv_keys_after};
   ATTN_ASSIGN_OR_RETURN(ValidatedLayout layout,
                         ValidateLayout(fields, total_q, "q.shape[0]", geo, limits));
   ATTN_ASSIGN_OR_RETURN(ValidatedPrefill out, ValidateAgainstLayout(call, layout, geo, limits));
@@ -338,10 +356,11 @@ absl::StatusOr<ValidatedPrefill> ValidatePlannedPrefill(const PrefillCall& call,
                                                         uint64_t incarnation) {
   ATTN_RETURN_IF_ERROR(CheckIncarnation(call.expected_incarnation, incarnation));
   if (!call.qo_indptr.empty() || !call.kv_indptr.empty() || !call.kv_indices.empty() ||
-      !call.kv_last_page_len.empty() || !call.append_slots.empty()) {
+      !call.kv_last_page_len.empty() || !call.append_slots.empty() ||
+      !call.kv_keys_after.empty()) {
     return absl::InvalidArgumentError(
-        "plan_id is set: qo_indptr, kv_indptr, kv_indices, kv_last_page_len and append_slots "
-        "must be empty (the plan holds them)");
+        "plan_id is set: qo_indptr, kv_indptr, kv_indices, kv_last_page_len, append_slots and "
+        "kv_keys_after must be empty (the plan holds them)");
   }
   ATTN_RETURN_IF_ERROR(CheckLayer(call.layer, geo));
   ATTN_RETURN_IF_ERROR(CheckQuery(call.q, plan.total_q, geo, limits).status());

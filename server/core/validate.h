@@ -37,6 +37,9 @@ struct PrefillLayout {
   absl::Span<const int32_t> kv_indices;        // (kv_indptr[batch])
   absl::Span<const int32_t> kv_last_page_len;  // (batch), may be empty at page_size 1
   absl::Span<const int64_t> append_slots;      // (n)
+  // (batch) or empty: keys of each sequence held after this range
+  // (PrefillSeq::causal_shift); empty means 0 for every sequence.
+  absl::Span<const int32_t> kv_keys_after;
 };
 
 // A layout that passed validation: the sequences (q_start, q_len, kv_start,
@@ -49,8 +52,8 @@ struct ValidatedLayout {
 };
 
 // Checks a layout whose qo_indptr must end at total_q (named total_name in
-// errors): indptrs, page ids in range, last-page lengths, append slots in
-// range and distinct.
+// errors): indptrs, page ids in range, last-page lengths, kv_keys_after,
+// append slots in range and distinct.
 absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int64_t total_q,
                                                absl::string_view total_name,
                                                const KvGeometry& geo,

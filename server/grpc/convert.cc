@@ -75,14 +75,16 @@ void ToCall(const v1::PrefillRequest& r, PrefillCall* c) {
   c->append_slots = Span(r.append_slots());
   c->append_k = View(r.append_k());
   c->append_v = View(r.append_v());
+  c->kv_keys_after = Span(r.kv_keys_after());
   c->plan_id = r.plan_id();
   c->out_region = RefView(r.has_output_region(), r.output_region());
   c->lse_region = RefView(r.has_lse_region(), r.lse_region());
 }
 
 PrefillLayout ToLayout(const v1::CreatePlanRequest& r) {
-  return PrefillLayout{Span(r.qo_indptr()), Span(r.kv_indptr()), Span(r.kv_indices()),
-                       Span(r.kv_last_page_len()), Span(r.append_slots())};
+  return PrefillLayout{Span(r.qo_indptr()),        Span(r.kv_indptr()),
+                       Span(r.kv_indices()),       Span(r.kv_last_page_len()),
+                       Span(r.append_slots()),     Span(r.kv_keys_after())};
 }
 
 void ToCall(const v1::WriteKVRequest& r, WriteKvCall* c) {
@@ -151,7 +153,8 @@ int64_t ResetForReuse(v1::PrefillRequest* request) {
   int64_t kept = static_cast<int64_t>(request->qo_indptr().Capacity() +
                                       request->kv_indptr().Capacity() +
                                       request->kv_indices().Capacity() +
-                                      request->kv_last_page_len().Capacity()) * 4 +
+                                      request->kv_last_page_len().Capacity() +
+                                      request->kv_keys_after().Capacity()) * 4 +
                  static_cast<int64_t>(request->append_slots().Capacity()) * 8;
   for (v1::Tensor* t : {q.get(), append_k.get(), append_v.get()}) {
     if (t == nullptr) continue;

@@ -230,14 +230,17 @@ RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, i
               {11, "append_k", F::kMessage, 1, &tensor, ""},
               {12, "append_v", F::kMessage, 1, &tensor, ""},
               {15, "output_region", F::kMessage, 1, &region_ref, ""},
-              {16, "lse_region", F::kMessage, 1, &region_ref, ""}}};
+              {16, "lse_region", F::kMessage, 1, &region_ref, ""},
+
+              {17, "kv_keys_after", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"}}};
   create_plan = {"attnserve.v1.CreatePlanRequest",
                  {{1, "qo_indptr", F::kRepeatedScalar, max_rows + 1, nullptr, "max_request_rows + 1"},
                   {2, "kv_indptr", F::kRepeatedScalar, max_rows + 1, nullptr, "max_request_rows + 1"},
                   {3, "kv_indices", F::kRepeatedScalar, max_kv_indices, nullptr,
                    "max_request_kv_indices"},
                   {4, "kv_last_page_len", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"},
-                  {5, "append_slots", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"}}};
+                  {5, "append_slots", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"},
+                  {7, "kv_keys_after", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"}}};
   release_plan = {"attnserve.v1.ReleasePlanRequest", {}};
   merge_states = {"attnserve.v1.MergeStatesRequest",
                   {{1, "states", F::kRepeatedMessage, max_merge_states, &attention_state,

@@ -27,6 +27,7 @@ struct PrefillFixture {
   std::vector<int32_t> qo_indptr{0, 5, 8}, kv_indptr{0, 2, 3}, kv_indices{4, 1, 7},
       kv_last_page_len{4, 7};
   std::vector<int64_t> append_slots{9 * 16 + 3, 9 * 16};
+  std::vector<int32_t> kv_keys_after;  // none: every causal_shift 0
   PrefillCall call;
 
   PrefillFixture() {
@@ -47,6 +48,7 @@ struct PrefillFixture {
     call.kv_indices = kv_indices;
     call.kv_last_page_len = kv_last_page_len;
     call.append_slots = append_slots;
+    call.kv_keys_after = kv_keys_after;
     call.append_k = {TensorDType::kBf16, {2, 2, 64}, k_bytes};
     call.append_v = {TensorDType::kBf16, {2, 2, 64}, v_bytes};
   }
@@ -77,6 +79,7 @@ TEST(ValidatePrefillTest, ValidRequestBecomesATask) {
     EXPECT_FLOAT_EQ(s.sm_scale, 1.f / 8.f) << "default sm_scale is 1/sqrt(head_dim)";
     EXPECT_EQ(s.causal, 1) << "causal defaults to true";
     EXPECT_EQ(s.lse_base_e, 0) << "LSE is base 2 by default";
+    EXPECT_EQ(s.causal_shift, 0) << "no kv_keys_after: bottom-right";
   }
   // Pages to pin: every kv_indices entry, then each append slot's page, in
   // order (a repeat is pinned twice; not sorted, which costs ~1 ms at 16k).
@@ -98,6 +101,51 @@ TEST(ValidatePrefillTest, ExplicitSettingsArePassedThrough) {
     EXPECT_EQ(s.causal, 0);
     EXPECT_EQ(s.lse_base_e, 1);
   }
+}
+
+TEST(ValidatePrefillTest, KvKeysAfterBecomesTheCausalShift) {
+  PrefillFixture f;
+  // Sequence 0 holds 20 keys of a longer sequence, 5 more of which follow
+  // elsewhere; the largest shift keeps the whole length within int32.
+  f.kv_keys_after = {5, INT32_MAX - 7};
+  f.Rebind();
+  auto v = f.Validate();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->task.seqs[0].causal_shift, 5);
+  EXPECT_EQ(v->task.seqs[1].causal_shift, INT32_MAX - 7);
+  // A plan carries it: a CreatePlan layout with kv_keys_after.
+  const PrefillLayout layout{f.qo_indptr, f.kv_indptr, f.kv_indices, f.kv_last_page_len,
+                             f.append_slots, f.kv_keys_after};
+  auto plan = ValidatePlanLayout(layout, f.geo, Limits());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->seqs[0].causal_shift, 5);
+  // ...and a Prefill naming the plan gets it from there, and must not send its own.
+  PrefillFixture planned;
+  planned.call.qo_indptr = {};
+  planned.call.kv_indptr = {};
+  planned.call.kv_indices = {};
+  planned.call.kv_last_page_len = {};
+  planned.call.append_slots = {};
+  planned.call.plan_id = 1;
+  auto run = ValidatePlannedPrefill(planned.call, *plan, f.kv_indices.data(),
+                                    f.append_slots.data(), f.geo, Limits(), kIncarnation);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->task.seqs[0].causal_shift, 5);
+  EXPECT_EQ(run->task.seqs[1].causal_shift, INT32_MAX - 7);
+  const std::vector<int32_t> own = {1, 1};
+  planned.call.kv_keys_after = own;
+  auto refused = ValidatePlannedPrefill(planned.call, *plan, f.kv_indices.data(),
+                                        f.append_slots.data(), f.geo, Limits(), kIncarnation);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("kv_keys_after"));
+  // The plan's layout is checked like a Prefill's.
+  const std::vector<int32_t> bad = {0, -2};
+  const PrefillLayout bad_layout{f.qo_indptr, f.kv_indptr, f.kv_indices, f.kv_last_page_len,
+                                 f.append_slots, bad};
+  auto bad_plan = ValidatePlanLayout(bad_layout, f.geo, Limits());
+  EXPECT_EQ(bad_plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad_plan.status().message()),
+              HasSubstr("kv_keys_after[1]=-2 out of range [0, 2147483640]"));
 }
 
 TEST(ValidatePrefillTest, EdgeCasesThatAreValid) {
@@ -250,6 +298,15 @@ INSTANTIATE_TEST_SUITE_P(
                     [](F& f) { f.call.sm_scale = std::numeric_limits<float>::infinity(); },
                     kInvalid, "sm_scale"},
         PrefillCase{"LseBase", [](F& f) { f.call.lse_base = 2; }, kInvalid, "lse_base"},
+        PrefillCase{"KvKeysAfterSize", [](F& f) { f.kv_keys_after = {3}; f.Rebind(); },
+                    kInvalid, "kv_keys_after has 1 entries, must have batch = 2"},
+        PrefillCase{"KvKeysAfterNegative",
+                    [](F& f) { f.kv_keys_after = {0, -1}; f.Rebind(); }, kInvalid,
+                    "kv_keys_after[1]=-1 out of range [0, 2147483640]"},
+        // Sequence 0 has 20 keys: 20 + 2147483628 > 2^31 - 1.
+        PrefillCase{"KvKeysAfterPastInt32",
+                    [](F& f) { f.kv_keys_after = {INT32_MAX - 19, 0}; f.Rebind(); },
+                    kInvalid, "kv_keys_after[0]=2147483628 out of range [0, 2147483627]"},
         PrefillCase{"AppendSlotTooLarge",
                     [](F& f) { f.append_slots[1] = 10 * 16; f.Rebind(); }, kInvalid,
                     "append_slots[1]=160"},

@@ -52,7 +52,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (v1::PrefillRequest r; ParseBoth(bytes, data, size, l.prefill, &r)) {
     Require(r.qo_indptr_size() <= kRows + 1 && r.kv_indptr_size() <= kRows + 1);
     Require(r.kv_indices_size() <= kIndices && r.kv_last_page_len_size() <= kRows);
-    Require(r.append_slots_size() <= kRows);
+    Require(r.append_slots_size() <= kRows && r.kv_keys_after_size() <= kRows);
     CheckTensor(r.q());
     CheckTensor(r.append_k());
     CheckTensor(r.append_v());

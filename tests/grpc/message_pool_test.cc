@@ -49,6 +49,7 @@ v1::PrefillRequest MakeRequest(size_t q_bytes, int indices, bool with_optionals,
     r.mutable_append_k()->set_data(std::string(64, 'k'));
     r.mutable_append_v()->set_data(std::string(64, 'v'));
     r.set_expected_incarnation(99);
+    r.add_kv_keys_after(5);
   }
   return r;
 }

@@ -3,6 +3,7 @@
     import attnserve
     client = attnserve.Client("127.0.0.1:50051")
     mgr = attnserve.KvManager(client)
+    cluster = attnserve.Cluster(["10.0.0.1:50051", "10.0.0.2:50051"])   # many servers
 
 docs/python.md is the guide; proto/attnserve/v1/attention.proto and
 docs/design.md are the contract.
@@ -18,12 +19,15 @@ from attnserve.errors import (Aborted, AlreadyExists, AttnserveError, Cancelled,
                               Unknown)
 from attnserve.kv_manager import AsyncKvManager, KvManager, Plan
 from attnserve.regions import RegionTensor, SharedMemoryRegion
+from attnserve.cluster import Cluster, ClusterServer, ClusterStep, SequencesLost, Shard
+from attnserve.merge import merge_states
 
 from attnserve._version import __version__
 
 __all__ = [
     "Client", "AsyncClient", "ServerInfo", "PrefillResult", "PrefillLayout",
     "KvManager", "AsyncKvManager", "Plan", "RegionInfo", "RegionTensor", "SharedMemoryRegion",
+    "Cluster", "ClusterStep", "ClusterServer", "Shard", "SequencesLost", "merge_states",
     "float32_to_bf16_bits", "bf16_bits_to_float32",
     "AttnserveError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",
     "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition",

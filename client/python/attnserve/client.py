@@ -107,8 +107,11 @@ class PrefillLayout:
 
     @staticmethod
     def encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None, *, sm_scale=None,
-               causal=None, lse_base: str = "2", append_slots=None) -> "PrefillLayout":
+               causal=None, lse_base: str = "2", append_slots=None,
+               kv_keys_after=None) -> "PrefillLayout":
         req = pb.PrefillRequest()
+        if kv_keys_after is not None:
+            _extend(req.kv_keys_after, kv_keys_after, "kv_keys_after")
         _extend(req.qo_indptr, qo_indptr, "qo_indptr")
         _extend(req.kv_indptr, kv_indptr, "kv_indptr")
         _extend(req.kv_indices, kv_indices, "kv_indices")
@@ -406,8 +409,10 @@ class _Core:
         return "Prefill", b"".join(pieces), parse
 
     def _req_create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                         append_slots) -> _Request:
+                         append_slots, kv_keys_after=None) -> _Request:
         req = pb.CreatePlanRequest(expected_incarnation=self._incarnation)
+        if kv_keys_after is not None:
+            _extend(req.kv_keys_after, kv_keys_after, "kv_keys_after")
         _extend(req.qo_indptr, qo_indptr, "qo_indptr")
         _extend(req.kv_indptr, kv_indptr, "kv_indptr")
         _extend(req.kv_indices, kv_indices, "kv_indices")
@@ -615,7 +620,7 @@ class Client(_Core):
     def prefill(self, layer: int, q, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None, *,
                 sm_scale: Optional[float] = None, causal: Optional[bool] = None,
                 lse_base: str = "2", append_slots=None, append_k=None, append_v=None,
-                out: Optional[str] = None, device=None, output_to=None,
+                kv_keys_after=None, out: Optional[str] = None, device=None, output_to=None,
                 timeout: Optional[float] = None) -> PrefillResult:
         """Paged attention over a ragged batch (docs/design.md sections 3-4).
 
@@ -624,6 +629,8 @@ class Client(_Core):
         sm_scale defaults to 1/sqrt(head_dim), causal to True (bottom-right),
         lse_base to "2" ("e": natural log). append_slots [n] with append_k,
         append_v [n, num_kv_heads, head_dim] are written before attention.
+        kv_keys_after [batch]: keys of each sequence held after this range
+        (a sequence spread over servers; default none).
         Returns output [total_q, num_qo_heads, head_dim] and lse
         [total_q, num_qo_heads] (float32; -inf where a row sees nothing).
         q, append_k and append_v may be RegionTensors (attnserve.regions);
@@ -632,7 +639,7 @@ class Client(_Core):
         """
         layout = PrefillLayout.encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                       sm_scale=sm_scale, causal=causal, lse_base=lse_base,
-                                      append_slots=append_slots)
+                                      append_slots=append_slots, kv_keys_after=kv_keys_after)
         return self.prefill_layout(layer, q, layout, append_k, append_v, out=out, device=device,
                                    output_to=output_to, timeout=timeout)
 
@@ -644,7 +651,8 @@ class Client(_Core):
                                             output_to), timeout)
 
     def create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None,
-                    append_slots=None, *, timeout: Optional[float] = None) -> int:
+                    append_slots=None, kv_keys_after=None, *,
+                    timeout: Optional[float] = None) -> int:
         """Registers a step's layout once (docs/design.md section 4); its id.
 
         Every layer's Prefill then names it: prefill_layout(layer, q,
@@ -653,7 +661,8 @@ class Client(_Core):
         timeout): free_pages() of them fails meanwhile.
         """
         return self._call(self._req_create_plan(qo_indptr, kv_indptr, kv_indices,
-                                                kv_last_page_len, append_slots), timeout)
+                                                kv_last_page_len, append_slots, kv_keys_after),
+                          timeout)
 
     def release_plan(self, plan_id: int, *, timeout: Optional[float] = None) -> None:
         """Drops a plan; its pages are unpinned once no request uses it."""

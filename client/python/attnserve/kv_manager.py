@@ -42,6 +42,10 @@ class Plan:
     append_slots [total_q] (int64): where each new token's K/V goes.
     positions [total_q] (int64): each new token's position in its sequence.
     plan_id: the server's plan (CreatePlan), 0 when the layout travels instead.
+    append_lens [batch]: tokens appended per sequence (q_lens, except for
+    plan_rows(), where q_lens are the query rows).
+    kv_keys_after [batch] or None: keys of each sequence beyond this server's
+    range (plan_rows() only).
     """
 
     seq_ids: tuple
@@ -57,6 +61,8 @@ class Plan:
     layout: Optional[PrefillLayout] = field(default=None, repr=False)
     plan_id: int = 0
     valid: bool = True
+    append_lens: Optional[np.ndarray] = None
+    kv_keys_after: Optional[np.ndarray] = None
 
     @property
     def total_q(self) -> int:
@@ -139,8 +145,12 @@ class _Bookkeeping:
         return lens.astype(np.int64), needs
 
     def _lay_out(self, page_size: int, seq_ids: Sequence, q_lens: np.ndarray, needs: list,
-                 new_pages: list) -> tuple:
-        """The step's Plan and each sequence's (pages, length) after it; changes nothing."""
+                 new_pages: list, q_rows: Optional[np.ndarray] = None,
+                 kv_keys_after: Optional[np.ndarray] = None) -> tuple:
+        """The step's Plan and each sequence's (pages, length) after it; changes nothing.
+
+        q_lens: tokens appended; q_rows: query rows (default q_lens)."""
+        rows = q_lens if q_rows is None else q_rows
         batch = len(seq_ids)
         qo_indptr = np.zeros(batch + 1, np.int32)
         kv_indptr = np.zeros(batch + 1, np.int32)
@@ -159,16 +169,18 @@ class _Bookkeeping:
             positions.append(pos)
             slots.append(arr[pos // page_size] * page_size + pos % page_size)
             indices.extend(pages)
-            qo_indptr[b + 1] = qo_indptr[b] + q_len
+            qo_indptr[b + 1] = qo_indptr[b] + int(rows[b])
             kv_indptr[b + 1] = kv_indptr[b] + len(pages)
             kv_lens[b] = length
             last[b] = length - (len(pages) - 1) * page_size if pages else 0
             after.append((pages, length))
-        plan = Plan(seq_ids=tuple(seq_ids), q_lens=q_lens.astype(np.int32), kv_lens=kv_lens,
-                    qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+        plan = Plan(seq_ids=tuple(seq_ids), q_lens=np.asarray(rows).astype(np.int32),
+                    kv_lens=kv_lens, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
                     kv_indices=np.asarray(indices, dtype=np.int32), kv_last_page_len=last,
                     append_slots=np.concatenate(slots), positions=np.concatenate(positions),
-                    step=self._step + 1)
+                    step=self._step + 1, append_lens=q_lens.astype(np.int32),
+                    kv_keys_after=None if kv_keys_after is None
+                    else np.asarray(kv_keys_after, dtype=np.int32))
         return plan, after
 
     def _options(self) -> dict:
@@ -178,7 +190,7 @@ class _Bookkeeping:
         """The layout sent with every layer when there is no server plan."""
         return PrefillLayout.encode(plan.qo_indptr, plan.kv_indptr, plan.kv_indices,
                                     plan.kv_last_page_len, append_slots=plan.append_slots,
-                                    **self._options())
+                                    kv_keys_after=plan.kv_keys_after, **self._options())
 
     def _plan_layout(self, plan: Plan, plan_id: int) -> None:
         plan.plan_id = plan_id
@@ -187,7 +199,7 @@ class _Bookkeeping:
 
     def _create_args(self, plan: Plan) -> tuple:
         return (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len,
-                plan.append_slots)
+                plan.append_slots, plan.kv_keys_after)
 
     def _apply(self, plan: Plan, after: list) -> None:
         """Commits the plan: lengths and pages advance; older plans of its
@@ -231,6 +243,28 @@ class _Bookkeeping:
             self._retire(s.plan)
         return pages
 
+    def _undo(self, plan: Plan) -> list:
+        """The bookkeeping of undo(); returns the pages to free."""
+        for sid in plan.seq_ids:
+            s = self._seqs.get(sid)
+            if s is None or s.plan is not plan:
+                raise RuntimeError(f"undo: step {plan.step} is not the latest plan of {sid!r}")
+        self._retire(plan)
+        appended = plan.append_lens if plan.append_lens is not None else plan.q_lens
+        freed = []
+        for sid, n in zip(plan.seq_ids, appended.tolist()):
+            s = self._seqs[sid]
+            s.length -= n
+            keep = -(-s.length // self.page_size)
+            freed.extend(s.pages[keep:])
+            del s.pages[keep:]
+            s.plan = None
+            if s.length == 0 and not s.pages:
+                del self._seqs[sid]
+        if self._latest is plan:
+            self._latest = None
+        return freed
+
     def _drop(self, seq_ids) -> None:
         for sid in seq_ids:
             self._seqs.pop(sid)
@@ -266,9 +300,31 @@ class KvManager(_Bookkeeping):
         ResourceExhausted) nothing changes. Lengths advance here, once per
         step: every layer's run() then appends at the same positions.
         """
-        lens, needs = self._pages_needed(self.page_size, seq_ids, q_lens)
+        return self.plan_rows(seq_ids, q_lens)
+
+    def plan_rows(self, seq_ids: Sequence, append_lens, q_rows=None,
+                  kv_keys_after=None) -> Plan:
+        """plan() for one server of a cluster (attnserve.Cluster), which holds a
+        contiguous range of each sequence: seq_ids[b] grows by append_lens[b]
+        tokens here, the step sends q_rows[b] >= append_lens[b] query rows (the
+        sequence's new tokens, some appended on other servers), and
+        kv_keys_after[b] of the sequence's keys lie beyond this range.
+        run() then takes k_new, v_new of the appended rows only."""
+        lens, needs = self._pages_needed(self.page_size, seq_ids, append_lens)
+        rows = None
+        if q_rows is not None:
+            rows = np.asarray(q_rows, dtype=np.int64).reshape(-1)
+            if len(rows) != len(lens) or (rows < lens).any():
+                raise ValueError("plan_rows: q_rows must have one entry per sequence, each "
+                                 ">= its append_lens")
+        if kv_keys_after is not None:
+            after = np.asarray(kv_keys_after, dtype=np.int64).reshape(-1)
+            if len(after) != len(lens) or (after < 0).any():
+                raise ValueError("plan_rows: kv_keys_after must have one entry >= 0 per "
+                                 "sequence")
         new_pages = self.client.allocate_pages(sum(needs)) if sum(needs) else []
-        plan, after = self._lay_out(self.page_size, seq_ids, lens, needs, new_pages)
+        plan, after = self._lay_out(self.page_size, seq_ids, lens, needs, new_pages, rows,
+                                    kv_keys_after)
         try:
             self._register(plan)
         except BaseException:
@@ -315,6 +371,16 @@ class KvManager(_Bookkeeping):
         """
         p = self._plan_for_run(plan)
         return self.client.prefill_layout(layer, q, p.layout, k_new, v_new, **kwargs)
+
+    def undo(self, plan: Plan) -> None:
+        """Takes back plan, the latest plan of each of its sequences: their
+        lengths go back, the pages it allocated are freed, its server plan is
+        released and it goes stale (as do the plans it had made stale). For a
+        cluster whose step failed on another server."""
+        freed = self._undo(plan)
+        self._release_stale(strict=False)
+        if freed:
+            self.client.free_pages(freed)
 
     def finish(self, *seq_ids: Hashable) -> None:
         """Releases the sequences' plans, frees their pages (one FreePages) and

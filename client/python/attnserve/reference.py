@@ -62,9 +62,11 @@ class KvMirror:
 
 def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_indices,
                       kv_last_page_len, *, page_size: int, causal: bool = True,
-                      sm_scale: float | None = None, lse_base: str = "2") -> tuple:
+                      sm_scale: float | None = None, lse_base: str = "2",
+                      kv_keys_after=None) -> tuple:
     """(o [total_q, Hq, D], lse [total_q, Hq]) in float64; -inf LSE and 0 output
-    where a row sees nothing."""
+    where a row sees nothing. Causal row i of sequence b sees positions
+    j <= i + kv_len - q_len + kv_keys_after[b] (default 0: bottom-right)."""
     q64 = as_float64(q, mirror.wire_dtype)
     total_q, hq, d = q64.shape
     hkv = mirror.row_shape[0]
@@ -76,6 +78,7 @@ def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_
     kvp = np.asarray(kv_indptr).tolist()
     idx = np.asarray(kv_indices).tolist()
     last = None if kv_last_page_len is None else np.asarray(kv_last_page_len).tolist()
+    after = [0] * (len(qo) - 1) if kv_keys_after is None else np.asarray(kv_keys_after).tolist()
     for b in range(len(qo) - 1):
         q_len = qo[b + 1] - qo[b]
         pages = idx[kvp[b]:kvp[b + 1]]
@@ -86,7 +89,7 @@ def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_
         v = np.repeat(v, group, axis=1)
         for i in range(q_len):
             row = qo[b] + i
-            visible = min(kv_len, i + kv_len - q_len + 1) if causal else kv_len
+            visible = min(kv_len, i + kv_len - q_len + after[b] + 1) if causal else kv_len
             if visible <= 0:
                 continue
             logits = np.einsum("hd,jhd->hj", q64[row], k[:visible]) * scale   # [Hq, visible]

@@ -13,17 +13,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ttnserve/v1/attention.proto\x12\x0c\x61ttnserve.v1\"r\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.attnserve.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\'\n\x06region\x18\x04 \x01(\x0b\x32\x17.attnserve.v1.RegionRef\"<\n\tRegionRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x11\n\tbyte_size\x18\x03 \x01(\x03\"\x16\n\x14GetServerInfoRequest\"\xbb\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x14\n\x0cnum_qo_heads\x18\x07 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\x05\x12\x10\n\x08head_dim\x18\t \x01(\x05\x12%\n\x08kv_dtype\x18\n \x01(\x0e\x32\x13.attnserve.v1.DType\x12\x12\n\nfree_pages\x18\x0b \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\x0c \x01(\x05\x12\x19\n\x11max_message_bytes\x18\r \x01(\x03\x12\x13\n\x0bincarnation\x18\x0e \x01(\x06\"C\n\x14\x41llocatePagesRequest\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\x12\x1c\n\x14\x65xpected_incarnation\x18\x02 \x01(\x06\">\n\x15\x41llocatePagesResponse\x12\x10\n\x08page_ids\x18\x01 \x03(\x05\x12\x13\n\x0bincarnation\x18\x02 \x01(\x06\"B\n\x10\x46reePagesRequest\x12\x10\n\x08page_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x65xpected_incarnation\x18\x02 \x01(\x06\"(\n\x11\x46reePagesResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x06\"\x8e\x01\n\x0eWriteKVRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\r\n\x05slots\x18\x02 \x03(\x03\x12\x1f\n\x01k\x18\x03 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x1f\n\x01v\x18\x04 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x1c\n\x14\x65xpected_incarnation\x18\x05 \x01(\x06\"&\n\x0fWriteKVResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x06\"\xa1\x01\n\rReadKVRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\r\n\x05slots\x18\x02 \x03(\x03\x12\x1c\n\x14\x65xpected_incarnation\x18\x03 \x01(\x06\x12)\n\x08k_region\x18\x04 \x01(\x0b\x32\x17.attnserve.v1.RegionRef\x12)\n\x08v_region\x18\x05 \x01(\x0b\x32\x17.attnserve.v1.RegionRef\"g\n\x0eReadKVResponse\x12\x1f\n\x01k\x18\x01 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x1f\n\x01v\x18\x02 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\"\xf3\x03\n\x0ePrefillRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x1f\n\x01q\x18\x02 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x11\n\tqo_indptr\x18\x03 \x03(\x05\x12\x11\n\tkv_indptr\x18\x04 \x03(\x05\x12\x12\n\nkv_indices\x18\x05 \x03(\x05\x12\x18\n\x10kv_last_page_len\x18\x06 \x03(\x05\x12\x15\n\x08sm_scale\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x13\n\x06\x63\x61usal\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\'\n\x08lse_base\x18\t \x01(\x0e\x32\x15.attnserve.v1.LseBase\x12\x14\n\x0c\x61ppend_slots\x18\n \x03(\x03\x12&\n\x08\x61ppend_k\x18\x0b \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12&\n\x08\x61ppend_v\x18\x0c \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x1c\n\x14\x65xpected_incarnation\x18\r \x01(\x06\x12\x0f\n\x07plan_id\x18\x0e \x01(\x06\x12.\n\routput_region\x18\x0f \x01(\x0b\x32\x17.attnserve.v1.RegionRef\x12+\n\nlse_region\x18\x10 \x01(\x0b\x32\x17.attnserve.v1.RegionRefB\x0b\n\t_sm_scaleB\t\n\x07_causal\"o\n\x0fPrefillResponse\x12$\n\x06output\x18\x01 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12!\n\x03lse\x18\x02 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\"\x9b\x01\n\x11\x43reatePlanRequest\x12\x11\n\tqo_indptr\x18\x01 \x03(\x05\x12\x11\n\tkv_indptr\x18\x02 \x03(\x05\x12\x12\n\nkv_indices\x18\x03 \x03(\x05\x12\x18\n\x10kv_last_page_len\x18\x04 \x03(\x05\x12\x14\n\x0c\x61ppend_slots\x18\x05 \x03(\x03\x12\x1c\n\x14\x65xpected_incarnation\x18\x06 \x01(\x06\":\n\x12\x43reatePlanResponse\x12\x0f\n\x07plan_id\x18\x01 \x01(\x06\x12\x13\n\x0bincarnation\x18\x02 \x01(\x06\"C\n\x12ReleasePlanRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\x06\x12\x1c\n\x14\x65xpected_incarnation\x18\x02 \x01(\x06\"*\n\x13ReleasePlanResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x06\"T\n\x0e\x41ttentionState\x12\x1f\n\x01v\x18\x01 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12!\n\x03lse\x18\x02 \x01(\x0b\x32\x14.attnserve.v1.Tensor\"\xc3\x01\n\x12MergeStatesRequest\x12,\n\x06states\x18\x01 \x03(\x0b\x32\x1c.attnserve.v1.AttentionState\x12\'\n\x08lse_base\x18\x02 \x01(\x0e\x32\x15.attnserve.v1.LseBase\x12)\n\x08v_region\x18\x03 \x01(\x0b\x32\x17.attnserve.v1.RegionRef\x12+\n\nlse_region\x18\x04 \x01(\x0b\x32\x17.attnserve.v1.RegionRef\"n\n\x13MergeStatesResponse\x12\x1f\n\x01v\x18\x01 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12!\n\x03lse\x18\x02 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\">\n\x0cSystemRegion\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x11\n\tbyte_size\x18\x03 \x01(\x03\"F\n\nCudaRegion\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x11\n\tdevice_id\x18\x02 \x01(\x05\x12\x11\n\tbyte_size\x18\x03 \x01(\x03\"\x85\x01\n\x15RegisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x06system\x18\x02 \x01(\x0b\x32\x1a.attnserve.v1.SystemRegionH\x00\x12(\n\x04\x63uda\x18\x03 \x01(\x0b\x32\x18.attnserve.v1.CudaRegionH\x00\x42\x06\n\x04kind\"-\n\x16RegisterRegionResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x06\"\'\n\x17UnregisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"/\n\x18UnregisterRegionResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x06\"\x14\n\x12ListRegionsRequest\"\xa3\x01\n\nRegionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x11\n\tbyte_size\x18\x05 \x01(\x03\x12\x11\n\tdevice_id\x18\x06 \x01(\x05\x12\x0e\n\x06in_use\x18\x07 \x01(\x05\x12\x12\n\nregistered\x18\x08 \x01(\x08\x12\x12\n\nkey_exists\x18\t \x01(\x08\"U\n\x13ListRegionsResponse\x12)\n\x07regions\x18\x01 \x03(\x0b\x32\x18.attnserve.v1.RegionInfo\x12\x13\n\x0bincarnation\x18\x02 \x01(\x06*N\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03*)\n\x07LseBase\x12\x0e\n\nLSE_BASE_2\x10\x00\x12\x0e\n\nLSE_BASE_E\x10\x01\x32\xeb\x07\n\x10\x41ttentionService\x12M\n\rGetServerInfo\x12\".attnserve.v1.GetServerInfoRequest\x1a\x18.attnserve.v1.ServerInfo\x12X\n\rAllocatePages\x12\".attnserve.v1.AllocatePagesRequest\x1a#.attnserve.v1.AllocatePagesResponse\x12L\n\tFreePages\x12\x1e.attnserve.v1.FreePagesRequest\x1a\x1f.attnserve.v1.FreePagesResponse\x12\x46\n\x07WriteKV\x12\x1c.attnserve.v1.WriteKVRequest\x1a\x1d.attnserve.v1.WriteKVResponse\x12\x43\n\x06ReadKV\x12\x1b.attnserve.v1.ReadKVRequest\x1a\x1c.attnserve.v1.ReadKVResponse\x12\x46\n\x07Prefill\x12\x1c.attnserve.v1.PrefillRequest\x1a\x1d.attnserve.v1.PrefillResponse\x12R\n\x0bMergeStates\x12 .attnserve.v1.MergeStatesRequest\x1a!.attnserve.v1.MergeStatesResponse\x12O\n\nCreatePlan\x12\x1f.attnserve.v1.CreatePlanRequest\x1a .attnserve.v1.CreatePlanResponse\x12R\n\x0bReleasePlan\x12 .attnserve.v1.ReleasePlanRequest\x1a!.attnserve.v1.ReleasePlanResponse\x12[\n\x0eRegisterRegion\x12#.attnserve.v1.RegisterRegionRequest\x1a$.attnserve.v1.RegisterRegionResponse\x12\x61\n\x10UnregisterRegion\x12%.attnserve.v1.UnregisterRegionRequest\x1a&.attnserve.v1.UnregisterRegionResponse\x12R\n\x0bListRegions\x12 .attnserve.v1.ListRegionsRequest\x1a!.attnserve.v1.ListRegionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61ttnserve/v1/attention.proto\x12\x0c\x61ttnserve.v1\"r\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.attnserve.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\'\n\x06region\x18\x04 \x01(\x0b\x32\x17.attnserve.v1.RegionRef\"<\n\tRegionRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x11\n\tbyte_size\x18\x03 \x01(\x03\"\x16\n\x14GetServerInfoRequest\"\xbb\x02\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x11\n\tnum_pages\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\x12\x14\n\x0cnum_qo_heads\x18\x07 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\x05\x12\x10\n\x08head_dim\x18\t \x01(\x05\x12%\n\x08kv_dtype\x18\n \x01(\x0e\x32\x13.attnserve.v1.DType\x12\x12\n\nfree_pages\x18\x0b \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\x0c \x01(\x05\x12\x19\n\x11max_message_bytes\x18\r \x01(\x03\x12\x13\n\x0bincarnation\x18\x0e \x01(\x06\"C\n\x14\x41llocatePagesRequest\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\x12\x1c\n\x14\x65xpected_incarnation\x18\x02 \x01(\x06\">\n\x15\x41llocatePagesResponse\x12\x10\n\x08page_ids\x18\x01 \x03(\x05\x12\x13\n\x0bincarnation\x18\x02 \x01(\x06\"B\n\x10\x46reePagesRequest\x12\x10\n\x08page_ids\x18\x01 \x03(\x05\x12\x1c\n\x14\x65xpected_incarnation\x18\x02 \x01(\x06\"(\n\x11\x46reePagesResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x06\"\x8e\x01\n\x0eWriteKVRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\r\n\x05slots\x18\x02 \x03(\x03\x12\x1f\n\x01k\x18\x03 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x1f\n\x01v\x18\x04 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x1c\n\x14\x65xpected_incarnation\x18\x05 \x01(\x06\"&\n\x0fWriteKVResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x06\"\xa1\x01\n\rReadKVRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\r\n\x05slots\x18\x02 \x03(\x03\x12\x1c\n\x14\x65xpected_incarnation\x18\x03 \x01(\x06\x12)\n\x08k_region\x18\x04 \x01(\x0b\x32\x17.attnserve.v1.RegionRef\x12)\n\x08v_region\x18\x05 \x01(\x0b\x32\x17.attnserve.v1.RegionRef\"g\n\x0eReadKVResponse\x12\x1f\n\x01k\x18\x01 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x1f\n\x01v\x18\x02 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\"\x8a\x04\n\x0ePrefillRequest\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x1f\n\x01q\x18\x02 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x11\n\tqo_indptr\x18\x03 \x03(\x05\x12\x11\n\tkv_indptr\x18\x04 \x03(\x05\x12\x12\n\nkv_indices\x18\x05 \x03(\x05\x12\x18\n\x10kv_last_page_len\x18\x06 \x03(\x05\x12\x15\n\x08sm_scale\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x13\n\x06\x63\x61usal\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\'\n\x08lse_base\x18\t \x01(\x0e\x32\x15.attnserve.v1.LseBase\x12\x14\n\x0c\x61ppend_slots\x18\n \x03(\x03\x12&\n\x08\x61ppend_k\x18\x0b \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12&\n\x08\x61ppend_v\x18\x0c \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x1c\n\x14\x65xpected_incarnation\x18\r \x01(\x06\x12\x0f\n\x07plan_id\x18\x0e \x01(\x06\x12.\n\routput_region\x18\x0f \x01(\x0b\x32\x17.attnserve.v1.RegionRef\x12+\n\nlse_region\x18\x10 \x01(\x0b\x32\x17.attnserve.v1.RegionRef\x12\x15\n\rkv_keys_after\x18\x11 \x03(\x05\x42\x0b\n\t_sm_scaleB\t\n\x07_causal\"o\n\x0fPrefillResponse\x12$\n\x06output\x18\x01 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12!\n\x03lse\x18\x02 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\"\xb2\x01\n\x11\x43reatePlanRequest\x12\x11\n\tqo_indptr\x18\x01 \x03(\x05\x12\x11\n\tkv_indptr\x18\x02 \x03(\x05\x12\x12\n\nkv_indices\x18\x03 \x03(\x05\x12\x18\n\x10kv_last_page_len\x18\x04 \x03(\x05\x12\x14\n\x0c\x61ppend_slots\x18\x05 \x03(\x03\x12\x1c\n\x14\x65xpected_incarnation\x18\x06 \x01(\x06\x12\x15\n\rkv_keys_after\x18\x07 \x03(\x05\":\n\x12\x43reatePlanResponse\x12\x0f\n\x07plan_id\x18\x01 \x01(\x06\x12\x13\n\x0bincarnation\x18\x02 \x01(\x06\"C\n\x12ReleasePlanRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\x06\x12\x1c\n\x14\x65xpected_incarnation\x18\x02 \x01(\x06\"*\n\x13ReleasePlanResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x06\"T\n\x0e\x41ttentionState\x12\x1f\n\x01v\x18\x01 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12!\n\x03lse\x18\x02 \x01(\x0b\x32\x14.attnserve.v1.Tensor\"\xc3\x01\n\x12MergeStatesRequest\x12,\n\x06states\x18\x01 \x03(\x0b\x32\x1c.attnserve.v1.AttentionState\x12\'\n\x08lse_base\x18\x02 \x01(\x0e\x32\x15.attnserve.v1.LseBase\x12)\n\x08v_region\x18\x03 \x01(\x0b\x32\x17.attnserve.v1.RegionRef\x12+\n\nlse_region\x18\x04 \x01(\x0b\x32\x17.attnserve.v1.RegionRef\"n\n\x13MergeStatesResponse\x12\x1f\n\x01v\x18\x01 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12!\n\x03lse\x18\x02 \x01(\x0b\x32\x14.attnserve.v1.Tensor\x12\x13\n\x0bincarnation\x18\x03 \x01(\x06\">\n\x0cSystemRegion\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x11\n\tbyte_size\x18\x03 \x01(\x03\"F\n\nCudaRegion\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x11\n\tdevice_id\x18\x02 \x01(\x05\x12\x11\n\tbyte_size\x18\x03 \x01(\x03\"\x85\x01\n\x15RegisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x06system\x18\x02 \x01(\x0b\x32\x1a.attnserve.v1.SystemRegionH\x00\x12(\n\x04\x63uda\x18\x03 \x01(\x0b\x32\x18.attnserve.v1.CudaRegionH\x00\x42\x06\n\x04kind\"-\n\x16RegisterRegionResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x06\"\'\n\x17UnregisterRegionRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"/\n\x18UnregisterRegionResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x06\"\x14\n\x12ListRegionsRequest\"\xa3\x01\n\nRegionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x11\n\tbyte_size\x18\x05 \x01(\x03\x12\x11\n\tdevice_id\x18\x06 \x01(\x05\x12\x0e\n\x06in_use\x18\x07 \x01(\x05\x12\x12\n\nregistered\x18\x08 \x01(\x08\x12\x12\n\nkey_exists\x18\t \x01(\x08\"U\n\x13ListRegionsResponse\x12)\n\x07regions\x18\x01 \x03(\x0b\x32\x18.attnserve.v1.RegionInfo\x12\x13\n\x0bincarnation\x18\x02 \x01(\x06*N\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0e\n\nDTYPE_BF16\x10\x01\x12\x0e\n\nDTYPE_FP16\x10\x02\x12\x0e\n\nDTYPE_FP32\x10\x03*)\n\x07LseBase\x12\x0e\n\nLSE_BASE_2\x10\x00\x12\x0e\n\nLSE_BASE_E\x10\x01\x32\xeb\x07\n\x10\x41ttentionService\x12M\n\rGetServerInfo\x12\".attnserve.v1.GetServerInfoRequest\x1a\x18.attnserve.v1.ServerInfo\x12X\n\rAllocatePages\x12\".attnserve.v1.AllocatePagesRequest\x1a#.attnserve.v1.AllocatePagesResponse\x12L\n\tFreePages\x12\x1e.attnserve.v1.FreePagesRequest\x1a\x1f.attnserve.v1.FreePagesResponse\x12\x46\n\x07WriteKV\x12\x1c.attnserve.v1.WriteKVRequest\x1a\x1d.attnserve.v1.WriteKVResponse\x12\x43\n\x06ReadKV\x12\x1b.attnserve.v1.ReadKVRequest\x1a\x1c.attnserve.v1.ReadKVResponse\x12\x46\n\x07Prefill\x12\x1c.attnserve.v1.PrefillRequest\x1a\x1d.attnserve.v1.PrefillResponse\x12R\n\x0bMergeStates\x12 .attnserve.v1.MergeStatesRequest\x1a!.attnserve.v1.MergeStatesResponse\x12O\n\nCreatePlan\x12\x1f.attnserve.v1.CreatePlanRequest\x1a .attnserve.v1.CreatePlanResponse\x12R\n\x0bReleasePlan\x12 .attnserve.v1.ReleasePlanRequest\x1a!.attnserve.v1.ReleasePlanResponse\x12[\n\x0eRegisterRegion\x12#.attnserve.v1.RegisterRegionRequest\x1a$.attnserve.v1.RegisterRegionResponse\x12\x61\n\x10UnregisterRegion\x12%.attnserve.v1.UnregisterRegionRequest\x1a&.attnserve.v1.UnregisterRegionResponse\x12R\n\x0bListRegions\x12 .attnserve.v1.ListRegionsRequest\x1a!.attnserve.v1.ListRegionsResponseb\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'attnserve.v1.attention_pb2', globals())
 if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
-  _DTYPE._serialized_start=3289
-  _DTYPE._serialized_end=3367
-  _LSEBASE._serialized_start=3369
-  _LSEBASE._serialized_end=3410
+  _DTYPE._serialized_start=3335
+  _DTYPE._serialized_end=3413
+  _LSEBASE._serialized_start=3415
+  _LSEBASE._serialized_end=3456
   _TENSOR._serialized_start=46
   _TENSOR._serialized_end=160
   _REGIONREF._serialized_start=162
@@ -49,41 +49,41 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _READKVRESPONSE._serialized_start=1158
   _READKVRESPONSE._serialized_end=1261
   _PREFILLREQUEST._serialized_start=1264
-  _PREFILLREQUEST._serialized_end=1763
-  _PREFILLRESPONSE._serialized_start=1765
-  _PREFILLRESPONSE._serialized_end=1876
-  _CREATEPLANREQUEST._serialized_start=1879
-  _CREATEPLANREQUEST._serialized_end=2034
-  _CREATEPLANRESPONSE._serialized_start=2036
-  _CREATEPLANRESPONSE._serialized_end=2094
-  _RELEASEPLANREQUEST._serialized_start=2096
-  _RELEASEPLANREQUEST._serialized_end=2163
-  _RELEASEPLANRESPONSE._serialized_start=2165
-  _RELEASEPLANRESPONSE._serialized_end=2207
-  _ATTENTIONSTATE._serialized_start=2209
-  _ATTENTIONSTATE._serialized_end=2293
-  _MERGESTATESREQUEST._serialized_start=2296
-  _MERGESTATESREQUEST._serialized_end=2491
-  _MERGESTATESRESPONSE._serialized_start=2493
-  _MERGESTATESRESPONSE._serialized_end=2603
-  _SYSTEMREGION._serialized_start=2605
-  _SYSTEMREGION._serialized_end=2667
-  _CUDAREGION._serialized_start=2669
-  _CUDAREGION._serialized_end=2739
-  _REGISTERREGIONREQUEST._serialized_start=2742
-  _REGISTERREGIONREQUEST._serialized_end=2875
-  _REGISTERREGIONRESPONSE._serialized_start=2877
-  _REGISTERREGIONRESPONSE._serialized_end=2922
-  _UNREGISTERREGIONREQUEST._serialized_start=2924
-  _UNREGISTERREGIONREQUEST._serialized_end=2963
-  _UNREGISTERREGIONRESPONSE._serialized_start=2965
-  _UNREGISTERREGIONRESPONSE._serialized_end=3012
-  _LISTREGIONSREQUEST._serialized_start=3014
-  _LISTREGIONSREQUEST._serialized_end=3034
-  _REGIONINFO._serialized_start=3037
-  _REGIONINFO._serialized_end=3200
-  _LISTREGIONSRESPONSE._serialized_start=3202
-  _LISTREGIONSRESPONSE._serialized_end=3287
-  _ATTENTIONSERVICE._serialized_start=3413
-  _ATTENTIONSERVICE._serialized_end=4416
+  _PREFILLREQUEST._serialized_end=1786
+  _PREFILLRESPONSE._serialized_start=1788
+  _PREFILLRESPONSE._serialized_end=1899
+  _CREATEPLANREQUEST._serialized_start=1902
+  _CREATEPLANREQUEST._serialized_end=2080
+  _CREATEPLANRESPONSE._serialized_start=2082
+  _CREATEPLANRESPONSE._serialized_end=2140
+  _RELEASEPLANREQUEST._serialized_start=2142
+  _RELEASEPLANREQUEST._serialized_end=2209
+  _RELEASEPLANRESPONSE._serialized_start=2211
+  _RELEASEPLANRESPONSE._serialized_end=2253
+  _ATTENTIONSTATE._serialized_start=2255
+  _ATTENTIONSTATE._serialized_end=2339
+  _MERGESTATESREQUEST._serialized_start=2342
+  _MERGESTATESREQUEST._serialized_end=2537
+  _MERGESTATESRESPONSE._serialized_start=2539
+  _MERGESTATESRESPONSE._serialized_end=2649
+  _SYSTEMREGION._serialized_start=2651
+  _SYSTEMREGION._serialized_end=2713
+  _CUDAREGION._serialized_start=2715
+  _CUDAREGION._serialized_end=2785
+  _REGISTERREGIONREQUEST._serialized_start=2788
+  _REGISTERREGIONREQUEST._serialized_end=2921
+  _REGISTERREGIONRESPONSE._serialized_start=2923
+  _REGISTERREGIONRESPONSE._serialized_end=2968
+  _UNREGISTERREGIONREQUEST._serialized_start=2970
+  _UNREGISTERREGIONREQUEST._serialized_end=3009
+  _UNREGISTERREGIONRESPONSE._serialized_start=3011
+  _UNREGISTERREGIONRESPONSE._serialized_end=3058
+  _LISTREGIONSREQUEST._serialized_start=3060
+  _LISTREGIONSREQUEST._serialized_end=3080
+  _REGIONINFO._serialized_start=3083
+  _REGIONINFO._serialized_end=3246
+  _LISTREGIONSRESPONSE._serialized_start=3248
+  _LISTREGIONSRESPONSE._serialized_end=3333
+  _ATTENTIONSERVICE._serialized_start=3459
+  _ATTENTIONSERVICE._serialized_end=4462
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,359 @@
+#!/usr/bin/env python3
+"""Two servers (one per GPU) against one: what context parallelism and
+placement over a cluster buy (docs/cluster.md).
+
+  bench/cluster_bench.py --bin INSTALL/bin/attnserve --devices 0,1 [--json out.json]
+
+Starts one attnserve per device (CUDA_VISIBLE_DEVICES=<device>, its own
+ports, 1 layer, the default heads: 32 query and 4 KV heads of 128, bf16)
+and measures:
+
+(a) prefill: one causal prefill of --prefill_len tokens (32k) attending to
+    itself, on one server and spread over two. The two-server rows hold the
+    keys [0, s) and [s, L), send every query to the first and the queries
+    [s, L) to the second (the others see nothing there), with kv_keys_after
+    so that the mask is the whole sequence's, and the client merges by LSE
+    (attnserve.merge.merge_states). Split points: the middle, and
+    s = L(1 - 1/sqrt(2)), where the two servers' shares of the causal
+    triangle's work are equal (what attnserve.Cluster does with
+    split_min_tokens: attnserve.cluster.causal_spread). The time
+    on the critical path is max over servers of the device time the
+    servers' /metrics report for the request (attnserve_kernel_duration_
+    seconds, every kernel) plus the client's merge; wall times (with the
+    transfer of 256 MiB of queries to each server) are reported beside. The
+    merged output is checked against the one-server output (relative error).
+    Last, the same prefill through attnserve.Cluster (split_min_tokens=L),
+    K/V appended in the same Prefills: device time and wall time.
+(b) decode: --seqs (128) sequences of --kv_len (4096) keys placed by
+    attnserve.Cluster over one server or over two; --clients (32) processes,
+    each with its own Cluster and --seqs / --clients of the sequences,
+    decode one token per sequence per step for --duration seconds (layout
+    sent with each step, no server plans: one Prefill per server touched).
+    Reported: steps/s, Prefill requests/s and tokens/s over all clients, and
+    the step latency's p50 / p99.
+
+With --backend cpu and small sizes it runs anywhere (a smoke test).
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/bench/", 1)[0] + "/client/python")
+
+_LISTENING = re.compile(r"listening grpc=(\S+) metrics=(\S+)")
+
+
+class Server:
+    """attnserve on one device, ports chosen by the server."""
+
+    def __init__(self, binary, device, backend, num_pages, log_path):
+        env = dict(os.environ)
+        if device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(device)
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [binary, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+             f"--backend={backend}", "--num_layers=1", f"--num_pages={num_pages}",
+             "--max_message_bytes=1073741824"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.address = self.metrics = None
+        deadline = time.monotonic() + 300
+        for line in self.proc.stdout:
+            self.log.write(line)
+            m = _LISTENING.search(line)
+            if m:
+                self.address, self.metrics = m.group(1), m.group(2)
+                break
+            if time.monotonic() > deadline:
+                break
+        if self.address is None:
+            raise RuntimeError(f"attnserve on device {device} did not start: see {log_path}")
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self):
+        for line in self.proc.stdout:
+            self.log.write(line)
+
+    def kernel_seconds(self) -> float:
+        """Sum of attnserve_kernel_duration_seconds over every kernel."""
+        text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=30).read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("attnserve_kernel_duration_seconds_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def half_tensor(rng, shape):
+    """Random bf16 values: a torch bf16 tensor when torch is there (sent as is)."""
+    x = rng.standard_normal(shape, dtype=np.float32)
+    try:
+        import torch
+        return torch.from_numpy(x).to(torch.bfloat16)
+    except ImportError:
+        return x
+
+
+# ---------------------------------------------------------------- (a) prefill
+def prefill_bench(a, servers, log):
+    import attnserve
+    from attnserve.merge import merge_states
+    L = a.prefill_len
+    clients = [attnserve.Client(s.address, timeout=600) for s in servers]
+    g = clients[0].server_info
+    ps = g.page_size
+    rng = np.random.default_rng(0)
+    q = half_tensor(rng, (L, g.num_qo_heads, g.head_dim))
+    k = half_tensor(rng, (L, g.num_kv_heads, g.head_dim))
+    v = half_tensor(rng, (L, g.num_kv_heads, g.head_dim))
+
+    # Each server gets the keys of its range once (WriteKV); the prefill runs
+    # over them. One server holds all of them too, for the single-GPU row.
+    def load(client, lo, hi):
+        n = hi - lo
+        pages = client.allocate_pages(-(-n // ps))
+        slots = np.array([pages[i // ps] * ps + i % ps for i in range(n)], dtype=np.int64)
+        step = 8192
+        for i in range(0, n, step):
+            client.write_kv(0, slots[i:i + step], k[lo + i:lo + min(n, i + step)],
+                            v[lo + i:lo + min(n, i + step)])
+        return pages, n
+
+    def run(client, server, pages, n, after, first_row=0):
+        # The queries from first_row on (the rows before see nothing of a
+        # range that starts there, as the cluster leaves them out).
+        last = n - (len(pages) - 1) * ps
+        before = server.kernel_seconds()
+        t0 = time.perf_counter()
+        r = client.prefill(0, q[first_row:], [0, L - first_row], [0, len(pages)], pages, [last],
+                           kv_keys_after=[after], out="numpy")
+        wall = time.perf_counter() - t0
+        return r, wall, server.kernel_seconds() - before
+
+    results = {}
+    whole_pages, _ = load(clients[0], 0, L)
+    ref = None
+    rows = []
+    for rep in range(a.reps):
+        r, wall, kern = run(clients[0], servers[0], whole_pages, L, 0)
+        ref = r.output if ref is None else ref
+        rows.append((kern, wall))
+    results["one_gpu"] = {"kernel_s": statistics.median(x for x, _ in rows),
+                          "wall_s": statistics.median(y for _, y in rows)}
+    print(f"(a) 1 GPU : kernel {results['one_gpu']['kernel_s'] * 1e3:8.2f} ms   "
+          f"wall {results['one_gpu']['wall_s'] * 1e3:8.1f} ms", file=log, flush=True)
+    clients[0].free_pages(whole_pages)
+
+    from attnserve.cluster import causal_spread
+    splits = {"even": L // 2, "balanced": causal_spread(L, 2)[0]}
+    for name, s in splits.items():
+        parts = [load(clients[0], 0, s), load(clients[1], s, L)]
+        afters = [L - s, 0]
+        rows = []
+        for rep in range(a.reps):
+            out = [None, None]
+
+            def go(i):
+                out[i] = run(clients[i], servers[i], parts[i][0], parts[i][1], afters[i],
+                             0 if i == 0 else s)
+            t0 = time.perf_counter()
+            threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            t1 = time.perf_counter()
+            # Rows [0, s) come from the first server only; [s, L) are merged.
+            o = np.empty_like(ref)
+            o[:s] = out[0][0].output[:s]
+            o[s:], _ = merge_states([out[0][0].output[s:], out[1][0].output],
+                                    [out[0][0].lse[s:], out[1][0].lse])
+            merge_s = time.perf_counter() - t1
+            wall = time.perf_counter() - t0
+            err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+            rows.append((max(out[0][2], out[1][2]), out[0][2], out[1][2], merge_s, wall, err))
+        med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
+        results[f"two_gpus_{name}"] = {
+            "split": s, "kernel_critical_s": med(0), "kernel_s": [med(1), med(2)],
+            "merge_s": med(3), "critical_path_s": med(0) + med(3), "wall_s": med(4),
+            "rel_error_vs_one_gpu": max(r[5] for r in rows)}
+        r = results[f"two_gpus_{name}"]
+        print(f"(a) 2 GPUs, {name:8s} split at {s:6d}: kernels {r['kernel_s'][0] * 1e3:8.2f} / "
+              f"{r['kernel_s'][1] * 1e3:8.2f} ms, merge {r['merge_s'] * 1e3:7.2f} ms, critical "
+              f"path {r['critical_path_s'] * 1e3:8.2f} ms "
+              f"({results['one_gpu']['kernel_s'] / r['critical_path_s']:.2f}x), wall "
+              f"{r['wall_s'] * 1e3:8.1f} ms, rel error {r['rel_error_vs_one_gpu']:.2e}",
+              file=log, flush=True)
+        for c, (pages, _) in zip(clients, parts):
+            c.free_pages(pages)
+    for c in clients:
+        c.close()
+
+    # The same through attnserve.Cluster: the prompt's K/V appended in the
+    # same Prefills, split by causal_spread, merged by the client.
+    cluster = attnserve.Cluster([s.address for s in servers], split_min_tokens=L, timeout=600)
+    rows = []
+    for rep in range(a.reps):
+        before = [s.kernel_seconds() for s in servers]
+        t0 = time.perf_counter()
+        step = cluster.plan([rep], [L])
+        t1 = time.perf_counter()
+        r = cluster.run(0, q, k, v, step=step)
+        wall = time.perf_counter() - t1
+        kern = [s.kernel_seconds() - b for s, b in zip(servers, before)]
+        err = float(np.linalg.norm(r.output - ref) / np.linalg.norm(ref))
+        rows.append((max(kern), wall, t1 - t0, err, [sh.length for sh in cluster.shards_of(rep)]))
+        cluster.finish(rep)
+    cluster.close()
+    results["cluster"] = {"kernel_critical_s": statistics.median(x[0] for x in rows),
+                          "run_wall_s": statistics.median(x[1] for x in rows),
+                          "plan_wall_s": statistics.median(x[2] for x in rows),
+                          "rel_error_vs_one_gpu": max(x[3] for x in rows), "shards": rows[0][4]}
+    r = results["cluster"]
+    print(f"(a) attnserve.Cluster, shards {r['shards']}: kernels on the critical path "
+          f"{r['kernel_critical_s'] * 1e3:8.2f} ms, run wall {r['run_wall_s'] * 1e3:8.1f} ms "
+          f"(plan {r['plan_wall_s'] * 1e3:.1f} ms), rel error {r['rel_error_vs_one_gpu']:.2e}",
+          file=log, flush=True)
+    return results
+
+
+# ---------------------------------------------------------------- (b) decode
+def decode_bench(a, servers, label, log):
+    targets = [s.address for s in servers]
+    per = a.seqs // a.clients
+    ctx = mp.get_context("spawn")  # no gRPC state shared with the children
+    queue = ctx.Queue()
+    start = ctx.Value("d", 0.0)     # set once every client is ready
+    procs = []
+    for i in range(a.clients):
+        ids = list(range(i * per, (i + 1) * per))
+        p = ctx.Process(target=_decode_run, args=(targets, ids, a.kv_len, a.duration, start,
+                                                  queue))
+        p.start()
+        procs.append(p)
+    ready = 0
+    while ready < a.clients:
+        kind, _ = queue.get(timeout=600)
+        ready += kind == "ready"
+    start.value = time.time() + 0.5
+    results = []
+    while len(results) < a.clients:
+        kind, payload = queue.get(timeout=600)
+        if kind == "done":
+            results.append(payload)
+    for p in procs:
+        p.join(timeout=60)
+    lat = sorted(x for r in results for x in r[0])
+    steps = len(lat)
+    prefills = sum(r[1] for r in results)
+    servers_used = sorted({s for r in results for s in r[2][1]})
+    out = {"servers": len(servers), "clients": a.clients, "seqs": a.seqs, "kv_len": a.kv_len,
+           "steps_per_s": steps / a.duration, "prefills_per_s": prefills / a.duration,
+           "tokens_per_s": steps * per / a.duration,
+           "p50_ms": lat[len(lat) // 2] * 1e3 if lat else None,
+           "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3 if lat else None,
+           "servers_used": servers_used}
+    print(f"(b) {label}: {out['steps_per_s']:8.1f} steps/s, {out['prefills_per_s']:8.1f} "
+          f"Prefill req/s, {out['tokens_per_s']:9.1f} tokens/s, p50 {out['p50_ms']:.2f} ms, "
+          f"p99 {out['p99_ms']:.2f} ms (servers used {servers_used})", file=log, flush=True)
+    return out
+
+
+def _decode_run(targets, ids, kv_len, duration, start_value, queue):
+    """One client process: its sequences' prompts, then decode steps from the
+    common start time for `duration` seconds."""
+    import attnserve
+    c = attnserve.Cluster(targets, timeout=600, server_plans=False)
+    g = c.server_info
+    rng = np.random.default_rng(ids[0])
+    for done in range(0, kv_len, 1024):  # the prompts, in chunks of 1024 tokens
+        step = c.plan(ids, [min(1024, kv_len - done)] * len(ids))
+        n = step.total_q
+        c.run(0, half_tensor(rng, (n, g.num_qo_heads, g.head_dim)),
+              half_tensor(rng, (n, g.num_kv_heads, g.head_dim)),
+              half_tensor(rng, (n, g.num_kv_heads, g.head_dim)))
+    q = half_tensor(rng, (len(ids), g.num_qo_heads, g.head_dim))
+    kv = half_tensor(rng, (len(ids), g.num_kv_heads, g.head_dim))
+    queue.put(("ready", None))
+    while start_value.value == 0.0:
+        time.sleep(0.005)
+    start_at = start_value.value
+    while time.time() < start_at:
+        time.sleep(0.001)
+    latencies, prefills = [], 0
+    end = start_at + duration
+    while time.time() < end:
+        t0 = time.perf_counter()
+        s = c.plan(ids, [1] * len(ids))
+        c.run(0, q, kv, kv, step=s)
+        latencies.append(time.perf_counter() - t0)
+        prefills += len(s.parts)
+    placement = ([len(c.shards_of(i)) for i in ids], [c.shards_of(i)[0].server for i in ids])
+    c.release()
+    c.close()
+    queue.put(("done", (latencies, prefills, placement)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bin", required=True, help="the attnserve binary")
+    ap.add_argument("--devices", default="0,1", help="one server per device (CUDA_VISIBLE_DEVICES)")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--prefill_len", type=int, default=32768)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seqs", type=int, default=128)
+    ap.add_argument("--kv_len", type=int, default=4096)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--duration", type=float, default=20.0)
+    ap.add_argument("--num_pages", type=int, default=65536)
+    ap.add_argument("--out", default=".", help="directory for the server logs")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--skip", default="", help="'prefill' or 'decode' to leave one out")
+    a = ap.parse_args()
+    if a.seqs % a.clients:
+        sys.exit("--seqs must be a multiple of --clients")
+    devices = [d for d in a.devices.split(",") if d != ""]
+    if len(devices) != 2:
+        sys.exit("--devices needs two devices")
+    os.makedirs(a.out, exist_ok=True)
+    log = sys.stdout
+    servers = [Server(a.bin, d if a.backend == "cuda" else None, a.backend, a.num_pages,
+                      os.path.join(a.out, f"server{i}.log")) for i, d in enumerate(devices)]
+    results = {"args": vars(a)}
+    try:
+        if a.skip != "prefill":
+            results["prefill"] = prefill_bench(a, servers, log)
+        if a.skip != "decode":
+            results["decode_one_server"] = decode_bench(a, servers[:1], "1 server ", log)
+            results["decode_two_servers"] = decode_bench(a, servers, "2 servers", log)
+            one, two = results["decode_one_server"], results["decode_two_servers"]
+            print(f"(b) two servers / one: {two['steps_per_s'] / one['steps_per_s']:.2f}x steps/s",
+                  file=log, flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,764 @@
+#include "client/cluster.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "kernels/merge_states.h"
+
+namespace attnserve {
+namespace {
+
+constexpr char kLostUrl[] = "type.attnserve.dev/attnserve.LostSequences";
+constexpr char kDnsScheme[] = "dns:///";
+
+// getaddrinfo of host:port as "ip:port" / "[ipv6]:port", sorted, distinct.
+absl::StatusOr<std::vector<std::string>> GetAddrInfo(const std::string& host,
+                                                     const std::string& port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_ADDRCONFIG;
+  addrinfo* res = nullptr;
+  const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res);
+  if (rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve ", host, ":", port, ": ", gai_strerror(rc)));
+  }
+  std::vector<std::string> out;
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    char ip[NI_MAXHOST];
+    if (getnameinfo(a->ai_addr, a->ai_addrlen, ip, sizeof(ip), nullptr, 0, NI_NUMERICHOST) != 0) {
+      continue;
+    }
+    out.push_back(a->ai_family == AF_INET6 ? absl::StrCat("[", ip, "]:", port)
+                                           : absl::StrCat(ip, ":", port));
+  }
+  freeaddrinfo(res);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+// "" when b's geometry is a's (num_pages may differ), else what differs.
+std::string GeometryDifference(const KvGeometry& a, const KvGeometry& b) {
+  std::vector<std::string> diffs;
+  auto cmp = [&](const char* name, int64_t x, int64_t y) {
+    if (x != y) diffs.push_back(absl::StrCat(name, "=", y, " (the others have ", x, ")"));
+  };
+  cmp("num_layers", a.num_layers, b.num_layers);
+  cmp("page_size", a.page_size, b.page_size);
+  cmp("num_qo_heads", a.num_qo_heads, b.num_qo_heads);
+  cmp("num_kv_heads", a.num_kv_heads, b.num_kv_heads);
+  cmp("head_dim", a.head_dim, b.head_dim);
+  if (a.dtype != b.dtype) {
+    diffs.push_back(absl::StrCat("kv_dtype=", b.dtype == KvDType::kBf16 ? "bf16" : "fp16",
+                                 " (the others have ",
+                                 a.dtype == KvDType::kBf16 ? "bf16" : "fp16", ")"));
+  }
+  return absl::StrJoin(diffs, ", ");
+}
+
+bool IsStaleIncarnation(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kFailedPrecondition &&
+         absl::StrContains(s.message(), "incarnation");
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+std::vector<int64_t> CausalSpread(int64_t n, int64_t k) {
+  // Every new token's query attends to the new keys before it: a triangle of
+  // n^2 / 2. The keys [a, n) take (n - a)^2 / 2 of it, so the last m of k
+  // shards start at n (1 - sqrt(m / k)).
+  std::vector<int64_t> sizes(std::max<int64_t>(k, 1), 0);
+  int64_t prev = 0;
+  for (int64_t j = 1; j <= k; ++j) {
+    const int64_t bound =
+        j == k ? n
+               : static_cast<int64_t>(std::floor(
+                     static_cast<double>(n) *
+                         (1.0 - std::sqrt(static_cast<double>(k - j) / static_cast<double>(k))) +
+                     0.5));
+    sizes[j - 1] = std::max<int64_t>(0, bound - prev);
+    prev = std::max(prev, bound);
+  }
+  return sizes;
+}
+
+std::vector<int64_t> LostSequences(const absl::Status& status) {
+  std::vector<int64_t> ids;
+  if (status.code() != absl::StatusCode::kDataLoss) return ids;
+  auto payload = status.GetPayload(kLostUrl);
+  if (!payload.has_value()) return ids;
+  for (absl::string_view part : absl::StrSplit(std::string(*payload), ',', absl::SkipEmpty())) {
+    int64_t id;
+    if (absl::SimpleAtoi(part, &id)) ids.push_back(id);
+  }
+  return ids;
+}
+
+absl::Status Cluster::LostError(absl::Span<const int64_t> ids, absl::string_view why) {
+  std::vector<int64_t> sorted(ids.begin(), ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  absl::Status s = absl::DataLossError(
+      absl::StrCat("sequences lost: ", absl::StrJoin(sorted, ", "), " (", why,
+                   "); Finish() them and start them again"));
+  s.SetPayload(kLostUrl, absl::Cord(absl::StrJoin(sorted, ",")));
+  return s;
+}
+
+absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Connect(const ClusterOptions& options) {
+  if (options.targets.empty()) return absl::InvalidArgumentError("targets is empty");
+  if (options.split_min_tokens < 0 || options.max_servers_per_sequence < 0) {
+    return absl::InvalidArgumentError(
+        "split_min_tokens and max_servers_per_sequence must be >= 0");
+  }
+  std::unique_ptr<Cluster> c(new Cluster());
+  c->options_ = options;
+  if (!c->options_.resolver) c->options_.resolver = GetAddrInfo;
+  std::vector<std::string> addresses;
+  for (const std::string& t : options.targets) {
+    if (absl::StartsWith(t, kDnsScheme)) {
+      if (options.targets.size() != 1) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("a dns:/// target must be the only one, not one of ",
+                         options.targets.size()));
+      }
+      const std::string name = t.substr(strlen(kDnsScheme));
+      const size_t colon = name.rfind(':');
+      if (colon == std::string::npos || colon == 0 || colon + 1 == name.size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("target ", t, ": needs dns:///NAME:PORT"));
+      }
+      c->dns_host_ = name.substr(0, colon);
+      c->dns_port_ = name.substr(colon + 1);
+    } else {
+      addresses.push_back(t);
+    }
+  }
+  if (!c->dns_host_.empty()) {
+    auto resolved = c->options_.resolver(c->dns_host_, c->dns_port_);
+    if (!resolved.ok()) return resolved.status();
+    if (resolved->empty()) {
+      return absl::UnavailableError(
+          absl::StrCat(options.targets[0], " resolves to no address"));
+    }
+    addresses = *std::move(resolved);
+  }
+  for (const std::string& a : addresses) {
+    auto added = c->AddServer(a);
+    if (!added.ok()) return added.status();
+  }
+  return c;
+}
+
+absl::StatusOr<int32_t> Cluster::AddServer(const std::string& address) {
+  ClientOptions co = options_.client;
+  co.target = address;
+  co.fetch_info = true;
+  auto client = Client::Connect(co);
+  if (!client.ok()) {
+    return absl::Status(client.status().code(),
+                        absl::StrCat("server ", address, ": ", client.status().message()));
+  }
+  const KvGeometry g = GeometryOf((*client)->info());
+  if (servers_.empty()) {
+    geo_ = g;
+  } else if (std::string diff = GeometryDifference(geo_, g); !diff.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "server ", address, " has another geometry: ", diff,
+        "; every server of a cluster must have the same layers, page size, heads, head_dim "
+        "and dtype"));
+  }
+  auto s = std::make_unique<Server>();
+  s->address = address;
+  s->client = *std::move(client);
+  s->kv = std::make_unique<KvManager>(s->client.get(), options_.kv);
+  s->free_base = s->client->info().free_pages();
+  servers_.push_back(std::move(s));
+  return static_cast<int32_t>(servers_.size() - 1);
+}
+
+int64_t Cluster::FreeEstimate(const Server& s) const {
+  return s.free_base - (s.kv->NumPages() - s.held_base);
+}
+
+void Cluster::ReadInfo(int32_t server, const v1::ServerInfo& info) {
+  Server& s = *servers_[server];
+  s.free_base = info.free_pages();
+  s.held_base = s.kv->NumPages();
+}
+
+std::vector<ClusterServer> Cluster::Servers() const {
+  std::vector<ClusterServer> out;
+  for (const auto& s : servers_) {
+    ClusterServer cs;
+    cs.address = s->address;
+    cs.active = s->listed && s->reachable && !s->gone;
+    cs.incarnation = s->client->incarnation();
+    cs.restarts = s->epoch;
+    cs.free_pages = FreeEstimate(*s);
+    cs.pages_held = s->kv->NumPages();
+    out.push_back(cs);
+  }
+  for (const auto& [id, seq] : seqs_) {
+    for (const Shard& sh : seq.shards) ++out[sh.server].sequences;
+  }
+  return out;
+}
+
+std::vector<int64_t> Cluster::LoseServer(int32_t server, bool gone) {
+  Server& s = *servers_[server];
+  std::vector<int64_t> lost;
+  for (auto& [id, seq] : seqs_) {
+    auto it = std::find_if(seq.shards.begin(), seq.shards.end(),
+                           [&](const Shard& sh) { return sh.server == server; });
+    if (it == seq.shards.end()) continue;
+    seq.shards.erase(it);  // what it held there is gone; the rest waits for Finish()
+    seq.lost = true;
+    lost.push_back(id);
+  }
+  s.kv->Reset();
+  s.client->ForgetIncarnation();
+  ++s.epoch;
+  s.gone = s.gone || gone;
+  if (!s.gone) {
+    auto info = s.client->GetServerInfo();  // learns the new incarnation
+    s.reachable = info.ok();
+    if (info.ok()) ReadInfo(server, *info);
+  }
+  std::sort(lost.begin(), lost.end());
+  return lost;
+}
+
+absl::Status Cluster::Resolve() {
+  if (dns_host_.empty()) return absl::OkStatus();
+  auto resolved = options_.resolver(dns_host_, dns_port_);
+  if (!resolved.ok()) return resolved.status();  // keep the servers we have
+  absl::flat_hash_set<std::string> now(resolved->begin(), resolved->end());
+  std::vector<std::string> problems;
+  std::vector<int64_t> lost;
+  for (int32_t i = 0; i < num_servers(); ++i) {
+    Server& s = *servers_[i];
+    if (s.gone) continue;
+    s.listed = now.contains(s.address);
+    if (s.listed) continue;
+    // Left the name: keep it while it answers with the same incarnation (a
+    // readiness blip); otherwise its KV is gone with it.
+    auto info = s.client->GetServerInfo();
+    if (info.ok() && info->incarnation() == s.client->incarnation()) continue;
+    std::vector<int64_t> l = LoseServer(i, /*gone=*/true);
+    lost.insert(lost.end(), l.begin(), l.end());
+  }
+  for (const std::string& a : *resolved) {
+    const bool known = std::any_of(servers_.begin(), servers_.end(), [&](const auto& s) {
+      return s->address == a && !s->gone;
+    });
+    if (known) continue;
+    auto added = AddServer(a);
+    if (!added.ok()) problems.push_back(std::string(added.status().message()));
+  }
+  if (!lost.empty()) return LostError(lost, "their server left the cluster");
+  if (!problems.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("left out: ", absl::StrJoin(problems, "; ")));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Cluster::Refresh() {
+  refreshed_at_ = absl::Now();
+  absl::Status resolved = Resolve();
+  std::vector<int64_t> lost = LostSequences(resolved);
+  for (int32_t i = 0; i < num_servers(); ++i) {
+    Server& s = *servers_[i];
+    if (s.gone) continue;
+    auto info = s.client->GetServerInfo();
+    s.reachable = info.ok();
+    if (!info.ok()) continue;
+    if (s.client->incarnation() != 0 && info->incarnation() != s.client->incarnation()) {
+      std::vector<int64_t> l = LoseServer(i, /*gone=*/false);
+      lost.insert(lost.end(), l.begin(), l.end());
+      continue;
+    }
+    ReadInfo(i, *info);
+  }
+  if (!lost.empty()) return LostError(lost, "their server restarted or left");
+  return resolved;
+}
+
+absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
+    absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens) {
+  if (seq_ids.empty()) return absl::InvalidArgumentError("seq_ids is empty");
+  if (seq_ids.size() != q_lens.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(seq_ids.size(), " seq_ids but ", q_lens.size(), " q_lens"));
+  }
+  absl::flat_hash_set<int64_t> seen;
+  int64_t total_q = 0;
+  for (size_t b = 0; b < seq_ids.size(); ++b) {
+    if (!seen.insert(seq_ids[b]).second) {
+      return absl::InvalidArgumentError(absl::StrCat("seq_ids has ", seq_ids[b], " twice"));
+    }
+    if (q_lens[b] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("q_lens[", b, "]=", q_lens[b], " is negative"));
+    }
+    total_q += q_lens[b];
+  }
+  if (total_q > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("the step has more than 2^31 - 1 tokens");
+  }
+  // Now and then: new servers join, free pages and restarts are read (the
+  // sequences a restart lost are reported when they are named).
+  if (absl::Now() - refreshed_at_ >= absl::Seconds(options_.refresh_interval_s)) {
+    Refresh().IgnoreError();
+  }
+  std::vector<int64_t> lost;
+  for (int64_t id : seq_ids) {
+    auto it = seqs_.find(id);
+    if (it != seqs_.end() && it->second.lost) lost.push_back(id);
+  }
+  if (!lost.empty()) return LostError(lost, "a server holding them restarted or left");
+
+  // Free pages per server, as this step uses them up.
+  const int64_t ps = geo_.page_size;
+  std::vector<int64_t> free(servers_.size());
+  for (size_t i = 0; i < servers_.size(); ++i) {
+    const Server& s = *servers_[i];
+    free[i] = s.listed && s.reachable && !s.gone ? FreeEstimate(s) : -1;
+  }
+  // Where each sequence's new tokens go: (server, count) in position order.
+  std::vector<std::vector<std::pair<int32_t, int64_t>>> chunks(seq_ids.size());
+  for (size_t b = 0; b < seq_ids.size(); ++b) {
+    auto it = seqs_.find(seq_ids[b]);
+    const Sequence* seq = it == seqs_.end() ? nullptr : &it->second;
+    const int64_t n = q_lens[b];
+    // Candidates: the last server holding the sequence, then servers not
+    // holding it, most free pages first.
+    std::vector<int32_t> order;
+    std::vector<int32_t> others;
+    int64_t tail_len = 0;
+    if (seq != nullptr && !seq->shards.empty()) {
+      order.push_back(seq->shards.back().server);
+      tail_len = seq->shards.back().length;
+    }
+    for (int32_t i = 0; i < num_servers(); ++i) {
+      if (free[i] < 0) continue;
+      const bool holds = seq != nullptr && std::any_of(seq->shards.begin(), seq->shards.end(),
+                                                      [&](const Shard& sh) {
+                                                        return sh.server == i;
+                                                      });
+      if (!holds) others.push_back(i);
+    }
+    std::stable_sort(others.begin(), others.end(),
+                     [&](int32_t x, int32_t y) { return free[x] > free[y]; });
+    const int64_t held = seq == nullptr ? 0 : static_cast<int64_t>(seq->shards.size());
+    int64_t room = options_.max_servers_per_sequence > 0
+                       ? options_.max_servers_per_sequence - held
+                       : static_cast<int64_t>(others.size());
+    for (int32_t i : others) {
+      if (room-- <= 0) break;
+      order.push_back(i);
+    }
+    if (order.empty()) {
+      return absl::UnavailableError("no server of the cluster is reachable");
+    }
+    // Desired counts: all on the first candidate, or spread over k.
+    std::vector<int64_t> want(order.size(), 0);
+    const bool spread = options_.split_min_tokens > 0 && n >= options_.split_min_tokens;
+    const std::vector<int64_t> sizes =
+        CausalSpread(n, spread ? static_cast<int64_t>(order.size()) : 1);
+    std::copy(sizes.begin(), sizes.end(), want.begin());
+    // Each server takes what fits in its free pages; the rest moves on.
+    int64_t carry = 0;
+    for (size_t j = 0; j < order.size(); ++j) {
+      const int32_t srv = order[j];
+      const bool tail = j == 0 && seq != nullptr && !seq->shards.empty();
+      const int64_t base = tail ? tail_len : 0;
+      const int64_t cap = std::max<int64_t>(0, free[srv]) * ps + (CeilDiv(base, ps) * ps - base);
+      const int64_t desired = want[j] + carry;
+      const int64_t take = std::min(desired, cap);
+      carry = desired - take;
+      // A new sequence with no tokens yet still lives on one server.
+      if (take > 0 || (j == 0 && n == 0 && !tail && (seq == nullptr || seq->shards.empty()))) {
+        chunks[b].push_back({srv, take});
+        free[srv] -= CeilDiv(base + take, ps) - CeilDiv(base, ps);
+      }
+    }
+    if (carry > 0) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "sequence ", seq_ids[b], ": ", carry, " of its ", n,
+          " new tokens fit on no server (too few free pages",
+          options_.max_servers_per_sequence > 0
+              ? absl::StrCat(", or max_servers_per_sequence=",
+                             options_.max_servers_per_sequence)
+              : "",
+          ")"));
+    }
+  }
+
+  // Each server's share: every shard of a sequence (old and new) attends
+  // with the step's rows of that sequence that can see some of it.
+  struct Entry {
+    size_t b;
+    int32_t append;
+    int64_t offset;  // first new token appended here, within the step
+    int64_t end;     // the shard's end position after the step
+    int32_t skip;    // the step's first rows that see nothing here (causal)
+  };
+  std::vector<std::vector<Entry>> per_server(servers_.size());
+  std::vector<std::vector<Shard>> shards_after(seq_ids.size());
+  std::vector<int64_t> length_after(seq_ids.size());
+  for (size_t b = 0; b < seq_ids.size(); ++b) {
+    auto it = seqs_.find(seq_ids[b]);
+    std::vector<Shard>& shards = shards_after[b];
+    int64_t length = 0;
+    if (it != seqs_.end()) {
+      shards = it->second.shards;
+      length = it->second.length;
+    }
+    const int64_t start = length;
+    int64_t offset = 0;
+    std::vector<int64_t> appended(shards.size() + chunks[b].size(), 0);
+    for (const auto& [srv, count] : chunks[b]) {
+      if (!shards.empty() && shards.back().server == srv) {
+        shards.back().length += count;
+        appended[shards.size() - 1] = count;
+      } else {
+        shards.push_back(Shard{srv, start + offset, count});
+        appended[shards.size() - 1] = count;
+      }
+      offset += count;
+    }
+    length_after[b] = start + q_lens[b];
+    for (size_t j = 0; j < shards.size(); ++j) {
+      const Shard& sh = shards[j];
+      const int64_t end = sh.start + sh.length;
+      // The step's row r is position start + r: it sees this shard from
+      // position sh.start on (causal), so the rows before do not go there.
+      const int64_t skip =
+          options_.kv.causal ? std::clamp<int64_t>(sh.start - start, 0, q_lens[b]) : 0;
+      per_server[sh.server].push_back(Entry{b, static_cast<int32_t>(appended[j]),
+                                            std::max<int64_t>(0, end - appended[j] - start),
+                                            end, static_cast<int32_t>(skip)});
+    }
+  }
+
+  // Plan on every server in turn; a failure takes back the ones before.
+  auto step = std::make_shared<ClusterStep>();
+  std::vector<std::pair<int32_t, std::shared_ptr<const StepPlan>>> done;
+  absl::Status failed;
+  int32_t failed_server = -1;
+  for (int32_t srv = 0; srv < num_servers(); ++srv) {
+    const std::vector<Entry>& entries = per_server[srv];
+    if (entries.empty()) continue;
+    std::vector<int64_t> ids;
+    std::vector<int32_t> appends, rows, after;
+    for (const Entry& e : entries) {
+      ids.push_back(seq_ids[e.b]);
+      appends.push_back(e.append);
+      rows.push_back(q_lens[e.b] - e.skip);
+      after.push_back(static_cast<int32_t>(length_after[e.b] - e.end));
+    }
+    auto planned = servers_[srv]->kv->PlanRows(ids, appends, rows, after);
+    if (!planned.ok()) {
+      failed = planned.status();
+      failed_server = srv;
+      break;
+    }
+    done.push_back({srv, *planned});
+    ClusterStep::Part part;
+    part.server = srv;
+    part.epoch = servers_[srv]->epoch;
+    part.plan = *planned;
+    step->parts.push_back(std::move(part));
+  }
+  if (!failed.ok()) {
+    for (auto it = done.rbegin(); it != done.rend(); ++it) {
+      servers_[it->first]->kv->Undo(it->second).IgnoreError();
+    }
+    if (IsStaleIncarnation(failed)) {
+      std::vector<int64_t> l = LoseServer(failed_server, /*gone=*/false);
+      return LostError(l, absl::StrCat("server ", servers_[failed_server]->address,
+                                       " restarted"));
+    }
+    return absl::Status(failed.code(), absl::StrCat("server ", servers_[failed_server]->address,
+                                                    ": ", failed.message()));
+  }
+
+  // The step in the caller's terms, and each part's rows.
+  step->step = ++step_;
+  step->seq_ids.assign(seq_ids.begin(), seq_ids.end());
+  step->q_lens.assign(q_lens.begin(), q_lens.end());
+  step->qo_indptr = {0};
+  for (size_t b = 0; b < seq_ids.size(); ++b) {
+    step->kv_lens.push_back(length_after[b]);
+    step->qo_indptr.push_back(step->qo_indptr.back() + q_lens[b]);
+    for (int64_t p = length_after[b] - q_lens[b]; p < length_after[b]; ++p) {
+      step->positions.push_back(p);
+    }
+  }
+  step->sources.resize(seq_ids.size());
+  for (size_t pi = 0; pi < step->parts.size(); ++pi) {
+    ClusterStep::Part& part = step->parts[pi];
+    const std::vector<Entry>& entries = per_server[part.server];
+    for (size_t j = 0; j < entries.size(); ++j) {
+      const Entry& e = entries[j];
+      const int32_t first = step->qo_indptr[e.b];
+      step->sources[e.b].push_back({static_cast<int32_t>(pi), part.plan->qo_indptr[j], e.skip});
+      for (int32_t r = e.skip; r < q_lens[e.b]; ++r) part.q_rows.push_back(first + r);
+      for (int32_t r = 0; r < e.append; ++r) {
+        part.append_rows.push_back(first + static_cast<int32_t>(e.offset) + r);
+      }
+    }
+  }
+
+  // Commit.
+  for (size_t b = 0; b < seq_ids.size(); ++b) {
+    Sequence& s = seqs_[seq_ids[b]];
+    s.shards = std::move(shards_after[b]);
+    s.length = length_after[b];
+    if (s.step != nullptr) live_steps_.erase(s.step->step);
+    s.step = step;
+  }
+  live_steps_.insert(step->step);
+  latest_ = step;
+  return std::shared_ptr<const ClusterStep>(step);
+}
+
+absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint16_t> q,
+                                           absl::Span<const uint16_t> k_new,
+                                           absl::Span<const uint16_t> v_new,
+                                           const ClusterStep* step, PrefillResult* partial) {
+  if (step == nullptr) step = latest_.get();
+  if (step == nullptr) return absl::FailedPreconditionError("Run before any Plan");
+  if (!live_steps_.contains(step->step)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the step ", step->step,
+                     " is stale: a later Plan() or Finish() changed one of its sequences"));
+  }
+  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim;
+  const int64_t kv_row = int64_t{geo_.num_kv_heads} * geo_.head_dim;
+  const int64_t total_q = step->total_q();
+  if (static_cast<int64_t>(q.size()) != total_q * q_row) {
+    return absl::InvalidArgumentError(absl::StrCat("q has ", q.size(), " values, the step needs ",
+                                                   total_q, " x ", geo_.num_qo_heads, " x ",
+                                                   geo_.head_dim));
+  }
+  if (static_cast<int64_t>(k_new.size()) != total_q * kv_row ||
+      static_cast<int64_t>(v_new.size()) != total_q * kv_row) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k_new and v_new have ", k_new.size(), " and ", v_new.size(),
+        " values, the step needs ", total_q, " x ", geo_.num_kv_heads, " x ", geo_.head_dim));
+  }
+
+  // One Prefill per server, all in flight at once.
+  const size_t num_parts = step->parts.size();
+  std::vector<absl::StatusOr<PrefillResult>> results(num_parts,
+                                                     absl::UnknownError("not run"));
+  std::vector<bool> skipped(num_parts, false);
+  auto run_part = [&](size_t pi) {
+    const ClusterStep::Part& part = step->parts[pi];
+    std::vector<uint16_t> q_sub(part.q_rows.size() * q_row);
+    for (size_t r = 0; r < part.q_rows.size(); ++r) {
+      std::copy_n(q.begin() + part.q_rows[r] * q_row, q_row, q_sub.begin() + r * q_row);
+    }
+    std::vector<uint16_t> k_sub(part.append_rows.size() * kv_row);
+    std::vector<uint16_t> v_sub(part.append_rows.size() * kv_row);
+    for (size_t r = 0; r < part.append_rows.size(); ++r) {
+      std::copy_n(k_new.begin() + part.append_rows[r] * kv_row, kv_row,
+                  k_sub.begin() + r * kv_row);
+      std::copy_n(v_new.begin() + part.append_rows[r] * kv_row, kv_row,
+                  v_sub.begin() + r * kv_row);
+    }
+    results[pi] = servers_[part.server]->kv->Run(layer, q_sub, k_sub, v_sub, part.plan.get());
+  };
+  std::vector<std::thread> threads;
+  std::vector<size_t> to_run;
+  for (size_t pi = 0; pi < num_parts; ++pi) {
+    const ClusterStep::Part& part = step->parts[pi];
+    // A server that restarted since the plan holds nothing of it any more.
+    if (servers_[part.server]->epoch != part.epoch) {
+      skipped[pi] = true;
+    } else {
+      to_run.push_back(pi);
+    }
+  }
+  for (size_t j = 1; j < to_run.size(); ++j) threads.emplace_back(run_part, to_run[j]);
+  if (!to_run.empty()) run_part(to_run[0]);
+  for (std::thread& t : threads) t.join();
+
+  // Restarts found now lose their sequences; any other failure is the answer.
+  std::vector<int32_t> restarted;
+  for (size_t pi : to_run) {
+    if (results[pi].ok()) continue;
+    if (IsStaleIncarnation(results[pi].status())) {
+      skipped[pi] = true;
+      restarted.push_back(step->parts[pi].server);
+      continue;
+    }
+    return absl::Status(results[pi].status().code(),
+                        absl::StrCat("server ", servers_[step->parts[pi].server]->address, ": ",
+                                     results[pi].status().message()));
+  }
+  for (int32_t srv : restarted) LoseServer(srv, /*gone=*/false);
+
+  // Assemble in the caller's order: copy, or merge the servers' states.
+  PrefillResult out;
+  out.o.assign(total_q * q_row, 0);
+  out.lse.assign(total_q * geo_.num_qo_heads, -std::numeric_limits<float>::infinity());
+  std::vector<int64_t> lost;
+  const int32_t hq = geo_.num_qo_heads;
+  for (size_t b = 0; b < step->seq_ids.size(); ++b) {
+    const auto& sources = step->sources[b];
+    const bool whole = std::none_of(sources.begin(), sources.end(),
+                                    [&](const auto& src) { return skipped[src.part]; });
+    if (!whole) {
+      lost.push_back(step->seq_ids[b]);
+      continue;
+    }
+    const int64_t n = step->q_lens[b];
+    const int64_t row0 = step->qo_indptr[b];
+    if (n == 0) continue;
+    // Rows [lo, hi) between two servers' first rows have the same servers:
+    // copy from one, or merge.
+    std::vector<int64_t> cuts = {n};
+    for (const auto& src : sources) cuts.push_back(src.skip);
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+      const int64_t lo = cuts[c], hi = cuts[c + 1];
+      std::vector<const void*> vs;
+      std::vector<const float*> lses;
+      for (const auto& src : sources) {
+        if (src.skip > lo) continue;
+        const PrefillResult& r = *results[src.part];
+        const int64_t at = src.row + (lo - src.skip);  // row lo of the sequence
+        vs.push_back(r.o.data() + at * q_row);
+        lses.push_back(r.lse.data() + at * hq);
+      }
+      if (vs.empty()) continue;  // no causal row is without its own key: not reached
+      uint16_t* o_at = out.o.data() + (row0 + lo) * q_row;
+      float* lse_at = out.lse.data() + (row0 + lo) * hq;
+      if (vs.size() == 1) {
+        std::copy_n(static_cast<const uint16_t*>(vs[0]), (hi - lo) * q_row, o_at);
+        std::copy_n(lses[0], (hi - lo) * hq, lse_at);
+        continue;
+      }
+      MergeStatesParams m;
+      m.v = vs.data();
+      m.lse = lses.data();
+      m.num_states = static_cast<int32_t>(vs.size());
+      m.v_out = o_at;
+      m.lse_out = lse_at;
+      m.n = hi - lo;
+      m.h = hq;
+      m.d = geo_.head_dim;
+      m.dtype = geo_.dtype;
+      m.lse_base_e = options_.kv.lse_base_e ? 1 : 0;
+      MergeStatesCpu(m);
+    }
+  }
+  for (size_t pi : to_run) {
+    if (results[pi].ok()) out.incarnation = results[pi]->incarnation;
+  }
+  if (!lost.empty()) {
+    if (partial != nullptr) *partial = std::move(out);
+    return LostError(lost, "a server holding them restarted");
+  }
+  return out;
+}
+
+absl::Status Cluster::Finish(absl::Span<const int64_t> seq_ids) {
+  absl::flat_hash_set<int64_t> seen;
+  for (int64_t id : seq_ids) {
+    if (!seen.insert(id).second) {
+      return absl::InvalidArgumentError(absl::StrCat("seq_ids has ", id, " twice"));
+    }
+    if (!seqs_.contains(id)) return absl::NotFoundError(absl::StrCat("sequence ", id, " unknown"));
+  }
+  std::vector<std::vector<int64_t>> per_server(servers_.size());
+  for (int64_t id : seq_ids) {
+    for (const Shard& sh : seqs_[id].shards) per_server[sh.server].push_back(id);
+  }
+  absl::Status first;
+  std::vector<int64_t> lost;
+  for (int32_t srv = 0; srv < num_servers(); ++srv) {
+    if (per_server[srv].empty()) continue;
+    absl::Status s = servers_[srv]->kv->Finish(per_server[srv]);
+    if (IsStaleIncarnation(s)) {
+      // Gone with the restart: nothing to free there.
+      std::vector<int64_t> l = LoseServer(srv, /*gone=*/false);
+      lost.insert(lost.end(), l.begin(), l.end());
+      continue;
+    }
+    if (!s.ok() && first.ok()) {
+      first = absl::Status(s.code(), absl::StrCat("server ", servers_[srv]->address, ": ",
+                                                  s.message()));
+    }
+  }
+  if (!first.ok()) return first;
+  for (int64_t id : seq_ids) {
+    auto it = seqs_.find(id);
+    if (it->second.step != nullptr) live_steps_.erase(it->second.step->step);
+    seqs_.erase(it);
+  }
+  // Sequences outside seq_ids that a restart found now are lost: say so.
+  std::vector<int64_t> others;
+  for (int64_t id : lost) {
+    if (!seen.contains(id)) others.push_back(id);
+  }
+  if (!others.empty()) return LostError(others, "a server holding them restarted");
+  return absl::OkStatus();
+}
+
+absl::Status Cluster::Release() {
+  std::vector<int64_t> ids;
+  for (const auto& [id, s] : seqs_) ids.push_back(id);
+  if (ids.empty()) return absl::OkStatus();
+  return Finish(ids);
+}
+
+int64_t Cluster::KvLen(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  return it == seqs_.end() ? -1 : it->second.length;
+}
+
+std::vector<Shard> Cluster::ShardsOf(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  return it == seqs_.end() ? std::vector<Shard>() : it->second.shards;
+}
+
+std::vector<int64_t> Cluster::Sequences() const {
+  std::vector<int64_t> ids;
+  for (const auto& [id, s] : seqs_) {
+    if (!s.lost) ids.push_back(id);
+  }
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+std::vector<int64_t> Cluster::Lost() const {
+  std::vector<int64_t> ids;
+  for (const auto& [id, s] : seqs_) {
+    if (s.lost) ids.push_back(id);
+  }
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+}  // namespace attnserve

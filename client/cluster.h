@@ -1,0 +1,236 @@
+// Many attnserve servers behind one client: placement, routing and context
+// parallelism. docs/cluster.md is the contract; attnserve.Cluster
+// (client/python/attnserve/cluster.py) is the Python twin.
+//
+// One server owns one GPU and its KV cache is local state, so the cluster
+// keeps every sequence's keys on the servers it placed them on. Each server
+// has its own KvManager (client/kv_manager.h), which keeps that server's
+// pages, plans and layouts exactly as for a single server; the cluster sits
+// on top with the same plan / run / finish API:
+//
+//   ClusterOptions options;
+//   options.targets = {"dns:///attnserve-pods.attnserve.svc.cluster.local:50051"};
+//   auto cluster = Cluster::Connect(options);           // every server's Info
+//   auto step = (*cluster)->Plan({7, 9}, {5, 3});        // places 7 and 9
+//   for (int32_t layer = 0; layer < num_layers; ++layer) {
+//     // q (8, qo_heads, head_dim); k, v (8, kv_heads, head_dim): the caller's order
+//     auto out = (*cluster)->Run(layer, q, k, v);        // one round trip per server
+//   }
+//   (*cluster)->Finish({7});
+//
+// Placement: a new sequence goes to the server with the most free pages and
+// stays there. Context parallelism: a sequence is spread over several
+// servers, each holding a contiguous range of its positions, when its
+// server runs out of pages or when one step appends at least
+// split_min_tokens tokens to it; every server that holds part of it gets
+// the sequence's query rows and the merge by LSE (kernels/merge_states.h,
+// the server's own CPU merge) gives the attention over the whole sequence.
+//
+// Restarts: a server whose incarnation changed lost its KV. Every sequence
+// with keys there is lost: the call that found out fails with DATA_LOSS
+// naming them (LostSequences() reads the ids back), the rest of the cluster
+// keeps working, and Finish() of the lost sequences frees what they held on
+// the other servers.
+//
+// Not thread-safe: one thread plans, runs and finishes (Run() itself calls
+// the servers concurrently).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "client/client.h"
+#include "client/kv_manager.h"
+#include "common/kv_geometry.h"
+
+namespace attnserve {
+
+struct ClusterOptions {
+  // The servers: "host:port" each, or one "dns:///NAME:PORT" whose addresses
+  // (getaddrinfo, e.g. a Kubernetes headless Service) are the servers.
+  std::vector<std::string> targets;
+  // Token, TLS and deadlines of every server's client (its target is unused).
+  ClientOptions client;
+  // Options of every server's KvManager (causal, sm_scale, lse_base, plans).
+  KvManagerOptions kv;
+  // Plan() runs Refresh() (a dns:/// target resolved again, every server's
+  // Info read: free pages, restarts, unreachable servers back) once this
+  // many seconds have passed since the last one.
+  double refresh_interval_s = 30;
+  // A step that appends at least this many tokens to one sequence spreads
+  // them over several servers, in ranges that share the causal attention
+  // work evenly (CausalSpread; 0: never; a sequence is still spread when
+  // its server has too few free pages).
+  int32_t split_min_tokens = 0;
+  // At most this many servers hold one sequence (0: any number).
+  int32_t max_servers_per_sequence = 0;
+  // Resolves a dns:/// target's host and port to "ip:port" addresses;
+  // getaddrinfo when unset (tests put their own here).
+  std::function<absl::StatusOr<std::vector<std::string>>(const std::string& host,
+                                                         const std::string& port)>
+      resolver;
+};
+
+// Where a sequence's keys are: positions [start, start + length) on a server.
+struct Shard {
+  int32_t server = 0;
+  int64_t start = 0;
+  int64_t length = 0;
+};
+
+// One step of a cluster, in the caller's terms. Shapes in brackets.
+struct ClusterStep {
+  int64_t step = 0;                   // 1, 2, ... per Plan()
+  std::vector<int64_t> seq_ids;       // [batch], in the caller's order
+  std::vector<int32_t> q_lens;        // [batch] new tokens
+  std::vector<int64_t> kv_lens;       // [batch] lengths after the step
+  std::vector<int32_t> qo_indptr;     // [batch + 1] rows of q, k_new, v_new
+  std::vector<int64_t> positions;     // [total_q] each new token's position
+
+  // One server's share of the step.
+  struct Part {
+    int32_t server = 0;
+    int64_t epoch = 0;                       // the server's restart count at Plan()
+    std::shared_ptr<const StepPlan> plan;    // that server's KvManager step
+    std::vector<int32_t> q_rows;             // [plan rows] the caller's row of each
+    std::vector<int32_t> append_rows;        // [plan appends] the caller's row of each
+  };
+  std::vector<Part> parts;
+  // Where a sequence's rows come back from one server: rows [skip, q_len)
+  // of the sequence (a causal row sees nothing of a range that starts after
+  // it, so it is not sent there) at `row` of part `part`'s output.
+  struct Source {
+    int32_t part = 0;
+    int32_t row = 0;
+    int32_t skip = 0;
+  };
+  // [batch]: every server holding part of the sequence; more than one means
+  // a merge.
+  std::vector<std::vector<Source>> sources;
+
+  int64_t total_q() const { return qo_indptr.empty() ? 0 : qo_indptr.back(); }
+};
+
+// What one server looks like to the cluster.
+struct ClusterServer {
+  std::string address;
+  bool active = true;         // takes new sequences (listed, reachable)
+  uint64_t incarnation = 0;
+  int64_t restarts = 0;       // restarts seen
+  int64_t free_pages = 0;     // estimate: its last Info, less what we allocated since
+  int64_t pages_held = 0;     // held by this cluster's sequences
+  int64_t sequences = 0;      // sequences with keys there
+};
+
+// How a step spreads n new tokens of one sequence over k servers, in
+// position order: sizes that give each server the same share of the causal
+// attention among the new tokens (the first shard is the smallest: every
+// later query reads it). Sums to n.
+std::vector<int64_t> CausalSpread(int64_t n, int64_t k);
+
+// The sequences a DATA_LOSS status of Cluster names (empty for any other).
+std::vector<int64_t> LostSequences(const absl::Status& status);
+
+class Cluster {
+ public:
+  // Connects to every server and reads its Info; fails when one cannot be
+  // reached or their geometries (layers, page size, heads, head_dim, dtype)
+  // differ, naming the server and the field.
+  static absl::StatusOr<std::unique_ptr<Cluster>> Connect(const ClusterOptions& options);
+
+  const KvGeometry& geometry() const { return geo_; }
+  int32_t num_servers() const { return static_cast<int32_t>(servers_.size()); }
+  std::vector<ClusterServer> Servers() const;
+  // A server's client and KvManager (index as Servers()).
+  Client* client(int32_t server) { return servers_[server]->client.get(); }
+  KvManager* kv_manager(int32_t server) { return servers_[server]->kv.get(); }
+
+  // Resolves a dns:/// target again (new servers join; a server that left
+  // and cannot be reached loses its sequences) and reads every server's
+  // Info (free pages; a changed incarnation loses its sequences; an
+  // unreachable server takes no new sequences until it answers again).
+  // DATA_LOSS naming the sequences found lost; FAILED_PRECONDITION naming a
+  // new server whose geometry differs (it is left out). Plan() runs it every
+  // refresh_interval_s.
+  absl::Status Refresh();
+
+  // As KvManager::Plan: seq_ids[b] grows by q_lens[b] tokens. New sequences
+  // are placed, appended tokens go to each sequence's last server (spilling
+  // to others when it is full, or spread when split_min_tokens says so).
+  // Atomic: on any error nothing changes. DATA_LOSS naming the lost
+  // sequences among seq_ids (finish them); RESOURCE_EXHAUSTED when the
+  // cluster has too few free pages.
+  absl::StatusOr<std::shared_ptr<const ClusterStep>> Plan(absl::Span<const int64_t> seq_ids,
+                                                          absl::Span<const int32_t> q_lens);
+
+  // One layer: q (total_q, qo_heads, head_dim) and k_new, v_new (total_q,
+  // kv_heads, head_dim) in the caller's order; one Prefill per server
+  // touched, all in flight at once; output in the caller's order. When a
+  // server turns out to have restarted: DATA_LOSS naming its sequences, and
+  // `partial` (if given) gets the output of the others (lost rows 0, LSE
+  // -inf); the step stays runnable for them.
+  absl::StatusOr<PrefillResult> Run(int32_t layer, absl::Span<const uint16_t> q,
+                                    absl::Span<const uint16_t> k_new,
+                                    absl::Span<const uint16_t> v_new,
+                                    const ClusterStep* step = nullptr,
+                                    PrefillResult* partial = nullptr);
+
+  // Frees the sequences' pages on every server and forgets them (lost ones
+  // too). NOT_FOUND for an unknown id, and nothing is freed.
+  absl::Status Finish(absl::Span<const int64_t> seq_ids);
+  absl::Status Release();
+
+  int64_t KvLen(int64_t seq_id) const;      // -1 when unknown
+  std::vector<Shard> ShardsOf(int64_t seq_id) const;
+  std::vector<int64_t> Sequences() const;  // known and not lost
+  std::vector<int64_t> Lost() const;       // lost, not yet finished
+
+ private:
+  struct Server {
+    std::string address;
+    std::unique_ptr<Client> client;
+    std::unique_ptr<KvManager> kv;
+    bool listed = true;      // in the last resolution (or a fixed target)
+    bool reachable = true;
+    bool gone = false;       // left the cluster: never used again
+    int64_t epoch = 0;       // restarts seen
+    int64_t free_base = 0;   // free_pages of the last Info
+    int64_t held_base = 0;   // kv->NumPages() then
+  };
+  struct Sequence {
+    std::vector<Shard> shards;  // in position order
+    int64_t length = 0;
+    bool lost = false;
+    std::shared_ptr<const ClusterStep> step;  // latest step that includes it
+  };
+
+  Cluster() = default;
+  absl::StatusOr<int32_t> AddServer(const std::string& address);
+  absl::Status Resolve();
+  int64_t FreeEstimate(const Server& s) const;
+  void ReadInfo(int32_t server, const v1::ServerInfo& info);
+  // The server restarted (or left): its sequences are lost; returns them.
+  std::vector<int64_t> LoseServer(int32_t server, bool gone);
+  static absl::Status LostError(absl::Span<const int64_t> ids, absl::string_view why);
+
+  ClusterOptions options_;
+  std::string dns_host_, dns_port_;  // set for a dns:/// target
+  absl::Time refreshed_at_ = absl::Now();
+  KvGeometry geo_;
+  std::vector<std::unique_ptr<Server>> servers_;
+  absl::flat_hash_map<int64_t, Sequence> seqs_;
+  absl::flat_hash_set<int64_t> live_steps_;
+  std::shared_ptr<const ClusterStep> latest_;
+  int64_t step_ = 0;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,721 @@
+"""Many attnserve servers behind one client: placement, routing and context
+parallelism.
+
+docs/cluster.md is the guide; client/cluster.h is the C++ twin with the
+same semantics.
+
+    cluster = attnserve.Cluster("dns:///attnserve-pods.attnserve.svc.cluster.local:50051")
+    step = cluster.plan([7, 9], [5, 3])          # places 7 and 9
+    for layer in range(num_layers):
+        q, k, v = project(layer, x, step.positions)    # [8, heads, head_dim] each
+        out = cluster.run(layer, q, k, v).output       # one round trip per server
+    cluster.finish(7)
+
+One server owns one GPU and its KV cache is local state, so the cluster
+keeps each sequence's keys on the servers it placed them on. Every server
+has its own attnserve.KvManager (its pages, plans and layouts, exactly as
+for a single server); the cluster sits on top with the same plan / run /
+finish API. A new sequence goes to the server with the most free pages. A
+sequence is spread over several servers, each holding a contiguous range of
+its positions, when its server runs out of pages or one step appends at
+least split_min_tokens tokens to it; every server holding part of it gets
+the sequence's query rows (with kv_keys_after, so the causal mask is the
+whole sequence's), and attnserve.merge.merge_states combines the partial
+results by LSE.
+
+A server whose incarnation changed has lost its KV: every sequence with keys
+there is lost, the call that finds out raises SequencesLost naming them, and
+the rest of the cluster keeps working.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Optional, Sequence
+
+import grpc
+import numpy as np
+
+from attnserve import dtypes as _dt
+from attnserve.client import Client, PrefillResult
+from attnserve.errors import AttnserveError, DataLoss, ResourceExhausted, StaleIncarnation
+from attnserve.kv_manager import KvManager, Plan
+from attnserve.merge import merge_states
+
+_DNS = "dns:///"
+
+
+class SequencesLost(DataLoss):
+    """Sequences whose KV is gone: a server holding part of them restarted or
+    left. seq_ids names them; finish() them and start them again.
+
+    From run(), partial is the step's PrefillResult for the other sequences
+    (the lost sequences' rows are 0 with LSE -inf).
+    """
+
+    code = grpc.StatusCode.DATA_LOSS
+
+    def __init__(self, seq_ids, why: str, partial: Optional[PrefillResult] = None,
+                 method: str = ""):
+        self.seq_ids = sorted(seq_ids, key=repr)
+        self.partial = partial
+        super().__init__(f"sequences lost: {self.seq_ids} ({why}); finish() them and start "
+                         "them again", grpc.StatusCode.DATA_LOSS, method)
+
+
+@dataclass
+class Shard:
+    """Positions [start, start + length) of a sequence, on server `server`."""
+
+    server: int
+    start: int
+    length: int
+
+
+@dataclass
+class _Part:
+    server: int
+    epoch: int              # the server's restart count at plan()
+    plan: Plan              # that server's KvManager step
+    q_rows: np.ndarray      # [plan rows] the caller's row of each
+    append_rows: np.ndarray  # [plan appends] the caller's row of each
+
+
+@dataclass
+class ClusterStep:
+    """One step in the caller's terms.
+
+    seq_ids, q_lens [batch], kv_lens [batch] (lengths after the step),
+    qo_indptr [batch + 1] (rows of q, k_new, v_new), positions [total_q]
+    (each new token's position in its sequence).
+    """
+
+    step: int
+    seq_ids: tuple
+    q_lens: np.ndarray
+    kv_lens: np.ndarray
+    qo_indptr: np.ndarray
+    positions: np.ndarray
+    parts: list = field(default_factory=list, repr=False)
+    # [batch]: (part, row, skip) of every server holding part of the
+    # sequence: its rows [skip, q_len) come back at `row` of that part's
+    # output (a causal row sees nothing of a range that starts after it, so
+    # it is not sent there). More than one server means a merge.
+    sources: list = field(default_factory=list, repr=False)
+    valid: bool = True
+
+    @property
+    def total_q(self) -> int:
+        return int(self.qo_indptr[-1])
+
+
+@dataclass
+class ClusterServer:
+    """What one server looks like to the cluster (Cluster.servers())."""
+
+    address: str
+    active: bool          # takes new sequences (listed, reachable)
+    incarnation: int
+    restarts: int         # restarts seen
+    free_pages: int       # estimate: its last info, less what we allocated since
+    pages_held: int       # held by this cluster's sequences
+    sequences: int        # sequences with keys there
+
+
+class _Server:
+    def __init__(self, address: str, client: Client, kv: KvManager):
+        self.address = address
+        self.client = client
+        self.kv = kv
+        self.listed = True
+        self.reachable = True
+        self.gone = False
+        self.epoch = 0
+        self.free_base = client.server_info.free_pages
+        self.held_base = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.listed and self.reachable and not self.gone
+
+    def free_estimate(self) -> int:
+        return self.free_base - (self.kv.num_pages - self.held_base)
+
+
+class _Sequence:
+    __slots__ = ("shards", "length", "lost", "step")
+
+    def __init__(self):
+        self.shards: list = []
+        self.length = 0
+        self.lost = False
+        self.step: Optional[ClusterStep] = None
+
+
+def _geometry(info) -> dict:
+    return dict(num_layers=info.num_layers, page_size=info.page_size,
+                num_qo_heads=info.num_qo_heads, num_kv_heads=info.num_kv_heads,
+                head_dim=info.head_dim, kv_dtype=info.kv_dtype)
+
+
+def getaddrinfo_resolver(host: str, port: str) -> list:
+    """host:port as sorted, distinct "ip:port" / "[ipv6]:port" addresses."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_ADDRCONFIG)
+    except socket.gaierror as e:
+        raise AttnserveError(f"cannot resolve {host}:{port}: {e}",
+                             grpc.StatusCode.UNAVAILABLE) from None
+    out = set()
+    for family, _, _, _, addr in infos:
+        out.add(f"[{addr[0]}]:{port}" if family == socket.AF_INET6 else f"{addr[0]}:{port}")
+    return sorted(out)
+
+
+def causal_spread(n: int, k: int) -> list:
+    """How a step spreads n new tokens of one sequence over k servers, in
+    position order: each server gets the same share of the causal attention
+    among the new tokens (the keys [a, n) take (n - a)^2 / 2 of the n^2 / 2
+    triangle, so the last m of k shards start at n (1 - sqrt(m / k)); the
+    first shard is the smallest). Sums to n."""
+    k = max(k, 1)
+    sizes, prev = [], 0
+    for j in range(1, k + 1):
+        bound = n if j == k else int(math.floor(n * (1 - math.sqrt((k - j) / k)) + 0.5))
+        sizes.append(max(0, bound - prev))
+        prev = max(prev, bound)
+    return sizes
+
+
+def _rows(x, idx: np.ndarray):
+    """x[idx] for numpy or torch."""
+    if _dt.is_torch(x):
+        import torch
+        return x[torch.as_tensor(idx, dtype=torch.long, device=x.device)]
+    return np.asarray(x)[idx]
+
+
+def _count(x) -> int:
+    return int(x.shape[0]) if hasattr(x, "shape") else len(x)
+
+
+class Cluster:
+    """Sequences over many servers with KvManager's plan / run / finish.
+
+    Args:
+      targets: "host:port" addresses, or one "dns:///NAME:PORT" whose
+        addresses (socket.getaddrinfo; a Kubernetes headless Service) are
+        the servers. A single string is one target.
+      split_min_tokens: a step that appends at least this many tokens to one
+        sequence spreads them over several servers, in ranges that share the
+        causal attention work evenly (causal_spread; 0: never; a sequence
+        still spills over when its server is full).
+      max_servers_per_sequence: at most this many servers hold one sequence
+        (0: any number).
+      refresh_interval: plan() runs refresh() (a dns:/// target resolved
+        again, every server's info read: free pages, restarts, unreachable
+        servers back) once this many seconds have passed since the last.
+      resolver: (host, port) -> ["ip:port", ...] for dns:/// (default
+        getaddrinfo_resolver; tests put their own).
+      causal, sm_scale, lse_base, server_plans: every server's KvManager's.
+      client_kwargs: for every server's attnserve.Client (token, tls_ca,
+        timeout, ...).
+
+    Not thread-safe: one thread plans, runs and finishes (run() itself calls
+    the servers concurrently).
+    """
+
+    def __init__(self, targets, *, split_min_tokens: int = 0,
+                 max_servers_per_sequence: int = 0, refresh_interval: float = 30.0,
+                 resolver: Optional[Callable[[str, str], list]] = None, causal: bool = True,
+                 sm_scale: Optional[float] = None, lse_base: str = "2",
+                 server_plans: bool = True, **client_kwargs):
+        if isinstance(targets, str):
+            targets = [targets]
+        targets = list(targets)
+        if not targets:
+            raise ValueError("Cluster: targets is empty")
+        if split_min_tokens < 0 or max_servers_per_sequence < 0:
+            raise ValueError("Cluster: split_min_tokens and max_servers_per_sequence must be >= 0")
+        self.split_min_tokens = int(split_min_tokens)
+        self.max_servers_per_sequence = int(max_servers_per_sequence)
+        self.refresh_interval = float(refresh_interval)
+        self.lse_base = lse_base
+        self._kv_options = dict(causal=causal, sm_scale=sm_scale, lse_base=lse_base,
+                                server_plans=server_plans)
+        self._client_kwargs = client_kwargs
+        self._resolver = resolver or getaddrinfo_resolver
+        self._dns: Optional[tuple] = None
+        self._refreshed_at = time.monotonic()
+        self._servers: list = []
+        self._geometry: Optional[dict] = None
+        self._seqs: dict = {}
+        self._step = 0
+        self._latest: Optional[ClusterStep] = None
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool_size = 0
+        addresses = []
+        for t in targets:
+            if t.startswith(_DNS):
+                if len(targets) != 1:
+                    raise ValueError(f"Cluster: a dns:/// target must be the only one, not one "
+                                     f"of {len(targets)}")
+                host, sep, port = t[len(_DNS):].rpartition(":")
+                if not sep or not host or not port:
+                    raise ValueError(f"Cluster: target {t}: needs dns:///NAME:PORT")
+                self._dns = (host, port)
+            else:
+                addresses.append(t)
+        if self._dns is not None:
+            addresses = list(self._resolver(*self._dns))
+            if not addresses:
+                raise AttnserveError(f"{targets[0]} resolves to no address",
+                                     grpc.StatusCode.UNAVAILABLE)
+        try:
+            for a in addresses:
+                self._add_server(a)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ servers
+    def _add_server(self, address: str) -> int:
+        client = Client(address, **self._client_kwargs)
+        g = _geometry(client.server_info)
+        if self._geometry is None:
+            self._geometry = g
+        else:
+            diff = [f"{k}={g[k]} (the others have {v})" for k, v in self._geometry.items()
+                    if g[k] != v]
+            if diff:
+                client.close()
+                raise ValueError(f"server {address} has another geometry: {', '.join(diff)}; "
+                                 "every server of a cluster must have the same layers, page "
+                                 "size, heads, head_dim and dtype")
+        self._servers.append(_Server(address, client, KvManager(client, **self._kv_options)))
+        return len(self._servers) - 1
+
+    @property
+    def server_info(self):
+        """The first server's ServerInfo (the geometry every server shares)."""
+        return self._servers[0].client.server_info
+
+    @property
+    def num_servers(self) -> int:
+        return len(self._servers)
+
+    def client(self, server: int) -> Client:
+        return self._servers[server].client
+
+    def kv_manager(self, server: int) -> KvManager:
+        return self._servers[server].kv
+
+    def servers(self) -> list:
+        counts = [0] * len(self._servers)
+        for s in self._seqs.values():
+            for sh in s.shards:
+                counts[sh.server] += 1
+        return [ClusterServer(address=s.address, active=s.usable,
+                              incarnation=s.client.incarnation, restarts=s.epoch,
+                              free_pages=s.free_estimate(), pages_held=s.kv.num_pages,
+                              sequences=counts[i]) for i, s in enumerate(self._servers)]
+
+    def close(self) -> None:
+        for s in self._servers:
+            s.client.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _read_info(self, i: int, info) -> None:
+        s = self._servers[i]
+        s.free_base = info.free_pages
+        s.held_base = s.kv.num_pages
+
+    def _lose_server(self, i: int, gone: bool) -> list:
+        """Server i restarted (or left): its sequences are lost; returns them."""
+        s = self._servers[i]
+        lost = []
+        for sid, seq in self._seqs.items():
+            kept = [sh for sh in seq.shards if sh.server != i]
+            if len(kept) != len(seq.shards):
+                seq.shards = kept  # the rest waits for finish()
+                seq.lost = True
+                lost.append(sid)
+        s.kv.reset()
+        s.client.forget_incarnation()
+        s.epoch += 1
+        s.gone = s.gone or gone
+        if not s.gone:
+            try:
+                self._read_info(i, s.client.info())  # learns the new incarnation
+                s.reachable = True
+            except AttnserveError:
+                s.reachable = False
+        return lost
+
+    def _resolve(self) -> None:
+        if self._dns is None:
+            return
+        now = set(self._resolver(*self._dns))
+        lost, problems = [], []
+        for i, s in enumerate(self._servers):
+            if s.gone:
+                continue
+            s.listed = s.address in now
+            if s.listed:
+                continue
+            # Left the name: kept while it answers with the same incarnation
+            # (a readiness blip); otherwise its KV is gone with it.
+            try:
+                if s.client.info().incarnation == s.client.incarnation:
+                    continue
+            except AttnserveError:
+                pass
+            lost += self._lose_server(i, gone=True)
+        for a in sorted(now):
+            if any(s.address == a and not s.gone for s in self._servers):
+                continue
+            try:
+                self._add_server(a)
+            except (AttnserveError, ValueError) as e:
+                problems.append(f"{a}: {e}")
+        if lost:
+            raise SequencesLost(lost, "their server left the cluster", method="refresh")
+        if problems:
+            raise ValueError("left out: " + "; ".join(problems))
+
+    def refresh(self) -> None:
+        """Resolves a dns:/// target again (new servers join; one that left and
+        cannot be reached loses its sequences) and reads every server's info
+        (free pages; a changed incarnation loses its sequences). Raises
+        SequencesLost naming the sequences found lost, ValueError naming a new
+        server with another geometry (it is left out)."""
+        self._refreshed_at = time.monotonic()
+        lost, error = [], None
+        try:
+            self._resolve()
+        except SequencesLost as e:
+            lost += e.seq_ids
+        except (ValueError, AttnserveError) as e:
+            error = e
+        for i, s in enumerate(self._servers):
+            if s.gone:
+                continue
+            expected = s.client.incarnation
+            try:
+                info = s.client.info()
+            except AttnserveError:
+                s.reachable = False
+                continue
+            s.reachable = True
+            if expected and info.incarnation != expected:
+                lost += self._lose_server(i, gone=False)
+            else:
+                self._read_info(i, info)
+        if lost:
+            raise SequencesLost(lost, "their server restarted or left", method="refresh")
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------ steps
+    def plan(self, seq_ids: Sequence, q_lens) -> ClusterStep:
+        """As KvManager.plan: seq_ids[b] grows by q_lens[b] tokens.
+
+        New sequences are placed on the server with the most free pages;
+        appended tokens go to each sequence's last server (spilling to others
+        when it is full, or spread when split_min_tokens says so). Atomic: on
+        any error nothing changes. SequencesLost for lost sequences among
+        seq_ids; ResourceExhausted when the cluster has too few free pages.
+        """
+        seq_ids = list(seq_ids)
+        if not seq_ids:
+            raise ValueError("plan: seq_ids is empty")
+        lens = np.asarray(q_lens)
+        if lens.ndim != 1 or len(lens) != len(seq_ids):
+            raise ValueError(f"plan: {len(seq_ids)} seq_ids but {lens.size} q_lens")
+        if lens.dtype.kind not in "iu":
+            raise TypeError(f"plan: q_lens must be integers, not {lens.dtype}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("plan: seq_ids has duplicates")
+        if (lens < 0).any():
+            raise ValueError(f"plan: q_lens[{int(np.argmax(lens < 0))}] is negative")
+        lens = lens.astype(np.int64)
+        # Now and then: new servers join, free pages and restarts are read (the
+        # sequences a restart lost are reported when they are named).
+        if time.monotonic() - self._refreshed_at >= self.refresh_interval:
+            try:
+                self.refresh()
+            except (AttnserveError, ValueError):
+                pass
+        lost = [sid for sid in seq_ids if sid in self._seqs and self._seqs[sid].lost]
+        if lost:
+            raise SequencesLost(lost, "a server holding them restarted or left", method="plan")
+
+        ps = self._geometry["page_size"]
+        free = [s.free_estimate() if s.usable else -1 for s in self._servers]
+        chunks = []  # per sequence: [(server, count)] in position order
+        for sid, n in zip(seq_ids, lens.tolist()):
+            seq = self._seqs.get(sid)
+            shards = seq.shards if seq is not None else []
+            order = [shards[-1].server] if shards else []
+            tail_len = shards[-1].length if shards else 0
+            holding = {sh.server for sh in shards}
+            others = sorted((i for i in range(len(self._servers))
+                             if free[i] >= 0 and i not in holding), key=lambda i: -free[i])
+            room = (self.max_servers_per_sequence - len(shards)
+                    if self.max_servers_per_sequence else len(others))
+            order += others[:max(0, room)]
+            if not order:
+                raise AttnserveError("no server of the cluster is reachable",
+                                     grpc.StatusCode.UNAVAILABLE, "plan")
+            spread = self.split_min_tokens > 0 and n >= self.split_min_tokens
+            sizes = causal_spread(n, len(order) if spread else 1)
+            want = sizes + [0] * (len(order) - len(sizes))
+            carry, mine = 0, []
+            for j, srv in enumerate(order):
+                tail = j == 0 and bool(shards)
+                base = tail_len if tail else 0
+                cap = max(0, free[srv]) * ps + (-(-base // ps) * ps - base)
+                desired = want[j] + carry
+                take = min(desired, cap)
+                carry = desired - take
+                if take > 0 or (j == 0 and n == 0 and not shards):
+                    mine.append((srv, take))
+                    free[srv] -= -(-(base + take) // ps) - -(-base // ps)
+            if carry > 0:
+                limit = (f", or max_servers_per_sequence={self.max_servers_per_sequence}"
+                         if self.max_servers_per_sequence else "")
+                raise ResourceExhausted(f"sequence {sid!r}: {carry} of its {n} new tokens fit "
+                                        f"on no server (too few free pages{limit})",
+                                        method="plan")
+            chunks.append(mine)
+
+        # Each server's share: every shard of a sequence (old and new) attends
+        # with the step's rows of that sequence that can see some of it.
+        per_server = [[] for _ in self._servers]  # (b, append, offset, end, skip)
+        causal = self._kv_options["causal"]
+        shards_after, length_after = [], []
+        for b, (sid, n) in enumerate(zip(seq_ids, lens.tolist())):
+            seq = self._seqs.get(sid)
+            shards = [Shard(sh.server, sh.start, sh.length) for sh in seq.shards] if seq else []
+            start = seq.length if seq else 0
+            appended = [0] * len(shards)
+            offset = 0
+            for srv, count in chunks[b]:
+                if shards and shards[-1].server == srv:
+                    shards[-1].length += count
+                    appended[-1] = count
+                else:
+                    shards.append(Shard(srv, start + offset, count))
+                    appended.append(count)
+                offset += count
+            length_after.append(start + n)
+            shards_after.append(shards)
+            for sh, a in zip(shards, appended):
+                end = sh.start + sh.length
+                # The step's row r is position start + r: it sees this shard
+                # from position sh.start on (causal); the rows before stay away.
+                skip = min(max(sh.start - start, 0), n) if causal else 0
+                per_server[sh.server].append((b, a, max(0, end - a - start), end, skip))
+
+        step = ClusterStep(step=self._step + 1, seq_ids=tuple(seq_ids),
+                           q_lens=lens.astype(np.int32),
+                           kv_lens=np.asarray(length_after, dtype=np.int64),
+                           qo_indptr=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+                           positions=np.concatenate(
+                               [np.arange(e - n, e, dtype=np.int64)
+                                for e, n in zip(length_after, lens.tolist())]))
+        done = []
+        for srv, entries in enumerate(per_server):
+            if not entries:
+                continue
+            s = self._servers[srv]
+            try:
+                plan = s.kv.plan_rows([seq_ids[e[0]] for e in entries],
+                                      [e[1] for e in entries],
+                                      [int(lens[e[0]]) - e[4] for e in entries],
+                                      [length_after[e[0]] - e[3] for e in entries])
+            except BaseException as e:
+                for i, p in reversed(done):
+                    try:
+                        self._servers[i].kv.undo(p)
+                    except AttnserveError:
+                        pass
+                if isinstance(e, StaleIncarnation):
+                    lost = self._lose_server(srv, gone=False)
+                    raise SequencesLost(lost, f"server {s.address} restarted",
+                                        method="plan") from None
+                raise
+            done.append((srv, plan))
+            q_rows, append_rows = [], []
+            for b, a, off, _, skip in entries:
+                first = int(step.qo_indptr[b])
+                q_rows.append(np.arange(first + skip, first + int(lens[b])))
+                append_rows.append(np.arange(first + off, first + off + a))
+            step.parts.append(_Part(srv, s.epoch, plan,
+                                    np.concatenate(q_rows).astype(np.int64),
+                                    np.concatenate(append_rows).astype(np.int64)))
+        step.sources = [[] for _ in seq_ids]
+        for pi, part in enumerate(step.parts):
+            for j, (b, _, _, _, skip) in enumerate(per_server[part.server]):
+                step.sources[b].append((pi, int(part.plan.qo_indptr[j]), skip))
+
+        # Commit.
+        self._step = step.step
+        for b, sid in enumerate(seq_ids):
+            seq = self._seqs.get(sid)
+            if seq is None:
+                seq = self._seqs[sid] = _Sequence()
+            seq.shards, seq.length = shards_after[b], length_after[b]
+            if seq.step is not None:
+                seq.step.valid = False
+            seq.step = step
+        self._latest = step
+        return step
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """Threads for the Prefills in flight at once: one per server."""
+        if self._pool is None or self._pool_size < len(self._servers):
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool_size = max(1, len(self._servers))
+            self._pool = ThreadPoolExecutor(max_workers=self._pool_size,
+                                            thread_name_prefix="attnserve-cluster")
+        return self._pool
+
+    def run(self, layer: int, q, k_new, v_new, *, step: Optional[ClusterStep] = None,
+            timeout: Optional[float] = None) -> PrefillResult:
+        """One layer: q [total_q, qo_heads, head_dim] and k_new, v_new
+        [total_q, kv_heads, head_dim] (numpy or torch) in the caller's order;
+        one Prefill per server touched, all in flight at once. Returns output
+        [total_q, qo_heads, head_dim] and lse [total_q, qo_heads], numpy
+        float32, in the caller's order. SequencesLost (with .partial) when a
+        server turns out to have restarted; the step stays runnable for the
+        other sequences."""
+        step = self._latest if step is None else step
+        if step is None:
+            raise RuntimeError("run: no step; call plan() first")
+        if not step.valid:
+            raise RuntimeError(f"run: the step {step.step} is stale (a later plan or finish() "
+                               "changed one of its sequences)")
+        g = self._geometry
+        total = step.total_q
+        for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new)):
+            if _count(x) != total:
+                raise ValueError(f"run: {name} has {_count(x)} rows, the step has {total}")
+
+        def run_part(part: _Part) -> PrefillResult:
+            s = self._servers[part.server]
+            return s.kv.run(layer, _rows(q, part.q_rows), _rows(k_new, part.append_rows),
+                            _rows(v_new, part.append_rows), plan=part.plan, out="numpy",
+                            timeout=timeout)
+
+        live = [pi for pi, p in enumerate(step.parts)
+                if self._servers[p.server].epoch == p.epoch]
+        skipped = set(range(len(step.parts))) - set(live)
+        # All but the first in the pool, the first on this thread.
+        futures = {pi: self._executor().submit(run_part, step.parts[pi]) for pi in live[1:]}
+        results, errors = {}, {}
+        for j, pi in enumerate(live):
+            try:
+                results[pi] = run_part(step.parts[pi]) if j == 0 else futures[pi].result()
+            except AttnserveError as e:
+                errors[pi] = e
+        for pi, e in errors.items():
+            if not isinstance(e, StaleIncarnation):
+                raise e
+        for pi in errors:
+            skipped.add(pi)
+            self._lose_server(step.parts[pi].server, gone=False)
+
+        hq, d = g["num_qo_heads"], g["head_dim"]
+        out = np.zeros((total, hq, d), np.float32)
+        lse = np.full((total, hq), -np.inf, np.float32)
+        lost = []
+        for b, sid in enumerate(step.seq_ids):
+            sources = step.sources[b]
+            if any(pi in skipped for pi, _, _ in sources):
+                lost.append(sid)
+                continue
+            n, row0 = int(step.q_lens[b]), int(step.qo_indptr[b])
+            # Rows [lo, hi) between two servers' first rows have the same
+            # servers: copy from one, or merge.
+            cuts = sorted({n} | {skip for _, _, skip in sources})
+            for lo, hi in zip(cuts, cuts[1:]):
+                here = [(pi, r + lo - skip) for pi, r, skip in sources if skip <= lo]
+                vs = [results[pi].output[at:at + hi - lo] for pi, at in here]
+                ls = [results[pi].lse[at:at + hi - lo] for pi, at in here]
+                if len(vs) == 1:
+                    out[row0 + lo:row0 + hi], lse[row0 + lo:row0 + hi] = vs[0], ls[0]
+                elif vs:
+                    out[row0 + lo:row0 + hi], lse[row0 + lo:row0 + hi] = merge_states(
+                        vs, ls, self.lse_base)
+        incarnation = next((r.incarnation for r in results.values()), 0)
+        result = PrefillResult(out, lse, incarnation)
+        if lost:
+            raise SequencesLost(lost, "a server holding them restarted", partial=result,
+                                method="run")
+        return result
+
+    def finish(self, *seq_ids: Hashable) -> None:
+        """Frees the sequences' pages on every server and forgets them (lost
+        ones too). KeyError for an unknown id, and nothing is freed."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("finish: seq_ids has duplicates")
+        missing = [sid for sid in seq_ids if sid not in self._seqs]
+        if missing:
+            raise KeyError(f"finish: unknown sequence(s) {missing}")
+        per_server: dict = {}
+        for sid in seq_ids:
+            for sh in self._seqs[sid].shards:
+                per_server.setdefault(sh.server, []).append(sid)
+        lost, first = [], None
+        for srv, ids in sorted(per_server.items()):
+            try:
+                self._servers[srv].kv.finish(*ids)
+            except StaleIncarnation:
+                lost += self._lose_server(srv, gone=False)  # nothing left to free there
+            except AttnserveError as e:
+                first = first or e
+        if first is not None:
+            raise first
+        for sid in seq_ids:
+            seq = self._seqs.pop(sid)
+            if seq.step is not None:
+                seq.step.valid = False
+        others = [sid for sid in lost if sid not in seq_ids]
+        if others:
+            raise SequencesLost(others, "a server holding them restarted", method="finish")
+
+    def release(self) -> None:
+        """finish() of every sequence."""
+        if self._seqs:
+            self.finish(*list(self._seqs))
+
+    # ------------------------------------------------------------ queries
+    def kv_len(self, seq_id: Hashable) -> int:
+        return self._seqs[seq_id].length
+
+    def shards_of(self, seq_id: Hashable) -> list:
+        return [Shard(sh.server, sh.start, sh.length) for sh in self._seqs[seq_id].shards]
+
+    @property
+    def sequences(self) -> list:
+        """Known sequences that are not lost."""
+        return [sid for sid, s in self._seqs.items() if not s.lost]
+
+    @property
+    def lost(self) -> list:
+        """Lost sequences not yet finished."""
+        return [sid for sid, s in self._seqs.items() if s.lost]
