@@ -70,19 +70,22 @@ struct DecodePlanOptions {
   //   cost   = stream + (split: merge_ns + merge_ns_per_chunk * max chunks
   //                      + partial bytes written and read / hbm_bytes_per_ns)
   // hbm_bytes_per_ns: the marginal rate of decode 64 -> 128 -> 256 x 4096
-  // (4.29 and 4.33 TB/s, the copy ceiling). cta_bytes_per_ns: one CTA alone,
-  // its ring (~96 KiB) in flight per ~1 us round trip; the aggregate
-  // saturates smoothly once items * cta_bytes_per_ns passes the HBM rate
-  // (256 CTAs: 99.9%; 8 x 128k in 256 CTAs measured 4.25 TB/s). The rest of
+  // (4.29 and 4.33 TB/s, the copy ceiling). cta_bytes_per_ns: what one CTA
+  // streams, fitted to the second H200 run's chunk sweep of 8 x 128k: 128
+  // CTAs 3.73 TB/s, 256 CTAs 4.33 TB/s (the first estimate, 64 B/ns, chose
+  // 128 CTAs and lost 14%); the aggregate saturates smoothly once
+  // items * cta_bytes_per_ns passes the HBM rate. The rest of
   // the 64 x 4096 time (about 10 us over bytes / 4.3 TB/s, and 6 us for
   // 8 x 128k, with the same 256 CTAs) is a fixed launch / ramp / tail cost
   // that no split removes, so such batches stay unsplit. merge_*: the last
   // CTA's merge (fence, atomic, one pass over the LSEs, then 8 KiB of
-  // partials per chunk and 16-row tile at about 100 B/ns into one SM).
+  // partials per chunk and 16-row tile); merge_ns_per_chunk = 150 puts the
+  // 1 x 4096 plan at the best of the second run's chunk sweep (16 chunks of
+  // 256 per tile: 0.0203 ms; 8 chunks 0.0226, 32 chunks 0.0208).
   double hbm_bytes_per_ns = 4300;
-  double cta_bytes_per_ns = 64;
+  double cta_bytes_per_ns = 36;
   double merge_ns = 1000;
-  double merge_ns_per_chunk = 80;
+  double merge_ns_per_chunk = 150;
   // Forces every sequence longer than min_chunk into chunks of this many
   // tokens (0: the heuristic). For tests and A/B benchmarks.
   int32_t force_chunk = 0;
