@@ -15,9 +15,10 @@
 //    that the server's max_message_bytes already exceeds.
 //  - grpc.http2.write_buffer_size [64 KiB]: how much a stream's writes may
 //    buffer ahead of the socket.
-//  - grpc.experimental.tcp_{min_,max_,}read_chunk_size [8 KiB, 256 B, 4 MiB]:
-//    the slices reads land in; small slices mean more read syscalls and more
-//    slices for the parser to walk.
+//  - Not set: grpc.experimental.tcp_*read_chunk_size. With TLS, gRPC 1.51
+//    leaks a read buffer per connection when it is set (LeakSanitizer in
+//    tests/ops/security_test.sh), and alone it did not help on the H200
+//    (bench/results/2026-11-30-session2-h200x2.md).
 // The values never change what is accepted (message size limits stay as
 // configured); they trade buffered memory per connection for throughput.
 #pragma once
@@ -42,9 +43,6 @@ inline std::vector<TransportArg> TransportArgs(bool tuned) {
       {"grpc.http2.bdp_probe", 0},
       {"grpc.http2.lookahead_bytes", 64 << 20},
       {"grpc.http2.write_buffer_size", 8 << 20},
-      {"grpc.experimental.tcp_read_chunk_size", 1 << 20},
-      {"grpc.experimental.tcp_min_read_chunk_size", 256 << 10},
-      {"grpc.experimental.tcp_max_read_chunk_size", 16 << 20},
   };
 }
 

@@ -91,13 +91,19 @@ Packed Pack(const KvGeometry& g, const PackerLimits& lim, std::vector<Request>& 
   const absl::Status st = packer.Pack(tasks, p.staging.get(), capacity, &p.b);
   EXPECT_TRUE(st.ok()) << st;
   p.seqs.resize(p.b.num_seqs);
-  std::memcpy(p.seqs.data(), p.staging.get() + p.b.off_seqs, p.seqs.size() * sizeof(PrefillSeq));
+  if (!p.seqs.empty()) {
+    std::memcpy(p.seqs.data(), p.staging.get() + p.b.off_seqs, p.seqs.size() * sizeof(PrefillSeq));
+  }
   p.decode_items.resize(p.b.num_decode_items);
-  std::memcpy(p.decode_items.data(), p.staging.get() + p.b.off_decode_items,
-              p.decode_items.size() * sizeof(DecodeWorkItem));
+  if (!p.decode_items.empty()) {
+    std::memcpy(p.decode_items.data(), p.staging.get() + p.b.off_decode_items,
+                p.decode_items.size() * sizeof(DecodeWorkItem));
+  }
   p.prefill_items.resize(p.b.num_items);
-  std::memcpy(p.prefill_items.data(), p.staging.get() + p.b.off_items,
-              p.prefill_items.size() * sizeof(PrefillWorkItem));
+  if (!p.prefill_items.empty()) {
+    std::memcpy(p.prefill_items.data(), p.staging.get() + p.b.off_items,
+                p.prefill_items.size() * sizeof(PrefillWorkItem));
+  }
   return p;
 }
 

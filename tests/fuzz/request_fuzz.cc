@@ -65,8 +65,8 @@ struct Harness {
       w.tenant = "b";
       w.layer = layer;
       w.slots = b_slots;
-      w.k = {1, {static_cast<int64_t>(b_slots.size()), g.num_kv_heads, g.head_dim}, b_k};
-      w.v = {1, {static_cast<int64_t>(b_slots.size()), g.num_kv_heads, g.head_dim}, b_v};
+      w.k = {TensorDType::kBf16, {static_cast<int64_t>(b_slots.size()), g.num_kv_heads, g.head_dim}, b_k};
+      w.v = {TensorDType::kBf16, {static_cast<int64_t>(b_slots.size()), g.num_kv_heads, g.head_dim}, b_v};
       if (!Wait([&](DoneCallback done) { core->WriteKv(w, std::move(done)); }).ok()) std::abort();
     }
   }

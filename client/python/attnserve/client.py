@@ -230,9 +230,6 @@ TRANSPORT_OPTIONS = (
     ("grpc.http2.bdp_probe", 0),
     ("grpc.http2.lookahead_bytes", 64 << 20),
     ("grpc.http2.write_buffer_size", 8 << 20),
-    ("grpc.experimental.tcp_read_chunk_size", 1 << 20),
-    ("grpc.experimental.tcp_min_read_chunk_size", 256 << 10),
-    ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
 )
 
 
