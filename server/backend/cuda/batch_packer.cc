@@ -72,6 +72,8 @@ absl::Status BatchPacker::PlanDecode(PackedBatch* out) {
   dopt.num_sms = limits_.num_sms;
   dopt.ctas_per_sm = limits_.decode_ctas_per_sm[tile_rows == 32 ? 1 : 0];
   dopt.max_partial_slots = std::max<int64_t>(DecodePartialSlots(limits_, geo_.head_dim), 1);
+  dopt.max_cluster = limits_.decode_max_cluster[tile_rows == 32 ? 1 : 0];
+  dopt.max_items = limits_.max_decode_items;
   BuildDecodePlan(seqs_.data(), n, geo_, dopt, &decode_plan_);
   const int64_t items = static_cast<int64_t>(decode_plan_.items.size());
   if (items > limits_.max_decode_items || decode_plan_.partial_slots > dopt.max_partial_slots) {
@@ -83,6 +85,7 @@ absl::Status BatchPacker::PlanDecode(PackedBatch* out) {
   out->num_decode_items = static_cast<int32_t>(items);
   out->decode_tile_rows = decode_plan_.tile_rows;
   out->decode_split_tiles = decode_plan_.split_tiles;
+  out->decode_cluster = decode_plan_.cluster;
   return absl::OkStatus();
 }
 

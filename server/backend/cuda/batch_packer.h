@@ -47,6 +47,7 @@ struct PackerLimits {
   // split counters.
   bool decode = true;
   int32_t decode_ctas_per_sm[2] = {1, 1};  // by tile rows 16, 32
+  int32_t decode_max_cluster[2] = {0, 0};  // by tile rows 16, 32 (0: no cluster mode)
   int64_t max_decode_items = 0;
 };
 
@@ -73,6 +74,7 @@ struct PackedBatch {
   int32_t num_decode_items = 0;
   int32_t decode_tile_rows = 16;
   int32_t decode_split_tiles = 0;
+  int32_t decode_cluster = 0;  // > 1: the decode plan runs in cluster mode
   int64_t off_decode_items = 0;
   int64_t num_append = 0;  // after dropping overwritten slots
   int64_t off_q = 0, off_idx = 0, off_seqs = 0, off_items = 0, off_merges = 0;

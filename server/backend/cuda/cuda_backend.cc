@@ -218,6 +218,8 @@ absl::Status CudaBackend::Init() {
   lim.decode = options_.decode_kernel && DecodeGeometrySupported(g);
   lim.decode_ctas_per_sm[0] = DecodeCtasPerSm(g.head_dim, g.dtype, 16);
   lim.decode_ctas_per_sm[1] = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim));
+  lim.decode_max_cluster[0] = DecodeMaxCluster(g.head_dim, g.dtype, 16);
+  lim.decode_max_cluster[1] = DecodeMaxCluster(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim));
   cudaGetLastError();
   const int64_t decode_slots = DecodePartialSlots(lim, g.head_dim);
   lim.max_decode_items = g.num_kv_heads * (lim.max_rows * group / 16 + lim.max_rows + 1) + decode_slots;
