@@ -68,8 +68,11 @@ absl::Status Spawn(const std::vector<std::string>& args, pid_t* pid, int* out_fd
 absl::StatusOr<std::unique_ptr<TestServer>> TestServer::Start(const TestServerOptions& options) {
   std::unique_ptr<TestServer> s(new TestServer());
   s->options_ = options;
+  // $ATTNSERVE_BIN overrides the path the tests were built with (an
+  // installed tree on another machine: bench/run_ipc_gpu.sh).
+  const char* bin = std::getenv("ATTNSERVE_BIN");
   std::vector<std::string> args = {
-      ATTNSERVE_BIN,
+      bin != nullptr && *bin != '\0' ? bin : ATTNSERVE_BIN,
       "--listen=127.0.0.1:0",
       "--metrics_listen=127.0.0.1:0",
       "--backend=cpu",

@@ -13,6 +13,19 @@ namespace {
 // Smallest KV chunk (tokens) worth a split work item of its own.
 constexpr int32_t kMinChunk = 512;
 
+// Adds a device-to-device copy, merged into the last one when both its
+// source and its destination continue it.
+void AddDeviceCopy(std::vector<PackedBatch::DeviceCopy>* copies, int64_t dst, const void* src, int64_t bytes) {
+  if (!copies->empty()) {
+    PackedBatch::DeviceCopy& last = copies->back();
+    if (last.dst + last.bytes == dst && static_cast<const uint8_t*>(last.src) + last.bytes == src) {
+      last.bytes += bytes;
+      return;
+    }
+  }
+  copies->push_back({dst, src, bytes});
+}
+
 }  // namespace
 
 int64_t BatchPacker::InputCapacity() const {
@@ -174,8 +187,14 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
     if (off < 0) return absl::InternalError("input staging overflow");
   }
   int64_t row = 0, idx = 0;
+  bool q_all_on_device = true;
   for (const PrefillTask& t : tasks) {
-    if (t.total_q > 0) std::memcpy(in.At(out->off_q) + row * q_row, t.q, size_t(t.total_q) * q_row);
+    if (t.total_q > 0 && t.q_on_device) {
+      AddDeviceCopy(&out->device_in, out->off_q + row * q_row, t.q, int64_t{t.total_q} * q_row);
+    } else if (t.total_q > 0) {
+      std::memcpy(in.At(out->off_q) + row * q_row, t.q, size_t(t.total_q) * q_row);
+      q_all_on_device = false;
+    }
     if (t.num_kv_indices > 0) std::memcpy(in.At(out->off_idx) + idx * 4, t.kv_indices, size_t(t.num_kv_indices) * 4);
     row += t.total_q;
     idx += t.num_kv_indices;
@@ -191,16 +210,28 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
     std::memcpy(in.At(out->off_decode_items), decode_plan_.items.data(),
                 decode_plan_.items.size() * sizeof(DecodeWorkItem));
   }
+  bool kv_all_on_device = true;
   if (n_append > 0) {
     std::memcpy(in.At(out->off_slots), append_slots_.data(), n_append * 8);
-    for (int64_t i = 0; i < n_append; ++i) {
-      const PrefillTask& t = tasks[append_rows_[i].first];
-      const int64_t r = append_rows_[i].second;
-      std::memcpy(in.At(out->off_k) + i * kv_row, static_cast<const uint8_t*>(t.append_k) + r * kv_row, kv_row);
-      std::memcpy(in.At(out->off_v) + i * kv_row, static_cast<const uint8_t*>(t.append_v) + r * kv_row, kv_row);
+    // K rows, then V rows, so that consecutive device rows coalesce.
+    for (int kv = 0; kv < 2; ++kv) {
+      const int64_t off = kv == 0 ? out->off_k : out->off_v;
+      for (int64_t i = 0; i < n_append; ++i) {
+        const PrefillTask& t = tasks[append_rows_[i].first];
+        const uint8_t* src = static_cast<const uint8_t*>(kv == 0 ? t.append_k : t.append_v) +
+                             append_rows_[i].second * kv_row;
+        if (kv == 0 ? t.append_k_on_device : t.append_v_on_device) {
+          AddDeviceCopy(&out->device_in, off + i * kv_row, src, kv_row);
+        } else {
+          std::memcpy(in.At(off) + i * kv_row, src, kv_row);
+          kv_all_on_device = false;
+        }
+      }
     }
   }
   out->in_bytes = in.used();
+  out->upload_begin = q_all_on_device ? out->off_idx : 0;
+  out->upload_end = n_append > 0 && kv_all_on_device ? out->off_k : out->in_bytes;
   out->off_lse = AlignUp(out->total_q * q_row);
   out->out_bytes = out->off_lse + out->total_q * geo_.num_qo_heads * 4;
   return absl::OkStatus();

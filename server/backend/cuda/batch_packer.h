@@ -79,9 +79,22 @@ struct PackedBatch {
   int64_t num_append = 0;  // after dropping overwritten slots
   int64_t off_q = 0, off_idx = 0, off_seqs = 0, off_items = 0, off_merges = 0;
   int64_t off_slots = 0, off_k = 0, off_v = 0;
-  int64_t in_bytes = 0;  // staging bytes to upload
+  int64_t in_bytes = 0;  // staging bytes packed (holes for device inputs included)
   int64_t off_lse = 0;
   int64_t out_bytes = 0;
+  // Inputs in device memory (CUDA regions, PrefillTask::*_on_device) are not
+  // packed: their bytes in the staging are holes that the backend fills by a
+  // device-to-device copy of `bytes` from `src` to d_in + `dst` after the
+  // upload (ranges of consecutive rows coalesced). The host filled staging
+  // bytes [upload_begin, upload_end) only: the q holes at the front and the
+  // appended K/V holes at the back are not uploaded.
+  struct DeviceCopy {
+    int64_t dst = 0;
+    const void* src = nullptr;
+    int64_t bytes = 0;
+  };
+  std::vector<DeviceCopy> device_in;
+  int64_t upload_begin = 0, upload_end = 0;
 };
 
 class BatchPacker {
