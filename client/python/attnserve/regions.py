@@ -136,30 +136,54 @@ class SharedMemoryRegion:
         self.close()
 
 
+_LIBCUDA = None
+
+
+def _libcuda():
+    """The CUDA driver library (present wherever a GPU is)."""
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        import ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        lib.cuIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+        _LIBCUDA = lib
+    return _LIBCUDA
+
+
 def cuda_ipc_handle(tensor):
     """(ipc_handle bytes, device index, byte offset of the tensor in its
     allocation) of a CUDA torch tensor, for Client.register_cuda_region.
 
-    The handle exports the whole allocation that torch's caching allocator
-    carved the tensor from (several tensors may share one), so the tensor
-    starts at that offset into the region: register at least offset +
-    nbytes bytes and name the tensor at the offset (register_cuda_tensor
-    does both). The tensor must be contiguous."""
+    The handle exports the whole device allocation the tensor lives in
+    (torch's caching allocator carves several tensors from one), so the
+    tensor starts at that offset into the region: register at least offset
+    + nbytes bytes and name the tensor at the offset (register_cuda_tensor
+    does both). The tensor must be contiguous. Uses the CUDA driver
+    (cuMemGetAddressRange, cuIpcGetMemHandle) through ctypes."""
+    import ctypes
     import torch  # only when used
     if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
         raise ValueError("cuda_ipc_handle needs a CUDA torch tensor")
     if not tensor.is_contiguous():
         raise ValueError("cuda_ipc_handle needs a contiguous tensor")
-    storage = tensor.untyped_storage()
-    shared = storage._share_cuda_()
-    # (device, handle, storage size, storage offset in the allocation, ...)
-    device, handle, alloc_offset = shared[0], shared[1], shared[3]
-    handle = bytes(handle)
-    if len(handle) != 64:
-        raise ValueError(f"torch exported a {len(handle)}-byte handle, not a 64-byte "
-                         "cudaIpcMemHandle_t (expandable_segments allocations cannot be "
-                         "registered: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)")
-    return handle, int(device), int(alloc_offset) + tensor.storage_offset() * tensor.element_size()
+    # Makes the device's primary context current on this thread for the
+    # driver calls below.
+    torch.cuda.synchronize(tensor.device)
+    cu = _libcuda()
+    base = ctypes.c_uint64()
+    size = ctypes.c_size_t()
+    rc = cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(tensor.data_ptr()))
+    if rc != 0:
+        raise ValueError(f"cuMemGetAddressRange failed (CUresult {rc}) for the tensor's memory")
+    handle = ctypes.create_string_buffer(64)
+    rc = cu.cuIpcGetMemHandle(handle, base)
+    if rc != 0:
+        raise ValueError(f"cuIpcGetMemHandle failed (CUresult {rc}): the tensor's memory cannot be exported "
+                         "(allocations from expandable segments cannot: set "
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)")
+    return handle.raw[:64], int(tensor.device.index), int(tensor.data_ptr() - base.value)
 
 
 _TORCH_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
