@@ -4,7 +4,7 @@
 #   1. the kernel tests of the three sm90 kernels against the float64
 #      reference, every geometry (Families/PagedPrefillCuda.*/sm90_overlap,
 #      .../sm90, .../sm90_overlap_nopp) in three processes: the single-tile
-#      ladder (15 s), the small tests (35 s), the two long ones (100 s); in
+#      ladder (10 s), the small tests (30 s), the two long ones (110 s); in
 #      each, the references computed for the first kernel serve the others;
 #   2. attnserve_kernel_bench --quick --workload=long,batch,prefix,sweep for
 #      sm80, sm90, sm90_overlap and sm90_overlap_nopp (22 s each);
@@ -15,7 +15,7 @@
 #      achieved occupancy, MUFU (XU) pipe, throughputs;
 #   5. summary.txt: test verdicts, the TFLOP/s table against the targets,
 #      the SASS counts and the ncu metrics.
-# Under 6 minutes on an H200 (steps capped at 15 + 35 + 100 + 4 x 22 + 15 +
+# Under 6 minutes on an H200 (steps capped at 10 + 30 + 110 + 4 x 22 + 15 +
 # 15 + 50 + 30 s).
 #
 # Usage: bench/run_sm90_overlap_gpu.sh INSTALL_DIR OUT_DIR
@@ -66,9 +66,9 @@ run_tests() {  # NAME LIMIT FILTER
   verdicts "$out/tests_$1.log"
 }
 f='Families/PagedPrefillCuda'
-run_tests ladder 15 "$f.SingleTileLadder/sm90*"
-run_tests small 35 "$f.CausalShift/sm90*:$f.DenseLargeTiles/sm90*:$f.LongKvForcesSplit/sm90*"
-run_tests long 100 "$f.RandomRaggedBatches/sm90*:$f.TilesWithNoKvBlockBesideBusyTiles/sm90*"
+run_tests ladder 10 "$f.SingleTileLadder/sm90*"
+run_tests small 30 "$f.CausalShift/sm90*:$f.DenseLargeTiles/sm90*:$f.LongKvForcesSplit/sm90*"
+run_tests long 110 "$f.RandomRaggedBatches/sm90*:$f.TilesWithNoKvBlockBesideBusyTiles/sm90*"
 
 for k in $kernels; do
   echo "== kernel bench --kernel=$k"
