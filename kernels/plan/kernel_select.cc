@@ -12,13 +12,17 @@ const char* PrefillKernelName(PrefillKernel kernel) {
       return "sm80_rows64";
     case PrefillKernel::kSm90:
       return "sm90";
+    case PrefillKernel::kSm90Overlap:
+      return "sm90_overlap";
+    case PrefillKernel::kSm90OverlapNoPp:
+      return "sm90_overlap_nopp";
   }
   return "unknown";
 }
 
 int32_t PrefillTileRows(PrefillKernel kernel, int32_t head_dim) {
   // sm90: 2 consumer warpgroups x 64 rows (kernels/sm90/traits.cuh).
-  if (kernel == PrefillKernel::kSm90) return 128;
+  if (IsSm90Kernel(kernel)) return 128;
   // sm80: 4 warps x 16 rows x MMA tiles per warp (kernels/sm80/traits.cuh).
   if (head_dim == 256) return 64;
   if (kernel == PrefillKernel::kSm80Rows64 && head_dim == 128) return 64;

@@ -25,11 +25,26 @@ enum class PrefillKernel : int32_t {
   // wgmma (sm_90a only, kernels/sm90/): a cp.async producer warpgroup and two
   // consumer warpgroups of 64 rows, 128-row tiles, head_dim 64 and 128.
   kSm90,
+  // The same family, each consumer warpgroup software-pipelined (S of the
+  // next KV block and P V of the last one issued together, the softmax
+  // beside the P V GEMM) and the two warpgroups taking turns over both
+  // GEMMs (kernels/sm90/traits.cuh, Schedule::kOverlap). Forced only (the
+  // kernel bench, the GPU tests); ChoosePrefillKernel does not pick it yet.
+  kSm90Overlap,
+  // kSm90Overlap without the turns between the warpgroups.
+  kSm90OverlapNoPp,
 };
-inline constexpr int kNumPrefillKernels = 3;
+inline constexpr int kNumPrefillKernels = 5;
+
+// Whether the kernel is one of the wgmma family's (sm_90 devices only).
+inline bool IsSm90Kernel(PrefillKernel kernel) {
+  return kernel == PrefillKernel::kSm90 || kernel == PrefillKernel::kSm90Overlap ||
+         kernel == PrefillKernel::kSm90OverlapNoPp;
+}
 
 // Stable lower-case name, used in metrics (the `family` label) and in
-// benchmark output: "sm80", "sm80_rows64", "sm90".
+// benchmark output: "sm80", "sm80_rows64", "sm90", "sm90_overlap",
+// "sm90_overlap_nopp".
 const char* PrefillKernelName(PrefillKernel kernel);
 
 // Packed query rows per tile (the plan's tile_rows).

@@ -26,6 +26,10 @@ TEST(KernelSelect, TileRowsPerHeadDim) {
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm80Rows64, 128), 64);
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm90, 64), 128);
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm90, 128), 128);
+  for (PrefillKernel k : {PrefillKernel::kSm90Overlap, PrefillKernel::kSm90OverlapNoPp}) {
+    EXPECT_EQ(PrefillTileRows(k, 64), 128);
+    EXPECT_EQ(PrefillTileRows(k, 128), 128);
+  }
 }
 
 TEST(KernelSelect, Rows64OnlyForShortTilesAtHeadDim128) {
@@ -42,6 +46,16 @@ TEST(KernelSelect, NamesAreStableLabels) {
   EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm80)), "sm80");
   EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm80Rows64)), "sm80_rows64");
   EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm90)), "sm90");
+  EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm90Overlap)), "sm90_overlap");
+  EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm90OverlapNoPp)), "sm90_overlap_nopp");
+}
+
+TEST(KernelSelect, Sm90KernelsAreTheWgmmaFamily) {
+  EXPECT_FALSE(IsSm90Kernel(PrefillKernel::kSm80));
+  EXPECT_FALSE(IsSm90Kernel(PrefillKernel::kSm80Rows64));
+  EXPECT_TRUE(IsSm90Kernel(PrefillKernel::kSm90));
+  EXPECT_TRUE(IsSm90Kernel(PrefillKernel::kSm90Overlap));
+  EXPECT_TRUE(IsSm90Kernel(PrefillKernel::kSm90OverlapNoPp));
 }
 
 TEST(KernelSelect, ForcedFamilies) {
