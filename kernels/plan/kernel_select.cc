@@ -59,16 +59,16 @@ bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device) {
 }
 
 PrefillKernel ChoosePrefillKernel(const KvGeometry& geo, const PrefillDevice& device,
-                                  int64_t max_packed_rows, PrefillFamily family) {
+                                  int64_t max_packed_rows, PrefillFamily family, int64_t mean_kv_per_row) {
   const bool sm90_shape = geo.head_dim == 64 || geo.head_dim == 128;
-  if (family == PrefillFamily::kSm90 && sm90_shape) return PrefillKernel::kSm90;
+  if (family == PrefillFamily::kSm90 && sm90_shape) return PrefillKernel::kSm90Overlap;
   // 64-row tiles when no sequence fills more (decode): half the CTA's rows
   // would be idle in a 128-row tile, and twice the CTAs share the batch.
   if (geo.head_dim == 128 && max_packed_rows <= PrefillTileRows(PrefillKernel::kSm80Rows64, 128)) {
     return PrefillKernel::kSm80Rows64;
   }
-  if (family == PrefillFamily::kAuto && kAutoPicksSm90 && device.sm_major == 9 && sm90_shape) {
-    return PrefillKernel::kSm90;
+  if (family == PrefillFamily::kAuto && device.sm_major == 9 && sm90_shape && mean_kv_per_row >= kAutoSm90MinMeanKv) {
+    return PrefillKernel::kSm90Overlap;
   }
   return PrefillKernel::kSm80;
 }

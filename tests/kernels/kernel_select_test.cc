@@ -63,18 +63,26 @@ TEST(KernelSelect, ForcedFamilies) {
   // sm90 forced: every batch at head_dim 64 and 128, decode-sized ones too;
   // head_dim 256 stays on sm80.
   for (int64_t rows : {1, 64, 65, 4096}) {
-    EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, rows, PrefillFamily::kSm90), PrefillKernel::kSm90);
-    EXPECT_EQ(ChoosePrefillKernel(Geo(16, 4, 64), h200, rows, PrefillFamily::kSm90), PrefillKernel::kSm90);
+    EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, rows, PrefillFamily::kSm90), PrefillKernel::kSm90Overlap);
+    EXPECT_EQ(ChoosePrefillKernel(Geo(16, 4, 64), h200, rows, PrefillFamily::kSm90), PrefillKernel::kSm90Overlap);
   }
   EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 256), h200, 4096, PrefillFamily::kSm90), PrefillKernel::kSm80);
   // sm80 forced: the mma.sync heuristic on Hopper too.
   EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096, PrefillFamily::kSm80), PrefillKernel::kSm80);
   EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 8, PrefillFamily::kSm80), PrefillKernel::kSm80Rows64);
-  // auto: sm90 on Hopper only once kAutoPicksSm90 is set; never elsewhere.
-  const PrefillKernel long_h200 = ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096);
-  EXPECT_EQ(long_h200, kAutoPicksSm90 ? PrefillKernel::kSm90 : PrefillKernel::kSm80);
-  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), PrefillDevice{8, 0}, 4096), PrefillKernel::kSm80);
-  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), PrefillDevice{8, 9}, 4096), PrefillKernel::kSm80);
+  // auto: the overlapped wgmma kernel on Hopper where rows see long KV
+  // ranges on average; sm80 for shorter ones, at head_dim 256, and on every
+  // other GPU.
+  const PrefillKernel kAuto = PrefillKernel::kSm80;
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096, PrefillFamily::kAuto, kAutoSm90MinMeanKv),
+            PrefillKernel::kSm90Overlap);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 64), h200, 4096, PrefillFamily::kAuto, 16384), PrefillKernel::kSm90Overlap);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096, PrefillFamily::kAuto, kAutoSm90MinMeanKv - 1), kAuto);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096), kAuto);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 256), h200, 4096, PrefillFamily::kAuto, 16384), kAuto);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096, PrefillFamily::kSm80, 16384), kAuto);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), PrefillDevice{8, 0}, 4096, PrefillFamily::kAuto, 16384), kAuto);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), PrefillDevice{8, 9}, 4096, PrefillFamily::kAuto, 16384), kAuto);
 }
 
 TEST(KernelSelect, FamilyFlagValues) {

@@ -120,9 +120,14 @@ absl::Status BatchPacker::Plan(PackedBatch* out) {
   plan_.merge_pairs = 0;
   if (num_decode < n) {
     const int64_t group = geo_.num_qo_heads / geo_.num_kv_heads;
-    int64_t max_packed_rows = 0;
-    for (const PrefillSeq& s : rest) max_packed_rows = std::max<int64_t>(max_packed_rows, s.q_len * group);
-    out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows, limits_.family);
+    int64_t max_packed_rows = 0, rows = 0, row_keys = 0;
+    for (const PrefillSeq& s : rest) {
+      max_packed_rows = std::max<int64_t>(max_packed_rows, s.q_len * group);
+      rows += s.q_len;
+      row_keys += int64_t{s.q_len} * s.kv_len;
+    }
+    out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows, limits_.family,
+                                      rows > 0 ? row_keys / rows : 0);
     PrefillPlanOptions popt;
     popt.num_sms = limits_.num_sms;
     popt.ctas_per_sm = limits_.ctas_per_sm[static_cast<int>(out->kernel)];
