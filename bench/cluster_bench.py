@@ -556,6 +556,8 @@ def main():
         for s in servers:
             s.stop()
 
+    # A timeout's SIGTERM unwinds through the finally blocks that stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = {"args": vars(a)}
     if a.skip != "prefill":
         servers = start_servers(2, "prefill")
