@@ -8,29 +8,42 @@ Starts one attnserve per device (CUDA_VISIBLE_DEVICES=<device>, its own
 ports, 1 layer, the default heads: 32 query and 4 KV heads of 128, bf16)
 and measures:
 
-(a) prefill: one causal prefill of --prefill_len tokens (32k) attending to
-    itself, on one server and spread over two. The two-server rows hold the
-    keys [0, s) and [s, L), send every query to the first and the queries
-    [s, L) to the second (the others see nothing there), with kv_keys_after
-    so that the mask is the whole sequence's, and the client merges by LSE
-    (attnserve.merge.merge_states). Split points: the middle, and
-    s = L(1 - 1/sqrt(2)), where the two servers' shares of the causal
-    triangle's work are equal (what attnserve.Cluster does with
-    split_min_tokens: attnserve.cluster.causal_spread). The time
-    on the critical path is max over servers of the device time the
-    servers' /metrics report for the request (attnserve_kernel_duration_
-    seconds, every kernel) plus the client's merge; wall times (with the
-    transfer of 256 MiB of queries to each server) are reported beside. The
-    merged output is checked against the one-server output (relative error).
-    Last, the same prefill through attnserve.Cluster (split_min_tokens=L),
-    K/V appended in the same Prefills: device time and wall time.
+(a) prefill (two fresh servers): one causal prefill of --prefill_len tokens
+    (32k) attending to itself, on one server and spread over two. The
+    two-server rows hold the keys [0, s) and [s, L), send every query to the
+    first and the queries [s, L) to the second (the others see nothing
+    there), with kv_keys_after so that the mask is the whole sequence's.
+    Split points: the middle, and s = L(1 - 1/sqrt(2)), where the two
+    servers' shares of the causal triangle's work are equal (what
+    attnserve.Cluster does with split_min_tokens:
+    attnserve.cluster.causal_spread). The kernels' critical path is max over
+    servers of the device time their /metrics report for the request
+    (attnserve_kernel_duration_seconds, every kernel). The merge of the two
+    partial states of rows [s, L) is timed apart for each place it can run:
+    numpy (attnserve.merge on float32 outputs), torch_cpu and torch_cuda
+    (attnserve.merge on the bf16 outputs, on the CPU and on the client's GPU;
+    the host-to-device copy reported beside), server_rpc (the first server's
+    MergeStates, the states sent over gRPC and back; first repetition only).
+    Each is added to the kernels' critical path and set against one GPU's
+    kernel time: the issue's quantity. The merged output is checked against
+    the one-server output (relative error). Last, the same prefill through
+    attnserve.Cluster (split_min_tokens=L), K/V appended in the same
+    Prefills, with numpy outputs and with torch outputs on the GPU: device
+    time and wall time.
 (b) decode: --seqs (128) sequences of --kv_len (4096) keys placed by
-    attnserve.Cluster over one server or over two; --clients (32) processes,
-    each with its own Cluster and --seqs / --clients of the sequences,
-    decode one token per sequence per step for --duration seconds (layout
-    sent with each step, no server plans: one Prefill per server touched).
-    Reported: steps/s, Prefill requests/s and tokens/s over all clients, and
-    the step latency's p50 / p99.
+    attnserve.Cluster over one fresh server, then over two fresh servers
+    (the same flags; --num_pages holds every sequence on one server four
+    times over); --clients (32) processes, each with its own Cluster and
+    --seqs / --clients of the sequences, decode one token per sequence per
+    step (layout sent with each step, no server plans: one Prefill per server
+    touched): --warmup seconds untimed, then --duration seconds timed.
+    Reported: requests/s (a request is one client's step), Prefill RPCs/s,
+    tokens/s, the step latency's p50 / p99, the client's time in plan() and
+    its CPU per step, and per server over the timed window: Prefills, batches
+    and requests per batch, kernel time per batch and device busy fraction,
+    queue wait, time in the server per Prefill.
+
+Ends with the scaling table of the run (the issue's targets).
 
 With --backend cpu and small sizes it runs anywhere (a smoke test).
 """
@@ -423,11 +436,17 @@ def decode_bench(a, servers, label, log):
            "p50_ms": lat[len(lat) // 2] * 1e3 if lat else None,
            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3 if lat else None,
            "kv_len_at_end": max(r[3] for r in results),
+           # Where a client's step goes: plan() (pages, layout) and its own CPU
+           # time (process time: serializing, converting; not waiting).
+           "client_plan_ms_per_step": 1e3 * sum(r[4] for r in results) / max(steps, 1),
+           "client_cpu_ms_per_step": 1e3 * sum(r[5] for r in results) / max(steps, 1),
            "servers_used": servers_used, "per_server": per_server}
     print(f"(b) {label}: {out['requests_per_s']:8.1f} requests/s ({per} sequences each), "
           f"{out['prefills_per_s']:8.1f} Prefill RPCs/s, {out['tokens_per_s']:9.1f} tokens/s, "
           f"p50 {out['p50_ms']:.2f} ms, p99 {out['p99_ms']:.2f} ms, keys at the end <= "
-          f"{out['kv_len_at_end']} (servers used {servers_used})", file=log, flush=True)
+          f"{out['kv_len_at_end']} (servers used {servers_used}); per step a client spends "
+          f"{out['client_plan_ms_per_step']:.2f} ms in plan() and {out['client_cpu_ms_per_step']:.2f} "
+          f"ms of its own CPU", file=log, flush=True)
     for i, w in enumerate(per_server):
         print(f"      server {i}: {w['prefills_per_s']:.1f} Prefills/s in {w['batches_per_s']:.1f} "
               f"batches/s ({w['requests_per_batch']:.1f} requests each, kernels "
@@ -465,24 +484,27 @@ def _decode_run(targets, ids, kv_len, warmup, duration, start_value, queue):
         start_at = start_value.value
         while time.time() < start_at:
             time.sleep(0.001)
-        latencies, prefills = [], 0
+        latencies, prefills, plan_s, cpu_s = [], 0, 0.0, 0.0
         timed_from = start_at + warmup
         end = timed_from + duration
         while True:
             now = time.time()
             if now >= end:
                 break
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             s = c.plan(ids, [1] * len(ids))
+            t1 = time.perf_counter()
             c.run(0, q, kv, kv, step=s)
             if now >= timed_from:
                 latencies.append(time.perf_counter() - t0)
+                plan_s += t1 - t0
+                cpu_s += time.process_time() - c0
                 prefills += len(s.parts)
         placement = ([len(c.shards_of(i)) for i in ids], [c.shards_of(i)[0].server for i in ids])
         kv_end = max(c.kv_len(i) for i in ids)
         c.release()
         c.close()
-        queue.put(("done", (latencies, prefills, placement, kv_end)))
+        queue.put(("done", (latencies, prefills, placement, kv_end, plan_s, cpu_s)))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which fails
         queue.put(("error", repr(e)))
         raise
