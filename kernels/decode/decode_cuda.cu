@@ -49,10 +49,7 @@ struct DecodeKernelArgs {
   int64_t slots_per_layer;
 };
 
-// DEEP: the ring of cluster mode (small batches, one CTA per SM is enough):
-// deep enough that a CTA's whole chunk of a 1 x 4096 decode (4 steps per
-// warp) is in flight at once.
-template <int D, int MT, bool DEEP = false>
+template <int D, int MT>
 struct DecodeTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
@@ -61,9 +58,8 @@ struct DecodeTraits {
   static constexpr int kChunks = D / 8;          // 16-byte chunks per row
   static constexpr int kRowBytes = D * 2;
   // Ring depth per warp: about 96 KiB of K/V per CTA (two CTAs per SM) for
-  // head_dim 64 / 128; 128 KiB (one CTA per SM) for 256. DEEP: 160 KiB at
-  // 128 and 192 KiB at 256 (one CTA per SM); head_dim 64 is deep already.
-  static constexpr int kStages = D == 64 ? 6 : D == 128 ? (DEEP ? 5 : 3) : (DEEP ? 3 : 2);
+  // head_dim 64 / 128; 128 KiB (one CTA per SM) for 256.
+  static constexpr int kStages = D == 64 ? 6 : D == 128 ? 3 : 2;
   static constexpr int kStageBytes = kTok * kRowBytes;  // K (or V) of a step
   static constexpr int kWarpRingBytes = kStages * 2 * kStageBytes;
   static constexpr int kQBytes = kM * kRowBytes;
@@ -108,9 +104,9 @@ __device__ __forceinline__ uint4 PackOut(const float (&v)[8]) {
                     mma::Pack2<T>(v[6], v[7]));
 }
 
-template <int D, int MT, typename T, bool DEEP>
+template <int D, int MT, typename T>
 __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelArgs args) {
-  using Tr = DecodeTraits<D, MT, DEEP>;
+  using Tr = DecodeTraits<D, MT>;
   constexpr int kM = Tr::kM;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x;
@@ -617,16 +613,12 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
   if (tid == 0) args.counters[item.split_tile] = 0;  // ready for the next launch
 }
 
-// Cluster mode runs the DEEP ring where it differs (head_dim 128 and 256).
-template <int D>
-constexpr bool kClusterDeep = D != 64;
-
 // The kernel's attributes: its shared memory, and non-portable cluster
 // sizes (up to 16 CTAs; sm_90+, where cluster mode runs).
-template <int D, int MT, typename T, bool DEEP>
+template <int D, int MT, typename T>
 cudaError_t ConfigureDecode() {
-  using Tr = DecodeTraits<D, MT, DEEP>;
-  auto kernel = PagedDecodeKernel<D, MT, T, DEEP>;
+  using Tr = DecodeTraits<D, MT>;
+  auto kernel = PagedDecodeKernel<D, MT, T>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   int dev = 0, major = 0;
@@ -636,73 +628,65 @@ cudaError_t ConfigureDecode() {
   return cudaSuccess;
 }
 
-// The attributes are per device; set them once per device and kernel (a
-// host call per launch adds to the latency of small decode batches).
-template <int D, int MT, typename T, bool DEEP>
-cudaError_t ConfigureOnce() {
+template <int D, int MT, typename T>
+cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream) {
+  using Tr = DecodeTraits<D, MT>;
+  auto kernel = PagedDecodeKernel<D, MT, T>;
+  // The attributes are per device; set them once per device (a host call
+  // per launch adds to the latency of small decode batches).
   static std::atomic<uint64_t> configured{0};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
   if (bit == 0 || (configured.load(std::memory_order_acquire) & bit) == 0) {
-    if ((err = ConfigureDecode<D, MT, T, DEEP>()) != cudaSuccess) return err;
+    if ((err = ConfigureDecode<D, MT, T>()) != cudaSuccess) return err;
     configured.fetch_or(bit, std::memory_order_acq_rel);
   }
-  return cudaSuccess;
-}
-
-// Launch configuration of cluster mode (cluster CTAs along x).
-template <int D, int MT, bool DEEP>
-cudaLaunchConfig_t ClusterConfig(int32_t num_items, int32_t cluster, cudaStream_t stream,
-                                 cudaLaunchAttribute* attr) {
-  using Tr = DecodeTraits<D, MT, DEEP>;
+  if (args.cluster <= 1) {
+    kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
+    return cudaGetLastError();
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(num_items));
   cfg.blockDim = dim3(Tr::kThreads);
   cfg.dynamicSmemBytes = Tr::kSmemBytes;
   cfg.stream = stream;
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr->val.clusterDim.y = 1;
-  attr->val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(args.cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cfg;
+  return cudaLaunchKernelEx(&cfg, kernel, args);
 }
 
-template <int D, int MT, typename T>
-cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream) {
-  cudaError_t err;
-  if (args.cluster <= 1) {
-    using Tr = DecodeTraits<D, MT>;
-    if ((err = ConfigureOnce<D, MT, T, false>()) != cudaSuccess) return err;
-    PagedDecodeKernel<D, MT, T, false><<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
-    return cudaGetLastError();
-  }
-  constexpr bool kDeep = kClusterDeep<D>;
-  if ((err = ConfigureOnce<D, MT, T, kDeep>()) != cudaSuccess) return err;
-  cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = ClusterConfig<D, MT, kDeep>(num_items, args.cluster, stream, attr);
-  return cudaLaunchKernelEx(&cfg, PagedDecodeKernel<D, MT, T, kDeep>, args);
-}
-
-// Largest cluster (<= kMaxDecodeCluster) the device co-schedules for the
-// kernel cluster mode runs; 0 below sm_90.
+// Largest cluster (<= kMaxDecodeCluster) the device co-schedules for this
+// kernel; 0 below sm_90.
 template <int D, int MT, typename T>
 int32_t MaxCluster() {
-  constexpr bool kDeep = kClusterDeep<D>;
+  using Tr = DecodeTraits<D, MT>;
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9 ||
-      ConfigureDecode<D, MT, T, kDeep>() != cudaSuccess) {
+      ConfigureDecode<D, MT, T>() != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(kMaxDecodeCluster);
+  cfg.blockDim = dim3(Tr::kThreads);
+  cfg.dynamicSmemBytes = Tr::kSmemBytes;
   cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = ClusterConfig<D, MT, kDeep>(kMaxDecodeCluster, kMaxDecodeCluster, nullptr, attr);
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kMaxDecodeCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
   int n = 0;
-  if (cudaOccupancyMaxPotentialClusterSize(&n, PagedDecodeKernel<D, MT, T, kDeep>, &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxPotentialClusterSize(&n, PagedDecodeKernel<D, MT, T>, &cfg) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
@@ -712,7 +696,7 @@ int32_t MaxCluster() {
 template <int D, int MT, typename T>
 int32_t CtasPerSm() {
   using Tr = DecodeTraits<D, MT>;
-  auto kernel = PagedDecodeKernel<D, MT, T, false>;
+  auto kernel = PagedDecodeKernel<D, MT, T>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes) != cudaSuccess) {
     cudaGetLastError();
     return 1;
