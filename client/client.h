@@ -126,6 +126,8 @@ KvGeometry GeometryOf(const v1::ServerInfo& info);
 
 class Client {
  public:
+  ~Client();
+
   // Connects and, unless options.fetch_info is false, reads the server's
   // geometry (GetServerInfo).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
@@ -181,7 +183,15 @@ class Client {
   static absl::Status FromGrpc(const grpc::Status& status);
 
  private:
-  Client() = default;
+  struct RawMethods;
+  Client();
+
+  // One unary call whose request and response are wire bytes (the
+  // tensor-carrying RPCs, common/tensor_wire.h). The request is released
+  // (and the call destroyed) when this returns, so that memory it borrowed
+  // may be waited for then.
+  grpc::Status CallRaw(const grpc::internal::RpcMethod& method, grpc::ByteBuffer request,
+                       grpc::ByteBuffer* response);
 
   // Remembers `seen` when nothing was remembered yet.
   void Learn(uint64_t seen);
@@ -190,6 +200,7 @@ class Client {
   std::atomic<uint64_t> incarnation_{0};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
+  std::unique_ptr<RawMethods> raw_;
   v1::ServerInfo info_;
 };
 
