@@ -289,7 +289,14 @@ absl::StatusOr<KvData> Client::ReadKV(int32_t layer, absl::Span<const int64_t> s
   return out;
 }
 
-absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
+absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& args) {
+  PrefillResult result;
+  absl::Status s = PrefillInto(args, &result);
+  if (!s.ok()) return s;
+  return result;
+}
+
+absl::Status Client::PrefillInto(const PrefillArgs& a, PrefillResult* result) {
   v1::PrefillRequest req;  // inline tensors follow it
   std::vector<InlineTensor> tensors;
   req.set_layer(a.layer);
@@ -345,13 +352,15 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
   grpc::Status s = CallRaw(raw_->prefill, EncodeRequest(req, tensors, &borrowed), &bytes);
   borrowed.WaitReleased();
   if (!s.ok()) return FromGrpc(s);
-  PrefillResult r;
   ReceivedTensor o, lse;
-  absl::Status parsed = ReadTensorResponse(bytes, "attnserve.v1.PrefillResponse", &o,
-                                           Into(&r.o), &lse, Into(&r.lse), &r.incarnation);
+  absl::Status parsed =
+      ReadTensorResponse(bytes, "attnserve.v1.PrefillResponse", &o, Into(&result->o), &lse,
+                         Into(&result->lse), &result->incarnation);
   if (!parsed.ok()) return absl::InternalError(parsed.message());
-  Learn(r.incarnation);
-  return r;
+  if (o.bytes == 0) result->o.clear();  // no data field: nothing was written into it
+  if (lse.bytes == 0) result->lse.clear();
+  Learn(result->incarnation);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> Client::CreatePlan(const PlanLayout& layout) {
