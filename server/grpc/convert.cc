@@ -186,10 +186,6 @@ absl::Status ParseInto(const grpc::ByteBuffer& bytes, const WireMessage& limits,
 
 namespace {
 
-// Data below this size is copied into the response, which costs less than a
-// slice of its own.
-constexpr size_t kReferenceMinBytes = 16 << 10;
-
 // An owner shared by the slices that reference its memory; the last slice
 // gRPC releases deletes it.
 template <typename T>
@@ -212,21 +208,21 @@ struct OutTensor {
 };
 
 // Response wire bytes: Tensor fields 1 and 2, then the fixed64 incarnation
-// (field 3, when not 0). Data of kReferenceMinBytes or more is referenced
-// (the owner lives until gRPC has sent it), smaller data copied.
+// (field 3, when not 0). Their data is referenced, never copied: the owner
+// lives until gRPC has released the last slice.
 template <typename Owner>
 grpc::ByteBuffer EncodeTwoTensors(const OutTensor& first, const OutTensor& second,
                                   uint64_t incarnation, Owner owner) {
-  const int refs = (first.bytes >= kReferenceMinBytes) + (second.bytes >= kReferenceMinBytes);
+  const int refs = (first.bytes > 0) + (second.bytes > 0);
   auto* shared = refs > 0 ? new SharedOwner<Owner>(std::move(owner), refs) : nullptr;
   WireWriter w;
   uint32_t field = 1;
   for (const OutTensor* t : {&first, &second}) {
-    if (t->bytes >= kReferenceMinBytes) {
+    if (t->bytes > 0) {
       w.AppendTensor(field, t->dtype, t->shape,
                      grpc::Slice(t->data, t->bytes, &SharedOwner<Owner>::Unref, shared), t->bytes);
     } else {
-      w.AppendTensorCopy(field, t->dtype, t->shape, t->data, t->bytes);
+      w.AppendTensor(field, t->dtype, t->shape, grpc::Slice(), 0);
     }
     ++field;
   }
