@@ -8,29 +8,42 @@ Starts one attnserve per device (CUDA_VISIBLE_DEVICES=<device>, its own
 ports, 1 layer, the default heads: 32 query and 4 KV heads of 128, bf16)
 and measures:
 
-(a) prefill: one causal prefill of --prefill_len tokens (32k) attending to
-    itself, on one server and spread over two. The two-server rows hold the
-    keys [0, s) and [s, L), send every query to the first and the queries
-    [s, L) to the second (the others see nothing there), with kv_keys_after
-    so that the mask is the whole sequence's, and the client merges by LSE
-    (attnserve.merge.merge_states). Split points: the middle, and
-    s = L(1 - 1/sqrt(2)), where the two servers' shares of the causal
-    triangle's work are equal (what attnserve.Cluster does with
-    split_min_tokens: attnserve.cluster.causal_spread). The time
-    on the critical path is max over servers of the device time the
-    servers' /metrics report for the request (attnserve_kernel_duration_
-    seconds, every kernel) plus the client's merge; wall times (with the
-    transfer of 256 MiB of queries to each server) are reported beside. The
-    merged output is checked against the one-server output (relative error).
-    Last, the same prefill through attnserve.Cluster (split_min_tokens=L),
-    K/V appended in the same Prefills: device time and wall time.
+(a) prefill (two fresh servers): one causal prefill of --prefill_len tokens
+    (32k) attending to itself, on one server and spread over two. The
+    two-server rows hold the keys [0, s) and [s, L), send every query to the
+    first and the queries [s, L) to the second (the others see nothing
+    there), with kv_keys_after so that the mask is the whole sequence's.
+    Split points: the middle, and s = L(1 - 1/sqrt(2)), where the two
+    servers' shares of the causal triangle's work are equal (what
+    attnserve.Cluster does with split_min_tokens:
+    attnserve.cluster.causal_spread). The kernels' critical path is max over
+    servers of the device time their /metrics report for the request
+    (attnserve_kernel_duration_seconds, every kernel). The merge of the two
+    partial states of rows [s, L) is timed apart for each place it can run:
+    numpy (attnserve.merge on float32 outputs), torch_cpu and torch_cuda
+    (attnserve.merge on the bf16 outputs, on the CPU and on the client's GPU;
+    the host-to-device copy reported beside), server_rpc (the first server's
+    MergeStates, the states sent over gRPC and back; first repetition only).
+    Each is added to the kernels' critical path and set against one GPU's
+    kernel time: the issue's quantity. The merged output is checked against
+    the one-server output (relative error). Last, the same prefill through
+    attnserve.Cluster (split_min_tokens=L), K/V appended in the same
+    Prefills, with numpy outputs and with torch outputs on the GPU: device
+    time and wall time.
 (b) decode: --seqs (128) sequences of --kv_len (4096) keys placed by
-    attnserve.Cluster over one server or over two; --clients (32) processes,
-    each with its own Cluster and --seqs / --clients of the sequences,
-    decode one token per sequence per step for --duration seconds (layout
-    sent with each step, no server plans: one Prefill per server touched).
-    Reported: steps/s, Prefill requests/s and tokens/s over all clients, and
-    the step latency's p50 / p99.
+    attnserve.Cluster over one fresh server, then over two fresh servers
+    (the same flags; --num_pages holds every sequence on one server four
+    times over); --clients (32) processes, each with its own Cluster and
+    --seqs / --clients of the sequences, decode one token per sequence per
+    step (layout sent with each step, no server plans: one Prefill per server
+    touched): --warmup seconds untimed, then --duration seconds timed.
+    Reported: requests/s (a request is one client's step), Prefill RPCs/s,
+    tokens/s, the step latency's p50 / p99, the client's time in plan() and
+    its CPU per step, and per server over the timed window: Prefills, batches
+    and requests per batch, kernel time per batch and device busy fraction,
+    queue wait, time in the server per Prefill.
+
+Ends with the scaling table of the run (the issue's targets).
 
 With --backend cpu and small sizes it runs anywhere (a smoke test).
 """
@@ -112,6 +125,80 @@ def half_tensor(rng, shape):
         return x
 
 
+def as_f32(x):
+    """float32 numpy of a numpy or torch tensor."""
+    if hasattr(x, "detach"):
+        return x.detach().to("cpu").float().numpy()
+    return x
+
+
+def sync():
+    try:
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except ImportError:
+        pass
+
+
+def merge_methods() -> list:
+    """Where the client can merge: numpy always; torch on the CPU and on the
+    client's GPU when torch (with CUDA) is there; the server's MergeStates."""
+    out = ["numpy"]
+    try:
+        import torch
+        out.append("torch_cpu")
+        if torch.cuda.is_available():
+            out.append("torch_cuda")
+    except ImportError:
+        pass
+    return out + ["server_rpc"]
+
+
+def merge_all(methods, vs, ls, client):
+    """Times the merge of two partial states (vs [n, h, d] bf16 torch or
+    float32 numpy, ls [n, h]) each way; returns ({method: seconds}, merged
+    float32 numpy of the first method). server_rpc (MergeStates on a server,
+    states sent over gRPC and back) runs only when client is given."""
+    from attnserve.merge import merge_states
+    times, first = {}, None
+    for m in methods:
+        if m == "numpy":
+            v_np = [np.asarray(as_f32(x)) for x in vs]   # what out="numpy" returns
+            l_np = [np.asarray(as_f32(x)) for x in ls]
+            t0 = time.perf_counter()
+            o, _ = merge_states(v_np, l_np)
+            times[m] = time.perf_counter() - t0
+            del v_np
+        elif m == "torch_cpu":
+            t0 = time.perf_counter()
+            o, _ = merge_states(vs, ls)
+            times[m] = time.perf_counter() - t0
+        elif m == "torch_cuda":
+            import torch
+            sync()
+            t0 = time.perf_counter()
+            v_d = [x.to("cuda:0", non_blocking=False) for x in vs]
+            l_d = [x.to("cuda:0") for x in ls]
+            sync()
+            t1 = time.perf_counter()
+            o, _ = merge_states(v_d, l_d)
+            sync()
+            times[m] = time.perf_counter() - t1
+            times[m + "_h2d"] = t1 - t0
+            del v_d, l_d
+        elif m == "server_rpc":
+            if client is None:
+                continue
+            t0 = time.perf_counter()
+            o, _ = client.merge_states(list(zip(vs, ls)))
+            times[m] = time.perf_counter() - t0
+        if first is None:
+            first = np.asarray(as_f32(o))
+        del o
+    return times, first
+
+
 # ---------------------------------------------------------------- (a) prefill
 def prefill_bench(a, servers, log):
     import attnserve
@@ -137,14 +224,14 @@ def prefill_bench(a, servers, log):
                             v[lo + i:lo + min(n, i + step)])
         return pages, n
 
-    def run(client, server, pages, n, after, first_row=0):
+    def run(client, server, pages, n, after, first_row=0, kind="numpy"):
         # The queries from first_row on (the rows before see nothing of a
         # range that starts there, as the cluster leaves them out).
         last = n - (len(pages) - 1) * ps
         before = server.kernel_seconds()
         t0 = time.perf_counter()
         r = client.prefill(0, q[first_row:], [0, L - first_row], [0, len(pages)], pages, [last],
-                           kv_keys_after=[after], out="numpy")
+                           kv_keys_after=[after], out=kind)
         wall = time.perf_counter() - t0
         return r, wall, server.kernel_seconds() - before
 
@@ -154,7 +241,7 @@ def prefill_bench(a, servers, log):
     rows = []
     for rep in range(a.reps):
         r, wall, kern = run(clients[0], servers[0], whole_pages, L, 0)
-        ref = r.output if ref is None else ref
+        ref = np.asarray(as_f32(r.output)) if ref is None else ref
         rows.append((kern, wall))
     results["one_gpu"] = {"kernel_s": statistics.median(x for x, _ in rows),
                           "wall_s": statistics.median(y for _, y in rows)}
@@ -164,6 +251,7 @@ def prefill_bench(a, servers, log):
 
     from attnserve.cluster import causal_spread
     splits = {"even": L // 2, "balanced": causal_spread(L, 2)[0]}
+    methods = merge_methods()
     for name, s in splits.items():
         parts = [load(clients[0], 0, s), load(clients[1], s, L)]
         afters = [L - s, 0]
@@ -173,35 +261,44 @@ def prefill_bench(a, servers, log):
 
             def go(i):
                 out[i] = run(clients[i], servers[i], parts[i][0], parts[i][1], afters[i],
-                             0 if i == 0 else s)
+                             0 if i == 0 else s, kind="torch" if "torch" in methods else "numpy")
             t0 = time.perf_counter()
             threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
-            t1 = time.perf_counter()
+            t_kernels = time.perf_counter() - t0
             # Rows [0, s) come from the first server only; [s, L) are merged.
-            o = np.empty_like(ref)
-            o[:s] = out[0][0].output[:s]
-            o[s:], _ = merge_states([out[0][0].output[s:], out[1][0].output],
-                                    [out[0][0].lse[s:], out[1][0].lse])
-            merge_s = time.perf_counter() - t1
-            wall = time.perf_counter() - t0
+            vs = [out[0][0].output[s:], out[1][0].output]
+            ls = [out[0][0].lse[s:], out[1][0].lse]
+            times, merged = merge_all(methods, vs, ls, clients[0] if rep == 0 else None)
+            o = np.asarray(as_f32(out[0][0].output))
+            o[s:] = merged
             err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
-            rows.append((max(out[0][2], out[1][2]), out[0][2], out[1][2], merge_s, wall, err))
+            rows.append((max(out[0][2], out[1][2]), out[0][2], out[1][2], times, t_kernels, err))
         med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
-        results[f"two_gpus_{name}"] = {
-            "split": s, "kernel_critical_s": med(0), "kernel_s": [med(1), med(2)],
-            "merge_s": med(3), "critical_path_s": med(0) + med(3), "wall_s": med(4),
-            "rel_error_vs_one_gpu": max(r[5] for r in rows)}
-        r = results[f"two_gpus_{name}"]
+        merge_s = {m: statistics.median(r[3][m] for r in rows if m in r[3])
+                   for m in rows[0][3]}
+        crit = med(0)
+        r = results[f"two_gpus_{name}"] = {
+            "split": s, "merged_rows": L - s, "kernel_critical_s": crit,
+            "kernel_s": [med(1), med(2)], "merge_s": merge_s,
+            "critical_path_s": {m: crit + t for m, t in merge_s.items() if not m.endswith("_h2d")},
+            "kernels_wall_s": med(4), "rel_error_vs_one_gpu": max(r[5] for r in rows)}
+        one = results["one_gpu"]["kernel_s"]
         print(f"(a) 2 GPUs, {name:8s} split at {s:6d}: kernels {r['kernel_s'][0] * 1e3:8.2f} / "
-              f"{r['kernel_s'][1] * 1e3:8.2f} ms, merge {r['merge_s'] * 1e3:7.2f} ms, critical "
-              f"path {r['critical_path_s'] * 1e3:8.2f} ms "
-              f"({results['one_gpu']['kernel_s'] / r['critical_path_s']:.2f}x), wall "
-              f"{r['wall_s'] * 1e3:8.1f} ms, rel error {r['rel_error_vs_one_gpu']:.2e}",
-              file=log, flush=True)
+              f"{r['kernel_s'][1] * 1e3:8.2f} ms, critical path {crit * 1e3:.2f} ms "
+              f"({one / crit:.2f}x), wall of the two Prefills {r['kernels_wall_s'] * 1e3:.1f} ms, "
+              f"rel error {r['rel_error_vs_one_gpu']:.2e}", file=log, flush=True)
+        for m, t in merge_s.items():
+            if m.endswith("_h2d"):
+                continue
+            extra = (f" (+ {merge_s[m + '_h2d'] * 1e3:.2f} ms host to device)"
+                     if m + "_h2d" in merge_s else "")
+            print(f"      merge of {L - s} rows, {m:11s}: {t * 1e3:9.2f} ms{extra}; kernels + merge "
+                  f"{(crit + t) * 1e3:9.2f} ms = {one / (crit + t):.2f}x one GPU", file=log,
+                  flush=True)
         for c, (pages, _) in zip(clients, parts):
             c.free_pages(pages)
     for c in clients:
@@ -210,33 +307,90 @@ def prefill_bench(a, servers, log):
     # The same through attnserve.Cluster: the prompt's K/V appended in the
     # same Prefills, split by causal_spread, merged by the client.
     cluster = attnserve.Cluster([s.address for s in servers], split_min_tokens=L, timeout=600)
-    rows = []
-    for rep in range(a.reps):
-        before = [s.kernel_seconds() for s in servers]
-        t0 = time.perf_counter()
-        step = cluster.plan([rep], [L])
-        t1 = time.perf_counter()
-        r = cluster.run(0, q, k, v, step=step)
-        wall = time.perf_counter() - t1
-        kern = [s.kernel_seconds() - b for s, b in zip(servers, before)]
-        err = float(np.linalg.norm(r.output - ref) / np.linalg.norm(ref))
-        rows.append((max(kern), wall, t1 - t0, err, [sh.length for sh in cluster.shards_of(rep)]))
-        cluster.finish(rep)
+    outs = [("numpy", None)]
+    if "torch_cuda" in methods:
+        outs.append(("torch", "cuda:0"))
+    for kind, device in outs:
+        rows = []
+        for rep in range(a.reps):
+            before = [s.kernel_seconds() for s in servers]
+            t0 = time.perf_counter()
+            step = cluster.plan([rep], [L])
+            t1 = time.perf_counter()
+            r = cluster.run(0, q, k, v, step=step, out=kind, device=device)
+            sync()
+            wall = time.perf_counter() - t1
+            kern = [s.kernel_seconds() - b for s, b in zip(servers, before)]
+            err = float(np.linalg.norm(np.asarray(as_f32(r.output)) - ref) / np.linalg.norm(ref))
+            rows.append((max(kern), wall, t1 - t0, err,
+                         [sh.length for sh in cluster.shards_of(rep)]))
+            cluster.finish(rep)
+        key = "cluster" if kind == "numpy" else "cluster_torch_cuda"
+        results[key] = {"out": kind, "device": device,
+                        "kernel_critical_s": statistics.median(x[0] for x in rows),
+                        "run_wall_s": statistics.median(x[1] for x in rows),
+                        "plan_wall_s": statistics.median(x[2] for x in rows),
+                        "rel_error_vs_one_gpu": max(x[3] for x in rows), "shards": rows[0][4]}
+        r = results[key]
+        print(f"(a) attnserve.Cluster (out={kind}{', ' + device if device else ''}), shards "
+              f"{r['shards']}: kernels on the critical path {r['kernel_critical_s'] * 1e3:8.2f} "
+              f"ms, run wall {r['run_wall_s'] * 1e3:8.1f} ms (plan {r['plan_wall_s'] * 1e3:.1f} "
+              f"ms), rel error {r['rel_error_vs_one_gpu']:.2e}", file=log, flush=True)
     cluster.close()
-    results["cluster"] = {"kernel_critical_s": statistics.median(x[0] for x in rows),
-                          "run_wall_s": statistics.median(x[1] for x in rows),
-                          "plan_wall_s": statistics.median(x[2] for x in rows),
-                          "rel_error_vs_one_gpu": max(x[3] for x in rows), "shards": rows[0][4]}
-    r = results["cluster"]
-    print(f"(a) attnserve.Cluster, shards {r['shards']}: kernels on the critical path "
-          f"{r['kernel_critical_s'] * 1e3:8.2f} ms, run wall {r['run_wall_s'] * 1e3:8.1f} ms "
-          f"(plan {r['plan_wall_s'] * 1e3:.1f} ms), rel error {r['rel_error_vs_one_gpu']:.2e}",
-          file=log, flush=True)
     return results
 
 
 # ---------------------------------------------------------------- (b) decode
+_SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
+
+
+def metrics_snapshot(server) -> dict:
+    """{name or name{method=...}: value} of the counters and histogram sums
+    and counts the decode table uses, summed over other labels."""
+    text = urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=30).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name in ("attnserve_requests_total", "attnserve_request_duration_seconds_sum",
+                    "attnserve_request_duration_seconds_count"):
+            meth = re.search(r'method="([^"]+)"', labels)
+            if not meth or meth.group(1) != "Prefill":
+                continue
+        elif name not in ("attnserve_kernel_duration_seconds_sum",
+                          "attnserve_batch_requests_sum", "attnserve_batch_requests_count",
+                          "attnserve_queue_wait_seconds_sum", "attnserve_queue_wait_seconds_count"):
+            continue
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def server_window(before: dict, after: dict, seconds: float) -> dict:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    batches = d.get("attnserve_batch_requests_count", 0.0)
+    prefills = d.get("attnserve_request_duration_seconds_count", 0.0)
+    waits = d.get("attnserve_queue_wait_seconds_count", 0.0)
+    return {
+        "prefills_per_s": prefills / seconds,
+        "batches_per_s": batches / seconds,
+        "requests_per_batch": d.get("attnserve_batch_requests_sum", 0.0) / batches if batches else 0,
+        "kernel_ms_per_batch": 1e3 * d.get("attnserve_kernel_duration_seconds_sum", 0.0) / batches
+        if batches else 0,
+        "device_busy": d.get("attnserve_kernel_duration_seconds_sum", 0.0) / seconds,
+        "queue_wait_ms": 1e3 * d.get("attnserve_queue_wait_seconds_sum", 0.0) / waits if waits else 0,
+        "server_ms_per_prefill": 1e3 * d.get("attnserve_request_duration_seconds_sum", 0.0) /
+        prefills if prefills else 0,
+    }
+
+
 def decode_bench(a, servers, label, log):
+    """Every client process: --seqs / --clients sequences of --kv_len keys,
+    then --warmup seconds of steps, then --duration seconds timed. A client
+    request is one step: one token for each of its sequences (the same
+    request in both configurations; over two servers it is one Prefill per
+    server touched, sent at once)."""
     targets = [s.address for s in servers]
     per = a.seqs // a.clients
     ctx = mp.get_context("spawn")  # no gRPC state shared with the children
@@ -245,18 +399,27 @@ def decode_bench(a, servers, label, log):
     procs = []
     for i in range(a.clients):
         ids = list(range(i * per, (i + 1) * per))
-        p = ctx.Process(target=_decode_run, args=(targets, ids, a.kv_len, a.duration, start,
-                                                  queue))
+        p = ctx.Process(target=_decode_run, args=(targets, ids, a.kv_len, a.warmup, a.duration,
+                                                  start, queue))
         p.start()
         procs.append(p)
     ready = 0
     while ready < a.clients:
-        kind, _ = queue.get(timeout=600)
+        kind, payload = queue.get(timeout=600)
+        if kind == "error":
+            raise RuntimeError(f"a decode client failed: {payload}")
         ready += kind == "ready"
     start.value = time.time() + 0.5
+    # The servers' counters over the timed window (after the warmup).
+    time.sleep(max(0.0, start.value + a.warmup - time.time()))
+    before = [metrics_snapshot(s) for s in servers]
+    time.sleep(max(0.0, start.value + a.warmup + a.duration - time.time()))
+    after = [metrics_snapshot(s) for s in servers]
     results = []
     while len(results) < a.clients:
         kind, payload = queue.get(timeout=600)
+        if kind == "error":
+            raise RuntimeError(f"a decode client failed: {payload}")
         if kind == "done":
             results.append(payload)
     for p in procs:
@@ -265,51 +428,112 @@ def decode_bench(a, servers, label, log):
     steps = len(lat)
     prefills = sum(r[1] for r in results)
     servers_used = sorted({s for r in results for s in r[2][1]})
+    per_server = [server_window(b, e, a.duration) for b, e in zip(before, after)]
     out = {"servers": len(servers), "clients": a.clients, "seqs": a.seqs, "kv_len": a.kv_len,
-           "steps_per_s": steps / a.duration, "prefills_per_s": prefills / a.duration,
+           "seqs_per_request": per,
+           "requests_per_s": steps / a.duration, "prefills_per_s": prefills / a.duration,
            "tokens_per_s": steps * per / a.duration,
            "p50_ms": lat[len(lat) // 2] * 1e3 if lat else None,
            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3 if lat else None,
-           "servers_used": servers_used}
-    print(f"(b) {label}: {out['steps_per_s']:8.1f} steps/s, {out['prefills_per_s']:8.1f} "
-          f"Prefill req/s, {out['tokens_per_s']:9.1f} tokens/s, p50 {out['p50_ms']:.2f} ms, "
-          f"p99 {out['p99_ms']:.2f} ms (servers used {servers_used})", file=log, flush=True)
+           "kv_len_at_end": max(r[3] for r in results),
+           # Where a client's step goes: plan() (pages, layout) and its own CPU
+           # time (process time: serializing, converting; not waiting).
+           "client_plan_ms_per_step": 1e3 * sum(r[4] for r in results) / max(steps, 1),
+           "client_cpu_ms_per_step": 1e3 * sum(r[5] for r in results) / max(steps, 1),
+           "servers_used": servers_used, "per_server": per_server}
+    print(f"(b) {label}: {out['requests_per_s']:8.1f} requests/s ({per} sequences each), "
+          f"{out['prefills_per_s']:8.1f} Prefill RPCs/s, {out['tokens_per_s']:9.1f} tokens/s, "
+          f"p50 {out['p50_ms']:.2f} ms, p99 {out['p99_ms']:.2f} ms, keys at the end <= "
+          f"{out['kv_len_at_end']} (servers used {servers_used}); per step a client spends "
+          f"{out['client_plan_ms_per_step']:.2f} ms in plan() and {out['client_cpu_ms_per_step']:.2f} "
+          f"ms of its own CPU", file=log, flush=True)
+    for i, w in enumerate(per_server):
+        print(f"      server {i}: {w['prefills_per_s']:.1f} Prefills/s in {w['batches_per_s']:.1f} "
+              f"batches/s ({w['requests_per_batch']:.1f} requests each, kernels "
+              f"{w['kernel_ms_per_batch']:.3f} ms/batch, device busy {w['device_busy'] * 100:.1f}%), "
+              f"queue wait {w['queue_wait_ms']:.2f} ms, in the server {w['server_ms_per_prefill']:.2f} "
+              f"ms/Prefill", file=log, flush=True)
     return out
 
 
-def _decode_run(targets, ids, kv_len, duration, start_value, queue):
+def _decode_run(targets, ids, kv_len, warmup, duration, start_value, queue):
     """One client process: its sequences' prompts, then decode steps from the
-    common start time for `duration` seconds."""
-    import attnserve
-    c = attnserve.Cluster(targets, timeout=600, server_plans=False)
-    g = c.server_info
-    rng = np.random.default_rng(ids[0])
-    for done in range(0, kv_len, 1024):  # the prompts, in chunks of 1024 tokens
-        step = c.plan(ids, [min(1024, kv_len - done)] * len(ids))
-        n = step.total_q
-        c.run(0, half_tensor(rng, (n, g.num_qo_heads, g.head_dim)),
-              half_tensor(rng, (n, g.num_kv_heads, g.head_dim)),
-              half_tensor(rng, (n, g.num_kv_heads, g.head_dim)))
-    q = half_tensor(rng, (len(ids), g.num_qo_heads, g.head_dim))
-    kv = half_tensor(rng, (len(ids), g.num_kv_heads, g.head_dim))
-    queue.put(("ready", None))
-    while start_value.value == 0.0:
-        time.sleep(0.005)
-    start_at = start_value.value
-    while time.time() < start_at:
-        time.sleep(0.001)
-    latencies, prefills = [], 0
-    end = start_at + duration
-    while time.time() < end:
-        t0 = time.perf_counter()
-        s = c.plan(ids, [1] * len(ids))
-        c.run(0, q, kv, kv, step=s)
-        latencies.append(time.perf_counter() - t0)
-        prefills += len(s.parts)
-    placement = ([len(c.shards_of(i)) for i in ids], [c.shards_of(i)[0].server for i in ids])
-    c.release()
-    c.close()
-    queue.put(("done", (latencies, prefills, placement)))
+    common start time: `warmup` seconds untimed, `duration` seconds timed."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # 32 clients share the host's cores
+    try:
+        import attnserve
+        try:
+            import torch
+            torch.set_num_threads(1)
+        except ImportError:
+            pass
+        c = attnserve.Cluster(targets, timeout=600, server_plans=False)
+        g = c.server_info
+        rng = np.random.default_rng(ids[0])
+        for done in range(0, kv_len, 1024):  # the prompts, in chunks of 1024 tokens
+            step = c.plan(ids, [min(1024, kv_len - done)] * len(ids))
+            n = step.total_q
+            c.run(0, half_tensor(rng, (n, g.num_qo_heads, g.head_dim)),
+                  half_tensor(rng, (n, g.num_kv_heads, g.head_dim)),
+                  half_tensor(rng, (n, g.num_kv_heads, g.head_dim)))
+        q = half_tensor(rng, (len(ids), g.num_qo_heads, g.head_dim))
+        kv = half_tensor(rng, (len(ids), g.num_kv_heads, g.head_dim))
+        queue.put(("ready", None))
+        while start_value.value == 0.0:
+            time.sleep(0.005)
+        start_at = start_value.value
+        while time.time() < start_at:
+            time.sleep(0.001)
+        latencies, prefills, plan_s, cpu_s = [], 0, 0.0, 0.0
+        timed_from = start_at + warmup
+        end = timed_from + duration
+        while True:
+            now = time.time()
+            if now >= end:
+                break
+            c0, t0 = time.process_time(), time.perf_counter()
+            s = c.plan(ids, [1] * len(ids))
+            t1 = time.perf_counter()
+            c.run(0, q, kv, kv, step=s)
+            if now >= timed_from:
+                latencies.append(time.perf_counter() - t0)
+                plan_s += t1 - t0
+                cpu_s += time.process_time() - c0
+                prefills += len(s.parts)
+        placement = ([len(c.shards_of(i)) for i in ids], [c.shards_of(i)[0].server for i in ids])
+        kv_end = max(c.kv_len(i) for i in ids)
+        c.release()
+        c.close()
+        queue.put(("done", (latencies, prefills, placement, kv_end, plan_s, cpu_s)))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails
+        queue.put(("error", repr(e)))
+        raise
+
+
+def scaling_table(results, log):
+    """The issue's table: two GPUs against one, from this run."""
+    print("\nScaling, two servers (one per GPU) against one, this run:", file=log)
+    print("| case | 1 GPU | 2 GPUs | 2 / 1 | must reach |", file=log)
+    print("|---|---|---|---|---|", file=log)
+    pre = results.get("prefill")
+    if pre:
+        one = pre["one_gpu"]["kernel_s"]
+        b = pre["two_gpus_balanced"]
+        L = results["args"]["prefill_len"]
+        print(f"| {L}-token causal prefill, kernels only (critical path) | {one * 1e3:.2f} ms | "
+              f"{b['kernel_critical_s'] * 1e3:.2f} ms | {one / b['kernel_critical_s']:.2f}x | |",
+              file=log)
+        for m, t in b["critical_path_s"].items():
+            print(f"| {L}-token causal prefill, kernels + merge ({m}) | {one * 1e3:.2f} ms | "
+                  f"{t * 1e3:.2f} ms | {one / t:.2f}x | >= 1.7x |", file=log)
+    one, two = results.get("decode_one_server"), results.get("decode_two_servers")
+    if one and two:
+        print(f"| decode {two['seqs']} x 1 over {two['kv_len']} keys, {two['clients']} clients, "
+              f"requests/s | {one['requests_per_s']:.1f} | {two['requests_per_s']:.1f} | "
+              f"{two['requests_per_s'] / one['requests_per_s']:.2f}x | >= 1.7x |", file=log)
+        print(f"| same, p50 latency | {one['p50_ms']:.2f} ms | {two['p50_ms']:.2f} ms | | |",
+              file=log)
+    log.flush()
 
 
 def main():
@@ -322,8 +546,11 @@ def main():
     ap.add_argument("--seqs", type=int, default=128)
     ap.add_argument("--kv_len", type=int, default=4096)
     ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--duration", type=float, default=20.0)
-    ap.add_argument("--num_pages", type=int, default=65536)
+    ap.add_argument("--duration", type=float, default=15.0, help="timed decode seconds")
+    ap.add_argument("--warmup", type=float, default=3.0, help="untimed decode seconds first")
+    ap.add_argument("--num_pages", type=int, default=0,
+                    help="pages per server (0: room for every decode sequence on one server "
+                         "at 4x its prompt, and for the prefill twice over)")
     ap.add_argument("--out", default=".", help="directory for the server logs")
     ap.add_argument("--json", default="")
     ap.add_argument("--skip", default="", help="'prefill' or 'decode' to leave one out")
@@ -333,23 +560,42 @@ def main():
     devices = [d for d in a.devices.split(",") if d != ""]
     if len(devices) != 2:
         sys.exit("--devices needs two devices")
+    page_size = 16
+    if a.num_pages == 0:
+        a.num_pages = max(-(-a.seqs * a.kv_len * 4 // page_size),
+                          -(-a.prefill_len * 2 // page_size)) + 64
     os.makedirs(a.out, exist_ok=True)
     log = sys.stdout
-    servers = [Server(a.bin, d if a.backend == "cuda" else None, a.backend, a.num_pages,
-                      os.path.join(a.out, f"server{i}.log")) for i, d in enumerate(devices)]
-    results = {"args": vars(a)}
-    try:
-        if a.skip != "prefill":
-            results["prefill"] = prefill_bench(a, servers, log)
-        if a.skip != "decode":
-            results["decode_one_server"] = decode_bench(a, servers[:1], "1 server ", log)
-            results["decode_two_servers"] = decode_bench(a, servers, "2 servers", log)
-            one, two = results["decode_one_server"], results["decode_two_servers"]
-            print(f"(b) two servers / one: {two['steps_per_s'] / one['steps_per_s']:.2f}x steps/s",
-                  file=log, flush=True)
-    finally:
+    print(f"servers: --num_layers=1 --num_pages={a.num_pages} (page_size {page_size}), the same "
+          f"flags for every server; fresh servers for each decode configuration", file=log)
+
+    def start_servers(n, tag):
+        return [Server(a.bin, d if a.backend == "cuda" else None, a.backend, a.num_pages,
+                       os.path.join(a.out, f"server{i}-{tag}.log"))
+                for i, d in enumerate(devices[:n])]
+
+    def stop_all(servers):
         for s in servers:
             s.stop()
+
+    # A timeout's SIGTERM unwinds through the finally blocks that stop the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results = {"args": vars(a)}
+    if a.skip != "prefill":
+        servers = start_servers(2, "prefill")
+        try:
+            results["prefill"] = prefill_bench(a, servers, log)
+        finally:
+            stop_all(servers)
+    if a.skip != "decode":
+        for n, key, label in ((1, "decode_one_server", "1 server "),
+                              (2, "decode_two_servers", "2 servers")):
+            servers = start_servers(n, f"decode{n}")
+            try:
+                results[key] = decode_bench(a, servers, label, log)
+            finally:
+                stop_all(servers)
+    scaling_table(results, log)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

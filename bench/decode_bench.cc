@@ -155,6 +155,7 @@ Row RunWorkload(const Workload& w, int repeats) {
   dopt.num_sms = sms;
   const int tile_rows = DecodeTileRows(kD, w.q_len * (kH / kKvh));
   dopt.ctas_per_sm = DecodeCtasPerSm(kD, g.dtype, tile_rows);
+  dopt.max_cluster = DecodeMaxCluster(kD, g.dtype, tile_rows);
   DecodePlan dplan;
   BuildDecodePlan(seqs.data(), w.batch, g, dopt, &dplan);
   DecodePlanOptions nopt = dopt;
@@ -216,7 +217,7 @@ Row RunWorkload(const Workload& w, int repeats) {
   const int n_items = static_cast<int>(dplan.items.size());
   const double ms = TimeMs(repeats, [&](int r) {
     CHECK_CUDA(PagedDecodeCuda(params(r, o_dec), dplan.tile_rows, static_cast<DecodeWorkItem*>(d_items), n_items,
-                               part_o, part_lse, counters, nullptr));
+                               part_o, part_lse, counters, nullptr, DecodeLaunchOptions{dplan.cluster, false}));
   });
   // The last timed run used set (repeats + 4) % sets: keep its output.
   const int last_set = (repeats + 4) % sets;
@@ -234,16 +235,17 @@ Row RunWorkload(const Workload& w, int repeats) {
   if (dplan.split_tiles > 0) {
     ms_nomerge = TimeMs(repeats, [&](int r) {
       CHECK_CUDA(PagedDecodeCuda(params(r, o_dec), dplan.tile_rows, static_cast<DecodeWorkItem*>(d_items), n_items,
-                                 part_o, part_lse, counters, nullptr, /*skip_merge=*/true));
+                                 part_o, part_lse, counters, nullptr, DecodeLaunchOptions{0, /*skip_merge=*/true}));
     });
   }
   const double merge_share = std::max(0.0, (ms - ms_nomerge) / ms);
   std::printf("RESULT kernel=decode workload=%s batch=%d q=%d kv=%d page_size=%d ms=%.4f kv_tbs=%.3f items=%d "
-              "tile_rows=%d chunk=%d split_tiles=%d ctas_per_sm=%d ms_without_merge=%.4f merge_share=%.3f\n",
+              "tile_rows=%d chunk=%d split_tiles=%d cluster=%d ctas_per_sm=%d ms_without_merge=%.4f merge_share=%.3f\n",
               w.name.c_str(), w.batch, w.q_len, w.kv_len, w.page_size, ms, kv_bytes / (ms * 1e-3) / 1e12, n_items,
-              dplan.tile_rows, dplan.chunk_len, dplan.split_tiles, dopt.ctas_per_sm, ms_nomerge, merge_share);
+              dplan.tile_rows, dplan.chunk_len, dplan.split_tiles, dplan.cluster, dopt.ctas_per_sm, ms_nomerge,
+              merge_share);
   std::fflush(stdout);
-  if (dplan.split_tiles > 0) {
+  if (dplan.split_tiles > 0 || dplan.cluster > 1) {
     const double ms_n = TimeMs(repeats, [&](int r) {
       CHECK_CUDA(PagedDecodeCuda(params(r, o_dec), nplan.tile_rows, static_cast<DecodeWorkItem*>(d_nitems),
                                  static_cast<int>(nplan.items.size()), nullptr, nullptr, nullptr, nullptr));
@@ -281,6 +283,27 @@ Row RunWorkload(const Workload& w, int repeats) {
       cudaFree(f_part_o);
       cudaFree(f_part_lse);
       cudaFree(f_counters);
+    }
+    // Cluster mode with forced cluster sizes (sm_90): the merge in
+    // distributed shared memory instead of the last CTA's pass.
+    for (int c : {4, 8, 16}) {
+      if (c > dopt.max_cluster) continue;
+      DecodePlanOptions copt = dopt;
+      copt.force_cluster = c;
+      DecodePlan cplan;
+      BuildDecodePlan(seqs.data(), w.batch, g, copt, &cplan);
+      if (cplan.cluster != c) continue;
+      void* d_citems = dev_copy(cplan.items.data(), cplan.items.size() * sizeof(DecodeWorkItem));
+      const int ncl = static_cast<int>(cplan.items.size());
+      const double ms_c = TimeMs(repeats, [&](int r) {
+        CHECK_CUDA(PagedDecodeCuda(params(r, o_dec), cplan.tile_rows, static_cast<DecodeWorkItem*>(d_citems), ncl,
+                                   nullptr, nullptr, nullptr, nullptr, DecodeLaunchOptions{c, false}));
+      });
+      std::printf("RESULT kernel=decode_cluster workload=%s page_size=%d cluster=%d chunk=%d items=%d ms=%.4f "
+                  "kv_tbs=%.3f\n",
+                  w.name.c_str(), w.page_size, c, cplan.chunk_len, ncl, ms_c, kv_bytes / (ms_c * 1e-3) / 1e12);
+      std::fflush(stdout);
+      cudaFree(d_citems);
     }
   }
 
@@ -371,6 +394,18 @@ double CopyCeilingTbs(int repeats) {
   return tbs;
 }
 
+// A 4-byte cudaMemsetAsync (one tiny kernel) timed the same way: the launch /
+// event floor under every latency figure of this bench.
+double EmptyLaunchMs(int repeats) {
+  void* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, 4));
+  const double ms = TimeMs(repeats, [&](int) { CHECK_CUDA(cudaMemsetAsync(p, 0, 4)); });
+  cudaFree(p);
+  std::printf("RESULT kernel=empty ms=%.4f\n", ms);
+  std::fflush(stdout);
+  return ms;
+}
+
 }  // namespace
 }  // namespace attnserve
 
@@ -385,6 +420,7 @@ int main(int argc, char** argv) {
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   const int reps = quick ? 10 : 50;
   const double copy_tbs = CopyCeilingTbs(reps);
+  const double empty_ms = EmptyLaunchMs(reps);
   // name, batch, q_len, kv_len, page_size, target ms (max), target TB/s (min)
   const std::vector<Workload> workloads = {
       {"decode_b64", 64, 1, 4096, 1, 0.135, 0},     {"decode_b64", 64, 1, 4096, 16, 0.135, 0},
@@ -397,6 +433,7 @@ int main(int argc, char** argv) {
   for (const auto& w : workloads) rows.push_back(RunWorkload(w, reps));
 
   std::printf("\ncopy ceiling (cudaMemcpy D2D 1 GiB, read + write): %.2f TB/s\n", copy_tbs);
+  std::printf("4-byte memset kernel, timed as the workloads (launch + event floor): %.4f ms\n", empty_ms);
   std::printf("%-15s %3s %9s %8s %7s %11s %8s %-16s %s\n", "workload", "ps", "ms", "TB/s", "merge%", "prefill_ms",
               "speedup", "target", "met");
   for (const auto& r : rows) {

@@ -8,12 +8,16 @@
 // sets rotated when one set fits in L2. FLOPs as ANCHORS.md counts them:
 // 4 * head_dim * num_qo_heads * (visible (query, key) pairs).
 //
-// Usage: attnserve_kernel_bench [--quick] [--kernel=auto|sm80|sm80_rows64|sm90] [--merge-only]
-//                               [--workload=NAME[,NAME...]]
+// Usage: attnserve_kernel_bench [--quick]
+//          [--kernel=auto|sm80|sm80_rows64|sm90|sm90_overlap|sm90_overlap_nopp]
+//          [--merge-only] [--workload=NAME[,NAME...]]
 // --kernel=auto (the default) times what the server picks per workload
-// (ChoosePrefillKernel); a name forces that kernel (sm90: sm_90 devices only).
+// (ChoosePrefillKernel); a name forces that kernel (sm90*: sm_90 devices
+// only).
 // --workload times only the named anchor workloads (long, batch, prefix,
-// decode) at page_size 1 and 16 with the default plan: no sweep, no merge.
+// decode) at page_size 1 and 16 with the default plan, and `sweep` the
+// sequence-length sweep at page_size 1 (16k query tokens as 32 x 512 ..
+// 1 x 16384, causal); no merge.
 // Prints one "RESULT key=value ..." line per measurement, then a table.
 #include <cuda_runtime.h>
 
@@ -354,29 +358,43 @@ int main(int argc, char** argv) {
       }
     }
     if (!known) {
-      std::fprintf(stderr, "--kernel=%s: expected auto, sm80, sm80_rows64 or sm90\n", only_kernel.c_str());
+      std::fprintf(stderr,
+                   "--kernel=%s: expected auto, sm80, sm80_rows64, sm90, sm90_overlap or sm90_overlap_nopp\n",
+                   only_kernel.c_str());
       return 2;
     }
-    if (forced_kernel == PrefillKernel::kSm90 && prop.major != 9) {
-      std::fprintf(stderr, "--kernel=sm90: the sm90 family runs only on sm_90 devices; this one is sm_%d%d\n",
-                   prop.major, prop.minor);
+    if (IsSm90Kernel(forced_kernel) && prop.major != 9) {
+      std::fprintf(stderr, "--kernel=%s: the sm90 family runs only on sm_90 devices; this one is sm_%d%d\n",
+                   only_kernel.c_str(), prop.major, prop.minor);
       return 2;
     }
     forced = &forced_kernel;
   }
+  // Sweep: 16k query tokens split into sequences of 512..16k.
+  auto run_len_sweep = [&]() {
+    for (int len = 512; len <= 16384; len *= 2) {
+      RunPrefill({"sweep_len" + std::to_string(len), 16384 / len, len, len}, 1, forced, reps);
+    }
+  };
   if (!only_workload.empty()) {
     std::vector<const Workload*> picked;
+    bool sweep = false;
     size_t start = 0;
     while (start <= only_workload.size()) {
       size_t end = only_workload.find(',', start);
       if (end == std::string::npos) end = only_workload.size();
       const std::string name = only_workload.substr(start, end - start);
+      if (name == "sweep") {
+        sweep = true;
+        start = end + 1;
+        continue;
+      }
       const Workload* found = nullptr;
       for (const auto& w : anchors) {
         if (w.name == name) found = &w;
       }
       if (found == nullptr) {
-        std::fprintf(stderr, "--workload=%s: expected names among long, batch, prefix, decode\n",
+        std::fprintf(stderr, "--workload=%s: expected names among long, batch, prefix, decode, sweep\n",
                      only_workload.c_str());
         return 2;
       }
@@ -386,6 +404,7 @@ int main(int argc, char** argv) {
     for (const Workload* w : picked) {
       for (int ps : {1, 16}) RunPrefill(*w, ps, forced, reps);
     }
+    if (sweep) run_len_sweep();
     return 0;
   }
   // The server's choice with the default plan first, then A/B of the plan's
@@ -396,10 +415,8 @@ int main(int argc, char** argv) {
       for (const auto& w : anchors) results.push_back(RunPrefill(w, ps, forced, reps, section_mb));
     }
   }
-  // Sweep: 16k query tokens split into sequences of 512..16k; decode batches.
-  for (int len = 512; len <= 16384; len *= 2) {
-    RunPrefill({"sweep_len" + std::to_string(len), 16384 / len, len, len}, 1, forced, reps);
-  }
+  // The sequence-length sweep; decode batches.
+  run_len_sweep();
   for (int b : {1, 8, 32, 128, 256}) {
     RunPrefill({"sweep_decode_b" + std::to_string(b), b, 1, 4096}, 1, forced, reps);
   }

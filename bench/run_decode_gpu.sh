@@ -122,20 +122,26 @@ if os.path.exists(tp):
         if line.startswith("TORCH"):
             r = kv(line); torch_[(r["workload"], r["backend"])] = r
 if copy: print(f'copy ceiling (D2D 1 GiB, read+write): {float(copy["tbs"]):.2f} TB/s')
-print("| workload | ps | decode ms | TB/s | merge share | chunk | items | unsplit ms | prefill ms (best variant) | cuDNN ms | flash ms |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("| workload | ps | decode ms | TB/s | merge share | chunk | cluster | items | unsplit ms | prefill ms (best variant) | cuDNN ms | flash ms |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 def ms(r): return "-" if r is None else f'{float(r["ms"]):.4f}'
 for (w, ps), r in dec.items():
     p = pre.get((w, ps)); n = nos.get((w, ps))
     pv = "-" if p is None else f'{float(p["ms"]):.4f} (v{p["variant"]})'
     print(f'| {w} | {ps} | {float(r["ms"]):.4f} | {float(r["kv_tbs"]):.2f} | {100*float(r["merge_share"]):.1f}% | '
-          f'{r["chunk"]} | {r["items"]} | {ms(n)} | {pv} | {ms(torch_.get((w, "cudnn")))} | {ms(torch_.get((w, "fa2")))} |')
+          f'{r["chunk"]} | {r.get("cluster", "0")} | {r["items"]} | {ms(n)} | {pv} | {ms(torch_.get((w, "cudnn")))} | {ms(torch_.get((w, "fa2")))} |')
 sweep = [kv(l) for l in open(os.path.join(d, "decode_bench.log"), errors="replace")
          if l.startswith("RESULT kernel=decode_chunk ")]
 if sweep:
     print("\nchunk sweep (forced chunk lengths; the plan's choice is the table's 'chunk'):")
     for r in sweep:
         print(f'  {r["workload"]} chunk={r["chunk"]} items={r["items"]} ms={float(r["ms"]):.4f} TB/s={float(r["kv_tbs"]):.2f}')
+csweep = [kv(l) for l in open(os.path.join(d, "decode_bench.log"), errors="replace")
+          if l.startswith("RESULT kernel=decode_cluster ")]
+if csweep:
+    print("\ncluster sweep (forced cluster mode: chunks of a tile merged in distributed shared memory):")
+    for r in csweep:
+        print(f'  {r["workload"]} ps={r["page_size"]} cluster={r["cluster"]} chunk={r["chunk"]} items={r["items"]} ms={float(r["ms"]):.4f} TB/s={float(r["kv_tbs"]):.2f}')
 # Server end to end: attention kernel time per request from /metrics.
 def metric(text, name, labels=""):
     for line in text.splitlines():

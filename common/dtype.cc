@@ -4,21 +4,6 @@
 
 namespace attnserve {
 
-float Bf16ToFloat(uint16_t bits) {
-  uint32_t u = uint32_t{bits} << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-uint16_t FloatToBf16(float value) {
-  uint32_t u;
-  std::memcpy(&u, &value, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // IEEE binary16 by bit manipulation (clang 14 has no _Float16 on x86-64).
 float Fp16ToFloat(uint16_t h) {
   const uint32_t sign = uint32_t{h & 0x8000u} << 16;

@@ -41,9 +41,19 @@ void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
     for (int64_t c = 0; c < d; ++c) qd[c] = half(q[(row * hq + h) * d + c]);
     double m = kNegInf;
     for (int64_t j = 0; j < visible; ++j) {
-      double dot = 0;
-      for (int64_t c = 0; c < d; ++c) dot += qd[c] * k[j * d + c];
-      logits[j] = dot * s.sm_scale;
+      // Four partial sums: one chain of dependent adds is bound by the add
+      // latency (the GPU tests spend most of their time here).
+      const double* kj = k.data() + j * d;
+      double dot0 = 0, dot1 = 0, dot2 = 0, dot3 = 0;
+      int64_t c = 0;
+      for (; c + 4 <= d; c += 4) {
+        dot0 += qd[c] * kj[c];
+        dot1 += qd[c + 1] * kj[c + 1];
+        dot2 += qd[c + 2] * kj[c + 2];
+        dot3 += qd[c + 3] * kj[c + 3];
+      }
+      for (; c < d; ++c) dot0 += qd[c] * kj[c];
+      logits[j] = ((dot0 + dot1) + (dot2 + dot3)) * s.sm_scale;
       m = std::max(m, logits[j]);
     }
     double sum = 0;

@@ -15,7 +15,12 @@ cudaError_t PagedPrefillCuda(const PagedPrefillParams& params, const PrefillWork
       return PagedPrefillSm80(params, items, num_items, part_o, part_lse,
                               kernel == PrefillKernel::kSm80Rows64, stream);
     case PrefillKernel::kSm90:
-      return PagedPrefillSm90(params, items, num_items, part_o, part_lse, stream);
+      return PagedPrefillSm90(params, items, num_items, part_o, part_lse, Sm90Variant::kSerial, stream);
+    case PrefillKernel::kSm90Overlap:
+      return PagedPrefillSm90(params, items, num_items, part_o, part_lse, Sm90Variant::kOverlap, stream);
+    case PrefillKernel::kSm90OverlapNoPp:
+      return PagedPrefillSm90(params, items, num_items, part_o, part_lse, Sm90Variant::kOverlapNoPingPong,
+                              stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -26,7 +31,11 @@ int32_t PrefillCtasPerSm(PrefillKernel kernel, int32_t head_dim, KvDType dtype) 
     case PrefillKernel::kSm80Rows64:
       return Sm80PrefillCtasPerSm(head_dim, dtype, kernel == PrefillKernel::kSm80Rows64);
     case PrefillKernel::kSm90:
-      return Sm90PrefillCtasPerSm(head_dim, dtype);
+      return Sm90PrefillCtasPerSm(head_dim, dtype, Sm90Variant::kSerial);
+    case PrefillKernel::kSm90Overlap:
+      return Sm90PrefillCtasPerSm(head_dim, dtype, Sm90Variant::kOverlap);
+    case PrefillKernel::kSm90OverlapNoPp:
+      return Sm90PrefillCtasPerSm(head_dim, dtype, Sm90Variant::kOverlapNoPingPong);
   }
   return 1;
 }

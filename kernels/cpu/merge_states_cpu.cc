@@ -14,7 +14,7 @@ void MergeStatesCpu(const MergeStatesParams& p) {
   auto* v_out = static_cast<uint16_t*>(p.v_out);
 #pragma omp parallel
   {
-    std::vector<float> acc(p.d), weight(p.num_states);
+    std::vector<float> acc(p.d), row(p.d), weight(p.num_states);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       float m = kNegInf;
@@ -37,9 +37,20 @@ void MergeStatesCpu(const MergeStatesParams& p) {
         if (weight[s] == 0.f) continue;
         const auto* in = static_cast<const uint16_t*>(p.v[s]) + r * p.d;
         const float w = weight[s] / total;
-        for (int c = 0; c < p.d; ++c) acc[c] += w * HalfToFloat(p.dtype, in[c]);
+        float* a = acc.data();
+        if (p.dtype == KvDType::kBf16) {  // inline widening: the loop vectorizes
+          for (int c = 0; c < p.d; ++c) a[c] += w * Bf16ToFloat(in[c]);
+        } else {
+          HalfToFloatN(p.dtype, in, row.data(), p.d);
+          const float* x = row.data();
+          for (int c = 0; c < p.d; ++c) a[c] += w * x[c];
+        }
       }
-      for (int c = 0; c < p.d; ++c) out[c] = FloatToHalf(p.dtype, acc[c]);
+      if (p.dtype == KvDType::kBf16) {
+        for (int c = 0; c < p.d; ++c) out[c] = FloatToBf16(acc[c]);
+      } else {
+        for (int c = 0; c < p.d; ++c) out[c] = FloatToFp16(acc[c]);
+      }
       p.lse_out[r] = m + (p.lse_base_e ? std::log(total) : std::log2(total));
     }
   }

@@ -10,7 +10,10 @@
 // rows as M; online softmax in base 2. At the end the 4 warps' states are
 // combined through shared memory. Split items write an fp32 partial and
 // count themselves done on the tile's counter; the last one merges the
-// tile's partials and writes o / lse (decode_plan.h).
+// tile's partials and writes o / lse (decode_plan.h). In cluster mode
+// (sm_90) the chunks of a tile are one thread-block cluster and merge
+// through distributed shared memory instead.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -34,8 +37,7 @@ struct DecodeKernelArgs {
   const void* k_cache;        // (L, pages, page_size, KVH, D)
   const void* v_cache;
   const int32_t* kv_indices;
-  const PrefillSeq* seqs;
-  const DecodeWorkItem* items;
+  const DecodeWorkItem* items;  // each carries its sequence (seq_info)
   float* part_o;              // (slots * M, D) fp32
   float* part_lse;            // (slots * M) base 2
   int32_t* counters;          // (split tiles)
@@ -43,10 +45,14 @@ struct DecodeKernelArgs {
   int32_t num_kv_heads;
   int32_t page_size;
   int32_t skip_merge;
+  int32_t cluster;  // > 1: cluster mode (grid = tiles x cluster, sm_90)
   int64_t slots_per_layer;
 };
 
-template <int D, int MT>
+// DEEP: the ring of cluster mode (small batches, one CTA per SM is enough):
+// deep enough that a CTA's whole chunk of a 1 x 4096 decode (4 steps per
+// warp) is in flight at once.
+template <int D, int MT, bool DEEP = false>
 struct DecodeTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
@@ -55,8 +61,9 @@ struct DecodeTraits {
   static constexpr int kChunks = D / 8;          // 16-byte chunks per row
   static constexpr int kRowBytes = D * 2;
   // Ring depth per warp: about 96 KiB of K/V per CTA (two CTAs per SM) for
-  // head_dim 64 / 128; 128 KiB (one CTA per SM) for 256.
-  static constexpr int kStages = D == 64 ? 6 : D == 128 ? 3 : 2;
+  // head_dim 64 / 128; 128 KiB (one CTA per SM) for 256. DEEP: 160 KiB at
+  // 128 and 192 KiB at 256 (one CTA per SM); head_dim 64 is deep already.
+  static constexpr int kStages = D == 64 ? 6 : D == 128 ? (DEEP ? 5 : 3) : (DEEP ? 3 : 2);
   static constexpr int kStageBytes = kTok * kRowBytes;  // K (or V) of a step
   static constexpr int kWarpRingBytes = kStages * 2 * kStageBytes;
   static constexpr int kQBytes = kM * kRowBytes;
@@ -64,13 +71,20 @@ struct DecodeTraits {
   // Epilogue: each warp's scaled O, fp32, rows padded against bank conflicts.
   static constexpr int kOStride = D + 4;
   static constexpr int kCombineBytes = kWarps * kM * kOStride * 4;
-  // Merge: weight of each chunk for each row.
+  // Merge: weight of each chunk for each row, then a pass of partials (the
+  // rest of the main region).
   static constexpr int kMergeBytes = kMaxDecodeChunks * kM * 4;
   static constexpr int kMainBytes =
       kLoopBytes > kCombineBytes ? (kLoopBytes > kMergeBytes ? kLoopBytes : kMergeBytes)
                                  : (kCombineBytes > kMergeBytes ? kCombineBytes : kMergeBytes);
   // Then: m and l per (warp, row), row max and row sum, the last-CTA flag.
   static constexpr int kSmemBytes = kMainBytes + (2 * kWarps * kM + 2 * kM) * 4 + 16;
+  static constexpr int kMergePassBytes = kMainBytes - kMergeBytes;
+  // Cluster mode: the CTA's merged O (M, D) fp32 and base-2 LSE (M) after
+  // the warps' O, for the other CTAs of the cluster to read.
+  static constexpr int kClusterOOff = kCombineBytes;
+  static_assert(kClusterOOff + kM * D * 4 + kM * 4 <= kMainBytes && kClusterOOff % 16 == 0, "cluster state");
+  static_assert(kMergePassBytes >= kM * D * 4 && kMergeBytes % 16 == 0, "a merge pass holds one chunk");
   static constexpr int kRowsPerPass = 32 / kChunks;
   static constexpr int kPasses = kTok / kRowsPerPass;
   static_assert(kChunks >= 8 && 32 % kChunks == 0, "head_dim 64, 128 or 256");
@@ -94,9 +108,9 @@ __device__ __forceinline__ uint4 PackOut(const float (&v)[8]) {
                     mma::Pack2<T>(v[6], v[7]));
 }
 
-template <int D, int MT, typename T>
+template <int D, int MT, typename T, bool DEEP>
 __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelArgs args) {
-  using Tr = DecodeTraits<D, MT>;
+  using Tr = DecodeTraits<D, MT, DEEP>;
   constexpr int kM = Tr::kM;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x;
@@ -112,7 +126,7 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
   int* s_last = reinterpret_cast<int*>(s_row_l + kM);
 
   const DecodeWorkItem item = args.items[blockIdx.x];
-  const PrefillSeq seq = args.seqs[item.seq];
+  const PrefillSeq& seq = item.seq_info;
   const int H = args.num_qo_heads;
   const int KVH = args.num_kv_heads;
   const int group = H / KVH;
@@ -167,13 +181,18 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
     }
   };
 
-  // ---- Prologue: the first kStages - 1 steps in flight, then Q.
+  // ---- Prologue: the first kStages - 1 steps in flight, then Q. The page
+  // entries of all of them are loaded at once (independent loads: one memory
+  // round trip before the first K/V request, not one per step).
+  int pages_ahead[Tr::kStages];
+#pragma unroll
+  for (int s = 0; s < Tr::kStages; ++s) pages_ahead[s] = load_page(s);
 #pragma unroll
   for (int s = 0; s < Tr::kStages - 1; ++s) {
-    if (s < my_steps) issue(s, load_page(s));
+    if (s < my_steps) issue(s, pages_ahead[s]);
     mma::CpAsyncCommit();
   }
-  int page_next = load_page(Tr::kStages - 1);
+  int page_next = pages_ahead[Tr::kStages - 1];
 
   // Q tile: packed row r -> token r / group, head kvh * group + r % group.
   {
@@ -394,6 +413,72 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
     args.lse[row] = (seq.lse_base_e && lse2 != -INFINITY) ? lse2 * kLn2 : lse2;
   };
 
+  if (args.cluster > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // ---- Cluster mode: each CTA leaves its state of the tile's valid rows
+    // (normalized O, base-2 LSE) in its shared memory; after a cluster
+    // barrier, CTA `rank` merges float4 columns rank * kThreads + tid,
+    // stepping by the cluster's threads, reading all CTAs' states through
+    // distributed shared memory; a second barrier keeps every CTA's shared
+    // memory alive until the others have read it.
+    namespace cg = cooperative_groups;
+    float* s_co = reinterpret_cast<float*>(smem + Tr::kClusterOOff);  // (M, D)
+    float* s_clse = s_co + kM * D;                                     // (M)
+    const int valid_rows = min(kM, q_len * group - item.row_begin);
+    for (int idx = tid; idx < valid_rows * Tr::kChunks; idx += Tr::kThreads) {
+      const int r = idx / Tr::kChunks;
+      const int c8 = idx % Tr::kChunks;
+      float v[8];
+      sum_warps(r, c8, v);
+      float4* dst = reinterpret_cast<float4*>(s_co + r * D + c8 * 8);
+      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    if (tid < valid_rows) s_clse[tid] = row_lse2(tid);
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    const int nc = static_cast<int>(cluster.num_blocks());
+    const int rank = static_cast<int>(cluster.block_rank());
+    constexpr int kRowQuads = D / 4;
+    const int quads = valid_rows * kRowQuads;
+    for (int q = rank * Tr::kThreads + tid; q < quads; q += nc * Tr::kThreads) {
+      const int r = q / kRowQuads;
+      float lse_c[kMaxDecodeCluster];
+      float4 o_c[kMaxDecodeCluster];
+      float m = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kMaxDecodeCluster; ++c) {
+        if (c < nc) {
+          lse_c[c] = *cluster.map_shared_rank(s_clse + r, c);
+          o_c[c] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(s_co + q * 4, c));
+          m = fmaxf(m, lse_c[c]);
+        }
+      }
+      float l = 0.f;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int c = 0; c < kMaxDecodeCluster; ++c) {
+        if (c < nc && lse_c[c] != -INFINITY) {
+          const float w = Exp2(lse_c[c] - m);
+          l += w;
+          acc.x += w * o_c[c].x; acc.y += w * o_c[c].y; acc.z += w * o_c[c].z; acc.w += w * o_c[c].w;
+        }
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      int t;
+      const int64_t row = out_row(r, &t);
+      if (row < 0) continue;
+      *reinterpret_cast<uint2*>(o_out + row * D + (q % kRowQuads) * 4) =
+          make_uint2(mma::Pack2<T>(acc.x * inv, acc.y * inv), mma::Pack2<T>(acc.z * inv, acc.w * inv));
+      if (q % kRowQuads == 0) write_lse(row, l > 0.f ? m + log2f(l) : -INFINITY);
+    }
+    cluster.sync();
+    return;
+#else
+    __trap();  // the plan chooses cluster mode only on sm_90+ (DecodeMaxCluster)
+#endif
+  }
+
   if (item.split_tile < 0) {
     for (int idx = tid; idx < kM * Tr::kChunks; idx += Tr::kThreads) {
       const int r = idx / Tr::kChunks;
@@ -413,9 +498,12 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
     return;
   }
 
-  // ---- Split chunk: fp32 partial (o, base-2 lse) into its slot.
+  // ---- Split chunk: fp32 partial (o, base-2 lse) of the tile's rows that
+  // hold a query row (the first valid_rows; the rest is padding, neither
+  // written nor merged) into its slot.
+  const int valid_rows = min(kM, q_len * group - item.row_begin);
   const int64_t slot = static_cast<int64_t>(item.part_begin) + item.chunk;
-  for (int idx = tid; idx < kM * Tr::kChunks; idx += Tr::kThreads) {
+  for (int idx = tid; idx < valid_rows * Tr::kChunks; idx += Tr::kThreads) {
     const int r = idx / Tr::kChunks;
     const int c8 = idx % Tr::kChunks;
     float v[8];
@@ -424,7 +512,7 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
     __stcg(dst, make_float4(v[0], v[1], v[2], v[3]));
     __stcg(dst + 1, make_float4(v[4], v[5], v[6], v[7]));
   }
-  if (tid < kM) __stcg(args.part_lse + slot * kM + tid, row_lse2(tid));
+  if (tid < valid_rows) __stcg(args.part_lse + slot * kM + tid, row_lse2(tid));
   if (args.skip_merge) return;
   __threadfence();
   __syncthreads();
@@ -437,17 +525,36 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
   __threadfence();
 
   // ---- Last chunk of the tile: merge the num_chunks partials with every
-  // thread. (1) all (chunk, row) LSEs into shared memory at once; (2) one
-  // warp per row reduces max and sum over the chunks with shuffles and
-  // leaves normalized weights; (3) each thread owns float4 columns of rows
-  // and streams the chunks with 16 independent 16-byte loads in flight, so
-  // the merge costs a few L2 round trips, not one per chunk.
+  // thread. The partials' valid rows stream into shared memory by cp.async
+  // (a pass holds kMergePassBytes; most tiles need one pass) while the
+  // (chunk, row) LSEs load beside them; one warp per row turns the LSEs into
+  // normalized weights; then each thread sums its float4 columns over the
+  // pass's chunks. The chain after the counter is about two L2 round trips.
   const int nc = item.num_chunks;
   const int64_t base = item.part_begin;
   float* s_w = reinterpret_cast<float*>(smem);  // (chunks, M): lse, then weight
-  for (int idx = tid; idx < nc * kM; idx += Tr::kThreads) s_w[idx] = __ldcg(args.part_lse + base * kM + idx);
+  const uint32_t a_part = mma::SmemAddr(smem + Tr::kMergeBytes);
+  const float* s_part = reinterpret_cast<const float*>(smem + Tr::kMergeBytes);
+  constexpr int kRowQuads = D / 4;  // float4s per row
+  const int quads = valid_rows * kRowQuads;  // float4s per chunk
+  const int pass_chunks = max(1, min(nc, Tr::kMergePassBytes / (quads * 16)));
+  auto issue_pass = [&](int c0) {
+    const int n = min(pass_chunks, nc - c0);
+    for (int idx = tid; idx < n * quads; idx += Tr::kThreads) {
+      const int c = idx / quads;
+      const int q = idx - c * quads;
+      mma::CpAsync16(a_part + idx * 16, args.part_o + ((base + c0 + c) * kM) * D + q * 4, true);
+    }
+    mma::CpAsyncCommit();
+  };
+  issue_pass(0);
+  for (int idx = tid; idx < nc * valid_rows; idx += Tr::kThreads) {
+    const int c = idx / valid_rows;
+    const int r = idx - c * valid_rows;
+    s_w[c * kM + r] = __ldcg(args.part_lse + (base + c) * kM + r);
+  }
   __syncthreads();
-  for (int r = warp; r < kM; r += Tr::kWarps) {
+  for (int r = warp; r < valid_rows; r += Tr::kWarps) {
     float m = -INFINITY;
     for (int c = lane; c < nc; c += 32) m = fmaxf(m, s_w[c * kM + r]);
 #pragma unroll
@@ -465,57 +572,44 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
     for (int c = lane; c < nc; c += 32) s_w[c * kM + r] *= inv;
     if (lane == 0) s_row_m[r] = l > 0.f ? m + log2f(l) : -INFINITY;
   }
-  __syncthreads();
-  // Thread owns kCols float4 columns (idx = tid + j * kThreads) and keeps
-  // kColBatch x kChunkBatch = 16 independent 16-byte loads in flight.
-  constexpr int kQuads = D / 4;                         // float4 columns per row
-  constexpr int64_t kSlotQuads = int64_t{kM} * kQuads;  // float4s per partial slot
-  constexpr int kCols = kM * kQuads / Tr::kThreads;     // 2, 4 or 8
-  constexpr int kColBatch = kCols < 4 ? kCols : 4;
-  constexpr int kChunkBatch = 16 / kColBatch;
-  static_assert(kCols * Tr::kThreads == kM * kQuads && kCols % kColBatch == 0, "merge column split");
-  const float4* part = reinterpret_cast<const float4*>(args.part_o) + base * kSlotQuads;
-#pragma unroll 1
-  for (int g = 0; g < kCols; g += kColBatch) {
-    float4 acc[kColBatch];
-    int rows[kColBatch];
+  // Thread owns float4 columns q = tid + j * kThreads (j < kCols) of the
+  // valid rows.
+  constexpr int kCols = kM * kRowQuads / Tr::kThreads;  // 2, 4 or 8
+  static_assert(kCols * Tr::kThreads == kM * kRowQuads, "merge column split");
+  float4 acc[kCols];
 #pragma unroll
-    for (int j = 0; j < kColBatch; ++j) {
-      acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-      rows[j] = (tid + (g + j) * Tr::kThreads) / kQuads;
-    }
-#pragma unroll 1
-    for (int c = 0; c < nc; c += kChunkBatch) {
-      float4 a[kColBatch][kChunkBatch];
+  for (int j = 0; j < kCols; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int c0 = 0; c0 < nc; c0 += pass_chunks) {
+    mma::CpAsyncWait<0>();
+    __syncthreads();  // the pass (and, first time, the weights) visible to all
+    const int n = min(pass_chunks, nc - c0);
 #pragma unroll
-      for (int j = 0; j < kColBatch; ++j) {
-#pragma unroll
-        for (int u = 0; u < kChunkBatch; ++u) {
-          a[j][u] = c + u < nc ? __ldcg(part + (c + u) * kSlotQuads + tid + (g + j) * Tr::kThreads)
-                               : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kColBatch; ++j) {
-#pragma unroll
-        for (int u = 0; u < kChunkBatch; ++u) {
-          const float w = c + u < nc ? s_w[(c + u) * kM + rows[j]] : 0.f;
-          acc[j].x += w * a[j][u].x; acc[j].y += w * a[j][u].y;
-          acc[j].z += w * a[j][u].z; acc[j].w += w * a[j][u].w;
-        }
+    for (int j = 0; j < kCols; ++j) {
+      const int q = tid + j * Tr::kThreads;
+      if (q >= quads) continue;
+      const int r = q / kRowQuads;
+      for (int c = 0; c < n; ++c) {
+        const float w = s_w[(c0 + c) * kM + r];
+        const float4 a = *reinterpret_cast<const float4*>(s_part + (c * quads + q) * 4);
+        acc[j].x += w * a.x; acc[j].y += w * a.y; acc[j].z += w * a.z; acc[j].w += w * a.w;
       }
     }
-#pragma unroll
-    for (int j = 0; j < kColBatch; ++j) {
-      const int q4 = (tid + (g + j) * Tr::kThreads) % kQuads;
-      int t;
-      const int64_t row = out_row(rows[j], &t);
-      if (row < 0) continue;
-      *reinterpret_cast<uint2*>(o_out + row * D + q4 * 4) =
-          make_uint2(mma::Pack2<T>(acc[j].x, acc[j].y), mma::Pack2<T>(acc[j].z, acc[j].w));
+    if (c0 + pass_chunks < nc) {
+      __syncthreads();  // everyone is done with the pass before it is refilled
+      issue_pass(c0 + pass_chunks);
     }
   }
-  if (tid < kM) {
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    const int q = tid + j * Tr::kThreads;
+    if (q >= quads) continue;
+    int t;
+    const int64_t row = out_row(q / kRowQuads, &t);
+    if (row < 0) continue;
+    *reinterpret_cast<uint2*>(o_out + row * D + (q % kRowQuads) * 4) =
+        make_uint2(mma::Pack2<T>(acc[j].x, acc[j].y), mma::Pack2<T>(acc[j].z, acc[j].w));
+  }
+  if (tid < valid_rows) {
     int t;
     const int64_t row = out_row(tid, &t);
     if (row >= 0) write_lse(row, s_row_m[tid]);
@@ -523,30 +617,102 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
   if (tid == 0) args.counters[item.split_tile] = 0;  // ready for the next launch
 }
 
-template <int D, int MT, typename T>
-cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream) {
-  using Tr = DecodeTraits<D, MT>;
-  auto kernel = PagedDecodeKernel<D, MT, T>;
-  // The shared-memory opt-in is per device; set it once per device (a host
-  // call per launch adds to the latency of small decode batches).
+// Cluster mode runs the DEEP ring where it differs (head_dim 128 and 256).
+template <int D>
+constexpr bool kClusterDeep = D != 64;
+
+// The kernel's attributes: its shared memory, and non-portable cluster
+// sizes (up to 16 CTAs; sm_90+, where cluster mode runs).
+template <int D, int MT, typename T, bool DEEP>
+cudaError_t ConfigureDecode() {
+  using Tr = DecodeTraits<D, MT, DEEP>;
+  auto kernel = PagedDecodeKernel<D, MT, T, DEEP>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  int dev = 0, major = 0;
+  if ((err = cudaGetDevice(&dev)) != cudaSuccess) return err;
+  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess) return err;
+  if (major >= 9) return cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  return cudaSuccess;
+}
+
+// The attributes are per device; set them once per device and kernel (a
+// host call per launch adds to the latency of small decode batches).
+template <int D, int MT, typename T, bool DEEP>
+cudaError_t ConfigureOnce() {
   static std::atomic<uint64_t> configured{0};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
   if (bit == 0 || (configured.load(std::memory_order_acquire) & bit) == 0) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-    if (err != cudaSuccess) return err;
+    if ((err = ConfigureDecode<D, MT, T, DEEP>()) != cudaSuccess) return err;
     configured.fetch_or(bit, std::memory_order_acq_rel);
   }
-  kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
-  return cudaGetLastError();
+  return cudaSuccess;
+}
+
+// Launch configuration of cluster mode (cluster CTAs along x).
+template <int D, int MT, bool DEEP>
+cudaLaunchConfig_t ClusterConfig(int32_t num_items, int32_t cluster, cudaStream_t stream,
+                                 cudaLaunchAttribute* attr) {
+  using Tr = DecodeTraits<D, MT, DEEP>;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(num_items));
+  cfg.blockDim = dim3(Tr::kThreads);
+  cfg.dynamicSmemBytes = Tr::kSmemBytes;
+  cfg.stream = stream;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+template <int D, int MT, typename T>
+cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream) {
+  cudaError_t err;
+  if (args.cluster <= 1) {
+    using Tr = DecodeTraits<D, MT>;
+    if ((err = ConfigureOnce<D, MT, T, false>()) != cudaSuccess) return err;
+    PagedDecodeKernel<D, MT, T, false><<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
+    return cudaGetLastError();
+  }
+  constexpr bool kDeep = kClusterDeep<D>;
+  if ((err = ConfigureOnce<D, MT, T, kDeep>()) != cudaSuccess) return err;
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = ClusterConfig<D, MT, kDeep>(num_items, args.cluster, stream, attr);
+  return cudaLaunchKernelEx(&cfg, PagedDecodeKernel<D, MT, T, kDeep>, args);
+}
+
+// Largest cluster (<= kMaxDecodeCluster) the device co-schedules for the
+// kernel cluster mode runs; 0 below sm_90.
+template <int D, int MT, typename T>
+int32_t MaxCluster() {
+  constexpr bool kDeep = kClusterDeep<D>;
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9 ||
+      ConfigureDecode<D, MT, T, kDeep>() != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = ClusterConfig<D, MT, kDeep>(kMaxDecodeCluster, kMaxDecodeCluster, nullptr, attr);
+  int n = 0;
+  if (cudaOccupancyMaxPotentialClusterSize(&n, PagedDecodeKernel<D, MT, T, kDeep>, &cfg) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return std::min<int32_t>(n, kMaxDecodeCluster);
 }
 
 template <int D, int MT, typename T>
 int32_t CtasPerSm() {
   using Tr = DecodeTraits<D, MT>;
-  auto kernel = PagedDecodeKernel<D, MT, T>;
+  auto kernel = PagedDecodeKernel<D, MT, T, false>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes) != cudaSuccess) {
     cudaGetLastError();
     return 1;
@@ -585,14 +751,21 @@ int32_t DecodeCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows) {
   return ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, int32_t{1}, CtasPerSm);
 }
 
+int32_t DecodeMaxCluster(int32_t head_dim, KvDType dtype, int32_t tile_rows) {
+  return ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, int32_t{0}, MaxCluster);
+}
+
 cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows, const DecodeWorkItem* items,
                             int32_t num_items, float* part_o, float* part_lse, int32_t* counters,
-                            cudaStream_t stream, bool skip_merge) {
+                            cudaStream_t stream, const DecodeLaunchOptions& options) {
   const KvGeometry& geo = params.geo;
   if (!DecodeGeometrySupported(geo)) return cudaErrorInvalidValue;
   if (tile_rows != DecodeTileRows(geo.head_dim, tile_rows)) return cudaErrorInvalidValue;
   if (num_items < 0) return cudaErrorInvalidValue;
   if (num_items == 0) return cudaSuccess;
+  if (options.cluster > kMaxDecodeCluster || (options.cluster > 1 && num_items % options.cluster != 0)) {
+    return cudaErrorInvalidValue;
+  }
   DecodeKernelArgs args;
   args.q = params.q;
   args.o = params.o;
@@ -600,7 +773,6 @@ cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows,
   args.k_cache = params.k_cache;
   args.v_cache = params.v_cache;
   args.kv_indices = params.kv_indices;
-  args.seqs = params.seqs;
   args.items = items;
   args.part_o = part_o;
   args.part_lse = part_lse;
@@ -608,7 +780,8 @@ cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows,
   args.num_qo_heads = geo.num_qo_heads;
   args.num_kv_heads = geo.num_kv_heads;
   args.page_size = geo.page_size;
-  args.skip_merge = skip_merge ? 1 : 0;
+  args.skip_merge = options.skip_merge ? 1 : 0;
+  args.cluster = options.cluster;
   args.slots_per_layer = geo.SlotsPerLayer();
   return ATTNSERVE_DISPATCH_DECODE(geo.head_dim, tile_rows, geo.dtype, cudaErrorInvalidValue, LaunchDecode, args,
                                    num_items, stream);

@@ -34,17 +34,30 @@ namespace attnserve {
 // DecodePlanOptions::ctas_per_sm). tile_rows as DecodeTileRows returns it.
 int32_t DecodeCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows);
 
+// Largest thread-block cluster the device co-schedules for this
+// configuration (for DecodePlanOptions::max_cluster): up to
+// kMaxDecodeCluster on sm_90+, 0 on older GPUs (no cluster mode).
+int32_t DecodeMaxCluster(int32_t head_dim, KvDType dtype, int32_t tile_rows);
+
+struct DecodeLaunchOptions {
+  // plan.cluster: > 1 runs cluster mode (num_items a multiple of it).
+  int32_t cluster = 0;
+  // Benchmark only: split tiles leave their partials unmerged (o / lse of
+  // split sequences are then not written). No effect in cluster mode.
+  bool skip_merge = false;
+};
+
 // Runs every work item (one CTA of 128 threads each). params: q, o, lse,
-// pools, kv_indices and seqs are device pointers, as for PagedPrefillCuda.
+// pools and kv_indices are device pointers, as for PagedPrefillCuda (the
+// kernel reads each sequence from its item's copy, not params.seqs).
 // tile_rows: plan.tile_rows. part_o (plan.partial_slots * tile_rows,
 // head_dim) and part_lse (plan.partial_slots * tile_rows) are fp32
 // workspace; counters (plan.split_tiles) int32, zero on entry and left zero
-// on exit. All three may be null when the plan split nothing.
-// skip_merge: benchmark only; split tiles leave their partials unmerged
-// (o / lse of split sequences are then not written).
+// on exit. All three may be null when the plan split nothing or ran in
+// cluster mode.
 cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows,
                             const DecodeWorkItem* items, int32_t num_items,
                             float* part_o, float* part_lse, int32_t* counters,
-                            cudaStream_t stream, bool skip_merge = false);
+                            cudaStream_t stream, const DecodeLaunchOptions& options = {});
 
 }  // namespace attnserve

@@ -20,6 +20,47 @@ int32_t VisibleEnd(const PrefillSeq& s) {
   return static_cast<int32_t>(std::clamp<int64_t>(end, 0, s.kv_len));
 }
 
+// Cluster mode: every tile of the planned sequences gets exactly `cluster`
+// consecutive items (chunk c of the tile is the cluster's CTA c); tiles
+// longest first.
+template <typename TilesOf>
+void BuildClusterItems(const PrefillSeq* seqs, const std::vector<int32_t>& planned, int32_t kvh_count, int32_t m,
+                       const TilesOf& tiles_of, int32_t cluster, DecodePlan* plan) {
+  struct Tile {
+    int32_t seq, kv_head, row_begin, vis;
+  };
+  std::vector<Tile> tiles;
+  for (int32_t i : planned) {
+    const int32_t nt = tiles_of(seqs[i]);
+    for (int32_t kvh = 0; kvh < kvh_count; ++kvh) {
+      for (int32_t t = 0; t < nt; ++t) tiles.push_back({i, kvh, t * m, VisibleEnd(seqs[i])});
+    }
+  }
+  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.vis > b.vis; });
+  int32_t longest = 0;
+  for (const Tile& t : tiles) {
+    const int32_t len =
+        static_cast<int32_t>(CeilDiv(CeilDiv(t.vis, cluster), kDecodeChunkQuantum) * kDecodeChunkQuantum);
+    longest = std::max(longest, len);
+    for (int32_t c = 0; c < cluster; ++c) {
+      DecodeWorkItem it;
+      it.seq = t.seq;
+      it.seq_info = seqs[t.seq];
+      it.kv_head = t.kv_head;
+      it.row_begin = t.row_begin;
+      // Chunks past the visible range are empty (kv_begin == kv_end): their
+      // CTA contributes an empty state (LSE -inf) to the merge.
+      it.kv_begin = std::min(c * len, t.vis);
+      it.kv_end = std::min((c + 1) * len, t.vis);
+      it.chunk = c;
+      it.num_chunks = cluster;
+      plan->items.push_back(it);
+    }
+  }
+  plan->cluster = cluster;
+  plan->chunk_len = longest;
+}
+
 }  // namespace
 
 bool DecodeGeometrySupported(const KvGeometry& geo) {
@@ -64,6 +105,7 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
                      const DecodePlanOptions& options, DecodePlan* plan) {
   plan->items.clear();
   plan->chunk_len = 0;
+  plan->cluster = 0;
   plan->split_tiles = 0;
   plan->partial_slots = 0;
   plan->num_seqs_planned = 0;
@@ -137,8 +179,36 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
     return e;
   };
 
+  // Cluster mode with c chunks per tile (each tile's visible range cut into
+  // c equal pieces of whole quanta): priced like a split, with the cluster
+  // merge in place of the counter, the partials and the last CTA's pass.
+  const int32_t max_cluster = std::min(options.max_cluster, kMaxDecodeCluster);
+  auto evaluate_cluster = [&](int64_t c) {
+    Eval e;
+    int64_t longest = 0;
+    double tokens = 0, items = 0;
+    for (int32_t i : planned) {
+      const PrefillSeq& s = seqs[i];
+      const int64_t vis = VisibleEnd(s);
+      const double tiles = double(kvh_count) * tiles_of(s);
+      longest = std::max(longest, CeilDiv(CeilDiv(vis, c), quantum) * quantum);
+      tokens += tiles * double(vis);
+      items += tiles * double(c);
+    }
+    if (options.max_items > 0 && items > double(options.max_items)) return e;
+    const double x = items * cta_rate / hbm;
+    const double rate = hbm * x / std::pow(1.0 + x * x * x * x, 0.25);
+    e.cost = std::max(tokens * token_bytes / rate, double(std::min(longest, v_max)) * token_bytes / cta_rate) +
+             options.cluster_merge_ns;
+    e.ok = true;
+    return e;
+  };
+
   int64_t chunk_len = 0;  // 0: no split
-  if (options.force_chunk > 0) {
+  int32_t cluster = 0;    // > 1: cluster mode
+  if (options.force_chunk <= 0 && options.force_cluster > 1 && max_cluster > 1) {
+    cluster = std::min(options.force_cluster, max_cluster);
+  } else if (options.force_chunk > 0) {
     chunk_len = std::max<int64_t>(quantum, CeilDiv(options.force_chunk, quantum) * quantum);
     if (!evaluate(chunk_len).ok) chunk_len = CeilDiv(CeilDiv(v_max, kMaxDecodeChunks), quantum) * quantum;
     if (!evaluate(chunk_len).ok) chunk_len = 0;
@@ -156,6 +226,18 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
       }
       if (len == min_chunk) break;
     }
+    for (int64_t c = 2; c <= max_cluster; ++c) {
+      if (CeilDiv(v_max, c) < quantum) break;
+      const Eval e = evaluate_cluster(c);
+      if (e.ok && e.cost < best.cost * 0.98) {
+        best = e;
+        cluster = static_cast<int32_t>(c);
+      }
+    }
+  }
+  if (cluster > 1) {
+    BuildClusterItems(seqs, planned, kvh_count, m, tiles_of, cluster, plan);
+    return;
   }
 
   // ---- Items, tile by tile.
@@ -173,6 +255,7 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
         for (int32_t c = 0; c < chunks; ++c) {
           DecodeWorkItem it;
           it.seq = i;
+          it.seq_info = s;
           it.kv_head = kvh;
           it.row_begin = t * m;
           it.num_chunks = chunks;

@@ -12,6 +12,13 @@
 // write fp32 partial states; the last of them to finish merges the n
 // partials (an atomic counter per tile) and writes o / lse. No second launch.
 //
+// Cluster mode (plan.cluster = C > 1; devices with thread-block clusters,
+// sm_90+, when DecodePlanOptions::max_cluster allows it): every tile is cut
+// into exactly C chunks of equal length, its C items are consecutive in the
+// grid and run as one cluster, and they merge through distributed shared
+// memory: no partials in global memory, no counter, no fence. It wins where
+// the merge's memory round trips are most of the time: small batches.
+//
 // Usage (device copies of items; counters zeroed once, at allocation):
 //   DecodePlan plan;
 //   BuildDecodePlan(seqs, num_seqs, geo, DecodePlanOptions{...}, &plan);
@@ -33,6 +40,9 @@ inline constexpr int32_t kMaxDecodeQueryRows = 8;
 // Most KV chunks one sequence is split into (bounds the merge's shared
 // memory).
 inline constexpr int32_t kMaxDecodeChunks = 128;
+// Largest cluster of cluster mode (the most CTAs a Hopper cluster holds with
+// non-portable sizes).
+inline constexpr int32_t kMaxDecodeCluster = 16;
 // KV tokens a CTA consumes per round (4 warps x 16); chunks are multiples.
 inline constexpr int32_t kDecodeChunkQuantum = 64;
 
@@ -52,6 +62,10 @@ struct DecodeWorkItem {
   // part_o[((slot * tile_rows) + r) * head_dim + d] and
   // part_lse[slot * tile_rows + r] (base-2), r the packed row in the tile.
   int32_t part_begin = 0;
+  // A copy of seqs[seq]: the kernel reads its sequence from the item it
+  // already loads, not by a second dependent load (which costs a memory
+  // round trip before the first K/V request of every CTA).
+  PrefillSeq seq_info;
 };
 
 struct DecodePlanOptions {
@@ -86,9 +100,21 @@ struct DecodePlanOptions {
   double cta_bytes_per_ns = 36;
   double merge_ns = 1000;
   double merge_ns_per_chunk = 150;
+  // Largest cluster the device runs for the decode kernel (0 or 1: no
+  // cluster mode; DecodeMaxCluster() on the device).
+  int32_t max_cluster = 0;
+  // The merge of cluster mode: two cluster barriers and one pass over C
+  // states in distributed shared memory.
+  double cluster_merge_ns = 600;
+  // Most work items the caller's workspace takes (0: no bound); cluster
+  // plans beyond it are not considered.
+  int64_t max_items = 0;
   // Forces every sequence longer than min_chunk into chunks of this many
   // tokens (0: the heuristic). For tests and A/B benchmarks.
   int32_t force_chunk = 0;
+  // Forces cluster mode with this many chunks per tile (2..max_cluster; 0:
+  // the heuristic). For tests and A/B benchmarks; force_chunk wins.
+  int32_t force_cluster = 0;
   // Never split (for A/B benchmarks).
   bool no_split = false;
   // Most partial tile slots the caller's workspace holds (0: no bound). A
@@ -101,6 +127,8 @@ struct DecodePlan {
   std::vector<DecodeWorkItem> items;  // longest chunk first
   int32_t tile_rows = 16;     // packed rows per tile (16 or 32)
   int32_t chunk_len = 0;      // KV tokens per split chunk; 0 if none split
+                              // (cluster mode: the longest tile's chunk)
+  int32_t cluster = 0;        // > 1: cluster mode, this many CTAs per tile
   int32_t split_tiles = 0;    // counters the kernel uses (int32 each)
   int64_t partial_slots = 0;  // partial tile slots (tile_rows rows each)
   int32_t num_seqs_planned = 0;

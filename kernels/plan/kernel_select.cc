@@ -12,13 +12,17 @@ const char* PrefillKernelName(PrefillKernel kernel) {
       return "sm80_rows64";
     case PrefillKernel::kSm90:
       return "sm90";
+    case PrefillKernel::kSm90Overlap:
+      return "sm90_overlap";
+    case PrefillKernel::kSm90OverlapNoPp:
+      return "sm90_overlap_nopp";
   }
   return "unknown";
 }
 
 int32_t PrefillTileRows(PrefillKernel kernel, int32_t head_dim) {
   // sm90: 2 consumer warpgroups x 64 rows (kernels/sm90/traits.cuh).
-  if (kernel == PrefillKernel::kSm90) return 128;
+  if (IsSm90Kernel(kernel)) return 128;
   // sm80: 4 warps x 16 rows x MMA tiles per warp (kernels/sm80/traits.cuh).
   if (head_dim == 256) return 64;
   if (kernel == PrefillKernel::kSm80Rows64 && head_dim == 128) return 64;
@@ -55,16 +59,16 @@ bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device) {
 }
 
 PrefillKernel ChoosePrefillKernel(const KvGeometry& geo, const PrefillDevice& device,
-                                  int64_t max_packed_rows, PrefillFamily family) {
+                                  int64_t max_packed_rows, PrefillFamily family, int64_t mean_kv_per_row) {
   const bool sm90_shape = geo.head_dim == 64 || geo.head_dim == 128;
-  if (family == PrefillFamily::kSm90 && sm90_shape) return PrefillKernel::kSm90;
+  if (family == PrefillFamily::kSm90 && sm90_shape) return PrefillKernel::kSm90Overlap;
   // 64-row tiles when no sequence fills more (decode): half the CTA's rows
   // would be idle in a 128-row tile, and twice the CTAs share the batch.
   if (geo.head_dim == 128 && max_packed_rows <= PrefillTileRows(PrefillKernel::kSm80Rows64, 128)) {
     return PrefillKernel::kSm80Rows64;
   }
-  if (family == PrefillFamily::kAuto && kAutoPicksSm90 && device.sm_major == 9 && sm90_shape) {
-    return PrefillKernel::kSm90;
+  if (family == PrefillFamily::kAuto && device.sm_major == 9 && sm90_shape && mean_kv_per_row >= kAutoSm90MinMeanKv) {
+    return PrefillKernel::kSm90Overlap;
   }
   return PrefillKernel::kSm80;
 }

@@ -25,11 +25,27 @@ enum class PrefillKernel : int32_t {
   // wgmma (sm_90a only, kernels/sm90/): a cp.async producer warpgroup and two
   // consumer warpgroups of 64 rows, 128-row tiles, head_dim 64 and 128.
   kSm90,
+  // The same family, each consumer warpgroup software-pipelined (S of the
+  // next KV block and P V of the last one issued together, the softmax
+  // beside the P V GEMM) and the two warpgroups taking turns over both
+  // GEMMs (kernels/sm90/traits.cuh, Schedule::kOverlap). The family's
+  // kernel in the server (--prefill_kernel=sm90, and auto on long KV
+  // ranges); kSm90 stays for the kernel bench and the GPU tests.
+  kSm90Overlap,
+  // kSm90Overlap without the turns between the warpgroups.
+  kSm90OverlapNoPp,
 };
-inline constexpr int kNumPrefillKernels = 3;
+inline constexpr int kNumPrefillKernels = 5;
+
+// Whether the kernel is one of the wgmma family's (sm_90 devices only).
+inline bool IsSm90Kernel(PrefillKernel kernel) {
+  return kernel == PrefillKernel::kSm90 || kernel == PrefillKernel::kSm90Overlap ||
+         kernel == PrefillKernel::kSm90OverlapNoPp;
+}
 
 // Stable lower-case name, used in metrics (the `family` label) and in
-// benchmark output: "sm80", "sm80_rows64", "sm90".
+// benchmark output: "sm80", "sm80_rows64", "sm90", "sm90_overlap",
+// "sm90_overlap_nopp".
 const char* PrefillKernelName(PrefillKernel kernel);
 
 // Packed query rows per tile (the plan's tile_rows).
@@ -46,8 +62,8 @@ struct PrefillDevice {
 enum class PrefillFamily : int32_t {
   kAuto,  // the heuristic's choice for the device
   kSm80,  // the mma.sync family only (kSm80 or kSm80Rows64)
-  kSm90,  // the wgmma family wherever it runs the head_dim (64, 128);
-          // head_dim 256 stays on kSm80
+  kSm90,  // the wgmma family (kSm90Overlap) wherever it runs the head_dim
+          // (64, 128); head_dim 256 stays on kSm80
 };
 
 // "auto" / "sm80" / "sm90" -> *family; false for any other text.
@@ -58,15 +74,20 @@ const char* PrefillFamilyName(PrefillFamily family);
 // capability 9.x (sm_90a code only).
 bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device);
 
-// Whether kAuto picks kSm90 on Hopper. Off until the wgmma family has passed
-// the GPU kernel tests on an H200 and beaten kSm80 there
-// (bench/run_sm90_gpu.sh); --prefill_kernel=sm90 forces it meanwhile.
-inline constexpr bool kAutoPicksSm90 = false;
+// Smallest mean KV length per query row (keys, sum(q_len * kv_len) /
+// sum(q_len) over the batch's prefill sequences) at which kAuto picks
+// kSm90Overlap on Hopper. From the H200 run of 2026-12-01
+// (bench/results/2026-12-01-session3-h200x2.md): causal 1 x n, overlap /
+// sm80 TFLOP/s: n = 2048 291 / 298, 4096 337 / 323, 16k 382 / 346; prefix
+// 32 x 512 over 4096: 356 / 332; batch 16 x 2048: 294 / 300.
+inline constexpr int64_t kAutoSm90MinMeanKv = 4096;
 
 // The kernel for a batch whose longest sequence packs max_packed_rows rows
-// (q_len * num_qo_heads / num_kv_heads), among the family's kernels.
+// (q_len * num_qo_heads / num_kv_heads) and whose query rows see
+// mean_kv_per_row keys on average (as for kAutoSm90MinMeanKv), among the
+// family's kernels.
 PrefillKernel ChoosePrefillKernel(const KvGeometry& geo, const PrefillDevice& device,
                                   int64_t max_packed_rows,
-                                  PrefillFamily family = PrefillFamily::kAuto);
+                                  PrefillFamily family = PrefillFamily::kAuto, int64_t mean_kv_per_row = 0);
 
 }  // namespace attnserve

@@ -1,5 +1,6 @@
-// The sm90 family's launches: the run-time (head_dim, dtype) turned into the
-// kernel's compile-time shape, the device check, and the occupancy.
+// The sm90 family's launches: the run-time (head_dim, dtype, variant) turned
+// into the kernel's compile-time shape and schedule, the device check, and
+// the occupancy.
 #include "kernels/sm90/prefill_sm90.h"
 
 #include <cuda_bf16.h>
@@ -13,23 +14,41 @@ namespace attnserve {
 namespace {
 
 using sm90::PagedPrefillSm90Kernel;
+using sm90::PagedPrefillSm90OverlapKernel;
 using sm90::PrefillKernelArgs;
+using sm90::Schedule;
 using sm90::Traits;
 
-template <int D, typename T>
+// Variant V (Sm90Variant's value) -> the kernel and its Traits.
+template <int D, typename T, int V>
+struct Kernel {
+  using Tr = Traits<D, V == 0 ? Schedule::kSerial : Schedule::kOverlap, V != 2>;
+  static auto Get() {
+    if constexpr (V == 0) {
+      return PagedPrefillSm90Kernel<D, T>;
+    } else {
+      return PagedPrefillSm90OverlapKernel<D, T, V == 1>;
+    }
+  }
+};
+static_assert(static_cast<int>(Sm90Variant::kSerial) == 0 && static_cast<int>(Sm90Variant::kOverlap) == 1 &&
+                  static_cast<int>(Sm90Variant::kOverlapNoPingPong) == 2,
+              "Kernel<D, T, V> numbers the variants");
+
+template <int D, typename T, int V>
 cudaError_t Launch(const PrefillKernelArgs& args, int32_t num_items, cudaStream_t stream) {
-  using Tr = Traits<D>;
-  auto kernel = PagedPrefillSm90Kernel<D, T>;
+  using Tr = typename Kernel<D, T, V>::Tr;
+  auto kernel = Kernel<D, T, V>::Get();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 
-template <int D, typename T>
+template <int D, typename T, int V>
 int32_t CtasPerSm() {
-  using Tr = Traits<D>;
-  auto kernel = PagedPrefillSm90Kernel<D, T>;
+  using Tr = typename Kernel<D, T, V>::Tr;
+  auto kernel = Kernel<D, T, V>::Get();
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes) != cudaSuccess) {
     return 1;
   }
@@ -40,16 +59,29 @@ int32_t CtasPerSm() {
   return std::max(n, 1);
 }
 
-#define ATTNSERVE_SM90_DISPATCH(head_dim, dtype, FN, ...)   \
-  [&]() {                                                   \
-    if ((dtype) == KvDType::kBf16) {                        \
-      using T = __nv_bfloat16;                              \
-      if ((head_dim) == 64) return FN<64, T>(__VA_ARGS__);  \
-      return FN<128, T>(__VA_ARGS__);                       \
-    }                                                       \
-    using T = __half;                                       \
-    if ((head_dim) == 64) return FN<64, T>(__VA_ARGS__);    \
-    return FN<128, T>(__VA_ARGS__);                         \
+#define ATTNSERVE_SM90_DISPATCH_V(head_dim, dtype, V, FN, ...)    \
+  [&]() {                                                         \
+    if ((dtype) == KvDType::kBf16) {                              \
+      using T = __nv_bfloat16;                                    \
+      if ((head_dim) == 64) return FN<64, T, V>(__VA_ARGS__);     \
+      return FN<128, T, V>(__VA_ARGS__);                          \
+    }                                                             \
+    using T = __half;                                             \
+    if ((head_dim) == 64) return FN<64, T, V>(__VA_ARGS__);       \
+    return FN<128, T, V>(__VA_ARGS__);                            \
+  }()
+
+#define ATTNSERVE_SM90_DISPATCH(head_dim, dtype, variant, FN, ...)                  \
+  [&]() {                                                                           \
+    switch (variant) {                                                              \
+      case Sm90Variant::kOverlap:                                                   \
+        return ATTNSERVE_SM90_DISPATCH_V(head_dim, dtype, 1, FN, __VA_ARGS__);      \
+      case Sm90Variant::kOverlapNoPingPong:                                         \
+        return ATTNSERVE_SM90_DISPATCH_V(head_dim, dtype, 2, FN, __VA_ARGS__);      \
+      case Sm90Variant::kSerial:                                                    \
+        break;                                                                      \
+    }                                                                               \
+    return ATTNSERVE_SM90_DISPATCH_V(head_dim, dtype, 0, FN, __VA_ARGS__);          \
   }()
 
 static_assert(Traits<64>::kM == 128 && Traits<128>::kM == 128,
@@ -64,14 +96,14 @@ bool Sm90PrefillSupported() {
   return major == 9;
 }
 
-int32_t Sm90PrefillCtasPerSm(int32_t head_dim, KvDType dtype) {
+int32_t Sm90PrefillCtasPerSm(int32_t head_dim, KvDType dtype, Sm90Variant variant) {
   if (head_dim != 64 && head_dim != 128) return 1;
   if (!Sm90PrefillSupported()) return 1;
-  return ATTNSERVE_SM90_DISPATCH(head_dim, dtype, CtasPerSm);
+  return ATTNSERVE_SM90_DISPATCH(head_dim, dtype, variant, CtasPerSm);
 }
 
 cudaError_t PagedPrefillSm90(const PagedPrefillParams& params, const PrefillWorkItem* items,
-                             int32_t num_items, float* part_o, float* part_lse,
+                             int32_t num_items, float* part_o, float* part_lse, Sm90Variant variant,
                              cudaStream_t stream) {
   const KvGeometry& geo = params.geo;
   if (geo.head_dim != 64 && geo.head_dim != 128) return cudaErrorInvalidValue;
@@ -93,7 +125,7 @@ cudaError_t PagedPrefillSm90(const PagedPrefillParams& params, const PrefillWork
   args.num_kv_heads = geo.num_kv_heads;
   args.page_size = geo.page_size;
   args.slots_per_layer = geo.SlotsPerLayer();
-  return ATTNSERVE_SM90_DISPATCH(geo.head_dim, geo.dtype, Launch, args, num_items, stream);
+  return ATTNSERVE_SM90_DISPATCH(geo.head_dim, geo.dtype, variant, Launch, args, num_items, stream);
 }
 
 }  // namespace attnserve

@@ -14,7 +14,9 @@
 //    O += P V by wgmma with P in registers and V in shared memory (MN-major);
 //    then they release the stage (empty mbarrier). The two take turns to
 //    issue S (ping-pong, named barriers) so one's softmax overlaps the other's
-//    GEMMs.
+//    GEMMs. Traits::kOverlap (PagedPrefillSm90OverlapKernel) pipelines each
+//    warpgroup instead: turn t issues S_t and P_{t-1} V_{t-1}, then computes
+//    softmax(S_t) while P_{t-1} V_{t-1} runs (traits.cuh, Schedule).
 // The epilogue normalises and writes either the final o / lse or, for a
 // split item, an fp32 partial state for the merge family, as kernels/sm80.
 //
@@ -41,10 +43,10 @@ namespace sm90 {
 #define ATTNSERVE_SM90_DEVICE 0
 #endif
 
-template <int D, typename T>
-__global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKernelArgs args) {
-#if ATTNSERVE_SM90_DEVICE
-  using Tr = Traits<D>;
+// One CTA's work item (the body of both kernels below; sm_90a only).
+template <typename Tr, typename T>
+__device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
+  constexpr int D = Tr::kD;
   constexpr int KB = Tr::kKB;
   constexpr int S = Tr::kStages;
   extern __shared__ uint8_t smem_raw[];
@@ -59,7 +61,10 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
   const uint32_t bar_q = base + Tr::kBarOff;
   auto bar_k = [&](int s) { return bar_q + 8 * (1 + s); };
   auto bar_v = [&](int s) { return bar_q + 8 * (1 + S + s); };
-  auto bar_empty = [&](int s) { return bar_q + 8 * (1 + 2 * S + s); };
+  // Released by the consumers (256 arrivals): the stage's K and V buffers
+  // (one barrier), or K and V apart (Tr::kSplitEmpty).
+  auto bar_k_empty = [&](int s) { return bar_q + 8 * (1 + 2 * S + s); };
+  auto bar_v_empty = [&](int s) { return bar_q + 8 * (1 + (Tr::kSplitEmpty ? 3 : 2) * S + s); };
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;  // 0 producer, 1..2 consumers
@@ -83,7 +88,8 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
     for (int s = 0; s < S; ++s) {
       MbarInit(bar_k(s), 128);
       MbarInit(bar_v(s), 128);
-      MbarInit(bar_empty(s), 256);
+      MbarInit(bar_k_empty(s), 256);
+      if (Tr::kSplitEmpty) MbarInit(bar_v_empty(s), 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -164,23 +170,47 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
     };
 
     int32_t my_slot = num_blocks > 0 ? row_slot(0) : 0;
-    for (int b = 0; b < num_blocks; ++b) {
-      const int stage = b % S;
-      int32_t* slots = s_slot + (b & 1) * KB;
-      slots[tid] = my_slot;
-      NamedBarSync(1, 128);
-      if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
-      if (b >= S) MbarWait(bar_empty(stage), ((b / S) & 1) ^ 1);
-      // kInFlight groups stay in flight; the oldest beyond them completes.
-      issue(k_base, a_k + stage * Tr::kKvBytes, slots);
-      CpAsyncWait<Tr::kInFlight>();
-      if (2 * b + 1 - Tr::kInFlight >= 0) complete(2 * b + 1 - Tr::kInFlight);
-      issue(v_base, a_v + stage * Tr::kKvBytes, slots);
-      CpAsyncWait<Tr::kInFlight>();
-      if (2 * b + 2 - Tr::kInFlight >= 0) complete(2 * b + 2 - Tr::kInFlight);
+    if constexpr (Tr::kOverlap) {
+      // Before each wait for a release, complete every copy group but the
+      // kKeepK (before K) or kKeepV (before V) newest (traits.cuh).
+      int done = 0;  // groups completed: G(0) .. G(done - 1)
+      for (int b = 0; b < num_blocks; ++b) {
+        const int stage = b % S;
+        int32_t* slots = s_slot + (b & 1) * KB;
+        slots[tid] = my_slot;
+        NamedBarSync(1, 128);
+        if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
+        // Issued so far: G(0) .. G(2b).
+        CpAsyncWait<Tr::kKeepK>();
+        for (; done <= 2 * b - Tr::kKeepK; ++done) complete(done);
+        if (b >= S) MbarWait(bar_k_empty(stage), ((b / S) & 1) ^ 1);
+        issue(k_base, a_k + stage * Tr::kKvBytes, slots);
+        CpAsyncWait<Tr::kKeepV>();
+        for (; done <= 2 * b + 1 - Tr::kKeepV; ++done) complete(done);
+        if (b >= S) MbarWait(bar_v_empty(stage), ((b / S) & 1) ^ 1);
+        issue(v_base, a_v + stage * Tr::kKvBytes, slots);
+      }
+      CpAsyncWait<0>();
+      for (; done <= 2 * num_blocks; ++done) complete(done);
+    } else {
+      for (int b = 0; b < num_blocks; ++b) {
+        const int stage = b % S;
+        int32_t* slots = s_slot + (b & 1) * KB;
+        slots[tid] = my_slot;
+        NamedBarSync(1, 128);
+        if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
+        if (b >= S) MbarWait(bar_k_empty(stage), ((b / S) & 1) ^ 1);
+        // kInFlight groups stay in flight; the oldest beyond them completes.
+        issue(k_base, a_k + stage * Tr::kKvBytes, slots);
+        CpAsyncWait<Tr::kInFlight>();
+        if (2 * b + 1 - Tr::kInFlight >= 0) complete(2 * b + 1 - Tr::kInFlight);
+        issue(v_base, a_v + stage * Tr::kKvBytes, slots);
+        CpAsyncWait<Tr::kInFlight>();
+        if (2 * b + 2 - Tr::kInFlight >= 0) complete(2 * b + 2 - Tr::kInFlight);
+      }
+      CpAsyncWait<0>();
+      for (int g = max(0, 2 * num_blocks - Tr::kInFlight + 1); g <= 2 * num_blocks; ++g) complete(g);
     }
-    CpAsyncWait<0>();
-    for (int g = max(0, 2 * num_blocks - Tr::kInFlight + 1); g <= 2 * num_blocks; ++g) complete(g);
     return;
   }
 
@@ -218,24 +248,161 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
   // Warpgroup 0 goes first; every sync meets exactly one arrive (warpgroup 1
   // gives the first and skips its last), so no arrival outlives the CTA.
   constexpr int kTurnBar = 2;
-  if (Tr::kPingPong && cw == 1 && num_blocks > 0) NamedBarArrive(kTurnBar + 0, 256);
-  if (num_blocks > 0) MbarWait(bar_q, 0);
-  for (int b = 0; b < num_blocks; ++b) {
-    const int stage = b % S;
-    const uint32_t parity = (b / S) & 1;
-    const int block_start = kv_begin + b * KB;
-    const bool do_math = wg_active && block_start < wg_kv_end;
-    MbarWait(bar_k(stage), parity);
+  if constexpr (!Tr::kOverlap) {
+    if (Tr::kPingPong && cw == 1 && num_blocks > 0) NamedBarArrive(kTurnBar + 0, 256);
+    if (num_blocks > 0) MbarWait(bar_q, 0);
+    for (int b = 0; b < num_blocks; ++b) {
+      const int stage = b % S;
+      const uint32_t parity = (b / S) & 1;
+      const int block_start = kv_begin + b * KB;
+      const bool do_math = wg_active && block_start < wg_kv_end;
+      MbarWait(bar_k(stage), parity);
+      float s[KB / 2];
+      // Whether this warpgroup hands the turn over after issuing (all but
+      // warpgroup 1's last block).
+      const bool pass_turn = !(cw == 1 && b == num_blocks - 1);
+      if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
+      if (!do_math && Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
+      if (do_math) {
+        // ---- S = Q K^T (fp32), 64 x KB per warpgroup.
+        const uint32_t k_stage = a_k + stage * Tr::kKvBytes;
+        WgmmaFence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t qa = a_q + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
+          const uint32_t kb = k_stage + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
+          WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
+        }
+        WgmmaCommit();
+        if (Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
+        WgmmaWait<0>();
+        FenceRegs(s);
+
+        // ---- Mask (boundary blocks only). s[4 * n + 2 * h + e]: row h, column
+        // n * 8 + (lane % 4) * 2 + e.
+        if (block_start + KB > wg_full_end) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int lim = row_limit(h);
+#pragma unroll
+            for (int n = 0; n < KB / 8; ++n) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int pos = block_start + n * 8 + (lane & 3) * 2 + e;
+                if (pos >= lim) s[4 * n + 2 * h + e] = -INFINITY;
+              }
+            }
+          }
+        }
+        // ---- Online softmax in base 2 with the lazy rescale (kernels/sm80):
+        // the running max moves only when a row's block max exceeds it by more
+        // than kLazyRescale, for the whole warp at once.
+        float mx2[2];
+        bool grow = false;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int n = 0; n < KB / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          mx2[h] = mx * scale_log2;
+          grow |= mx2[h] > m_run[h] + kLazyRescale;
+        }
+        if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float m_new = fmaxf(m_run[h], mx2[h]);
+            const float alpha = Exp2(m_run[h] - (m_new == -INFINITY ? 0.f : m_new));
+            m_run[h] = m_new;
+            l_run[h] *= alpha;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+              o_acc[4 * n + 2 * h] *= alpha;
+              o_acc[4 * n + 2 * h + 1] *= alpha;
+            }
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float neg_m = m_run[h] == -INFINITY ? 0.f : -m_run[h];
+          float sum = 0.f;
+#pragma unroll
+          for (int n = 0; n < KB / 8; ++n) {
+            const float p0 = Exp2(fmaf(s[4 * n + 2 * h], scale_log2, neg_m));
+            const float p1 = Exp2(fmaf(s[4 * n + 2 * h + 1], scale_log2, neg_m));
+            s[4 * n + 2 * h] = p0;
+            s[4 * n + 2 * h + 1] = p1;
+            sum += p0 + p1;
+          }
+          l_run[h] += sum;
+        }
+      }
+      MbarWait(bar_v(stage), parity);
+      if (do_math) {
+        // ---- O += P V: P (64 x KB) from registers in 16-column slices (the
+        // accumulator layout of S is the A-fragment layout), V MN-major.
+        const uint32_t v_stage = a_v + stage * Tr::kKvBytes;
+        uint32_t pa[KB / 16][4];
+#pragma unroll
+        for (int j = 0; j < KB / 16; ++j) {
+          pa[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
+          pa[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
+          pa[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
+          pa[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
+        }
+        FenceRegs(o_acc);
+        WgmmaFence();
+#pragma unroll
+        for (int j = 0; j < KB / 16; ++j) {
+          WgmmaRS<D, T>(o_acc, pa[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
+        }
+        WgmmaCommit();
+        WgmmaWait<0>();
+        FenceRegs(o_acc);
+      }
+      MbarArrive(bar_k_empty(stage));
+    }
+  } else {
+    // ---- Overlapped schedule. Turn t (0 .. num_blocks) issues S_t = Q K_t^T
+    // and O += P_{t-1} V_{t-1} as two wgmma groups, waits for S_t alone,
+    // masks it and runs the softmax while PV_{t-1} is on the tensor cores,
+    // then waits for PV_{t-1}, rescales O to the new row max and packs P_t.
+    // Registers: s (S_t, fp32), p (P_{t-1}, 16-bit, read by the PV wgmma in
+    // flight: written only after its wait), o_acc. Releases: K_t once S_t has
+    // completed (k_empty), V_{t-1} once PV_{t-1} has (v_empty); a warpgroup
+    // without rows at block t still waits for the block to land before it
+    // releases it, so that its arrivals count in that block's phase. Both
+    // warpgroups take num_blocks + 1 turns (kPingPong: warpgroup 0 first;
+    // every sync meets exactly one arrive, as in the serial schedule).
+    // This warpgroup computes blocks 0 .. wg_blocks - 1 (a prefix: causal
+    // rows see a prefix of the KV range): turn 0 (S_0), turns 1 ..
+    // wg_blocks - 1 (S_t and PV_{t-1}), turn wg_blocks (PV alone), then turns
+    // without GEMMs. Each wgmma is issued and waited for in the same
+    // unconditional stretch of code: ptxas serializes wgmma whose pipeline
+    // crosses divergent branches (C7520).
+    const int wg_blocks =
+        wg_active && wg_kv_end > kv_begin ? min(num_blocks, (wg_kv_end - kv_begin + KB - 1) / KB) : 0;
+    const int turns = num_blocks > 0 ? num_blocks + 1 : 0;
     float s[KB / 2];
-    // Whether this warpgroup hands the turn over after issuing (all but
-    // warpgroup 1's last block).
-    const bool pass_turn = !(cw == 1 && b == num_blocks - 1);
-    if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
-    if (!do_math && Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
-    if (do_math) {
-      // ---- S = Q K^T (fp32), 64 x KB per warpgroup.
-      const uint32_t k_stage = a_k + stage * Tr::kKvBytes;
-      WgmmaFence();
+    uint32_t p[KB / 16][4];
+#pragma unroll
+    for (int i = 0; i < KB / 2; ++i) s[i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < KB / 16; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0u;
+
+    // Waits for K_t (t < num_blocks) and V_{t-1} (t > 0), then for the turn.
+    auto turn_begin = [&](int t) {
+      if (t < num_blocks) MbarWait(bar_k(t % S), (t / S) & 1);
+      if (t >= 1) MbarWait(bar_v((t - 1) % S), ((t - 1) / S) & 1);
+      if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
+    };
+    // Hands the turn over (all but warpgroup 1's last turn).
+    auto turn_end = [&](int t) {
+      if (Tr::kPingPong && !(cw == 1 && t == turns - 1)) NamedBarArrive(kTurnBar + (1 - cw), 256);
+    };
+    auto issue_s = [&](int t) {
+      const uint32_t k_stage = a_k + (t % S) * Tr::kKvBytes;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t qa = a_q + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
@@ -243,12 +410,21 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
         WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
       }
       WgmmaCommit();
-      if (Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
-      WgmmaWait<0>();
-      FenceRegs(s);
-
-      // ---- Mask (boundary blocks only). s[4 * n + 2 * h + e]: row h, column
-      // n * 8 + (lane % 4) * 2 + e.
+    };
+    auto issue_pv = [&](int b) {
+      const uint32_t v_stage = a_v + (b % S) * Tr::kKvBytes;
+#pragma unroll
+      for (int j = 0; j < KB / 16; ++j) {
+        WgmmaRS<D, T>(o_acc, p[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
+      }
+      WgmmaCommit();
+    };
+    // Mask (boundary blocks only) and online softmax of S_t in base 2 with
+    // the lazy rescale, in place (s becomes P_t in fp32); l_run and m_run
+    // move now, O's rescale by alpha waits for the PV wgmma in flight (it
+    // accumulates at the old max). Returns whether O must be rescaled.
+    auto softmax = [&](int t, float (&alpha)[2]) -> bool {
+      const int block_start = kv_begin + t * KB;
       if (block_start + KB > wg_full_end) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -263,9 +439,6 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
           }
         }
       }
-      // ---- Online softmax in base 2 with the lazy rescale (kernels/sm80):
-      // the running max moves only when a row's block max exceeds it by more
-      // than kLazyRescale, for the whole warp at once.
       float mx2[2];
       bool grow = false;
 #pragma unroll
@@ -278,19 +451,13 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
         mx2[h] = mx * scale_log2;
         grow |= mx2[h] > m_run[h] + kLazyRescale;
       }
-      if (__any_sync(0xffffffffu, grow)) {
+      const bool rescale = __any_sync(0xffffffffu, grow);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float m_new = fmaxf(m_run[h], mx2[h]);
-          const float alpha = Exp2(m_run[h] - (m_new == -INFINITY ? 0.f : m_new));
-          m_run[h] = m_new;
-          l_run[h] *= alpha;
-#pragma unroll
-          for (int n = 0; n < D / 8; ++n) {
-            o_acc[4 * n + 2 * h] *= alpha;
-            o_acc[4 * n + 2 * h + 1] *= alpha;
-          }
-        }
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = rescale ? fmaxf(m_run[h], mx2[h]) : m_run[h];
+        alpha[h] = rescale ? Exp2(m_run[h] - (m_new == -INFINITY ? 0.f : m_new)) : 1.f;
+        m_run[h] = m_new;
+        l_run[h] *= alpha[h];
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -306,31 +473,89 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
         }
         l_run[h] += sum;
       }
-    }
-    MbarWait(bar_v(stage), parity);
-    if (do_math) {
-      // ---- O += P V: P (64 x KB) from registers in 16-column slices (the
-      // accumulator layout of S is the A-fragment layout), V MN-major.
-      const uint32_t v_stage = a_v + stage * Tr::kKvBytes;
-      uint32_t pa[KB / 16][4];
+      return rescale;
+    };
+    // After the PV wgmma's wait: O to the new max, then P_t packed (the
+    // accumulator layout of S is the A-fragment layout).
+    auto rescale_and_pack = [&](bool rescale, const float (&alpha)[2]) {
+      if (rescale) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            o_acc[4 * n + 2 * h] *= alpha[h];
+            o_acc[4 * n + 2 * h + 1] *= alpha[h];
+          }
+        }
+      }
 #pragma unroll
       for (int j = 0; j < KB / 16; ++j) {
-        pa[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
-        pa[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
-        pa[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
-        pa[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
+        p[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
+        p[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
+        p[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
+        p[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
       }
+    };
+
+    if (turns > 0) {
+      if (Tr::kPingPong && cw == 1) NamedBarArrive(kTurnBar + 0, 256);
+      MbarWait(bar_q, 0);
+    }
+    int t = 0;
+    if (wg_blocks > 0) {
+      float alpha[2];
+      // Turn 0: S_0 alone.
+      turn_begin(0);
+      FenceRegs(s);
+      WgmmaFence();
+      issue_s(0);
+      turn_end(0);
+      WgmmaWait<0>();
+      FenceRegs(s);
+      MbarArrive(bar_k_empty(0));
+      bool rescale = softmax(0, alpha);
+      rescale_and_pack(rescale, alpha);
+      // Turns 1 .. wg_blocks - 1: S_t with PV_{t-1}.
+      for (t = 1; t < wg_blocks; ++t) {
+        turn_begin(t);
+        FenceRegs(s);
+        FenceRegs(p);
+        FenceRegs(o_acc);
+        WgmmaFence();
+        issue_s(t);
+        issue_pv(t - 1);
+        turn_end(t);
+        WgmmaWait<1>();  // S_t; PV_{t-1} may still run
+        FenceRegs(s);
+        MbarArrive(bar_k_empty(t % S));
+        rescale = softmax(t, alpha);
+        WgmmaWait<0>();  // PV_{t-1}
+        FenceRegs(o_acc);
+        FenceRegs(p);
+        MbarArrive(bar_v_empty((t - 1) % S));
+        rescale_and_pack(rescale, alpha);
+      }
+      // Turn wg_blocks: PV of the last block this warpgroup computes.
+      turn_begin(t);
+      FenceRegs(p);
       FenceRegs(o_acc);
       WgmmaFence();
-#pragma unroll
-      for (int j = 0; j < KB / 16; ++j) {
-        WgmmaRS<D, T>(o_acc, pa[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
-      }
-      WgmmaCommit();
+      issue_pv(t - 1);
+      turn_end(t);
       WgmmaWait<0>();
       FenceRegs(o_acc);
+      FenceRegs(p);
+      if (t < num_blocks) MbarArrive(bar_k_empty(t % S));
+      MbarArrive(bar_v_empty((t - 1) % S));
+      ++t;
     }
-    MbarArrive(bar_empty(stage));
+    // Turns without GEMMs (blocks past this warpgroup's rows, or none).
+    for (; t < turns; ++t) {
+      turn_begin(t);
+      turn_end(t);
+      if (t < num_blocks) MbarArrive(bar_k_empty(t % S));
+      if (t >= 1) MbarArrive(bar_v_empty((t - 1) % S));
+    }
   }
 
   // ---- Epilogue: normalise, LSE (base 2 internally), write.
@@ -372,12 +597,30 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKe
       }
     }
   }
-#else
-  // Built for another architecture: the launch refuses devices other than
-  // sm_90 (PagedPrefillSm90), so this body never runs.
-  __trap();
-#endif
 }
+
+#if ATTNSERVE_SM90_DEVICE
+#define ATTNSERVE_SM90_BODY(...) PrefillCta<__VA_ARGS__>(args)
+#else
+// Built for another architecture: the launch refuses devices other than
+// sm_90 (PagedPrefillSm90), so this body never runs.
+#define ATTNSERVE_SM90_BODY(...) __trap()
+#endif
+
+// The serial schedule (PrefillKernel::kSm90).
+template <int D, typename T>
+__global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKernelArgs args) {
+  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kSerial, true>, T);
+}
+
+// The overlapped schedule, with or without turns between the consumer
+// warpgroups (PrefillKernel::kSm90Overlap, kSm90OverlapNoPp).
+template <int D, typename T, bool kPingPong>
+__global__ void __launch_bounds__(384, 1) PagedPrefillSm90OverlapKernel(const PrefillKernelArgs args) {
+  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong>, T);
+}
+
+#undef ATTNSERVE_SM90_BODY
 
 }  // namespace sm90
 }  // namespace attnserve

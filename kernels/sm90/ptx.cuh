@@ -90,6 +90,17 @@ __device__ __forceinline__ void FenceRegs(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// The same for the 16-bit A fragments of a register-sourced wgmma: their
+// registers stay live (and unchanged) up to here, past the wgmma's wait.
+template <int M>
+__device__ __forceinline__ void FenceRegs(uint32_t (&a)[M][4]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+  }
+}
+
 // Shared-memory matrix descriptor for a tile in the 128-byte swizzled
 // canonical layout: rows of 64 16-bit elements (128 bytes), 8-row atoms of
 // 1024 bytes whose 16-byte chunk c of row r sits at chunk c ^ (r % 8), the

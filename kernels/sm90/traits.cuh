@@ -30,25 +30,66 @@ struct PrefillKernelArgs {
   int64_t slots_per_layer;
 };
 
+// How the two consumer warpgroups schedule their GEMMs (a compile-time
+// option of Traits; PagedPrefillSm90 picks one per launch).
+//  - kSerial: per KV block b, S_b = Q K_b^T, wait, mask + softmax, P_b V_b,
+//    wait; the warpgroups take turns issuing S (ping-pong on named
+//    barriers). PrefillKernel::kSm90.
+//  - kOverlap: software-pipelined inside the warpgroup (as FlashAttention-3's
+//    intra-warpgroup overlap): turn t issues S_t and P_{t-1} V_{t-1}
+//    together, then runs softmax(S_t) while P_{t-1} V_{t-1} is on the tensor
+//    cores; optionally the two warpgroups take turns over both GEMMs (the
+//    turn covers the S_t and PV_{t-1} issue, so one warpgroup's softmax runs
+//    beside the other's GEMMs). PrefillKernel::kSm90Overlap (ping-pong) and
+//    kSm90OverlapNoPp (none).
+enum class Schedule : int { kSerial, kOverlap };
+
 // One CTA = 3 warpgroups: warpgroup 0 loads (cp.async into a kStages-deep
 // ring of K and V blocks), warpgroups 1 and 2 each compute 64 packed query
 // rows of the 128-row tile.
-template <int D>
+template <int D, Schedule kSchedule = Schedule::kSerial, bool kTurns = true>
 struct Traits {
   static_assert(D == 64 || D == 128, "the sm90 family runs head_dim 64 and 128");
+  static constexpr int kD = D;
   static constexpr int kM = 128;            // packed rows per tile
   static constexpr int kWgRows = 64;        // rows per consumer warpgroup
   static constexpr int kKB = 128;           // KV tokens per block
   static constexpr int kStages = D == 64 ? 4 : 3;
-  // Copy groups (one K or V block each) a producer thread keeps in flight
-  // before it waits for the oldest. Before it refills a stage, the producer
-  // must have completed the V block the consumers release it after
+  static constexpr bool kOverlap = kSchedule == Schedule::kOverlap;
+  // The consumer warpgroups take turns issuing their GEMMs (kSerial: S only;
+  // kOverlap: S_t and PV_{t-1}).
+  static constexpr bool kPingPong = kTurns;
+  // K and V stages are released on separate mbarriers (kOverlap): K_b once
+  // S_b has completed, V_b once P_b V_b has. With one barrier per stage the
+  // overlapped consumers would release block b only after S_{b+1}, whose K
+  // the producer completes late (see kKeepV).
+  static constexpr bool kSplitEmpty = kOverlap;
+  // kSerial: copy groups (one K or V block each) a producer thread keeps in
+  // flight before it waits for the oldest. Before it refills a stage, the
+  // producer must have completed the V block the consumers release it after
   // (G(2(b - kStages) + 2) by the time it has issued G(2b)): at most
   // 2 * kStages - 2.
   static constexpr int kInFlight = 2 * kStages - 2;
+  // kOverlap: the producer completes every copy group but the kKeepK
+  // (kKeepV) newest before it waits for the release of a K (V) stage. It
+  // issues G(0) = Q, G(2b + 1) = K_b, G(2b + 2) = V_b, and waits for
+  // k_empty(b - kStages) before K_b and v_empty(b - kStages) before V_b.
+  //  - No deadlock: k_empty(b - kStages) needs the consumers' turn
+  //    b - kStages, which waits for K_{b - kStages} and V_{b - kStages - 1}:
+  //    complete by then if kKeepK <= 2 * kStages - 1; v_empty(b - kStages)
+  //    needs turn b - kStages + 1 (K_{b - kStages + 1} = G(2b - 2 kStages + 3)):
+  //    kKeepV <= 2 * kStages - 2.
+  //  - No lockstep: warpgroup 0 starts turn t while warpgroup 1 is in turn
+  //    t - 1, which releases V_{t-2} only at its end. K_t must therefore be
+  //    complete before the producer waits for v_empty(t - 2), when the newest
+  //    groups are K_{t+1} .. K_{t-2+kStages} and V_t .. V_{t-3+kStages}:
+  //    kKeepV <= 2 * kStages - 4 (a deeper keep, as kSerial's, would make each
+  //    warpgroup wait for the end of the other's previous turn). kKeepK =
+  //    kKeepV + 1 never blocks (one group issued since the last wait).
+  // D = 128: 3 and 2 groups (96 and 64 KB) in flight at the waits.
+  static constexpr int kKeepV = 2 * kStages - 4;
+  static constexpr int kKeepK = kKeepV + 1;
   static constexpr int kThreads = 384;
-  // The consumer warpgroups take turns issuing S = Q K^T (prefill_kernel.cuh).
-  static constexpr bool kPingPong = true;
   static constexpr int kProducerRegs = 56;  // setmaxnreg after the split
   static constexpr int kConsumerRegs = 224;
   static constexpr int kChunks = D / 8;     // 16-byte chunks per row
@@ -63,8 +104,9 @@ struct Traits {
   // end) of the KV rows of two blocks.
   static constexpr int kSlotOff = kVOff + kStages * kKvBytes;
   static constexpr int kBarOff = kSlotOff + 2 * kKB * 4;
-  // Barriers: q_full, k_full[kStages], v_full[kStages], empty[kStages].
-  static constexpr int kNumBars = 1 + 3 * kStages;
+  // Barriers: q_full, k_full[kStages], v_full[kStages], empty[kStages]
+  // (kSplitEmpty: k_empty[kStages], then v_empty[kStages]).
+  static constexpr int kNumBars = 1 + (kSplitEmpty ? 4 : 3) * kStages;
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes (the
   // swizzle atom) in the kernel.
   static constexpr int kSmemBytes = kBarOff + kNumBars * 8 + 1024;

@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "common/kv_geometry.h"
 #include "kernels/merge_states.h"
@@ -34,11 +35,15 @@
 
 namespace attnserve {
 
-// One validated Prefill request as the backend sees it. All pointers are host
-// memory owned by the caller and valid until the batch's Complete returns.
+// One validated Prefill request as the backend sees it. All pointers are
+// owned by the caller and valid until the batch's Complete returns. They are
+// host memory, except those whose *_on_device flag is set: device memory of a
+// CUDA region, opened on the backend's device by its RegionDevice (only a
+// backend whose RegionDevice opens IPC handles ever gets one).
 struct PrefillTask {
   int32_t layer = 0;
   const void* q = nullptr;              // (total_q, num_qo_heads, head_dim)
+  bool q_on_device = false;
   int32_t total_q = 0;
   // Sequences of this request; q_start is relative to q, kv_start relative to
   // kv_indices, layer equals `layer`.
@@ -50,11 +55,16 @@ struct PrefillTask {
   int64_t num_append = 0;
   const void* append_k = nullptr;         // (num_append, num_kv_heads, head_dim)
   const void* append_v = nullptr;         // (num_append, num_kv_heads, head_dim)
+  bool append_k_on_device = false;
+  bool append_v_on_device = false;
   // Outputs. Every byte of both is written when the batch completes.
   void* o = nullptr;                      // (total_q, num_qo_heads, head_dim)
   float* lse = nullptr;                   // (total_q, num_qo_heads)
-  // o and lse lie in a pinned buffer from this backend's AllocateOutput: the
-  // device may copy into them directly instead of through staging.
+  bool o_on_device = false;
+  bool lse_on_device = false;
+  // Each of o and lse is device memory or pinned host memory (a buffer from
+  // this backend's AllocateOutput, a page-locked system region): the device
+  // may copy into them directly instead of through staging.
   bool out_pinned = false;
 };
 
@@ -101,13 +111,29 @@ struct BatchStats {
   }
 };
 
-// Scatter (WriteKV) or gather (ReadKV) of rows by slot. Host pointers.
+// Scatter (WriteKV) or gather (ReadKV) of rows by slot. Host pointers, but
+// for k / v when *_on_device (a CUDA region, as in PrefillTask).
 struct KvRows {
   int32_t layer = 0;
-  const int64_t* slots = nullptr;  // (n) validated slots
+  const int64_t* slots = nullptr;  // (n) validated slots, host
   int64_t n = 0;
   void* k = nullptr;               // (n, num_kv_heads, head_dim)
   void* v = nullptr;               // (n, num_kv_heads, head_dim)
+  bool k_on_device = false;
+  bool v_on_device = false;
+};
+
+// Which tensors of a MergeStates lie in device memory (CUDA regions, as in
+// PrefillTask); empty or all false: every one is host memory.
+struct MergeOnDevice {
+  std::vector<bool> v, lse;  // (num_states) or empty
+  bool v_out = false;
+  bool lse_out = false;
+  bool any() const {
+    for (bool b : v) if (b) return true;
+    for (bool b : lse) if (b) return true;
+    return v_out || lse_out;
+  }
 };
 
 class Backend {
@@ -158,8 +184,13 @@ class Backend {
   // anyone may allocate them again). Same threading as WriteKv.
   virtual absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) = 0;
 
-  // N-way merge of states in host memory. Default: the CPU reference.
-  virtual absl::Status MergeStates(const MergeStatesParams& params) {
+  // N-way merge of states. Default: the CPU reference, host memory only
+  // (FAILED_PRECONDITION for a tensor on a device).
+  virtual absl::Status MergeStates(const MergeStatesParams& params, const MergeOnDevice& on_device) {
+    if (on_device.any()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("MergeStates: the ", Name(), " backend cannot read or write device memory"));
+    }
     MergeStatesCpu(params);
     return absl::OkStatus();
   }

@@ -38,17 +38,25 @@ class AttentionCore::RegionUse {
     }
     ATTN_ASSIGN_OR_RETURN(RegionSlice slice,
                           table_->Resolve(tenant_, t->region, elem_bytes, field + ".region"));
-    ATTN_RETURN_IF_ERROR(HostOnly(slice, field + ".region"));
     t->data = absl::string_view(slice.data, static_cast<size_t>(slice.bytes));
+    t->on_device = slice.on_device();
     uses_.push_back({std::move(slice), field + ".region", false});
     return absl::OkStatus();
   }
 
-  // The address an output of exactly `bytes` goes to.
-  absl::StatusOr<char*> Output(const RegionRefView& ref, int64_t bytes, int64_t elem_bytes,
-                               const std::string& field, bool* registered) {
+  // Where an output goes: device memory (a CUDA region) or host memory,
+  // and whether the device may copy into it directly (device memory, or a
+  // page-locked system region).
+  struct OutputSlot {
+    char* data = nullptr;
+    bool on_device = false;
+    bool direct = false;
+  };
+
+  // The range an output of exactly `bytes` goes to.
+  absl::StatusOr<OutputSlot> Output(const RegionRefView& ref, int64_t bytes, int64_t elem_bytes,
+                                    const std::string& field) {
     ATTN_ASSIGN_OR_RETURN(RegionSlice slice, table_->Resolve(tenant_, ref, elem_bytes, field));
-    ATTN_RETURN_IF_ERROR(HostOnly(slice, field));
     if (slice.bytes != bytes) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".byte_size=", slice.bytes,
                                                      ", the output needs exactly ", bytes));
@@ -61,10 +69,12 @@ class AttentionCore::RegionUse {
             " in region '", ref.name, "': an output may not share bytes with another tensor"));
       }
     }
-    *registered = slice.registered();
-    char* data = slice.data;
+    OutputSlot out;
+    out.data = slice.data;
+    out.on_device = slice.on_device();
+    out.direct = slice.on_device() || slice.registered();
     uses_.push_back({std::move(slice), field, true});
-    return data;
+    return out;
   }
 
   bool empty() const { return uses_.empty(); }
@@ -94,14 +104,6 @@ class AttentionCore::RegionUse {
     std::string field;
     bool output = false;
   };
-
-  // The backends read and write host memory only, for now.
-  static absl::Status HostOnly(const RegionSlice& slice, const std::string& field) {
-    if (!slice.on_device()) return absl::OkStatus();
-    return absl::FailedPreconditionError(absl::StrCat(
-        field, " names cuda region '", slice.region->name,
-        "', which this server's backend cannot read or write"));
-  }
 
   const RegionTable* const table_;
   const std::string& tenant_;
@@ -335,15 +337,12 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
   out->head_dim = g.head_dim;
   if (call.out_region.set) {
     const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
-    bool o_registered = false, lse_registered = false;
-    auto o = regions.Output(call.out_region, validated->out_bytes, elem, "output_region",
-                            &o_registered);
+    auto o = regions.Output(call.out_region, validated->out_bytes, elem, "output_region");
     if (!o.ok()) {
       done(o.status());
       return;
     }
-    auto lse = regions.Output(call.lse_region, validated->lse_bytes, 4, "lse_region",
-                              &lse_registered);
+    auto lse = regions.Output(call.lse_region, validated->lse_bytes, 4, "lse_region");
     if (!lse.ok()) {
       done(lse.status());
       return;
@@ -353,9 +352,11 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
     job->kind = Job::Kind::kPrefill;
     job->task = std::move(validated->task);
     job->plan = std::move(plan);
-    job->task.o = *o;
-    job->task.lse = reinterpret_cast<float*>(*lse);
-    job->task.out_pinned = o_registered && lse_registered;
+    job->task.o = o->data;
+    job->task.lse = reinterpret_cast<float*>(lse->data);
+    job->task.o_on_device = o->on_device;
+    job->task.lse_on_device = lse->on_device;
+    job->task.out_pinned = o->direct && lse->direct;
     job->done = regions.Wrap(std::move(done), metrics_);
     Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
     return;
@@ -423,6 +424,8 @@ void AttentionCore::WriteKv(const WriteKvCall& request, DoneCallback done) {
   // The backend only reads k and v for a write.
   job->rows.k = const_cast<char*>(call.k.data.data());
   job->rows.v = const_cast<char*>(call.v.data.data());
+  job->rows.k_on_device = call.k.on_device;
+  job->rows.v_on_device = call.v.on_device;
   job->done = regions.Wrap(std::move(done), metrics_);
   Submit(call, *std::move(pages), "slots", std::move(job));
 }
@@ -454,19 +457,20 @@ void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
     return;
   }
   if (call.k_region.set) {
-    bool registered = false;
-    auto k = regions.Output(call.k_region, bytes, elem, "k_region", &registered);
+    auto k = regions.Output(call.k_region, bytes, elem, "k_region");
     if (!k.ok()) {
       done(k.status());
       return;
     }
-    auto v = regions.Output(call.v_region, bytes, elem, "v_region", &registered);
+    auto v = regions.Output(call.v_region, bytes, elem, "v_region");
     if (!v.ok()) {
       done(v.status());
       return;
     }
-    job->rows.k = *k;
-    job->rows.v = *v;
+    job->rows.k = k->data;
+    job->rows.v = v->data;
+    job->rows.k_on_device = k->on_device;
+    job->rows.v_on_device = v->on_device;
   } else {
     call.out_k->resize(bytes);
     call.out_v->resize(bytes);
@@ -513,31 +517,34 @@ void AttentionCore::MergeStates(const MergeStatesCall& request, DoneCallback don
   const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
   char* v_out = nullptr;
   char* lse_out = nullptr;
+  auto job = std::make_unique<Job>();
   if (call.v_region.set) {
-    bool registered = false;
-    auto v = regions.Output(call.v_region, rows * shape->d * elem, elem, "v_region", &registered);
+    auto v = regions.Output(call.v_region, rows * shape->d * elem, elem, "v_region");
     if (!v.ok()) {
       done(v.status());
       return;
     }
-    auto lse = regions.Output(call.lse_region, rows * 4, 4, "lse_region", &registered);
+    auto lse = regions.Output(call.lse_region, rows * 4, 4, "lse_region");
     if (!lse.ok()) {
       done(lse.status());
       return;
     }
-    v_out = *v;
-    lse_out = *lse;
+    v_out = v->data;
+    lse_out = lse->data;
+    job->merge_on_device.v_out = v->on_device;
+    job->merge_on_device.lse_out = lse->on_device;
   } else {
     call.out_v->resize(rows * shape->d * elem);
     call.out_lse->resize(rows * sizeof(float));
     v_out = call.out_v->data();
     lse_out = call.out_lse->data();
   }
-  auto job = std::make_unique<Job>();
   job->kind = Job::Kind::kMerge;
   for (size_t i = 0; i < call.v.size(); ++i) {
     job->merge_v.push_back(call.v[i].data.data());
     job->merge_lse.push_back(reinterpret_cast<const float*>(call.lse[i].data.data()));
+    job->merge_on_device.v.push_back(call.v[i].on_device);
+    job->merge_on_device.lse.push_back(call.lse[i].on_device);
   }
   MergeStatesParams& m = job->merge;
   m.v = job->merge_v.data();

@@ -50,11 +50,14 @@ inline const char* TensorDTypeName(TensorDType dtype) {
 
 // A request tensor. Its bytes are `data`, or, when region.set, a range of a
 // shared-memory region that the core resolves (and then points data at).
+// on_device: data is device memory (a CUDA region) that host code must never
+// read; only the backend copies it.
 struct TensorView {
   TensorDType dtype = TensorDType::kUnspecified;
   std::vector<int64_t> shape;
   absl::string_view data;
   RegionRefView region;
+  bool on_device = false;
 };
 
 // Called once when a queued request is finished (from the scheduler thread),

@@ -378,7 +378,7 @@ void Scheduler::RunJob(std::unique_ptr<Job> job) {
       status = backend_->ReadKv(job->rows, &stats);
       break;
     case Job::Kind::kMerge:
-      status = backend_->MergeStates(job->merge);
+      status = backend_->MergeStates(job->merge, job->merge_on_device);
       break;
     case Job::Kind::kScrub:
       status = backend_->ZeroPages(job->scrub, &stats);

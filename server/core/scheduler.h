@@ -52,6 +52,7 @@ struct Job {
   MergeStatesParams merge;             // kMerge (pointers into the two vectors below)
   std::vector<const void*> merge_v;
   std::vector<const float*> merge_lse;
+  MergeOnDevice merge_on_device;       // kMerge: which of those are device memory
   std::vector<int32_t> pinned;         // pages unpinned when the job finishes
   std::shared_ptr<const Plan> plan;    // kPrefill naming a plan: its arrays and pins live on
   std::vector<int32_t> scrub;          // kScrub: released pages to zero, then free

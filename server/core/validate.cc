@@ -281,6 +281,7 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
   PrefillTask& task = out.task;
   task.layer = call.layer;
   task.q = call.q.data.data();
+  task.q_on_device = call.q.on_device;
   task.total_q = static_cast<int32_t>(layout.total_q);
   task.num_kv_indices = static_cast<int32_t>(layout.pages.size() - layout.num_append);
   task.seqs = layout.seqs;
@@ -298,6 +299,8 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
     task.num_append = n_append;
     task.append_k = call.append_k.data.data();
     task.append_v = call.append_v.data.data();
+    task.append_k_on_device = call.append_k.on_device;
+    task.append_v_on_device = call.append_v.on_device;
   }
   out.out_bytes = layout.total_q * geo.num_qo_heads * geo.head_dim * KvDTypeBytes(geo.dtype);
   out.lse_bytes = layout.total_q * geo.num_qo_heads * static_cast<int64_t>(sizeof(float));
@@ -434,6 +437,9 @@ absl::StatusOr<MergeShape> ValidateMerge(const MergeStatesCall& call, const KvGe
                                         TensorDTypeOf(geo.dtype), v_shape));
     ATTN_RETURN_IF_ERROR(ValidateTensor(call.lse[i], absl::StrCat("states[", i, "].lse"),
                                         TensorDType::kFp32, lse_shape));
+    // LSEs in device memory (a CUDA region) are not read here: the host may
+    // not touch them (docs/transport.md: their values are not checked).
+    if (call.lse[i].on_device) continue;
     const auto* lse = reinterpret_cast<const float*>(call.lse[i].data.data());
     for (int64_t r = 0; r < rows; ++r) {
       float l;

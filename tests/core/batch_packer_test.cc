@@ -163,6 +163,63 @@ TEST(BatchPacker, MixedBatchRoutesEachSequenceToOneFamily) {
   EXPECT_GT(p.b.decode_split_tiles, 0);
 }
 
+// Inputs in device memory (CUDA regions) are never read by the packer (the
+// pointers below would fault): they become device-to-device copies into the
+// staging, consecutive rows coalesced, and the upload skips their bytes.
+TEST(BatchPacker, DeviceInputsBecomeCopiesAndAreNotUploaded) {
+  const KvGeometry g = Geo(8, 2, 64, 16);
+  const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim * 2, kv_row = g.RowElems() * 2;
+  const auto* dev_q = reinterpret_cast<const uint8_t*>(uintptr_t{0xdead0000});
+  const auto* dev_k = reinterpret_cast<const uint8_t*>(uintptr_t{0xbeef0000});
+  const auto* dev_v = reinterpret_cast<const uint8_t*>(uintptr_t{0xfeed0000});
+  std::vector<Request> reqs(2);
+  MakeRequest(g, {{1, 40}, {5, 70}}, 0, &reqs[0]);
+  MakeRequest(g, {{3, 30}}, 1, &reqs[1]);
+  reqs[0].task.q = dev_q;
+  reqs[0].task.q_on_device = true;
+  const std::vector<int64_t> slots0 = {5, 6, 7}, slots1 = {9};
+  reqs[0].task.append_slots = slots0.data();
+  reqs[0].task.num_append = 3;
+  reqs[0].task.append_k = dev_k;
+  reqs[0].task.append_v = dev_v;
+  reqs[0].task.append_k_on_device = reqs[0].task.append_v_on_device = true;
+  std::vector<uint16_t> host_kv(g.RowElems(), 7);
+  reqs[1].task.append_slots = slots1.data();
+  reqs[1].task.num_append = 1;
+  reqs[1].task.append_k = reqs[1].task.append_v = host_kv.data();
+  Packed p = Pack(g, Limits(true), reqs);
+  using Copy = PackedBatch::DeviceCopy;
+  ASSERT_EQ(p.b.device_in.size(), 3u);
+  auto expect_copy = [](const Copy& c, int64_t dst, const void* src, int64_t bytes) {
+    EXPECT_EQ(c.dst, dst);
+    EXPECT_EQ(c.src, src);
+    EXPECT_EQ(c.bytes, bytes);
+  };
+  expect_copy(p.b.device_in[0], p.b.off_q, dev_q, 6 * q_row);
+  expect_copy(p.b.device_in[1], p.b.off_k, dev_k, 3 * kv_row);  // three rows, one copy
+  expect_copy(p.b.device_in[2], p.b.off_v, dev_v, 3 * kv_row);
+  // The host request's q and appended row are packed behind them.
+  EXPECT_EQ(std::memcmp(p.staging.get() + p.b.off_q + 6 * q_row, reqs[1].q.data(), 3 * q_row), 0);
+  EXPECT_EQ(std::memcmp(p.staging.get() + p.b.off_k + 3 * kv_row, host_kv.data(), kv_row), 0);
+  EXPECT_EQ(p.b.upload_begin, 0);  // host q and host rows: everything goes up
+  EXPECT_EQ(p.b.upload_end, p.b.in_bytes);
+
+  // Every input on the device: only the layout between q and the K/V rows is uploaded.
+  reqs[1].task.q = dev_q + 6 * q_row;  // continues the first request's q
+  reqs[1].task.q_on_device = true;
+  reqs[1].task.append_k = dev_k + 3 * kv_row;
+  reqs[1].task.append_v = dev_v + 3 * kv_row;
+  reqs[1].task.append_k_on_device = reqs[1].task.append_v_on_device = true;
+  p = Pack(g, Limits(true), reqs);
+  ASSERT_EQ(p.b.device_in.size(), 3u);
+  expect_copy(p.b.device_in[0], p.b.off_q, dev_q, 9 * q_row);
+  expect_copy(p.b.device_in[1], p.b.off_k, dev_k, 4 * kv_row);
+  expect_copy(p.b.device_in[2], p.b.off_v, dev_v, 4 * kv_row);
+  EXPECT_EQ(p.b.upload_begin, p.b.off_idx);
+  EXPECT_EQ(p.b.upload_end, p.b.off_k);
+  EXPECT_GT(p.b.upload_end, p.b.upload_begin);
+}
+
 TEST(BatchPacker, DecodeOffRoutesEverythingToPrefill) {
   const KvGeometry g = Geo(32, 4, 128, 16);
   std::vector<Request> reqs(1);

@@ -237,5 +237,109 @@ TEST(RegionTableTest, IdleRegionsWhoseKeyVanishedAreReclaimed) {
   EXPECT_EQ(table.List("bob").size(), 0u);
 }
 
+// A RegionDevice whose "IPC handles" name host buffers it owns, so the
+// table's handling of CUDA regions (ownership, ranges, reference counts,
+// caps, gauges, the close on the last reference) is tested without a GPU.
+class FakeIpcDevice final : public RegionDevice {
+ public:
+  absl::StatusOr<void*> OpenIpc(absl::string_view handle, int32_t device_id,
+                                int64_t bytes) override {
+    if (device_id > 1) return absl::InvalidArgumentError("cuda.device_id out of range [0, 2)");
+    if (handle[0] != 'h') return absl::InvalidArgumentError("cuda.ipc_handle does not open");
+    buffers_.emplace_back(static_cast<size_t>(bytes), '\x11');
+    ++open_;
+    return buffers_.back().data();
+  }
+  void CloseIpc(void* device_ptr) override {
+    ++closed_;
+    last_closed_ = device_ptr;
+  }
+  int open_ = 0, closed_ = 0;
+  void* last_closed_ = nullptr;
+
+ private:
+  std::vector<std::string> buffers_;
+};
+
+RegionSpec Cuda(const std::string& name, char first, int32_t device_id, int64_t bytes) {
+  RegionSpec spec;
+  spec.name = name;
+  spec.kind = RegionKind::kCuda;
+  spec.ipc_handle = std::string(64, 'x');
+  spec.ipc_handle[0] = first;
+  spec.device_id = device_id;
+  spec.byte_size = bytes;
+  return spec;
+}
+
+TEST(RegionTableTest, CudaRegionsAreOpenedOnceAndClosedWithTheLastReference) {
+  FakeIpcDevice device;
+  RegionTable table(On(/*count=*/3, /*bytes=*/1 << 16), &device);
+  // The backend's errors come back as they are, and leave nothing behind.
+  absl::Status bad = table.Register("alice", Cuda("g", 'z', 0, 4096));
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("cuda.ipc_handle"));
+  bad = table.Register("alice", Cuda("g", 'h', 2, 4096));
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("cuda.device_id"));
+  bad = table.Register("alice", Cuda("g", 'h', -1, 4096));
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("cuda.device_id=-1 is negative"));
+  bad = table.Register("alice", Cuda("g", 'h', 0, (1 << 16) + 1));
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("cuda.byte_size=65537 out of range"));
+  EXPECT_EQ(device.open_, 0);
+  EXPECT_EQ(table.TenantUsage("alice").count, 0);
+
+  ASSERT_TRUE(table.Register("alice", Cuda("g", 'h', 1, 4096)).ok());
+  EXPECT_EQ(device.open_, 1);
+  EXPECT_EQ(table.TenantUsage("alice").count, 1);
+  EXPECT_EQ(table.TenantUsage("alice").bytes, 4096);
+  std::vector<RegionInfoData> list = table.List("alice");
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].kind, RegionKind::kCuda);
+  EXPECT_EQ(list[0].device_id, 1);
+  EXPECT_EQ(list[0].byte_size, 4096);
+  EXPECT_FALSE(list[0].key_exists);
+
+  // Ranges, ownership, alignment: as for system regions.
+  auto slice = table.Resolve("alice", Ref("g", 128, 256), 2, "q.region");
+  ASSERT_TRUE(slice.ok()) << slice.status();
+  EXPECT_TRUE(slice->on_device());
+  EXPECT_FALSE(slice->registered());
+  EXPECT_EQ(slice->bytes, 256);
+  EXPECT_EQ(table.Resolve("bob", Ref("g", 0, 2), 2, "q.region").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(table.Unregister("bob", "g").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(table.Resolve("alice", Ref("g", 4000, 200), 2, "output_region")
+                              .status().message()),
+              HasSubstr("output_region.offset + output_region.byte_size = 4000 + 200 exceeds the "
+                        "size of region 'g' (4096 bytes)"));
+  EXPECT_THAT(std::string(table.Resolve("alice", Ref("g", 4097, 0), 2, "k.region")
+                              .status().message()),
+              HasSubstr("k.region.offset=4097 out of range [0, 4096]"));
+  EXPECT_THAT(std::string(table.Resolve("alice", Ref("g", 3, 4), 4, "lse_region")
+                              .status().message()),
+              HasSubstr("multiple of 4 bytes"));
+  EXPECT_EQ(table.Resolve("alice", Ref("h", 0, 2), 2, "q.region").status().code(),
+            absl::StatusCode::kNotFound);
+
+  // A vanished key reclaims only system regions: a CUDA region stays.
+  EXPECT_EQ(table.List("alice").size(), 1u);
+  // Unregistered while a request holds it: the name goes, the handle stays
+  // open until the request lets go, then it is closed exactly once.
+  ASSERT_TRUE(table.Unregister("alice", "g").ok());
+  EXPECT_EQ(table.TenantUsage("alice").count, 0);
+  EXPECT_EQ(table.Resolve("alice", Ref("g", 0, 2), 2, "q.region").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(device.closed_, 0);
+  void* data = slice->region->data;
+  slice = absl::InternalError("released");
+  EXPECT_EQ(device.closed_, 1);
+  EXPECT_EQ(device.last_closed_, data);
+
+  // Caps count CUDA regions too.
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(table.Register("alice", Cuda(absl::StrCat("c", i), 'h', 0, 64)).ok());
+  EXPECT_EQ(table.Register("alice", Cuda("c3", 'h', 0, 64)).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(device.open_, 4);
+}
+
 }  // namespace
 }  // namespace attnserve

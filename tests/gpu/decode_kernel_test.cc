@@ -60,13 +60,16 @@ int NumSms() {
 struct RunResult {
   std::string error;
   bool split = false;
+  int cluster = 0;  // plan.cluster
 };
 
 // Plans and runs the batch twice (poisoning outputs before each run) and
 // compares both runs to the reference. force_chunk 0: the heuristic with
-// this GPU's SM count; > 0: chunks of that many tokens; kNoSplit: never split.
+// this GPU's SM count (and its cluster size, as the server plans); > 0:
+// chunks of that many tokens; kNoSplit: never split. force_cluster > 1:
+// cluster mode with that many CTAs per tile (sm_90; force_chunk ignored).
 constexpr int kNoSplit = -1;
-RunResult RunAndCheck(const HostBatch& b, int force_chunk) {
+RunResult RunAndCheck(const HostBatch& b, int force_chunk, int force_cluster = 0) {
   RunResult res;
   std::string& err = res.error;
   const KvGeometry& g = b.geo;
@@ -75,11 +78,19 @@ RunResult RunAndCheck(const HostBatch& b, int force_chunk) {
   int max_rows = 1;
   for (const auto& s : b.seqs) max_rows = std::max(max_rows, s.q_len * (g.num_qo_heads / g.num_kv_heads));
   opt.ctas_per_sm = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows));
-  opt.force_chunk = std::max(force_chunk, 0);
-  opt.no_split = force_chunk == kNoSplit;
+  if (force_chunk == 0 || force_cluster > 1) {
+    opt.max_cluster = DecodeMaxCluster(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows));
+  }
+  if (force_cluster > 1) {
+    opt.force_cluster = force_cluster;
+  } else {
+    opt.force_chunk = std::max(force_chunk, 0);
+    opt.no_split = force_chunk == kNoSplit;
+  }
   DecodePlan plan;
   BuildDecodePlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
   res.split = plan.split_tiles > 0;
+  res.cluster = plan.cluster;
 
   DeviceBuffer<uint16_t> k(b.k_pool.size(), &err), v(b.v_pool.size(), &err), q(b.q.size(), &err);
   DeviceBuffer<uint16_t> o(b.q.size(), &err);
@@ -118,7 +129,8 @@ RunResult RunAndCheck(const HostBatch& b, int force_chunk) {
     part_o.Poison();
     part_lse.Poison();
     cudaError_t e = PagedDecodeCuda(p, plan.tile_rows, items.ptr, static_cast<int32_t>(plan.items.size()),
-                                    part_o.ptr, part_lse.ptr, counters.ptr, nullptr);
+                                    part_o.ptr, part_lse.ptr, counters.ptr, nullptr,
+                                    DecodeLaunchOptions{plan.cluster, false});
     if (e == cudaSuccess) e = cudaDeviceSynchronize();
     if (e != cudaSuccess) {
       err = "run " + std::to_string(run) + ": CUDA: " + cudaGetErrorString(e);
@@ -341,6 +353,55 @@ TEST(PagedDecodeCuda, LongSequenceMixedLayersAndScales) {
   const RunResult unsplit = RunAndCheck(b, 1 << 20);  // chunks longer than any sequence: no split
   EXPECT_FALSE(unsplit.split);
   EXPECT_EQ(unsplit.error, "") << Describe(b, 1 << 20, unsplit.split);
+}
+
+// Cluster mode (sm_90: the chunks of a tile are one cluster and merge in
+// distributed shared memory): random batches as RandomBatches, each forced
+// into clusters of 2, 4, 8 and 16 CTAs, including empty chunks (sequences
+// shorter than the cluster's chunks, 0 and 1 keys) and causal_shift.
+TEST(PagedDecodeCuda, ClusterMode) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  if (DecodeMaxCluster(128, KvDType::kBf16, 16) < 2) GTEST_SKIP() << "no thread-block clusters on this GPU";
+  std::mt19937_64 rng(20261201);
+  const int kBatches = 40;
+  int clustered = 0;
+  for (int it = 0; it < kBatches; ++it) {
+    HostBatch b;
+    const int dims[] = {64, 128, 256};
+    const int heads[][2] = {{4, 4}, {8, 2}, {32, 4}, {8, 1}};
+    const int page_sizes[] = {1, 16, 64};
+    const int* hh = heads[rng() % 4];
+    b.geo.head_dim = dims[rng() % 3];
+    b.geo.num_qo_heads = hh[0];
+    b.geo.num_kv_heads = hh[1];
+    b.geo.page_size = page_sizes[rng() % 3];
+    b.geo.dtype = rng() % 2 ? KvDType::kBf16 : KvDType::kFp16;
+    b.geo.num_layers = 1 + rng() % 2;
+    b.geo.num_pages = std::max(8, 2048 / b.geo.page_size);
+    gpu_test::MakePools(&b, &rng);
+    const int nseq = 1 + rng() % 4;
+    for (int s = 0; s < nseq; ++s) {
+      const int q_len = 1 + rng() % 8;
+      int kv_len = 0;
+      switch (rng() % 5) {
+        case 0: kv_len = rng() % 3; break;
+        case 1: kv_len = 3000 + rng() % 2500; break;
+        default: kv_len = 1 + rng() % 1500; break;
+      }
+      const bool causal = rng() % 4 != 0;
+      gpu_test::AddSeq(&b, q_len, kv_len, rng() % b.geo.num_layers, causal, rng() % 3 == 0,
+                       RandomScale(b.geo.head_dim, &rng), &rng);
+      if (rng() % 3 == 0) b.seqs.back().causal_shift = static_cast<int>(rng() % 41) - 30;
+    }
+    gpu_test::FinishBatch(&b, rng() % 4 == 0 ? 3.f : 1.f, &rng);
+    const int cluster = 2 << (it % 4);  // 2, 4, 8, 16
+    const int max_rows = 8 * (b.geo.num_qo_heads / b.geo.num_kv_heads);
+    if (cluster > DecodeMaxCluster(b.geo.head_dim, b.geo.dtype, DecodeTileRows(b.geo.head_dim, max_rows))) continue;
+    const RunResult r = RunAndCheck(b, 0, cluster);
+    ASSERT_EQ(r.error, "") << "batch " << it << " cluster " << cluster << ": " << Describe(b, 0, r.split);
+    if (r.cluster == cluster) ++clustered;
+  }
+  EXPECT_GE(clustered, kBatches / 2) << "too few batches ran in cluster mode";
 }
 
 }  // namespace

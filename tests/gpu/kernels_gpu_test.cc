@@ -1,8 +1,11 @@
 // The CUDA kernels alone (paged prefill + split merge, N-way merge, KV
 // append/gather) on random data against a float64 reference. Outputs are
 // poisoned with 0xFF bytes (NaN) before every run. Every paged prefill test
-// runs once per kernel family (PagedPrefillCuda/<test>/sm80 and .../sm90);
-// the sm90 runs skip, saying so, on devices other than sm_90.
+// runs once per kernel family and schedule (PagedPrefillCuda/<test>/sm80,
+// .../sm90, .../sm90_overlap, .../sm90_overlap_nopp); the sm90 runs skip,
+// saying so, on devices other than sm_90. The float64 reference of a batch
+// is computed once and reused by the runs after the first
+// (gpu_test::CachedReference).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -56,11 +59,12 @@ struct RunResult {
   bool split = false;
 };
 
-// The kernel a test runs: the family's kernel for the head_dim. sm80:
+// The kernel a test runs: the parameter's kernel for the head_dim. sm80:
 // variant 1 is the 64-row tile kernel (head_dim 128), 0 the default tile.
-// sm90: head_dim 64 and 128 (256 stays on sm80, as the server picks).
-PrefillKernel KernelOf(PrefillFamily family, int variant, int head_dim) {
-  if (family == PrefillFamily::kSm90 && (head_dim == 64 || head_dim == 128)) return PrefillKernel::kSm90;
+// sm90 kernels (kSm90, kSm90Overlap, kSm90OverlapNoPp): head_dim 64 and 128
+// (256 stays on sm80, as the server picks).
+PrefillKernel KernelOf(PrefillKernel param, int variant, int head_dim) {
+  if (IsSm90Kernel(param) && (head_dim == 64 || head_dim == 128)) return param;
   return variant == 1 ? PrefillKernel::kSm80Rows64 : PrefillKernel::kSm80;
 }
 
@@ -121,9 +125,8 @@ RunResult RunAndCheck(const HostBatch& b, PrefillKernel kernel, bool force_split
     res.error = std::string("CUDA: ") + cudaGetErrorString(err);
     return res;
   }
-  std::vector<double> o_ref, lse_ref;
-  gpu_test::Reference(b, &o_ref, &lse_ref);
-  res.error = gpu_test::Compare(g.dtype, o.Download(), lse.Download(), o_ref, lse_ref);
+  const auto ref = gpu_test::CachedReference(b);
+  res.error = gpu_test::Compare(g.dtype, o.Download(), lse.Download(), ref->o, ref->lse);
   return res;
 }
 
@@ -140,9 +143,9 @@ std::string Describe(const HostBatch& b, PrefillKernel kernel, bool split) {
   return s;
 }
 
-// Parameterized over the kernel family; skips the families the device does
-// not run.
-class PagedPrefillCuda : public ::testing::TestWithParam<PrefillFamily> {
+// Parameterized over the kernel family (kSm80, or one of the sm90 kernels);
+// skips the families the device does not run.
+class PagedPrefillCuda : public ::testing::TestWithParam<PrefillKernel> {
  protected:
   void SetUp() override {
     ATTNSERVE_SKIP_WITHOUT_GPU();
@@ -150,13 +153,14 @@ class PagedPrefillCuda : public ::testing::TestWithParam<PrefillFamily> {
     cudaDeviceProp prop;
     ASSERT_CUDA(cudaGetDevice(&dev));
     ASSERT_CUDA(cudaGetDeviceProperties(&prop, dev));
-    if (!PrefillFamilyRunsOn(GetParam(), PrefillDevice{prop.major, prop.minor})) {
-      GTEST_SKIP() << "skipped: the " << PrefillFamilyName(GetParam()) << " family needs an sm_90 device; this is sm_"
-                   << prop.major << prop.minor;
+    const PrefillFamily family = Sm90() ? PrefillFamily::kSm90 : PrefillFamily::kSm80;
+    if (!PrefillFamilyRunsOn(family, PrefillDevice{prop.major, prop.minor})) {
+      GTEST_SKIP() << "skipped: the " << PrefillKernelName(GetParam())
+                   << " kernel needs an sm_90 device; this is sm_" << prop.major << prop.minor;
     }
   }
   PrefillKernel Kernel(int variant, int head_dim) const { return KernelOf(GetParam(), variant, head_dim); }
-  bool Sm90() const { return GetParam() == PrefillFamily::kSm90; }
+  bool Sm90() const { return IsSm90Kernel(GetParam()); }
 };
 
 TEST_P(PagedPrefillCuda, RandomRaggedBatches) {
@@ -346,9 +350,13 @@ TEST_P(PagedPrefillCuda, CausalShift) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, PagedPrefillCuda,
-                         ::testing::Values(PrefillFamily::kSm80, PrefillFamily::kSm90),
-                         [](const ::testing::TestParamInfo<PrefillFamily>& info) {
-                           return std::string(PrefillFamilyName(info.param));
+                         // sm90_overlap before sm90: a time-limited run
+                         // (bench/run_sm90_overlap_gpu.sh) checks it first,
+                         // and it computes the references the others reuse.
+                         ::testing::Values(PrefillKernel::kSm80, PrefillKernel::kSm90Overlap, PrefillKernel::kSm90,
+                                           PrefillKernel::kSm90OverlapNoPp),
+                         [](const ::testing::TestParamInfo<PrefillKernel>& info) {
+                           return std::string(PrefillKernelName(info.param));
                          });
 
 TEST(MergeStatesCuda, RandomStatesWithNegInf) {

@@ -68,8 +68,11 @@ absl::Status Spawn(const std::vector<std::string>& args, pid_t* pid, int* out_fd
 absl::StatusOr<std::unique_ptr<TestServer>> TestServer::Start(const TestServerOptions& options) {
   std::unique_ptr<TestServer> s(new TestServer());
   s->options_ = options;
+  // $ATTNSERVE_BIN overrides the path the tests were built with (an
+  // installed tree on another machine: bench/run_ipc_gpu.sh).
+  const char* bin = std::getenv("ATTNSERVE_BIN");
   std::vector<std::string> args = {
-      ATTNSERVE_BIN,
+      bin != nullptr && *bin != '\0' ? bin : ATTNSERVE_BIN,
       "--listen=127.0.0.1:0",
       "--metrics_listen=127.0.0.1:0",
       "--backend=cpu",
@@ -83,6 +86,12 @@ absl::StatusOr<std::unique_ptr<TestServer>> TestServer::Start(const TestServerOp
       "--drain_timeout_s=10",
   };
   args.insert(args.end(), options.extra_flags.begin(), options.extra_flags.end());
+  // $ATTNSERVE_TEST_SERVER_FLAGS (space-separated) come last, so a run can
+  // repeat a suite with another server setting (bench/run_server_gpu.sh runs
+  // the GPU server tests once more with --prefill_kernel=sm90).
+  if (const char* more = std::getenv("ATTNSERVE_TEST_SERVER_FLAGS"); more != nullptr) {
+    for (absl::string_view f : absl::StrSplit(more, ' ', absl::SkipEmpty())) args.emplace_back(f);
+  }
   absl::Status spawned = Spawn(args, &s->pid_, &s->out_fd_);
   if (!spawned.ok()) return spawned;
 

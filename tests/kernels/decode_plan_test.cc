@@ -5,6 +5,7 @@
 #include "kernels/plan/decode_plan.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <random>
 #include <set>
@@ -58,6 +59,8 @@ void CheckPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const D
     ASSERT_GE(it.seq, 0);
     ASSERT_LT(it.seq, static_cast<int>(seqs.size()));
     ASSERT_TRUE(DecodeSeqQualifies(seqs[it.seq], g)) << "item for a non-qualifying sequence " << it.seq;
+    // The kernel reads the sequence from the item's copy.
+    ASSERT_EQ(std::memcmp(&it.seq_info, &seqs[it.seq], sizeof(PrefillSeq)), 0) << "stale seq_info " << it.seq;
     ASSERT_GE(it.kv_head, 0);
     ASSERT_LT(it.kv_head, g.num_kv_heads);
     ASSERT_EQ(it.row_begin % m, 0);
@@ -113,6 +116,54 @@ void CheckPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const D
     auto len = [&](const DecodeWorkItem& it) { return std::min(it.kv_end, VisibleEnd(seqs[it.seq])) - it.kv_begin; };
     EXPECT_GE(len(plan.items[i - 1]), len(plan.items[i])) << "item " << i;
   }
+}
+
+// Cluster mode: every tile has exactly plan.cluster consecutive items,
+// chunk c at grid position tile * cluster + c, the chunks tile [0, visible
+// end) in order (the trailing ones may be empty), no partials, no counters;
+// tiles longest first.
+void CheckClusterPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const DecodePlan& plan) {
+  const int c = plan.cluster;
+  ASSERT_GT(c, 1);
+  ASSERT_LE(c, kMaxDecodeCluster);
+  ASSERT_EQ(plan.items.size() % c, 0u);
+  EXPECT_EQ(plan.split_tiles, 0);
+  EXPECT_EQ(plan.partial_slots, 0);
+  const int group = g.num_qo_heads / g.num_kv_heads;
+  const int m = plan.tile_rows;
+  std::set<std::tuple<int, int, int>> seen;
+  int prev_vis = 1 << 30;
+  for (size_t t = 0; t < plan.items.size() / c; ++t) {
+    const DecodeWorkItem& first = plan.items[t * c];
+    const PrefillSeq& s = seqs[first.seq];
+    ASSERT_TRUE(DecodeSeqQualifies(s, g));
+    ASSERT_EQ(std::memcmp(&first.seq_info, &s, sizeof(PrefillSeq)), 0);
+    EXPECT_TRUE(seen.insert({first.seq, first.kv_head, first.row_begin}).second) << "tile twice";
+    const int vis = VisibleEnd(s);
+    EXPECT_LE(vis, prev_vis) << "tiles not longest first";
+    prev_vis = vis;
+    int pos = 0;
+    for (int k = 0; k < c; ++k) {
+      const DecodeWorkItem& it = plan.items[t * c + k];
+      EXPECT_EQ(it.seq, first.seq);
+      EXPECT_EQ(it.kv_head, first.kv_head);
+      EXPECT_EQ(it.row_begin, first.row_begin);
+      EXPECT_EQ(it.chunk, k);
+      EXPECT_EQ(it.num_chunks, c);
+      EXPECT_EQ(it.split_tile, -1);
+      EXPECT_EQ(it.kv_begin, pos);
+      EXPECT_GE(it.kv_end, it.kv_begin);
+      EXPECT_LE(it.kv_end - it.kv_begin, plan.chunk_len);
+      pos = it.kv_end;
+    }
+    EXPECT_EQ(pos, vis);
+  }
+  // Every qualifying (sequence, KV head, row tile) once.
+  size_t tiles = 0;
+  for (const PrefillSeq& s : seqs) {
+    if (DecodeSeqQualifies(s, g)) tiles += size_t(g.num_kv_heads) * ((s.q_len * group + m - 1) / m);
+  }
+  EXPECT_EQ(seen.size(), tiles);
 }
 
 DecodePlan Plan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, DecodePlanOptions opt = {}) {
@@ -291,6 +342,61 @@ TEST(DecodePlan, RandomBatches) {
     CheckPlan(seqs, g, p);
     if (HasFatalFailure()) return;
   }
+}
+
+// Cluster mode is chosen only where the merge's round trips dominate (small
+// batches) and only when the device has clusters; forced sizes, empty
+// chunks, the item bound.
+TEST(DecodePlan, ClusterMode) {
+  const KvGeometry g = Geo(32, 4, 128, 1);
+  DecodePlanOptions opt;
+  opt.num_sms = 132;
+  opt.ctas_per_sm = 2;
+  opt.max_cluster = 16;
+  {
+    const auto seqs = Uniform(1, 1, 4096);  // latency: 4 tiles
+    const DecodePlan p = Plan(seqs, g, opt);
+    EXPECT_GT(p.cluster, 1);
+    CheckClusterPlan(seqs, g, p);
+    DecodePlanOptions no = opt;
+    no.max_cluster = 0;  // a GPU without clusters: the counter merge
+    const DecodePlan q = Plan(seqs, g, no);
+    EXPECT_EQ(q.cluster, 0);
+    EXPECT_GT(q.split_tiles, 0);
+    CheckPlan(seqs, g, q);
+  }
+  {
+    const auto seqs = Uniform(64, 1, 4096);  // 256 tiles fill the GPU: no split at all
+    const DecodePlan p = Plan(seqs, g, opt);
+    EXPECT_EQ(p.cluster, 0);
+    EXPECT_EQ(p.split_tiles, 0);
+    CheckPlan(seqs, g, p);
+  }
+  // Forced, with sequences shorter than a chunk (empty trailing chunks), no
+  // keys, causal_shift and a non-qualifying prefill sequence.
+  const KvGeometry g2 = Geo(8, 2, 64, 16);
+  const std::vector<PrefillSeq> seqs = {Seq(1, 1000), Seq(3, 64), Seq(2, 65, true, -30), Seq(1, 1),
+                                        Seq(1, 0),    Seq(20, 300), Seq(8, 5000, false)};
+  for (int c : {2, 3, 8, 16}) {
+    DecodePlanOptions f;
+    f.max_cluster = 16;
+    f.force_cluster = c;
+    const DecodePlan p = Plan(seqs, g2, f);
+    EXPECT_EQ(p.cluster, c);
+    CheckClusterPlan(seqs, g2, p);
+  }
+  DecodePlanOptions f;
+  f.max_cluster = 4;
+  f.force_cluster = 16;  // clamped to the device's size
+  EXPECT_EQ(Plan(seqs, g2, f).cluster, 4);
+  f.max_cluster = 0;  // no clusters: forcing does nothing
+  EXPECT_EQ(Plan(seqs, g2, f).cluster, 0);
+  // The item bound excludes cluster plans that do not fit.
+  DecodePlanOptions b = opt;
+  b.max_items = 8;
+  const auto one = Uniform(1, 1, 4096);
+  const DecodePlan p = Plan(one, g, b);
+  EXPECT_TRUE(p.cluster == 0 || p.items.size() <= 8u);
 }
 
 }  // namespace

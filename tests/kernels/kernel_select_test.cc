@@ -26,6 +26,10 @@ TEST(KernelSelect, TileRowsPerHeadDim) {
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm80Rows64, 128), 64);
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm90, 64), 128);
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm90, 128), 128);
+  for (PrefillKernel k : {PrefillKernel::kSm90Overlap, PrefillKernel::kSm90OverlapNoPp}) {
+    EXPECT_EQ(PrefillTileRows(k, 64), 128);
+    EXPECT_EQ(PrefillTileRows(k, 128), 128);
+  }
 }
 
 TEST(KernelSelect, Rows64OnlyForShortTilesAtHeadDim128) {
@@ -42,6 +46,16 @@ TEST(KernelSelect, NamesAreStableLabels) {
   EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm80)), "sm80");
   EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm80Rows64)), "sm80_rows64");
   EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm90)), "sm90");
+  EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm90Overlap)), "sm90_overlap");
+  EXPECT_EQ(std::string(PrefillKernelName(PrefillKernel::kSm90OverlapNoPp)), "sm90_overlap_nopp");
+}
+
+TEST(KernelSelect, Sm90KernelsAreTheWgmmaFamily) {
+  EXPECT_FALSE(IsSm90Kernel(PrefillKernel::kSm80));
+  EXPECT_FALSE(IsSm90Kernel(PrefillKernel::kSm80Rows64));
+  EXPECT_TRUE(IsSm90Kernel(PrefillKernel::kSm90));
+  EXPECT_TRUE(IsSm90Kernel(PrefillKernel::kSm90Overlap));
+  EXPECT_TRUE(IsSm90Kernel(PrefillKernel::kSm90OverlapNoPp));
 }
 
 TEST(KernelSelect, ForcedFamilies) {
@@ -49,18 +63,26 @@ TEST(KernelSelect, ForcedFamilies) {
   // sm90 forced: every batch at head_dim 64 and 128, decode-sized ones too;
   // head_dim 256 stays on sm80.
   for (int64_t rows : {1, 64, 65, 4096}) {
-    EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, rows, PrefillFamily::kSm90), PrefillKernel::kSm90);
-    EXPECT_EQ(ChoosePrefillKernel(Geo(16, 4, 64), h200, rows, PrefillFamily::kSm90), PrefillKernel::kSm90);
+    EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, rows, PrefillFamily::kSm90), PrefillKernel::kSm90Overlap);
+    EXPECT_EQ(ChoosePrefillKernel(Geo(16, 4, 64), h200, rows, PrefillFamily::kSm90), PrefillKernel::kSm90Overlap);
   }
   EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 256), h200, 4096, PrefillFamily::kSm90), PrefillKernel::kSm80);
   // sm80 forced: the mma.sync heuristic on Hopper too.
   EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096, PrefillFamily::kSm80), PrefillKernel::kSm80);
   EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 8, PrefillFamily::kSm80), PrefillKernel::kSm80Rows64);
-  // auto: sm90 on Hopper only once kAutoPicksSm90 is set; never elsewhere.
-  const PrefillKernel long_h200 = ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096);
-  EXPECT_EQ(long_h200, kAutoPicksSm90 ? PrefillKernel::kSm90 : PrefillKernel::kSm80);
-  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), PrefillDevice{8, 0}, 4096), PrefillKernel::kSm80);
-  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), PrefillDevice{8, 9}, 4096), PrefillKernel::kSm80);
+  // auto: the overlapped wgmma kernel on Hopper where rows see long KV
+  // ranges on average; sm80 for shorter ones, at head_dim 256, and on every
+  // other GPU.
+  const PrefillKernel kAuto = PrefillKernel::kSm80;
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096, PrefillFamily::kAuto, kAutoSm90MinMeanKv),
+            PrefillKernel::kSm90Overlap);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 64), h200, 4096, PrefillFamily::kAuto, 16384), PrefillKernel::kSm90Overlap);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096, PrefillFamily::kAuto, kAutoSm90MinMeanKv - 1), kAuto);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096), kAuto);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 256), h200, 4096, PrefillFamily::kAuto, 16384), kAuto);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), h200, 4096, PrefillFamily::kSm80, 16384), kAuto);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), PrefillDevice{8, 0}, 4096, PrefillFamily::kAuto, 16384), kAuto);
+  EXPECT_EQ(ChoosePrefillKernel(Geo(32, 4, 128), PrefillDevice{8, 9}, 4096, PrefillFamily::kAuto, 16384), kAuto);
 }
 
 TEST(KernelSelect, FamilyFlagValues) {

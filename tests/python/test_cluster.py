@@ -66,7 +66,7 @@ class Reference:
         return compare(o_ref, lse_ref, got.output[rows], got.lse[rows])
 
 
-def run_and_check(cluster, ref, step, rng):
+def run_and_check(cluster, ref, step, rng, torch_too=False):
     g = cluster.server_info
     for layer in range(g.num_layers):
         n = step.total_q
@@ -77,6 +77,14 @@ def run_and_check(cluster, ref, step, rng):
         assert out.output.shape == (n, g.num_qo_heads, g.head_dim)
         c = ref.check(layer, step, q, out)
         assert within_tolerance(c), (step.step, layer, c)
+        if torch_too:
+            # The same layer again (its appends rewrite the same slots with the
+            # same rows), the result as torch bf16, merged by torch.
+            import torch
+            tout = cluster.run(layer, q, k, v, step=step, out="torch")
+            assert tout.output.dtype == torch.bfloat16 and tout.lse.dtype == torch.float32
+            c = ref.check(layer, step, q, tout)
+            assert within_tolerance(c), ("torch", step.step, layer, c)
 
 
 def retry_while_unavailable(call, seconds=30):
@@ -161,9 +169,9 @@ def test_spread_sequences_match_the_reference(page_size, num_servers):
             expected = 5 + sum(37 - sh.start for sh in c.shards_of(1)) + \
                 sum(55 - sh.start for sh in c.shards_of(3))
             assert sum(len(p.q_rows) for p in step.parts) == expected
-            run_and_check(c, ref, step, rng)
-            for _ in range(4):  # decode: the token to the last server, the query to all
-                run_and_check(c, ref, c.plan([3, 1, 2], [1, 1, 1]), rng)
+            run_and_check(c, ref, step, rng, torch_too=True)
+            for i in range(4):  # decode: the token to the last server, the query to all
+                run_and_check(c, ref, c.plan([3, 1, 2], [1, 1, 1]), rng, torch_too=i == 0)
             assert c.shards_of(1)[-1].length == causal_spread(37, num_servers)[-1] + 4
             if num_servers == 2:
                 assert c.shards_of(3)[0].length == 16
@@ -381,6 +389,78 @@ def test_merge_states_matches_the_float64_reference():
     nothing = [np.ones((2, 1, 4), np.float32)] * 2
     o, lse = merge_states(nothing, [np.full((2, 1), -np.inf, np.float32)] * 2)
     assert (o == 0).all() and np.isneginf(lse).all()
+
+
+def _float64(x):
+    import torch
+    return x.double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("base", ["2", "e"])
+def test_the_vectorized_merge_matches_the_float64_reference(dtype, kind, base, monkeypatch):
+    # The threaded numpy path in blocks of 512 rows (not at a row of the
+    # [n, h] grid); rows that one state, the other or both did not see (LSE
+    # -inf, output 0 as the server returns it), and LSEs far apart.
+    import torch
+    import attnserve.merge
+    monkeypatch.setattr(attnserve.merge, "_THREADED_ELEMS", 0)
+    monkeypatch.setattr(attnserve.merge, "_BLOCK_ELEMS", 512 * 128)
+    monkeypatch.setenv("ATTNSERVE_MERGE_THREADS", "3")
+    rng = np.random.default_rng({"bf16": 1, "fp16": 2, "fp32": 3}[dtype])
+    n, h, d = 700, 8, 128
+    states = []
+    for s in range(2):
+        v = torch.from_numpy(rng.standard_normal((n, h, d)).astype(np.float32))
+        lse = (rng.standard_normal((n, h)) * 6).astype(np.float32)
+        lse[s * 50:s * 50 + 100] = -np.inf  # rows 0-49: only state 1; 100-149: only state 0
+        lse[200:230] = -np.inf              # rows 200-229: neither
+        lse[300:310, 3] = -np.inf
+        lse[400:420] += 40 * (1 if s else -1)
+        v[torch.from_numpy(np.isneginf(lse))] = 0
+        v = {"bf16": v.bfloat16(), "fp16": v.half(), "fp32": v}[dtype]
+        states.append((v, lse))
+    # The float64 reference over the exact input values.
+    o_ref, lse_ref = reference_merge([(v.double(), l) for v, l in states], base)
+    if kind == "numpy":
+        vs = [(v.float() if dtype == "bf16" else v).numpy() for v, _ in states]
+        o, lse = merge_states(vs, [l for _, l in states], base)
+        assert o.dtype == np.float32 and lse.dtype == np.float32
+        out = np.full((n + 5, h, d), 7, np.float32)  # into a view of a larger array
+        o2, _ = merge_states(vs, [l for _, l in states], base, out=out[5:])
+        assert o2 is out[5:] or np.shares_memory(o2, out)
+        assert np.array_equal(out[5:], o) and (out[:5] == 7).all()
+    else:
+        o, lse = merge_states([v for v, _ in states], [torch.from_numpy(l) for _, l in states],
+                              base)
+        assert o.dtype == states[0][0].dtype and lse.dtype == torch.float32
+    o64, lse64 = _float64(o), _float64(lse)
+    assert not np.isnan(o64).any() and not np.isnan(lse64).any()
+    nothing = np.isneginf(lse_ref)
+    assert (np.isneginf(lse64) == nothing).all()
+    assert (o64[nothing] == 0).all() and nothing[200:230].all()
+    assert np.abs(lse64[~nothing] - lse_ref[~nothing]).max() < 1e-5 * max(
+        1.0, np.abs(lse_ref[~nothing]).max())
+    # float32 math; the torch path rounds the output once to its dtype.
+    tol = {"bf16": 8e-3, "fp16": 1e-3, "fp32": 1e-6}[dtype] if kind == "torch" else 1e-6
+    assert np.linalg.norm(o64 - o_ref) / np.linalg.norm(o_ref) < tol
+    # Rows only one state saw are that state's rows.
+    only = _float64(states[1][0])[0:50]
+    assert np.abs(o64[0:50] - only).max() <= (0 if kind == "numpy" else 1e-7 + np.abs(only).max() * tol)
+
+
+def test_the_merge_refuses_mismatched_states():
+    v = np.zeros((4, 2, 8), np.float32)
+    lse = np.zeros((4, 2), np.float32)
+    with pytest.raises(ValueError, match="vs\\[1\\] has shape"):
+        merge_states([v, v[:3]], [lse, lse])
+    with pytest.raises(ValueError, match="lses\\[0\\] has shape"):
+        merge_states([v, v], [lse[:, :1], lse])
+    with pytest.raises(ValueError, match="lse_base"):
+        merge_states([v, v], [lse, lse], "10")
+    with pytest.raises(ValueError, match="out must be float32"):
+        merge_states([v, v], [lse, lse], out=np.zeros((4, 2, 8), np.float16))
 
 
 def test_kv_keys_after_through_the_python_client(client):

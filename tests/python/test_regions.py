@@ -161,3 +161,25 @@ def test_regions_are_off_without_the_flag():
             with pytest.raises(attnserve.FailedPrecondition, match="--allow_shared_memory"):
                 region.register(c, "x")
         assert c.list_regions() == []
+
+
+def test_cuda_regions_are_refused_by_the_cpu_backend(client):
+    handle = bytes(range(64))
+    with pytest.raises(attnserve.FailedPrecondition, match="cpu backend"):
+        client.register_cuda_region("py-gpu", handle, 0, 4096)
+    with pytest.raises(attnserve.InvalidArgument, match="cuda.ipc_handle has 10 bytes"):
+        client.register_cuda_region("py-gpu", handle[:10], 0, 4096)
+    with pytest.raises(attnserve.InvalidArgument, match="cuda.device_id=-1"):
+        client.register_cuda_region("py-gpu", handle, -1, 4096)
+    with pytest.raises(attnserve.InvalidArgument, match="cuda.byte_size=0"):
+        client.register_cuda_region("py-gpu", handle, 0, 0)
+    assert client.list_regions() == []
+
+
+def test_cuda_ipc_handle_needs_a_contiguous_cuda_tensor():
+    torch = pytest.importorskip("torch")
+    from attnserve.regions import cuda_ipc_handle
+    with pytest.raises(ValueError, match="CUDA torch tensor"):
+        cuda_ipc_handle(torch.zeros(4))
+    with pytest.raises(ValueError, match="CUDA torch tensor"):
+        cuda_ipc_handle(np.zeros(4))

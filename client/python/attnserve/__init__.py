@@ -18,7 +18,7 @@ from attnserve.errors import (Aborted, AlreadyExists, AttnserveError, Cancelled,
                               StaleIncarnation, Unauthenticated, Unavailable, Unimplemented,
                               Unknown)
 from attnserve.kv_manager import AsyncKvManager, KvManager, Plan
-from attnserve.regions import RegionTensor, SharedMemoryRegion
+from attnserve.regions import RegionTensor, SharedMemoryRegion, register_cuda_tensor
 from attnserve.cluster import Cluster, ClusterServer, ClusterStep, SequencesLost, Shard
 from attnserve.merge import merge_states
 
@@ -27,6 +27,7 @@ from attnserve._version import __version__
 __all__ = [
     "Client", "AsyncClient", "ServerInfo", "PrefillResult", "PrefillLayout",
     "KvManager", "AsyncKvManager", "Plan", "RegionInfo", "RegionTensor", "SharedMemoryRegion",
+    "register_cuda_tensor",
     "Cluster", "ClusterStep", "ClusterServer", "Shard", "SequencesLost", "merge_states",
     "float32_to_bf16_bits", "bf16_bits_to_float32",
     "AttnserveError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",

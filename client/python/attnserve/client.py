@@ -684,8 +684,11 @@ class Client(_Core):
 
     def register_cuda_region(self, name: str, ipc_handle: bytes, device_id: int, byte_size: int,
                              *, timeout: Optional[float] = None) -> None:
-        """Registers CUDA memory exported by IPC handle (attnserve.regions.cuda_ipc_handle).
-        The server answers FailedPrecondition until its backend serves CUDA regions."""
+        """Registers the first byte_size bytes of the CUDA allocation exported by
+        `ipc_handle` (64 bytes of cudaIpcMemHandle_t; attnserve.regions.cuda_ipc_handle,
+        or register_cuda_tensor for a torch tensor) on device `device_id`. Needs a
+        CUDA-backend server on the same host whose GPU is that device or a peer of it;
+        the CPU backend answers FailedPrecondition."""
         return self._call(self._req_register_region(name, cuda=(ipc_handle, device_id, byte_size)),
                           timeout)
 

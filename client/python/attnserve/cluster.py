@@ -595,14 +595,18 @@ class Cluster:
         return self._pool
 
     def run(self, layer: int, q, k_new, v_new, *, step: Optional[ClusterStep] = None,
-            timeout: Optional[float] = None) -> PrefillResult:
+            timeout: Optional[float] = None, out: str = "numpy",
+            device=None) -> PrefillResult:
         """One layer: q [total_q, qo_heads, head_dim] and k_new, v_new
         [total_q, kv_heads, head_dim] (numpy or torch) in the caller's order;
         one Prefill per server touched, all in flight at once. Returns output
-        [total_q, qo_heads, head_dim] and lse [total_q, qo_heads], numpy
-        float32, in the caller's order. SequencesLost (with .partial) when a
-        server turns out to have restarted; the step stays runnable for the
-        other sequences."""
+        [total_q, qo_heads, head_dim] and lse [total_q, qo_heads] in the
+        caller's order: out="numpy" (default), float32; out="torch", tensors
+        in the server's dtype (LSE float32) on `device` (default CPU), where
+        the rows of spread sequences are merged (attnserve.merge: on the GPU
+        for a CUDA device). SequencesLost (with .partial) when a server turns
+        out to have restarted; the step stays runnable for the other
+        sequences."""
         step = self._latest if step is None else step
         if step is None:
             raise RuntimeError("run: no step; call plan() first")
@@ -615,11 +619,14 @@ class Cluster:
             if _count(x) != total:
                 raise ValueError(f"run: {name} has {_count(x)} rows, the step has {total}")
 
+        if out not in ("numpy", "torch"):
+            raise ValueError(f"run: out must be 'numpy' or 'torch', not {out!r}")
+
         def run_part(part: _Part) -> PrefillResult:
             s = self._servers[part.server]
             return s.kv.run(layer, _rows(q, part.q_rows), _rows(k_new, part.append_rows),
-                            _rows(v_new, part.append_rows), plan=part.plan, out="numpy",
-                            timeout=timeout)
+                            _rows(v_new, part.append_rows), plan=part.plan, out=out,
+                            device=device, timeout=timeout)
 
         live = [pi for pi, p in enumerate(step.parts)
                 if self._servers[p.server].epoch == p.epoch]
@@ -640,8 +647,14 @@ class Cluster:
             self._lose_server(step.parts[pi].server, gone=False)
 
         hq, d = g["num_qo_heads"], g["head_dim"]
-        out = np.zeros((total, hq, d), np.float32)
-        lse = np.full((total, hq), -np.inf, np.float32)
+        if out == "torch":
+            import torch
+            wire = torch.float16 if g["kv_dtype"] == "fp16" else torch.bfloat16
+            o_all = torch.zeros((total, hq, d), dtype=wire, device=device)
+            lse = torch.full((total, hq), float("-inf"), dtype=torch.float32, device=device)
+        else:
+            o_all = np.zeros((total, hq, d), np.float32)
+            lse = np.full((total, hq), -np.inf, np.float32)
         lost = []
         for b, sid in enumerate(step.seq_ids):
             sources = step.sources[b]
@@ -657,12 +670,16 @@ class Cluster:
                 vs = [results[pi].output[at:at + hi - lo] for pi, at in here]
                 ls = [results[pi].lse[at:at + hi - lo] for pi, at in here]
                 if len(vs) == 1:
-                    out[row0 + lo:row0 + hi], lse[row0 + lo:row0 + hi] = vs[0], ls[0]
+                    o_all[row0 + lo:row0 + hi], lse[row0 + lo:row0 + hi] = vs[0], ls[0]
                 elif vs:
-                    out[row0 + lo:row0 + hi], lse[row0 + lo:row0 + hi] = merge_states(
-                        vs, ls, self.lse_base)
+                    # numpy: merged straight into the output rows.
+                    o_at = o_all[row0 + lo:row0 + hi]
+                    o_m, lse[row0 + lo:row0 + hi] = merge_states(
+                        vs, ls, self.lse_base, out=o_at if out == "numpy" else None)
+                    if out == "torch":
+                        o_at.copy_(o_m)
         incarnation = next((r.incarnation for r in results.values()), 0)
-        result = PrefillResult(out, lse, incarnation)
+        result = PrefillResult(o_all, lse, incarnation)
         if lost:
             raise SequencesLost(lost, "a server holding them restarted", partial=result,
                                 method="run")

@@ -16,9 +16,21 @@ A RegionTensor stands wherever a request takes a tensor (prefill's q,
 append_k, append_v; write_kv's k, v; merge_states' states); outputs go to
 regions with output_to= (prefill), into= (read_kv, merge_states).
 
-CUDA tensors (torch) can be exported by IPC handle (cuda_ipc_handle) and
-registered with Client.register_cuda_region; the server serves CUDA regions
-only once its CUDA backend opens IPC handles (not yet: FAILED_PRECONDITION).
+CUDA tensors (torch) live in CUDA regions: the server (CUDA backend, on the
+same host, on the tensor's GPU or a peer of it) opens the allocation's IPC
+handle once and copies device to device, with no host bounce:
+
+    q = torch.randn(rows, heads, dim, dtype=torch.bfloat16, device="cuda:0")
+    q_ref = register_cuda_tensor(client, "q", q)          # RegionTensor naming q
+    o = torch.empty_like(q); lse = torch.empty(rows, heads, device="cuda:0")
+    out = (register_cuda_tensor(client, "o", o), register_cuda_tensor(client, "lse", lse))
+    torch.cuda.synchronize()                               # q is written before the server reads it
+    client.prefill(0, q_ref, ..., output_to=out)           # o and lse are filled when it returns
+    for name in ("q", "o", "lse"): client.unregister_region(name)
+
+Keep a registered tensor alive (and its memory unchanged while a request
+reads it) until it is unregistered. The CPU backend refuses CUDA regions
+(FAILED_PRECONDITION).
 """
 
 from __future__ import annotations
@@ -124,15 +136,67 @@ class SharedMemoryRegion:
         self.close()
 
 
+_LIBCUDA = None
+
+
+def _libcuda():
+    """The CUDA driver library (present wherever a GPU is)."""
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        import ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        lib.cuIpcGetMemHandle.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+        _LIBCUDA = lib
+    return _LIBCUDA
+
+
 def cuda_ipc_handle(tensor):
     """(ipc_handle bytes, device index, byte offset of the tensor in its
-    allocation) of a CUDA torch tensor, for Client.register_cuda_region:
-    register the allocation's handle and name the tensor at that offset."""
+    allocation) of a CUDA torch tensor, for Client.register_cuda_region.
+
+    The handle exports the whole device allocation the tensor lives in
+    (torch's caching allocator carves several tensors from one), so the
+    tensor starts at that offset into the region: register at least offset
+    + nbytes bytes and name the tensor at the offset (register_cuda_tensor
+    does both). The tensor must be contiguous. Uses the CUDA driver
+    (cuMemGetAddressRange, cuIpcGetMemHandle) through ctypes."""
+    import ctypes
     import torch  # only when used
     if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
         raise ValueError("cuda_ipc_handle needs a CUDA torch tensor")
-    storage = tensor.untyped_storage()
-    shared = storage._share_cuda_()
-    # (device, handle, storage size, storage offset in the allocation, ...)
-    device, handle, _, alloc_offset = shared[0], shared[1], shared[2], shared[3]
-    return bytes(handle), int(device), int(alloc_offset) + tensor.storage_offset() * tensor.element_size()
+    if not tensor.is_contiguous():
+        raise ValueError("cuda_ipc_handle needs a contiguous tensor")
+    # Makes the device's primary context current on this thread for the
+    # driver calls below.
+    torch.cuda.synchronize(tensor.device)
+    cu = _libcuda()
+    base = ctypes.c_uint64()
+    size = ctypes.c_size_t()
+    rc = cu.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(tensor.data_ptr()))
+    if rc != 0:
+        raise ValueError(f"cuMemGetAddressRange failed (CUresult {rc}) for the tensor's memory")
+    handle = ctypes.create_string_buffer(64)
+    rc = cu.cuIpcGetMemHandle(handle, base)
+    if rc != 0:
+        raise ValueError(f"cuIpcGetMemHandle failed (CUresult {rc}): the tensor's memory cannot be exported "
+                         "(allocations from expandable segments cannot: set "
+                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)")
+    return handle.raw[:64], int(tensor.device.index), int(tensor.data_ptr() - base.value)
+
+
+_TORCH_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def register_cuda_tensor(client, name: str, tensor, *, timeout: Optional[float] = None) -> RegionTensor:
+    """Registers the allocation holding CUDA torch tensor `tensor` (bf16,
+    fp16 or float32, contiguous) as CUDA region `name`, up to the tensor's
+    end, and returns the RegionTensor naming the tensor in it."""
+    dtype = _TORCH_DTYPES.get(str(tensor.dtype))
+    if dtype is None:
+        raise ValueError(f"tensor dtype {tensor.dtype} is not bf16, fp16 or float32")
+    handle, device, offset = cuda_ipc_handle(tensor)
+    nbytes = tensor.numel() * tensor.element_size()
+    client.register_cuda_region(name, handle, device, offset + nbytes, timeout=timeout)
+    return RegionTensor(name, offset, tuple(int(s) for s in tensor.shape), dtype)

@@ -27,8 +27,20 @@ class CpuBackend final : public Backend {
   absl::Status ReadKv(const KvRows& rows, BatchStats* stats) override;
   // A memset of each page's rows in each layer.
   absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) override;
+  // System regions are used as they are; CUDA regions are refused
+  // (FAILED_PRECONDITION naming this backend).
+  RegionDevice* region_device() override { return &region_device_; }
 
  private:
+  class CpuRegionDevice final : public RegionDevice {
+   public:
+    absl::StatusOr<void*> OpenIpc(absl::string_view, int32_t, int64_t) override {
+      return absl::FailedPreconditionError(
+          "cuda regions need the cuda backend: this server runs the cpu backend, which cannot "
+          "open CUDA IPC handles (start it with --backend=cuda on a GPU host)");
+    }
+  };
+
   explicit CpuBackend(const KvGeometry& geometry) : geo_(geometry) {}
   // Scatters n rows (k, v: (n, num_kv_heads, head_dim)) into `layer` by slot.
   void Append(int32_t layer, const int64_t* slots, int64_t n, const void* k, const void* v);
@@ -38,6 +50,7 @@ class CpuBackend final : public Backend {
   BatchStats pending_stats_;
   std::vector<uint16_t> k_pool_;
   std::vector<uint16_t> v_pool_;
+  CpuRegionDevice region_device_;
 };
 
 }  // namespace attnserve

@@ -16,7 +16,8 @@ absl::Status LaunchAttention(const PagedPrefillParams& pp, const PackedBatch& b,
   if (b.num_decode_items > 0) {
     ATTNSERVE_CUDA_RETURN_IF_ERROR(PagedDecodeCuda(pp, b.decode_tile_rows,
                                                    reinterpret_cast<const DecodeWorkItem*>(d_in + b.off_decode_items),
-                                                   b.num_decode_items, ws.part_o, ws.part_lse, ws.counters, stream));
+                                                   b.num_decode_items, ws.part_o, ws.part_lse, ws.counters, stream,
+                                                   DecodeLaunchOptions{b.decode_cluster, false}));
     ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kDecodeEnd], stream));
   }
   if (b.num_items > 0) {

@@ -13,6 +13,19 @@ namespace {
 // Smallest KV chunk (tokens) worth a split work item of its own.
 constexpr int32_t kMinChunk = 512;
 
+// Adds a device-to-device copy, merged into the last one when both its
+// source and its destination continue it.
+void AddDeviceCopy(std::vector<PackedBatch::DeviceCopy>* copies, int64_t dst, const void* src, int64_t bytes) {
+  if (!copies->empty()) {
+    PackedBatch::DeviceCopy& last = copies->back();
+    if (last.dst + last.bytes == dst && static_cast<const uint8_t*>(last.src) + last.bytes == src) {
+      last.bytes += bytes;
+      return;
+    }
+  }
+  copies->push_back({dst, src, bytes});
+}
+
 }  // namespace
 
 int64_t BatchPacker::InputCapacity() const {
@@ -72,6 +85,8 @@ absl::Status BatchPacker::PlanDecode(PackedBatch* out) {
   dopt.num_sms = limits_.num_sms;
   dopt.ctas_per_sm = limits_.decode_ctas_per_sm[tile_rows == 32 ? 1 : 0];
   dopt.max_partial_slots = std::max<int64_t>(DecodePartialSlots(limits_, geo_.head_dim), 1);
+  dopt.max_cluster = limits_.decode_max_cluster[tile_rows == 32 ? 1 : 0];
+  dopt.max_items = limits_.max_decode_items;
   BuildDecodePlan(seqs_.data(), n, geo_, dopt, &decode_plan_);
   const int64_t items = static_cast<int64_t>(decode_plan_.items.size());
   if (items > limits_.max_decode_items || decode_plan_.partial_slots > dopt.max_partial_slots) {
@@ -83,6 +98,7 @@ absl::Status BatchPacker::PlanDecode(PackedBatch* out) {
   out->num_decode_items = static_cast<int32_t>(items);
   out->decode_tile_rows = decode_plan_.tile_rows;
   out->decode_split_tiles = decode_plan_.split_tiles;
+  out->decode_cluster = decode_plan_.cluster;
   return absl::OkStatus();
 }
 
@@ -104,9 +120,14 @@ absl::Status BatchPacker::Plan(PackedBatch* out) {
   plan_.merge_pairs = 0;
   if (num_decode < n) {
     const int64_t group = geo_.num_qo_heads / geo_.num_kv_heads;
-    int64_t max_packed_rows = 0;
-    for (const PrefillSeq& s : rest) max_packed_rows = std::max<int64_t>(max_packed_rows, s.q_len * group);
-    out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows, limits_.family);
+    int64_t max_packed_rows = 0, rows = 0, row_keys = 0;
+    for (const PrefillSeq& s : rest) {
+      max_packed_rows = std::max<int64_t>(max_packed_rows, s.q_len * group);
+      rows += s.q_len;
+      row_keys += int64_t{s.q_len} * s.kv_len;
+    }
+    out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows, limits_.family,
+                                      rows > 0 ? row_keys / rows : 0);
     PrefillPlanOptions popt;
     popt.num_sms = limits_.num_sms;
     popt.ctas_per_sm = limits_.ctas_per_sm[static_cast<int>(out->kernel)];
@@ -171,8 +192,14 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
     if (off < 0) return absl::InternalError("input staging overflow");
   }
   int64_t row = 0, idx = 0;
+  bool q_all_on_device = true;
   for (const PrefillTask& t : tasks) {
-    if (t.total_q > 0) std::memcpy(in.At(out->off_q) + row * q_row, t.q, size_t(t.total_q) * q_row);
+    if (t.total_q > 0 && t.q_on_device) {
+      AddDeviceCopy(&out->device_in, out->off_q + row * q_row, t.q, int64_t{t.total_q} * q_row);
+    } else if (t.total_q > 0) {
+      std::memcpy(in.At(out->off_q) + row * q_row, t.q, size_t(t.total_q) * q_row);
+      q_all_on_device = false;
+    }
     if (t.num_kv_indices > 0) std::memcpy(in.At(out->off_idx) + idx * 4, t.kv_indices, size_t(t.num_kv_indices) * 4);
     row += t.total_q;
     idx += t.num_kv_indices;
@@ -188,16 +215,28 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
     std::memcpy(in.At(out->off_decode_items), decode_plan_.items.data(),
                 decode_plan_.items.size() * sizeof(DecodeWorkItem));
   }
+  bool kv_all_on_device = true;
   if (n_append > 0) {
     std::memcpy(in.At(out->off_slots), append_slots_.data(), n_append * 8);
-    for (int64_t i = 0; i < n_append; ++i) {
-      const PrefillTask& t = tasks[append_rows_[i].first];
-      const int64_t r = append_rows_[i].second;
-      std::memcpy(in.At(out->off_k) + i * kv_row, static_cast<const uint8_t*>(t.append_k) + r * kv_row, kv_row);
-      std::memcpy(in.At(out->off_v) + i * kv_row, static_cast<const uint8_t*>(t.append_v) + r * kv_row, kv_row);
+    // K rows, then V rows, so that consecutive device rows coalesce.
+    for (int kv = 0; kv < 2; ++kv) {
+      const int64_t off = kv == 0 ? out->off_k : out->off_v;
+      for (int64_t i = 0; i < n_append; ++i) {
+        const PrefillTask& t = tasks[append_rows_[i].first];
+        const uint8_t* src = static_cast<const uint8_t*>(kv == 0 ? t.append_k : t.append_v) +
+                             append_rows_[i].second * kv_row;
+        if (kv == 0 ? t.append_k_on_device : t.append_v_on_device) {
+          AddDeviceCopy(&out->device_in, off + i * kv_row, src, kv_row);
+        } else {
+          std::memcpy(in.At(off) + i * kv_row, src, kv_row);
+          kv_all_on_device = false;
+        }
+      }
     }
   }
   out->in_bytes = in.used();
+  out->upload_begin = q_all_on_device ? out->off_idx : 0;
+  out->upload_end = n_append > 0 && kv_all_on_device ? out->off_k : out->in_bytes;
   out->off_lse = AlignUp(out->total_q * q_row);
   out->out_bytes = out->off_lse + out->total_q * geo_.num_qo_heads * 4;
   return absl::OkStatus();

@@ -38,7 +38,7 @@ struct PackerLimits {
   int32_t num_sms = 0;
   PrefillDevice device;
   PrefillFamily family = PrefillFamily::kAuto;  // --prefill_kernel
-  int32_t ctas_per_sm[kNumPrefillKernels] = {1, 1, 1};  // by PrefillKernel
+  int32_t ctas_per_sm[kNumPrefillKernels] = {1, 1, 1, 1, 1};  // by PrefillKernel
   // Decode family: off sends every sequence to the prefill family
   // (--decode_kernel=off). Its split partials share the prefill family's
   // workspace (max_partial_pairs (row, head) pairs of head_dim floats; both
@@ -47,6 +47,7 @@ struct PackerLimits {
   // split counters.
   bool decode = true;
   int32_t decode_ctas_per_sm[2] = {1, 1};  // by tile rows 16, 32
+  int32_t decode_max_cluster[2] = {0, 0};  // by tile rows 16, 32 (0: no cluster mode)
   int64_t max_decode_items = 0;
 };
 
@@ -73,13 +74,27 @@ struct PackedBatch {
   int32_t num_decode_items = 0;
   int32_t decode_tile_rows = 16;
   int32_t decode_split_tiles = 0;
+  int32_t decode_cluster = 0;  // > 1: the decode plan runs in cluster mode
   int64_t off_decode_items = 0;
   int64_t num_append = 0;  // after dropping overwritten slots
   int64_t off_q = 0, off_idx = 0, off_seqs = 0, off_items = 0, off_merges = 0;
   int64_t off_slots = 0, off_k = 0, off_v = 0;
-  int64_t in_bytes = 0;  // staging bytes to upload
+  int64_t in_bytes = 0;  // staging bytes packed (holes for device inputs included)
   int64_t off_lse = 0;
   int64_t out_bytes = 0;
+  // Inputs in device memory (CUDA regions, PrefillTask::*_on_device) are not
+  // packed: their bytes in the staging are holes that the backend fills by a
+  // device-to-device copy of `bytes` from `src` to d_in + `dst` after the
+  // upload (ranges of consecutive rows coalesced). The host filled staging
+  // bytes [upload_begin, upload_end) only: the q holes at the front and the
+  // appended K/V holes at the back are not uploaded.
+  struct DeviceCopy {
+    int64_t dst = 0;
+    const void* src = nullptr;
+    int64_t bytes = 0;
+  };
+  std::vector<DeviceCopy> device_in;
+  int64_t upload_begin = 0, upload_end = 0;
 };
 
 class BatchPacker {

@@ -12,6 +12,7 @@
 // shared by all slots.
 #include "server/backend/cuda/cuda_backend.h"
 
+#include <cuda.h>  // types of the driver entry point only: no libcuda link
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,13 +20,18 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "kernels/decode/decode_cuda.h"
 #include "kernels/kv/kv_rows_cuda.h"
+#include "kernels/merge/merge_cuda.h"
 #include "kernels/prefill_cuda.h"
 #include "server/backend/cuda/attention_launch.h"
 #include "server/backend/cuda/batch_packer.h"
@@ -49,12 +55,121 @@ namespace {
 
 using Ev = StagingRing::Event;
 
+// States one MergeStatesCuda launch takes (kernels/merge/merge_cuda.h).
+constexpr int32_t kMaxMergeStatesPerLaunch = 16;
+
+// cuMemGetAddressRange through the runtime's driver entry point (no link
+// against libcuda): the size of the allocation that holds `p`, or -1 when it
+// cannot be asked.
+int64_t AllocationBytes(void* p) {
+  using GetRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static GetRange get_range = []() -> GetRange {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<GetRange>(fn);
+  }();
+  if (get_range == nullptr) return -1;
+  CUdeviceptr base = 0;
+  size_t bytes = 0;
+  if (get_range(&base, &bytes, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) return -1;
+  return static_cast<int64_t>(bytes - (reinterpret_cast<CUdeviceptr>(p) - base));
+}
+
 // System regions are page-locked once when registered, so that downloads
 // land in them directly (PrefillTask::out_pinned) as in the pinned response
 // buffers. A region that cannot be locked still works, through staging.
+//
+// CUDA regions: the IPC handle is opened once on the server's device with
+// peer access enabled lazily, so a region exported on another GPU is copied
+// device to device over NVLink (or PCIe peer-to-peer). The same handle
+// registered twice (two regions of one allocation, as torch's caching
+// allocator makes them) is opened once and reference-counted: the driver
+// allows one mapping of an allocation per process and device.
 class CudaRegionDevice final : public RegionDevice {
  public:
   explicit CudaRegionDevice(int device) : device_(device) {}
+
+  absl::StatusOr<void*> OpenIpc(absl::string_view handle, int32_t device_id, int64_t bytes) override {
+    const int count = CudaDeviceCount();
+    if (device_id < 0 || device_id >= count) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda.device_id=", device_id, " out of range [0, ",
+                                                     count, "): the CUDA devices this server sees"));
+    }
+    if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda.ipc_handle has ", handle.size(),
+                                                     " bytes: a cudaIpcMemHandle_t has ",
+                                                     sizeof(cudaIpcMemHandle_t)));
+    }
+    absl::MutexLock lock(&mu_);
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (device_id != device_) {
+      int can = 0;
+      if (cudaDeviceCanAccessPeer(&can, device_, device_id) != cudaSuccess) cudaGetLastError();
+      if (!can) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "cuda.device_id=", device_id, ": the server's device ", device_,
+            " has no peer access to it (a cuda region must be on the server's device or a peer)"));
+      }
+    }
+    std::string key(handle);
+    void* p = nullptr;
+    auto it = open_.find(key);
+    if (it != open_.end()) {
+      p = it->second.ptr;
+    } else {
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, handle.data(), sizeof(h));
+      const cudaError_t err = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+      if (err != cudaSuccess) {
+        cudaGetLastError();  // not sticky: clear it
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cuda.ipc_handle does not open on device ", device_, ": ", cudaGetErrorName(err), " (",
+            cudaGetErrorString(err), "); it must come from cudaIpcGetMemHandle in a live process"));
+      }
+    }
+    // The allocation's size against what the request claims. (Its device
+    // cannot be checked: pointer attributes of an imported mapping name the
+    // importing device, so device_id is taken as the client states it.)
+    absl::Status bad;
+    const int64_t alloc = AllocationBytes(p);
+    if (alloc >= 0 && bytes > alloc) {
+      bad = absl::InvalidArgumentError(absl::StrCat("cuda.byte_size=", bytes,
+                                                    " exceeds the allocation cuda.ipc_handle exports (",
+                                                    alloc, " bytes)"));
+    }
+    if (!bad.ok()) {
+      if (it == open_.end() && cudaIpcCloseMemHandle(p) != cudaSuccess) cudaGetLastError();
+      return bad;
+    }
+    if (it != open_.end()) {
+      it->second.refs += 1;
+    } else {
+      open_.emplace(std::move(key), Opened{p, 1});
+    }
+    return p;
+  }
+
+  void CloseIpc(void* device_ptr) override {
+    absl::MutexLock lock(&mu_);
+    for (auto it = open_.begin(); it != open_.end(); ++it) {
+      if (it->second.ptr != device_ptr) continue;
+      if (--it->second.refs == 0) {
+        cudaSetDevice(device_);
+        // Nothing uses the memory any more: every request that named it has
+        // completed (its copies were synchronized before it finished).
+        if (cudaIpcCloseMemHandle(device_ptr) != cudaSuccess) cudaGetLastError();
+        open_.erase(it);
+      }
+      return;
+    }
+  }
+
   bool RegisterHost(void* data, int64_t bytes) override {
     cudaError_t err = cudaSetDevice(device_);
     if (err == cudaSuccess) err = cudaHostRegister(data, size_t(bytes), cudaHostRegisterPortable);
@@ -72,7 +187,13 @@ class CudaRegionDevice final : public RegionDevice {
   }
 
  private:
+  struct Opened {
+    void* ptr = nullptr;
+    int32_t refs = 0;
+  };
   const int device_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Opened> open_ ABSL_GUARDED_BY(mu_);  // by handle bytes
 };
 
 class CudaBackend final : public Backend {
@@ -117,9 +238,11 @@ class CudaBackend final : public Backend {
   absl::Status ReadKv(const KvRows& rows, BatchStats* stats) override { return CopyRows(rows, false, stats); }
   // On the device: only the page ids cross PCIe, not the zeros.
   absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) override;
-  // MergeStates stays on the CPU default: its inputs and outputs live in host
-  // memory, so a GPU pass would move every byte over PCIe (tens of GB/s, after
-  // a copy into pinned staging) where the CPU reads it once at memory speed.
+  // MergeStates of host tensors stays on the CPU: a GPU pass would move every
+  // byte over PCIe (tens of GB/s, after a copy into pinned staging) where the
+  // CPU reads it once at memory speed. States in CUDA regions merge on the
+  // GPU (MergeStatesOnDevice).
+  absl::Status MergeStates(const MergeStatesParams& params, const MergeOnDevice& on_device) override;
 
  private:
   // Queues one packed batch's upload, kernels and download on the streams.
@@ -132,6 +255,14 @@ class CudaBackend final : public Backend {
   // FailedPrecondition unless no batch is in flight (WriteKv / ReadKv use
   // the idle slot's staging and the compute stream synchronously).
   absl::Status CheckIdle();
+  // MergeStates with every tensor in device memory: the merge kernel reads
+  // the states where they are (a peer's memory over NVLink) and writes the
+  // outputs there.
+  absl::Status MergeOnGpu(const MergeStatesParams& params);
+  // Any other mix of host and device tensors (or more states than one launch
+  // takes, or addresses the kernel's 16-byte loads cannot use): device
+  // tensors are copied to host memory, merged by the CPU, and copied back.
+  absl::Status MergeThroughHost(const MergeStatesParams& params, const MergeOnDevice& on_device);
 
   BackendOptions options_;
   KvGeometry geo_;
@@ -218,6 +349,8 @@ absl::Status CudaBackend::Init() {
   lim.decode = options_.decode_kernel && DecodeGeometrySupported(g);
   lim.decode_ctas_per_sm[0] = DecodeCtasPerSm(g.head_dim, g.dtype, 16);
   lim.decode_ctas_per_sm[1] = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim));
+  lim.decode_max_cluster[0] = DecodeMaxCluster(g.head_dim, g.dtype, 16);
+  lim.decode_max_cluster[1] = DecodeMaxCluster(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim));
   cudaGetLastError();
   const int64_t decode_slots = DecodePartialSlots(lim, g.head_dim);
   lim.max_decode_items = g.num_kv_heads * (lim.max_rows * group / 16 + lim.max_rows + 1) + decode_slots;
@@ -284,7 +417,10 @@ absl::Status CudaBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats
     return launched;
   }
   slot->outputs.clear();
-  for (const PrefillTask& t : tasks) slot->outputs.push_back({t.o, t.lse, t.total_q, t.out_pinned});
+  for (const PrefillTask& t : tasks) {
+    slot->outputs.push_back({t.o, t.lse, t.total_q, t.o_on_device || t.out_pinned,
+                             t.lse_on_device || t.out_pinned});
+  }
   slot->off_lse = b.off_lse;
   slot->appended = b.num_append > 0;
   slot->attention_launches = (b.num_decode_items > 0 ? 1 : 0) + (b.num_items > 0 ? 1 : 0);
@@ -305,7 +441,16 @@ absl::Status CudaBackend::Launch(absl::Span<const PrefillTask> tasks, const Pack
   // Upload (copy-in stream); appends, one attention launch per family, a
   // merge if the prefill family split (compute stream); one download
   // (copy-out stream).
-  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_in, slot.h_in, b.in_bytes, cudaMemcpyHostToDevice, copy_in_));
+  // Inputs in CUDA regions are copied device to device into their holes of
+  // d_in (peer copies when the region is on another GPU).
+  if (b.upload_end > b.upload_begin) {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_in + b.upload_begin, slot.h_in + b.upload_begin,
+                                                   b.upload_end - b.upload_begin, cudaMemcpyHostToDevice,
+                                                   copy_in_));
+  }
+  for (const PackedBatch::DeviceCopy& c : b.device_in) {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_in + c.dst, c.src, c.bytes, cudaMemcpyDefault, copy_in_));
+  }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kUploaded], copy_in_));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_, ev[Ev::kUploaded], 0));
   if (b.num_append > 0) {
@@ -337,19 +482,26 @@ absl::Status CudaBackend::Launch(absl::Span<const PrefillTask> tasks, const Pack
                                        compute_, ev));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kComputed], compute_));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_out_, ev[Ev::kComputed], 0));
-  // Outputs in pinned response buffers are copied straight into them; the
-  // rest go through the slot's staging and Complete unpacks them.
+  // Outputs in pinned host memory (response buffers, page-locked system
+  // regions) or in device memory (CUDA regions) are copied straight into
+  // them; the rest go through the slot's staging and Complete unpacks them.
   bool staged = false;
   int64_t row = 0;
   for (const PrefillTask& t : tasks) {
-    if (t.total_q > 0 && t.out_pinned) {
-      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(t.o, slot.d_out + row * q_row, size_t(t.total_q) * q_row,
-                                                     cudaMemcpyDeviceToHost, copy_out_));
-      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(t.lse, slot.d_out + b.off_lse + row * lse_row,
-                                                     size_t(t.total_q) * lse_row, cudaMemcpyDeviceToHost,
-                                                     copy_out_));
-    } else if (t.total_q > 0) {
-      staged = true;
+    if (t.total_q > 0) {
+      if (t.o_on_device || t.out_pinned) {
+        ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(t.o, slot.d_out + row * q_row, size_t(t.total_q) * q_row,
+                                                       cudaMemcpyDefault, copy_out_));
+      } else {
+        staged = true;
+      }
+      if (t.lse_on_device || t.out_pinned) {
+        ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(t.lse, slot.d_out + b.off_lse + row * lse_row,
+                                                       size_t(t.total_q) * lse_row, cudaMemcpyDefault,
+                                                       copy_out_));
+      } else {
+        staged = true;
+      }
     }
     row += t.total_q;
   }
@@ -378,8 +530,8 @@ absl::Status CudaBackend::Complete(BatchStats* stats) {
   const int64_t lse_row = int64_t{geo_.num_qo_heads} * 4;
   int64_t row = 0;
   for (const StagingRing::Slot::Output& out : slot->outputs) {
-    if (out.rows > 0 && !out.pinned) {
-      std::memcpy(out.o, slot->h_out + row * q_row, size_t(out.rows) * q_row);
+    if (out.rows > 0 && !out.o_direct) std::memcpy(out.o, slot->h_out + row * q_row, size_t(out.rows) * q_row);
+    if (out.rows > 0 && !out.lse_direct) {
       std::memcpy(out.lse, slot->h_out + slot->off_lse + row * lse_row, size_t(out.rows) * lse_row);
     }
     row += out.rows;
@@ -430,12 +582,24 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
   const int64_t off_v = in.Take(n * rb);
   if (off_slots < 0 || off_k < 0 || off_v < 0) return absl::InternalError("KV staging overflow");
   std::memcpy(in.At(off_slots), rows.slots + begin, n * 8);
+  // k and v: host rows through the pinned staging (one upload with the
+  // slots when both are host), device rows (CUDA regions) device to device.
+  uint8_t* const k_at = static_cast<uint8_t*>(rows.k) + begin * rb;
+  uint8_t* const v_at = static_cast<uint8_t*>(rows.v) + begin * rb;
+  const bool any_device = rows.k_on_device || rows.v_on_device;
   if (scatter) {
-    std::memcpy(in.At(off_k), static_cast<const uint8_t*>(rows.k) + begin * rb, n * rb);
-    std::memcpy(in.At(off_v), static_cast<const uint8_t*>(rows.v) + begin * rb, n * rb);
+    if (!rows.k_on_device) std::memcpy(in.At(off_k), k_at, n * rb);
+    if (!rows.v_on_device) std::memcpy(in.At(off_v), v_at, n * rb);
   }
-  const int64_t upload = scatter ? in.used() : n * 8;
+  const int64_t upload = scatter && !any_device ? in.used() : n * 8;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_in, slot.h_in, upload, cudaMemcpyHostToDevice, compute_));
+  if (scatter && any_device) {
+    for (auto [off, at, on_device] : {std::tuple{off_k, k_at, rows.k_on_device}, std::tuple{off_v, v_at, rows.v_on_device}}) {
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_in + off, on_device ? at : in.At(off), n * rb,
+                                                     on_device ? cudaMemcpyDefault : cudaMemcpyHostToDevice,
+                                                     compute_));
+    }
+  }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.events[StagingRing::kAppendBegin], compute_));
   if (scatter) {
     AppendKvParams ap;
@@ -461,14 +625,20 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
     ATTNSERVE_CUDA_RETURN_IF_ERROR(GatherKvCuda(gp, compute_));
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.events[StagingRing::kAppendEnd], compute_));
-  if (!scatter) {
+  if (!scatter && !any_device) {
     ATTNSERVE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(slot.h_in + off_k, slot.d_in + off_k, off_v + n * rb - off_k, cudaMemcpyDeviceToHost, compute_));
+  } else if (!scatter) {
+    for (auto [off, at, on_device] : {std::tuple{off_k, k_at, rows.k_on_device}, std::tuple{off_v, v_at, rows.v_on_device}}) {
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(on_device ? at : in.At(off), slot.d_in + off, n * rb,
+                                                     on_device ? cudaMemcpyDefault : cudaMemcpyDeviceToHost,
+                                                     compute_));
+    }
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
   if (!scatter) {
-    std::memcpy(static_cast<uint8_t*>(rows.k) + begin * rb, in.At(off_k), n * rb);
-    std::memcpy(static_cast<uint8_t*>(rows.v) + begin * rb, in.At(off_v), n * rb);
+    if (!rows.k_on_device) std::memcpy(k_at, in.At(off_k), n * rb);
+    if (!rows.v_on_device) std::memcpy(v_at, in.At(off_v), n * rb);
   }
   float ms = 0;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, slot.events[StagingRing::kAppendBegin], slot.events[StagingRing::kAppendEnd]));
@@ -489,6 +659,71 @@ absl::Status CudaBackend::CopyRows(const KvRows& rows, bool scatter, BatchStats*
   if (stats != nullptr) {
     stats->kv_rows_launches += launches;
     stats->kv_rows_seconds += seconds;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::MergeStates(const MergeStatesParams& params, const MergeOnDevice& on_device) {
+  if (!on_device.any()) {
+    MergeStatesCpu(params);
+    return absl::OkStatus();
+  }
+  if (absl::Status st = CheckIdle(); !st.ok()) return st;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  bool all_device = on_device.v_out && on_device.lse_out &&
+                    on_device.v.size() == size_t(params.num_states) &&
+                    on_device.lse.size() == size_t(params.num_states);
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  bool fits = params.num_states <= kMaxMergeStatesPerLaunch && aligned(params.v_out);
+  for (int32_t i = 0; i < params.num_states && all_device; ++i) {
+    all_device = on_device.v[i] && on_device.lse[i];
+    fits = fits && aligned(params.v[i]);
+  }
+  if (all_device && fits) return MergeOnGpu(params);
+  return MergeThroughHost(params, on_device);
+}
+
+absl::Status CudaBackend::MergeOnGpu(const MergeStatesParams& params) {
+  if (params.n == 0) return absl::OkStatus();
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(MergeStatesCuda(params, compute_));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::MergeThroughHost(const MergeStatesParams& params, const MergeOnDevice& on_device) {
+  const int64_t rows = params.n * params.h;
+  const size_t v_bytes = size_t(rows) * params.d * KvDTypeBytes(params.dtype);
+  const size_t lse_bytes = size_t(rows) * sizeof(float);
+  auto is_device = [](const std::vector<bool>& flags, int32_t i) { return size_t(i) < flags.size() && flags[i]; };
+  std::vector<std::vector<uint8_t>> copies;  // host copies of device tensors
+  std::vector<const void*> v(params.v, params.v + params.num_states);
+  std::vector<const float*> lse(params.lse, params.lse + params.num_states);
+  auto to_host = [&](const void* src, size_t bytes) -> absl::StatusOr<const void*> {
+    copies.emplace_back(bytes);
+    if (bytes > 0) {
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(copies.back().data(), src, bytes, cudaMemcpyDefault));
+    }
+    return copies.back().data();
+  };
+  for (int32_t i = 0; i < params.num_states; ++i) {
+    if (is_device(on_device.v, i)) { ATTN_ASSIGN_OR_RETURN(v[i], to_host(params.v[i], v_bytes)); }
+    if (is_device(on_device.lse, i)) {
+      ATTN_ASSIGN_OR_RETURN(const void* l, to_host(params.lse[i], lse_bytes));
+      lse[i] = static_cast<const float*>(l);
+    }
+  }
+  std::vector<uint8_t> v_out(on_device.v_out ? v_bytes : 0), lse_out(on_device.lse_out ? lse_bytes : 0);
+  MergeStatesParams host = params;
+  host.v = v.data();
+  host.lse = lse.data();
+  if (on_device.v_out) host.v_out = v_out.data();
+  if (on_device.lse_out) host.lse_out = reinterpret_cast<float*>(lse_out.data());
+  MergeStatesCpu(host);
+  if (on_device.v_out && v_bytes > 0) {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(params.v_out, v_out.data(), v_bytes, cudaMemcpyDefault));
+  }
+  if (on_device.lse_out && lse_bytes > 0) {
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(params.lse_out, lse_out.data(), lse_bytes, cudaMemcpyDefault));
   }
   return absl::OkStatus();
 }

@@ -52,7 +52,10 @@ class StagingRing {
       void* o;
       float* lse;
       int64_t rows;
-      bool pinned;  // downloaded into o and lse directly, nothing to unpack
+      // Copied into o / lse directly by the device (pinned host memory or
+      // device memory), nothing to unpack.
+      bool o_direct;
+      bool lse_direct;
     };
     std::vector<Output> outputs;
     int64_t off_lse = 0;
