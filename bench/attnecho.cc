@@ -10,13 +10,16 @@
 //   attnbench --target=127.0.0.1:50061 --workload=decode --concurrency=16
 #include <atomic>
 #include <deque>
+#include <memory>
 #include <iostream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "common/tensor_wire.h"
 #include "common/transport.h"
 #include "common/usage.h"
 #include "grpcpp/grpcpp.h"
@@ -79,7 +82,13 @@ class Responder {
   std::thread thread_;
 };
 
-class EchoService final : public v1::AttentionService::CallbackService {
+// Prefill is a raw method: the request is parsed from gRPC's slices (one
+// copy, as attnserve parses it) and the response sent from the parsed query's
+// memory (no copy, as attnserve sends its output), so that attnecho's floor
+// costs what attnserve's edge costs.
+class EchoService final
+    : public v1::AttentionService::WithRawCallbackMethod_Prefill<
+          v1::AttentionService::CallbackService> {
  public:
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest*,
@@ -136,17 +145,26 @@ class EchoService final : public v1::AttentionService::CallbackService {
   }
 
   grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* ctx,
-                                    const v1::PrefillRequest* request,
-                                    v1::PrefillResponse* response) override {
+                                    const grpc::ByteBuffer* request_bytes,
+                                    grpc::ByteBuffer* response_bytes) override {
+    auto request = std::make_unique<v1::PrefillRequest>();
+    if (!grpc::SerializationTraits<v1::PrefillRequest>::Deserialize(
+             const_cast<grpc::ByteBuffer*>(request_bytes), request.get())
+             .ok()) {
+      return Done(ctx, grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "request does not parse"));
+    }
     // The output has the query's shape and size: send the query back.
-    *response->mutable_output() = request->q();
     const int64_t rows = request->q().shape_size() > 0 ? request->q().shape(0) : 0;
-    v1::Tensor* lse = response->mutable_lse();
-    lse->set_dtype(v1::DTYPE_FP32);
-    lse->add_shape(rows);
-    lse->add_shape(absl::GetFlag(FLAGS_num_qo_heads));
-    lse->mutable_data()->resize(rows * absl::GetFlag(FLAGS_num_qo_heads) * 4);
-    response->set_incarnation(1);
+    const int32_t heads = absl::GetFlag(FLAGS_num_qo_heads);
+    auto* lse = new std::string(static_cast<size_t>(rows * heads * 4), '\0');
+    const v1::Tensor& q = request->q();
+    const std::vector<int64_t> shape(q.shape().begin(), q.shape().end());
+    WireWriter w;
+    // Each data slice owns what it points into; empty data takes no slice.
+    Attach(&w, 1, q.dtype(), shape, q.data(), request.release());
+    Attach(&w, 2, v1::DTYPE_FP32, {rows, heads}, *lse, lse);
+    w.AppendCopy(std::string("\x19\x01\0\0\0\0\0\0\0", 9));  // fixed64 incarnation = 1
+    *response_bytes = w.Finish();
     if (responder_ != nullptr) {
       grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
       responder_->Push(reactor);
@@ -166,6 +184,22 @@ class EchoService final : public v1::AttentionService::CallbackService {
   }
 
  private:
+  // Appends Tensor field `field` whose data is `data`, which `owner` holds;
+  // the owner is deleted once gRPC has sent the data (or at once if empty).
+  template <typename Owner>
+  static void Attach(WireWriter* w, uint32_t field, int32_t dtype,
+                     absl::Span<const int64_t> shape, const std::string& data, Owner* owner) {
+    if (data.empty()) {
+      w->AppendTensor(field, dtype, shape, grpc::Slice(), 0);
+      delete owner;
+      return;
+    }
+    w->AppendTensor(field, dtype, shape,
+                    grpc::Slice(const_cast<char*>(data.data()), data.size(),
+                                [](void* p) { delete static_cast<Owner*>(p); }, owner),
+                    data.size());
+  }
+
   static grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx,
                                         grpc::Status status = grpc::Status::OK) {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();

@@ -3,13 +3,17 @@
 # (docs/transport.md). Runs bench/transport.py against the install: tcp_echo
 # (the raw TCP floor), attnecho and attnserve --backend=cuda with gRPC tuned
 # and untuned, and attnserve with q, output and LSE in a POSIX shm region, for
-# decode64 and a 128 MiB prefill; prints one table. About 3 minutes.
-#   bench/run_transport_gpu.sh INSTALL_DIR OUT_DIR
+# decode64 and a 128 MiB prefill, under four gRPC settings (tuned = the
+# default, gRPC's defaults, the previous tuned set, tuned + a 1 MiB initial
+# window); prints one table. About 2-3 minutes, under 290 s in any case.
+#   bench/run_transport_gpu.sh INSTALL_DIR OUT_DIR [BEFORE_INSTALL_DIR]
 # INSTALL_DIR is `cmake --install build --prefix DIR` (bin/ has tcp_echo,
-# attnecho, attnserve, attnbench).
+# attnecho, attnserve, attnbench). BEFORE_INSTALL_DIR, optional: another
+# install (e.g. of the commit before a transport change) whose attnserve and
+# attnbench run inline in the same run, for the code's before and after.
 set -uo pipefail
-if (($# != 2)); then
-  echo "usage: $0 INSTALL_DIR OUT_DIR" >&2
+if (($# != 2 && $# != 3)); then
+  echo "usage: $0 INSTALL_DIR OUT_DIR [BEFORE_INSTALL_DIR]" >&2
   exit 2
 fi
 inst=$(cd "$1" && pwd)
@@ -23,5 +27,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 } 2>&1 | tee "$out/device.txt"
 # shm objects live in /dev/shm: report its size (a small one fails RegisterRegion's mmap).
 df -h /dev/shm | tee -a "$out/device.txt"
-timeout 290 python3 "$here/transport.py" "$inst" "$out" --backend=cuda 2>&1 | tee "$out/transport.log"
+before=()
+if (($# == 3)); then before=(--before="$(cd "$3" && pwd)"); fi
+timeout 290 python3 "$here/transport.py" "$inst" "$out" --backend=cuda "${before[@]}" 2>&1 |
+  tee "$out/transport.log"
 exit "${PIPESTATUS[0]}"

@@ -9,13 +9,16 @@ host over loopback:
   attnecho          the API with no compute, gRPC tuned and untuned
   attnserve inline  the server, gRPC tuned and untuned (--transport_tuning)
   attnserve shm     q, output and LSE in a POSIX shm region (attnbench --shm)
-  grpc_args         attnecho with single tuning arguments, to see which matter
+  settings          each path under SETTINGS below (tuned, gRPC defaults, ...)
 
 and prints one table (also OUT/transport.md). The kernel time per request
 comes from the server's /metrics; "p50 - kernel" is what the transport and
 the server add.
 
-Usage: bench/transport.py INSTALL_DIR OUT_DIR [--backend=cuda] [--smoke]
+Usage: bench/transport.py INSTALL_DIR OUT_DIR [--backend=cuda] [--smoke] [--before=DIR]
+
+--before=DIR also runs attnserve inline (tuned) from another install, e.g.
+the previous commit's, in the same run: the code's before and after.
 """
 import argparse
 import os
@@ -28,14 +31,17 @@ from serving import GEOMETRY, bench, scrape, start  # noqa: E402
 
 DECODE64 = ["--workload=decode", "--batch=64", "--kv_len=4096", "--concurrency=1"]
 LONG = ["--workload=prefill", "--batch=1", "--q_len=16384", "--concurrency=1", "--duration_s=120"]
-# Single arguments of the tuned set, on attnecho, to see which ones matter.
-SINGLE_ARGS = [
-    ("frame 4 MiB", "grpc.http2.max_frame_size=4194304"),
-    ("window 64 MiB, no BDP", "grpc.http2.bdp_probe=0,grpc.http2.lookahead_bytes=67108864"),
-    ("read chunks 1 MiB", "grpc.experimental.tcp_read_chunk_size=1048576,"
-                          "grpc.experimental.tcp_min_read_chunk_size=262144,"
-                          "grpc.experimental.tcp_max_read_chunk_size=16777216"),
-    ("write buffer 8 MiB", "grpc.http2.write_buffer_size=8388608"),
+# gRPC settings compared in one run (client and server alike): the tuned
+# set (common/transport.h, the default), gRPC's own defaults, the previous
+# tuned set (a fixed 64 MiB window without BDP probing on top), and the tuned
+# set with a 1 MiB initial window that BDP probing then grows.
+SETTINGS = [
+    ("tuned (default)", ["--transport_tuning=true"]),
+    ("gRPC defaults", ["--transport_tuning=false"]),
+    ("previous tuned set", ["--transport_tuning=true",
+                            "--grpc_args=grpc.http2.bdp_probe=0,grpc.http2.lookahead_bytes=67108864"]),
+    ("tuned + 1 MiB initial window", ["--transport_tuning=true",
+                                      "--grpc_args=grpc.http2.lookahead_bytes=1048576"]),
 ]
 
 
@@ -51,11 +57,12 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
+    ap.add_argument("--before", default="", help="another install to run attnserve inline from")
     a = ap.parse_args()
     bin_dir = os.path.join(os.path.abspath(a.install), "bin")
     os.makedirs(a.out, exist_ok=True)
     decode, long_ = list(DECODE64), list(LONG)
-    dur, long_n, echo_iters = "--duration_s=5", "--requests=8", "0"
+    dur, long_n, echo_iters = "--duration_s=4", "--requests=8", "0"
     if a.smoke:
         decode = [x.replace("4096", "256").replace("=64", "=4") for x in decode]
         long_ = [x.replace("16384", "64") for x in long_]
@@ -80,53 +87,47 @@ def main():
         print(tag, "done" if res else "FAILED", flush=True)
         return res
 
-    # attnecho, tuned and untuned, and single arguments.
-    for tuning in ("true", "false"):
-        echo, m = start([f"{bin_dir}/attnecho", "--listen=127.0.0.1:0", "--num_layers=2",
-                         f"--transport_tuning={tuning}"] + GEOMETRY,
-                        os.path.join(a.out, f"attnecho_{tuning}.log"), r"listening grpc=(\S+)")
-        t = [f"--transport_tuning={tuning}"]
-        setting = "tuned" if tuning == "true" else "gRPC defaults"
+    # attnecho under each setting.
+    for i, (setting, t) in enumerate(SETTINGS):
+        echo, m = start([f"{bin_dir}/attnecho", "--listen=127.0.0.1:0", "--num_layers=2"] + t + GEOMETRY,
+                        os.path.join(a.out, f"attnecho_{i}.log"), r"listening grpc=(\S+)")
         rows.append(("decode64", "attnecho (floor)", setting,
-                     run(f"echo_decode64_{tuning}", m.group(1), decode + [dur], t), None))
+                     run(f"echo_decode64_{i}", m.group(1), decode + [dur], t), None))
         rows.append(("prefill 128 MiB", "attnecho (floor)", setting,
-                     run(f"echo_long_{tuning}", m.group(1), long_ + [long_n], t), None))
+                     run(f"echo_long_{i}", m.group(1), long_ + [long_n], t), None))
         echo.terminate()
         echo.wait(timeout=30)
-    if not a.smoke:
-        for i, (label, args) in enumerate(SINGLE_ARGS):
-            echo, m = start([f"{bin_dir}/attnecho", "--listen=127.0.0.1:0", "--num_layers=2",
-                             "--transport_tuning=false", f"--grpc_args={args}"] + GEOMETRY,
-                            os.path.join(a.out, f"attnecho_single{i}.log"), r"listening grpc=(\S+)")
-            t = ["--transport_tuning=false", f"--grpc_args={args}"]
-            rows.append(("decode64", "attnecho (floor)", label,
-                         run(f"echo_decode64_single{i}", m.group(1), decode + ["--duration_s=3"], t), None))
-            rows.append(("prefill 128 MiB", "attnecho (floor)", label,
-                         run(f"echo_long_single{i}", m.group(1), long_ + ["--requests=4"], t), None))
-            echo.terminate()
-            echo.wait(timeout=30)
 
-    # attnserve: inline tuned and untuned; shm regions (tuned server).
+    # attnserve: inline under each setting; shm regions (default setting);
+    # inline from the --before install.
     verify = []
-    for tuning in ("true", "false"):
-        serve, m = start([f"{bin_dir}/attnserve", f"--backend={a.backend}", "--listen=127.0.0.1:0",
+    servers = [(bin_dir, i, setting, t) for i, (setting, t) in enumerate(SETTINGS)]
+    if a.before:
+        servers.append((os.path.join(os.path.abspath(a.before), "bin"), len(SETTINGS),
+                        "tuned, --before install", ["--transport_tuning=true"]))
+    for serve_bin, i, setting, t in servers:
+        serve, m = start([f"{serve_bin}/attnserve", f"--backend={a.backend}", "--listen=127.0.0.1:0",
                           "--metrics_listen=127.0.0.1:0", "--num_layers=2", "--num_pages=40000",
-                          "--allow_shared_memory", f"--transport_tuning={tuning}"] + GEOMETRY,
-                         os.path.join(a.out, f"attnserve_{tuning}.log"),
+                          "--allow_shared_memory"] + t + GEOMETRY,
+                         os.path.join(a.out, f"attnserve_{i}.log"),
                          r"listening grpc=(\S+) metrics=(\S+)")
         addr, metrics = m.group(1), m.group(2)
-        t = [f"--transport_tuning={tuning}"]
-        setting = "tuned" if tuning == "true" else "gRPC defaults"
-        paths = [("inline", [])] + ([("system shm region", ["--shm"])] if tuning == "true" else [])
+        paths = [("inline", [])] + ([("system shm region", ["--shm"])] if i == 0 else [])
         for path, flag in paths:
             for case, args, n in (("decode64", decode, dur), ("prefill 128 MiB", long_, long_n)):
-                tag = f"serve_{'shm' if flag else 'inline'}_{case.split()[0]}_{tuning}"
+                tag = f"serve_{'shm' if flag else 'inline'}_{case.split()[0]}_{i}"
                 before = scrape(metrics)
-                res = run(tag, addr, args + [n, f"--metrics={metrics}"] + flag, t)
+                res = bench(serve_bin, addr, args + [n, f"--metrics={metrics}"] + flag + t,
+                            os.path.join(a.out, f"{tag}.json"), os.path.join(a.out, f"{tag}.log"))
+                print(tag, "done" if res else "FAILED", flush=True)
                 rows.append((case, f"attnserve {path}", setting, res, kernel_ms(before, scrape(metrics))))
-        if tuning == "true":
-            for vname, vflag in (("verify_decode64_inline", []), ("verify_decode64_shm", ["--shm"])):
-                res = run(vname, addr, decode + ["--requests=8", "--verify"] + vflag, t)
+        if i == 0:
+            for vname, vflag in (("verify_decode64_inline", []), ("verify_decode64_shm", ["--shm"]),
+                                 ("verify_prefill_inline", [])):
+                # A 1k-row prefill (8 MiB each way): the float64 reference of 16k rows takes too long.
+                vargs = ([x.replace("16384", "1024") for x in long_] + ["--requests=2"]
+                         if "prefill" in vname else decode + ["--requests=8"])
+                res = run(vname, addr, vargs + ["--verify"] + vflag, t)
                 verify.append((vname, res))
         serve.terminate()
         serve.wait(timeout=60)

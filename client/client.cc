@@ -7,8 +7,10 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/tensor_wire.h"
 #include "common/transport.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/client_unary_call.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace attnserve {
@@ -24,13 +26,6 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 
 v1::DType WireDType(const v1::ServerInfo& info) { return info.kv_dtype(); }
 
-void SetTensor(v1::Tensor* t, v1::DType dtype, std::initializer_list<int64_t> shape,
-               const void* data, size_t bytes) {
-  t->set_dtype(dtype);
-  t->mutable_shape()->Assign(shape.begin(), shape.end());
-  t->set_data(data, bytes);
-}
-
 void SetRef(v1::RegionRef* r, const RegionRef& ref) {
   r->set_name(ref.name);
   r->set_offset(ref.offset);
@@ -44,14 +39,80 @@ void SetRegionTensor(v1::Tensor* t, v1::DType dtype, std::initializer_list<int64
   SetRef(t->mutable_region(), ref);
 }
 
-template <typename T>
-std::vector<T> FromBytes(const std::string& bytes) {
-  std::vector<T> out(bytes.size() / sizeof(T));
-  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
-  return out;
+// Tensors from this size on are sent from the caller's memory (borrowed
+// until gRPC has written them); smaller ones are copied into the request,
+// which costs less than a slice of their own.
+constexpr size_t kBorrowMinBytes = 16 << 10;
+
+// A request tensor that travels inline: field number, dtype, shape
+// (row-major) and the caller's bytes.
+struct InlineTensor {
+  uint32_t field;
+  v1::DType dtype;
+  std::vector<int64_t> shape;
+  const void* data;
+  size_t bytes;
+};
+
+void AppendInline(const InlineTensor& t, WireWriter* w, BorrowedMemory* borrowed) {
+  if (t.bytes >= kBorrowMinBytes) {
+    w->AppendTensor(t.field, t.dtype, t.shape, borrowed->Borrow(t.data, t.bytes), t.bytes);
+  } else {
+    w->AppendTensorCopy(t.field, t.dtype, t.shape, t.data, t.bytes);
+  }
 }
 
+// A request's wire bytes: `small` (every field but the inline tensors)
+// serialized, then the inline tensors, whose data is not copied.
+grpc::ByteBuffer EncodeRequest(const google::protobuf::MessageLite& small,
+                               absl::Span<const InlineTensor> tensors, BorrowedMemory* borrowed) {
+  WireWriter w;
+  w.AppendCopy(small.SerializeAsString());
+  for (const InlineTensor& t : tensors) AppendInline(t, &w, borrowed);
+  return w.Finish();
+}
+
+// Where a response tensor's data goes: straight into `out` (one copy from
+// gRPC's slices). A size that is not whole elements does not parse.
+template <typename T>
+TensorSink Into(std::vector<T>* out) {
+  return [out](size_t bytes) -> void* {
+    if (bytes % sizeof(T) != 0) return nullptr;
+    out->resize(bytes / sizeof(T));
+    return out->data();
+  };
+}
+
+constexpr char kWriteKvMethod[] = "/attnserve.v1.AttentionService/WriteKV";
+constexpr char kReadKvMethod[] = "/attnserve.v1.AttentionService/ReadKV";
+constexpr char kPrefillMethod[] = "/attnserve.v1.AttentionService/Prefill";
+constexpr char kMergeStatesMethod[] = "/attnserve.v1.AttentionService/MergeStates";
+
 }  // namespace
+
+// The tensor-carrying methods, called with wire bytes (CallRaw).
+struct Client::RawMethods {
+  explicit RawMethods(const std::shared_ptr<grpc::Channel>& channel)
+      : write_kv(kWriteKvMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
+        read_kv(kReadKvMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
+        prefill(kPrefillMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel),
+        merge_states(kMergeStatesMethod, grpc::internal::RpcMethod::NORMAL_RPC, channel) {}
+  grpc::internal::RpcMethod write_kv;
+  grpc::internal::RpcMethod read_kv;
+  grpc::internal::RpcMethod prefill;
+  grpc::internal::RpcMethod merge_states;
+};
+
+Client::Client() = default;
+Client::~Client() = default;
+
+grpc::Status Client::CallRaw(const grpc::internal::RpcMethod& method, grpc::ByteBuffer request,
+                             grpc::ByteBuffer* response) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      channel_.get(), method, &ctx, request, response);
+}
 
 KvGeometry GeometryOf(const v1::ServerInfo& info) {
   KvGeometry g;
@@ -113,6 +174,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (!arg_error.empty()) return absl::InvalidArgumentError(absl::StrCat("grpc_args: ", arg_error));
   c->channel_ = grpc::CreateCustomChannel(options.target, creds, args);
   c->stub_ = v1::AttentionService::NewStub(c->channel_);
+  c->raw_ = std::make_unique<RawMethods>(c->channel_);
   if (!options.fetch_info) return c;
   // The first call waits for the channel to be ready (a failed first
   // connection attempt is retried) up to connect_timeout_s.
@@ -187,41 +249,56 @@ absl::Status Client::FreePages(absl::Span<const int32_t> page_ids) {
 
 absl::Status Client::WriteKV(int32_t layer, absl::Span<const int64_t> slots,
                              absl::Span<const uint16_t> k, absl::Span<const uint16_t> v) {
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx);
-  v1::WriteKVRequest req;
+  v1::WriteKVRequest req;  // k and v follow inline
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
-  const int64_t n = static_cast<int64_t>(slots.size());
-  SetTensor(req.mutable_k(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
-            k.data(), k.size() * sizeof(uint16_t));
-  SetTensor(req.mutable_v(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
-            v.data(), v.size() * sizeof(uint16_t));
   req.set_expected_incarnation(incarnation());
+  const int64_t n = static_cast<int64_t>(slots.size());
+  const std::vector<int64_t> shape = {n, info_.num_kv_heads(), info_.head_dim()};
+  const InlineTensor tensors[] = {
+      {3, WireDType(info_), shape, k.data(), k.size() * sizeof(uint16_t)},
+      {4, WireDType(info_), shape, v.data(), v.size() * sizeof(uint16_t)}};
+  BorrowedMemory borrowed;
+  grpc::ByteBuffer bytes;
+  grpc::Status s = CallRaw(raw_->write_kv, EncodeRequest(req, tensors, &borrowed), &bytes);
+  borrowed.WaitReleased();
+  if (!s.ok()) return FromGrpc(s);
   v1::WriteKVResponse resp;
-  grpc::Status s = stub_->WriteKV(&ctx, req, &resp);
-  if (s.ok()) Learn(resp.incarnation());
-  return FromGrpc(s);
+  if (!grpc::SerializationTraits<v1::WriteKVResponse>::Deserialize(&bytes, &resp).ok()) {
+    return absl::InternalError("response does not parse as attnserve.v1.WriteKVResponse");
+  }
+  Learn(resp.incarnation());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<KvData> Client::ReadKV(int32_t layer, absl::Span<const int64_t> slots) {
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx);
   v1::ReadKVRequest req;
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
   req.set_expected_incarnation(incarnation());
-  v1::ReadKVResponse resp;
-  grpc::Status s = stub_->ReadKV(&ctx, req, &resp);
+  grpc::ByteBuffer bytes;
+  grpc::Status s = CallRaw(raw_->read_kv, EncodeRequest(req, {}, nullptr), &bytes);
   if (!s.ok()) return FromGrpc(s);
-  Learn(resp.incarnation());
-  return KvData{FromBytes<uint16_t>(resp.k().data()), FromBytes<uint16_t>(resp.v().data())};
+  KvData out;
+  ReceivedTensor k, v;
+  uint64_t seen = 0;
+  absl::Status parsed = ReadTensorResponse(bytes, "attnserve.v1.ReadKVResponse", &k,
+                                           Into(&out.k), &v, Into(&out.v), &seen);
+  if (!parsed.ok()) return absl::InternalError(parsed.message());
+  Learn(seen);
+  return out;
 }
 
-absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx);
-  v1::PrefillRequest req;
+absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& args) {
+  PrefillResult result;
+  absl::Status s = PrefillInto(args, &result);
+  if (!s.ok()) return s;
+  return result;
+}
+
+absl::Status Client::PrefillInto(const PrefillArgs& a, PrefillResult* result) {
+  v1::PrefillRequest req;  // inline tensors follow it
+  std::vector<InlineTensor> tensors;
   req.set_layer(a.layer);
   const int64_t row = int64_t{info_.num_qo_heads()} * info_.head_dim();
   if (a.q_region) {
@@ -229,8 +306,8 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
                     {a.q_rows, info_.num_qo_heads(), info_.head_dim()}, *a.q_region);
   } else {
     const int64_t total_q = row == 0 ? 0 : static_cast<int64_t>(a.q.size()) / row;
-    SetTensor(req.mutable_q(), WireDType(info_),
-              {total_q, info_.num_qo_heads(), info_.head_dim()}, a.q.data(), a.q.size() * sizeof(uint16_t));
+    tensors.push_back({2, WireDType(info_), {total_q, info_.num_qo_heads(), info_.head_dim()},
+                       a.q.data(), a.q.size() * sizeof(uint16_t)});
   }
   req.mutable_qo_indptr()->Assign(a.qo_indptr.begin(), a.qo_indptr.end());
   req.mutable_kv_indptr()->Assign(a.kv_indptr.begin(), a.kv_indptr.end());
@@ -247,12 +324,10 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
                       : row == 0             ? 0
                                              : static_cast<int64_t>(a.append_k.size()) / row;
     req.mutable_append_slots()->Assign(a.append_slots.begin(), a.append_slots.end());
-    SetTensor(req.mutable_append_k(), WireDType(info_),
-              {n, info_.num_kv_heads(), info_.head_dim()}, a.append_k.data(),
-              a.append_k.size() * sizeof(uint16_t));
-    SetTensor(req.mutable_append_v(), WireDType(info_),
-              {n, info_.num_kv_heads(), info_.head_dim()}, a.append_v.data(),
-              a.append_v.size() * sizeof(uint16_t));
+    tensors.push_back({11, WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
+                       a.append_k.data(), a.append_k.size() * sizeof(uint16_t)});
+    tensors.push_back({12, WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
+                       a.append_v.data(), a.append_v.size() * sizeof(uint16_t)});
   } else if (append_in_region) {
     const int64_t n = !a.append_slots.empty() ? static_cast<int64_t>(a.append_slots.size())
                                               : a.append_rows;
@@ -272,15 +347,20 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& a) {
                                                            : incarnation());
   req.set_plan_id(a.plan_id);
   req.mutable_kv_keys_after()->Assign(a.kv_keys_after.begin(), a.kv_keys_after.end());
-  v1::PrefillResponse resp;
-  grpc::Status s = stub_->Prefill(&ctx, req, &resp);
+  BorrowedMemory borrowed;
+  grpc::ByteBuffer bytes;
+  grpc::Status s = CallRaw(raw_->prefill, EncodeRequest(req, tensors, &borrowed), &bytes);
+  borrowed.WaitReleased();
   if (!s.ok()) return FromGrpc(s);
-  Learn(resp.incarnation());
-  PrefillResult r;
-  r.o = FromBytes<uint16_t>(resp.output().data());
-  r.lse = FromBytes<float>(resp.lse().data());
-  r.incarnation = resp.incarnation();
-  return r;
+  ReceivedTensor o, lse;
+  absl::Status parsed =
+      ReadTensorResponse(bytes, "attnserve.v1.PrefillResponse", &o, Into(&result->o), &lse,
+                         Into(&result->lse), &result->incarnation);
+  if (!parsed.ok()) return absl::InternalError(parsed.message());
+  if (o.bytes == 0) result->o.clear();  // no data field: nothing was written into it
+  if (lse.bytes == 0) result->lse.clear();
+  Learn(result->incarnation);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> Client::CreatePlan(const PlanLayout& layout) {
@@ -314,19 +394,33 @@ absl::Status Client::ReleasePlan(uint64_t plan_id) {
 
 absl::StatusOr<State> Client::MergeStates(absl::Span<const State> states, int64_t n, int32_t h,
                                           int32_t d, bool lse_base_e) {
-  grpc::ClientContext ctx;
-  PrepareContext(&ctx);
-  v1::MergeStatesRequest req;
-  for (const State& st : states) {
-    v1::AttentionState* s = req.add_states();
-    SetTensor(s->mutable_v(), WireDType(info_), {n, h, d}, st.v.data(), st.v.size() * sizeof(uint16_t));
-    SetTensor(s->mutable_lse(), v1::DTYPE_FP32, {n, h}, st.lse.data(), st.lse.size() * 4);
-  }
+  v1::MergeStatesRequest req;  // the states follow it
   req.set_lse_base(lse_base_e ? v1::LSE_BASE_E : v1::LSE_BASE_2);
-  v1::MergeStatesResponse resp;
-  grpc::Status s = stub_->MergeStates(&ctx, req, &resp);
+  BorrowedMemory borrowed;
+  WireWriter w;
+  w.AppendCopy(req.SerializeAsString());
+  const std::vector<int64_t> v_shape = {n, h, d};
+  const std::vector<int64_t> lse_shape = {n, h};
+  for (const State& st : states) {
+    // AttentionState {Tensor v = 1; Tensor lse = 2;} as field 1.
+    const InlineTensor v{1, WireDType(info_), v_shape, st.v.data(), st.v.size() * sizeof(uint16_t)};
+    const InlineTensor lse{2, v1::DTYPE_FP32, lse_shape, st.lse.data(), st.lse.size() * 4};
+    w.AppendLengthPrefix(1, TensorFieldSize(v.field, v.dtype, v.shape, v.bytes) +
+                                TensorFieldSize(lse.field, lse.dtype, lse.shape, lse.bytes));
+    AppendInline(v, &w, &borrowed);
+    AppendInline(lse, &w, &borrowed);
+  }
+  grpc::ByteBuffer bytes;
+  grpc::Status s = CallRaw(raw_->merge_states, w.Finish(), &bytes);
+  borrowed.WaitReleased();
   if (!s.ok()) return FromGrpc(s);
-  return State{FromBytes<uint16_t>(resp.v().data()), FromBytes<float>(resp.lse().data())};
+  State out;
+  ReceivedTensor v, lse;
+  uint64_t seen = 0;
+  absl::Status parsed = ReadTensorResponse(bytes, "attnserve.v1.MergeStatesResponse", &v,
+                                           Into(&out.v), &lse, Into(&out.lse), &seen);
+  if (!parsed.ok()) return absl::InternalError(parsed.message());
+  return out;
 }
 
 absl::Status Client::RegisterSystemRegion(const std::string& name, const std::string& key,

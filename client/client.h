@@ -126,6 +126,8 @@ KvGeometry GeometryOf(const v1::ServerInfo& info);
 
 class Client {
  public:
+  ~Client();
+
   // Connects and, unless options.fetch_info is false, reads the server's
   // geometry (GetServerInfo).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
@@ -140,6 +142,12 @@ class Client {
                        absl::Span<const uint16_t> k, absl::Span<const uint16_t> v);
   absl::StatusOr<KvData> ReadKV(int32_t layer, absl::Span<const int64_t> slots);
   absl::StatusOr<PrefillResult> Prefill(const PrefillArgs& args);
+  // Prefill into the caller's result, whose vectors' memory is reused: the
+  // response's bytes are copied once, into memory already mapped when the
+  // sizes repeat (an engine's steps), instead of into fresh vectors that
+  // are zero-filled and page-faulted first (at 128 MiB that costs more than
+  // the copy itself). Outputs written to regions leave o and lse empty.
+  absl::Status PrefillInto(const PrefillArgs& args, PrefillResult* result);
   // Registers a step's layout once; every layer's Prefill then names the
   // returned plan id instead of sending the layout. ReleasePlan when done.
   absl::StatusOr<uint64_t> CreatePlan(const PlanLayout& layout);
@@ -181,7 +189,15 @@ class Client {
   static absl::Status FromGrpc(const grpc::Status& status);
 
  private:
-  Client() = default;
+  struct RawMethods;
+  Client();
+
+  // One unary call whose request and response are wire bytes (the
+  // tensor-carrying RPCs, common/tensor_wire.h). The request is released
+  // (and the call destroyed) when this returns, so that memory it borrowed
+  // may be waited for then.
+  grpc::Status CallRaw(const grpc::internal::RpcMethod& method, grpc::ByteBuffer request,
+                       grpc::ByteBuffer* response);
 
   // Remembers `seen` when nothing was remembered yet.
   void Learn(uint64_t seen);
@@ -190,6 +206,7 @@ class Client {
   std::atomic<uint64_t> incarnation_{0};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
+  std::unique_ptr<RawMethods> raw_;
   v1::ServerInfo info_;
 };
 

@@ -3,22 +3,25 @@
 // Python client. Header only, with no gRPC include: each side applies the
 // (name, value) pairs to its own builder (docs/transport.md, "TCP tuning").
 //
-// Why each one (gRPC 1.51, chttp2 over TCP; defaults in brackets):
-//  - grpc.http2.max_frame_size [16 KiB]: the largest DATA frame this side
-//    accepts. A 128 MiB message in 16 KiB frames is 8192 frames, each
-//    parsed, and each a separate slice to write; 4 MiB frames make it 32.
-//  - grpc.http2.lookahead_bytes [64 KiB] and grpc.http2.bdp_probe [on]:
-//    the stream's receive window. With BDP probing the window grows from
-//    64 KiB only as pings measure the link, so a large message stalls on
-//    WINDOW_UPDATEs for its first tens of MiB; a fixed 64 MiB window lets a
-//    sender keep writing. The window is a bound on buffered bytes per stream
-//    that the server's max_message_bytes already exceeds.
-//  - grpc.http2.write_buffer_size [64 KiB]: how much a stream's writes may
-//    buffer ahead of the socket.
+// Why each one (gRPC 1.51, chttp2 over TCP; defaults in brackets), from the
+// single-setting runs on the H200 host (bench/results/
+// 2026-11-30-session2-h200x2.md: attnecho decode64 p50 / 128 MiB p50, gRPC
+// defaults 1.116 ms / 1052 ms):
+//  - grpc.http2.max_frame_size [16 KiB] -> 4 MiB: the largest DATA frame this
+//    side accepts. A 128 MiB message in 16 KiB frames is 8192 frames, each
+//    parsed and each a separate slice to write; 4 MiB frames make it 32.
+//    Alone: 1.096 ms / 946 ms.
+//  - grpc.http2.write_buffer_size [64 KiB] -> 8 MiB: how much a stream's
+//    writes may buffer ahead of the socket. Alone: 1.079 ms / 946 ms.
+//  - Left at gRPC's defaults: BDP probing and the stream window
+//    (grpc.http2.bdp_probe, grpc.http2.lookahead_bytes). A fixed 64 MiB
+//    window without probing helped 128 MiB (958 ms) but cost decode64
+//    0.2 ms (1.319 ms); with probing on, the window grows to what the link
+//    needs. The previous tuned set had them; bench/run_transport_gpu.sh
+//    still measures it through --grpc_args.
 //  - Not set: grpc.experimental.tcp_*read_chunk_size. With TLS, gRPC 1.51
 //    leaks a read buffer per connection when it is set (LeakSanitizer in
-//    tests/ops/security_test.sh), and alone it did not help on the H200
-//    (bench/results/2026-11-30-session2-h200x2.md).
+//    tests/ops/security_test.sh), and alone it did not help on the H200.
 // The values never change what is accepted (message size limits stay as
 // configured); they trade buffered memory per connection for throughput.
 #pragma once
@@ -40,8 +43,6 @@ inline std::vector<TransportArg> TransportArgs(bool tuned) {
   if (!tuned) return {};
   return {
       {"grpc.http2.max_frame_size", 4 << 20},
-      {"grpc.http2.bdp_probe", 0},
-      {"grpc.http2.lookahead_bytes", 64 << 20},
       {"grpc.http2.write_buffer_size", 8 << 20},
   };
 }

@@ -363,26 +363,29 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ReadKV(grpc::CallbackServerConte
   Call* call = Start(ctx, Metrics::Rpc::kReadKV, request, response);
   struct State {
     v1::ReadKVRequest request;
-    v1::ReadKVResponse response;
+    // The backend writes the rows into its k and v data; sent from there.
+    std::unique_ptr<v1::ReadKVResponse> response = std::make_unique<v1::ReadKVResponse>();
   };
   auto state = std::make_shared<State>();
   ReadKvCall c;
   if (!call->Open(limits_.read_kv, &state->request, &c)) return call;
-  ToCall(state->request, &state->response, &c);
+  ToCall(state->request, state->response.get(), &c);
   const KvGeometry& g = core_->geometry();
   const v1::DType dtype = ToProto(g.dtype);
   call->Ref();
   const uint64_t incarnation = core_->incarnation();
   core_->ReadKv(c, [call, state, dtype, g, incarnation](absl::Status status) {
     if (call->Claim()) {
-      v1::ReadKVResponse& out = state->response;
-      const int64_t n = state->request.slots_size();
+      grpc::ByteBuffer bytes;
       if (status.ok()) {
+        v1::ReadKVResponse& out = *state->response;
+        const int64_t n = state->request.slots_size();
         SetTensorHeader(out.mutable_k(), dtype, {n, g.num_kv_heads, g.head_dim});
         SetTensorHeader(out.mutable_v(), dtype, {n, g.num_kv_heads, g.head_dim});
         out.set_incarnation(incarnation);
+        bytes = EncodeTensorResponse(std::move(state->response));
       }
-      call->Finish(status, &out);
+      call->Finish(status, nullptr, &bytes);
     }
     call->Unref();
   });
@@ -431,12 +434,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(grpc::CallbackServer
   Call* call = Start(ctx, Metrics::Rpc::kMergeStates, request, response);
   struct State {
     v1::MergeStatesRequest request;
-    v1::MergeStatesResponse response;
+    // The backend writes the merged state into its v and lse data.
+    std::unique_ptr<v1::MergeStatesResponse> response =
+        std::make_unique<v1::MergeStatesResponse>();
   };
   auto state = std::make_shared<State>();
   MergeStatesCall c;
   if (!call->Open(limits_.merge_states, &state->request, &c)) return call;
-  ToCall(state->request, &state->response, &c);
+  ToCall(state->request, state->response.get(), &c);
   std::vector<int64_t> shape;
   if (!c.v.empty()) shape = c.v[0].shape;  // validated rank 3 when the merge succeeds
   const v1::DType dtype = ToProto(core_->geometry().dtype);
@@ -444,13 +449,15 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(grpc::CallbackServer
   call->Ref();
   core_->MergeStates(c, [call, state, dtype, shape, incarnation](absl::Status status) {
     if (call->Claim()) {
-      v1::MergeStatesResponse& out = state->response;
+      grpc::ByteBuffer bytes;
       if (status.ok()) {
+        v1::MergeStatesResponse& out = *state->response;
         SetTensorHeader(out.mutable_v(), dtype, shape);
         SetTensorHeader(out.mutable_lse(), v1::DTYPE_FP32, absl::MakeConstSpan(shape.data(), 2));
         out.set_incarnation(incarnation);
+        bytes = EncodeTensorResponse(std::move(state->response));
       }
-      call->Finish(status, &out);
+      call->Finish(status, nullptr, &bytes);
     }
     call->Unref();
   });

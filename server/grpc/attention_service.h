@@ -13,7 +13,9 @@
 // a buffer that is already mapped), and its response is sent straight from
 // the output buffer the backend filled (pinned memory the device copied
 // into, on CUDA): no zero-fill, no copy into a response message, no
-// serialization copy.
+// serialization copy. ReadKV and MergeStates responses are likewise sent
+// from the strings the backend wrote (common/tensor_wire.h), not serialized
+// into a copy.
 //
 // A call whose client cancels leaves the scheduler's queue at once
 // (AttentionCore::Cancel). At the end of a drain, AbandonInflight answers

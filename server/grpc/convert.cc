@@ -12,6 +12,7 @@
 #include "grpcpp/support/proto_buffer_reader.h"
 #include "grpcpp/support/slice.h"
 #include "absl/strings/str_cat.h"
+#include "common/tensor_wire.h"
 #include "server/core/status_macros.h"
 
 namespace attnserve {
@@ -185,75 +186,88 @@ absl::Status ParseInto(const grpc::ByteBuffer& bytes, const WireMessage& limits,
 
 namespace {
 
-using google::protobuf::internal::WireFormatLite;
-
-// One HostBuffer shared by the response's two data slices.
-struct SharedBuffer {
-  explicit SharedBuffer(HostBuffer b, int refs) : buffer(std::move(b)), refs(refs) {}
-  HostBuffer buffer;
+// An owner shared by the slices that reference its memory; the last slice
+// gRPC releases deletes it.
+template <typename T>
+struct SharedOwner {
+  SharedOwner(T v, int refs) : value(std::move(v)), refs(refs) {}
+  T value;
   std::atomic<int> refs;
+  static void Unref(void* p) {
+    auto* self = static_cast<SharedOwner*>(p);
+    if (self->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete self;
+  }
 };
 
-void Unref(void* p) {
-  auto* shared = static_cast<SharedBuffer*>(p);
-  if (shared->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete shared;
+// A tensor to encode: its header, and its data in memory an owner keeps.
+struct OutTensor {
+  int32_t dtype;
+  std::vector<int64_t> shape;
+  char* data;
+  size_t bytes;
+};
+
+// Response wire bytes: Tensor fields 1 and 2, then the fixed64 incarnation
+// (field 3, when not 0). Their data is referenced, never copied: the owner
+// lives until gRPC has released the last slice.
+template <typename Owner>
+grpc::ByteBuffer EncodeTwoTensors(const OutTensor& first, const OutTensor& second,
+                                  uint64_t incarnation, Owner owner) {
+  const int refs = (first.bytes > 0) + (second.bytes > 0);
+  auto* shared = refs > 0 ? new SharedOwner<Owner>(std::move(owner), refs) : nullptr;
+  WireWriter w;
+  uint32_t field = 1;
+  for (const OutTensor* t : {&first, &second}) {
+    if (t->bytes > 0) {
+      w.AppendTensor(field, t->dtype, t->shape,
+                     grpc::Slice(t->data, t->bytes, &SharedOwner<Owner>::Unref, shared), t->bytes);
+    } else {
+      w.AppendTensor(field, t->dtype, t->shape, grpc::Slice(), 0);
+    }
+    ++field;
+  }
+  if (incarnation != 0) {
+    std::string tail;
+    google::protobuf::io::StringOutputStream stream(&tail);
+    {
+      google::protobuf::io::CodedOutputStream coded(&stream);
+      coded.WriteTag(google::protobuf::internal::WireFormatLite::MakeTag(
+          3, google::protobuf::internal::WireFormatLite::WIRETYPE_FIXED64));
+      coded.WriteLittleEndian64(incarnation);
+    }
+    w.AppendCopy(tail);
+  }
+  return w.Finish();
 }
 
-// Appends the field tag and length of a Tensor message, then its dtype and
-// shape, then the tag and length of its data: everything that precedes the
-// data bytes, in the order the generated serializer writes them.
-void AppendTensorHead(uint32_t field, v1::DType dtype, absl::Span<const int64_t> shape,
-                      int64_t data_bytes, std::string* out) {
-  v1::Tensor head;
-  head.set_dtype(dtype);
-  head.mutable_shape()->Assign(shape.begin(), shape.end());
-  const size_t head_bytes = head.ByteSizeLong();
-  const size_t data_field =
-      data_bytes == 0 ? 0
-                      : WireFormatLite::TagSize(3, WireFormatLite::TYPE_BYTES) +
-                            google::protobuf::io::CodedOutputStream::VarintSize64(
-                                static_cast<uint64_t>(data_bytes)) +
-                            static_cast<size_t>(data_bytes);
-  google::protobuf::io::StringOutputStream stream(out);
-  google::protobuf::io::CodedOutputStream coded(&stream);
-  coded.WriteTag(WireFormatLite::MakeTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
-  coded.WriteVarint64(head_bytes + data_field);
-  head.SerializeWithCachedSizes(&coded);
-  if (data_bytes > 0) {
-    coded.WriteTag(WireFormatLite::MakeTag(3, WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
-    coded.WriteVarint64(static_cast<uint64_t>(data_bytes));
-  }
+OutTensor Out(v1::Tensor* t) {
+  std::string* data = t->mutable_data();
+  return OutTensor{t->dtype(), std::vector<int64_t>(t->shape().begin(), t->shape().end()),
+                   data->data(), data->size()};
 }
 
 }  // namespace
 
 grpc::ByteBuffer EncodePrefillResponse(PrefillOutput out, uint64_t incarnation) {
-  const int64_t o_shape[] = {out.total_q, out.num_qo_heads, out.head_dim};
-  const int64_t lse_shape[] = {out.total_q, out.num_qo_heads};
-  std::string o_head, lse_head, tail;
-  AppendTensorHead(1, ToProto(out.dtype), o_shape, out.o_bytes, &o_head);
-  AppendTensorHead(2, v1::DTYPE_FP32, lse_shape, out.lse_bytes, &lse_head);
-  if (incarnation != 0) {
-    google::protobuf::io::StringOutputStream stream(&tail);
-    google::protobuf::io::CodedOutputStream coded(&stream);
-    coded.WriteTag(WireFormatLite::MakeTag(3, WireFormatLite::WIRETYPE_FIXED64));
-    coded.WriteLittleEndian64(incarnation);
-  }
-  const int refs = (out.o_bytes > 0 ? 1 : 0) + (out.lse_bytes > 0 ? 1 : 0);
-  char* const data = out.buffer.data();
-  SharedBuffer* shared = refs > 0 ? new SharedBuffer(std::move(out.buffer), refs) : nullptr;
-  grpc::Slice slices[5];
-  size_t n = 0;
-  slices[n++] = grpc::Slice(o_head.data(), o_head.size());
-  if (out.o_bytes > 0) {
-    slices[n++] = grpc::Slice(data, static_cast<size_t>(out.o_bytes), Unref, shared);
-  }
-  slices[n++] = grpc::Slice(lse_head.data(), lse_head.size());
-  if (out.lse_bytes > 0) {
-    slices[n++] = grpc::Slice(data + out.lse_offset, static_cast<size_t>(out.lse_bytes), Unref, shared);
-  }
-  if (!tail.empty()) slices[n++] = grpc::Slice(tail.data(), tail.size());
-  return grpc::ByteBuffer(slices, n);
+  const OutTensor o{ToProto(out.dtype), {out.total_q, out.num_qo_heads, out.head_dim},
+                    out.buffer.data(), static_cast<size_t>(out.o_bytes)};
+  const OutTensor lse{v1::DTYPE_FP32, {out.total_q, out.num_qo_heads},
+                      out.buffer.data() + out.lse_offset, static_cast<size_t>(out.lse_bytes)};
+  return EncodeTwoTensors(o, lse, incarnation, std::move(out.buffer));
+}
+
+grpc::ByteBuffer EncodeTensorResponse(std::unique_ptr<v1::ReadKVResponse> response) {
+  const OutTensor k = Out(response->mutable_k());
+  const OutTensor v = Out(response->mutable_v());
+  const uint64_t incarnation = response->incarnation();
+  return EncodeTwoTensors(k, v, incarnation, std::move(response));
+}
+
+grpc::ByteBuffer EncodeTensorResponse(std::unique_ptr<v1::MergeStatesResponse> response) {
+  const OutTensor v = Out(response->mutable_v());
+  const OutTensor lse = Out(response->mutable_lse());
+  const uint64_t incarnation = response->incarnation();
+  return EncodeTwoTensors(v, lse, incarnation, std::move(response));
 }
 
 void SetTensorHeader(v1::Tensor* t, v1::DType dtype, absl::Span<const int64_t> shape) {

@@ -1,10 +1,11 @@
 // Proto <-> core struct conversion for the gRPC edge. No tensor bytes are
 // copied: the core structs view the request message, which must outlive
-// them, and a Prefill response is sent from the core's output buffer. Used by
+// them, and responses are sent from the buffers the backend filled. Used by
 // the service handlers and by the fuzz targets.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "attnserve/v1/attention.pb.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -55,6 +56,13 @@ absl::Status ParseInto(const grpc::ByteBuffer& bytes, const WireMessage& limits,
 // keep it alive until gRPC has sent them (no copy). The bytes equal what the
 // generated code would serialize for the same response.
 grpc::ByteBuffer EncodePrefillResponse(PrefillOutput out, uint64_t incarnation);
+
+// The wire bytes of a ReadKV or MergeStates response: its tensors' data are
+// sent from the response's own strings (which the backend filled), not
+// serialized into a copy; the response lives until gRPC has sent them. The
+// bytes parse as the same message.
+grpc::ByteBuffer EncodeTensorResponse(std::unique_ptr<v1::ReadKVResponse> response);
+grpc::ByteBuffer EncodeTensorResponse(std::unique_ptr<v1::MergeStatesResponse> response);
 
 // Sets dtype and shape of an output tensor (its bytes are already there).
 void SetTensorHeader(v1::Tensor* t, v1::DType dtype, absl::Span<const int64_t> shape);

@@ -102,4 +102,4 @@ def test_transport_options_match_the_cpp_settings():
     for name, value in re.findall(r'\{"([\w.]+)", (\d+)\}', body):
         cpp.append((name, int(value)))
     assert sorted(cpp) == sorted(TRANSPORT_OPTIONS)
-    assert len(cpp) == 4
+    assert len(cpp) == 2

@@ -227,8 +227,6 @@ _Request = tuple  # (method: str, request: bytes, parse: Callable[[bytes], Any])
 # as common/transport.h (docs/transport.md, "TCP").
 TRANSPORT_OPTIONS = (
     ("grpc.http2.max_frame_size", 4 << 20),
-    ("grpc.http2.bdp_probe", 0),
-    ("grpc.http2.lookahead_bytes", 64 << 20),
     ("grpc.http2.write_buffer_size", 8 << 20),
 )
 
