@@ -162,6 +162,12 @@ def merge_all(methods, vs, ls, client):
     states sent over gRPC and back) runs only when client is given."""
     from attnserve.merge import merge_states
     times, first = {}, None
+
+    def as_torch(xs):  # float32 torch tensors on the CPU (the results may be numpy)
+        import torch
+        return [x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(as_f32(x)))
+                for x in xs]
+
     for m in methods:
         if m == "numpy":
             v_np = [np.asarray(as_f32(x)) for x in vs]   # what out="numpy" returns
@@ -171,15 +177,19 @@ def merge_all(methods, vs, ls, client):
             times[m] = time.perf_counter() - t0
             del v_np
         elif m == "torch_cpu":
+            vt, lt = as_torch(vs), as_torch(ls)
             t0 = time.perf_counter()
-            o, _ = merge_states(vs, ls)
+            o, _ = merge_states(vt, lt)
             times[m] = time.perf_counter() - t0
         elif m == "torch_cuda":
             import torch
             sync()
             t0 = time.perf_counter()
-            v_d = [x.to("cuda:0", non_blocking=False) for x in vs]
-            l_d = [x.to("cuda:0") for x in ls]
+            vt, lt = as_torch(vs), as_torch(ls)
+            sync()
+            t0 = time.perf_counter()
+            v_d = [x.to("cuda:0", non_blocking=False) for x in vt]
+            l_d = [x.to("cuda:0") for x in lt]
             sync()
             t1 = time.perf_counter()
             o, _ = merge_states(v_d, l_d)

@@ -172,12 +172,19 @@ def _merge_torch(vs, lses, lse_base, out):
     seen = m != float("-inf")
     m_safe = torch.where(seen, m, torch.zeros((), device=device))
     w = torch.exp2(tl - m_safe) if lse_base == "2" else torch.exp(tl - m_safe)
-    total = w.sum(dim=0)
-    scale = w / torch.where(total > 0, total, torch.ones((), device=device))   # [s, ...]
-    acc = tv[0].to(torch.float32) * scale[0].unsqueeze(-1)
+    # Running weighted mean, one fused pass per further state: after state s,
+    # acc = sum_{j<=s} w_j v_j / W_s with W_s = sum_{j<=s} w_j, so
+    # acc <- lerp(acc, v_s, w_s / W_s).
+    acc = tv[0].to(torch.float32)
+    total = w[0]
     for s in range(1, len(tv)):
-        acc.addcmul_(tv[s], scale[s].unsqueeze(-1))
-    acc.masked_fill_(~seen.unsqueeze(-1), 0.0)  # a row nothing saw is 0
+        new_total = total + w[s]
+        frac = torch.where(new_total > 0, w[s] / torch.where(new_total > 0, new_total, torch.ones((), device=device)),
+                           torch.zeros((), device=device))
+        acc = torch.lerp(acc, tv[s].to(torch.float32), frac.unsqueeze(-1))
+        total = new_total
+    if len(tv) == 1 or not bool(seen.all()):
+        acc = torch.where(seen.unsqueeze(-1), acc, torch.zeros((), device=device))  # a row nothing saw is 0
     log = torch.log2 if lse_base == "2" else torch.log
     lse = torch.where(seen, m_safe + log(torch.where(seen, total, torch.ones((), device=device))),
                       torch.full((), float("-inf"), device=device))
