@@ -1,0 +1,542 @@
+// Paged decode attention (few query rows per sequence) on mma.sync, sm_80+.
+//
+// One CTA per DecodeWorkItem: 4 warps share one packed Q tile (every query
+// head of the KV group x every query row of the sequence, 16 * MT rows) and
+// split the item's KV range between them in steps of 16 tokens (warp w takes
+// steps w, w + 4, ...). Each warp streams its own K/V through a private
+// kStages-deep cp.async ring (16-byte copies, no CTA barrier in the main
+// loop), with the page-table entry of the step after next loaded one
+// iteration ahead. S = Q K^T and O += P V are m16n8k16 MMAs with the packed
+// rows as M; online softmax in base 2. At the end the 4 warps' states are
+// combined through shared memory. Split items write an fp32 partial and
+// count themselves done on the tile's counter; the last one merges the
+// tile's partials and writes o / lse (decode_plan.h). In cluster mode
+// (sm_90) the chunks of a tile are one thread-block cluster and merge
+// through distributed shared memory instead.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/decode/traits.cuh"
+#include "kernels/math.h"
+#include "kernels/sm80/mma.cuh"
+
+namespace attnserve {
+namespace decode {
+
+template <int D, int MT, typename T>
+__global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelArgs args) {
+  using Tr = DecodeTraits<D, MT>;
+  constexpr int kM = Tr::kM;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  uint8_t* s_q = smem;
+  const uint32_t a_q = mma::SmemAddr(s_q);
+  const uint32_t a_ring = mma::SmemAddr(smem + Tr::kQBytes + warp * Tr::kWarpRingBytes);
+  float* s_m = reinterpret_cast<float*>(smem + Tr::kMainBytes);  // (warps, M)
+  float* s_l = s_m + Tr::kWarps * kM;                             // (warps, M)
+  float* s_row_m = s_l + Tr::kWarps * kM;                         // (M)
+  float* s_row_l = s_row_m + kM;                                  // (M)
+  int* s_last = reinterpret_cast<int*>(s_row_l + kM);
+
+  const DecodeWorkItem item = args.items[blockIdx.x];
+  const PrefillSeq& seq = item.seq_info;
+  const int H = args.num_qo_heads;
+  const int KVH = args.num_kv_heads;
+  const int group = H / KVH;
+  const int kvh = item.kv_head;
+  const int q_len = seq.q_len;
+  const int diag = seq.kv_len - seq.q_len + seq.causal_shift;  // row t sees j <= t + diag
+  const bool causal = seq.causal != 0;
+
+  // KV range of the tile: clipped to what its last row sees; blocks ending at
+  // or before full_end need no mask.
+  const int t_first = item.row_begin / group;
+  const int t_last = min(q_len - 1, (item.row_begin + kM - 1) / group);
+  const int kv_begin = item.kv_begin;
+  int kv_end = item.kv_end;
+  int full_end = item.kv_end;
+  if (causal) {
+    kv_end = min(kv_end, t_last + diag + 1);
+    full_end = min(full_end, t_first + diag + 1);
+  }
+  const int num_steps = kv_end > kv_begin ? (kv_end - kv_begin + Tr::kTok - 1) / Tr::kTok : 0;
+  const int my_steps = num_steps > warp ? (num_steps - warp + Tr::kWarps - 1) / Tr::kWarps : 0;
+
+  // ---- K/V addressing: lane loads chunk kv_c of rows kv_r0 + p * kRowsPerPass.
+  const int kv_c = lane % Tr::kChunks;
+  const int kv_r0 = lane / Tr::kChunks;
+  const int64_t row_stride = static_cast<int64_t>(KVH) * D;
+  const int64_t kv_base = static_cast<int64_t>(seq.layer) * args.slots_per_layer * row_stride + kvh * D + kv_c * 8;
+  const T* k_base = static_cast<const T*>(args.k_cache) + kv_base;
+  const T* v_base = static_cast<const T*>(args.v_cache) + kv_base;
+  const int32_t* pages = args.kv_indices + seq.kv_start;
+  const int ps = args.page_size;
+
+  // Lane l holds the page of token (l & 15) of a step (-1: past the range).
+  auto step_pos = [&](int i) { return kv_begin + (i * Tr::kWarps + warp) * Tr::kTok + (lane & 15); };
+  auto load_page = [&](int i) -> int {
+    const int pos = step_pos(i);
+    return (i < my_steps && pos < kv_end) ? __ldg(pages + pos / ps) : -1;
+  };
+  auto issue = [&](int i, int page) {
+    const int pos = step_pos(i);
+    const int64_t off = page >= 0 ? (static_cast<int64_t>(page) * ps + pos % ps) * row_stride : -1;
+    const uint32_t k_st = a_ring + (i % Tr::kStages) * 2 * Tr::kStageBytes;
+    const uint32_t v_st = k_st + Tr::kStageBytes;
+#pragma unroll
+    for (int p = 0; p < Tr::kPasses; ++p) {
+      const int r = p * Tr::kRowsPerPass + kv_r0;
+      const long long o = __shfl_sync(0xffffffffu, static_cast<long long>(off), r);
+      const bool valid = o >= 0;
+      const int64_t src = valid ? o : 0;
+      mma::CpAsync16(k_st + Swz<Tr::kRowBytes>(r, kv_c), k_base + src, valid);
+      mma::CpAsync16(v_st + Swz<Tr::kRowBytes>(r, kv_c), v_base + src, valid);
+    }
+  };
+
+  // ---- Prologue: the first kStages - 1 steps in flight, then Q. The page
+  // entries of all of them are loaded at once (independent loads: one memory
+  // round trip before the first K/V request, not one per step).
+  int pages_ahead[Tr::kStages];
+#pragma unroll
+  for (int s = 0; s < Tr::kStages; ++s) pages_ahead[s] = load_page(s);
+#pragma unroll
+  for (int s = 0; s < Tr::kStages - 1; ++s) {
+    if (s < my_steps) issue(s, pages_ahead[s]);
+    mma::CpAsyncCommit();
+  }
+  int page_next = pages_ahead[Tr::kStages - 1];
+
+  // Q tile: packed row r -> token r / group, head kvh * group + r % group.
+  {
+    const T* q = static_cast<const T*>(args.q);
+    for (int idx = tid; idx < kM * Tr::kChunks; idx += Tr::kThreads) {
+      const int r = idx / Tr::kChunks;
+      const int c = idx % Tr::kChunks;
+      const int pr = item.row_begin + r;
+      const int t = pr / group;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (t < q_len) {
+        const int head = kvh * group + (pr - t * group);
+        v = __ldg(reinterpret_cast<const uint4*>(q + (static_cast<int64_t>(seq.q_start + t) * H + head) * D + c * 8));
+      }
+      *reinterpret_cast<uint4*>(s_q + Swz<Tr::kRowBytes>(r, c)) = v;
+    }
+  }
+  __syncthreads();
+
+  // Thread holds rows lane / 4 (h = 0) and lane / 4 + 8 (h = 1) of each m-tile;
+  // KV positions < lim[mt][h] are visible to them.
+  int lim[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = (item.row_begin + mt * 16 + (lane >> 2) + h * 8) / group;
+      lim[mt][h] = causal ? min(item.kv_end, t + diag + 1) : item.kv_end;
+    }
+  }
+  const float scale_log2 = seq.sm_scale * kLog2e;
+  float o_acc[MT][D / 8][4];
+  float m_run[MT][2];
+  float l_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[mt][n][e] = 0.f;
+    }
+    m_run[mt][0] = m_run[mt][1] = -INFINITY;
+    l_run[mt][0] = l_run[mt][1] = 0.f;
+  }
+
+  // ---- Main loop over this warp's steps.
+  for (int i = 0; i < my_steps; ++i) {
+    const int ahead = i + Tr::kStages - 1;
+    if (ahead < my_steps) issue(ahead, page_next);
+    mma::CpAsyncCommit();
+    page_next = load_page(ahead + 1);  // used next iteration: latency hidden
+    mma::CpAsyncWait<Tr::kStages - 1>();
+    __syncwarp();
+    const uint32_t k_st = a_ring + (i % Tr::kStages) * 2 * Tr::kStageBytes;
+    const uint32_t v_st = k_st + Tr::kStageBytes;
+
+    // S = Q K^T: s[mt][n] covers tokens n * 8 .. n * 8 + 7 of the step.
+    float s[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t kb[4];
+      mma::LdMatrixX4(kb, k_st + Swz<Tr::kRowBytes>(((lane >> 4) << 3) + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        uint32_t qa[4];
+        mma::LdMatrixX4(qa, a_q + Swz<Tr::kRowBytes>(mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        mma::Mma16816<T>(s[mt][0], qa, kb[0], kb[1]);
+        mma::Mma16816<T>(s[mt][1], qa, kb[2], kb[3]);
+      }
+    }
+
+    // Scale, mask (boundary steps only), online softmax in base 2.
+    const int step_start = kv_begin + (i * Tr::kWarps + warp) * Tr::kTok;
+    const bool need_mask = step_start + Tr::kTok > full_end;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x = s[mt][n][2 * h + e] * scale_log2;
+            if (need_mask && step_start + n * 8 + (lane & 3) * 2 + e >= lim[mt][h]) x = -INFINITY;
+            s[mt][n][2 * h + e] = x;
+          }
+        }
+        float mx = fmaxf(fmaxf(s[mt][0][2 * h], s[mt][0][2 * h + 1]), fmaxf(s[mt][1][2 * h], s[mt][1][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[mt][h], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = Exp2(m_run[mt][h] - m_use);
+        m_run[mt][h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = Exp2(s[mt][n][2 * h + e] - m_use);
+            s[mt][n][2 * h + e] = p;
+            sum += p;
+          }
+        }
+        l_run[mt][h] = l_run[mt][h] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          o_acc[mt][n][2 * h] *= alpha;
+          o_acc[mt][n][2 * h + 1] *= alpha;
+        }
+      }
+    }
+
+    // O += P V: P is one 16x16 A fragment per m-tile.
+    uint32_t pa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      pa[mt][0] = mma::Pack2<T>(s[mt][0][0], s[mt][0][1]);
+      pa[mt][1] = mma::Pack2<T>(s[mt][0][2], s[mt][0][3]);
+      pa[mt][2] = mma::Pack2<T>(s[mt][1][0], s[mt][1][1]);
+      pa[mt][3] = mma::Pack2<T>(s[mt][1][2], s[mt][1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t vb[4];
+      mma::LdMatrixX4Trans(vb, v_st + Swz<Tr::kRowBytes>(((lane >> 3) & 1) * 8 + (lane & 7), dp * 2 + (lane >> 4)));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma::Mma16816<T>(o_acc[mt][2 * dp], pa[mt], vb[0], vb[1]);
+        mma::Mma16816<T>(o_acc[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+      }
+    }
+    __syncwarp();  // the next iteration refills the stage before this one
+  }
+  mma::CpAsyncWait<0>();
+
+  // ---- Combine the 4 warps: row max / sum, then each warp's O scaled by
+  // 2^(m_w - m) / l into shared memory (over Q and the rings: barrier first).
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if ((lane & 3) == 0) {
+        const int r = mt * 16 + (lane >> 2) + h * 8;
+        s_m[warp * kM + r] = m_run[mt][h];
+        s_l[warp * kM + r] = l;
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < kM) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) m = fmaxf(m, s_m[w * kM + tid]);
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      const float mw = s_m[w * kM + tid];
+      if (mw != -INFINITY) l += s_l[w * kM + tid] * Exp2(mw - m);
+    }
+    s_row_m[tid] = m;
+    s_row_l[tid] = l;
+  }
+  __syncthreads();
+  float* s_o = reinterpret_cast<float*>(smem);  // (warps, M, kOStride)
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = mt * 16 + (lane >> 2) + h * 8;
+      const float l = s_row_l[r];
+      const float f = (m_run[mt][h] != -INFINITY && l > 0.f) ? Exp2(m_run[mt][h] - s_row_m[r]) / l : 0.f;
+      float* dst = s_o + (warp * kM + r) * Tr::kOStride + (lane & 3) * 2;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o_acc[mt][n][2 * h] * f, o_acc[mt][n][2 * h + 1] * f);
+      }
+    }
+  }
+  __syncthreads();
+  // Sum over warps of 8 consecutive values of row r starting at column c8 * 8.
+  auto sum_warps = [&](int r, int c8, float (&v)[8]) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = 0.f;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      const float* src = s_o + (w * kM + r) * Tr::kOStride + c8 * 8;
+      const float4 a = *reinterpret_cast<const float4*>(src);
+      const float4 b = *reinterpret_cast<const float4*>(src + 4);
+      v[0] += a.x; v[1] += a.y; v[2] += a.z; v[3] += a.w;
+      v[4] += b.x; v[5] += b.y; v[6] += b.z; v[7] += b.w;
+    }
+  };
+  auto row_lse2 = [&](int r) {
+    const float l = s_row_l[r];
+    return l > 0.f ? s_row_m[r] + log2f(l) : -INFINITY;
+  };
+  T* o_out = static_cast<T*>(args.o);
+  auto out_row = [&](int r, int* t_out) -> int64_t {  // (q row, head) index; -1 for padding
+    const int pr = item.row_begin + r;
+    const int t = pr / group;
+    if (t >= q_len) return -1;
+    *t_out = t;
+    return static_cast<int64_t>(seq.q_start + t) * H + kvh * group + (pr - t * group);
+  };
+  auto write_lse = [&](int64_t row, float lse2) {
+    args.lse[row] = (seq.lse_base_e && lse2 != -INFINITY) ? lse2 * kLn2 : lse2;
+  };
+
+  if (args.cluster > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // ---- Cluster mode: each CTA leaves its state of the tile's valid rows
+    // (normalized O, base-2 LSE) in its shared memory; after a cluster
+    // barrier, CTA `rank` merges float4 columns rank * kThreads + tid,
+    // stepping by the cluster's threads, reading all CTAs' states through
+    // distributed shared memory; a second barrier keeps every CTA's shared
+    // memory alive until the others have read it.
+    namespace cg = cooperative_groups;
+    float* s_co = reinterpret_cast<float*>(smem + Tr::kClusterOOff);  // (M, D)
+    float* s_clse = s_co + kM * D;                                     // (M)
+    const int valid_rows = min(kM, q_len * group - item.row_begin);
+    for (int idx = tid; idx < valid_rows * Tr::kChunks; idx += Tr::kThreads) {
+      const int r = idx / Tr::kChunks;
+      const int c8 = idx % Tr::kChunks;
+      float v[8];
+      sum_warps(r, c8, v);
+      float4* dst = reinterpret_cast<float4*>(s_co + r * D + c8 * 8);
+      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    if (tid < valid_rows) s_clse[tid] = row_lse2(tid);
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();
+    const int nc = static_cast<int>(cluster.num_blocks());
+    const int rank = static_cast<int>(cluster.block_rank());
+    constexpr int kRowQuads = D / 4;
+    const int quads = valid_rows * kRowQuads;
+    for (int q = rank * Tr::kThreads + tid; q < quads; q += nc * Tr::kThreads) {
+      const int r = q / kRowQuads;
+      float lse_c[kMaxDecodeCluster];
+      float4 o_c[kMaxDecodeCluster];
+      float m = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kMaxDecodeCluster; ++c) {
+        if (c < nc) {
+          lse_c[c] = *cluster.map_shared_rank(s_clse + r, c);
+          o_c[c] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(s_co + q * 4, c));
+          m = fmaxf(m, lse_c[c]);
+        }
+      }
+      float l = 0.f;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int c = 0; c < kMaxDecodeCluster; ++c) {
+        if (c < nc && lse_c[c] != -INFINITY) {
+          const float w = Exp2(lse_c[c] - m);
+          l += w;
+          acc.x += w * o_c[c].x; acc.y += w * o_c[c].y; acc.z += w * o_c[c].z; acc.w += w * o_c[c].w;
+        }
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      int t;
+      const int64_t row = out_row(r, &t);
+      if (row < 0) continue;
+      *reinterpret_cast<uint2*>(o_out + row * D + (q % kRowQuads) * 4) =
+          make_uint2(mma::Pack2<T>(acc.x * inv, acc.y * inv), mma::Pack2<T>(acc.z * inv, acc.w * inv));
+      if (q % kRowQuads == 0) write_lse(row, l > 0.f ? m + log2f(l) : -INFINITY);
+    }
+    cluster.sync();
+    return;
+#else
+    __trap();  // the plan chooses cluster mode only on sm_90+ (DecodeMaxCluster)
+#endif
+  }
+
+  if (item.split_tile < 0) {
+    for (int idx = tid; idx < kM * Tr::kChunks; idx += Tr::kThreads) {
+      const int r = idx / Tr::kChunks;
+      const int c8 = idx % Tr::kChunks;
+      int t;
+      const int64_t row = out_row(r, &t);
+      if (row < 0) continue;
+      float v[8];
+      sum_warps(r, c8, v);
+      *reinterpret_cast<uint4*>(o_out + row * D + c8 * 8) = PackOut<T>(v);
+    }
+    if (tid < kM) {
+      int t;
+      const int64_t row = out_row(tid, &t);
+      if (row >= 0) write_lse(row, row_lse2(tid));
+    }
+    return;
+  }
+
+  // ---- Split chunk: fp32 partial (o, base-2 lse) of the tile's rows that
+  // hold a query row (the first valid_rows; the rest is padding, neither
+  // written nor merged) into its slot.
+  const int valid_rows = min(kM, q_len * group - item.row_begin);
+  const int64_t slot = static_cast<int64_t>(item.part_begin) + item.chunk;
+  for (int idx = tid; idx < valid_rows * Tr::kChunks; idx += Tr::kThreads) {
+    const int r = idx / Tr::kChunks;
+    const int c8 = idx % Tr::kChunks;
+    float v[8];
+    sum_warps(r, c8, v);
+    float4* dst = reinterpret_cast<float4*>(args.part_o + (slot * kM + r) * D + c8 * 8);
+    __stcg(dst, make_float4(v[0], v[1], v[2], v[3]));
+    __stcg(dst + 1, make_float4(v[4], v[5], v[6], v[7]));
+  }
+  if (tid < valid_rows) __stcg(args.part_lse + slot * kM + tid, row_lse2(tid));
+  if (args.skip_merge) return;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const int done = atomicAdd(args.counters + item.split_tile, 1);
+    *s_last = done == item.num_chunks - 1;
+  }
+  __syncthreads();
+  if (!*s_last) return;
+  __threadfence();
+
+  // ---- Last chunk of the tile: merge the num_chunks partials with every
+  // thread. The partials' valid rows stream into shared memory by cp.async
+  // (a pass holds kMergePassBytes; most tiles need one pass) while the
+  // (chunk, row) LSEs load beside them; one warp per row turns the LSEs into
+  // normalized weights; then each thread sums its float4 columns over the
+  // pass's chunks. The chain after the counter is about two L2 round trips.
+  const int nc = item.num_chunks;
+  const int64_t base = item.part_begin;
+  float* s_w = reinterpret_cast<float*>(smem);  // (chunks, M): lse, then weight
+  const uint32_t a_part = mma::SmemAddr(smem + Tr::kMergeBytes);
+  const float* s_part = reinterpret_cast<const float*>(smem + Tr::kMergeBytes);
+  constexpr int kRowQuads = D / 4;  // float4s per row
+  const int quads = valid_rows * kRowQuads;  // float4s per chunk
+  const int pass_chunks = max(1, min(nc, Tr::kMergePassBytes / (quads * 16)));
+  auto issue_pass = [&](int c0) {
+    const int n = min(pass_chunks, nc - c0);
+    for (int idx = tid; idx < n * quads; idx += Tr::kThreads) {
+      const int c = idx / quads;
+      const int q = idx - c * quads;
+      mma::CpAsync16(a_part + idx * 16, args.part_o + ((base + c0 + c) * kM) * D + q * 4, true);
+    }
+    mma::CpAsyncCommit();
+  };
+  issue_pass(0);
+  for (int idx = tid; idx < nc * valid_rows; idx += Tr::kThreads) {
+    const int c = idx / valid_rows;
+    const int r = idx - c * valid_rows;
+    s_w[c * kM + r] = __ldcg(args.part_lse + (base + c) * kM + r);
+  }
+  __syncthreads();
+  for (int r = warp; r < valid_rows; r += Tr::kWarps) {
+    float m = -INFINITY;
+    for (int c = lane; c < nc; c += 32) m = fmaxf(m, s_w[c * kM + r]);
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+    float l = 0.f;
+    for (int c = lane; c < nc; c += 32) {
+      const float x = s_w[c * kM + r];
+      const float w = x == -INFINITY ? 0.f : Exp2(x - m);
+      s_w[c * kM + r] = w;
+      l += w;
+    }
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) l += __shfl_xor_sync(0xffffffffu, l, x);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int c = lane; c < nc; c += 32) s_w[c * kM + r] *= inv;
+    if (lane == 0) s_row_m[r] = l > 0.f ? m + log2f(l) : -INFINITY;
+  }
+  // Thread owns float4 columns q = tid + j * kThreads (j < kCols) of the
+  // valid rows.
+  constexpr int kCols = kM * kRowQuads / Tr::kThreads;  // 2, 4 or 8
+  static_assert(kCols * Tr::kThreads == kM * kRowQuads, "merge column split");
+  float4 acc[kCols];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int c0 = 0; c0 < nc; c0 += pass_chunks) {
+    mma::CpAsyncWait<0>();
+    __syncthreads();  // the pass (and, first time, the weights) visible to all
+    const int n = min(pass_chunks, nc - c0);
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int q = tid + j * Tr::kThreads;
+      if (q >= quads) continue;
+      const int r = q / kRowQuads;
+      for (int c = 0; c < n; ++c) {
+        const float w = s_w[(c0 + c) * kM + r];
+        const float4 a = *reinterpret_cast<const float4*>(s_part + (c * quads + q) * 4);
+        acc[j].x += w * a.x; acc[j].y += w * a.y; acc[j].z += w * a.z; acc[j].w += w * a.w;
+      }
+    }
+    if (c0 + pass_chunks < nc) {
+      __syncthreads();  // everyone is done with the pass before it is refilled
+      issue_pass(c0 + pass_chunks);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    const int q = tid + j * Tr::kThreads;
+    if (q >= quads) continue;
+    int t;
+    const int64_t row = out_row(q / kRowQuads, &t);
+    if (row < 0) continue;
+    *reinterpret_cast<uint2*>(o_out + row * D + (q % kRowQuads) * 4) =
+        make_uint2(mma::Pack2<T>(acc[j].x, acc[j].y), mma::Pack2<T>(acc[j].z, acc[j].w));
+  }
+  if (tid < valid_rows) {
+    int t;
+    const int64_t row = out_row(tid, &t);
+    if (row >= 0) write_lse(row, s_row_m[tid]);
+  }
+  if (tid == 0) args.counters[item.split_tile] = 0;  // ready for the next launch
+}
+
+}  // namespace decode
+}  // namespace attnserve

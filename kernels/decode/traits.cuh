@@ -1,0 +1,93 @@
+// The decode family's kernel arguments, shapes and shared-memory layout, and
+// the small device helpers its kernel is built from
+// (kernels/decode/decode_kernel.cuh).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "kernels/paged_prefill.h"
+#include "kernels/plan/decode_plan.h"
+#include "kernels/sm80/mma.cuh"
+
+namespace attnserve {
+namespace decode {
+
+struct DecodeKernelArgs {
+  const void* q;              // (total_q, H, D)
+  void* o;                    // (total_q, H, D)
+  float* lse;                 // (total_q, H)
+  const void* k_cache;        // (L, pages, page_size, KVH, D)
+  const void* v_cache;
+  const int32_t* kv_indices;
+  const DecodeWorkItem* items;  // each carries its sequence (seq_info)
+  float* part_o;              // (slots * M, D) fp32
+  float* part_lse;            // (slots * M) base 2
+  int32_t* counters;          // (split tiles)
+  int32_t num_qo_heads;
+  int32_t num_kv_heads;
+  int32_t page_size;
+  int32_t skip_merge;
+  int32_t cluster;  // > 1: cluster mode (grid = tiles x cluster, sm_90)
+  int64_t slots_per_layer;
+};
+
+template <int D, int MT>
+struct DecodeTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kM = 16 * MT;             // packed rows per tile
+  static constexpr int kTok = 16;                // KV tokens per warp step
+  static constexpr int kChunks = D / 8;          // 16-byte chunks per row
+  static constexpr int kRowBytes = D * 2;
+  // Ring depth per warp: about 96 KiB of K/V per CTA (two CTAs per SM) for
+  // head_dim 64 / 128; 128 KiB (one CTA per SM) for 256.
+  static constexpr int kStages = D == 64 ? 6 : D == 128 ? 3 : 2;
+  static constexpr int kStageBytes = kTok * kRowBytes;  // K (or V) of a step
+  static constexpr int kWarpRingBytes = kStages * 2 * kStageBytes;
+  static constexpr int kQBytes = kM * kRowBytes;
+  static constexpr int kLoopBytes = kQBytes + kWarps * kWarpRingBytes;
+  // Epilogue: each warp's scaled O, fp32, rows padded against bank conflicts.
+  static constexpr int kOStride = D + 4;
+  static constexpr int kCombineBytes = kWarps * kM * kOStride * 4;
+  // Merge: weight of each chunk for each row, then a pass of partials (the
+  // rest of the main region).
+  static constexpr int kMergeBytes = kMaxDecodeChunks * kM * 4;
+  static constexpr int kMainBytes =
+      kLoopBytes > kCombineBytes ? (kLoopBytes > kMergeBytes ? kLoopBytes : kMergeBytes)
+                                 : (kCombineBytes > kMergeBytes ? kCombineBytes : kMergeBytes);
+  // Then: m and l per (warp, row), row max and row sum, the last-CTA flag.
+  static constexpr int kSmemBytes = kMainBytes + (2 * kWarps * kM + 2 * kM) * 4 + 16;
+  static constexpr int kMergePassBytes = kMainBytes - kMergeBytes;
+  // Cluster mode: the CTA's merged O (M, D) fp32 and base-2 LSE (M) after
+  // the warps' O, for the other CTAs of the cluster to read.
+  static constexpr int kClusterOOff = kCombineBytes;
+  static_assert(kClusterOOff + kM * D * 4 + kM * 4 <= kMainBytes && kClusterOOff % 16 == 0, "cluster state");
+  static_assert(kMergePassBytes >= kM * D * 4 && kMergeBytes % 16 == 0, "a merge pass holds one chunk");
+  static constexpr int kRowsPerPass = 32 / kChunks;
+  static constexpr int kPasses = kTok / kRowsPerPass;
+  static_assert(kChunks >= 8 && 32 % kChunks == 0, "head_dim 64, 128 or 256");
+};
+
+// Byte offset of 16-byte chunk c of row r in a swizzled tile.
+template <int ROW_BYTES>
+__device__ __forceinline__ uint32_t Swz(int r, int c) {
+  return r * ROW_BYTES + ((c ^ (r & 7)) << 4);
+}
+
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 PackOut(const float (&v)[8]) {
+  return make_uint4(mma::Pack2<T>(v[0], v[1]), mma::Pack2<T>(v[2], v[3]), mma::Pack2<T>(v[4], v[5]),
+                    mma::Pack2<T>(v[6], v[7]));
+}
+
+}  // namespace decode
+}  // namespace attnserve
