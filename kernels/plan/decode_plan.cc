@@ -150,6 +150,13 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
     bool ok = false;
     double cost = 0;
   };
+  // Streaming time (ns) of `tokens` K/V tokens over `items` CTAs whose
+  // longest reads `longest` tokens (the model of DecodePlanOptions).
+  auto stream_ns = [&](double items, double tokens, double longest) {
+    const double x = items * cta_rate / hbm;
+    const double rate = hbm * x / std::pow(1.0 + x * x * x * x, 0.25);
+    return std::max(tokens * token_bytes / rate, longest * token_bytes / cta_rate);
+  };
   auto evaluate = [&](int64_t len) {  // len 0: no split
     Eval e;
     int64_t longest = 0, max_chunks = 1;
@@ -168,9 +175,7 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
       max_chunks = std::max(max_chunks, chunks);
     }
     if (options.max_partial_slots > 0 && partial_slots > double(options.max_partial_slots)) return e;
-    const double x = items * cta_rate / hbm;
-    const double rate = hbm * x / std::pow(1.0 + x * x * x * x, 0.25);
-    e.cost = std::max(tokens * token_bytes / rate, double(longest) * token_bytes / cta_rate);
+    e.cost = stream_ns(items, tokens, double(longest));
     if (max_chunks > 1) {
       const double partial_bytes = partial_slots * m * (geo.head_dim + 1) * 4.0;
       e.cost += options.merge_ns + options.merge_ns_per_chunk * double(max_chunks) + 2.0 * partial_bytes / hbm;
@@ -196,10 +201,7 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
       items += tiles * double(c);
     }
     if (options.max_items > 0 && items > double(options.max_items)) return e;
-    const double x = items * cta_rate / hbm;
-    const double rate = hbm * x / std::pow(1.0 + x * x * x * x, 0.25);
-    e.cost = std::max(tokens * token_bytes / rate, double(std::min(longest, v_max)) * token_bytes / cta_rate) +
-             options.cluster_merge_ns;
+    e.cost = stream_ns(items, tokens, double(std::min(longest, v_max))) + options.cluster_merge_ns;
     e.ok = true;
     return e;
   };

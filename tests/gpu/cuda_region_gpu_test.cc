@@ -30,6 +30,7 @@
 #include "client/client.h"
 #include "client/workload.h"
 #include "common/dtype.h"
+#include "common/reference.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/test_server.h"
@@ -83,25 +84,12 @@ class DeviceBuffer {
   void* data_ = nullptr;
 };
 
-// float64 merge of docs/design.md section 3 (base 2).
+// The float64 merge of common/reference.h (base 2) over the client's states.
 void ReferenceMerge(const std::vector<State>& states, int64_t rows, int32_t d, KvDType dtype,
                     std::vector<double>* v, std::vector<double>* lse) {
-  v->assign(rows * d, 0.0);
-  lse->assign(rows, -std::numeric_limits<double>::infinity());
-  for (int64_t r = 0; r < rows; ++r) {
-    double m = -std::numeric_limits<double>::infinity();
-    for (const State& s : states) m = std::max<double>(m, s.lse[r]);
-    if (std::isinf(m)) continue;
-    double total = 0;
-    for (const State& s : states) {
-      if (std::isinf(s.lse[r])) continue;
-      const double w = std::exp2(s.lse[r] - m);
-      total += w;
-      for (int32_t c = 0; c < d; ++c) (*v)[r * d + c] += w * HalfToFloat(dtype, s.v[r * d + c]);
-    }
-    for (int32_t c = 0; c < d; ++c) (*v)[r * d + c] /= total;
-    (*lse)[r] = m + std::log2(total);
-  }
+  std::vector<reference::State> ref;
+  for (const State& s : states) ref.push_back({s.v.data(), s.lse.data()});
+  reference::Merge(dtype, ref, rows, d, /*lse_base_e=*/false, v, lse);
 }
 
 // A CUDA server with tenants alice and bob and regions on.

@@ -185,6 +185,45 @@ TEST(PagedDecodeCuda, RejectsUnsupportedShapes) {
   cudaGetLastError();
 }
 
+// A random batch: head_dim 64/128/256, GQA 1/4/8/16, page_size 1/16/64,
+// bf16/fp16, 1 or 2 layers, 1..max_seqs sequences of 1..8 query rows over 0..5500
+// keys, causal or not, some with causal_shift or base-e LSE, random scales.
+// long_first: the first sequence sees 300 keys or more.
+HostBatch RandomBatch(std::mt19937_64* rng_p, int max_seqs, bool long_first) {
+  std::mt19937_64& rng = *rng_p;
+  HostBatch b;
+  const int dims[] = {64, 128, 128, 256};
+  const int heads[][2] = {{4, 4}, {8, 2}, {32, 4}, {16, 2}, {8, 1}, {16, 1}};
+  const int page_sizes[] = {1, 16, 64};
+  const int* hh = heads[rng() % 6];
+  b.geo.head_dim = dims[rng() % 4];
+  b.geo.num_qo_heads = hh[0];
+  b.geo.num_kv_heads = hh[1];
+  b.geo.page_size = page_sizes[rng() % 3];
+  b.geo.dtype = rng() % 2 ? KvDType::kBf16 : KvDType::kFp16;
+  b.geo.num_layers = 1 + rng() % 2;
+  // Small pools keep the host side fast; longer sequences repeat page ids.
+  b.geo.num_pages = std::max(8, 2048 / b.geo.page_size);
+  gpu_test::MakePools(&b, &rng);
+  const int nseq = 1 + rng() % max_seqs;
+  for (int s = 0; s < nseq; ++s) {
+    const int q_len = 1 + rng() % 8;
+    int kv_len = 0;
+    switch (rng() % 6) {
+      case 0: kv_len = rng() % 3; break;  // 0, 1 or 2 keys
+      case 1: kv_len = 3000 + rng() % 2500; break;
+      default: kv_len = 1 + rng() % 1500; break;
+    }
+    if (long_first && s == 0) kv_len = std::max(kv_len, 300 + static_cast<int>(rng() % 700));
+    const bool causal = rng() % 4 != 0;
+    gpu_test::AddSeq(&b, q_len, kv_len, rng() % b.geo.num_layers, causal, rng() % 3 == 0,
+                     RandomScale(b.geo.head_dim, &rng), &rng);
+    if (rng() % 3 == 0) b.seqs.back().causal_shift = static_cast<int>(rng() % 41) - 30;
+  }
+  gpu_test::FinishBatch(&b, rng() % 4 == 0 ? 3.f : 1.f, &rng);
+  return b;
+}
+
 // Random geometries (head_dim 64/128/256, GQA 1/4/8/16, page_size 1/16/64,
 // bf16/fp16), 1..8 query rows, causal or not, causal_shift, base-e LSE, mixed
 // layers and scales, sequences with 0 or 1 key. The plan mode rotates so both
@@ -198,38 +237,9 @@ TEST(PagedDecodeCuda, RandomBatches) {
   int splits = 0, unsplit = 0;
   for (int it = 0; it < kBatches; ++it) {
     const int mode = it % 3;
-    HostBatch b;
-    const int dims[] = {64, 128, 128, 256};
-    const int heads[][2] = {{4, 4}, {8, 2}, {32, 4}, {16, 2}, {8, 1}, {16, 1}};
-    const int page_sizes[] = {1, 16, 64};
-    const int* hh = heads[rng() % 6];
-    b.geo.head_dim = dims[rng() % 4];
-    b.geo.num_qo_heads = hh[0];
-    b.geo.num_kv_heads = hh[1];
-    b.geo.page_size = page_sizes[rng() % 3];
-    b.geo.dtype = rng() % 2 ? KvDType::kBf16 : KvDType::kFp16;
-    b.geo.num_layers = 1 + rng() % 2;
-    // Small pools keep the host side fast; longer sequences repeat page ids.
-    b.geo.num_pages = std::max(8, 2048 / b.geo.page_size);
-    gpu_test::MakePools(&b, &rng);
-    const int nseq = 1 + rng() % 6;
-    for (int s = 0; s < nseq; ++s) {
-      const int q_len = 1 + rng() % 8;
-      int kv_len = 0;
-      switch (rng() % 6) {
-        case 0: kv_len = rng() % 3; break;  // 0, 1 or 2 keys
-        case 1: kv_len = 3000 + rng() % 2500; break;
-        default: kv_len = 1 + rng() % 1500; break;
-      }
-      // A forced split needs a sequence that sees more than one chunk (256
-      // tokens at most; causal_shift takes at most 30 away).
-      if (mode == 1 && s == 0) kv_len = std::max(kv_len, 300 + static_cast<int>(rng() % 700));
-      const bool causal = rng() % 4 != 0;
-      gpu_test::AddSeq(&b, q_len, kv_len, rng() % b.geo.num_layers, causal, rng() % 3 == 0,
-                       RandomScale(b.geo.head_dim, &rng), &rng);
-      if (rng() % 3 == 0) b.seqs.back().causal_shift = static_cast<int>(rng() % 41) - 30;
-    }
-    gpu_test::FinishBatch(&b, rng() % 4 == 0 ? 3.f : 1.f, &rng);
+    // A forced split needs a sequence that sees more than one chunk (256
+    // tokens at most; causal_shift takes at most 30 away).
+    const HostBatch b = RandomBatch(&rng, /*max_seqs=*/6, /*long_first=*/mode == 1);
     const int force_chunk = mode == 0 ? kNoSplit : mode == 1 ? 64 << (rng() % 3) : 0;
     const RunResult r = RunAndCheck(b, force_chunk);
     (r.split ? splits : unsplit)++;
@@ -366,34 +376,7 @@ TEST(PagedDecodeCuda, ClusterMode) {
   const int kBatches = 40;
   int clustered = 0;
   for (int it = 0; it < kBatches; ++it) {
-    HostBatch b;
-    const int dims[] = {64, 128, 256};
-    const int heads[][2] = {{4, 4}, {8, 2}, {32, 4}, {8, 1}};
-    const int page_sizes[] = {1, 16, 64};
-    const int* hh = heads[rng() % 4];
-    b.geo.head_dim = dims[rng() % 3];
-    b.geo.num_qo_heads = hh[0];
-    b.geo.num_kv_heads = hh[1];
-    b.geo.page_size = page_sizes[rng() % 3];
-    b.geo.dtype = rng() % 2 ? KvDType::kBf16 : KvDType::kFp16;
-    b.geo.num_layers = 1 + rng() % 2;
-    b.geo.num_pages = std::max(8, 2048 / b.geo.page_size);
-    gpu_test::MakePools(&b, &rng);
-    const int nseq = 1 + rng() % 4;
-    for (int s = 0; s < nseq; ++s) {
-      const int q_len = 1 + rng() % 8;
-      int kv_len = 0;
-      switch (rng() % 5) {
-        case 0: kv_len = rng() % 3; break;
-        case 1: kv_len = 3000 + rng() % 2500; break;
-        default: kv_len = 1 + rng() % 1500; break;
-      }
-      const bool causal = rng() % 4 != 0;
-      gpu_test::AddSeq(&b, q_len, kv_len, rng() % b.geo.num_layers, causal, rng() % 3 == 0,
-                       RandomScale(b.geo.head_dim, &rng), &rng);
-      if (rng() % 3 == 0) b.seqs.back().causal_shift = static_cast<int>(rng() % 41) - 30;
-    }
-    gpu_test::FinishBatch(&b, rng() % 4 == 0 ? 3.f : 1.f, &rng);
+    const HostBatch b = RandomBatch(&rng, /*max_seqs=*/4, /*long_first=*/false);
     const int cluster = 2 << (it % 4);  // 2, 4, 8, 16
     const int max_rows = 8 * (b.geo.num_qo_heads / b.geo.num_kv_heads);
     if (cluster > DecodeMaxCluster(b.geo.head_dim, b.geo.dtype, DecodeTileRows(b.geo.head_dim, max_rows))) continue;

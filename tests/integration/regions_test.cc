@@ -25,6 +25,7 @@
 #include "common/dtype.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/integration/server_fixture.h"
 #include "tests/integration/test_server.h"
 
 namespace attnserve {
@@ -43,27 +44,6 @@ std::unique_ptr<SharedMemory> MakeShm(const std::string& what, int64_t bytes) {
   auto shm = SharedMemory::Create(Key(what), bytes);
   EXPECT_TRUE(shm.ok()) << shm.status();
   return shm.ok() ? *std::move(shm) : nullptr;
-}
-
-// float64 merge of docs/design.md section 3.
-void ReferenceMerge(const std::vector<State>& states, int64_t rows, int32_t d, KvDType dtype,
-                    std::vector<double>* v, std::vector<double>* lse) {
-  v->assign(rows * d, 0.0);
-  lse->assign(rows, -std::numeric_limits<double>::infinity());
-  for (int64_t r = 0; r < rows; ++r) {
-    double m = -std::numeric_limits<double>::infinity();
-    for (const State& s : states) m = std::max<double>(m, s.lse[r]);
-    if (std::isinf(m)) continue;
-    double total = 0;
-    for (const State& s : states) {
-      if (std::isinf(s.lse[r])) continue;
-      const double w = std::exp2(s.lse[r] - m);
-      total += w;
-      for (int32_t c = 0; c < d; ++c) (*v)[r * d + c] += w * HalfToFloat(dtype, s.v[r * d + c]);
-    }
-    for (int32_t c = 0; c < d; ++c) (*v)[r * d + c] /= total;
-    (*lse)[r] = m + std::log2(total);
-  }
 }
 
 template <typename T>
@@ -291,7 +271,7 @@ TEST_F(RegionsTest, MergeStatesInRegionsMatchesTheReference) {
   const auto v = Read<uint16_t>(*shm, out_at, v_bytes / 2);
   const auto lse = Read<float>(*shm, out_at + v_bytes, lse_bytes / 4);
   std::vector<double> v_ref, lse_ref;
-  ReferenceMerge(states, n * h, d, geo_.dtype, &v_ref, &lse_ref);
+  server_test::ReferenceMerge(states, n * h, d, geo_.dtype, /*base_e=*/false, &v_ref, &lse_ref);
   const Comparison c = Compare(geo_.dtype, v_ref, lse_ref, v, lse);
   EXPECT_TRUE(c.Ok(geo_.dtype)) << c.ToString();
   auto inline_result = alice_->MergeStates(states, n, h, d, false);

@@ -183,8 +183,10 @@ def _merge_torch(vs, lses, lse_base, out):
                            torch.zeros((), device=device))
         acc = torch.lerp(acc, tv[s].to(torch.float32), frac.unsqueeze(-1))
         total = new_total
-    if len(tv) == 1 or not bool(seen.all()):
-        acc = torch.where(seen.unsqueeze(-1), acc, torch.zeros((), device=device))  # a row nothing saw is 0
+    # A row nothing saw is 0. On a GPU the mask is applied unconditionally:
+    # asking whether every row was seen would wait for the device.
+    if len(tv) == 1 or acc.is_cuda or not bool(seen.all()):
+        acc = torch.where(seen.unsqueeze(-1), acc, torch.zeros((), device=device))
     log = torch.log2 if lse_base == "2" else torch.log
     lse = torch.where(seen, m_safe + log(torch.where(seen, total, torch.ones((), device=device))),
                       torch.full((), float("-inf"), device=device))
