@@ -65,7 +65,7 @@ echo "bench exit code: $rc" | tee -a "$out/decode_bench.log"
 [[ $rc -ne 0 ]] && status=1
 
 echo "== torch decode baselines"
-timeout 25 python3 "$here/torch_decode_baselines.py" ${TORCH_ARGS:-} > "$out/torch_decode.log" 2>&1
+timeout 40 python3 "$here/torch_decode_baselines.py" ${TORCH_ARGS:-} > "$out/torch_decode.log" 2>&1
 rc=$?
 echo "torch exit code: $rc" | tee -a "$out/torch_decode.log"
 grep -E "^torch|failed" "$out/torch_decode.log" | head -5
@@ -122,14 +122,19 @@ if os.path.exists(tp):
         if line.startswith("TORCH"):
             r = kv(line); torch_[(r["workload"], r["backend"])] = r
 if copy: print(f'copy ceiling (D2D 1 GiB, read+write): {float(copy["tbs"]):.2f} TB/s')
-print("| workload | ps | decode ms | TB/s | merge share | chunk | cluster | items | unsplit ms | prefill ms (best variant) | cuDNN ms | flash ms |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("ms: each launch timed on an idle device (host launch latency included); queued: behind a spin kernel (device time alone)")
+print("| workload | ps | decode ms | TB/s | decode ms queued | TB/s queued | merge share | chunk | cluster | items | unsplit ms | prefill ms (best variant) | cuDNN ms (queued) | flash ms (queued) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 def ms(r): return "-" if r is None else f'{float(r["ms"]):.4f}'
+def msq(r):
+    if r is None: return "-"
+    return f'{float(r["ms"]):.4f}' + (f' ({float(r["ms_queued"]):.4f})' if "ms_queued" in r else "")
 for (w, ps), r in dec.items():
     p = pre.get((w, ps)); n = nos.get((w, ps))
     pv = "-" if p is None else f'{float(p["ms"]):.4f} (v{p["variant"]})'
-    print(f'| {w} | {ps} | {float(r["ms"]):.4f} | {float(r["kv_tbs"]):.2f} | {100*float(r["merge_share"]):.1f}% | '
-          f'{r["chunk"]} | {r.get("cluster", "0")} | {r["items"]} | {ms(n)} | {pv} | {ms(torch_.get((w, "cudnn")))} | {ms(torch_.get((w, "fa2")))} |')
+    q = f'{float(r["ms_queued"]):.4f} | {float(r["kv_tbs_queued"]):.2f}' if "ms_queued" in r else "- | -"
+    print(f'| {w} | {ps} | {float(r["ms"]):.4f} | {float(r["kv_tbs"]):.2f} | {q} | {100*float(r["merge_share"]):.1f}% | '
+          f'{r["chunk"]} | {r.get("cluster", "0")} | {r["items"]} | {ms(n)} | {pv} | {msq(torch_.get((w, "cudnn")))} | {msq(torch_.get((w, "fa2")))} |')
 sweep = [kv(l) for l in open(os.path.join(d, "decode_bench.log"), errors="replace")
          if l.startswith("RESULT kernel=decode_chunk ")]
 if sweep:

@@ -59,6 +59,9 @@ def scrape(metrics):
         m = re.match(r'attnserve_request_duration_seconds_(sum|count)\{method="Prefill",shape="\w+"\} (\S+)', line)
         if m:
             out[("server", m.group(1))] = out.get(("server", m.group(1)), 0.0) + float(m.group(2))
+        m = re.match(r'attnserve_request_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)', line)
+        if m:
+            out[("rstage_" + m.group(2), m.group(1))] = float(m.group(3))
         m = re.match(r"attnserve_(batch_requests|queue_wait_seconds)_(sum|count) (\S+)", line)
         if m:
             out[(m.group(1), m.group(2))] = float(m.group(3))

@@ -31,7 +31,15 @@ def visible_pairs(q_len, kv_len):
     return sum(min(kv_len, max(0, i + kv_len - q_len + 1)) for i in range(q_len))
 
 
-def time_ms(fn, reps):
+# queued=True: a ~50 us spin kernel runs ahead of the start event, so the
+# events and the call are queued behind busy work and their difference is the
+# device time alone, without the host's launch latency (the way a call runs
+# inside a stream of work); queued=False times an idle device, host launch
+# latency included (the way one lone call runs).
+SPIN_CYCLES = 100_000
+
+
+def time_ms(fn, reps, queued=False):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -39,6 +47,8 @@ def time_ms(fn, reps):
     for _ in range(reps):
         a = torch.cuda.Event(enable_timing=True)
         b = torch.cuda.Event(enable_timing=True)
+        if queued:
+            torch.cuda._sleep(SPIN_CYCLES)
         a.record()
         fn()
         b.record()
@@ -86,7 +96,7 @@ def candidates(backend, q, k, v, q_len, kv_len):
             yield sdpa("bool mask bottom-right, repeat_interleave", k=kr, v=vr, mask=mask)
 
 
-def run(name, batch, q_len, kv_len, reps):
+def run(name, batch, q_len, kv_len, reps, queued=False):
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(batch, H, q_len, D, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(batch, KVH, kv_len, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -99,7 +109,7 @@ def run(name, batch, q_len, kv_len, reps):
         for how, fn in candidates(backend, q, k, v, q_len, kv_len):
             try:
                 ms = time_ms(fn, reps)
-                result = (how, ms)
+                result = (how, ms, time_ms(fn, reps, queued=True) if queued else None)
                 break
             except Exception as e:  # noqa: BLE001 - try the next way
                 errors.append(f"{how}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
@@ -107,9 +117,10 @@ def run(name, batch, q_len, kv_len, reps):
             print(f"TORCH backend={backend} workload={name} ms=nan tflops=nan kv_tbs=nan how=\"failed: "
                   f"{' | '.join(errors)}\"")
         else:
-            how, ms = result
+            how, ms, ms_queued = result
+            extra = f" ms_queued={ms_queued:.4f}" if ms_queued is not None else ""
             print(f"TORCH backend={backend} workload={name} ms={ms:.4f} tflops={flops / ms / 1e9:.1f} "
-                  f"kv_tbs={kv_bytes / ms / 1e9:.2f} how=\"{how}\"")
+                  f"kv_tbs={kv_bytes / ms / 1e9:.2f}{extra} how=\"{how}\"")
         sys.stdout.flush()
     del q, k, v
     torch.cuda.empty_cache()

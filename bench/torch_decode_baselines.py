@@ -11,6 +11,9 @@ torch.ops.aten._flash_attention_forward(is_causal=True), which is bottom-right
 aligned, with GQA native. When a call fails the fallback repeats K/V to 32
 heads (repeat_interleave); the `how` column of each TORCH line says which
 way ran. kv_tbs = K/V bytes (2 * batch * kv_len * 4 * 128 * 2) / time.
+ms times each call on an idle device (host launch latency included);
+ms_queued times it queued behind a spin kernel (device time alone), as
+attnserve_decode_bench reports both.
 
 Usage: bench/torch_decode_baselines.py [--quick]
 """
@@ -41,7 +44,7 @@ def main():
     reps = 10 if args.quick else 50
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
     for name, b, ql, kl in SHAPES:
-        torch_baselines.run(name, b, ql, kl, reps)
+        torch_baselines.run(name, b, ql, kl, reps, queued=True)
 
 
 if __name__ == "__main__":

@@ -32,23 +32,35 @@ from serving import GEOMETRY, bench, scrape, start  # noqa: E402
 DECODE64 = ["--workload=decode", "--batch=64", "--kv_len=4096", "--concurrency=1"]
 LONG = ["--workload=prefill", "--batch=1", "--q_len=16384", "--concurrency=1", "--duration_s=120"]
 # gRPC settings compared in one run (client and server alike): the tuned
-# set (common/transport.h, the default), gRPC's own defaults, the previous
-# tuned set (a fixed 64 MiB window without BDP probing on top), and the tuned
-# set with a 1 MiB initial window that BDP probing then grows.
+# set (common/transport.h, the default) and gRPC's own defaults. (Two more
+# sets, a fixed 64 MiB window without BDP probing and a 1 MiB initial window,
+# were measured on 2026-12-01 and are no better: bench/results.)
 SETTINGS = [
     ("tuned (default)", ["--transport_tuning=true"]),
     ("gRPC defaults", ["--transport_tuning=false"]),
-    ("previous tuned set", ["--transport_tuning=true",
-                            "--grpc_args=grpc.http2.bdp_probe=0,grpc.http2.lookahead_bytes=67108864"]),
-    ("tuned + 1 MiB initial window", ["--transport_tuning=true",
-                                      "--grpc_args=grpc.http2.lookahead_bytes=1048576"]),
 ]
+# Where a request's time goes in the server: mean ms per request of each
+# stage (attnserve_request_stage_seconds, attnserve_queue_wait_seconds,
+# attnserve_batch_stage_seconds), in the order a request meets them.
+STAGES = [("parse", "rstage_parse"), ("admit", "rstage_admit"), ("queue", "queue_wait_seconds"),
+          ("submit", "stage_submit"), ("wait", "stage_wait"), ("unpack", "stage_unpack"),
+          ("finish", "stage_finish"), ("respond", "rstage_respond"), ("send", "rstage_send")]
 
 
 def kernel_ms(before, after):
     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     requests = d.get(("batch_requests", "sum"), 0) or 1
     return sum(d.get((k, "sum"), 0) for k in ("attention", "merge", "append")) / requests * 1e3
+
+
+def stage_means(before, after):
+    """Mean ms per request of each stage, and of the server's whole handling."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    out = {}
+    for name, key in STAGES + [("server", "server")]:
+        n = d.get((key, "count"), 0)
+        out[name] = d.get((key, "sum"), 0) / n * 1e3 if n else None
+    return out
 
 
 def main():
@@ -101,29 +113,45 @@ def main():
     # attnserve: inline under each setting; shm regions (default setting);
     # inline from the --before install.
     verify = []
-    servers = [(bin_dir, i, setting, t) for i, (setting, t) in enumerate(SETTINGS)]
+    stages = []  # (case, path, setting, result json, stage means)
+    # (install bin, index, setting, client+server flags, server-only flags)
+    servers = [(bin_dir, i, setting, t, []) for i, (setting, t) in enumerate(SETTINGS)]
+    # The batch worker polling 2 ms for the next request (--idle_spin_us)
+    # instead of sleeping: decode only.
+    spin = len(SETTINGS)
+    servers.append((bin_dir, spin, "tuned, server --idle_spin_us=2000", SETTINGS[0][1], ["--idle_spin_us=2000"]))
     if a.before:
-        servers.append((os.path.join(os.path.abspath(a.before), "bin"), len(SETTINGS),
-                        "tuned, --before install", ["--transport_tuning=true"]))
-    for serve_bin, i, setting, t in servers:
+        servers.append((os.path.join(os.path.abspath(a.before), "bin"), len(servers),
+                        "tuned, --before install", ["--transport_tuning=true"], []))
+    for serve_bin, i, setting, t, server_only in servers:
         serve, m = start([f"{serve_bin}/attnserve", f"--backend={a.backend}", "--listen=127.0.0.1:0",
                           "--metrics_listen=127.0.0.1:0", "--num_layers=2", "--num_pages=40000",
-                          "--allow_shared_memory"] + t + GEOMETRY,
+                          "--allow_shared_memory"] + t + server_only + GEOMETRY,
                          os.path.join(a.out, f"attnserve_{i}.log"),
                          r"listening grpc=(\S+) metrics=(\S+)")
         addr, metrics = m.group(1), m.group(2)
-        paths = [("inline", [])] + ([("system shm region", ["--shm"])] if i == 0 else [])
-        for path, flag in paths:
-            for case, args, n in (("decode64", decode, dur), ("prefill 128 MiB", long_, long_n)):
-                tag = f"serve_{'shm' if flag else 'inline'}_{case.split()[0]}_{i}"
+        # --plan: the layout registered once (CreatePlan), as an engine's
+        # per-layer requests of one step send it; decode only (a prefill's
+        # layout is a few bytes).
+        paths = [("inline", [], i != spin)]
+        if i in (0, spin):
+            paths += [("inline, plan", ["--plan"], False), ("system shm region", ["--shm"], i == 0),
+                      ("system shm region, plan", ["--shm", "--plan"], False)]
+        for path, flag, with_prefill in paths:
+            cases = [("decode64", decode, dur)] + ([("prefill 128 MiB", long_, long_n)] if with_prefill else [])
+            for case, args, n in cases:
+                tag = f"serve_{'_'.join(f.strip('-') for f in flag) or 'inline'}_{case.split()[0]}_{i}"
                 before = scrape(metrics)
                 res = bench(serve_bin, addr, args + [n, f"--metrics={metrics}"] + flag + t,
                             os.path.join(a.out, f"{tag}.json"), os.path.join(a.out, f"{tag}.log"))
                 print(tag, "done" if res else "FAILED", flush=True)
-                rows.append((case, f"attnserve {path}", setting, res, kernel_ms(before, scrape(metrics))))
+                after = scrape(metrics)
+                rows.append((case, f"attnserve {path}", setting, res, kernel_ms(before, after)))
+                stages.append((case, path, setting, res, stage_means(before, after)))
         if i == 0:
             for vname, vflag in (("verify_decode64_inline", []), ("verify_decode64_shm", ["--shm"]),
-                                 ("verify_prefill_inline", [])):
+                                 ("verify_decode64_shm_plan", ["--shm", "--plan"]),
+                                 ("verify_prefill_inline", []), ("verify_prefill_shm", ["--shm"])):
                 # A 1k-row prefill (8 MiB each way): the float64 reference of 16k rows takes too long.
                 vargs = ([x.replace("16384", "1024") for x in long_] + ["--requests=2"]
                          if "prefill" in vname else decode + ["--requests=8"])
@@ -143,6 +171,23 @@ def main():
         over = f"{p50 - kms:.3f}" if kms is not None else "-"
         lines.append(f"| {case} | {path} | {setting} | {p50:.3f} | {p99:.3f} | "
                      f"{res['requests_per_s']:.1f} | {k} | {over} |")
+    lines.append("")
+    lines += ["Where the time goes: mean ms per request by stage in the server (parse .. send; "
+              "queue is the wait for the worker; submit, wait, unpack, finish are per batch, one "
+              "request per batch here), the server's whole handling, and the client's mean "
+              "latency less that (the client, gRPC and the network).", "",
+              "| case | path | gRPC settings | " + " | ".join(n for n, _ in STAGES) +
+              " | server | mean latency | client + gRPC |", "|" + "---|" * (len(STAGES) + 6)]
+    for case, path, setting, res, st in stages:
+        if res is None:
+            continue
+        mean = sum(res["latencies_ms"]) / len(res["latencies_ms"]) if res.get("latencies_ms") else None
+        cells = [f"{st[n]:.3f}" if st[n] is not None else "-" for n, _ in STAGES]
+        server = st["server"]
+        rest = f"{mean - server:.3f}" if mean is not None and server is not None else "-"
+        lines.append(f"| {case} | {path} | {setting} | " + " | ".join(cells) +
+                     f" | {server:.3f} | {mean:.3f} | {rest} |" if server is not None and mean is not None
+                     else f"| {case} | {path} | {setting} | " + " | ".join(cells) + " | - | - | - |")
     lines.append("")
     for vname, res in verify:
         lines.append(f"{vname}: " + ("attnbench failed" if res is None else

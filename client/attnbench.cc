@@ -21,6 +21,11 @@
 // The query is written into the region before the clock starts, as an
 // engine that computes it there would have it; the latency is the Prefill
 // call alone.
+//
+// --plan: each client registers every request shape's layout once
+// (CreatePlan) and its requests name the plan instead of carrying the
+// layout, as an engine's per-layer requests of one step do (docs/design.md,
+// Plans): the request carries the query (or its region) and a plan id.
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -70,6 +75,9 @@ ABSL_FLAG(bool, verify, false, "check every response against the float64 referen
 ABSL_FLAG(bool, shm, false,
           "send q and receive the output and LSE through a shared-memory region per client "
           "(server on this host with --allow_shared_memory)");
+ABSL_FLAG(bool, plan, false,
+          "register each request shape's layout once (CreatePlan) and send its plan id, as an "
+          "engine's per-layer requests within one step do");
 ABSL_FLAG(std::string, metrics, "", "HOST:PORT of the server's /metrics, for requests per launch");
 ABSL_FLAG(std::string, json, "", "also write the results as JSON to this path");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
@@ -271,6 +279,19 @@ class Worker {
         }
       }
     }
+    if (absl::GetFlag(FLAGS_plan)) {
+      for (const Shape& sh : shapes_) {
+        PlanLayout layout;
+        layout.qo_indptr = sh.in.qo_indptr;
+        layout.kv_indptr = sh.in.kv_indptr;
+        layout.kv_indices = sh.in.kv_indices;
+        layout.kv_last_page_len = sh.in.kv_last_page_len;
+        layout.kv_keys_after = sh.in.kv_keys_after;
+        auto id = client_->CreatePlan(layout);
+        if (!id.ok()) return id.status();
+        plan_ids_.push_back(*id);
+      }
+    }
     if (absl::GetFlag(FLAGS_shm)) {
       // One region for the largest shape: q at 0, then the output, then the LSE.
       int64_t rows = 0;
@@ -291,8 +312,18 @@ class Worker {
   // Sends the next request; latency runs from `start` (its scheduled arrival
   // in the open loop).
   void SendOne(Clock::time_point start, bool verify, Stats* stats) {
-    const Shape& shape = shapes_[next_++ % shapes_.size()];
+    const size_t index = next_++ % shapes_.size();
+    const Shape& shape = shapes_[index];
     PrefillArgs args = ArgsOf(shape.in);
+    if (!plan_ids_.empty()) {
+      args.plan_id = plan_ids_[index];
+      args.qo_indptr = {};
+      args.kv_indptr = {};
+      args.kv_indices = {};
+      args.kv_last_page_len = {};
+      args.kv_keys_after = {};
+      args.q_rows = shape.in.total_q();
+    }
     const int64_t q_bytes = static_cast<int64_t>(shape.in.q.size()) * 2;
     const int64_t lse_bytes = q_bytes / (2 * GeometryOf(client_->info()).head_dim) * 4;
     if (shm_ != nullptr) {
@@ -326,6 +357,11 @@ class Worker {
   }
 
   void TearDown() {
+    for (uint64_t id : plan_ids_) {
+      absl::Status s = client_->ReleasePlan(id);
+      if (!s.ok()) std::cerr << "release plan: " << s.ToString() << "\n";
+    }
+    plan_ids_.clear();
     if (client_ != nullptr && shm_ != nullptr) {
       absl::Status s = client_->UnregisterRegion(region_);
       if (!s.ok()) std::cerr << "unregister region: " << s.ToString() << "\n";
@@ -342,6 +378,7 @@ class Worker {
   std::vector<int32_t> pages_;
   std::unique_ptr<KvMirror> mirror_;
   std::vector<Shape> shapes_;
+  std::vector<uint64_t> plan_ids_;  // --plan: one per shape, in shapes_' order
   size_t next_ = 0;
   PrefillResult result_;  // reused by every request
   // --shm: the client's region (q at 0, output at o_at_, LSE at lse_at_).

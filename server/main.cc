@@ -57,6 +57,10 @@ ABSL_FLAG(std::string, prefill_kernel, "auto",
 ABSL_FLAG(int32_t, max_batch_tokens, 16384, "query rows per batch (a larger request runs alone)");
 ABSL_FLAG(int64_t, max_queue_delay_us, 1000,
           "most microseconds a batch waits for more requests while the device is busy");
+ABSL_FLAG(int64_t, idle_spin_us, 0,
+          "microseconds the batch worker polls for the next request when its queue runs empty, "
+          "before it sleeps (0..1000000; saves a thread wake-up per request at the cost of a "
+          "busy core while requests keep coming)");
 ABSL_FLAG(bool, scrub_freed_pages, true,
           "zero a freed page's KV before it can be allocated again (off only when every "
           "client is trusted with every other's data)");
@@ -171,6 +175,11 @@ int Run() {
   CoreOptions core_options;
   core_options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   core_options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  core_options.idle_spin_us = absl::GetFlag(FLAGS_idle_spin_us);
+  if (core_options.idle_spin_us < 0 || core_options.idle_spin_us > 1000000) {
+    spdlog::error("--idle_spin_us={} must be in [0, 1000000]", core_options.idle_spin_us);
+    return 2;
+  }
   core_options.scrub_freed_pages = absl::GetFlag(FLAGS_scrub_freed_pages);
   core_options.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
   core_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

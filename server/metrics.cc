@@ -84,6 +84,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                       .Name("attnserve_batch_stage_seconds")
                       .Help("Host time per batch by stage (submit, wait, unpack, finish)")
                       .Register(*registry_);
+  auto& request_stage = prometheus::BuildHistogram()
+                        .Name("attnserve_request_stage_seconds")
+                        .Help("Host time per Prefill request outside its batch by stage (parse, "
+                              "admit, respond, send)")
+                        .Register(*registry_);
   auto& pages = prometheus::BuildGauge()
                     .Name("attnserve_kv_pages")
                     .Help("KV cache pages by state")
@@ -123,6 +128,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   }
   const char* stages[] = {"submit", "wait", "unpack", "finish"};
   for (int i = 0; i < 4; ++i) batch_stage_[i] = &batch_stage.Add({{"stage", stages[i]}}, Seconds());
+  const char* request_stages[] = {"parse", "admit", "respond", "send"};
+  for (int i = 0; i < 4; ++i) {
+    request_stage_[i] = &request_stage.Add({{"stage", request_stages[i]}}, Seconds());
+  }
 }
 
 const char* Metrics::RpcName(Rpc rpc) {
@@ -197,6 +206,10 @@ void Metrics::ObserveKernel(Kernel kernel, int launches, double seconds) {
 
 void Metrics::ObserveStage(Stage stage, double seconds) {
   batch_stage_[static_cast<int>(stage)]->Observe(seconds);
+}
+
+void Metrics::ObserveRequestStage(RequestStage stage, double seconds) {
+  request_stage_[static_cast<int>(stage)]->Observe(seconds);
 }
 
 void Metrics::SetKvPages(int64_t free_pages, int64_t used_pages) {

@@ -65,6 +65,14 @@ class Metrics {
   // responses handed to gRPC).
   enum class Stage { kSubmit, kWait, kUnpack, kFinish };
   void ObserveStage(Stage stage, double seconds);
+  // Host time of one Prefill request outside its batch, by stage: parse (the
+  // edge reads the request), admit (the core validates it, resolves its
+  // regions, pins its pages and queues it), respond (from the core's done
+  // callback to the response handed to gRPC), send (from then until gRPC
+  // reports the call done). With queue_wait and the batch stages it accounts
+  // for a request's time in the server.
+  enum class RequestStage { kParse, kAdmit, kRespond, kSend };
+  void ObserveRequestStage(RequestStage stage, double seconds);
   void SetKvPages(int64_t free_pages, int64_t used_pages);
   // Bytes moved, by path: kInline counts whole requests and responses
   // (tensors and framing); kSystem and kCuda the tensor bytes that
@@ -100,6 +108,7 @@ class Metrics {
   prometheus::Counter* kernel_launches_[kNumKernels];
   prometheus::Histogram* kernel_duration_[kNumKernels];
   prometheus::Histogram* batch_stage_[4];
+  prometheus::Histogram* request_stage_[4];
   prometheus::Gauge* kv_free_;
   prometheus::Gauge* kv_used_;
   prometheus::Counter* bytes_in_[3];

@@ -39,11 +39,14 @@ namespace attnserve {
 // owned by the caller and valid until the batch's Complete returns. They are
 // host memory, except those whose *_on_device flag is set: device memory of a
 // CUDA region, opened on the backend's device by its RegionDevice (only a
-// backend whose RegionDevice opens IPC handles ever gets one).
+// backend whose RegionDevice opens IPC handles ever gets one). *_pinned: host
+// memory that is page-locked (a system region registered with the device),
+// which the device's copy engines may read directly.
 struct PrefillTask {
   int32_t layer = 0;
   const void* q = nullptr;              // (total_q, num_qo_heads, head_dim)
   bool q_on_device = false;
+  bool q_pinned = false;
   int32_t total_q = 0;
   // Sequences of this request; q_start is relative to q, kv_start relative to
   // kv_indices, layer equals `layer`.
@@ -57,6 +60,8 @@ struct PrefillTask {
   const void* append_v = nullptr;         // (num_append, num_kv_heads, head_dim)
   bool append_k_on_device = false;
   bool append_v_on_device = false;
+  bool append_k_pinned = false;
+  bool append_v_pinned = false;
   // Outputs. Every byte of both is written when the batch completes.
   void* o = nullptr;                      // (total_q, num_qo_heads, head_dim)
   float* lse = nullptr;                   // (total_q, num_qo_heads)

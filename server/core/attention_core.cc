@@ -40,6 +40,7 @@ class AttentionCore::RegionUse {
                           table_->Resolve(tenant_, t->region, elem_bytes, field + ".region"));
     t->data = absl::string_view(slice.data, static_cast<size_t>(slice.bytes));
     t->on_device = slice.on_device();
+    t->pinned = !slice.on_device() && slice.registered();
     uses_.push_back({std::move(slice), field + ".region", false});
     return absl::OkStatus();
   }
@@ -134,6 +135,7 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
   sched.max_batch_kv_indices = options.max_request_kv_indices;
   sched.max_batch_append_rows = limits_.max_request_rows;
   sched.max_queue_delay_us = options.max_queue_delay_us;
+  sched.idle_spin_us = options.idle_spin_us;
   sched.max_queue_requests = options.max_queue_requests;
   sched.max_tenant_queue_requests = options.max_tenant_queue_requests;
   scheduler_ = std::make_unique<Scheduler>(backend_.get(), &pages_, metrics_, sched);

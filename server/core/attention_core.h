@@ -32,6 +32,7 @@ namespace attnserve {
 struct CoreOptions {
   int32_t max_batch_tokens = 16384;
   int64_t max_queue_delay_us = 1000;
+  int64_t idle_spin_us = 0;  // SchedulerOptions::idle_spin_us
   bool scrub_freed_pages = true;  // zero a freed page before it can be allocated again
   int32_t max_queue_requests = 4096;
   int32_t max_tenant_queue_requests = 0;  // 0: max_queue_requests

@@ -51,13 +51,16 @@ inline const char* TensorDTypeName(TensorDType dtype) {
 // A request tensor. Its bytes are `data`, or, when region.set, a range of a
 // shared-memory region that the core resolves (and then points data at).
 // on_device: data is device memory (a CUDA region) that host code must never
-// read; only the backend copies it.
+// read; only the backend copies it. pinned: data is page-locked host memory
+// (a system region registered with the device) that the device may copy
+// directly.
 struct TensorView {
   TensorDType dtype = TensorDType::kUnspecified;
   std::vector<int64_t> shape;
   absl::string_view data;
   RegionRefView region;
   bool on_device = false;
+  bool pinned = false;
 };
 
 // Called once when a queued request is finished (from the scheduler thread),

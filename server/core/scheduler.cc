@@ -65,6 +65,7 @@ void Scheduler::Push(std::deque<std::unique_ptr<Job>>& queue, std::unique_ptr<Jo
   if (job->kind == Job::Kind::kPrefill) queued_prefill_rows_ += job->task.total_q;
   queue.push_back(std::move(job));
   ++queued_;
+  pushes_.fetch_add(1, std::memory_order_release);
   metrics_->SetQueueDepth(queued_);
 }
 
@@ -200,6 +201,18 @@ bool Scheduler::WorkerReady() const {
   return absl::Now() >= OldestEnqueued() + absl::Microseconds(options_.max_queue_delay_us);
 }
 
+void Scheduler::SpinForWork() {
+  const int64_t seen = pushes_.load(std::memory_order_acquire);
+  mu_.Unlock();
+  const absl::Time until = absl::Now() + absl::Microseconds(options_.idle_spin_us);
+  while (pushes_.load(std::memory_order_acquire) == seen && absl::Now() < until) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  mu_.Lock();
+}
+
 std::vector<std::unique_ptr<Job>> Scheduler::TakeWork(
     std::vector<std::unique_ptr<Job>>& dropped) {
   std::vector<std::unique_ptr<Job>> work;
@@ -257,6 +270,10 @@ void Scheduler::Loop() {
         absl::Time deadline = absl::InfiniteFuture();
         if (busy_ > 0 && queued_ > 0) {
           deadline = OldestEnqueued() + absl::Microseconds(options_.max_queue_delay_us);
+        }
+        if (queued_ == 0 && !stopping_ && options_.idle_spin_us > 0) {
+          SpinForWork();
+          if (WorkerReady()) break;
         }
         const int64_t queued_before = queued_;
         auto wake = [this, queued_before]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

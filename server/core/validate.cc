@@ -282,6 +282,7 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
   task.layer = call.layer;
   task.q = call.q.data.data();
   task.q_on_device = call.q.on_device;
+  task.q_pinned = call.q.pinned;
   task.total_q = static_cast<int32_t>(layout.total_q);
   task.num_kv_indices = static_cast<int32_t>(layout.pages.size() - layout.num_append);
   task.seqs = layout.seqs;
@@ -301,6 +302,8 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
     task.append_v = call.append_v.data.data();
     task.append_k_on_device = call.append_k.on_device;
     task.append_v_on_device = call.append_v.on_device;
+    task.append_k_pinned = call.append_k.pinned;
+    task.append_v_pinned = call.append_v.pinned;
   }
   out.out_bytes = layout.total_q * geo.num_qo_heads * geo.head_dim * KvDTypeBytes(geo.dtype);
   out.lse_bytes = layout.total_q * geo.num_qo_heads * static_cast<int64_t>(sizeof(float));

@@ -200,7 +200,21 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
           GrpcCodeName(grpc_status.error_code()), seconds, bytes_in_, bytes_out,
           grpc_status.error_message());
     }
+    finished_at_ = absl::Now();
     ServerUnaryReactor::Finish(grpc_status);
+  }
+
+  // Request stages (Metrics::RequestStage) of a Prefill: the time since the
+  // previous mark.
+  void MarkStage(Metrics::RequestStage stage) {
+    const absl::Time now = absl::Now();
+    service_->metrics_->ObserveRequestStage(stage, absl::ToDoubleSeconds(now - last_mark_));
+    last_mark_ = now;
+  }
+  // The respond stage: from the core's done callback (at `done_at`) to now.
+  void ObserveRespond(absl::Time done_at) {
+    service_->metrics_->ObserveRequestStage(Metrics::RequestStage::kRespond,
+                                            absl::ToDoubleSeconds(absl::Now() - done_at));
   }
 
   // Claims and finishes at once (errors found by the handler).
@@ -216,6 +230,10 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
   }
 
   void OnDone() override {
+    if (rpc_ == Metrics::Rpc::kPrefill && finished_at_ != absl::InfinitePast()) {
+      service_->metrics_->ObserveRequestStage(Metrics::RequestStage::kSend,
+                                              absl::ToDoubleSeconds(absl::Now() - finished_at_));
+    }
     {
       absl::MutexLock lock(&service_->calls_mu_);
       service_->calls_.erase(this);
@@ -232,6 +250,8 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
   const uint64_t request_id_;
   const int64_t bytes_in_;
   const absl::Time start_;
+  absl::Time last_mark_ = start_;                     // MarkStage's previous mark
+  absl::Time finished_at_ = absl::InfinitePast();     // when Finish handed the response to gRPC
   std::string tenant_;
   Metrics::Shape shape_ = Metrics::Shape::kNone;
   bool accepted_ = false;  // arrived before the drain began
@@ -413,18 +433,27 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerCont
   ToCall(parsed, &c);
   c.out = &state->out;
   const uint64_t incarnation = core_->incarnation();
+  call->MarkStage(Metrics::RequestStage::kParse);
+  call->Ref();
+  // The done callback may run before Prefill returns (an error found at
+  // once, or a batch that finished first): the admit mark is taken before
+  // the call can be finished, under the reference held for the callback.
   call->Ref();
   core_->Prefill(c, [call, state, incarnation](absl::Status status) {
     if (call->Claim()) {
+      const absl::Time done_at = absl::Now();
       grpc::ByteBuffer bytes;
       if (status.ok()) bytes = EncodePrefillResponse(std::move(state->out), incarnation);
       delete state;  // the request goes back to the pool; the output lives in `bytes`
+      call->ObserveRespond(done_at);
       call->Finish(status, nullptr, &bytes);
     } else {
       delete state;
     }
     call->Unref();
   });
+  call->MarkStage(Metrics::RequestStage::kAdmit);
+  call->Unref();
   return call;
 }
 

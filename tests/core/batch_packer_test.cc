@@ -220,6 +220,35 @@ TEST(BatchPacker, DeviceInputsBecomeCopiesAndAreNotUploaded) {
   EXPECT_GT(p.b.upload_end, p.b.upload_begin);
 }
 
+// Inputs in page-locked host memory (registered system regions): from 64 KiB
+// up they are copied by the device straight from the region, like device
+// inputs; smaller ones are packed into the staging with the rest.
+TEST(BatchPacker, LargePinnedInputsBecomeCopiesSmallOnesArePacked) {
+  const KvGeometry g = Geo(32, 4, 128, 16);
+  const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim * 2;  // 8 KiB
+  std::vector<Request> reqs(2);
+  MakeRequest(g, {{8, 100}, {8, 300}}, 0, &reqs[0]);  // 16 rows: 128 KiB
+  MakeRequest(g, {{4, 50}}, 1, &reqs[1]);              // 4 rows: 32 KiB
+  reqs[0].task.q_pinned = true;
+  reqs[1].task.q_pinned = true;
+  const Packed p = Pack(g, Limits(true), reqs);
+  ASSERT_EQ(p.b.device_in.size(), 1u);
+  EXPECT_EQ(p.b.device_in[0].dst, p.b.off_q);
+  EXPECT_EQ(p.b.device_in[0].src, reqs[0].q.data());
+  EXPECT_EQ(p.b.device_in[0].bytes, 16 * q_row);
+  // The small one sits behind it in the staging, and the upload covers it.
+  EXPECT_EQ(std::memcmp(p.staging.get() + p.b.off_q + 16 * q_row, reqs[1].q.data(), 4 * q_row), 0);
+  EXPECT_EQ(p.b.upload_begin, 0);
+
+  // Both large: the q bytes are not uploaded from the staging at all.
+  std::vector<Request> large(1);
+  MakeRequest(g, {{8, 100}, {8, 300}}, 0, &large[0]);
+  large[0].task.q_pinned = true;
+  const Packed q = Pack(g, Limits(true), large);
+  ASSERT_EQ(q.b.device_in.size(), 1u);
+  EXPECT_EQ(q.b.upload_begin, q.b.off_idx);
+}
+
 TEST(BatchPacker, DecodeOffRoutesEverythingToPrefill) {
   const KvGeometry g = Geo(32, 4, 128, 16);
   std::vector<Request> reqs(1);

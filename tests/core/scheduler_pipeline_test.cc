@@ -117,6 +117,29 @@ TEST_F(SchedulerTest, LoneRequestOnAnIdleDeviceGoesAtOnce) {
   EXPECT_TRUE(log_.WaitFor(2, absl::Seconds(30)));
 }
 
+// With the idle spin on, requests that arrive while the worker polls and
+// after it went back to sleep both run, a KV job included, and Stop returns
+// (within the spin window) while the worker polls an empty queue.
+TEST_F(SchedulerTest, IdleSpinTakesRequestsAndStops) {
+  backend_.set_depth(2);
+  backend_.set_block_first(false);
+  SchedulerOptions options;
+  options.idle_spin_us = 20000;
+  Start(options);
+  MustEnqueue(Prefill(0, 1));
+  EXPECT_TRUE(log_.WaitFor(1, absl::Seconds(30)));
+  MustEnqueue(Prefill(1, 1));  // the worker is polling now
+  EXPECT_TRUE(log_.WaitFor(2, absl::Seconds(30)));
+  absl::SleepFor(absl::Milliseconds(50));  // past the window: asleep
+  MustEnqueue(Prefill(2, 1));
+  EXPECT_TRUE(log_.WaitFor(3, absl::Seconds(30)));
+  MustEnqueue(KvJob(3, Job::Kind::kWriteKv));
+  EXPECT_TRUE(log_.WaitFor(4, absl::Seconds(30)));
+  const absl::Time stop_start = absl::Now();
+  scheduler_->Stop();
+  EXPECT_LT(absl::Now() - stop_start, absl::Seconds(10));
+}
+
 // KV jobs run only when no batch is in flight (the fake backend fails the
 // test otherwise) and keep their queue order.
 TEST_F(SchedulerTest, KvJobsWaitForBatchesInFlight) {

@@ -10,7 +10,10 @@
 // --decode_kernel=auto and one with =off against the reference and checks
 // the attention_decode launch series.
 // Without a GPU every test reports "skipped: no GPU".
+#include <unistd.h>
+
 #include <cmath>
+#include <cstring>
 #include <atomic>
 #include <iostream>
 #include <random>
@@ -20,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/shared_memory.h"
 #include "client/workload.h"
 #include "common/dtype.h"
 #include "gtest/gtest.h"
@@ -36,7 +40,8 @@ struct Config {
 
 
 std::unique_ptr<TestServer> StartServer(const Config& c, const std::string& backend,
-                                        int32_t num_pages, const std::string& decode_kernel = "auto") {
+                                        int32_t num_pages, const std::string& decode_kernel = "auto",
+                                        std::vector<std::string> more_flags = {}) {
   TestServerOptions o;
   o.num_layers = 3;
   o.num_pages = num_pages;
@@ -46,6 +51,7 @@ std::unique_ptr<TestServer> StartServer(const Config& c, const std::string& back
   o.head_dim = c.head_dim;
   o.kv_dtype = c.dtype;
   o.extra_flags = {"--backend=" + backend, "--decode_kernel=" + decode_kernel};
+  o.extra_flags.insert(o.extra_flags.end(), more_flags.begin(), more_flags.end());
   auto s = TestServer::Start(o);
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? *std::move(s) : nullptr;
@@ -215,6 +221,109 @@ INSTANTIATE_TEST_SUITE_P(
       return absl::StrCat("ps", c.page_size, "_h", c.num_qo_heads, "x", c.num_kv_heads, "_d",
                           c.head_dim, "_", c.dtype);
     });
+
+// Tensors in a system shared-memory region on the CUDA backend: the server
+// registers the region with the device, so a query or appended rows of at
+// least 64 KiB are copied by the device straight from it and smaller ones go
+// through the staging; outputs are written into the region. Each round runs
+// the same request inline and through the region (append rows land on the
+// same slots both times, the same bytes) and checks both against the float64
+// reference and each other, byte for byte. The region's output bytes are
+// poisoned before each round.
+TEST(ServerGpuRegions, SystemRegionInputsAndOutputsMatchInline) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "skipped: no GPU";
+  const Config c{16, 32, 4, 128, "bf16"};  // q row 8 KiB, K/V row 1 KiB
+  auto server = StartServer(c, "cuda", 4096, "auto", {"--allow_shared_memory"});
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectTo(*server);
+  ASSERT_NE(client, nullptr);
+  const KvGeometry g = GeometryOf(client->info());
+  const std::string key = absl::StrCat("/attnserve-gpu-test-", getpid());
+  auto shm = SharedMemory::Create(key, int64_t{8} << 20);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  ASSERT_TRUE(client->RegisterSystemRegion("io", key, 0, (*shm)->size()).ok());
+  std::mt19937_64 gen(31);
+  const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim * 2, kv_row = g.RowElems() * 2;
+  // (sequences, max q_len, appended rows): small and large queries and appends.
+  const int shapes[][3] = {{4, 1, 0}, {64, 1, 0}, {2, 40, 8}, {3, 96, 100}, {1, 300, 200}, {16, 8, 70}};
+  for (int round = 0; round < 6; ++round) {
+    WorkloadSpec spec;
+    spec.batch = shapes[round][0];
+    spec.max_q_len = shapes[round][1];
+    spec.max_kv_len = 700;
+    spec.layer = round % g.num_layers;
+    const int64_t n_append = shapes[round][2];
+    const int32_t need = static_cast<int32_t>(PagesNeeded(g, spec));
+    const int32_t append_pages = static_cast<int32_t>((n_append + g.page_size - 1) / g.page_size);
+    auto pages = client->AllocatePages(need + append_pages);
+    ASSERT_TRUE(pages.ok()) << pages.status();
+    const std::vector<int32_t> kv_pages(pages->begin(), pages->begin() + need);
+    KvMirror mirror(g);
+    FillPages(gen, g, spec.layer, kv_pages, {client.get()}, &mirror);
+    PrefillInputs in = RandomPrefill(gen, g, spec, kv_pages);
+    while (in.total_q() == 0) in = RandomPrefill(gen, g, spec, kv_pages);
+    const int64_t total_q = in.total_q();
+    // Appended rows go to pages no sequence reads: both runs write the same
+    // bytes there, so the second sees what the first saw.
+    std::vector<int64_t> slots;
+    for (int64_t i = 0; i < n_append; ++i) {
+      slots.push_back(int64_t{(*pages)[need + i / g.page_size]} * g.page_size + i % g.page_size);
+    }
+    const std::vector<uint16_t> ak = RandomHalves(gen, g.dtype, n_append * g.RowElems());
+    const std::vector<uint16_t> av = RandomHalves(gen, g.dtype, n_append * g.RowElems());
+    PrefillArgs inline_args = ArgsOf(in);
+    inline_args.append_slots = slots;
+    inline_args.append_k = ak;
+    inline_args.append_v = av;
+    auto inline_out = client->Prefill(inline_args);
+    ASSERT_TRUE(inline_out.ok()) << inline_out.status();
+
+    const int64_t q_bytes = total_q * q_row, a_bytes = n_append * kv_row;
+    const int64_t lse_bytes = total_q * g.num_qo_heads * 4;
+    const int64_t k_at = (q_bytes + 255) / 256 * 256, v_at = k_at + (a_bytes + 255) / 256 * 256;
+    const int64_t o_at = v_at + (a_bytes + 255) / 256 * 256, lse_at = o_at + (q_bytes + 255) / 256 * 256;
+    ASSERT_LE(lse_at + lse_bytes, (*shm)->size());
+    char* base = (*shm)->data();
+    std::memcpy(base, in.q.data(), q_bytes);
+    std::memcpy(base + k_at, ak.data(), a_bytes);
+    std::memcpy(base + v_at, av.data(), a_bytes);
+    std::memset(base + o_at, 0xff, lse_at + lse_bytes - o_at);  // poison: NaNs
+    PrefillArgs args = ArgsOf(in);
+    args.q = {};
+    args.q_region = RegionRef{"io", 0, q_bytes};
+    args.q_rows = total_q;
+    if (n_append > 0) {
+      args.append_slots = slots;
+      args.append_k_region = RegionRef{"io", k_at, a_bytes};
+      args.append_v_region = RegionRef{"io", v_at, a_bytes};
+    }
+    args.output_region = RegionRef{"io", o_at, q_bytes};
+    args.lse_region = RegionRef{"io", lse_at, lse_bytes};
+    auto region_out = client->Prefill(args);
+    ASSERT_TRUE(region_out.ok()) << "round " << round << ": " << region_out.status();
+    std::vector<uint16_t> o(total_q * g.num_qo_heads * g.head_dim);
+    std::vector<float> lse(total_q * g.num_qo_heads);
+    std::memcpy(o.data(), base + o_at, q_bytes);
+    std::memcpy(lse.data(), base + lse_at, lse_bytes);
+
+    mirror.Write(spec.layer, slots, ak, av);
+    std::vector<double> o_ref, lse_ref;
+    ReferencePrefill(mirror, in, &o_ref, &lse_ref);
+    const Comparison ci = Compare(g.dtype, o_ref, lse_ref, inline_out->o, inline_out->lse);
+    const Comparison cr = Compare(g.dtype, o_ref, lse_ref, o, lse);
+    EXPECT_TRUE(ci.Ok(g.dtype)) << "inline, round " << round << ": " << ci.ToString();
+    EXPECT_TRUE(cr.Ok(g.dtype)) << "region, round " << round << ": " << cr.ToString();
+    EXPECT_EQ(o, inline_out->o) << "round " << round;
+    EXPECT_EQ(std::memcmp(lse.data(), inline_out->lse.data(), lse_bytes), 0) << "round " << round;
+    // The appended rows are in the cache, as sent through the region.
+    auto kv = client->ReadKV(spec.layer, slots);
+    ASSERT_TRUE(kv.ok()) << kv.status();
+    EXPECT_EQ(kv->k, ak) << "round " << round;
+    EXPECT_EQ(kv->v, av) << "round " << round;
+    ASSERT_TRUE(client->FreePages(*pages).ok());
+  }
+  ASSERT_TRUE(client->UnregisterRegion("io").ok());
+}
 
 // Concurrent clients over three layers: batched into few launches, each
 // verified; a 70,000-token KV forces split-KV; at most one merge per batch.

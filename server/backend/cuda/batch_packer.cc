@@ -15,6 +15,11 @@ constexpr int32_t kMinChunk = 512;
 
 // Adds a device-to-device copy, merged into the last one when both its
 // source and its destination continue it.
+// Inputs in page-locked host memory (registered system regions) at least
+// this large are copied by the device straight from the region; smaller ones
+// are cheaper to gather into the staging with the rest of the batch.
+constexpr int64_t kMinDirectCopyBytes = int64_t{64} << 10;
+
 void AddDeviceCopy(std::vector<PackedBatch::DeviceCopy>* copies, int64_t dst, const void* src, int64_t bytes) {
   if (!copies->empty()) {
     PackedBatch::DeviceCopy& last = copies->back();
@@ -192,13 +197,13 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
     if (off < 0) return absl::InternalError("input staging overflow");
   }
   int64_t row = 0, idx = 0;
-  bool q_all_on_device = true;
+  bool q_all_direct = true;
   for (const PrefillTask& t : tasks) {
-    if (t.total_q > 0 && t.q_on_device) {
+    if (t.total_q > 0 && (t.q_on_device || (t.q_pinned && int64_t{t.total_q} * q_row >= kMinDirectCopyBytes))) {
       AddDeviceCopy(&out->device_in, out->off_q + row * q_row, t.q, int64_t{t.total_q} * q_row);
     } else if (t.total_q > 0) {
       std::memcpy(in.At(out->off_q) + row * q_row, t.q, size_t(t.total_q) * q_row);
-      q_all_on_device = false;
+      q_all_direct = false;
     }
     if (t.num_kv_indices > 0) std::memcpy(in.At(out->off_idx) + idx * 4, t.kv_indices, size_t(t.num_kv_indices) * 4);
     row += t.total_q;
@@ -215,7 +220,7 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
     std::memcpy(in.At(out->off_decode_items), decode_plan_.items.data(),
                 decode_plan_.items.size() * sizeof(DecodeWorkItem));
   }
-  bool kv_all_on_device = true;
+  bool kv_all_direct = true;
   if (n_append > 0) {
     std::memcpy(in.At(out->off_slots), append_slots_.data(), n_append * 8);
     // K rows, then V rows, so that consecutive device rows coalesce.
@@ -225,18 +230,20 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
         const PrefillTask& t = tasks[append_rows_[i].first];
         const uint8_t* src = static_cast<const uint8_t*>(kv == 0 ? t.append_k : t.append_v) +
                              append_rows_[i].second * kv_row;
-        if (kv == 0 ? t.append_k_on_device : t.append_v_on_device) {
+        const bool pinned = (kv == 0 ? t.append_k_pinned : t.append_v_pinned) &&
+                            t.num_append * kv_row >= kMinDirectCopyBytes;
+        if ((kv == 0 ? t.append_k_on_device : t.append_v_on_device) || pinned) {
           AddDeviceCopy(&out->device_in, off + i * kv_row, src, kv_row);
         } else {
           std::memcpy(in.At(off) + i * kv_row, src, kv_row);
-          kv_all_on_device = false;
+          kv_all_direct = false;
         }
       }
     }
   }
   out->in_bytes = in.used();
-  out->upload_begin = q_all_on_device ? out->off_idx : 0;
-  out->upload_end = n_append > 0 && kv_all_on_device ? out->off_k : out->in_bytes;
+  out->upload_begin = q_all_direct ? out->off_idx : 0;
+  out->upload_end = n_append > 0 && kv_all_direct ? out->off_k : out->in_bytes;
   out->off_lse = AlignUp(out->total_q * q_row);
   out->out_bytes = out->off_lse + out->total_q * geo_.num_qo_heads * 4;
   return absl::OkStatus();

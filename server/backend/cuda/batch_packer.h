@@ -82,10 +82,12 @@ struct PackedBatch {
   int64_t in_bytes = 0;  // staging bytes packed (holes for device inputs included)
   int64_t off_lse = 0;
   int64_t out_bytes = 0;
-  // Inputs in device memory (CUDA regions, PrefillTask::*_on_device) are not
-  // packed: their bytes in the staging are holes that the backend fills by a
-  // device-to-device copy of `bytes` from `src` to d_in + `dst` after the
-  // upload (ranges of consecutive rows coalesced). The host filled staging
+  // Inputs in device memory (CUDA regions, PrefillTask::*_on_device) and
+  // large inputs in page-locked host memory (registered system regions,
+  // *_pinned) are not packed: their bytes in the staging are holes that the
+  // backend fills by a copy of `bytes` from `src` to d_in + `dst` after the
+  // upload (device to device, or host to device straight from the region;
+  // ranges of consecutive rows coalesced). The host filled staging
   // bytes [upload_begin, upload_end) only: the q holes at the front and the
   // appended K/V holes at the back are not uploaded.
   struct DeviceCopy {
