@@ -16,6 +16,9 @@ ABSL_FLAG(bool, transport_tuning, true,
           "gRPC HTTP/2 and TCP settings for large tensors (docs/transport.md); false: gRPC's "
           "defaults");
 ABSL_FLAG(std::string, grpc_args, "", "extra gRPC channel arguments NAME=INT,... (experiments)");
+ABSL_FLAG(bool, busy_poll, false,
+          "poll for tensor-carrying responses instead of sleeping (lower latency, one busy core "
+          "per waiting call)");
 
 namespace attnserve {
 
@@ -33,6 +36,7 @@ ClientOptions ClientOptionsFromFlags() {
   options.timeout_s = absl::GetFlag(FLAGS_timeout_s);
   options.transport_tuning = absl::GetFlag(FLAGS_transport_tuning);
   options.grpc_args = absl::GetFlag(FLAGS_grpc_args);
+  options.busy_poll = absl::GetFlag(FLAGS_busy_poll);
   return options;
 }
 

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/tensor_wire.h"
 #include "common/transport.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/impl/client_unary_call.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -110,8 +111,38 @@ grpc::Status Client::CallRaw(const grpc::internal::RpcMethod& method, grpc::Byte
                              grpc::ByteBuffer* response) {
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
-  return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
-      channel_.get(), method, &ctx, request, response);
+  if (!options_.busy_poll) {
+    return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+        channel_.get(), method, &ctx, request, response);
+  }
+  // The same call, its completion polled with a zero timeout until it comes
+  // (each poll also reads the socket). The call's deadline still ends it.
+  grpc::CompletionQueue cq;
+  grpc::Status status;
+  {
+    grpc::GenericStub stub(channel_);
+    std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+        stub.PrepareUnaryCall(&ctx, method.name(), request, &cq);
+    call->StartCall();
+    int done_tag = 0;
+    call->Finish(response, &status, &done_tag);
+    void* tag = nullptr;
+    bool ok = false;
+    for (;;) {
+      const grpc::CompletionQueue::NextStatus next =
+          cq.AsyncNext(&tag, &ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
+      if (next == grpc::CompletionQueue::GOT_EVENT && tag == &done_tag) break;
+      if (next == grpc::CompletionQueue::SHUTDOWN) {
+        return grpc::Status(grpc::StatusCode::INTERNAL, "completion queue shut down during a call");
+      }
+    }
+  }
+  cq.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
 }
 
 KvGeometry GeometryOf(const v1::ServerInfo& info) {

@@ -285,6 +285,56 @@ TEST_P(ServerTest, ConcurrentClientsGetCorrectResultsInFewerBatchesThanRequests)
               kClients * kRequestsEach, batches);
 }
 
+// A client that polls for its responses (ClientOptions::busy_poll) gets the
+// same answers and the same errors; each Prefill is counted once in every
+// request stage of /metrics.
+TEST_P(ServerTest, BusyPollClientGetsTheSameResultsAndErrors) {
+  ClientOptions options;
+  options.target = server_->grpc_address();
+  options.timeout_s = 120;
+  options.busy_poll = true;
+  auto polling = Client::Connect(options);
+  ASSERT_TRUE(polling.ok()) << polling.status();
+  std::mt19937_64 gen(GetParam() + 40);
+  KvMirror mirror(geo_);
+  auto pages = (*polling)->AllocatePages(GetParam() == 1 ? 64 : 6);
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  ASSERT_NO_FATAL_FAILURE(FillPages(**polling, mirror, gen, 1, *pages));
+  const std::string before = *HttpGet(server_->metrics_address(), "/metrics");
+  PrefillInputs in = EdgeCaseInputs(gen, geo_, *pages, 1, true, false);
+  auto out = (*polling)->Prefill(ArgsOf(in));
+  ASSERT_TRUE(out.ok()) << out.status();
+  ExpectMatchesReference(mirror, in, *out);
+  auto same = client_->Prefill(ArgsOf(in));
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(out->o, same->o);
+  const std::string after = *HttpGet(server_->metrics_address(), "/metrics");
+  for (const char* stage : {"parse", "admit", "respond", "send"}) {
+    const std::string label = absl::StrCat("stage=\"", stage, "\"");
+    // The send stage of the last call may be observed just after its client returned.
+    const double n = *MetricValue(after, "attnserve_request_stage_seconds_count", label) -
+                     *MetricValue(before, "attnserve_request_stage_seconds_count", label);
+    EXPECT_GE(n, std::string(stage) == "send" ? 0 : 1) << stage;
+    EXPECT_LE(n, 2) << stage;
+  }
+  // Errors come back as from the blocking path: the field and the bound.
+  PrefillArgs bad = ArgsOf(in);
+  bad.layer = geo_.num_layers;
+  auto refused = (*polling)->Prefill(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("layer"), std::string::npos) << refused.status();
+  // A deadline still ends a polled call.
+  ClientOptions hurried = options;
+  hurried.timeout_s = 1e-6;
+  hurried.fetch_info = false;
+  auto late = Client::Connect(hurried);
+  ASSERT_TRUE(late.ok()) << late.status();
+  auto expired = (*late)->Prefill(ArgsOf(in));
+  ASSERT_FALSE(expired.ok());
+  EXPECT_EQ(expired.status().code(), absl::StatusCode::kDeadlineExceeded) << expired.status();
+}
+
 }  // namespace
 }  // namespace server_test
 }  // namespace attnserve
