@@ -26,8 +26,6 @@
 // (CreatePlan) and its requests name the plan instead of carrying the
 // layout, as an engine's per-layer requests of one step do (docs/design.md,
 // Plans): the request carries the query (or its region) and a plan id.
-#include <netdb.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,12 +46,12 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "client/bench_stats.h"
 #include "client/cli_flags.h"
 #include "client/client.h"
 #include "client/shared_memory.h"
@@ -88,7 +86,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int kVariants = 2;                   // requests per shape and client: same pages, other q
-constexpr size_t kMaxLatencySamples = 100000;  // in the JSON
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
@@ -162,74 +159,6 @@ std::vector<ShapeSpec> ShapesOf(const std::string& workload) {
   if (workload == "mixed") return {decode, prefill, prefix};
   return {};
 }
-
-// Everything measured, shared by the clients and the progress line.
-class Stats {
- public:
-  void Record(double latency_s, const absl::Status& status, bool wrong, const Shape& shape) {
-    absl::MutexLock lock(&mu_);
-    ++done_;
-    if (!status.ok()) {
-      ++errors_[absl::StatusCodeToString(status.code())];
-      return;
-    }
-    if (wrong) ++wrong_;
-    ++ok_;
-    rows_ += shape.rows;
-    flops_ += shape.flops;
-    latencies_.push_back(latency_s);
-  }
-  void Dropped() {
-    absl::MutexLock lock(&mu_);
-    ++dropped_;
-  }
-  int64_t done() const {
-    absl::MutexLock lock(&mu_);
-    return done_;
-  }
-
-  struct Snapshot {
-    int64_t done = 0, ok = 0, wrong = 0, dropped = 0, rows = 0;
-    double flops = 0;
-    std::map<std::string, int64_t> errors;
-    std::vector<double> sorted;   // OK latencies, seconds, ascending
-    std::vector<double> samples;  // at most kMaxLatencySamples, in arrival order
-    int64_t Errors() const {
-      int64_t n = wrong;
-      for (const auto& [code, count] : errors) n += count;
-      return n;
-    }
-    // Nearest rank; 0 when nothing was measured.
-    double Percentile(double p) const {
-      if (sorted.empty()) return 0;
-      const size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * sorted.size()));
-      return sorted[std::min(sorted.size() - 1, rank == 0 ? 0 : rank - 1)];
-    }
-  };
-  Snapshot Take(bool with_samples) const {
-    Snapshot s;
-    absl::MutexLock lock(&mu_);
-    s.done = done_, s.ok = ok_, s.wrong = wrong_, s.dropped = dropped_, s.rows = rows_;
-    s.flops = flops_;
-    s.errors = errors_;
-    s.sorted = latencies_;
-    if (with_samples) {
-      const size_t stride = (latencies_.size() + kMaxLatencySamples - 1) / kMaxLatencySamples;
-      for (size_t i = 0; i < latencies_.size(); i += std::max<size_t>(stride, 1)) {
-        s.samples.push_back(latencies_[i]);
-      }
-    }
-    std::sort(s.sorted.begin(), s.sorted.end());
-    return s;
-  }
-
- private:
-  mutable absl::Mutex mu_;
-  int64_t done_ = 0, ok_ = 0, wrong_ = 0, dropped_ = 0, rows_ = 0;
-  double flops_ = 0;
-  std::map<std::string, int64_t> errors_;
-  std::vector<double> latencies_;
-};
 
 // One client: its connection, pages, K/V copy and prepared requests.
 class Worker {
@@ -311,7 +240,7 @@ class Worker {
 
   // Sends the next request; latency runs from `start` (its scheduled arrival
   // in the open loop).
-  void SendOne(Clock::time_point start, bool verify, Stats* stats) {
+  void SendOne(Clock::time_point start, bool verify, LatencyStats* stats) {
     const size_t index = next_++ % shapes_.size();
     const Shape& shape = shapes_[index];
     PrefillArgs args = ArgsOf(shape.in);
@@ -353,7 +282,7 @@ class Worker {
       wrong = !c.Ok(dtype);
       if (wrong) std::cerr << "\nwrong result (" << shape.name << "): " << c.ToString() << "\n";
     }
-    stats->Record(latency, status, wrong, shape);
+    stats->Record(latency, status, wrong, shape.rows, shape.flops);
   }
 
   void TearDown() {
@@ -389,38 +318,14 @@ class Worker {
 
 // The attnserve_batch_requests histogram's sum and count from /metrics.
 absl::StatusOr<std::pair<double, double>> ScrapeBatchRequests(const std::string& address) {
-  std::vector<std::string> hp = absl::StrSplit(address, absl::MaxSplits(':', 1));
-  if (hp.size() != 2) return absl::InvalidArgumentError("--metrics: want HOST:PORT");
-  addrinfo hints{}, *res = nullptr;
-  hints.ai_socktype = SOCK_STREAM;
-  if (getaddrinfo(hp[0].c_str(), hp[1].c_str(), &hints, &res) != 0 || res == nullptr) {
-    return absl::UnavailableError(absl::StrCat("cannot resolve ", address));
-  }
-  const int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
-  const bool connected = fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0;
-  freeaddrinfo(res);
-  if (!connected) {
-    if (fd >= 0) close(fd);
-    return absl::UnavailableError(absl::StrCat("cannot connect to ", address));
-  }
-  const std::string request = absl::StrCat("GET /metrics HTTP/1.0\r\nHost: ", address, "\r\n\r\n");
-  std::string body;
-  bool sent = send(fd, request.data(), request.size(), 0) == static_cast<ssize_t>(request.size());
-  char buf[65536];
-  for (ssize_t n; sent && (n = recv(fd, buf, sizeof(buf), 0)) > 0;) body.append(buf, n);
-  close(fd);
-  double sum = -1, count = -1;
-  for (absl::string_view line : absl::StrSplit(body, '\n')) {
-    if (absl::ConsumePrefix(&line, "attnserve_batch_requests_sum ")) {
-      absl::SimpleAtod(line, &sum);
-    } else if (absl::ConsumePrefix(&line, "attnserve_batch_requests_count ")) {
-      absl::SimpleAtod(line, &count);
-    }
-  }
-  if (sum < 0 || count < 0) {
+  auto text = FetchMetrics(address);
+  if (!text.ok()) return text.status();
+  auto sum = SumMetric(*text, "attnserve_batch_requests_sum");
+  auto count = SumMetric(*text, "attnserve_batch_requests_count");
+  if (!sum.ok() || !count.ok()) {
     return absl::NotFoundError(absl::StrCat("no attnserve_batch_requests at ", address));
   }
-  return std::make_pair(sum, count);
+  return std::make_pair(*sum, *count);
 }
 
 // Open-loop arrivals waiting for a free client.
@@ -461,8 +366,6 @@ class ArrivalQueue {
   const int64_t bound_;
   bool closed_ = false;
 };
-
-std::string Ms(double s) { return absl::StrFormat("%.3f", s * 1e3); }
 
 int Main() {
   const std::string workload = absl::GetFlag(FLAGS_workload);
@@ -545,7 +448,7 @@ int Main() {
   }
 
   // The timed run.
-  Stats stats;
+  LatencyStats stats;
   std::atomic<int64_t> issued{0};  // closed loop: requests claimed
   std::atomic<bool> stop{false};
   const Clock::time_point start = Clock::now();
@@ -603,12 +506,12 @@ int Main() {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
       if (finished.load()) break;
-      const Stats::Snapshot s = stats.Take(false);
+      const LatencyStats::Snapshot s = stats.Take(false);
       const Clock::time_point now = Clock::now();
       std::cerr << absl::StrFormat(
           "%s%6.1fs  done %d  %.1f req/s  p50 %s ms  p99 %s ms  errors %d%s", tty ? "\r" : "",
           Seconds(now - start), s.done, (s.done - last_done) / Seconds(now - last),
-          Ms(s.Percentile(50)), Ms(s.Percentile(99)), s.Errors(), tty ? "  " : "\n");
+          FormatMs(s.Percentile(50)), FormatMs(s.Percentile(99)), s.Errors(), tty ? "  " : "\n");
       last_done = s.done;
       last = now;
     }
@@ -636,7 +539,7 @@ int Main() {
   for (Worker& w : workers) w.TearDown();
 
   // Report.
-  const Stats::Snapshot s = stats.Take(!absl::GetFlag(FLAGS_json).empty());
+  const LatencyStats::Snapshot s = stats.Take(!absl::GetFlag(FLAGS_json).empty());
   const double rps = s.ok / elapsed, rows_ps = s.rows / elapsed, tflops = s.flops / elapsed / 1e12;
   std::vector<std::string> codes;
   for (const auto& [code, count] : s.errors) codes.push_back(absl::StrCat(code, "=", count));
@@ -655,8 +558,8 @@ int Main() {
       "requests per launch: %s\n",
       workload, ShapeText(workload), mode, info.backend(), info.num_qo_heads(), info.num_kv_heads(), info.head_dim(),
       info.page_size(), v1::DType_Name(info.kv_dtype()), s.done, elapsed, s.ok, s.dropped,
-      verify ? ", every response verified" : "", rps, rows_ps, tflops, Ms(s.Percentile(50)),
-      Ms(s.Percentile(90)), Ms(s.Percentile(99)), Ms(s.Percentile(100)),
+      verify ? ", every response verified" : "", rps, rows_ps, tflops, FormatMs(s.Percentile(50)),
+      FormatMs(s.Percentile(90)), FormatMs(s.Percentile(99)), FormatMs(s.Percentile(100)),
       codes.empty() ? "none" : absl::StrJoin(codes, " "), metrics_note);
 
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
@@ -682,8 +585,8 @@ int Main() {
         absl::GetFlag(FLAGS_q_len), absl::GetFlag(FLAGS_kv_len), verify ? "true" : "false",
         info.backend(), info.num_qo_heads(), info.num_kv_heads(), info.head_dim(), info.page_size(),
         v1::DType_Name(info.kv_dtype()), s.done, s.ok, s.dropped, elapsed, rps, rows_ps, tflops,
-        Ms(s.Percentile(50)), Ms(s.Percentile(90)), Ms(s.Percentile(99)), Ms(s.Percentile(100)),
-        s.Errors(), absl::StrJoin(errors, ", "), s.wrong,
+        FormatMs(s.Percentile(50)), FormatMs(s.Percentile(90)), FormatMs(s.Percentile(99)),
+        FormatMs(s.Percentile(100)), s.Errors(), absl::StrJoin(errors, ", "), s.wrong,
         per_launch ? absl::StrFormat("%.6g", *per_launch) : "null", absl::StrJoin(samples, ", "));
     if (!f.good()) {
       std::cerr << "error: cannot write " << path << "\n";

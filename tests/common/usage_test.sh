@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # --help and --version of every program (common/usage.cc). For each of
-# attnserve, attnctl, attnbench, attnecho and tcp_echo:
+# attnserve, attnctl, attnbench, attnecho, tcp_echo and cluster_decode_bench:
 #   --help, -h and --helpfull exit 0; --help has one line per flag that the
 #   program's own sources define (read here from their ABSL_FLAGs, not from
 #   the binary), with its default and a meaning, and no other flag lines;
@@ -9,7 +9,8 @@
 #   --version exits 0 and prints "NAME VERSION (commit HASH)" with CMake's
 #   project version and a commit of this repository ("unknown" outside git);
 #   an unknown flag still exits non-zero.
-# Env: SOURCE_DIR, BUILD_DIR, VERSION, and ATTNSERVE, ATTNCTL, ATTNBENCH, ATTNECHO, TCP_ECHO.
+# Env: SOURCE_DIR, BUILD_DIR, VERSION, and ATTNSERVE, ATTNCTL, ATTNBENCH, ATTNECHO, TCP_ECHO,
+# CLUSTER_DECODE_BENCH.
 set -uo pipefail
 source "$SOURCE_DIR/tests/ops/lib.sh"  # check, finish
 WORK=$(mktemp -d)
@@ -79,4 +80,5 @@ run attnctl "$ATTNCTL" client/attnctl.cc client/cli_flags.cc
 run attnbench "$ATTNBENCH" client/attnbench.cc client/cli_flags.cc
 run attnecho "$ATTNECHO" bench/attnecho.cc
 run tcp_echo "$TCP_ECHO" bench/tcp_echo.cc
+run cluster_decode_bench "$CLUSTER_DECODE_BENCH" bench/cluster_decode_bench.cc
 finish

@@ -19,7 +19,7 @@ P=$WORK/prefix
 
 installed() {
   local missing=()
-  for f in bin/attnserve bin/attnctl bin/attnbench bin/attnecho \
+  for f in bin/attnserve bin/attnctl bin/attnbench bin/attnecho bin/cluster_decode_bench \
     lib/libattnserve_client.a lib/libattnserve_common.a lib/libattnserve_reference.a \
     lib/libattnserve_proto.a \
     lib/cmake/attnserve/attnserveConfig.cmake lib/cmake/attnserve/attnserveConfigVersion.cmake \
