@@ -137,6 +137,11 @@ def main():
         if i in (0, spin):
             paths += [("inline, plan", ["--plan"], False), ("system shm region", ["--shm"], i == 0),
                       ("system shm region, plan", ["--shm", "--plan"], False)]
+        if i == spin:
+            # The client polls for its responses too (attnbench --busy_poll).
+            paths += [("inline, client --busy_poll", ["--busy_poll"], False),
+                      ("inline, plan, client --busy_poll", ["--plan", "--busy_poll"], False),
+                      ("system shm region, plan, client --busy_poll", ["--shm", "--plan", "--busy_poll"], False)]
         for path, flag, with_prefill in paths:
             cases = [("decode64", decode, dur)] + ([("prefill 128 MiB", long_, long_n)] if with_prefill else [])
             for case, args, n in cases:
