@@ -171,27 +171,31 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
 
     int32_t my_slot = num_blocks > 0 ? row_slot(0) : 0;
     if constexpr (Tr::kOverlap) {
-      // Before each wait for a release, complete every copy group but the
-      // kKeepK (before K) or kKeepV (before V) newest (traits.cuh).
-      int done = 0;  // groups completed: G(0) .. G(done - 1)
+      // Copies are tracked by the stages' mbarriers (traits.cuh): only Q is
+      // waited for, after K_0 is on its way, for its sign flip.
       for (int b = 0; b < num_blocks; ++b) {
         const int stage = b % S;
         int32_t* slots = s_slot + (b & 1) * KB;
         slots[tid] = my_slot;
         NamedBarSync(1, 128);
         if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
-        // Issued so far: G(0) .. G(2b).
-        CpAsyncWait<Tr::kKeepK>();
-        for (; done <= 2 * b - Tr::kKeepK; ++done) complete(done);
         if (b >= S) MbarWait(bar_k_empty(stage), ((b / S) & 1) ^ 1);
         issue(k_base, a_k + stage * Tr::kKvBytes, slots);
-        CpAsyncWait<Tr::kKeepV>();
-        for (; done <= 2 * b + 1 - Tr::kKeepV; ++done) complete(done);
+        CpAsyncArriveNoinc(bar_k(stage));
+        if (b == 0) {
+          CpAsyncWait<1>();  // G0, the Q tile
+          complete(0);
+        }
         if (b >= S) MbarWait(bar_v_empty(stage), ((b / S) & 1) ^ 1);
         issue(v_base, a_v + stage * Tr::kKvBytes, slots);
+        CpAsyncArriveNoinc(bar_v(stage));
       }
-      CpAsyncWait<0>();
-      for (; done <= 2 * num_blocks; ++done) complete(done);
+      if (num_blocks == 0) {
+        CpAsyncWait<0>();
+        complete(0);
+      }
+      // The barriers signal the copies; the thread leaves none pending.
+      CpAsyncWaitAll();
     } else {
       for (int b = 0; b < num_blocks; ++b) {
         const int stage = b % S;
@@ -392,9 +396,12 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
     for (int j = 0; j < KB / 16; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0u;
 
     // Waits for K_t (t < num_blocks) and V_{t-1} (t > 0), then for the turn.
+    // The producer's copies completed on the barriers (cp.async writes,
+    // generic proxy): fence before wgmma reads them (traits.cuh).
     auto turn_begin = [&](int t) {
       if (t < num_blocks) MbarWait(bar_k(t % S), (t / S) & 1);
       if (t >= 1) MbarWait(bar_v((t - 1) % S), ((t - 1) / S) & 1);
+      FenceProxyAsync();
       if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
     };
     // Hands the turn over (all but warpgroup 1's last turn).

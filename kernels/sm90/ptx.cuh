@@ -29,6 +29,14 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// The mbarrier receives one arrival when every cp.async this thread issued
+// so far has landed (no increment of the expected count first: the barrier's
+// count includes this arrival). The thread does not wait.
+__device__ __forceinline__ void CpAsyncArriveNoinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // Makes this thread's completed generic-proxy writes to shared memory
 // (cp.async, st.shared) visible to the async proxy (wgmma operand reads).
 __device__ __forceinline__ void FenceProxyAsync() {

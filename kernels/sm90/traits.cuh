@@ -61,8 +61,8 @@ struct Traits {
   static constexpr bool kPingPong = kTurns;
   // K and V stages are released on separate mbarriers (kOverlap): K_b once
   // S_b has completed, V_b once P_b V_b has. With one barrier per stage the
-  // overlapped consumers would release block b only after S_{b+1}, whose K
-  // the producer completes late (see kKeepV).
+  // overlapped consumers would release block b only after S_{b+1}, so the
+  // producer could refill its K stage one turn later.
   static constexpr bool kSplitEmpty = kOverlap;
   // kSerial: copy groups (one K or V block each) a producer thread keeps in
   // flight before it waits for the oldest. Before it refills a stage, the
@@ -70,25 +70,18 @@ struct Traits {
   // (G(2(b - kStages) + 2) by the time it has issued G(2b)): at most
   // 2 * kStages - 2.
   static constexpr int kInFlight = 2 * kStages - 2;
-  // kOverlap: the producer completes every copy group but the kKeepK
-  // (kKeepV) newest before it waits for the release of a K (V) stage. It
-  // issues G(0) = Q, G(2b + 1) = K_b, G(2b + 2) = V_b, and waits for
-  // k_empty(b - kStages) before K_b and v_empty(b - kStages) before V_b.
-  //  - No deadlock: k_empty(b - kStages) needs the consumers' turn
-  //    b - kStages, which waits for K_{b - kStages} and V_{b - kStages - 1}:
-  //    complete by then if kKeepK <= 2 * kStages - 1; v_empty(b - kStages)
-  //    needs turn b - kStages + 1 (K_{b - kStages + 1} = G(2b - 2 kStages + 3)):
-  //    kKeepV <= 2 * kStages - 2.
-  //  - No lockstep: warpgroup 0 starts turn t while warpgroup 1 is in turn
-  //    t - 1, which releases V_{t-2} only at its end. K_t must therefore be
-  //    complete before the producer waits for v_empty(t - 2), when the newest
-  //    groups are K_{t+1} .. K_{t-2+kStages} and V_t .. V_{t-3+kStages}:
-  //    kKeepV <= 2 * kStages - 4 (a deeper keep, as kSerial's, would make each
-  //    warpgroup wait for the end of the other's previous turn). kKeepK =
-  //    kKeepV + 1 never blocks (one group issued since the last wait).
-  // D = 128: 3 and 2 groups (96 and 64 KB) in flight at the waits.
-  static constexpr int kKeepV = 2 * kStages - 4;
-  static constexpr int kKeepK = kKeepV + 1;
+  // kOverlap: the producer never waits for its copies. After issuing the
+  // K (V) rows of block b each producer thread makes the stage's k_full
+  // (v_full) mbarrier track them (cp.async.mbarrier.arrive.noinc; 128
+  // arrivals complete the phase), so a block is signalled the moment its
+  // last row lands, whatever the producer is doing; the producer blocks only
+  // on k_empty(b - kStages) before K_b and v_empty(b - kStages) before V_b
+  // and so keeps every free stage in flight. The consumers fence to the
+  // async proxy after each k_full / v_full wait, before wgmma reads the
+  // stage. No deadlock: k_empty(b - kStages) needs turn b - kStages, whose
+  // K and V_{b - kStages - 1} were issued before; v_empty(b - kStages)
+  // needs turn b - kStages + 1, whose K_{b - kStages + 1} was issued before
+  // V_b. (kSerial keeps the waiting producer: kInFlight above.)
   static constexpr int kThreads = 384;
   static constexpr int kProducerRegs = 56;  // setmaxnreg after the split
   static constexpr int kConsumerRegs = 224;
