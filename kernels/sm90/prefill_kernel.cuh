@@ -172,41 +172,27 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
     int32_t my_slot = num_blocks > 0 ? row_slot(0) : 0;
     if constexpr (Tr::kOverlap) {
       // Copies are tracked by the stages' mbarriers (traits.cuh): only Q is
-      // waited for, after K_0 is on its way, for its sign flip. K runs one
-      // block ahead of V in issue order (K_{b+1}, then V_b), so that the wait
-      // for a free V stage never holds back the next K block. The slots of
-      // block b (buffer b & 1) are read by K_b and V_b; two barriers per
-      // block keep a buffer from being refilled while a lagging thread still
-      // reads it.
-      if (num_blocks > 0) {
-        s_slot[tid] = my_slot;
-        NamedBarSync(1, 128);
-        if (num_blocks > 1) my_slot = row_slot(1);
-        issue(k_base, a_k, s_slot);
-        CpAsyncArriveNoinc(bar_k(0));
-      }
-      // G0, the Q tile (K_0, committed after it, may still run).
-      if (num_blocks > 0) {
-        CpAsyncWait<1>();
-      } else {
-        CpAsyncWait<0>();
-      }
-      complete(0);
+      // waited for, after K_0 is on its way, for its sign flip.
       for (int b = 0; b < num_blocks; ++b) {
-        const int n = b + 1;
-        if (n < num_blocks) {
-          int32_t* next = s_slot + (n & 1) * KB;
-          NamedBarSync(1, 128);  // V_{b-1}, the last reader of `next`, issued by all
-          next[tid] = my_slot;
-          NamedBarSync(1, 128);
-          if (n + 1 < num_blocks) my_slot = row_slot(n + 1);  // in flight during the copies
-          if (n >= S) MbarWait(bar_k_empty(n % S), ((n / S) & 1) ^ 1);
-          issue(k_base, a_k + (n % S) * Tr::kKvBytes, next);
-          CpAsyncArriveNoinc(bar_k(n % S));
+        const int stage = b % S;
+        int32_t* slots = s_slot + (b & 1) * KB;
+        slots[tid] = my_slot;
+        NamedBarSync(1, 128);
+        if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
+        if (b >= S) MbarWait(bar_k_empty(stage), ((b / S) & 1) ^ 1);
+        issue(k_base, a_k + stage * Tr::kKvBytes, slots);
+        CpAsyncArriveNoinc(bar_k(stage));
+        if (b == 0) {
+          CpAsyncWait<1>();  // G0, the Q tile
+          complete(0);
         }
-        if (b >= S) MbarWait(bar_v_empty(b % S), ((b / S) & 1) ^ 1);
-        issue(v_base, a_v + (b % S) * Tr::kKvBytes, s_slot + (b & 1) * KB);
-        CpAsyncArriveNoinc(bar_v(b % S));
+        if (b >= S) MbarWait(bar_v_empty(stage), ((b / S) & 1) ^ 1);
+        issue(v_base, a_v + stage * Tr::kKvBytes, slots);
+        CpAsyncArriveNoinc(bar_v(stage));
+      }
+      if (num_blocks == 0) {
+        CpAsyncWait<0>();
+        complete(0);
       }
       // The barriers signal the copies; the thread leaves none pending.
       CpAsyncWaitAll();
