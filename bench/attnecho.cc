@@ -83,9 +83,10 @@ class Responder {
 };
 
 // Prefill is a raw method: the request is parsed from gRPC's slices (one
-// copy, as attnserve parses it) and the response sent from the parsed query's
-// memory (no copy, as attnserve sends its output), so that attnecho's floor
-// costs what attnserve's edge costs.
+// copy: attnserve's edge leaves the query in the slices, and its backend
+// makes that one copy into its staging) and the response sent from the
+// parsed query's memory (no copy, as attnserve sends its output), so that
+// attnecho's floor costs what attnserve's host side costs.
 class EchoService final
     : public v1::AttentionService::WithRawCallbackMethod_Prefill<
           v1::AttentionService::CallbackService> {

@@ -73,11 +73,11 @@ void PutTensorHead(uint32_t field, int32_t dtype, absl::Span<const int64_t> shap
   }
 }
 
-// Reads one Tensor message (up to the stream's current limit) into `t`,
-// merging as protobuf merges a repeated occurrence: scalars and data, last
-// wins; shape, appended.
-bool ReadTensor(CodedInputStream* in, ReceivedTensor* t, const TensorSink& sink) {
+}  // namespace
+
+bool ReadTensorFields(CodedInputStream* in, ReceivedTensor* t, TensorDataReader read_data) {
   for (;;) {
+    const int field_start = in->CurrentPosition();
     const uint32_t tag = in->ReadTag();
     if (tag == 0) return in->BytesUntilLimit() == 0;
     const uint32_t number = WireFormatLite::GetTagFieldNumber(tag);
@@ -104,9 +104,7 @@ bool ReadTensor(CodedInputStream* in, ReceivedTensor* t, const TensorSink& sink)
       uint32_t length = 0;
       if (!in->ReadVarint32(&length)) return false;
       if (static_cast<int64_t>(length) > in->BytesUntilLimit()) return false;
-      void* dest = sink(length);
-      if (dest == nullptr && length > 0) return false;
-      if (length > 0 && !in->ReadRaw(dest, static_cast<int>(length))) return false;
+      if (!read_data(in, field_start, length)) return false;
       t->bytes = length;
     } else if (!WireFormatLite::SkipField(in, tag)) {
       return false;
@@ -114,7 +112,10 @@ bool ReadTensor(CodedInputStream* in, ReceivedTensor* t, const TensorSink& sink)
   }
 }
 
-}  // namespace
+void AppendLengthPrefix(uint32_t field, uint64_t length, std::string* out) {
+  PutTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, out);
+  PutVarint(length, out);
+}
 
 grpc::Slice BorrowedMemory::Borrow(const void* data, size_t bytes) {
   {
@@ -143,8 +144,7 @@ int64_t BorrowedMemory::outstanding() const {
 }
 
 void WireWriter::AppendLengthPrefix(uint32_t field, uint64_t length) {
-  PutTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &pending_);
-  PutVarint(length, &pending_);
+  attnserve::AppendLengthPrefix(field, length, &pending_);
 }
 
 void WireWriter::AppendTensor(uint32_t field, int32_t dtype, absl::Span<const int64_t> shape,
@@ -218,8 +218,14 @@ absl::Status ReadTensorResponse(const grpc::ByteBuffer& bytes, const char* what,
       }
       ReceivedTensor* t = number == 1 ? first : second;
       t->present = true;
+      const TensorSink& sink = number == 1 ? first_sink : second_sink;
       const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
-      if (!ReadTensor(&in, t, number == 1 ? first_sink : second_sink)) return malformed();
+      const auto copy_data = [&sink](CodedInputStream* data_in, int, uint32_t data_length) {
+        void* dest = sink(data_length);
+        if (dest == nullptr && data_length > 0) return false;
+        return data_length == 0 || data_in->ReadRaw(dest, static_cast<int>(data_length));
+      };
+      if (!ReadTensorFields(&in, t, copy_data)) return malformed();
       in.PopLimit(limit);
     } else if (number == 3 && type == WireFormatLite::WIRETYPE_FIXED64) {
       if (!in.ReadLittleEndian64(incarnation)) return malformed();

@@ -17,7 +17,9 @@
 // Tensors and 3 the fixed64 incarnation (PrefillResponse, ReadKVResponse,
 // MergeStatesResponse) slice by slice and copies each tensor's data straight
 // into memory the caller provides once its size is known: one copy, with no
-// flattened buffer and no intermediate proto string.
+// flattened buffer and no intermediate proto string. ReadTensorFields, the
+// Tensor walk beneath it, also serves the server's edge, which leaves a
+// request tensor's data in gRPC's slices (server/grpc/convert.h).
 #pragma once
 
 #include <cstddef>
@@ -27,10 +29,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "google/protobuf/io/coded_stream.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
 
@@ -108,6 +112,22 @@ struct ReceivedTensor {
 // the message: INVALID_ARGUMENT). A tensor without data (empty, or in a
 // region) never calls it; a repeated data field calls it again (last wins).
 using TensorSink = std::function<void*(size_t bytes)>;
+
+// Reads the fields of one Tensor message from `in`, up to its current
+// limit, into *t as protobuf merges repeated occurrences: dtype, last wins;
+// shape, appended. Each data field is left to read_data, called with the
+// position (in->CurrentPosition()) of the field's tag and its payload's
+// length, which is known to lie within the limit; the stream is at the
+// payload, and read_data must consume exactly `length` bytes and return
+// true, or return false to reject the message. Unknown fields are skipped.
+// False when the bytes do not parse as a Tensor.
+using TensorDataReader = absl::FunctionRef<bool(google::protobuf::io::CodedInputStream* in,
+                                                int field_start, uint32_t length)>;
+bool ReadTensorFields(google::protobuf::io::CodedInputStream* in, ReceivedTensor* t,
+                      TensorDataReader read_data);
+
+// Appends the tag and varint length of length-delimited field `field`.
+void AppendLengthPrefix(uint32_t field, uint64_t length, std::string* out);
 
 // Walks a PrefillResponse, ReadKVResponse or MergeStatesResponse: Tensor
 // fields 1 and 2 go to first/second (their data to the sinks), the fixed64

@@ -32,6 +32,7 @@
 #include "kernels/paged_prefill.h"
 #include "server/backend/host_buffer.h"
 #include "server/backend/region_device.h"
+#include "server/backend/scatter_list.h"
 
 namespace attnserve {
 
@@ -41,10 +42,14 @@ namespace attnserve {
 // CUDA region, opened on the backend's device by its RegionDevice (only a
 // backend whose RegionDevice opens IPC handles ever gets one). *_pinned: host
 // memory that is page-locked (a system region registered with the device),
-// which the device's copy engines may read directly.
+// which the device's copy engines may read directly. An inline input that
+// arrived in several pieces (the slices gRPC received it in) is a
+// ScatterList instead: its *_scattered list is not empty and its pointer is
+// null. Inline host inputs are not aligned to anything.
 struct PrefillTask {
   int32_t layer = 0;
   const void* q = nullptr;              // (total_q, num_qo_heads, head_dim)
+  ScatterList q_scattered;              // or these pieces
   bool q_on_device = false;
   bool q_pinned = false;
   int32_t total_q = 0;
@@ -58,6 +63,8 @@ struct PrefillTask {
   int64_t num_append = 0;
   const void* append_k = nullptr;         // (num_append, num_kv_heads, head_dim)
   const void* append_v = nullptr;         // (num_append, num_kv_heads, head_dim)
+  ScatterList append_k_scattered;         // or these pieces
+  ScatterList append_v_scattered;
   bool append_k_on_device = false;
   bool append_v_on_device = false;
   bool append_k_pinned = false;
@@ -117,13 +124,17 @@ struct BatchStats {
 };
 
 // Scatter (WriteKV) or gather (ReadKV) of rows by slot. Host pointers, but
-// for k / v when *_on_device (a CUDA region, as in PrefillTask).
+// for k / v when *_on_device (a CUDA region, as in PrefillTask). A WriteKV's
+// inline k / v may be pieces instead (*_scattered not empty, the pointer
+// null), as PrefillTask's inputs.
 struct KvRows {
   int32_t layer = 0;
   const int64_t* slots = nullptr;  // (n) validated slots, host
   int64_t n = 0;
   void* k = nullptr;               // (n, num_kv_heads, head_dim)
   void* v = nullptr;               // (n, num_kv_heads, head_dim)
+  ScatterList k_scattered;         // WriteKV: or these pieces
+  ScatterList v_scattered;
   bool k_on_device = false;
   bool v_on_device = false;
 };

@@ -31,9 +31,9 @@ class AttentionCore::RegionUse {
   // Points t->data at its region range when t names one.
   absl::Status Input(TensorView* t, int64_t elem_bytes, const std::string& field) {
     if (!t->region.set) return absl::OkStatus();
-    if (!t->data.empty()) {
+    if (t->byte_size() != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
-          field, ".data has ", t->data.size(), " bytes and ", field,
+          field, ".data has ", t->byte_size(), " bytes and ", field,
           ".region is set: a tensor's bytes come from one of them"));
     }
     ATTN_ASSIGN_OR_RETURN(RegionSlice slice,
@@ -426,6 +426,8 @@ void AttentionCore::WriteKv(const WriteKvCall& request, DoneCallback done) {
   // The backend only reads k and v for a write.
   job->rows.k = const_cast<char*>(call.k.data.data());
   job->rows.v = const_cast<char*>(call.v.data.data());
+  job->rows.k_scattered = call.k.scattered;
+  job->rows.v_scattered = call.v.scattered;
   job->rows.k_on_device = call.k.on_device;
   job->rows.v_on_device = call.v.on_device;
   job->done = regions.Wrap(std::move(done), metrics_);

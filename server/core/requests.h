@@ -1,8 +1,9 @@
 // Plain request structs handed from the gRPC edge to the core.
 //
 // The edge converts protos into these views without copying tensor bytes:
-// every span and string_view points into the request message, which the
-// edge keeps alive until the done callback has run. Prefill's outputs go to a
+// every span and string_view points into the request message or, for the
+// inline tensors of Prefill and WriteKV, into the slices gRPC received it in,
+// which the edge keeps alive until the done callback has run. Prefill's outputs go to a
 // HostBuffer the core gets from the backend and the edge sends from; the
 // other calls' outputs are std::strings owned by the response message, which
 // the core sizes and fills.
@@ -20,6 +21,7 @@
 #include "absl/types/span.h"
 #include "common/kv_geometry.h"
 #include "server/backend/host_buffer.h"
+#include "server/backend/scatter_list.h"
 #include "server/core/region_table.h"
 
 namespace attnserve {
@@ -48,19 +50,27 @@ inline const char* TensorDTypeName(TensorDType dtype) {
   return "unknown";
 }
 
-// A request tensor. Its bytes are `data`, or, when region.set, a range of a
-// shared-memory region that the core resolves (and then points data at).
-// on_device: data is device memory (a CUDA region) that host code must never
-// read; only the backend copies it. pinned: data is page-locked host memory
-// (a system region registered with the device) that the device may copy
-// directly.
+// A request tensor. Its bytes are `data`, or `scattered` (an inline tensor
+// that arrived in several of gRPC's slices: data is then empty), or, when
+// region.set, a range of a shared-memory region that the core resolves (and
+// then points data at). Inline bytes point into what gRPC received and are
+// not aligned to anything. on_device: data is device memory (a CUDA region)
+// that host code must never read; only the backend copies it. pinned: data
+// is page-locked host memory (a system region registered with the device)
+// that the device may copy directly.
 struct TensorView {
   TensorDType dtype = TensorDType::kUnspecified;
   std::vector<int64_t> shape;
   absl::string_view data;
+  ScatterList scattered;
   RegionRefView region;
   bool on_device = false;
   bool pinned = false;
+
+  // The tensor's bytes, wherever they are.
+  int64_t byte_size() const {
+    return scattered.empty() ? static_cast<int64_t>(data.size()) : scattered.size;
+  }
 };
 
 // Called once when a queued request is finished (from the scheduler thread),

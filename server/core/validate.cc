@@ -110,13 +110,13 @@ absl::Status ValidateTensor(const TensorView& t, absl::string_view field, Tensor
   int64_t elems = 1;
   for (int64_t dim : shape) elems *= dim;
   const int64_t bytes = elems * DTypeBytes(dtype);
-  if (static_cast<int64_t>(t.data.size()) != bytes && t.region.set) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".region.byte_size=", t.data.size(),
+  if (t.byte_size() != bytes && t.region.set) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".region.byte_size=", t.byte_size(),
                                                    ", shape [", absl::StrJoin(shape, ", "),
                                                    "] needs ", bytes));
   }
-  if (static_cast<int64_t>(t.data.size()) != bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".data has ", t.data.size(),
+  if (t.byte_size() != bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data has ", t.byte_size(),
                                                    " bytes, shape [", absl::StrJoin(shape, ", "),
                                                    "] needs ", bytes));
   }
@@ -281,6 +281,7 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
   PrefillTask& task = out.task;
   task.layer = call.layer;
   task.q = call.q.data.data();
+  task.q_scattered = call.q.scattered;
   task.q_on_device = call.q.on_device;
   task.q_pinned = call.q.pinned;
   task.total_q = static_cast<int32_t>(layout.total_q);
@@ -293,13 +294,15 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
     seq.lse_base_e = static_cast<uint8_t>(call.lse_base);
   }
   const int64_t n_append = layout.num_append;
-  if (n_append > 0 || !call.append_k.data.empty() || !call.append_v.data.empty()) {
+  if (n_append > 0 || call.append_k.byte_size() != 0 || call.append_v.byte_size() != 0) {
     const int64_t kv_shape[] = {n_append, geo.num_kv_heads, geo.head_dim};
     ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_k, "append_k", TensorDTypeOf(geo.dtype), kv_shape));
     ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_v, "append_v", TensorDTypeOf(geo.dtype), kv_shape));
     task.num_append = n_append;
     task.append_k = call.append_k.data.data();
     task.append_v = call.append_v.data.data();
+    task.append_k_scattered = call.append_k.scattered;
+    task.append_v_scattered = call.append_v.scattered;
     task.append_k_on_device = call.append_k.on_device;
     task.append_v_on_device = call.append_v.on_device;
     task.append_k_pinned = call.append_k.pinned;
@@ -440,6 +443,11 @@ absl::StatusOr<MergeShape> ValidateMerge(const MergeStatesCall& call, const KvGe
                                         TensorDTypeOf(geo.dtype), v_shape));
     ATTN_RETURN_IF_ERROR(ValidateTensor(call.lse[i], absl::StrCat("states[", i, "].lse"),
                                         TensorDType::kFp32, lse_shape));
+    if (!call.v[i].scattered.empty() || !call.lse[i].scattered.empty()) {
+      // The edge parses MergeStates' tensors into the message (contiguous).
+      return absl::InternalError(
+          absl::StrCat("states[", i, "]: MergeStates takes contiguous tensors only"));
+    }
     // LSEs in device memory (a CUDA region) are not read here: the host may
     // not touch them (docs/transport.md: their values are not checked).
     if (call.lse[i].on_device) continue;

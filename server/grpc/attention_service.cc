@@ -16,8 +16,9 @@ namespace attnserve {
 namespace {
 
 // Requests kept for reuse, and the most buffer capacity they may hold: enough
-// for 256 in-flight decode requests of 64 sequences, while a rare 128 MiB
-// prefill's query is freed after use rather than kept.
+// for 256 in-flight decode requests of 64 sequences. (Their tensors' data is
+// read in place, never into the message: what they keep is the layout's
+// arrays.)
 constexpr size_t kPooledPrefillRequests = 256;
 constexpr int64_t kPooledPrefillBytes = int64_t{256} << 20;
 
@@ -100,19 +101,25 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
     return true;
   }
 
-  // Parses the request into `message` after checking it against `limits`.
-  // False when it does not fit or parse (the call is finished): with
-  // INVALID_ARGUMENT, or CANCELLED / DEADLINE_EXCEEDED when the client gave
-  // up while sending it, so that a client's own timeout is not counted as
-  // its bad input.
-  bool Parse(const WireMessage& limits, google::protobuf::MessageLite* message) {
-    absl::Status status = ParseInto(*request_, limits, message);
+  // Parses the request into `message` after checking it against `limits`;
+  // with `tensors`, the data of the Tensor fields `in_place` stays in gRPC's
+  // slices, which *tensors then holds (ParseInto in convert.h). False when
+  // it does not fit or parse (the call is finished): with INVALID_ARGUMENT,
+  // or CANCELLED / DEADLINE_EXCEEDED when the client gave up while sending
+  // it, so that a client's own timeout is not counted as its bad input.
+  bool Parse(const WireMessage& limits, google::protobuf::MessageLite* message,
+             absl::Span<const uint32_t> in_place = {}, InPlaceTensors* tensors = nullptr) {
+    absl::Status status = tensors != nullptr
+                              ? ParseInto(*request_, limits, in_place, message, tensors)
+                              : ParseInto(*request_, limits, message);
     if (status.ok()) {
-      // The parsed message holds everything now: gRPC's copy of the bytes
-      // goes at once, not when the call ends, so that a request costs about
-      // twice its size at peak (received, then parsed), not three times
-      // with its output. The buffer is the call's; clearing it early is
-      // what gRPC does at the end.
+      // gRPC's buffer goes at once, not when the call ends: the parsed
+      // message holds the small fields, and a tensor read in place keeps
+      // the slices it lies in through *tensors, not through the buffer. A
+      // request so costs about its size until its call ends (its tensors'
+      // bytes in the slices), plus its output: never a second copy of it.
+      // The buffer is the call's; clearing it early is what gRPC does at
+      // the end.
       const_cast<grpc::ByteBuffer*>(request_)->Clear();
       return true;
     }
@@ -126,13 +133,15 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
   }
 
   // What every handler does first, once Start has admitted the call: parses
-  // the request into `parsed` and fills the core's CallContext (tenant,
-  // deadline, cancellation, request id, the expected incarnation where the
-  // request has one; `c` may be null). False when the call is finished
-  // (refused, or the request does not parse): the handler returns then.
+  // the request into `parsed` (and *tensors, as Parse does) and fills the
+  // core's CallContext (tenant, deadline, cancellation, request id, the
+  // expected incarnation where the request has one; `c` may be null). False
+  // when the call is finished (refused, or the request does not parse): the
+  // handler returns then.
   template <typename Request>
-  bool Open(const WireMessage& limits, Request* parsed, CallContext* c) {
-    if (finished() || !Parse(limits, parsed)) return false;
+  bool Open(const WireMessage& limits, Request* parsed, CallContext* c,
+            absl::Span<const uint32_t> in_place = {}, InPlaceTensors* tensors = nullptr) {
+    if (finished() || !Parse(limits, parsed, in_place, tensors)) return false;
     if (c != nullptr) {
       Bind(c);
       c->expected_incarnation = ExpectedIncarnation(*parsed, 0);
@@ -360,13 +369,21 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::WriteKV(grpc::CallbackServerCont
                                                         const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
   Call* call = Start(ctx, Metrics::Rpc::kWriteKV, request, response);
-  auto parsed = std::make_shared<v1::WriteKVRequest>();
+  // The request, and its k and v data left in gRPC's slices, until the
+  // core is done with them.
+  struct State {
+    v1::WriteKVRequest request;
+    InPlaceTensors tensors;
+  };
+  auto state = std::make_shared<State>();
   WriteKvCall c;
-  if (!call->Open(limits_.write_kv, parsed.get(), &c)) return call;
-  ToCall(*parsed, &c);
+  if (!call->Open(limits_.write_kv, &state->request, &c, kWriteKvInPlace, &state->tensors)) {
+    return call;
+  }
+  ToCall(state->request, state->tensors, &c);
   call->Ref();
   const uint64_t incarnation = core_->incarnation();
-  core_->WriteKv(c, [call, parsed, incarnation](absl::Status status) {
+  core_->WriteKv(c, [call, state, incarnation](absl::Status status) {
     if (call->Claim()) {
       v1::WriteKVResponse out;
       out.set_incarnation(incarnation);
@@ -417,20 +434,23 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerCont
                                                         grpc::ByteBuffer* response) {
   Call* call = Start(ctx, Metrics::Rpc::kPrefill, request, response);
   if (call->finished()) return call;  // refused: no pooled request taken
-  // What the request and its output need until the response is encoded.
+  // What the request and its output need until the response is encoded:
+  // the request's small fields, its tensors' data (left in gRPC's slices)
+  // and the output.
   struct State {
     RecyclingPool<v1::PrefillRequest>::Ptr request;
+    InPlaceTensors tensors;
     PrefillOutput out;
   };
-  auto* state = new State{prefill_requests_.Get(), {}};
+  auto* state = new State{prefill_requests_.Get(), {}, {}};
   PrefillCall c;
-  if (!call->Open(limits_.prefill, state->request.get(), &c)) {
+  if (!call->Open(limits_.prefill, state->request.get(), &c, kPrefillInPlace, &state->tensors)) {
     delete state;
     return call;
   }
   const v1::PrefillRequest& parsed = *state->request;
   call->set_shape(ShapeOf(parsed));
-  ToCall(parsed, &c);
+  ToCall(parsed, state->tensors, &c);
   c.out = &state->out;
   const uint64_t incarnation = core_->incarnation();
   call->MarkStage(Metrics::RequestStage::kParse);
@@ -444,7 +464,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerCont
       const absl::Time done_at = absl::Now();
       grpc::ByteBuffer bytes;
       if (status.ok()) bytes = EncodePrefillResponse(std::move(state->out), incarnation);
-      delete state;  // the request goes back to the pool; the output lives in `bytes`
+      // The request goes back to the pool and its slices to gRPC; the
+      // output lives in `bytes`.
+      delete state;
       call->ObserveRespond(done_at);
       call->Finish(status, nullptr, &bytes);
     } else {

@@ -9,13 +9,15 @@
 // once; the core finishes it, from the scheduler's threads for queued work.
 // Status conversion happens in exactly one place (status_mapping.h).
 //
-// Prefill, the hot path, parses into a recycled message (the query lands in
-// a buffer that is already mapped), and its response is sent straight from
-// the output buffer the backend filled (pinned memory the device copied
-// into, on CUDA): no zero-fill, no copy into a response message, no
-// serialization copy. ReadKV and MergeStates responses are likewise sent
-// from the strings the backend wrote (common/tensor_wire.h), not serialized
-// into a copy.
+// Prefill, the hot path, parses its small fields into a recycled message
+// and leaves its tensors' data in the slices gRPC received (InPlaceTensors,
+// convert.h), from which the backend copies it where it goes (on CUDA, into
+// its pinned staging): no copy on the edge; WriteKV's k and v likewise. Its
+// response is sent straight from the output buffer the backend filled
+// (pinned memory the device copied into, on CUDA): no zero-fill, no copy
+// into a response message, no serialization copy. ReadKV and MergeStates
+// responses are likewise sent from the strings the backend wrote
+// (common/tensor_wire.h), not serialized into a copy.
 //
 // A call whose client cancels leaves the scheduler's queue at once
 // (AttentionCore::Cancel). At the end of a drain, AbandonInflight answers

@@ -1,12 +1,17 @@
 #include "server/grpc/convert.h"
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cstring>
+#include <deque>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/wire_format_lite.h"
 #include "grpcpp/support/proto_buffer_reader.h"
@@ -38,9 +43,134 @@ TensorView View(const v1::Tensor& t) {
   return view;
 }
 
+// Top-level field `field`, read in place or not.
+TensorView View(const v1::Tensor& t, uint32_t field, const InPlaceTensors& tensors) {
+  TensorView view = View(t);
+  tensors.View(field, &view);
+  return view;
+}
+
+const InPlaceTensors& NoneInPlace() {
+  static const InPlaceTensors* none = new InPlaceTensors();
+  return *none;
+}
+
+// A ZeroCopyInputStream over pieces of memory, in order, without copying.
+class PiecesInputStream final : public google::protobuf::io::ZeroCopyInputStream {
+ public:
+  explicit PiecesInputStream(absl::Span<const absl::string_view> pieces) : pieces_(pieces) {}
+
+  bool Next(const void** data, int* size) override {
+    while (index_ < pieces_.size() && at_ == pieces_[index_].size()) {
+      ++index_;
+      at_ = 0;
+    }
+    if (index_ == pieces_.size()) return false;
+    const size_t n = std::min<size_t>(pieces_[index_].size() - at_, INT_MAX);
+    *data = pieces_[index_].data() + at_;
+    *size = static_cast<int>(n);
+    at_ += n;
+    count_ += static_cast<int64_t>(n);
+    return true;
+  }
+  // Within what the last Next returned (ZeroCopyInputStream's contract).
+  void BackUp(int count) override {
+    at_ -= static_cast<size_t>(count);
+    count_ -= count;
+  }
+  bool Skip(int count) override {
+    size_t left = static_cast<size_t>(count);
+    while (left > 0) {
+      if (index_ == pieces_.size()) return false;
+      const size_t n = std::min(left, pieces_[index_].size() - at_);
+      at_ += n;
+      count_ += static_cast<int64_t>(n);
+      left -= n;
+      if (at_ == pieces_[index_].size()) {
+        ++index_;
+        at_ = 0;
+      }
+    }
+    return true;
+  }
+  int64_t ByteCount() const override { return count_; }
+
+ private:
+  const absl::Span<const absl::string_view> pieces_;
+  size_t index_ = 0;  // the piece being read
+  size_t at_ = 0;     // bytes of it handed out
+  int64_t count_ = 0;
+};
+
+// A message's slices as one byte range: any sub-range as views of them.
+class SliceRanges {
+ public:
+  explicit SliceRanges(const std::vector<grpc::Slice>& slices) {
+    int64_t at = 0;
+    for (const grpc::Slice& s : slices) {
+      if (s.size() == 0) continue;
+      views_.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
+      starts_.push_back(at);
+      at += static_cast<int64_t>(s.size());
+    }
+  }
+  const std::vector<absl::string_view>& views() const { return views_; }
+
+  // Calls emit(data, size, offset) for the pieces of bytes [begin, end),
+  // offset counted from begin. The range lies within the message.
+  template <typename Emit>
+  void ForEach(int64_t begin, int64_t end, Emit emit) const {
+    if (begin >= end) return;
+    size_t i = static_cast<size_t>(
+        std::upper_bound(starts_.begin(), starts_.end(), begin) - starts_.begin() - 1);
+    for (int64_t at = begin; at < end; ++i) {
+      const int64_t skip = at - starts_[i];
+      const int64_t take =
+          std::min<int64_t>(end - at, static_cast<int64_t>(views_[i].size()) - skip);
+      emit(views_[i].data() + skip, take, at - begin);
+      at += take;
+    }
+  }
+  void Append(int64_t begin, int64_t end, std::vector<absl::string_view>* out) const {
+    ForEach(begin, end, [out](const char* data, int64_t size, int64_t) {
+      out->emplace_back(data, static_cast<size_t>(size));
+    });
+  }
+
+ private:
+  std::vector<absl::string_view> views_;
+  std::vector<int64_t> starts_;  // of each view in the message
+};
+
 template <typename T>
 absl::Span<const T> Span(const google::protobuf::RepeatedField<T>& field) {
   return absl::MakeConstSpan(field.data(), static_cast<size_t>(field.size()));
+}
+
+// Whether protobuf's parser takes bytes [begin, end) of the message, a
+// field's tag and length that CodedInputStream read, as it would read them
+// itself: a tag of at most 5 bytes, a length of at most 5 bytes (the fifth
+// below 8) and at most INT_MAX - 16. CodedInputStream takes varints of up to
+// 10 bytes; the generated parser, which the in-place parse must match
+// exactly, does not.
+bool ProtobufTakesPrefix(const SliceRanges& ranges, int begin, int end) {
+  uint8_t prefix[20];
+  if (end - begin > static_cast<int>(sizeof(prefix))) return false;
+  ranges.ForEach(begin, end, [&prefix](const char* data, int64_t size, int64_t offset) {
+    std::memcpy(prefix + offset, data, static_cast<size_t>(size));
+  });
+  const int n = end - begin;
+  int tag_bytes = 0;
+  while (tag_bytes < n && (prefix[tag_bytes] & 0x80) != 0) ++tag_bytes;
+  ++tag_bytes;
+  const int length_bytes = n - tag_bytes;
+  if (tag_bytes > 5 || length_bytes < 1 || length_bytes > 5) return false;
+  if (length_bytes == 5 && prefix[n - 1] >= 8) return false;
+  uint64_t length = 0;
+  for (int i = 0; i < length_bytes; ++i) {
+    length |= uint64_t{prefix[tag_bytes + i] & 0x7fu} << (7 * i);
+  }
+  return length <= static_cast<uint64_t>(INT_MAX - 16);
 }
 
 }  // namespace
@@ -63,9 +193,40 @@ v1::DType ToProto(KvDType dtype) {
   return v1::DTYPE_UNSPECIFIED;
 }
 
-void ToCall(const v1::PrefillRequest& r, PrefillCall* c) {
+bool InPlaceTensors::View(uint32_t field, TensorView* view) const {
+  for (const Field& f : fields_) {
+    if (f.number != field) continue;
+    view->data = absl::string_view();
+    view->scattered = ScatterList();
+    if (f.num_pieces == 1) {
+      const ScatterPiece& p = pieces_[f.first_piece];
+      view->data = absl::string_view(p.data, static_cast<size_t>(p.size));
+    } else if (f.num_pieces > 1) {
+      view->scattered.pieces = absl::MakeConstSpan(pieces_.data() + f.first_piece, f.num_pieces);
+      view->scattered.size = f.bytes;
+    }
+    return true;
+  }
+  return false;
+}
+
+int64_t InPlaceTensors::held_bytes() const {
+  int64_t n = 0;
+  for (const grpc::Slice& s : slices_) n += static_cast<int64_t>(s.size());
+  return n;
+}
+
+void InPlaceTensors::Clear() {
+  slices_.clear();
+  fields_.clear();
+  pieces_.clear();
+}
+
+void ToCall(const v1::PrefillRequest& r, PrefillCall* c) { ToCall(r, NoneInPlace(), c); }
+
+void ToCall(const v1::PrefillRequest& r, const InPlaceTensors& tensors, PrefillCall* c) {
   c->layer = r.layer();
-  c->q = View(r.q());
+  c->q = View(r.q(), v1::PrefillRequest::kQFieldNumber, tensors);
   c->qo_indptr = Span(r.qo_indptr());
   c->kv_indptr = Span(r.kv_indptr());
   c->kv_indices = Span(r.kv_indices());
@@ -74,8 +235,8 @@ void ToCall(const v1::PrefillRequest& r, PrefillCall* c) {
   if (r.has_causal()) c->causal = r.causal();
   c->lse_base = r.lse_base();
   c->append_slots = Span(r.append_slots());
-  c->append_k = View(r.append_k());
-  c->append_v = View(r.append_v());
+  c->append_k = View(r.append_k(), v1::PrefillRequest::kAppendKFieldNumber, tensors);
+  c->append_v = View(r.append_v(), v1::PrefillRequest::kAppendVFieldNumber, tensors);
   c->kv_keys_after = Span(r.kv_keys_after());
   c->plan_id = r.plan_id();
   c->out_region = RefView(r.has_output_region(), r.output_region());
@@ -88,11 +249,13 @@ PrefillLayout ToLayout(const v1::CreatePlanRequest& r) {
                        Span(r.append_slots()),     Span(r.kv_keys_after())};
 }
 
-void ToCall(const v1::WriteKVRequest& r, WriteKvCall* c) {
+void ToCall(const v1::WriteKVRequest& r, WriteKvCall* c) { ToCall(r, NoneInPlace(), c); }
+
+void ToCall(const v1::WriteKVRequest& r, const InPlaceTensors& tensors, WriteKvCall* c) {
   c->layer = r.layer();
   c->slots = Span(r.slots());
-  c->k = View(r.k());
-  c->v = View(r.v());
+  c->k = View(r.k(), v1::WriteKVRequest::kKFieldNumber, tensors);
+  c->v = View(r.v(), v1::WriteKVRequest::kVFieldNumber, tensors);
 }
 
 void ToCall(const v1::ReadKVRequest& r, v1::ReadKVResponse* response, ReadKvCall* c) {
@@ -180,6 +343,121 @@ absl::Status ParseInto(const grpc::ByteBuffer& bytes, const WireMessage& limits,
       !request->MergeFromBoundedZeroCopyStream(&reader, static_cast<int>(bytes.Length())) ||
       !reader.status().ok()) {
     return absl::InvalidArgumentError(absl::StrCat("request does not parse as ", limits.name));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseInto(const grpc::ByteBuffer& bytes, const WireMessage& limits,
+                       absl::Span<const uint32_t> in_place, google::protobuf::MessageLite* request,
+                       InPlaceTensors* tensors) {
+  using google::protobuf::io::CodedInputStream;
+  using google::protobuf::internal::WireFormatLite;
+  ATTN_RETURN_IF_ERROR(CheckWire(bytes, limits));  // also: at most INT_MAX bytes
+  const auto malformed = [&limits] {
+    return absl::InvalidArgumentError(absl::StrCat("request does not parse as ", limits.name));
+  };
+  tensors->Clear();
+  // References to gRPC's slices (no copy): they outlive `bytes`.
+  if (bytes.Length() > 0 && !bytes.Dump(&tensors->slices_).ok()) return malformed();
+  const SliceRanges ranges(tensors->slices_);
+  const int total = static_cast<int>(bytes.Length());
+
+  // One walk over the top-level fields finds the in-place tensors and the
+  // data fields in them. What protobuf then parses (`rest`) is the message
+  // without those data fields: views of the slices, and for each in-place
+  // tensor a new tag and length (its length less its data fields'). The
+  // tags and lengths so taken out of protobuf's sight are held to its rules.
+  std::vector<absl::string_view> rest;
+  std::deque<std::string> heads;  // `rest` views them: a deque never moves its elements
+  int copied = 0;  // `rest` covers the message up to here
+  int64_t rest_bytes = 0;
+  const auto keep = [&](int begin, int end) {
+    ranges.Append(begin, end, &rest);
+    rest_bytes += end - begin;
+  };
+  PiecesInputStream stream(ranges.views());
+  CodedInputStream in(&stream);
+  in.SetTotalBytesLimit(INT_MAX);
+  in.PushLimit(total);
+  for (;;) {
+    const int field_begin = in.CurrentPosition();
+    const uint32_t tag = in.ReadTag();
+    if (tag == 0) {
+      if (in.BytesUntilLimit() != 0) return malformed();
+      break;
+    }
+    const uint32_t number = WireFormatLite::GetTagFieldNumber(tag);
+    if (WireFormatLite::GetTagWireType(tag) != WireFormatLite::WIRETYPE_LENGTH_DELIMITED ||
+        std::find(in_place.begin(), in_place.end(), number) == in_place.end()) {
+      if (!WireFormatLite::SkipField(&in, tag)) return malformed();
+      continue;
+    }
+    uint32_t length = 0;
+    if (!in.ReadVarint32(&length) || static_cast<int64_t>(length) > in.BytesUntilLimit()) {
+      return malformed();
+    }
+    const int body_begin = in.CurrentPosition();
+    const int end = body_begin + static_cast<int>(length);
+    if (!ProtobufTakesPrefix(ranges, field_begin, body_begin)) return malformed();
+    // The tensor's data fields (tag to payload's end), and the last one's
+    // payload: a repeated data field's last occurrence wins, as in protobuf.
+    std::vector<std::pair<int, int>> cuts;
+    int data_begin = 0;
+    int64_t data_bytes = 0;
+    const auto data = [&](CodedInputStream* data_in, int begin, uint32_t n) {
+      data_begin = data_in->CurrentPosition();
+      data_bytes = n;
+      cuts.emplace_back(begin, data_begin + static_cast<int>(n));
+      return ProtobufTakesPrefix(ranges, begin, data_begin) && data_in->Skip(static_cast<int>(n));
+    };
+    const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(length));
+    ReceivedTensor parsed;
+    if (!ReadTensorFields(&in, &parsed, data)) return malformed();
+    in.PopLimit(limit);
+
+    keep(copied, field_begin);
+    int64_t cut_bytes = 0;
+    for (const auto& [begin, cut_end] : cuts) cut_bytes += cut_end - begin;
+    heads.emplace_back();
+    AppendLengthPrefix(number, static_cast<uint64_t>(length - cut_bytes), &heads.back());
+    rest.emplace_back(heads.back());
+    rest_bytes += static_cast<int64_t>(heads.back().size());
+    int at = body_begin;
+    for (const auto& [begin, cut_end] : cuts) {
+      keep(at, begin);
+      at = cut_end;
+    }
+    keep(at, end);
+    copied = end;
+
+    InPlaceTensors::Field field;
+    field.number = number;
+    field.bytes = data_bytes;
+    field.first_piece = tensors->pieces_.size();
+    ranges.ForEach(data_begin, data_begin + data_bytes,
+                   [tensors](const char* p, int64_t size, int64_t offset) {
+                     tensors->pieces_.push_back({offset, p, size});
+                   });
+    field.num_pieces = tensors->pieces_.size() - field.first_piece;
+    // A field that occurs again (only where the wire limits allow it):
+    // protobuf merges the occurrences, so its data replaces the earlier
+    // one's if it has a data field.
+    auto old = std::find_if(
+        tensors->fields_.begin(), tensors->fields_.end(),
+        [number](const InPlaceTensors::Field& f) { return f.number == number; });
+    if (old == tensors->fields_.end()) {
+      tensors->fields_.push_back(field);
+    } else if (!cuts.empty()) {
+      *old = field;
+    }
+  }
+  keep(copied, total);
+
+  PiecesInputStream rest_stream(rest);
+  // Merge, not Parse, as ParseInto; bounded by what is left to parse.
+  if (rest_bytes > INT_MAX ||
+      !request->MergeFromBoundedZeroCopyStream(&rest_stream, static_cast<int>(rest_bytes))) {
+    return malformed();
   }
   return absl::OkStatus();
 }

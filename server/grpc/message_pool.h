@@ -1,16 +1,17 @@
 // RecyclingPool: hands out objects (request messages) and takes them back
 // for the next call instead of deleting them.
 //
-// A Prefill request carries a query tensor of up to hundreds of MiB. Parsed
-// into a fresh message, every call mallocs that buffer and faults its pages
-// in while gRPC's bytes are copied into it. A recycled request whose tensors
-// were kept (ResetForReuse in convert.h) parses into memory that is already
-// mapped: clearing a string keeps its capacity.
+// A Prefill request carries its layout's arrays (page ids, indptrs, slots),
+// up to MiBs of them. Parsed into a fresh message, every call mallocs those
+// arrays and faults their pages in. A recycled request (ResetForReuse in
+// convert.h) parses into memory that is already mapped: clearing a repeated
+// field or a string keeps its capacity. (The server's edge reads Prefill's
+// tensors in place: their data never lands in the message.)
 //
 // Memory stays bounded: a returned object goes back to the pool only while
 // the pool holds fewer than max_pooled objects and at most max_pooled_bytes
-// of buffer capacity in all; any other is deleted, so one 128 MiB prefill
-// does not keep 128 MiB for the rest of the process.
+// of buffer capacity in all; any other is deleted, so one huge request does
+// not keep its buffers for the rest of the process.
 //
 //   RecyclingPool<v1::PrefillRequest> pool(256, 256 << 20, ResetForReuse);
 //   RecyclingPool<v1::PrefillRequest>::Ptr request = pool.Get();

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -247,6 +248,110 @@ TEST(BatchPacker, LargePinnedInputsBecomeCopiesSmallOnesArePacked) {
   const Packed q = Pack(g, Limits(true), large);
   ASSERT_EQ(q.b.device_in.size(), 1u);
   EXPECT_EQ(q.b.upload_begin, q.b.off_idx);
+}
+
+// `bytes` as pieces of 1 to max_piece bytes, each in a buffer of its own at
+// an odd address (as inline tensors arrive in gRPC's slices).
+struct Pieces {
+  Pieces(const void* data, int64_t size, size_t max_piece, uint32_t seed) {
+    std::mt19937 rng(seed);
+    const auto* bytes = static_cast<const char*>(data);
+    for (int64_t at = 0; at < size;) {
+      const int64_t n = std::min<int64_t>(size - at, 1 + rng() % max_piece);
+      buffers.push_back("x" + std::string(bytes + at, static_cast<size_t>(n)));
+      at += n;
+    }
+    int64_t offset = 0;
+    for (const std::string& b : buffers) {
+      pieces.push_back({offset, b.data() + 1, static_cast<int64_t>(b.size()) - 1});
+      offset += static_cast<int64_t>(b.size()) - 1;
+    }
+    list = ScatterList{pieces, offset};
+  }
+  std::vector<std::string> buffers;
+  std::vector<ScatterPiece> pieces;
+  ScatterList list;
+};
+
+// Inline inputs in pieces are gathered into the staging: the packed bytes
+// are those of the same inputs given contiguously, with the appends' last
+// writes kept, checked against the rows computed here.
+TEST(BatchPacker, ScatteredInputsAreGatheredIntoTheStaging) {
+  const KvGeometry g = Geo(8, 2, 64, 16);
+  const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim * 2, kv_row = g.RowElems() * 2;
+  std::mt19937 rng(21);
+  auto random_halves = [&rng](size_t n) {
+    std::vector<uint16_t> out(n);
+    for (uint16_t& h : out) h = static_cast<uint16_t>(rng());
+    return out;
+  };
+  std::vector<Request> reqs(3);
+  MakeRequest(g, {{1, 40}, {50, 70}}, 0, &reqs[0]);
+  MakeRequest(g, {{3, 30}}, 0, &reqs[1]);
+  MakeRequest(g, {{2, 20}}, 1, &reqs[2]);
+  for (Request& r : reqs) {
+    r.q = random_halves(r.q.size());
+    r.task.q = r.q.data();
+  }
+  // Request 1 writes slot 7 of layer 0 again (the later write wins: request
+  // 0's rows 0-1 and 3-4 stay, in two runs); request 2 writes slot 5 of
+  // layer 1 (not the same row as layer 0's slot 5).
+  const std::vector<int64_t> slots[3] = {{5, 6, 7, 8, 9}, {7, 20}, {5}};
+  std::vector<uint16_t> k[3], v[3];
+  for (int i = 0; i < 3; ++i) {
+    const size_t n = slots[i].size();
+    k[i] = random_halves(n * g.RowElems());
+    v[i] = random_halves(n * g.RowElems());
+    reqs[i].task.append_slots = slots[i].data();
+    reqs[i].task.num_append = static_cast<int64_t>(n);
+    reqs[i].task.append_k = k[i].data();
+    reqs[i].task.append_v = v[i].data();
+  }
+  // The rows the staging must hold, in order of each (layer, slot)'s first
+  // write, with its last write's bytes: (request, row).
+  const std::pair<int, int> kept[] = {{0, 0}, {0, 1}, {1, 0}, {0, 3}, {0, 4}, {1, 1}, {2, 0}};
+  auto expect_packed = [&](const Packed& p) {
+    ASSERT_EQ(p.b.num_append, 7);
+    const uint8_t* at = p.staging.get() + p.b.off_q;
+    for (const Request& r : reqs) {
+      EXPECT_EQ(std::memcmp(at, r.q.data(), r.q.size() * 2), 0);
+      at += r.q.size() * 2;
+    }
+    for (int i = 0; i < 7; ++i) {
+      const auto [req, row] = kept[i];
+      const auto* k_row = reinterpret_cast<const uint8_t*>(k[req].data()) + row * kv_row;
+      const auto* v_row = reinterpret_cast<const uint8_t*>(v[req].data()) + row * kv_row;
+      EXPECT_EQ(std::memcmp(p.staging.get() + p.b.off_k + i * kv_row, k_row, kv_row), 0)
+          << "K row " << i;
+      EXPECT_EQ(std::memcmp(p.staging.get() + p.b.off_v + i * kv_row, v_row, kv_row), 0)
+          << "V row " << i;
+    }
+    EXPECT_TRUE(p.b.device_in.empty());
+    EXPECT_EQ(p.b.upload_begin, 0);
+    EXPECT_EQ(p.b.upload_end, p.b.in_bytes);
+  };
+  {
+    SCOPED_TRACE("contiguous");
+    expect_packed(Pack(g, Limits(true), reqs));
+  }
+  // Requests 0 and 1 in pieces (request 2 stays contiguous): pieces smaller
+  // than a row, about a row, and larger than the whole tensor.
+  for (size_t max_piece : {size_t{13}, size_t{300}, size_t{1} << 20}) {
+    SCOPED_TRACE(max_piece);
+    std::vector<Pieces> held;
+    held.reserve(6);
+    for (int i = 0; i < 2; ++i) {
+      PrefillTask& t = reqs[i].task;
+      held.emplace_back(reqs[i].q.data(), t.total_q * q_row, max_piece, 3 * i + 1);
+      t.q_scattered = held.back().list;
+      held.emplace_back(k[i].data(), t.num_append * kv_row, max_piece, 3 * i + 2);
+      t.append_k_scattered = held.back().list;
+      held.emplace_back(v[i].data(), t.num_append * kv_row, max_piece, 3 * i + 3);
+      t.append_v_scattered = held.back().list;
+      t.q = t.append_k = t.append_v = nullptr;  // as the core hands pieces over
+    }
+    expect_packed(Pack(g, Limits(true), reqs));
+  }
 }
 
 TEST(BatchPacker, DecodeOffRoutesEverythingToPrefill) {

@@ -6,6 +6,7 @@
 // server does. Tenant "a" sends everything; tenant "b" owns pages whose K/V
 // are checked after every input: no input may crash the core, leave a done
 // callback unrun, or change another tenant's data.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -121,6 +122,19 @@ const RequestWireLimits& Limits() {
   return *limits;
 }
 
+// The body in slices of 1 to 64 bytes (sizes from its own bytes), as gRPC
+// may hand a request over.
+grpc::ByteBuffer Sliced(const void* body, int size) {
+  const auto* p = static_cast<const uint8_t*>(body);
+  std::vector<grpc::Slice> slices;
+  for (int at = 0; at < size;) {
+    const int n = std::min(size - at, 1 + p[at] % 64);
+    slices.emplace_back(p + at, static_cast<size_t>(n));
+    at += n;
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
 // As the server's handlers: the wire limits, then the bounded parse.
 bool ParseBody(const void* body, int size, const WireMessage& limits,
                google::protobuf::MessageLite* request) {
@@ -142,12 +156,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       // the response encoded from the output buffer and parsed back.
       static auto* pool = new RecyclingPool<v1::PrefillRequest>(
           2, 64 << 20, [](v1::PrefillRequest* r) { return ResetForReuse(r); });
+      // Its tensors' data is read in place, from slices of up to 64 bytes.
       RecyclingPool<v1::PrefillRequest>::Ptr req = pool->Get();
-      grpc::Slice slice(body, static_cast<size_t>(body_size));
-      if (!ParseInto(grpc::ByteBuffer(&slice, 1), Limits().prefill, req.get()).ok()) return 0;
+      InPlaceTensors tensors;
+      if (!ParseInto(Sliced(body, body_size), Limits().prefill, kPrefillInPlace, req.get(),
+                     &tensors)
+               .ok()) {
+        return 0;
+      }
       PrefillOutput out;
       PrefillCall c;
-      ToCall(*req, &c);
+      ToCall(*req, tensors, &c);
       c.out = &out;
       c.tenant = "a";
       c.expected_incarnation = req->expected_incarnation();
@@ -171,9 +190,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     case 1: {
       v1::WriteKVRequest req;
-      if (!ParseBody(body, body_size, Limits().write_kv, &req)) return 0;
+      InPlaceTensors tensors;
+      if (!ParseInto(Sliced(body, body_size), Limits().write_kv, kWriteKvInPlace, &req, &tensors)
+               .ok()) {
+        return 0;
+      }
       WriteKvCall c;
-      ToCall(req, &c);
+      ToCall(req, tensors, &c);
       c.tenant = "a";
       c.expected_incarnation = req.expected_incarnation();
       Report("WriteKV", h.Wait([&](DoneCallback done) { h.core->WriteKv(c, std::move(done)); }));

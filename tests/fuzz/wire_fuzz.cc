@@ -4,10 +4,16 @@
 //  - a request passes the limits but its parsed repeated fields hold more
 //    entries than the limits allow (the walker miscounted), or
 //  - ParseInto accepts bytes that protobuf's own parser rejects, or parses
-//    them into a different message.
+//    them into a different message, or
+//  - the in-place parse of Prefill and WriteKV (their tensors' data viewed in
+//    the slices) accepts or rejects other bytes than ParseInto, or gives a
+//    different message once the viewed data is put back. The input is also
+//    cut into slices of 1 to 16 bytes there, as gRPC may hand it over.
 // Cheap per input, so a nightly run reaches 10^7 executions in minutes.
 #include <cstdint>
 #include <cstdlib>
+#include <string>
+#include <vector>
 
 #include "attnserve/v1/attention.pb.h"
 #include "server/grpc/convert.h"
@@ -40,6 +46,53 @@ bool ParseBoth(const grpc::ByteBuffer& bytes, const uint8_t* data, size_t size,
   return true;
 }
 
+std::string Bytes(const TensorView& v) {
+  if (v.scattered.empty()) return std::string(v.data);
+  std::string out(static_cast<size_t>(v.scattered.size), '\0');
+  CopyOut(v.scattered, 0, v.scattered.size, out.data());
+  return out;
+}
+
+// The in-place parse against ParseInto, on `bytes` and on the same bytes in
+// small slices.
+template <typename M>
+void ParseInPlace(const grpc::ByteBuffer& bytes, const uint8_t* data, size_t size,
+                  const WireMessage& limits, absl::Span<const uint32_t> in_place,
+                  v1::Tensor* (*tensor)(M*, uint32_t)) {
+  std::vector<grpc::Slice> slices;
+  for (size_t at = 0; at < size;) {
+    const size_t n = std::min<size_t>(size - at, 1 + data[at] % 16);
+    slices.emplace_back(data + at, n);
+    at += n;
+  }
+  const grpc::ByteBuffer sliced(slices.data(), slices.size());
+  for (const grpc::ByteBuffer* b : {&bytes, &sliced}) {
+    // Against ParseInto of the same slices: where a malformed varint is
+    // reported (which field's path) can depend on where slices end.
+    M copied;
+    const absl::Status copied_status = ParseInto(*b, limits, &copied);
+    M parsed;
+    InPlaceTensors tensors;
+    const absl::Status status = ParseInto(*b, limits, in_place, &parsed, &tensors);
+    Require(status == copied_status);
+    if (!status.ok()) continue;
+    for (uint32_t field : in_place) {
+      TensorView view;
+      if (!tensors.View(field, &view)) continue;
+      Require(tensor(&parsed, field)->data().empty());
+      tensor(&parsed, field)->set_data(Bytes(view));
+    }
+    Require(parsed.SerializeAsString() == copied.SerializeAsString());
+  }
+}
+
+v1::Tensor* PrefillTensor(v1::PrefillRequest* r, uint32_t field) {
+  return field == 2 ? r->mutable_q() : field == 11 ? r->mutable_append_k() : r->mutable_append_v();
+}
+v1::Tensor* WriteKvTensor(v1::WriteKVRequest* r, uint32_t field) {
+  return field == 3 ? r->mutable_k() : r->mutable_v();
+}
+
 }  // namespace
 }  // namespace attnserve
 
@@ -57,6 +110,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     CheckTensor(r.append_k());
     CheckTensor(r.append_v());
   }
+  ParseInPlace<v1::PrefillRequest>(bytes, data, size, l.prefill, kPrefillInPlace, PrefillTensor);
+  ParseInPlace<v1::WriteKVRequest>(bytes, data, size, l.write_kv, kWriteKvInPlace, WriteKvTensor);
   if (v1::WriteKVRequest r; ParseBoth(bytes, data, size, l.write_kv, &r)) {
     Require(r.slots_size() <= kRows);
     CheckTensor(r.k());

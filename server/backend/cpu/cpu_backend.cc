@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <new>
 #include <thread>
 
@@ -12,6 +14,34 @@
 #include "kernels/paged_prefill.h"
 
 namespace attnserve {
+namespace {
+
+// Inline inputs that arrived in pieces, or at an odd address in gRPC's
+// bytes, are copied into scratch the reference kernels may read as 16-bit
+// elements: at most this many bytes at a time, so that a request costs about
+// its size in memory (its bytes in gRPC's slices) and not twice that.
+constexpr int64_t kFlatChunkBytes = int64_t{1} << 20;
+
+bool NeedsFlat(const void* data, const ScatterList& scattered) {
+  return !scattered.empty() || reinterpret_cast<uintptr_t>(data) % alignof(uint16_t) != 0;
+}
+
+// Rows [first, first + n) of an input of row_bytes-byte rows: in place when
+// it needs no flattening, else copied into *scratch.
+const void* Rows(const void* data, const ScatterList& scattered, int64_t row_bytes, int64_t first,
+                 int64_t n, std::vector<uint16_t>* scratch) {
+  if (!NeedsFlat(data, scattered)) return static_cast<const char*>(data) + first * row_bytes;
+  scratch->resize(static_cast<size_t>((n * row_bytes + 1) / 2));
+  if (scattered.empty()) {
+    std::memcpy(scratch->data(), static_cast<const char*>(data) + first * row_bytes,
+                static_cast<size_t>(n * row_bytes));
+  } else {
+    CopyOut(scattered, first * row_bytes, n * row_bytes, scratch->data());
+  }
+  return scratch->data();
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> CpuBackend::Create(const KvGeometry& geometry) {
   std::unique_ptr<CpuBackend> backend(new CpuBackend(geometry));
@@ -38,17 +68,69 @@ Backend::MemoryUsage CpuBackend::Memory() const {
 }
 
 void CpuBackend::Append(int32_t layer, const int64_t* slots, int64_t n, const void* k,
-                        const void* v) {
-  AppendKvParams a;
-  a.k_cache = k_pool_.data();
-  a.v_cache = v_pool_.data();
-  a.k = k;
-  a.v = v;
-  a.slots = slots;
-  a.n = n;
-  a.layer = layer;
-  a.geo = geo_;
-  AppendKvCpu(a);
+                        const ScatterList& k_scattered, const void* v,
+                        const ScatterList& v_scattered) {
+  const int64_t row_bytes = geo_.RowElems() * KvDTypeBytes(geo_.dtype);
+  // In chunks of rows when an input needs flattening; in order, so that a
+  // later row written to the same slot still wins.
+  const int64_t chunk = NeedsFlat(k, k_scattered) || NeedsFlat(v, v_scattered)
+                            ? std::max<int64_t>(1, kFlatChunkBytes / row_bytes)
+                            : std::max<int64_t>(n, 1);
+  std::vector<uint16_t> k_flat, v_flat;
+  for (int64_t first = 0; first < n; first += chunk) {
+    const int64_t rows = std::min(chunk, n - first);
+    AppendKvParams a;
+    a.k_cache = k_pool_.data();
+    a.v_cache = v_pool_.data();
+    a.k = Rows(k, k_scattered, row_bytes, first, rows, &k_flat);
+    a.v = Rows(v, v_scattered, row_bytes, first, rows, &v_flat);
+    a.slots = slots + first;
+    a.n = rows;
+    a.layer = layer;
+    a.geo = geo_;
+    AppendKvCpu(a);
+  }
+}
+
+void CpuBackend::Attend(const PrefillTask& t) {
+  PagedPrefillParams p;
+  p.k_cache = k_pool_.data();
+  p.v_cache = v_pool_.data();
+  p.kv_indices = t.kv_indices;
+  p.geo = geo_;
+  if (!NeedsFlat(t.q, t.q_scattered)) {
+    p.q = t.q;
+    p.o = t.o;
+    p.lse = t.lse;
+    p.seqs = t.seqs.data();
+    p.num_seqs = static_cast<int32_t>(t.seqs.size());
+    p.total_q = t.total_q;
+    PagedPrefillCpu(p);
+    return;
+  }
+  // The query flattened a chunk of rows at a time. Each chunk of a sequence
+  // runs as a sequence of its own whose causal diagonal is shifted to where
+  // it was (row i of q_len sees j <= i + kv_len - q_len + causal_shift);
+  // every row is computed on its own, so the results are the same bits.
+  const int64_t row_bytes = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
+  const int32_t chunk = static_cast<int32_t>(std::max<int64_t>(1, kFlatChunkBytes / row_bytes));
+  std::vector<uint16_t> q_flat;
+  for (const PrefillSeq& seq : t.seqs) {
+    for (int32_t first = 0; first < seq.q_len; first += chunk) {
+      PrefillSeq part = seq;
+      part.q_start = 0;
+      part.q_len = std::min(chunk, seq.q_len - first);
+      part.causal_shift = seq.causal_shift + first + part.q_len - seq.q_len;
+      const int64_t row = int64_t{seq.q_start} + first;
+      p.q = Rows(t.q, t.q_scattered, row_bytes, row, part.q_len, &q_flat);
+      p.o = static_cast<char*>(t.o) + row * row_bytes;
+      p.lse = t.lse + row * geo_.num_qo_heads;
+      p.seqs = &part;
+      p.num_seqs = 1;
+      p.total_q = part.q_len;
+      PagedPrefillCpu(p);
+    }
+  }
 }
 
 absl::Status CpuBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) {
@@ -57,25 +139,13 @@ absl::Status CpuBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats*
   BatchStats s;
   for (const PrefillTask& t : tasks) {
     if (t.num_append == 0) continue;
-    Append(t.layer, t.append_slots, t.num_append, t.append_k, t.append_v);
+    Append(t.layer, t.append_slots, t.num_append, t.append_k, t.append_k_scattered, t.append_v,
+           t.append_v_scattered);
     ++s.append_launches;
   }
   const absl::Time appended = absl::Now();
   s.append_seconds = absl::ToDoubleSeconds(appended - start);
-  for (const PrefillTask& t : tasks) {
-    PagedPrefillParams p;
-    p.q = t.q;
-    p.o = t.o;
-    p.lse = t.lse;
-    p.k_cache = k_pool_.data();
-    p.v_cache = v_pool_.data();
-    p.kv_indices = t.kv_indices;
-    p.seqs = t.seqs.data();
-    p.num_seqs = static_cast<int32_t>(t.seqs.size());
-    p.total_q = t.total_q;
-    p.geo = geo_;
-    PagedPrefillCpu(p);
-  }
+  for (const PrefillTask& t : tasks) Attend(t);
   // The CPU backend's "launch" is one pass over the whole batch.
   s.attention_launches = 1;
   s.attention_seconds = absl::ToDoubleSeconds(absl::Now() - appended);
@@ -98,7 +168,7 @@ absl::Status CpuBackend::Complete(BatchStats* stats) {
 
 absl::Status CpuBackend::WriteKv(const KvRows& rows, BatchStats* stats) {
   const absl::Time start = absl::Now();
-  Append(rows.layer, rows.slots, rows.n, rows.k, rows.v);
+  Append(rows.layer, rows.slots, rows.n, rows.k, rows.k_scattered, rows.v, rows.v_scattered);
   if (stats != nullptr) {
     stats->kv_rows_launches += 1;
     stats->kv_rows_seconds += absl::ToDoubleSeconds(absl::Now() - start);

@@ -42,8 +42,12 @@ class CpuBackend final : public Backend {
   };
 
   explicit CpuBackend(const KvGeometry& geometry) : geo_(geometry) {}
-  // Scatters n rows (k, v: (n, num_kv_heads, head_dim)) into `layer` by slot.
-  void Append(int32_t layer, const int64_t* slots, int64_t n, const void* k, const void* v);
+  // Scatters n rows (k, v: (n, num_kv_heads, head_dim), each contiguous or
+  // in pieces) into `layer` by slot.
+  void Append(int32_t layer, const int64_t* slots, int64_t n, const void* k,
+              const ScatterList& k_scattered, const void* v, const ScatterList& v_scattered);
+  // Attention of one task into its o and lse.
+  void Attend(const PrefillTask& t);
 
   KvGeometry geo_;
   bool pending_ = false;     // a batch was submitted and not completed

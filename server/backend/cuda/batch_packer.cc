@@ -202,7 +202,13 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
     if (t.total_q > 0 && (t.q_on_device || (t.q_pinned && int64_t{t.total_q} * q_row >= kMinDirectCopyBytes))) {
       AddDeviceCopy(&out->device_in, out->off_q + row * q_row, t.q, int64_t{t.total_q} * q_row);
     } else if (t.total_q > 0) {
-      std::memcpy(in.At(out->off_q) + row * q_row, t.q, size_t(t.total_q) * q_row);
+      // Inline queries that arrived in pieces are gathered here: this is
+      // their one host copy, as it is a contiguous one's.
+      if (!t.q_scattered.empty()) {
+        CopyOut(t.q_scattered, 0, int64_t{t.total_q} * q_row, in.At(out->off_q) + row * q_row);
+      } else {
+        std::memcpy(in.At(out->off_q) + row * q_row, t.q, size_t(t.total_q) * q_row);
+      }
       q_all_direct = false;
     }
     if (t.num_kv_indices > 0) std::memcpy(in.At(out->off_idx) + idx * 4, t.kv_indices, size_t(t.num_kv_indices) * 4);
@@ -223,21 +229,34 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
   bool kv_all_direct = true;
   if (n_append > 0) {
     std::memcpy(in.At(out->off_slots), append_slots_.data(), n_append * 8);
-    // K rows, then V rows, so that consecutive device rows coalesce.
+    // K rows, then V rows, so that consecutive device rows coalesce. Kept
+    // rows are copied in runs: consecutive rows of one task (all of them,
+    // unless a later write to the same slot dropped some).
     for (int kv = 0; kv < 2; ++kv) {
       const int64_t off = kv == 0 ? out->off_k : out->off_v;
-      for (int64_t i = 0; i < n_append; ++i) {
-        const PrefillTask& t = tasks[append_rows_[i].first];
-        const uint8_t* src = static_cast<const uint8_t*>(kv == 0 ? t.append_k : t.append_v) +
-                             append_rows_[i].second * kv_row;
+      for (int64_t i = 0; i < n_append;) {
+        const auto [task, first] = append_rows_[i];
+        int64_t run = 1;
+        while (i + run < n_append && append_rows_[i + run].first == task &&
+               append_rows_[i + run].second == first + run) {
+          ++run;
+        }
+        const PrefillTask& t = tasks[task];
+        const ScatterList& scattered = kv == 0 ? t.append_k_scattered : t.append_v_scattered;
+        const auto* base = static_cast<const uint8_t*>(kv == 0 ? t.append_k : t.append_v);
         const bool pinned = (kv == 0 ? t.append_k_pinned : t.append_v_pinned) &&
                             t.num_append * kv_row >= kMinDirectCopyBytes;
-        if ((kv == 0 ? t.append_k_on_device : t.append_v_on_device) || pinned) {
-          AddDeviceCopy(&out->device_in, off + i * kv_row, src, kv_row);
+        uint8_t* const dst = in.At(off) + i * kv_row;
+        if (!scattered.empty()) {  // inline, in pieces (base is null)
+          CopyOut(scattered, first * kv_row, run * kv_row, dst);
+          kv_all_direct = false;
+        } else if ((kv == 0 ? t.append_k_on_device : t.append_v_on_device) || pinned) {
+          AddDeviceCopy(&out->device_in, off + i * kv_row, base + first * kv_row, run * kv_row);
         } else {
-          std::memcpy(in.At(off) + i * kv_row, src, kv_row);
+          std::memcpy(dst, base + first * kv_row, run * kv_row);
           kv_all_direct = false;
         }
+        i += run;
       }
     }
   }

@@ -3,7 +3,9 @@
 // of 1..kMaxDecodeQueryRows rows, kernels/plan/decode_plan.h; prefill: the
 // rest, with the kernel kernel_select picks), their plans, the appends with
 // only the last write of each slot kept, and all of their bytes packed into
-// a pinned staging buffer at offsets its device mirror shares. Host code
+// a pinned staging buffer at offsets its device mirror shares (inline inputs
+// that arrived in pieces, PrefillTask::*_scattered, gathered in that one
+// copy). Host code
 // only: no CUDA call, so the packer is the same on every GPU and is tested
 // without one (tests/core/batch_packer_test.cc).
 //

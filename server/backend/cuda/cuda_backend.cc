@@ -584,12 +584,22 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
   std::memcpy(in.At(off_slots), rows.slots + begin, n * 8);
   // k and v: host rows through the pinned staging (one upload with the
   // slots when both are host), device rows (CUDA regions) device to device.
-  uint8_t* const k_at = static_cast<uint8_t*>(rows.k) + begin * rb;
-  uint8_t* const v_at = static_cast<uint8_t*>(rows.v) + begin * rb;
+  // A WriteKV's inline rows that arrived in pieces are gathered into the
+  // staging (their one host copy; the pointer is null then).
+  uint8_t* const k_at = rows.k == nullptr ? nullptr : static_cast<uint8_t*>(rows.k) + begin * rb;
+  uint8_t* const v_at = rows.v == nullptr ? nullptr : static_cast<uint8_t*>(rows.v) + begin * rb;
   const bool any_device = rows.k_on_device || rows.v_on_device;
   if (scatter) {
-    if (!rows.k_on_device) std::memcpy(in.At(off_k), k_at, n * rb);
-    if (!rows.v_on_device) std::memcpy(in.At(off_v), v_at, n * rb);
+    for (auto [off, at, on_device, scattered] :
+         {std::tuple{off_k, k_at, rows.k_on_device, &rows.k_scattered},
+          std::tuple{off_v, v_at, rows.v_on_device, &rows.v_scattered}}) {
+      if (on_device) continue;
+      if (!scattered->empty()) {
+        CopyOut(*scattered, begin * rb, n * rb, in.At(off));
+      } else {
+        std::memcpy(in.At(off), at, n * rb);
+      }
+    }
   }
   const int64_t upload = scatter && !any_device ? in.used() : n * 8;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_in, slot.h_in, upload, cudaMemcpyHostToDevice, compute_));

@@ -1,0 +1,41 @@
+// ScatterList: a tensor's bytes held in several pieces of host memory, in
+// order, viewed without copying. An inline request tensor arrives this way:
+// its data stays in the slices gRPC received the request's wire bytes in
+// (server/grpc/convert.h), which the edge keeps until the call is finished.
+// Whoever copies the tensor anyway gathers the pieces in that copy (the CUDA
+// backend's packer, into its pinned staging); the CPU backend flattens them.
+//
+//   ScatterList list = ...;             // list.size bytes in all
+//   CopyOut(list, offset, n, dst);      // bytes [offset, offset + n) to dst
+//
+// The pieces are not aligned to anything: a piece starts wherever the tensor's
+// bytes started in a slice.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/types/span.h"
+
+namespace attnserve {
+
+struct ScatterPiece {
+  int64_t offset = 0;  // where the piece starts within the list's bytes
+  const char* data = nullptr;
+  int64_t size = 0;    // bytes, > 0
+};
+
+struct ScatterList {
+  // In order: pieces[0].offset == 0, each next one starts where the previous
+  // one ends, and the last one ends at `size`. Empty: no scattered bytes.
+  absl::Span<const ScatterPiece> pieces;
+  int64_t size = 0;
+  bool empty() const { return pieces.empty(); }
+};
+
+// Copies bytes [offset, offset + n) of `list` to dst, which must not overlap
+// them; the range must lie within [0, list.size). The first piece is found by
+// binary search, so copying a list row by row costs O(rows log pieces) beside
+// the bytes.
+void CopyOut(const ScatterList& list, int64_t offset, int64_t n, void* dst);
+
+}  // namespace attnserve
