@@ -3,9 +3,12 @@
 # (docs/transport.md). Runs bench/transport.py against the install: tcp_echo
 # (the raw TCP floor), attnecho and attnserve --backend=cuda with gRPC tuned
 # and untuned, and attnserve with q, output and LSE in a POSIX shm region, for
-# decode64 and a 128 MiB prefill, under four gRPC settings (tuned = the
-# default, gRPC's defaults, the previous tuned set, tuned + a 1 MiB initial
-# window); prints one table. About 2-3 minutes, under 290 s in any case.
+# decode64 and a 128 MiB prefill, under two gRPC settings (tuned = the
+# default, gRPC's defaults), decode also with a step plan, a server with
+# --idle_spin_us and a client with --busy_poll; prints the tables (latency,
+# and where the time goes by stage). About 6-7 minutes, under 480 s in any case (each
+# attnbench run first writes its clients' KV); bench/transport.py --no-echo
+# --tuned-only runs the attnserve cases alone.
 #   bench/run_transport_gpu.sh INSTALL_DIR OUT_DIR [BEFORE_INSTALL_DIR]
 # INSTALL_DIR is `cmake --install build --prefix DIR` (bin/ has tcp_echo,
 # attnecho, attnserve, attnbench). BEFORE_INSTALL_DIR, optional: another
@@ -29,6 +32,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 df -h /dev/shm | tee -a "$out/device.txt"
 before=()
 if (($# == 3)); then before=(--before="$(cd "$3" && pwd)"); fi
-timeout 290 python3 "$here/transport.py" "$inst" "$out" --backend=cuda "${before[@]}" 2>&1 |
+timeout 480 python3 "$here/transport.py" "$inst" "$out" --backend=cuda "${before[@]}" 2>&1 |
   tee "$out/transport.log"
 exit "${PIPESTATUS[0]}"

@@ -70,6 +70,8 @@ def main():
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     ap.add_argument("--before", default="", help="another install to run attnserve inline from")
+    ap.add_argument("--no-echo", action="store_true", help="skip attnecho (the gRPC floor)")
+    ap.add_argument("--tuned-only", action="store_true", help="skip the gRPC-defaults server")
     a = ap.parse_args()
     bin_dir = os.path.join(os.path.abspath(a.install), "bin")
     os.makedirs(a.out, exist_ok=True)
@@ -100,7 +102,7 @@ def main():
         return res
 
     # attnecho under each setting.
-    for i, (setting, t) in enumerate(SETTINGS):
+    for i, (setting, t) in enumerate([] if a.no_echo else SETTINGS):
         echo, m = start([f"{bin_dir}/attnecho", "--listen=127.0.0.1:0", "--num_layers=2"] + t + GEOMETRY,
                         os.path.join(a.out, f"attnecho_{i}.log"), r"listening grpc=(\S+)")
         rows.append(("decode64", "attnecho (floor)", setting,
@@ -115,7 +117,8 @@ def main():
     verify = []
     stages = []  # (case, path, setting, result json, stage means)
     # (install bin, index, setting, client+server flags, server-only flags)
-    servers = [(bin_dir, i, setting, t, []) for i, (setting, t) in enumerate(SETTINGS)]
+    servers = [(bin_dir, i, setting, t, []) for i, (setting, t) in enumerate(SETTINGS)
+               if not (a.tuned_only and i > 0)]
     # The batch worker polling 2 ms for the next request (--idle_spin_us)
     # instead of sleeping: decode only.
     spin = len(SETTINGS)
