@@ -270,9 +270,9 @@ class CudaBackend final : public Backend {
   std::string device_name_;
   MemoryUsage memory_;  // read once Init has allocated everything
   int64_t max_append_ = 0;
-
-  // Pinned response buffers (AllocateOutput), at most one batch's output
-  // staging in all; blocks are pinned on first use and then recycled.
+  // Pinned response buffers (AllocateOutput), at most the size class of one
+  // batch's output staging in all; blocks are pinned on first use and then
+  // recycled.
   static constexpr int64_t kDirectOutputBytes = SizeClassPool::kMinClass;
   std::shared_ptr<SizeClassPool> output_pool_;
 
@@ -386,7 +386,10 @@ absl::Status CudaBackend::Init() {
   };
   pinned.free = [](void* p) { cudaFreeHost(p); };
   pinned.pinned = true;
-  output_pool_ = SizeClassPool::Create(std::move(pinned), ring_->out_capacity());
+  // Bounded by the size class of a full batch's output (not its exact size):
+  // the largest response a request may get then still comes from the pool,
+  // pinned and reused, instead of pageable memory allocated per request.
+  output_pool_ = SizeClassPool::Create(std::move(pinned), SizeClassPool::ClassBytes(ring_->out_capacity()));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   size_t free_bytes = 0, total_bytes = 0;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
