@@ -190,12 +190,11 @@ def main():
         if res is None:
             continue
         mean = sum(res["latencies_ms"]) / len(res["latencies_ms"]) if res.get("latencies_ms") else None
-        cells = [f"{st[n]:.3f}" if st[n] is not None else "-" for n, _ in STAGES]
         server = st["server"]
-        rest = f"{mean - server:.3f}" if mean is not None and server is not None else "-"
-        lines.append(f"| {case} | {path} | {setting} | " + " | ".join(cells) +
-                     f" | {server:.3f} | {mean:.3f} | {rest} |" if server is not None and mean is not None
-                     else f"| {case} | {path} | {setting} | " + " | ".join(cells) + " | - | - | - |")
+        rest = mean - server if mean is not None and server is not None else None
+        cells = [st[n] for n, _ in STAGES] + [server, mean, rest]
+        lines.append(f"| {case} | {path} | {setting} | " +
+                     " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
     lines.append("")
     for vname, res in verify:
         lines.append(f"{vname}: " + ("attnbench failed" if res is None else

@@ -4,6 +4,7 @@
 #include "server/backend/cuda/batch_packer.h"
 
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <random>
 #include <string>
@@ -12,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "kernels/plan/decode_plan.h"
 #include "kernels/plan/prefill_plan.h"
+#include "tests/core/scatter_test_util.h"
 
 namespace attnserve {
 namespace {
@@ -250,29 +252,6 @@ TEST(BatchPacker, LargePinnedInputsBecomeCopiesSmallOnesArePacked) {
   EXPECT_EQ(q.b.upload_begin, q.b.off_idx);
 }
 
-// `bytes` as pieces of 1 to max_piece bytes, each in a buffer of its own at
-// an odd address (as inline tensors arrive in gRPC's slices).
-struct Pieces {
-  Pieces(const void* data, int64_t size, size_t max_piece, uint32_t seed) {
-    std::mt19937 rng(seed);
-    const auto* bytes = static_cast<const char*>(data);
-    for (int64_t at = 0; at < size;) {
-      const int64_t n = std::min<int64_t>(size - at, 1 + rng() % max_piece);
-      buffers.push_back("x" + std::string(bytes + at, static_cast<size_t>(n)));
-      at += n;
-    }
-    int64_t offset = 0;
-    for (const std::string& b : buffers) {
-      pieces.push_back({offset, b.data() + 1, static_cast<int64_t>(b.size()) - 1});
-      offset += static_cast<int64_t>(b.size()) - 1;
-    }
-    list = ScatterList{pieces, offset};
-  }
-  std::vector<std::string> buffers;
-  std::vector<ScatterPiece> pieces;
-  ScatterList list;
-};
-
 // Inline inputs in pieces are gathered into the staging: the packed bytes
 // are those of the same inputs given contiguously, with the appends' last
 // writes kept, checked against the rows computed here.
@@ -338,8 +317,7 @@ TEST(BatchPacker, ScatteredInputsAreGatheredIntoTheStaging) {
   // than a row, about a row, and larger than the whole tensor.
   for (size_t max_piece : {size_t{13}, size_t{300}, size_t{1} << 20}) {
     SCOPED_TRACE(max_piece);
-    std::vector<Pieces> held;
-    held.reserve(6);
+    std::deque<Pieces> held;
     for (int i = 0; i < 2; ++i) {
       PrefillTask& t = reqs[i].task;
       held.emplace_back(reqs[i].q.data(), t.total_q * q_row, max_piece, 3 * i + 1);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/core/scatter_test_util.h"
 
 namespace attnserve {
 namespace {
@@ -41,28 +42,10 @@ std::vector<uint16_t> RandomBf16(std::mt19937* rng, int64_t n) {
   return out;
 }
 
-// `values`' bytes as pieces of 1 to 97 bytes, each in a buffer of its own
-// at an odd address.
-struct Pieces {
-  Pieces(const std::vector<uint16_t>& values, uint32_t seed) {
-    std::mt19937 rng(seed);
-    const auto* bytes = reinterpret_cast<const char*>(values.data());
-    const size_t size = values.size() * 2;
-    for (size_t at = 0; at < size;) {
-      const size_t n = std::min<size_t>(size - at, 1 + rng() % 97);
-      buffers.push_back(std::string(1, 'x') + std::string(bytes + at, n));
-      at += n;
-    }
-    int64_t offset = 0;
-    for (const std::string& b : buffers) {
-      pieces.push_back({offset, b.data() + 1, static_cast<int64_t>(b.size()) - 1});
-      offset += static_cast<int64_t>(b.size()) - 1;
-    }
-    list = ScatterList{pieces, offset};
-  }
-  std::vector<std::string> buffers;
-  std::vector<ScatterPiece> pieces;
-  ScatterList list;
+// `values`' bytes as pieces of 1 to 97 bytes.
+struct ValuePieces : Pieces {
+  ValuePieces(const std::vector<uint16_t>& values, uint32_t seed)
+      : Pieces(values.data(), static_cast<int64_t>(values.size()) * 2, 97, seed) {}
 };
 
 // `values` at an odd address (the returned string keeps it).
@@ -121,7 +104,7 @@ TEST(CpuBackendTest, ScatteredAndMisalignedInputsGiveTheContiguousResults) {
   auto run = [&](int mode) {
     auto backend = CpuBackend::Create(g);
     EXPECT_TRUE(backend.ok());
-    Pieces k_pieces(k, 1), v_pieces(v, 2), q_pieces(q, 3), ak_pieces(ak, 4), av_pieces(av, 5);
+    ValuePieces k_pieces(k, 1), v_pieces(v, 2), q_pieces(q, 3), ak_pieces(ak, 4), av_pieces(av, 5);
     const std::string k_odd = Misaligned(k), v_odd = Misaligned(v), q_odd = Misaligned(q);
     const std::string ak_odd = Misaligned(ak), av_odd = Misaligned(av);
     KvRows rows;
