@@ -1,17 +1,46 @@
 #include "server/backend/scatter_list.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 
 namespace attnserve {
+namespace {
 
-void CopyOut(const ScatterList& list, int64_t offset, int64_t n, void* dst) {
+// Threads for a copy of n bytes: one below kParallelCopyMinBytes, then one
+// per 4 MiB up to kMaxCopyThreads and half the host's cores.
+constexpr int kMaxCopyThreads = 8;
+int CopyThreads(int64_t n) {
+  if (n < kParallelCopyMinBytes) return 1;
+  const int cores = std::max(1, omp_get_num_procs() / 2);
+  return static_cast<int>(std::clamp<int64_t>(n / (int64_t{4} << 20), 1, std::min(kMaxCopyThreads, cores)));
+}
+
+// Runs copy(begin, end) over [0, n) split into `threads` contiguous parts.
+template <typename F>
+void SplitCopy(int64_t n, F copy) {
+  const int threads = CopyThreads(n);
+  if (threads <= 1) {
+    copy(int64_t{0}, n);
+    return;
+  }
+  // Parts of whole 4 KiB pages, so that no two threads write one page.
+  const int64_t per = ((n + threads - 1) / threads + 4095) & ~int64_t{4095};
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+  for (int i = 0; i < threads; ++i) {
+    const int64_t begin = std::min(n, int64_t{i} * per);
+    const int64_t end = std::min(n, begin + per);
+    if (begin < end) copy(begin, end);
+  }
+}
+
+void CopyOutSerial(const ScatterList& list, int64_t offset, int64_t n, char* out) {
   if (n <= 0) return;
   // The last piece that starts at or before `offset`.
   auto it = std::upper_bound(list.pieces.begin(), list.pieces.end(), offset,
                              [](int64_t at, const ScatterPiece& p) { return at < p.offset; });
   --it;  // pieces[0].offset == 0 <= offset
-  auto* out = static_cast<char*>(dst);
   for (; n > 0; ++it) {
     const int64_t skip = offset - it->offset;
     const int64_t take = std::min(n, it->size - skip);
@@ -20,6 +49,23 @@ void CopyOut(const ScatterList& list, int64_t offset, int64_t n, void* dst) {
     offset += take;
     n -= take;
   }
+}
+
+}  // namespace
+
+void CopyOut(const ScatterList& list, int64_t offset, int64_t n, void* dst) {
+  if (n <= 0) return;
+  auto* out = static_cast<char*>(dst);
+  SplitCopy(n, [&](int64_t begin, int64_t end) { CopyOutSerial(list, offset + begin, end - begin, out + begin); });
+}
+
+void CopyBytes(void* dst, const void* src, int64_t n) {
+  if (n <= 0) return;
+  auto* out = static_cast<char*>(dst);
+  const auto* in = static_cast<const char*>(src);
+  SplitCopy(n, [&](int64_t begin, int64_t end) {
+    std::memcpy(out + begin, in + begin, static_cast<size_t>(end - begin));
+  });
 }
 
 }  // namespace attnserve

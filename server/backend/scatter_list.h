@@ -7,6 +7,7 @@
 //
 //   ScatterList list = ...;             // list.size bytes in all
 //   CopyOut(list, offset, n, dst);      // bytes [offset, offset + n) to dst
+//   CopyBytes(dst, src, n);             // a memcpy, threaded when large
 //
 // The pieces are not aligned to anything: a piece starts wherever the tensor's
 // bytes started in a slice.
@@ -35,7 +36,17 @@ struct ScatterList {
 // Copies bytes [offset, offset + n) of `list` to dst, which must not overlap
 // them; the range must lie within [0, list.size). The first piece is found by
 // binary search, so copying a list row by row costs O(rows log pieces) beside
-// the bytes.
+// the bytes. A copy of kParallelCopyMinBytes or more is split over threads
+// (CopyBytes).
 void CopyOut(const ScatterList& list, int64_t offset, int64_t n, void* dst);
+
+// Copies of at least this many bytes are split over up to 8 threads (and at
+// most half the host's cores): one core's memcpy from gRPC's slices into
+// pinned staging moved 128 MiB in about 21 ms on the H200 host, several times
+// what the copy engines need (bench/results/2026-12-01-session4-h200.md).
+constexpr int64_t kParallelCopyMinBytes = int64_t{8} << 20;
+
+// memcpy of n bytes, split over threads from kParallelCopyMinBytes on.
+void CopyBytes(void* dst, const void* src, int64_t n);
 
 }  // namespace attnserve

@@ -1,7 +1,9 @@
 // ScatterList (server/backend/scatter_list.h): any byte range copied out of
-// pieces of random sizes equals the same range of the bytes they hold.
+// pieces of random sizes equals the same range of the bytes they hold, below
+// and above the size from which copies are split over threads.
 #include "server/backend/scatter_list.h"
 
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -43,6 +45,46 @@ TEST(ScatterListTest, CopyOutOfAnyRangeEqualsTheBytes) {
     std::string all(bytes.size(), '\0');
     CopyOut(list, 0, list.size, all.data());
     EXPECT_EQ(all, bytes);
+  }
+}
+
+// Copies from kParallelCopyMinBytes on run on several threads: ranges that
+// start and end anywhere (not on a thread's part or a page) still copy every
+// byte once, and nothing outside the range is written.
+TEST(ScatterListTest, LargeCopiesSplitOverThreadsEqualTheBytes) {
+  std::mt19937_64 rng(7);
+  const int64_t size = kParallelCopyMinBytes * 3 + 12345;
+  std::string bytes(static_cast<size_t>(size), '\0');
+  for (size_t i = 0; i < bytes.size(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(&bytes[i], &v, std::min<size_t>(8, bytes.size() - i));
+  }
+  // Pieces of 1 MiB plus a random remainder, each in its own buffer.
+  std::vector<std::string> buffers;
+  std::vector<ScatterPiece> pieces;
+  for (int64_t at = 0; at < size;) {
+    const int64_t n = std::min<int64_t>(size - at, (int64_t{1} << 20) + static_cast<int64_t>(rng() % 70000));
+    buffers.push_back(bytes.substr(static_cast<size_t>(at), static_cast<size_t>(n)));
+    at += n;
+  }
+  int64_t offset = 0;
+  for (const std::string& b : buffers) {
+    pieces.push_back({offset, b.data(), static_cast<int64_t>(b.size())});
+    offset += static_cast<int64_t>(b.size());
+  }
+  const ScatterList list{pieces, offset};
+  for (const auto& [begin, n] : {std::pair<int64_t, int64_t>{0, size}, {777, kParallelCopyMinBytes + 4097},
+                                 {5, size - 9}, {size - kParallelCopyMinBytes - 3, kParallelCopyMinBytes}}) {
+    // Guard bytes on both sides catch writes outside the range.
+    std::string out(static_cast<size_t>(n) + 64, '\x5a');
+    CopyOut(list, begin, n, out.data() + 32);
+    ASSERT_EQ(out.substr(32, static_cast<size_t>(n)), bytes.substr(static_cast<size_t>(begin), static_cast<size_t>(n)))
+        << "[" << begin << ", +" << n << ")";
+    EXPECT_EQ(out.substr(0, 32), std::string(32, '\x5a'));
+    EXPECT_EQ(out.substr(static_cast<size_t>(n) + 32), std::string(32, '\x5a'));
+    std::string flat(static_cast<size_t>(n) + 64, '\x5a');
+    CopyBytes(flat.data() + 32, bytes.data() + begin, n);
+    EXPECT_EQ(flat, out);
   }
 }
 

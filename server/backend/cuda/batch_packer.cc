@@ -207,7 +207,7 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
       if (!t.q_scattered.empty()) {
         CopyOut(t.q_scattered, 0, int64_t{t.total_q} * q_row, in.At(out->off_q) + row * q_row);
       } else {
-        std::memcpy(in.At(out->off_q) + row * q_row, t.q, size_t(t.total_q) * q_row);
+        CopyBytes(in.At(out->off_q) + row * q_row, t.q, int64_t{t.total_q} * q_row);
       }
       q_all_direct = false;
     }
@@ -253,7 +253,7 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
         } else if ((kv == 0 ? t.append_k_on_device : t.append_v_on_device) || pinned) {
           AddDeviceCopy(&out->device_in, off + i * kv_row, base + first * kv_row, run * kv_row);
         } else {
-          std::memcpy(dst, base + first * kv_row, run * kv_row);
+          CopyBytes(dst, base + first * kv_row, run * kv_row);
           kv_all_direct = false;
         }
         i += run;

@@ -533,7 +533,7 @@ absl::Status CudaBackend::Complete(BatchStats* stats) {
   const int64_t lse_row = int64_t{geo_.num_qo_heads} * 4;
   int64_t row = 0;
   for (const StagingRing::Slot::Output& out : slot->outputs) {
-    if (out.rows > 0 && !out.o_direct) std::memcpy(out.o, slot->h_out + row * q_row, size_t(out.rows) * q_row);
+    if (out.rows > 0 && !out.o_direct) CopyBytes(out.o, slot->h_out + row * q_row, int64_t{out.rows} * q_row);
     if (out.rows > 0 && !out.lse_direct) {
       std::memcpy(out.lse, slot->h_out + slot->off_lse + row * lse_row, size_t(out.rows) * lse_row);
     }
@@ -600,7 +600,7 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
       if (!scattered->empty()) {
         CopyOut(*scattered, begin * rb, n * rb, in.At(off));
       } else {
-        std::memcpy(in.At(off), at, n * rb);
+        CopyBytes(in.At(off), at, n * rb);
       }
     }
   }
@@ -650,8 +650,8 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
   if (!scatter) {
-    if (!rows.k_on_device) std::memcpy(k_at, in.At(off_k), n * rb);
-    if (!rows.v_on_device) std::memcpy(v_at, in.At(off_v), n * rb);
+    if (!rows.k_on_device) CopyBytes(k_at, in.At(off_k), n * rb);
+    if (!rows.v_on_device) CopyBytes(v_at, in.At(off_v), n * rb);
   }
   float ms = 0;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, slot.events[StagingRing::kAppendBegin], slot.events[StagingRing::kAppendEnd]));
