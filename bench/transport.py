@@ -168,7 +168,6 @@ def main():
         if i == 0:
             for vname, vflag in (("verify_decode64_inline", []), ("verify_decode64_shm", ["--shm"]),
                                  ("verify_decode64_shm_plan", ["--shm", "--plan"]),
-                                 ("verify_decode64_shm_channel", ["--shm", "--channel"]),
                                  ("verify_decode64_shm_plan_channel", ["--shm", "--plan", "--channel"]),
                                  ("verify_prefill_inline", []), ("verify_prefill_shm", ["--shm"]),
                                  ("verify_prefill_shm_channel", ["--shm", "--channel"])):

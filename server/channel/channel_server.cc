@@ -36,7 +36,10 @@ inline void CpuRelax() {
 // has run (whichever is last deletes it: the done callback, or the taker
 // when the core never saw it).
 struct ChannelServer::Request {
-  Poller* poller = nullptr;  // alive until every request it took is answered
+  // Keeps the ring mapped until the request is deleted (the poller's thread
+  // ends once every request it took is answered; the poller goes with the
+  // last of them).
+  std::shared_ptr<Poller> poller;
   int32_t slot = 0;
   uint64_t seq = 0;
   absl::Time start;
@@ -53,7 +56,8 @@ struct ChannelServer::Request {
 };
 
 // The endpoint of one channel: its thread polls the ring until Close.
-class ChannelServer::Poller final : public ChannelEndpoint {
+class ChannelServer::Poller final : public ChannelEndpoint,
+                                    public std::enable_shared_from_this<Poller> {
  public:
   Poller(ChannelServer* server, ChannelRing ring)
       : server_(server),
@@ -213,7 +217,7 @@ class ChannelServer::Poller final : public ChannelEndpoint {
 void ChannelServer::Poller::Take(int32_t slot, uint64_t seq) {
   ChannelServer* const server = server_;
   auto* r = new Request();
-  r->poller = this;
+  r->poller = shared_from_this();
   r->slot = slot;
   r->seq = seq;
   r->start = absl::Now();
@@ -363,7 +367,7 @@ bool ChannelServer::Finish(Request* r, const absl::Status& status, grpc::ByteBuf
         seconds, r->bytes_in, bytes_out, std::string(status.message()));
   }
   inflight_.fetch_sub(1);
-  r->poller->Done();  // last: the poller may go once its requests are answered
+  r->poller->Done();
   return true;
 }
 

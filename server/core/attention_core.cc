@@ -285,6 +285,7 @@ absl::Status AttentionCore::UnregisterRegion(const CallContext& ctx, absl::strin
 std::vector<RegionInfoData> AttentionCore::ListRegions(const CallContext& ctx) {
   std::vector<RegionInfoData> out = regions_.List(ctx.tenant);
   UpdateRegionGauges(ctx.tenant);
+  UpdateChannelGauge(ctx.tenant);  // the channels in those regions
   return out;
 }
 
