@@ -5,8 +5,9 @@
 # and untuned, and attnserve with q, output and LSE in a POSIX shm region, for
 # decode64 and a 128 MiB prefill, under two gRPC settings (tuned = the
 # default, gRPC's defaults), decode also with a step plan, a server with
-# --idle_spin_us and a client with --busy_poll; prints the tables (latency,
-# and where the time goes by stage). About 6-7 minutes, under 480 s in any case (each
+# --idle_spin_us and a client with --busy_poll, and the shm paths also
+# through a request channel (attnbench --channel); prints the tables (latency,
+# and where the time goes by stage). About 7-8 minutes, under 560 s in any case (each
 # attnbench run first writes its clients' KV); bench/transport.py --no-echo
 # --tuned-only runs the attnserve cases alone.
 #   bench/run_transport_gpu.sh INSTALL_DIR OUT_DIR [BEFORE_INSTALL_DIR]
@@ -32,6 +33,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 df -h /dev/shm | tee -a "$out/device.txt"
 before=()
 if (($# == 3)); then before=(--before="$(cd "$3" && pwd)"); fi
-timeout 480 python3 "$here/transport.py" "$inst" "$out" --backend=cuda "${before[@]}" 2>&1 |
+timeout 560 python3 "$here/transport.py" "$inst" "$out" --backend=cuda "${before[@]}" 2>&1 |
   tee "$out/transport.log"
 exit "${PIPESTATUS[0]}"

@@ -9,6 +9,8 @@ host over loopback:
   attnecho          the API with no compute, gRPC tuned and untuned
   attnserve inline  the server, gRPC tuned and untuned (--transport_tuning)
   attnserve shm     q, output and LSE in a POSIX shm region (attnbench --shm)
+  attnserve channel the same, and the request sent through a request channel
+                    in that region instead of a gRPC call (attnbench --channel)
   settings          each path under SETTINGS below (tuned, gRPC defaults, ...)
 
 and prints one table (also OUT/transport.md). The kernel time per request
@@ -122,7 +124,9 @@ def main():
     # The batch worker polling 2 ms for the next request (--idle_spin_us)
     # instead of sleeping: decode only.
     spin = len(SETTINGS)
-    servers.append((bin_dir, spin, "tuned, server --idle_spin_us=2000", SETTINGS[0][1], ["--idle_spin_us=2000"]))
+    # (The channels' pollers spin as long: --channel_spin_us.)
+    servers.append((bin_dir, spin, "tuned, server --idle_spin_us=2000", SETTINGS[0][1],
+                    ["--idle_spin_us=2000", "--channel_spin_us=2000"]))
     if a.before:
         servers.append((os.path.join(os.path.abspath(a.before), "bin"), len(servers),
                         "tuned, --before install", ["--transport_tuning=true"], []))
@@ -139,12 +143,17 @@ def main():
         paths = [("inline", [], i != spin)]
         if i in (0, spin):
             paths += [("inline, plan", ["--plan"], False), ("system shm region", ["--shm"], i == 0),
-                      ("system shm region, plan", ["--shm", "--plan"], False)]
+                      ("system shm region, plan", ["--shm", "--plan"], False),
+                      # No gRPC call per request: a request channel in the region.
+                      ("system shm region, channel", ["--shm", "--channel"], i == 0),
+                      ("system shm region, plan, channel", ["--shm", "--plan", "--channel"], False)]
         if i == spin:
             # The client polls for its responses too (attnbench --busy_poll).
             paths += [("inline, client --busy_poll", ["--busy_poll"], False),
                       ("inline, plan, client --busy_poll", ["--plan", "--busy_poll"], False),
-                      ("system shm region, plan, client --busy_poll", ["--shm", "--plan", "--busy_poll"], False)]
+                      ("system shm region, plan, client --busy_poll", ["--shm", "--plan", "--busy_poll"], False),
+                      ("system shm region, plan, channel, client --busy_poll",
+                       ["--shm", "--plan", "--channel", "--busy_poll"], False)]
         for path, flag, with_prefill in paths:
             cases = [("decode64", decode, dur)] + ([("prefill 128 MiB", long_, long_n)] if with_prefill else [])
             for case, args, n in cases:
@@ -159,7 +168,9 @@ def main():
         if i == 0:
             for vname, vflag in (("verify_decode64_inline", []), ("verify_decode64_shm", ["--shm"]),
                                  ("verify_decode64_shm_plan", ["--shm", "--plan"]),
-                                 ("verify_prefill_inline", []), ("verify_prefill_shm", ["--shm"])):
+                                 ("verify_decode64_shm_plan_channel", ["--shm", "--plan", "--channel"]),
+                                 ("verify_prefill_inline", []), ("verify_prefill_shm", ["--shm"]),
+                                 ("verify_prefill_shm_channel", ["--shm", "--channel"])):
                 # A 1k-row prefill (8 MiB each way): the float64 reference of 16k rows takes too long.
                 vargs = ([x.replace("16384", "1024") for x in long_] + ["--requests=2"]
                          if "prefill" in vname else decode + ["--requests=8"])

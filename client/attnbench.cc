@@ -22,6 +22,11 @@
 // engine that computes it there would have it; the latency is the Prefill
 // call alone.
 //
+// --channel (with --shm): each client opens a request channel in its region
+// (client/channel.h) and sends its requests through it instead of a gRPC
+// call each: the ring at the region's start, the tensors after it. With
+// --busy_poll the caller spins on its slot for the whole wait.
+//
 // --plan: each client registers every request shape's layout once
 // (CreatePlan) and its requests name the plan instead of carrying the
 // layout, as an engine's per-layer requests of one step do (docs/design.md,
@@ -52,6 +57,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "client/bench_stats.h"
+#include "client/channel.h"
 #include "client/cli_flags.h"
 #include "client/client.h"
 #include "client/shared_memory.h"
@@ -73,6 +79,9 @@ ABSL_FLAG(bool, verify, false, "check every response against the float64 referen
 ABSL_FLAG(bool, shm, false,
           "send q and receive the output and LSE through a shared-memory region per client "
           "(server on this host with --allow_shared_memory)");
+ABSL_FLAG(bool, channel, false,
+          "with --shm: send the requests through a request channel in the region (no gRPC call "
+          "per request; docs/transport.md)");
 ABSL_FLAG(bool, plan, false,
           "register each request shape's layout once (CreatePlan) and send its plan id, as an "
           "engine's per-layer requests within one step do");
@@ -226,7 +235,12 @@ class Worker {
       int64_t rows = 0;
       for (const Shape& sh : shapes_) rows = std::max(rows, sh.in.total_q());
       const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim * KvDTypeBytes(g.dtype);
-      o_at_ = (rows * q_row + 4095) / 4096 * 4096;
+      // With --channel the ring comes first: one slot (this worker sends one
+      // request at a time) of 1 MiB, room for a layout of 250k page ids.
+      const int64_t ring_bytes =
+          absl::GetFlag(FLAGS_channel) ? ChannelBytes(1, kChannelSlotBytes) : 0;
+      q_at_ = (ring_bytes + 4095) / 4096 * 4096;
+      o_at_ = q_at_ + (rows * q_row + 4095) / 4096 * 4096;
       lse_at_ = o_at_ + (rows * q_row + 4095) / 4096 * 4096;
       region_ = absl::StrCat("attnbench-", getpid(), "-", index);
       auto shm = SharedMemory::Create("/" + region_, std::max<int64_t>(lse_at_ + rows * g.num_qo_heads * 4, 1));
@@ -234,6 +248,15 @@ class Worker {
       shm_ = *std::move(shm);
       absl::Status s = client_->RegisterSystemRegion(region_, shm_->key(), 0, shm_->size());
       if (!s.ok()) return s;
+      if (absl::GetFlag(FLAGS_channel)) {
+        ChannelOptions channel_options;
+        channel_options.slot_count = 1;
+        channel_options.slot_bytes = kChannelSlotBytes;
+        channel_options.spin_us = options.busy_poll ? 10'000'000 : 100;
+        auto channel = client_->OpenChannel(region_, shm_->data(), 0, ring_bytes, channel_options);
+        if (!channel.ok()) return channel.status();
+        channel_ = *std::move(channel);
+      }
     }
     return absl::OkStatus();
   }
@@ -258,16 +281,17 @@ class Worker {
     if (shm_ != nullptr) {
       // Not timed: the query is where an engine would compute it.
       const Clock::time_point copy_start = Clock::now();
-      std::memcpy(shm_->data(), shape.in.q.data(), q_bytes);
+      std::memcpy(shm_->data() + q_at_, shape.in.q.data(), q_bytes);
       start += Clock::now() - copy_start;
       args.q = {};
-      args.q_region = RegionRef{region_, 0, q_bytes};
+      args.q_region = RegionRef{region_, q_at_, q_bytes};
       args.q_rows = shape.in.total_q();
       args.output_region = RegionRef{region_, o_at_, q_bytes};
       args.lse_region = RegionRef{region_, lse_at_, lse_bytes};
     }
     // Into the same result every time, as an engine reuses its buffers.
-    const absl::Status status = client_->PrefillInto(args, &result_);
+    const absl::Status status = channel_ != nullptr ? channel_->PrefillInto(args, &result_)
+                                                    : client_->PrefillInto(args, &result_);
     const double latency = Seconds(Clock::now() - start);
     if (status.ok() && shm_ != nullptr && verify) {
       result_.o.assign(reinterpret_cast<const uint16_t*>(shm_->data() + o_at_),
@@ -291,6 +315,7 @@ class Worker {
       if (!s.ok()) std::cerr << "release plan: " << s.ToString() << "\n";
     }
     plan_ids_.clear();
+    channel_.reset();  // CloseChannel
     if (client_ != nullptr && shm_ != nullptr) {
       absl::Status s = client_->UnregisterRegion(region_);
       if (!s.ok()) std::cerr << "unregister region: " << s.ToString() << "\n";
@@ -310,10 +335,13 @@ class Worker {
   std::vector<uint64_t> plan_ids_;  // --plan: one per shape, in shapes_' order
   size_t next_ = 0;
   PrefillResult result_;  // reused by every request
-  // --shm: the client's region (q at 0, output at o_at_, LSE at lse_at_).
+  // --shm: the client's region (the ring of --channel at 0, q at q_at_,
+  // output at o_at_, LSE at lse_at_).
   std::unique_ptr<SharedMemory> shm_;
   std::string region_;
-  int64_t o_at_ = 0, lse_at_ = 0;
+  int64_t q_at_ = 0, o_at_ = 0, lse_at_ = 0;
+  static constexpr int32_t kChannelSlotBytes = 1 << 20;
+  std::unique_ptr<RequestChannel> channel_;  // --channel
 };
 
 // The attnserve_batch_requests histogram's sum and count from /metrics.
@@ -379,6 +407,10 @@ int Main() {
   const std::string metrics = absl::GetFlag(FLAGS_metrics);
   if (specs.empty()) {
     std::cerr << "error: --workload must be decode, prefill, prefix or mixed\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_channel) && !absl::GetFlag(FLAGS_shm)) {
+    std::cerr << "error: --channel needs --shm (the channel's ring lives in the shm region)\n";
     return 2;
   }
   if (concurrency < 1 || absl::GetFlag(FLAGS_batch) < 1 || absl::GetFlag(FLAGS_q_len) < 1 ||

@@ -327,7 +327,7 @@ absl::StatusOr<PrefillResult> Client::Prefill(const PrefillArgs& args) {
   return result;
 }
 
-absl::Status Client::PrefillInto(const PrefillArgs& a, PrefillResult* result) {
+grpc::ByteBuffer Client::EncodePrefill(const PrefillArgs& a, BorrowedMemory* borrowed) const {
   v1::PrefillRequest req;  // inline tensors follow it
   std::vector<InlineTensor> tensors;
   req.set_layer(a.layer);
@@ -378,11 +378,10 @@ absl::Status Client::PrefillInto(const PrefillArgs& a, PrefillResult* result) {
                                                            : incarnation());
   req.set_plan_id(a.plan_id);
   req.mutable_kv_keys_after()->Assign(a.kv_keys_after.begin(), a.kv_keys_after.end());
-  BorrowedMemory borrowed;
-  grpc::ByteBuffer bytes;
-  grpc::Status s = CallRaw(raw_->prefill, EncodeRequest(req, tensors, &borrowed), &bytes);
-  borrowed.WaitReleased();
-  if (!s.ok()) return FromGrpc(s);
+  return EncodeRequest(req, tensors, borrowed);
+}
+
+absl::Status Client::DecodePrefill(const grpc::ByteBuffer& bytes, PrefillResult* result) {
   ReceivedTensor o, lse;
   absl::Status parsed =
       ReadTensorResponse(bytes, "attnserve.v1.PrefillResponse", &o, Into(&result->o), &lse,
@@ -392,6 +391,15 @@ absl::Status Client::PrefillInto(const PrefillArgs& a, PrefillResult* result) {
   if (lse.bytes == 0) result->lse.clear();
   Learn(result->incarnation);
   return absl::OkStatus();
+}
+
+absl::Status Client::PrefillInto(const PrefillArgs& a, PrefillResult* result) {
+  BorrowedMemory borrowed;
+  grpc::ByteBuffer bytes;
+  grpc::Status s = CallRaw(raw_->prefill, EncodePrefill(a, &borrowed), &bytes);
+  borrowed.WaitReleased();
+  if (!s.ok()) return FromGrpc(s);
+  return DecodePrefill(bytes, result);
 }
 
 absl::StatusOr<uint64_t> Client::CreatePlan(const PlanLayout& layout) {

@@ -32,6 +32,10 @@
 
 namespace attnserve {
 
+class BorrowedMemory;
+class RequestChannel;
+struct ChannelOptions;
+
 struct ClientOptions {
   std::string target = "127.0.0.1:50051";
   std::string token;            // sent as "authorization: Bearer TOKEN" when set
@@ -179,6 +183,17 @@ class Client {
   absl::Status ReadKVToRegions(int32_t layer, absl::Span<const int64_t> slots,
                                const RegionRef& k, const RegionRef& v);
 
+  // Opens a request channel (client/channel.h, docs/transport.md "Request
+  // channels"): a ring of options.slot_count slots at [offset, offset +
+  // byte_size) of system region `region_name`, which this process maps at
+  // `region_data` (its byte 0, e.g. SharedMemory::data() when the region
+  // starts at the object's start). Writes the ring's header there, then
+  // calls OpenChannel. The channel must not outlive this client.
+  absl::StatusOr<std::unique_ptr<RequestChannel>> OpenChannel(const std::string& region_name,
+                                                              char* region_data, int64_t offset,
+                                                              int64_t byte_size,
+                                                              const ChannelOptions& options);
+
   // The server incarnation this client expects (0 before any answer).
   uint64_t incarnation() const { return incarnation_.load(std::memory_order_relaxed); }
   // Accept whatever incarnation answers next (after a restart, once the
@@ -207,6 +222,13 @@ class Client {
 
   // Remembers `seen` when nothing was remembered yet.
   void Learn(uint64_t seen);
+
+  // A Prefill's wire bytes (its large inline tensors borrowed from the
+  // caller's memory), and its response parsed into *result: shared by
+  // Prefill and RequestChannel.
+  grpc::ByteBuffer EncodePrefill(const PrefillArgs& args, BorrowedMemory* borrowed) const;
+  absl::Status DecodePrefill(const grpc::ByteBuffer& bytes, PrefillResult* result);
+  friend class RequestChannel;
 
   ClientOptions options_;
   std::atomic<uint64_t> incarnation_{0};

@@ -28,7 +28,6 @@
 #include "kernels/plan/kernel_select.h"
 #include "server/backend/factory.h"
 #include "server/core/attention_core.h"
-#include "server/core/attention_core.h"
 #include "server/grpc/auth.h"
 #include "server/grpc/server.h"
 #include "server/metrics.h"
@@ -87,6 +86,11 @@ ABSL_FLAG(bool, allow_shared_memory, false,
 ABSL_FLAG(int32_t, max_regions_per_tenant, 16, "shared-memory regions one tenant may hold");
 ABSL_FLAG(int64_t, max_region_bytes_per_tenant, int64_t{64} << 30,
           "bytes of shared-memory regions one tenant may hold");
+ABSL_FLAG(int32_t, max_channels_per_tenant, 4,
+          "request channels (OpenChannel) one tenant may hold open; each has a poller thread");
+ABSL_FLAG(int64_t, channel_spin_us, 200,
+          "microseconds a request channel's poller spins after the last request before it sleeps "
+          "on the ring's futex (0..1000000; one busy core per channel while it spins)");
 ABSL_FLAG(bool, transport_tuning, true,
           "gRPC HTTP/2 and TCP settings for large tensors (docs/transport.md); false: gRPC's "
           "defaults (for A/B measurements)");
@@ -195,6 +199,18 @@ int Run() {
     spdlog::error("--max_regions_per_tenant and --max_region_bytes_per_tenant must be at least 1");
     return 2;
   }
+  core_options.channels.max_channels_per_tenant = absl::GetFlag(FLAGS_max_channels_per_tenant);
+  if (core_options.channels.max_channels_per_tenant < 1 ||
+      core_options.channels.max_channels_per_tenant > 1024) {
+    spdlog::error("--max_channels_per_tenant={} must be in [1, 1024]",
+                  core_options.channels.max_channels_per_tenant);
+    return 2;
+  }
+  const int64_t channel_spin_us = absl::GetFlag(FLAGS_channel_spin_us);
+  if (channel_spin_us < 0 || channel_spin_us > 1000000) {
+    spdlog::error("--channel_spin_us={} must be in [0, 1000000]", channel_spin_us);
+    return 2;
+  }
   if (core_options.max_plans_per_tenant < 1 || core_options.plan_idle_timeout_s < 1) {
     spdlog::error("--max_plans_per_tenant and --plan_idle_timeout_s must be at least 1");
     return 2;
@@ -247,6 +263,7 @@ int Run() {
   server_options.access_log = absl::GetFlag(FLAGS_access_log);
   server_options.transport_tuning = absl::GetFlag(FLAGS_transport_tuning);
   server_options.grpc_args = absl::GetFlag(FLAGS_grpc_args);
+  server_options.channel_spin_us = channel_spin_us;
   const std::string reflection = absl::GetFlag(FLAGS_reflection);
   if (reflection != "auto" && reflection != "on" && reflection != "off") {
     spdlog::error("--reflection={} must be auto, on or off", reflection);

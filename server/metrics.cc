@@ -113,6 +113,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                              .Name("attnserve_tenant_region_bytes")
                              .Help("Bytes of the shared-memory regions a tenant holds")
                              .Register(*registry_);
+  open_channels_ = &prometheus::BuildGauge()
+                       .Name("attnserve_open_channels")
+                       .Help("Request channels a tenant has open (OpenChannel)")
+                       .Register(*registry_);
   inflight_ = &prometheus::BuildGauge()
                    .Name("attnserve_inflight_requests")
                    .Help("RPCs being handled")
@@ -148,6 +152,8 @@ const char* Metrics::RpcName(Rpc rpc) {
     case Rpc::kRegisterRegion: return "RegisterRegion";
     case Rpc::kUnregisterRegion: return "UnregisterRegion";
     case Rpc::kListRegions: return "ListRegions";
+    case Rpc::kOpenChannel: return "OpenChannel";
+    case Rpc::kCloseChannel: return "CloseChannel";
     case Rpc::kCount: break;
   }
   return "unknown";
@@ -227,6 +233,11 @@ void Metrics::SetTenantRegions(const std::string& tenant, int64_t count, int64_t
   absl::MutexLock lock(&series_mu_);
   tenant_regions_->Add({{"tenant", tenant}}).Set(static_cast<double>(count));
   tenant_region_bytes_->Add({{"tenant", tenant}}).Set(static_cast<double>(bytes));
+}
+
+void Metrics::SetOpenChannels(const std::string& tenant, int64_t count) {
+  absl::MutexLock lock(&series_mu_);
+  open_channels_->Add({{"tenant", tenant}}).Set(static_cast<double>(count));
 }
 
 }  // namespace attnserve

@@ -27,7 +27,8 @@ class Metrics {
   // The RPCs of attnserve.v1.AttentionService (the `method` label).
   enum class Rpc {
     kGetServerInfo, kAllocatePages, kFreePages, kWriteKV, kReadKV, kPrefill, kMergeStates,
-    kCreatePlan, kReleasePlan, kRegisterRegion, kUnregisterRegion, kListRegions, kCount
+    kCreatePlan, kReleasePlan, kRegisterRegion, kUnregisterRegion, kListRegions, kOpenChannel,
+    kCloseChannel, kCount
   };
   static const char* RpcName(Rpc rpc);
   // The `shape` label: kDecode for a Prefill whose every sequence has at most
@@ -81,6 +82,8 @@ class Metrics {
   void AddTransferBytes(int64_t in_bytes, int64_t out_bytes, Path path = Path::kInline);
   // Regions a tenant holds and their bytes.
   void SetTenantRegions(const std::string& tenant, int64_t count, int64_t bytes);
+  // Request channels a tenant has open.
+  void SetOpenChannels(const std::string& tenant, int64_t count);
   prometheus::Gauge& inflight() { return *inflight_; }
 
  private:
@@ -93,6 +96,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* tenant_pages_;
   prometheus::Family<prometheus::Gauge>* tenant_regions_;
   prometheus::Family<prometheus::Gauge>* tenant_region_bytes_;
+  prometheus::Family<prometheus::Gauge>* open_channels_;
   prometheus::Family<prometheus::Gauge>* build_info_;
   absl::Mutex series_mu_;  // creates the lazily made series below
   std::atomic<prometheus::Counter*> requests_[kRpcs][kCodes][kShapes] = {};

@@ -126,7 +126,11 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
       incarnation_(MakeIncarnation()),
       pages_(backend_->Geometry().num_pages, options.tenant_max_pages, options.scrub_freed_pages),
       plans_(options.max_plans_per_tenant, absl::Seconds(options.plan_idle_timeout_s)),
-      regions_(options.regions, backend_->region_device()) {
+      regions_(options.regions, backend_->region_device()),
+      channels_(options.channels) {
+  regions_.SetReleaseListener([this](const Region* region) {
+    for (const std::string& tenant : channels_.CloseRegion(region)) UpdateChannelGauge(tenant);
+  });
   limits_.max_message_bytes = options.max_message_bytes;
   limits_.max_request_rows = MaxRequestRows(options, backend_->Geometry());
   limits_.max_request_kv_indices = options.max_request_kv_indices;
@@ -146,7 +150,10 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
 
 AttentionCore::~AttentionCore() { Shutdown(); }
 
-void AttentionCore::Shutdown() { scheduler_->Stop(); }
+void AttentionCore::Shutdown() {
+  CloseAllChannels();
+  scheduler_->Stop();
+}
 
 ServerInfoData AttentionCore::Info() const {
   const KvGeometry& g = backend_->Geometry();
@@ -278,7 +285,31 @@ absl::Status AttentionCore::UnregisterRegion(const CallContext& ctx, absl::strin
 std::vector<RegionInfoData> AttentionCore::ListRegions(const CallContext& ctx) {
   std::vector<RegionInfoData> out = regions_.List(ctx.tenant);
   UpdateRegionGauges(ctx.tenant);
+  UpdateChannelGauge(ctx.tenant);  // the channels in those regions
   return out;
+}
+
+void AttentionCore::UpdateChannelGauge(const std::string& tenant) {
+  metrics_->SetOpenChannels(tenant, channels_.TenantChannels(tenant));
+}
+
+absl::StatusOr<uint64_t> AttentionCore::OpenChannel(const CallContext& ctx,
+                                                    const RegionRefView& ring,
+                                                    const ChannelTable::MakeEndpoint& make) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+  auto id = channels_.Open(ctx.tenant, regions_, ring, make);
+  UpdateChannelGauge(ctx.tenant);
+  return id;
+}
+
+absl::Status AttentionCore::CloseChannel(const CallContext& ctx, uint64_t channel_id) {
+  absl::Status status = channels_.Close(ctx.tenant, channel_id);
+  UpdateChannelGauge(ctx.tenant);
+  return status;
+}
+
+void AttentionCore::CloseAllChannels() {
+  for (const std::string& tenant : channels_.CloseAll()) UpdateChannelGauge(tenant);
 }
 
 void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {

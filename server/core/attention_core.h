@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "common/version.h"  // kVersion: CMake's project(VERSION)
 #include "server/backend/backend.h"
+#include "server/core/channel_table.h"
 #include "server/core/page_table.h"
 #include "server/core/plan_table.h"
 #include "server/core/region_table.h"
@@ -42,6 +43,7 @@ struct CoreOptions {
   int32_t max_plans_per_tenant = 64;
   int64_t plan_idle_timeout_s = 300;  // a plan unused this long is released
   RegionLimits regions;  // shared-memory regions (off by default)
+  ChannelLimits channels;  // request channels (in system regions)
 };
 
 // Query rows (and KV rows) one request may carry: what fits in
@@ -75,6 +77,14 @@ class AttentionCore {
   absl::Status UnregisterRegion(const CallContext& ctx, absl::string_view name);
   std::vector<RegionInfoData> ListRegions(const CallContext& ctx);
 
+  // Request channels (channel_table.h): a ring in one of ctx.tenant's system
+  // regions, polled by the endpoint `make` starts. Returns the channel id.
+  absl::StatusOr<uint64_t> OpenChannel(const CallContext& ctx, const RegionRefView& ring,
+                                       const ChannelTable::MakeEndpoint& make);
+  absl::Status CloseChannel(const CallContext& ctx, uint64_t channel_id);
+  // Closes every channel (the server drains or stops).
+  void CloseAllChannels();
+
   // A tensor naming a region is read from it, and an output naming one is
   // written there: the request holds the region until `done` has run.
   void Prefill(const PrefillCall& call, DoneCallback done);
@@ -88,8 +98,8 @@ class AttentionCore {
   // left alone.
   void Cancel(const std::string& tenant, uint64_t request_id);
 
-  // Finishes every queued request and stops the worker; later calls get
-  // UNAVAILABLE.
+  // Closes every channel, finishes every queued request and stops the
+  // worker; later calls get UNAVAILABLE.
   void Shutdown();
 
   void SetFaultHandler(std::function<void(const absl::Status&)> handler) {
@@ -105,6 +115,7 @@ class AttentionCore {
               std::unique_ptr<Job> job);
   void UpdatePageGauges();
   void UpdateRegionGauges(const std::string& tenant);
+  void UpdateChannelGauge(const std::string& tenant);
   // Request-side region bookkeeping: the slices a request holds, checked for
   // overlaps of an output with anything else, and the bytes per path.
   class RegionUse;
@@ -119,6 +130,9 @@ class AttentionCore {
   // After scheduler_: a plan going away unpins its pages through both.
   PlanTable plans_;
   RegionTable regions_;
+  // After regions_: a region dropped closes its channels, and the channels'
+  // endpoints go (closing) before the regions they hold.
+  ChannelTable channels_;
 };
 
 }  // namespace attnserve

@@ -56,6 +56,24 @@ bool KeyNames(const std::string& key, uint64_t dev, uint64_t ino) {
   return same;
 }
 
+// Regions the table dropped under its lock, handed to the release listener
+// when this goes out of scope (declared before the lock, so after it is
+// released).
+class DroppedRegions {
+ public:
+  explicit DroppedRegions(const std::function<void(const Region*)>& listener)
+      : listener_(listener) {}
+  ~DroppedRegions() {
+    if (listener_) {
+      for (const auto& r : regions) listener_(r.get());
+    }
+  }
+  std::vector<std::shared_ptr<Region>> regions;
+
+ private:
+  const std::function<void(const Region*)>& listener_;
+};
+
 }  // namespace
 
 Region::~Region() {
@@ -164,8 +182,9 @@ absl::Status RegionTable::Register(const std::string& tenant, const RegionSpec& 
                      limits_.max_bytes_per_tenant, "] (--max_region_bytes_per_tenant)"));
   }
   {
+    DroppedRegions dropped(release_listener_);
     absl::MutexLock lock(&mu_);
-    ReclaimVanished(tenant);
+    ReclaimVanished(tenant, &dropped.regions);
     auto it = regions_.find(spec.name);
     if (it != regions_.end()) {
       if (it->second->tenant != tenant) {
@@ -217,7 +236,7 @@ absl::Status RegionTable::Unregister(const std::string& tenant, absl::string_vie
     return absl::FailedPreconditionError(
         "shared-memory regions are off on this server (start it with --allow_shared_memory)");
   }
-  std::shared_ptr<Region> dropped;  // unmapped after the lock, if nothing else holds it
+  DroppedRegions dropped(release_listener_);  // unmapped after the lock, if nothing else holds it
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(name);
   if (it == regions_.end()) {
@@ -230,20 +249,23 @@ absl::Status RegionTable::Unregister(const std::string& tenant, absl::string_vie
   Usage& used = usage_[tenant];
   used.count -= 1;
   used.bytes -= it->second->byte_size;
-  dropped = std::move(it->second);
+  dropped.regions.push_back(std::move(it->second));
   regions_.erase(it);
   return absl::OkStatus();
 }
 
-void RegionTable::ReclaimVanished(const std::string& tenant) {
+void RegionTable::ReclaimVanished(const std::string& tenant,
+                                  std::vector<std::shared_ptr<Region>>* dropped) {
   for (auto it = regions_.begin(); it != regions_.end();) {
     const Region& r = *it->second;
-    // use_count 1: only the table holds it, no request is using it.
-    if (r.tenant == tenant && r.kind == RegionKind::kSystem && it->second.use_count() == 1 &&
-        !KeyNames(r.key, r.dev, r.ino)) {
+    // Only the table and request channels hold it: no request is using it.
+    // (A channel of a client that died closes with its region.)
+    if (r.tenant == tenant && r.kind == RegionKind::kSystem &&
+        it->second.use_count() - r.channel_holds.load() == 1 && !KeyNames(r.key, r.dev, r.ino)) {
       Usage& used = usage_[tenant];
       used.count -= 1;
       used.bytes -= r.byte_size;
+      dropped->push_back(std::move(it->second));
       regions_.erase(it++);
     } else {
       ++it;
@@ -254,8 +276,9 @@ void RegionTable::ReclaimVanished(const std::string& tenant) {
 std::vector<RegionInfoData> RegionTable::List(const std::string& tenant) {
   std::vector<RegionInfoData> out;
   if (!limits_.enabled) return out;
+  DroppedRegions dropped(release_listener_);
   absl::MutexLock lock(&mu_);
-  ReclaimVanished(tenant);
+  ReclaimVanished(tenant, &dropped.regions);
   for (const auto& [name, region] : regions_) {
     if (region->tenant != tenant) continue;
     RegionInfoData info;
@@ -265,7 +288,7 @@ std::vector<RegionInfoData> RegionTable::List(const std::string& tenant) {
     info.offset = region->offset;
     info.byte_size = region->byte_size;
     info.device_id = region->device_id;
-    info.in_use = static_cast<int32_t>(region.use_count() - 1);
+    info.in_use = static_cast<int32_t>(region.use_count() - 1 - region->channel_holds.load());
     info.registered = region->registered;
     info.key_exists =
         region->kind == RegionKind::kSystem && KeyNames(region->key, region->dev, region->ino);

@@ -27,7 +27,9 @@
 // Thread-safe.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,6 +81,9 @@ struct Region {
   // cuda
   int32_t device_id = 0;
   RegionDevice* device = nullptr;
+  // References held by open request channels (channel_table.h), which do not
+  // keep a region from being reclaimed or count as in use.
+  mutable std::atomic<int32_t> channel_holds{0};
 };
 
 // A range of a region, resolved for one request. Holding it keeps the
@@ -150,6 +155,12 @@ class RegionTable {
   absl::StatusOr<RegionSlice> Resolve(const std::string& tenant, const RegionRefView& ref,
                                       int64_t elem_bytes, absl::string_view field) const;
 
+  // Called (outside the table's lock) with each region the table drops:
+  // unregistered or reclaimed. Request channels on it close (channel_table.h).
+  void SetReleaseListener(std::function<void(const Region*)> listener) {
+    release_listener_ = std::move(listener);
+  }
+
   // Regions and their bytes held by `tenant` (gauges).
   struct Usage {
     int32_t count = 0;
@@ -159,13 +170,15 @@ class RegionTable {
 
  private:
   // Drops the tenant's regions that are not in use and whose shm key no
-  // longer names the object mapped.
-  void ReclaimVanished(const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // longer names the object mapped; appends them to *dropped.
+  void ReclaimVanished(const std::string& tenant, std::vector<std::shared_ptr<Region>>* dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::shared_ptr<Region>> MapSystem(const RegionSpec& spec) const;
   absl::StatusOr<std::shared_ptr<Region>> OpenCuda(const RegionSpec& spec) const;
 
   const RegionLimits limits_;
   RegionDevice* const device_;
+  std::function<void(const Region*)> release_listener_;  // set before any request
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Region>> regions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);

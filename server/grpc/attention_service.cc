@@ -22,10 +22,6 @@ namespace {
 constexpr size_t kPooledPrefillRequests = 256;
 constexpr int64_t kPooledPrefillBytes = int64_t{256} << 20;
 
-// Query rows per sequence up to which a Prefill counts as decode in the
-// metrics' `shape` label (the speculative-decoding range).
-constexpr int32_t kDecodeMaxRows = 8;
-
 // The incarnation a request expects, for the requests that carry one.
 template <typename Request>
 auto ExpectedIncarnation(const Request& r, int) -> decltype(uint64_t{r.expected_incarnation()}) {
@@ -36,17 +32,11 @@ uint64_t ExpectedIncarnation(const Request&, long) {
   return 0;  // GetServerInfo, MergeStates: not checked
 }
 
-Metrics::Shape ShapeOf(const v1::PrefillRequest& r) {
-  for (int i = 1; i < r.qo_indptr_size(); ++i) {
-    if (r.qo_indptr(i) - r.qo_indptr(i - 1) > kDecodeMaxRows) return Metrics::Shape::kPrefill;
-  }
-  return Metrics::Shape::kDecode;
-}
-
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth,
-                                           Metrics* metrics, bool access_log)
+                                           Metrics* metrics, bool access_log,
+                                           ChannelServerOptions channels)
     : core_(core),
       auth_(auth),
       metrics_(metrics),
@@ -54,7 +44,11 @@ AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth*
       limits_(core->limits().max_request_rows, core->limits().max_request_kv_indices,
               core->geometry().num_pages, kMaxMergeStates),
       prefill_requests_(kPooledPrefillRequests, kPooledPrefillBytes,
-                        [](v1::PrefillRequest* r) { return ResetForReuse(r); }) {}
+                        [](v1::PrefillRequest* r) { return ResetForReuse(r); }) {
+  channels.access_log = access_log;
+  channels_ = std::make_unique<ChannelServer>(core, metrics, &limits_, &prefill_requests_,
+                                              channels);
+}
 
 // One RPC: its reactor. It admits the call (drain, authentication), parses
 // the request against its wire limits, and is finished exactly once, by
@@ -288,7 +282,7 @@ int AttentionServiceImpl::AbandonInflight(const absl::Status& status) {
       calls.push_back(call);
     }
   }
-  int abandoned = 0;
+  int abandoned = channels_->AbandonInflight(status);
   for (Call* call : calls) {
     if (call->Claim()) {
       call->Finish(status);
@@ -449,7 +443,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerCont
     return call;
   }
   const v1::PrefillRequest& parsed = *state->request;
-  call->set_shape(ShapeOf(parsed));
+  call->set_shape(PrefillShape(parsed));
   ToCall(parsed, state->tensors, &c);
   c.out = &state->out;
   const uint64_t incarnation = core_->incarnation();
@@ -595,6 +589,39 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListRegions(grpc::CallbackServer
   for (const RegionInfoData& info : core_->ListRegions(c)) ToProto(info, out.add_regions());
   out.set_incarnation(core_->incarnation());
   if (call->Claim()) call->Finish(absl::OkStatus(), &out);
+  return call;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::OpenChannel(grpc::CallbackServerContext* ctx,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kOpenChannel, request, response);
+  v1::OpenChannelRequest parsed;
+  CallContext c;
+  if (!call->Open(limits_.open_channel, &parsed, &c)) return call;
+  auto opened = channels_->Open(c, ToRingRef(parsed));
+  v1::OpenChannelResponse out;
+  if (opened.ok()) {
+    out.set_channel_id(opened->id);
+    out.set_slot_count(static_cast<uint32_t>(opened->slot_count));
+    out.set_slot_bytes(static_cast<uint32_t>(opened->slot_bytes));
+    out.set_incarnation(core_->incarnation());
+  }
+  if (call->Claim()) call->Finish(opened.status(), &out);
+  return call;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CloseChannel(grpc::CallbackServerContext* ctx,
+                                                             const grpc::ByteBuffer* request,
+                                                             grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kCloseChannel, request, response);
+  v1::CloseChannelRequest parsed;
+  CallContext c;
+  if (!call->Open(limits_.close_channel, &parsed, &c)) return call;
+  const absl::Status status = channels_->Close(c, parsed.channel_id());
+  v1::CloseChannelResponse out;
+  out.set_incarnation(core_->incarnation());
+  if (call->Claim()) call->Finish(status, &out);
   return call;
 }
 

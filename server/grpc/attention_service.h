@@ -31,6 +31,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/channel/channel_server.h"
 #include "server/core/attention_core.h"
 #include "server/grpc/auth.h"
 #include "server/grpc/message_pool.h"
@@ -39,7 +40,9 @@
 
 namespace attnserve {
 
-using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_RegisterRegion<
+using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_OpenChannel<
+    v1::AttentionService::WithRawCallbackMethod_CloseChannel<
+    v1::AttentionService::WithRawCallbackMethod_RegisterRegion<
     v1::AttentionService::WithRawCallbackMethod_UnregisterRegion<
     v1::AttentionService::WithRawCallbackMethod_ListRegions<
     v1::AttentionService::WithRawCallbackMethod_CreatePlan<
@@ -51,25 +54,31 @@ using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_Register
                 v1::AttentionService::WithRawCallbackMethod_ReadKV<
                     v1::AttentionService::WithRawCallbackMethod_Prefill<
                         v1::AttentionService::WithRawCallbackMethod_MergeStates<
-                            v1::AttentionService::Service>>>>>>>>>>>>;
+                            v1::AttentionService::Service>>>>>>>>>>>>>>;
 
 class AttentionServiceImpl final : public RawAttentionService {
  public:
   // access_log: one log line per finished RPC (method, tenant, peer, request
-  // id, code, seconds, bytes, error text).
+  // id, code, seconds, bytes, error text), and per channel request.
+  // channels: how the pollers of request channels (OpenChannel) poll.
   AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth, Metrics* metrics,
-                       bool access_log);
+                       bool access_log, ChannelServerOptions channels = {});
   ~AttentionServiceImpl() override;
 
-  // New requests get UNAVAILABLE from now on (graceful drain).
-  void StartDraining() { draining_ = true; }
-  // RPCs accepted before the drain began and still being handled.
-  int64_t accepted_inflight() const { return accepted_inflight_; }
+  // New requests get UNAVAILABLE from now on (graceful drain), over gRPC and
+  // through channels.
+  void StartDraining() {
+    draining_ = true;
+    channels_->StartDraining();
+  }
+  // RPCs accepted before the drain began and still being handled, and
+  // channel requests being handled.
+  int64_t accepted_inflight() const { return accepted_inflight_ + channels_->inflight(); }
   // When the last accepted RPC finished (absl::GetCurrentTimeNanos()).
   int64_t last_accepted_finish_ns() const { return last_accepted_finish_ns_; }
-  // Finishes every RPC still in flight with `status` and returns how many
-  // there were. Work they queued or started is never answered: the process
-  // is about to exit.
+  // Finishes every RPC and channel request still in flight with `status`
+  // and returns how many there were. Work they queued or started is never
+  // answered: the process is about to exit.
   int AbandonInflight(const absl::Status& status);
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
@@ -108,6 +117,12 @@ class AttentionServiceImpl final : public RawAttentionService {
   grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* ctx,
                                         const grpc::ByteBuffer* request,
                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* OpenChannel(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* CloseChannel(grpc::CallbackServerContext* ctx,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
 
  private:
   class Call;
@@ -131,6 +146,9 @@ class AttentionServiceImpl final : public RawAttentionService {
   absl::flat_hash_set<Call*> calls_ ABSL_GUARDED_BY(calls_mu_);
   // Prefill requests are recycled with their tensor buffers (message_pool.h).
   RecyclingPool<v1::PrefillRequest> prefill_requests_;
+  // Request channels' pollers; they share limits_ and prefill_requests_
+  // (destroyed first: it waits for its pollers).
+  std::unique_ptr<ChannelServer> channels_;
 };
 
 }  // namespace attnserve

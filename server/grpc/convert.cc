@@ -243,6 +243,14 @@ void ToCall(const v1::PrefillRequest& r, const InPlaceTensors& tensors, PrefillC
   c->lse_region = RefView(r.has_lse_region(), r.lse_region());
 }
 
+Metrics::Shape PrefillShape(const v1::PrefillRequest& r) {
+  constexpr int32_t kDecodeMaxRows = 8;
+  for (int i = 1; i < r.qo_indptr_size(); ++i) {
+    if (r.qo_indptr(i) - r.qo_indptr(i - 1) > kDecodeMaxRows) return Metrics::Shape::kPrefill;
+  }
+  return Metrics::Shape::kDecode;
+}
+
 PrefillLayout ToLayout(const v1::CreatePlanRequest& r) {
   return PrefillLayout{Span(r.qo_indptr()),        Span(r.kv_indptr()),
                        Span(r.kv_indices()),       Span(r.kv_last_page_len()),
@@ -278,6 +286,10 @@ void ToCall(const v1::MergeStatesRequest& r, v1::MergeStatesResponse* response,
   c->out_lse = response->mutable_lse()->mutable_data();
   c->v_region = RefView(r.has_v_region(), r.v_region());
   c->lse_region = RefView(r.has_lse_region(), r.lse_region());
+}
+
+RegionRefView ToRingRef(const v1::OpenChannelRequest& r) {
+  return RefView(r.has_ring(), r.ring());
 }
 
 RegionSpec ToSpec(const v1::RegisterRegionRequest& r) {

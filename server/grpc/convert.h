@@ -26,6 +26,7 @@
 #include "server/core/requests.h"
 #include "server/core/validate.h"
 #include "server/grpc/wire_limits.h"
+#include "server/metrics.h"
 
 namespace attnserve {
 
@@ -88,6 +89,9 @@ inline constexpr uint32_t kWriteKvInPlace[] = {v1::WriteKVRequest::kKFieldNumber
 // Prefill's outputs go to call->out, which the caller sets.
 void ToCall(const v1::PrefillRequest& request, const InPlaceTensors& tensors, PrefillCall* call);
 void ToCall(const v1::PrefillRequest& request, PrefillCall* call);  // no tensor in place
+// The metrics' `shape` label of a Prefill: kDecode when every sequence has
+// at most 8 query rows (the speculative-decoding range), else kPrefill.
+Metrics::Shape PrefillShape(const v1::PrefillRequest& request);
 // A CreatePlan's layout, viewing the request's arrays.
 PrefillLayout ToLayout(const v1::CreatePlanRequest& request);
 void ToCall(const v1::WriteKVRequest& request, const InPlaceTensors& tensors, WriteKvCall* call);
@@ -95,6 +99,10 @@ void ToCall(const v1::WriteKVRequest& request, WriteKvCall* call);
 void ToCall(const v1::ReadKVRequest& request, v1::ReadKVResponse* response, ReadKvCall* call);
 void ToCall(const v1::MergeStatesRequest& request, v1::MergeStatesResponse* response,
             MergeStatesCall* call);
+
+// An OpenChannel's ring (unset when the request names none: the core then
+// finds no region of that name).
+RegionRefView ToRingRef(const v1::OpenChannelRequest& request);
 
 // A RegisterRegion's spec (a request with neither kind set is a system
 // region with an empty key, which the core rejects naming system.key).

@@ -180,7 +180,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
 
   grpc::EnableDefaultHealthCheckService(true);
   if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  s->service_ = std::make_unique<AttentionServiceImpl>(core, auth, metrics, options.access_log);
+  ChannelServerOptions channels;
+  channels.spin_us = options.channel_spin_us;
+  s->service_ = std::make_unique<AttentionServiceImpl>(core, auth, metrics, options.access_log,
+                                                       channels);
   grpc::ServerBuilder builder;
   // One server per port: with SO_REUSEPORT a second server on the same port
   // would start and take half of the first one's connections.

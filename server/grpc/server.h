@@ -32,6 +32,9 @@ struct ServerOptions {
   // false: gRPC's defaults. grpc_args: "name=int,..." applied after them.
   bool transport_tuning = true;
   std::string grpc_args;
+  // Request channels: microseconds each channel's poller spins after the
+  // last request before it sleeps (--channel_spin_us).
+  int64_t channel_spin_us = 200;
 };
 
 class MetricsEndpoint;

@@ -254,6 +254,9 @@ RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, i
                       {3, "cuda", F::kMessage, 1, &cuda_region, ""}}};
   unregister_region = {"attnserve.v1.UnregisterRegionRequest", {}};
   list_regions = {"attnserve.v1.ListRegionsRequest", {}};
+  open_channel = {"attnserve.v1.OpenChannelRequest",
+                  {{1, "ring", F::kMessage, 1, &region_ref, ""}}};
+  close_channel = {"attnserve.v1.CloseChannelRequest", {}};
 }
 
 }  // namespace attnserve

@@ -77,6 +77,8 @@ struct RequestWireLimits {
   WireMessage register_region;
   WireMessage unregister_region;
   WireMessage list_regions;
+  WireMessage open_channel;
+  WireMessage close_channel;
 };
 
 }  // namespace attnserve

@@ -9,13 +9,19 @@
 //    the slices) accepts or rejects other bytes than ParseInto, or gives a
 //    different message once the viewed data is put back. The input is also
 //    cut into slices of 1 to 16 bytes there, as gRPC may hand it over.
+// Every input is also read as a request channel's ring header
+// (ReadChannelHeader, server/core/channel_table.h): it aborts when a header
+// passes whose geometry is out of bounds or larger than the input.
 // Cheap per input, so a nightly run reaches 10^7 executions in minutes.
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "attnserve/v1/attention.pb.h"
+#include "common/channel_layout.h"
+#include "server/core/channel_table.h"
 #include "server/grpc/convert.h"
 #include "server/grpc/wire_limits.h"
 
@@ -131,6 +137,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
   if (v1::AllocatePagesRequest r; ParseBoth(bytes, data, size, l.allocate_pages, &r)) {
+  }
+  if (v1::OpenChannelRequest r; ParseBoth(bytes, data, size, l.open_channel, &r)) {
+  }
+  if (v1::CloseChannelRequest r; ParseBoth(bytes, data, size, l.close_channel, &r)) {
+  }
+  // The input as a ring (its words aligned, as in a mapping).
+  static std::vector<uint64_t> ring;
+  ring.assign((size + 7) / 8, 0);
+  std::memcpy(ring.data(), data, size);
+  auto header = ReadChannelHeader(reinterpret_cast<const char*>(ring.data()),
+                                  static_cast<int64_t>(size), "ring");
+  if (header.ok()) {
+    Require(header->slot_count >= 1 && header->slot_count <= 64);
+    Require(header->slot_bytes >= 4096 && header->slot_bytes <= (16 << 20) &&
+            header->slot_bytes % 64 == 0);
+    Require(ChannelBytes(header->slot_count, header->slot_bytes) <= static_cast<int64_t>(size));
   }
   return 0;
 }

@@ -73,4 +73,28 @@ for dtype in bf16 fp16; do
   check "$dtype: it freed its pages" test "$(metric 'attnserve_kv_pages{state="used"}')" = 0
   stop_server
 done
+
+# The request channel example (docs/transport.md shows its middle part,
+# which must be the program's text exactly).
+ATTNSERVE="$P/bin/attnserve" ATTNCTL="$P/bin/attnctl" start_server --allow_shared_memory ||
+  { echo "0 passed, 1 failed"; exit 1; }
+"$WORK/example/cpp_channel" "$GRPC_ADDR" >"$WORK/run-channel.out" 2>&1
+rc=$?
+cat "$WORK/run-channel.out"
+check "channel: the example exits 0" test $rc -eq 0
+check "channel: its channel result equals the gRPC one" \
+  grep -q "through channel [0-9]*: same bytes as over gRPC: OK$" "$WORK/run-channel.out"
+check "channel: it closed its channel" test "$(metric 'attnserve_open_channels{tenant="default"}')" = 0
+stop_server
+check "docs/transport.md's channel example is examples/cpp_client/channel.cc's text" python3 - \
+  "$SOURCE_DIR/docs/transport.md" "$SOURCE_DIR/examples/cpp_client/channel.cc" <<'PY'
+import re, sys
+doc, src = open(sys.argv[1]).read(), open(sys.argv[2]).read()
+section = doc[doc.index("## Request channels"):]
+block = re.search(r"```cpp\n(.*?)```", section, re.S).group(1)
+start = "// --- the part docs/transport.md shows ---\n"
+body = src[src.index(start) + len(start):src.index("  // --- end of the part")]
+strip = lambda t: "\n".join(l[2:] if l.startswith("  ") else l for l in t.splitlines())
+sys.exit(0 if strip(body).strip() == block.strip() else 1)
+PY
 finish

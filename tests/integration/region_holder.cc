@@ -1,9 +1,12 @@
-// region_holder: a client process for regions_test.cc. It creates a POSIX
-// shm object, fills it with random bf16 values from a seed, registers it as
-// a system region, prints "ready" and waits until it is killed, leaving the
-// region registered and the object in place (it never unregisters).
+// region_holder: a client process for regions_test.cc and channel_test.cc.
+// It creates a POSIX shm object, fills it with random bf16 values from a
+// seed, registers it as a system region, prints "ready" and waits until it
+// is killed, leaving the region registered and the object in place (it never
+// unregisters). With `channel`, it also opens a request channel (one slot of
+// 4 KiB) at the start of the region before it prints "ready", and leaves it
+// open.
 //
-//   region_holder TARGET TOKEN KEY NAME BYTES SEED
+//   region_holder TARGET TOKEN KEY NAME BYTES SEED [channel]
 #include <unistd.h>
 
 #include <cstdio>
@@ -12,13 +15,14 @@
 #include <random>
 #include <string>
 
+#include "client/channel.h"
 #include "client/client.h"
 #include "client/shared_memory.h"
 #include "client/workload.h"
 
 int main(int argc, char** argv) {
-  if (argc != 7) {
-    std::fprintf(stderr, "usage: region_holder TARGET TOKEN KEY NAME BYTES SEED\n");
+  if (argc != 7 && !(argc == 8 && std::strcmp(argv[7], "channel") == 0)) {
+    std::fprintf(stderr, "usage: region_holder TARGET TOKEN KEY NAME BYTES SEED [channel]\n");
     return 2;
   }
   attnserve::ClientOptions options;
@@ -43,6 +47,18 @@ int main(int argc, char** argv) {
   if (!s.ok()) {
     std::fprintf(stderr, "register: %s\n", s.ToString().c_str());
     return 1;
+  }
+  std::unique_ptr<attnserve::RequestChannel> channel;
+  if (argc == 8) {
+    attnserve::ChannelOptions channel_options;
+    channel_options.slot_count = 1;
+    channel_options.slot_bytes = 4096;
+    auto opened = (*client)->OpenChannel(argv[4], (*shm)->data(), 0, bytes, channel_options);
+    if (!opened.ok()) {
+      std::fprintf(stderr, "channel: %s\n", opened.status().ToString().c_str());
+      return 1;
+    }
+    channel = *std::move(opened);
   }
   std::printf("ready\n");
   std::fflush(stdout);

@@ -17,7 +17,7 @@ for seed in 1 2 3; do
   "$ATTNCTL" --target="$GRPC_ADDR" --seed=$seed prefill --batch=3 --q_len=16 --kv_len=64 >/dev/null
 done
 "$ATTNCTL" --target="$GRPC_ADDR" merge --n=4 >/dev/null
-"$ATTNCTL" --target="$GRPC_ADDR" regions >/dev/null  # the region gauges get their tenant
+"$ATTNCTL" --target="$GRPC_ADDR" regions >/dev/null  # the region and channel gauges get their tenant
 "$ATTNCTL" --target="$GRPC_ADDR" free 100000 >/dev/null 2>&1
 
 body=$(scrape)
