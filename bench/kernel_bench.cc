@@ -18,6 +18,9 @@
 // decode) at page_size 1 and 16 with the default plan, and `sweep` the
 // sequence-length sweep at page_size 1 (16k query tokens as 32 x 512 ..
 // 1 x 16384, causal); no merge.
+// --trace=N (with --kernel=sm90_overlap --workload=...): after timing, runs
+// the workload once more through the traced kernel (PagedPrefillSm90Traced)
+// and prints where the first N CTAs' cycles went, phase by phase.
 // Prints one "RESULT key=value ..." line per measurement, then a table.
 #include <cuda_runtime.h>
 
@@ -34,6 +37,7 @@
 #include "kernels/merge/merge_cuda.h"
 #include "kernels/plan/kernel_select.h"
 #include "kernels/prefill_cuda.h"
+#include "kernels/sm90/prefill_sm90.h"
 
 namespace attnserve {
 namespace {
@@ -110,11 +114,75 @@ int L2Bytes() {
   return l2;
 }
 
+// Mean and median of a list of cycle counts.
+struct CycleStats {
+  double mean = 0, median = 0;
+  size_t n = 0;
+};
+CycleStats Stats(std::vector<long long> v) {
+  CycleStats c;
+  c.n = v.size();
+  if (v.empty()) return c;
+  std::sort(v.begin(), v.end());
+  c.median = double(v[v.size() / 2]);
+  c.mean = double(std::accumulate(v.begin(), v.end(), 0LL)) / double(v.size());
+  return c;
+}
+
+// Where the traced CTAs' cycles went (Sm90Trace's stamps): the producer's
+// phases per block, each consumer warpgroup's phases per steady turn (turns
+// 1 .. its last block - 1, where S_t and P_{t-1} V_{t-1} are issued
+// together), the cold start and the whole tile per block.
+void PrintTrace(const std::string& name, const std::vector<long long>& tr, int ctas) {
+  using Tr = Sm90Trace;
+  std::vector<long long> tile_per_block, cold, turn_total;
+  std::vector<std::vector<long long>> prod(Tr::kProducerPoints), cons(Tr::kConsumerPoints - 1);
+  std::vector<long long> prod_period;
+  for (int c = 0; c < ctas; ++c) {
+    const long long* h = tr.data() + size_t(c) * Tr::kLongsPerCta;
+    const int nb = static_cast<int>(h[4]);
+    if (nb <= 0 || h[1] == 0) continue;
+    const long long end = std::max(h[2], h[3]);
+    tile_per_block.push_back((end - h[1]) / nb);
+    const long long* c0 = h + Tr::ConsumerAt(0);
+    if (c0[1] != 0) cold.push_back(c0[1] - h[1]);
+    const long long* p = h + Tr::kProducerAt;
+    for (int b = 0; b < std::min(nb, Tr::kTurns); ++b) {
+      const long long* pb = p + b * Tr::kProducerPoints;
+      for (int k = 1; k < Tr::kProducerPoints; ++k) prod[k - 1].push_back(pb[k] - pb[k - 1]);
+      if (b + 1 < std::min(nb, Tr::kTurns)) prod_period.push_back(pb[Tr::kProducerPoints] - pb[0]);
+    }
+    for (int cw = 0; cw < 2; ++cw) {
+      const long long* cb = h + Tr::ConsumerAt(cw);
+      const int wb = static_cast<int>(h[5 + cw]);
+      for (int t = 1; t < std::min(wb, Tr::kTurns); ++t) {
+        const long long* ct = cb + t * Tr::kConsumerPoints;
+        for (int k = 1; k < Tr::kConsumerPoints; ++k) cons[k - 1].push_back(ct[k] - ct[k - 1]);
+        if (t + 1 < std::min(wb, Tr::kTurns)) turn_total.push_back(ct[Tr::kConsumerPoints] - ct[0]);
+      }
+    }
+  }
+  auto line = [&](const char* phase, const std::vector<long long>& v) {
+    const CycleStats st = Stats(v);
+    std::printf("TRACE workload=%s phase=%s mean=%.0f median=%.0f n=%zu\n", name.c_str(), phase, st.mean,
+                st.median, st.n);
+  };
+  line("tile_cycles_per_block", tile_per_block);
+  line("cold_start_to_first_k", cold);
+  line("consumer_turn", turn_total);
+  const char* cnames[] = {"c_wait_k_v", "c_wait_turn", "c_issue", "c_wait_s", "c_softmax", "c_wait_pv", "c_pack"};
+  for (int k = 0; k < Tr::kConsumerPoints - 1; ++k) line(cnames[k], cons[k]);
+  line("producer_block", prod_period);
+  const char* pnames[] = {"p_share_slots", "p_wait_k_free", "p_issue_k", "p_wait_v_free", "p_issue_v"};
+  for (int k = 0; k < Tr::kProducerPoints - 1; ++k) line(pnames[k], prod[k]);
+  std::fflush(stdout);
+}
+
 // section_mb: PrefillPlanOptions::l2_section_bytes in MiB (0: plain
 // longest-first order); -1 keeps the plan's default.
 // forced: the kernel to time, or nullptr for the one the server would pick.
 Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced, int repeats,
-                  int section_mb = -1) {
+                  int section_mb = -1, int trace_ctas = 0) {
   Result res;
   res.name = w.name;
   res.page_size = page_size;
@@ -226,6 +294,31 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
     if (r >= 3) times.push_back(ms);
   }
+  if (trace_ctas > 0 && kernel == PrefillKernel::kSm90Overlap) {
+    const int n = std::min<int>(trace_ctas, static_cast<int>(plan.items.size()));
+    long long* d_trace = nullptr;
+    const size_t trace_bytes = size_t(n) * Sm90Trace::kLongsPerCta * sizeof(long long);
+    CHECK_CUDA(cudaMalloc(&d_trace, trace_bytes));
+    CHECK_CUDA(cudaMemset(d_trace, 0, trace_bytes));
+    PagedPrefillParams p;
+    p.q = qs[0];
+    p.o = o;
+    p.lse = static_cast<float*>(lse);
+    p.k_cache = ks[0];
+    p.v_cache = vs[0];
+    p.kv_indices = static_cast<int32_t*>(d_idx);
+    p.seqs = static_cast<PrefillSeq*>(d_seqs);
+    p.num_seqs = w.batch;
+    p.total_q = w.batch * w.q_len;
+    p.geo = g;
+    CHECK_CUDA(PagedPrefillSm90Traced(p, static_cast<PrefillWorkItem*>(d_items), static_cast<int32_t>(plan.items.size()),
+                                      static_cast<float*>(part_o), static_cast<float*>(part_lse), d_trace, n, nullptr));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<long long> h_trace(size_t(n) * Sm90Trace::kLongsPerCta);
+    CHECK_CUDA(cudaMemcpy(h_trace.data(), d_trace, trace_bytes, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaFree(d_trace));
+    PrintTrace(w.name + "_ps" + std::to_string(page_size), h_trace, n);
+  }
   // Sanity: no NaN in the output LSE of the last run.
   std::vector<float> h_lse(size_t(w.batch) * w.q_len * kH);
   CHECK_CUDA(cudaMemcpy(h_lse.data(), lse, h_lse.size() * 4, cudaMemcpyDeviceToHost));
@@ -328,7 +421,9 @@ int main(int argc, char** argv) {
   bool merge_only = false;
   std::string only_kernel = "auto";
   std::string only_workload;
+  int trace_ctas = 0;
   for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--trace=", 8) == 0) trace_ctas = std::atoi(argv[i] + 8);
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--merge-only") == 0) merge_only = true;
     if (std::strncmp(argv[i], "--kernel=", 9) == 0) only_kernel = argv[i] + 9;
@@ -402,7 +497,7 @@ int main(int argc, char** argv) {
       start = end + 1;
     }
     for (const Workload* w : picked) {
-      for (int ps : {1, 16}) RunPrefill(*w, ps, forced, reps);
+      for (int ps : {1, 16}) RunPrefill(*w, ps, forced, reps, -1, trace_ctas);
     }
     if (sweep) run_len_sweep();
     return 0;

@@ -6,7 +6,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cuda.h>  // the tensor-map types and enums (no libcuda link)
+
 #include <algorithm>
+#include <cstring>
 
 #include "kernels/sm90/prefill_kernel.cuh"
 
@@ -19,15 +22,16 @@ using sm90::PrefillKernelArgs;
 using sm90::Schedule;
 using sm90::Traits;
 
-// Variant V (Sm90Variant's value) -> the kernel and its Traits.
-template <int D, typename T, int V>
+// Variant V (Sm90Variant's value) -> the kernel and its Traits; kTma: the
+// overlapped schedule with tensor-copy-engine loads (Traits::kTma).
+template <int D, typename T, int V, bool kTma = false>
 struct Kernel {
-  using Tr = Traits<D, V == 0 ? Schedule::kSerial : Schedule::kOverlap, V != 2>;
+  using Tr = Traits<D, V == 0 ? Schedule::kSerial : Schedule::kOverlap, V != 2, kTma>;
   static auto Get() {
     if constexpr (V == 0) {
       return PagedPrefillSm90Kernel<D, T>;
     } else {
-      return PagedPrefillSm90OverlapKernel<D, T, V == 1>;
+      return PagedPrefillSm90OverlapKernel<D, T, V == 1, false, kTma>;
     }
   }
 };
@@ -35,14 +39,24 @@ static_assert(static_cast<int>(Sm90Variant::kSerial) == 0 && static_cast<int>(Sm
                   static_cast<int>(Sm90Variant::kOverlapNoPingPong) == 2,
               "Kernel<D, T, V> numbers the variants");
 
-template <int D, typename T, int V>
-cudaError_t Launch(const PrefillKernelArgs& args, int32_t num_items, cudaStream_t stream) {
-  using Tr = typename Kernel<D, T, V>::Tr;
-  auto kernel = Kernel<D, T, V>::Get();
+template <int D, typename T, int V, bool kTma>
+cudaError_t LaunchKernel(const PrefillKernelArgs& args, int32_t num_items, cudaStream_t stream) {
+  using Tr = typename Kernel<D, T, V, kTma>::Tr;
+  auto kernel = Kernel<D, T, V, kTma>::Get();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
+}
+
+// kOverlap loads K and V by the tensor copy engine when the caches' tensor
+// maps could be made (args.tma_run > 0), the other variants by cp.async.
+template <int D, typename T, int V>
+cudaError_t Launch(const PrefillKernelArgs& args, int32_t num_items, cudaStream_t stream) {
+  if constexpr (V == 1) {
+    if (args.tma_run > 0) return LaunchKernel<D, T, V, true>(args, num_items, stream);
+  }
+  return LaunchKernel<D, T, V, false>(args, num_items, stream);
 }
 
 template <int D, typename T, int V>
@@ -102,30 +116,139 @@ int32_t Sm90PrefillCtasPerSm(int32_t head_dim, KvDType dtype, Sm90Variant varian
   return ATTNSERVE_SM90_DISPATCH(head_dim, dtype, variant, CtasPerSm);
 }
 
-cudaError_t PagedPrefillSm90(const PagedPrefillParams& params, const PrefillWorkItem* items,
-                             int32_t num_items, float* part_o, float* part_lse, Sm90Variant variant,
-                             cudaStream_t stream) {
+namespace {
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link
+// against libcuda); null when the driver does not offer it.
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled GetEncodeTiled() {
+  static const EncodeTiled fn = []() -> EncodeTiled {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<EncodeTiled>(p);
+  }();
+  return fn;
+}
+
+// A cache's tensor map: (head_dim, KV heads, slots of every layer), boxes of
+// 64 elements x 1 head x `rows` rows, 128-byte swizzled as the kernel's tiles
+// (TileOff), zeros outside.
+bool EncodeCacheMap(const void* cache, const KvGeometry& geo, int rows, CUtensorMap* map) {
+  const EncodeTiled encode = GetEncodeTiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {cuuint64_t(geo.head_dim), cuuint64_t(geo.num_kv_heads),
+                              cuuint64_t(geo.SlotsPerLayer() * geo.num_layers)};
+  const cuuint64_t strides[2] = {cuuint64_t(geo.head_dim) * 2, cuuint64_t(geo.num_kv_heads) * geo.head_dim * 2};
+  const cuuint32_t box[3] = {64, 1, cuuint32_t(rows)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUtensorMapDataType type =
+      geo.dtype == KvDType::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return encode(map, type, 3, const_cast<void*>(cache), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The K and V tensor maps for Traits::kTma, kept per thread for the last
+// caches and geometry (a server launches on the same caches every time).
+// Leaves args->tma_run 0 (cp.async alone) for pages of fewer than 8 rows
+// (whose boxes would not be 1024-byte aligned in the stage), or when the maps
+// cannot be made (the driver lacks the entry point, or the slots of every
+// layer do not fit the kernel's 32-bit coordinates).
+void SetTmaMaps(const PagedPrefillParams& params, PrefillKernelArgs* args) {
+  const KvGeometry& geo = params.geo;
+  args->tma_run = 0;
+  const int64_t total_slots = geo.SlotsPerLayer() * geo.num_layers;
+  if (total_slots <= 0 || total_slots >= INT32_MAX) return;
+  // Rows per box: the largest power of two that divides page_size, at most
+  // a block (128 rows).
+  const int run = std::min(geo.page_size & -geo.page_size, 128);
+  if (run < 8) return;
+  struct Cached {
+    const void* k = nullptr;
+    const void* v = nullptr;
+    KvGeometry geo;
+    CUtensorMap k_map, v_map;
+  };
+  thread_local Cached cached;
+  const bool same = cached.k == params.k_cache && cached.v == params.v_cache &&
+                    std::memcmp(&cached.geo, &geo, sizeof(geo)) == 0;
+  if (!same) {
+    cached.k = nullptr;
+    if (!EncodeCacheMap(params.k_cache, geo, run, &cached.k_map) ||
+        !EncodeCacheMap(params.v_cache, geo, run, &cached.v_map)) {
+      return;
+    }
+    cached.k = params.k_cache;
+    cached.v = params.v_cache;
+    cached.geo = geo;
+  }
+  args->k_map = cached.k_map;
+  args->v_map = cached.v_map;
+  args->tma_run = run;
+}
+
+// The kernel's arguments, or an error for a geometry the family does not run.
+cudaError_t MakeArgs(const PagedPrefillParams& params, const PrefillWorkItem* items, float* part_o,
+                     float* part_lse, PrefillKernelArgs* args) {
   const KvGeometry& geo = params.geo;
   if (geo.head_dim != 64 && geo.head_dim != 128) return cudaErrorInvalidValue;
   if (geo.num_kv_heads <= 0 || geo.num_qo_heads % geo.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (!Sm90PrefillSupported()) return cudaErrorNotSupported;
-  if (num_items == 0) return cudaSuccess;
+  *args = PrefillKernelArgs{};
+  args->q = params.q;
+  args->o = params.o;
+  args->lse = params.lse;
+  args->k_cache = params.k_cache;
+  args->v_cache = params.v_cache;
+  args->kv_indices = params.kv_indices;
+  args->seqs = params.seqs;
+  args->items = items;
+  args->part_o = part_o;
+  args->part_lse = part_lse;
+  args->num_qo_heads = geo.num_qo_heads;
+  args->num_kv_heads = geo.num_kv_heads;
+  args->page_size = geo.page_size;
+  args->slots_per_layer = geo.SlotsPerLayer();
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t PagedPrefillSm90(const PagedPrefillParams& params, const PrefillWorkItem* items,
+                             int32_t num_items, float* part_o, float* part_lse, Sm90Variant variant,
+                             cudaStream_t stream) {
   PrefillKernelArgs args;
-  args.q = params.q;
-  args.o = params.o;
-  args.lse = params.lse;
-  args.k_cache = params.k_cache;
-  args.v_cache = params.v_cache;
-  args.kv_indices = params.kv_indices;
-  args.seqs = params.seqs;
-  args.items = items;
-  args.part_o = part_o;
-  args.part_lse = part_lse;
-  args.num_qo_heads = geo.num_qo_heads;
-  args.num_kv_heads = geo.num_kv_heads;
-  args.page_size = geo.page_size;
-  args.slots_per_layer = geo.SlotsPerLayer();
+  const cudaError_t err = MakeArgs(params, items, part_o, part_lse, &args);
+  if (err != cudaSuccess || num_items == 0) return err;
+  if (variant == Sm90Variant::kOverlap) SetTmaMaps(params, &args);
+  const KvGeometry& geo = params.geo;
   return ATTNSERVE_SM90_DISPATCH(geo.head_dim, geo.dtype, variant, Launch, args, num_items, stream);
+}
+
+cudaError_t PagedPrefillSm90Traced(const PagedPrefillParams& params, const PrefillWorkItem* items,
+                                   int32_t num_items, float* part_o, float* part_lse, long long* trace,
+                                   int32_t trace_ctas, cudaStream_t stream) {
+  if (params.geo.head_dim != 128 || params.geo.dtype != KvDType::kBf16) return cudaErrorInvalidValue;
+  PrefillKernelArgs args;
+  cudaError_t err = MakeArgs(params, items, part_o, part_lse, &args);
+  if (err != cudaSuccess || num_items == 0) return err;
+  args.trace = trace;
+  args.trace_ctas = trace_ctas;
+  SetTmaMaps(params, &args);
+  using Tr = Traits<128, Schedule::kOverlap, true, true>;
+  auto kernel = PagedPrefillSm90OverlapKernel<128, __nv_bfloat16, true, true, true>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
 }
 
 }  // namespace attnserve

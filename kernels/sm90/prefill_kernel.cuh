@@ -8,6 +8,10 @@
 //    loaded one block ahead. A group of copies is complete when cp.async
 //    waits for it; the thread then fences to the async proxy and arrives on
 //    the stage's mbarrier (K and V apart, so S = Q K^T starts before V lands).
+//    With Traits::kTma (the overlapped schedule on pages of 8 rows or more)
+//    whole blocks come by the tensor copy engine instead, one 128-byte
+//    swizzled box per run of rows within a page and column block; the
+//    block's bytes complete the stage's barrier.
 //  - warpgroups 1 and 2 (consumers, registers raised) each own 64 packed
 //    query rows: S = Q K^T by wgmma with both operands in shared memory
 //    (K-major), the boundary mask, the lazy online softmax in base 2, and
@@ -19,6 +23,8 @@
 //    softmax(S_t) while P_{t-1} V_{t-1} runs (traits.cuh, Schedule).
 // The epilogue normalises and writes either the final o / lse or, for a
 // split item, an fp32 partial state for the merge family, as kernels/sm80.
+// kTrace (PagedPrefillSm90Traced) adds clock64 stamps of each phase
+// (Sm90Trace); the server's kernels have none.
 //
 // Semantics are those of kernels/paged_prefill.h and kernels/sm80 (GQA
 // packing, causal with causal_shift, empty rows -> 0 and -inf, base-2 LSE).
@@ -44,8 +50,8 @@ namespace sm90 {
 #endif
 
 // One CTA's work item (the body of both kernels below; sm_90a only).
-template <typename Tr, typename T>
-__device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
+template <typename Tr, typename T, bool kTrace = false>
+__device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
   constexpr int D = Tr::kD;
   constexpr int KB = Tr::kKB;
   constexpr int S = Tr::kStages;
@@ -94,6 +100,14 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  if constexpr (kTrace) {
+    Stamps<kTrace> header(args, 0, tid == 0);
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    header.Put(0, smid);
+    header.Now(1);
+    header.Put(4, num_blocks);
+  }
 
   if (wg == 0) {
     // ======================= producer =======================
@@ -169,26 +183,70 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
       CpAsyncCommit();
     };
 
+    // Tr::kTma: block `block`'s rows of one cache into the stage at byte
+    // `offset` of the tile memory by the tensor copy engine, when the block
+    // is whole and its rows come in runs of tma_run (>= 8) consecutive slots
+    // (the KV range starts on a run: runs then never cross a page): one box
+    // per run and column block, each box 1024-byte aligned in the stage.
+    // Each thread with a box first adds its bytes to the stage's barrier
+    // with its arrival, then issues it; the others just arrive (128
+    // arrivals, as cp.async's). Returns false for a block that is not so
+    // (the caller gathers it with cp.async).
+    const int32_t layer_slot0 = seq.layer * static_cast<int32_t>(args.slots_per_layer);
+    const int run = args.tma_run;
+    const bool block_runs = run >= 8 && kv_begin % run == 0;
+    auto issue_tma = [&](const CUtensorMap* map, int offset, const int32_t* slots, uint32_t bar, int block) {
+      constexpr int kCb = D / 64;  // 128-byte column blocks per row
+      if (!block_runs || kv_begin + (block + 1) * KB > kv_end) return false;
+      uint64_t* bar_ptr = reinterpret_cast<uint64_t*>(smem + (bar - base));
+      if (tid < (KB / run) * kCb) {  // at most 32 boxes
+        const int row = (tid / kCb) * run;
+        const int cb = tid % kCb;
+        MbarArriveExpectTx(bar_ptr, static_cast<uint32_t>(run) * 128);
+        TmaLoad3d(smem + offset + cb * (KB * 128) + row * 128, map, cb * 64, kvh, layer_slot0 + slots[row], bar_ptr);
+      } else {
+        MbarArrive(bar);
+      }
+      return true;
+    };
+
     int32_t my_slot = num_blocks > 0 ? row_slot(0) : 0;
     if constexpr (Tr::kOverlap) {
       // Copies are tracked by the stages' mbarriers (traits.cuh): only Q is
       // waited for, after K_0 is on its way, for its sign flip.
+      Stamps<kTrace> st(args, Sm90Trace::kProducerAt, tid == 0);
       for (int b = 0; b < num_blocks; ++b) {
         const int stage = b % S;
+        const int pt = b < Sm90Trace::kTurns ? b * Sm90Trace::kProducerPoints : -1;
+        if (pt >= 0) st.Now(pt + 0);
         int32_t* slots = s_slot + (b & 1) * KB;
         slots[tid] = my_slot;
         NamedBarSync(1, 128);
+        if (pt >= 0) st.Now(pt + 1);
         if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
         if (b >= S) MbarWait(bar_k_empty(stage), ((b / S) & 1) ^ 1);
-        issue(k_base, a_k + stage * Tr::kKvBytes, slots);
-        CpAsyncArriveNoinc(bar_k(stage));
+        if (pt >= 0) st.Now(pt + 2);
+        if (!Tr::kTma || !issue_tma(&args.k_map, Tr::kKOff + stage * Tr::kKvBytes, slots, bar_k(stage), b)) {
+          issue(k_base, a_k + stage * Tr::kKvBytes, slots);
+          CpAsyncArriveNoinc(bar_k(stage));
+        }
+        if (pt >= 0) st.Now(pt + 3);
         if (b == 0) {
-          CpAsyncWait<1>();  // G0, the Q tile
+          // G0, the Q tile (K_0 may be a second group).
+          if (Tr::kTma) {
+            CpAsyncWait<0>();
+          } else {
+            CpAsyncWait<1>();
+          }
           complete(0);
         }
         if (b >= S) MbarWait(bar_v_empty(stage), ((b / S) & 1) ^ 1);
-        issue(v_base, a_v + stage * Tr::kKvBytes, slots);
-        CpAsyncArriveNoinc(bar_v(stage));
+        if (pt >= 0) st.Now(pt + 4);
+        if (!Tr::kTma || !issue_tma(&args.v_map, Tr::kVOff + stage * Tr::kKvBytes, slots, bar_v(stage), b)) {
+          issue(v_base, a_v + stage * Tr::kKvBytes, slots);
+          CpAsyncArriveNoinc(bar_v(stage));
+        }
+        if (pt >= 0) st.Now(pt + 5);
       }
       if (num_blocks == 0) {
         CpAsyncWait<0>();
@@ -388,6 +446,15 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
     const int wg_blocks =
         wg_active && wg_kv_end > kv_begin ? min(num_blocks, (wg_kv_end - kv_begin + KB - 1) / KB) : 0;
     const int turns = num_blocks > 0 ? num_blocks + 1 : 0;
+    // Stamps of this warpgroup's turns (Sm90Trace), by its first thread.
+    Stamps<kTrace> st(args, Sm90Trace::ConsumerAt(cw), ctid == 0);
+    auto stamp = [&](int turn, int point) {
+      if (turn <= Sm90Trace::kTurns) st.Now(turn * Sm90Trace::kConsumerPoints + point);
+    };
+    if constexpr (kTrace) {
+      Stamps<kTrace> header(args, 0, ctid == 0);
+      header.Put(5 + cw, wg_blocks);
+    }
     float s[KB / 2];
     uint32_t p[KB / 16][4];
 #pragma unroll
@@ -399,10 +466,13 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
     // The producer's copies completed on the barriers (cp.async writes,
     // generic proxy): fence before wgmma reads them (traits.cuh).
     auto turn_begin = [&](int t) {
+      stamp(t, 0);
       if (t < num_blocks) MbarWait(bar_k(t % S), (t / S) & 1);
       if (t >= 1) MbarWait(bar_v((t - 1) % S), ((t - 1) / S) & 1);
       FenceProxyAsync();
+      stamp(t, 1);
       if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
+      stamp(t, 2);
     };
     // Hands the turn over (all but warpgroup 1's last turn).
     auto turn_end = [&](int t) {
@@ -532,15 +602,20 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
         issue_s(t);
         issue_pv(t - 1);
         turn_end(t);
+        stamp(t, 3);
         WgmmaWait<1>();  // S_t; PV_{t-1} may still run
         FenceRegs(s);
+        stamp(t, 4);
         MbarArrive(bar_k_empty(t % S));
         rescale = softmax(t, alpha);
+        stamp(t, 5);
         WgmmaWait<0>();  // PV_{t-1}
         FenceRegs(o_acc);
         FenceRegs(p);
+        stamp(t, 6);
         MbarArrive(bar_v_empty((t - 1) % S));
         rescale_and_pack(rescale, alpha);
+        stamp(t, 7);
       }
       // Turn wg_blocks: PV of the last block this warpgroup computes.
       turn_begin(t);
@@ -604,6 +679,10 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
       }
     }
   }
+  if constexpr (kTrace) {
+    Stamps<kTrace> header(args, 0, (tid & 127) == 0);
+    header.Now(2 + (wg - 1));
+  }
 }
 
 #if ATTNSERVE_SM90_DEVICE
@@ -616,15 +695,18 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs args) {
 
 // The serial schedule (PrefillKernel::kSm90).
 template <int D, typename T>
-__global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const PrefillKernelArgs args) {
+__global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const __grid_constant__ PrefillKernelArgs args) {
   ATTNSERVE_SM90_BODY(Traits<D, Schedule::kSerial, true>, T);
 }
 
 // The overlapped schedule, with or without turns between the consumer
-// warpgroups (PrefillKernel::kSm90Overlap, kSm90OverlapNoPp).
-template <int D, typename T, bool kPingPong>
-__global__ void __launch_bounds__(384, 1) PagedPrefillSm90OverlapKernel(const PrefillKernelArgs args) {
-  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong>, T);
+// warpgroups (PrefillKernel::kSm90Overlap, kSm90OverlapNoPp); kTrace: with
+// clock64 stamps (PagedPrefillSm90Traced).
+// kTma: K and V by the tensor copy engine (Traits); the tensor maps are read
+// from the kernel's parameter space (__grid_constant__).
+template <int D, typename T, bool kPingPong, bool kTrace = false, bool kTma = false>
+__global__ void __launch_bounds__(384, 1) PagedPrefillSm90OverlapKernel(const __grid_constant__ PrefillKernelArgs args) {
+  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong, kTma>, T, kTrace);
 }
 
 #undef ATTNSERVE_SM90_BODY

@@ -34,4 +34,34 @@ int32_t Sm90PrefillCtasPerSm(int32_t head_dim, KvDType dtype, Sm90Variant varian
 // Whether the current device runs this family (compute capability 9.x).
 bool Sm90PrefillSupported();
 
+// Diagnostics: where a CTA's time goes. PagedPrefillSm90Traced runs
+// Sm90Variant::kOverlap (bf16, head_dim 128 only) with clock64() stamps (SM
+// cycles) of the first `trace_ctas` work items written to `trace` (device
+// memory, trace_ctas * kLongsPerCta values, zeroed by the caller): per CTA a
+// header, the producer's stamps per KV block and each consumer warpgroup's
+// stamps per turn, for the first kTurns blocks / turns (bench/kernel_bench.cc
+// --trace reads them). The traced kernel is a separate instantiation: the
+// server's never stamps.
+struct Sm90Trace {
+  static constexpr int kTurns = 128;
+  // Header: 0 SM id, 1 CTA start (after the barrier set-up), 2 / 3 the end
+  // of consumer warpgroup 0 / 1's epilogue, 4 KV blocks of the tile, 5 / 6
+  // blocks consumer warpgroup 0 / 1 computes.
+  static constexpr int kHeader = 8;
+  // Producer, per block b: 0 start, 1 slots shared, 2 K stage free, 3 K
+  // issued, 4 V stage free, 5 V issued.
+  static constexpr int kProducerPoints = 6;
+  // Consumer, per turn t: 0 start, 1 K_t and V_{t-1} landed, 2 turn taken,
+  // 3 GEMMs issued, 4 S_t complete, 5 softmax done, 6 P_{t-1} V_{t-1}
+  // complete, 7 O rescaled and P_t packed.
+  static constexpr int kConsumerPoints = 8;
+  static constexpr int kProducerAt = kHeader;
+  static constexpr int ConsumerAt(int cw) { return kProducerAt + kTurns * kProducerPoints + cw * (kTurns + 1) * kConsumerPoints; }
+  static constexpr int kLongsPerCta = kProducerAt + kTurns * kProducerPoints + 2 * (kTurns + 1) * kConsumerPoints;
+};
+
+cudaError_t PagedPrefillSm90Traced(const PagedPrefillParams& params, const PrefillWorkItem* items,
+                                   int32_t num_items, float* part_o, float* part_lse, long long* trace,
+                                   int32_t trace_ctas, cudaStream_t stream);
+
 }  // namespace attnserve

@@ -5,10 +5,12 @@
 // only compiled into device code for sm_90a (prefill.cu guards the kernel).
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a type only)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cuda/ptx>
 
 namespace attnserve {
 namespace sm90 {
@@ -41,6 +43,22 @@ __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_a
 // (cp.async, st.shared) visible to the async proxy (wgmma operand reads).
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- The tensor copy engine (TMA), through libcu++'s cuda::ptx. A 3-D box
+// of `map` at coordinates (c0, c1, c2) lands at `dst` (shared memory, 128-byte
+// aligned; the map's swizzle follows the address), completing its bytes on
+// the mbarrier `bar`. A box outside the tensor reads zeros.
+__device__ __forceinline__ void TmaLoad3d(void* dst, const CUtensorMap* map, int32_t c0, int32_t c1, int32_t c2,
+                                          uint64_t* bar) {
+  const int32_t coords[3] = {c0, c1, c2};
+  cuda::ptx::cp_async_bulk_tensor(cuda::ptx::space_cluster, cuda::ptx::space_global, dst, map, coords, bar);
+}
+// One arrival on `bar` that also expects `bytes` more of the copy engine's
+// writes in the current phase.
+__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  cuda::ptx::mbarrier_arrive_expect_tx(cuda::ptx::sem_release, cuda::ptx::scope_cta, cuda::ptx::space_shared, bar,
+                                       bytes);
 }
 
 // ---- mbarrier (64-bit, in shared memory).

@@ -2,10 +2,13 @@
 // (kernels/sm90/prefill_kernel.cuh).
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a type only)
+
 #include <cstdint>
 
 #include "kernels/paged_prefill.h"
 #include "kernels/plan/prefill_plan.h"
+#include "kernels/sm90/prefill_sm90.h"
 
 namespace attnserve {
 namespace sm90 {
@@ -24,6 +27,14 @@ struct PrefillKernelArgs {
   const PrefillWorkItem* items;
   float* part_o;            // (pairs, D) fp32
   float* part_lse;          // (pairs) base 2
+  long long* trace;         // PagedPrefillSm90Traced only (Sm90Trace)
+  int32_t trace_ctas;
+  // Traits::kTma: tensor maps of the K and V caches viewed as (head_dim, KV
+  // heads, slots of every layer), 128-byte swizzled boxes of 64 elements x 1
+  // head x tma_run rows; tma_run (a power of two >= 8 that divides
+  // page_size) is 0 when K and V are gathered by cp.async alone.
+  CUtensorMap k_map, v_map;
+  int32_t tma_run;
   int32_t num_qo_heads;
   int32_t num_kv_heads;
   int32_t page_size;
@@ -47,7 +58,11 @@ enum class Schedule : int { kSerial, kOverlap };
 // One CTA = 3 warpgroups: warpgroup 0 loads (cp.async into a kStages-deep
 // ring of K and V blocks), warpgroups 1 and 2 each compute 64 packed query
 // rows of the 128-row tile.
-template <int D, Schedule kSchedule = Schedule::kSerial, bool kTurns = true>
+// kTmaLoads (kOverlap only): the producer loads whole K and V blocks whose
+// rows come in runs of 8 or more slots (page_size >= 8) with the tensor copy
+// engine, a box per run, instead of cp.async; the stages' full barriers then
+// also count the boxes' bytes.
+template <int D, Schedule kSchedule = Schedule::kSerial, bool kTurns = true, bool kTmaLoads = false>
 struct Traits {
   static_assert(D == 64 || D == 128, "the sm90 family runs head_dim 64 and 128");
   static constexpr int kD = D;
@@ -56,6 +71,7 @@ struct Traits {
   static constexpr int kKB = 128;           // KV tokens per block
   static constexpr int kStages = D == 64 ? 4 : 3;
   static constexpr bool kOverlap = kSchedule == Schedule::kOverlap;
+  static constexpr bool kTma = kTmaLoads && kOverlap;
   // The consumer warpgroups take turns issuing their GEMMs (kSerial: S only;
   // kOverlap: S_t and PV_{t-1}).
   static constexpr bool kPingPong = kTurns;
@@ -83,7 +99,11 @@ struct Traits {
   // needs turn b - kStages + 1, whose K_{b - kStages + 1} was issued before
   // V_b. (kSerial keeps the waiting producer: kInFlight above.)
   static constexpr int kThreads = 384;
-  static constexpr int kProducerRegs = 56;  // setmaxnreg after the split
+  // setmaxnreg after the split: 128 x 56 + 256 x 224 is the 168 x 384 the
+  // kernel starts with, so the consumers' increase never waits for
+  // registers the producer has not released (a larger producer budget hung
+  // the kernel on the H200).
+  static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 224;
   static constexpr int kChunks = D / 8;     // 16-byte chunks per row
   // Tiles are stored as D / 64 column blocks of (rows x 128 bytes), 128-byte
@@ -109,6 +129,29 @@ struct Traits {
   static_assert(kKB == 128, "one producer thread per KV row of a block");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
   static_assert((kKOff % 1024) == 0 && (kVOff % 1024) == 0 && (kKvBytes % 1024) == 0, "atoms");
+};
+
+// clock64() stamps of a traced CTA (Sm90Trace); no code without kTrace.
+template <bool kTrace>
+struct Stamps {
+  long long* at = nullptr;  // this thread's stamps; null: not stamping
+  __device__ __forceinline__ Stamps(const PrefillKernelArgs& args, int offset, bool stamper) {
+    if constexpr (kTrace) {
+      if (stamper && static_cast<int>(blockIdx.x) < args.trace_ctas) {
+        at = args.trace + static_cast<int64_t>(blockIdx.x) * Sm90Trace::kLongsPerCta + offset;
+      }
+    }
+  }
+  __device__ __forceinline__ void Put(int i, long long v) {
+    if constexpr (kTrace) {
+      if (at != nullptr) at[i] = v;
+    }
+  }
+  __device__ __forceinline__ void Now(int i) {
+    if constexpr (kTrace) {
+      if (at != nullptr) at[i] = clock64();
+    }
+  }
 };
 
 // Byte offset of 16-byte chunk c (0 .. D/8) of row r in a tile of R rows.
