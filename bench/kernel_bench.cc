@@ -267,8 +267,8 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
   std::vector<float> times;
-  for (int r = 0; r < repeats + 3; ++r) {
-    const int s = r % sets;
+  // The launch's parameters for input set s.
+  auto params = [&](int s) {
     PagedPrefillParams p;
     p.q = qs[s];
     p.o = o;
@@ -280,6 +280,10 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     p.num_seqs = w.batch;
     p.total_q = w.batch * w.q_len;
     p.geo = g;
+    return p;
+  };
+  for (int r = 0; r < repeats + 3; ++r) {
+    const PagedPrefillParams p = params(r % sets);
     CHECK_CUDA(cudaEventRecord(e0));
     CHECK_CUDA(PagedPrefillCuda(p, static_cast<PrefillWorkItem*>(d_items), static_cast<int32_t>(plan.items.size()),
                                 static_cast<float*>(part_o), static_cast<float*>(part_lse), kernel, nullptr));
@@ -300,18 +304,7 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     const size_t trace_bytes = size_t(n) * Sm90Trace::kLongsPerCta * sizeof(long long);
     CHECK_CUDA(cudaMalloc(&d_trace, trace_bytes));
     CHECK_CUDA(cudaMemset(d_trace, 0, trace_bytes));
-    PagedPrefillParams p;
-    p.q = qs[0];
-    p.o = o;
-    p.lse = static_cast<float*>(lse);
-    p.k_cache = ks[0];
-    p.v_cache = vs[0];
-    p.kv_indices = static_cast<int32_t*>(d_idx);
-    p.seqs = static_cast<PrefillSeq*>(d_seqs);
-    p.num_seqs = w.batch;
-    p.total_q = w.batch * w.q_len;
-    p.geo = g;
-    CHECK_CUDA(PagedPrefillSm90Traced(p, static_cast<PrefillWorkItem*>(d_items), static_cast<int32_t>(plan.items.size()),
+    CHECK_CUDA(PagedPrefillSm90Traced(params(0), static_cast<PrefillWorkItem*>(d_items), static_cast<int32_t>(plan.items.size()),
                                       static_cast<float*>(part_o), static_cast<float*>(part_lse), d_trace, n, nullptr));
     CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<long long> h_trace(size_t(n) * Sm90Trace::kLongsPerCta);
