@@ -1,6 +1,11 @@
 // Prefill through the real server against the float64 reference: ragged
 // batches with every edge case, defaults, shapes, fused appends, the
 // incarnation check, and concurrent clients batched together.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "tests/integration/server_fixture.h"
 
 namespace attnserve {
@@ -324,13 +329,26 @@ TEST_P(ServerTest, BusyPollClientGetsTheSameResultsAndErrors) {
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("layer"), std::string::npos) << refused.status();
-  // A deadline still ends a polled call.
+  // A deadline still ends a polled call: against a listener that accepts
+  // the connection and never speaks, only the deadline can end it. (A tiny
+  // deadline against the real server raced its answer.)
+  const int silent = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(silent, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(silent, 4), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(silent, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   ClientOptions hurried = options;
-  hurried.timeout_s = 1e-6;
+  hurried.target = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  hurried.timeout_s = 0.3;
   hurried.fetch_info = false;
   auto late = Client::Connect(hurried);
   ASSERT_TRUE(late.ok()) << late.status();
-  auto expired = (*late)->Prefill(ArgsOf(in));
+  auto expired = (*late)->Prefill(ArgsOf(in));  // a hang here is ctest's timeout
+  close(silent);
   ASSERT_FALSE(expired.ok());
   EXPECT_EQ(expired.status().code(), absl::StatusCode::kDeadlineExceeded) << expired.status();
 }
