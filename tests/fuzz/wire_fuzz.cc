@@ -145,7 +145,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The input as a ring (its words aligned, as in a mapping).
   static std::vector<uint64_t> ring;
   ring.assign((size + 7) / 8, 0);
-  std::memcpy(ring.data(), data, size);
+  if (size > 0) std::memcpy(ring.data(), data, size);  // data may be null when size is 0
   auto header = ReadChannelHeader(reinterpret_cast<const char*>(ring.data()),
                                   static_cast<int64_t>(size), "ring");
   if (header.ok()) {
