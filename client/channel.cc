@@ -20,14 +20,6 @@ constexpr auto kProbeDeadline = std::chrono::seconds(2);
 // The longest single futex sleep (the wait re-checks the ring after it).
 constexpr int64_t kSleepNs = 50'000'000;
 
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 constexpr char kReopen[] =
     "the server may have restarted or closed the channel (its region unregistered): open a new "
     "channel";

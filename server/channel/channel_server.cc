@@ -22,14 +22,6 @@ namespace {
 // never names one.
 constexpr uint64_t kChannelRequestIdBit = uint64_t{1} << 63;
 
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 }  // namespace
 
 // One request taken from a slot, until it is answered and its done callback

@@ -18,6 +18,7 @@
 #include "common/channel_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/core/test_shm.h"
 
 namespace attnserve {
 namespace {
@@ -25,28 +26,7 @@ namespace {
 using ::testing::HasSubstr;
 
 // A zeroed POSIX shm object of `bytes` bytes, unlinked at the end.
-class Shm {
- public:
-  explicit Shm(int64_t bytes) : key_(absl::StrCat("/attn_ct_", getpid(), "_", counter_++)), bytes_(bytes) {
-    const int fd = shm_open(key_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-    EXPECT_GE(fd, 0);
-    EXPECT_EQ(ftruncate(fd, bytes), 0);
-    data_ = static_cast<char*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-    close(fd);
-  }
-  ~Shm() {
-    munmap(data_, bytes_);
-    shm_unlink(key_.c_str());
-  }
-  const std::string& key() const { return key_; }
-  char* data() const { return data_; }
-
- private:
-  static inline int counter_ = 0;
-  std::string key_;
-  int64_t bytes_;
-  char* data_;
-};
+using Shm = TestShm;
 
 void WriteHeader(char* at, uint32_t slot_count, uint32_t slot_bytes,
                  uint32_t magic = kChannelMagic, uint32_t version = kChannelVersion) {

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/core/test_shm.h"
 
 namespace attnserve {
 namespace {
@@ -23,31 +24,8 @@ namespace {
 using ::testing::HasSubstr;
 
 // A POSIX shm object of `bytes` random bytes, unlinked at the end.
-class Shm {
- public:
-  explicit Shm(int64_t bytes, uint64_t seed = 1)
-      : key_(absl::StrCat("/attn_rt_", getpid(), "_", counter_++)), bytes_(bytes) {
-    const int fd = shm_open(key_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-    EXPECT_GE(fd, 0);
-    EXPECT_EQ(ftruncate(fd, bytes), 0);
-    data_ = static_cast<char*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
-    close(fd);
-    std::mt19937_64 gen(seed);
-    for (int64_t i = 0; i < bytes; ++i) data_[i] = static_cast<char>(gen());
-  }
-  ~Shm() {
-    munmap(data_, bytes_);
-    Unlink();
-  }
-  void Unlink() { shm_unlink(key_.c_str()); }
-  const std::string& key() const { return key_; }
-  char* data() const { return data_; }
-
- private:
-  static inline int counter_ = 0;
-  std::string key_;
-  int64_t bytes_;
-  char* data_;
+struct Shm : TestShm {
+  explicit Shm(int64_t bytes, uint64_t seed = 1) : TestShm(bytes, seed) {}
 };
 
 RegionSpec System(const std::string& name, const std::string& key, int64_t offset, int64_t bytes) {

@@ -29,25 +29,19 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_fixture.h"
+#include "tests/integration/shm_test_util.h"
 #include "tests/integration/test_server.h"
 
 namespace attnserve {
 namespace {
 
+using shm_test::Key;
+using shm_test::MakeShm;
+using shm_test::Ref;
+
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using server_test::ExpectMatchesReference;
-
-std::string Key(const std::string& what) {
-  static int counter = 0;
-  return absl::StrCat("/attn_ch_", getpid(), "_", what, "_", counter++);
-}
-
-std::unique_ptr<SharedMemory> MakeShm(const std::string& what, int64_t bytes) {
-  auto shm = SharedMemory::Create(Key(what), bytes);
-  EXPECT_TRUE(shm.ok()) << shm.status();
-  return shm.ok() ? *std::move(shm) : nullptr;
-}
 
 std::unique_ptr<Client> ConnectTo(const std::string& target, const std::string& token,
                                   double timeout_s = 60) {
@@ -133,14 +127,6 @@ class RawRing {
   std::vector<uint64_t> seq_;
 };
 
-v1::RegionRef Ref(const std::string& name, int64_t offset, int64_t bytes) {
-  v1::RegionRef r;
-  r.set_name(name);
-  r.set_offset(offset);
-  r.set_byte_size(bytes);
-  return r;
-}
-
 // Tenants alice and bob, regions on, at most 3 channels per tenant, pollers
 // that spin 50 us before they sleep (so that both paths run).
 class ChannelTest : public ::testing::Test {
@@ -149,12 +135,9 @@ class ChannelTest : public ::testing::Test {
   static constexpr int64_t kShmBytes = 8 << 20;
 
   void SetUp() override {
-    tokens_path_ = ::testing::TempDir() + "attnserve_channel_tokens_XXXXXX";
-    const int fd = mkstemp(tokens_path_.data());
-    ASSERT_GE(fd, 0);
-    const std::string tokens = "tok-alice alice\ntok-bob bob\n";
-    ASSERT_EQ(write(fd, tokens.data(), tokens.size()), static_cast<ssize_t>(tokens.size()));
-    close(fd);
+    auto tokens = WriteTokensFile("tok-alice alice\ntok-bob bob\n");
+    ASSERT_TRUE(tokens.ok()) << tokens.status();
+    tokens_path_ = *tokens;
     TestServerOptions options;
     options.extra_flags = {"--auth_tokens_file=" + tokens_path_, "--allow_shared_memory",
                            "--max_channels_per_tenant=3", "--channel_spin_us=50"};

@@ -90,12 +90,9 @@ std::string Field(uint32_t number, const std::string& payload) {
 }
 
 std::string TokensFile() {
-  char path[] = "/tmp/attnserve-hostile-tokens-XXXXXX";
-  const int fd = mkstemp(path);
-  const std::string text = "tok-alice alice\n";
-  EXPECT_EQ(write(fd, text.data(), text.size()), static_cast<ssize_t>(text.size()));
-  close(fd);
-  return path;
+  auto path = WriteTokensFile("tok-alice alice\n");
+  EXPECT_TRUE(path.ok()) << path.status();
+  return path.ok() ? *path : "";
 }
 
 double Metric(const TestServer& server, const std::string& name, const std::string& labels) {

@@ -190,11 +190,9 @@ TEST_F(PlanTest, MisusedPlansGetClearErrors) {
 }
 
 TEST(PlanLimitsTest, TenantsPlansAreTheirOwnAndCappedAndDieWithTheServer) {
-  char path[] = "/tmp/attnserve-plan-tokens-XXXXXX";
-  const int fd = mkstemp(path);
-  const std::string text = "tok-a alice\ntok-b bob\n";
-  ASSERT_EQ(write(fd, text.data(), text.size()), static_cast<ssize_t>(text.size()));
-  close(fd);
+  auto tokens = WriteTokensFile("tok-a alice\ntok-b bob\n");
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  const std::string path = *tokens;
   TestServerOptions options;
   options.extra_flags = {absl::StrCat("--auth_tokens_file=", path), "--max_plans_per_tenant=2"};
   auto server = TestServer::Start(options);
@@ -243,7 +241,7 @@ TEST(PlanLimitsTest, TenantsPlansAreTheirOwnAndCappedAndDieWithTheServer) {
   EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition) << stale;
   alice->ForgetIncarnation();
   EXPECT_EQ(alice->Prefill(args).status().code(), absl::StatusCode::kNotFound);
-  unlink(path);
+  unlink(path.c_str());
 }
 
 }  // namespace

@@ -26,25 +26,19 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_fixture.h"
+#include "tests/integration/shm_test_util.h"
 #include "tests/integration/test_server.h"
 
 namespace attnserve {
 namespace {
 
+using shm_test::Key;
+using shm_test::MakeShm;
+using shm_test::Ref;
+
 using ::testing::HasSubstr;
 
 constexpr float kNegInfF = -std::numeric_limits<float>::infinity();
-
-std::string Key(const std::string& what) {
-  static int counter = 0;
-  return absl::StrCat("/attn_it_", getpid(), "_", what, "_", counter++);
-}
-
-std::unique_ptr<SharedMemory> MakeShm(const std::string& what, int64_t bytes) {
-  auto shm = SharedMemory::Create(Key(what), bytes);
-  EXPECT_TRUE(shm.ok()) << shm.status();
-  return shm.ok() ? *std::move(shm) : nullptr;
-}
 
 template <typename T>
 std::vector<T> Read(const SharedMemory& shm, int64_t offset, int64_t count) {
@@ -63,25 +57,14 @@ void Set(Field* field, std::initializer_list<int64_t> values) {
   for (int64_t v : values) field->Add(static_cast<typename Field::value_type>(v));
 }
 
-v1::RegionRef Ref(const std::string& name, int64_t offset, int64_t bytes) {
-  v1::RegionRef r;
-  r.set_name(name);
-  r.set_offset(offset);
-  r.set_byte_size(bytes);
-  return r;
-}
-
 // A server with tenants alice and bob, regions on, at most 6 regions and
 // 64 MiB of them per tenant.
 class RegionsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    tokens_path_ = ::testing::TempDir() + "attnserve_region_tokens_XXXXXX";
-    const int fd = mkstemp(tokens_path_.data());
-    ASSERT_GE(fd, 0);
-    const std::string tokens = "tok-alice alice\ntok-bob bob\n";
-    ASSERT_EQ(write(fd, tokens.data(), tokens.size()), static_cast<ssize_t>(tokens.size()));
-    close(fd);
+    auto tokens = WriteTokensFile("tok-alice alice\ntok-bob bob\n");
+    ASSERT_TRUE(tokens.ok()) << tokens.status();
+    tokens_path_ = *tokens;
     TestServerOptions options;
     options.extra_flags = {"--auth_tokens_file=" + tokens_path_, "--allow_shared_memory",
                            "--max_regions_per_tenant=6", "--max_region_bytes_per_tenant=67108864"};

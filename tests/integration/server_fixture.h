@@ -267,12 +267,9 @@ enum class Who { kAlice, kBob, kNoToken, kUnknownToken, kWrongScheme };
 class AuthServerTest : public ::testing::TestWithParam<int32_t> {
  protected:
   void SetUp() override {
-    tokens_path_ = ::testing::TempDir() + "attnserve_tokens_XXXXXX";
-    const int fd = mkstemp(tokens_path_.data());
-    ASSERT_GE(fd, 0);
-    const std::string tokens = "# TOKEN TENANT\ntok-alice alice\n\ntok-bob bob  # second\n";
-    ASSERT_EQ(write(fd, tokens.data(), tokens.size()), static_cast<ssize_t>(tokens.size()));
-    close(fd);
+    auto tokens = WriteTokensFile("# TOKEN TENANT\ntok-alice alice\n\ntok-bob bob  # second\n");
+    ASSERT_TRUE(tokens.ok()) << tokens.status();
+    tokens_path_ = *tokens;
     TestServerOptions options;
     options.page_size = GetParam();
     options.num_pages = GetParam() == 1 ? 512 : 128;

@@ -297,4 +297,18 @@ int RunProgram(const std::vector<std::string>& argv, std::string* output) {
   return ExitCodeOf(status);
 }
 
+absl::StatusOr<std::string> WriteTokensFile(const std::string& contents) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  std::string path = absl::StrCat(dir != nullptr && *dir != '\0' ? dir : "/tmp", "/attnserve_tokens_XXXXXX");
+  const int fd = mkstemp(path.data());
+  if (fd < 0) return absl::InternalError(absl::StrCat("mkstemp ", path, ": ", std::strerror(errno)));
+  const ssize_t n = write(fd, contents.data(), contents.size());
+  close(fd);
+  if (n != static_cast<ssize_t>(contents.size())) {
+    unlink(path.c_str());
+    return absl::InternalError(absl::StrCat("writing ", path, ": ", std::strerror(errno)));
+  }
+  return path;
+}
+
 }  // namespace attnserve

@@ -86,6 +86,11 @@ absl::StatusOr<std::string> HttpGet(const std::string& address, const std::strin
 absl::StatusOr<double> MetricValue(const std::string& text, const std::string& name,
                                    const std::string& labels = "");
 
+// A new --auth_tokens_file (TOKEN TENANT lines) in the test's temporary
+// directory ($TEST_TMPDIR, else /tmp) holding `contents`; returns its path.
+// The caller unlinks it.
+absl::StatusOr<std::string> WriteTokensFile(const std::string& contents);
+
 // Runs a program with arguments, waits, and returns its exit code (128 +
 // signal when killed) with its combined stdout and stderr in *output.
 int RunProgram(const std::vector<std::string>& argv, std::string* output);
