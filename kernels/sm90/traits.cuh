@@ -99,12 +99,15 @@ struct Traits {
   // needs turn b - kStages + 1, whose K_{b - kStages + 1} was issued before
   // V_b. (kSerial keeps the waiting producer: kInFlight above.)
   static constexpr int kThreads = 384;
-  // setmaxnreg after the split: 128 x 56 + 256 x 224 is the 168 x 384 the
-  // kernel starts with, so the consumers' increase never waits for
-  // registers the producer has not released (a larger producer budget hung
-  // the kernel on the H200).
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kConsumerRegs = 224;
+  // setmaxnreg after the split: the sum (128 x producer + 256 x consumer)
+  // must not exceed the 168 x 384 = 64,512 the kernel starts with, or the
+  // consumers' increase waits for registers that never come (64 / 224 hung
+  // the kernel on the H200). 56 / 224 fills it exactly; the tensor-copy
+  // producer needs 64 (its box addressing spills 24 bytes at 56), so its
+  // consumers take 216 (63,488 in all).
+  static constexpr int kProducerRegs = kTma ? 64 : 56;
+  static constexpr int kConsumerRegs = kTma ? 216 : 224;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 168 * 384, "register split");
   static constexpr int kChunks = D / 8;     // 16-byte chunks per row
   // Tiles are stored as D / 64 column blocks of (rows x 128 bytes), 128-byte
   // swizzled (TileOff); a column block of R rows spans R * 128 bytes.
