@@ -41,6 +41,8 @@ ABSL_FLAG(bool, transport_tuning, true,
           "gRPC HTTP/2 and TCP settings for large tensors, as attnserve's --transport_tuning; "
           "false: gRPC's defaults");
 ABSL_FLAG(std::string, grpc_args, "", "extra gRPC channel arguments NAME=INT,... (experiments)");
+ABSL_FLAG(bool, retain_freed_memory, true,
+          "keep memory freed by malloc for the next message, as attnserve's --retain_freed_memory");
 
 namespace attnserve {
 namespace {
@@ -223,6 +225,7 @@ int main(int argc, char** argv) {
        "attnecho [flags]: attnserve's API with no compute, the transport floor for attnbench.\n"
        "Prefill answers with the query bytes as the output; KV writes are dropped.",
        {{"bench/attnecho.cc", "Flags"}}});
+  if (absl::GetFlag(FLAGS_retain_freed_memory)) attnserve::RetainFreedMemory();
   attnserve::EchoService service;
   grpc::ServerBuilder builder;
   int port = 0;

@@ -11,6 +11,10 @@ host over loopback:
   attnserve shm     q, output and LSE in a POSIX shm region (attnbench --shm)
   attnserve channel the same, and the request sent through a request channel
                     in that region instead of a gRPC call (attnbench --channel)
+  attnserve cuda    q, output and LSE in a CUDA region on GPU 0 of the client,
+                    the server on GPU 1 (attnbench --shm --cuda_device=0; only
+                    with two GPUs visible, or --cuda-regions): device-to-device
+                    copies over NVLink, by gRPC call and through a channel
   settings          each path under SETTINGS below (tuned, gRPC defaults, ...)
 
 and prints one table (also OUT/transport.md). The kernel time per request
@@ -24,7 +28,6 @@ the previous commit's, in the same run: the code's before and after.
 """
 import argparse
 import os
-import re
 import subprocess
 import sys
 
@@ -47,6 +50,14 @@ SETTINGS = [
 STAGES = [("parse", "rstage_parse"), ("admit", "rstage_admit"), ("queue", "queue_wait_seconds"),
           ("submit", "stage_submit"), ("wait", "stage_wait"), ("unpack", "stage_unpack"),
           ("finish", "stage_finish"), ("respond", "rstage_respond"), ("send", "rstage_send")]
+
+
+def visible_gpus():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
 def kernel_ms(before, after):
@@ -73,7 +84,10 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on a CPU")
     ap.add_argument("--before", default="", help="another install to run attnserve inline from")
     ap.add_argument("--no-echo", action="store_true", help="skip attnecho (the gRPC floor)")
-    ap.add_argument("--tuned-only", action="store_true", help="skip the gRPC-defaults server")
+    ap.add_argument("--tuned-only", action="store_true",
+                    help="skip the gRPC-defaults server and attnecho under gRPC's defaults")
+    ap.add_argument("--cuda-regions", choices=["auto", "on", "off"], default="auto",
+                    help="the CUDA-region server (client GPU 0, server GPU 1; auto: with two GPUs)")
     a = ap.parse_args()
     bin_dir = os.path.join(os.path.abspath(a.install), "bin")
     os.makedirs(a.out, exist_ok=True)
@@ -104,7 +118,7 @@ def main():
         return res
 
     # attnecho under each setting.
-    for i, (setting, t) in enumerate([] if a.no_echo else SETTINGS):
+    for i, (setting, t) in enumerate([] if a.no_echo else SETTINGS[:1] if a.tuned_only else SETTINGS):
         echo, m = start([f"{bin_dir}/attnecho", "--listen=127.0.0.1:0", "--num_layers=2"] + t + GEOMETRY,
                         os.path.join(a.out, f"attnecho_{i}.log"), r"listening grpc=(\S+)")
         rows.append(("decode64", "attnecho (floor)", setting,
@@ -127,8 +141,16 @@ def main():
     # (The channels' pollers spin as long: --channel_spin_us.)
     servers.append((bin_dir, spin, "tuned, server --idle_spin_us=2000", SETTINGS[0][1],
                     ["--idle_spin_us=2000", "--channel_spin_us=2000"]))
+    # CUDA regions: the client's tensors on GPU 0, the server on GPU 1 (the
+    # last GPU when only one is visible), polling as the spin server does.
+    cuda = spin + 1
+    gpus = visible_gpus() if a.backend == "cuda" else 0
+    if a.cuda_regions == "on" or (a.cuda_regions == "auto" and gpus >= 2):
+        servers.append((bin_dir, cuda, "tuned, server --idle_spin_us=2000, on GPU 1", SETTINGS[0][1],
+                        ["--idle_spin_us=2000", "--channel_spin_us=2000",
+                         f"--device={min(1, max(gpus - 1, 0))}"]))
     if a.before:
-        servers.append((os.path.join(os.path.abspath(a.before), "bin"), len(servers),
+        servers.append((os.path.join(os.path.abspath(a.before), "bin"), spin + 2,
                         "tuned, --before install", ["--transport_tuning=true"], []))
     for serve_bin, i, setting, t, server_only in servers:
         serve, m = start([f"{serve_bin}/attnserve", f"--backend={a.backend}", "--listen=127.0.0.1:0",
@@ -147,6 +169,13 @@ def main():
                       # No gRPC call per request: a request channel in the region.
                       ("system shm region, channel", ["--shm", "--channel"], i == 0),
                       ("system shm region, plan, channel", ["--shm", "--plan", "--channel"], False)]
+        if i == cuda:
+            on_gpu = ["--shm", "--cuda_device=0"]
+            paths = [("CUDA region", on_gpu, True), ("CUDA region, plan", on_gpu + ["--plan"], False),
+                     ("CUDA region, channel", on_gpu + ["--channel"], True),
+                     ("CUDA region, plan, channel", on_gpu + ["--plan", "--channel"], False),
+                     ("CUDA region, plan, channel, client --busy_poll",
+                      on_gpu + ["--plan", "--channel", "--busy_poll"], False)]
         if i == spin:
             # The client polls for its responses too (attnbench --busy_poll).
             paths += [("inline, client --busy_poll", ["--busy_poll"], False),
@@ -165,17 +194,24 @@ def main():
                 after = scrape(metrics)
                 rows.append((case, f"attnserve {path}", setting, res, kernel_ms(before, after)))
                 stages.append((case, path, setting, res, stage_means(before, after)))
+        checks = []
+        if i == cuda:
+            checks = (("verify_decode64_cuda_plan_channel", ["--shm", "--cuda_device=0", "--plan", "--channel"]),
+                      ("verify_decode64_cuda", ["--shm", "--cuda_device=0"]),
+                      ("verify_prefill_cuda", ["--shm", "--cuda_device=0"]),
+                      ("verify_prefill_cuda_channel", ["--shm", "--cuda_device=0", "--channel"]))
         if i == 0:
-            for vname, vflag in (("verify_decode64_inline", []), ("verify_decode64_shm", ["--shm"]),
-                                 ("verify_decode64_shm_plan", ["--shm", "--plan"]),
-                                 ("verify_decode64_shm_plan_channel", ["--shm", "--plan", "--channel"]),
-                                 ("verify_prefill_inline", []), ("verify_prefill_shm", ["--shm"]),
-                                 ("verify_prefill_shm_channel", ["--shm", "--channel"])):
-                # A 1k-row prefill (8 MiB each way): the float64 reference of 16k rows takes too long.
-                vargs = ([x.replace("16384", "1024") for x in long_] + ["--requests=2"]
-                         if "prefill" in vname else decode + ["--requests=8"])
-                res = run(vname, addr, vargs + ["--verify"] + vflag, t)
-                verify.append((vname, res))
+            checks = (("verify_decode64_inline", []), ("verify_decode64_shm", ["--shm"]),
+                      ("verify_decode64_shm_plan", ["--shm", "--plan"]),
+                      ("verify_decode64_shm_plan_channel", ["--shm", "--plan", "--channel"]),
+                      ("verify_prefill_inline", []), ("verify_prefill_shm", ["--shm"]),
+                      ("verify_prefill_shm_channel", ["--shm", "--channel"]))
+        for vname, vflag in checks:
+            # A 1k-row prefill (8 MiB each way): the float64 reference of 16k rows takes too long.
+            vargs = ([x.replace("16384", "1024") for x in long_] + ["--requests=2"]
+                     if "prefill" in vname else decode + ["--requests=8"])
+            res = run(vname, addr, vargs + ["--verify"] + vflag, t)
+            verify.append((vname, res))
         serve.terminate()
         serve.wait(timeout=60)
 

@@ -27,6 +27,12 @@
 // call each: the ring at the region's start, the tensors after it. With
 // --busy_poll the caller spins on its slot for the whole wait.
 //
+// --cuda_device=N (with --shm): q, the output and the LSE live in device
+// memory on GPU N of this process, registered as a CUDA region (client/
+// cuda_memory.h), so the server copies them device to device (over NVLink
+// when it runs on another GPU); the system region then holds only the
+// --channel ring. Needs a build with the CUDA toolkit.
+//
 // --plan: each client registers every request shape's layout once
 // (CreatePlan) and its requests name the plan instead of carrying the
 // layout, as an engine's per-layer requests of one step do (docs/design.md,
@@ -60,8 +66,12 @@
 #include "client/channel.h"
 #include "client/cli_flags.h"
 #include "client/client.h"
+#ifdef ATTNSERVE_CLIENT_CUDA
+#include "client/cuda_memory.h"
+#endif
 #include "client/shared_memory.h"
 #include "client/workload.h"
+#include "common/transport.h"
 #include "common/usage.h"
 
 ABSL_FLAG(std::string, workload, "decode", "decode | prefill | prefix | mixed");
@@ -82,9 +92,15 @@ ABSL_FLAG(bool, shm, false,
 ABSL_FLAG(bool, channel, false,
           "with --shm: send the requests through a request channel in the region (no gRPC call "
           "per request; docs/transport.md)");
+ABSL_FLAG(int32_t, cuda_device, -1,
+          "with --shm: keep q, the output and the LSE in a CUDA region on this GPU of the client "
+          "(-1: in the system region)");
 ABSL_FLAG(bool, plan, false,
           "register each request shape's layout once (CreatePlan) and send its plan id, as an "
           "engine's per-layer requests within one step do");
+ABSL_FLAG(bool, retain_freed_memory, true,
+          "keep memory freed by malloc for the next message (common/transport.h, "
+          "RetainFreedMemory), as attnserve does; false: glibc's defaults");
 ABSL_FLAG(std::string, metrics, "", "HOST:PORT of the server's /metrics, for requests per launch");
 ABSL_FLAG(std::string, json, "", "also write the results as JSON to this path");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
@@ -231,31 +247,51 @@ class Worker {
       }
     }
     if (absl::GetFlag(FLAGS_shm)) {
-      // One region for the largest shape: q at 0, then the output, then the LSE.
+      // One region for the largest shape: q, then the output, then the LSE;
+      // with --channel the system region starts with the ring. With
+      // --cuda_device the tensors are in a CUDA region of their own.
       int64_t rows = 0;
       for (const Shape& sh : shapes_) rows = std::max(rows, sh.in.total_q());
       const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim * KvDTypeBytes(g.dtype);
-      // With --channel the ring comes first: one slot (this worker sends one
-      // request at a time) of 1 MiB, room for a layout of 250k page ids.
-      const int64_t ring_bytes =
-          absl::GetFlag(FLAGS_channel) ? ChannelBytes(1, kChannelSlotBytes) : 0;
-      q_at_ = (ring_bytes + 4095) / 4096 * 4096;
+      const bool channel = absl::GetFlag(FLAGS_channel);
+      const int32_t cuda_device = absl::GetFlag(FLAGS_cuda_device);
+      // One slot (this worker sends one request at a time) of 1 MiB, room
+      // for a layout of 250k page ids.
+      const int64_t ring_bytes = channel ? ChannelBytes(1, kChannelSlotBytes) : 0;
+      q_at_ = cuda_device >= 0 ? 0 : (ring_bytes + 4095) / 4096 * 4096;
       o_at_ = q_at_ + (rows * q_row + 4095) / 4096 * 4096;
       lse_at_ = o_at_ + (rows * q_row + 4095) / 4096 * 4096;
+      const int64_t tensor_bytes = lse_at_ + rows * g.num_qo_heads * 4;
       region_ = absl::StrCat("attnbench-", getpid(), "-", index);
-      auto shm = SharedMemory::Create("/" + region_, std::max<int64_t>(lse_at_ + rows * g.num_qo_heads * 4, 1));
-      if (!shm.ok()) return shm.status();
-      shm_ = *std::move(shm);
-      absl::Status s = client_->RegisterSystemRegion(region_, shm_->key(), 0, shm_->size());
-      if (!s.ok()) return s;
-      if (absl::GetFlag(FLAGS_channel)) {
+      tensor_region_ = region_;
+      if (cuda_device >= 0) {
+#ifdef ATTNSERVE_CLIENT_CUDA
+        tensor_region_ = region_ + "-cuda";
+        auto memory = CudaMemory::Create(cuda_device, tensor_bytes);
+        if (!memory.ok()) return memory.status();
+        cuda_ = *std::move(memory);
+        absl::Status s = client_->RegisterCudaRegion(tensor_region_, cuda_->ipc_handle(),
+                                                     cuda_device, cuda_->size());
+        if (!s.ok()) return s;
+#else
+        return absl::UnimplementedError("--cuda_device: this attnbench was built without CUDA");
+#endif
+      }
+      if (cuda_device < 0 || channel) {
+        auto shm = SharedMemory::Create("/" + region_, cuda_device >= 0 ? ring_bytes : tensor_bytes);
+        if (!shm.ok()) return shm.status();
+        shm_ = *std::move(shm);
+        absl::Status s = client_->RegisterSystemRegion(region_, shm_->key(), 0, shm_->size());
+        if (!s.ok()) return s;
+      }
+      if (channel) {
         ChannelOptions channel_options;
         channel_options.slot_count = 1;
         channel_options.slot_bytes = kChannelSlotBytes;
         channel_options.spin_us = options.busy_poll ? 10'000'000 : 100;
-        auto channel = client_->OpenChannel(region_, shm_->data(), 0, ring_bytes, channel_options);
-        if (!channel.ok()) return channel.status();
-        channel_ = *std::move(channel);
+        auto opened = client_->OpenChannel(region_, shm_->data(), 0, ring_bytes, channel_options);
+        if (!opened.ok()) return opened.status();
+        channel_ = *std::move(opened);
       }
     }
     return absl::OkStatus();
@@ -278,27 +314,27 @@ class Worker {
     }
     const int64_t q_bytes = static_cast<int64_t>(shape.in.q.size()) * 2;
     const int64_t lse_bytes = q_bytes / (2 * GeometryOf(client_->info()).head_dim) * 4;
-    if (shm_ != nullptr) {
+    const bool in_region = !tensor_region_.empty();
+    if (in_region) {
       // Not timed: the query is where an engine would compute it.
       const Clock::time_point copy_start = Clock::now();
-      std::memcpy(shm_->data() + q_at_, shape.in.q.data(), q_bytes);
+      const absl::Status put = PutQuery(shape.in.q.data(), q_bytes);
       start += Clock::now() - copy_start;
+      if (!put.ok()) {
+        stats->Record(0, put, false, shape.rows, shape.flops);
+        return;
+      }
       args.q = {};
-      args.q_region = RegionRef{region_, q_at_, q_bytes};
+      args.q_region = RegionRef{tensor_region_, q_at_, q_bytes};
       args.q_rows = shape.in.total_q();
-      args.output_region = RegionRef{region_, o_at_, q_bytes};
-      args.lse_region = RegionRef{region_, lse_at_, lse_bytes};
+      args.output_region = RegionRef{tensor_region_, o_at_, q_bytes};
+      args.lse_region = RegionRef{tensor_region_, lse_at_, lse_bytes};
     }
     // Into the same result every time, as an engine reuses its buffers.
-    const absl::Status status = channel_ != nullptr ? channel_->PrefillInto(args, &result_)
-                                                    : client_->PrefillInto(args, &result_);
+    absl::Status status = channel_ != nullptr ? channel_->PrefillInto(args, &result_)
+                                              : client_->PrefillInto(args, &result_);
     const double latency = Seconds(Clock::now() - start);
-    if (status.ok() && shm_ != nullptr && verify) {
-      result_.o.assign(reinterpret_cast<const uint16_t*>(shm_->data() + o_at_),
-                       reinterpret_cast<const uint16_t*>(shm_->data() + o_at_ + q_bytes));
-      result_.lse.assign(reinterpret_cast<const float*>(shm_->data() + lse_at_),
-                         reinterpret_cast<const float*>(shm_->data() + lse_at_ + lse_bytes));
-    }
+    if (status.ok() && in_region && verify) status = GetResult(q_bytes, lse_bytes);
     bool wrong = false;
     if (status.ok() && verify) {
       const KvDType dtype = GeometryOf(client_->info()).dtype;
@@ -307,6 +343,30 @@ class Worker {
       if (wrong) std::cerr << "\nwrong result (" << shape.name << "): " << c.ToString() << "\n";
     }
     stats->Record(latency, status, wrong, shape.rows, shape.flops);
+  }
+
+  // The query into the tensor region (untimed).
+  absl::Status PutQuery(const uint16_t* q, int64_t q_bytes) {
+#ifdef ATTNSERVE_CLIENT_CUDA
+    if (cuda_ != nullptr) return cuda_->CopyIn(q_at_, q, q_bytes);
+#endif
+    std::memcpy(shm_->data() + q_at_, q, q_bytes);
+    return absl::OkStatus();
+  }
+
+  // The output and LSE from the tensor region into result_ (for --verify).
+  absl::Status GetResult(int64_t o_bytes, int64_t lse_bytes) {
+    result_.o.resize(o_bytes / 2);
+    result_.lse.resize(lse_bytes / 4);
+#ifdef ATTNSERVE_CLIENT_CUDA
+    if (cuda_ != nullptr) {
+      absl::Status s = cuda_->CopyOut(o_at_, result_.o.data(), o_bytes);
+      return s.ok() ? cuda_->CopyOut(lse_at_, result_.lse.data(), lse_bytes) : s;
+    }
+#endif
+    std::memcpy(result_.o.data(), shm_->data() + o_at_, o_bytes);
+    std::memcpy(result_.lse.data(), shm_->data() + lse_at_, lse_bytes);
+    return absl::OkStatus();
   }
 
   void TearDown() {
@@ -321,6 +381,13 @@ class Worker {
       if (!s.ok()) std::cerr << "unregister region: " << s.ToString() << "\n";
       shm_.reset();
     }
+#ifdef ATTNSERVE_CLIENT_CUDA
+    if (client_ != nullptr && cuda_ != nullptr) {
+      absl::Status s = client_->UnregisterRegion(tensor_region_);
+      if (!s.ok()) std::cerr << "unregister region: " << s.ToString() << "\n";
+      cuda_.reset();
+    }
+#endif
     if (client_ != nullptr && !pages_.empty()) {
       absl::Status s = client_->FreePages(pages_);
       if (!s.ok()) std::cerr << "free pages: " << s.ToString() << "\n";
@@ -335,10 +402,14 @@ class Worker {
   std::vector<uint64_t> plan_ids_;  // --plan: one per shape, in shapes_' order
   size_t next_ = 0;
   PrefillResult result_;  // reused by every request
-  // --shm: the client's region (the ring of --channel at 0, q at q_at_,
-  // output at o_at_, LSE at lse_at_).
+  // --shm: the client's system region (the ring of --channel at 0) and the
+  // region of its tensors (q at q_at_, output at o_at_, LSE at lse_at_): the
+  // same region, or with --cuda_device a CUDA region of its own.
   std::unique_ptr<SharedMemory> shm_;
-  std::string region_;
+  std::string region_, tensor_region_;
+#ifdef ATTNSERVE_CLIENT_CUDA
+  std::unique_ptr<CudaMemory> cuda_;
+#endif
   int64_t q_at_ = 0, o_at_ = 0, lse_at_ = 0;
   static constexpr int32_t kChannelSlotBytes = 1 << 20;
   std::unique_ptr<RequestChannel> channel_;  // --channel
@@ -396,6 +467,7 @@ class ArrivalQueue {
 };
 
 int Main() {
+  if (absl::GetFlag(FLAGS_retain_freed_memory)) RetainFreedMemory();
   const std::string workload = absl::GetFlag(FLAGS_workload);
   const std::vector<ShapeSpec> specs = ShapesOf(workload);
   const int32_t concurrency = absl::GetFlag(FLAGS_concurrency);
@@ -411,6 +483,14 @@ int Main() {
   }
   if (absl::GetFlag(FLAGS_channel) && !absl::GetFlag(FLAGS_shm)) {
     std::cerr << "error: --channel needs --shm (the channel's ring lives in the shm region)\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_cuda_device) >= 0 && !absl::GetFlag(FLAGS_shm)) {
+    std::cerr << "error: --cuda_device needs --shm (it moves the --shm tensors to the GPU)\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_cuda_device) < -1) {
+    std::cerr << "error: --cuda_device must be -1 (off) or a GPU index >= 0\n";
     return 2;
   }
   if (concurrency < 1 || absl::GetFlag(FLAGS_batch) < 1 || absl::GetFlag(FLAGS_q_len) < 1 ||

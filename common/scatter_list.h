@@ -44,6 +44,8 @@ void CopyOut(const ScatterList& list, int64_t offset, int64_t n, void* dst);
 // most half the host's cores): one core's memcpy from gRPC's slices into
 // pinned staging moved 128 MiB in about 21 ms on the H200 host, several times
 // what the copy engines need (bench/results/2026-12-01-session4-h200.md).
+// The server gathers inline inputs this way, the client library its
+// responses' tensors (common/tensor_wire.cc).
 constexpr int64_t kParallelCopyMinBytes = int64_t{8} << 20;
 
 // memcpy of n bytes, split over threads from kParallelCopyMinBytes on.

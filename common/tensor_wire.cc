@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <climits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/scatter_list.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/wire_format_lite.h"
 #include "grpcpp/support/proto_buffer_reader.h"
@@ -223,7 +225,24 @@ absl::Status ReadTensorResponse(const grpc::ByteBuffer& bytes, const char* what,
       const auto copy_data = [&sink](CodedInputStream* data_in, int, uint32_t data_length) {
         void* dest = sink(data_length);
         if (dest == nullptr && data_length > 0) return false;
-        return data_length == 0 || data_in->ReadRaw(dest, static_cast<int>(data_length));
+        if (data_length < kParallelCopyMinBytes) {
+          return data_length == 0 || data_in->ReadRaw(dest, static_cast<int>(data_length));
+        }
+        // A large tensor: the pieces of gRPC's slices it lies in (the
+        // ByteBuffer keeps them), then one copy split over threads.
+        std::vector<ScatterPiece> pieces;
+        int64_t at = 0;
+        while (at < data_length) {
+          const void* data = nullptr;
+          int size = 0;
+          if (!data_in->GetDirectBufferPointer(&data, &size) || size <= 0) return false;
+          const int64_t take = std::min<int64_t>(size, data_length - at);
+          pieces.push_back({at, static_cast<const char*>(data), take});
+          if (!data_in->Skip(static_cast<int>(take))) return false;
+          at += take;
+        }
+        CopyOut(ScatterList{pieces, static_cast<int64_t>(data_length)}, 0, data_length, dest);
+        return true;
       };
       if (!ReadTensorFields(&in, t, copy_data)) return malformed();
       in.PopLimit(limit);

@@ -31,6 +31,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__GLIBC__)
+#include <malloc.h>  // mallopt
+#endif
+
 namespace attnserve {
 
 struct TransportArg {
@@ -76,6 +80,28 @@ inline std::vector<TransportArg> ParseTransportArgs(const std::string& spec,
   for (auto& [name, value] : parsed) names->push_back(name);
   for (size_t i = 0; i < parsed.size(); ++i) out.push_back({(*names)[i].c_str(), parsed[i].second});
   return out;
+}
+
+// glibc malloc, process-wide: keep freed memory for the next message instead
+// of returning it to the kernel. gRPC receives a message into slices of up
+// to 4 MiB from malloc; by default glibc trims its heap once more than about
+// twice the largest freed block is free at the top, so every large message
+// is received into memory the kernel must fault in and zero again (a 128 MiB
+// message: 32,768 page faults, about 18 ms of a 128 MiB prefill's round trip
+// on the H200 hosts, bench/results/2026-12-01-session6-h200x2.md). This
+// serves blocks up to 32 MiB (glibc's limit) from the heap and trims only
+// past 1 GiB free: the process keeps up to that much freed memory mapped
+// per malloc arena. attnserve and attnecho call it unless
+// --retain_freed_memory=false, attnbench likewise; a C++ client process that
+// sends or receives large inline tensors may call it once at start
+// (attnserve.retain_freed_memory() in Python). False where it has no effect
+// (not glibc, or glibc refused a value).
+inline bool RetainFreedMemory() {
+#if defined(__GLIBC__)
+  return mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1;
+#else
+  return false;
+#endif
 }
 
 }  // namespace attnserve

@@ -23,6 +23,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/transport.h"
 #include "common/usage.h"
 #include "spdlog/spdlog.h"
 #include "kernels/plan/kernel_select.h"
@@ -97,6 +98,9 @@ ABSL_FLAG(bool, transport_tuning, true,
 ABSL_FLAG(std::string, grpc_args, "",
           "extra gRPC channel arguments NAME=INT,... applied after --transport_tuning's "
           "(experiments)");
+ABSL_FLAG(bool, retain_freed_memory, true,
+          "keep memory freed by malloc for the next message instead of returning it to the "
+          "kernel (up to 1 GiB per malloc arena; docs/transport.md); false: glibc's defaults");
 ABSL_FLAG(int32_t, max_tenant_queue_requests, 0,
           "queued requests of one tenant before RESOURCE_EXHAUSTED (0: --max_queue_requests)");
 
@@ -163,6 +167,10 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
 
 int Run() {
   spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+  if (absl::GetFlag(FLAGS_retain_freed_memory) && !RetainFreedMemory()) {
+    spdlog::info("--retain_freed_memory: the allocator did not take the setting (not glibc's "
+                 "malloc); freed memory goes back as the allocator decides");
+  }
   // Signals are taken by one thread with sigwait; block them everywhere else.
   sigset_t signals;
   sigemptyset(&signals);

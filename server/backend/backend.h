@@ -32,7 +32,7 @@
 #include "kernels/paged_prefill.h"
 #include "server/backend/host_buffer.h"
 #include "server/backend/region_device.h"
-#include "server/backend/scatter_list.h"
+#include "common/scatter_list.h"
 
 namespace attnserve {
 

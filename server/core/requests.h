@@ -21,7 +21,7 @@
 #include "absl/types/span.h"
 #include "common/kv_geometry.h"
 #include "server/backend/host_buffer.h"
-#include "server/backend/scatter_list.h"
+#include "common/scatter_list.h"
 #include "server/core/region_table.h"
 
 namespace attnserve {

@@ -22,7 +22,7 @@
 #include "absl/types/span.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
-#include "server/backend/scatter_list.h"
+#include "common/scatter_list.h"
 #include "server/core/requests.h"
 #include "server/core/validate.h"
 #include "server/grpc/wire_limits.h"

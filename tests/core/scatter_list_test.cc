@@ -1,7 +1,7 @@
-// ScatterList (server/backend/scatter_list.h): any byte range copied out of
+// ScatterList (common/scatter_list.h): any byte range copied out of
 // pieces of random sizes equals the same range of the bytes they hold, below
 // and above the size from which copies are split over threads.
-#include "server/backend/scatter_list.h"
+#include "common/scatter_list.h"
 
 #include <cstring>
 #include <random>

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "server/backend/scatter_list.h"
+#include "common/scatter_list.h"
 
 namespace attnserve {
 

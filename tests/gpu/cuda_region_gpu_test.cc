@@ -28,6 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/cuda_memory.h"
 #include "client/workload.h"
 #include "common/dtype.h"
 #include "common/reference.h"
@@ -49,39 +50,34 @@ int DeviceCount() {
   return n;
 }
 
-// cudaMalloc'ed memory on `device` of this process, exported by IPC handle.
+// cudaMalloc'ed memory on `device` of this process, exported by IPC handle
+// (client/cuda_memory.h), filled with 0x5a.
 class DeviceBuffer {
  public:
-  DeviceBuffer(int device, int64_t bytes) : device_(device), bytes_(bytes) {
-    EXPECT_EQ(cudaSetDevice(device), cudaSuccess);
-    EXPECT_EQ(cudaMalloc(&data_, bytes), cudaSuccess);
-    EXPECT_EQ(cudaMemset(data_, 0x5a, bytes), cudaSuccess);
+  DeviceBuffer(int device, int64_t bytes) {
+    auto memory = CudaMemory::Create(device, bytes, 0x5a);
+    EXPECT_TRUE(memory.ok()) << memory.status();
+    if (memory.ok()) memory_ = *std::move(memory);
   }
-  ~DeviceBuffer() { cudaFree(data_); }
   void Put(int64_t offset, const void* src, int64_t bytes) {
-    ASSERT_EQ(cudaMemcpy(static_cast<char*>(data_) + offset, src, bytes, cudaMemcpyHostToDevice),
-              cudaSuccess);
+    ASSERT_NE(memory_, nullptr);
+    absl::Status s = memory_->CopyIn(offset, src, bytes);
+    ASSERT_TRUE(s.ok()) << s;
   }
   template <typename T>
   std::vector<T> Get(int64_t offset, int64_t count) const {
     std::vector<T> out(count);
-    EXPECT_EQ(cudaMemcpy(out.data(), static_cast<const char*>(data_) + offset, count * sizeof(T),
-                         cudaMemcpyDeviceToHost),
-              cudaSuccess);
+    absl::Status s = memory_ == nullptr ? absl::InternalError("no device memory")
+                                        : memory_->CopyOut(offset, out.data(), count * sizeof(T));
+    EXPECT_TRUE(s.ok()) << s;
     return out;
   }
-  std::string Handle() const {
-    cudaIpcMemHandle_t h;
-    EXPECT_EQ(cudaIpcGetMemHandle(&h, data_), cudaSuccess);
-    return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
-  }
-  int device() const { return device_; }
-  int64_t size() const { return bytes_; }
+  std::string Handle() const { return memory_ == nullptr ? std::string() : memory_->ipc_handle(); }
+  int device() const { return memory_ == nullptr ? -1 : memory_->device(); }
+  int64_t size() const { return memory_ == nullptr ? 0 : memory_->size(); }
 
  private:
-  int device_;
-  int64_t bytes_;
-  void* data_ = nullptr;
+  std::unique_ptr<CudaMemory> memory_;
 };
 
 // The float64 merge of common/reference.h (base 2) over the client's states.

@@ -4,16 +4,17 @@
 // waits until it is killed, never unregistering.
 //
 //   cuda_region_holder TARGET TOKEN PREFIX BYTES DEVICE
-#include <cuda_runtime.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "client/client.h"
+#include "client/cuda_memory.h"
 
 int main(int argc, char** argv) {
   if (argc != 6) {
@@ -33,22 +34,21 @@ int main(int argc, char** argv) {
   std::mt19937_64 gen(77);
   std::vector<unsigned char> fill(bytes);
   for (auto& b : fill) b = static_cast<unsigned char>(gen());
+  std::vector<std::unique_ptr<attnserve::CudaMemory>> held;
   for (int i = 0; i < 2; ++i) {
-    void* p = nullptr;
-    cudaIpcMemHandle_t handle;
-    if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&p, bytes) != cudaSuccess ||
-        cudaMemcpy(p, fill.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess ||
-        cudaIpcGetMemHandle(&handle, p) != cudaSuccess) {
-      std::fprintf(stderr, "cuda: %s\n", cudaGetErrorString(cudaGetLastError()));
+    auto memory = attnserve::CudaMemory::Create(device, bytes);
+    absl::Status s = memory.ok() ? (*memory)->CopyIn(0, fill.data(), bytes) : memory.status();
+    if (!s.ok()) {
+      std::fprintf(stderr, "cuda: %s\n", s.ToString().c_str());
       return 1;
     }
-    absl::Status s = (*client)->RegisterCudaRegion(
-        std::string(argv[3]) + std::to_string(i),
-        std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)), device, bytes);
+    s = (*client)->RegisterCudaRegion(std::string(argv[3]) + std::to_string(i),
+                                      (*memory)->ipc_handle(), device, bytes);
     if (!s.ok()) {
       std::fprintf(stderr, "register: %s\n", s.ToString().c_str());
       return 1;
     }
+    held.push_back(*std::move(memory));
   }
   std::printf("ready\n");
   std::fflush(stdout);

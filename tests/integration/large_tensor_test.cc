@@ -3,6 +3,7 @@
 // that arrive in many slices, and where the server sends ReadKV and
 // MergeStates results from the backend's buffers. Every byte is checked
 // against what was sent or against the float64 reference.
+#include "common/scatter_list.h"
 #include "tests/integration/server_fixture.h"
 
 namespace attnserve {
@@ -31,6 +32,37 @@ TEST_P(ServerTest, MiBKvRowsRoundTripByteExact) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(std::equal(again->v.begin(), again->v.end(), v.begin()));
   EXPECT_EQ(again->v.size(), half.size() * geo_.RowElems());
+}
+
+TEST_P(ServerTest, OutputsPastTheThreadedCopyThresholdComeBackWhole) {
+  // An output of 1.5 x kParallelCopyMinBytes: the client gathers it from the
+  // slices gRPC received it in over several threads (common/tensor_wire.cc),
+  // each thread a part of whole pages; every row against the reference.
+  std::mt19937_64 gen(GetParam() + 500);
+  KvMirror mirror(geo_);
+  const int32_t kv_len = 40;
+  const int32_t num_pages = (kv_len + geo_.page_size - 1) / geo_.page_size;
+  auto pages = client_->AllocatePages(num_pages);
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  FillPages(*client_, mirror, gen, 0, *pages);
+  const int64_t row_bytes = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
+  const int32_t rows = static_cast<int32_t>(kParallelCopyMinBytes * 3 / 2 / row_bytes);
+  PrefillInputs in;
+  in.causal = false;
+  in.qo_indptr = {0, rows};
+  in.kv_indptr = {0, num_pages};
+  in.kv_indices = *pages;
+  in.kv_last_page_len = {kv_len - (num_pages - 1) * geo_.page_size};
+  in.q = RandomHalves(gen, geo_.dtype, int64_t{rows} * geo_.num_qo_heads * geo_.head_dim);
+  PrefillResult out;
+  for (int round = 0; round < 2; ++round) {  // into a fresh result, then into the same one
+    // Poisoned: a byte the copy misses is a NaN the comparison counts.
+    std::fill(out.o.begin(), out.o.end(), uint16_t{0x7fff});
+    std::fill(out.lse.begin(), out.lse.end(), std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(client_->PrefillInto(ArgsOf(in), &out).ok());
+    ASSERT_GE(static_cast<int64_t>(out.o.size()) * 2, kParallelCopyMinBytes);
+    ExpectMatchesReference(mirror, in, out);
+  }
 }
 
 TEST_P(ServerTest, MiBPrefillMatchesTheReference) {

@@ -103,3 +103,21 @@ def test_transport_options_match_the_cpp_settings():
         cpp.append((name, int(value)))
     assert sorted(cpp) == sorted(TRANSPORT_OPTIONS)
     assert len(cpp) == 2
+
+
+def test_retain_freed_memory_sets_the_values_of_common_transport_h():
+    """retain_freed_memory takes effect on glibc, with RetainFreedMemory's values."""
+    import os
+    import platform
+    import re
+    from attnserve import retain_freed_memory
+    from attnserve.client import RETAIN_MMAP_THRESHOLD, RETAIN_TRIM_THRESHOLD
+    header = open(os.path.join(os.path.dirname(__file__), "..", "..", "common",
+                               "transport.h")).read()
+    body = header[header.index("inline bool RetainFreedMemory()"):]
+    values = {name: int(a) << int(b) for name, a, b in
+              re.findall(r"mallopt\((M_\w+), (\d+) << (\d+)\)", body)}
+    assert values == {"M_MMAP_THRESHOLD": RETAIN_MMAP_THRESHOLD,
+                      "M_TRIM_THRESHOLD": RETAIN_TRIM_THRESHOLD}
+    if platform.libc_ver()[0] == "glibc":
+        assert retain_freed_memory() is True

@@ -9,7 +9,8 @@ docs/python.md is the guide; proto/attnserve/v1/attention.proto and
 docs/design.md are the contract.
 """
 
-from attnserve.client import Client, PrefillLayout, PrefillResult, RegionInfo, ServerInfo
+from attnserve.client import (Client, PrefillLayout, PrefillResult, RegionInfo, ServerInfo,
+                              retain_freed_memory)
 from attnserve.aio import AsyncClient
 from attnserve.dtypes import bf16_bits_to_float32, float32_to_bf16_bits
 from attnserve.errors import (Aborted, AlreadyExists, AttnserveError, Cancelled, DataLoss,
@@ -27,7 +28,7 @@ from attnserve._version import __version__
 __all__ = [
     "Client", "AsyncClient", "ServerInfo", "PrefillResult", "PrefillLayout",
     "KvManager", "AsyncKvManager", "Plan", "RegionInfo", "RegionTensor", "SharedMemoryRegion",
-    "register_cuda_tensor",
+    "register_cuda_tensor", "retain_freed_memory",
     "Cluster", "ClusterStep", "ClusterServer", "Shard", "SequencesLost", "merge_states",
     "float32_to_bf16_bits", "bf16_bits_to_float32",
     "AttnserveError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",

@@ -230,6 +230,31 @@ TRANSPORT_OPTIONS = (
     ("grpc.http2.write_buffer_size", 8 << 20),
 )
 
+# glibc's mallopt parameters (malloc.h) and the values of common/transport.h's
+# RetainFreedMemory.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+RETAIN_MMAP_THRESHOLD = 32 << 20
+RETAIN_TRIM_THRESHOLD = 1 << 30
+
+
+def retain_freed_memory() -> bool:
+    """Process-wide, once at start: glibc's malloc keeps freed memory for the
+    next message instead of returning it to the kernel, as attnserve does
+    (docs/transport.md, "Freed memory"). gRPC receives each large message into
+    fresh malloc blocks; without this, every 128 MiB response is received
+    into memory the kernel faults in and zeroes again. The process then keeps
+    up to 1 GiB of freed memory mapped per malloc arena. Returns False where
+    it has no effect (not glibc)."""
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return (mallopt(_M_MMAP_THRESHOLD, RETAIN_MMAP_THRESHOLD) == 1
+            and mallopt(_M_TRIM_THRESHOLD, RETAIN_TRIM_THRESHOLD) == 1)
+
 
 class _Core:
     """State and wire encoding shared by Client and AsyncClient."""
