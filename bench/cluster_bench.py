@@ -21,9 +21,12 @@ and measures:
     (attnserve_kernel_duration_seconds, every kernel). The merge of the two
     partial states of rows [s, L) is timed apart for each place it can run:
     numpy (attnserve.merge on float32 outputs), torch_cpu and torch_cuda
-    (attnserve.merge on the bf16 outputs, on the CPU and on the client's GPU;
-    the host-to-device copy reported beside), server_rpc (the first server's
-    MergeStates, the states sent over gRPC and back; first repetition only).
+    (attnserve.merge on the CPU on float32 outputs, and on the client's GPU
+    on the bf16 outputs; the host-to-device copy reported beside),
+    server_cuda (the first server's MergeStates kernel on the bf16 states in
+    CUDA regions on its GPU, cuda:0 of the client: one call, no tensor bytes),
+    server_rpc (the first server's MergeStates, the states sent over gRPC and
+    back; first repetition only).
     Each is added to the kernels' critical path and set against one GPU's
     kernel time: the issue's quantity. The merged output is checked against
     the one-server output (relative error). Last, the same prefill through
@@ -78,7 +81,7 @@ class Server:
         self.proc = subprocess.Popen(
             [binary, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
              f"--backend={backend}", "--num_layers=1", f"--num_pages={num_pages}",
-             "--max_message_bytes=1073741824"],
+             "--max_message_bytes=1073741824", "--allow_shared_memory"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.address = self.metrics = None
         deadline = time.monotonic() + 300
@@ -143,25 +146,29 @@ def sync():
         pass
 
 
-def merge_methods() -> list:
+def merge_methods(backend: str) -> list:
     """Where the client can merge: numpy always; torch on the CPU and on the
-    client's GPU when torch (with CUDA) is there; the server's MergeStates."""
+    client's GPU when torch (with CUDA) is there; the server's MergeStates
+    kernel on states in CUDA regions (CUDA servers); the server's
+    MergeStates with the states over gRPC."""
     out = ["numpy"]
     try:
         import torch
         out.append("torch_cpu")
         if torch.cuda.is_available():
             out.append("torch_cuda")
+            if backend == "cuda":
+                out.append("server_cuda")
     except ImportError:
         pass
     return out + ["server_rpc"]
 
 
-def merge_all(methods, vs, ls, client):
+def merge_all(methods, vs, ls, client, rpc):
     """Times the merge of two partial states (vs [n, h, d] bf16 torch or
     float32 numpy, ls [n, h]) each way; returns ({method: seconds}, merged
     float32 numpy of the first method). server_rpc (MergeStates on a server,
-    states sent over gRPC and back) runs only when client is given."""
+    states sent over gRPC and back) runs only when rpc is true."""
     from attnserve.merge import merge_states
     times, first = {}, None
 
@@ -187,7 +194,9 @@ def merge_all(methods, vs, ls, client):
             import torch
             sync()
             t0 = time.perf_counter()
-            vt, lt = as_torch(vs), as_torch(ls)
+            # The states in bf16, as the servers return them (and as
+            # attnserve.Cluster with out="torch" hands them over).
+            vt, lt = [x.to(torch.bfloat16) for x in as_torch(vs)], as_torch(ls)
             sync()
             t0 = time.perf_counter()
             v_d = [x.to("cuda:0", non_blocking=False) for x in vt]
@@ -199,14 +208,43 @@ def merge_all(methods, vs, ls, client):
             times[m] = time.perf_counter() - t1
             times[m + "_h2d"] = t1 - t0
             del v_d, l_d
+        elif m == "server_cuda":
+            # The first server's merge kernel (MergeStates, the same code as
+            # the split-KV merge) on states in CUDA regions on its own GPU,
+            # cuda:0 here: one MergeStates call that carries no tensor bytes,
+            # as when the servers write their partial outputs into the
+            # client's device memory.
+            import torch
+            from attnserve.regions import register_cuda_tensor
+            v_d = [torch.from_numpy(np.ascontiguousarray(as_f32(x))).to(torch.bfloat16).to("cuda:0")
+                   if not hasattr(x, "detach") else x.to("cuda:0", torch.bfloat16) for x in vs]
+            l_d = [x.to("cuda:0") for x in as_torch(ls)]
+            o_d, lo_d = torch.empty_like(v_d[0]), torch.empty_like(l_d[0])
+            names = [f"merge-{i}-{time.monotonic_ns()}" for i in range(6)]
+            refs = [register_cuda_tensor(client, n, t)
+                    for n, t in zip(names, v_d + l_d + [o_d, lo_d])]
+            try:
+                sync()
+                t0 = time.perf_counter()
+                client.merge_states([(refs[0], refs[2]), (refs[1], refs[3])], into=(refs[4], refs[5]))
+                times[m] = time.perf_counter() - t0
+                o = o_d
+            finally:
+                for n in names:
+                    client.unregister_region(n)
+            del v_d, l_d
         elif m == "server_rpc":
-            if client is None:
+            if client is None or not rpc:
                 continue
             t0 = time.perf_counter()
             o, _ = client.merge_states(list(zip(vs, ls)))
             times[m] = time.perf_counter() - t0
         if first is None:
             first = np.asarray(as_f32(o))
+        elif m in times:
+            # Each other method against the first (bf16 rounding of the inputs and output).
+            diff = np.asarray(as_f32(o)) - first
+            times[m + "_err"] = float(np.linalg.norm(diff) / max(np.linalg.norm(first), 1e-30))
         del o
     return times, first
 
@@ -263,7 +301,7 @@ def prefill_bench(a, servers, log):
 
     from attnserve.cluster import causal_spread
     splits = {"even": L // 2, "balanced": causal_spread(L, 2)[0]}
-    methods = merge_methods()
+    methods = merge_methods(a.backend)
     for name, s in splits.items():
         parts = [load(clients[0], 0, s), load(clients[1], s, L)]
         afters = [L - s, 0]
@@ -284,7 +322,7 @@ def prefill_bench(a, servers, log):
             # Rows [0, s) come from the first server only; [s, L) are merged.
             vs = [out[0][0].output[s:], out[1][0].output]
             ls = [out[0][0].lse[s:], out[1][0].lse]
-            times, merged = merge_all(methods, vs, ls, clients[0] if rep == 0 else None)
+            times, merged = merge_all(methods, vs, ls, clients[0], rpc=rep == 0)
             o = np.asarray(as_f32(out[0][0].output))
             o[s:] = merged
             err = float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
@@ -296,7 +334,8 @@ def prefill_bench(a, servers, log):
         r = results[f"two_gpus_{name}"] = {
             "split": s, "merged_rows": L - s, "kernel_critical_s": crit,
             "kernel_s": [med(1), med(2)], "merge_s": merge_s,
-            "critical_path_s": {m: crit + t for m, t in merge_s.items() if not m.endswith("_h2d")},
+            "critical_path_s": {m: crit + t for m, t in merge_s.items()
+                                if not m.endswith(("_h2d", "_err"))},
             "kernels_wall_s": med(4), "rel_error_vs_one_gpu": max(r[5] for r in rows)}
         one = results["one_gpu"]["kernel_s"]
         print(f"(a) 2 GPUs, {name:8s} split at {s:6d}: kernels {r['kernel_s'][0] * 1e3:8.2f} / "
@@ -304,11 +343,13 @@ def prefill_bench(a, servers, log):
               f"({one / crit:.2f}x), wall of the two Prefills {r['kernels_wall_s'] * 1e3:.1f} ms, "
               f"rel error {r['rel_error_vs_one_gpu']:.2e}", file=log, flush=True)
         for m, t in merge_s.items():
-            if m.endswith("_h2d"):
+            if m.endswith("_h2d") or m.endswith("_err"):
                 continue
             extra = (f" (+ {merge_s[m + '_h2d'] * 1e3:.2f} ms host to device)"
                      if m + "_h2d" in merge_s else "")
-            print(f"      merge of {L - s} rows, {m:11s}: {t * 1e3:9.2f} ms{extra}; kernels + merge "
+            if m + "_err" in merge_s:
+                extra += f", rel. difference to {methods[0]} {merge_s[m + '_err']:.1e}"
+            print(f"      merge of {L - s} rows, {m:12s}: {t * 1e3:9.2f} ms{extra}; kernels + merge "
                   f"{(crit + t) * 1e3:9.2f} ms = {one / (crit + t):.2f}x one GPU", file=log,
                   flush=True)
         for c, (pages, _) in zip(clients, parts):

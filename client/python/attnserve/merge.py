@@ -172,25 +172,27 @@ def _merge_torch(vs, lses, lse_base, out):
     seen = m != float("-inf")
     m_safe = torch.where(seen, m, torch.zeros((), device=device))
     w = torch.exp2(tl - m_safe) if lse_base == "2" else torch.exp(tl - m_safe)
-    # Running weighted mean, one fused pass per further state: after state s,
-    # acc = sum_{j<=s} w_j v_j / W_s with W_s = sum_{j<=s} w_j, so
-    # acc <- lerp(acc, v_s, w_s / W_s).
-    acc = tv[0].to(torch.float32)
-    total = w[0]
+    total = w.sum(dim=0)
+    # Each state's share of a row (all 0 in a row nothing saw), then one pass
+    # per state over the values: acc = sum_s share_s * v_s, in float32 (the
+    # product of a half-precision state and a float32 share is float32).
+    share = w / torch.where(total > 0, total, torch.ones((), device=device))
+    acc = torch.mul(tv[0], share[0].unsqueeze(-1))
+    if acc.dtype not in (torch.float32, torch.float64):
+        acc = acc.to(torch.float32)
     for s in range(1, len(tv)):
-        new_total = total + w[s]
-        frac = torch.where(new_total > 0, w[s] / torch.where(new_total > 0, new_total, torch.ones((), device=device)),
-                           torch.zeros((), device=device))
-        acc = torch.lerp(acc, tv[s].to(torch.float32), frac.unsqueeze(-1))
-        total = new_total
-    # A row nothing saw is 0. On a GPU the mask is applied unconditionally:
-    # asking whether every row was seen would wait for the device.
+        acc.addcmul_(tv[s], share[s].unsqueeze(-1))
+    if out is not None:
+        result = out.copy_(acc)
+    else:
+        result = acc if acc.dtype == dtype else acc.to(dtype)
+    # A row nothing saw is 0 whatever the states hold (0 * inf is NaN), set
+    # on the result (the narrower type: fewer bytes). On a GPU the mask is
+    # applied unconditionally: asking whether every row was seen would wait
+    # for the device.
     if len(tv) == 1 or acc.is_cuda or not bool(seen.all()):
-        acc = torch.where(seen.unsqueeze(-1), acc, torch.zeros((), device=device))
+        result.masked_fill_(~seen.unsqueeze(-1), 0)
     log = torch.log2 if lse_base == "2" else torch.log
     lse = torch.where(seen, m_safe + log(torch.where(seen, total, torch.ones((), device=device))),
                       torch.full((), float("-inf"), device=device))
-    if out is not None:
-        out.copy_(acc)
-        return out, lse
-    return acc.to(dtype), lse
+    return result, lse
