@@ -74,4 +74,10 @@ absl::Status CudaMemory::CopyOut(int64_t offset, void* dst, int64_t bytes) const
       "cudaMemcpy (device to host)");
 }
 
+absl::Status CudaMemory::Fill(int64_t offset, int64_t bytes, uint8_t value) {
+  if (absl::Status s = CheckRange("Fill", offset, bytes); !s.ok()) return s;
+  if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
+  return CudaStatus(cudaMemset(static_cast<char*>(data_) + offset, value, bytes), "cudaMemset");
+}
+
 }  // namespace attnserve

@@ -36,6 +36,8 @@ class CudaMemory {
   // InvalidArgument past its end.
   absl::Status CopyIn(int64_t offset, const void* src, int64_t bytes);
   absl::Status CopyOut(int64_t offset, void* dst, int64_t bytes) const;
+  // Sets [offset, offset + bytes) to `value` bytes (e.g. 0xff: NaN halves).
+  absl::Status Fill(int64_t offset, int64_t bytes, uint8_t value);
 
  private:
   CudaMemory(int device, int64_t bytes, void* data, std::string handle)
