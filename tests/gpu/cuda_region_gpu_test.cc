@@ -95,12 +95,9 @@ class CudaRegionsTest : public ::testing::Test {
     devices_ = DeviceCount();
     if (devices_ == 0) GTEST_SKIP() << "skipped: no GPU";
     server_device_ = devices_ >= 2 ? 1 : 0;
-    tokens_path_ = ::testing::TempDir() + "attnserve_cuda_region_tokens_XXXXXX";
-    const int fd = mkstemp(tokens_path_.data());
-    ASSERT_GE(fd, 0);
-    const std::string tokens = "tok-alice alice\ntok-bob bob\n";
-    ASSERT_EQ(write(fd, tokens.data(), tokens.size()), static_cast<ssize_t>(tokens.size()));
-    close(fd);
+    auto tokens = WriteTokensFile("tok-alice alice\ntok-bob bob\n");
+    ASSERT_TRUE(tokens.ok()) << tokens.status();
+    tokens_path_ = *tokens;
     TestServerOptions options;
     options.num_layers = 2;
     options.num_pages = 2048;

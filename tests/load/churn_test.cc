@@ -75,12 +75,9 @@ struct Tally {
 class ChurnTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    char path[] = "/tmp/attnserve_churn_tokensXXXXXX";
-    int fd = mkstemp(path);
-    ASSERT_GE(fd, 0);
-    close(fd);
-    tokens_path_ = path;
-    std::ofstream(tokens_path_) << "churn-token-a alpha\nchurn-token-b beta\n";
+    auto tokens = WriteTokensFile("churn-token-a alpha\nchurn-token-b beta\n");
+    ASSERT_TRUE(tokens.ok()) << tokens.status();
+    tokens_path_ = *tokens;
     TestServerOptions options;
     options.num_pages = 512;
     options.page_size = 16;
