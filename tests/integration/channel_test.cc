@@ -734,5 +734,50 @@ TEST(ChannelRestartTest, ACallOnAChannelOfARestartedServerFailsAndTouchesNothing
   EXPECT_EQ((*second)->Stop(), 0);
 }
 
+// SIGTERM with a channel request in flight: the request completes with the
+// right result, the server drains and exits 0, and the channel's next call
+// fails (never hangs), saying to open a new channel.
+TEST(ChannelDrainTest, ARequestInFlightAtSigtermCompletesAndTheServerExits) {
+  TestServerOptions options;
+  options.extra_flags = {"--allow_shared_memory", "--drain_timeout_s=20"};
+  auto server = TestServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto a = ConnectTo((*server)->grpc_address(), "", /*timeout_s=*/20);
+  ASSERT_TRUE(a);
+  const KvGeometry g = GeometryOf(a->info());
+  std::mt19937_64 gen(13);
+  KvMirror mirror(g);
+  WorkloadSpec spec;
+  spec.batch = 2;
+  spec.max_q_len = 256;
+  spec.max_kv_len = 2048;
+  auto pages = a->AllocatePages(static_cast<int32_t>(PagesNeeded(g, spec)));
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  server_test::FillPages(*a, mirror, gen, 0, *pages);
+  auto shm = MakeShm("drain", 8 << 20);
+  ASSERT_TRUE(shm && a->RegisterSystemRegion("io", shm->key(), 0, shm->size()).ok());
+  ChannelOptions channel_options;
+  auto channel = a->OpenChannel("io", shm->data(), 0,
+                                ChannelBytes(channel_options.slot_count, channel_options.slot_bytes),
+                                channel_options);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  const PrefillInputs in = RandomPrefill(gen, g, spec, *pages);
+  const double before = Metric(**server, "attnserve_inflight_requests", "");
+  absl::StatusOr<PrefillResult> got = absl::UnknownError("not called");
+  std::thread caller([&] { got = (*channel)->Prefill(ArgsOf(in)); });
+  AwaitMetric(**server, "attnserve_inflight_requests", "", before + 1);
+  ASSERT_EQ(kill((*server)->pid(), SIGTERM), 0);
+  caller.join();
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectMatchesReference(mirror, in, *got);
+  EXPECT_EQ((*server)->Wait(), 0) << (*server)->Output();
+  WorkloadSpec small = spec;
+  small.max_q_len = 2;
+  absl::Status after = (*channel)->Prefill(ArgsOf(RandomPrefill(gen, g, small, *pages))).status();
+  EXPECT_THAT(after.code(), AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kDeadlineExceeded))
+      << after;
+  EXPECT_THAT(std::string(after.message()), HasSubstr("open a new channel"));
+}
+
 }  // namespace
 }  // namespace attnserve
