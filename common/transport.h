@@ -87,8 +87,8 @@ inline std::vector<TransportArg> ParseTransportArgs(const std::string& spec,
 // to 4 MiB from malloc; by default glibc trims its heap once more than about
 // twice the largest freed block is free at the top, so every large message
 // is received into memory the kernel must fault in and zero again (a 128 MiB
-// message: 32,768 page faults, about 18 ms of a 128 MiB prefill's round trip
-// on the H200 hosts, bench/results/2026-12-01-session6-h200x2.md). This
+// message: 32,768 page faults; a 128 MiB prefill's round trip took 13-40 ms
+// longer on the H200 host, bench/results/2026-12-01-session6-h200x2.md). This
 // serves blocks up to 32 MiB (glibc's limit) from the heap and trims only
 // past 1 GiB free: the process keeps up to that much freed memory mapped
 // per malloc arena. attnserve and attnecho call it unless
