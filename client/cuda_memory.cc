@@ -15,6 +15,28 @@ absl::Status CudaStatus(cudaError_t err, const char* call) {
   return absl::InternalError(absl::StrCat(call, ": ", cudaGetErrorString(err)));
 }
 
+// Makes `device` current for its scope and then restores the caller's
+// device: a CudaMemory call leaves the calling thread's current device as it
+// found it.
+class OnDevice {
+ public:
+  explicit OnDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      cudaGetLastError();
+      previous_ = -1;
+    }
+    status_ = CudaStatus(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~OnDevice() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  absl::Status status_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaMemory>> CudaMemory::Create(int device, int64_t bytes,
@@ -29,7 +51,8 @@ absl::StatusOr<std::unique_ptr<CudaMemory>> CudaMemory::Create(int device, int64
     return absl::InvalidArgumentError(absl::StrCat("CudaMemory: device must be in [0, ", count,
                                                    "), got ", device));
   }
-  if (s = CudaStatus(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return s;
+  OnDevice on(device);
+  if (!on.status().ok()) return on.status();
   void* data = nullptr;
   if (s = CudaStatus(cudaMalloc(&data, bytes), "cudaMalloc"); !s.ok()) return s;
   cudaIpcMemHandle_t handle;
@@ -45,7 +68,7 @@ absl::StatusOr<std::unique_ptr<CudaMemory>> CudaMemory::Create(int device, int64
 }
 
 CudaMemory::~CudaMemory() {
-  cudaSetDevice(device_);
+  OnDevice on(device_);
   cudaFree(data_);
 }
 
@@ -60,7 +83,8 @@ absl::Status CudaMemory::CheckRange(const char* what, int64_t offset, int64_t by
 
 absl::Status CudaMemory::CopyIn(int64_t offset, const void* src, int64_t bytes) {
   if (absl::Status s = CheckRange("CopyIn", offset, bytes); !s.ok()) return s;
-  if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
+  OnDevice on(device_);
+  if (!on.status().ok()) return on.status();
   return CudaStatus(
       cudaMemcpy(static_cast<char*>(data_) + offset, src, bytes, cudaMemcpyHostToDevice),
       "cudaMemcpy (host to device)");
@@ -68,7 +92,8 @@ absl::Status CudaMemory::CopyIn(int64_t offset, const void* src, int64_t bytes) 
 
 absl::Status CudaMemory::CopyOut(int64_t offset, void* dst, int64_t bytes) const {
   if (absl::Status s = CheckRange("CopyOut", offset, bytes); !s.ok()) return s;
-  if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
+  OnDevice on(device_);
+  if (!on.status().ok()) return on.status();
   return CudaStatus(
       cudaMemcpy(dst, static_cast<const char*>(data_) + offset, bytes, cudaMemcpyDeviceToHost),
       "cudaMemcpy (device to host)");
@@ -76,7 +101,8 @@ absl::Status CudaMemory::CopyOut(int64_t offset, void* dst, int64_t bytes) const
 
 absl::Status CudaMemory::Fill(int64_t offset, int64_t bytes, uint8_t value) {
   if (absl::Status s = CheckRange("Fill", offset, bytes); !s.ok()) return s;
-  if (absl::Status s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
+  OnDevice on(device_);
+  if (!on.status().ok()) return on.status();
   return CudaStatus(cudaMemset(static_cast<char*>(data_) + offset, value, bytes), "cudaMemset");
 }
 

@@ -675,6 +675,33 @@ TEST(ChannelOffTest, WithoutSharedMemoryChannelsAreRefused) {
 // the same port: the old ring is never polled again, so the client's next
 // call fails within its deadline saying that the channel must be reopened,
 // and the new server's data is untouched.
+// What the stand-alone tests below start from: `client`'s pages for `spec`
+// filled with random K/V (kept in `mirror`), an 8 MiB system region "io" and a
+// channel with the default options at its start.
+struct ChannelSetup {
+  std::vector<int32_t> pages;
+  std::unique_ptr<KvMirror> mirror;
+  std::unique_ptr<SharedMemory> shm;
+  std::unique_ptr<RequestChannel> channel;
+};
+void SetUpChannel(Client& client, const WorkloadSpec& spec, const std::string& shm_name,
+                  std::mt19937_64& gen, ChannelSetup* out) {
+  const KvGeometry g = GeometryOf(client.info());
+  out->mirror = std::make_unique<KvMirror>(g);
+  auto pages = client.AllocatePages(static_cast<int32_t>(PagesNeeded(g, spec)));
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  out->pages = *std::move(pages);
+  server_test::FillPages(client, *out->mirror, gen, 0, out->pages);
+  out->shm = MakeShm(shm_name, 8 << 20);
+  ASSERT_TRUE(out->shm && client.RegisterSystemRegion("io", out->shm->key(), 0, out->shm->size()).ok());
+  ChannelOptions channel_options;
+  auto channel = client.OpenChannel("io", out->shm->data(), 0,
+                                    ChannelBytes(channel_options.slot_count, channel_options.slot_bytes),
+                                    channel_options);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  out->channel = *std::move(channel);
+}
+
 TEST(ChannelRestartTest, ACallOnAChannelOfARestartedServerFailsAndTouchesNothing) {
   TestServerOptions options;
   options.extra_flags = {"--allow_shared_memory"};
@@ -685,23 +712,17 @@ TEST(ChannelRestartTest, ACallOnAChannelOfARestartedServerFailsAndTouchesNothing
   ASSERT_TRUE(a);
   const KvGeometry g = GeometryOf(a->info());
   std::mt19937_64 gen(11);
-  KvMirror mirror(g);
   WorkloadSpec spec;
   spec.batch = 2;
   spec.max_q_len = 3;
   spec.max_kv_len = 40;
-  auto pages = a->AllocatePages(static_cast<int32_t>(PagesNeeded(g, spec)));
-  ASSERT_TRUE(pages.ok());
-  server_test::FillPages(*a, mirror, gen, 0, *pages);
-  auto shm = MakeShm("restart", 8 << 20);
-  ASSERT_TRUE(shm && a->RegisterSystemRegion("io", shm->key(), 0, shm->size()).ok());
-  ChannelOptions channel_options;
-  auto channel = a->OpenChannel("io", shm->data(), 0,
-                                ChannelBytes(channel_options.slot_count, channel_options.slot_bytes),
-                                channel_options);
-  ASSERT_TRUE(channel.ok()) << channel.status();
-  const PrefillInputs in = RandomPrefill(gen, g, spec, *pages);
-  auto before = (*channel)->Prefill(ArgsOf(in));
+  ChannelSetup set;
+  SetUpChannel(*a, spec, "restart", gen, &set);
+  if (HasFatalFailure()) return;
+  RequestChannel* channel = set.channel.get();
+  const std::vector<int32_t>& pages = set.pages;
+  const PrefillInputs in = RandomPrefill(gen, g, spec, pages);
+  auto before = channel->Prefill(ArgsOf(in));
   ASSERT_TRUE(before.ok()) << before.status();
   ASSERT_EQ(kill((*first)->pid(), SIGKILL), 0);
   EXPECT_EQ((*first)->Wait(), 128 + SIGKILL);
@@ -711,26 +732,26 @@ TEST(ChannelRestartTest, ACallOnAChannelOfARestartedServerFailsAndTouchesNothing
   ASSERT_TRUE(second.ok()) << second.status();
   auto b = ConnectTo(address, "");
   ASSERT_TRUE(b);
-  auto b_pages = b->AllocatePages(static_cast<int32_t>(pages->size()));
+  auto b_pages = b->AllocatePages(static_cast<int32_t>(pages.size()));
   ASSERT_TRUE(b_pages.ok());
   KvMirror b_mirror(g);
   server_test::FillPages(*b, b_mirror, gen, 0, *b_pages);
   const server_test::Snapshot b_before = server_test::Read(*b, g, *b_pages);
 
   // The append would write b's pages if anything read the old ring.
-  const std::vector<int64_t> append_slots = {int64_t{(*pages)[0]} * g.page_size};
+  const std::vector<int64_t> append_slots = {int64_t{pages[0]} * g.page_size};
   const auto ak = RandomHalves(gen, g.dtype, g.RowElems());
   PrefillArgs args = ArgsOf(in);
   args.append_slots = append_slots;
   args.append_k = ak;
   args.append_v = ak;
-  absl::Status s = (*channel)->Prefill(args).status();
+  absl::Status s = channel->Prefill(args).status();
   EXPECT_THAT(s.code(), AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kDeadlineExceeded))
       << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr("open a new channel"));
   EXPECT_TRUE(server_test::Read(*b, g, *b_pages) == b_before);
   // The channel's slot stays abandoned; Close answers from the new server.
-  EXPECT_EQ((*channel)->Close().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(channel->Close().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ((*second)->Stop(), 0);
 }
 
@@ -746,25 +767,20 @@ TEST(ChannelDrainTest, ARequestInFlightAtSigtermCompletesAndTheServerExits) {
   ASSERT_TRUE(a);
   const KvGeometry g = GeometryOf(a->info());
   std::mt19937_64 gen(13);
-  KvMirror mirror(g);
   WorkloadSpec spec;
   spec.batch = 2;
   spec.max_q_len = 256;
   spec.max_kv_len = 2048;
-  auto pages = a->AllocatePages(static_cast<int32_t>(PagesNeeded(g, spec)));
-  ASSERT_TRUE(pages.ok()) << pages.status();
-  server_test::FillPages(*a, mirror, gen, 0, *pages);
-  auto shm = MakeShm("drain", 8 << 20);
-  ASSERT_TRUE(shm && a->RegisterSystemRegion("io", shm->key(), 0, shm->size()).ok());
-  ChannelOptions channel_options;
-  auto channel = a->OpenChannel("io", shm->data(), 0,
-                                ChannelBytes(channel_options.slot_count, channel_options.slot_bytes),
-                                channel_options);
-  ASSERT_TRUE(channel.ok()) << channel.status();
-  const PrefillInputs in = RandomPrefill(gen, g, spec, *pages);
+  ChannelSetup set;
+  SetUpChannel(*a, spec, "drain", gen, &set);
+  if (HasFatalFailure()) return;
+  RequestChannel* channel = set.channel.get();
+  const std::vector<int32_t>& pages = set.pages;
+  const KvMirror& mirror = *set.mirror;
+  const PrefillInputs in = RandomPrefill(gen, g, spec, pages);
   const double before = Metric(**server, "attnserve_inflight_requests", "");
   absl::StatusOr<PrefillResult> got = absl::UnknownError("not called");
-  std::thread caller([&] { got = (*channel)->Prefill(ArgsOf(in)); });
+  std::thread caller([&] { got = channel->Prefill(ArgsOf(in)); });
   AwaitMetric(**server, "attnserve_inflight_requests", "", before + 1);
   ASSERT_EQ(kill((*server)->pid(), SIGTERM), 0);
   caller.join();
@@ -773,7 +789,7 @@ TEST(ChannelDrainTest, ARequestInFlightAtSigtermCompletesAndTheServerExits) {
   EXPECT_EQ((*server)->Wait(), 0) << (*server)->Output();
   WorkloadSpec small = spec;
   small.max_q_len = 2;
-  absl::Status after = (*channel)->Prefill(ArgsOf(RandomPrefill(gen, g, small, *pages))).status();
+  absl::Status after = channel->Prefill(ArgsOf(RandomPrefill(gen, g, small, pages))).status();
   EXPECT_THAT(after.code(), AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kDeadlineExceeded))
       << after;
   EXPECT_THAT(std::string(after.message()), HasSubstr("open a new channel"));
