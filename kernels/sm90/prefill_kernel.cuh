@@ -199,9 +199,13 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       constexpr int kCb = D / 64;  // 128-byte column blocks per row
       if (!block_runs || kv_begin + (block + 1) * KB > kv_end) return false;
       uint64_t* bar_ptr = reinterpret_cast<uint64_t*>(smem + (bar - base));
-      if (tid < (KB / run) * kCb) {  // at most 32 boxes
-        const int row = (tid / kCb) * run;
-        const int cb = tid % kCb;
+      // Box i (at most 32) is issued by lane i / 4 of warp i % 4: a warp
+      // issues its lanes' copies one after another (one uniform instruction
+      // per lane), so the four producer warps share them.
+      const int box = (tid & 31) * 4 + (tid >> 5);
+      if (box < (KB / run) * kCb) {
+        const int row = (box / kCb) * run;
+        const int cb = box % kCb;
         MbarArriveExpectTx(bar_ptr, static_cast<uint32_t>(run) * 128);
         TmaLoad3d(smem + offset + cb * (KB * 128) + row * 128, map, cb * 64, kvh, layer_slot0 + slots[row], bar_ptr);
       } else {
@@ -609,6 +613,9 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         MbarArrive(bar_k_empty(t % S));
         rescale = softmax(t, alpha);
         stamp(t, 5);
+        // The row sums depend on every exp2 of the softmax: all of it runs
+        // before the wait, beside P_{t-1} V_{t-1}.
+        OrderBeforeWait(base + Tr::kSinkOff, l_run[0] + l_run[1]);
         WgmmaWait<0>();  // PV_{t-1}
         FenceRegs(o_acc);
         FenceRegs(p);

@@ -108,6 +108,18 @@ template <int N>
 __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Keeps ptxas from hoisting the next wgmma wait above the computation of v:
+// a shared-memory store of v (to a word nobody reads), which ptxas keeps
+// before the wait. Without it ptxas schedules the wait for P V first in the
+// basic block and the whole softmax after it, which undoes the overlap of
+// softmax with P V (seen in the SASS of the sm90_overlap kernels: every
+// MUFU.EX2 of the main loop after WARPGROUP.DEPBAR.LE gsb0, 0x0). The empty
+// register fences (FenceRegs) do not help: they constrain nvcc's PTX, not
+// ptxas's schedule.
+__device__ __forceinline__ void OrderBeforeWait(uint32_t sink, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sink), "f"(v) : "memory");
+}
+
 // Keeps the compiler from moving reads or writes of accumulator registers
 // across an asynchronous wgmma's issue or wait.
 template <int N>

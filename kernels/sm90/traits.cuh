@@ -123,9 +123,12 @@ struct Traits {
   // Barriers: q_full, k_full[kStages], v_full[kStages], empty[kStages]
   // (kSplitEmpty: k_empty[kStages], then v_empty[kStages]).
   static constexpr int kNumBars = 1 + (kSplitEmpty ? 4 : 3) * kStages;
+  // One word the overlapped consumers store their row sums to before they
+  // wait for P V (OrderBeforeWait in ptx.cuh); never read.
+  static constexpr int kSinkOff = kBarOff + kNumBars * 8;
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes (the
   // swizzle atom) in the kernel.
-  static constexpr int kSmemBytes = kBarOff + kNumBars * 8 + 1024;
+  static constexpr int kSmemBytes = kSinkOff + 16 + 1024;
   static constexpr int kRowsPerPass = 128 / kChunks;  // producer rows per pass
   static constexpr int kKvPasses = kKB / kRowsPerPass;
   static constexpr int kQPasses = kM / kRowsPerPass;
