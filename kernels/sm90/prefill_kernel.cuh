@@ -159,26 +159,36 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       MbarArrive((g & 1) ? bar_k(((g - 1) >> 1) % S) : bar_v(((g - 2) >> 1) % S));
     };
 
-    const int64_t row_stride = (int64_t)args.num_kv_heads * D;
-    const int64_t kv_base = (int64_t)seq.layer * args.slots_per_layer * row_stride + kvh * D + c * 8;
-    const T* k_base = static_cast<const T*>(args.k_cache) + kv_base;
-    const T* v_base = static_cast<const T*>(args.v_cache) + kv_base;
+    // K and V rows by cp.async: lane (tid % 8) of the producer copies 16-byte
+    // chunks tid % 8 + 8 h (h < D / 64) of rows tid / 8 + 16 p (p < KB / 16),
+    // so that eight lanes read one 128-byte line and a thread works out one
+    // row's address per D / 64 copies (unsigned 32 x 32 -> 64-bit: a slot is
+    // below 2^31, the backend checks).
+    const uint32_t row_bytes = static_cast<uint32_t>(args.num_kv_heads) * D * sizeof(T);
+    const int64_t kv_base =
+        ((int64_t)seq.layer * args.slots_per_layer * args.num_kv_heads + kvh) * D * sizeof(T) + (tid & 7) * 16;
+    const char* k_base = static_cast<const char*>(args.k_cache) + kv_base;
+    const char* v_base = static_cast<const char*>(args.v_cache) + kv_base;
     const int32_t* pages = args.kv_indices + seq.kv_start;
     const int ps = args.page_size;
     // Slot of row `tid` of block `block` within the layer (-1: past the
-    // end); slots_per_layer < 2^31 (the backend checks).
+    // end).
     auto row_slot = [&](int block) -> int32_t {
       const int pos = kv_begin + block * KB + tid;
       if (pos >= kv_end) return -1;
       const int page = __ldg(pages + pos / ps);
       return page * ps + pos % ps;
     };
-    auto issue = [&](const T* src_base, uint32_t dst, const int32_t* slots) {
+    auto issue = [&](const char* src_base, uint32_t dst, const int32_t* slots) {
 #pragma unroll
-      for (int p = 0; p < Tr::kKvPasses; ++p) {
-        const int r = p * Tr::kRowsPerPass + r0;
+      for (int p = 0; p < KB / 16; ++p) {
+        const int r = p * 16 + (tid >> 3);
         const int32_t slot = slots[r];
-        CpAsync16(dst + TileOff<KB>(r, c), src_base + (slot >= 0 ? slot * row_stride : 0), slot >= 0);
+        const char* src = src_base + static_cast<uint64_t>(static_cast<uint32_t>(max(slot, 0))) * row_bytes;
+#pragma unroll
+        for (int h = 0; h < D / 64; ++h) {
+          CpAsync16(dst + TileOff<KB>(r, (tid & 7) + 8 * h), src + 128 * h, slot >= 0);
+        }
       }
       CpAsyncCommit();
     };

@@ -129,8 +129,7 @@ struct Traits {
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes (the
   // swizzle atom) in the kernel.
   static constexpr int kSmemBytes = kSinkOff + 16 + 1024;
-  static constexpr int kRowsPerPass = 128 / kChunks;  // producer rows per pass
-  static constexpr int kKvPasses = kKB / kRowsPerPass;
+  static constexpr int kRowsPerPass = 128 / kChunks;  // Q rows per producer pass
   static constexpr int kQPasses = kM / kRowsPerPass;
   static_assert(kKB == 128, "one producer thread per KV row of a block");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
