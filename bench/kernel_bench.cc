@@ -10,12 +10,13 @@
 //
 // Usage: attnserve_kernel_bench [--quick]
 //          [--kernel=auto|sm80|sm80_rows64|sm90|sm90_overlap|sm90_overlap_nopp]
-//          [--merge-only] [--workload=NAME[,NAME...]]
+//          [--merge-only] [--workload=NAME[,NAME...]] [--page_sizes=1,16,64]
 // --kernel=auto (the default) times what the server picks per workload
 // (ChoosePrefillKernel); a name forces that kernel (sm90*: sm_90 devices
 // only).
 // --workload times only the named anchor workloads (long, batch, prefix,
-// decode) at page_size 1 and 16 with the default plan, and `sweep` the
+// decode) at page_size 1 and 16 (--page_sizes=1,16,64 to choose) with the
+// default plan, and `sweep` the
 // sequence-length sweep at page_size 1 (16k query tokens as 32 x 512 ..
 // 1 x 16384, causal); no merge.
 // --trace=N (with --kernel=sm90_overlap --workload=...): after timing, runs
@@ -226,6 +227,7 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
   opt.ctas_per_sm = PrefillCtasPerSm(kernel, kD, KvDType::kBf16);
   opt.tile_rows = PrefillTileRows(kernel, kD);
   opt.max_partial_pairs = int64_t{4} * opt.num_sms * opt.ctas_per_sm * opt.tile_rows;
+  opt.persistent_ctas = PrefillPersistentCtas(kernel, opt.num_sms, opt.ctas_per_sm);
   if (section_mb >= 0) opt.l2_section_bytes = int64_t{section_mb} << 20;
   res.section_mb = static_cast<int>(opt.l2_section_bytes >> 20);
   PrefillPlan plan;
@@ -299,7 +301,8 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     if (r >= 3) times.push_back(ms);
   }
   if (trace_ctas > 0 && kernel == PrefillKernel::kSm90Overlap) {
-    const int n = std::min<int>(trace_ctas, static_cast<int>(plan.items.size()));
+    // One CTA per SM at most (the kernel is persistent): each traces its first tile.
+    const int n = std::min<int>({trace_ctas, static_cast<int>(plan.items.size()), NumSms()});
     long long* d_trace = nullptr;
     const size_t trace_bytes = size_t(n) * Sm90Trace::kLongsPerCta * sizeof(long long);
     CHECK_CUDA(cudaMalloc(&d_trace, trace_bytes));
@@ -415,7 +418,16 @@ int main(int argc, char** argv) {
   std::string only_kernel = "auto";
   std::string only_workload;
   int trace_ctas = 0;
+  std::vector<int> page_sizes = {1, 16};
   for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--page_sizes=", 13) == 0) {
+      page_sizes.clear();
+      for (const char* p = argv[i] + 13; *p != 0;) {
+        page_sizes.push_back(std::max(1, std::atoi(p)));
+        while (*p != 0 && *p != ',') ++p;
+        if (*p == ',') ++p;
+      }
+    }
     if (std::strncmp(argv[i], "--trace=", 8) == 0) trace_ctas = std::atoi(argv[i] + 8);
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--merge-only") == 0) merge_only = true;
@@ -490,7 +502,7 @@ int main(int argc, char** argv) {
       start = end + 1;
     }
     for (const Workload* w : picked) {
-      for (int ps : {1, 16}) RunPrefill(*w, ps, forced, reps, -1, trace_ctas);
+      for (int ps : page_sizes) RunPrefill(*w, ps, forced, reps, -1, trace_ctas);
     }
     if (sweep) run_len_sweep();
     return 0;

@@ -49,6 +49,11 @@ struct PagedPrefillParams {
   int32_t num_seqs = 0;
   int32_t total_q = 0;          // rows of q / o / lse
   KvGeometry geo;
+  // Persistent kernels (PrefillPersistentCtas in kernels/plan/kernel_select.h)
+  // launch min(work items, max_ctas) CTAs that loop over the items; 0: one
+  // wave (the device's SMs times the kernel's occupancy). The plan's
+  // persistent_ctas should match. Tests set a few to run many items per CTA.
+  int32_t max_ctas = 0;
 };
 
 // CPU reference: computes o and lse for every row of every sequence.

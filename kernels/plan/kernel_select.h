@@ -43,6 +43,15 @@ inline bool IsSm90Kernel(PrefillKernel kernel) {
          kernel == PrefillKernel::kSm90OverlapNoPp;
 }
 
+// CTAs of a persistent kernel's grid, which loop over the plan's items
+// (PrefillPlanOptions::persistent_ctas): one wave, num_sms * ctas_per_sm,
+// for the wgmma family's overlapped kernels; 0 for kernels that run one CTA
+// per item.
+inline int32_t PrefillPersistentCtas(PrefillKernel kernel, int32_t num_sms, int32_t ctas_per_sm) {
+  const bool persistent = kernel == PrefillKernel::kSm90Overlap || kernel == PrefillKernel::kSm90OverlapNoPp;
+  return persistent ? (num_sms > 0 ? num_sms : 1) * (ctas_per_sm > 0 ? ctas_per_sm : 1) : 0;
+}
+
 // Stable lower-case name, used in metrics (the `family` label) and in
 // benchmark output: "sm80", "sm80_rows64", "sm90", "sm90_overlap",
 // "sm90_overlap_nopp".

@@ -4,6 +4,8 @@
 #include <climits>
 #include <cstdint>
 #include <numeric>
+#include <queue>
+#include <utility>
 #include <vector>
 
 namespace attnserve {
@@ -155,6 +157,33 @@ void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry
   std::vector<PrefillWorkItem> sorted(n);
   for (size_t i = 0; i < n; ++i) sorted[i] = plan->items[order[i]];
   plan->items.swap(sorted);
+
+  // Persistent CTAs: deal the items in this order, each to the least loaded
+  // CTA (ties to the lowest index), then lay each CTA's items out with the
+  // grid's stride.
+  const int64_t ctas = options.persistent_ctas;
+  if (ctas <= 0 || static_cast<int64_t>(n) <= ctas) return;
+  using Load = std::pair<int64_t, int32_t>;  // (work so far, CTA)
+  std::priority_queue<Load, std::vector<Load>, std::greater<Load>> least;
+  for (int32_t c = 0; c < ctas; ++c) least.push({0, c});
+  std::vector<std::vector<int32_t>> dealt(ctas);
+  size_t rounds = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const Load l = least.top();
+    least.pop();
+    dealt[l.second].push_back(static_cast<int32_t>(i));
+    rounds = std::max(rounds, dealt[l.second].size());
+    least.push({l.first + costs[order[i]] + kTileCost, l.second});
+  }
+  const int64_t padded = static_cast<int64_t>(rounds) * ctas;
+  if (options.max_items > 0 && padded > options.max_items) return;
+  PrefillWorkItem pad;
+  pad.seq = -1;
+  std::vector<PrefillWorkItem> laid(padded, pad);
+  for (int64_t c = 0; c < ctas; ++c) {
+    for (size_t k = 0; k < dealt[c].size(); ++k) laid[k * ctas + c] = plan->items[dealt[c][k]];
+  }
+  plan->items.swap(laid);
 }
 
 }  // namespace attnserve

@@ -24,7 +24,7 @@ namespace attnserve {
 // packed row r of a sequence is token r / group, query head
 // kv_head * group + r % group.
 struct PrefillWorkItem {
-  int32_t seq = 0;        // index into the batch's seqs
+  int32_t seq = 0;        // index into the batch's seqs; -1: padding (no work)
   int32_t kv_head = 0;
   int32_t row_begin = 0;  // first packed row of the tile within the sequence
   int32_t kv_begin = 0;   // KV positions [kv_begin, kv_end) of this chunk
@@ -66,10 +66,25 @@ struct PrefillPlanOptions {
   // CTAs in flight share K/V through L2 (a quarter of an H100/H200 L2).
   // 0: one section, plain longest-first order.
   int64_t l2_section_bytes = int64_t{16} << 20;
+  // Persistent kernels (PrefillPersistentCtas in kernel_select.h): the CTAs
+  // of the grid, which run items c, c + n, c + 2n, ... (n = this). The plan
+  // deals the items, in its order, each to the CTA with the least work so
+  // far (KV tokens plus kTileCost per item), and lays them out so: CTA c's
+  // k-th item at k * n + c, padding items (seq = -1) where a CTA has fewer.
+  // 0, or no more items than CTAs: one CTA per item, no padding.
+  int32_t persistent_ctas = 0;
+  // Entries the plan may hold (0: no limit): a dealt layout that would need
+  // more keeps the plain order, which a persistent grid also runs correctly.
+  int64_t max_items = 0;
 };
+
+// The per-item cost the plan adds to its KV tokens when it deals items to
+// persistent CTAs: the tile's Q load and epilogue, about half a 128-key block.
+inline constexpr int64_t kTileCost = 64;
 
 struct PrefillPlan {
   std::vector<PrefillWorkItem> items;  // L2 sections, longest first in each
+                                       // (dealt to persistent CTAs, padded)
   std::vector<SplitMergeSeq> merges;   // empty when nothing was split
   int64_t partial_pairs = 0;           // partial (row, head) pairs used
   int32_t merge_pairs = 0;             // (row, head) pairs the merge writes

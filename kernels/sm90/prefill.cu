@@ -39,24 +39,39 @@ static_assert(static_cast<int>(Sm90Variant::kSerial) == 0 && static_cast<int>(Sm
                   static_cast<int>(Sm90Variant::kOverlapNoPingPong) == 2,
               "Kernel<D, T, V> numbers the variants");
 
+// CTAs of a launch over num_items items: one per item, or for a persistent
+// kernel (Traits::kPersistent, one CTA per SM) at most one per SM and at
+// most max_ctas (PagedPrefillParams).
+int32_t GridSize(bool persistent, int32_t num_items, int32_t max_ctas) {
+  if (!persistent) return num_items;
+  int dev = 0, sms = 0;
+  int32_t grid = num_items;
+  if (cudaGetDevice(&dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && sms > 0) {
+    grid = std::min(grid, sms);
+  }
+  if (max_ctas > 0) grid = std::min(grid, max_ctas);
+  return grid;
+}
+
 template <int D, typename T, int V, bool kTma>
-cudaError_t LaunchKernel(const PrefillKernelArgs& args, int32_t num_items, cudaStream_t stream) {
+cudaError_t LaunchKernel(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
   using Tr = typename Kernel<D, T, V, kTma>::Tr;
   auto kernel = Kernel<D, T, V, kTma>::Get();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
+  kernel<<<GridSize(Tr::kPersistent, args.num_items, max_ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 
 // kOverlap loads K and V by the tensor copy engine when the caches' tensor
 // maps could be made (args.tma_run > 0), the other variants by cp.async.
 template <int D, typename T, int V>
-cudaError_t Launch(const PrefillKernelArgs& args, int32_t num_items, cudaStream_t stream) {
+cudaError_t Launch(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
   if constexpr (V == 1) {
-    if (args.tma_run > 0) return LaunchKernel<D, T, V, true>(args, num_items, stream);
+    if (args.tma_run > 0) return LaunchKernel<D, T, V, true>(args, max_ctas, stream);
   }
-  return LaunchKernel<D, T, V, false>(args, num_items, stream);
+  return LaunchKernel<D, T, V, false>(args, max_ctas, stream);
 }
 
 template <int D, typename T, int V>
@@ -196,8 +211,8 @@ void SetTmaMaps(const PagedPrefillParams& params, PrefillKernelArgs* args) {
 }
 
 // The kernel's arguments, or an error for a geometry the family does not run.
-cudaError_t MakeArgs(const PagedPrefillParams& params, const PrefillWorkItem* items, float* part_o,
-                     float* part_lse, PrefillKernelArgs* args) {
+cudaError_t MakeArgs(const PagedPrefillParams& params, const PrefillWorkItem* items, int32_t num_items,
+                     float* part_o, float* part_lse, PrefillKernelArgs* args) {
   const KvGeometry& geo = params.geo;
   if (geo.head_dim != 64 && geo.head_dim != 128) return cudaErrorInvalidValue;
   if (geo.num_kv_heads <= 0 || geo.num_qo_heads % geo.num_kv_heads != 0) return cudaErrorInvalidValue;
@@ -211,6 +226,7 @@ cudaError_t MakeArgs(const PagedPrefillParams& params, const PrefillWorkItem* it
   args->kv_indices = params.kv_indices;
   args->seqs = params.seqs;
   args->items = items;
+  args->num_items = num_items;
   args->part_o = part_o;
   args->part_lse = part_lse;
   args->num_qo_heads = geo.num_qo_heads;
@@ -226,11 +242,11 @@ cudaError_t PagedPrefillSm90(const PagedPrefillParams& params, const PrefillWork
                              int32_t num_items, float* part_o, float* part_lse, Sm90Variant variant,
                              cudaStream_t stream) {
   PrefillKernelArgs args;
-  const cudaError_t err = MakeArgs(params, items, part_o, part_lse, &args);
+  const cudaError_t err = MakeArgs(params, items, num_items, part_o, part_lse, &args);
   if (err != cudaSuccess || num_items == 0) return err;
   if (variant == Sm90Variant::kOverlap) SetTmaMaps(params, &args);
   const KvGeometry& geo = params.geo;
-  return ATTNSERVE_SM90_DISPATCH(geo.head_dim, geo.dtype, variant, Launch, args, num_items, stream);
+  return ATTNSERVE_SM90_DISPATCH(geo.head_dim, geo.dtype, variant, Launch, args, params.max_ctas, stream);
 }
 
 cudaError_t PagedPrefillSm90Traced(const PagedPrefillParams& params, const PrefillWorkItem* items,
@@ -238,7 +254,7 @@ cudaError_t PagedPrefillSm90Traced(const PagedPrefillParams& params, const Prefi
                                    int32_t trace_ctas, cudaStream_t stream) {
   if (params.geo.head_dim != 128 || params.geo.dtype != KvDType::kBf16) return cudaErrorInvalidValue;
   PrefillKernelArgs args;
-  cudaError_t err = MakeArgs(params, items, part_o, part_lse, &args);
+  cudaError_t err = MakeArgs(params, items, num_items, part_o, part_lse, &args);
   if (err != cudaSuccess || num_items == 0) return err;
   args.trace = trace;
   args.trace_ctas = trace_ctas;
@@ -247,7 +263,7 @@ cudaError_t PagedPrefillSm90Traced(const PagedPrefillParams& params, const Prefi
   auto kernel = PagedPrefillSm90OverlapKernel<128, __nv_bfloat16, true, true, true>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
+  kernel<<<GridSize(Tr::kPersistent, num_items, params.max_ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -49,7 +49,49 @@ namespace sm90 {
 #define ATTNSERVE_SM90_DEVICE 0
 #endif
 
-// One CTA's work item (the body of both kernels below; sm_90a only).
+// One work item as a CTA runs it: the item, its sequence, the KV blocks its
+// tile reads and where they sit in the CTA's stage ring.
+struct Tile {
+  PrefillWorkItem item;
+  PrefillSeq seq;
+  int group;       // query heads per KV head
+  int diag;        // causal: row t sees KV positions j <= t + diag
+  int kv_end;      // the tile reads [item.kv_begin, kv_end): causal rows stop at their diagonal
+  int num_blocks;  // KV blocks of Tr::kKB keys
+  int g0;          // ring position of block 0 (stage g0 % kStages)
+  int qt;          // the tile's Q phase: earlier tiles of the CTA that loaded Q
+  bool first;      // the CTA's first tile (kTrace stamps it)
+};
+
+// body(tile) for each item of this CTA: item blockIdx.x, then (Tr::kPersistent)
+// every gridDim.x-th after it, skipping padding (seq -1); the ring position
+// and Q phase count on across tiles. Producer and consumers walk the same
+// items.
+template <typename Tr, typename Body>
+__device__ __forceinline__ void ForEachTile(const PrefillKernelArgs& args, Body&& body) {
+  const int step = Tr::kPersistent ? static_cast<int>(gridDim.x) : args.num_items;
+  int ring = 0;
+  int q_tiles = 0;
+  for (int idx = blockIdx.x; idx < args.num_items; idx += step) {
+    Tile t;
+    t.item = args.items[idx];
+    if (t.item.seq < 0) continue;
+    t.seq = args.seqs[t.item.seq];
+    t.group = args.num_qo_heads / args.num_kv_heads;
+    t.diag = t.seq.kv_len - t.seq.q_len + t.seq.causal_shift;
+    const int t_last = min(t.seq.q_len - 1, (t.item.row_begin + Tr::kM - 1) / t.group);
+    t.kv_end = t.seq.causal != 0 ? min(t.item.kv_end, t_last + t.diag + 1) : t.item.kv_end;
+    t.num_blocks = t.kv_end > t.item.kv_begin ? (t.kv_end - t.item.kv_begin + Tr::kKB - 1) / Tr::kKB : 0;
+    t.g0 = ring;
+    t.qt = q_tiles;
+    t.first = idx == static_cast<int>(blockIdx.x);
+    ring += t.num_blocks;
+    q_tiles += t.num_blocks > 0 ? 1 : 0;
+    body(t);
+  }
+}
+
+// One CTA's work items (the body of both kernels below; sm_90a only).
 template <typename Tr, typename T, bool kTrace = false>
 __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
   constexpr int D = Tr::kD;
@@ -74,20 +116,10 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;  // 0 producer, 1..2 consumers
-
-  const PrefillWorkItem item = args.items[blockIdx.x];
-  const PrefillSeq seq = args.seqs[item.seq];
-  const int H = args.num_qo_heads;
-  const int group = H / args.num_kv_heads;
-  const int kvh = item.kv_head;
-  const int q_len = seq.q_len;
-  const int diag = seq.kv_len - seq.q_len + seq.causal_shift;  // row t sees j <= t + diag
-  const bool causal = seq.causal != 0;
-  const int kv_begin = item.kv_begin;
-  // KV positions the tile reads: causal rows stop at their diagonal.
-  const int t_last = min(q_len - 1, (item.row_begin + Tr::kM - 1) / group);
-  const int kv_end = causal ? min(item.kv_end, t_last + diag + 1) : item.kv_end;
-  const int num_blocks = kv_end > kv_begin ? (kv_end - kv_begin + KB - 1) / KB : 0;
+  // Tr::kPersistent: released by the consumers (256 arrivals) once their
+  // last S = Q K^T of a tile has completed; the producer then loads the
+  // next tile's Q.
+  const uint32_t bar_q_empty = bar_q + 8 * (Tr::kNumBars - 1);
 
   if (tid == 0) {
     MbarInit(bar_q, 128);
@@ -97,252 +129,444 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       MbarInit(bar_k_empty(s), 256);
       if (Tr::kSplitEmpty) MbarInit(bar_v_empty(s), 256);
     }
+    if (Tr::kPersistent) MbarInit(bar_q_empty, 256);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if constexpr (kTrace) {
-    Stamps<kTrace> header(args, 0, tid == 0);
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    header.Put(0, smid);
-    header.Now(1);
-    header.Put(4, num_blocks);
-  }
-
+  // setmaxnreg in each role's own branch: ptxas honours it only where it
+  // dominates code of that role alone (C7507 otherwise).
   if (wg == 0) {
-    // ======================= producer =======================
     RegDealloc<Tr::kProducerRegs>();
-    const int c = tid % Tr::kChunks;
-    const int r0 = tid / Tr::kChunks;
-    // A negative scale is moved into Q (sign flip of the thread's own chunks
-    // once they land): the softmax takes row maxima on raw logits and needs a
-    // positive scale.
-    const bool negate_q = seq.sm_scale < 0.f;
-
-    // ---- Q tile: packed row r -> token r / group, head kvh * group + r % group.
-    {
-      const T* q = static_cast<const T*>(args.q);
-#pragma unroll
-      for (int p = 0; p < Tr::kQPasses; ++p) {
-        const int r = p * Tr::kRowsPerPass + r0;
-        const int pr = item.row_begin + r;
-        const int t = pr / group;
-        const int g = pr - t * group;
-        const bool valid = t < q_len;
-        const T* src = valid ? q + ((int64_t)(seq.q_start + t) * H + kvh * group + g) * D + c * 8 : q;
-        CpAsync16(a_q + TileOff<Tr::kM>(r, c), src, valid);
+    ForEachTile<Tr>(args, [&](const Tile& tile) {
+      const PrefillWorkItem& item = tile.item;
+      const PrefillSeq& seq = tile.seq;
+      const int H = args.num_qo_heads;
+      const int group = tile.group;
+      const int kvh = item.kv_head;
+      const int q_len = seq.q_len;
+      const int kv_begin = item.kv_begin;
+      const int kv_end = tile.kv_end;
+      const int num_blocks = tile.num_blocks;
+      const int g0 = tile.g0;
+      const int qt = tile.qt;
+      const bool first = tile.first;
+      if constexpr (kTrace) {
+        Stamps<kTrace> header(args, 0, tid == 0 && first);
+        unsigned smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        header.Put(0, smid);
+        header.Now(1);
+        header.Put(4, num_blocks);
       }
-      CpAsyncCommit();
-    }
-    // Copy groups in issue order: G0 the Q tile, then K_b = G(2b+1) and
-    // V_b = G(2b+2). complete(g), once cp.async has waited for group g, makes
-    // its bytes visible to wgmma (the async proxy) and arrives on its barrier.
-    auto complete_q = [&]() {
-      if (negate_q) {
+      // ======================= producer =======================
+      const int c = tid % Tr::kChunks;
+      const int r0 = tid / Tr::kChunks;
+      // A negative scale is moved into Q (sign flip of the thread's own chunks
+      // once they land): the softmax takes row maxima on raw logits and needs a
+      // positive scale.
+      const bool negate_q = seq.sm_scale < 0.f;
+
+      // ---- Q tile: packed row r -> token r / group, head kvh * group + r % group.
+      auto issue_q = [&]() {
+        const T* q = static_cast<const T*>(args.q);
 #pragma unroll
         for (int p = 0; p < Tr::kQPasses; ++p) {
-          uint4* ptr = reinterpret_cast<uint4*>(smem + Tr::kQOff + TileOff<Tr::kM>(p * Tr::kRowsPerPass + r0, c));
-          uint4 v = *ptr;
-          v.x ^= 0x80008000u; v.y ^= 0x80008000u; v.z ^= 0x80008000u; v.w ^= 0x80008000u;
-          *ptr = v;
+          const int r = p * Tr::kRowsPerPass + r0;
+          const int pr = item.row_begin + r;
+          const int t = pr / group;
+          const int g = pr - t * group;
+          const bool valid = t < q_len;
+          const T* src = valid ? q + ((int64_t)(seq.q_start + t) * H + kvh * group + g) * D + c * 8 : q;
+          CpAsync16(a_q + TileOff<Tr::kM>(r, c), src, valid);
         }
-      }
-      FenceProxyAsync();
-      MbarArrive(bar_q);
-    };
-    auto complete = [&](int g) {
-      if (g == 0) {
-        complete_q();
-        return;
-      }
-      FenceProxyAsync();
-      MbarArrive((g & 1) ? bar_k(((g - 1) >> 1) % S) : bar_v(((g - 2) >> 1) % S));
-    };
-
-    // K and V rows by cp.async: lane (tid % 8) of the producer copies 16-byte
-    // chunks tid % 8 + 8 h (h < D / 64) of rows tid / 8 + 16 p (p < KB / 16),
-    // so that eight lanes read one 128-byte line and a thread works out one
-    // row's address per D / 64 copies (unsigned 32 x 32 -> 64-bit: a slot is
-    // below 2^31, the backend checks).
-    const uint32_t row_bytes = static_cast<uint32_t>(args.num_kv_heads) * D * sizeof(T);
-    const int64_t kv_base =
-        ((int64_t)seq.layer * args.slots_per_layer * args.num_kv_heads + kvh) * D * sizeof(T) + (tid & 7) * 16;
-    const char* k_base = static_cast<const char*>(args.k_cache) + kv_base;
-    const char* v_base = static_cast<const char*>(args.v_cache) + kv_base;
-    const int32_t* pages = args.kv_indices + seq.kv_start;
-    const int ps = args.page_size;
-    // Slot of row `tid` of block `block` within the layer (-1: past the
-    // end).
-    auto row_slot = [&](int block) -> int32_t {
-      const int pos = kv_begin + block * KB + tid;
-      if (pos >= kv_end) return -1;
-      const int page = __ldg(pages + pos / ps);
-      return page * ps + pos % ps;
-    };
-    auto issue = [&](const char* src_base, uint32_t dst, const int32_t* slots) {
+        CpAsyncCommit();
+      };
+      // Copy groups in issue order: G0 the Q tile, then K_b = G(2b+1) and
+      // V_b = G(2b+2). complete(g), once cp.async has waited for group g, makes
+      // its bytes visible to wgmma (the async proxy) and arrives on its barrier.
+      auto complete_q = [&]() {
+        if (negate_q) {
 #pragma unroll
-      for (int p = 0; p < KB / 16; ++p) {
-        const int r = p * 16 + (tid >> 3);
-        const int32_t slot = slots[r];
-        const char* src = src_base + static_cast<uint64_t>(static_cast<uint32_t>(max(slot, 0))) * row_bytes;
-#pragma unroll
-        for (int h = 0; h < D / 64; ++h) {
-          CpAsync16(dst + TileOff<KB>(r, (tid & 7) + 8 * h), src + 128 * h, slot >= 0);
-        }
-      }
-      CpAsyncCommit();
-    };
-
-    // Tr::kTma: block `block`'s rows of one cache into the stage at byte
-    // `offset` of the tile memory by the tensor copy engine, when the block
-    // is whole and its rows come in runs of tma_run (>= 8) consecutive slots
-    // (the KV range starts on a run: runs then never cross a page): one box
-    // per run and column block, each box 1024-byte aligned in the stage.
-    // Each thread with a box first adds its bytes to the stage's barrier
-    // with its arrival, then issues it; the others just arrive (128
-    // arrivals, as cp.async's). Returns false for a block that is not so
-    // (the caller gathers it with cp.async).
-    const int32_t layer_slot0 = seq.layer * static_cast<int32_t>(args.slots_per_layer);
-    const int run = args.tma_run;
-    const bool block_runs = run >= 8 && kv_begin % run == 0;
-    auto issue_tma = [&](const CUtensorMap* map, int offset, const int32_t* slots, uint32_t bar, int block) {
-      constexpr int kCb = D / 64;  // 128-byte column blocks per row
-      if (!block_runs || kv_begin + (block + 1) * KB > kv_end) return false;
-      uint64_t* bar_ptr = reinterpret_cast<uint64_t*>(smem + (bar - base));
-      // Box i (at most 32) is issued by lane i / 4 of warp i % 4: a warp
-      // issues its lanes' copies one after another (one uniform instruction
-      // per lane), so the four producer warps share them.
-      const int box = (tid & 31) * 4 + (tid >> 5);
-      if (box < (KB / run) * kCb) {
-        const int row = (box / kCb) * run;
-        const int cb = box % kCb;
-        MbarArriveExpectTx(bar_ptr, static_cast<uint32_t>(run) * 128);
-        TmaLoad3d(smem + offset + cb * (KB * 128) + row * 128, map, cb * 64, kvh, layer_slot0 + slots[row], bar_ptr);
-      } else {
-        MbarArrive(bar);
-      }
-      return true;
-    };
-
-    int32_t my_slot = num_blocks > 0 ? row_slot(0) : 0;
-    if constexpr (Tr::kOverlap) {
-      // Copies are tracked by the stages' mbarriers (traits.cuh): only Q is
-      // waited for, after K_0 is on its way, for its sign flip.
-      Stamps<kTrace> st(args, Sm90Trace::kProducerAt, tid == 0);
-      for (int b = 0; b < num_blocks; ++b) {
-        const int stage = b % S;
-        const int pt = b < Sm90Trace::kTurns ? b * Sm90Trace::kProducerPoints : -1;
-        if (pt >= 0) st.Now(pt + 0);
-        int32_t* slots = s_slot + (b & 1) * KB;
-        slots[tid] = my_slot;
-        NamedBarSync(1, 128);
-        if (pt >= 0) st.Now(pt + 1);
-        if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
-        if (b >= S) MbarWait(bar_k_empty(stage), ((b / S) & 1) ^ 1);
-        if (pt >= 0) st.Now(pt + 2);
-        if (!Tr::kTma || !issue_tma(&args.k_map, Tr::kKOff + stage * Tr::kKvBytes, slots, bar_k(stage), b)) {
-          issue(k_base, a_k + stage * Tr::kKvBytes, slots);
-          CpAsyncArriveNoinc(bar_k(stage));
-        }
-        if (pt >= 0) st.Now(pt + 3);
-        if (b == 0) {
-          // G0, the Q tile (K_0 may be a second group).
-          if (Tr::kTma) {
-            CpAsyncWait<0>();
-          } else {
-            CpAsyncWait<1>();
+          for (int p = 0; p < Tr::kQPasses; ++p) {
+            uint4* ptr = reinterpret_cast<uint4*>(smem + Tr::kQOff + TileOff<Tr::kM>(p * Tr::kRowsPerPass + r0, c));
+            uint4 v = *ptr;
+            v.x ^= 0x80008000u; v.y ^= 0x80008000u; v.z ^= 0x80008000u; v.w ^= 0x80008000u;
+            *ptr = v;
           }
-          complete(0);
         }
-        if (b >= S) MbarWait(bar_v_empty(stage), ((b / S) & 1) ^ 1);
-        if (pt >= 0) st.Now(pt + 4);
-        if (!Tr::kTma || !issue_tma(&args.v_map, Tr::kVOff + stage * Tr::kKvBytes, slots, bar_v(stage), b)) {
+        FenceProxyAsync();
+        MbarArrive(bar_q);
+      };
+      auto complete = [&](int g) {
+        if (g == 0) {
+          complete_q();
+          return;
+        }
+        FenceProxyAsync();
+        MbarArrive((g & 1) ? bar_k(((g - 1) >> 1) % S) : bar_v(((g - 2) >> 1) % S));
+      };
+
+      // K and V rows by cp.async: lane (tid % 8) of the producer copies 16-byte
+      // chunks tid % 8 + 8 h (h < D / 64) of rows tid / 8 + 16 p (p < KB / 16),
+      // so that eight lanes read one 128-byte line and a thread works out one
+      // row's address per D / 64 copies (unsigned 32 x 32 -> 64-bit: a slot is
+      // below 2^31, the backend checks).
+      const uint32_t row_bytes = static_cast<uint32_t>(args.num_kv_heads) * D * sizeof(T);
+      const int64_t kv_base =
+          ((int64_t)seq.layer * args.slots_per_layer * args.num_kv_heads + kvh) * D * sizeof(T) + (tid & 7) * 16;
+      const char* k_base = static_cast<const char*>(args.k_cache) + kv_base;
+      const char* v_base = static_cast<const char*>(args.v_cache) + kv_base;
+      const int32_t* pages = args.kv_indices + seq.kv_start;
+      const int ps = args.page_size;
+      // Slot of row `tid` of block `block` within the layer (-1: past the
+      // end).
+      auto row_slot = [&](int block) -> int32_t {
+        const int pos = kv_begin + block * KB + tid;
+        if (pos >= kv_end) return -1;
+        const int page = __ldg(pages + pos / ps);
+        return page * ps + pos % ps;
+      };
+      // (Tr::kTma: only a range's partial blocks come this way; a rolled loop
+      // leaves the tensor-copy producer registers for its boxes.)
+      auto issue = [&](const char* src_base, uint32_t dst, const int32_t* slots) {
+#pragma unroll(Tr::kTma ? 1 : KB / 16)
+        for (int p = 0; p < KB / 16; ++p) {
+          const int r = p * 16 + (tid >> 3);
+          const int32_t slot = slots[r];
+          const char* src = src_base + static_cast<uint64_t>(static_cast<uint32_t>(max(slot, 0))) * row_bytes;
+#pragma unroll
+          for (int h = 0; h < D / 64; ++h) {
+            CpAsync16(dst + TileOff<KB>(r, (tid & 7) + 8 * h), src + 128 * h, slot >= 0);
+          }
+        }
+        CpAsyncCommit();
+      };
+
+      // Tr::kTma: block `block`'s rows of one cache into the stage at byte
+      // `offset` of the tile memory by the tensor copy engine, when the block
+      // is whole and its rows come in runs of tma_run (>= 8) consecutive slots
+      // (the KV range starts on a run: runs then never cross a page): one box
+      // per run and column block, each box 1024-byte aligned in the stage.
+      // Each thread with a box first adds its bytes to the stage's barrier
+      // with its arrival, then issues it; the others just arrive (128
+      // arrivals, as cp.async's). Returns false for a block that is not so
+      // (the caller gathers it with cp.async).
+      const int32_t layer_slot0 = seq.layer * static_cast<int32_t>(args.slots_per_layer);
+      const int run = args.tma_run;
+      const bool block_runs = run >= 8 && kv_begin % run == 0;
+      auto issue_tma = [&](const CUtensorMap* map, int offset, const int32_t* slots, uint32_t bar, int block) {
+        constexpr int kCb = D / 64;  // 128-byte column blocks per row
+        if (!block_runs || kv_begin + (block + 1) * KB > kv_end) return false;
+        uint64_t* bar_ptr = reinterpret_cast<uint64_t*>(smem + (bar - base));
+        // Box i (at most 32) is issued by lane i / 4 of warp i % 4: a warp
+        // issues its lanes' copies one after another (one uniform instruction
+        // per lane), so the four producer warps share them.
+        const int box = (tid & 31) * 4 + (tid >> 5);
+        if (box < (KB / run) * kCb) {
+          const int row = (box / kCb) * run;
+          const int cb = box % kCb;
+          MbarArriveExpectTx(bar_ptr, static_cast<uint32_t>(run) * 128);
+          TmaLoad3d(smem + offset + cb * (KB * 128) + row * 128, map, cb * 64, kvh, layer_slot0 + slots[row], bar_ptr);
+        } else {
+          MbarArrive(bar);
+        }
+        return true;
+      };
+
+      int32_t my_slot = num_blocks > 0 ? row_slot(0) : 0;
+      if constexpr (Tr::kOverlap) {
+        // The Q tile once the consumers have released the previous one (after
+        // its last S): tracked by q_full like K and V, or waited for and
+        // flipped for a negative scale.
+        if (num_blocks > 0) {
+          if (Tr::kPersistent && qt > 0) MbarWait(bar_q_empty, (qt - 1) & 1);
+          issue_q();
+          if (negate_q) {
+            CpAsyncWait<0>();
+            complete(0);
+          } else {
+            CpAsyncArriveNoinc(bar_q);
+          }
+        }
+        // Then K and V, tracked by the stages' mbarriers (traits.cuh).
+        Stamps<kTrace> st(args, Sm90Trace::kProducerAt, tid == 0 && first);
+        for (int b = 0; b < num_blocks; ++b) {
+          const int g = g0 + b;  // ring position
+          const int stage = g % S;
+          const int pt = b < Sm90Trace::kTurns ? b * Sm90Trace::kProducerPoints : -1;
+          if (pt >= 0) st.Now(pt + 0);
+          int32_t* slots = s_slot + (g & 1) * KB;
+          slots[tid] = my_slot;
+          NamedBarSync(1, 128);
+          if (pt >= 0) st.Now(pt + 1);
+          if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
+          if (g >= S) MbarWait(bar_k_empty(stage), ((g / S) & 1) ^ 1);
+          if (pt >= 0) st.Now(pt + 2);
+          if (!Tr::kTma || !issue_tma(&args.k_map, Tr::kKOff + stage * Tr::kKvBytes, slots, bar_k(stage), b)) {
+            issue(k_base, a_k + stage * Tr::kKvBytes, slots);
+            CpAsyncArriveNoinc(bar_k(stage));
+          }
+          if (pt >= 0) st.Now(pt + 3);
+          if (g >= S) MbarWait(bar_v_empty(stage), ((g / S) & 1) ^ 1);
+          if (pt >= 0) st.Now(pt + 4);
+          if (!Tr::kTma || !issue_tma(&args.v_map, Tr::kVOff + stage * Tr::kKvBytes, slots, bar_v(stage), b)) {
+            issue(v_base, a_v + stage * Tr::kKvBytes, slots);
+            CpAsyncArriveNoinc(bar_v(stage));
+          }
+          if (pt >= 0) st.Now(pt + 5);
+        }
+      } else {
+        // One tile per CTA (Tr::kPersistent is false): ring positions are
+        // block indices.
+        issue_q();
+        for (int b = 0; b < num_blocks; ++b) {
+          const int stage = b % S;
+          int32_t* slots = s_slot + (b & 1) * KB;
+          slots[tid] = my_slot;
+          NamedBarSync(1, 128);
+          if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
+          if (b >= S) MbarWait(bar_k_empty(stage), ((b / S) & 1) ^ 1);
+          // kInFlight groups stay in flight; the oldest beyond them completes.
+          issue(k_base, a_k + stage * Tr::kKvBytes, slots);
+          CpAsyncWait<Tr::kInFlight>();
+          if (2 * b + 1 - Tr::kInFlight >= 0) complete(2 * b + 1 - Tr::kInFlight);
           issue(v_base, a_v + stage * Tr::kKvBytes, slots);
-          CpAsyncArriveNoinc(bar_v(stage));
+          CpAsyncWait<Tr::kInFlight>();
+          if (2 * b + 2 - Tr::kInFlight >= 0) complete(2 * b + 2 - Tr::kInFlight);
         }
-        if (pt >= 0) st.Now(pt + 5);
-      }
-      if (num_blocks == 0) {
         CpAsyncWait<0>();
-        complete(0);
+        for (int g = max(0, 2 * num_blocks - Tr::kInFlight + 1); g <= 2 * num_blocks; ++g) complete(g);
       }
-      // The barriers signal the copies; the thread leaves none pending.
-      CpAsyncWaitAll();
-    } else {
-      for (int b = 0; b < num_blocks; ++b) {
-        const int stage = b % S;
-        int32_t* slots = s_slot + (b & 1) * KB;
-        slots[tid] = my_slot;
-        NamedBarSync(1, 128);
-        if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
-        if (b >= S) MbarWait(bar_k_empty(stage), ((b / S) & 1) ^ 1);
-        // kInFlight groups stay in flight; the oldest beyond them completes.
-        issue(k_base, a_k + stage * Tr::kKvBytes, slots);
-        CpAsyncWait<Tr::kInFlight>();
-        if (2 * b + 1 - Tr::kInFlight >= 0) complete(2 * b + 1 - Tr::kInFlight);
-        issue(v_base, a_v + stage * Tr::kKvBytes, slots);
-        CpAsyncWait<Tr::kInFlight>();
-        if (2 * b + 2 - Tr::kInFlight >= 0) complete(2 * b + 2 - Tr::kInFlight);
-      }
-      CpAsyncWait<0>();
-      for (int g = max(0, 2 * num_blocks - Tr::kInFlight + 1); g <= 2 * num_blocks; ++g) complete(g);
-    }
+      return;
+    });
+    // The copies are signalled on the barriers (kOverlap); the producer
+    // leaves none pending.
+    CpAsyncWaitAll();
     return;
   }
 
-  // ======================= consumers =======================
   RegAlloc<Tr::kConsumerRegs>();
-  const int cw = wg - 1;               // consumer warpgroup 0 / 1
-  const int ctid = tid - 128 * wg;     // thread within the warpgroup
-  const int warp = ctid >> 5;
-  const int lane = tid & 31;
-  const int wg_row0 = cw * Tr::kWgRows;  // first tile row of this warpgroup
-  // Thread rows: wg_row0 + warp * 16 + lane / 4 (h = 0) and + 8 (h = 1).
-  const int row_base = item.row_begin + wg_row0 + warp * 16 + (lane >> 2);
-  const int item_kv_end = item.kv_end;
-  auto row_limit = [&](int h) {
-    const int t = (row_base + h * 8) / group;
-    return causal ? min(item_kv_end, t + diag + 1) : item_kv_end;
-  };
-  // This warpgroup's rows: the KV positions they see, and those all see.
-  const int wg_t_first = (item.row_begin + wg_row0) / group;
-  const int wg_t_last = min(q_len - 1, (item.row_begin + wg_row0 + Tr::kWgRows - 1) / group);
-  const bool wg_active = wg_t_first < q_len;
-  const int wg_kv_end = causal ? min(item_kv_end, wg_t_last + diag + 1) : item_kv_end;
-  const int wg_full_end = causal ? min(item_kv_end, wg_t_first + diag + 1) : item_kv_end;
-  const float scale_log2 = fmaxf(fabsf(seq.sm_scale) * kLog2e, 1e-30f);
+  ForEachTile<Tr>(args, [&](const Tile& tile) {
+    const PrefillWorkItem& item = tile.item;
+    const PrefillSeq& seq = tile.seq;
+    const int H = args.num_qo_heads;
+    const int group = tile.group;
+    const int kvh = item.kv_head;
+    const int q_len = seq.q_len;
+    const int diag = tile.diag;
+    const bool causal = seq.causal != 0;
+    const int kv_begin = item.kv_begin;
+    const int num_blocks = tile.num_blocks;
+    const int g0 = tile.g0;
+    const int qt = tile.qt;
+    const bool first = tile.first;
 
-  float o_acc[D / 2];
+    // ======================= consumers =======================
+    const int cw = wg - 1;               // consumer warpgroup 0 / 1
+    const int ctid = tid - 128 * wg;     // thread within the warpgroup
+    const int warp = ctid >> 5;
+    const int lane = tid & 31;
+    const int wg_row0 = cw * Tr::kWgRows;  // first tile row of this warpgroup
+    // Thread rows: wg_row0 + warp * 16 + lane / 4 (h = 0) and + 8 (h = 1).
+    const int row_base = item.row_begin + wg_row0 + warp * 16 + (lane >> 2);
+    const int item_kv_end = item.kv_end;
+    auto row_limit = [&](int h) {
+      const int t = (row_base + h * 8) / group;
+      return causal ? min(item_kv_end, t + diag + 1) : item_kv_end;
+    };
+    // This warpgroup's rows: the KV positions they see, and those all see.
+    const int wg_t_first = (item.row_begin + wg_row0) / group;
+    const int wg_t_last = min(q_len - 1, (item.row_begin + wg_row0 + Tr::kWgRows - 1) / group);
+    const bool wg_active = wg_t_first < q_len;
+    const int wg_kv_end = causal ? min(item_kv_end, wg_t_last + diag + 1) : item_kv_end;
+    const int wg_full_end = causal ? min(item_kv_end, wg_t_first + diag + 1) : item_kv_end;
+    const float scale_log2 = fmaxf(fabsf(seq.sm_scale) * kLog2e, 1e-30f);
+
+    float o_acc[D / 2];
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) o_acc[i] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
+    for (int i = 0; i < D / 2; ++i) o_acc[i] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
 
-  // Ping-pong: the two consumer warpgroups take turns issuing S = Q K^T
-  // (named barriers kTurnBar + warpgroup, 256 threads: one warpgroup syncs,
-  // the other arrives), so that one's softmax runs beside the other's GEMMs.
-  // Warpgroup 0 goes first; every sync meets exactly one arrive (warpgroup 1
-  // gives the first and skips its last), so no arrival outlives the CTA.
-  constexpr int kTurnBar = 2;
-  if constexpr (!Tr::kOverlap) {
-    if (Tr::kPingPong && cw == 1 && num_blocks > 0) NamedBarArrive(kTurnBar + 0, 256);
-    if (num_blocks > 0) MbarWait(bar_q, 0);
-    for (int b = 0; b < num_blocks; ++b) {
-      const int stage = b % S;
-      const uint32_t parity = (b / S) & 1;
-      const int block_start = kv_begin + b * KB;
-      const bool do_math = wg_active && block_start < wg_kv_end;
-      MbarWait(bar_k(stage), parity);
+    // Ping-pong: the two consumer warpgroups take turns issuing S = Q K^T
+    // (named barriers kTurnBar + warpgroup, 256 threads: one warpgroup syncs,
+    // the other arrives), so that one's softmax runs beside the other's GEMMs.
+    // Warpgroup 0 goes first; every sync meets exactly one arrive (warpgroup 1
+    // gives the first and skips its last), so no arrival outlives the CTA.
+    constexpr int kTurnBar = 2;
+    if constexpr (!Tr::kOverlap) {
+      if (Tr::kPingPong && cw == 1 && num_blocks > 0) NamedBarArrive(kTurnBar + 0, 256);
+      if (num_blocks > 0) MbarWait(bar_q, 0);
+      for (int b = 0; b < num_blocks; ++b) {
+        const int stage = b % S;
+        const uint32_t parity = (b / S) & 1;
+        const int block_start = kv_begin + b * KB;
+        const bool do_math = wg_active && block_start < wg_kv_end;
+        MbarWait(bar_k(stage), parity);
+        float s[KB / 2];
+        // Whether this warpgroup hands the turn over after issuing (all but
+        // warpgroup 1's last block).
+        const bool pass_turn = !(cw == 1 && b == num_blocks - 1);
+        if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
+        if (!do_math && Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
+        if (do_math) {
+          // ---- S = Q K^T (fp32), 64 x KB per warpgroup.
+          const uint32_t k_stage = a_k + stage * Tr::kKvBytes;
+          WgmmaFence();
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk) {
+            const uint32_t qa = a_q + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
+            const uint32_t kb = k_stage + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
+            WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
+          }
+          WgmmaCommit();
+          if (Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
+          WgmmaWait<0>();
+          FenceRegs(s);
+
+          // ---- Mask (boundary blocks only). s[4 * n + 2 * h + e]: row h, column
+          // n * 8 + (lane % 4) * 2 + e.
+          if (block_start + KB > wg_full_end) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int lim = row_limit(h);
+#pragma unroll
+              for (int n = 0; n < KB / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const int pos = block_start + n * 8 + (lane & 3) * 2 + e;
+                  if (pos >= lim) s[4 * n + 2 * h + e] = -INFINITY;
+                }
+              }
+            }
+          }
+          // ---- Online softmax in base 2 with the lazy rescale (kernels/sm80):
+          // the running max moves only when a row's block max exceeds it by more
+          // than kLazyRescale, for the whole warp at once.
+          float mx2[2];
+          bool grow = false;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < KB / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx2[h] = mx * scale_log2;
+            grow |= mx2[h] > m_run[h] + kLazyRescale;
+          }
+          if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float m_new = fmaxf(m_run[h], mx2[h]);
+              const float alpha = Exp2(m_run[h] - (m_new == -INFINITY ? 0.f : m_new));
+              m_run[h] = m_new;
+              l_run[h] *= alpha;
+#pragma unroll
+              for (int n = 0; n < D / 8; ++n) {
+                o_acc[4 * n + 2 * h] *= alpha;
+                o_acc[4 * n + 2 * h + 1] *= alpha;
+              }
+            }
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float neg_m = m_run[h] == -INFINITY ? 0.f : -m_run[h];
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < KB / 8; ++n) {
+              const float p0 = Exp2(fmaf(s[4 * n + 2 * h], scale_log2, neg_m));
+              const float p1 = Exp2(fmaf(s[4 * n + 2 * h + 1], scale_log2, neg_m));
+              s[4 * n + 2 * h] = p0;
+              s[4 * n + 2 * h + 1] = p1;
+              sum += p0 + p1;
+            }
+            l_run[h] += sum;
+          }
+        }
+        MbarWait(bar_v(stage), parity);
+        if (do_math) {
+          // ---- O += P V: P (64 x KB) from registers in 16-column slices (the
+          // accumulator layout of S is the A-fragment layout), V MN-major.
+          const uint32_t v_stage = a_v + stage * Tr::kKvBytes;
+          uint32_t pa[KB / 16][4];
+#pragma unroll
+          for (int j = 0; j < KB / 16; ++j) {
+            pa[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
+            pa[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
+            pa[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
+            pa[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
+          }
+          FenceRegs(o_acc);
+          WgmmaFence();
+#pragma unroll
+          for (int j = 0; j < KB / 16; ++j) {
+            WgmmaRS<D, T>(o_acc, pa[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
+          }
+          WgmmaCommit();
+          WgmmaWait<0>();
+          FenceRegs(o_acc);
+        }
+        MbarArrive(bar_k_empty(stage));
+      }
+    } else {
+      // ---- Overlapped schedule. Turn t (0 .. num_blocks) issues S_t = Q K_t^T
+      // and O += P_{t-1} V_{t-1} as two wgmma groups, waits for S_t alone,
+      // masks it and runs the softmax while PV_{t-1} is on the tensor cores,
+      // then waits for PV_{t-1}, rescales O to the new row max and packs P_t.
+      // Registers: s (S_t, fp32), p (P_{t-1}, 16-bit, read by the PV wgmma in
+      // flight: written only after its wait), o_acc. Releases: K_t once S_t has
+      // completed (k_empty), V_{t-1} once PV_{t-1} has (v_empty); a warpgroup
+      // without rows at block t still waits for the block to land before it
+      // releases it, so that its arrivals count in that block's phase. Both
+      // warpgroups take num_blocks + 1 turns (kPingPong: warpgroup 0 first;
+      // every sync meets exactly one arrive, as in the serial schedule).
+      // This warpgroup computes blocks 0 .. wg_blocks - 1 (a prefix: causal
+      // rows see a prefix of the KV range): turn 0 (S_0), turns 1 ..
+      // wg_blocks - 1 (S_t and PV_{t-1}), turn wg_blocks (PV alone), then turns
+      // without GEMMs. Each wgmma is issued and waited for in the same
+      // unconditional stretch of code: ptxas serializes wgmma whose pipeline
+      // crosses divergent branches (C7520).
+      const int wg_blocks =
+          wg_active && wg_kv_end > kv_begin ? min(num_blocks, (wg_kv_end - kv_begin + KB - 1) / KB) : 0;
+      const int turns = num_blocks > 0 ? num_blocks + 1 : 0;
+      // Stamps of this warpgroup's turns (Sm90Trace), by its first thread.
+      Stamps<kTrace> st(args, Sm90Trace::ConsumerAt(cw), ctid == 0 && first);
+      auto stamp = [&](int turn, int point) {
+        if (turn <= Sm90Trace::kTurns) st.Now(turn * Sm90Trace::kConsumerPoints + point);
+      };
+      if constexpr (kTrace) {
+        Stamps<kTrace> header(args, 0, ctid == 0 && first);
+        header.Put(5 + cw, wg_blocks);
+      }
       float s[KB / 2];
-      // Whether this warpgroup hands the turn over after issuing (all but
-      // warpgroup 1's last block).
-      const bool pass_turn = !(cw == 1 && b == num_blocks - 1);
-      if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
-      if (!do_math && Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
-      if (do_math) {
-        // ---- S = Q K^T (fp32), 64 x KB per warpgroup.
-        const uint32_t k_stage = a_k + stage * Tr::kKvBytes;
-        WgmmaFence();
+      uint32_t p[KB / 16][4];
+#pragma unroll
+      for (int i = 0; i < KB / 2; ++i) s[i] = 0.f;
+#pragma unroll
+      for (int j = 0; j < KB / 16; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0u;
+
+      // Waits for K_t (t < num_blocks) and V_{t-1} (t > 0), then for the turn.
+      // The producer's copies completed on the barriers (cp.async writes,
+      // generic proxy): fence before wgmma reads them (traits.cuh).
+      // Ring stage and phase of the tile's block t.
+      auto stage = [&](int t) { return (g0 + t) % S; };
+      auto phase = [&](int t) -> uint32_t { return ((g0 + t) / S) & 1; };
+      auto turn_begin = [&](int t) {
+        stamp(t, 0);
+        if (t < num_blocks) MbarWait(bar_k(stage(t)), phase(t));
+        if (t >= 1) MbarWait(bar_v(stage(t - 1)), phase(t - 1));
+        FenceProxyAsync();
+        stamp(t, 1);
+        if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
+        stamp(t, 2);
+      };
+      // Hands the turn over (all but warpgroup 1's last turn).
+      auto turn_end = [&](int t) {
+        if (Tr::kPingPong && !(cw == 1 && t == turns - 1)) NamedBarArrive(kTurnBar + (1 - cw), 256);
+      };
+      auto issue_s = [&](int t) {
+        const uint32_t k_stage = a_k + stage(t) * Tr::kKvBytes;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
           const uint32_t qa = a_q + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
@@ -350,12 +574,21 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
         }
         WgmmaCommit();
-        if (Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
-        WgmmaWait<0>();
-        FenceRegs(s);
-
-        // ---- Mask (boundary blocks only). s[4 * n + 2 * h + e]: row h, column
-        // n * 8 + (lane % 4) * 2 + e.
+      };
+      auto issue_pv = [&](int b) {
+        const uint32_t v_stage = a_v + stage(b) * Tr::kKvBytes;
+#pragma unroll
+        for (int j = 0; j < KB / 16; ++j) {
+          WgmmaRS<D, T>(o_acc, p[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
+        }
+        WgmmaCommit();
+      };
+      // Mask (boundary blocks only) and online softmax of S_t in base 2 with
+      // the lazy rescale, in place (s becomes P_t in fp32); l_run and m_run
+      // move now, O's rescale by alpha waits for the PV wgmma in flight (it
+      // accumulates at the old max). Returns whether O must be rescaled.
+      auto softmax = [&](int t, float (&alpha)[2]) -> bool {
+        const int block_start = kv_begin + t * KB;
         if (block_start + KB > wg_full_end) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -370,9 +603,6 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
             }
           }
         }
-        // ---- Online softmax in base 2 with the lazy rescale (kernels/sm80):
-        // the running max moves only when a row's block max exceeds it by more
-        // than kLazyRescale, for the whole warp at once.
         float mx2[2];
         bool grow = false;
 #pragma unroll
@@ -385,19 +615,13 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           mx2[h] = mx * scale_log2;
           grow |= mx2[h] > m_run[h] + kLazyRescale;
         }
-        if (__any_sync(0xffffffffu, grow)) {
+        const bool rescale = __any_sync(0xffffffffu, grow);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float m_new = fmaxf(m_run[h], mx2[h]);
-            const float alpha = Exp2(m_run[h] - (m_new == -INFINITY ? 0.f : m_new));
-            m_run[h] = m_new;
-            l_run[h] *= alpha;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-              o_acc[4 * n + 2 * h] *= alpha;
-              o_acc[4 * n + 2 * h + 1] *= alpha;
-            }
-          }
+        for (int h = 0; h < 2; ++h) {
+          const float m_new = rescale ? fmaxf(m_run[h], mx2[h]) : m_run[h];
+          alpha[h] = rescale ? Exp2(m_run[h] - (m_new == -INFINITY ? 0.f : m_new)) : 1.f;
+          m_run[h] = m_new;
+          l_run[h] *= alpha[h];
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -413,293 +637,148 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           }
           l_run[h] += sum;
         }
-      }
-      MbarWait(bar_v(stage), parity);
-      if (do_math) {
-        // ---- O += P V: P (64 x KB) from registers in 16-column slices (the
-        // accumulator layout of S is the A-fragment layout), V MN-major.
-        const uint32_t v_stage = a_v + stage * Tr::kKvBytes;
-        uint32_t pa[KB / 16][4];
+        return rescale;
+      };
+      // After the PV wgmma's wait: O to the new max, then P_t packed (the
+      // accumulator layout of S is the A-fragment layout).
+      auto rescale_and_pack = [&](bool rescale, const float (&alpha)[2]) {
+        if (rescale) {
 #pragma unroll
-        for (int j = 0; j < KB / 16; ++j) {
-          pa[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
-          pa[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
-          pa[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
-          pa[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
-        }
-        FenceRegs(o_acc);
-        WgmmaFence();
+          for (int h = 0; h < 2; ++h) {
 #pragma unroll
-        for (int j = 0; j < KB / 16; ++j) {
-          WgmmaRS<D, T>(o_acc, pa[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
-        }
-        WgmmaCommit();
-        WgmmaWait<0>();
-        FenceRegs(o_acc);
-      }
-      MbarArrive(bar_k_empty(stage));
-    }
-  } else {
-    // ---- Overlapped schedule. Turn t (0 .. num_blocks) issues S_t = Q K_t^T
-    // and O += P_{t-1} V_{t-1} as two wgmma groups, waits for S_t alone,
-    // masks it and runs the softmax while PV_{t-1} is on the tensor cores,
-    // then waits for PV_{t-1}, rescales O to the new row max and packs P_t.
-    // Registers: s (S_t, fp32), p (P_{t-1}, 16-bit, read by the PV wgmma in
-    // flight: written only after its wait), o_acc. Releases: K_t once S_t has
-    // completed (k_empty), V_{t-1} once PV_{t-1} has (v_empty); a warpgroup
-    // without rows at block t still waits for the block to land before it
-    // releases it, so that its arrivals count in that block's phase. Both
-    // warpgroups take num_blocks + 1 turns (kPingPong: warpgroup 0 first;
-    // every sync meets exactly one arrive, as in the serial schedule).
-    // This warpgroup computes blocks 0 .. wg_blocks - 1 (a prefix: causal
-    // rows see a prefix of the KV range): turn 0 (S_0), turns 1 ..
-    // wg_blocks - 1 (S_t and PV_{t-1}), turn wg_blocks (PV alone), then turns
-    // without GEMMs. Each wgmma is issued and waited for in the same
-    // unconditional stretch of code: ptxas serializes wgmma whose pipeline
-    // crosses divergent branches (C7520).
-    const int wg_blocks =
-        wg_active && wg_kv_end > kv_begin ? min(num_blocks, (wg_kv_end - kv_begin + KB - 1) / KB) : 0;
-    const int turns = num_blocks > 0 ? num_blocks + 1 : 0;
-    // Stamps of this warpgroup's turns (Sm90Trace), by its first thread.
-    Stamps<kTrace> st(args, Sm90Trace::ConsumerAt(cw), ctid == 0);
-    auto stamp = [&](int turn, int point) {
-      if (turn <= Sm90Trace::kTurns) st.Now(turn * Sm90Trace::kConsumerPoints + point);
-    };
-    if constexpr (kTrace) {
-      Stamps<kTrace> header(args, 0, ctid == 0);
-      header.Put(5 + cw, wg_blocks);
-    }
-    float s[KB / 2];
-    uint32_t p[KB / 16][4];
-#pragma unroll
-    for (int i = 0; i < KB / 2; ++i) s[i] = 0.f;
-#pragma unroll
-    for (int j = 0; j < KB / 16; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0u;
-
-    // Waits for K_t (t < num_blocks) and V_{t-1} (t > 0), then for the turn.
-    // The producer's copies completed on the barriers (cp.async writes,
-    // generic proxy): fence before wgmma reads them (traits.cuh).
-    auto turn_begin = [&](int t) {
-      stamp(t, 0);
-      if (t < num_blocks) MbarWait(bar_k(t % S), (t / S) & 1);
-      if (t >= 1) MbarWait(bar_v((t - 1) % S), ((t - 1) / S) & 1);
-      FenceProxyAsync();
-      stamp(t, 1);
-      if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
-      stamp(t, 2);
-    };
-    // Hands the turn over (all but warpgroup 1's last turn).
-    auto turn_end = [&](int t) {
-      if (Tr::kPingPong && !(cw == 1 && t == turns - 1)) NamedBarArrive(kTurnBar + (1 - cw), 256);
-    };
-    auto issue_s = [&](int t) {
-      const uint32_t k_stage = a_k + (t % S) * Tr::kKvBytes;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t qa = a_q + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
-        const uint32_t kb = k_stage + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
-        WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
-      }
-      WgmmaCommit();
-    };
-    auto issue_pv = [&](int b) {
-      const uint32_t v_stage = a_v + (b % S) * Tr::kKvBytes;
-#pragma unroll
-      for (int j = 0; j < KB / 16; ++j) {
-        WgmmaRS<D, T>(o_acc, p[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
-      }
-      WgmmaCommit();
-    };
-    // Mask (boundary blocks only) and online softmax of S_t in base 2 with
-    // the lazy rescale, in place (s becomes P_t in fp32); l_run and m_run
-    // move now, O's rescale by alpha waits for the PV wgmma in flight (it
-    // accumulates at the old max). Returns whether O must be rescaled.
-    auto softmax = [&](int t, float (&alpha)[2]) -> bool {
-      const int block_start = kv_begin + t * KB;
-      if (block_start + KB > wg_full_end) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int lim = row_limit(h);
-#pragma unroll
-          for (int n = 0; n < KB / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int pos = block_start + n * 8 + (lane & 3) * 2 + e;
-              if (pos >= lim) s[4 * n + 2 * h + e] = -INFINITY;
+            for (int n = 0; n < D / 8; ++n) {
+              o_acc[4 * n + 2 * h] *= alpha[h];
+              o_acc[4 * n + 2 * h + 1] *= alpha[h];
             }
           }
         }
-      }
-      float mx2[2];
-      bool grow = false;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < KB / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx2[h] = mx * scale_log2;
-        grow |= mx2[h] > m_run[h] + kLazyRescale;
-      }
-      const bool rescale = __any_sync(0xffffffffu, grow);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = rescale ? fmaxf(m_run[h], mx2[h]) : m_run[h];
-        alpha[h] = rescale ? Exp2(m_run[h] - (m_new == -INFINITY ? 0.f : m_new)) : 1.f;
-        m_run[h] = m_new;
-        l_run[h] *= alpha[h];
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float neg_m = m_run[h] == -INFINITY ? 0.f : -m_run[h];
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < KB / 8; ++n) {
-          const float p0 = Exp2(fmaf(s[4 * n + 2 * h], scale_log2, neg_m));
-          const float p1 = Exp2(fmaf(s[4 * n + 2 * h + 1], scale_log2, neg_m));
-          s[4 * n + 2 * h] = p0;
-          s[4 * n + 2 * h + 1] = p1;
-          sum += p0 + p1;
+        for (int j = 0; j < KB / 16; ++j) {
+          p[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
+          p[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
+          p[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
+          p[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
         }
-        l_run[h] += sum;
-      }
-      return rescale;
-    };
-    // After the PV wgmma's wait: O to the new max, then P_t packed (the
-    // accumulator layout of S is the A-fragment layout).
-    auto rescale_and_pack = [&](bool rescale, const float (&alpha)[2]) {
-      if (rescale) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-          for (int n = 0; n < D / 8; ++n) {
-            o_acc[4 * n + 2 * h] *= alpha[h];
-            o_acc[4 * n + 2 * h + 1] *= alpha[h];
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < KB / 16; ++j) {
-        p[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
-        p[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
-        p[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
-        p[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
-      }
-    };
+      };
 
-    if (turns > 0) {
-      if (Tr::kPingPong && cw == 1) NamedBarArrive(kTurnBar + 0, 256);
-      MbarWait(bar_q, 0);
-    }
-    int t = 0;
-    if (wg_blocks > 0) {
-      float alpha[2];
-      // Turn 0: S_0 alone.
-      turn_begin(0);
-      FenceRegs(s);
-      WgmmaFence();
-      issue_s(0);
-      turn_end(0);
-      WgmmaWait<0>();
-      FenceRegs(s);
-      MbarArrive(bar_k_empty(0));
-      bool rescale = softmax(0, alpha);
-      rescale_and_pack(rescale, alpha);
-      // Turns 1 .. wg_blocks - 1: S_t with PV_{t-1}.
-      for (t = 1; t < wg_blocks; ++t) {
-        turn_begin(t);
+      if (turns > 0) {
+        if (Tr::kPingPong && cw == 1) NamedBarArrive(kTurnBar + 0, 256);
+        MbarWait(bar_q, qt & 1);
+        // Tr::kPersistent: Q is free once this warpgroup's last S has
+        // completed (here, for a warpgroup without blocks).
+        if (Tr::kPersistent && wg_blocks == 0) MbarArrive(bar_q_empty);
+      }
+      int t = 0;
+      if (wg_blocks > 0) {
+        float alpha[2];
+        // Turn 0: S_0 alone.
+        turn_begin(0);
         FenceRegs(s);
+        WgmmaFence();
+        issue_s(0);
+        turn_end(0);
+        WgmmaWait<0>();
+        FenceRegs(s);
+        MbarArrive(bar_k_empty(stage(0)));
+        if (Tr::kPersistent && wg_blocks == 1) MbarArrive(bar_q_empty);
+        bool rescale = softmax(0, alpha);
+        rescale_and_pack(rescale, alpha);
+        // Turns 1 .. wg_blocks - 1: S_t with PV_{t-1}.
+        for (t = 1; t < wg_blocks; ++t) {
+          turn_begin(t);
+          FenceRegs(s);
+          FenceRegs(p);
+          FenceRegs(o_acc);
+          WgmmaFence();
+          issue_s(t);
+          issue_pv(t - 1);
+          turn_end(t);
+          stamp(t, 3);
+          WgmmaWait<1>();  // S_t; PV_{t-1} may still run
+          FenceRegs(s);
+          stamp(t, 4);
+          MbarArrive(bar_k_empty(stage(t)));
+          if (Tr::kPersistent && t == wg_blocks - 1) MbarArrive(bar_q_empty);
+          rescale = softmax(t, alpha);
+          stamp(t, 5);
+          // The row sums depend on every exp2 of the softmax: all of it runs
+          // before the wait, beside P_{t-1} V_{t-1}.
+          OrderBeforeWait(base + Tr::kSinkOff, l_run[0] + l_run[1]);
+          WgmmaWait<0>();  // PV_{t-1}
+          FenceRegs(o_acc);
+          FenceRegs(p);
+          stamp(t, 6);
+          MbarArrive(bar_v_empty(stage(t - 1)));
+          rescale_and_pack(rescale, alpha);
+          stamp(t, 7);
+        }
+        // Turn wg_blocks: PV of the last block this warpgroup computes.
+        turn_begin(t);
         FenceRegs(p);
         FenceRegs(o_acc);
         WgmmaFence();
-        issue_s(t);
         issue_pv(t - 1);
         turn_end(t);
-        stamp(t, 3);
-        WgmmaWait<1>();  // S_t; PV_{t-1} may still run
-        FenceRegs(s);
-        stamp(t, 4);
-        MbarArrive(bar_k_empty(t % S));
-        rescale = softmax(t, alpha);
-        stamp(t, 5);
-        // The row sums depend on every exp2 of the softmax: all of it runs
-        // before the wait, beside P_{t-1} V_{t-1}.
-        OrderBeforeWait(base + Tr::kSinkOff, l_run[0] + l_run[1]);
-        WgmmaWait<0>();  // PV_{t-1}
+        WgmmaWait<0>();
         FenceRegs(o_acc);
         FenceRegs(p);
-        stamp(t, 6);
-        MbarArrive(bar_v_empty((t - 1) % S));
-        rescale_and_pack(rescale, alpha);
-        stamp(t, 7);
+        if (t < num_blocks) MbarArrive(bar_k_empty(stage(t)));
+        MbarArrive(bar_v_empty(stage(t - 1)));
+        ++t;
       }
-      // Turn wg_blocks: PV of the last block this warpgroup computes.
-      turn_begin(t);
-      FenceRegs(p);
-      FenceRegs(o_acc);
-      WgmmaFence();
-      issue_pv(t - 1);
-      turn_end(t);
-      WgmmaWait<0>();
-      FenceRegs(o_acc);
-      FenceRegs(p);
-      if (t < num_blocks) MbarArrive(bar_k_empty(t % S));
-      MbarArrive(bar_v_empty((t - 1) % S));
-      ++t;
+      // Turns without GEMMs (blocks past this warpgroup's rows, or none).
+      for (; t < turns; ++t) {
+        turn_begin(t);
+        turn_end(t);
+        if (t < num_blocks) MbarArrive(bar_k_empty(stage(t)));
+        if (t >= 1) MbarArrive(bar_v_empty(stage(t - 1)));
+      }
     }
-    // Turns without GEMMs (blocks past this warpgroup's rows, or none).
-    for (; t < turns; ++t) {
-      turn_begin(t);
-      turn_end(t);
-      if (t < num_blocks) MbarArrive(bar_k_empty(t % S));
-      if (t >= 1) MbarArrive(bar_v_empty((t - 1) % S));
-    }
-  }
 
-  // ---- Epilogue: normalise, LSE (base 2 internally), write.
-  float inv[2];
-  float lse2[2];
+    // ---- Epilogue: normalise, LSE (base 2 internally), write.
+    float inv[2];
+    float lse2[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = l_run[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[h] = l > 0.f ? 1.f / l : 0.f;
-    lse2[h] = l > 0.f ? m_run[h] + log2f(l) : -INFINITY;
-  }
+    for (int h = 0; h < 2; ++h) {
+      float l = l_run[h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      inv[h] = l > 0.f ? 1.f / l : 0.f;
+      lse2[h] = l > 0.f ? m_run[h] + log2f(l) : -INFINITY;
+    }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int pr = row_base + h * 8;
-    const int t = pr / group;
-    if (t >= q_len) continue;
-    const int head = kvh * group + (pr - t * group);
-    if (item.part_base >= 0) {
-      // Split chunk: fp32 partial (o, lse) into the workspace.
-      const int64_t pair = (int64_t)item.part_base + (int64_t)t * H + head;
-      float* dst = args.part_o + pair * D + (lane & 3) * 2;
+    for (int h = 0; h < 2; ++h) {
+      const int pr = row_base + h * 8;
+      const int t = pr / group;
+      if (t >= q_len) continue;
+      const int head = kvh * group + (pr - t * group);
+      if (item.part_base >= 0) {
+        // Split chunk: fp32 partial (o, lse) into the workspace.
+        const int64_t pair = (int64_t)item.part_base + (int64_t)t * H + head;
+        float* dst = args.part_o + pair * D + (lane & 3) * 2;
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        *reinterpret_cast<float2*>(dst + n * 8) =
-            make_float2(o_acc[4 * n + 2 * h] * inv[h], o_acc[4 * n + 2 * h + 1] * inv[h]);
-      }
-      if ((lane & 3) == 0) args.part_lse[pair] = lse2[h];
-    } else {
-      T* dst = static_cast<T*>(args.o) + ((int64_t)(seq.q_start + t) * H + head) * D + (lane & 3) * 2;
+        for (int n = 0; n < D / 8; ++n) {
+          *reinterpret_cast<float2*>(dst + n * 8) =
+              make_float2(o_acc[4 * n + 2 * h] * inv[h], o_acc[4 * n + 2 * h + 1] * inv[h]);
+        }
+        if ((lane & 3) == 0) args.part_lse[pair] = lse2[h];
+      } else {
+        T* dst = static_cast<T*>(args.o) + ((int64_t)(seq.q_start + t) * H + head) * D + (lane & 3) * 2;
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        *reinterpret_cast<uint32_t*>(dst + n * 8) =
-            Pack2<T>(o_acc[4 * n + 2 * h] * inv[h], o_acc[4 * n + 2 * h + 1] * inv[h]);
-      }
-      if ((lane & 3) == 0) {
-        args.lse[(int64_t)(seq.q_start + t) * H + head] = seq.lse_base_e ? lse2[h] * kLn2 : lse2[h];
+        for (int n = 0; n < D / 8; ++n) {
+          *reinterpret_cast<uint32_t*>(dst + n * 8) =
+              Pack2<T>(o_acc[4 * n + 2 * h] * inv[h], o_acc[4 * n + 2 * h + 1] * inv[h]);
+        }
+        if ((lane & 3) == 0) {
+          args.lse[(int64_t)(seq.q_start + t) * H + head] = seq.lse_base_e ? lse2[h] * kLn2 : lse2[h];
+        }
       }
     }
-  }
-  if constexpr (kTrace) {
-    Stamps<kTrace> header(args, 0, (tid & 127) == 0);
-    header.Now(2 + (wg - 1));
-  }
+    if constexpr (kTrace) {
+      Stamps<kTrace> header(args, 0, (tid & 127) == 0 && first);
+      header.Now(2 + (wg - 1));
+    }
+  });
 }
 
 #if ATTNSERVE_SM90_DEVICE

@@ -36,7 +36,8 @@ bool Sm90PrefillSupported();
 
 // Diagnostics: where a CTA's time goes. PagedPrefillSm90Traced runs
 // Sm90Variant::kOverlap (bf16, head_dim 128 only) with clock64() stamps (SM
-// cycles) of the first `trace_ctas` work items written to `trace` (device
+// cycles) of the first tile of the first `trace_ctas` CTAs (at most one per
+// SM: the kernel is persistent) written to `trace` (device
 // memory, trace_ctas * kLongsPerCta values, zeroed by the caller): per CTA a
 // header, the producer's stamps per KV block and each consumer warpgroup's
 // stamps per turn, for the first kTurns blocks / turns (bench/kernel_bench.cc

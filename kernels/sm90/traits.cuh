@@ -25,6 +25,7 @@ struct PrefillKernelArgs {
   const int32_t* kv_indices;
   const PrefillSeq* seqs;
   const PrefillWorkItem* items;
+  int32_t num_items;        // entries of items (padding included)
   float* part_o;            // (pairs, D) fp32
   float* part_lse;          // (pairs) base 2
   long long* trace;         // PagedPrefillSm90Traced only (Sm90Trace)
@@ -72,6 +73,11 @@ struct Traits {
   static constexpr int kStages = D == 64 ? 4 : 3;
   static constexpr bool kOverlap = kSchedule == Schedule::kOverlap;
   static constexpr bool kTma = kTmaLoads && kOverlap;
+  // A persistent grid (kOverlap): each CTA loops over the plan's items with
+  // a stride of the grid, so that the producer loads the next tile's K, V
+  // and Q while the consumers finish the last one; kSerial runs one item
+  // per CTA.
+  static constexpr bool kPersistent = kOverlap;
   // The consumer warpgroups take turns issuing their GEMMs (kSerial: S only;
   // kOverlap: S_t and PV_{t-1}).
   static constexpr bool kPingPong = kTurns;
@@ -102,11 +108,11 @@ struct Traits {
   // setmaxnreg after the split: the sum (128 x producer + 256 x consumer)
   // must not exceed the 168 x 384 = 64,512 the kernel starts with, or the
   // consumers' increase waits for registers that never come (64 / 224 hung
-  // the kernel on the H200). 56 / 224 fills it exactly; the tensor-copy
-  // producer needs 64 (its box addressing spills 24 bytes at 56), so its
-  // consumers take 216 (63,488 in all).
-  static constexpr int kProducerRegs = kTma ? 64 : 56;
-  static constexpr int kConsumerRegs = kTma ? 216 : 224;
+  // the kernel on the H200). 64 / 216 (63,488 in all): the persistent
+  // producer keeps its tile loop's state beside the K/V addressing (it
+  // spilled at 56), and the consumers fit 216 without spill (ptxas -v).
+  static constexpr int kProducerRegs = 64;
+  static constexpr int kConsumerRegs = 216;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 168 * 384, "register split");
   static constexpr int kChunks = D / 8;     // 16-byte chunks per row
   // Tiles are stored as D / 64 column blocks of (rows x 128 bytes), 128-byte
@@ -121,8 +127,9 @@ struct Traits {
   static constexpr int kSlotOff = kVOff + kStages * kKvBytes;
   static constexpr int kBarOff = kSlotOff + 2 * kKB * 4;
   // Barriers: q_full, k_full[kStages], v_full[kStages], empty[kStages]
-  // (kSplitEmpty: k_empty[kStages], then v_empty[kStages]).
-  static constexpr int kNumBars = 1 + (kSplitEmpty ? 4 : 3) * kStages;
+  // (kSplitEmpty: k_empty[kStages], then v_empty[kStages]), then q_empty
+  // (kPersistent).
+  static constexpr int kNumBars = 1 + (kSplitEmpty ? 4 : 3) * kStages + (kPersistent ? 1 : 0);
   // One word the overlapped consumers store their row sums to before they
   // wait for P V (OrderBeforeWait in ptx.cuh); never read.
   static constexpr int kSinkOff = kBarOff + kNumBars * 8;

@@ -68,8 +68,12 @@ PrefillKernel KernelOf(PrefillKernel param, int variant, int head_dim) {
   return variant == 1 ? PrefillKernel::kSm80Rows64 : PrefillKernel::kSm80;
 }
 
-// Runs the batch through plan + prefill (+ merge) and compares.
-RunResult RunAndCheck(const HostBatch& b, PrefillKernel kernel, bool force_split, int min_chunk) {
+// Runs the batch through plan + prefill (+ merge) and compares. max_ctas:
+// the persistent kernels' grid (0: one wave); plan_ctas: the CTAs the plan
+// deals the items to (-1: the same as the grid), to run a plan dealt for
+// another grid, which must still compute every item.
+RunResult RunAndCheck(const HostBatch& b, PrefillKernel kernel, bool force_split, int min_chunk,
+                      int32_t max_ctas = 0, int32_t plan_ctas = -1) {
   RunResult res;
   const KvGeometry& g = b.geo;
   PrefillPlanOptions opt;
@@ -78,6 +82,8 @@ RunResult RunAndCheck(const HostBatch& b, PrefillKernel kernel, bool force_split
   opt.min_chunk = min_chunk;
   opt.tile_rows = PrefillTileRows(kernel, g.head_dim);
   opt.max_partial_pairs = int64_t{1} << 24;
+  const int32_t ctas = plan_ctas >= 0 ? plan_ctas : max_ctas > 0 ? max_ctas : NumSms() * opt.ctas_per_sm;
+  opt.persistent_ctas = PrefillPersistentCtas(kernel, ctas, 1);
   PrefillPlan plan;
   BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
   res.split = !plan.merges.empty();
@@ -114,6 +120,7 @@ RunResult RunAndCheck(const HostBatch& b, PrefillKernel kernel, bool force_split
   p.num_seqs = static_cast<int32_t>(b.seqs.size());
   p.total_q = b.total_q;
   p.geo = g;
+  p.max_ctas = max_ctas;
   cudaError_t err = PagedPrefillCuda(p, items.ptr, static_cast<int32_t>(plan.items.size()), part_o.ptr,
                                      part_lse.ptr, kernel, nullptr);
   if (err == cudaSuccess && !plan.merges.empty()) {
@@ -193,7 +200,8 @@ TEST_P(PagedPrefillCuda, RandomRaggedBatches) {
       }
       const bool causal = rng() % 4 != 0;
       const bool base_e = rng() % 3 == 0;
-      const float scale = (0.5f + (rng() % 1000) / 1000.f) / std::sqrt(float(b.geo.head_dim));
+      float scale = (0.5f + (rng() % 1000) / 1000.f) / std::sqrt(float(b.geo.head_dim));
+      if (rng() % 6 == 0) scale = -scale;  // the producer flips Q's sign
       gpu_test::AddSeq(&b, q_len, kv_len, rng() % b.geo.num_layers, causal, base_e, scale, &rng);
       if (causal && rng() % 4 == 0) b.seqs.back().causal_shift = static_cast<int>(rng() % 61) - 30;
     }
@@ -202,9 +210,16 @@ TEST_P(PagedPrefillCuda, RandomRaggedBatches) {
     const bool force_split = rng() % 3 == 0;
     const int min_chunk = 64 << (rng() % 3);
     const PrefillKernel kernel = Kernel(variant, b.geo.head_dim);
-    const RunResult r = RunAndCheck(b, kernel, force_split, min_chunk);
+    // Persistent kernels: a grid of a few CTAs (each runs many items: empty
+    // tiles, split chunks and full ones in a row), or one wave; sometimes a
+    // plan dealt for another grid.
+    const int32_t grids[] = {0, 0, 1, 2, 3, 7};
+    const int32_t max_ctas = grids[rng() % 6];
+    const int32_t plan_ctas = rng() % 4 == 0 ? static_cast<int32_t>(1 + rng() % 5) : -1;
+    const RunResult r = RunAndCheck(b, kernel, force_split, min_chunk, max_ctas, plan_ctas);
     splits += r.split;
-    ASSERT_EQ(r.error, "") << "batch " << it << ": " << Describe(b, kernel, r.split);
+    ASSERT_EQ(r.error, "") << "batch " << it << " (max_ctas " << max_ctas << ", plan_ctas " << plan_ctas
+                           << "): " << Describe(b, kernel, r.split);
   }
   EXPECT_GT(splits, 20) << "too few batches exercised split-KV";
 }

@@ -95,6 +95,10 @@ std::string CheckPlan(const Batch& b, const PrefillPlanOptions& opt, const Prefi
 
   for (int i = 0; i < static_cast<int>(plan.items.size()); ++i) {
     const PrefillWorkItem& it = plan.items[i];
+    if (it.seq == -1) {
+      if (opt.persistent_ctas <= 0) return fail("padding in a plan of one CTA per item", i);
+      continue;
+    }
     if (it.seq < 0 || it.seq >= num_seqs) return fail("seq out of range", i);
     const PrefillSeq& s = b.seqs[it.seq];
     if (it.kv_head < 0 || it.kv_head >= KVH) return fail("kv_head out of range", i);
@@ -275,6 +279,108 @@ TEST(PrefillPlan, LongKvBesideShortAndSmallWorkspace) {
       ASSERT_EQ(CheckPlan(b, opt, plan), "") << "trial " << trial << " cap " << cap;
     }
   }
+}
+
+// KV tokens an item's tile reads (the kernel's causal clipping), as the plan
+// counts an item's work.
+int64_t ItemTokens(const Batch& b, int32_t tile_rows, const PrefillWorkItem& it) {
+  const PrefillSeq& s = b.seqs[it.seq];
+  const int group = b.geo.num_qo_heads / b.geo.num_kv_heads;
+  int end = it.kv_end;
+  if (s.causal) {
+    const int t_last = std::min(s.q_len - 1, (it.row_begin + tile_rows - 1) / group);
+    end = std::min(end, t_last + s.kv_len - s.q_len + s.causal_shift + 1);
+  }
+  return std::max(end - it.kv_begin, 0);
+}
+
+bool SameItem(const PrefillWorkItem& a, const PrefillWorkItem& b) {
+  return a.seq == b.seq && a.kv_head == b.kv_head && a.row_begin == b.row_begin && a.kv_begin == b.kv_begin &&
+         a.kv_end == b.kv_end && a.part_base == b.part_base;
+}
+
+// Persistent kernels: with persistent_ctas = n the plan holds the same items
+// as without, CTA c's k-th at k * n + c in the plain plan's order, padding
+// (seq -1) only after a CTA's last item, and every CTA's work (tokens plus
+// kTileCost per item) within one item of every other's; no more items than
+// CTAs, or a layout past max_items, keeps the plain plan.
+TEST(PrefillPlan, PersistentCtasDealItemsToTheLeastLoaded) {
+  std::mt19937_64 gen(11);
+  const KvGeometry geos[] = {Geo(16, 2, 128, 16), Geo(32, 4, 128, 1), Geo(16, 16, 64, 64)};
+  int dealt = 0, padded = 0;
+  for (const KvGeometry& g : geos) {
+    const int32_t M = PrefillTileRows(PrefillKernel::kSm90Overlap, g.head_dim);
+    for (int trial = 0; trial < 120; ++trial) {
+      Batch b = RandomBatch(gen, g, 1 + trial % 12, trial % 3 != 0);
+      for (int32_t ctas : {1, 3, 7, 132}) {
+        PrefillPlanOptions opt = ServerOptions(M, 1, int64_t{16} << 20);
+        PrefillPlan ref, plan;
+        BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &ref);
+        opt.persistent_ctas = ctas;
+        BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
+        const std::string where = "D " + std::to_string(g.head_dim) + " trial " + std::to_string(trial) +
+                                  " ctas " + std::to_string(ctas);
+        ASSERT_EQ(CheckPlan(b, opt, plan), "") << where;
+        const size_t n = ref.items.size();
+        if (n <= static_cast<size_t>(ctas)) {
+          ASSERT_EQ(plan.items.size(), n) << where;
+          for (size_t i = 0; i < n; ++i) ASSERT_TRUE(SameItem(plan.items[i], ref.items[i])) << where;
+          continue;
+        }
+        ++dealt;
+        ASSERT_EQ(plan.items.size() % ctas, 0u) << where;
+        const size_t rounds = plan.items.size() / ctas;
+        padded += plan.items.size() > n;
+        // Walk each CTA's items: the plain plan's items in order, padding last.
+        size_t ref_seen = 0;
+        std::vector<int64_t> load(ctas, 0);
+        int64_t max_cost = 0;
+        std::vector<size_t> next_ref(ctas, 0);  // per CTA: index in ref after its last item
+        for (int32_t c = 0; c < ctas; ++c) {
+          bool padding = false;
+          for (size_t k = 0; k < rounds; ++k) {
+            const PrefillWorkItem& it = plan.items[k * ctas + c];
+            if (it.seq == -1) {
+              padding = true;
+              continue;
+            }
+            ASSERT_FALSE(padding) << where << ": an item after padding on CTA " << c;
+            // Find it in the plain plan after the CTA's previous item.
+            size_t j = next_ref[c];
+            while (j < n && !SameItem(ref.items[j], it)) ++j;
+            ASSERT_LT(j, n) << where << ": CTA " << c << " runs an item out of the plan's order";
+            next_ref[c] = j + 1;
+            ++ref_seen;
+            const int64_t cost = ItemTokens(b, M, it) + kTileCost;
+            load[c] += cost;
+            max_cost = std::max(max_cost, cost);
+          }
+        }
+        ASSERT_EQ(ref_seen, n) << where;
+        const auto [lo, hi] = std::minmax_element(load.begin(), load.end());
+        EXPECT_LE(*hi - *lo, max_cost) << where;
+        // The same plan with room for fewer entries than the layout needs:
+        // the plain order.
+        if (plan.items.size() > n) {
+          opt.max_items = static_cast<int64_t>(plan.items.size()) - 1;
+          PrefillPlan capped;
+          BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &capped);
+          ASSERT_EQ(capped.items.size(), n) << where;
+          for (size_t i = 0; i < n; ++i) ASSERT_TRUE(SameItem(capped.items[i], ref.items[i])) << where;
+        }
+      }
+    }
+  }
+  EXPECT_GT(dealt, 200);
+  EXPECT_GT(padded, 100);
+}
+
+TEST(PrefillPlan, PersistentCtasOnlyForTheOverlappedSm90Kernels) {
+  EXPECT_EQ(PrefillPersistentCtas(PrefillKernel::kSm90Overlap, 132, 1), 132);
+  EXPECT_EQ(PrefillPersistentCtas(PrefillKernel::kSm90OverlapNoPp, 132, 2), 264);
+  EXPECT_EQ(PrefillPersistentCtas(PrefillKernel::kSm90, 132, 1), 0);
+  EXPECT_EQ(PrefillPersistentCtas(PrefillKernel::kSm80, 132, 1), 0);
+  EXPECT_EQ(PrefillPersistentCtas(PrefillKernel::kSm80Rows64, 132, 1), 0);
 }
 
 // The checker itself: plans broken the ways a kernel would go wrong are caught.

@@ -139,6 +139,8 @@ absl::Status BatchPacker::Plan(PackedBatch* out) {
     popt.min_chunk = kMinChunk;
     popt.max_partial_pairs = limits_.max_partial_pairs;
     popt.tile_rows = PrefillTileRows(out->kernel, geo_.head_dim);
+    popt.persistent_ctas = PrefillPersistentCtas(out->kernel, popt.num_sms, popt.ctas_per_sm);
+    popt.max_items = limits_.max_items;
     BuildPrefillPlan(rest.data(), n, geo_, popt, &plan_);
   }
   if (static_cast<int64_t>(plan_.items.size()) > limits_.max_items) {
