@@ -176,6 +176,33 @@ void PrintTrace(const std::string& name, const std::vector<long long>& tr, int c
   line("producer_block", prod_period);
   const char* pnames[] = {"p_share_slots", "p_wait_k_free", "p_issue_k", "p_wait_v_free", "p_issue_v"};
   for (int k = 0; k < Tr::kProducerPoints - 1; ++k) line(pnames[k], prod[k]);
+  // Tiles after each CTA's first (consumer warpgroup 0): from the last
+  // tile's epilogue to this one's start, the waits for Q and for K_0 and the
+  // first turn, the turns per block, the epilogue; and all of it per block.
+  std::vector<long long> gap, q_wait, k0_wait, turns_per_block, epilogue, tile_per_block_all, blocks;
+  for (int c = 0; c < ctas; ++c) {
+    const long long* tl = tr.data() + size_t(c) * Tr::kLongsPerCta + Tr::kTileAt;
+    for (int n = 1; n < Tr::kTiles; ++n) {
+      const long long* a = tl + n * Tr::kTilePoints;
+      const long long* prev = a - Tr::kTilePoints;
+      const int nb = static_cast<int>(a[5]);
+      if (a[0] == 0 || a[4] == 0 || nb <= 0 || a[1] == 0 || a[2] == 0) break;
+      gap.push_back(a[0] - prev[4]);
+      q_wait.push_back(a[1] - a[0]);
+      k0_wait.push_back(a[2] - a[1]);
+      turns_per_block.push_back((a[3] - a[2]) / nb);
+      epilogue.push_back(a[4] - a[3]);
+      tile_per_block_all.push_back((a[4] - prev[4]) / nb);
+      blocks.push_back(nb);
+    }
+  }
+  line("tile_gap_after_epilogue", gap);
+  line("tile_wait_q", q_wait);
+  line("tile_wait_k0_and_turn", k0_wait);
+  line("tile_turns_per_block", turns_per_block);
+  line("tile_epilogue", epilogue);
+  line("tile_blocks", blocks);
+  line("tile_all_per_block", tile_per_block_all);
   std::fflush(stdout);
 }
 

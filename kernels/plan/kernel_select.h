@@ -85,12 +85,13 @@ bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device);
 
 // Smallest mean KV length per query row (keys, sum(q_len * kv_len) /
 // sum(q_len) over the batch's prefill sequences) at which kAuto picks
-// kSm90Overlap on Hopper. From the H200 run of 2026-12-01 with the producer
-// that never waits for its copies (bench/results/2026-12-01-session4-h200.md):
-// causal b x n, overlap / sm80 TFLOP/s: n = 1024 247 / 260, 2048 316 / 301,
-// 4096 370 / 326, 16k 420 / 347; batch 16 x 2048: 321 / 304; prefix 32 x 512
-// over 4096: 398 / 335.
-inline constexpr int64_t kAutoSm90MinMeanKv = 2048;
+// kSm90Overlap on Hopper. From the H200 run of 2026-12-01 with the
+// persistent overlapped kernel (bench/results/2026-12-01-session7-h200.md,
+// page_size 1): causal 16k / n sequences of n keys, sm90_overlap / sm80
+// TFLOP/s: n = 512 232 / 207, 1024 327 / 259, 2048 424 / 298, 4096 502 /
+// 323, 16k 571 / 349; prefix 32 x 512 over 4096: 521 / 334. Shorter ranges
+// were not measured and stay on sm80.
+inline constexpr int64_t kAutoSm90MinMeanKv = 512;
 
 // The kernel for a batch whose longest sequence packs max_packed_rows rows
 // (q_len * num_qo_heads / num_kv_heads) and whose query rows see

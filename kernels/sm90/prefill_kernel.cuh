@@ -346,6 +346,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
   }
 
   RegAlloc<Tr::kConsumerRegs>();
+  int tile_n = 0;  // kTrace: tiles run so far
   ForEachTile<Tr>(args, [&](const Tile& tile) {
     const PrefillWorkItem& item = tile.item;
     const PrefillSeq& seq = tile.seq;
@@ -360,6 +361,12 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     const int g0 = tile.g0;
     const int qt = tile.qt;
     const bool first = tile.first;
+    // kTrace: consumer warpgroup 0's stamps of this tile (Sm90Trace::kTileAt).
+    Stamps<kTrace> tst(args, Sm90Trace::kTileAt + tile_n * Sm90Trace::kTilePoints,
+                       tid == 128 && tile_n < Sm90Trace::kTiles);
+    if constexpr (kTrace) ++tile_n;
+    tst.Now(0);
+    tst.Put(5, num_blocks);
 
     // ======================= consumers =======================
     const int cw = wg - 1;               // consumer warpgroup 0 / 1
@@ -664,6 +671,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       if (turns > 0) {
         if (Tr::kPingPong && cw == 1) NamedBarArrive(kTurnBar + 0, 256);
         MbarWait(bar_q, qt & 1);
+        tst.Now(1);
         // Tr::kPersistent: Q is free once this warpgroup's last S has
         // completed (here, for a warpgroup without blocks).
         if (Tr::kPersistent && wg_blocks == 0) MbarArrive(bar_q_empty);
@@ -673,6 +681,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         float alpha[2];
         // Turn 0: S_0 alone.
         turn_begin(0);
+        tst.Now(2);
         FenceRegs(s);
         WgmmaFence();
         issue_s(0);
@@ -735,6 +744,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       }
     }
 
+    tst.Now(3);
     // ---- Epilogue: normalise, LSE (base 2 internally), write.
     float inv[2];
     float lse2[2];
@@ -778,6 +788,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       Stamps<kTrace> header(args, 0, (tid & 127) == 0 && first);
       header.Now(2 + (wg - 1));
     }
+    tst.Now(4);
   });
 }
 

@@ -40,7 +40,8 @@ bool Sm90PrefillSupported();
 // SM: the kernel is persistent) written to `trace` (device
 // memory, trace_ctas * kLongsPerCta values, zeroed by the caller): per CTA a
 // header, the producer's stamps per KV block and each consumer warpgroup's
-// stamps per turn, for the first kTurns blocks / turns (bench/kernel_bench.cc
+// stamps per turn, for the first kTurns blocks / turns, and consumer
+// warpgroup 0's stamps per tile for the first kTiles tiles (bench/kernel_bench.cc
 // --trace reads them). The traced kernel is a separate instantiation: the
 // server's never stamps.
 struct Sm90Trace {
@@ -58,7 +59,13 @@ struct Sm90Trace {
   static constexpr int kConsumerPoints = 8;
   static constexpr int kProducerAt = kHeader;
   static constexpr int ConsumerAt(int cw) { return kProducerAt + kTurns * kProducerPoints + cw * (kTurns + 1) * kConsumerPoints; }
-  static constexpr int kLongsPerCta = kProducerAt + kTurns * kProducerPoints + 2 * (kTurns + 1) * kConsumerPoints;
+  // Consumer warpgroup 0, per tile of the CTA (the first kTiles): 0 start,
+  // 1 Q landed, 2 K_0 landed and the first turn taken, 3 last turn done,
+  // 4 epilogue done, 5 the tile's KV blocks (a count, not a stamp).
+  static constexpr int kTiles = 96;
+  static constexpr int kTilePoints = 6;
+  static constexpr int kTileAt = kProducerAt + kTurns * kProducerPoints + 2 * (kTurns + 1) * kConsumerPoints;
+  static constexpr int kLongsPerCta = kTileAt + kTiles * kTilePoints;
 };
 
 cudaError_t PagedPrefillSm90Traced(const PagedPrefillParams& params, const PrefillWorkItem* items,
