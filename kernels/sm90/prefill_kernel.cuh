@@ -91,6 +91,31 @@ __device__ __forceinline__ void ForEachTile(const PrefillKernelArgs& args, Body&
   }
 }
 
+// Transposes the 4 x 4 matrix of words whose row j lane j of a quad (4
+// consecutive lanes, j = lane % 4) holds in w: afterwards w[i] of lane j is
+// the old w[j] of lane i. Two butterfly stages of two shuffles each (every
+// lane of the warp takes part).
+__device__ __forceinline__ void QuadTranspose(uint32_t (&w)[4], int j) {
+  // Selects, not w[j-dependent index]: the array stays in registers.
+  // Within 2 x 2 blocks: lane j swaps its word of the column whose parity
+  // differs from its own with lane j ^ 1's.
+  const bool odd = (j & 1) != 0;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[2 * q] : w[2 * q + 1], 1);
+    w[2 * q] = odd ? got : w[2 * q];
+    w[2 * q + 1] = odd ? w[2 * q + 1] : got;
+  }
+  // The off-diagonal 2 x 2 blocks: with lane j ^ 2.
+  const bool high = (j & 2) != 0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, high ? w[r] : w[r + 2], 2);
+    w[r] = high ? got : w[r];
+    w[r + 2] = high ? w[r + 2] : got;
+  }
+}
+
 // One CTA's work items (the body of both kernels below; sm_90a only).
 template <typename Tr, typename T, bool kTrace = false>
 __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
@@ -760,9 +785,32 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     for (int h = 0; h < 2; ++h) {
       const int pr = row_base + h * 8;
       const int t = pr / group;
-      if (t >= q_len) continue;
       const int head = kvh * group + (pr - t * group);
-      if (item.part_base >= 0) {
+      if (item.part_base < 0) {
+        // Final output: the quad's four lanes hold 2 columns each of every
+        // 8-column chunk n; after a 4 x 4 transpose within the quad per 4
+        // chunks, lane j holds whole chunks n = 4 m + j and writes each with
+        // one 16-byte store (a warp writes 64 contiguous bytes of each of
+        // its 8 rows, not 16).
+        T* dst = static_cast<T*>(args.o) + ((int64_t)(seq.q_start + t) * H + head) * D + (lane & 3) * 8;
+#pragma unroll
+        for (int m = 0; m < D / 32; ++m) {
+          uint32_t w[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int n = 4 * m + k;
+            w[k] = Pack2<T>(o_acc[4 * n + 2 * h] * inv[h], o_acc[4 * n + 2 * h + 1] * inv[h]);
+          }
+          QuadTranspose(w, lane & 3);
+          if (t < q_len) *reinterpret_cast<uint4*>(dst + m * 32) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        if (t < q_len && (lane & 3) == 0) {
+          args.lse[(int64_t)(seq.q_start + t) * H + head] = seq.lse_base_e ? lse2[h] * kLn2 : lse2[h];
+        }
+        continue;
+      }
+      if (t >= q_len) continue;
+      {
         // Split chunk: fp32 partial (o, lse) into the workspace.
         const int64_t pair = (int64_t)item.part_base + (int64_t)t * H + head;
         float* dst = args.part_o + pair * D + (lane & 3) * 2;
@@ -772,16 +820,6 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
               make_float2(o_acc[4 * n + 2 * h] * inv[h], o_acc[4 * n + 2 * h + 1] * inv[h]);
         }
         if ((lane & 3) == 0) args.part_lse[pair] = lse2[h];
-      } else {
-        T* dst = static_cast<T*>(args.o) + ((int64_t)(seq.q_start + t) * H + head) * D + (lane & 3) * 2;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          *reinterpret_cast<uint32_t*>(dst + n * 8) =
-              Pack2<T>(o_acc[4 * n + 2 * h] * inv[h], o_acc[4 * n + 2 * h + 1] * inv[h]);
-        }
-        if ((lane & 3) == 0) {
-          args.lse[(int64_t)(seq.q_start + t) * H + head] = seq.lse_base_e ? lse2[h] * kLn2 : lse2[h];
-        }
       }
     }
     if constexpr (kTrace) {
