@@ -1,17 +1,21 @@
 // The sm90 paged prefill kernel: wgmma with a warp-specialized producer.
 //
-// One CTA per work item, 3 warpgroups:
+// 3 warpgroups per CTA; one work item per CTA (Schedule::kSerial) or, for
+// the overlapped schedule, a persistent CTA per SM looping over the plan's
+// items (ForEachTile; Traits::kPersistent):
 //  - warpgroup 0 (producer, registers lowered by setmaxnreg) gathers the Q
 //    tile and then K/V blocks of kKB rows with cp.async into a kStages-deep
 //    ring; page_size 1 gathers arbitrary rows, which the tensor copy engine
 //    cannot. Each thread owns one KV row's page-table lookup per block,
-//    loaded one block ahead. A group of copies is complete when cp.async
-//    waits for it; the thread then fences to the async proxy and arrives on
-//    the stage's mbarrier (K and V apart, so S = Q K^T starts before V lands).
-//    With Traits::kTma (the overlapped schedule on pages of 8 rows or more)
-//    whole blocks come by the tensor copy engine instead, one 128-byte
-//    swizzled box per run of rows within a page and column block; the
-//    block's bytes complete the stage's barrier.
+//    loaded one block ahead, and eight lanes copy each 128-byte line. In the
+//    serial schedule a group of copies is complete when cp.async waits for
+//    it; the thread then fences to the async proxy and arrives on the
+//    stage's mbarrier. In the overlapped one each stage's barrier tracks the
+//    copies (cp.async.mbarrier.arrive.noinc; K and V apart, so S = Q K^T
+//    starts before V lands) and, with Traits::kTma (pages of 8 rows or
+//    more), whole blocks come by the tensor copy engine instead, one
+//    128-byte swizzled box per run of rows within a page and column block;
+//    the block's bytes complete the stage's barrier.
 //  - warpgroups 1 and 2 (consumers, registers raised) each own 64 packed
 //    query rows: S = Q K^T by wgmma with both operands in shared memory
 //    (K-major), the boundary mask, the lazy online softmax in base 2, and
@@ -20,9 +24,12 @@
 //    issue S (ping-pong, named barriers) so one's softmax overlaps the other's
 //    GEMMs. Traits::kOverlap (PagedPrefillSm90OverlapKernel) pipelines each
 //    warpgroup instead: turn t issues S_t and P_{t-1} V_{t-1}, then computes
-//    softmax(S_t) while P_{t-1} V_{t-1} runs (traits.cuh, Schedule).
-// The epilogue normalises and writes either the final o / lse or, for a
-// split item, an fp32 partial state for the merge family, as kernels/sm80.
+//    softmax(S_t) while P_{t-1} V_{t-1} runs (traits.cuh, Schedule); they
+//    release Q (q_empty) after their last S, so that the producer loads the
+//    next tile's Q while they finish.
+// The epilogue normalises and writes either the final o / lse (16-byte
+// chunks after a transpose within each quad) or, for a split item, an fp32
+// partial state for the merge family, as kernels/sm80.
 // kTrace (PagedPrefillSm90Traced) adds clock64 stamps of each phase
 // (Sm90Trace); the server's kernels have none.
 //
