@@ -23,7 +23,10 @@
 
 namespace attnserve {
 
-// Runs every work item (one CTA each). params' pointers (q, o, lse, pools,
+// Runs every work item: one CTA each, or for a persistent kernel
+// (PrefillPersistentCtas) a grid of at most params.max_ctas CTAs that loop
+// over them (the plan pads only their layouts with seq -1 items, which do
+// nothing). params' pointers (q, o, lse, pools,
 // kv_indices, seqs) are device pointers. part_o (partial_pairs, head_dim) and
 // part_lse (partial_pairs) are fp32 workspace, used only by split items.
 // cudaErrorInvalidValue for a head_dim the kernel does not support.

@@ -20,7 +20,8 @@ namespace attnserve {
 // alone) kSm90OverlapNoPp.
 enum class Sm90Variant : int32_t { kSerial, kOverlap, kOverlapNoPingPong };
 
-// Runs every work item (one CTA each) as PagedPrefillCuda documents.
+// Runs every work item as PagedPrefillCuda documents (the overlapped
+// variants on a persistent grid of one CTA per SM, at most params.max_ctas).
 // cudaErrorNotSupported on a device that is not compute capability 9.0 (the
 // family is built only for sm_90a); cudaErrorInvalidValue for a head_dim
 // other than 64 or 128.

@@ -115,7 +115,16 @@ void Coverage(const Packed& p, std::vector<int>* by_decode, std::vector<int>* by
   by_decode->assign(p.seqs.size(), 0);
   by_prefill->assign(p.seqs.size(), 0);
   for (const DecodeWorkItem& it : p.decode_items) (*by_decode)[it.seq]++;
-  for (const PrefillWorkItem& it : p.prefill_items) (*by_prefill)[it.seq]++;
+  for (const PrefillWorkItem& it : p.prefill_items) {
+    if (it.seq == -1) {
+      // Padding of a persistent kernel's layout (PrefillPlanOptions::persistent_ctas).
+      EXPECT_GT(PrefillPersistentCtas(p.b.kernel, 132, 1), 0) << "padding for " << PrefillKernelName(p.b.kernel);
+      continue;
+    }
+    ASSERT_GE(it.seq, 0);
+    ASSERT_LT(it.seq, static_cast<int32_t>(p.seqs.size()));
+    (*by_prefill)[it.seq]++;
+  }
 }
 
 TEST(BatchPacker, DecodeBatchRunsOnlyTheDecodeFamily) {
