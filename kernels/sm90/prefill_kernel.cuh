@@ -433,120 +433,150 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     // Warpgroup 0 goes first; every sync meets exactly one arrive (warpgroup 1
     // gives the first and skips its last), so no arrival outlives the CTA.
     constexpr int kTurnBar = 2;
+    // The GEMMs and the softmax of both schedules. Ring stage and phase of
+    // the tile's block t: (g0 + t) (kSerial: g0 = 0, one tile per CTA).
+    float s[KB / 2];
+    uint32_t p[KB / 16][4];
+#pragma unroll
+    for (int i = 0; i < KB / 2; ++i) s[i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < KB / 16; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0u;
+
+    auto stage = [&](int t) { return (g0 + t) % S; };
+    auto phase = [&](int t) -> uint32_t { return ((g0 + t) / S) & 1; };
+    auto issue_s = [&](int t) {
+      const uint32_t k_stage = a_k + stage(t) * Tr::kKvBytes;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t qa = a_q + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
+        const uint32_t kb = k_stage + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
+        WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
+      }
+      WgmmaCommit();
+    };
+    auto issue_pv = [&](int b) {
+      const uint32_t v_stage = a_v + stage(b) * Tr::kKvBytes;
+#pragma unroll
+      for (int j = 0; j < KB / 16; ++j) {
+        WgmmaRS<D, T>(o_acc, p[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
+      }
+      WgmmaCommit();
+    };
+    // Mask (boundary blocks only) and online softmax of S_t in base 2 with
+    // the lazy rescale (kernels/sm80: the running max moves only when a
+    // row's block max exceeds it by more than kLazyRescale, for the whole
+    // warp at once), in place (s becomes P_t in fp32); l_run and m_run move
+    // now, O's rescale by alpha is left to rescale_and_pack (the overlapped
+    // schedule: after the PV wgmma in flight, which accumulates at the old
+    // max). Returns whether O must be rescaled.
+    auto softmax = [&](int t, float (&alpha)[2]) -> bool {
+      const int block_start = kv_begin + t * KB;
+      if (block_start + KB > wg_full_end) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int lim = row_limit(h);
+#pragma unroll
+          for (int n = 0; n < KB / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int pos = block_start + n * 8 + (lane & 3) * 2 + e;
+              if (pos >= lim) s[4 * n + 2 * h + e] = -INFINITY;
+            }
+          }
+        }
+      }
+      float mx2[2];
+      bool grow = false;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < KB / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        mx2[h] = mx * scale_log2;
+        grow |= mx2[h] > m_run[h] + kLazyRescale;
+      }
+      const bool rescale = __any_sync(0xffffffffu, grow);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = rescale ? fmaxf(m_run[h], mx2[h]) : m_run[h];
+        alpha[h] = rescale ? Exp2(m_run[h] - (m_new == -INFINITY ? 0.f : m_new)) : 1.f;
+        m_run[h] = m_new;
+        l_run[h] *= alpha[h];
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float neg_m = m_run[h] == -INFINITY ? 0.f : -m_run[h];
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < KB / 8; ++n) {
+          const float p0 = Exp2(fmaf(s[4 * n + 2 * h], scale_log2, neg_m));
+          const float p1 = Exp2(fmaf(s[4 * n + 2 * h + 1], scale_log2, neg_m));
+          s[4 * n + 2 * h] = p0;
+          s[4 * n + 2 * h + 1] = p1;
+          sum += p0 + p1;
+        }
+        l_run[h] += sum;
+      }
+      return rescale;
+    };
+    // After the PV wgmma's wait: O to the new max, then P_t packed (the
+    // accumulator layout of S is the A-fragment layout).
+    auto rescale_and_pack = [&](bool rescale, const float (&alpha)[2]) {
+      if (rescale) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            o_acc[4 * n + 2 * h] *= alpha[h];
+            o_acc[4 * n + 2 * h + 1] *= alpha[h];
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < KB / 16; ++j) {
+        p[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
+        p[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
+        p[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
+        p[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
+      }
+    };
+
     if constexpr (!Tr::kOverlap) {
       if (Tr::kPingPong && cw == 1 && num_blocks > 0) NamedBarArrive(kTurnBar + 0, 256);
       if (num_blocks > 0) MbarWait(bar_q, 0);
       for (int b = 0; b < num_blocks; ++b) {
-        const int stage = b % S;
-        const uint32_t parity = (b / S) & 1;
         const int block_start = kv_begin + b * KB;
         const bool do_math = wg_active && block_start < wg_kv_end;
-        MbarWait(bar_k(stage), parity);
-        float s[KB / 2];
+        MbarWait(bar_k(stage(b)), phase(b));
         // Whether this warpgroup hands the turn over after issuing (all but
         // warpgroup 1's last block).
         const bool pass_turn = !(cw == 1 && b == num_blocks - 1);
         if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
         if (!do_math && Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
         if (do_math) {
-          // ---- S = Q K^T (fp32), 64 x KB per warpgroup.
-          const uint32_t k_stage = a_k + stage * Tr::kKvBytes;
+          FenceRegs(s);
           WgmmaFence();
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t qa = a_q + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
-            const uint32_t kb = k_stage + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
-            WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
-          }
-          WgmmaCommit();
+          issue_s(b);
           if (Tr::kPingPong && pass_turn) NamedBarArrive(kTurnBar + (1 - cw), 256);
           WgmmaWait<0>();
           FenceRegs(s);
-
-          // ---- Mask (boundary blocks only). s[4 * n + 2 * h + e]: row h, column
-          // n * 8 + (lane % 4) * 2 + e.
-          if (block_start + KB > wg_full_end) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int lim = row_limit(h);
-#pragma unroll
-              for (int n = 0; n < KB / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                  const int pos = block_start + n * 8 + (lane & 3) * 2 + e;
-                  if (pos >= lim) s[4 * n + 2 * h + e] = -INFINITY;
-                }
-              }
-            }
-          }
-          // ---- Online softmax in base 2 with the lazy rescale (kernels/sm80):
-          // the running max moves only when a row's block max exceeds it by more
-          // than kLazyRescale, for the whole warp at once.
-          float mx2[2];
-          bool grow = false;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int n = 0; n < KB / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            mx2[h] = mx * scale_log2;
-            grow |= mx2[h] > m_run[h] + kLazyRescale;
-          }
-          if (__any_sync(0xffffffffu, grow)) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const float m_new = fmaxf(m_run[h], mx2[h]);
-              const float alpha = Exp2(m_run[h] - (m_new == -INFINITY ? 0.f : m_new));
-              m_run[h] = m_new;
-              l_run[h] *= alpha;
-#pragma unroll
-              for (int n = 0; n < D / 8; ++n) {
-                o_acc[4 * n + 2 * h] *= alpha;
-                o_acc[4 * n + 2 * h + 1] *= alpha;
-              }
-            }
-          }
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float neg_m = m_run[h] == -INFINITY ? 0.f : -m_run[h];
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < KB / 8; ++n) {
-              const float p0 = Exp2(fmaf(s[4 * n + 2 * h], scale_log2, neg_m));
-              const float p1 = Exp2(fmaf(s[4 * n + 2 * h + 1], scale_log2, neg_m));
-              s[4 * n + 2 * h] = p0;
-              s[4 * n + 2 * h + 1] = p1;
-              sum += p0 + p1;
-            }
-            l_run[h] += sum;
-          }
+          float alpha[2];
+          const bool rescale = softmax(b, alpha);
+          rescale_and_pack(rescale, alpha);  // O to the new max before this block's P V
         }
-        MbarWait(bar_v(stage), parity);
+        MbarWait(bar_v(stage(b)), phase(b));
         if (do_math) {
-          // ---- O += P V: P (64 x KB) from registers in 16-column slices (the
-          // accumulator layout of S is the A-fragment layout), V MN-major.
-          const uint32_t v_stage = a_v + stage * Tr::kKvBytes;
-          uint32_t pa[KB / 16][4];
-#pragma unroll
-          for (int j = 0; j < KB / 16; ++j) {
-            pa[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
-            pa[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
-            pa[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
-            pa[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
-          }
+          FenceRegs(p);
           FenceRegs(o_acc);
           WgmmaFence();
-#pragma unroll
-          for (int j = 0; j < KB / 16; ++j) {
-            WgmmaRS<D, T>(o_acc, pa[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
-          }
-          WgmmaCommit();
+          issue_pv(b);
           WgmmaWait<0>();
           FenceRegs(o_acc);
+          FenceRegs(p);
         }
-        MbarArrive(bar_k_empty(stage));
+        MbarArrive(bar_k_empty(stage(b)));
       }
     } else {
       // ---- Overlapped schedule. Turn t (0 .. num_blocks) issues S_t = Q K_t^T
@@ -578,19 +608,9 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         Stamps<kTrace> header(args, 0, ctid == 0 && first);
         header.Put(5 + cw, wg_blocks);
       }
-      float s[KB / 2];
-      uint32_t p[KB / 16][4];
-#pragma unroll
-      for (int i = 0; i < KB / 2; ++i) s[i] = 0.f;
-#pragma unroll
-      for (int j = 0; j < KB / 16; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0u;
-
       // Waits for K_t (t < num_blocks) and V_{t-1} (t > 0), then for the turn.
       // The producer's copies completed on the barriers (cp.async writes,
       // generic proxy): fence before wgmma reads them (traits.cuh).
-      // Ring stage and phase of the tile's block t.
-      auto stage = [&](int t) { return (g0 + t) % S; };
-      auto phase = [&](int t) -> uint32_t { return ((g0 + t) / S) & 1; };
       auto turn_begin = [&](int t) {
         stamp(t, 0);
         if (t < num_blocks) MbarWait(bar_k(stage(t)), phase(t));
@@ -604,102 +624,6 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       auto turn_end = [&](int t) {
         if (Tr::kPingPong && !(cw == 1 && t == turns - 1)) NamedBarArrive(kTurnBar + (1 - cw), 256);
       };
-      auto issue_s = [&](int t) {
-        const uint32_t k_stage = a_k + stage(t) * Tr::kKvBytes;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          const uint32_t qa = a_q + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
-          const uint32_t kb = k_stage + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
-          WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
-        }
-        WgmmaCommit();
-      };
-      auto issue_pv = [&](int b) {
-        const uint32_t v_stage = a_v + stage(b) * Tr::kKvBytes;
-#pragma unroll
-        for (int j = 0; j < KB / 16; ++j) {
-          WgmmaRS<D, T>(o_acc, p[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
-        }
-        WgmmaCommit();
-      };
-      // Mask (boundary blocks only) and online softmax of S_t in base 2 with
-      // the lazy rescale, in place (s becomes P_t in fp32); l_run and m_run
-      // move now, O's rescale by alpha waits for the PV wgmma in flight (it
-      // accumulates at the old max). Returns whether O must be rescaled.
-      auto softmax = [&](int t, float (&alpha)[2]) -> bool {
-        const int block_start = kv_begin + t * KB;
-        if (block_start + KB > wg_full_end) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int lim = row_limit(h);
-#pragma unroll
-            for (int n = 0; n < KB / 8; ++n) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int pos = block_start + n * 8 + (lane & 3) * 2 + e;
-                if (pos >= lim) s[4 * n + 2 * h + e] = -INFINITY;
-              }
-            }
-          }
-        }
-        float mx2[2];
-        bool grow = false;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int n = 0; n < KB / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          mx2[h] = mx * scale_log2;
-          grow |= mx2[h] > m_run[h] + kLazyRescale;
-        }
-        const bool rescale = __any_sync(0xffffffffu, grow);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float m_new = rescale ? fmaxf(m_run[h], mx2[h]) : m_run[h];
-          alpha[h] = rescale ? Exp2(m_run[h] - (m_new == -INFINITY ? 0.f : m_new)) : 1.f;
-          m_run[h] = m_new;
-          l_run[h] *= alpha[h];
-        }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float neg_m = m_run[h] == -INFINITY ? 0.f : -m_run[h];
-          float sum = 0.f;
-#pragma unroll
-          for (int n = 0; n < KB / 8; ++n) {
-            const float p0 = Exp2(fmaf(s[4 * n + 2 * h], scale_log2, neg_m));
-            const float p1 = Exp2(fmaf(s[4 * n + 2 * h + 1], scale_log2, neg_m));
-            s[4 * n + 2 * h] = p0;
-            s[4 * n + 2 * h + 1] = p1;
-            sum += p0 + p1;
-          }
-          l_run[h] += sum;
-        }
-        return rescale;
-      };
-      // After the PV wgmma's wait: O to the new max, then P_t packed (the
-      // accumulator layout of S is the A-fragment layout).
-      auto rescale_and_pack = [&](bool rescale, const float (&alpha)[2]) {
-        if (rescale) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-              o_acc[4 * n + 2 * h] *= alpha[h];
-              o_acc[4 * n + 2 * h + 1] *= alpha[h];
-            }
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < KB / 16; ++j) {
-          p[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
-          p[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
-          p[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
-          p[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
-        }
-      };
-
       if (turns > 0) {
         if (Tr::kPingPong && cw == 1) NamedBarArrive(kTurnBar + 0, 256);
         MbarWait(bar_q, qt & 1);
