@@ -18,7 +18,8 @@
 // decode) at page_size 1 and 16 (--page_sizes=1,16,64 to choose) with the
 // default plan, and `sweep` the
 // sequence-length sweep at page_size 1 (16k query tokens as 32 x 512 ..
-// 1 x 16384, causal); no merge.
+// 1 x 16384, causal); no merge. sweep_lenN is one point of the sweep, run
+// like the anchors (--page_sizes, --trace).
 // --trace=N (with --kernel=sm90_overlap --workload=...): after timing, runs
 // the workload once more through the traced kernel (PagedPrefillSm90Traced)
 // and prints where the first N CTAs' cycles went, phase by phase.
@@ -180,6 +181,11 @@ void PrintTrace(const std::string& name, const std::vector<long long>& tr, int c
   // tile's epilogue to this one's start, the waits for Q and for K_0 and the
   // first turn, the turns per block, the epilogue; and all of it per block.
   std::vector<long long> gap, q_wait, k0_wait, turns_per_block, epilogue, tile_per_block_all, blocks;
+  // Relative to the previous tile's last turn of consumer warpgroup 0: its
+  // epilogue's row sums done and epilogue end, warpgroup 1's last turn and
+  // epilogue end, the producer's start of this tile and its K_0 and Q
+  // issue, and when warpgroup 0 saw Q land.
+  std::vector<long long> r_epi_sums, r_epi_end, r_wg1_last, r_wg1_epi_end, r_p_start, r_p_k0, r_p_q, r_q_landed;
   for (int c = 0; c < ctas; ++c) {
     const long long* tl = tr.data() + size_t(c) * Tr::kLongsPerCta + Tr::kTileAt;
     for (int n = 1; n < Tr::kTiles; ++n) {
@@ -194,6 +200,15 @@ void PrintTrace(const std::string& name, const std::vector<long long>& tr, int c
       epilogue.push_back(a[4] - a[3]);
       tile_per_block_all.push_back((a[4] - prev[4]) / nb);
       blocks.push_back(nb);
+      const long long t0 = prev[3];
+      r_epi_sums.push_back(prev[10] - t0);
+      r_epi_end.push_back(prev[4] - t0);
+      r_wg1_last.push_back(prev[11] - t0);
+      r_wg1_epi_end.push_back(prev[9] - t0);
+      r_p_start.push_back(a[6] - t0);
+      r_p_k0.push_back(a[8] - t0);
+      r_p_q.push_back(a[7] - t0);
+      r_q_landed.push_back(a[1] - t0);
     }
   }
   line("tile_gap_after_epilogue", gap);
@@ -203,6 +218,14 @@ void PrintTrace(const std::string& name, const std::vector<long long>& tr, int c
   line("tile_epilogue", epilogue);
   line("tile_blocks", blocks);
   line("tile_all_per_block", tile_per_block_all);
+  line("rel_wg0_epilogue_sums", r_epi_sums);
+  line("rel_wg0_epilogue_end", r_epi_end);
+  line("rel_wg1_last_turn", r_wg1_last);
+  line("rel_wg1_epilogue_end", r_wg1_epi_end);
+  line("rel_producer_tile_start", r_p_start);
+  line("rel_producer_k0_issued", r_p_k0);
+  line("rel_producer_q_issued", r_p_q);
+  line("rel_wg0_q_landed", r_q_landed);
   std::fflush(stdout);
 }
 
@@ -516,12 +539,23 @@ int main(int argc, char** argv) {
         start = end + 1;
         continue;
       }
+      // One point of the sweep (sweep_lenN), with --page_sizes and --trace.
+      if (name.rfind("sweep_len", 0) == 0) {
+        const int len = std::atoi(name.c_str() + 9);
+        if (len < 1 || len > 16384 || 16384 % len != 0) {
+          std::fprintf(stderr, "--workload=%s: sweep_lenN takes N dividing 16384\n", name.c_str());
+          return 2;
+        }
+        for (int ps : page_sizes) RunPrefill({name, 16384 / len, len, len}, ps, forced, reps, -1, trace_ctas);
+        start = end + 1;
+        continue;
+      }
       const Workload* found = nullptr;
       for (const auto& w : anchors) {
         if (w.name == name) found = &w;
       }
       if (found == nullptr) {
-        std::fprintf(stderr, "--workload=%s: expected names among long, batch, prefix, decode, sweep\n",
+        std::fprintf(stderr, "--workload=%s: expected names among long, batch, prefix, decode, sweep, sweep_lenN\n",
                      only_workload.c_str());
         return 2;
       }

@@ -232,6 +232,8 @@ cudaError_t MakeArgs(const PagedPrefillParams& params, const PrefillWorkItem* it
   args->num_qo_heads = geo.num_qo_heads;
   args->num_kv_heads = geo.num_kv_heads;
   args->page_size = geo.page_size;
+  args->group = FastDiv(geo.num_qo_heads / geo.num_kv_heads);
+  args->page = FastDiv(geo.page_size);
   args->slots_per_layer = geo.SlotsPerLayer();
   return cudaSuccess;
 }

@@ -4,9 +4,10 @@
 // the overlapped schedule, a persistent CTA per SM looping over the plan's
 // items (ForEachTile; Traits::kPersistent):
 //  - warpgroup 0 (producer, registers lowered by setmaxnreg) gathers the Q
-//    tile and then K/V blocks of kKB rows with cp.async into a kStages-deep
-//    ring; page_size 1 gathers arbitrary rows, which the tensor copy engine
-//    cannot. Each thread owns one KV row's page-table lookup per block,
+//    tile and K/V blocks of kKB rows with cp.async into rings of kKStages
+//    K and kVStages V stages; page_size 1 gathers arbitrary rows, which the
+//    tensor copy engine cannot. Each thread owns one KV row's page-table
+//    lookup per block,
 //    loaded one block ahead, and eight lanes copy each 128-byte line. In the
 //    serial schedule a group of copies is complete when cp.async waits for
 //    it; the thread then fences to the async proxy and arrives on the
@@ -24,9 +25,14 @@
 //    issue S (ping-pong, named barriers) so one's softmax overlaps the other's
 //    GEMMs. Traits::kOverlap (PagedPrefillSm90OverlapKernel) pipelines each
 //    warpgroup instead: turn t issues S_t and P_{t-1} V_{t-1}, then computes
-//    softmax(S_t) while P_{t-1} V_{t-1} runs (traits.cuh, Schedule); they
-//    release Q (q_empty) after their last S, so that the producer loads the
-//    next tile's Q while they finish.
+//    softmax(S_t) while P_{t-1} V_{t-1} runs (traits.cuh, Schedule). Q has
+//    two buffers there: the producer loads the next tile's Q as it starts a
+//    tile (a Q load takes longer than a tile's last turn and epilogue), and
+//    the consumers release a buffer (q_empty) after their last S of its
+//    tile. Their turns run on across tiles, so that warpgroup 0 starts the
+//    next tile while warpgroup 1 finishes this one.
+// Per-tile index arithmetic divides by launch constants (FastDiv), and each
+// tile's descriptor is read while the last one's epilogue runs.
 // The epilogue normalises and writes either the final o / lse (16-byte
 // chunks after a transpose within each quad) or, for a split item, an fp32
 // partial state for the merge family, as kernels/sm80.
@@ -65,36 +71,73 @@ struct Tile {
   int diag;        // causal: row t sees KV positions j <= t + diag
   int kv_end;      // the tile reads [item.kv_begin, kv_end): causal rows stop at their diagonal
   int num_blocks;  // KV blocks of Tr::kKB keys
-  int g0;          // ring position of block 0 (stage g0 % kStages)
-  int qt;          // the tile's Q phase: earlier tiles of the CTA that loaded Q
+  int g0;          // ring position of block 0 (K stage g0 % kKStages, V stage g0 % kVStages)
+  int qt;          // the tile's Q phase: earlier tiles of the CTA (Tr::kPersistent)
+  bool q_ahead;    // Tr::kPersistent: the Q tile is loaded by the previous tile's producer
+  int idx;         // the item's index in the plan
+  int n;           // the CTA's tiles before this one (padding not counted)
   bool first;      // the CTA's first tile (kTrace stamps it)
 };
 
-// body(tile) for each item of this CTA: item blockIdx.x, then (Tr::kPersistent)
-// every gridDim.x-th after it, skipping padding (seq -1); the ring position
-// and Q phase count on across tiles. Producer and consumers walk the same
-// items.
+// Item idx's descriptor and KV blocks (not its ring position or phases);
+// item.seq < 0 (padding): nothing else is set.
+template <typename Tr>
+__device__ __forceinline__ Tile MakeTile(const PrefillKernelArgs& args, int idx) {
+  Tile t;
+  t.item = args.items[idx];
+  t.idx = idx;
+  if (t.item.seq < 0) return t;
+  t.seq = args.seqs[t.item.seq];
+  t.group = args.group.d;
+  t.diag = t.seq.kv_len - t.seq.q_len + t.seq.causal_shift;
+  const int t_last = min(t.seq.q_len - 1, args.group.Div(t.item.row_begin + Tr::kM - 1));
+  t.kv_end = t.seq.causal != 0 ? min(t.item.kv_end, t_last + t.diag + 1) : t.item.kv_end;
+  t.num_blocks = t.kv_end > t.item.kv_begin ? (t.kv_end - t.item.kv_begin + Tr::kKB - 1) / Tr::kKB : 0;
+  return t;
+}
+
+// Brings the line at p into L1.
+__device__ __forceinline__ void PrefetchL1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+}
+
+// body(tile, fetch_next) for each item of this CTA: item blockIdx.x, then
+// (Tr::kPersistent) every gridDim.x-th after it, skipping padding (seq -1);
+// the ring position and Q phase count on across tiles. Producer and
+// consumers walk the same items. fetch_next() loads the next item's
+// descriptor (two dependent global reads): the body calls it where the
+// reads can overlap its own work (the consumers before their epilogue),
+// so that the next tile does not start by waiting on them; a body that does
+// not call it gets it after it returns.
 template <typename Tr, typename Body>
 __device__ __forceinline__ void ForEachTile(const PrefillKernelArgs& args, Body&& body) {
   const int step = Tr::kPersistent ? static_cast<int>(gridDim.x) : args.num_items;
   int ring = 0;
-  int q_tiles = 0;
-  for (int idx = blockIdx.x; idx < args.num_items; idx += step) {
-    Tile t;
-    t.item = args.items[idx];
-    if (t.item.seq < 0) continue;
-    t.seq = args.seqs[t.item.seq];
-    t.group = args.num_qo_heads / args.num_kv_heads;
-    t.diag = t.seq.kv_len - t.seq.q_len + t.seq.causal_shift;
-    const int t_last = min(t.seq.q_len - 1, (t.item.row_begin + Tr::kM - 1) / t.group);
-    t.kv_end = t.seq.causal != 0 ? min(t.item.kv_end, t_last + t.diag + 1) : t.item.kv_end;
-    t.num_blocks = t.kv_end > t.item.kv_begin ? (t.kv_end - t.item.kv_begin + Tr::kKB - 1) / Tr::kKB : 0;
-    t.g0 = ring;
-    t.qt = q_tiles;
-    t.first = idx == static_cast<int>(blockIdx.x);
-    ring += t.num_blocks;
-    q_tiles += t.num_blocks > 0 ? 1 : 0;
-    body(t);
+  int n = 0;
+  bool prev_valid = false;  // item idx - step is not padding
+  int idx = blockIdx.x;
+  Tile t;
+  if (idx < args.num_items) t = MakeTile<Tr>(args, idx);
+  for (; idx < args.num_items; idx += step) {
+    Tile next;
+    bool fetched = false;
+    auto fetch_next = [&]() {
+      if (!fetched && idx + step < args.num_items) next = MakeTile<Tr>(args, idx + step);
+      fetched = true;
+    };
+    const bool valid = t.item.seq >= 0;
+    t.q_ahead = Tr::kPersistent && prev_valid;
+    prev_valid = valid;
+    if (valid) {
+      t.g0 = ring;
+      t.qt = n;
+      t.first = idx == static_cast<int>(blockIdx.x);
+      t.n = n++;
+      ring += t.num_blocks;
+      body(t, fetch_next);
+    }
+    fetch_next();
+    t = next;
   }
 }
 
@@ -128,40 +171,49 @@ template <typename Tr, typename T, bool kTrace = false>
 __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
   constexpr int D = Tr::kD;
   constexpr int KB = Tr::kKB;
-  constexpr int S = Tr::kStages;
+  constexpr int SK = Tr::kKStages;
+  constexpr int SV = Tr::kVStages;
+  constexpr int QB = Tr::kQBufs;
   extern __shared__ uint8_t smem_raw[];
   // Align to the 1024-byte swizzle atom (descriptors assume base offset 0).
   const uint32_t raw_addr = SmemAddr(smem_raw);
   uint8_t* smem = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);
   const uint32_t base = SmemAddr(smem);
-  const uint32_t a_q = base + Tr::kQOff;
+  // Q buffer qb (a tile with Q phase qt uses qt % QB), K and V stages.
+  auto a_q = [&](int qb) { return base + Tr::kQOff + qb * Tr::kQBytes; };
   const uint32_t a_k = base + Tr::kKOff;
   const uint32_t a_v = base + Tr::kVOff;
   int32_t* s_slot = reinterpret_cast<int32_t*>(smem + Tr::kSlotOff);
-  const uint32_t bar_q = base + Tr::kBarOff;
-  auto bar_k = [&](int s) { return bar_q + 8 * (1 + s); };
-  auto bar_v = [&](int s) { return bar_q + 8 * (1 + S + s); };
+  const uint32_t bars = base + Tr::kBarOff;
+  // Completed by the producer (128 arrivals, plus the tensor copies' bytes).
+  auto bar_q = [&](int qb) { return bars + 8 * (Tr::kBarQFull + qb); };
+  auto bar_k = [&](int s) { return bars + 8 * (Tr::kBarKFull + s); };
+  auto bar_v = [&](int s) { return bars + 8 * (Tr::kBarVFull + s); };
   // Released by the consumers (256 arrivals): the stage's K and V buffers
   // (one barrier), or K and V apart (Tr::kSplitEmpty).
-  auto bar_k_empty = [&](int s) { return bar_q + 8 * (1 + 2 * S + s); };
-  auto bar_v_empty = [&](int s) { return bar_q + 8 * (1 + (Tr::kSplitEmpty ? 3 : 2) * S + s); };
+  auto bar_k_empty = [&](int s) { return bars + 8 * (Tr::kBarKEmpty + s); };
+  auto bar_v_empty = [&](int s) { return bars + 8 * (Tr::kBarVEmpty + s); };
+  // Tr::kPersistent: released by the consumers (256 arrivals) once their
+  // last S = Q K^T of a tile has completed; the producer then loads the
+  // Q of the tile QB after it into the buffer.
+  auto bar_q_empty = [&](int qb) { return bars + 8 * (Tr::kBarQEmpty + qb); };
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;  // 0 producer, 1..2 consumers
-  // Tr::kPersistent: released by the consumers (256 arrivals) once their
-  // last S = Q K^T of a tile has completed; the producer then loads the
-  // next tile's Q.
-  const uint32_t bar_q_empty = bar_q + 8 * (Tr::kNumBars - 1);
 
   if (tid == 0) {
-    MbarInit(bar_q, 128);
-    for (int s = 0; s < S; ++s) {
+    for (int qb = 0; qb < QB; ++qb) {
+      MbarInit(bar_q(qb), 128);
+      if (Tr::kPersistent) MbarInit(bar_q_empty(qb), 256);
+    }
+    for (int s = 0; s < SK; ++s) {
       MbarInit(bar_k(s), 128);
-      MbarInit(bar_v(s), 128);
       MbarInit(bar_k_empty(s), 256);
+    }
+    for (int s = 0; s < SV; ++s) {
+      MbarInit(bar_v(s), 128);
       if (Tr::kSplitEmpty) MbarInit(bar_v_empty(s), 256);
     }
-    if (Tr::kPersistent) MbarInit(bar_q_empty, 256);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -169,13 +221,12 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
   // dominates code of that role alone (C7507 otherwise).
   if (wg == 0) {
     RegDealloc<Tr::kProducerRegs>();
-    ForEachTile<Tr>(args, [&](const Tile& tile) {
+    ForEachTile<Tr>(args, [&](const Tile& tile, auto&&) {
       const PrefillWorkItem& item = tile.item;
       const PrefillSeq& seq = tile.seq;
       const int H = args.num_qo_heads;
       const int group = tile.group;
       const int kvh = item.kv_head;
-      const int q_len = seq.q_len;
       const int kv_begin = item.kv_begin;
       const int kv_end = tile.kv_end;
       const int num_blocks = tile.num_blocks;
@@ -193,49 +244,58 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       // ======================= producer =======================
       const int c = tid % Tr::kChunks;
       const int r0 = tid / Tr::kChunks;
-      // A negative scale is moved into Q (sign flip of the thread's own chunks
-      // once they land): the softmax takes row maxima on raw logits and needs a
-      // positive scale.
-      const bool negate_q = seq.sm_scale < 0.f;
 
-      // ---- Q tile: packed row r -> token r / group, head kvh * group + r % group.
-      auto issue_q = [&]() {
+      // ---- Q tile of tile qtile into buffer qb: packed row r -> token
+      // r / group, head kvh * group + r % group. The thread's rows are
+      // r0 + kRowsPerPass * p: one division, then carries.
+      auto issue_q = [&](const Tile& qtile, int qb) {
         const T* q = static_cast<const T*>(args.q);
+        const int pr0 = qtile.item.row_begin + r0;
+        int t = args.group.Div(pr0);
+        int g = pr0 - t * group;
+        const int dt = args.group.Div(Tr::kRowsPerPass);
+        const int dg = Tr::kRowsPerPass - dt * group;
+        const T* head0 = q + (static_cast<int64_t>(qtile.seq.q_start) * H + qtile.item.kv_head * group) * D + c * 8;
 #pragma unroll
         for (int p = 0; p < Tr::kQPasses; ++p) {
-          const int r = p * Tr::kRowsPerPass + r0;
-          const int pr = item.row_begin + r;
-          const int t = pr / group;
-          const int g = pr - t * group;
-          const bool valid = t < q_len;
-          const T* src = valid ? q + ((int64_t)(seq.q_start + t) * H + kvh * group + g) * D + c * 8 : q;
-          CpAsync16(a_q + TileOff<Tr::kM>(r, c), src, valid);
+          const bool valid = t < qtile.seq.q_len;
+          const T* src = valid ? head0 + (static_cast<int64_t>(t) * H + g) * D : q;
+          CpAsync16(a_q(qb) + TileOff<Tr::kM>(p * Tr::kRowsPerPass + r0, c), src, valid);
+          t += dt;
+          g += dg;
+          if (g >= group) {
+            g -= group;
+            ++t;
+          }
         }
         CpAsyncCommit();
       };
+      // A negative scale is moved into Q (sign flip of the thread's own chunks
+      // once they land): the softmax takes row maxima on raw logits and needs a
+      // positive scale.
       // Copy groups in issue order: G0 the Q tile, then K_b = G(2b+1) and
       // V_b = G(2b+2). complete(g), once cp.async has waited for group g, makes
       // its bytes visible to wgmma (the async proxy) and arrives on its barrier.
-      auto complete_q = [&]() {
-        if (negate_q) {
+      auto complete_q = [&](const Tile& qtile, int qb) {
+        if (qtile.seq.sm_scale < 0.f) {
 #pragma unroll
           for (int p = 0; p < Tr::kQPasses; ++p) {
-            uint4* ptr = reinterpret_cast<uint4*>(smem + Tr::kQOff + TileOff<Tr::kM>(p * Tr::kRowsPerPass + r0, c));
+            uint4* ptr = reinterpret_cast<uint4*>(smem + (a_q(qb) - base) + TileOff<Tr::kM>(p * Tr::kRowsPerPass + r0, c));
             uint4 v = *ptr;
             v.x ^= 0x80008000u; v.y ^= 0x80008000u; v.z ^= 0x80008000u; v.w ^= 0x80008000u;
             *ptr = v;
           }
         }
         FenceProxyAsync();
-        MbarArrive(bar_q);
+        MbarArrive(bar_q(qb));
       };
       auto complete = [&](int g) {
         if (g == 0) {
-          complete_q();
+          complete_q(tile, 0);
           return;
         }
         FenceProxyAsync();
-        MbarArrive((g & 1) ? bar_k(((g - 1) >> 1) % S) : bar_v(((g - 2) >> 1) % S));
+        MbarArrive((g & 1) ? bar_k(((g - 1) >> 1) % SK) : bar_v(((g - 2) >> 1) % SV));
       };
 
       // K and V rows by cp.async: lane (tid % 8) of the producer copies 16-byte
@@ -249,14 +309,13 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       const char* k_base = static_cast<const char*>(args.k_cache) + kv_base;
       const char* v_base = static_cast<const char*>(args.v_cache) + kv_base;
       const int32_t* pages = args.kv_indices + seq.kv_start;
-      const int ps = args.page_size;
       // Slot of row `tid` of block `block` within the layer (-1: past the
       // end).
       auto row_slot = [&](int block) -> int32_t {
         const int pos = kv_begin + block * KB + tid;
         if (pos >= kv_end) return -1;
-        const int page = __ldg(pages + pos / ps);
-        return page * ps + pos % ps;
+        const int page_at = args.page.Div(pos);
+        return __ldg(pages + page_at) * args.page.d + (pos - page_at * args.page.d);
       };
       // (Tr::kTma: only a range's partial blocks come this way; a rolled loop
       // leaves the tensor-copy producer registers for its boxes.)
@@ -307,24 +366,32 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
 
       int32_t my_slot = num_blocks > 0 ? row_slot(0) : 0;
       if constexpr (Tr::kOverlap) {
-        // The Q tile once the consumers have released the previous one (after
-        // its last S): tracked by q_full like K and V, or waited for and
-        // flipped for a negative scale.
-        if (num_blocks > 0) {
-          if (Tr::kPersistent && qt > 0) MbarWait(bar_q_empty, (qt - 1) & 1);
-          issue_q();
-          if (negate_q) {
+        // kTrace: the producer's stamps of this tile (Sm90Trace::kTileAt).
+        Stamps<kTrace> pst(args, Sm90Trace::kTileAt + tile.n * Sm90Trace::kTilePoints,
+                           tid == 0 && tile.n < Sm90Trace::kTiles);
+        pst.Now(6);
+        // The Q tile of Q phase qp (tile qtile) once the consumers have
+        // released the buffer's previous tile (after its last S): tracked by
+        // q_full like K and V, or waited for and flipped for a negative scale.
+        auto load_q = [&](const Tile& qtile, int qp) {
+          const int qb = qp % QB;
+          if (qp >= QB) MbarWait(bar_q_empty(qb), ((qp / QB) - 1) & 1);
+          issue_q(qtile, qb);
+          if (qtile.seq.sm_scale < 0.f) {
             CpAsyncWait<0>();
-            complete(0);
+            complete_q(qtile, qb);
           } else {
-            CpAsyncArriveNoinc(bar_q);
+            CpAsyncArriveNoinc(bar_q(qb));
           }
-        }
-        // Then K and V, tracked by the stages' mbarriers (traits.cuh).
+        };
+        // K and V, tracked by the stages' mbarriers (traits.cuh). Block b's
+        // slots are shared before its K; block 0's K is issued before Q, and
+        // that step is peeled so that Q's addressing is not live across the
+        // block loop (the producer has 64 registers).
         Stamps<kTrace> st(args, Sm90Trace::kProducerAt, tid == 0 && first);
-        for (int b = 0; b < num_blocks; ++b) {
+        auto issue_k_block = [&](int b) {
           const int g = g0 + b;  // ring position
-          const int stage = g % S;
+          const int stage = g % SK;
           const int pt = b < Sm90Trace::kTurns ? b * Sm90Trace::kProducerPoints : -1;
           if (pt >= 0) st.Now(pt + 0);
           int32_t* slots = s_slot + (g & 1) * KB;
@@ -332,32 +399,63 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           NamedBarSync(1, 128);
           if (pt >= 0) st.Now(pt + 1);
           if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
-          if (g >= S) MbarWait(bar_k_empty(stage), ((g / S) & 1) ^ 1);
+          if (g >= SK) MbarWait(bar_k_empty(stage), ((g / SK) & 1) ^ 1);
           if (pt >= 0) st.Now(pt + 2);
           if (!Tr::kTma || !issue_tma(&args.k_map, Tr::kKOff + stage * Tr::kKvBytes, slots, bar_k(stage), b)) {
             issue(k_base, a_k + stage * Tr::kKvBytes, slots);
             CpAsyncArriveNoinc(bar_k(stage));
           }
           if (pt >= 0) st.Now(pt + 3);
-          if (g >= S) MbarWait(bar_v_empty(stage), ((g / S) & 1) ^ 1);
+        };
+        auto issue_v_block = [&](int b) {
+          const int g = g0 + b;
+          const int stage = g % SV;
+          const int pt = b < Sm90Trace::kTurns ? b * Sm90Trace::kProducerPoints : -1;
+          const int32_t* slots = s_slot + (g & 1) * KB;
+          if (g >= SV) MbarWait(bar_v_empty(stage), ((g / SV) & 1) ^ 1);
           if (pt >= 0) st.Now(pt + 4);
           if (!Tr::kTma || !issue_tma(&args.v_map, Tr::kVOff + stage * Tr::kKvBytes, slots, bar_v(stage), b)) {
             issue(v_base, a_v + stage * Tr::kKvBytes, slots);
             CpAsyncArriveNoinc(bar_v(stage));
           }
           if (pt >= 0) st.Now(pt + 5);
+        };
+        // Block 0, then this tile's Q unless the previous item's producer
+        // loaded it, then block 0's V and the next item's Q (into the other
+        // buffer, once its last tile has run its last S: about when block 0
+        // of this tile is issued), so that it lands while this tile runs,
+        // not after it: a Q load takes longer than the last turn and the
+        // epilogue.
+        static_assert(QB == 2, "a persistent CTA loads Q a tile ahead");
+        if (num_blocks > 0) issue_k_block(0);
+        pst.Now(8);
+        if (!tile.q_ahead) load_q(tile, qt);
+        if (num_blocks > 0) issue_v_block(0);
+        const int next_idx = tile.idx + static_cast<int>(gridDim.x);
+        if (next_idx < args.num_items) {
+          const Tile next = MakeTile<Tr>(args, next_idx);
+          if (next.item.seq >= 0) {
+            load_q(next, qt + 1);
+            // Its first page-table line, for its first block's slots.
+            PrefetchL1(args.kv_indices + next.seq.kv_start + args.page.Div(next.item.kv_begin));
+          }
+        }
+        pst.Now(7);
+        for (int b = 1; b < num_blocks; ++b) {
+          issue_k_block(b);
+          issue_v_block(b);
         }
       } else {
         // One tile per CTA (Tr::kPersistent is false): ring positions are
         // block indices.
-        issue_q();
+        issue_q(tile, 0);
         for (int b = 0; b < num_blocks; ++b) {
-          const int stage = b % S;
+          const int stage = b % SK;  // SK == SV
           int32_t* slots = s_slot + (b & 1) * KB;
           slots[tid] = my_slot;
           NamedBarSync(1, 128);
           if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
-          if (b >= S) MbarWait(bar_k_empty(stage), ((b / S) & 1) ^ 1);
+          if (b >= SK) MbarWait(bar_k_empty(stage), ((b / SK) & 1) ^ 1);
           // kInFlight groups stay in flight; the oldest beyond them completes.
           issue(k_base, a_k + stage * Tr::kKvBytes, slots);
           CpAsyncWait<Tr::kInFlight>();
@@ -378,8 +476,19 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
   }
 
   RegAlloc<Tr::kConsumerRegs>();
-  int tile_n = 0;  // kTrace: tiles run so far
-  ForEachTile<Tr>(args, [&](const Tile& tile) {
+  // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs
+  // (named barriers kTurnBar + warpgroup, 256 threads: one warpgroup syncs,
+  // the other arrives), so that one's softmax runs beside the other's GEMMs.
+  // Warpgroup 0 goes first; every sync meets exactly one arrive, so that no
+  // arrival outlives the CTA. kSerial (one tile per CTA): warpgroup 1 gives
+  // the first turn and skips its last arrival. kOverlap: the turns run on
+  // across the CTA's tiles, so that warpgroup 0 starts the next tile while
+  // warpgroup 1 finishes this one; warpgroup 1 gives the first turn of the
+  // first tile with KV blocks and arrives after every turn, and warpgroup 0
+  // meets its last arrival after the last tile.
+  constexpr int kTurnBar = 2;
+  bool turns_begun = false;  // kOverlap: this CTA has taken a turn
+  ForEachTile<Tr>(args, [&](const Tile& tile, auto&& fetch_next) {
     const PrefillWorkItem& item = tile.item;
     const PrefillSeq& seq = tile.seq;
     const int H = args.num_qo_heads;
@@ -393,10 +502,12 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     const int g0 = tile.g0;
     const int qt = tile.qt;
     const bool first = tile.first;
-    // kTrace: consumer warpgroup 0's stamps of this tile (Sm90Trace::kTileAt).
-    Stamps<kTrace> tst(args, Sm90Trace::kTileAt + tile_n * Sm90Trace::kTilePoints,
-                       tid == 128 && tile_n < Sm90Trace::kTiles);
-    if constexpr (kTrace) ++tile_n;
+    // kTrace: consumer warpgroup 0's stamps of this tile (Sm90Trace::kTileAt;
+    // warpgroup 1 stamps the end of its epilogue).
+    Stamps<kTrace> tst(args, Sm90Trace::kTileAt + tile.n * Sm90Trace::kTilePoints,
+                       tid == 128 && tile.n < Sm90Trace::kTiles);
+    Stamps<kTrace> tst1(args, Sm90Trace::kTileAt + tile.n * Sm90Trace::kTilePoints,
+                        tid == 256 && tile.n < Sm90Trace::kTiles);
     tst.Now(0);
     tst.Put(5, num_blocks);
 
@@ -410,12 +521,12 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     const int row_base = item.row_begin + wg_row0 + warp * 16 + (lane >> 2);
     const int item_kv_end = item.kv_end;
     auto row_limit = [&](int h) {
-      const int t = (row_base + h * 8) / group;
+      const int t = args.group.Div(row_base + h * 8);
       return causal ? min(item_kv_end, t + diag + 1) : item_kv_end;
     };
     // This warpgroup's rows: the KV positions they see, and those all see.
-    const int wg_t_first = (item.row_begin + wg_row0) / group;
-    const int wg_t_last = min(q_len - 1, (item.row_begin + wg_row0 + Tr::kWgRows - 1) / group);
+    const int wg_t_first = args.group.Div(item.row_begin + wg_row0);
+    const int wg_t_last = min(q_len - 1, args.group.Div(item.row_begin + wg_row0 + Tr::kWgRows - 1));
     const bool wg_active = wg_t_first < q_len;
     const int wg_kv_end = causal ? min(item_kv_end, wg_t_last + diag + 1) : item_kv_end;
     const int wg_full_end = causal ? min(item_kv_end, wg_t_first + diag + 1) : item_kv_end;
@@ -427,12 +538,6 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_run[2] = {0.f, 0.f};
 
-    // Ping-pong: the two consumer warpgroups take turns issuing S = Q K^T
-    // (named barriers kTurnBar + warpgroup, 256 threads: one warpgroup syncs,
-    // the other arrives), so that one's softmax runs beside the other's GEMMs.
-    // Warpgroup 0 goes first; every sync meets exactly one arrive (warpgroup 1
-    // gives the first and skips its last), so no arrival outlives the CTA.
-    constexpr int kTurnBar = 2;
     // The GEMMs and the softmax of both schedules. Ring stage and phase of
     // the tile's block t: (g0 + t) (kSerial: g0 = 0, one tile per CTA).
     float s[KB / 2];
@@ -442,23 +547,27 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
 #pragma unroll
     for (int j = 0; j < KB / 16; ++j) p[j][0] = p[j][1] = p[j][2] = p[j][3] = 0u;
 
-    auto stage = [&](int t) { return (g0 + t) % S; };
-    auto phase = [&](int t) -> uint32_t { return ((g0 + t) / S) & 1; };
+    auto k_stage = [&](int t) { return (g0 + t) % SK; };
+    auto k_phase = [&](int t) -> uint32_t { return ((g0 + t) / SK) & 1; };
+    auto v_stage = [&](int t) { return (g0 + t) % SV; };
+    auto v_phase = [&](int t) -> uint32_t { return ((g0 + t) / SV) & 1; };
+    const int qb = qt % QB;
+    const uint32_t a_qt = a_q(qb);
     auto issue_s = [&](int t) {
-      const uint32_t k_stage = a_k + stage(t) * Tr::kKvBytes;
+      const uint32_t k_at = a_k + k_stage(t) * Tr::kKvBytes;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t qa = a_q + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
-        const uint32_t kb = k_stage + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
+        const uint32_t qa = a_qt + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
+        const uint32_t kb = k_at + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
         WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
       }
       WgmmaCommit();
     };
     auto issue_pv = [&](int b) {
-      const uint32_t v_stage = a_v + stage(b) * Tr::kKvBytes;
+      const uint32_t v_at = a_v + v_stage(b) * Tr::kKvBytes;
 #pragma unroll
       for (int j = 0; j < KB / 16; ++j) {
-        WgmmaRS<D, T>(o_acc, p[j], MakeDesc(v_stage + j * 16 * 128, KB * 128, 1024));
+        WgmmaRS<D, T>(o_acc, p[j], MakeDesc(v_at + j * 16 * 128, KB * 128, 1024));
       }
       WgmmaCommit();
     };
@@ -545,11 +654,11 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
 
     if constexpr (!Tr::kOverlap) {
       if (Tr::kPingPong && cw == 1 && num_blocks > 0) NamedBarArrive(kTurnBar + 0, 256);
-      if (num_blocks > 0) MbarWait(bar_q, 0);
+      if (num_blocks > 0) MbarWait(bar_q(0), 0);
       for (int b = 0; b < num_blocks; ++b) {
         const int block_start = kv_begin + b * KB;
         const bool do_math = wg_active && block_start < wg_kv_end;
-        MbarWait(bar_k(stage(b)), phase(b));
+        MbarWait(bar_k(k_stage(b)), k_phase(b));
         // Whether this warpgroup hands the turn over after issuing (all but
         // warpgroup 1's last block).
         const bool pass_turn = !(cw == 1 && b == num_blocks - 1);
@@ -566,7 +675,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           const bool rescale = softmax(b, alpha);
           rescale_and_pack(rescale, alpha);  // O to the new max before this block's P V
         }
-        MbarWait(bar_v(stage(b)), phase(b));
+        MbarWait(bar_v(v_stage(b)), v_phase(b));
         if (do_math) {
           FenceRegs(p);
           FenceRegs(o_acc);
@@ -576,7 +685,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           FenceRegs(o_acc);
           FenceRegs(p);
         }
-        MbarArrive(bar_k_empty(stage(b)));
+        MbarArrive(bar_k_empty(k_stage(b)));
       }
     } else {
       // ---- Overlapped schedule. Turn t (0 .. num_blocks) issues S_t = Q K_t^T
@@ -613,24 +722,27 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       // generic proxy): fence before wgmma reads them (traits.cuh).
       auto turn_begin = [&](int t) {
         stamp(t, 0);
-        if (t < num_blocks) MbarWait(bar_k(stage(t)), phase(t));
-        if (t >= 1) MbarWait(bar_v(stage(t - 1)), phase(t - 1));
+        if (t < num_blocks) MbarWait(bar_k(k_stage(t)), k_phase(t));
+        if (t >= 1) MbarWait(bar_v(v_stage(t - 1)), v_phase(t - 1));
         FenceProxyAsync();
         stamp(t, 1);
         if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
         stamp(t, 2);
       };
-      // Hands the turn over (all but warpgroup 1's last turn).
-      auto turn_end = [&](int t) {
-        if (Tr::kPingPong && !(cw == 1 && t == turns - 1)) NamedBarArrive(kTurnBar + (1 - cw), 256);
+      // Hands the turn over.
+      auto turn_end = [&](int) {
+        if (Tr::kPingPong) NamedBarArrive(kTurnBar + (1 - cw), 256);
       };
-      if (turns > 0) {
-        if (Tr::kPingPong && cw == 1) NamedBarArrive(kTurnBar + 0, 256);
-        MbarWait(bar_q, qt & 1);
+      if (turns > 0 && Tr::kPingPong && cw == 1 && !turns_begun) NamedBarArrive(kTurnBar + 0, 256);
+      if (turns > 0) turns_begun = true;
+      // Every tile of a persistent CTA has a Q phase (one without KV blocks
+      // too: the producer loads Q a tile ahead, before it knows).
+      if (Tr::kPersistent || turns > 0) {
+        MbarWait(bar_q(qb), (qt / QB) & 1);
         tst.Now(1);
         // Tr::kPersistent: Q is free once this warpgroup's last S has
         // completed (here, for a warpgroup without blocks).
-        if (Tr::kPersistent && wg_blocks == 0) MbarArrive(bar_q_empty);
+        if (Tr::kPersistent && wg_blocks == 0) MbarArrive(bar_q_empty(qb));
       }
       int t = 0;
       if (wg_blocks > 0) {
@@ -644,8 +756,8 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         turn_end(0);
         WgmmaWait<0>();
         FenceRegs(s);
-        MbarArrive(bar_k_empty(stage(0)));
-        if (Tr::kPersistent && wg_blocks == 1) MbarArrive(bar_q_empty);
+        MbarArrive(bar_k_empty(k_stage(0)));
+        if (Tr::kPersistent && wg_blocks == 1) MbarArrive(bar_q_empty(qb));
         bool rescale = softmax(0, alpha);
         rescale_and_pack(rescale, alpha);
         // Turns 1 .. wg_blocks - 1: S_t with PV_{t-1}.
@@ -662,8 +774,8 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           WgmmaWait<1>();  // S_t; PV_{t-1} may still run
           FenceRegs(s);
           stamp(t, 4);
-          MbarArrive(bar_k_empty(stage(t)));
-          if (Tr::kPersistent && t == wg_blocks - 1) MbarArrive(bar_q_empty);
+          MbarArrive(bar_k_empty(k_stage(t)));
+          if (Tr::kPersistent && t == wg_blocks - 1) MbarArrive(bar_q_empty(qb));
           rescale = softmax(t, alpha);
           stamp(t, 5);
           // The row sums depend on every exp2 of the softmax: all of it runs
@@ -673,7 +785,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           FenceRegs(o_acc);
           FenceRegs(p);
           stamp(t, 6);
-          MbarArrive(bar_v_empty(stage(t - 1)));
+          MbarArrive(bar_v_empty(v_stage(t - 1)));
           rescale_and_pack(rescale, alpha);
           stamp(t, 7);
         }
@@ -687,20 +799,22 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         WgmmaWait<0>();
         FenceRegs(o_acc);
         FenceRegs(p);
-        if (t < num_blocks) MbarArrive(bar_k_empty(stage(t)));
-        MbarArrive(bar_v_empty(stage(t - 1)));
+        if (t < num_blocks) MbarArrive(bar_k_empty(k_stage(t)));
+        MbarArrive(bar_v_empty(v_stage(t - 1)));
         ++t;
       }
       // Turns without GEMMs (blocks past this warpgroup's rows, or none).
       for (; t < turns; ++t) {
         turn_begin(t);
         turn_end(t);
-        if (t < num_blocks) MbarArrive(bar_k_empty(stage(t)));
-        if (t >= 1) MbarArrive(bar_v_empty(stage(t - 1)));
+        if (t < num_blocks) MbarArrive(bar_k_empty(k_stage(t)));
+        if (t >= 1) MbarArrive(bar_v_empty(v_stage(t - 1)));
       }
     }
 
     tst.Now(3);
+    tst1.Now(11);
+    fetch_next();
     // ---- Epilogue: normalise, LSE (base 2 internally), write.
     float inv[2];
     float lse2[2];
@@ -709,13 +823,17 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       float l = l_run[h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      inv[h] = l > 0.f ? 1.f / l : 0.f;
-      lse2[h] = l > 0.f ? m_run[h] + log2f(l) : -INFINITY;
+      // l >= 1 when positive (the row max contributes exp2(0) before any
+      // lazy growth, at most 2^kLazyRescale since): the approximate
+      // reciprocal and log2 (MUFU, a few ulp) are exact enough.
+      inv[h] = l > 0.f ? __fdividef(1.f, l) : 0.f;
+      lse2[h] = l > 0.f ? m_run[h] + __log2f(l) : -INFINITY;
     }
+    tst.Now(10);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int pr = row_base + h * 8;
-      const int t = pr / group;
+      const int t = args.group.Div(pr);
       const int head = kvh * group + (pr - t * group);
       if (item.part_base < 0) {
         // Final output: the quad's four lanes hold 2 columns each of every
@@ -758,7 +876,9 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       header.Now(2 + (wg - 1));
     }
     tst.Now(4);
+    tst1.Now(9);
   });
+  if (Tr::kOverlap && Tr::kPingPong && wg == 1 && turns_begun) NamedBarSync(kTurnBar + 0, 256);
 }
 
 #if ATTNSERVE_SM90_DEVICE

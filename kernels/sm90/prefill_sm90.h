@@ -60,11 +60,14 @@ struct Sm90Trace {
   static constexpr int kConsumerPoints = 8;
   static constexpr int kProducerAt = kHeader;
   static constexpr int ConsumerAt(int cw) { return kProducerAt + kTurns * kProducerPoints + cw * (kTurns + 1) * kConsumerPoints; }
-  // Consumer warpgroup 0, per tile of the CTA (the first kTiles): 0 start,
+  // Per tile of the CTA (the first kTiles), consumer warpgroup 0: 0 start,
   // 1 Q landed, 2 K_0 landed and the first turn taken, 3 last turn done,
-  // 4 epilogue done, 5 the tile's KV blocks (a count, not a stamp).
+  // 4 epilogue done, 5 the tile's KV blocks (a count, not a stamp), 10 the
+  // epilogue's row sums and LSE done (before the stores); the producer: 6
+  // start, 7 Q issued, 8 K_0 issued; consumer warpgroup 1: 11 last turn
+  // done, 9 epilogue done.
   static constexpr int kTiles = 96;
-  static constexpr int kTilePoints = 6;
+  static constexpr int kTilePoints = 12;
   static constexpr int kTileAt = kProducerAt + kTurns * kProducerPoints + 2 * (kTurns + 1) * kConsumerPoints;
   static constexpr int kLongsPerCta = kTileAt + kTiles * kTilePoints;
 };

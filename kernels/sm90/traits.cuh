@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/fast_div.h"
 #include "kernels/paged_prefill.h"
 #include "kernels/plan/prefill_plan.h"
 #include "kernels/sm90/prefill_sm90.h"
@@ -39,6 +40,10 @@ struct PrefillKernelArgs {
   int32_t num_qo_heads;
   int32_t num_kv_heads;
   int32_t page_size;
+  // Query heads per KV head and the page size, as dividers of packed rows
+  // and KV positions (both below 2^31).
+  FastDiv group;
+  FastDiv page;
   int64_t slots_per_layer;
 };
 
@@ -56,9 +61,9 @@ struct PrefillKernelArgs {
 //    kSm90OverlapNoPp (none).
 enum class Schedule : int { kSerial, kOverlap };
 
-// One CTA = 3 warpgroups: warpgroup 0 loads (cp.async into a kStages-deep
-// ring of K and V blocks), warpgroups 1 and 2 each compute 64 packed query
-// rows of the 128-row tile.
+// One CTA = 3 warpgroups: warpgroup 0 loads (cp.async into rings of
+// kKStages K and kVStages V blocks), warpgroups 1 and 2 each compute 64
+// packed query rows of the 128-row tile.
 // kTmaLoads (kOverlap only): the producer loads whole K and V blocks whose
 // rows come in runs of 8 or more slots (page_size >= 8) with the tensor copy
 // engine, a box per run, instead of cp.async; the stages' full barriers then
@@ -70,7 +75,6 @@ struct Traits {
   static constexpr int kM = 128;            // packed rows per tile
   static constexpr int kWgRows = 64;        // rows per consumer warpgroup
   static constexpr int kKB = 128;           // KV tokens per block
-  static constexpr int kStages = D == 64 ? 4 : 3;
   static constexpr bool kOverlap = kSchedule == Schedule::kOverlap;
   static constexpr bool kTma = kTmaLoads && kOverlap;
   // A persistent grid (kOverlap): each CTA loops over the plan's items with
@@ -78,6 +82,17 @@ struct Traits {
   // and Q while the consumers finish the last one; kSerial runs one item
   // per CTA.
   static constexpr bool kPersistent = kOverlap;
+  // Q buffers: a persistent CTA loads the next tile's Q while the consumers
+  // still read this one's (a load takes longer than the consumers' last
+  // turn and epilogue, so one buffer left them waiting at every tile).
+  static constexpr int kQBufs = kPersistent ? 2 : 1;
+  // Ring stages of K and of V blocks (kSerial: one ring of K and V stages).
+  // At head_dim 128 the second Q buffer takes a stage: K has 2 and V 3, so
+  // that K_b is issued once S_{b-2} has completed and V_b once
+  // P_{b-3} V_{b-3} has, about two turns ahead of their use either way.
+  static constexpr int kStages = D == 64 ? 4 : 3;
+  static constexpr int kKStages = kOverlap && D == 128 ? 2 : kStages;
+  static constexpr int kVStages = kStages;
   // The consumer warpgroups take turns issuing their GEMMs (kSerial: S only;
   // kOverlap: S_t and PV_{t-1}).
   static constexpr bool kPingPong = kTurns;
@@ -92,18 +107,22 @@ struct Traits {
   // (G(2(b - kStages) + 2) by the time it has issued G(2b)): at most
   // 2 * kStages - 2.
   static constexpr int kInFlight = 2 * kStages - 2;
+  static_assert(kOverlap || kKStages == kVStages, "the serial schedule has one ring");
   // kOverlap: the producer never waits for its copies. After issuing the
   // K (V) rows of block b each producer thread makes the stage's k_full
   // (v_full) mbarrier track them (cp.async.mbarrier.arrive.noinc; 128
   // arrivals complete the phase), so a block is signalled the moment its
   // last row lands, whatever the producer is doing; the producer blocks only
-  // on k_empty(b - kStages) before K_b and v_empty(b - kStages) before V_b
-  // and so keeps every free stage in flight. The consumers fence to the
-  // async proxy after each k_full / v_full wait, before wgmma reads the
-  // stage. No deadlock: k_empty(b - kStages) needs turn b - kStages, whose
-  // K and V_{b - kStages - 1} were issued before; v_empty(b - kStages)
-  // needs turn b - kStages + 1, whose K_{b - kStages + 1} was issued before
-  // V_b. (kSerial keeps the waiting producer: kInFlight above.)
+  // on k_empty(b - kKStages) before K_b and v_empty(b - kVStages) before V_b
+  // (and on q_empty of the tile two back before a tile's Q) and so keeps
+  // every free stage in flight. The consumers fence to the async proxy after
+  // each k_full / v_full wait, before wgmma reads the stage. No deadlock:
+  // k_empty(b - kKStages) needs turn b - kKStages, whose K and
+  // V_{b - kKStages - 1} were issued before K_b; v_empty(b - kVStages) needs
+  // turn b - kVStages + 1, whose K_{b - kVStages + 1} (kVStages >= 2) and
+  // V_{b - kVStages} were issued before V_b; q_empty of tile i - 2 needs only
+  // tile i - 2's blocks. (kSerial keeps the waiting producer: kInFlight
+  // above.)
   static constexpr int kThreads = 384;
   // setmaxnreg after the split: the sum (128 x producer + 256 x consumer)
   // must not exceed the 168 x 384 = 64,512 the kernel starts with, or the
@@ -120,16 +139,22 @@ struct Traits {
   static constexpr int kQBytes = kM * D * 2;
   static constexpr int kKvBytes = kKB * D * 2;  // one stage of K (or V)
   static constexpr int kQOff = 0;
-  static constexpr int kKOff = kQOff + kQBytes;
-  static constexpr int kVOff = kKOff + kStages * kKvBytes;
+  static constexpr int kKOff = kQOff + kQBufs * kQBytes;
+  static constexpr int kVOff = kKOff + kKStages * kKvBytes;
   // Slots (page * page_size + offset within the layer, int32; -1 past the
   // end) of the KV rows of two blocks.
-  static constexpr int kSlotOff = kVOff + kStages * kKvBytes;
+  static constexpr int kSlotOff = kVOff + kVStages * kKvBytes;
   static constexpr int kBarOff = kSlotOff + 2 * kKB * 4;
-  // Barriers: q_full, k_full[kStages], v_full[kStages], empty[kStages]
-  // (kSplitEmpty: k_empty[kStages], then v_empty[kStages]), then q_empty
-  // (kPersistent).
-  static constexpr int kNumBars = 1 + (kSplitEmpty ? 4 : 3) * kStages + (kPersistent ? 1 : 0);
+  // Barriers (indices): q_full[kQBufs], k_full[kKStages], v_full[kVStages],
+  // empty[kStages] (kSplitEmpty: k_empty[kKStages], then v_empty[kVStages]),
+  // then q_empty[kQBufs] (kPersistent).
+  static constexpr int kBarQFull = 0;
+  static constexpr int kBarKFull = kBarQFull + kQBufs;
+  static constexpr int kBarVFull = kBarKFull + kKStages;
+  static constexpr int kBarKEmpty = kBarVFull + kVStages;
+  static constexpr int kBarVEmpty = kSplitEmpty ? kBarKEmpty + kKStages : kBarKEmpty;
+  static constexpr int kBarQEmpty = kBarVEmpty + kVStages;
+  static constexpr int kNumBars = kBarQEmpty + (kPersistent ? kQBufs : 0);
   // One word the overlapped consumers store their row sums to before they
   // wait for P V (OrderBeforeWait in ptx.cuh); never read.
   static constexpr int kSinkOff = kBarOff + kNumBars * 8;
@@ -140,7 +165,8 @@ struct Traits {
   static constexpr int kQPasses = kM / kRowsPerPass;
   static_assert(kKB == 128, "one producer thread per KV row of a block");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
-  static_assert((kKOff % 1024) == 0 && (kVOff % 1024) == 0 && (kKvBytes % 1024) == 0, "atoms");
+  static_assert((kQBytes % 1024) == 0 && (kKOff % 1024) == 0 && (kVOff % 1024) == 0 && (kKvBytes % 1024) == 0,
+                "atoms");
 };
 
 // clock64() stamps of a traced CTA (Sm90Trace); no code without kTrace.
