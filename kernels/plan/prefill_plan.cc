@@ -173,7 +173,7 @@ void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry
     least.pop();
     dealt[l.second].push_back(static_cast<int32_t>(i));
     rounds = std::max(rounds, dealt[l.second].size());
-    least.push({l.first + costs[order[i]] + kTileCost, l.second});
+    least.push({l.first + PersistentItemCost(costs[order[i]]), l.second});
   }
   const int64_t padded = static_cast<int64_t>(rounds) * ctas;
   if (options.max_items > 0 && padded > options.max_items) return;

@@ -69,7 +69,7 @@ struct PrefillPlanOptions {
   // Persistent kernels (PrefillPersistentCtas in kernel_select.h): the CTAs
   // of the grid, which run items c, c + n, c + 2n, ... (n = this). The plan
   // deals the items, in its order, each to the CTA with the least work so
-  // far (KV tokens plus kTileCost per item), and lays them out so: CTA c's
+  // far (PersistentItemCost), and lays them out so: CTA c's
   // k-th item at k * n + c, padding items (seq = -1) where a CTA has fewer.
   // 0, or no more items than CTAs: one CTA per item, no padding.
   int32_t persistent_ctas = 0;
@@ -78,9 +78,17 @@ struct PrefillPlanOptions {
   int64_t max_items = 0;
 };
 
-// The per-item cost the plan adds to its KV tokens when it deals items to
-// persistent CTAs: the tile's Q load and epilogue, about half a 128-key block.
-inline constexpr int64_t kTileCost = 64;
+// What an item costs a persistent CTA, in KV tokens, when the plan deals
+// items to persistent CTAs: its keys in whole blocks of kDealBlock (the
+// persistent kernels run whole 128-key blocks, masked where the range or
+// the diagonal ends) plus kTileCost for the tile's first turn, epilogue and
+// the step to the next tile, which the sm90 kernel's per-tile trace puts at
+// about one block's turns (bench/results/2026-12-01-session8-h200.md).
+inline constexpr int64_t kDealBlock = 128;
+inline constexpr int64_t kTileCost = 128;
+inline int64_t PersistentItemCost(int64_t tokens) {
+  return (tokens + kDealBlock - 1) / kDealBlock * kDealBlock + kTileCost;
+}
 
 struct PrefillPlan {
   std::vector<PrefillWorkItem> items;  // L2 sections, longest first in each

@@ -301,8 +301,8 @@ bool SameItem(const PrefillWorkItem& a, const PrefillWorkItem& b) {
 
 // Persistent kernels: with persistent_ctas = n the plan holds the same items
 // as without, CTA c's k-th at k * n + c in the plain plan's order, padding
-// (seq -1) only after a CTA's last item, and every CTA's work (tokens plus
-// kTileCost per item) within one item of every other's; no more items than
+// (seq -1) only after a CTA's last item, and every CTA's work (the sum of
+// PersistentItemCost) within one item of every other's; no more items than
 // CTAs, or a layout past max_items, keeps the plain plan.
 TEST(PrefillPlan, PersistentCtasDealItemsToTheLeastLoaded) {
   std::mt19937_64 gen(11);
@@ -351,7 +351,7 @@ TEST(PrefillPlan, PersistentCtasDealItemsToTheLeastLoaded) {
             ASSERT_LT(j, n) << where << ": CTA " << c << " runs an item out of the plan's order";
             next_ref[c] = j + 1;
             ++ref_seen;
-            const int64_t cost = ItemTokens(b, M, it) + kTileCost;
+            const int64_t cost = PersistentItemCost(ItemTokens(b, M, it));
             load[c] += cost;
             max_cost = std::max(max_cost, cost);
           }
