@@ -317,17 +317,37 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         const int page_at = args.page.Div(pos);
         return __ldg(pages + page_at) * args.page.d + (pos - page_at * args.page.d);
       };
+      // Rows past the range's end (the last block's) are zero-filled.
       // (Tr::kTma: only a range's partial blocks come this way; a rolled loop
-      // leaves the tensor-copy producer registers for its boxes.)
-      auto issue = [&](const char* src_base, uint32_t dst, const int32_t* slots) {
-#pragma unroll(Tr::kTma ? 1 : KB / 16)
-        for (int p = 0; p < KB / 16; ++p) {
-          const int r = p * 16 + (tid >> 3);
-          const int32_t slot = slots[r];
-          const char* src = src_base + static_cast<uint64_t>(static_cast<uint32_t>(max(slot, 0))) * row_bytes;
+      // leaves the tensor-copy producer registers for its boxes.) A whole
+      // block's rows are all valid: their addresses are formed first and the
+      // copies then issued back to back, without the zero-fill operand, so
+      // that no copy waits for the one before it to read its registers.
+      auto issue = [&](const char* src_base, uint32_t dst, const int32_t* slots, int block) {
+        const bool whole = kv_begin + (block + 1) * KB <= kv_end;
+        if (!Tr::kTma && whole) {
+          const char* src[KB / 16];
 #pragma unroll
-          for (int h = 0; h < D / 64; ++h) {
-            CpAsync16(dst + TileOff<KB>(r, (tid & 7) + 8 * h), src + 128 * h, slot >= 0);
+          for (int p = 0; p < KB / 16; ++p) {
+            src[p] = src_base + static_cast<uint64_t>(static_cast<uint32_t>(slots[p * 16 + (tid >> 3)])) * row_bytes;
+          }
+#pragma unroll
+          for (int p = 0; p < KB / 16; ++p) {
+#pragma unroll
+            for (int h = 0; h < D / 64; ++h) {
+              CpAsync16(dst + TileOff<KB>(p * 16 + (tid >> 3), (tid & 7) + 8 * h), src[p] + 128 * h);
+            }
+          }
+        } else {
+#pragma unroll(Tr::kTma ? 1 : KB / 16)
+          for (int p = 0; p < KB / 16; ++p) {
+            const int r = p * 16 + (tid >> 3);
+            const int32_t slot = slots[r];
+            const char* src = src_base + static_cast<uint64_t>(static_cast<uint32_t>(max(slot, 0))) * row_bytes;
+#pragma unroll
+            for (int h = 0; h < D / 64; ++h) {
+              CpAsync16(dst + TileOff<KB>(r, (tid & 7) + 8 * h), src + 128 * h, slot >= 0);
+            }
           }
         }
         CpAsyncCommit();
@@ -402,7 +422,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           if (g >= SK) MbarWait(bar_k_empty(stage), ((g / SK) & 1) ^ 1);
           if (pt >= 0) st.Now(pt + 2);
           if (!Tr::kTma || !issue_tma(&args.k_map, Tr::kKOff + stage * Tr::kKvBytes, slots, bar_k(stage), b)) {
-            issue(k_base, a_k + stage * Tr::kKvBytes, slots);
+            issue(k_base, a_k + stage * Tr::kKvBytes, slots, b);
             CpAsyncArriveNoinc(bar_k(stage));
           }
           if (pt >= 0) st.Now(pt + 3);
@@ -415,7 +435,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           if (g >= SV) MbarWait(bar_v_empty(stage), ((g / SV) & 1) ^ 1);
           if (pt >= 0) st.Now(pt + 4);
           if (!Tr::kTma || !issue_tma(&args.v_map, Tr::kVOff + stage * Tr::kKvBytes, slots, bar_v(stage), b)) {
-            issue(v_base, a_v + stage * Tr::kKvBytes, slots);
+            issue(v_base, a_v + stage * Tr::kKvBytes, slots, b);
             CpAsyncArriveNoinc(bar_v(stage));
           }
           if (pt >= 0) st.Now(pt + 5);
@@ -457,10 +477,10 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
           if (b >= SK) MbarWait(bar_k_empty(stage), ((b / SK) & 1) ^ 1);
           // kInFlight groups stay in flight; the oldest beyond them completes.
-          issue(k_base, a_k + stage * Tr::kKvBytes, slots);
+          issue(k_base, a_k + stage * Tr::kKvBytes, slots, b);
           CpAsyncWait<Tr::kInFlight>();
           if (2 * b + 1 - Tr::kInFlight >= 0) complete(2 * b + 1 - Tr::kInFlight);
-          issue(v_base, a_v + stage * Tr::kKvBytes, slots);
+          issue(v_base, a_v + stage * Tr::kKvBytes, slots, b);
           CpAsyncWait<Tr::kInFlight>();
           if (2 * b + 2 - Tr::kInFlight >= 0) complete(2 * b + 2 - Tr::kInFlight);
         }

@@ -25,6 +25,10 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool va
                "r"(valid ? 16 : 0)
                : "memory");
 }
+// The same for a source known to be valid (no zero-fill operand).
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {

@@ -127,10 +127,14 @@ struct Traits {
   // setmaxnreg after the split: the sum (128 x producer + 256 x consumer)
   // must not exceed the 168 x 384 = 64,512 the kernel starts with, or the
   // consumers' increase waits for registers that never come (64 / 224 hung
-  // the kernel on the H200). 64 / 216 (63,488 in all): the persistent
-  // producer keeps its tile loop's state beside the K/V addressing (it
-  // spilled at 56), and the consumers fit 216 without spill (ptxas -v).
-  static constexpr int kProducerRegs = 64;
+  // the kernel on the H200). 72 / 216 (64,512, all of it): the consumers
+  // fit 216 without spill (ptxas -v; 208 spills), and the producer's 72
+  // let a whole block's eight row addresses live at once, so that its
+  // cp.async copies issue back to back. At 64 the profile showed each
+  // row's address waiting for the copy before it to read its registers;
+  // with 72 and the whole-block copies (prefill_kernel.cuh) page_size 1 ran
+  // 4-7% faster (bench/results/2026-12-01-session8-h200.md, r30).
+  static constexpr int kProducerRegs = 72;
   static constexpr int kConsumerRegs = 216;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 168 * 384, "register split");
   static constexpr int kChunks = D / 8;     // 16-byte chunks per row
