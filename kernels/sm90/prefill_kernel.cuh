@@ -407,7 +407,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         // K and V, tracked by the stages' mbarriers (traits.cuh). Block b's
         // slots are shared before its K; block 0's K is issued before Q, and
         // that step is peeled so that Q's addressing is not live across the
-        // block loop (the producer has 64 registers).
+        // block loop (the producer has 72 registers).
         Stamps<kTrace> st(args, Sm90Trace::kProducerAt, tid == 0 && first);
         auto issue_k_block = [&](int b) {
           const int g = g0 + b;  // ring position
