@@ -566,10 +566,14 @@ TEST_F(ChannelTest, UnregisterOrCloseWithARequestInFlight) {
     args.q_rows = in.total_q();
     args.output_region = RegionRef{"io", o_at, q_bytes};
     args.lse_region = RegionRef{"io", lse_at, lse_bytes};
-    const double before = Metric(*server_, "attnserve_inflight_requests", "");
+    // The request's regions are resolved and held before it is queued; the
+    // queue-wait count rises when its batch starts. (The in-flight gauge
+    // rises earlier, as the poller takes the request: before the regions.)
+    const std::string started = "attnserve_queue_wait_seconds_count";
+    const double before = Metric(*server_, started, "");
     absl::Status result;
     std::thread caller([&] { result = channel->Prefill(args).status(); });
-    AwaitMetric(*server_, "attnserve_inflight_requests", "", before + 1);
+    EXPECT_GE(AwaitMetric(*server_, started, "", before + 1), before + 1) << "the request's batch never started";
     if (unregister) {
       ASSERT_TRUE(alice_->UnregisterRegion("io").ok());
     } else {
