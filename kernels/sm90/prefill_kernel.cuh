@@ -280,7 +280,8 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         if (qtile.seq.sm_scale < 0.f) {
 #pragma unroll
           for (int p = 0; p < Tr::kQPasses; ++p) {
-            uint4* ptr = reinterpret_cast<uint4*>(smem + (a_q(qb) - base) + TileOff<Tr::kM>(p * Tr::kRowsPerPass + r0, c));
+            const uint32_t at = (a_q(qb) - base) + TileOff<Tr::kM>(p * Tr::kRowsPerPass + r0, c);
+            uint4* ptr = reinterpret_cast<uint4*>(smem + at);
             uint4 v = *ptr;
             v.x ^= 0x80008000u; v.y ^= 0x80008000u; v.z ^= 0x80008000u; v.w ^= 0x80008000u;
             *ptr = v;
