@@ -67,15 +67,13 @@ namespace sm90 {
 struct Tile {
   PrefillWorkItem item;
   PrefillSeq seq;
-  int group;       // query heads per KV head
   int diag;        // causal: row t sees KV positions j <= t + diag
   int kv_end;      // the tile reads [item.kv_begin, kv_end): causal rows stop at their diagonal
   int num_blocks;  // KV blocks of Tr::kKB keys
   int g0;          // ring position of block 0 (K stage g0 % kKStages, V stage g0 % kVStages)
-  int qt;          // the tile's Q phase: earlier tiles of the CTA (Tr::kPersistent)
   bool q_ahead;    // Tr::kPersistent: the Q tile is loaded by the previous tile's producer
   int idx;         // the item's index in the plan
-  int n;           // the CTA's tiles before this one (padding not counted)
+  int n;           // the CTA's tiles before this one (padding not counted): its Q phase
   bool first;      // the CTA's first tile (kTrace stamps it)
 };
 
@@ -88,7 +86,6 @@ __device__ __forceinline__ Tile MakeTile(const PrefillKernelArgs& args, int idx)
   t.idx = idx;
   if (t.item.seq < 0) return t;
   t.seq = args.seqs[t.item.seq];
-  t.group = args.group.d;
   t.diag = t.seq.kv_len - t.seq.q_len + t.seq.causal_shift;
   const int t_last = min(t.seq.q_len - 1, args.group.Div(t.item.row_begin + Tr::kM - 1));
   t.kv_end = t.seq.causal != 0 ? min(t.item.kv_end, t_last + t.diag + 1) : t.item.kv_end;
@@ -130,7 +127,6 @@ __device__ __forceinline__ void ForEachTile(const PrefillKernelArgs& args, Body&
     prev_valid = valid;
     if (valid) {
       t.g0 = ring;
-      t.qt = n;
       t.first = idx == static_cast<int>(blockIdx.x);
       t.n = n++;
       ring += t.num_blocks;
@@ -225,13 +221,13 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       const PrefillWorkItem& item = tile.item;
       const PrefillSeq& seq = tile.seq;
       const int H = args.num_qo_heads;
-      const int group = tile.group;
+      const int group = args.group.d;
       const int kvh = item.kv_head;
       const int kv_begin = item.kv_begin;
       const int kv_end = tile.kv_end;
       const int num_blocks = tile.num_blocks;
       const int g0 = tile.g0;
-      const int qt = tile.qt;
+      const int qt = tile.n;  // Q phase
       const bool first = tile.first;
       if constexpr (kTrace) {
         Stamps<kTrace> header(args, 0, tid == 0 && first);
@@ -513,7 +509,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     const PrefillWorkItem& item = tile.item;
     const PrefillSeq& seq = tile.seq;
     const int H = args.num_qo_heads;
-    const int group = tile.group;
+    const int group = args.group.d;
     const int kvh = item.kv_head;
     const int q_len = seq.q_len;
     const int diag = tile.diag;
@@ -521,7 +517,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     const int kv_begin = item.kv_begin;
     const int num_blocks = tile.num_blocks;
     const int g0 = tile.g0;
-    const int qt = tile.qt;
+    const int qt = tile.n;  // Q phase
     const bool first = tile.first;
     // kTrace: consumer warpgroup 0's stamps of this tile (Sm90Trace::kTileAt;
     // warpgroup 1 stamps the end of its epilogue).
@@ -751,7 +747,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         stamp(t, 2);
       };
       // Hands the turn over.
-      auto turn_end = [&](int) {
+      auto turn_end = [&]() {
         if (Tr::kPingPong) NamedBarArrive(kTurnBar + (1 - cw), 256);
       };
       if (turns > 0 && Tr::kPingPong && cw == 1 && !turns_begun) NamedBarArrive(kTurnBar + 0, 256);
@@ -774,7 +770,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         FenceRegs(s);
         WgmmaFence();
         issue_s(0);
-        turn_end(0);
+        turn_end();
         WgmmaWait<0>();
         FenceRegs(s);
         MbarArrive(bar_k_empty(k_stage(0)));
@@ -790,7 +786,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           WgmmaFence();
           issue_s(t);
           issue_pv(t - 1);
-          turn_end(t);
+          turn_end();
           stamp(t, 3);
           WgmmaWait<1>();  // S_t; PV_{t-1} may still run
           FenceRegs(s);
@@ -816,7 +812,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         FenceRegs(o_acc);
         WgmmaFence();
         issue_pv(t - 1);
-        turn_end(t);
+        turn_end();
         WgmmaWait<0>();
         FenceRegs(o_acc);
         FenceRegs(p);
@@ -827,7 +823,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       // Turns without GEMMs (blocks past this warpgroup's rows, or none).
       for (; t < turns; ++t) {
         turn_begin(t);
-        turn_end(t);
+        turn_end();
         if (t < num_blocks) MbarArrive(bar_k_empty(k_stage(t)));
         if (t >= 1) MbarArrive(bar_v_empty(v_stage(t - 1)));
       }
