@@ -270,8 +270,9 @@ TEST(ShutdownTest, ExitsWithinTheDrainTimeoutWhateverIsRunning) {
   auto pages = (*client)->AllocatePages(256);  // 4096 keys at page_size 16
   ASSERT_TRUE(pages.ok()) << pages.status();
   std::mt19937_64 gen(5);
-  // Three 4096-row prefills over 4096 keys: many seconds each on the CPU.
-  const std::string bytes = SlowPrefill(g, *pages, 4096, gen).SerializeAsString();
+  // Three 32k-row prefills over 4096 keys: over 8 s each on two cores (one
+  // 4096-row prefill took about 1 s), far past the drain timeout.
+  const std::string bytes = SlowPrefill(g, *pages, 32768, gen).SerializeAsString();
   auto channel = Channel((*server)->grpc_address());
   std::vector<grpc::Status> statuses(3);
   std::vector<std::thread> callers;
