@@ -9,6 +9,8 @@
 //   attnctl merge --states=3 --n=16                     (verified)
 //   attnctl regions                      (the caller's shared-memory regions)
 //   attnctl unregister NAME...           (e.g. regions a dead client left)
+//   attnctl holdings                     (what the caller's tenant holds, per lease)
+//   attnctl release-all                  (releases all of it: pages, plans, regions, leases)
 //   attnctl health [SERVICE]             (exit 0 only when SERVING)
 #include <cstdio>
 #include <iostream>
@@ -178,9 +180,13 @@ int Main(std::vector<char*> args) {
     return 0;
   }
   if (cmd == "alloc") {
-    int32_t count = 1;
-    if (args.size() > 2 && !absl::SimpleAtoi(args[2], &count)) {
-      return Fail(absl::InvalidArgumentError("alloc COUNT"));
+    // No default count: pages outlive attnctl (they hold no lease), so it
+    // takes only what it is told to.
+    int32_t count = 0;
+    if (args.size() != 3 || !absl::SimpleAtoi(args[2], &count)) {
+      std::cerr << "usage: attnctl alloc COUNT (the pages stay allocated until `attnctl free` "
+                   "or `attnctl release-all`)\n";
+      return 2;
     }
     auto pages = c.AllocatePages(count);
     if (!pages.ok()) return Fail(pages.status());
@@ -188,6 +194,10 @@ int Main(std::vector<char*> args) {
     return 0;
   }
   if (cmd == "free") {
+    if (args.size() < 3) {
+      std::cerr << "usage: attnctl free PAGE...\n";
+      return 2;
+    }
     auto ids = ParseInts(args, 2);
     if (!ids.ok()) return Fail(ids.status());
     std::vector<int32_t> pages(ids->begin(), ids->end());
@@ -241,6 +251,31 @@ int Main(std::vector<char*> args) {
     }
     return 0;
   }
+  if (cmd == "holdings") {
+    auto held = c.ListHoldings();
+    if (!held.ok()) return Fail(held.status());
+    auto print = [](const v1::Holdings& h) {
+      std::cout << " pages=[" << absl::StrJoin(h.page_ids(), " ") << "] plans="
+                << h.plan_ids_size() << " regions=[" << absl::StrJoin(h.region_names(), " ")
+                << "] channels=" << h.channel_ids_size() << "\n";
+    };
+    for (const v1::LeaseInfo& l : held->leases()) {
+      std::cout << "lease " << absl::StrCat(absl::Hex(l.lease_id())) << " ttl_ms=" << l.ttl_ms()
+                << " remaining_ms=" << l.remaining_ms();
+      print(l.holdings());
+    }
+    std::cout << "unleased";
+    print(held->unleased());
+    return 0;
+  }
+  if (cmd == "release-all") {
+    auto released = c.ReleaseHoldings();
+    if (!released.ok()) return Fail(released.status());
+    std::cout << "released " << released->page_ids_size() << " pages, "
+              << released->plan_ids_size() << " plans, " << released->region_names_size()
+              << " regions, " << released->channel_ids_size() << " channels\n";
+    return 0;
+  }
   if (cmd == "prefill") return Prefill(c);
   if (cmd == "merge") return Merge(c);
   std::cerr << "unknown command: " << cmd << "\n" << absl::ProgramUsageMessage() << "\n";
@@ -262,6 +297,9 @@ int main(int argc, char** argv) {
        "  read SLOT...         read K/V rows of --layer; prints checksums\n"
        "  regions              the caller's shared-memory regions (docs/transport.md)\n"
        "  unregister NAME...   unregister regions (e.g. ones a dead client left)\n"
+       "  holdings             what the caller's tenant holds: pages, plans, regions and\n"
+       "                       channels, per lease and unleased (docs/security.md, Leases)\n"
+       "  release-all          release everything the caller's tenant holds, leases included\n"
        "  prefill              a random ragged batch, verified against a float64 reference\n"
        "  merge                random states merged by the server, verified\n"
        "  health [SERVICE]     exit 0 only when SERVING",

@@ -76,6 +76,7 @@ absl::StatusOr<std::unique_ptr<RequestChannel>> Client::OpenChannel(
   req.mutable_ring()->set_offset(offset);
   req.mutable_ring()->set_byte_size(byte_size);
   req.set_expected_incarnation(incarnation());
+  req.set_lease_id(lease_id());
   v1::OpenChannelResponse resp;
   grpc::Status s = stub_->OpenChannel(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/tensor_wire.h"
 #include "common/transport.h"
@@ -259,6 +260,7 @@ absl::StatusOr<std::vector<int32_t>> Client::AllocatePages(int32_t count) {
   v1::AllocatePagesRequest req;
   req.set_count(count);
   req.set_expected_incarnation(incarnation());
+  req.set_lease_id(lease_id());
   v1::AllocatePagesResponse resp;
   grpc::Status s = stub_->AllocatePages(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
@@ -272,6 +274,7 @@ absl::Status Client::FreePages(absl::Span<const int32_t> page_ids) {
   v1::FreePagesRequest req;
   req.mutable_page_ids()->Assign(page_ids.begin(), page_ids.end());
   req.set_expected_incarnation(incarnation());
+  req.set_lease_id(lease_id());
   v1::FreePagesResponse resp;
   grpc::Status s = stub_->FreePages(&ctx, req, &resp);
   if (s.ok()) Learn(resp.incarnation());
@@ -284,6 +287,7 @@ absl::Status Client::WriteKV(int32_t layer, absl::Span<const int64_t> slots,
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
   req.set_expected_incarnation(incarnation());
+  req.set_lease_id(lease_id());
   const int64_t n = static_cast<int64_t>(slots.size());
   const std::vector<int64_t> shape = {n, info_.num_kv_heads(), info_.head_dim()};
   const InlineTensor tensors[] = {
@@ -307,6 +311,7 @@ absl::StatusOr<KvData> Client::ReadKV(int32_t layer, absl::Span<const int64_t> s
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
   req.set_expected_incarnation(incarnation());
+  req.set_lease_id(lease_id());
   grpc::ByteBuffer bytes;
   grpc::Status s = CallRaw(raw_->read_kv, EncodeRequest(req, {}, nullptr), &bytes);
   if (!s.ok()) return FromGrpc(s);
@@ -376,6 +381,7 @@ grpc::ByteBuffer Client::EncodePrefill(const PrefillArgs& a, BorrowedMemory* bor
   if (a.lse_region) SetRef(req.mutable_lse_region(), *a.lse_region);
   req.set_expected_incarnation(a.expected_incarnation != 0 ? a.expected_incarnation
                                                            : incarnation());
+  req.set_lease_id(a.lease_id != 0 ? a.lease_id : lease_id());
   req.set_plan_id(a.plan_id);
   req.mutable_kv_keys_after()->Assign(a.kv_keys_after.begin(), a.kv_keys_after.end());
   return EncodeRequest(req, tensors, borrowed);
@@ -414,6 +420,7 @@ absl::StatusOr<uint64_t> Client::CreatePlan(const PlanLayout& layout) {
   req.mutable_append_slots()->Assign(layout.append_slots.begin(), layout.append_slots.end());
   req.mutable_kv_keys_after()->Assign(layout.kv_keys_after.begin(), layout.kv_keys_after.end());
   req.set_expected_incarnation(incarnation());
+  req.set_lease_id(lease_id());
   v1::CreatePlanResponse resp;
   grpc::Status s = stub_->CreatePlan(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
@@ -427,6 +434,7 @@ absl::Status Client::ReleasePlan(uint64_t plan_id) {
   v1::ReleasePlanRequest req;
   req.set_plan_id(plan_id);
   req.set_expected_incarnation(incarnation());
+  req.set_lease_id(lease_id());
   v1::ReleasePlanResponse resp;
   return FromGrpc(stub_->ReleasePlan(&ctx, req, &resp));
 }
@@ -468,6 +476,7 @@ absl::Status Client::RegisterSystemRegion(const std::string& name, const std::st
   PrepareContext(&ctx);
   v1::RegisterRegionRequest req;
   req.set_name(name);
+  req.set_lease_id(lease_id());
   req.mutable_system()->set_key(key);
   req.mutable_system()->set_offset(offset);
   req.mutable_system()->set_byte_size(byte_size);
@@ -483,6 +492,7 @@ absl::Status Client::RegisterCudaRegion(const std::string& name, const std::stri
   PrepareContext(&ctx);
   v1::RegisterRegionRequest req;
   req.set_name(name);
+  req.set_lease_id(lease_id());
   req.mutable_cuda()->set_ipc_handle(ipc_handle);
   req.mutable_cuda()->set_device_id(device_id);
   req.mutable_cuda()->set_byte_size(byte_size);
@@ -523,6 +533,7 @@ absl::Status Client::WriteKVFromRegions(int32_t layer, absl::Span<const int64_t>
   SetRegionTensor(req.mutable_v(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
                   v);
   req.set_expected_incarnation(incarnation());
+  req.set_lease_id(lease_id());
   v1::WriteKVResponse resp;
   grpc::Status s = stub_->WriteKV(&ctx, req, &resp);
   if (s.ok()) Learn(resp.incarnation());
@@ -537,12 +548,92 @@ absl::Status Client::ReadKVToRegions(int32_t layer, absl::Span<const int64_t> sl
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
   req.set_expected_incarnation(incarnation());
+  req.set_lease_id(lease_id());
   SetRef(req.mutable_k_region(), k);
   SetRef(req.mutable_v_region(), v);
   v1::ReadKVResponse resp;
   grpc::Status s = stub_->ReadKV(&ctx, req, &resp);
   if (s.ok()) Learn(resp.incarnation());
   return FromGrpc(s);
+}
+
+std::unique_ptr<Client> Client::Fork() const {
+  std::unique_ptr<Client> c(new Client());
+  c->options_ = options_;
+  c->incarnation_.store(incarnation(), std::memory_order_relaxed);
+  c->channel_ = channel_;
+  c->stub_ = v1::AttentionService::NewStub(channel_);
+  c->raw_ = std::make_unique<RawMethods>(channel_);
+  c->info_ = info_;
+  return c;
+}
+
+bool IsLeaseExpired(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kFailedPrecondition &&
+         absl::StartsWith(status.message(), "lease ");
+}
+
+absl::StatusOr<LeaseGrant> Client::GrantLease(int64_t ttl_ms) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::GrantLeaseRequest req;
+  req.set_ttl_ms(ttl_ms);
+  req.set_expected_incarnation(incarnation());
+  v1::GrantLeaseResponse resp;
+  grpc::Status s = stub_->GrantLease(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  Learn(resp.incarnation());
+  return LeaseGrant{resp.lease_id(), resp.ttl_ms()};
+}
+
+absl::StatusOr<int64_t> Client::KeepAlive(uint64_t lease_id, double timeout_s) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  if (timeout_s > 0) {
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)));
+  }
+  v1::KeepAliveRequest req;
+  req.set_lease_id(lease_id);
+  req.set_expected_incarnation(incarnation());
+  v1::KeepAliveResponse resp;
+  grpc::Status s = stub_->KeepAlive(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return resp.ttl_ms();
+}
+
+absl::StatusOr<v1::Holdings> Client::RevokeLease(uint64_t lease_id) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::RevokeLeaseRequest req;
+  req.set_lease_id(lease_id);
+  req.set_expected_incarnation(incarnation());
+  v1::RevokeLeaseResponse resp;
+  grpc::Status s = stub_->RevokeLease(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return std::move(*resp.mutable_released());
+}
+
+absl::StatusOr<v1::ListHoldingsResponse> Client::ListHoldings(uint64_t lease_id) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::ListHoldingsRequest req;
+  req.set_lease_id(lease_id);
+  v1::ListHoldingsResponse resp;
+  grpc::Status s = stub_->ListHoldings(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return resp;
+}
+
+absl::StatusOr<v1::Holdings> Client::ReleaseHoldings() {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::ReleaseHoldingsRequest req;
+  req.set_expected_incarnation(incarnation());
+  v1::ReleaseHoldingsResponse resp;
+  grpc::Status s = stub_->ReleaseHoldings(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  return std::move(*resp.mutable_released());
 }
 
 absl::Status Client::Health(const std::string& service) {

@@ -15,6 +15,12 @@
 // FAILED_PRECONDITION instead of touching pages that may now belong to
 // someone else; ForgetIncarnation() accepts the new server once the caller
 // has dropped what it held.
+//
+// Leases (docs/security.md, "Leases"): with UseLease(id), every request that
+// takes a lease names it: what AllocatePages, CreatePlan, RegisterRegion and
+// OpenChannel make is held under it, and the pages and plans a request uses
+// must be. A LeaseKeeper (client/lease.h) grants one and keeps it alive.
+// Fork() gives a client of its own lease over the same connection.
 #pragma once
 
 #include <atomic>
@@ -85,6 +91,7 @@ struct PrefillArgs {
   absl::Span<const uint16_t> append_k;         // (n, num_kv_heads, head_dim)
   absl::Span<const uint16_t> append_v;
   uint64_t expected_incarnation = 0;  // 0: the client's remembered incarnation
+  uint64_t lease_id = 0;              // 0: the client's lease (UseLease), if any
   // A plan from CreatePlan: then qo_indptr .. kv_last_page_len,
   // append_slots and kv_keys_after stay empty, and append_k/append_v have
   // the plan's rows.
@@ -133,6 +140,17 @@ struct State {
 
 // The KV geometry a server reports.
 KvGeometry GeometryOf(const v1::ServerInfo& info);
+
+// A lease GrantLease gave: its id and its time-to-live.
+struct LeaseGrant {
+  uint64_t id = 0;
+  int64_t ttl_ms = 0;
+};
+
+// True for the error of a request that named a lease the server no longer
+// holds (expired, revoked, or from before a restart): everything held under
+// it was released. FAILED_PRECONDITION whose message starts "lease ".
+bool IsLeaseExpired(const absl::Status& status);
 
 class Client {
  public:
@@ -194,6 +212,25 @@ class Client {
                                                               int64_t byte_size,
                                                               const ChannelOptions& options);
 
+  // Leases. GrantLease(0) gives the server's default ttl. KeepAlive returns
+  // the ttl the lease lives from now (timeout_s > 0: the call's own
+  // deadline). RevokeLease ends it and returns what it released (nothing
+  // when it was gone already). ListHoldings: everything this tenant holds
+  // (lease_id 0) or one lease's. ReleaseHoldings: releases everything this
+  // tenant holds, its leases included.
+  absl::StatusOr<LeaseGrant> GrantLease(int64_t ttl_ms = 0);
+  absl::StatusOr<int64_t> KeepAlive(uint64_t lease_id, double timeout_s = 0);
+  absl::StatusOr<v1::Holdings> RevokeLease(uint64_t lease_id);
+  absl::StatusOr<v1::ListHoldingsResponse> ListHoldings(uint64_t lease_id = 0);
+  absl::StatusOr<v1::Holdings> ReleaseHoldings();
+  // The lease every later request names (0: none, as before any call).
+  void UseLease(uint64_t lease_id) { lease_id_.store(lease_id, std::memory_order_relaxed); }
+  uint64_t lease_id() const { return lease_id_.load(std::memory_order_relaxed); }
+  // A client over the same connection and credentials, with this one's
+  // server info and incarnation and no lease: for a component that holds
+  // state under a lease of its own (the KV managers).
+  std::unique_ptr<Client> Fork() const;
+
   // The server incarnation this client expects (0 before any answer).
   uint64_t incarnation() const { return incarnation_.load(std::memory_order_relaxed); }
   // Accept whatever incarnation answers next (after a restart, once the
@@ -232,6 +269,7 @@ class Client {
 
   ClientOptions options_;
   std::atomic<uint64_t> incarnation_{0};
+  std::atomic<uint64_t> lease_id_{0};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
   std::unique_ptr<RawMethods> raw_;

@@ -78,6 +78,11 @@ ABSL_FLAG(int32_t, max_plans_per_tenant, 64,
           "step plans (CreatePlan) one tenant may hold at once");
 ABSL_FLAG(int64_t, plan_idle_timeout_s, 300,
           "seconds after which an unused plan is released (its pages unpinned)");
+ABSL_FLAG(int64_t, lease_default_ttl_s, 30,
+          "time-to-live of a lease (GrantLease) that asks for none: what a client holds under "
+          "it is released this long after its last renewal");
+ABSL_FLAG(int64_t, lease_max_ttl_s, 3600, "longest time-to-live GrantLease gives (1..86400)");
+ABSL_FLAG(int32_t, max_leases_per_tenant, 1024, "leases one tenant may hold at once");
 ABSL_FLAG(std::string, reflection, "auto",
           "serve gRPC server reflection: on, off, or auto (on only without --auth_tokens_file: "
           "reflection answers without a token)");
@@ -219,6 +224,25 @@ int Run() {
     spdlog::error("--channel_spin_us={} must be in [0, 1000000]", channel_spin_us);
     return 2;
   }
+  const int64_t lease_default_ttl_s = absl::GetFlag(FLAGS_lease_default_ttl_s);
+  const int64_t lease_max_ttl_s = absl::GetFlag(FLAGS_lease_max_ttl_s);
+  core_options.leases.max_per_tenant = absl::GetFlag(FLAGS_max_leases_per_tenant);
+  if (lease_max_ttl_s < 1 || lease_max_ttl_s > 86400) {
+    spdlog::error("--lease_max_ttl_s={} must be in [1, 86400]", lease_max_ttl_s);
+    return 2;
+  }
+  if (lease_default_ttl_s < 1 || lease_default_ttl_s > lease_max_ttl_s) {
+    spdlog::error("--lease_default_ttl_s={} must be in [1, --lease_max_ttl_s={}]",
+                  lease_default_ttl_s, lease_max_ttl_s);
+    return 2;
+  }
+  if (core_options.leases.max_per_tenant < 1) {
+    spdlog::error("--max_leases_per_tenant={} must be at least 1",
+                  core_options.leases.max_per_tenant);
+    return 2;
+  }
+  core_options.leases.default_ttl = absl::Seconds(lease_default_ttl_s);
+  core_options.leases.max_ttl = absl::Seconds(lease_max_ttl_s);
   if (core_options.max_plans_per_tenant < 1 || core_options.plan_idle_timeout_s < 1) {
     spdlog::error("--max_plans_per_tenant and --plan_idle_timeout_s must be at least 1");
     return 2;

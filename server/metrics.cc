@@ -122,6 +122,26 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                    .Help("RPCs being handled")
                    .Register(*registry_)
                    .Add({});
+  tenant_leases_ = &prometheus::BuildGauge()
+                        .Name("attnserve_tenant_leases")
+                        .Help("Leases a tenant holds (GrantLease)")
+                        .Register(*registry_);
+  auto& leases_ended = prometheus::BuildCounter()
+                           .Name("attnserve_leases_ended_total")
+                           .Help("Leases ended, by reason (expired: not renewed within the ttl; "
+                                 "revoked: RevokeLease; release_holdings: ReleaseHoldings)")
+                           .Register(*registry_);
+  auto& released = prometheus::BuildCounter()
+                       .Name("attnserve_holdings_released_total")
+                       .Help("Pages, plans, regions and channels released with a lease or by "
+                             "ReleaseHoldings, by kind and reason")
+                       .Register(*registry_);
+  const char* reasons[] = {"expired", "revoked", "release_holdings"};
+  const char* kinds[] = {"pages", "plans", "regions", "channels"};
+  for (int r = 0; r < 3; ++r) {
+    leases_ended_[r] = &leases_ended.Add({{"reason", reasons[r]}});
+    for (int k = 0; k < 4; ++k) released_[r][k] = &released.Add({{"kind", kinds[k]}, {"reason", reasons[r]}});
+  }
   // The kernel and stage series exist from the start (dashboards see them at
   // zero), in the order of the Kernel and Stage enums.
   const char* kernels[] = {"attention", "merge", "append", "kv_rows", "zero_pages", "attention_decode"};
@@ -154,6 +174,11 @@ const char* Metrics::RpcName(Rpc rpc) {
     case Rpc::kListRegions: return "ListRegions";
     case Rpc::kOpenChannel: return "OpenChannel";
     case Rpc::kCloseChannel: return "CloseChannel";
+    case Rpc::kGrantLease: return "GrantLease";
+    case Rpc::kKeepAlive: return "KeepAlive";
+    case Rpc::kRevokeLease: return "RevokeLease";
+    case Rpc::kListHoldings: return "ListHoldings";
+    case Rpc::kReleaseHoldings: return "ReleaseHoldings";
     case Rpc::kCount: break;
   }
   return "unknown";
@@ -238,6 +263,21 @@ void Metrics::SetTenantRegions(const std::string& tenant, int64_t count, int64_t
 void Metrics::SetOpenChannels(const std::string& tenant, int64_t count) {
   absl::MutexLock lock(&series_mu_);
   open_channels_->Add({{"tenant", tenant}}).Set(static_cast<double>(count));
+}
+
+void Metrics::SetTenantLeases(const std::string& tenant, int64_t count) {
+  absl::MutexLock lock(&series_mu_);
+  tenant_leases_->Add({{"tenant", tenant}}).Set(static_cast<double>(count));
+}
+
+void Metrics::ObserveRelease(Release why, int64_t leases, int64_t pages, int64_t plans,
+                             int64_t regions, int64_t channels) {
+  const int r = static_cast<int>(why);
+  if (leases > 0) leases_ended_[r]->Increment(static_cast<double>(leases));
+  const int64_t counts[] = {pages, plans, regions, channels};
+  for (int k = 0; k < 4; ++k) {
+    if (counts[k] > 0) released_[r][k]->Increment(static_cast<double>(counts[k]));
+  }
 }
 
 }  // namespace attnserve

@@ -28,7 +28,7 @@ class Metrics {
   enum class Rpc {
     kGetServerInfo, kAllocatePages, kFreePages, kWriteKV, kReadKV, kPrefill, kMergeStates,
     kCreatePlan, kReleasePlan, kRegisterRegion, kUnregisterRegion, kListRegions, kOpenChannel,
-    kCloseChannel, kCount
+    kCloseChannel, kGrantLease, kKeepAlive, kRevokeLease, kListHoldings, kReleaseHoldings, kCount
   };
   static const char* RpcName(Rpc rpc);
   // The `shape` label: kDecode for a Prefill whose every sequence has at most
@@ -85,6 +85,16 @@ class Metrics {
   // Request channels a tenant has open.
   void SetOpenChannels(const std::string& tenant, int64_t count);
   prometheus::Gauge& inflight() { return *inflight_; }
+  // Leases a tenant holds.
+  void SetTenantLeases(const std::string& tenant, int64_t count);
+  // Why holdings were released: their lease expired (not renewed within its
+  // ttl), was revoked (RevokeLease), or the tenant released everything
+  // (ReleaseHoldings).
+  enum class Release { kExpired, kRevoked, kReleaseHoldings };
+  // Leases that ended for `why`, and the pages, plans, regions and channels
+  // released with them.
+  void ObserveRelease(Release why, int64_t leases, int64_t pages, int64_t plans, int64_t regions,
+                      int64_t channels);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -118,6 +128,9 @@ class Metrics {
   prometheus::Counter* bytes_in_[3];
   prometheus::Counter* bytes_out_[3];
   prometheus::Gauge* inflight_;
+  prometheus::Family<prometheus::Gauge>* tenant_leases_;
+  prometheus::Counter* leases_ended_[3];
+  prometheus::Counter* released_[3][4];  // [Release][pages, plans, regions, channels]
 };
 
 }  // namespace attnserve

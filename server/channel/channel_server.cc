@@ -262,6 +262,7 @@ void ChannelServer::Poller::Take(int32_t slot, uint64_t seq) {
   c.tenant = ring_.tenant;
   c.request_id = kChannelRequestIdBit | server->next_request_id_.fetch_add(1);
   c.expected_incarnation = parsed.expected_incarnation();
+  c.lease_id = parsed.lease_id();
   c.out = &r->out;
   server->ObserveStage(r, Metrics::RequestStage::kParse);
   {

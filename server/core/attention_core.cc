@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "server/core/status_macros.h"
 
 namespace attnserve {
@@ -111,6 +113,18 @@ class AttentionCore::RegionUse {
   std::vector<Use> uses_;
 };
 
+namespace {
+
+// A request naming a lease may use only a plan made under it.
+absl::Status CheckPlanLease(const Plan& plan, uint64_t lease) {
+  if (lease == 0 || plan.lease == lease) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "plan_id=%d is not held under lease %#x: a client may use only the plans of its own lease",
+      plan.id, lease));
+}
+
+}  // namespace
+
 int32_t MaxRequestRows(const CoreOptions& options, const KvGeometry& geo) {
   const int64_t q_row_bytes = int64_t{geo.num_qo_heads} * geo.head_dim * KvDTypeBytes(geo.dtype);
   const int64_t rows = options.max_message_bytes / std::max<int64_t>(q_row_bytes, 1);
@@ -127,7 +141,8 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
       pages_(backend_->Geometry().num_pages, options.tenant_max_pages, options.scrub_freed_pages),
       plans_(options.max_plans_per_tenant, absl::Seconds(options.plan_idle_timeout_s)),
       regions_(options.regions, backend_->region_device()),
-      channels_(options.channels) {
+      channels_(options.channels),
+      leases_(options.leases) {
   regions_.SetReleaseListener([this](const Region* region) {
     for (const std::string& tenant : channels_.CloseRegion(region)) UpdateChannelGauge(tenant);
   });
@@ -146,15 +161,36 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
   UpdatePageGauges();
   const Backend::MemoryUsage memory = backend_->Memory();
   metrics_->SetMemory(memory.used_bytes, memory.total_bytes);
+  reaper_ = std::thread([this] { ReapLoop(); });
 }
 
 AttentionCore::~AttentionCore() { Shutdown(); }
 
 void AttentionCore::Shutdown() {
+  if (!stop_reaper_.HasBeenNotified()) stop_reaper_.Notify();
+  if (reaper_.joinable()) reaper_.join();
   CloseAllChannels();
   scheduler_->Stop();
 }
 
+void AttentionCore::ReapLoop() {
+  while (!stop_reaper_.WaitForNotificationWithTimeout(options_.reap_interval)) {
+    const absl::Time now = absl::Now();
+    std::vector<LeaseTable::Ended> ended = leases_.TakeExpired(now);
+    if (!ended.empty()) {
+      for (const LeaseTable::Ended& e : ended) {
+        HoldingsData released;
+        {
+          absl::MutexLock lock(&lease_mu_);
+          released = ReleaseHeld(e.tenant, e.id);
+        }
+        metrics_->SetTenantLeases(e.tenant, leases_.TenantLeases(e.tenant));
+        CountRelease(Metrics::Release::kExpired, 1, released);
+      }
+    }
+    plans_.TakeExpired(now);
+  }
+}
 ServerInfoData AttentionCore::Info() const {
   const KvGeometry& g = backend_->Geometry();
   ServerInfoData info;
@@ -172,7 +208,139 @@ ServerInfoData AttentionCore::Info() const {
   info.max_batch_tokens = options_.max_batch_tokens;
   info.max_message_bytes = options_.max_message_bytes;
   info.incarnation = incarnation_;
+  info.lease_default_ttl_ms = absl::ToInt64Milliseconds(leases_.limits().default_ttl);
+  info.lease_max_ttl_ms = absl::ToInt64Milliseconds(leases_.limits().max_ttl);
   return info;
+}
+
+absl::Status AttentionCore::RenewLease(const CallContext& ctx) {
+  if (ctx.lease_id == 0) return absl::OkStatus();
+  return leases_.Renew(ctx.tenant, ctx.lease_id, absl::Now()).status();
+}
+
+HoldingsData AttentionCore::ReleaseHeld(const std::string& tenant, uint64_t lease) {
+  HoldingsData out;
+  // Channels before the regions they poll; plans before the pages they pin.
+  out.channels = channels_.CloseHeld(tenant, lease);
+  out.regions = regions_.TakeHeld(tenant, lease);
+  out.plans = plans_.TakeIf(tenant, [lease](const Plan& p) { return lease == 0 || p.lease == lease; });
+  out.pages = pages_.FreeHeld(tenant, lease);
+  if (lease != 0 && !out.pages.empty()) {
+    // A plan outside the lease that names a page freed here goes too: the
+    // page is gone, and a plan is never validated again.
+    const absl::flat_hash_set<int32_t> freed(out.pages.begin(), out.pages.end());
+    std::vector<uint64_t> more = plans_.TakeIf(tenant, [&freed](const Plan& p) {
+      return std::any_of(p.layout.pages.begin(), p.layout.pages.end(),
+                         [&freed](int32_t page) { return freed.contains(page); });
+    });
+    out.plans.insert(out.plans.end(), more.begin(), more.end());
+    std::sort(out.plans.begin(), out.plans.end());
+  }
+  // Freed pages are zeroed before anyone can allocate them again (pinned ones
+  // when their requests finish).
+  if (!out.pages.empty()) scheduler_->ScrubReleased(nullptr);
+  UpdatePageGauges();
+  metrics_->SetTenantPages(tenant, pages_.TenantPages(tenant));
+  UpdateRegionGauges(tenant);
+  UpdateChannelGauge(tenant);
+  return out;
+}
+
+void AttentionCore::CountRelease(Metrics::Release why, int64_t leases,
+                                 const HoldingsData& released) {
+  metrics_->ObserveRelease(why, leases, static_cast<int64_t>(released.pages.size()),
+                           static_cast<int64_t>(released.plans.size()),
+                           static_cast<int64_t>(released.regions.size()),
+                           static_cast<int64_t>(released.channels.size()));
+}
+
+absl::StatusOr<LeaseTable::Granted> AttentionCore::GrantLease(const CallContext& ctx,
+                                                              int64_t ttl_ms) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+  if (ttl_ms < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ttl_ms=", ttl_ms, " is negative"));
+  }
+  auto granted = leases_.Grant(ctx.tenant, absl::Milliseconds(ttl_ms), absl::Now());
+  if (granted.ok()) metrics_->SetTenantLeases(ctx.tenant, leases_.TenantLeases(ctx.tenant));
+  return granted;
+}
+
+absl::StatusOr<int64_t> AttentionCore::KeepAlive(const CallContext& ctx, uint64_t lease_id) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+  if (lease_id == 0) return absl::InvalidArgumentError("lease_id is 0: name a lease (GrantLease)");
+  ATTN_ASSIGN_OR_RETURN(absl::Duration ttl, leases_.Renew(ctx.tenant, lease_id, absl::Now()));
+  return absl::ToInt64Milliseconds(ttl);
+}
+
+absl::StatusOr<HoldingsData> AttentionCore::RevokeLease(const CallContext& ctx,
+                                                        uint64_t lease_id) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+  if (lease_id == 0) return absl::InvalidArgumentError("lease_id is 0: name a lease (GrantLease)");
+  HoldingsData released;
+  {
+    absl::MutexLock lock(&lease_mu_);
+    // Gone already (expired and released, or revoked before): nothing to do.
+    if (!leases_.Revoke(ctx.tenant, lease_id)) return released;
+    released = ReleaseHeld(ctx.tenant, lease_id);
+  }
+  metrics_->SetTenantLeases(ctx.tenant, leases_.TenantLeases(ctx.tenant));
+  CountRelease(Metrics::Release::kRevoked, 1, released);
+  return released;
+}
+
+absl::StatusOr<ListHoldingsData> AttentionCore::ListHoldings(const CallContext& ctx,
+                                                             uint64_t lease_id) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+  const absl::Time now = absl::Now();
+  ListHoldingsData out;
+  std::vector<LeaseTable::Info> leases = leases_.List(ctx.tenant, lease_id);
+  metrics_->SetTenantLeases(ctx.tenant, leases_.TenantLeases(ctx.tenant));
+  if (lease_id != 0 && leases.empty()) return LeaseTable::ExpiredError(lease_id);
+  absl::flat_hash_map<uint64_t, HoldingsData*> by_lease;
+  out.leases.reserve(leases.size());
+  for (const LeaseTable::Info& l : leases) {
+    LeaseData d;
+    d.id = l.id;
+    d.ttl_ms = absl::ToInt64Milliseconds(l.ttl);
+    d.remaining_ms = std::max<int64_t>(0, absl::ToInt64Milliseconds(l.deadline - now));
+    out.leases.push_back(std::move(d));
+  }
+  for (LeaseData& d : out.leases) by_lease[d.id] = &d.holdings;
+  // Entries under a lease that ended a moment ago (its release under way)
+  // are not listed.
+  auto holder = [&](uint64_t lease) -> HoldingsData* {
+    if (lease == 0) return lease_id == 0 ? &out.unleased : nullptr;
+    auto it = by_lease.find(lease);
+    return it == by_lease.end() ? nullptr : it->second;
+  };
+  for (const PageTable::Held& h : pages_.List(ctx.tenant, lease_id)) {
+    if (HoldingsData* d = holder(h.lease)) d->pages.push_back(h.page);
+  }
+  for (const auto& [id, lease] : plans_.List(ctx.tenant, lease_id)) {
+    if (HoldingsData* d = holder(lease)) d->plans.push_back(id);
+  }
+  for (const RegionInfoData& r : regions_.List(ctx.tenant)) {
+    if (lease_id != 0 && r.lease != lease_id) continue;
+    if (HoldingsData* d = holder(r.lease)) d->regions.push_back(r.name);
+  }
+  for (const auto& [id, lease] : channels_.List(ctx.tenant, lease_id)) {
+    if (HoldingsData* d = holder(lease)) d->channels.push_back(id);
+  }
+  return out;
+}
+
+absl::StatusOr<HoldingsData> AttentionCore::ReleaseHoldings(const CallContext& ctx) {
+  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+  HoldingsData released;
+  int64_t leases = 0;
+  {
+    absl::MutexLock lock(&lease_mu_);
+    leases = static_cast<int64_t>(leases_.RevokeAll(ctx.tenant).size());
+    released = ReleaseHeld(ctx.tenant, 0);
+  }
+  metrics_->SetTenantLeases(ctx.tenant, 0);
+  CountRelease(Metrics::Release::kReleaseHoldings, leases, released);
+  return released;
 }
 
 void AttentionCore::UpdatePageGauges() {
@@ -187,7 +355,9 @@ absl::StatusOr<std::vector<int32_t>> AttentionCore::AllocatePages(const CallCont
     return absl::InvalidArgumentError(
         absl::StrCat("count=", count, " out of range [1, ", pages_.num_pages(), "] (num_pages)"));
   }
-  auto pages = pages_.Allocate(ctx.tenant, count);
+  absl::ReaderMutexLock hold(&lease_mu_);
+  ATTN_RETURN_IF_ERROR(RenewLease(ctx));
+  auto pages = pages_.Allocate(ctx.tenant, count, ctx.lease_id);
   UpdatePageGauges();
   if (pages.ok()) metrics_->SetTenantPages(ctx.tenant, pages_.TenantPages(ctx.tenant));
   return pages;
@@ -199,7 +369,8 @@ void AttentionCore::FreePages(const CallContext& ctx, absl::Span<const int32_t> 
     done(stale);
     return;
   }
-  absl::Status status = pages_.Free(ctx.tenant, page_ids);
+  absl::Status status = RenewLease(ctx);
+  if (status.ok()) status = pages_.Free(ctx.tenant, page_ids, ctx.lease_id);
   UpdatePageGauges();
   if (status.ok()) metrics_->SetTenantPages(ctx.tenant, pages_.TenantPages(ctx.tenant));
   if (!status.ok()) {
@@ -219,7 +390,11 @@ void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
   job->request_id = call.request_id;
   job->deadline = call.deadline;
   job->is_cancelled = call.is_cancelled;
-  absl::Status status = pages_.PinOwned(call.tenant, pages, field);
+  absl::Status status = RenewLease(call);
+  if (status.ok()) {
+    status = pages_.PinOwned(call.tenant, pages, field, PageTable::Holder::kRequest,
+                             call.lease_id);
+  }
   if (!status.ok()) {
     job->done(status);
     return;
@@ -236,16 +411,18 @@ void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
 absl::StatusOr<uint64_t> AttentionCore::CreatePlan(const CallContext& ctx,
                                                     const PrefillLayout& layout) {
   ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
-  plans_.TakeExpired(absl::Now());
   auto plan = std::make_unique<Plan>();
   plan->tenant = ctx.tenant;
+  plan->lease = ctx.lease_id;
   plan->kv_indices.assign(layout.kv_indices.begin(), layout.kv_indices.end());
   plan->append_slots.assign(layout.append_slots.begin(), layout.append_slots.end());
   const PrefillLayout owned{layout.qo_indptr,        layout.kv_indptr,   plan->kv_indices,
                             layout.kv_last_page_len, plan->append_slots, layout.kv_keys_after};
   ATTN_ASSIGN_OR_RETURN(plan->layout, ValidatePlanLayout(owned, backend_->Geometry(), limits_));
+  absl::ReaderMutexLock hold(&lease_mu_);
+  ATTN_RETURN_IF_ERROR(RenewLease(ctx));
   ATTN_RETURN_IF_ERROR(pages_.PinOwned(ctx.tenant, plan->layout.pages, "kv_indices/append_slots",
-                                       PageTable::Holder::kPlan));
+                                       PageTable::Holder::kPlan, ctx.lease_id));
   // The pins go with the last reference: the table's, or a request's that
   // still uses the plan after it was released.
   std::shared_ptr<Plan> shared(plan.release(), [this](Plan* p) {
@@ -260,6 +437,11 @@ absl::StatusOr<uint64_t> AttentionCore::CreatePlan(const CallContext& ctx,
 
 absl::Status AttentionCore::ReleasePlan(const CallContext& ctx, uint64_t plan_id) {
   ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+  if (ctx.lease_id != 0) {
+    ATTN_RETURN_IF_ERROR(RenewLease(ctx));
+    ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Plan> plan, plans_.Find(ctx.tenant, plan_id));
+    ATTN_RETURN_IF_ERROR(CheckPlanLease(*plan, ctx.lease_id));
+  }
   return plans_.Remove(ctx.tenant, plan_id);
 }
 
@@ -270,7 +452,11 @@ void AttentionCore::UpdateRegionGauges(const std::string& tenant) {
 
 absl::Status AttentionCore::RegisterRegion(const CallContext& ctx, const RegionSpec& spec) {
   ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
-  absl::Status status = regions_.Register(ctx.tenant, spec);
+  RegionSpec leased = spec;
+  leased.lease = ctx.lease_id;
+  absl::ReaderMutexLock hold(&lease_mu_);
+  ATTN_RETURN_IF_ERROR(RenewLease(ctx));
+  absl::Status status = regions_.Register(ctx.tenant, leased);
   UpdateRegionGauges(ctx.tenant);
   return status;
 }
@@ -297,7 +483,9 @@ absl::StatusOr<uint64_t> AttentionCore::OpenChannel(const CallContext& ctx,
                                                     const RegionRefView& ring,
                                                     const ChannelTable::MakeEndpoint& make) {
   ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
-  auto id = channels_.Open(ctx.tenant, regions_, ring, make);
+  absl::ReaderMutexLock hold(&lease_mu_);
+  ATTN_RETURN_IF_ERROR(RenewLease(ctx));
+  auto id = channels_.Open(ctx.tenant, regions_, ring, make, ctx.lease_id);
   UpdateChannelGauge(ctx.tenant);
   return id;
 }
@@ -344,12 +532,21 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
       done(stale);
       return;
     }
+    // A lease that is gone says so, rather than that its plan is unknown.
+    if (absl::Status lease = RenewLease(call); !lease.ok()) {
+      done(lease);
+      return;
+    }
     auto found = plans_.Find(call.tenant, call.plan_id);
     if (!found.ok()) {
       done(found.status());
       return;
     }
     plan = *std::move(found);
+    if (absl::Status held = CheckPlanLease(*plan, call.lease_id); !held.ok()) {
+      done(held);
+      return;
+    }
     validated = ValidatePlannedPrefill(call, plan->layout, plan->kv_indices.data(),
                                        plan->append_slots.data(), backend_->Geometry(), limits_,
                                        incarnation_);

@@ -14,12 +14,15 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "absl/status/statusor.h"
 #include "common/version.h"  // kVersion: CMake's project(VERSION)
 #include "server/backend/backend.h"
 #include "server/core/channel_table.h"
+#include "server/core/lease_table.h"
 #include "server/core/page_table.h"
 #include "server/core/plan_table.h"
 #include "server/core/region_table.h"
@@ -44,6 +47,9 @@ struct CoreOptions {
   int64_t plan_idle_timeout_s = 300;  // a plan unused this long is released
   RegionLimits regions;  // shared-memory regions (off by default)
   ChannelLimits channels;  // request channels (in system regions)
+  LeaseLimits leases;
+  // How often expired leases and idle plans are released.
+  absl::Duration reap_interval = absl::Milliseconds(100);
 };
 
 // Query rows (and KV rows) one request may carry: what fits in
@@ -76,6 +82,19 @@ class AttentionCore {
   absl::Status RegisterRegion(const CallContext& ctx, const RegionSpec& spec);
   absl::Status UnregisterRegion(const CallContext& ctx, absl::string_view name);
   std::vector<RegionInfoData> ListRegions(const CallContext& ctx);
+
+  // Leases (lease_table.h). GrantLease: a new lease of ctx.tenant living
+  // ttl_ms (0: the default). KeepAlive renews it and returns its ttl in ms
+  // (LeaseTable::ExpiredError when it is gone). RevokeLease ends it now and
+  // releases what it holds (nothing when it was gone already).
+  absl::StatusOr<LeaseTable::Granted> GrantLease(const CallContext& ctx, int64_t ttl_ms);
+  absl::StatusOr<int64_t> KeepAlive(const CallContext& ctx, uint64_t lease_id);
+  absl::StatusOr<HoldingsData> RevokeLease(const CallContext& ctx, uint64_t lease_id);
+  // What ctx.tenant holds: per lease, and unleased (lease_id 0), or under
+  // one lease.
+  absl::StatusOr<ListHoldingsData> ListHoldings(const CallContext& ctx, uint64_t lease_id);
+  // Releases everything ctx.tenant holds, its leases included.
+  absl::StatusOr<HoldingsData> ReleaseHoldings(const CallContext& ctx);
 
   // Request channels (channel_table.h): a ring in one of ctx.tenant's system
   // regions, polled by the endpoint `make` starts. Returns the channel id.
@@ -114,6 +133,18 @@ class AttentionCore {
   void Submit(const CallT& call, std::vector<int32_t> pages, absl::string_view field,
               std::unique_ptr<Job> job);
   void UpdatePageGauges();
+  // Renews ctx's lease when it names one (a request naming a lease keeps it
+  // alive); LeaseTable::ExpiredError when it is gone.
+  absl::Status RenewLease(const CallContext& ctx);
+  // Releases what `tenant` holds under `lease` (0: everything it holds):
+  // channels closed, regions unregistered, plans released (and any other
+  // plan that names a page freed here), pages freed and zeroed. Under
+  // lease_mu_ held exclusively.
+  HoldingsData ReleaseHeld(const std::string& tenant, uint64_t lease)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_mu_);
+  void CountRelease(Metrics::Release why, int64_t leases, const HoldingsData& released);
+  // Every reap_interval: expired leases released, idle plans released.
+  void ReapLoop();
   void UpdateRegionGauges(const std::string& tenant);
   void UpdateChannelGauge(const std::string& tenant);
   // Request-side region bookkeeping: the slices a request holds, checked for
@@ -133,6 +164,13 @@ class AttentionCore {
   // After regions_: a region dropped closes its channels, and the channels'
   // endpoints go (closing) before the regions they hold.
   ChannelTable channels_;
+  LeaseTable leases_;
+  // Held shared by the calls that put something under a lease (from the
+  // lease's renewal to the entry made), exclusively while a lease's holdings
+  // are released: nothing is added under a lease that has ended.
+  absl::Mutex lease_mu_;
+  absl::Notification stop_reaper_;
+  std::thread reaper_;  // last: started once everything above exists
 };
 
 }  // namespace attnserve

@@ -1,5 +1,6 @@
 #include "server/core/channel_table.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -70,7 +71,8 @@ absl::StatusOr<ChannelGeometry> ReadChannelHeader(const char* base, int64_t byte
 }
 
 absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const RegionTable& regions,
-                                            const RegionRefView& ring, const MakeEndpoint& make) {
+                                            const RegionRefView& ring, const MakeEndpoint& make,
+                                            uint64_t lease) {
   if (!regions.enabled()) {
     return absl::FailedPreconditionError(
         "request channels live in shared-memory regions, which are off on this server (start "
@@ -121,7 +123,7 @@ absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const Reg
           limits_.max_channels_per_tenant, " (--max_channels_per_tenant); CloseChannel one"));
     }
     per_tenant_[tenant] += 1;
-    channels_[r.id] = Entry{tenant, r.region.get(), nullptr};
+    channels_[r.id] = Entry{tenant, lease, r.region.get(), nullptr};
   }
   auto endpoint = make(r);
   absl::MutexLock lock(&mu_);
@@ -200,6 +202,38 @@ std::vector<std::string> ChannelTable::CloseAll() {
   }
   for (const auto& endpoint : closing) endpoint->Close();
   return tenants;
+}
+
+std::vector<uint64_t> ChannelTable::CloseHeld(const std::string& tenant, uint64_t lease) {
+  std::vector<std::shared_ptr<ChannelEndpoint>> closing;
+  std::vector<uint64_t> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = channels_.begin(); it != channels_.end();) {
+      if (it->second.tenant != tenant || (lease != 0 && it->second.lease != lease)) {
+        ++it;
+        continue;
+      }
+      if (it->second.endpoint != nullptr) closing.push_back(std::move(it->second.endpoint));
+      per_tenant_[tenant] -= 1;
+      ids.push_back(it->first);
+      channels_.erase(it++);
+    }
+  }
+  for (const auto& endpoint : closing) endpoint->Close();
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> ChannelTable::List(const std::string& tenant,
+                                                              uint64_t lease) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (const auto& [id, e] : channels_) {
+    if (e.tenant == tenant && (lease == 0 || e.lease == lease)) out.emplace_back(id, e.lease);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 int32_t ChannelTable::TenantChannels(const std::string& tenant) const {

@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -72,8 +73,10 @@ class ChannelTable {
   // INVALID_ARGUMENT for a CUDA region, a range out of the region or not
   // 64-byte aligned, a bad header; RESOURCE_EXHAUSTED past
   // --max_channels_per_tenant.
+  // `lease`: the channel is held under it (0: none).
   absl::StatusOr<uint64_t> Open(const std::string& tenant, const RegionTable& regions,
-                                const RegionRefView& ring, const MakeEndpoint& make);
+                                const RegionRefView& ring, const MakeEndpoint& make,
+                                uint64_t lease = 0);
 
   // NOT_FOUND for an unknown (or already closed) id, PERMISSION_DENIED for
   // another tenant's channel.
@@ -84,12 +87,19 @@ class ChannelTable {
   std::vector<std::string> CloseRegion(const Region* region);
   // Closes every channel (shutdown); returns the tenants that had any.
   std::vector<std::string> CloseAll();
+  // Closes every channel `tenant` holds under `lease` (0: all of the
+  // tenant's); returns their ids, ascending.
+  std::vector<uint64_t> CloseHeld(const std::string& tenant, uint64_t lease);
+  // The tenant's channels (lease 0: all; else that lease's) with their leases.
+  std::vector<std::pair<uint64_t, uint64_t>> List(const std::string& tenant,
+                                                  uint64_t lease = 0) const;
 
   int32_t TenantChannels(const std::string& tenant) const;
 
  private:
   struct Entry {
     std::string tenant;
+    uint64_t lease = 0;
     const Region* region = nullptr;
     std::shared_ptr<ChannelEndpoint> endpoint;
   };

@@ -2,6 +2,8 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "server/core/status_macros.h"
 
 namespace attnserve {
 
@@ -9,6 +11,7 @@ PageTable::PageTable(int32_t num_pages, int32_t tenant_max_pages, bool scrub_fre
     : tenant_max_pages_(tenant_max_pages),
       scrub_freed_(scrub_freed),
       owner_(num_pages, kFree),
+      lease_(num_pages, 0),
       pins_(num_pages, 0),
       plan_pins_(num_pages, 0) {
   free_list_.reserve(num_pages);
@@ -23,7 +26,7 @@ int32_t PageTable::TenantId(absl::string_view tenant) {
 }
 
 absl::StatusOr<std::vector<int32_t>> PageTable::Allocate(absl::string_view tenant,
-                                                         int32_t count) {
+                                                         int32_t count, uint64_t lease) {
   absl::MutexLock lock(&mu_);
   const int32_t id = TenantId(tenant);
   if (tenant_max_pages_ > 0 && tenant_pages_[id] + int64_t{count} > tenant_max_pages_) {
@@ -38,12 +41,46 @@ absl::StatusOr<std::vector<int32_t>> PageTable::Allocate(absl::string_view tenan
   std::vector<int32_t> pages(free_list_.end() - count, free_list_.end());
   std::reverse(pages.begin(), pages.end());
   free_list_.resize(free_list_.size() - count);
-  for (int32_t p : pages) owner_[p] = id;
+  for (int32_t p : pages) {
+    owner_[p] = id;
+    lease_[p] = lease;
+  }
   tenant_pages_[id] += count;
   return pages;
 }
 
-absl::Status PageTable::Free(absl::string_view tenant, absl::Span<const int32_t> page_ids) {
+absl::Status PageTable::CheckHeld(int32_t page, int32_t id, uint64_t lease,
+                                  absl::string_view what) const {
+  const int32_t owner = owner_[page];
+  if (owner == id) {
+    if (lease != 0 && lease_[page] != lease) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s is not held under lease %#x (it is under %s): a client may use only the pages "
+          "of its own lease",
+          what, lease, lease_[page] == 0 ? std::string("no lease")
+                                         : absl::StrFormat("lease %#x", lease_[page])));
+    }
+    return absl::OkStatus();
+  }
+  if (owner < 0) {
+    return absl::NotFoundError(
+        absl::StrCat(what, " is not allocated (never allocated, or freed since)"));
+  }
+  return absl::PermissionDeniedError(absl::StrCat(what, " is not owned by this tenant"));
+}
+
+void PageTable::FreeOne(int32_t page, int32_t id) {
+  lease_[page] = 0;
+  if (pins_[page] > 0) {
+    owner_[page] = kReleasing;
+  } else {
+    Release(page);
+  }
+  --tenant_pages_[id];
+}
+
+absl::Status PageTable::Free(absl::string_view tenant, absl::Span<const int32_t> page_ids,
+                             uint64_t lease) {
   absl::MutexLock lock(&mu_);
   const int32_t id = TenantId(tenant);
   absl::flat_hash_set<int32_t> seen;
@@ -57,42 +94,59 @@ absl::Status PageTable::Free(absl::string_view tenant, absl::Span<const int32_t>
     if (!seen.insert(p).second) {
       return absl::InvalidArgumentError(absl::StrCat("page_ids[", i, "]=", p, " is repeated"));
     }
-    if (owner_[p] != id) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("page_ids[", i, "]=", p, " is not owned by this tenant"));
-    }
+    ATTN_RETURN_IF_ERROR(CheckHeld(p, id, lease, absl::StrCat("page_ids[", i, "]=", p)));
     if (plan_pins_[p] > 0) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "page_ids[", i, "]=", p, " is held by ", plan_pins_[p],
-          " plan(s) (CreatePlan): release them (ReleasePlan) before freeing the page"));
+          "page_ids[", i, "]=", p, " is held by a plan (CreatePlan): release the plans "
+          "that name it (ReleasePlan) before freeing the page"));
     }
   }
-  for (int32_t p : page_ids) {
-    if (pins_[p] > 0) {
-      owner_[p] = kReleasing;
-    } else {
-      Release(p);
-    }
-  }
-  tenant_pages_[id] -= static_cast<int32_t>(page_ids.size());
+  for (int32_t p : page_ids) FreeOne(p, id);
   return absl::OkStatus();
 }
 
+std::vector<int32_t> PageTable::FreeHeld(absl::string_view tenant, uint64_t lease) {
+  absl::MutexLock lock(&mu_);
+  std::vector<int32_t> freed;
+  auto it = tenant_ids_.find(tenant);
+  if (it == tenant_ids_.end()) return freed;
+  const int32_t id = it->second;
+  for (int32_t p = 0; p < num_pages(); ++p) {
+    if (owner_[p] == id && (lease == 0 || lease_[p] == lease)) {
+      FreeOne(p, id);
+      freed.push_back(p);
+    }
+  }
+  return freed;
+}
+
+std::vector<PageTable::Held> PageTable::List(absl::string_view tenant, uint64_t lease) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<Held> out;
+  auto it = tenant_ids_.find(tenant);
+  if (it == tenant_ids_.end()) return out;
+  for (int32_t p = 0; p < num_pages(); ++p) {
+    if (owner_[p] == it->second && (lease == 0 || lease_[p] == lease)) {
+      out.push_back({p, lease_[p]});
+    }
+  }
+  return out;
+}
+
 absl::Status PageTable::PinOwned(absl::string_view tenant, absl::Span<const int32_t> pages,
-                                 absl::string_view field, Holder holder) {
+                                 absl::string_view field, Holder holder, uint64_t lease) {
   absl::MutexLock lock(&mu_);
   const int32_t id = TenantId(tenant);
   // One pass (requests list thousands of pages); a page of another tenant
   // undoes the pins taken so far.
   for (size_t i = 0; i < pages.size(); ++i) {
     const int32_t p = pages[i];
-    if (owner_[p] != id) {
+    if (owner_[p] != id || (lease != 0 && lease_[p] != lease)) {
       for (size_t j = 0; j < i; ++j) {
         --pins_[pages[j]];
         if (holder == Holder::kPlan) --plan_pins_[pages[j]];
       }
-      return absl::PermissionDeniedError(
-          absl::StrCat(field, ": page ", p, " is not owned by this tenant"));
+      return CheckHeld(p, id, lease, absl::StrCat(field, ": page ", p));
     }
     ++pins_[p];
     if (holder == Holder::kPlan) ++plan_pins_[p];

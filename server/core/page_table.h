@@ -7,6 +7,10 @@
 // when the last pin goes, so no in-flight request ever reads a page that has
 // meanwhile been handed to another tenant.
 //
+// A page may be held under a lease (lease_table.h): then a request that
+// names the lease may use only the lease's pages, and the lease's end frees
+// them all (FreeHeld).
+//
 //   PageTable pages(/*num_pages=*/1024, /*tenant_max_pages=*/0);
 //   auto ids = pages.Allocate("default", 4);          // {0, 1, 2, 3}
 //   pages.PinOwned("default", {1, 2}, "kv_indices");  // OK
@@ -35,25 +39,47 @@ class PageTable {
   // were zeroed, so that no tenant can read what another left behind.
   PageTable(int32_t num_pages, int32_t tenant_max_pages, bool scrub_freed = false);
 
-  // Hands `count` free pages to `tenant`. RESOURCE_EXHAUSTED when too few are
-  // free or the tenant's cap would be passed; nothing changes then.
-  absl::StatusOr<std::vector<int32_t>> Allocate(absl::string_view tenant, int32_t count);
+  // Hands `count` free pages to `tenant`, held under `lease` (0: none).
+  // RESOURCE_EXHAUSTED when too few are free or the tenant's cap would be
+  // passed; nothing changes then.
+  absl::StatusOr<std::vector<int32_t>> Allocate(absl::string_view tenant, int32_t count,
+                                                uint64_t lease = 0);
 
   // Frees pages of `tenant`. All or nothing: INVALID_ARGUMENT for an id out of
-  // range or repeated, PERMISSION_DENIED for a page the tenant does not own,
-  // FAILED_PRECONDITION for a page a plan holds.
-  absl::Status Free(absl::string_view tenant, absl::Span<const int32_t> page_ids);
+  // range or repeated, NOT_FOUND for a page that is not allocated,
+  // PERMISSION_DENIED for another tenant's page, FAILED_PRECONDITION for a
+  // page a plan holds or, when `lease` is non-zero, one not held under it.
+  absl::Status Free(absl::string_view tenant, absl::Span<const int32_t> page_ids,
+                    uint64_t lease = 0);
+
+  // Frees every page `tenant` holds under `lease` (lease 0: every page the
+  // tenant holds, leased or not), whatever plans hold them (the caller
+  // released those plans: pins that remain are requests' or plans still in
+  // use by one, and the pages wait for them as Free's do). Returns the ids,
+  // ascending.
+  std::vector<int32_t> FreeHeld(absl::string_view tenant, uint64_t lease);
+
+  // The pages `tenant` holds, ascending, each with its lease (0: none); with
+  // a non-zero `lease`, only that lease's.
+  struct Held {
+    int32_t page = 0;
+    uint64_t lease = 0;
+  };
+  std::vector<Held> List(absl::string_view tenant, uint64_t lease = 0) const;
 
   // Who holds a pin: a request in flight, or a plan (CreatePlan). A page a
   // plan holds cannot be freed (FAILED_PRECONDITION) until the plan lets go.
   enum class Holder { kRequest, kPlan };
 
-  // Checks that every page (in range) belongs to `tenant` and pins them all,
-  // or pins none and returns PERMISSION_DENIED naming `field`. Pins are
-  // counts: a page listed n times is pinned n times, and Unpin of the same
-  // list (and holder) releases them.
+  // Checks that every page (in range) belongs to `tenant` (and, when `lease`
+  // is non-zero, is held under it) and pins them all, or pins none and
+  // returns an error naming `field`: NOT_FOUND for a page that is not
+  // allocated, PERMISSION_DENIED for another tenant's, FAILED_PRECONDITION
+  // for one not under the lease. Pins are counts: a page listed n times is
+  // pinned n times, and Unpin of the same list (and holder) releases them.
   absl::Status PinOwned(absl::string_view tenant, absl::Span<const int32_t> pages,
-                        absl::string_view field, Holder holder = Holder::kRequest);
+                        absl::string_view field, Holder holder = Holder::kRequest,
+                        uint64_t lease = 0);
   // True when a page freed while pinned was released for scrubbing (then
   // TakeReleased has work).
   bool Unpin(absl::Span<const int32_t> pages, Holder holder = Holder::kRequest);
@@ -75,6 +101,12 @@ class PageTable {
 
   // A freed, unpinned page: to the free list, or to released_ for scrubbing.
   void Release(int32_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees one page the caller checked (owner id `id`).
+  void FreeOne(int32_t page, int32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why `page` may not be used by tenant `id` under `lease`, naming it as
+  // `what` (e.g. "kv_indices: page 7"); OK when it may.
+  absl::Status CheckHeld(int32_t page, int32_t id, uint64_t lease, absl::string_view what) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   int32_t TenantId(absl::string_view tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -82,6 +114,7 @@ class PageTable {
   const bool scrub_freed_;
   mutable absl::Mutex mu_;
   std::vector<int32_t> owner_ ABSL_GUARDED_BY(mu_);  // tenant id, kFree, kReleasing or kScrubbing
+  std::vector<uint64_t> lease_ ABSL_GUARDED_BY(mu_);  // of an owned page; 0: none
   std::vector<int32_t> pins_ ABSL_GUARDED_BY(mu_);       // all holders
   std::vector<int32_t> plan_pins_ ABSL_GUARDED_BY(mu_);  // the plans' share of pins_
   std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);  // a stack

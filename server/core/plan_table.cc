@@ -1,5 +1,6 @@
 #include "server/core/plan_table.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -75,6 +76,41 @@ int PlanTable::TakeExpired(absl::Time now) {
     }
   }
   return static_cast<int>(expired.size());  // unpinned as they go out of scope
+}
+
+std::vector<uint64_t> PlanTable::TakeIf(absl::string_view tenant,
+                                        const std::function<bool(const Plan&)>& take) {
+  std::vector<std::shared_ptr<const Plan>> taken;  // dropped after the lock: they may unpin
+  std::vector<uint64_t> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = plans_.begin(); it != plans_.end();) {
+      const Plan& plan = *it->second.plan;
+      if (plan.tenant == tenant && take(plan)) {
+        --per_tenant_[plan.tenant];
+        ids.push_back(it->first);
+        taken.push_back(std::move(it->second.plan));
+        plans_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> PlanTable::List(absl::string_view tenant,
+                                                           uint64_t lease) {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (const auto& [id, entry] : plans_) {
+    if (entry.plan->tenant == tenant && (lease == 0 || entry.plan->lease == lease)) {
+      out.emplace_back(id, entry.plan->lease);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace attnserve

@@ -14,8 +14,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -30,6 +32,7 @@ namespace attnserve {
 struct Plan {
   uint64_t id = 0;
   std::string tenant;
+  uint64_t lease = 0;                 // held under this lease (0: none)
   std::vector<int32_t> kv_indices;    // the tasks point into these two
   std::vector<int64_t> append_slots;
   ValidatedLayout layout;             // layout.pages are pinned for the plan
@@ -53,6 +56,13 @@ class PlanTable {
   absl::Status Remove(absl::string_view tenant, uint64_t id);
   // Takes out every plan unused for the idle timeout; returns how many.
   int TakeExpired(absl::Time now);
+  // Takes out the tenant's plans for which `take` is true and returns their
+  // ids. Their pages stay pinned until the last request using one finishes.
+  std::vector<uint64_t> TakeIf(absl::string_view tenant,
+                               const std::function<bool(const Plan&)>& take);
+  // The tenant's plans (lease 0: all; else that lease's), with their leases.
+  std::vector<std::pair<uint64_t, uint64_t>> List(absl::string_view tenant,
+                                                  uint64_t lease = 0);
 
   int32_t max_per_tenant() const { return max_per_tenant_; }
   absl::Duration idle_timeout() const { return idle_timeout_; }

@@ -212,6 +212,7 @@ absl::Status RegionTable::Register(const std::string& tenant, const RegionSpec& 
   std::shared_ptr<Region> region = *std::move(mapped);
   region->name = spec.name;
   region->tenant = tenant;
+  region->lease = spec.lease;
   absl::MutexLock lock(&mu_);
   // Checked again: another call may have taken the name or the room meanwhile
   // (the region unmaps as it goes out of scope).
@@ -254,6 +255,28 @@ absl::Status RegionTable::Unregister(const std::string& tenant, absl::string_vie
   return absl::OkStatus();
 }
 
+std::vector<std::string> RegionTable::TakeHeld(const std::string& tenant, uint64_t lease) {
+  std::vector<std::string> names;
+  if (!limits_.enabled) return names;
+  DroppedRegions dropped(release_listener_);  // unmapped after the lock, if nothing else holds it
+  absl::MutexLock lock(&mu_);
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    const Region& r = *it->second;
+    if (r.tenant == tenant && (lease == 0 || r.lease == lease)) {
+      Usage& used = usage_[tenant];
+      used.count -= 1;
+      used.bytes -= r.byte_size;
+      names.push_back(it->first);
+      dropped.regions.push_back(std::move(it->second));
+      regions_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 void RegionTable::ReclaimVanished(const std::string& tenant,
                                   std::vector<std::shared_ptr<Region>>* dropped) {
   for (auto it = regions_.begin(); it != regions_.end();) {
@@ -290,6 +313,7 @@ std::vector<RegionInfoData> RegionTable::List(const std::string& tenant) {
     info.device_id = region->device_id;
     info.in_use = static_cast<int32_t>(region.use_count() - 1 - region->channel_holds.load());
     info.registered = region->registered;
+    info.lease = region->lease;
     info.key_exists =
         region->kind == RegionKind::kSystem && KeyNames(region->key, region->dev, region->ino);
     out.push_back(std::move(info));

@@ -56,6 +56,7 @@ struct RegionSpec {
   std::string ipc_handle;
   int32_t device_id = 0;
   int64_t byte_size = 0;
+  uint64_t lease = 0;  // held under this lease (lease_table.h); 0: none
 };
 
 // One mapped region. Unmapped (and unregistered / closed) when the last
@@ -68,6 +69,7 @@ struct Region {
 
   std::string name;
   std::string tenant;
+  uint64_t lease = 0;          // held under this lease; 0: none
   RegionKind kind = RegionKind::kSystem;
   char* data = nullptr;        // host (system) or device (cuda) address of byte 0
   int64_t byte_size = 0;
@@ -121,6 +123,7 @@ struct RegionInfoData {
   int32_t in_use = 0;
   bool registered = false;
   bool key_exists = false;
+  uint64_t lease = 0;
 };
 
 class RegionTable {
@@ -146,6 +149,10 @@ class RegionTable {
   // The tenant's regions, by name. Reclaims the tenant's idle system regions
   // whose shm key has vanished first.
   std::vector<RegionInfoData> List(const std::string& tenant);
+
+  // Unregisters every region `tenant` holds under `lease` (0: every region
+  // of the tenant) and returns their names, ascending.
+  std::vector<std::string> TakeHeld(const std::string& tenant, uint64_t lease);
 
   // The range `ref` names, for a tensor of `field` (for errors, e.g.
   // "q.region") whose element size is `elem_bytes`. NOT_FOUND for an

@@ -80,14 +80,17 @@ using DoneCallback = std::function<void(absl::Status)>;
 // What every call carries besides its fields: the caller's tenant, its
 // deadline (the request is dropped before launch once it passes), an
 // optional cancellation probe, the edge's request id (AttentionCore::Cancel
-// names it) and the incarnation the caller expects (docs/design.md section
-// 4: a stale one fails with FAILED_PRECONDITION and changes nothing).
+// names it), the incarnation the caller expects (docs/design.md section
+// 4: a stale one fails with FAILED_PRECONDITION and changes nothing) and the
+// lease it names (lease_table.h: what the call makes is held under it, and
+// what it uses must be).
 struct CallContext {
   std::string tenant;
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> is_cancelled;
   uint64_t request_id = 0;
   uint64_t expected_incarnation = 0;  // 0: not checked
+  uint64_t lease_id = 0;              // 0: none
 };
 
 // Prefill's outputs, filled by the core with their shapes: o (total_q,
@@ -171,6 +174,29 @@ struct ServerInfoData {
   int32_t max_batch_tokens = 0;
   int64_t max_message_bytes = 0;
   uint64_t incarnation = 0;
+  int64_t lease_default_ttl_ms = 0;
+  int64_t lease_max_ttl_ms = 0;
+};
+
+// What a tenant holds, or holds under one lease (ListHoldings, and what
+// RevokeLease and ReleaseHoldings released). Each list ascending.
+struct HoldingsData {
+  std::vector<int32_t> pages;
+  std::vector<uint64_t> plans;
+  std::vector<std::string> regions;
+  std::vector<uint64_t> channels;
+};
+
+struct LeaseData {
+  uint64_t id = 0;
+  int64_t ttl_ms = 0;
+  int64_t remaining_ms = 0;
+  HoldingsData holdings;
+};
+
+struct ListHoldingsData {
+  std::vector<LeaseData> leases;
+  HoldingsData unleased;
 };
 
 }  // namespace attnserve

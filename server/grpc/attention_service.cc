@@ -32,6 +32,16 @@ uint64_t ExpectedIncarnation(const Request&, long) {
   return 0;  // GetServerInfo, MergeStates: not checked
 }
 
+// The lease a request names, for the requests that carry one.
+template <typename Request>
+auto LeaseId(const Request& r, int) -> decltype(uint64_t{r.lease_id()}) {
+  return r.lease_id();
+}
+template <typename Request>
+uint64_t LeaseId(const Request&, long) {
+  return 0;
+}
+
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth,
@@ -139,6 +149,7 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
     if (c != nullptr) {
       Bind(c);
       c->expected_incarnation = ExpectedIncarnation(*parsed, 0);
+      c->lease_id = LeaseId(*parsed, 0);
     }
     return true;
   }
@@ -315,6 +326,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServ
   out.set_max_batch_tokens(info.max_batch_tokens);
   out.set_max_message_bytes(info.max_message_bytes);
   out.set_incarnation(info.incarnation);
+  out.set_lease_default_ttl_ms(info.lease_default_ttl_ms);
+  out.set_lease_max_ttl_ms(info.lease_max_ttl_ms);
   if (call->Claim()) call->Finish(absl::OkStatus(), &out);
   return call;
 }
@@ -554,6 +567,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterRegion(grpc::CallbackSer
   if (!call->Parse(limits_.register_region, &parsed)) return call;
   CallContext c;
   call->Bind(&c);
+  c.lease_id = parsed.lease_id();
   const absl::Status status = core_->RegisterRegion(c, ToSpec(parsed));
   v1::RegisterRegionResponse out;
   out.set_incarnation(core_->incarnation());
@@ -623,6 +637,110 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseChannel(grpc::CallbackServe
   v1::CloseChannelResponse out;
   out.set_incarnation(core_->incarnation());
   if (call->Claim()) call->Finish(status, &out);
+  return call;
+}
+
+namespace {
+
+void ToProto(const HoldingsData& h, v1::Holdings* out) {
+  out->mutable_page_ids()->Assign(h.pages.begin(), h.pages.end());
+  out->mutable_plan_ids()->Assign(h.plans.begin(), h.plans.end());
+  for (const std::string& name : h.regions) out->add_region_names(name);
+  out->mutable_channel_ids()->Assign(h.channels.begin(), h.channels.end());
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GrantLease(grpc::CallbackServerContext* ctx,
+                                                           const grpc::ByteBuffer* request,
+                                                           grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kGrantLease, request, response);
+  v1::GrantLeaseRequest parsed;
+  CallContext c;
+  if (!call->Open(limits_.grant_lease, &parsed, &c)) return call;
+  auto granted = core_->GrantLease(c, parsed.ttl_ms());
+  v1::GrantLeaseResponse out;
+  if (granted.ok()) {
+    out.set_lease_id(granted->id);
+    out.set_ttl_ms(absl::ToInt64Milliseconds(granted->ttl));
+    out.set_incarnation(core_->incarnation());
+  }
+  if (call->Claim()) call->Finish(granted.status(), &out);
+  return call;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::KeepAlive(grpc::CallbackServerContext* ctx,
+                                                          const grpc::ByteBuffer* request,
+                                                          grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kKeepAlive, request, response);
+  v1::KeepAliveRequest parsed;
+  CallContext c;
+  if (!call->Open(limits_.keep_alive, &parsed, &c)) return call;
+  auto ttl = core_->KeepAlive(c, parsed.lease_id());
+  v1::KeepAliveResponse out;
+  if (ttl.ok()) {
+    out.set_ttl_ms(*ttl);
+    out.set_incarnation(core_->incarnation());
+  }
+  if (call->Claim()) call->Finish(ttl.status(), &out);
+  return call;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::RevokeLease(grpc::CallbackServerContext* ctx,
+                                                            const grpc::ByteBuffer* request,
+                                                            grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kRevokeLease, request, response);
+  v1::RevokeLeaseRequest parsed;
+  CallContext c;
+  if (!call->Open(limits_.revoke_lease, &parsed, &c)) return call;
+  auto released = core_->RevokeLease(c, parsed.lease_id());
+  v1::RevokeLeaseResponse out;
+  if (released.ok()) {
+    ToProto(*released, out.mutable_released());
+    out.set_incarnation(core_->incarnation());
+  }
+  if (call->Claim()) call->Finish(released.status(), &out);
+  return call;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListHoldings(grpc::CallbackServerContext* ctx,
+                                                             const grpc::ByteBuffer* request,
+                                                             grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kListHoldings, request, response);
+  v1::ListHoldingsRequest parsed;
+  CallContext c;
+  if (!call->Open(limits_.list_holdings, &parsed, &c)) return call;
+  auto held = core_->ListHoldings(c, parsed.lease_id());
+  v1::ListHoldingsResponse out;
+  if (held.ok()) {
+    for (const LeaseData& l : held->leases) {
+      v1::LeaseInfo* info = out.add_leases();
+      info->set_lease_id(l.id);
+      info->set_ttl_ms(l.ttl_ms);
+      info->set_remaining_ms(l.remaining_ms);
+      ToProto(l.holdings, info->mutable_holdings());
+    }
+    ToProto(held->unleased, out.mutable_unleased());
+    out.set_incarnation(core_->incarnation());
+  }
+  if (call->Claim()) call->Finish(held.status(), &out);
+  return call;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ReleaseHoldings(grpc::CallbackServerContext* ctx,
+                                                                const grpc::ByteBuffer* request,
+                                                                grpc::ByteBuffer* response) {
+  Call* call = Start(ctx, Metrics::Rpc::kReleaseHoldings, request, response);
+  v1::ReleaseHoldingsRequest parsed;
+  CallContext c;
+  if (!call->Open(limits_.release_holdings, &parsed, &c)) return call;
+  auto released = core_->ReleaseHoldings(c);
+  v1::ReleaseHoldingsResponse out;
+  if (released.ok()) {
+    ToProto(*released, out.mutable_released());
+    out.set_incarnation(core_->incarnation());
+  }
+  if (call->Claim()) call->Finish(released.status(), &out);
   return call;
 }
 

@@ -40,7 +40,12 @@
 
 namespace attnserve {
 
-using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_OpenChannel<
+using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_GrantLease<
+    v1::AttentionService::WithRawCallbackMethod_KeepAlive<
+    v1::AttentionService::WithRawCallbackMethod_RevokeLease<
+    v1::AttentionService::WithRawCallbackMethod_ListHoldings<
+    v1::AttentionService::WithRawCallbackMethod_ReleaseHoldings<
+    v1::AttentionService::WithRawCallbackMethod_OpenChannel<
     v1::AttentionService::WithRawCallbackMethod_CloseChannel<
     v1::AttentionService::WithRawCallbackMethod_RegisterRegion<
     v1::AttentionService::WithRawCallbackMethod_UnregisterRegion<
@@ -54,7 +59,7 @@ using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_OpenChan
                 v1::AttentionService::WithRawCallbackMethod_ReadKV<
                     v1::AttentionService::WithRawCallbackMethod_Prefill<
                         v1::AttentionService::WithRawCallbackMethod_MergeStates<
-                            v1::AttentionService::Service>>>>>>>>>>>>>>;
+                            v1::AttentionService::Service>>>>>>>>>>>>>>>>>>>;
 
 class AttentionServiceImpl final : public RawAttentionService {
  public:
@@ -123,6 +128,21 @@ class AttentionServiceImpl final : public RawAttentionService {
   grpc::ServerUnaryReactor* CloseChannel(grpc::CallbackServerContext* ctx,
                                          const grpc::ByteBuffer* request,
                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* GrantLease(grpc::CallbackServerContext* ctx,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* KeepAlive(grpc::CallbackServerContext* ctx,
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* RevokeLease(grpc::CallbackServerContext* ctx,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ListHoldings(grpc::CallbackServerContext* ctx,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ReleaseHoldings(grpc::CallbackServerContext* ctx,
+                                            const grpc::ByteBuffer* request,
+                                            grpc::ByteBuffer* response) override;
 
  private:
   class Call;

@@ -257,6 +257,11 @@ RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, i
   open_channel = {"attnserve.v1.OpenChannelRequest",
                   {{1, "ring", F::kMessage, 1, &region_ref, ""}}};
   close_channel = {"attnserve.v1.CloseChannelRequest", {}};
+  grant_lease = {"attnserve.v1.GrantLeaseRequest", {}};
+  keep_alive = {"attnserve.v1.KeepAliveRequest", {}};
+  revoke_lease = {"attnserve.v1.RevokeLeaseRequest", {}};
+  list_holdings = {"attnserve.v1.ListHoldingsRequest", {}};
+  release_holdings = {"attnserve.v1.ReleaseHoldingsRequest", {}};
 }
 
 }  // namespace attnserve

@@ -79,6 +79,11 @@ struct RequestWireLimits {
   WireMessage list_regions;
   WireMessage open_channel;
   WireMessage close_channel;
+  WireMessage grant_lease;
+  WireMessage keep_alive;
+  WireMessage revoke_lease;
+  WireMessage list_holdings;
+  WireMessage release_holdings;
 };
 
 }  // namespace attnserve

@@ -13,6 +13,7 @@ namespace attnserve {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::set<int32_t> AsSet(const std::vector<int32_t>& v) { return {v.begin(), v.end()}; }
 
@@ -82,9 +83,12 @@ TEST(PageTableTest, OnlyTheOwnerMayFree) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("page_ids[0]"));
   EXPECT_EQ(pages.TenantPages("alice"), 2);
   EXPECT_EQ(pages.FreeCount(), 6);
-  // A free page is owned by nobody.
+  // A free page is owned by nobody: freeing it again says it is not
+  // allocated, not that it is someone else's.
   EXPECT_TRUE(pages.Free("alice", *a).ok());
-  EXPECT_EQ(pages.Free("alice", *a).code(), absl::StatusCode::kPermissionDenied);
+  s = pages.Free("alice", *a);
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("is not allocated"));
 }
 
 TEST(PageTableTest, FreeIsAllOrNothing) {
@@ -139,7 +143,7 @@ TEST(PageTableTest, PageFreedWhilePinnedIsNotReallocatedUntilUnpinned) {
   // The owner lost it at once...
   EXPECT_EQ(pages.TenantPages("alice"), 0);
   EXPECT_EQ(pages.PinOwned("alice", {pinned}, "kv_indices").code(),
-            absl::StatusCode::kPermissionDenied);
+            absl::StatusCode::kNotFound);
   // ...but it is not free while pinned: only the unpinned page came back.
   EXPECT_EQ(pages.FreeCount(), 3);
   auto b = pages.Allocate("bob", 3);
@@ -254,6 +258,75 @@ TEST(PageTableTest, ConcurrentAllocateAndFreeNeverShareAPage) {
   }
   EXPECT_EQ(all.size(), total) << "two tenants hold the same page";
   EXPECT_EQ(pages.FreeCount(), 64 - static_cast<int32_t>(total));
+}
+
+// Pages held under a lease: a request naming the lease may use only its
+// pages, FreeHeld frees exactly them (whatever plans pin them), and List
+// shows each page with its lease.
+TEST(PageTableTest, LeasedPagesAreUsedOnlyUnderTheirLeaseAndFreedWithIt) {
+  PageTable pages(16, 0);
+  auto l1 = pages.Allocate("alice", 3, /*lease=*/11);
+  auto l2 = pages.Allocate("alice", 2, /*lease=*/22);
+  auto none = pages.Allocate("alice", 1);
+  auto bob = pages.Allocate("bob", 2, /*lease=*/11);  // ids are per server: bob's 11 is not alice's
+  ASSERT_TRUE(l1.ok() && l2.ok() && none.ok() && bob.ok());
+  EXPECT_TRUE(pages.PinOwned("alice", *l1, "kv_indices", PageTable::Holder::kRequest, 11).ok());
+  pages.Unpin(*l1);
+  absl::Status s =
+      pages.PinOwned("alice", {(*l1)[0], (*l2)[1]}, "kv_indices", PageTable::Holder::kRequest, 11);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("kv_indices: page"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("not held under lease 0xb"));
+  EXPECT_EQ(pages.PinOwned("alice", *none, "kv_indices", PageTable::Holder::kRequest, 11).code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Without a lease, every page of the tenant is usable (as before leases).
+  EXPECT_TRUE(pages.PinOwned("alice", {(*l1)[0], (*l2)[0], (*none)[0]}, "x").ok());
+  pages.Unpin({(*l1)[0], (*l2)[0], (*none)[0]});
+  // Free under a lease: only its pages, all or nothing.
+  s = pages.Free("alice", {(*l2)[0], (*l1)[0]}, 22);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("page_ids[1]"));
+  EXPECT_EQ(pages.TenantPages("alice"), 6);
+
+  std::vector<PageTable::Held> listed = pages.List("alice", 22);
+  ASSERT_EQ(listed.size(), 2u);
+  for (const auto& h : listed) EXPECT_EQ(h.lease, 22u);
+  EXPECT_EQ(pages.List("alice").size(), 6u);
+
+  // A plan pins lease 11's first page; the lease's end frees it anyway, and
+  // it comes back once the plan lets go.
+  ASSERT_TRUE(pages.PinOwned("alice", {(*l1)[0]}, "x", PageTable::Holder::kPlan, 11).ok());
+  const int32_t free_before = pages.FreeCount();
+  std::vector<int32_t> freed = pages.FreeHeld("alice", 11);
+  std::vector<int32_t> want = *l1;
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(freed, want);
+  EXPECT_EQ(pages.FreeCount(), free_before + 2) << "the plan-pinned page came back too early";
+  EXPECT_EQ(pages.TenantPages("alice"), 3);
+  EXPECT_EQ(pages.TenantPages("bob"), 2) << "another tenant's lease 11 was freed";
+  pages.Unpin({(*l1)[0]}, PageTable::Holder::kPlan);
+  EXPECT_EQ(pages.FreeCount(), free_before + 3);
+  // Lease 0: everything the tenant holds.
+  freed = pages.FreeHeld("alice", 0);
+  EXPECT_EQ(freed.size(), 3u);
+  EXPECT_EQ(pages.TenantPages("alice"), 0);
+  EXPECT_TRUE(pages.List("alice").empty());
+  // A page handed out again carries the new allocation's lease only.
+  auto again = pages.Allocate("alice", 10);
+  ASSERT_TRUE(again.ok());
+  for (const auto& h : pages.List("alice")) EXPECT_EQ(h.lease, 0u);
+}
+
+TEST(PageTableTest, APlanHeldPageNamesThePlanNotThePinCount) {
+  PageTable pages(4, 0);
+  auto a = pages.Allocate("alice", 1);
+  ASSERT_TRUE(a.ok());
+  // One plan naming the page twice (two sequences' pages) pins it twice.
+  ASSERT_TRUE(pages.PinOwned("alice", {(*a)[0], (*a)[0]}, "x", PageTable::Holder::kPlan).ok());
+  absl::Status s = pages.Free("alice", *a);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("held by a plan"));
+  EXPECT_THAT(std::string(s.message()), Not(HasSubstr("2 plan")));
 }
 
 }  // namespace

@@ -147,7 +147,7 @@ TEST_F(PlanTest, MisusedPlansGetClearErrors) {
   // A page the plan holds cannot be freed, and nothing changes.
   absl::Status s = client_->FreePages({(*pages)[0]});
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  EXPECT_THAT(std::string(s.message()), HasSubstr("release them (ReleasePlan)"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("(ReleasePlan) before freeing the page"));
   const int32_t free_now = client_->GetServerInfo()->free_pages();
 
   // Layout fields beside a plan id.

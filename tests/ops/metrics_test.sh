@@ -18,6 +18,7 @@ for seed in 1 2 3; do
 done
 "$ATTNCTL" --target="$GRPC_ADDR" merge --n=4 >/dev/null
 "$ATTNCTL" --target="$GRPC_ADDR" regions >/dev/null  # the region and channel gauges get their tenant
+"$ATTNCTL" --target="$GRPC_ADDR" holdings >/dev/null  # and the lease gauge
 "$ATTNCTL" --target="$GRPC_ADDR" free 100000 >/dev/null 2>&1
 
 body=$(scrape)

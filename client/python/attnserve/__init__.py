@@ -9,15 +9,18 @@ docs/python.md is the guide; proto/attnserve/v1/attention.proto and
 docs/design.md are the contract.
 """
 
-from attnserve.client import (Client, PrefillLayout, PrefillResult, RegionInfo, ServerInfo,
+from attnserve.client import (Client, Holdings, HoldingsList, LeaseGrant, LeaseInfo,
+                              PrefillLayout, PrefillResult, RegionInfo, ServerInfo,
                               retain_freed_memory)
 from attnserve.aio import AsyncClient
 from attnserve.dtypes import bf16_bits_to_float32, float32_to_bf16_bits
 from attnserve.errors import (Aborted, AlreadyExists, AttnserveError, Cancelled, DataLoss,
                               DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
-                              NotFound, OutOfRange, PermissionDenied, ResourceExhausted,
+                              LeaseExpired, NotFound, OutOfRange, PermissionDenied,
+                              ResourceExhausted,
                               StaleIncarnation, Unauthenticated, Unavailable, Unimplemented,
                               Unknown)
+from attnserve.lease import AsyncLease, Lease
 from attnserve.kv_manager import AsyncKvManager, KvManager, Plan
 from attnserve.regions import RegionTensor, SharedMemoryRegion, register_cuda_tensor
 from attnserve.cluster import Cluster, ClusterServer, ClusterStep, SequencesLost, Shard
@@ -29,6 +32,7 @@ __all__ = [
     "Client", "AsyncClient", "ServerInfo", "PrefillResult", "PrefillLayout",
     "KvManager", "AsyncKvManager", "Plan", "RegionInfo", "RegionTensor", "SharedMemoryRegion",
     "register_cuda_tensor", "retain_freed_memory",
+    "Lease", "AsyncLease", "LeaseGrant", "LeaseInfo", "Holdings", "HoldingsList", "LeaseExpired",
     "Cluster", "ClusterStep", "ClusterServer", "Shard", "SequencesLost", "merge_states",
     "float32_to_bf16_bits", "bf16_bits_to_float32",
     "AttnserveError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",

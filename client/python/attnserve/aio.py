@@ -18,8 +18,9 @@ import grpc
 import grpc.aio
 
 from attnserve import _wire
-from attnserve.client import (DEFAULT_MAX_MESSAGE_BYTES, HEALTH_CHECK, _METHODS, PrefillLayout,
-                              PrefillResult, ServerInfo, _Core, _method_path)
+from attnserve.client import (DEFAULT_MAX_MESSAGE_BYTES, HEALTH_CHECK, _METHODS, Holdings,
+                              HoldingsList, LeaseGrant, PrefillLayout, PrefillResult, ServerInfo,
+                              _Core, _method_path)
 from attnserve.errors import Unavailable, from_rpc_error
 
 
@@ -176,6 +177,31 @@ class AsyncClient(_Core):
 
     async def list_regions(self, *, timeout: Optional[float] = None) -> list:
         return await self._call(self._req_list_regions(), timeout)
+
+    # ------------------------------------------------------------ leases
+    async def grant_lease(self, ttl: Optional[float] = None, *,
+                          timeout: Optional[float] = None) -> LeaseGrant:
+        return await self._call(self._req_grant_lease(ttl), timeout)
+
+    async def keep_alive(self, lease_id: int, *, timeout: Optional[float] = None) -> float:
+        return await self._call(self._req_keep_alive(lease_id), timeout)
+
+    async def revoke_lease(self, lease_id: int, *, timeout: Optional[float] = None) -> Holdings:
+        return await self._call(self._req_revoke_lease(lease_id), timeout)
+
+    async def list_holdings(self, lease_id: int = 0, *,
+                            timeout: Optional[float] = None) -> HoldingsList:
+        return await self._call(self._req_list_holdings(lease_id), timeout)
+
+    async def release_holdings(self, *, timeout: Optional[float] = None) -> Holdings:
+        return await self._call(self._req_release_holdings(), timeout)
+
+    def fork(self) -> "AsyncClient":
+        """As Client.fork: same channel, no lease."""
+        c = object.__new__(type(self))
+        c.__dict__.update(self.__dict__)
+        c._lease_id = 0
+        return c
 
     async def health(self, service: str = "", *, timeout: Optional[float] = None) -> str:
         t = self._timeout(timeout)

@@ -41,7 +41,50 @@ HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 _METHODS = ("GetServerInfo", "AllocatePages", "FreePages", "WriteKV", "ReadKV", "Prefill",
             "MergeStates", "CreatePlan", "ReleasePlan", "RegisterRegion", "UnregisterRegion",
-            "ListRegions")
+            "ListRegions", "GrantLease", "KeepAlive", "RevokeLease", "ListHoldings",
+            "ReleaseHoldings")
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """GrantLease's answer: the lease's id and its time-to-live in seconds."""
+
+    lease_id: int
+    ttl: float
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What a tenant holds, or holds under one lease: page ids, plan ids,
+    region names and channel ids, each ascending."""
+
+    pages: tuple = ()
+    plans: tuple = ()
+    regions: tuple = ()
+    channels: tuple = ()
+
+    @staticmethod
+    def _from(m) -> "Holdings":
+        return Holdings(tuple(m.page_ids), tuple(m.plan_ids), tuple(m.region_names),
+                        tuple(m.channel_ids))
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """One lease of ListHoldings: its id, granted ttl, time left (ms) and holdings."""
+
+    lease_id: int
+    ttl_ms: int
+    remaining_ms: int
+    holdings: Holdings
+
+
+@dataclass(frozen=True)
+class HoldingsList:
+    """ListHoldings' answer: each lease's holdings, and what is held under none."""
+
+    leases: tuple
+    unleased: Holdings
 
 
 @dataclass(frozen=True)
@@ -62,6 +105,8 @@ class ServerInfo:
     max_batch_tokens: int
     max_message_bytes: int
     incarnation: int
+    lease_default_ttl_ms: int = 0
+    lease_max_ttl_ms: int = 0
 
     @property
     def wire_dtype(self) -> int:
@@ -286,6 +331,7 @@ class _Core:
                 root_certificates=_read(tls_ca), private_key=_read(tls_key),
                 certificate_chain=_read(tls_cert))
         self._incarnation = 0
+        self._lease_id = 0
         self._info: Optional[ServerInfo] = None
 
     # ------------------------------------------------------------ incarnation
@@ -297,6 +343,18 @@ class _Core:
     def forget_incarnation(self) -> None:
         """Accept whatever incarnation the next response carries."""
         self._incarnation = 0
+
+    # ------------------------------------------------------------ leases
+    @property
+    def lease_id(self) -> int:
+        """The lease every request that takes one names (0: none)."""
+        return self._lease_id
+
+    def use_lease(self, lease_id: int) -> None:
+        """Name `lease_id` (0: none) in every later request that takes a lease:
+        what allocate_pages, create_plan and register_*_region make is held
+        under it, and the pages and plans a request uses must be."""
+        self._lease_id = int(lease_id)
 
     def _observe(self, incarnation: int, method: str) -> None:
         if not incarnation:
@@ -341,7 +399,8 @@ class _Core:
                 num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                 kv_dtype=_dt.DTYPE_NAMES.get(m.kv_dtype, str(m.kv_dtype)), free_pages=m.free_pages,
                 max_batch_tokens=m.max_batch_tokens, max_message_bytes=m.max_message_bytes,
-                incarnation=m.incarnation)
+                incarnation=m.incarnation, lease_default_ttl_ms=m.lease_default_ttl_ms,
+                lease_max_ttl_ms=m.lease_max_ttl_ms)
             self._info = info
             if not self._incarnation:
                 self._incarnation = info.incarnation
@@ -350,7 +409,8 @@ class _Core:
 
     def _req_allocate(self, count: int) -> _Request:
         req = pb.AllocatePagesRequest(count=_int32(count, "count"),
-                                      expected_incarnation=self._incarnation)
+                                      expected_incarnation=self._incarnation,
+                                      lease_id=self._lease_id)
 
         def parse(raw):
             resp = pb.AllocatePagesResponse.FromString(raw)
@@ -359,7 +419,7 @@ class _Core:
         return "AllocatePages", req.SerializeToString(), parse
 
     def _req_free(self, page_ids) -> _Request:
-        req = pb.FreePagesRequest(expected_incarnation=self._incarnation)
+        req = pb.FreePagesRequest(expected_incarnation=self._incarnation, lease_id=self._lease_id)
         _extend(req.page_ids, page_ids, "page_ids")
 
         def parse(raw):
@@ -369,7 +429,7 @@ class _Core:
     def _req_write_kv(self, layer: int, slots, k, v) -> _Request:
         wire = self.server_info.wire_dtype
         req = pb.WriteKVRequest(layer=_int32(layer, "layer"),
-                                expected_incarnation=self._incarnation)
+                                expected_incarnation=self._incarnation, lease_id=self._lease_id)
         _extend(req.slots, slots, "slots")
         body = b"".join([req.SerializeToString(), *_tensor_field(3, k, wire, "k"),
                          *_tensor_field(4, v, wire, "v")])
@@ -379,7 +439,8 @@ class _Core:
         return "WriteKV", body, parse
 
     def _req_read_kv(self, layer: int, slots, out, device, into=None) -> _Request:
-        req = pb.ReadKVRequest(layer=_int32(layer, "layer"), expected_incarnation=self._incarnation)
+        req = pb.ReadKVRequest(layer=_int32(layer, "layer"), expected_incarnation=self._incarnation,
+                               lease_id=self._lease_id)
         _extend(req.slots, slots, "slots")
         into = _pair(into, "into (k, v)")
         if into is not None:
@@ -400,7 +461,7 @@ class _Core:
                      device, output_to=None) -> _Request:
         wire = self.server_info.wire_dtype
         small = pb.PrefillRequest(layer=_int32(layer, "layer"),
-                                  expected_incarnation=self._incarnation)
+                                  expected_incarnation=self._incarnation, lease_id=self._lease_id)
         output_to = _pair(output_to, "output_to (output, lse)")
         if output_to is not None:
             small.output_region.CopyFrom(_region_ref(output_to[0]))
@@ -430,7 +491,7 @@ class _Core:
 
     def _req_create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                          append_slots, kv_keys_after=None) -> _Request:
-        req = pb.CreatePlanRequest(expected_incarnation=self._incarnation)
+        req = pb.CreatePlanRequest(expected_incarnation=self._incarnation, lease_id=self._lease_id)
         if kv_keys_after is not None:
             _extend(req.kv_keys_after, kv_keys_after, "kv_keys_after")
         _extend(req.qo_indptr, qo_indptr, "qo_indptr")
@@ -448,7 +509,8 @@ class _Core:
         return "CreatePlan", req.SerializeToString(), parse
 
     def _req_release_plan(self, plan_id: int) -> _Request:
-        req = pb.ReleasePlanRequest(plan_id=int(plan_id), expected_incarnation=self._incarnation)
+        req = pb.ReleasePlanRequest(plan_id=int(plan_id), expected_incarnation=self._incarnation,
+                                    lease_id=self._lease_id)
 
         def parse(raw):
             self._observe(pb.ReleasePlanResponse.FromString(raw).incarnation, "ReleasePlan")
@@ -491,7 +553,7 @@ class _Core:
 
 
     def _req_register_region(self, name: str, system=None, cuda=None) -> _Request:
-        req = pb.RegisterRegionRequest(name=name)
+        req = pb.RegisterRegionRequest(name=name, lease_id=self._lease_id)
         if system is not None:
             key, offset, byte_size = system
             req.system.CopyFrom(pb.SystemRegion(key=key, offset=int(offset),
@@ -518,6 +580,55 @@ class _Core:
             return [RegionInfo(r.name, r.kind, r.key, r.offset, r.byte_size, r.device_id,
                                r.in_use, r.registered, r.key_exists) for r in resp.regions]
         return "ListRegions", pb.ListRegionsRequest().SerializeToString(), parse
+
+
+    def _req_grant_lease(self, ttl) -> _Request:
+        ttl_ms = 0 if ttl is None else int(round(float(ttl) * 1000))
+        req = pb.GrantLeaseRequest(ttl_ms=ttl_ms, expected_incarnation=self._incarnation)
+
+        def parse(raw):
+            resp = pb.GrantLeaseResponse.FromString(raw)
+            self._observe(resp.incarnation, "GrantLease")
+            return LeaseGrant(resp.lease_id, resp.ttl_ms / 1000.0)
+        return "GrantLease", req.SerializeToString(), parse
+
+    def _req_keep_alive(self, lease_id: int) -> _Request:
+        req = pb.KeepAliveRequest(lease_id=int(lease_id), expected_incarnation=self._incarnation)
+
+        def parse(raw):
+            resp = pb.KeepAliveResponse.FromString(raw)
+            self._observe(resp.incarnation, "KeepAlive")
+            return resp.ttl_ms / 1000.0
+        return "KeepAlive", req.SerializeToString(), parse
+
+    def _req_revoke_lease(self, lease_id: int) -> _Request:
+        req = pb.RevokeLeaseRequest(lease_id=int(lease_id), expected_incarnation=self._incarnation)
+
+        def parse(raw):
+            resp = pb.RevokeLeaseResponse.FromString(raw)
+            self._observe(resp.incarnation, "RevokeLease")
+            return Holdings._from(resp.released)
+        return "RevokeLease", req.SerializeToString(), parse
+
+    def _req_list_holdings(self, lease_id: int) -> _Request:
+        req = pb.ListHoldingsRequest(lease_id=int(lease_id))
+
+        def parse(raw):
+            resp = pb.ListHoldingsResponse.FromString(raw)
+            self._observe(resp.incarnation, "ListHoldings")
+            return HoldingsList(
+                tuple(LeaseInfo(l.lease_id, l.ttl_ms, l.remaining_ms, Holdings._from(l.holdings))
+                      for l in resp.leases), Holdings._from(resp.unleased))
+        return "ListHoldings", req.SerializeToString(), parse
+
+    def _req_release_holdings(self) -> _Request:
+        req = pb.ReleaseHoldingsRequest(expected_incarnation=self._incarnation)
+
+        def parse(raw):
+            resp = pb.ReleaseHoldingsResponse.FromString(raw)
+            self._observe(resp.incarnation, "ReleaseHoldings")
+            return Holdings._from(resp.released)
+        return "ReleaseHoldings", req.SerializeToString(), parse
 
 
 def _method_path(name: str) -> str:
@@ -724,6 +835,39 @@ class Client(_Core):
     def list_regions(self, *, timeout: Optional[float] = None) -> list:
         """This tenant's regions: a list of RegionInfo."""
         return self._call(self._req_list_regions(), timeout)
+
+    # ------------------------------------------------------------ leases
+    def grant_lease(self, ttl: Optional[float] = None, *,
+                    timeout: Optional[float] = None) -> LeaseGrant:
+        """A new lease (docs/security.md, "Leases") living `ttl` seconds (None:
+        the server's default) unless renewed; attnserve.Lease keeps one alive."""
+        return self._call(self._req_grant_lease(ttl), timeout)
+
+    def keep_alive(self, lease_id: int, *, timeout: Optional[float] = None) -> float:
+        """Renews a lease; the seconds it now lives. LeaseExpired when it is gone."""
+        return self._call(self._req_keep_alive(lease_id), timeout)
+
+    def revoke_lease(self, lease_id: int, *, timeout: Optional[float] = None) -> Holdings:
+        """Ends a lease now; what it released (nothing when it was gone already)."""
+        return self._call(self._req_revoke_lease(lease_id), timeout)
+
+    def list_holdings(self, lease_id: int = 0, *,
+                      timeout: Optional[float] = None) -> HoldingsList:
+        """What this tenant holds: per lease and unleased (or one lease's)."""
+        return self._call(self._req_list_holdings(lease_id), timeout)
+
+    def release_holdings(self, *, timeout: Optional[float] = None) -> Holdings:
+        """Releases everything this tenant holds, its leases included."""
+        return self._call(self._req_release_holdings(), timeout)
+
+    def fork(self) -> "Client":
+        """A client over the same channel, with this one's server info and
+        incarnation and no lease: for a component that holds state under a
+        lease of its own (the KV managers). Closing either closes the channel."""
+        c = object.__new__(type(self))
+        c.__dict__.update(self.__dict__)
+        c._lease_id = 0
+        return c
 
     def health(self, service: str = "", *, timeout: Optional[float] = None) -> str:
         """grpc.health.v1 Check: "SERVING", "NOT_SERVING", "UNKNOWN" or "SERVICE_UNKNOWN".

@@ -81,6 +81,13 @@ class StaleIncarnation(FailedPrecondition):
     """
 
 
+class LeaseExpired(FailedPrecondition):
+    """The lease the request named is gone (not renewed within its ttl, revoked,
+    or from before a restart): the server released everything held under it
+    (pages freed and zeroed, plans released). Never retry with the same state:
+    start a new lease and re-create it. docs/security.md, "Leases"."""
+
+
 class Aborted(AttnserveError):
     code = grpc.StatusCode.ABORTED
 
@@ -123,6 +130,8 @@ _BY_CODE = {
 
 def error_for(code: grpc.StatusCode, details: str, method: str = "") -> AttnserveError:
     """The typed error for a gRPC status (code other than OK)."""
+    if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith("lease "):
+        return LeaseExpired(details, code, method)
     if code == grpc.StatusCode.FAILED_PRECONDITION and "incarnation" in details:
         return StaleIncarnation(details, code, method)
     return _BY_CODE.get(code, AttnserveError)(details, code, method)

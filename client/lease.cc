@@ -1,0 +1,75 @@
+#include "client/lease.h"
+
+#include <algorithm>
+
+#include "absl/time/time.h"
+
+namespace attnserve {
+
+absl::StatusOr<std::unique_ptr<LeaseKeeper>> LeaseKeeper::Start(Client* client, int64_t ttl_ms) {
+  auto granted = client->GrantLease(ttl_ms);
+  if (!granted.ok()) return granted.status();
+  std::unique_ptr<LeaseKeeper> keeper(new LeaseKeeper(client, granted->id, granted->ttl_ms));
+  client->UseLease(granted->id);
+  keeper->thread_ = std::thread([k = keeper.get()] { k->Run(); });
+  return keeper;
+}
+
+LeaseKeeper::LeaseKeeper(Client* client, uint64_t id, int64_t ttl_ms)
+    : client_(client), id_(id), ttl_ms_(ttl_ms) {}
+
+LeaseKeeper::~LeaseKeeper() {
+  if (!stop_.HasBeenNotified()) stop_.Notify();
+  if (thread_.joinable()) thread_.join();
+  bool revoked;
+  {
+    absl::MutexLock lock(&mu_);
+    revoked = revoked_ || !status_.ok();
+  }
+  if (!revoked) client_->RevokeLease(id_).IgnoreError();
+  if (client_->lease_id() == id_) client_->UseLease(0);
+}
+
+void LeaseKeeper::Run() {
+  // Renew every third of the ttl; after a failure, retry sooner (but never
+  // more often than every 50 ms) so that a brief outage does not cost the
+  // lease.
+  const absl::Duration period = absl::Milliseconds(std::max<int64_t>(ttl_ms_ / 3, 50));
+  absl::Duration wait = period;
+  while (!stop_.WaitForNotificationWithTimeout(wait)) {
+    auto renewed = client_->KeepAlive(id_, absl::ToDoubleSeconds(period));
+    if (renewed.ok()) {
+      wait = period;
+      continue;
+    }
+    if (IsLeaseExpired(renewed.status())) {
+      absl::MutexLock lock(&mu_);
+      status_ = renewed.status();
+      return;
+    }
+    wait = std::max(period / 4, absl::Milliseconds(50));
+  }
+}
+
+bool LeaseKeeper::expired() const {
+  absl::MutexLock lock(&mu_);
+  return !status_.ok();
+}
+
+absl::Status LeaseKeeper::status() const {
+  absl::MutexLock lock(&mu_);
+  return status_;
+}
+
+absl::StatusOr<v1::Holdings> LeaseKeeper::Revoke() {
+  if (!stop_.HasBeenNotified()) stop_.Notify();
+  if (thread_.joinable()) thread_.join();
+  auto released = client_->RevokeLease(id_);
+  if (released.ok()) {
+    absl::MutexLock lock(&mu_);
+    revoked_ = true;
+  }
+  return released;
+}
+
+}  // namespace attnserve

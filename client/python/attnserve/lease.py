@@ -1,0 +1,136 @@
+"""Leases kept alive in the background (docs/security.md, "Leases").
+
+    client = attnserve.Client("127.0.0.1:50051")
+    with attnserve.Lease(client) as lease:     # grants one, renews it every ttl/3
+        pages = client.allocate_pages(4)        # held under the lease
+        ...
+    # revoked on exit: the pages are freed. If the process dies instead, the
+    # server frees them within the lease's ttl.
+
+The server is the authority on what expired: a renewal refused because the
+lease is gone stops the keeper (`expired` turns true, `error` says why), and
+every request naming the lease raises attnserve.LeaseExpired. Other failed
+renewals (server unreachable) are retried every quarter period.
+
+AsyncLease is the same for an AsyncClient, renewing from an asyncio task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Optional
+
+from attnserve.errors import AttnserveError, LeaseExpired
+
+
+class Lease:
+    """A lease on `client`, made the client's lease (client.use_lease) and
+    renewed from a daemon thread until close() (or the with block's end),
+    which revokes it."""
+
+    def __init__(self, client, ttl: Optional[float] = None):
+        self._client = client
+        grant = client.grant_lease(ttl)
+        self.lease_id = grant.lease_id
+        self.ttl = grant.ttl
+        self.error: Optional[AttnserveError] = None
+        self._stop = threading.Event()
+        client.use_lease(self.lease_id)
+        self._thread = threading.Thread(target=self._run, name=f"attnserve-lease-{self.lease_id:x}",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def expired(self) -> bool:
+        """True once the server refused a renewal because the lease is gone."""
+        return isinstance(self.error, LeaseExpired)
+
+    def _run(self) -> None:
+        period = max(self.ttl / 3.0, 0.05)
+        wait = period
+        while not self._stop.wait(wait):
+            try:
+                self._client.keep_alive(self.lease_id, timeout=period)
+                wait = period
+            except LeaseExpired as e:
+                self.error = e
+                return
+            except AttnserveError:
+                wait = max(period / 4.0, 0.05)
+
+    def close(self) -> None:
+        """Stops renewing and revokes the lease (best effort: an unreachable
+        server lets it expire). Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        if not self.expired:
+            try:
+                self._client.revoke_lease(self.lease_id)
+            except AttnserveError:
+                pass
+        if self._client.lease_id == self.lease_id:
+            self._client.use_lease(0)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncLease:
+    """Lease for an AsyncClient: `lease = await AsyncLease.start(client)`,
+    renewed from an asyncio task until `await lease.close()`."""
+
+    def __init__(self, client, lease_id: int, ttl: float):
+        self._client = client
+        self.lease_id = lease_id
+        self.ttl = ttl
+        self.error: Optional[AttnserveError] = None
+        self._task: Optional[asyncio.Task] = None
+
+    @classmethod
+    async def start(cls, client, ttl: Optional[float] = None) -> "AsyncLease":
+        grant = await client.grant_lease(ttl)
+        lease = cls(client, grant.lease_id, grant.ttl)
+        client.use_lease(grant.lease_id)
+        lease._task = asyncio.get_running_loop().create_task(lease._run())
+        return lease
+
+    @property
+    def expired(self) -> bool:
+        return isinstance(self.error, LeaseExpired)
+
+    async def _run(self) -> None:
+        period = max(self.ttl / 3.0, 0.05)
+        wait = period
+        while True:
+            await asyncio.sleep(wait)
+            try:
+                await self._client.keep_alive(self.lease_id, timeout=period)
+                wait = period
+            except LeaseExpired as e:
+                self.error = e
+                return
+            except AttnserveError:
+                wait = max(period / 4.0, 0.05)
+
+    async def close(self) -> None:
+        if self._task is None:
+            return
+        task, self._task = self._task, None
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        if not self.expired:
+            try:
+                await self._client.revoke_lease(self.lease_id)
+            except AttnserveError:
+                pass
+        if self._client.lease_id == self.lease_id:
+            self._client.use_lease(0)

@@ -1,0 +1,162 @@
+"""Leases from Python (docs/security.md, "Leases"): Lease keeps one alive and
+revokes it on exit, a lease that expires under a client raises LeaseExpired
+on its next call (never silent reuse of pages someone else now holds), a
+killed process's pages come back within the lease's ttl and a second, and
+list_holdings / release_holdings see and release what a tenant holds."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import attnserve
+from server import TestServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    with TestServer(num_pages=64) as s:
+        yield s
+
+
+def _wait(cond, limit=10.0):
+    end = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _decode(client, pages):
+    g = client.server_info
+    q = np.random.default_rng(0).standard_normal((1, g.num_qo_heads, g.head_dim))
+    return client.prefill(0, q, [0, 1], [0, len(pages)], pages, [g.page_size])
+
+
+def test_a_lease_kept_alive_outlives_its_ttl_and_is_revoked_on_exit(server):
+    client = attnserve.Client(server.address, timeout=60)
+    free = client.info().free_pages
+    with attnserve.Lease(client, ttl=1.0) as lease:
+        assert client.lease_id == lease.lease_id and lease.ttl == 1.0
+        pages = client.allocate_pages(3)
+        time.sleep(2.5)
+        assert not lease.expired, lease.error
+        held = client.list_holdings(lease.lease_id)
+        assert sorted(held.leases[0].holdings.pages) == sorted(pages)
+        _decode(client, pages)
+    assert client.lease_id == 0
+    assert client.info().free_pages == free
+    client.close()
+
+
+def test_an_expired_lease_raises_lease_expired_and_its_pages_go(server):
+    client = attnserve.Client(server.address, timeout=60)
+    free = client.info().free_pages
+    grant = client.grant_lease(1.0)
+    client.use_lease(grant.lease_id)
+    pages = client.allocate_pages(4)
+    plan = client.create_plan([0, 1], [0, 4], pages, [16])
+    assert _wait(lambda: client.info().free_pages == free)
+    with pytest.raises(attnserve.LeaseExpired) as e:
+        _decode(client, pages)
+    assert isinstance(e.value, attnserve.FailedPrecondition)
+    for call in (lambda: client.allocate_pages(1), lambda: client.free_pages(pages),
+                 lambda: client.keep_alive(grant.lease_id), lambda: client.release_plan(plan)):
+        with pytest.raises(attnserve.LeaseExpired):
+            call()
+    assert client.revoke_lease(grant.lease_id) == attnserve.Holdings()
+    client.close()
+
+
+def test_a_killed_process_pages_come_back_within_the_ttl_and_a_second(server):
+    client = attnserve.Client(server.address, timeout=60)
+    free = client.info().free_pages
+    code = (
+        "import sys, time, attnserve\n"
+        f"c = attnserve.Client({server.address!r})\n"
+        "lease = attnserve.Lease(c, ttl=2.0)\n"
+        "c.allocate_pages(8)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n")
+    env = dict(os.environ)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env=env)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        held = client.list_holdings()
+        assert len(held.leases) == 1 and len(held.leases[0].holdings.pages) == 8
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        killed = time.monotonic()
+        assert _wait(lambda: client.info().free_pages == free, 30)
+        took = time.monotonic() - killed
+        assert took <= 2.0 + 1.0, f"pages came back {took:.2f} s after the kill"
+        assert client.list_holdings().leases == ()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    client.close()
+
+
+def test_list_and_release_holdings(server):
+    client = attnserve.Client(server.address, timeout=60)
+    unleased = client.allocate_pages(2)
+    with attnserve.Lease(client) as lease:
+        leased = client.allocate_pages(3)
+        held = client.list_holdings()
+        assert [l.lease_id for l in held.leases] == [lease.lease_id]
+        assert held.leases[0].remaining_ms > 0
+        assert sorted(held.leases[0].holdings.pages) == sorted(leased)
+        assert sorted(held.unleased.pages) == sorted(unleased)
+        released = client.release_holdings()
+        assert sorted(released.pages) == sorted(unleased + leased)
+        assert client.list_holdings() == attnserve.HoldingsList((), attnserve.Holdings())
+        with pytest.raises(attnserve.LeaseExpired):
+            client.allocate_pages(1)
+    client.close()
+
+
+def test_fork_gives_a_lease_of_its_own_over_the_same_channel(server):
+    client = attnserve.Client(server.address, timeout=60)
+    forked = client.fork()
+    with attnserve.Lease(forked):
+        assert client.lease_id == 0 and forked.lease_id != 0
+        pages = forked.allocate_pages(1)
+        # The parent names no lease: it may still use the tenant's pages.
+        _decode(client, pages)
+    client.close()
+
+
+def test_bad_lease_arguments_name_the_field(server):
+    client = attnserve.Client(server.address, timeout=60)
+    with pytest.raises(attnserve.InvalidArgument, match="ttl_ms"):
+        client.grant_lease(0.5)
+    with pytest.raises(attnserve.InvalidArgument, match="lease_id"):
+        client.keep_alive(0)
+    info = client.info()
+    assert info.lease_default_ttl_ms == 30000 and info.lease_max_ttl_ms == 3600000
+    client.close()
+
+
+def test_async_lease(server):
+    import asyncio
+
+    async def run():
+        async with attnserve.AsyncClient(server.address, timeout=60) as client:
+            lease = await attnserve.AsyncLease.start(client, ttl=1.0)
+            pages = await client.allocate_pages(2)
+            await asyncio.sleep(2.0)
+            assert not lease.expired
+            held = await client.list_holdings(lease.lease_id)
+            assert sorted(held.leases[0].holdings.pages) == sorted(pages)
+            await lease.close()
+            assert client.lease_id == 0
+            assert (await client.list_holdings()).leases == ()
+
+    asyncio.run(run())
