@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -76,6 +77,12 @@ class AttentionCore {
   absl::Status RegisterRegion(const CallContext& ctx, const RegionSpec& spec);
   absl::Status UnregisterRegion(const CallContext& ctx, absl::string_view name);
   std::vector<RegionInfoData> ListRegions(const CallContext& ctx);
+  bool regions_enabled() const { return regions_.enabled(); }
+  // A memfd a local process handed the region socket (server/region_socket/),
+  // held until a RegisterRegion names its claim token (RegionTable::Deposit).
+  absl::Status DepositRegion(RegionDeposit deposit) { return regions_.Deposit(std::move(deposit)); }
+  // Closes the deposits that expired or whose connection closed.
+  void ExpireRegionDeposits() { regions_.ExpireDeposits(); }
 
   // Request channels (channel_table.h): a ring in one of ctx.tenant's system
   // regions, polled by the endpoint `make` starts. Returns the channel id.

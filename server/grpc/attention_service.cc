@@ -315,6 +315,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServ
   out.set_max_batch_tokens(info.max_batch_tokens);
   out.set_max_message_bytes(info.max_message_bytes);
   out.set_incarnation(info.incarnation);
+  {
+    absl::MutexLock lock(&region_socket_mu_);
+    out.set_region_socket(region_socket_);
+  }
   if (call->Claim()) call->Finish(absl::OkStatus(), &out);
   return call;
 }
