@@ -2,7 +2,7 @@
 # On the GPU host: how tensors reach the server, every path in one run
 # (docs/transport.md). Runs bench/transport.py against the install: tcp_echo
 # (the raw TCP floor), attnecho and attnserve --backend=cuda with gRPC tuned
-# and untuned, and attnserve with q, output and LSE in a POSIX shm region, for
+# and untuned, and attnserve with q, output and LSE in a system region, for
 # decode64 and a 128 MiB prefill, under two gRPC settings (tuned = the
 # default, gRPC's defaults), decode also with a step plan, a server with
 # --idle_spin_us and a client with --busy_poll, and the shm paths also
@@ -29,8 +29,6 @@ here=$(cd "$(dirname "$0")" && pwd)
   nproc
   "$inst/bin/attnserve" --version
 } 2>&1 | tee "$out/device.txt"
-# shm objects live in /dev/shm: report its size (a small one fails RegisterRegion's mmap).
-df -h /dev/shm | tee -a "$out/device.txt"
 before=()
 if (($# == 3)); then before=(--before="$(cd "$3" && pwd)"); fi
 timeout 560 python3 "$here/transport.py" "$inst" "$out" --backend=cuda "${before[@]}" 2>&1 |

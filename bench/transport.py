@@ -8,7 +8,7 @@ host over loopback:
   tcp_echo          the same byte counts over one raw TCP connection (the floor)
   attnecho          the API with no compute, gRPC tuned and untuned
   attnserve inline  the server, gRPC tuned and untuned (--transport_tuning)
-  attnserve shm     q, output and LSE in a POSIX shm region (attnbench --shm)
+  attnserve shm     q, output and LSE in a system region, a memfd (attnbench --shm)
   attnserve channel the same, and the request sent through a request channel
                     in that region instead of a gRPC call (attnbench --channel)
   attnserve cuda    q, output and LSE in a CUDA region on GPU 0 of the client,

@@ -15,8 +15,8 @@
 // response with the float64 reference. Exit code 0 only when no request failed
 // and (with --verify) none was wrong.
 //
-// --shm: each client registers a POSIX shm region (the server needs
-// --allow_shared_memory and must share the host) and its requests name it
+// --shm: each client registers a system region, a sealed memfd (the server
+// needs --allow_shared_memory and must share the host) and its requests name it
 // for q, the output and the LSE instead of carrying them (docs/transport.md).
 // The query is written into the region before the clock starts, as an
 // engine that computes it there would have it; the latency is the Prefill
@@ -278,10 +278,10 @@ class Worker {
 #endif
       }
       if (cuda_device < 0 || channel) {
-        auto shm = SharedMemory::Create("/" + region_, cuda_device >= 0 ? ring_bytes : tensor_bytes);
+        auto shm = SharedMemory::Create(region_, cuda_device >= 0 ? ring_bytes : tensor_bytes);
         if (!shm.ok()) return shm.status();
         shm_ = *std::move(shm);
-        absl::Status s = client_->RegisterSystemRegion(region_, shm_->key(), 0, shm_->size());
+        absl::Status s = client_->RegisterSystemRegion(region_, *shm_, 0, shm_->size());
         if (!s.ok()) return s;
       }
       if (channel) {

@@ -232,8 +232,9 @@ int Main(std::vector<char*> args) {
     for (const v1::RegionInfo& r : *regions) {
       std::cout << r.name() << " kind=" << r.kind() << " bytes=" << r.byte_size();
       if (r.kind() == "system") {
+        // key: the memfd's name; key_exists: its client still holds it.
         std::cout << " key=" << r.key() << " offset=" << r.offset()
-                  << " key_exists=" << (r.key_exists() ? "yes" : "no")
+                  << " holder=" << (r.key_exists() ? "open" : "closed")
                   << " registered=" << (r.registered() ? "yes" : "no");
       } else {
         std::cout << " device=" << r.device_id();

@@ -4,8 +4,8 @@
 // common/channel_layout.h). Same arguments, results and errors as
 // Client::Prefill, plans and region tensors included.
 //
-//   auto shm = attnserve::SharedMemory::Create("/my_client_io", 64 << 20);
-//   client->RegisterSystemRegion("io", (*shm)->key(), 0, (*shm)->size());
+//   auto shm = attnserve::SharedMemory::Create("my_client_io", 64 << 20);
+//   client->RegisterSystemRegion("io", **shm, 0, (*shm)->size());
 //   attnserve::ChannelOptions options;                 // 4 slots of 1 MiB
 //   const int64_t ring_bytes = attnserve::ChannelBytes(options.slot_count, options.slot_bytes);
 //   auto channel = client->OpenChannel("io", (*shm)->data(), /*offset=*/0, ring_bytes, options);

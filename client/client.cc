@@ -8,6 +8,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/shared_memory.h"
+#include "common/region_socket.h"
 #include "common/tensor_wire.h"
 #include "common/transport.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -470,20 +472,45 @@ absl::StatusOr<State> Client::MergeStates(absl::Span<const State> states, int64_
   return out;
 }
 
-absl::Status Client::RegisterSystemRegion(const std::string& name, const std::string& key,
+absl::Status Client::RegisterSystemRegion(const std::string& name, const SharedMemory& memory,
                                           int64_t offset, int64_t byte_size) {
+  return RegisterSystemRegionFd(name, memory.fd(), offset, byte_size);
+}
+
+absl::Status Client::RegisterSystemRegionFd(const std::string& name, int memfd, int64_t offset,
+                                            int64_t byte_size) {
+  std::string socket = info_.region_socket();
+  if (socket.empty()) {
+    // Not read at connect (fetch_info), or the server has regions off.
+    auto fresh = GetServerInfo();
+    if (fresh.ok()) socket = fresh->region_socket();
+  }
+  RegionClaim claim;
+  if (!socket.empty()) {
+    const uint64_t expected = incarnation() != 0 ? incarnation() : info_.incarnation();
+    auto deposited = DepositRegionFd(socket, memfd, expected,
+                                     options_.timeout_s > 0 ? options_.timeout_s : 10);
+    if (!deposited.ok()) return deposited.status();
+    claim = *std::move(deposited);
+  } else {
+    // No region socket: the server has regions off, and RegisterRegion says so.
+    claim.claim_token.assign(kClaimTokenBytes, '\0');
+  }
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   v1::RegisterRegionRequest req;
   req.set_name(name);
   req.set_lease_id(lease_id());
-  req.mutable_system()->set_key(key);
+  req.mutable_system()->set_claim_token(claim.claim_token);
   req.mutable_system()->set_offset(offset);
   req.mutable_system()->set_byte_size(byte_size);
   v1::RegisterRegionResponse resp;
   grpc::Status s = stub_->RegisterRegion(&ctx, req, &resp);
-  if (s.ok()) Learn(resp.incarnation());
-  return FromGrpc(s);
+  if (!s.ok()) return FromGrpc(s);  // the holder closes: the server drops the deposit
+  Learn(resp.incarnation());
+  absl::MutexLock lock(&holders_mu_);
+  region_holders_[name] = std::move(claim.holder);
+  return absl::OkStatus();
 }
 
 absl::Status Client::RegisterCudaRegion(const std::string& name, const std::string& ipc_handle,
@@ -508,7 +535,12 @@ absl::Status Client::UnregisterRegion(const std::string& name) {
   v1::UnregisterRegionRequest req;
   req.set_name(name);
   v1::UnregisterRegionResponse resp;
-  return FromGrpc(stub_->UnregisterRegion(&ctx, req, &resp));
+  const absl::Status status = FromGrpc(stub_->UnregisterRegion(&ctx, req, &resp));
+  if (status.ok() || status.code() == absl::StatusCode::kNotFound) {
+    absl::MutexLock lock(&holders_mu_);
+    region_holders_.erase(name);
+  }
+  return status;
 }
 
 absl::StatusOr<std::vector<v1::RegionInfo>> Client::ListRegions() {

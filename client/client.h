@@ -30,16 +30,20 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "common/kv_geometry.h"
+#include "common/unique_fd.h"
 #include "grpcpp/grpcpp.h"
 
 namespace attnserve {
 
 class BorrowedMemory;
 class RequestChannel;
+class SharedMemory;
 struct ChannelOptions;
 
 struct ClientOptions {
@@ -184,14 +188,21 @@ class Client {
   absl::StatusOr<State> MergeStates(absl::Span<const State> states, int64_t n, int32_t h,
                                     int32_t d, bool lse_base_e);
   // Shared-memory regions (docs/transport.md); the server must run with
-  // --allow_shared_memory. A system region maps [offset, offset + byte_size)
-  // of the POSIX shm object `key` (e.g. from SharedMemory in
-  // client/shared_memory.h); a CUDA region the device memory a
-  // cudaIpcMemHandle_t (64 bytes) exports.
-  absl::Status RegisterSystemRegion(const std::string& name, const std::string& key,
+  // --allow_shared_memory. A system region is [offset, offset + byte_size)
+  // of `memory` (client/shared_memory.h), or of any memfd of the caller's
+  // sealed with at least F_SEAL_SHRINK: the descriptor goes to the server's
+  // region socket (ServerInfo.region_socket, so this process must run on
+  // the server's host), then RegisterRegion names it. The client keeps the
+  // region's holder connection until UnregisterRegion or its own end; the
+  // memfd itself may be closed once this returns. A CUDA region is the
+  // device memory a cudaIpcMemHandle_t (64 bytes) exports.
+  absl::Status RegisterSystemRegion(const std::string& name, const SharedMemory& memory,
                                     int64_t offset, int64_t byte_size);
+  absl::Status RegisterSystemRegionFd(const std::string& name, int memfd, int64_t offset,
+                                      int64_t byte_size);
   absl::Status RegisterCudaRegion(const std::string& name, const std::string& ipc_handle,
                                   int32_t device_id, int64_t byte_size);
+  // Also closes the region's holder connection, when this client has it.
   absl::Status UnregisterRegion(const std::string& name);
   absl::StatusOr<std::vector<v1::RegionInfo>> ListRegions();
   // WriteKV with k and v read from regions (n = slots.size() rows each).
@@ -274,6 +285,10 @@ class Client {
   std::unique_ptr<v1::AttentionService::Stub> stub_;
   std::unique_ptr<RawMethods> raw_;
   v1::ServerInfo info_;
+  // The holder connections of the system regions this client registered,
+  // by region name.
+  absl::Mutex holders_mu_;
+  absl::flat_hash_map<std::string, UniqueFd> region_holders_ ABSL_GUARDED_BY(holders_mu_);
 };
 
 }  // namespace attnserve

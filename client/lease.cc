@@ -37,7 +37,9 @@ void LeaseKeeper::Run() {
   const absl::Duration period = absl::Milliseconds(std::max<int64_t>(ttl_ms_ / 3, 50));
   absl::Duration wait = period;
   while (!stop_.WaitForNotificationWithTimeout(wait)) {
-    auto renewed = client_->KeepAlive(id_, absl::ToDoubleSeconds(period));
+    // A renewal may take up to the whole ttl: one that takes longer could
+    // not have kept the lease anyway.
+    auto renewed = client_->KeepAlive(id_, ttl_ms_ / 1000.0);
     if (renewed.ok()) {
       wait = period;
       continue;

@@ -1,5 +1,6 @@
 // attnserve: the GPU-resident attention server. Flags are defined here only
 // and read once into the options structs of the layers below.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -87,8 +88,13 @@ ABSL_FLAG(std::string, reflection, "auto",
           "serve gRPC server reflection: on, off, or auto (on only without --auth_tokens_file: "
           "reflection answers without a token)");
 ABSL_FLAG(bool, allow_shared_memory, false,
-          "serve RegisterRegion: clients may name shared-memory regions (POSIX shm, CUDA IPC) "
-          "instead of sending tensor bytes; trusts them as docs/transport.md says");
+          "serve RegisterRegion: clients on this host may name shared-memory regions (sealed "
+          "memfds sent over --region_socket, CUDA IPC) instead of sending tensor bytes; trusts "
+          "them as docs/transport.md says");
+ABSL_FLAG(std::string, region_socket, "",
+          "with --allow_shared_memory: the Unix socket on which clients on this host send the "
+          "memfds of system regions, '@NAME' (abstract namespace) or a path; empty: "
+          "@attnserve-PORT, PORT the bound gRPC port (ServerInfo.region_socket tells clients)");
 ABSL_FLAG(int32_t, max_regions_per_tenant, 16, "shared-memory regions one tenant may hold");
 ABSL_FLAG(int64_t, max_region_bytes_per_tenant, int64_t{64} << 30,
           "bytes of shared-memory regions one tenant may hold");
@@ -205,6 +211,15 @@ int Run() {
   core_options.max_plans_per_tenant = absl::GetFlag(FLAGS_max_plans_per_tenant);
   core_options.plan_idle_timeout_s = absl::GetFlag(FLAGS_plan_idle_timeout_s);
   core_options.regions.enabled = absl::GetFlag(FLAGS_allow_shared_memory);
+  if (core_options.regions.enabled) {
+    // Each system region keeps a descriptor (its holder connection): take
+    // the hard limit on descriptors rather than a distribution's low soft one.
+    rlimit files{};
+    if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+      files.rlim_cur = files.rlim_max;
+      setrlimit(RLIMIT_NOFILE, &files);
+    }
+  }
   core_options.regions.max_regions_per_tenant = absl::GetFlag(FLAGS_max_regions_per_tenant);
   core_options.regions.max_bytes_per_tenant = absl::GetFlag(FLAGS_max_region_bytes_per_tenant);
   if (core_options.regions.max_regions_per_tenant < 1 ||
@@ -296,6 +311,7 @@ int Run() {
   server_options.transport_tuning = absl::GetFlag(FLAGS_transport_tuning);
   server_options.grpc_args = absl::GetFlag(FLAGS_grpc_args);
   server_options.channel_spin_us = channel_spin_us;
+  server_options.region_socket = absl::GetFlag(FLAGS_region_socket);
   const std::string reflection = absl::GetFlag(FLAGS_reflection);
   if (reflection != "auto" && reflection != "on" && reflection != "off") {
     spdlog::error("--reflection={} must be auto, on or off", reflection);
@@ -324,8 +340,9 @@ int Run() {
       info.num_qo_heads, info.num_kv_heads, info.head_dim, absl::GetFlag(FLAGS_kv_dtype), family,
       (*auth)->enabled() ? "on" : "off", server_options.tls_cert.empty() ? "off" : "on");
   // Tests and scripts read this line to find the ports.
-  spdlog::info("listening grpc={} metrics={}", (*server)->grpc_address(),
-               (*server)->metrics_address().empty() ? "off" : (*server)->metrics_address());
+  spdlog::info("listening grpc={} metrics={} region_socket={}", (*server)->grpc_address(),
+               (*server)->metrics_address().empty() ? "off" : (*server)->metrics_address(),
+               (*server)->region_socket().empty() ? "off" : (*server)->region_socket());
 
   absl::Notification drained;
   int abandoned = 0;

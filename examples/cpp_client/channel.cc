@@ -10,8 +10,6 @@
 //   cpp_channel [HOST:PORT]        (default 127.0.0.1:50051)
 //
 // Exit code 0 when every call succeeded and the results agree.
-#include <unistd.h>
-
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -75,15 +73,14 @@ int main(int argc, char** argv) {
   const int64_t lse_bytes = int64_t{kBatch} * geo.num_qo_heads * 4;
 
   // --- the part docs/transport.md shows ---
-  // One shm object for the ring and the tensors, registered as a region.
+  // One memfd for the ring and the tensors, registered as a region.
   attnserve::ChannelOptions channel_options;  // 4 slots of 1 MiB
   const int64_t ring_bytes =
       attnserve::ChannelBytes(channel_options.slot_count, channel_options.slot_bytes);
   const int64_t q_at = ring_bytes, o_at = q_at + q_bytes, lse_at = o_at + q_bytes;
-  auto shm = attnserve::SharedMemory::Create("/cpp_channel_" + std::to_string(getpid()),
-                                             lse_at + lse_bytes);
+  auto shm = attnserve::SharedMemory::Create("cpp_channel", lse_at + lse_bytes);
   if (!shm.ok()) return Fail("SharedMemory", shm.status());
-  absl::Status registered = client->RegisterSystemRegion("io", (*shm)->key(), 0, (*shm)->size());
+  absl::Status registered = client->RegisterSystemRegion("io", **shm, 0, (*shm)->size());
   if (!registered.ok()) return Fail("RegisterSystemRegion", registered);
   auto channel = client->OpenChannel("io", (*shm)->data(), /*offset=*/0, ring_bytes,
                                      channel_options);

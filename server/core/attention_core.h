@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -82,6 +83,12 @@ class AttentionCore {
   absl::Status RegisterRegion(const CallContext& ctx, const RegionSpec& spec);
   absl::Status UnregisterRegion(const CallContext& ctx, absl::string_view name);
   std::vector<RegionInfoData> ListRegions(const CallContext& ctx);
+  bool regions_enabled() const { return regions_.enabled(); }
+  // A memfd a local process handed the region socket (server/region_socket/),
+  // held until a RegisterRegion names its claim token (RegionTable::Deposit).
+  absl::Status DepositRegion(RegionDeposit deposit) { return regions_.Deposit(std::move(deposit)); }
+  // Closes the deposits that expired or whose connection closed.
+  void ExpireRegionDeposits() { regions_.ExpireDeposits(); }
 
   // Leases (lease_table.h). GrantLease: a new lease of ctx.tenant living
   // ttl_ms (0: the default). KeepAlive renews it and returns its ttl in ms

@@ -1,8 +1,11 @@
 #include "server/core/region_table.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +14,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "common/region_socket.h"
 
 namespace attnserve {
 namespace {
@@ -35,25 +41,84 @@ absl::Status CheckName(absl::string_view name, absl::string_view field) {
   return absl::OkStatus();
 }
 
-absl::Status CheckKey(absl::string_view key) {
-  if (key.size() < 2 || key.size() > kMaxKeyChars || key[0] != '/' ||
-      key.find('/', 1) != absl::string_view::npos || key.find('\0') != absl::string_view::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "system.key '", key.substr(0, 64),
-        "' must be a POSIX shm name: '/' then 1 to 254 characters with no '/'"));
+// What a RegisterRegion with system.key gets: the field is no longer served.
+constexpr char kKeyRemoved[] =
+    "system.key: registration by POSIX shm name was removed in attnserve 0.2.0 (any process "
+    "could name another's object, and shrink it under the server); send a sealed memfd over the "
+    "server's region socket (ServerInfo.region_socket) and name it by system.claim_token: "
+    "docs/transport.md, \"Shared-memory regions\" (the clients' RegisterSystemRegion and "
+    "register_system_region do both)";
+
+// A memfd the server may map for good: a regular file on the kernel's
+// shmem (not hugetlbfs, whose faults may fail), open read-write, that can
+// never shrink (so no access through the mapping can fault past its end)
+// and may be written.
+absl::Status CheckDepositFd(int fd) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the file descriptor cannot be read (fstat: ", std::strerror(errno), ")"));
+  }
+  struct statfs fs {};
+  if (!S_ISREG(st.st_mode) || fstatfs(fd, &fs) != 0 || fs.f_type != TMPFS_MAGIC) {
+    return absl::InvalidArgumentError(
+        "the file descriptor is not a memfd: create the region's memory with "
+        "memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING) (no MFD_HUGETLB; files on disk and "
+        "sockets are refused)");
+  }
+  const int flags = fcntl(fd, F_GETFL);
+  if (flags < 0 || (flags & O_ACCMODE) != O_RDWR) {
+    return absl::InvalidArgumentError(
+        "the memfd is not open read-write: send the descriptor memfd_create returned (the "
+        "server writes outputs into regions)");
+  }
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0) {
+    return absl::InvalidArgumentError(
+        "the file cannot be sealed: create it with memfd_create(name, MFD_CLOEXEC | "
+        "MFD_ALLOW_SEALING)");
+  }
+  if ((seals & F_SEAL_SHRINK) == 0) {
+    return absl::InvalidArgumentError(
+        "the memfd is not sealed against shrinking: create it with memfd_create(name, "
+        "MFD_CLOEXEC | MFD_ALLOW_SEALING), size it, then add F_SEAL_SHRINK (fcntl(fd, "
+        "F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)) before sending it; memory "
+        "that can shrink under the server's mapping is refused");
+  }
+#ifdef F_SEAL_FUTURE_WRITE
+  constexpr int kWriteSeals = F_SEAL_WRITE | F_SEAL_FUTURE_WRITE;
+#else
+  constexpr int kWriteSeals = F_SEAL_WRITE;
+#endif
+  if ((seals & kWriteSeals) != 0) {
+    return absl::InvalidArgumentError(
+        "the memfd is sealed against writing (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE): the server "
+        "writes outputs into regions");
   }
   return absl::OkStatus();
 }
 
-// True when `key` still names the object (dev, ino).
-bool KeyNames(const std::string& key, uint64_t dev, uint64_t ino) {
-  const int fd = shm_open(key.c_str(), O_RDONLY, 0);
-  if (fd < 0) return false;
-  struct stat st {};
-  const bool same = fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_dev) == dev &&
-                    static_cast<uint64_t>(st.st_ino) == ino;
-  close(fd);
-  return same;
+// True when the depositor's end of `holder` is closed (or shut down).
+bool HolderGone(const UniqueFd& holder) {
+  if (!holder.valid()) return true;
+  pollfd p{holder.get(), POLLRDHUP, 0};
+  if (poll(&p, 1, 0) < 0) return false;
+  return (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) != 0;
+}
+
+// The name memfd_create was given ("/memfd:NAME (deleted)" in /proc), or
+// "" when it cannot be read.
+std::string MemfdName(int fd) {
+  char link[64];
+  char target[512];
+  snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
+  const ssize_t n = readlink(link, target, sizeof(target));
+  if (n <= 0) return "";
+  absl::string_view t(target, static_cast<size_t>(n));
+  constexpr absl::string_view kPrefix = "/memfd:", kSuffix = " (deleted)";
+  if (!absl::ConsumePrefix(&t, kPrefix)) return "";
+  absl::ConsumeSuffix(&t, kSuffix);
+  return std::string(t);
 }
 
 // Regions the table dropped under its lock, handed to the release listener
@@ -88,48 +153,30 @@ Region::~Region() {
 RegionTable::RegionTable(RegionLimits limits, RegionDevice* device)
     : limits_(limits), device_(device) {}
 
-absl::StatusOr<std::shared_ptr<Region>> RegionTable::MapSystem(const RegionSpec& spec) const {
-  if (absl::Status s = CheckKey(spec.key); !s.ok()) return s;
-  if (spec.offset < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("system.offset=", spec.offset, " is negative"));
-  }
-  const int fd = shm_open(spec.key.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) {
-      return absl::NotFoundError(absl::StrCat("system.key '", spec.key,
-                                              "': no such shared-memory object"));
-    }
-    if (err == EACCES) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "system.key '", spec.key, "': the server may not open it read-write"));
-    }
-    return absl::InvalidArgumentError(
-        absl::StrCat("system.key '", spec.key, "': cannot open: ", std::strerror(err)));
-  }
+absl::StatusOr<std::shared_ptr<Region>> RegionTable::MapSystem(const RegionSpec& spec,
+                                                               RegionDeposit deposit) const {
   struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    close(fd);
-    return absl::InternalError(absl::StrCat("system.key '", spec.key, "': fstat failed"));
+  if (fstat(deposit.memfd.get(), &st) != 0) {
+    return absl::InternalError(absl::StrCat("system.claim_token: fstat of the memfd failed: ",
+                                            std::strerror(errno)));
   }
+  // Sealed against shrinking: the size read now only ever grows.
   const int64_t object_bytes = static_cast<int64_t>(st.st_size);
   if (spec.offset > object_bytes || spec.byte_size > object_bytes - spec.offset) {
-    close(fd);
     return absl::InvalidArgumentError(absl::StrCat(
         "system.offset + system.byte_size = ", spec.offset, " + ", spec.byte_size,
-        " exceeds the size of '", spec.key, "' (", object_bytes, " bytes)"));
+        " exceeds the size of the memfd (", object_bytes, " bytes); deposit it again"));
   }
   const int64_t page = sysconf(_SC_PAGESIZE);
   const int64_t start = spec.offset / page * page;
   const int64_t map_bytes = spec.offset - start + spec.byte_size;
   void* base = mmap(nullptr, static_cast<size_t>(map_bytes), PROT_READ | PROT_WRITE, MAP_SHARED,
-                    fd, static_cast<off_t>(start));
-  const int map_err = errno;
-  close(fd);  // the mapping keeps the object
+                    deposit.memfd.get(), static_cast<off_t>(start));
   if (base == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat("system.key '", spec.key, "': cannot map ",
-                                                     map_bytes, " bytes: ",
-                                                     std::strerror(map_err)));
+    const int err = errno;
+    const std::string why = absl::StrCat("system.claim_token: cannot map ", map_bytes,
+                                         " bytes of the memfd read-write: ", std::strerror(err));
+    return err == ENOMEM ? absl::ResourceExhaustedError(why) : absl::InvalidArgumentError(why);
   }
   auto region = std::make_shared<Region>();
   region->kind = RegionKind::kSystem;
@@ -137,13 +184,12 @@ absl::StatusOr<std::shared_ptr<Region>> RegionTable::MapSystem(const RegionSpec&
   region->map_bytes = map_bytes;
   region->data = static_cast<char*>(base) + (spec.offset - start);
   region->byte_size = spec.byte_size;
-  region->key = spec.key;
+  region->key = MemfdName(deposit.memfd.get());
   region->offset = spec.offset;
-  region->dev = static_cast<uint64_t>(st.st_dev);
-  region->ino = static_cast<uint64_t>(st.st_ino);
+  region->holder = std::move(deposit.holder);
   region->device = device_;
   if (device_ != nullptr) region->registered = device_->RegisterHost(base, map_bytes);
-  return region;
+  return region;  // the memfd closes; the mapping keeps the memory
 }
 
 absl::StatusOr<std::shared_ptr<Region>> RegionTable::OpenCuda(const RegionSpec& spec) const {
@@ -169,22 +215,92 @@ absl::StatusOr<std::shared_ptr<Region>> RegionTable::OpenCuda(const RegionSpec& 
   return region;
 }
 
+absl::Status RegionTable::Deposit(RegionDeposit deposit) {
+  if (!limits_.enabled) {
+    return absl::FailedPreconditionError(
+        "shared-memory regions are off on this server (start it with --allow_shared_memory)");
+  }
+  if (deposit.claim_token.size() != kClaimTokenBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("the claim token has ",
+                                                   deposit.claim_token.size(), " bytes: ",
+                                                   kClaimTokenBytes));
+  }
+  if (!deposit.memfd.valid()) {
+    return absl::InvalidArgumentError("a deposit carries one file descriptor, the memfd");
+  }
+  if (absl::Status s = CheckDepositFd(deposit.memfd.get()); !s.ok()) return s;
+  std::vector<RegionDeposit> closed;  // closed after the lock
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  ExpireDepositsLocked(now, &closed);
+  if (static_cast<int64_t>(deposits_.size()) >= limits_.max_deposits) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the server holds ", deposits_.size(), " deposits not yet claimed: at most ",
+        limits_.max_deposits, "; each goes when RegisterRegion claims it, when its connection "
+        "closes, or ", absl::FormatDuration(limits_.deposit_ttl), " after it arrived"));
+  }
+  if (deposits_.contains(deposit.claim_token)) {
+    return absl::AlreadyExistsError(
+        "a deposit holds this claim token already: draw 16 fresh random bytes for each deposit");
+  }
+  std::string token = deposit.claim_token;
+  deposits_.emplace(std::move(token), HeldDeposit{std::move(deposit), now + limits_.deposit_ttl});
+  return absl::OkStatus();
+}
+
+void RegionTable::ExpireDepositsLocked(absl::Time now, std::vector<RegionDeposit>* closed) {
+  for (auto it = deposits_.begin(); it != deposits_.end();) {
+    if (now >= it->second.deadline || HolderGone(it->second.deposit.holder)) {
+      closed->push_back(std::move(it->second.deposit));
+      deposits_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void RegionTable::ExpireDeposits() {
+  std::vector<RegionDeposit> closed;  // closed after the lock
+  absl::MutexLock lock(&mu_);
+  ExpireDepositsLocked(absl::Now(), &closed);
+}
+
+int32_t RegionTable::PendingDeposits() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int32_t>(deposits_.size());
+}
+
 absl::Status RegionTable::Register(const std::string& tenant, const RegionSpec& spec) {
   if (!limits_.enabled) {
     return absl::FailedPreconditionError(
         "shared-memory regions are off on this server (start it with --allow_shared_memory)");
   }
   if (absl::Status s = CheckName(spec.name, "name"); !s.ok()) return s;
-  const char* size_field = spec.kind == RegionKind::kSystem ? "system.byte_size" : "cuda.byte_size";
+  const bool system = spec.kind == RegionKind::kSystem;
+  if (system) {
+    if (!spec.key.empty()) return absl::InvalidArgumentError(kKeyRemoved);
+    if (spec.claim_token.size() != kClaimTokenBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "system.claim_token has ", spec.claim_token.size(), " bytes: ", kClaimTokenBytes,
+          " (the token sent with the memfd over the region socket, ServerInfo.region_socket)"));
+    }
+    if (spec.offset < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("system.offset=", spec.offset, " is negative"));
+    }
+  }
+  const char* size_field = system ? "system.byte_size" : "cuda.byte_size";
   if (spec.byte_size < 1 || spec.byte_size > limits_.max_bytes_per_tenant) {
     return absl::InvalidArgumentError(
         absl::StrCat(size_field, "=", spec.byte_size, " out of range [1, ",
                      limits_.max_bytes_per_tenant, "] (--max_region_bytes_per_tenant)"));
   }
+  RegionDeposit claimed;
   {
+    std::vector<RegionDeposit> expired;  // closed after the lock
     DroppedRegions dropped(release_listener_);
     absl::MutexLock lock(&mu_);
-    ReclaimVanished(tenant, &dropped.regions);
+    ReclaimAbandoned(tenant, &dropped.regions);
     auto it = regions_.find(spec.name);
     if (it != regions_.end()) {
       if (it->second->tenant != tenant) {
@@ -205,9 +321,21 @@ absl::Status RegionTable::Register(const std::string& tenant, const RegionSpec& 
           "tenant holds ", used.bytes, " bytes of regions; ", spec.byte_size, " more exceed ",
           limits_.max_bytes_per_tenant, " (--max_region_bytes_per_tenant)"));
     }
+    if (system) {
+      ExpireDepositsLocked(absl::Now(), &expired);
+      auto held = deposits_.find(spec.claim_token);
+      if (held == deposits_.end()) {
+        return absl::NotFoundError(absl::StrCat(
+            "system.claim_token: no memfd is deposited under this token (never sent over the "
+            "region socket, claimed already, its connection closed, or unclaimed for ",
+            absl::FormatDuration(limits_.deposit_ttl), ")"));
+      }
+      claimed = std::move(held->second.deposit);
+      deposits_.erase(held);
+    }
   }
   // Mapping (and page-locking) may take a while: not under the lock.
-  auto mapped = spec.kind == RegionKind::kSystem ? MapSystem(spec) : OpenCuda(spec);
+  auto mapped = system ? MapSystem(spec, std::move(claimed)) : OpenCuda(spec);
   if (!mapped.ok()) return mapped.status();
   std::shared_ptr<Region> region = *std::move(mapped);
   region->name = spec.name;
@@ -277,14 +405,14 @@ std::vector<std::string> RegionTable::TakeHeld(const std::string& tenant, uint64
   return names;
 }
 
-void RegionTable::ReclaimVanished(const std::string& tenant,
-                                  std::vector<std::shared_ptr<Region>>* dropped) {
+void RegionTable::ReclaimAbandoned(const std::string& tenant,
+                                   std::vector<std::shared_ptr<Region>>* dropped) {
   for (auto it = regions_.begin(); it != regions_.end();) {
     const Region& r = *it->second;
     // Only the table and request channels hold it: no request is using it.
     // (A channel of a client that died closes with its region.)
     if (r.tenant == tenant && r.kind == RegionKind::kSystem &&
-        it->second.use_count() - r.channel_holds.load() == 1 && !KeyNames(r.key, r.dev, r.ino)) {
+        it->second.use_count() - r.channel_holds.load() == 1 && HolderGone(r.holder)) {
       Usage& used = usage_[tenant];
       used.count -= 1;
       used.bytes -= r.byte_size;
@@ -301,7 +429,7 @@ std::vector<RegionInfoData> RegionTable::List(const std::string& tenant) {
   if (!limits_.enabled) return out;
   DroppedRegions dropped(release_listener_);
   absl::MutexLock lock(&mu_);
-  ReclaimVanished(tenant, &dropped.regions);
+  ReclaimAbandoned(tenant, &dropped.regions);
   for (const auto& [name, region] : regions_) {
     if (region->tenant != tenant) continue;
     RegionInfoData info;
@@ -314,8 +442,7 @@ std::vector<RegionInfoData> RegionTable::List(const std::string& tenant) {
     info.in_use = static_cast<int32_t>(region.use_count() - 1 - region->channel_holds.load());
     info.registered = region->registered;
     info.lease = region->lease;
-    info.key_exists =
-        region->kind == RegionKind::kSystem && KeyNames(region->key, region->dev, region->ino);
+    info.key_exists = region->kind == RegionKind::kSystem && !HolderGone(region->holder);
     out.push_back(std::move(info));
   }
   std::sort(out.begin(), out.end(),

@@ -1,12 +1,23 @@
 // RegionTable: shared-memory regions that requests name instead of carrying
 // tensor bytes (docs/transport.md).
 //
-// A region is memory the client and the server both map: a POSIX shared
-// memory object (system region, mapped here with shm_open + mmap) or CUDA
-// device memory exported by cudaIpcGetMemHandle (cuda region, opened by the
-// backend). It belongs to the tenant that registered it; names are unique
-// on the server, so another tenant naming it gets PERMISSION_DENIED rather
-// than a region of its own by the same name.
+// A region is memory the client and the server both map: a sealed memfd the
+// client handed over the region socket (system region, mapped here with
+// mmap) or CUDA device memory exported by cudaIpcGetMemHandle (cuda region,
+// opened by the backend). It belongs to the tenant that registered it;
+// names are unique on the server, so another tenant naming it gets
+// PERMISSION_DENIED rather than a region of its own by the same name.
+//
+// System regions come in two steps. The edge (server/region_socket/) takes
+// a memfd and a claim token from a local process and Deposit()s them; the
+// table accepts only a memfd sealed against shrinking (F_SEAL_SHRINK), so
+// that nothing can ever cut the file under the server's mapping (which would
+// end the server with SIGBUS), and holds it for deposit_ttl at most, with at
+// most max_deposits held at once. RegisterRegion, authenticated, then names
+// the token: the deposit is claimed (once) and mapped as the caller's
+// tenant's region. Possession of the file descriptor is what lets a client
+// register memory, so no tenant can map another's (memfds have no name
+// anyone could open).
 //
 // Lifetime: the table holds one reference to each region and every request
 // that resolved a range of it holds another (RegionSlice::region) until its
@@ -15,14 +26,12 @@
 // finishes. So a region unregistered while in use stays valid for the
 // requests already holding it, and nothing ever reads unmapped memory.
 //
-// A client that exits without unregistering leaves its regions in the
-// table, and the server's mapping keeps their memory valid (a POSIX shm
-// object lives while it is mapped, even after shm_unlink). They are
-// reclaimed by UnregisterRegion from any connection of the same tenant
-// (ListRegions shows them), at a server restart, or, for a system region
-// whose shm key no longer names the object mapped (the owner, or Python's
-// resource tracker, unlinked it), automatically when that tenant next
-// registers a region or lists its regions and the region is not in use.
+// Each system region keeps its depositor's connection (the holder). A
+// client that exits without unregistering closes it; the server's mapping
+// keeps the memory valid, and the region is reclaimed automatically when
+// that tenant next registers a region or lists its regions and the region is
+// not in use, or by UnregisterRegion from any connection of the same tenant
+// (ListRegions shows them), or at a server restart.
 //
 // Thread-safe.
 #pragma once
@@ -39,6 +48,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/unique_fd.h"
 #include "server/backend/region_device.h"
 
 namespace attnserve {
@@ -49,7 +60,10 @@ enum class RegionKind { kSystem, kCuda };
 struct RegionSpec {
   std::string name;
   RegionKind kind = RegionKind::kSystem;
-  // kSystem: the shm_open name and the mapped range [offset, offset + byte_size).
+  // kSystem: the token of a deposit (Deposit) and the mapped range
+  // [offset, offset + byte_size) of its memfd. `key` is the shm_open name
+  // clients sent before 0.2.0: refused when set.
+  std::string claim_token;
   std::string key;
   int64_t offset = 0;
   // kCuda: the cudaIpcMemHandle_t bytes and the device.
@@ -75,11 +89,11 @@ struct Region {
   int64_t byte_size = 0;
   bool registered = false;     // system: page-locked by RegionDevice::RegisterHost
   // system
-  std::string key;
+  std::string key;             // the memfd's name (memfd_create's), for ListRegions
   int64_t offset = 0;
   void* map_base = nullptr;    // what mmap returned (data - in-page offset)
   int64_t map_bytes = 0;
-  uint64_t dev = 0, ino = 0;   // the shm object mapped
+  UniqueFd holder;             // the depositor's connection (see the banner)
   // cuda
   int32_t device_id = 0;
   RegionDevice* device = nullptr;
@@ -110,19 +124,31 @@ struct RegionLimits {
   bool enabled = false;               // --allow_shared_memory
   int32_t max_regions_per_tenant = 16;
   int64_t max_bytes_per_tenant = int64_t{64} << 30;
+  // Deposits not yet claimed: at most this many held at once, each for at
+  // most deposit_ttl after it arrived (docs/transport.md).
+  int32_t max_deposits = 64;
+  absl::Duration deposit_ttl = absl::Seconds(10);
+};
+
+// A memfd handed to the server over the region socket, waiting for the
+// RegisterRegion that names its token.
+struct RegionDeposit {
+  std::string claim_token;  // kClaimTokenBytes (common/region_socket.h)
+  UniqueFd memfd;
+  UniqueFd holder;          // the depositor's connection
 };
 
 // ListRegions' view of one region.
 struct RegionInfoData {
   std::string name;
   RegionKind kind = RegionKind::kSystem;
-  std::string key;
+  std::string key;         // system: the memfd's name
   int64_t offset = 0;
   int64_t byte_size = 0;
   int32_t device_id = 0;
   int32_t in_use = 0;
   bool registered = false;
-  bool key_exists = false;
+  bool key_exists = false;  // system: its holder connection is still open
   uint64_t lease = 0;
 };
 
@@ -134,12 +160,31 @@ class RegionTable {
 
   bool enabled() const { return limits_.enabled; }
 
+  // Holds a memfd until RegisterRegion claims it. Errors (the deposit is
+  // closed): FAILED_PRECONDITION when regions are off; INVALID_ARGUMENT for
+  // a token that is not kClaimTokenBytes, a descriptor that is not a memfd
+  // (a regular file on the kernel's shmem, not hugetlbfs), not open
+  // read-write, not sealed against shrinking (F_SEAL_SHRINK) or sealed
+  // against writing; ALREADY_EXISTS for a token held already;
+  // RESOURCE_EXHAUSTED when max_deposits are held. Drops expired deposits
+  // first.
+  absl::Status Deposit(RegionDeposit deposit);
+
+  // Closes the deposits past deposit_ttl and those whose holder closed.
+  // The region socket calls it every second.
+  void ExpireDeposits();
+  // Deposits held now (tests).
+  int32_t PendingDeposits() const;
+
   // Maps the region and adds it for `tenant`. Errors (nothing changes):
   // FAILED_PRECONDITION when regions are off or the kind needs a device this
-  // server lacks; INVALID_ARGUMENT naming the field and bound (name, key,
-  // offset, byte_size, ipc_handle); ALREADY_EXISTS for a name in use;
-  // RESOURCE_EXHAUSTED past the tenant's count or byte cap; NOT_FOUND when
-  // the shm key does not exist or is smaller than offset + byte_size.
+  // server lacks; INVALID_ARGUMENT naming the field and bound (name,
+  // system.key (no longer served), system.claim_token, offset, byte_size,
+  // ipc_handle); ALREADY_EXISTS for a name in use; RESOURCE_EXHAUSTED past
+  // the tenant's count or byte cap; NOT_FOUND when no deposit holds the
+  // claim token (never sent, claimed already, or expired). A system region
+  // claims its deposit once the name and the caps pass: a later error
+  // (offset + byte_size past the memfd, the mapping refused) closes it.
   absl::Status Register(const std::string& tenant, const RegionSpec& spec);
 
   // Removes the name (NOT_FOUND if unknown, PERMISSION_DENIED if another
@@ -147,7 +192,7 @@ class RegionTable {
   absl::Status Unregister(const std::string& tenant, absl::string_view name);
 
   // The tenant's regions, by name. Reclaims the tenant's idle system regions
-  // whose shm key has vanished first.
+  // whose holder closed first.
   std::vector<RegionInfoData> List(const std::string& tenant);
 
   // Unregisters every region `tenant` holds under `lease` (0: every region
@@ -176,11 +221,16 @@ class RegionTable {
   Usage TenantUsage(const std::string& tenant) const;
 
  private:
-  // Drops the tenant's regions that are not in use and whose shm key no
-  // longer names the object mapped; appends them to *dropped.
-  void ReclaimVanished(const std::string& tenant, std::vector<std::shared_ptr<Region>>* dropped)
+  // Drops the tenant's system regions that are not in use and whose holder
+  // closed; appends them to *dropped.
+  void ReclaimAbandoned(const std::string& tenant, std::vector<std::shared_ptr<Region>>* dropped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<std::shared_ptr<Region>> MapSystem(const RegionSpec& spec) const;
+  // Closes the deposits past their deadline or whose holder closed (moved
+  // to *closed, so that they close after the lock).
+  void ExpireDepositsLocked(absl::Time now, std::vector<RegionDeposit>* closed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::shared_ptr<Region>> MapSystem(const RegionSpec& spec,
+                                                    RegionDeposit deposit) const;
   absl::StatusOr<std::shared_ptr<Region>> OpenCuda(const RegionSpec& spec) const;
 
   const RegionLimits limits_;
@@ -189,6 +239,11 @@ class RegionTable {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Region>> regions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Usage> usage_ ABSL_GUARDED_BY(mu_);
+  struct HeldDeposit {
+    RegionDeposit deposit;
+    absl::Time deadline;
+  };
+  absl::flat_hash_map<std::string, HeldDeposit> deposits_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attnserve

@@ -328,6 +328,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServ
   out.set_incarnation(info.incarnation);
   out.set_lease_default_ttl_ms(info.lease_default_ttl_ms);
   out.set_lease_max_ttl_ms(info.lease_max_ttl_ms);
+  {
+    absl::MutexLock lock(&region_socket_mu_);
+    out.set_region_socket(region_socket_);
+  }
   if (call->Claim()) call->Finish(absl::OkStatus(), &out);
   return call;
 }

@@ -27,6 +27,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
+#include <utility>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
@@ -85,6 +87,12 @@ class AttentionServiceImpl final : public RawAttentionService {
   // and returns how many there were. Work they queued or started is never
   // answered: the process is about to exit.
   int AbandonInflight(const absl::Status& status);
+  // The region socket's name, which GetServerInfo reports (set once, right
+  // after the server binds its port).
+  void SetRegionSocket(std::string name) {
+    absl::MutexLock lock(&region_socket_mu_);
+    region_socket_ = std::move(name);
+  }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const grpc::ByteBuffer* request,
@@ -158,6 +166,8 @@ class AttentionServiceImpl final : public RawAttentionService {
   const bool access_log_;
   const RequestWireLimits limits_;
   std::atomic<bool> draining_{false};
+  absl::Mutex region_socket_mu_;
+  std::string region_socket_ ABSL_GUARDED_BY(region_socket_mu_);
   std::atomic<int64_t> accepted_inflight_{0};
   std::atomic<int64_t> last_accepted_finish_ns_{0};
   std::atomic<uint64_t> next_request_id_{1};

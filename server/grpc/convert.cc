@@ -303,6 +303,7 @@ RegionSpec ToSpec(const v1::RegisterRegionRequest& r) {
   } else {
     spec.kind = RegionKind::kSystem;
     spec.key = r.system().key();
+    spec.claim_token = r.system().claim_token();
     spec.offset = r.system().offset();
     spec.byte_size = r.system().byte_size();
   }

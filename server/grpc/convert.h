@@ -105,7 +105,8 @@ void ToCall(const v1::MergeStatesRequest& request, v1::MergeStatesResponse* resp
 RegionRefView ToRingRef(const v1::OpenChannelRequest& request);
 
 // A RegisterRegion's spec (a request with neither kind set is a system
-// region with an empty key, which the core rejects naming system.key).
+// region with an empty claim token, which the core rejects naming
+// system.claim_token).
 RegionSpec ToSpec(const v1::RegisterRegionRequest& request);
 void ToProto(const RegionInfoData& info, v1::RegionInfo* out);
 

@@ -17,9 +17,11 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "CivetServer.h"
+#include "common/region_socket.h"
 #include "common/transport.h"
 #include "prometheus/text_serializer.h"
 #include "server/core/status_macros.h"
+#include "server/region_socket/region_socket.h"
 
 namespace attnserve {
 namespace {
@@ -215,6 +217,17 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
         "malformed)"));
   }
   s->grpc_address_ = absl::StrCat(HostOf(options.listen), ":", port);
+  if (core->regions_enabled()) {
+    RegionSocketOptions region_options;
+    region_options.name =
+        options.region_socket.empty() ? DefaultRegionSocket(port) : options.region_socket;
+    region_options.incarnation = core->incarnation();
+    auto region_socket = RegionSocket::Start(region_options, core);
+    if (!region_socket.ok()) return region_socket.status();
+    s->region_socket_ = *std::move(region_socket);
+    s->region_socket_name_ = region_options.name;
+    s->service_->SetRegionSocket(region_options.name);
+  }
   grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService();
   health->SetServingStatus(true);
   health->SetServingStatus(kServiceName, true);
@@ -222,6 +235,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
 }
 
 AttnServer::~AttnServer() {
+  region_socket_.reset();
   if (server_) server_->Shutdown();
 }
 
@@ -243,6 +257,7 @@ int AttnServer::Drain(absl::Duration timeout) {
   // client's follow-up call (e.g. FreePages after its Prefill) is refused
   // cleanly too.
   service_->StartDraining();
+  region_socket_.reset();  // no more deposits: RegisterRegion is refused now
   constexpr int64_t kQuietNs = 200'000'000;
   while (absl::Now() < deadline &&
          (service_->accepted_inflight() > 0 ||

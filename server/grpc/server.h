@@ -35,9 +35,14 @@ struct ServerOptions {
   // Request channels: microseconds each channel's poller spins after the
   // last request before it sleeps (--channel_spin_us).
   int64_t channel_spin_us = 200;
+  // The region socket (server/region_socket/), served when the core has
+  // regions on: "@NAME", a path, or empty for DefaultRegionSocket(the bound
+  // gRPC port).
+  std::string region_socket;
 };
 
 class MetricsEndpoint;
+class RegionSocket;
 
 inline constexpr char kServiceName[] = "attnserve.v1.AttentionService";
 
@@ -52,6 +57,8 @@ class AttnServer {
   // Address actually bound (port 0 resolved).
   const std::string& grpc_address() const { return grpc_address_; }
   const std::string& metrics_address() const { return metrics_address_; }
+  // The region socket's name ("" when regions are off).
+  const std::string& region_socket() const { return region_socket_name_; }
 
   // Graceful drain: health NOT_SERVING, new RPCs UNAVAILABLE, accepted RPCs
   // run to completion for up to `timeout`; RPCs still running then are
@@ -72,8 +79,10 @@ class AttnServer {
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
+  std::unique_ptr<RegionSocket> region_socket_;
   std::string grpc_address_;
   std::string metrics_address_;
+  std::string region_socket_name_;
 };
 
 }  // namespace attnserve

@@ -25,7 +25,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// A zeroed POSIX shm object of `bytes` bytes, unlinked at the end.
+// A zeroed sealed memfd of `bytes` bytes.
 using Shm = TestShm;
 
 void WriteHeader(char* at, uint32_t slot_count, uint32_t slot_bytes,
@@ -46,10 +46,10 @@ RegionRefView Ref(absl::string_view name, int64_t offset, int64_t bytes) {
   return ref;
 }
 
-RegionSpec System(const std::string& name, const std::string& key, int64_t bytes) {
+RegionSpec System(const std::string& name, const std::string& token, int64_t bytes) {
   RegionSpec spec;
   spec.name = name;
-  spec.key = key;
+  spec.claim_token = token;
   spec.byte_size = bytes;
   return spec;
 }
@@ -136,7 +136,7 @@ TEST_F(ChannelTableTest, OpensValidatesAndCopiesTheGeometry) {
   RegionTable regions(On(), nullptr);
   ChannelTable channels(ChannelLimits{2});
   Shm shm(1 << 16);
-  ASSERT_TRUE(regions.Register("alice", System("r", shm.key(), 1 << 16)).ok());
+  ASSERT_TRUE(regions.Register("alice", System("r", shm.Deposit(regions), 1 << 16)).ok());
   WriteHeader(shm.data() + 128, 2, 4096);
   auto id = channels.Open("alice", regions, Ref("r", 128, kRing), Maker());
   ASSERT_TRUE(id.ok()) << id.status();
@@ -222,8 +222,8 @@ TEST_F(ChannelTableTest, ARegionThatGoesClosesItsChannelsAndStaysMappedForThem) 
   regions.SetReleaseListener([&](const Region* r) { channels.CloseRegion(r); });
   auto a = std::make_unique<Shm>(1 << 16);
   auto b = std::make_unique<Shm>(1 << 16);
-  ASSERT_TRUE(regions.Register("alice", System("a", a->key(), 1 << 16)).ok());
-  ASSERT_TRUE(regions.Register("alice", System("b", b->key(), 1 << 16)).ok());
+  ASSERT_TRUE(regions.Register("alice", System("a", a->Deposit(regions), 1 << 16)).ok());
+  ASSERT_TRUE(regions.Register("alice", System("b", b->Deposit(regions), 1 << 16)).ok());
   WriteHeader(a->data(), 2, 4096);
   WriteHeader(b->data(), 2, 4096);
   ASSERT_TRUE(channels.Open("alice", regions, Ref("a", 0, kRing), Maker()).ok());
@@ -238,9 +238,8 @@ TEST_F(ChannelTableTest, ARegionThatGoesClosesItsChannelsAndStaysMappedForThem) 
   const auto* header = reinterpret_cast<const ChannelHeader*>(rings_[0].base);
   EXPECT_EQ(header->magic, kChannelMagic);
 
-  // Reclaimed (the key unlinked) although a channel is open on it.
-  const std::string key = b->key();
-  ASSERT_EQ(shm_unlink(key.c_str()), 0);
+  // Reclaimed (its client went away) although a channel is open on it.
+  b->HangUp();
   EXPECT_TRUE(regions.List("alice").empty());
   EXPECT_EQ(closed_, 3);
   EXPECT_EQ(channels.TenantChannels("alice"), 0);

@@ -1,13 +1,19 @@
-// RegionTable (server/core/region_table.h): registration and its errors,
+// RegionTable (server/core/region_table.h): deposits of memfds and their
+// checks (sealed against shrinking, a memfd, read-write, writable), their
+// bound and expiry, claims by token, registration and its errors,
 // resolution of ranges, ownership, caps, and the lifetime rules: a region
 // unregistered while a request holds it stays mapped for that request, and
-// an idle region whose shm key vanished is reclaimed.
+// an idle region whose holder connection closed is reclaimed.
 #include "server/core/region_table.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -23,16 +29,17 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// A POSIX shm object of `bytes` random bytes, unlinked at the end.
+// A sealed memfd of `bytes` random bytes.
 struct Shm : TestShm {
   explicit Shm(int64_t bytes, uint64_t seed = 1) : TestShm(bytes, seed) {}
 };
 
-RegionSpec System(const std::string& name, const std::string& key, int64_t offset, int64_t bytes) {
+RegionSpec System(const std::string& name, const std::string& token, int64_t offset,
+                  int64_t bytes) {
   RegionSpec spec;
   spec.name = name;
   spec.kind = RegionKind::kSystem;
-  spec.key = key;
+  spec.claim_token = token;
   spec.offset = offset;
   spec.byte_size = bytes;
   return spec;
@@ -55,11 +62,19 @@ RegionLimits On(int32_t count = 4, int64_t bytes = 1 << 20) {
   return limits;
 }
 
+// True once the server's end of the holder whose client end is `client_end`
+// is closed (the client reads end-of-file).
+bool ServerClosed(const UniqueFd& client_end) {
+  pollfd p{client_end.get(), POLLIN, 0};
+  return poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLIN)) != 0;
+}
+
 TEST(RegionTableTest, ResolvesRangesOfTheMappedObject) {
   Shm shm(3 * 4096);
   RegionTable table(On(), nullptr);
-  // Offset 4096 + 100 into the object: the region's byte 0 is object byte 4196.
-  ASSERT_TRUE(table.Register("alice", System("r", shm.key(), 4196, 5000)).ok());
+  // Offset 4096 + 100 into the memfd: the region's byte 0 is its byte 4196.
+  ASSERT_TRUE(table.Register("alice", System("r", shm.Deposit(table), 4196, 5000)).ok());
+  EXPECT_EQ(table.PendingDeposits(), 0);
   auto slice = table.Resolve("alice", Ref("r", 8, 64), 2, "q.region");
   ASSERT_TRUE(slice.ok()) << slice.status();
   EXPECT_EQ(slice->bytes, 64);
@@ -72,12 +87,17 @@ TEST(RegionTableTest, ResolvesRangesOfTheMappedObject) {
   const RegionTable::Usage used = table.TenantUsage("alice");
   EXPECT_EQ(used.count, 1);
   EXPECT_EQ(used.bytes, 5000);
+  std::vector<RegionInfoData> list = table.List("alice");
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(list[0].key, "attn_core_test");  // the memfd's name
+  EXPECT_EQ(list[0].offset, 4196);
+  EXPECT_TRUE(list[0].key_exists);  // its holder is open
 }
 
 TEST(RegionTableTest, BadRangesNameTheFieldAndTheBound) {
   Shm shm(8192);
   RegionTable table(On(), nullptr);
-  ASSERT_TRUE(table.Register("alice", System("r", shm.key(), 0, 8192)).ok());
+  ASSERT_TRUE(table.Register("alice", System("r", shm.Deposit(table), 0, 8192)).ok());
   auto past = table.Resolve("alice", Ref("r", 8000, 200), 2, "q.region");
   EXPECT_EQ(past.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(past.status().message()),
@@ -100,29 +120,43 @@ TEST(RegionTableTest, BadRangesNameTheFieldAndTheBound) {
 TEST(RegionTableTest, RegistrationErrorsChangeNothing) {
   Shm shm(8192);
   RegionTable table(On(/*count=*/2, /*bytes=*/10000), nullptr);
+  const std::string held = shm.Deposit(table);  // not consumed by the errors before its claim
+  RegionSpec by_key = System("r", held, 0, 8);
+  by_key.key = "/attn_someones_object";
   struct Case {
     RegionSpec spec;
     absl::StatusCode code;
     std::string text;
   } cases[] = {
-      {System("", shm.key(), 0, 8), absl::StatusCode::kInvalidArgument, "name has 0 characters"},
-      {System("a/b", shm.key(), 0, 8), absl::StatusCode::kInvalidArgument, "[A-Za-z0-9_.-]"},
-      {System("r", "noslash", 0, 8), absl::StatusCode::kInvalidArgument, "system.key"},
-      {System("r", "/a/b", 0, 8), absl::StatusCode::kInvalidArgument, "system.key"},
-      {System("r", "/attn_no_such_object_x", 0, 8), absl::StatusCode::kNotFound,
-       "no such shared-memory object"},
-      {System("r", shm.key(), 0, 0), absl::StatusCode::kInvalidArgument,
+      {System("", held, 0, 8), absl::StatusCode::kInvalidArgument, "name has 0 characters"},
+      {System("a/b", held, 0, 8), absl::StatusCode::kInvalidArgument, "[A-Za-z0-9_.-]"},
+      {by_key, absl::StatusCode::kInvalidArgument,
+       "system.key: registration by POSIX shm name was removed in attnserve 0.2.0"},
+      {System("r", "short", 0, 8), absl::StatusCode::kInvalidArgument,
+       "system.claim_token has 5 bytes: 16"},
+      {System("r", "", 0, 8), absl::StatusCode::kInvalidArgument,
+       "system.claim_token has 0 bytes: 16"},
+      {System("r", std::string(16, 'n'), 0, 8), absl::StatusCode::kNotFound,
+       "system.claim_token: no memfd is deposited under this token"},
+      {System("r", held, 0, 0), absl::StatusCode::kInvalidArgument,
        "system.byte_size=0 out of range [1, 10000]"},
-      {System("r", shm.key(), -1, 8), absl::StatusCode::kInvalidArgument,
+      {System("r", held, -1, 8), absl::StatusCode::kInvalidArgument,
        "system.offset=-1 is negative"},
-      {System("r", shm.key(), 4096, 8000), absl::StatusCode::kInvalidArgument,
-       "exceeds the size of"},
   };
   for (const Case& c : cases) {
     absl::Status s = table.Register("alice", c.spec);
     EXPECT_EQ(s.code(), c.code) << s;
     EXPECT_THAT(std::string(s.message()), HasSubstr(c.text));
   }
+  EXPECT_EQ(table.PendingDeposits(), 1);
+  // Past the memfd's end: the claim is made, and the deposit is gone.
+  absl::Status past = table.Register("alice", System("r", held, 4096, 8000));
+  EXPECT_EQ(past.code(), absl::StatusCode::kInvalidArgument) << past;
+  EXPECT_THAT(std::string(past.message()),
+              HasSubstr("system.offset + system.byte_size = 4096 + 8000 exceeds the size of the "
+                        "memfd (8192 bytes)"));
+  EXPECT_EQ(table.PendingDeposits(), 0);
+  EXPECT_EQ(table.Register("alice", System("r", held, 0, 8)).code(), absl::StatusCode::kNotFound);
   RegionSpec cuda;
   cuda.name = "gpu";
   cuda.kind = RegionKind::kCuda;
@@ -136,30 +170,172 @@ TEST(RegionTableTest, RegistrationErrorsChangeNothing) {
   EXPECT_EQ(table.TenantUsage("alice").count, 0);
   EXPECT_TRUE(table.List("alice").empty());
 
-  // Names, caps.
-  ASSERT_TRUE(table.Register("alice", System("a", shm.key(), 0, 4000)).ok());
-  EXPECT_EQ(table.Register("alice", System("a", shm.key(), 0, 8)).code(),
+  // Names, caps: checked before the claim, which they leave for a retry.
+  ASSERT_TRUE(table.Register("alice", System("a", shm.Deposit(table), 0, 4000)).ok());
+  const std::string again = shm.Deposit(table);
+  EXPECT_EQ(table.Register("alice", System("a", again, 0, 8)).code(),
             absl::StatusCode::kAlreadyExists);
-  EXPECT_EQ(table.Register("bob", System("a", shm.key(), 0, 8)).code(),
+  EXPECT_EQ(table.Register("bob", System("a", again, 0, 8)).code(),
             absl::StatusCode::kAlreadyExists);
-  absl::Status bytes = table.Register("alice", System("b", shm.key(), 0, 7000));
+  absl::Status bytes = table.Register("alice", System("b", again, 0, 7000));
   EXPECT_EQ(bytes.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(bytes.message()), HasSubstr("--max_region_bytes_per_tenant"));
-  ASSERT_TRUE(table.Register("alice", System("b", shm.key(), 0, 6000)).ok());
-  absl::Status count = table.Register("alice", System("c", shm.key(), 0, 8));
+  ASSERT_TRUE(table.Register("alice", System("b", again, 0, 6000)).ok());
+  absl::Status count = table.Register("alice", System("c", shm.Deposit(table), 0, 8));
   EXPECT_EQ(count.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(count.message()), HasSubstr("--max_regions_per_tenant"));
   // Another tenant has its own caps.
-  EXPECT_TRUE(table.Register("bob", System("c", shm.key(), 0, 8)).ok());
+  EXPECT_TRUE(table.Register("bob", System("c", shm.Deposit(table), 0, 8)).ok());
   EXPECT_EQ(table.Unregister("bob", "a").code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(table.Unregister("alice", "zzz").code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(table.TenantUsage("alice").bytes, 10000);
 }
 
+// Only a memfd that can never shrink, open read-write and writable is
+// taken; every other descriptor is refused naming what is wrong, and
+// nothing is held.
+TEST(RegionTableTest, DepositsMustBeSealedWritableMemfds) {
+  RegionTable table(On(), nullptr);
+  std::vector<UniqueFd> client_ends;
+  auto deposit = [&](int fd, const std::string& token = TestToken()) {
+    client_ends.emplace_back();
+    return table.Deposit(MakeDeposit(fd, token, &client_ends.back()));
+  };
+  struct Case {
+    std::string what;
+    int seals;
+    std::string text;
+  } sealings[] = {
+      {"no seals", 0, "the memfd is not sealed against shrinking: create it with memfd_create"},
+      {"grow and seal only", F_SEAL_GROW | F_SEAL_SEAL, "F_SEAL_SHRINK"},
+      {"write", F_SEAL_SHRINK | F_SEAL_WRITE, "sealed against writing"},
+  };
+  for (const Case& c : sealings) {
+    TestShm shm(4096, std::nullopt, c.seals);
+    absl::Status s = deposit(shm.fd());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.text)) << c.what;
+  }
+  // A POSIX shm object (what registration by key used): it cannot be sealed.
+  const std::string key = absl::StrCat("/attn_core_deposit_", getpid());
+  UniqueFd posix(shm_open(key.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600));
+  ASSERT_TRUE(posix.valid());
+  shm_unlink(key.c_str());
+  ASSERT_EQ(ftruncate(posix.get(), 4096), 0);
+  EXPECT_THAT(std::string(deposit(posix.get()).message()), HasSubstr("F_SEAL_SHRINK"));
+  // Not a memfd: a pipe, a file on disk.
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  UniqueFd pipe_read(pipe_fds[0]), pipe_write(pipe_fds[1]);
+  EXPECT_THAT(std::string(deposit(pipe_read.get()).message()),
+              HasSubstr("the file descriptor is not a memfd"));
+  const char* dir = std::getenv("TEST_TMPDIR");
+  std::string path = absl::StrCat(dir != nullptr ? dir : "/tmp", "/attn_deposit_XXXXXX");
+  UniqueFd disk(mkstemp(path.data()));
+  ASSERT_TRUE(disk.valid());
+  unlink(path.c_str());
+  absl::Status on_disk = deposit(disk.get());
+  // /tmp may itself be a tmpfs: then the file is refused for its seals.
+  EXPECT_EQ(on_disk.code(), absl::StatusCode::kInvalidArgument) << on_disk;
+  // The memfd reopened read-only.
+  TestShm shm(4096);
+  UniqueFd read_only(open(absl::StrCat("/proc/self/fd/", shm.fd()).c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(read_only.valid());
+  EXPECT_THAT(std::string(deposit(read_only.get()).message()), HasSubstr("not open read-write"));
+  // The token's size; a token held already.
+  EXPECT_THAT(std::string(deposit(shm.fd(), "abc").message()),
+              HasSubstr("the claim token has 3 bytes: 16"));
+  const std::string token = TestToken();
+  ASSERT_TRUE(deposit(shm.fd(), token).ok());
+  absl::Status twice = deposit(shm.fd(), token);
+  EXPECT_EQ(twice.code(), absl::StatusCode::kAlreadyExists) << twice;
+  // Only the good deposit is held; its client going away drops it.
+  EXPECT_EQ(table.PendingDeposits(), 1);
+  client_ends.clear();
+  table.ExpireDeposits();
+  EXPECT_EQ(table.PendingDeposits(), 0);
+  // Regions off: nothing is taken.
+  RegionTable off(RegionLimits{}, nullptr);
+  UniqueFd client_end;
+  EXPECT_EQ(off.Deposit(MakeDeposit(shm.fd(), TestToken(), &client_end)).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// At most max_deposits are held; a deposit goes when it is claimed (once),
+// when its holder closes, or deposit_ttl after it arrived, and the server's
+// descriptors of it close then.
+TEST(RegionTableTest, DepositsAreBoundedClaimedOnceAndExpire) {
+  RegionLimits limits = On();
+  limits.max_deposits = 2;
+  limits.deposit_ttl = absl::Hours(1);
+  RegionTable table(limits, nullptr);
+  TestShm shm(4096);
+  UniqueFd end1, end2, end3;
+  const std::string t1 = TestToken(), t2 = TestToken(), t3 = TestToken();
+  ASSERT_TRUE(table.Deposit(MakeDeposit(shm.fd(), t1, &end1)).ok());
+  ASSERT_TRUE(table.Deposit(MakeDeposit(shm.fd(), t2, &end2)).ok());
+  absl::Status full = table.Deposit(MakeDeposit(shm.fd(), t3, &end3));
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_THAT(std::string(full.message()),
+              HasSubstr("the server holds 2 deposits not yet claimed: at most 2"));
+  EXPECT_TRUE(ServerClosed(end3));  // refused: nothing of it is kept
+  table.ExpireDeposits();           // within the hour: both stay
+  EXPECT_EQ(table.PendingDeposits(), 2);
+  EXPECT_FALSE(ServerClosed(end1));
+
+  // Claimed once: the room is free again, and the token is spent.
+  ASSERT_TRUE(table.Register("alice", System("r", t1, 0, 4096)).ok());
+  EXPECT_EQ(table.PendingDeposits(), 1);
+  absl::Status spent = table.Register("alice", System("s", t1, 0, 4096));
+  EXPECT_EQ(spent.code(), absl::StatusCode::kNotFound) << spent;
+  ASSERT_TRUE(table.Deposit(MakeDeposit(shm.fd(), t3, &end3)).ok());
+  EXPECT_EQ(table.PendingDeposits(), 2);
+
+  // A deposit whose client went away goes at the next sweep, and cannot be
+  // claimed.
+  end2.reset();
+  table.ExpireDeposits();
+  EXPECT_EQ(table.PendingDeposits(), 1);
+  EXPECT_EQ(table.Register("alice", System("s", t2, 0, 4096)).code(),
+            absl::StatusCode::kNotFound);
+
+  // With no time to live, a deposit is never claimable and the sweep closes it.
+  limits.deposit_ttl = absl::ZeroDuration();
+  RegionTable brief(limits, nullptr);
+  UniqueFd end4;
+  const std::string t4 = TestToken();
+  ASSERT_TRUE(brief.Deposit(MakeDeposit(shm.fd(), t4, &end4)).ok());
+  absl::Status expired = brief.Register("alice", System("r", t4, 0, 4096));
+  EXPECT_EQ(expired.code(), absl::StatusCode::kNotFound) << expired;
+  EXPECT_THAT(std::string(expired.message()), HasSubstr("unclaimed for 0"));
+  EXPECT_EQ(brief.PendingDeposits(), 0);
+  EXPECT_TRUE(ServerClosed(end4));
+  UniqueFd end5;
+  ASSERT_TRUE(brief.Deposit(MakeDeposit(shm.fd(), TestToken(), &end5)).ok());
+  brief.ExpireDeposits();
+  EXPECT_EQ(brief.PendingDeposits(), 0);
+  EXPECT_TRUE(ServerClosed(end5));
+}
+
+// The memfd a region maps can neither shrink nor grow: the client's
+// ftruncate fails, and the server's mapping stays whole.
+TEST(RegionTableTest, ARegisteredMemfdCannotShrink) {
+  Shm shm(3 * 4096, 5);
+  RegionTable table(On(), nullptr);
+  ASSERT_TRUE(table.Register("alice", System("r", shm.Deposit(table), 0, 3 * 4096)).ok());
+  EXPECT_EQ(ftruncate(shm.fd(), 0), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(ftruncate(shm.fd(), 4096), -1);
+  EXPECT_EQ(fcntl(shm.fd(), F_ADD_SEALS, 0), -1);  // and the seals are final
+  auto slice = table.Resolve("alice", Ref("r", 2 * 4096, 4096), 2, "q.region");
+  ASSERT_TRUE(slice.ok()) << slice.status();
+  EXPECT_EQ(std::memcmp(slice->data, shm.data() + 2 * 4096, 4096), 0);  // the last page reads
+}
+
 TEST(RegionTableTest, OffUnlessEnabled) {
   Shm shm(4096);
   RegionTable table(RegionLimits{}, nullptr);
-  absl::Status s = table.Register("alice", System("r", shm.key(), 0, 8));
+  absl::Status s = table.Register("alice", System("r", TestToken(), 0, 8));
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.message()), HasSubstr("--allow_shared_memory"));
   EXPECT_EQ(table.Resolve("alice", Ref("r", 0, 2), 2, "q.region").status().code(),
@@ -169,7 +345,7 @@ TEST(RegionTableTest, OffUnlessEnabled) {
 TEST(RegionTableTest, AnUnregisteredRegionStaysMappedForTheRequestHoldingIt) {
   auto shm = std::make_unique<Shm>(4096, 7);
   RegionTable table(On(), nullptr);
-  ASSERT_TRUE(table.Register("alice", System("r", shm->key(), 0, 4096)).ok());
+  ASSERT_TRUE(table.Register("alice", System("r", shm->Deposit(table), 0, 4096)).ok());
   auto held = table.Resolve("alice", Ref("r", 0, 4096), 2, "q.region");
   ASSERT_TRUE(held.ok());
   ASSERT_EQ(table.List("alice").size(), 1u);
@@ -180,7 +356,7 @@ TEST(RegionTableTest, AnUnregisteredRegionStaysMappedForTheRequestHoldingIt) {
             absl::StatusCode::kNotFound);
   EXPECT_TRUE(table.List("alice").empty());
   EXPECT_EQ(table.TenantUsage("alice").count, 0);
-  // ...and the client's object itself goes too, yet the held range still
+  // ...and the client's memfd and mapping go too, yet the held range still
   // reads the bytes (the server's mapping keeps them).
   std::vector<char> expected(shm->data(), shm->data() + 4096);
   shm.reset();
@@ -189,17 +365,17 @@ TEST(RegionTableTest, AnUnregisteredRegionStaysMappedForTheRequestHoldingIt) {
   EXPECT_EQ(held->data[10], 42);
 }
 
-TEST(RegionTableTest, IdleRegionsWhoseKeyVanishedAreReclaimed) {
+TEST(RegionTableTest, IdleRegionsWhoseHolderClosedAreReclaimed) {
   Shm kept(4096), gone(4096), busy(4096);
   RegionTable table(On(), nullptr);
-  ASSERT_TRUE(table.Register("alice", System("kept", kept.key(), 0, 4096)).ok());
-  ASSERT_TRUE(table.Register("alice", System("gone", gone.key(), 0, 4096)).ok());
-  ASSERT_TRUE(table.Register("alice", System("busy", busy.key(), 0, 4096)).ok());
-  ASSERT_TRUE(table.Register("bob", System("bobs", gone.key(), 0, 4096)).ok());
+  ASSERT_TRUE(table.Register("alice", System("kept", kept.Deposit(table), 0, 4096)).ok());
+  ASSERT_TRUE(table.Register("alice", System("gone", gone.Deposit(table), 0, 4096)).ok());
+  ASSERT_TRUE(table.Register("alice", System("busy", busy.Deposit(table), 0, 4096)).ok());
+  ASSERT_TRUE(table.Register("bob", System("bobs", gone.Deposit(table), 0, 4096)).ok());
   auto holding = table.Resolve("alice", Ref("busy", 0, 8), 2, "q.region");
   ASSERT_TRUE(holding.ok());
-  gone.Unlink();
-  busy.Unlink();
+  gone.HangUp();
+  busy.HangUp();
   std::vector<RegionInfoData> list = table.List("alice");
   ASSERT_EQ(list.size(), 2u);  // "gone" reclaimed; "busy" is in use
   EXPECT_EQ(list[0].name, "busy");
@@ -299,7 +475,7 @@ TEST(RegionTableTest, CudaRegionsAreOpenedOnceAndClosedWithTheLastReference) {
   EXPECT_EQ(table.Resolve("alice", Ref("h", 0, 2), 2, "q.region").status().code(),
             absl::StatusCode::kNotFound);
 
-  // A vanished key reclaims only system regions: a CUDA region stays.
+  // A CUDA region has no holder, and is never reclaimed by List.
   EXPECT_EQ(table.List("alice").size(), 1u);
   // Unregistered while a request holds it: the name goes, the handle stays
   // open until the request lets go, then it is closed exactly once.

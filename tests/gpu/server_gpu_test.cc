@@ -238,10 +238,9 @@ TEST(ServerGpuRegions, SystemRegionInputsAndOutputsMatchInline) {
   auto client = ConnectTo(*server);
   ASSERT_NE(client, nullptr);
   const KvGeometry g = GeometryOf(client->info());
-  const std::string key = absl::StrCat("/attnserve-gpu-test-", getpid());
-  auto shm = SharedMemory::Create(key, int64_t{8} << 20);
+  auto shm = SharedMemory::Create("attnserve-gpu-test", int64_t{8} << 20);
   ASSERT_TRUE(shm.ok()) << shm.status();
-  ASSERT_TRUE(client->RegisterSystemRegion("io", key, 0, (*shm)->size()).ok());
+  ASSERT_TRUE(client->RegisterSystemRegion("io", **shm, 0, (*shm)->size()).ok());
   std::mt19937_64 gen(31);
   const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim * 2, kv_row = g.RowElems() * 2;
   // (sequences, max q_len, appended rows): small and large queries and appends.

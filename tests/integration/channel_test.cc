@@ -35,7 +35,6 @@
 namespace attnserve {
 namespace {
 
-using shm_test::Key;
 using shm_test::MakeShm;
 using shm_test::Ref;
 
@@ -150,7 +149,7 @@ class ChannelTest : public ::testing::Test {
     geo_ = GeometryOf(alice_->info());
     shm_ = MakeShm("io", kShmBytes);
     ASSERT_TRUE(shm_);
-    ASSERT_TRUE(alice_->RegisterSystemRegion("io", shm_->key(), 0, kShmBytes).ok());
+    ASSERT_TRUE(alice_->RegisterSystemRegion("io", *shm_, 0, kShmBytes).ok());
   }
   void TearDown() override {
     alice_.reset();
@@ -339,7 +338,7 @@ TEST_F(ChannelTest, ManyThreadsShareTheSlotsOfOneChannel) {
 
 TEST_F(ChannelTest, OpenAndCloseErrorsNameTheFieldAndTheBound) {
   auto theirs = MakeShm("bob", 1 << 16);
-  ASSERT_TRUE(theirs && bob_->RegisterSystemRegion("bobs", theirs->key(), 0, 1 << 16).ok());
+  ASSERT_TRUE(theirs && bob_->RegisterSystemRegion("bobs", *theirs, 0, 1 << 16).ok());
   const int64_t ring = ChannelBytes(2, 4096);
   RawRing raw(shm_->data(), 2, 4096);
   struct Case {
@@ -597,7 +596,7 @@ TEST_F(ChannelTest, UnregisterOrCloseWithARequestInFlight) {
     EXPECT_THAT(std::string(next.message()), HasSubstr("open a new channel"));
   }
   // Still serving, channels included.
-  ASSERT_TRUE(alice_->RegisterSystemRegion("io", shm_->key(), 0, kShmBytes).ok());
+  ASSERT_TRUE(alice_->RegisterSystemRegion("io", *shm_, 0, kShmBytes).ok());
   auto again = Open();
   ASSERT_NE(again, nullptr);
   WorkloadSpec small = spec;
@@ -609,10 +608,13 @@ TEST_F(ChannelTest, UnregisterOrCloseWithARequestInFlight) {
 }
 
 // Client processes open channels and are killed: the channels cost nothing
-// until their regions go (unregistered, or reclaimed once the key vanishes).
+// until their regions go (unregistered, or reclaimed at the tenant's next
+// ListRegions now that their clients are gone).
 TEST_F(ChannelTest, AKilledClientsChannelClosesWithItsRegion) {
-  const std::string key1 = Key("held"), key2 = Key("held");
-  for (const auto& [key, name] : {std::pair{key1, "held1"}, std::pair{key2, "held2"}}) {
+  // Both run before either dies: a registration of the tenant's reclaims
+  // the idle regions of its clients that are gone.
+  std::vector<pid_t> pids;
+  for (const char* name : {"held1", "held2"}) {
     int pipe_fds[2];
     ASSERT_EQ(pipe(pipe_fds), 0);
     const pid_t pid = fork();
@@ -620,15 +622,18 @@ TEST_F(ChannelTest, AKilledClientsChannelClosesWithItsRegion) {
       dup2(pipe_fds[1], 1);
       close(pipe_fds[0]);
       execl(REGION_HOLDER_BIN, REGION_HOLDER_BIN, server_->grpc_address().c_str(), "tok-alice",
-            key.c_str(), name, "65536", "3", "channel", nullptr);
+            name, "65536", "3", "channel", nullptr);
       _exit(127);
     }
+    pids.push_back(pid);
     close(pipe_fds[1]);
     char buf[16] = {};
     const ssize_t got = read(pipe_fds[0], buf, sizeof(buf) - 1);
     close(pipe_fds[0]);
     EXPECT_GT(got, 0);
     EXPECT_EQ(std::string(buf), "ready\n");
+  }
+  for (const pid_t pid : pids) {
     kill(pid, SIGKILL);
     int status = 0;
     waitpid(pid, &status, 0);
@@ -637,13 +642,11 @@ TEST_F(ChannelTest, AKilledClientsChannelClosesWithItsRegion) {
   EXPECT_EQ(Metric(*server_, "attnserve_open_channels", "tenant=\"alice\""), 2);
   ASSERT_TRUE(alice_->UnregisterRegion("held1").ok());
   EXPECT_EQ(Metric(*server_, "attnserve_open_channels", "tenant=\"alice\""), 1);
-  ASSERT_EQ(shm_unlink(key2.c_str()), 0);
-  auto listed = alice_->ListRegions();  // reclaims held2
+  auto listed = alice_->ListRegions();  // reclaims held2: its client is gone
   ASSERT_TRUE(listed.ok());
   ASSERT_EQ(listed->size(), 1u);
   EXPECT_EQ((*listed)[0].name(), "io");
   EXPECT_EQ(Metric(*server_, "attnserve_open_channels", "tenant=\"alice\""), 0);
-  shm_unlink(key1.c_str());
 
   // Still serving through a channel of this client.
   std::mt19937_64 gen(4);
@@ -697,7 +700,7 @@ void SetUpChannel(Client& client, const WorkloadSpec& spec, const std::string& s
   out->pages = *std::move(pages);
   server_test::FillPages(client, *out->mirror, gen, 0, out->pages);
   out->shm = MakeShm(shm_name, 8 << 20);
-  ASSERT_TRUE(out->shm && client.RegisterSystemRegion("io", out->shm->key(), 0, out->shm->size()).ok());
+  ASSERT_TRUE(out->shm && client.RegisterSystemRegion("io", *out->shm, 0, out->shm->size()).ok());
   ChannelOptions channel_options;
   auto channel = client.OpenChannel("io", out->shm->data(), 0,
                                     ChannelBytes(channel_options.slot_count, channel_options.slot_bytes),

@@ -215,13 +215,13 @@ TEST_F(LeaseTest, AKeptLeaseOutlivesItsTtlAndItsKeeperRevokesItOnTheWayOut) {
   auto forked = client_->Fork();
   const int32_t free_at_start = client_->GetServerInfo()->free_pages();
   {
-    auto keeper = LeaseKeeper::Start(forked.get(), 1000);
+    auto keeper = LeaseKeeper::Start(forked.get(), 2000);
     ASSERT_TRUE(keeper.ok()) << keeper.status();
     EXPECT_EQ(forked->lease_id(), (*keeper)->id());
     EXPECT_EQ(client_->lease_id(), 0u) << "Fork shares the lease";
     auto pages = forked->AllocatePages(3);
     ASSERT_TRUE(pages.ok());
-    absl::SleepFor(absl::Milliseconds(2500));  // two and a half ttls
+    absl::SleepFor(absl::Milliseconds(5000));  // two and a half ttls
     EXPECT_FALSE((*keeper)->expired()) << (*keeper)->status();
     EXPECT_EQ(HeldPages(*client_, (*keeper)->id()).size(), 3u);
     std::mt19937_64 gen(9);

@@ -1,12 +1,11 @@
 // region_holder: a client process for regions_test.cc and channel_test.cc.
-// It creates a POSIX shm object, fills it with random bf16 values from a
-// seed, registers it as a system region, prints "ready" and waits until it
-// is killed, leaving the region registered and the object in place (it never
-// unregisters). With `channel`, it also opens a request channel (one slot of
-// 4 KiB) at the start of the region before it prints "ready", and leaves it
-// open.
+// It creates a sealed memfd, fills it with random bf16 values from a seed,
+// registers it as a system region (the region's name is the memfd's),
+// prints "ready" and waits until it is killed, never unregistering. With
+// `channel`, it also opens a request channel (one slot of 4 KiB) at the
+// start of the region before it prints "ready", and leaves it open.
 //
-//   region_holder TARGET TOKEN KEY NAME BYTES SEED [channel]
+//   region_holder TARGET TOKEN NAME BYTES SEED [channel]
 #include <unistd.h>
 
 #include <cstdio>
@@ -21,8 +20,8 @@
 #include "client/workload.h"
 
 int main(int argc, char** argv) {
-  if (argc != 7 && !(argc == 8 && std::strcmp(argv[7], "channel") == 0)) {
-    std::fprintf(stderr, "usage: region_holder TARGET TOKEN KEY NAME BYTES SEED [channel]\n");
+  if (argc != 6 && !(argc == 7 && std::strcmp(argv[6], "channel") == 0)) {
+    std::fprintf(stderr, "usage: region_holder TARGET TOKEN NAME BYTES SEED [channel]\n");
     return 2;
   }
   attnserve::ClientOptions options;
@@ -33,27 +32,26 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "connect: %s\n", client.status().ToString().c_str());
     return 1;
   }
-  const int64_t bytes = std::atoll(argv[5]);
+  const int64_t bytes = std::atoll(argv[4]);
   auto shm = attnserve::SharedMemory::Create(argv[3], bytes);
   if (!shm.ok()) {
     std::fprintf(stderr, "shm: %s\n", shm.status().ToString().c_str());
     return 1;
   }
-  (*shm)->Release();  // a killed process unlinks nothing anyway
-  std::mt19937_64 gen(std::strtoull(argv[6], nullptr, 10));
+  std::mt19937_64 gen(std::strtoull(argv[5], nullptr, 10));
   const auto values = attnserve::RandomHalves(gen, attnserve::KvDType::kBf16, bytes / 2);
   std::memcpy((*shm)->data(), values.data(), values.size() * 2);
-  absl::Status s = (*client)->RegisterSystemRegion(argv[4], argv[3], 0, bytes);
+  absl::Status s = (*client)->RegisterSystemRegion(argv[3], **shm, 0, bytes);
   if (!s.ok()) {
     std::fprintf(stderr, "register: %s\n", s.ToString().c_str());
     return 1;
   }
   std::unique_ptr<attnserve::RequestChannel> channel;
-  if (argc == 8) {
+  if (argc == 7) {
     attnserve::ChannelOptions channel_options;
     channel_options.slot_count = 1;
     channel_options.slot_bytes = 4096;
-    auto opened = (*client)->OpenChannel(argv[4], (*shm)->data(), 0, bytes, channel_options);
+    auto opened = (*client)->OpenChannel(argv[3], (*shm)->data(), 0, bytes, channel_options);
     if (!opened.ok()) {
       std::fprintf(stderr, "channel: %s\n", opened.status().ToString().c_str());
       return 1;

@@ -1,4 +1,4 @@
-// Shared-memory objects and region references for the integration tests of
+// Shared memory (sealed memfds) and region references for the integration tests of
 // regions and request channels (regions_test.cc, channel_test.cc).
 #pragma once
 
@@ -16,15 +16,15 @@
 namespace attnserve {
 namespace shm_test {
 
-// A POSIX shm key no other test (or process) uses.
-inline std::string Key(const std::string& what) {
+// A memfd name no other test uses (the name is only shown by ListRegions).
+inline std::string Name(const std::string& what) {
   static int counter = 0;
-  return absl::StrCat("/attn_it_", getpid(), "_", what, "_", counter++);
+  return absl::StrCat("attn_it_", getpid(), "_", what, "_", counter++);
 }
 
-// A new shm object of `bytes` (null after a failed expectation).
+// A new sealed memfd of `bytes` (null after a failed expectation).
 inline std::unique_ptr<SharedMemory> MakeShm(const std::string& what, int64_t bytes) {
-  auto shm = SharedMemory::Create(Key(what), bytes);
+  auto shm = SharedMemory::Create(Name(what), bytes);
   EXPECT_TRUE(shm.ok()) << shm.status();
   return shm.ok() ? *std::move(shm) : nullptr;
 }

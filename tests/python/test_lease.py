@@ -41,10 +41,10 @@ def _decode(client, pages):
 def test_a_lease_kept_alive_outlives_its_ttl_and_is_revoked_on_exit(server):
     client = attnserve.Client(server.address, timeout=60)
     free = client.info().free_pages
-    with attnserve.Lease(client, ttl=1.0) as lease:
-        assert client.lease_id == lease.lease_id and lease.ttl == 1.0
+    with attnserve.Lease(client, ttl=2.0) as lease:
+        assert client.lease_id == lease.lease_id and lease.ttl == 2.0
         pages = client.allocate_pages(3)
-        time.sleep(2.5)
+        time.sleep(5.0)  # two and a half ttls
         assert not lease.expired, lease.error
         held = client.list_holdings(lease.lease_id)
         assert sorted(held.leases[0].holdings.pages) == sorted(pages)
@@ -149,9 +149,9 @@ def test_async_lease(server):
 
     async def run():
         async with attnserve.AsyncClient(server.address, timeout=60) as client:
-            lease = await attnserve.AsyncLease.start(client, ttl=1.0)
+            lease = await attnserve.AsyncLease.start(client, ttl=2.0)
             pages = await client.allocate_pages(2)
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(5.0)
             assert not lease.expired
             held = await client.list_holdings(lease.lease_id)
             assert sorted(held.leases[0].holdings.pages) == sorted(pages)

@@ -1,8 +1,12 @@
-"""Shared-memory regions from Python (numpy over multiprocessing.shared_memory)
-against a real CPU server with --allow_shared_memory: every tensor of
-write_kv, read_kv, prefill and merge_states through a region, checked
-against the float64 reference and the same call sent inline; errors and
-ownership."""
+"""Shared-memory regions from Python (numpy over sealed memfds) against a
+real CPU server with --allow_shared_memory: every tensor of write_kv,
+read_kv, prefill and merge_states through a region, checked against the
+float64 reference and the same call sent inline; errors and ownership; a
+region that cannot shrink under the server, and registration by shm key
+refused."""
+
+import os
+from multiprocessing import shared_memory
 
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ from attnserve import dtypes as dt
 from attnserve.reference import (KvMirror, compare, reference_merge, reference_prefill,
                                  within_tolerance)
 from attnserve.regions import SharedMemoryRegion
+from attnserve.v1 import attention_pb2 as pb
 from server import TestServer
 
 
@@ -148,11 +153,104 @@ def test_bad_references_raise_typed_errors_and_change_nothing(client, server):
         rk, _ = client.read_kv(0, slots, out="raw")
         assert np.array_equal(rk, k)  # nothing changed
     client.free_pages(pages)
-    # The with-block unlinked the object without unregistering (as a crashed
-    # client's resource tracker would): the next list reclaims the region.
+    # The with-block closed the region without unregistering it (as a client
+    # that exits does): its holder connection closed, and the next list
+    # reclaims it.
     assert client.list_regions() == []
     with pytest.raises(attnserve.NotFound):
         client.unregister_region("py-bad")
+
+
+def _register_by_key(client, name, key, size):
+    req = pb.RegisterRegionRequest(name=name, system=pb.SystemRegion(key=key, byte_size=size))
+    return client._call(("RegisterRegion", req.SerializeToString(), lambda raw: None), None)
+
+
+def test_registration_by_shm_key_is_refused_and_cannot_crash_the_server(client, server):
+    """A POSIX shm object by key: refused, naming the field. A server that
+    still takes keys dies of SIGBUS when the object shrinks (this test then
+    fails)."""
+    g = client.server_info
+    pages = client.allocate_pages(1)
+    slots = [pages[0] * g.page_size]
+    row = g.num_kv_heads * g.head_dim * 2
+    posix = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        with pytest.raises(attnserve.InvalidArgument,
+                           match="system.key: registration by POSIX shm name was removed"):
+            _register_by_key(client, "py-key", "/" + posix.name, 4096)
+            # Taken: shrink the object under the server, then read it.
+            os.ftruncate(posix._fd, 0)
+            shape = (1, g.num_kv_heads, g.head_dim)
+            client.write_kv(0, slots, attnserve.RegionTensor("py-key", 4096 - row, shape, "bf16"),
+                            attnserve.RegionTensor("py-key", 4096 - row, shape, "bf16"))
+    finally:
+        posix.close()
+        posix.unlink()
+    assert server.alive(), server.output()
+    assert client.health() == "SERVING"
+    assert client.list_regions() == []
+    client.free_pages(pages)
+
+
+def test_a_region_cannot_shrink_under_the_server(client, server):
+    g = client.server_info
+    rng = np.random.default_rng(2)
+    pages = client.allocate_pages(1)
+    slots = [pages[0] * g.page_size]
+    shape = (1, g.num_kv_heads, g.head_dim)
+    with SharedMemoryRegion(3 * 4096) as region:
+        region.register(client, "py-shrink")
+        at = 3 * 4096 - 2 * g.num_kv_heads * g.head_dim  # the last bytes of the last page
+        region.array(at, shape, "bf16")[...] = k = bits(rng, shape)
+        for size in (0, 4096, 4 * 4096):  # neither shrinks nor grows
+            with pytest.raises(PermissionError):
+                os.ftruncate(region.fd, size)
+        client.write_kv(0, slots, region.tensor(at, shape, "bf16"),
+                        region.tensor(at, shape, "bf16"))
+        rk, rv = client.read_kv(0, slots, out="raw")
+        assert np.array_equal(rk, k) and np.array_equal(rv, k)
+        assert server.alive()
+        region.close(client)
+    client.free_pages(pages)
+
+
+def test_only_sealed_memfds_are_taken(client):
+    """A memfd that may shrink is refused by the region socket, naming the
+    seal; nothing is registered; a sealed one then works."""
+    fd = os.memfd_create("py-unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 4096)
+        with pytest.raises(attnserve.InvalidArgument,
+                           match=f"region socket {client.server_info.region_socket}: the memfd is "
+                                 "not sealed against shrinking"):
+            client.register_system_region("py-unsealed", fd, 4096)
+    finally:
+        os.close(fd)
+    with pytest.raises(attnserve.NotFound, match="no memfd is deposited under this token"):
+        req = pb.RegisterRegionRequest(name="py-unsealed",
+                                       system=pb.SystemRegion(claim_token=bytes(16), byte_size=8))
+        client._call(("RegisterRegion", req.SerializeToString(), lambda raw: None), None)
+    assert client.list_regions() == []
+    with SharedMemoryRegion(4096) as region:
+        region.register(client, "py-sealed")
+        [info] = client.list_regions()
+        assert (info.name, info.key, info.key_exists) == ("py-sealed", region.key, True)
+        region.close(client)
+
+
+def test_the_async_client_registers_regions_too(server):
+    import asyncio
+
+    async def run():
+        async with attnserve.AsyncClient(server.address, timeout=60) as c:
+            with SharedMemoryRegion(4096) as region:
+                await c.register_system_region("py-aio", region.fd, 4096)
+                [info] = await c.list_regions()
+                assert info.name == "py-aio" and info.key_exists
+                await c.unregister_region("py-aio")
+            assert await c.list_regions() == []
+    asyncio.run(run())
 
 
 def test_regions_are_off_without_the_flag():

@@ -21,7 +21,7 @@ from attnserve import _wire
 from attnserve.client import (DEFAULT_MAX_MESSAGE_BYTES, HEALTH_CHECK, _METHODS, Holdings,
                               HoldingsList, LeaseGrant, PrefillLayout, PrefillResult, ServerInfo,
                               _Core, _method_path)
-from attnserve.errors import Unavailable, from_rpc_error
+from attnserve.errors import NotFound, Unavailable, from_rpc_error
 
 
 class AsyncClient(_Core):
@@ -55,6 +55,7 @@ class AsyncClient(_Core):
         self._health = self._channel.unary_unary(HEALTH_CHECK)
 
     async def close(self) -> None:
+        self._close_region_holders()
         await self._channel.close()
 
     async def _wait_ready(self) -> None:
@@ -80,8 +81,9 @@ class AsyncClient(_Core):
         await self.close()
 
     async def reconnect(self) -> ServerInfo:
-        """New channel, incarnation forgotten, geometry read again."""
-        await self.close()
+        """New channel, incarnation forgotten, geometry read again. The
+        holders of registered regions stay."""
+        await self._channel.close()
         self.forget_incarnation()
         self._open()
         await self._wait_ready()
@@ -162,10 +164,20 @@ class AsyncClient(_Core):
         await self._ensure_info()
         return await self._call(self._req_merge(states, lse_base, out, device, into), timeout)
 
-    async def register_system_region(self, name: str, key: str, byte_size: int, *,
+    async def register_system_region(self, name: str, fd, byte_size: int, *,
                                      offset: int = 0, timeout: Optional[float] = None) -> None:
-        return await self._call(self._req_register_region(name, system=(key, offset, byte_size)),
-                                timeout)
+        if self._info is None or not self._info.region_socket:
+            await self.info(timeout=timeout)
+        # The deposit is a few blocking calls on a local socket: off the loop.
+        token, holder = await asyncio.get_running_loop().run_in_executor(None, self._deposit, fd)
+        try:
+            await self._call(self._req_register_region(name, system=(token, offset, byte_size)),
+                             timeout)
+        except BaseException:
+            if holder is not None:
+                holder.close()
+            raise
+        self._keep_region_holder(name, holder)
 
     async def register_cuda_region(self, name: str, ipc_handle: bytes, device_id: int,
                                    byte_size: int, *, timeout: Optional[float] = None) -> None:
@@ -173,7 +185,11 @@ class AsyncClient(_Core):
             self._req_register_region(name, cuda=(ipc_handle, device_id, byte_size)), timeout)
 
     async def unregister_region(self, name: str, *, timeout: Optional[float] = None) -> None:
-        return await self._call(self._req_unregister_region(name), timeout)
+        try:
+            return await self._call(self._req_unregister_region(name), timeout)
+        except NotFound:
+            self._drop_region_holder(name)
+            raise
 
     async def list_regions(self, *, timeout: Optional[float] = None) -> list:
         return await self._call(self._req_list_regions(), timeout)

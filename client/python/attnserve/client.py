@@ -32,7 +32,8 @@ import numpy as np
 
 from attnserve import _wire
 from attnserve import dtypes as _dt
-from attnserve.errors import StaleIncarnation, Unavailable, from_rpc_error
+from attnserve import regions as _regions
+from attnserve.errors import NotFound, StaleIncarnation, Unavailable, from_rpc_error
 from attnserve.regions import RegionTensor
 from attnserve.v1 import attention_pb2 as pb
 
@@ -105,6 +106,7 @@ class ServerInfo:
     max_batch_tokens: int
     max_message_bytes: int
     incarnation: int
+    region_socket: str = ""  # where memfds of system regions go ("" with regions off)
     lease_default_ttl_ms: int = 0
     lease_max_ttl_ms: int = 0
 
@@ -232,13 +234,15 @@ class RegionInfo:
 
     name: str
     kind: str        # "system" or "cuda"
-    key: str
+    key: str         # system: the memfd's name
     offset: int
     byte_size: int
     device_id: int
     in_use: int      # requests holding it now
     registered: bool  # page-locked for the device's copy engines
-    key_exists: bool  # system: the shm key still names the mapped object
+    # system: its holder connection is open (the registering client holds
+    # it); once closed, the idle region is reclaimed
+    key_exists: bool
 
 
 def _int32(value, name: str) -> int:
@@ -333,6 +337,9 @@ class _Core:
         self._incarnation = 0
         self._lease_id = 0
         self._info: Optional[ServerInfo] = None
+        # The holder connections of the system regions this client
+        # registered, by region name (attnserve.regions).
+        self._region_holders: dict = {}
 
     # ------------------------------------------------------------ incarnation
     @property
@@ -399,8 +406,8 @@ class _Core:
                 num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                 kv_dtype=_dt.DTYPE_NAMES.get(m.kv_dtype, str(m.kv_dtype)), free_pages=m.free_pages,
                 max_batch_tokens=m.max_batch_tokens, max_message_bytes=m.max_message_bytes,
-                incarnation=m.incarnation, lease_default_ttl_ms=m.lease_default_ttl_ms,
-                lease_max_ttl_ms=m.lease_max_ttl_ms)
+                incarnation=m.incarnation, region_socket=m.region_socket,
+                lease_default_ttl_ms=m.lease_default_ttl_ms, lease_max_ttl_ms=m.lease_max_ttl_ms)
             self._info = info
             if not self._incarnation:
                 self._incarnation = info.incarnation
@@ -552,11 +559,40 @@ class _Core:
         return "MergeStates", b"".join(pieces), parse
 
 
+    def _deposit(self, fd) -> tuple:
+        """(claim token, holder) of memfd `fd` sent to the server's region
+        socket; (zeros, None) when the server has no socket (regions off:
+        RegisterRegion then says so)."""
+        name = self._info.region_socket if self._info is not None else ""
+        if not name:
+            return bytes(_regions.CLAIM_TOKEN_BYTES), None
+        fileno = fd.fileno() if hasattr(fd, "fileno") else int(fd)
+        return _regions.deposit_region_fd(
+            name, fileno, expected_incarnation=self._incarnation or self._info.incarnation,
+            timeout=self.timeout or 10.0)
+
+    def _keep_region_holder(self, name: str, holder) -> None:
+        old = self._region_holders.pop(name, None)
+        if old is not None:
+            old.close()
+        if holder is not None:
+            self._region_holders[name] = holder
+
+    def _drop_region_holder(self, name: str) -> None:
+        """Closes the holder of region `name`: the server reclaims the region
+        once it is idle."""
+        self._keep_region_holder(name, None)
+
+    def _close_region_holders(self) -> None:
+        for holder in self._region_holders.values():
+            holder.close()
+        self._region_holders.clear()
+
     def _req_register_region(self, name: str, system=None, cuda=None) -> _Request:
         req = pb.RegisterRegionRequest(name=name, lease_id=self._lease_id)
         if system is not None:
-            key, offset, byte_size = system
-            req.system.CopyFrom(pb.SystemRegion(key=key, offset=int(offset),
+            token, offset, byte_size = system
+            req.system.CopyFrom(pb.SystemRegion(claim_token=token, offset=int(offset),
                                                 byte_size=int(byte_size)))
         else:
             handle, device_id, byte_size = cuda
@@ -571,6 +607,7 @@ class _Core:
         def parse(raw):
             self._observe(pb.UnregisterRegionResponse.FromString(raw).incarnation,
                           "UnregisterRegion")
+            self._drop_region_holder(name)
         return "UnregisterRegion", pb.UnregisterRegionRequest(name=name).SerializeToString(), parse
 
     def _req_list_regions(self) -> _Request:
@@ -696,6 +733,7 @@ class Client(_Core):
         self._health = self._channel.unary_unary(HEALTH_CHECK)
 
     def close(self) -> None:
+        self._close_region_holders()
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -705,8 +743,9 @@ class Client(_Core):
         self.close()
 
     def reconnect(self) -> ServerInfo:
-        """New channel, incarnation forgotten, geometry read again."""
-        self.close()
+        """New channel, incarnation forgotten, geometry read again. The
+        holders of registered regions stay."""
+        self._channel.close()
         self.forget_incarnation()
         self._open()
         self._wait_ready()
@@ -810,13 +849,26 @@ class Client(_Core):
         return self._call(self._req_merge(states, lse_base, out, device, into), timeout)
 
     # ------------------------------------------------------------ regions
-    def register_system_region(self, name: str, key: str, byte_size: int, *, offset: int = 0,
+    def register_system_region(self, name: str, fd, byte_size: int, *, offset: int = 0,
                                timeout: Optional[float] = None) -> None:
-        """Registers [offset, offset + byte_size) of the POSIX shm object `key`
-        ("/name") as region `name` (docs/transport.md; the server needs
-        --allow_shared_memory). attnserve.regions.SharedMemoryRegion makes one."""
-        return self._call(self._req_register_region(name, system=(key, offset, byte_size)),
-                          timeout)
+        """Registers [offset, offset + byte_size) of memfd `fd` (an int or an
+        object with fileno(); sealed with at least F_SEAL_SHRINK) as region
+        `name` (docs/transport.md; the server needs --allow_shared_memory and
+        runs on this host). The descriptor goes to the server's region socket,
+        then RegisterRegion names it; the client keeps the region's holder
+        connection until unregister_region() or close().
+        attnserve.regions.SharedMemoryRegion makes such a memfd."""
+        if self._info is None or not self._info.region_socket:
+            self.info(timeout=timeout)
+        token, holder = self._deposit(fd)
+        try:
+            self._call(self._req_register_region(name, system=(token, offset, byte_size)),
+                       timeout)
+        except BaseException:
+            if holder is not None:
+                holder.close()
+            raise
+        self._keep_region_holder(name, holder)
 
     def register_cuda_region(self, name: str, ipc_handle: bytes, device_id: int, byte_size: int,
                              *, timeout: Optional[float] = None) -> None:
@@ -830,7 +882,11 @@ class Client(_Core):
 
     def unregister_region(self, name: str, *, timeout: Optional[float] = None) -> None:
         """The name goes at once; requests in flight keep the memory until they finish."""
-        return self._call(self._req_unregister_region(name), timeout)
+        try:
+            return self._call(self._req_unregister_region(name), timeout)
+        except NotFound:
+            self._drop_region_holder(name)
+            raise
 
     def list_regions(self, *, timeout: Optional[float] = None) -> list:
         """This tenant's regions: a list of RegionInfo."""

@@ -51,7 +51,8 @@ class Lease:
         wait = period
         while not self._stop.wait(wait):
             try:
-                self._client.keep_alive(self.lease_id, timeout=period)
+                # A renewal may take up to the whole ttl.
+                self._client.keep_alive(self.lease_id, timeout=self.ttl)
                 wait = period
             except LeaseExpired as e:
                 self.error = e
@@ -110,7 +111,7 @@ class AsyncLease:
         while True:
             await asyncio.sleep(wait)
             try:
-                await self._client.keep_alive(self.lease_id, timeout=period)
+                await self._client.keep_alive(self.lease_id, timeout=self.ttl)
                 wait = period
             except LeaseExpired as e:
                 self.error = e

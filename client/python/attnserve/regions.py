@@ -2,7 +2,7 @@
 of carrying their bytes.
 
     from attnserve.regions import SharedMemoryRegion
-    region = SharedMemoryRegion(64 << 20)                 # a POSIX shm object of ours
+    region = SharedMemoryRegion(64 << 20)                 # a sealed memfd of ours
     region.register(client, "io")                         # needs --allow_shared_memory
     q_view = region.array(0, (rows, heads, dim), "bf16")  # numpy view (bf16 as uint16 bits)
     q_view[...] = q_bits
@@ -10,7 +10,17 @@ of carrying their bytes.
     lse = region.tensor(16 << 20, (rows, heads), "fp32")
     client.prefill(0, region.tensor(0, (rows, heads, dim), "bf16"), ..., output_to=(o, lse))
     region.array(8 << 20, (rows, heads, dim), "bf16")     # the output, in place
-    region.close(client)                                  # unregister, unmap, unlink
+    region.close(client)                                  # unregister, unmap, close
+
+A system region is a memfd (os.memfd_create) sealed so that it never
+shrinks: registering sends its file descriptor to the server over the
+server's region socket (ServerInfo.region_socket) with a random claim token,
+then names the token in RegisterRegion. The memory has no name anyone else
+could open, so no other tenant can register it; and since it cannot shrink
+under the server's mapping, no client can crash the server through it. The
+client keeps the socket connection (the region's holder) until it
+unregisters the region or exits; an idle region whose holder closed is
+reclaimed by the server.
 
 A RegionTensor stands wherever a request takes a tensor (prefill's q,
 append_k, append_v; write_kv's k, v; merge_states' states); outputs go to
@@ -35,14 +45,21 @@ reads it) until it is unregistered. The CPU backend refuses CUDA regions
 
 from __future__ import annotations
 
+import array
+import fcntl
+import mmap
+import os
 import secrets
+import socket
+import struct
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from typing import Optional
 
+import grpc
 import numpy as np
 
 from attnserve import dtypes as _dt
+from attnserve.errors import error_for
 
 _ELEM = {"bf16": (2, np.uint16, _dt.DTYPE_BF16), "fp16": (2, np.float16, _dt.DTYPE_FP16),
          "fp32": (4, np.float32, _dt.DTYPE_FP32)}
@@ -75,28 +92,131 @@ def _check_dtype(dtype: str) -> None:
         raise ValueError(f"dtype must be one of {sorted(_ELEM)}, not {dtype!r}")
 
 
+# The region socket's protocol (common/region_socket.h): a hello from the
+# server, one deposit (the claim token, with the memfd by SCM_RIGHTS), one
+# reply (int32 code, then the message).
+REGION_SOCKET_MAGIC = 0x47455241  # "AREG"
+REGION_SOCKET_VERSION = 1
+CLAIM_TOKEN_BYTES = 16
+_HELLO = struct.Struct("<IIQ")      # magic, version, incarnation
+_DEPOSIT = struct.Struct("<II16s")  # magic, version, claim token
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _socket_address(name: str) -> str:
+    """'@NAME' is NAME in the abstract namespace, anything else a path."""
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
+def deposit_region_fd(socket_name: str, fd: int, *, expected_incarnation: int = 0,
+                      timeout: float = 10.0):
+    """Sends memfd `fd` (sealed with at least F_SEAL_SHRINK) to the server's
+    region socket `socket_name` (ServerInfo.region_socket) under a fresh
+    random claim token; returns (claim_token, holder), the bytes to name in
+    RegisterRegion's system.claim_token and the connection to keep open while
+    the region is in use. When expected_incarnation is non-zero the server's
+    hello must carry it (FailedPrecondition otherwise: the server restarted,
+    or another process holds the socket). A refusal raises the typed error
+    with the server's message."""
+    where = f"region socket {socket_name}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(_socket_address(socket_name))
+        except OSError as e:
+            raise error_for(grpc.StatusCode.UNAVAILABLE,
+                            f"{where}: cannot connect (a client of system regions runs on the "
+                            f"server's host, and for an '@' name in its network namespace): {e}",
+                            "RegisterRegion") from None
+        first = _recv(sock, where)
+        if len(first) >= 4 and struct.unpack_from("<I", first)[0] == REGION_SOCKET_MAGIC:
+            if len(first) != _HELLO.size:
+                raise error_for(grpc.StatusCode.UNAVAILABLE,
+                                f"{where}: a hello of {len(first)} bytes", "RegisterRegion")
+            _, version, incarnation = _HELLO.unpack(first)
+            if version != REGION_SOCKET_VERSION:
+                raise error_for(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{where}: protocol version {version}; this client speaks "
+                                f"{REGION_SOCKET_VERSION}", "RegisterRegion")
+            if expected_incarnation and incarnation != expected_incarnation:
+                raise error_for(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{where} answers for server incarnation {incarnation}, not "
+                                f"{expected_incarnation} which this client talks to: the server "
+                                "restarted or another process holds the socket",
+                                "RegisterRegion")
+        else:
+            _raise_reply(first, where)
+            raise error_for(grpc.StatusCode.UNAVAILABLE, f"{where}: not an attnserve region socket",
+                            "RegisterRegion")
+        token = secrets.token_bytes(CLAIM_TOKEN_BYTES)
+        message = _DEPOSIT.pack(REGION_SOCKET_MAGIC, REGION_SOCKET_VERSION, token)
+        try:
+            sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                      array.array("i", [int(fd)]))])
+        except OSError as e:
+            raise error_for(grpc.StatusCode.UNAVAILABLE, f"{where}: cannot send the memfd: {e}",
+                            "RegisterRegion") from None
+        _raise_reply(_recv(sock, where), where)
+        sock.settimeout(None)
+        return token, sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _recv(sock, where: str) -> bytes:
+    try:
+        data = sock.recv(4 + 1024)
+    except socket.timeout:
+        raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, f"{where}: no answer in time",
+                        "RegisterRegion") from None
+    except OSError as e:
+        raise error_for(grpc.StatusCode.UNAVAILABLE, f"{where}: {e}", "RegisterRegion") from None
+    if len(data) < 4:
+        raise error_for(grpc.StatusCode.UNAVAILABLE, f"{where}: closed without answering",
+                        "RegisterRegion")
+    return data
+
+
+def _raise_reply(reply: bytes, where: str) -> None:
+    """Raises the typed error of a reply that is not OK."""
+    code = struct.unpack_from("<i", reply)[0]
+    if code != 0:
+        raise error_for(_CODES.get(code, grpc.StatusCode.UNKNOWN),
+                        f"{where}: {reply[4:].decode('utf-8', 'replace')}", "RegisterRegion")
+
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
 class SharedMemoryRegion:
-    """A POSIX shared-memory object this process creates (multiprocessing's
-    shared_memory) for a system region. close() unregisters it (if
-    registered), unmaps and unlinks it; a server that still holds it keeps its
-    own mapping until the region is unregistered."""
+    """A memfd this process creates for a system region: `size` zeroed bytes,
+    sealed so that it never shrinks or grows (SEALS), mapped read-write.
+    close() unregisters it (if registered), unmaps it and closes the file; a
+    server that still holds it keeps its own mapping until the region is
+    unregistered or reclaimed."""
 
     def __init__(self, size: int, *, name: Optional[str] = None):
         if size < 1:
             raise ValueError(f"size={size} must be >= 1")
-        self.shm = shared_memory.SharedMemory(create=True, size=int(size),
-                                              name=name or f"attn_{secrets.token_hex(8)}")
         self.size = int(size)
+        self.key = name or f"attn_{secrets.token_hex(8)}"  # the memfd's name (ListRegions' key)
+        self.fd = os.memfd_create(self.key, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+            self.buf = mmap.mmap(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.name: Optional[str] = None  # the registered region name
-
-    @property
-    def key(self) -> str:
-        """The shm_open name the server opens."""
-        return "/" + self.shm.name
+        self._client = None
 
     def register(self, client, name: str, *, timeout: Optional[float] = None) -> "SharedMemoryRegion":
-        client.register_system_region(name, self.key, self.size, timeout=timeout)
+        client.register_system_region(name, self.fd, self.size, timeout=timeout)
         self.name = name
+        self._client = client
         return self
 
     def array(self, offset: int, shape, dtype: str) -> np.ndarray:
@@ -106,7 +226,7 @@ class SharedMemoryRegion:
         if offset < 0 or offset + t.nbytes > self.size:
             raise ValueError(f"[{offset}, {offset + t.nbytes}) is outside the region's "
                              f"{self.size} bytes")
-        return np.ndarray(t.shape, dtype=_ELEM[dtype][1], buffer=self.shm.buf, offset=int(offset))
+        return np.ndarray(t.shape, dtype=_ELEM[dtype][1], buffer=self.buf, offset=int(offset))
 
     def tensor(self, offset: int, shape, dtype: str) -> RegionTensor:
         """The RegionTensor naming [offset, offset + nbytes) of this region."""
@@ -120,14 +240,20 @@ class SharedMemoryRegion:
         return t
 
     def close(self, client=None, *, timeout: Optional[float] = None) -> None:
+        """With `client`, unregisters the region. Without, lets go of it: the
+        client closes the region's holder connection, and the server reclaims
+        the region once no request uses it (at the tenant's next
+        register_system_region or list_regions)."""
         if client is not None and self.name is not None:
             client.unregister_region(self.name, timeout=timeout)
-            self.name = None
-        self.shm.close()
-        try:
-            self.shm.unlink()
-        except FileNotFoundError:
-            pass
+        elif self._client is not None and self.name is not None:
+            self._client._drop_region_holder(self.name)
+        self.name = None
+        self._client = None
+        if self.fd >= 0:
+            self.buf.close()  # BufferError while numpy views of it live
+            os.close(self.fd)
+            self.fd = -1
 
     def __enter__(self) -> "SharedMemoryRegion":
         return self
