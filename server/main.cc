@@ -32,6 +32,7 @@
 #include "server/core/attention_core.h"
 #include "server/grpc/auth.h"
 #include "server/grpc/server.h"
+#include "server/library_logs.h"
 #include "server/metrics.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC address (host:port; port 0 picks one)");
@@ -73,6 +74,19 @@ ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate (TLS)");
 ABSL_FLAG(std::string, tls_key, "", "PEM server key (TLS)");
 ABSL_FLAG(std::string, tls_client_ca, "", "PEM CA for client certificates (mTLS)");
 ABSL_FLAG(int32_t, drain_timeout_s, 30, "seconds in-flight requests get after SIGTERM");
+ABSL_FLAG(int32_t, max_streams_per_connection, 256,
+          "concurrent calls one gRPC connection may carry (1..65536)");
+ABSL_FLAG(int64_t, connection_idle_timeout_s, 300,
+          "a connection with no call for this many seconds is closed (clients reconnect on "
+          "their next call)");
+ABSL_FLAG(int64_t, keepalive_s, 60,
+          "the server pings a connection idle this many seconds and closes it when the ping "
+          "goes unanswered for 20 s (a peer that vanished)");
+ABSL_FLAG(int64_t, handshake_timeout_s, 10,
+          "a new connection must finish its TLS and HTTP/2 handshake within this many seconds");
+ABSL_FLAG(int64_t, request_read_timeout_s, 60,
+          "an authenticated call's request must have arrived this many seconds after the call "
+          "began, or the call ends with DEADLINE_EXCEEDED (a slow or stalled sender)");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
 ABSL_FLAG(bool, access_log, false, "log one line per RPC (method, tenant, code, seconds)");
 ABSL_FLAG(int32_t, max_plans_per_tenant, 64,
@@ -182,6 +196,9 @@ int Run() {
     spdlog::info("--retain_freed_memory: the allocator did not take the setting (not glibc's "
                  "malloc); freed memory goes back as the allocator decides");
   }
+  // protobuf's and gRPC's own log lines go through ours, at most one a
+  // second per cause (a malformed request repeated must not flood the log).
+  RouteLibraryLogs();
   // Signals are taken by one thread with sigwait; block them everywhere else.
   sigset_t signals;
   sigemptyset(&signals);
@@ -311,6 +328,32 @@ int Run() {
   server_options.transport_tuning = absl::GetFlag(FLAGS_transport_tuning);
   server_options.grpc_args = absl::GetFlag(FLAGS_grpc_args);
   server_options.channel_spin_us = channel_spin_us;
+  {
+    ServerOptions::Limits& limits = server_options.limits;
+    limits.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
+    const int64_t idle = absl::GetFlag(FLAGS_connection_idle_timeout_s);
+    const int64_t keepalive = absl::GetFlag(FLAGS_keepalive_s);
+    const int64_t handshake = absl::GetFlag(FLAGS_handshake_timeout_s);
+    const int64_t read = absl::GetFlag(FLAGS_request_read_timeout_s);
+    struct Bound {
+      const char* flag;
+      int64_t value, lo, hi;
+    };
+    for (const Bound& b : {Bound{"--max_streams_per_connection", limits.max_streams_per_connection, 1, 65536},
+                           Bound{"--connection_idle_timeout_s", idle, 1, 86400},
+                           Bound{"--keepalive_s", keepalive, 1, 86400},
+                           Bound{"--handshake_timeout_s", handshake, 1, 3600},
+                           Bound{"--request_read_timeout_s", read, 1, 86400}}) {
+      if (b.value < b.lo || b.value > b.hi) {
+        spdlog::error("{}={} must be in [{}, {}]", b.flag, b.value, b.lo, b.hi);
+        return 2;
+      }
+    }
+    limits.connection_idle = absl::Seconds(idle);
+    limits.keepalive = absl::Seconds(keepalive);
+    limits.handshake_timeout = absl::Seconds(handshake);
+    limits.request_read_timeout = absl::Seconds(read);
+  }
   server_options.region_socket = absl::GetFlag(FLAGS_region_socket);
   const std::string reflection = absl::GetFlag(FLAGS_reflection);
   if (reflection != "auto" && reflection != "on" && reflection != "off") {
@@ -362,7 +405,14 @@ int Run() {
         continue;
       }
       if (draining) {
-        spdlog::warn("second signal: exiting at once");
+        // A repeated SIGTERM (a supervisor that sends it again) keeps the
+        // drain going; a second SIGINT (Ctrl-C twice at a terminal) means
+        // "now".
+        if (sig == SIGTERM) {
+          spdlog::info("signal {} again: already draining", sig);
+          continue;
+        }
+        spdlog::warn("second SIGINT: exiting at once");
         std::_Exit(1);
       }
       draining = true;

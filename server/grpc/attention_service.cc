@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpcpp/alarm.h"
 #include "grpcpp/support/proto_buffer_writer.h"
 #include "spdlog/spdlog.h"
 #include "server/grpc/convert.h"
@@ -45,49 +46,51 @@ uint64_t LeaseId(const Request&, long) {
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth,
-                                           Metrics* metrics, bool access_log,
-                                           ChannelServerOptions channels)
+                                           Metrics* metrics, ServiceOptions options)
     : core_(core),
       auth_(auth),
       metrics_(metrics),
-      access_log_(access_log),
+      access_log_(options.access_log),
+      read_timeout_(options.read_timeout),
       limits_(core->limits().max_request_rows, core->limits().max_request_kv_indices,
               core->geometry().num_pages, kMaxMergeStates),
       prefill_requests_(kPooledPrefillRequests, kPooledPrefillBytes,
                         [](v1::PrefillRequest* r) { return ResetForReuse(r); }) {
-  channels.access_log = access_log;
+  options.channels.access_log = options.access_log;
   channels_ = std::make_unique<ChannelServer>(core, metrics, &limits_, &prefill_requests_,
-                                              channels);
+                                              options.channels);
+  RegisterMethods();
 }
 
-// One RPC: its reactor. It admits the call (drain, authentication), parses
-// the request against its wire limits, and is finished exactly once, by
-// whoever claims it first: the handler (errors found at once), the core's
-// done callback, or AbandonInflight. It is deleted when gRPC is done with it
-// and nothing else holds a reference.
-class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
+// One RPC: its reactor. Created when the call's metadata arrives, it admits
+// the call (not draining, a valid token) and only then reads
+// the request, within the read timeout; the method's handler then parses
+// it against its wire limits. The call is finished exactly once, by whoever
+// claims it first: the admission, the read, the handler (errors found at
+// once), the core's done callback, the read timeout or AbandonInflight. It
+// is deleted when gRPC is done with it and nothing else holds a reference.
+class AttentionServiceImpl::Call final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   Call(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx, Metrics::Rpc rpc,
-       const grpc::ByteBuffer* request, grpc::ByteBuffer* response)
+       Handler handler)
       : service_(service),
         ctx_(ctx),
         rpc_(rpc),
-        request_(request),
-        response_(response),
+        handler_(handler),
         request_id_(service->next_request_id_++),
-        bytes_in_(static_cast<int64_t>(request->Length())),
         start_(absl::Now()) {
     service_->metrics_->inflight().Increment();
     absl::MutexLock lock(&service_->calls_mu_);
     service_->calls_.insert(this);
   }
 
-  // Drain and authentication, before a byte of the request is parsed. False
-  // when the call was refused (and is finished).
-  bool Admit() {
+  // Admission, from the metadata alone; then the request is read. A call
+  // refused here is finished without a byte of its body accepted.
+  void Start() {
     if (service_->draining_) {
       FinishNow(absl::UnavailableError("server is draining"));
-      return false;
+      return;
     }
     accepted_ = true;
     ++service_->accepted_inflight_;
@@ -99,49 +102,70 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
     auto tenant = service_->auth_->Authenticate(authorization);
     if (!tenant.ok()) {
       FinishNow(tenant.status());
-      return false;
+      return;
     }
     tenant_ = *std::move(tenant);
-    return true;
+    // The read timeout: its alarm holds a reference until it has run.
+    Ref();
+    read_alarm_.Set(absl::ToChronoTime(start_ + service_->read_timeout_), [this](bool fired) {
+      if (fired && !read_done_.load(std::memory_order_acquire)) {
+        FinishNow(absl::DeadlineExceededError(absl::StrCat(
+            "the request did not arrive within ",
+            absl::FormatDuration(service_->read_timeout_),
+            " of the call's start (--request_read_timeout_s): a slow or stalled sender")));
+      }
+      Unref();
+    });
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    read_done_.store(true, std::memory_order_release);
+    read_alarm_.Cancel();
+    if (!ok) {
+      // No message: the client gave up (or its deadline passed) while
+      // sending, or half-closed without one, or sent more than
+      // --max_message_bytes (gRPC then ends the call itself).
+      absl::Status status =
+          ctx_->IsCancelled()
+              ? (ctx_->deadline() <= std::chrono::system_clock::now()
+                     ? absl::DeadlineExceededError("deadline passed while the request arrived")
+                     : absl::CancelledError("cancelled while the request arrived"))
+              : absl::InvalidArgumentError("the call carried no request message");
+      FinishNow(status);
+      return;
+    }
+    bytes_in_ = static_cast<int64_t>(request_.Length());
+    (service_->*handler_)(this);
   }
 
   // Parses the request into `message` after checking it against `limits`;
   // with `tensors`, the data of the Tensor fields `in_place` stays in gRPC's
   // slices, which *tensors then holds (ParseInto in convert.h). False when
-  // it does not fit or parse (the call is finished): with INVALID_ARGUMENT,
-  // or CANCELLED / DEADLINE_EXCEEDED when the client gave up while sending
-  // it, so that a client's own timeout is not counted as its bad input.
+  // it does not fit or parse (the call is finished with INVALID_ARGUMENT).
   bool Parse(const WireMessage& limits, google::protobuf::MessageLite* message,
              absl::Span<const uint32_t> in_place = {}, InPlaceTensors* tensors = nullptr) {
     absl::Status status = tensors != nullptr
-                              ? ParseInto(*request_, limits, in_place, message, tensors)
-                              : ParseInto(*request_, limits, message);
+                              ? ParseInto(request_, limits, in_place, message, tensors)
+                              : ParseInto(request_, limits, message);
     if (status.ok()) {
-      // gRPC's buffer goes at once, not when the call ends: the parsed
-      // message holds the small fields, and a tensor read in place keeps
-      // the slices it lies in through *tensors, not through the buffer. A
-      // request so costs about its size until its call ends (its tensors'
-      // bytes in the slices), plus its output: never a second copy of it.
-      // The buffer is the call's; clearing it early is what gRPC does at
-      // the end.
-      const_cast<grpc::ByteBuffer*>(request_)->Clear();
+      // The buffer goes at once, not when the call ends: the parsed message
+      // holds the small fields, and a tensor read in place keeps the slices
+      // it lies in through *tensors, not through the buffer. A request so
+      // costs about its size until its call ends (its tensors' bytes in the
+      // slices), plus its output: never a second copy of it.
+      request_.Clear();
       return true;
-    }
-    if (ctx_->IsCancelled()) {
-      const bool expired = ctx_->deadline() <= std::chrono::system_clock::now();
-      status = expired ? absl::DeadlineExceededError("deadline passed while the request arrived")
-                       : absl::CancelledError("cancelled while the request arrived");
     }
     FinishNow(status);
     return false;
   }
 
-  // What every handler does first, once Start has admitted the call: parses
-  // the request into `parsed` (and *tensors, as Parse does) and fills the
-  // core's CallContext (tenant, deadline, cancellation, request id, the
-  // expected incarnation where the request has one; `c` may be null). False
-  // when the call is finished (refused, or the request does not parse): the
-  // handler returns then.
+  // What every handler does first: parses the request into `parsed` (and
+  // *tensors, as Parse does) and fills the core's CallContext (tenant,
+  // deadline, cancellation, request id, the expected incarnation and the
+  // lease where the request has them; `c` may be null). False when the call
+  // is finished (the request does not parse): the handler returns then.
   template <typename Request>
   bool Open(const WireMessage& limits, Request* parsed, CallContext* c,
             absl::Span<const uint32_t> in_place = {}, InPlaceTensors* tensors = nullptr) {
@@ -188,12 +212,12 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
       if (message != nullptr) {
         bool own = false;
         grpc::Status s = grpc::SerializationTraits<google::protobuf::Message>::Serialize(
-            *message, response_, &own);
+            *message, &response_, &own);
         if (!s.ok()) status = absl::InternalError("cannot serialize the response");
       } else if (bytes != nullptr) {
-        response_->Swap(bytes);
+        response_.Swap(bytes);
       }
-      bytes_out = status.ok() ? static_cast<int64_t>(response_->Length()) : 0;
+      bytes_out = status.ok() ? static_cast<int64_t>(response_.Length()) : 0;
     }
     grpc::Status grpc_status = ToGrpcStatus(status);
     const double seconds = absl::ToDoubleSeconds(absl::Now() - start_);
@@ -215,7 +239,11 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
           grpc_status.error_message());
     }
     finished_at_ = absl::Now();
-    ServerUnaryReactor::Finish(grpc_status);
+    if (grpc_status.ok()) {
+      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc_status);
+    } else {
+      ServerBidiReactor::Finish(grpc_status);
+    }
   }
 
   // Request stages (Metrics::RequestStage) of a Prefill: the time since the
@@ -259,30 +287,57 @@ class AttentionServiceImpl::Call final : public grpc::ServerUnaryReactor {
   AttentionServiceImpl* const service_;
   grpc::CallbackServerContext* const ctx_;
   const Metrics::Rpc rpc_;
-  const grpc::ByteBuffer* const request_;
-  grpc::ByteBuffer* const response_;
+  const Handler handler_;
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer response_;
   const uint64_t request_id_;
-  const int64_t bytes_in_;
+  int64_t bytes_in_ = 0;
   const absl::Time start_;
   absl::Time last_mark_ = start_;                     // MarkStage's previous mark
   absl::Time finished_at_ = absl::InfinitePast();     // when Finish handed the response to gRPC
   std::string tenant_;
   Metrics::Shape shape_ = Metrics::Shape::kNone;
   bool accepted_ = false;  // arrived before the drain began
+  grpc::Alarm read_alarm_;
+  std::atomic<bool> read_done_{false};
   std::atomic<bool> claimed_{false};
   std::atomic<int> refs_{1};  // gRPC's, until OnDone
 };
 
-AttentionServiceImpl::~AttentionServiceImpl() = default;
-
-AttentionServiceImpl::Call* AttentionServiceImpl::Start(grpc::CallbackServerContext* ctx,
-                                                        Metrics::Rpc rpc,
-                                                        const grpc::ByteBuffer* request,
-                                                        grpc::ByteBuffer* response) {
-  auto* call = new Call(this, ctx, rpc, request, response);
-  call->Admit();
-  return call;
+void AttentionServiceImpl::RegisterMethods() {
+  using R = Metrics::Rpc;
+  using S = AttentionServiceImpl;
+  const std::pair<R, Handler> methods[] = {
+      {R::kGetServerInfo, &S::GetServerInfo}, {R::kAllocatePages, &S::AllocatePages},
+      {R::kFreePages, &S::FreePages},         {R::kWriteKV, &S::WriteKV},
+      {R::kReadKV, &S::ReadKV},               {R::kPrefill, &S::Prefill},
+      {R::kMergeStates, &S::MergeStates},     {R::kCreatePlan, &S::CreatePlan},
+      {R::kReleasePlan, &S::ReleasePlan},     {R::kRegisterRegion, &S::RegisterRegion},
+      {R::kUnregisterRegion, &S::UnregisterRegion}, {R::kListRegions, &S::ListRegions},
+      {R::kOpenChannel, &S::OpenChannel},     {R::kCloseChannel, &S::CloseChannel},
+      {R::kGrantLease, &S::GrantLease},       {R::kKeepAlive, &S::KeepAlive},
+      {R::kRevokeLease, &S::RevokeLease},     {R::kListHoldings, &S::ListHoldings},
+      {R::kReleaseHoldings, &S::ReleaseHoldings},
+  };
+  static_assert(sizeof(methods) / sizeof(methods[0]) == static_cast<size_t>(R::kCount));
+  method_names_.reserve(std::size(methods));  // gRPC keeps pointers into them
+  int index = 0;
+  for (const auto& [rpc, handler] : methods) {
+    method_names_.push_back(absl::StrCat("/", kServiceName, "/", Metrics::RpcName(rpc)));
+    AddMethod(new grpc::internal::RpcServiceMethod(method_names_.back().c_str(),
+                                                   grpc::internal::RpcMethod::BIDI_STREAMING,
+                                                   nullptr));
+    MarkMethodRawCallback(
+        index++, new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+                     [this, rpc = rpc, handler = handler](grpc::CallbackServerContext* ctx) {
+                       auto* call = new Call(this, ctx, rpc, handler);
+                       call->Start();
+                       return call;
+                     }));
+  }
 }
+
+AttentionServiceImpl::~AttentionServiceImpl() = default;
 
 int AttentionServiceImpl::AbandonInflight(const absl::Status& status) {
   std::vector<Call*> calls;
@@ -304,12 +359,9 @@ int AttentionServiceImpl::AbandonInflight(const absl::Status& status) {
   return abandoned;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServerContext* ctx,
-                                                              const grpc::ByteBuffer* request,
-                                                              grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kGetServerInfo, request, response);
+void AttentionServiceImpl::GetServerInfo(Call* call) {
   v1::GetServerInfoRequest parsed;
-  if (!call->Open(limits_.get_server_info, &parsed, nullptr)) return call;
+  if (!call->Open(limits_.get_server_info, &parsed, nullptr)) return;
   const ServerInfoData info = core_->Info();
   v1::ServerInfo out;
   out.set_version(info.version);
@@ -333,16 +385,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServ
     out.set_region_socket(region_socket_);
   }
   if (call->Claim()) call->Finish(absl::OkStatus(), &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(grpc::CallbackServerContext* ctx,
-                                                              const grpc::ByteBuffer* request,
-                                                              grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kAllocatePages, request, response);
+void AttentionServiceImpl::AllocatePages(Call* call) {
   v1::AllocatePagesRequest parsed;
   CallContext c;
-  if (!call->Open(limits_.allocate_pages, &parsed, &c)) return call;
+  if (!call->Open(limits_.allocate_pages, &parsed, &c)) return;
   auto pages = core_->AllocatePages(c, parsed.count());
   v1::AllocatePagesResponse out;
   if (pages.ok()) {
@@ -350,16 +398,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::AllocatePages(grpc::CallbackServ
     out.set_incarnation(core_->incarnation());
   }
   if (call->Claim()) call->Finish(pages.status(), &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerContext* ctx,
-                                                          const grpc::ByteBuffer* request,
-                                                          grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kFreePages, request, response);
+void AttentionServiceImpl::FreePages(Call* call) {
   auto parsed = std::make_shared<v1::FreePagesRequest>();
   CallContext c;
-  if (!call->Open(limits_.free_pages, parsed.get(), &c)) return call;
+  if (!call->Open(limits_.free_pages, parsed.get(), &c)) return;
   call->Ref();
   const uint64_t incarnation = core_->incarnation();
   core_->FreePages(c,
@@ -373,13 +417,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::FreePages(grpc::CallbackServerCo
                      }
                      call->Unref();
                    });
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::WriteKV(grpc::CallbackServerContext* ctx,
-                                                        const grpc::ByteBuffer* request,
-                                                        grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kWriteKV, request, response);
+void AttentionServiceImpl::WriteKV(Call* call) {
   // The request, and its k and v data left in gRPC's slices, until the
   // core is done with them.
   struct State {
@@ -389,7 +429,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::WriteKV(grpc::CallbackServerCont
   auto state = std::make_shared<State>();
   WriteKvCall c;
   if (!call->Open(limits_.write_kv, &state->request, &c, kWriteKvInPlace, &state->tensors)) {
-    return call;
+    return;
   }
   ToCall(state->request, state->tensors, &c);
   call->Ref();
@@ -402,13 +442,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::WriteKV(grpc::CallbackServerCont
     }
     call->Unref();
   });
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ReadKV(grpc::CallbackServerContext* ctx,
-                                                       const grpc::ByteBuffer* request,
-                                                       grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kReadKV, request, response);
+void AttentionServiceImpl::ReadKV(Call* call) {
   struct State {
     v1::ReadKVRequest request;
     // The backend writes the rows into its k and v data; sent from there.
@@ -416,7 +452,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ReadKV(grpc::CallbackServerConte
   };
   auto state = std::make_shared<State>();
   ReadKvCall c;
-  if (!call->Open(limits_.read_kv, &state->request, &c)) return call;
+  if (!call->Open(limits_.read_kv, &state->request, &c)) return;
   ToCall(state->request, state->response.get(), &c);
   const KvGeometry& g = core_->geometry();
   const v1::DType dtype = ToProto(g.dtype);
@@ -437,14 +473,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ReadKV(grpc::CallbackServerConte
     }
     call->Unref();
   });
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerContext* ctx,
-                                                        const grpc::ByteBuffer* request,
-                                                        grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kPrefill, request, response);
-  if (call->finished()) return call;  // refused: no pooled request taken
+void AttentionServiceImpl::Prefill(Call* call) {
   // What the request and its output need until the response is encoded:
   // the request's small fields, its tensors' data (left in gRPC's slices)
   // and the output.
@@ -457,7 +488,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerCont
   PrefillCall c;
   if (!call->Open(limits_.prefill, state->request.get(), &c, kPrefillInPlace, &state->tensors)) {
     delete state;
-    return call;
+    return;
   }
   const v1::PrefillRequest& parsed = *state->request;
   call->set_shape(PrefillShape(parsed));
@@ -488,13 +519,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Prefill(grpc::CallbackServerCont
   });
   call->MarkStage(Metrics::RequestStage::kAdmit);
   call->Unref();
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(grpc::CallbackServerContext* ctx,
-                                                            const grpc::ByteBuffer* request,
-                                                            grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kMergeStates, request, response);
+void AttentionServiceImpl::MergeStates(Call* call) {
   struct State {
     v1::MergeStatesRequest request;
     // The backend writes the merged state into its v and lse data.
@@ -503,7 +530,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(grpc::CallbackServer
   };
   auto state = std::make_shared<State>();
   MergeStatesCall c;
-  if (!call->Open(limits_.merge_states, &state->request, &c)) return call;
+  if (!call->Open(limits_.merge_states, &state->request, &c)) return;
   ToCall(state->request, state->response.get(), &c);
   std::vector<int64_t> shape;
   if (!c.v.empty()) shape = c.v[0].shape;  // validated rank 3 when the merge succeeds
@@ -524,20 +551,16 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MergeStates(grpc::CallbackServer
     }
     call->Unref();
   });
-  return call;
 }
 
 }  // namespace attnserve
 
 namespace attnserve {
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::CreatePlan(grpc::CallbackServerContext* ctx,
-                                                           const grpc::ByteBuffer* request,
-                                                           grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kCreatePlan, request, response);
+void AttentionServiceImpl::CreatePlan(Call* call) {
   v1::CreatePlanRequest parsed;
   CallContext c;
-  if (!call->Open(limits_.create_plan, &parsed, &c)) return call;
+  if (!call->Open(limits_.create_plan, &parsed, &c)) return;
   auto id = core_->CreatePlan(c, ToLayout(parsed));
   v1::CreatePlanResponse out;
   if (id.ok()) {
@@ -545,30 +568,21 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreatePlan(grpc::CallbackServerC
     out.set_incarnation(core_->incarnation());
   }
   if (call->Claim()) call->Finish(id.status(), &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ReleasePlan(grpc::CallbackServerContext* ctx,
-                                                            const grpc::ByteBuffer* request,
-                                                            grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kReleasePlan, request, response);
+void AttentionServiceImpl::ReleasePlan(Call* call) {
   v1::ReleasePlanRequest parsed;
   CallContext c;
-  if (!call->Open(limits_.release_plan, &parsed, &c)) return call;
+  if (!call->Open(limits_.release_plan, &parsed, &c)) return;
   const absl::Status status = core_->ReleasePlan(c, parsed.plan_id());
   v1::ReleasePlanResponse out;
   out.set_incarnation(core_->incarnation());
   if (call->Claim()) call->Finish(status, &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterRegion(grpc::CallbackServerContext* ctx,
-                                                               const grpc::ByteBuffer* request,
-                                                               grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kRegisterRegion, request, response);
-  if (call->finished()) return call;
+void AttentionServiceImpl::RegisterRegion(Call* call) {
   v1::RegisterRegionRequest parsed;
-  if (!call->Parse(limits_.register_region, &parsed)) return call;
+  if (!call->Parse(limits_.register_region, &parsed)) return;
   CallContext c;
   call->Bind(&c);
   c.lease_id = parsed.lease_id();
@@ -576,48 +590,34 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterRegion(grpc::CallbackSer
   v1::RegisterRegionResponse out;
   out.set_incarnation(core_->incarnation());
   if (call->Claim()) call->Finish(status, &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::UnregisterRegion(
-    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* request,
-    grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kUnregisterRegion, request, response);
-  if (call->finished()) return call;
+void AttentionServiceImpl::UnregisterRegion(Call* call) {
   v1::UnregisterRegionRequest parsed;
-  if (!call->Parse(limits_.unregister_region, &parsed)) return call;
+  if (!call->Parse(limits_.unregister_region, &parsed)) return;
   CallContext c;
   call->Bind(&c);
   const absl::Status status = core_->UnregisterRegion(c, parsed.name());
   v1::UnregisterRegionResponse out;
   out.set_incarnation(core_->incarnation());
   if (call->Claim()) call->Finish(status, &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ListRegions(grpc::CallbackServerContext* ctx,
-                                                            const grpc::ByteBuffer* request,
-                                                            grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kListRegions, request, response);
-  if (call->finished()) return call;
+void AttentionServiceImpl::ListRegions(Call* call) {
   v1::ListRegionsRequest parsed;
-  if (!call->Parse(limits_.list_regions, &parsed)) return call;
+  if (!call->Parse(limits_.list_regions, &parsed)) return;
   CallContext c;
   call->Bind(&c);
   v1::ListRegionsResponse out;
   for (const RegionInfoData& info : core_->ListRegions(c)) ToProto(info, out.add_regions());
   out.set_incarnation(core_->incarnation());
   if (call->Claim()) call->Finish(absl::OkStatus(), &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::OpenChannel(grpc::CallbackServerContext* ctx,
-                                                            const grpc::ByteBuffer* request,
-                                                            grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kOpenChannel, request, response);
+void AttentionServiceImpl::OpenChannel(Call* call) {
   v1::OpenChannelRequest parsed;
   CallContext c;
-  if (!call->Open(limits_.open_channel, &parsed, &c)) return call;
+  if (!call->Open(limits_.open_channel, &parsed, &c)) return;
   auto opened = channels_->Open(c, ToRingRef(parsed));
   v1::OpenChannelResponse out;
   if (opened.ok()) {
@@ -627,21 +627,16 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::OpenChannel(grpc::CallbackServer
     out.set_incarnation(core_->incarnation());
   }
   if (call->Claim()) call->Finish(opened.status(), &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::CloseChannel(grpc::CallbackServerContext* ctx,
-                                                             const grpc::ByteBuffer* request,
-                                                             grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kCloseChannel, request, response);
+void AttentionServiceImpl::CloseChannel(Call* call) {
   v1::CloseChannelRequest parsed;
   CallContext c;
-  if (!call->Open(limits_.close_channel, &parsed, &c)) return call;
+  if (!call->Open(limits_.close_channel, &parsed, &c)) return;
   const absl::Status status = channels_->Close(c, parsed.channel_id());
   v1::CloseChannelResponse out;
   out.set_incarnation(core_->incarnation());
   if (call->Claim()) call->Finish(status, &out);
-  return call;
 }
 
 namespace {
@@ -655,13 +650,10 @@ void ToProto(const HoldingsData& h, v1::Holdings* out) {
 
 }  // namespace
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::GrantLease(grpc::CallbackServerContext* ctx,
-                                                           const grpc::ByteBuffer* request,
-                                                           grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kGrantLease, request, response);
+void AttentionServiceImpl::GrantLease(Call* call) {
   v1::GrantLeaseRequest parsed;
   CallContext c;
-  if (!call->Open(limits_.grant_lease, &parsed, &c)) return call;
+  if (!call->Open(limits_.grant_lease, &parsed, &c)) return;
   auto granted = core_->GrantLease(c, parsed.ttl_ms());
   v1::GrantLeaseResponse out;
   if (granted.ok()) {
@@ -670,16 +662,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GrantLease(grpc::CallbackServerC
     out.set_incarnation(core_->incarnation());
   }
   if (call->Claim()) call->Finish(granted.status(), &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::KeepAlive(grpc::CallbackServerContext* ctx,
-                                                          const grpc::ByteBuffer* request,
-                                                          grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kKeepAlive, request, response);
+void AttentionServiceImpl::KeepAlive(Call* call) {
   v1::KeepAliveRequest parsed;
   CallContext c;
-  if (!call->Open(limits_.keep_alive, &parsed, &c)) return call;
+  if (!call->Open(limits_.keep_alive, &parsed, &c)) return;
   auto ttl = core_->KeepAlive(c, parsed.lease_id());
   v1::KeepAliveResponse out;
   if (ttl.ok()) {
@@ -687,16 +675,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::KeepAlive(grpc::CallbackServerCo
     out.set_incarnation(core_->incarnation());
   }
   if (call->Claim()) call->Finish(ttl.status(), &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::RevokeLease(grpc::CallbackServerContext* ctx,
-                                                            const grpc::ByteBuffer* request,
-                                                            grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kRevokeLease, request, response);
+void AttentionServiceImpl::RevokeLease(Call* call) {
   v1::RevokeLeaseRequest parsed;
   CallContext c;
-  if (!call->Open(limits_.revoke_lease, &parsed, &c)) return call;
+  if (!call->Open(limits_.revoke_lease, &parsed, &c)) return;
   auto released = core_->RevokeLease(c, parsed.lease_id());
   v1::RevokeLeaseResponse out;
   if (released.ok()) {
@@ -704,16 +688,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::RevokeLease(grpc::CallbackServer
     out.set_incarnation(core_->incarnation());
   }
   if (call->Claim()) call->Finish(released.status(), &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ListHoldings(grpc::CallbackServerContext* ctx,
-                                                             const grpc::ByteBuffer* request,
-                                                             grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kListHoldings, request, response);
+void AttentionServiceImpl::ListHoldings(Call* call) {
   v1::ListHoldingsRequest parsed;
   CallContext c;
-  if (!call->Open(limits_.list_holdings, &parsed, &c)) return call;
+  if (!call->Open(limits_.list_holdings, &parsed, &c)) return;
   auto held = core_->ListHoldings(c, parsed.lease_id());
   v1::ListHoldingsResponse out;
   if (held.ok()) {
@@ -728,16 +708,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListHoldings(grpc::CallbackServe
     out.set_incarnation(core_->incarnation());
   }
   if (call->Claim()) call->Finish(held.status(), &out);
-  return call;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::ReleaseHoldings(grpc::CallbackServerContext* ctx,
-                                                                const grpc::ByteBuffer* request,
-                                                                grpc::ByteBuffer* response) {
-  Call* call = Start(ctx, Metrics::Rpc::kReleaseHoldings, request, response);
+void AttentionServiceImpl::ReleaseHoldings(Call* call) {
   v1::ReleaseHoldingsRequest parsed;
   CallContext c;
-  if (!call->Open(limits_.release_holdings, &parsed, &c)) return call;
+  if (!call->Open(limits_.release_holdings, &parsed, &c)) return;
   auto released = core_->ReleaseHoldings(c);
   v1::ReleaseHoldingsResponse out;
   if (released.ok()) {
@@ -745,7 +721,6 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ReleaseHoldings(grpc::CallbackSe
     out.set_incarnation(core_->incarnation());
   }
   if (call->Claim()) call->Finish(released.status(), &out);
-  return call;
 }
 
 }  // namespace attnserve

@@ -1,12 +1,17 @@
 // The gRPC edge of attnserve.v1.AttentionService (callback API).
 //
-// Every method is a raw method: the handler gets the request's wire bytes,
-// authenticates the caller from the metadata before anything is parsed,
-// checks the bytes against the request's wire limits (wire_limits.h) and
-// only then parses them, so that no request, with or without a token, costs
-// much more memory than its own size. It converts the parsed proto into the
-// core's plain structs (views, no tensor copies) and returns the reactor at
-// once; the core finishes it, from the scheduler's threads for queued work.
+// Every method is served as a streaming raw callback method, so that a call
+// is admitted before a byte of its request is read: a call during a drain gets
+// UNAVAILABLE, an unknown method UNIMPLEMENTED and a caller without a valid
+// token UNAUTHENTICATED straight from its metadata, and their bodies are
+// never accepted (gRPC buffers at most the stream's flow-control window of
+// them, and frees it when the call ends). Only an admitted call reads its
+// request, which must arrive within ServiceOptions::read_timeout. The
+// handler then checks the request's wire bytes against its wire limits
+// (wire_limits.h) and only then parses them, so that no request costs much
+// more memory than its own size. It converts the parsed proto into the
+// core's plain structs (views, no tensor copies) and returns at once; the
+// core finishes the call, from the scheduler's threads for queued work.
 // Status conversion happens in exactly one place (status_mapping.h).
 //
 // Prefill, the hot path, parses its small fields into a recycled message
@@ -30,8 +35,12 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/impl/service_type.h"
+#include "grpcpp/support/server_callback.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/channel/channel_server.h"
 #include "server/core/attention_core.h"
@@ -42,34 +51,28 @@
 
 namespace attnserve {
 
-using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_GrantLease<
-    v1::AttentionService::WithRawCallbackMethod_KeepAlive<
-    v1::AttentionService::WithRawCallbackMethod_RevokeLease<
-    v1::AttentionService::WithRawCallbackMethod_ListHoldings<
-    v1::AttentionService::WithRawCallbackMethod_ReleaseHoldings<
-    v1::AttentionService::WithRawCallbackMethod_OpenChannel<
-    v1::AttentionService::WithRawCallbackMethod_CloseChannel<
-    v1::AttentionService::WithRawCallbackMethod_RegisterRegion<
-    v1::AttentionService::WithRawCallbackMethod_UnregisterRegion<
-    v1::AttentionService::WithRawCallbackMethod_ListRegions<
-    v1::AttentionService::WithRawCallbackMethod_CreatePlan<
-    v1::AttentionService::WithRawCallbackMethod_ReleasePlan<
-    v1::AttentionService::WithRawCallbackMethod_GetServerInfo<
-    v1::AttentionService::WithRawCallbackMethod_AllocatePages<
-        v1::AttentionService::WithRawCallbackMethod_FreePages<
-            v1::AttentionService::WithRawCallbackMethod_WriteKV<
-                v1::AttentionService::WithRawCallbackMethod_ReadKV<
-                    v1::AttentionService::WithRawCallbackMethod_Prefill<
-                        v1::AttentionService::WithRawCallbackMethod_MergeStates<
-                            v1::AttentionService::Service>>>>>>>>>>>>>>>>>>>;
+inline constexpr char kServiceName[] = "attnserve.v1.AttentionService";
 
-class AttentionServiceImpl final : public RawAttentionService {
+struct ServiceOptions {
+  // One log line per finished RPC (method, tenant, peer, request id, code,
+  // seconds, bytes, error text), and per channel request.
+  bool access_log = false;
+  // An admitted call's request must have arrived this long after the call
+  // began, or the call is cut off (DEADLINE_EXCEEDED naming the flag): a
+  // stalled sender holds nothing for longer (--request_read_timeout_s).
+  absl::Duration read_timeout = absl::Seconds(60);
+  // How the pollers of request channels (OpenChannel) poll.
+  ChannelServerOptions channels;
+};
+
+// The service's methods are registered as raw callback methods of the
+// streaming kind, although clients call them as unary ones (the wire is the
+// same): gRPC then hands each call over when its metadata arrives, where a
+// unary method's call would come only with its whole request.
+class AttentionServiceImpl final : public grpc::Service {
  public:
-  // access_log: one log line per finished RPC (method, tenant, peer, request
-  // id, code, seconds, bytes, error text), and per channel request.
-  // channels: how the pollers of request channels (OpenChannel) poll.
   AttentionServiceImpl(AttentionCore* core, const TokenAuth* auth, Metrics* metrics,
-                       bool access_log, ChannelServerOptions channels = {});
+                       ServiceOptions options);
   ~AttentionServiceImpl() override;
 
   // New requests get UNAVAILABLE from now on (graceful drain), over gRPC and
@@ -94,76 +97,43 @@ class AttentionServiceImpl final : public RawAttentionService {
     region_socket_ = std::move(name);
   }
 
-  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
-                                          const grpc::ByteBuffer* request,
-                                          grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* AllocatePages(grpc::CallbackServerContext* ctx,
-                                          const grpc::ByteBuffer* request,
-                                          grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* FreePages(grpc::CallbackServerContext* ctx,
-                                      const grpc::ByteBuffer* request,
-                                      grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* WriteKV(grpc::CallbackServerContext* ctx,
-                                    const grpc::ByteBuffer* request,
-                                    grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* ReadKV(grpc::CallbackServerContext* ctx,
-                                   const grpc::ByteBuffer* request,
-                                   grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* Prefill(grpc::CallbackServerContext* ctx,
-                                    const grpc::ByteBuffer* request,
-                                    grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* MergeStates(grpc::CallbackServerContext* ctx,
-                                        const grpc::ByteBuffer* request,
-                                        grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* CreatePlan(grpc::CallbackServerContext* ctx,
-                                       const grpc::ByteBuffer* request,
-                                       grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* ReleasePlan(grpc::CallbackServerContext* ctx,
-                                        const grpc::ByteBuffer* request,
-                                        grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* ctx,
-                                           const grpc::ByteBuffer* request,
-                                           grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* ctx,
-                                             const grpc::ByteBuffer* request,
-                                             grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* ctx,
-                                        const grpc::ByteBuffer* request,
-                                        grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* OpenChannel(grpc::CallbackServerContext* ctx,
-                                        const grpc::ByteBuffer* request,
-                                        grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* CloseChannel(grpc::CallbackServerContext* ctx,
-                                         const grpc::ByteBuffer* request,
-                                         grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* GrantLease(grpc::CallbackServerContext* ctx,
-                                       const grpc::ByteBuffer* request,
-                                       grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* KeepAlive(grpc::CallbackServerContext* ctx,
-                                      const grpc::ByteBuffer* request,
-                                      grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* RevokeLease(grpc::CallbackServerContext* ctx,
-                                        const grpc::ByteBuffer* request,
-                                        grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* ListHoldings(grpc::CallbackServerContext* ctx,
-                                         const grpc::ByteBuffer* request,
-                                         grpc::ByteBuffer* response) override;
-  grpc::ServerUnaryReactor* ReleaseHoldings(grpc::CallbackServerContext* ctx,
-                                            const grpc::ByteBuffer* request,
-                                            grpc::ByteBuffer* response) override;
-
  private:
   class Call;
+  // A method's handler runs once its call is admitted and its request has
+  // arrived; it finishes the call, at once or from the core's callback.
+  using Handler = void (AttentionServiceImpl::*)(Call*);
+  // Adds every method of the service, each with its handler.
+  void RegisterMethods();
 
-  // A new call, admitted (not draining, authenticated) or already finished
-  // with the reason it was not; call->finished() tells which.
-  Call* Start(grpc::CallbackServerContext* ctx, Metrics::Rpc rpc,
-              const grpc::ByteBuffer* request, grpc::ByteBuffer* response);
+  void GetServerInfo(Call* call);
+  void AllocatePages(Call* call);
+  void FreePages(Call* call);
+  void WriteKV(Call* call);
+  void ReadKV(Call* call);
+  void Prefill(Call* call);
+  void MergeStates(Call* call);
+  void CreatePlan(Call* call);
+  void ReleasePlan(Call* call);
+  void RegisterRegion(Call* call);
+  void UnregisterRegion(Call* call);
+  void ListRegions(Call* call);
+  void OpenChannel(Call* call);
+  void CloseChannel(Call* call);
+  void GrantLease(Call* call);
+  void KeepAlive(Call* call);
+  void RevokeLease(Call* call);
+  void ListHoldings(Call* call);
+  void ReleaseHoldings(Call* call);
 
   AttentionCore* const core_;
   const TokenAuth* const auth_;
   Metrics* const metrics_;
   const bool access_log_;
+  const absl::Duration read_timeout_;
+  // By full method name ("/attnserve.v1.AttentionService/Prefill").
+  // The full method names ("/attnserve.v1.AttentionService/Prefill"), which
+  // gRPC's method table points into.
+  std::vector<std::string> method_names_;
   const RequestWireLimits limits_;
   std::atomic<bool> draining_{false};
   absl::Mutex region_socket_mu_;

@@ -53,9 +53,15 @@ absl::Status TokenAuth::Reload() {
 
 absl::StatusOr<std::string> TokenAuth::Authenticate(absl::string_view authorization) const {
   if (path_.empty()) return std::string(kDefaultTenant);
+  // The scheme is case-insensitive (RFC 7235): "bearer TOKEN" is a token too.
   constexpr absl::string_view kBearer = "Bearer ";
-  if (!absl::StartsWith(authorization, kBearer)) {
+  if (authorization.empty()) {
     return absl::UnauthenticatedError("missing 'authorization: Bearer TOKEN' metadata");
+  }
+  if (!absl::StartsWithIgnoreCase(authorization, kBearer)) {
+    return absl::UnauthenticatedError(
+        "the 'authorization' metadata is not 'Bearer TOKEN' (another scheme, or no space after "
+        "it)");
   }
   absl::string_view token = absl::StripAsciiWhitespace(authorization.substr(kBearer.size()));
   absl::MutexLock lock(&mu_);

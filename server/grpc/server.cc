@@ -182,14 +182,32 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
 
   grpc::EnableDefaultHealthCheckService(true);
   if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  ChannelServerOptions channels;
-  channels.spin_us = options.channel_spin_us;
-  s->service_ = std::make_unique<AttentionServiceImpl>(core, auth, metrics, options.access_log,
-                                                       channels);
+  ServiceOptions service_options;
+  service_options.access_log = options.access_log;
+  service_options.read_timeout = options.limits.request_read_timeout;
+  service_options.channels.spin_us = options.channel_spin_us;
+  s->service_ = std::make_unique<AttentionServiceImpl>(core, auth, metrics, service_options);
   grpc::ServerBuilder builder;
   // One server per port: with SO_REUSEPORT a second server on the same port
   // would start and take half of the first one's connections.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // What a connection may hold: gRPC's own bounds. Streams at once; a
+  // connection with no call for connection_idle is closed (clients reconnect
+  // on their next call); the server pings a connection idle for keepalive
+  // and closes it when the ping goes unanswered (a peer that vanished); a
+  // connection must finish its TLS and HTTP/2 handshake within
+  // handshake_timeout.
+  const ServerOptions::Limits& limits = options.limits;
+  auto ms = [](absl::Duration d) {
+    return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(d), INT32_MAX));
+  };
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, limits.max_streams_per_connection);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, ms(limits.connection_idle));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, ms(limits.keepalive));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms(limits.keepalive_timeout));
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, ms(limits.handshake_timeout));
+  // Clients may ping as often as every 10 s (the clients' own keepalive).
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
   for (const TransportArg& arg : TransportArgs(options.transport_tuning)) {
     builder.AddChannelArgument(arg.name, arg.value);
   }

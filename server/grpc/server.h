@@ -39,12 +39,20 @@ struct ServerOptions {
   // regions on: "@NAME", a path, or empty for DefaultRegionSocket(the bound
   // gRPC port).
   std::string region_socket;
+  // What one connection, and a sender, may hold (docs/security.md, "What
+  // hostile input costs"): gRPC's own limits, as channel arguments.
+  struct Limits {
+    int max_streams_per_connection = 256;                  // --max_streams_per_connection
+    absl::Duration connection_idle = absl::Minutes(5);     // --connection_idle_timeout_s
+    absl::Duration keepalive = absl::Seconds(60);          // --keepalive_s
+    absl::Duration keepalive_timeout = absl::Seconds(20);
+    absl::Duration handshake_timeout = absl::Seconds(10);  // --handshake_timeout_s
+    absl::Duration request_read_timeout = absl::Seconds(60);  // --request_read_timeout_s
+  } limits;
 };
 
 class MetricsEndpoint;
 class RegionSocket;
-
-inline constexpr char kServiceName[] = "attnserve.v1.AttentionService";
 
 class AttnServer {
  public:

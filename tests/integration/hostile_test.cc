@@ -373,6 +373,11 @@ TEST(EdgeErrorTest, ReflectionIsOffWhenAuthIsOn) {
     const grpc::Status s = SendRaw(Channel((*server)->grpc_address()), method, list, "", &response);
     EXPECT_TRUE(s.ok()) << s.error_message();
     EXPECT_GT(response.Length(), 0u);
+    // The service is listed, though a generic handler serves its methods.
+    grpc::Slice all;
+    ASSERT_TRUE(response.DumpToSingleSlice(&all).ok());
+    EXPECT_THAT(std::string(reinterpret_cast<const char*>(all.begin()), all.size()),
+                HasSubstr("attnserve.v1.AttentionService"));
   }
   const std::string tokens = TokensFile();
   TestServerOptions options;
@@ -417,6 +422,133 @@ TEST(EdgeErrorTest, APrefillAbandonedDuringUploadIsNotCountedAsBadInput) {
   const double bad = Metric(**server, "attnserve_requests_total",
                             "code=\"INVALID_ARGUMENT\",method=\"Prefill\",shape=\"none\"");
   EXPECT_EQ(bad, 0) << "a client's own timeout was counted as its bad input";
+}
+
+// Invalid UTF-8 in a string field: each request is refused, and protobuf's
+// complaint about it reaches the log at most once a second (before, one
+// unthrottled "[libprotobuf ERROR ...]" line per request).
+TEST(EdgeErrorTest, AFloodOfMalformedStringsWritesALogLineASecondAtMost) {
+  auto server = TestServer::Start(TestServerOptions{});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto channel = Channel((*server)->grpc_address());
+  const absl::Time start = absl::Now();
+  constexpr int kRequests = 1500;
+  int refused = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    // UnregisterRegionRequest{name: "\xff\xfe"}
+    const grpc::Status s = SendRaw(channel, "UnregisterRegion", Field(1, "\xff\xfe"));
+    refused += s.error_code() == grpc::StatusCode::INVALID_ARGUMENT;
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  EXPECT_EQ(refused, kRequests);
+  absl::SleepFor(absl::Milliseconds(100));
+  const std::string out = (*server)->Output();
+  int lines = 0;
+  for (size_t at = out.find("UTF-8"); at != std::string::npos; at = out.find("UTF-8", at + 1)) {
+    ++lines;
+  }
+  EXPECT_GE(lines, 1) << "protobuf's complaint was not logged at all:\n" << out;
+  EXPECT_LE(lines, 2 + static_cast<int>(seconds)) << kRequests << " requests in " << seconds
+                                                  << " s wrote " << lines << " lines";
+  EXPECT_THAT(out, HasSubstr("protobuf ("));
+  EXPECT_TRUE(SendRaw(channel, "GetServerInfo", "").ok());
+}
+
+TEST(EdgeErrorTest, TheBearerSchemeIsCaseInsensitiveAndOtherSchemesSaySo) {
+  const std::string tokens = TokensFile();
+  TestServerOptions options;
+  options.extra_flags = {"--auth_tokens_file=" + tokens};
+  auto server = TestServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto channel = Channel((*server)->grpc_address());
+  auto call = [&](const std::string& authorization) {
+    grpc::GenericStub stub(channel);
+    grpc::ClientContext ctx;
+    if (!authorization.empty()) ctx.AddMetadata("authorization", authorization);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    grpc::Slice slice("", 0);
+    grpc::ByteBuffer request(&slice, 1), response;
+    absl::Notification done;
+    grpc::Status status;
+    stub.UnaryCall(&ctx, absl::StrCat(kService, "GetServerInfo"), grpc::StubOptions(), &request,
+                   &response, [&](grpc::Status s) {
+                     status = std::move(s);
+                     done.Notify();
+                   });
+    done.WaitForNotification();
+    return status;
+  };
+  EXPECT_TRUE(call("Bearer tok-alice").ok());
+  EXPECT_TRUE(call("bearer tok-alice").ok()) << "a lowercase scheme was refused";
+  EXPECT_TRUE(call("BEARER tok-alice").ok());
+  grpc::Status s = call("Basic dG9rOmFsaWNl");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(s.error_message(), HasSubstr("not 'Bearer TOKEN'"));
+  s = call("");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_THAT(s.error_message(), HasSubstr("missing"));
+  s = call("bearer wrong");
+  EXPECT_THAT(s.error_message(), HasSubstr("unknown bearer token"));
+  unlink(tokens.c_str());
+}
+
+TEST(ShutdownTest, ARepeatedSigtermKeepsTheDrainClean) {
+  TestServerOptions options;
+  options.num_pages = 512;
+  options.extra_flags = {"--drain_timeout_s=2"};
+  auto server = TestServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ClientOptions copts;
+  copts.target = (*server)->grpc_address();
+  auto client = Client::Connect(copts);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto pages = (*client)->AllocatePages(256);
+  ASSERT_TRUE(pages.ok());
+  std::mt19937_64 gen(7);
+  // A prefill that runs past the drain, so that the drain is still going
+  // when the signal comes again.
+  const std::string bytes =
+      SlowPrefill(GeometryOf((*client)->info()), *pages, 32768, gen).SerializeAsString();
+  auto channel = Channel((*server)->grpc_address());
+  grpc::Status slow;
+  std::thread caller([&] { slow = SendRaw(channel, "Prefill", bytes); });
+  const absl::Time wait_until = absl::Now() + absl::Seconds(30);
+  while (Metric(**server, "attnserve_inflight_requests", "") < 1 && absl::Now() < wait_until) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  kill((*server)->pid(), SIGTERM);
+  absl::SleepFor(absl::Milliseconds(20));
+  kill((*server)->pid(), SIGTERM);
+  kill((*server)->pid(), SIGTERM);
+  EXPECT_EQ((*server)->Wait(), 0) << (*server)->Output();
+  caller.join();
+  EXPECT_EQ(slow.error_code(), grpc::StatusCode::UNAVAILABLE) << slow.error_message();
+  EXPECT_THAT((*server)->Output(), HasSubstr("already draining"));
+}
+
+// A client that dies while its request is arriving is counted as CANCELLED
+// (or DEADLINE_EXCEEDED), never as INVALID_ARGUMENT: the server did not get
+// a malformed request, it got half of one.
+TEST(EdgeErrorTest, AClientKilledWhileSendingIsCountedCancelled) {
+  auto server = TestServer::Start(TestServerOptions{});
+  ASSERT_TRUE(server.ok()) << server.status();
+  // Four calls whose bodies stop one byte short; the sender then exits.
+  std::string output;
+  const int code = RunProgram({"/usr/bin/python3", H2_FLOOD_PY, (*server)->grpc_address(),
+                               "--connections", "1", "--streams", "4", "--claim", "1048576",
+                               "--send_for", "0.5", "--hold", "0"},
+                              &output);
+  ASSERT_EQ(code, 0) << output;
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (Metric(**server, "attnserve_inflight_requests", "") > 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(Metric(**server, "attnserve_requests_total",
+                   "code=\"CANCELLED\",method=\"Prefill\",shape=\"none\""),
+            4);
+  EXPECT_EQ(Metric(**server, "attnserve_requests_total",
+                   "code=\"INVALID_ARGUMENT\",method=\"Prefill\",shape=\"none\""),
+            0);
 }
 
 }  // namespace

@@ -106,6 +106,29 @@ class TestServer:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def rss_bytes(self) -> int:
+        """The server's resident memory now (VmRSS)."""
+        with open(f"/proc/{self._proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def metric(self, sample: str) -> float:
+        """The value of one exposition sample, e.g. 'attnserve_queue_depth' or
+        'attnserve_requests_total{code="OK",method="Prefill",shape="decode"}'; 0 when absent."""
+        import urllib.request
+        with urllib.request.urlopen(f"http://{self.metrics_address}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+        return 0.0
+
     def stop(self) -> int:
         """SIGTERM, then wait; the exit code (negative: killed by that signal)."""
         if self._proc.poll() is None:

@@ -1,0 +1,110 @@
+"""What a connection and a caller may hold before and after authentication
+(docs/security.md, "What hostile input costs"): request bodies without a
+valid token are never buffered (the call is refused from its metadata), an
+authenticated sender that stalls is cut off after --request_read_timeout_s,
+and idle connections are closed after --connection_idle_timeout_s. The
+hostile client is h2_flood.py (raw HTTP/2: bodies that stop half-way)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+import attnserve
+from server import TestServer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    with tempfile.NamedTemporaryFile("w", suffix=".tokens", delete=False) as f:
+        f.write("tok-a alice\n")
+    yield f.name
+    os.unlink(f.name)
+
+
+class Flood:
+    """h2_flood.py running against a server; ready() and done() return its JSON lines."""
+
+    def __init__(self, address, *args):
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "h2_flood.py"), address, *map(str, args)],
+            stdout=subprocess.PIPE, text=True)
+
+    def _line(self):
+        line = self.proc.stdout.readline()
+        assert line, f"h2_flood exited early ({self.proc.wait()})"
+        return json.loads(line)
+
+    def ready(self):
+        return self._line()
+
+    def done(self):
+        out = self._line()
+        self.proc.wait(timeout=60)
+        return out
+
+
+def _works(server, token):
+    client = attnserve.Client(server.address, token=token, timeout=30)
+    g = client.server_info
+    pages = client.allocate_pages(1)
+    q = np.random.default_rng(1).standard_normal((1, g.num_qo_heads, g.head_dim))
+    client.prefill(0, q, [0, 1], [0, 1], pages, [1])
+    client.free_pages(pages)
+    client.close()
+
+
+def test_bodies_without_a_token_are_never_buffered(tokens):
+    with TestServer(extra_flags=[f"--auth_tokens_file={tokens}"]) as server:
+        before = server.rss_bytes()
+        # 16 connections x 16 calls, each claiming a 64 MiB message: before
+        # the fix the server took each body whole before it checked the
+        # token (+226 MiB for 4 such calls).
+        flood = Flood(server.address, "--connections", 16, "--streams", 16, "--claim", 64 * MIB,
+                      "--send_for", 3, "--hold", 1)
+        ready = flood.ready()
+        grown = server.rss_bytes() - before
+        flood.done()
+        assert ready["rejected"] == 256, ready
+        assert grown <= 64 * MIB, f"the server holds {grown / MIB:.1f} MiB more for unauthenticated bodies"
+        assert server.metric('attnserve_requests_total{code="UNAUTHENTICATED",method="Prefill",shape="none"}') == 256
+        _works(server, "tok-a")
+
+
+def test_an_authenticated_sender_that_stalls_is_cut_off(tokens):
+    with TestServer(extra_flags=[f"--auth_tokens_file={tokens}", "--request_read_timeout_s=1"]) as server:
+        flood = Flood(server.address, "--connections", 2, "--streams", 2, "--claim", 8 * MIB,
+                      "--token", "tok-a", "--send_for", 0.5, "--hold", 3)
+        ready = flood.ready()
+        assert ready["rejected"] == 0, ready  # authenticated: being read
+        done = flood.done()
+        assert done["rejected"] == 4, done
+        assert server.metric(
+            'attnserve_requests_total{code="DEADLINE_EXCEEDED",method="Prefill",shape="none"}') == 4
+        _works(server, "tok-a")
+
+
+def test_idle_connections_are_closed(tokens):
+    with TestServer(extra_flags=["--connection_idle_timeout_s=1"]) as server:
+        flood = Flood(server.address, "--connections", 50, "--streams", 0, "--send_for", 0,
+                      "--hold", 4)
+        flood.ready()
+        done = flood.done()
+        assert done["closed"] == 50, done
+        _works(server, None)
+
+
+def test_an_unknown_method_is_unimplemented_without_reading_its_body(tokens):
+    with TestServer() as server:
+        flood = Flood(server.address, "--connections", 1, "--streams", 4, "--claim", 64 * MIB,
+                      "--method", "NoSuchMethod", "--send_for", 1, "--hold", 0)
+        ready = flood.ready()
+        flood.done()
+        assert ready["rejected"] == 4 and ready["sent"] < 8 * MIB, ready
