@@ -162,6 +162,15 @@ KvGeometry GeometryOf(const v1::ServerInfo& info) {
 
 absl::Status Client::FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
+  // This client never cancels a call itself (its deadlines end calls with
+  // DEADLINE_EXCEEDED): a CANCELLED call was cancelled by the server's gRPC,
+  // which does that to a call that reaches it in the last moments of a
+  // shutdown. For the caller that is "go elsewhere", as for the calls the
+  // draining server answered itself.
+  if (status.error_code() == grpc::StatusCode::CANCELLED) {
+    return absl::UnavailableError(absl::StrCat(
+        "the server cancelled the call (it was shutting down): ", status.error_message()));
+  }
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 

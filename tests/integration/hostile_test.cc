@@ -551,5 +551,52 @@ TEST(EdgeErrorTest, AClientKilledWhileSendingIsCountedCancelled) {
             0);
 }
 
+// Calls that arrive during a drain, up to the very end, are told UNAVAILABLE
+// ("go elsewhere"): a client that retries on UNAVAILABLE loses nothing to a
+// drain. The server answers them itself while it drains; a call that reaches
+// it in the last moments, after gRPC's shutdown began, gRPC cancels, and
+// the clients report that as UNAVAILABLE too (gRPC's CANCELLED before).
+TEST(ShutdownTest, EveryCallDuringADrainIsOkOrUnavailable) {
+  for (int round = 0; round < 3; ++round) {
+    auto server = TestServer::Start(TestServerOptions{});
+    ASSERT_TRUE(server.ok()) << server.status();
+    std::atomic<bool> stop{false};
+    std::atomic<int> ok{0}, unavailable{0}, other{0};
+    std::vector<std::string> others;
+    absl::Mutex mu;
+    std::vector<std::thread> callers;
+    for (int t = 0; t < 4; ++t) {
+      callers.emplace_back([&] {
+        ClientOptions copts;
+        copts.target = (*server)->grpc_address();
+        copts.timeout_s = 10;
+        auto client = Client::Connect(copts);
+        ASSERT_TRUE(client.ok()) << client.status();
+        while (!stop) {
+          const absl::Status s = (*client)->GetServerInfo().status();
+          if (s.ok()) {
+            ++ok;
+          } else if (s.code() == absl::StatusCode::kUnavailable) {
+            ++unavailable;
+          } else {
+            ++other;
+            absl::MutexLock lock(&mu);
+            others.push_back(s.ToString());
+          }
+        }
+      });
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+    kill((*server)->pid(), SIGTERM);
+    EXPECT_EQ((*server)->Wait(), 0);
+    absl::SleepFor(absl::Milliseconds(100));  // calls after the exit: refused connections
+    stop = true;
+    for (std::thread& t : callers) t.join();
+    EXPECT_GT(ok, 0);
+    EXPECT_GT(unavailable, 0);
+    EXPECT_EQ(other, 0) << (others.empty() ? "" : others[0]);
+  }
+}
+
 }  // namespace
 }  // namespace attnserve
