@@ -363,6 +363,7 @@ int Run() {
   }
 
   Metrics metrics;
+  metrics.AddTenants((*auth)->Tenants());
   AttentionCore core(core_options, *std::move(backend), &metrics);
   ServerOptions server_options;
   server_options.listen = listen;
@@ -421,6 +422,7 @@ int Run() {
       if (sig == SIGHUP) {
         absl::Status s = (*auth)->Reload();
         if (s.ok()) {
+          metrics.AddTenants((*auth)->Tenants());
           spdlog::info("SIGHUP: reloaded --auth_tokens_file");
         } else {
           spdlog::error("SIGHUP: keeping the old tokens: {}", s.ToString());

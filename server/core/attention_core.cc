@@ -5,6 +5,7 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "server/backend/factory.h"
 #include "server/core/status_macros.h"
 
 namespace attnserve {
@@ -144,8 +145,9 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
   sched.max_tenant_queue_requests = options.max_tenant_queue_requests;
   scheduler_ = std::make_unique<Scheduler>(backend_.get(), &pages_, metrics_, sched);
   UpdatePageGauges();
+  metrics_->SetKvCacheBytes(BytesPerPage(backend_->Geometry()) * backend_->Geometry().num_pages);
   const Backend::MemoryUsage memory = backend_->Memory();
-  metrics_->SetMemory(memory.used_bytes, memory.total_bytes);
+  if (memory.total_bytes > 0) metrics_->SetDeviceMemory(memory.used_bytes, memory.total_bytes);
 }
 
 AttentionCore::~AttentionCore() { Shutdown(); }
