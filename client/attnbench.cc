@@ -346,6 +346,21 @@ class Worker {
       if (wrong) std::cerr << "\nwrong result (" << shape.name << "): " << c.ToString() << "\n";
     }
     stats->Record(latency, status, wrong, shape.rows, shape.flops);
+    BackOffAfter(status);
+  }
+
+  // After UNAVAILABLE (a draining server, or one that is gone) the next
+  // request waits a random time in [0, backoff_s_], which doubles from 10 ms
+  // up to 1 s while the failures last; a success resets it. gRPC's retry
+  // policy (common/transport.h) has already retried the request itself.
+  void BackOffAfter(const absl::Status& status) {
+    if (!absl::IsUnavailable(status)) {
+      backoff_s_ = 0;
+      return;
+    }
+    backoff_s_ = std::clamp(backoff_s_ * 2, 0.01, 1.0);
+    std::uniform_real_distribution<double> wait(0, backoff_s_);
+    std::this_thread::sleep_for(std::chrono::duration<double>(wait(jitter_)));
   }
 
   // The query into the tensor region (untimed).
@@ -417,6 +432,8 @@ class Worker {
   std::vector<Shape> shapes_;
   std::vector<uint64_t> plan_ids_;  // --plan: one per shape, in shapes_' order
   size_t next_ = 0;
+  double backoff_s_ = 0;        // BackOffAfter
+  std::mt19937_64 jitter_{std::random_device{}()};
   PrefillResult result_;  // reused by every request
   // --shm: the client's system region (the ring of --channel at 0) and the
   // region of its tensors (q at q_at_, output at o_at_, LSE at lse_at_): the
@@ -735,5 +752,6 @@ int main(int argc, char** argv) {
        "attnserve. Each client holds --batch x ceil(--kv_len / page_size) KV pages per request\n"
        "shape for the run; --verify checks every response against a float64 reference.",
        {{"client/attnbench.cc", "Flags"}, {"client/cli_flags.cc", "Connection flags"}}});
+  attnserve::HideGrpcLogs();
   return attnserve::Main();
 }
