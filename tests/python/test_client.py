@@ -308,6 +308,38 @@ def test_connect_waits_for_an_address_that_answers_nothing():
             attnserve.Client(f"127.0.0.1:{s.getsockname()[1]}", connect_timeout=0.5)
 
 
+def test_results_come_back_in_the_callers_dtype(client):
+    g = client.server_info
+    rng = np.random.default_rng(9)
+    pages = client.allocate_pages(1)
+    kv = rng.standard_normal((16, g.num_kv_heads, g.head_dim)).astype(np.float32)
+    client.write_kv(0, slots_of(pages, g.page_size), kv, kv)
+    q = rng.standard_normal((3, g.num_qo_heads, g.head_dim)).astype(np.float32)
+    lay = ([0, 3], [0, 1], pages, [16])
+    ref = client.prefill(0, q, *lay).output
+    for x in (q.astype(np.float16), q, q.astype(np.float64)):
+        out = client.prefill(0, x, *lay).output
+        assert isinstance(out, np.ndarray) and out.dtype == x.dtype
+    for t in (torch.from_numpy(q).half(), torch.from_numpy(q), torch.from_numpy(q).bfloat16()):
+        out = client.prefill(0, t, *lay).output
+        assert torch.is_tensor(out) and out.dtype == t.dtype
+    # An fp16 query on this bf16 server: fp16 back, the server's bf16 values exactly.
+    half = client.prefill(0, torch.from_numpy(q).half(), *lay).output
+    wire = client.prefill(0, torch.from_numpy(q).half(), *lay, out="raw").output
+    assert torch.equal(half, torch.from_numpy(attnserve.bf16_bits_to_float32(wire)).half())
+    # Bit patterns: only as RawBits; a bare uint16 array is refused, naming RawBits.
+    bits = attnserve.float32_to_bf16_bits(q)
+    raw = client.prefill(0, attnserve.RawBits(bits, "bf16"), *lay).output
+    assert raw.dtype == np.uint16 and np.array_equal(raw, attnserve.float32_to_bf16_bits(ref))
+    with pytest.raises(TypeError, match=r"q: numpy uint16 holds integers.*RawBits"):
+        client.prefill(0, bits, *lay)
+    with pytest.raises(TypeError, match="RawBits of fp16, but the server's kv_dtype is bf16"):
+        client.prefill(0, attnserve.RawBits(bits, "fp16"), *lay)
+    v, _ = client.merge_states([(q.astype(np.float16), np.zeros((3, g.num_qo_heads), np.float32))])
+    assert v.dtype == np.float16
+    client.free_pages(pages)
+
+
 def test_a_request_over_max_message_bytes_names_it(server):
     with attnserve.Client(server.address, max_message_bytes=4096, timeout=60) as c:
         g = c.server_info

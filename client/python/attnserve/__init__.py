@@ -12,7 +12,7 @@ docs/design.md are the contract.
 from attnserve.client import (Client, PrefillLayout, PrefillResult, RegionInfo, ServerInfo,
                               retain_freed_memory)
 from attnserve.aio import AsyncClient
-from attnserve.dtypes import bf16_bits_to_float32, float32_to_bf16_bits
+from attnserve.dtypes import RawBits, bf16_bits_to_float32, float32_to_bf16_bits
 from attnserve.errors import (Aborted, AlreadyExists, AttnserveError, Cancelled, DataLoss,
                               DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
                               NotFound, OutOfRange, PermissionDenied, ResourceExhausted,
@@ -30,7 +30,7 @@ __all__ = [
     "KvManager", "AsyncKvManager", "Plan", "RegionInfo", "RegionTensor", "SharedMemoryRegion",
     "register_cuda_tensor", "retain_freed_memory",
     "Cluster", "ClusterStep", "ClusterServer", "Shard", "SequencesLost", "merge_states",
-    "float32_to_bf16_bits", "bf16_bits_to_float32",
+    "float32_to_bf16_bits", "bf16_bits_to_float32", "RawBits",
     "AttnserveError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",
     "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition",
     "StaleIncarnation", "Aborted", "OutOfRange", "Unimplemented", "Internal", "Unavailable",

@@ -353,7 +353,15 @@ class _Core:
     def _out(self, out, like):
         if out is not None:
             return out
-        return "torch" if _dt.is_torch(like) else self.out
+        kind, _ = _dt.result_like(like)
+        return kind if kind in ("torch", "raw") else self.out
+
+    @staticmethod
+    def _dtype(out, like):
+        """The caller's dtype, which a result computed from `like` comes back
+        in (None: out's default, bits for "raw")."""
+        _, dtype = _dt.result_like(like)
+        return None if out == "raw" else dtype
 
     @staticmethod
     def _device(device, like):
@@ -473,6 +481,7 @@ class _Core:
         like = None if isinstance(q, RegionTensor) else q
         out_kind = self._out(out, like)
         out_device = self._device(device, like)
+        out_dtype = self._dtype(out_kind, like)
 
         def parse(raw):
             tensors, incarnation = _wire.parse_tensor_message(raw, (1, 2), 3)
@@ -481,7 +490,7 @@ class _Core:
                 return PrefillResult(None, None, incarnation)
             o, lse = tensors[1], tensors[2]
             output = _dt.from_wire(raw, o.data_start, o.nbytes, o.shape, o.dtype, out_kind,
-                                   out_device)
+                                   out_device, out_dtype)
             lse_out = _dt.from_wire(raw, lse.data_start, lse.nbytes, lse.shape, lse.dtype,
                                     "numpy" if out_kind == "raw" else out_kind, out_device)
             return PrefillResult(output, lse_out, incarnation)
@@ -535,6 +544,7 @@ class _Core:
             pieces += [_wire.tag(1, 2) + _wire.varint(size), *v_pieces, *l_pieces]
         out_kind = self._out(out, like)
         out_device = self._device(device, like)
+        out_dtype = self._dtype(out_kind, like)
 
         def parse(raw):
             tensors, incarnation = _wire.parse_tensor_message(raw, (1, 2), 3)
@@ -543,7 +553,7 @@ class _Core:
                 return None
             v, lse = tensors[1], tensors[2]
             return (_dt.from_wire(raw, v.data_start, v.nbytes, v.shape, v.dtype, out_kind,
-                                  out_device),
+                                  out_device, out_dtype),
                     _dt.from_wire(raw, lse.data_start, lse.nbytes, lse.shape, lse.dtype,
                                   "numpy" if out_kind == "raw" else out_kind, out_device))
         return "MergeStates", b"".join(pieces), parse
@@ -596,7 +606,9 @@ class Client(_Core):
         method also takes timeout=.
       max_message_bytes: largest request or response (default 512 MiB, as the
         server's default --max_message_bytes).
-      out: default result format, "numpy" or "torch" ("raw": bf16 bits).
+      out: default result format, "numpy" or "torch" ("raw": 16-bit patterns).
+        A query given as a torch tensor gets torch results, RawBits raw ones;
+        a numpy or torch query gets its output in its own dtype.
       fetch_info: read the server's geometry now (health checks need none).
       connect_timeout: with fetch_info, wait at most this long (at most
         `timeout`) for the server's first answer. A cause gRPC names
