@@ -69,6 +69,9 @@ ABSL_FLAG(int64_t, idle_spin_us, 0,
 ABSL_FLAG(bool, scrub_freed_pages, true,
           "zero a freed page's KV before it can be allocated again (off only when every "
           "client is trusted with every other's data)");
+ABSL_FLAG(bool, check_kv_written, true,
+          "refuse (FAILED_PRECONDITION) a Prefill that reads KV rows not written since their "
+          "page was allocated, instead of attending over zeros");
 ABSL_FLAG(int32_t, max_queue_requests, 4096, "queued requests before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response in bytes");
 ABSL_FLAG(int32_t, tenant_max_pages, 0, "most pages one tenant may hold (0: no cap)");
@@ -257,6 +260,7 @@ int Run() {
     return kExitUsage;
   }
   core_options.scrub_freed_pages = absl::GetFlag(FLAGS_scrub_freed_pages);
+  core_options.check_kv_written = absl::GetFlag(FLAGS_check_kv_written);
   core_options.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
   core_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   core_options.tenant_max_pages = absl::GetFlag(FLAGS_tenant_max_pages);
@@ -401,12 +405,12 @@ int Run() {
   spdlog::info(
       "attnserve {} (commit {}) started: pid={} backend={} device=\"{}\" layers={} pages={} "
       "page_size={} qo_heads={} kv_heads={} head_dim={} kv_dtype={} kv_cache_bytes={} ({:.1f} "
-      "MiB) prefill_kernel={} auth={} tls={} shared_memory={}",
+      "MiB) prefill_kernel={} auth={} tls={} shared_memory={} check_kv_written={}",
       info.version, kGitCommit, getpid(), info.backend, info.device, info.num_layers,
       info.num_pages, info.page_size, info.num_qo_heads, info.num_kv_heads, info.head_dim,
       absl::GetFlag(FLAGS_kv_dtype), kv_cache_bytes, kv_cache_bytes / 1048576.0, family,
       (*auth)->enabled() ? "on" : "off", server_options.tls_cert.empty() ? "off" : "on",
-      core_options.regions.enabled ? "on" : "off");
+      core_options.regions.enabled ? "on" : "off", core_options.check_kv_written ? "on" : "off");
   // Tests and scripts read this line to find the ports.
   spdlog::info("listening grpc={} metrics={}", (*server)->grpc_address(),
                (*server)->metrics_address().empty() ? "off" : (*server)->metrics_address());

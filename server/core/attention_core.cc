@@ -132,6 +132,7 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
   regions_.SetReleaseListener([this](const Region* region) {
     for (const std::string& tenant : channels_.CloseRegion(region)) UpdateChannelGauge(tenant);
   });
+  if (options.check_kv_written) written_ = std::make_unique<WrittenRows>(backend_->Geometry());
   limits_.max_message_bytes = options.max_message_bytes;
   limits_.max_request_rows = MaxRequestRows(options, backend_->Geometry());
   limits_.max_request_kv_indices = options.max_request_kv_indices;
@@ -190,6 +191,7 @@ absl::StatusOr<std::vector<int32_t>> AttentionCore::AllocatePages(const CallCont
         absl::StrCat("count=", count, " out of range [1, ", pages_.num_pages(), "] (num_pages)"));
   }
   auto pages = pages_.Allocate(ctx.tenant, count);
+  if (pages.ok() && written_ != nullptr) written_->Reset(*pages);
   UpdatePageGauges();
   if (pages.ok()) metrics_->SetTenantPages(ctx.tenant, pages_.TenantPages(ctx.tenant));
   return pages;
@@ -227,7 +229,11 @@ void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
     return;
   }
   job->pinned = std::move(pages);
-  status = scheduler_->Enqueue(job);
+  // Whether a Prefill's keys were written, asked only of the pages it owns.
+  if (job->kind == Job::Kind::kPrefill && written_ != nullptr) {
+    status = written_->CheckPrefill(job->task);
+  }
+  if (status.ok()) status = scheduler_->Enqueue(job);
   if (!status.ok()) {  // the job stayed with us
     // A page its owner freed meanwhile is released by this unpin.
     if (pages_.Unpin(job->pinned)) scheduler_->ScrubReleased(nullptr);
@@ -358,6 +364,10 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
   } else {
     validated = ValidatePrefill(call, backend_->Geometry(), limits_, incarnation_);
   }
+  if (validated.ok() && written_ != nullptr) {  // checked in Submit, once owned
+    done = written_->MarkOnSuccess(validated->task.layer, validated->task.append_slots,
+                                   validated->task.num_append, plan, std::move(done));
+  }
   if (!validated.ok()) {
     done(validated.status());
     return;
@@ -450,6 +460,11 @@ void AttentionCore::WriteKv(const WriteKvCall& request, DoneCallback done) {
   if (!pages.ok()) {
     done(pages.status());
     return;
+  }
+  if (written_ != nullptr) {
+    done = written_->MarkOnSuccess(call.layer, call.slots.data(),
+                                   static_cast<int64_t>(call.slots.size()), nullptr,
+                                   std::move(done));
   }
   auto job = std::make_unique<Job>();
   job->kind = Job::Kind::kWriteKv;

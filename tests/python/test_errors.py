@@ -316,3 +316,14 @@ def test_the_retry_policy_is_the_cpp_clients():
     cpp = _re.search(r'kClientServiceConfig\[\] = R"json\((.*?)\)json"', header, _re.S).group(1)
     assert json.loads(cpp) == json.loads(RETRY_SERVICE_CONFIG)
 
+
+def test_a_prefill_over_unwritten_rows_is_refused(client):
+    g = client.server_info
+    pages = client.allocate_pages(1)
+    q = q_rows(2, g)
+    with pytest.raises(attnserve.FailedPrecondition) as e:
+        client.prefill(0, q, [0, 2], [0, 1], pages, [16])
+    assert not isinstance(e.value, attnserve.StaleIncarnation)
+    assert (f"reads rows [0, 16) of page {pages[0]} (kv_indices[0]) in layer 0, but row 0 was "
+            "never written there") in e.value.details
+    client.free_pages(pages)
