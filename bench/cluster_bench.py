@@ -102,13 +102,12 @@ class Server:
             self.log.write(line)
 
     def kernel_seconds(self) -> float:
-        """Sum of attnserve_kernel_duration_seconds over every kernel (less
-        attention_decode, the decode family's share of attention)."""
+        """Sum of attnserve_kernel_duration_seconds over every kernel (its
+        values are disjoint)."""
         text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=30).read().decode()
         total = 0.0
         for line in text.splitlines():
-            if (line.startswith("attnserve_kernel_duration_seconds_sum")
-                    and 'kernel="attention_decode"' not in line):
+            if line.startswith("attnserve_kernel_duration_seconds_sum"):
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
@@ -416,8 +415,6 @@ def metrics_snapshot(server) -> dict:
                           "attnserve_batch_requests_sum", "attnserve_batch_requests_count",
                           "attnserve_queue_wait_seconds_sum", "attnserve_queue_wait_seconds_count"):
             continue
-        elif 'kernel="attention_decode"' in labels:
-            continue  # the decode family's share of attention, counted there already
         out[name] = out.get(name, 0.0) + value
     return out
 

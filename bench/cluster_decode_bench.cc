@@ -308,9 +308,7 @@ absl::StatusOr<ServerCounters> ReadCounters(const std::string& address) {
   c.prefill_seconds = sum("attnserve_request_duration_seconds_sum", "method=\"Prefill\"");
   c.batches = sum("attnserve_batch_requests_count");
   c.batch_requests = sum("attnserve_batch_requests_sum");
-  // attention_decode is the decode family's share of attention: not added again.
-  c.kernel_seconds =
-      sum("attnserve_kernel_duration_seconds_sum", "", "kernel=\"attention_decode\"");
+  c.kernel_seconds = sum("attnserve_kernel_duration_seconds_sum");  // kernels are disjoint
   c.waits = sum("attnserve_queue_wait_seconds_count");
   c.wait_seconds = sum("attnserve_queue_wait_seconds_sum");
   return c;

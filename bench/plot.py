@@ -32,10 +32,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
-# Fields every attnbench --json result has, with their types.
+# Fields every attnbench --json result has, with their types (q_len is null
+# for decode runs: one query row per sequence).
 REQUIRED = {
     "workload": str, "mode": str, "concurrency": int, "rate": (int, float), "batch": int,
-    "q_len": int, "kv_len": int, "requests_per_s": (int, float), "latency_ms": dict,
+    "q_len": (int, type(None)), "kv_len": int, "requests_per_s": (int, float), "latency_ms": dict,
 }
 
 

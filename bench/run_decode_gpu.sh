@@ -163,10 +163,14 @@ for mode in ("auto", "off"):
     if not os.path.exists(p):
         print(f"| {mode} | (no metrics) | | | | | |"); continue
     t = open(p, errors="replace").read()
-    att_n = metric(t, "attnserve_kernel_duration_seconds_count", 'kernel="attention"')
-    att_s = metric(t, "attnserve_kernel_duration_seconds_sum", 'kernel="attention"')
-    launches = metric(t, "attnserve_kernel_launches_total", 'kernel="attention"')
+    # attention_prefill and attention_decode are disjoint: a batch's attention
+    # is their sum (its batches: those with either).
+    att_n = max(metric(t, "attnserve_kernel_duration_seconds_count", 'kernel="attention_prefill"'),
+                metric(t, "attnserve_kernel_duration_seconds_count", 'kernel="attention_decode"'))
+    att_s = (metric(t, "attnserve_kernel_duration_seconds_sum", 'kernel="attention_prefill"') +
+             metric(t, "attnserve_kernel_duration_seconds_sum", 'kernel="attention_decode"'))
     dec = metric(t, "attnserve_kernel_launches_total", 'kernel="attention_decode"')
+    launches = metric(t, "attnserve_kernel_launches_total", 'kernel="attention_prefill"') + dec
     reqs = metric(t, "attnserve_batch_requests_sum")
     p50 = "-"
     j = os.path.join(d, f"attnbench_{mode}.json")

@@ -148,7 +148,8 @@ def main():
             continue
         requests = d.get(("batch_requests", "sum"), 0) or 1
         batches = d.get(("batch_requests", "count"), 0) or 1
-        kernel_s = sum(d.get((k, "sum"), 0) for k in ("attention", "merge", "append"))
+        kernel_s = sum(d.get((k, "sum"), 0)
+                       for k in ("attention_prefill", "attention_decode", "merge", "append"))
         stages = {st: d.get(("stage_" + st, "sum"), 0) / batches * 1e3
                   for st in ("submit", "wait", "unpack", "finish")}
         rows.append((name, dict(floor=floor, floor_w=floor_w, res=res,

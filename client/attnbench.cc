@@ -346,6 +346,21 @@ class Worker {
       if (wrong) std::cerr << "\nwrong result (" << shape.name << "): " << c.ToString() << "\n";
     }
     stats->Record(latency, status, wrong, shape.rows, shape.flops);
+    BackOffAfter(status);
+  }
+
+  // After UNAVAILABLE (a draining server, or one that is gone) the next
+  // request waits a random time in [0, backoff_s_], which doubles from 10 ms
+  // up to 1 s while the failures last; a success resets it. gRPC's retry
+  // policy (common/transport.h) has already retried the request itself.
+  void BackOffAfter(const absl::Status& status) {
+    if (!absl::IsUnavailable(status)) {
+      backoff_s_ = 0;
+      return;
+    }
+    backoff_s_ = std::clamp(backoff_s_ * 2, 0.01, 1.0);
+    std::uniform_real_distribution<double> wait(0, backoff_s_);
+    std::this_thread::sleep_for(std::chrono::duration<double>(wait(jitter_)));
   }
 
   // The query into the tensor region (untimed).
@@ -417,6 +432,8 @@ class Worker {
   std::vector<Shape> shapes_;
   std::vector<uint64_t> plan_ids_;  // --plan: one per shape, in shapes_' order
   size_t next_ = 0;
+  double backoff_s_ = 0;        // BackOffAfter
+  std::mt19937_64 jitter_{std::random_device{}()};
   PrefillResult result_;  // reused by every request
   // --shm: the client's system region (the ring of --channel at 0) and the
   // region of its tensors (q at q_at_, output at o_at_, LSE at lse_at_): the
@@ -669,6 +686,14 @@ int Main() {
   // Report.
   const LatencyStats::Snapshot s = stats.Take(!absl::GetFlag(FLAGS_json).empty());
   const double rps = s.ok / elapsed, rows_ps = s.rows / elapsed, tflops = s.flops / elapsed / 1e12;
+  // attnecho computes nothing: no FLOP rate for it. A decode request has
+  // one query row per sequence, whatever --q_len says.
+  const bool computes = info.backend() != "echo";
+  const std::string tflops_text =
+      computes ? absl::StrFormat(", %.4g TFLOP/s", tflops) : " (attnecho: no compute)";
+  const std::string tflops_json = computes ? absl::StrFormat("%.6g", tflops) : "null";
+  const std::string q_len_json =
+      workload == "decode" ? "null" : absl::StrCat(absl::GetFlag(FLAGS_q_len));
   std::vector<std::string> codes;
   for (const auto& [code, count] : s.errors) codes.push_back(absl::StrCat(code, "=", count));
   if (s.wrong > 0) codes.push_back(absl::StrCat("WRONG_RESULT=", s.wrong));
@@ -680,13 +705,13 @@ int Main() {
       "attnbench: %s workload, %s, %s\n"
       "server:     %s backend, %d qo heads, %d kv heads, head_dim %d, page_size %d, %s\n"
       "requests:   %d in %.2f s (%d OK, %d dropped by the open loop)%s\n"
-      "throughput: %.1f requests/s, %.1f query rows/s, %.4g TFLOP/s\n"
+      "throughput: %.1f requests/s, %.1f query rows/s%s\n"
       "latency ms: p50 %s  p90 %s  p99 %s  max %s\n"
       "errors:     %s\n"
       "requests per launch: %s\n",
       workload, ShapeText(workload), mode, info.backend(), info.num_qo_heads(), info.num_kv_heads(), info.head_dim(),
       info.page_size(), v1::DType_Name(info.kv_dtype()), s.done, elapsed, s.ok, s.dropped,
-      verify ? ", every response verified" : "", rps, rows_ps, tflops, FormatMs(s.Percentile(50)),
+      verify ? ", every response verified" : "", rps, rows_ps, tflops_text, FormatMs(s.Percentile(50)),
       FormatMs(s.Percentile(90)), FormatMs(s.Percentile(99)), FormatMs(s.Percentile(100)),
       codes.empty() ? "none" : absl::StrJoin(codes, " "), metrics_note);
 
@@ -700,19 +725,19 @@ int Main() {
     std::ofstream f(path);
     f << absl::StrFormat(
         "{\n  \"workload\": \"%s\", \"mode\": \"%s\", \"concurrency\": %d, \"rate\": %.6g,\n"
-        "  \"batch\": %d, \"q_len\": %d, \"kv_len\": %d, \"verify\": %s,\n"
+        "  \"batch\": %d, \"q_len\": %s, \"kv_len\": %d, \"verify\": %s,\n"
         "  \"backend\": \"%s\", \"num_qo_heads\": %d, \"num_kv_heads\": %d, \"head_dim\": %d,\n"
         "  \"page_size\": %d, \"kv_dtype\": \"%s\",\n"
         "  \"requests\": %d, \"ok\": %d, \"dropped\": %d, \"elapsed_s\": %.6g,\n"
-        "  \"requests_per_s\": %.6g, \"query_rows_per_s\": %.6g, \"tflops\": %.6g,\n"
+        "  \"requests_per_s\": %.6g, \"query_rows_per_s\": %.6g, \"tflops\": %s,\n"
         "  \"latency_ms\": {\"p50\": %s, \"p90\": %s, \"p99\": %s, \"max\": %s},\n"
         "  \"errors\": %d, \"errors_by_code\": {%s}, \"wrong_results\": %d,\n"
         "  \"mean_requests_per_launch\": %s,\n"
         "  \"latencies_ms\": [%s]\n}\n",
         workload, rate > 0 ? "open" : "closed", concurrency, rate, absl::GetFlag(FLAGS_batch),
-        absl::GetFlag(FLAGS_q_len), absl::GetFlag(FLAGS_kv_len), verify ? "true" : "false",
+        q_len_json, absl::GetFlag(FLAGS_kv_len), verify ? "true" : "false",
         info.backend(), info.num_qo_heads(), info.num_kv_heads(), info.head_dim(), info.page_size(),
-        v1::DType_Name(info.kv_dtype()), s.done, s.ok, s.dropped, elapsed, rps, rows_ps, tflops,
+        v1::DType_Name(info.kv_dtype()), s.done, s.ok, s.dropped, elapsed, rps, rows_ps, tflops_json,
         FormatMs(s.Percentile(50)), FormatMs(s.Percentile(90)), FormatMs(s.Percentile(99)),
         FormatMs(s.Percentile(100)), s.Errors(), absl::StrJoin(errors, ", "), s.wrong,
         per_launch ? absl::StrFormat("%.6g", *per_launch) : "null", absl::StrJoin(samples, ", "));
@@ -735,5 +760,6 @@ int main(int argc, char** argv) {
        "attnserve. Each client holds --batch x ceil(--kv_len / page_size) KV pages per request\n"
        "shape for the run; --verify checks every response against a float64 reference.",
        {{"client/attnbench.cc", "Flags"}, {"client/cli_flags.cc", "Connection flags"}}});
+  attnserve::HideGrpcLogs();
   return attnserve::Main();
 }

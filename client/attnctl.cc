@@ -305,5 +305,6 @@ int main(int argc, char** argv) {
        "  merge                random states merged by the server, verified\n"
        "  health [SERVICE]     exit 0 only when SERVING",
        {{"client/attnctl.cc", "Flags"}, {"client/cli_flags.cc", "Connection flags"}}});
+  attnserve::HideGrpcLogs();
   return attnserve::Main(args);
 }

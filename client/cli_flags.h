@@ -1,6 +1,6 @@
 // Connection flags shared by the command-line clients (attnctl, attnbench):
 // --target, --token (or $ATTNSERVE_TOKEN), --tls, --tls_ca, --tls_cert,
-// --tls_key, --timeout_s.
+// --tls_key, --timeout_s, --connect_timeout_s.
 #pragma once
 
 #include "client/client.h"
@@ -9,5 +9,9 @@ namespace attnserve {
 
 // ClientOptions from the connection flags, read after ParseCommandLine.
 ClientOptions ClientOptionsFromFlags();
+
+// Keeps gRPC's own log lines off stderr (unless GRPC_VERBOSITY is set): the
+// programs print each failed call's status instead. Call once at start.
+void HideGrpcLogs();
 
 }  // namespace attnserve

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/shared_memory.h"
 #include "common/region_socket.h"
@@ -87,6 +88,67 @@ TensorSink Into(std::vector<T>* out) {
   };
 }
 
+// "A vs. B" in gRPC's "Sent message larger than max (A vs. B)": the
+// message's bytes and the limit.
+bool SizesOf(absl::string_view message, int64_t* bytes, int64_t* limit) {
+  const size_t open = message.find('(');
+  const size_t vs = message.find(" vs. ");
+  const size_t close = message.find(')', vs == absl::string_view::npos ? 0 : vs);
+  return open != absl::string_view::npos && vs != absl::string_view::npos &&
+         close != absl::string_view::npos && open < vs &&
+         absl::SimpleAtoi(message.substr(open + 1, vs - open - 1), bytes) &&
+         absl::SimpleAtoi(message.substr(vs + 5, close - vs - 5), limit);
+}
+
+// The cause of a failed connection that gRPC's status names, said in terms
+// of attnserve's options; empty when the status names none a client can act
+// on (then the address may still become ready).
+std::string ConnectCause(const grpc::Status& s, const ClientOptions& o) {
+  if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return "";
+  const std::string& m = s.error_message();
+  const std::string ca = o.tls_ca.empty() ? "the system's root CAs" : "tls_ca=" + o.tls_ca;
+  if (absl::StrContains(m, "DNS resolution failed") ||
+      absl::StrContains(m, "Domain name not found")) {
+    return absl::StrCat("cannot resolve the host of ", o.target, " (a typo?): ", m);
+  }
+  if (absl::StrContains(m, "Connection refused")) {
+    return absl::StrCat("connection refused: nothing listens on ", o.target,
+                        " (is attnserve running, and is this its --listen address?)");
+  }
+  if (absl::StrContains(m, "Failed parsing HTTP/2") || absl::StrContains(m, "http1") ||
+      absl::StrContains(m, "HTTP/1")) {
+    return absl::StrCat(o.target, " answers HTTP/1, not gRPC: is it attnserve's metrics port "
+                        "(--metrics_listen) instead of its --listen address?");
+  }
+  if (absl::StrContains(m, "certificate verify failed") ||
+      absl::StrContains(m, "CERTIFICATE_VERIFY_FAILED")) {
+    return absl::StrCat("TLS: the certificate of ", o.target, " is not signed by ", ca,
+                        " (or does not name the host): ", m);
+  }
+  if (absl::StrContains(m, "wrong version number") || absl::StrContains(m, "WRONG_VERSION_NUMBER")) {
+    return absl::StrCat("TLS: ", o.target, " does not speak TLS (a server without --tls_cert): "
+                        "connect without tls");
+  }
+  // A server that wants client certificates (--tls_client_ca) closes the
+  // connection once the handshake has shown the client's.
+  const std::string mtls =
+      o.tls_cert.empty()
+          ? "a server with --tls_client_ca wants a client certificate (tls_cert, tls_key)"
+          : absl::StrCat("a server with --tls_client_ca refuses a client certificate its CA did "
+                         "not sign (tls_cert=", o.tls_cert, ")");
+  if (absl::StrContains(m, "andshake failed")) {
+    return absl::StrCat("TLS handshake with ", o.target, " failed (", mtls, "?): ", m);
+  }
+  if (absl::StrContains(m, "Socket closed") || absl::StrContains(m, "Connection reset")) {
+    if (!o.tls) {
+      return absl::StrCat(o.target, " closed the connection before answering: if it is a TLS "
+                          "server (--tls_cert), connect with tls (and tls_ca)");
+    }
+    return absl::StrCat(o.target, " closed the connection after the TLS handshake: ", mtls);
+  }
+  return "";
+}
+
 constexpr char kWriteKvMethod[] = "/attnserve.v1.AttentionService/WriteKV";
 constexpr char kReadKvMethod[] = "/attnserve.v1.AttentionService/ReadKV";
 constexpr char kPrefillMethod[] = "/attnserve.v1.AttentionService/Prefill";
@@ -162,16 +224,32 @@ KvGeometry GeometryOf(const v1::ServerInfo& info) {
 
 absl::Status Client::FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
+  const std::string& m = status.error_message();
+  int64_t bytes = 0, limit = 0;
+  if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+      (absl::StartsWith(m, "Sent message larger than max") ||
+       absl::StartsWith(m, "Received message larger than max")) &&
+      SizesOf(m, &bytes, &limit)) {
+    // gRPC's own check of this client's limit (the server's says the same
+    // in its own words).
+    const bool sent = absl::StartsWith(m, "Sent");
+    return absl::ResourceExhaustedError(absl::StrCat(
+        sent ? "the request" : "the response", " is ", bytes,
+        " bytes, more than this client's max_message_bytes allows (", limit,
+        " bytes with 1 MiB for framing): send tensors this large through a shared-memory region "
+        "(docs/transport.md; the server needs --allow_shared_memory), or split the request, or "
+        "raise max_message_bytes here and --max_message_bytes on the server"));
+  }
   // This client never cancels a call itself (its deadlines end calls with
   // DEADLINE_EXCEEDED): a CANCELLED call was cancelled by the server's gRPC,
   // which does that to a call that reaches it in the last moments of a
   // shutdown. For the caller that is "go elsewhere", as for the calls the
   // draining server answered itself.
   if (status.error_code() == grpc::StatusCode::CANCELLED) {
-    return absl::UnavailableError(absl::StrCat(
-        "the server cancelled the call (it was shutting down): ", status.error_message()));
+    return absl::UnavailableError(
+        absl::StrCat("the server cancelled the call (it was shutting down): ", m));
   }
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), m);
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
@@ -206,6 +284,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   // connection among channels of the same target), so that N clients in
   // attnbench or the tests really are N concurrent connections.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  // Backoff with jitter on UNAVAILABLE, for the idempotent methods only.
+  args.SetServiceConfigJSON(kClientServiceConfig);
   for (const TransportArg& arg : TransportArgs(options.transport_tuning)) {
     args.SetInt(arg.name, arg.value);
   }
@@ -219,24 +299,39 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   c->stub_ = v1::AttentionService::NewStub(c->channel_);
   c->raw_ = std::make_unique<RawMethods>(c->channel_);
   if (!options.fetch_info) return c;
-  // The first call waits for the channel to be ready (a failed first
-  // connection attempt is retried) up to connect_timeout_s.
-  grpc::ClientContext ctx;
-  c->PrepareContext(&ctx);
-  ctx.set_wait_for_ready(true);
+  // The first call, fail-fast: a cause gRPC names (refused, unresolvable,
+  // TLS, an HTTP/1 port) ends it at once; while the connection is in
+  // progress, or failed for a reason not named, it is tried again until
+  // connect_timeout_s.
   const double wait_s = options.timeout_s > 0 ? std::min(options.timeout_s, options.connect_timeout_s)
                                               : options.connect_timeout_s;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::microseconds(static_cast<int64_t>(wait_s * 1e6)));
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::microseconds(static_cast<int64_t>(wait_s * 1e6));
   v1::ServerInfo info;
-  grpc::Status s = c->stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info);
-  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-      c->channel_->GetState(false) != GRPC_CHANNEL_READY) {
-    return absl::UnavailableError(absl::StrCat("cannot reach ", options.target, " within ",
-                                               wait_s, " s (connect_timeout_s): ",
-                                               s.error_message()));
+  for (;;) {
+    grpc::ClientContext ctx;
+    c->PrepareContext(&ctx);
+    ctx.set_deadline(deadline);
+    const grpc::Status s = c->stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info);
+    if (s.ok()) break;
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot reach ", options.target, " within ", wait_s, " s (connect_timeout_s): ",
+          c->channel_->GetState(false) == GRPC_CHANNEL_READY
+              ? "connected, but GetServerInfo got no answer"
+              : "no connection completed (a host that is down, or packets dropped on the way)"));
+    }
+    const std::string cause = ConnectCause(s, options);
+    if (!cause.empty()) return absl::UnavailableError(cause);
+    // Another transport failure: wait for the next connection attempt.
+    // UNAVAILABLE from the server itself (it is draining) is its answer.
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE ||
+        !absl::StrContains(s.error_message(), "failed to connect")) {
+      return FromGrpc(s);
+    }
+    const grpc_connectivity_state state = c->channel_->GetState(true);
+    if (state != GRPC_CHANNEL_READY) c->channel_->WaitForStateChange(state, deadline);
   }
-  if (!s.ok()) return FromGrpc(s);
   c->Learn(info.incarnation());
   c->info_ = std::move(info);
   return c;
@@ -688,6 +783,9 @@ absl::Status Client::Health(const std::string& service) {
   req.set_service(service);
   grpc::health::v1::HealthCheckResponse resp;
   grpc::Status s = health->Check(&ctx, req, &resp);
+  if (const std::string cause = ConnectCause(s, options_); !cause.empty()) {
+    return absl::UnavailableError(cause);
+  }
   if (!s.ok()) return FromGrpc(s);
   if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
     return absl::UnavailableError(absl::StrCat("health of '", service, "' is ",

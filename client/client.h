@@ -55,8 +55,11 @@ struct ClientOptions {
   std::string tls_key;          // PEM client key (mTLS)
   int64_t max_message_bytes = 512ll << 20;
   double timeout_s = 0;         // per-call deadline; 0: none
-  // Connect waits this long for the server to become reachable (a refused or
-  // failed first connection is retried within it) before giving up.
+  // Connect waits at most this long for the server to answer. A cause gRPC
+  // names (connection refused, a host that does not resolve, a TLS mismatch,
+  // an HTTP/1 port such as the metrics one) fails at once with UNAVAILABLE
+  // saying so; only an address whose connection is still in progress, or
+  // failed for no named cause, is waited for.
   double connect_timeout_s = 10;
   // gRPC's HTTP/2 and TCP settings for large tensors (common/transport.h);
   // false: gRPC's defaults. grpc_args: "NAME=INT,..." applied after them.
@@ -255,6 +258,9 @@ class Client {
   v1::AttentionService::Stub* stub() { return stub_.get(); }
   void PrepareContext(grpc::ClientContext* ctx) const;
 
+  // The status of a failed call. gRPC's own "Sent/Received message larger
+  // than max" (this client's limit) names max_message_bytes and the ways
+  // around it.
   static absl::Status FromGrpc(const grpc::Status& status);
 
  private:

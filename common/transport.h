@@ -82,6 +82,37 @@ inline std::vector<TransportArg> ParseTransportArgs(const std::string& spec,
   return out;
 }
 
+// The clients' gRPC service config (GRPC_ARG_SERVICE_CONFIG; the Python
+// client's RETRY_SERVICE_CONFIG is the same JSON): a call that fails with
+// UNAVAILABLE (no connection, or a draining server) is tried again up to 3
+// more times, each after a random wait in [0, 0.1 s x 2^(n-1)] (gRPC's
+// retry backoff is jittered so). Only the idempotent methods: running one of
+// them twice leaves what once does (Prefill's fused appends write the same
+// rows again). AllocatePages, FreePages, CreatePlan, ReleasePlan,
+// RegisterRegion, UnregisterRegion, OpenChannel and CloseChannel are never
+// retried: a repeat of one the server had already run would leave the
+// client's books wrong (pages allocated twice, a "not found" for a free that
+// happened). Requests over gRPC's retry buffer (256 KiB) are not retried.
+inline constexpr char kClientServiceConfig[] = R"json({
+  "methodConfig": [{
+    "name": [
+      {"service": "attnserve.v1.AttentionService", "method": "GetServerInfo"},
+      {"service": "attnserve.v1.AttentionService", "method": "Prefill"},
+      {"service": "attnserve.v1.AttentionService", "method": "WriteKV"},
+      {"service": "attnserve.v1.AttentionService", "method": "ReadKV"},
+      {"service": "attnserve.v1.AttentionService", "method": "MergeStates"},
+      {"service": "attnserve.v1.AttentionService", "method": "ListRegions"}
+    ],
+    "retryPolicy": {
+      "maxAttempts": 4,
+      "initialBackoff": "0.05s",
+      "maxBackoff": "1s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    }
+  }]
+})json";
+
 // glibc malloc, process-wide: keep freed memory for the next message instead
 // of returning it to the kernel. gRPC receives a message into slices of up
 // to 4 MiB from malloc; by default glibc trims its heap once more than about

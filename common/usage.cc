@@ -1,6 +1,7 @@
 #include "common/usage.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -12,6 +13,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
 #include "common/version.h"
 
@@ -70,6 +72,19 @@ void AppendSection(std::string* out, absl::string_view title,
     const size_t pad = left.size() + 2 < column ? column - left.size() : 2;
     absl::StrAppend(out, "  ", left, std::string(pad, ' '), flag->Help(), "\n");
   }
+}
+
+// Abseil's parser prints what is wrong with a command line (an unknown flag,
+// a value that does not parse) and exits 1; attnserve's programs exit 2 on
+// every flag error (docs/operations.md, "Exit codes"). While it parses, an
+// exit handler turns that exit into 2.
+std::atomic<bool> g_parsing{false};
+
+void ExitTwoWhileParsing() {
+  if (!g_parsing.load()) return;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(kExitUsage);
 }
 
 bool IsArg(absl::string_view arg, std::initializer_list<absl::string_view> names) {
@@ -149,7 +164,18 @@ std::vector<char*> ParseCommandLine(int argc, char** argv, const ProgramUsage& p
               << std::flush;
     std::exit(0);
   }
-  return absl::ParseCommandLine(argc, argv);
+  // Abseil answers its other usage flags (--helpon, --helpmatch, ...) itself
+  // and exits 0 or 1 on purpose: its status stays for those.
+  bool usage_flag = false;
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = absl::StripPrefix(absl::StripPrefix(argv[i], "-"), "-");
+    if (absl::StartsWith(arg, "help") || absl::StartsWith(arg, "only_check_args")) usage_flag = true;
+  }
+  std::atexit(ExitTwoWhileParsing);
+  g_parsing = !usage_flag;
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  g_parsing = false;
+  return args;
 }
 
 }  // namespace attnserve

@@ -12,13 +12,20 @@
 // defined in the program's own source files, one per line:
 // `--name=DEFAULT  meaning`. --helpfull adds every other flag linked in
 // (Abseil's). --version prints "NAME VERSION (commit HASH)". Each exits 0
-// before the program runs. Everything else is absl::ParseCommandLine's.
+// before the program runs. Everything else is absl::ParseCommandLine's,
+// except its exit status: a command line it cannot parse (an unknown flag, a
+// value that does not parse) exits kExitUsage (2), as every other flag error
+// of these programs does.
 #pragma once
 
 #include <string>
 #include <vector>
 
 namespace attnserve {
+
+// Exit status of a flag error (unknown flag, malformed or out-of-range value,
+// a file a flag names that cannot be read): docs/operations.md, "Exit codes".
+inline constexpr int kExitUsage = 2;
 
 // Flags defined in one source file, shown under one heading.
 struct FlagSource {

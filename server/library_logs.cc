@@ -56,13 +56,13 @@ void ProtobufLog(google::protobuf::LogLevel level, const char* file, int line,
   Write(l, "protobuf", file, line, message);
 }
 
+// gRPC's errors (while it binds a port, a client's failed TLS handshake,
+// ...) go to the log at debug level: the server's own message says what
+// failed, naming the flag. Its info and debug lines at trace.
 void GrpcLog(gpr_log_func_args* args) {
-  spdlog::level::level_enum l = spdlog::level::info;
-  switch (args->severity) {
-    case GPR_LOG_SEVERITY_DEBUG: l = spdlog::level::debug; break;
-    case GPR_LOG_SEVERITY_INFO: l = spdlog::level::info; break;
-    case GPR_LOG_SEVERITY_ERROR: l = spdlog::level::err; break;
-  }
+  const spdlog::level::level_enum l =
+      args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::debug : spdlog::level::trace;
+  if (!spdlog::should_log(l)) return;
   Write(l, "grpc", args->file, args->line, std::string(args->message));
 }
 

@@ -1,6 +1,8 @@
 // attnserve: the GPU-resident attention server. Flags are defined here only
 // and read once into the options structs of the layers below.
 #include <sys/resource.h>
+#include <netdb.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -20,12 +22,15 @@
 #endif
 
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/transport.h"
 #include "common/usage.h"
+#include "grpc/support/log.h"
 #include "spdlog/spdlog.h"
 #include "kernels/plan/kernel_select.h"
 #include "server/backend/factory.h"
@@ -66,6 +71,9 @@ ABSL_FLAG(int64_t, idle_spin_us, 0,
 ABSL_FLAG(bool, scrub_freed_pages, true,
           "zero a freed page's KV before it can be allocated again (off only when every "
           "client is trusted with every other's data)");
+ABSL_FLAG(bool, check_kv_written, true,
+          "refuse (FAILED_PRECONDITION) a Prefill that reads KV rows not written since their "
+          "page was allocated, instead of attending over zeros");
 ABSL_FLAG(int32_t, max_queue_requests, 4096, "queued requests before RESOURCE_EXHAUSTED");
 ABSL_FLAG(int64_t, max_message_bytes, 512ll << 20, "largest request or response in bytes");
 ABSL_FLAG(int32_t, tenant_max_pages, 0, "most pages one tenant may hold (0: no cap)");
@@ -87,7 +95,8 @@ ABSL_FLAG(int64_t, handshake_timeout_s, 10,
 ABSL_FLAG(int64_t, request_read_timeout_s, 60,
           "an authenticated call's request must have arrived this many seconds after the call "
           "began, or the call ends with DEADLINE_EXCEEDED (a slow or stalled sender)");
-ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
+ABSL_FLAG(std::string, log_level, "info",
+          "trace, debug, info, warn, error (debug also shows gRPC's own log lines)");
 ABSL_FLAG(bool, access_log, false, "log one line per RPC (method, tenant, code, seconds)");
 ABSL_FLAG(int32_t, max_plans_per_tenant, 64,
           "step plans (CreatePlan) one tenant may hold at once");
@@ -175,6 +184,48 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
   return g;
 }
 
+// Exit status of a backend or listener that cannot start, a watchdog or a
+// second signal; a flag error exits kExitUsage (2). docs/operations.md, "Exit
+// codes".
+constexpr int kExitRuntime = 1;
+
+// A --listen or --metrics_listen value: HOST:PORT with PORT in [0, 65535]
+// and a HOST that resolves. gRPC and civetweb would only say that they
+// cannot listen there.
+absl::Status CheckListenAddress(absl::string_view flag, const std::string& address) {
+  const size_t colon = address.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, "=", address, ": not HOST:PORT (e.g. 127.0.0.1:50051, 0.0.0.0:50051, [::]:50051; "
+        "port 0 picks a free one)"));
+  }
+  std::string host = address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host.empty()) return absl::OkStatus();  // every address
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  const int rc = getaddrinfo(host.c_str(), nullptr, &hints, &found);
+  if (rc != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, "=", address, ": host '", host,
+                                                   "' does not resolve (", gai_strerror(rc), ")"));
+  }
+  freeaddrinfo(found);
+  return absl::OkStatus();
+}
+
+// The exit status of a server that failed to start with `status`: a flag's
+// value at fault (a file it names cannot be read, values that contradict
+// each other) exits 2, anything else 1.
+int StartExitCode(const absl::Status& status) {
+  return absl::IsInvalidArgument(status) || absl::IsNotFound(status) ? kExitUsage : kExitRuntime;
+}
+
 // Ends the process now: the drain has answered every RPC, and what is left
 // (a batch still running on an abandoned request, civetweb's and gRPC's
 // teardown) must not hold the exit past --drain_timeout_s. Objects still
@@ -191,14 +242,21 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
 }
 
 int Run() {
-  spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+  // protobuf's and gRPC's own log lines go through ours, at most one a
+  // second per cause (a malformed request repeated must not flood the log);
+  // gRPC's at debug level: the server's own message says what failed.
+  RouteLibraryLogs();
+  const std::string log_level = absl::GetFlag(FLAGS_log_level);
+  const spdlog::level::level_enum level = spdlog::level::from_str(log_level);
+  if (level == spdlog::level::off && log_level != "off") {
+    spdlog::error("--log_level={} must be trace, debug, info, warn or error", log_level);
+    return kExitUsage;
+  }
+  spdlog::set_level(level);
   if (absl::GetFlag(FLAGS_retain_freed_memory) && !RetainFreedMemory()) {
     spdlog::info("--retain_freed_memory: the allocator did not take the setting (not glibc's "
                  "malloc); freed memory goes back as the allocator decides");
   }
-  // protobuf's and gRPC's own log lines go through ours, at most one a
-  // second per cause (a malformed request repeated must not flood the log).
-  RouteLibraryLogs();
   // Signals are taken by one thread with sigwait; block them everywhere else.
   sigset_t signals;
   sigemptyset(&signals);
@@ -210,7 +268,7 @@ int Run() {
   auto geometry = GeometryFromFlags();
   if (!geometry.ok()) {
     spdlog::error("{}", geometry.status().ToString());
-    return 2;
+    return kExitUsage;
   }
   CoreOptions core_options;
   core_options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
@@ -218,9 +276,10 @@ int Run() {
   core_options.idle_spin_us = absl::GetFlag(FLAGS_idle_spin_us);
   if (core_options.idle_spin_us < 0 || core_options.idle_spin_us > 1000000) {
     spdlog::error("--idle_spin_us={} must be in [0, 1000000]", core_options.idle_spin_us);
-    return 2;
+    return kExitUsage;
   }
   core_options.scrub_freed_pages = absl::GetFlag(FLAGS_scrub_freed_pages);
+  core_options.check_kv_written = absl::GetFlag(FLAGS_check_kv_written);
   core_options.max_queue_requests = absl::GetFlag(FLAGS_max_queue_requests);
   core_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   core_options.tenant_max_pages = absl::GetFlag(FLAGS_tenant_max_pages);
@@ -242,19 +301,19 @@ int Run() {
   if (core_options.regions.max_regions_per_tenant < 1 ||
       core_options.regions.max_bytes_per_tenant < 1) {
     spdlog::error("--max_regions_per_tenant and --max_region_bytes_per_tenant must be at least 1");
-    return 2;
+    return kExitUsage;
   }
   core_options.channels.max_channels_per_tenant = absl::GetFlag(FLAGS_max_channels_per_tenant);
   if (core_options.channels.max_channels_per_tenant < 1 ||
       core_options.channels.max_channels_per_tenant > 1024) {
     spdlog::error("--max_channels_per_tenant={} must be in [1, 1024]",
                   core_options.channels.max_channels_per_tenant);
-    return 2;
+    return kExitUsage;
   }
   const int64_t channel_spin_us = absl::GetFlag(FLAGS_channel_spin_us);
   if (channel_spin_us < 0 || channel_spin_us > 1000000) {
     spdlog::error("--channel_spin_us={} must be in [0, 1000000]", channel_spin_us);
-    return 2;
+    return kExitUsage;
   }
   const int64_t lease_default_ttl_s = absl::GetFlag(FLAGS_lease_default_ttl_s);
   const int64_t lease_max_ttl_s = absl::GetFlag(FLAGS_lease_max_ttl_s);
@@ -277,27 +336,55 @@ int Run() {
   core_options.leases.max_ttl = absl::Seconds(lease_max_ttl_s);
   if (core_options.max_plans_per_tenant < 1 || core_options.plan_idle_timeout_s < 1) {
     spdlog::error("--max_plans_per_tenant and --plan_idle_timeout_s must be at least 1");
-    return 2;
+    return kExitUsage;
   }
   if (core_options.max_batch_tokens < 1 || core_options.max_message_bytes < 1024 ||
       core_options.max_message_bytes > INT32_MAX || core_options.max_queue_requests < 1) {
     spdlog::error("--max_batch_tokens >= 1, --max_queue_requests >= 1 and --max_message_bytes in "
                   "[1024, 2^31) are required");
-    return 2;
+    return kExitUsage;
+  }
+
+  for (const auto& [flag, value] :
+       {std::pair<const char*, int64_t>{"--device", absl::GetFlag(FLAGS_device)},
+        {"--max_queue_delay_us", core_options.max_queue_delay_us},
+        {"--tenant_max_pages", core_options.tenant_max_pages},
+        {"--max_tenant_queue_requests", core_options.max_tenant_queue_requests},
+        {"--drain_timeout_s", absl::GetFlag(FLAGS_drain_timeout_s)},
+        {"--kv_cache_bytes", absl::GetFlag(FLAGS_kv_cache_bytes)}}) {
+    if (value < 0) {
+      spdlog::error("{}={} must be at least 0", flag, value);
+      return kExitUsage;
+    }
+  }
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  absl::Status address = CheckListenAddress("--listen", listen);
+  if (address.ok() && !metrics_listen.empty()) {
+    address = CheckListenAddress("--metrics_listen", metrics_listen);
+  }
+  if (!address.ok()) {
+    spdlog::error("{}", std::string(address.message()));
+    return kExitUsage;
   }
 
   BackendOptions backend_options;
   const std::string prefill_kernel = absl::GetFlag(FLAGS_prefill_kernel);
   if (!ParsePrefillFamily(prefill_kernel.c_str(), &backend_options.prefill_family)) {
     spdlog::error("--prefill_kernel={} must be auto, sm80 or sm90", prefill_kernel);
-    return 2;
+    return kExitUsage;
   }
   backend_options.kind = absl::GetFlag(FLAGS_backend);
+  if (backend_options.kind != "auto" && backend_options.kind != "cuda" &&
+      backend_options.kind != "cpu") {
+    spdlog::error("--backend={} must be auto, cuda or cpu", backend_options.kind);
+    return kExitUsage;
+  }
   backend_options.device = absl::GetFlag(FLAGS_device);
   const std::string decode_kernel = absl::GetFlag(FLAGS_decode_kernel);
   if (decode_kernel != "auto" && decode_kernel != "off") {
     spdlog::error("--decode_kernel={} must be auto or off", decode_kernel);
-    return 2;
+    return kExitUsage;
   }
   backend_options.decode_kernel = decode_kernel == "auto";
   backend_options.geometry = *geometry;
@@ -307,19 +394,31 @@ int Run() {
   auto backend = MakeBackend(backend_options);
   if (!backend.ok()) {
     spdlog::error("backend: {}", backend.status().ToString());
-    return 1;
+    // This build has no CUDA backend: the flag's value is at fault, not the
+    // machine.
+    return absl::IsUnimplemented(backend.status()) ? kExitUsage : kExitRuntime;
+  }
+  // The CPU backend runs its reference kernels: a CUDA kernel family asked
+  // for is not silently ignored.
+  if ((*backend)->Name() == "cpu" && backend_options.prefill_family != PrefillFamily::kAuto) {
+    spdlog::error(
+        "--prefill_kernel={} selects a CUDA kernel family, but the backend is cpu{}: the cpu "
+        "backend runs its reference kernels; leave --prefill_kernel at auto",
+        prefill_kernel, backend_options.kind == "auto" ? " (--backend=auto found no GPU)" : "");
+    return backend_options.kind == "cpu" ? kExitUsage : kExitRuntime;
   }
   auto auth = TokenAuth::Load(absl::GetFlag(FLAGS_auth_tokens_file));
   if (!auth.ok()) {
     spdlog::error("{}", auth.status().ToString());
-    return 2;
+    return kExitUsage;
   }
 
   Metrics metrics;
+  metrics.AddTenants((*auth)->Tenants());
   AttentionCore core(core_options, *std::move(backend), &metrics);
   ServerOptions server_options;
-  server_options.listen = absl::GetFlag(FLAGS_listen);
-  server_options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  server_options.listen = listen;
+  server_options.metrics_listen = metrics_listen;
   server_options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   server_options.tls_key = absl::GetFlag(FLAGS_tls_key);
   server_options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
@@ -358,13 +457,13 @@ int Run() {
   const std::string reflection = absl::GetFlag(FLAGS_reflection);
   if (reflection != "auto" && reflection != "on" && reflection != "off") {
     spdlog::error("--reflection={} must be auto, on or off", reflection);
-    return 2;
+    return kExitUsage;
   }
   server_options.reflection = reflection == "on" || (reflection == "auto" && !(*auth)->enabled());
   auto server = AttnServer::Start(server_options, &core, auth->get(), &metrics);
   if (!server.ok()) {
     spdlog::error("{}", server.status().ToString());
-    return 1;
+    return StartExitCode(server.status());
   }
   AttnServer* server_ptr = server->get();
   core.SetFaultHandler([server_ptr](const absl::Status& status) {
@@ -376,12 +475,16 @@ int Run() {
   // runs its reference kernels whatever the flag says.
   const std::string family = info.backend == "cuda" ? PrefillFamilyName(backend_options.prefill_family) : "cpu";
   metrics.SetBuildInfo(info.version, kGitCommit, info.backend, info.device, family);
+  const int64_t kv_cache_bytes = BytesPerPage(*geometry) * info.num_pages;
   spdlog::info(
       "attnserve {} (commit {}) started: pid={} backend={} device=\"{}\" layers={} pages={} "
-      "page_size={} qo_heads={} kv_heads={} head_dim={} kv_dtype={} prefill_kernel={} auth={} tls={}",
-      info.version, kGitCommit, getpid(), info.backend, info.device, info.num_layers, info.num_pages, info.page_size,
-      info.num_qo_heads, info.num_kv_heads, info.head_dim, absl::GetFlag(FLAGS_kv_dtype), family,
-      (*auth)->enabled() ? "on" : "off", server_options.tls_cert.empty() ? "off" : "on");
+      "page_size={} qo_heads={} kv_heads={} head_dim={} kv_dtype={} kv_cache_bytes={} ({:.1f} "
+      "MiB) prefill_kernel={} auth={} tls={} shared_memory={} check_kv_written={}",
+      info.version, kGitCommit, getpid(), info.backend, info.device, info.num_layers,
+      info.num_pages, info.page_size, info.num_qo_heads, info.num_kv_heads, info.head_dim,
+      absl::GetFlag(FLAGS_kv_dtype), kv_cache_bytes, kv_cache_bytes / 1048576.0, family,
+      (*auth)->enabled() ? "on" : "off", server_options.tls_cert.empty() ? "off" : "on",
+      core_options.regions.enabled ? "on" : "off", core_options.check_kv_written ? "on" : "off");
   // Tests and scripts read this line to find the ports.
   spdlog::info("listening grpc={} metrics={} region_socket={}", (*server)->grpc_address(),
                (*server)->metrics_address().empty() ? "off" : (*server)->metrics_address(),
@@ -398,6 +501,7 @@ int Run() {
       if (sig == SIGHUP) {
         absl::Status s = (*auth)->Reload();
         if (s.ok()) {
+          metrics.AddTenants((*auth)->Tenants());
           spdlog::info("SIGHUP: reloaded --auth_tokens_file");
         } else {
           spdlog::error("SIGHUP: keeping the old tokens: {}", s.ToString());
@@ -413,7 +517,7 @@ int Run() {
           continue;
         }
         spdlog::warn("second SIGINT: exiting at once");
-        std::_Exit(1);
+        std::_Exit(kExitRuntime);
       }
       draining = true;
       spdlog::info("signal {}: draining (up to {})", sig, absl::FormatDuration(drain_timeout));
@@ -425,7 +529,7 @@ int Run() {
       std::thread([drain_timeout] {
         absl::SleepFor(drain_timeout + absl::Seconds(1));
         spdlog::error("shutdown overran --drain_timeout_s + 1 s: exiting now");
-        ExitNow(1);
+        ExitNow(kExitRuntime);
       }).detach();
     }
   });

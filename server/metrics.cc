@@ -2,8 +2,6 @@
 
 #include <algorithm>
 
-#include "absl/time/clock.h"
-
 namespace attnserve {
 namespace {
 
@@ -39,23 +37,15 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                        .Name("attnserve_tenant_kv_pages")
                        .Help("KV cache pages held, by tenant")
                        .Register(*registry_);
-  auto& memory = prometheus::BuildGauge()
-                     .Name("attnserve_device_memory_bytes")
-                     .Help("Memory of the backend's device (host memory of the KV pool on the "
-                           "CPU backend), by state")
-                     .Register(*registry_);
-  memory_used_ = &memory.Add({{"state", "used"}});
-  memory_total_ = &memory.Add({{"state", "total"}});
+  kv_cache_bytes_ = &prometheus::BuildGauge()
+                         .Name("attnserve_kv_cache_bytes")
+                         .Help("Bytes of the KV cache (K and V of every layer and page)")
+                         .Register(*registry_)
+                         .Add({});
   build_info_ = &prometheus::BuildGauge()
                      .Name("attnserve_build_info")
                      .Help("1, labelled with the server's version, commit, backend, device and prefill kernel family")
                      .Register(*registry_);
-  prometheus::BuildGauge()
-      .Name("process_start_time_seconds")
-      .Help("Start time of the process since the Unix epoch in seconds")
-      .Register(*registry_)
-      .Add({})
-      .Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
   queue_wait_ = &prometheus::BuildHistogram()
                      .Name("attnserve_queue_wait_seconds")
                      .Help("Time a request waited in the scheduler queue, seconds")
@@ -66,15 +56,15 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                          .Help("Requests per attention launch")
                          .Register(*registry_)
                          .Add({}, Exponential(1, 2, 11));
-  batch_tokens_ = &prometheus::BuildHistogram()
-                       .Name("attnserve_batch_tokens")
-                       .Help("Query rows per attention launch")
-                       .Register(*registry_)
-                       .Add({}, Exponential(1, 2, 18));
+  batch_query_rows_ = &prometheus::BuildHistogram()
+                           .Name("attnserve_batch_query_rows")
+                           .Help("Query rows per attention launch")
+                           .Register(*registry_)
+                           .Add({}, Exponential(1, 2, 18));
   auto& kernel_launches = prometheus::BuildCounter()
                           .Name("attnserve_kernel_launches_total")
-                          .Help("Kernel launches by kernel (attention, merge, append, kv_rows, zero_pages; attention_decode: the "
-                                "decode family's share of attention)")
+                          .Help("Kernel launches by kernel (attention_prefill, attention_decode, "
+                                "merge, append, kv_rows, zero_pages; disjoint)")
                           .Register(*registry_);
   auto& kernel_duration = prometheus::BuildHistogram()
                           .Name("attnserve_kernel_duration_seconds")
@@ -144,7 +134,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   }
   // The kernel and stage series exist from the start (dashboards see them at
   // zero), in the order of the Kernel and Stage enums.
-  const char* kernels[] = {"attention", "merge", "append", "kv_rows", "zero_pages", "attention_decode"};
+  const char* kernels[] = {"attention_prefill", "attention_decode", "merge", "append", "kv_rows",
+                           "zero_pages"};
   static_assert(sizeof(kernels) / sizeof(kernels[0]) == kNumKernels);
   for (int i = 0; i < kNumKernels; ++i) {
     kernel_launches_[i] = &kernel_launches.Add({{"kernel", kernels[i]}});
@@ -210,9 +201,37 @@ void Metrics::SetTenantPages(const std::string& tenant, int64_t pages) {
   tenant_pages_->Add({{"tenant", tenant}}).Set(static_cast<double>(pages));
 }
 
-void Metrics::SetMemory(int64_t used_bytes, int64_t total_bytes) {
+void Metrics::SetDeviceMemory(int64_t used_bytes, int64_t total_bytes) {
+  {
+    absl::MutexLock lock(&series_mu_);
+    if (memory_used_ == nullptr) {
+      memory_used_ = &prometheus::BuildGauge()
+                          .Name("attnserve_device_memory_used_bytes")
+                          .Help("Memory of the server's GPU in use (KV cache, workspace, CUDA "
+                                "context and anything else on the device), bytes")
+                          .Register(*registry_)
+                          .Add({});
+      memory_total_ = &prometheus::BuildGauge()
+                           .Name("attnserve_device_memory_total_bytes")
+                           .Help("Memory of the server's GPU in all, bytes")
+                           .Register(*registry_)
+                           .Add({});
+    }
+  }
   memory_used_->Set(static_cast<double>(used_bytes));
   memory_total_->Set(static_cast<double>(total_bytes));
+}
+
+void Metrics::AddTenants(const std::vector<std::string>& tenants) {
+  absl::MutexLock lock(&series_mu_);
+  for (const std::string& tenant : tenants) {
+    // Add returns the series when it exists already: a value set meanwhile stays.
+    tenant_pages_->Add({{"tenant", tenant}});
+    tenant_regions_->Add({{"tenant", tenant}});
+    tenant_region_bytes_->Add({{"tenant", tenant}});
+    open_channels_->Add({{"tenant", tenant}});
+    tenant_leases_->Add({{"tenant", tenant}});
+  }
 }
 
 void Metrics::SetBuildInfo(const std::string& version, const std::string& commit,
@@ -224,9 +243,9 @@ void Metrics::SetBuildInfo(const std::string& version, const std::string& commit
       .Set(1);
 }
 
-void Metrics::ObserveBatch(int requests, int64_t tokens) {
+void Metrics::ObserveBatch(int requests, int64_t query_rows) {
   batch_requests_->Observe(requests);
-  batch_tokens_->Observe(static_cast<double>(tokens));
+  batch_query_rows_->Observe(static_cast<double>(query_rows));
 }
 
 void Metrics::ObserveKernel(Kernel kernel, int launches, double seconds) {

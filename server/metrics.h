@@ -1,11 +1,13 @@
 // Metrics: the Prometheus families of docs/design.md section 7, built once on one
 // registry. Components keep a pointer to Metrics and update it; the exposer
-// (server/grpc/server.cc) serves the registry on --metrics_listen.
+// (server/grpc/server.cc) serves the registry on --metrics_listen, with the
+// process's own series (server/process_metrics.h).
 #pragma once
 
 #include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -43,21 +45,29 @@ class Metrics {
   void SetQueueDepth(int64_t requests) { queue_depth_->Set(static_cast<double>(requests)); }
   // Pages a tenant holds.
   void SetTenantPages(const std::string& tenant, int64_t pages);
-  // Memory the backend holds: device memory (CUDA) or the KV pool's host
-  // memory (CPU), and the total there is.
-  void SetMemory(int64_t used_bytes, int64_t total_bytes);
+  // Bytes of the KV cache (K and V, every layer and page), either backend.
+  void SetKvCacheBytes(int64_t bytes) { kv_cache_bytes_->Set(static_cast<double>(bytes)); }
+  // The device's memory in use and in all (CUDA backend only: the CPU backend
+  // has no device, and these families are not exported there).
+  void SetDeviceMemory(int64_t used_bytes, int64_t total_bytes);
+  // Tenants known at start (--auth_tokens_file, or "default"): their
+  // per-tenant series exist from then on, at 0, instead of appearing on
+  // first use.
+  void AddTenants(const std::vector<std::string>& tenants);
   // attnserve_build_info{version, commit, backend, device, prefill_kernel} = 1.
   void SetBuildInfo(const std::string& version, const std::string& commit,
                     const std::string& backend, const std::string& device,
                     const std::string& prefill_kernel);
   void ObserveQueueWait(double seconds) { queue_wait_->Observe(seconds); }
-  void ObserveBatch(int requests, int64_t tokens);
-  // attention and merge: a Prefill batch's launches; append: its fused
+  // One attention launch: requests and query rows in it.
+  void ObserveBatch(int requests, int64_t query_rows);
+  // The `kernel` label; its values are disjoint, so a sum over them is the
+  // whole. attention_prefill: the prefill family's attention launches (every
+  // attention launch on the CPU backend); attention_decode: the decode
+  // family's; merge: the split-KV merge; append: a Prefill batch's fused
   // appends; kv_rows: WriteKV scatters and ReadKV gathers; zero_pages: freed
   // pages zeroed before reuse.
-  // kAttentionDecode: the decode family's launches, a subset of kAttention's
-  // (never add the two).
-  enum class Kernel { kAttention, kMerge, kAppend, kKvRows, kZeroPages, kAttentionDecode };
+  enum class Kernel { kAttentionPrefill, kAttentionDecode, kMerge, kAppend, kKvRows, kZeroPages };
   static constexpr int kNumKernels = 6;
   // Launches of one kernel in a batch and their device (or CPU) seconds.
   void ObserveKernel(Kernel kernel, int launches, double seconds);
@@ -112,11 +122,12 @@ class Metrics {
   std::atomic<prometheus::Counter*> requests_[kRpcs][kCodes][kShapes] = {};
   std::atomic<prometheus::Histogram*> durations_[kRpcs][kShapes] = {};
   prometheus::Gauge* queue_depth_;
-  prometheus::Gauge* memory_used_;
-  prometheus::Gauge* memory_total_;
+  prometheus::Gauge* kv_cache_bytes_;
+  prometheus::Gauge* memory_used_ = nullptr;   // registered by SetDeviceMemory
+  prometheus::Gauge* memory_total_ = nullptr;
   prometheus::Histogram* queue_wait_;
   prometheus::Histogram* batch_requests_;
-  prometheus::Histogram* batch_tokens_;
+  prometheus::Histogram* batch_query_rows_;
   // Series of the fixed label values, indexed by Kernel and Stage: created
   // once, so a batch's observations look nothing up.
   prometheus::Counter* kernel_launches_[kNumKernels];

@@ -160,9 +160,9 @@ class Backend {
   virtual std::string Device() const = 0;  // human-readable device name
   virtual const KvGeometry& Geometry() const = 0;
 
-  // Memory the backend holds on its device (the KV pools, staging and
-  // workspace; the KV pools' host memory for the CPU backend), and the
-  // device's total, in bytes; fixed after construction.
+  // Memory in use on the backend's device (the KV pools, staging, workspace,
+  // the CUDA context and anything else there), and the device's total, in
+  // bytes; read at construction. Zeros: no device (the CPU backend).
   struct MemoryUsage {
     int64_t used_bytes = 0;
     int64_t total_bytes = 0;

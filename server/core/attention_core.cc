@@ -7,6 +7,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/backend/factory.h"
 #include "server/core/status_macros.h"
 
 namespace attnserve {
@@ -146,6 +147,7 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
   regions_.SetReleaseListener([this](const Region* region) {
     for (const std::string& tenant : channels_.CloseRegion(region)) UpdateChannelGauge(tenant);
   });
+  if (options.check_kv_written) written_ = std::make_unique<WrittenRows>(backend_->Geometry());
   limits_.max_message_bytes = options.max_message_bytes;
   limits_.max_request_rows = MaxRequestRows(options, backend_->Geometry());
   limits_.max_request_kv_indices = options.max_request_kv_indices;
@@ -159,8 +161,9 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
   sched.max_tenant_queue_requests = options.max_tenant_queue_requests;
   scheduler_ = std::make_unique<Scheduler>(backend_.get(), &pages_, metrics_, sched);
   UpdatePageGauges();
+  metrics_->SetKvCacheBytes(BytesPerPage(backend_->Geometry()) * backend_->Geometry().num_pages);
   const Backend::MemoryUsage memory = backend_->Memory();
-  metrics_->SetMemory(memory.used_bytes, memory.total_bytes);
+  if (memory.total_bytes > 0) metrics_->SetDeviceMemory(memory.used_bytes, memory.total_bytes);
   reaper_ = std::thread([this] { ReapLoop(); });
 }
 
@@ -358,6 +361,7 @@ absl::StatusOr<std::vector<int32_t>> AttentionCore::AllocatePages(const CallCont
   absl::ReaderMutexLock hold(&lease_mu_);
   ATTN_RETURN_IF_ERROR(RenewLease(ctx));
   auto pages = pages_.Allocate(ctx.tenant, count, ctx.lease_id);
+  if (pages.ok() && written_ != nullptr) written_->Reset(*pages);
   UpdatePageGauges();
   if (pages.ok()) metrics_->SetTenantPages(ctx.tenant, pages_.TenantPages(ctx.tenant));
   return pages;
@@ -400,7 +404,11 @@ void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
     return;
   }
   job->pinned = std::move(pages);
-  status = scheduler_->Enqueue(job);
+  // Whether a Prefill's keys were written, asked only of the pages it owns.
+  if (job->kind == Job::Kind::kPrefill && written_ != nullptr) {
+    status = written_->CheckPrefill(job->task);
+  }
+  if (status.ok()) status = scheduler_->Enqueue(job);
   if (!status.ok()) {  // the job stayed with us
     // A page its owner freed meanwhile is released by this unpin.
     if (pages_.Unpin(job->pinned)) scheduler_->ScrubReleased(nullptr);
@@ -553,6 +561,10 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
   } else {
     validated = ValidatePrefill(call, backend_->Geometry(), limits_, incarnation_);
   }
+  if (validated.ok() && written_ != nullptr) {  // checked in Submit, once owned
+    done = written_->MarkOnSuccess(validated->task.layer, validated->task.append_slots,
+                                   validated->task.num_append, plan, std::move(done));
+  }
   if (!validated.ok()) {
     done(validated.status());
     return;
@@ -645,6 +657,11 @@ void AttentionCore::WriteKv(const WriteKvCall& request, DoneCallback done) {
   if (!pages.ok()) {
     done(pages.status());
     return;
+  }
+  if (written_ != nullptr) {
+    done = written_->MarkOnSuccess(call.layer, call.slots.data(),
+                                   static_cast<int64_t>(call.slots.size()), nullptr,
+                                   std::move(done));
   }
   auto job = std::make_unique<Job>();
   job->kind = Job::Kind::kWriteKv;

@@ -30,6 +30,7 @@
 #include "server/core/requests.h"
 #include "server/core/scheduler.h"
 #include "server/core/validate.h"
+#include "server/core/written_rows.h"
 #include "server/metrics.h"
 
 namespace attnserve {
@@ -46,6 +47,9 @@ struct CoreOptions {
   int32_t tenant_max_pages = 0;  // 0: no cap
   int32_t max_plans_per_tenant = 64;
   int64_t plan_idle_timeout_s = 300;  // a plan unused this long is released
+  // Refuse a Prefill that reads KV rows never written since their page was
+  // allocated (server/core/written_rows.h).
+  bool check_kv_written = true;
   RegionLimits regions;  // shared-memory regions (off by default)
   ChannelLimits channels;  // request channels (in system regions)
   LeaseLimits leases;
@@ -164,6 +168,7 @@ class AttentionCore {
   const uint64_t incarnation_;
   RequestLimits limits_;
   PageTable pages_;
+  std::unique_ptr<WrittenRows> written_;  // null: --check_kv_written=false
   std::unique_ptr<Scheduler> scheduler_;
   // After scheduler_: a plan going away unpins its pages through both.
   PlanTable plans_;

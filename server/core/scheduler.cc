@@ -420,13 +420,17 @@ void Scheduler::RunJob(std::unique_ptr<Job> job) {
 }
 
 void Scheduler::ObserveStats(const BatchStats& stats) {
-  metrics_->ObserveKernel(Metrics::Kernel::kAttention, stats.attention_launches, stats.attention_seconds);
+  // The batch's attention splits into the decode family's launch and the
+  // rest (the prefill family's, or the CPU backend's): disjoint label values.
+  metrics_->ObserveKernel(Metrics::Kernel::kAttentionPrefill,
+                          stats.attention_launches - stats.attention_decode_launches,
+                          std::max(0.0, stats.attention_seconds - stats.attention_decode_seconds));
+  metrics_->ObserveKernel(Metrics::Kernel::kAttentionDecode, stats.attention_decode_launches,
+                          stats.attention_decode_seconds);
   metrics_->ObserveKernel(Metrics::Kernel::kMerge, stats.merge_launches, stats.merge_seconds);
   metrics_->ObserveKernel(Metrics::Kernel::kAppend, stats.append_launches, stats.append_seconds);
   metrics_->ObserveKernel(Metrics::Kernel::kKvRows, stats.kv_rows_launches, stats.kv_rows_seconds);
   metrics_->ObserveKernel(Metrics::Kernel::kZeroPages, stats.zero_launches, stats.zero_seconds);
-  metrics_->ObserveKernel(Metrics::Kernel::kAttentionDecode, stats.attention_decode_launches,
-                          stats.attention_decode_seconds);
   if (stats.attention_launches > 0 || stats.submit_seconds > 0) {
     metrics_->ObserveStage(Metrics::Stage::kSubmit, stats.submit_seconds);
     metrics_->ObserveStage(Metrics::Stage::kWait, stats.wait_seconds);

@@ -1,5 +1,6 @@
 #include "server/grpc/auth.h"
 
+#include <algorithm>
 #include <fstream>
 
 #include "absl/strings/ascii.h"
@@ -49,6 +50,18 @@ absl::Status TokenAuth::Reload() {
   absl::MutexLock lock(&mu_);
   tenants_ = *std::move(tenants);
   return absl::OkStatus();
+}
+
+std::vector<std::string> TokenAuth::Tenants() const {
+  if (path_.empty()) return {kDefaultTenant};
+  std::vector<std::string> out;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [token, tenant] : tenants_) out.push_back(tenant);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
 }
 
 absl::StatusOr<std::string> TokenAuth::Authenticate(absl::string_view authorization) const {

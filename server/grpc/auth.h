@@ -6,6 +6,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
@@ -28,6 +29,9 @@ class TokenAuth {
   absl::StatusOr<std::string> Authenticate(absl::string_view authorization) const;
 
   bool enabled() const { return !path_.empty(); }
+
+  // The tenants the tokens name, sorted; without a file, "default".
+  std::vector<std::string> Tenants() const;
 
  private:
   static absl::StatusOr<absl::flat_hash_map<std::string, std::string>> Parse(

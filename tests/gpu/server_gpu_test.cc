@@ -457,8 +457,9 @@ TEST(ServerGpuBatching, ConcurrentLayersAndLongKvSplit) {
   auto delta = [&](const std::string& name, const std::string& labels) {
     return *MetricValue(m, name, labels) - *MetricValue(before, name, labels);
   };
-  const double launches = delta("attnserve_kernel_launches_total", "kernel=\"attention\"");
   const double decode_launches = delta("attnserve_kernel_launches_total", "kernel=\"attention_decode\"");
+  const double launches =
+      delta("attnserve_kernel_launches_total", "kernel=\"attention_prefill\"") + decode_launches;
   const double merges = delta("attnserve_kernel_launches_total", "kernel=\"merge\"");
   const double batches = delta("attnserve_batch_requests_count", "");
   const double requests = delta("attnserve_batch_requests_sum", "");

@@ -83,9 +83,15 @@ class LeaseTest : public ::testing::Test {
     geo_ = GeometryOf(client_->info());
   }
 
-  // One decode row over `pages` (full), as a Prefill naming the pages.
+  // Random K/V into every row of `pages` (layer 0), then one decode row over
+  // them (full), as a Prefill naming the pages; the first error of the two.
   absl::StatusOr<PrefillResult> Decode(Client& client, const std::vector<int32_t>& pages,
                                        std::mt19937_64& gen) {
+    const std::vector<int64_t> slots = SlotsOfPages(geo_, pages);
+    const int64_t n = static_cast<int64_t>(slots.size()) * geo_.RowElems();
+    absl::Status written = client.WriteKV(0, slots, RandomHalves(gen, geo_.dtype, n),
+                                          RandomHalves(gen, geo_.dtype, n));
+    if (!written.ok()) return written;
     const std::vector<uint16_t> q = RandomHalves(gen, geo_.dtype, geo_.num_qo_heads * geo_.head_dim);
     const std::vector<int32_t> qo = {0, 1}, kv = {0, static_cast<int32_t>(pages.size())},
                                last = {geo_.page_size};

@@ -203,6 +203,13 @@ TEST(PlanLimitsTest, TenantsPlansAreTheirOwnAndCappedAndDieWithTheServer) {
   ASSERT_TRUE(a_pages.ok() && b_pages.ok());
   const std::vector<int32_t> qo = {0, 1}, kv = {0, 1}, last = {1};
   const std::vector<int32_t> a_index = {(*a_pages)[0]}, b_index = {(*b_pages)[0]};
+  {  // The key the plans read (--check_kv_written).
+    std::mt19937_64 gen(2);
+    const KvGeometry g = GeometryOf(alice->info());
+    const std::vector<int64_t> slot = {int64_t{(*a_pages)[0]} * g.page_size};
+    const auto row = RandomHalves(gen, g.dtype, g.RowElems());
+    ASSERT_TRUE(alice->WriteKV(0, slot, row, row).ok());
+  }
   // Another tenant's pages cannot go into a plan.
   absl::Status s = alice->CreatePlan(PlanLayout{qo, kv, b_index, last, {}}).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;

@@ -66,6 +66,9 @@ TEST_P(ServerTest, ResponseTensorsCarryTheirShapes) {
   std::mt19937_64 gen(8);
   auto pages = client_->AllocatePages(2);
   ASSERT_TRUE(pages.ok());
+  const std::vector<int64_t> slot = {int64_t{(*pages)[0]} * geo_.page_size};
+  const auto row = RandomHalves(gen, geo_.dtype, geo_.RowElems());
+  ASSERT_TRUE(client_->WriteKV(0, slot, row, row).ok());  // the one key it reads
   v1::PrefillRequest req;
   req.mutable_q()->set_dtype(v1::DTYPE_BF16);
   req.mutable_q()->add_shape(3);

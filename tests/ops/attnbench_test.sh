@@ -29,6 +29,8 @@ assert r["requests"] == int(sys.argv[2]) == r["ok"], (r["requests"], r["ok"])
 assert r["errors"] == 0 and r["wrong_results"] == 0, r
 assert isinstance(r["mean_requests_per_launch"], (int, float)) and r["mean_requests_per_launch"] >= 1, r
 assert len(r["latencies_ms"]) == r["ok"] and r["requests_per_s"] > 0 and r["tflops"] > 0, r
+# A decode request has one query row per sequence: --q_len is not reported.
+assert (r["q_len"] is None) == (r["workload"] == "decode"), r["q_len"]
 PY
 }
 

@@ -53,6 +53,27 @@ echo "completed=$completed lost=$lost"
 check "requests completed before and during the drain" test "$completed" -ge 6
 check "no accepted request lost or corrupted" test "$lost" -eq 0
 
+# attnbench across a drain: once the server goes, its clients back off on
+# UNAVAILABLE (gRPC's retry policy and attnbench's own jittered wait) instead
+# of retrying in a tight loop; the bound is three orders of magnitude above
+# a backed-off run of this length (a tight loop made 500,000 in 2 s).
+start_server --drain_timeout_s=20 || { echo "$pass passed, $((fail + 1)) failed"; exit 1; }
+"${ATTNBENCH:-$ROOT/build/bin/attnbench}" --target="$GRPC_ADDR" --workload=decode --batch=2 \
+  --kv_len=64 --concurrency=4 --duration_s=6 --json="$WORK/bench.json" >"$WORK/bench.out" 2>&1 &
+bench_pid=$!
+for _ in $(seq 1 400); do
+  [[ "$(metric 'attnserve_requests_total{code="OK",method="Prefill",shape="decode"}')" != 0 ]] && break
+  sleep 0.05
+done
+kill -TERM "$SERVER_PID"; wait "$SERVER_PID"; SERVER_PID=""
+wait "$bench_pid"
+check "attnbench backs off while the server is gone (fewer than 1000 UNAVAILABLE)" python3 -c '
+import json, sys
+r = json.load(open(sys.argv[1]))
+n = r["errors_by_code"].get("UNAVAILABLE", 0)
+print("UNAVAILABLE:", n, "ok:", r["ok"])
+assert r["ok"] > 0 and 0 < n < 1000, r["errors_by_code"]' "$WORK/bench.json"
+
 # A second signal exits at once, even with a long drain timeout.
 start_server --drain_timeout_s=600 || { echo "$pass passed, $((fail + 1)) failed"; exit 1; }
 kill -STOP "$SERVER_PID" 2>/dev/null; kill -TERM "$SERVER_PID"; kill -INT "$SERVER_PID"; kill -CONT "$SERVER_PID"

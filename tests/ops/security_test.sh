@@ -76,6 +76,28 @@ ok=0
 for _ in $(seq 1 100); do tls_health --tls --tls_ca="$WORK/ca.pem" && { ok=1; break; }; sleep 0.05; done
 check "TLS client is served" test $ok -eq 1
 check "plaintext client refused by a TLS server" bash -c "! '$ATTNCTL' --timeout_s=3 --target=$GRPC_ADDR health >/dev/null 2>&1"
+# The cause, named at once (a watchdog far beyond a prompt answer, not a
+# timing bound), and none of gRPC's own log lines.
+# says NAME PATTERN ARGS...: attnctl ARGS info fails, saying PATTERN.
+says() {
+  local name=$1 pattern=$2
+  shift 2
+  timeout 120 "$ATTNCTL" --connect_timeout_s=600 --target="$GRPC_ADDR" "$@" info >"$WORK/out" 2>"$WORK/err"
+  check "$name: exits 1 at once" test $? -eq 1
+  check "$name: says '$pattern'" grep -q -- "$pattern" "$WORK/err"
+  check "$name: no gRPC log line" bash -c '! grep -Eq "^[EIWD][0-9]{4} |Handshake failed" "$1"' _ "$WORK/err"
+}
+says "plaintext against TLS" "closed the connection before answering: if it is a TLS server"
+openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=other-ca" -keyout "$WORK/other.key" \
+  -out "$WORK/other.pem" >/dev/null 2>&1
+says "another CA" "TLS: the certificate of $GRPC_ADDR is not signed by tls_ca=$WORK/other.pem" \
+  --tls --tls_ca="$WORK/other.pem"
+# The failed handshakes are the clients' news: gRPC's own lines about them
+# stay out of the server's log below --log_level=debug.
+check "no gRPC log line in the server's log" bash -c '! grep -Eq "Handshake failed|ssl_transport_security|^[EIWD][0-9]{4} " "$1"' _ "$SERVER_LOG"
+stop_server
+start_tls
+says "TLS against plaintext" "TLS: $GRPC_ADDR does not speak TLS" --tls --tls_ca="$WORK/ca.pem"
 stop_server
 start_tls --tls_cert="$WORK/server.pem" --tls_key="$WORK/server.key" --tls_client_ca="$WORK/ca.pem"
 ok=0
@@ -85,5 +107,7 @@ for _ in $(seq 1 100); do
 done
 check "mTLS client with a certificate is served" test $ok -eq 1
 check "mTLS refuses a client without a certificate" bash -c "! '$ATTNCTL' --timeout_s=3 --target=$GRPC_ADDR --tls --tls_ca=$WORK/ca.pem health >/dev/null 2>&1"
+says "mTLS without a client certificate" "closed the connection after the TLS handshake: a server with --tls_client_ca wants a client certificate (tls_cert, tls_key)" \
+  --tls --tls_ca="$WORK/ca.pem"
 stop_server
 finish

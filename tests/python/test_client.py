@@ -75,7 +75,7 @@ def test_write_read_round_trip_bit_exact(client):
     k = rng.integers(0, 1 << 16, (len(slots), 2, 64), dtype=np.uint16)
     k[k & 0x7F80 == 0x7F80] = 0x3F80  # no NaN / inf patterns: they need not round-trip
     v = dt.float32_to_bf16_bits(rng.standard_normal((len(slots), 2, 64)))
-    client.write_kv(1, slots, k, v)
+    client.write_kv(1, slots, attnserve.RawBits(k, "bf16"), attnserve.RawBits(v, "bf16"))
     rk, rv = client.read_kv(1, slots, out="raw")
     assert np.array_equal(rk, k) and np.array_equal(rv, v)
     fk, _ = client.read_kv(1, slots)                     # numpy: bf16 widened to float32
@@ -274,28 +274,79 @@ def test_large_message(client):
     client.free_pages(pages)
 
 
-def test_a_client_waits_for_a_server_that_starts_later():
+def test_connect_names_the_cause_at_once(server):
+    """A cause gRPC names fails the constructor at once, though connect_timeout
+    allows ten minutes (a client that waited anyway would fail the test by
+    its timeout, not by a timing bound here)."""
     import socket
-    import threading
-    import time
-    with socket.socket() as s:  # a free port, given to the server a moment later
+    with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    started = {}
+    cases = [
+        (f"127.0.0.1:{port}", f"connection refused: nothing listens on 127.0.0.1:{port}"),
+        ("no-such-host.invalid:50051", "cannot resolve the host of no-such-host.invalid:50051"),
+        (server.metrics_address, f"{server.metrics_address} answers HTTP/1, not gRPC: is it "
+                                 "attnserve's metrics port"),
+    ]
+    for target, says in cases:
+        with pytest.raises(attnserve.Unavailable) as e:
+            attnserve.Client(target, connect_timeout=600)
+        assert says in e.value.details, e.value.details
+    with pytest.raises(attnserve.Unavailable) as e:  # health names it too
+        attnserve.Client(f"127.0.0.1:{port}", fetch_info=False).health()
+    assert "connection refused" in e.value.details
 
-    def start():
-        time.sleep(1.0)
-        started["server"] = TestServer(num_layers=1, num_pages=16,
-                                       extra_flags=[f"--listen=127.0.0.1:{port}"])
 
-    t = threading.Thread(target=start)
-    t.start()
-    try:
-        with attnserve.Client(f"127.0.0.1:{port}", timeout=60, connect_timeout=30) as c:
-            assert c.server_info.num_layers == 1
-    finally:
-        t.join()
-        if "server" in started:
-            started["server"].stop()
-    with pytest.raises(attnserve.Unavailable, match="within 0.5 s"):
-        attnserve.Client(f"127.0.0.1:{port}", connect_timeout=0.5)
+def test_connect_waits_for_an_address_that_answers_nothing():
+    """A port that accepts TCP connections and never speaks (a server not
+    ready, a stuck process) is waited for until connect_timeout."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(8)  # the kernel completes the handshakes; nobody answers
+        with pytest.raises(attnserve.Unavailable, match="within 0.5 s"):
+            attnserve.Client(f"127.0.0.1:{s.getsockname()[1]}", connect_timeout=0.5)
+
+
+def test_results_come_back_in_the_callers_dtype(client):
+    g = client.server_info
+    rng = np.random.default_rng(9)
+    pages = client.allocate_pages(1)
+    kv = rng.standard_normal((16, g.num_kv_heads, g.head_dim)).astype(np.float32)
+    client.write_kv(0, slots_of(pages, g.page_size), kv, kv)
+    q = rng.standard_normal((3, g.num_qo_heads, g.head_dim)).astype(np.float32)
+    lay = ([0, 3], [0, 1], pages, [16])
+    ref = client.prefill(0, q, *lay).output
+    for x in (q.astype(np.float16), q, q.astype(np.float64)):
+        out = client.prefill(0, x, *lay).output
+        assert isinstance(out, np.ndarray) and out.dtype == x.dtype
+    for t in (torch.from_numpy(q).half(), torch.from_numpy(q), torch.from_numpy(q).bfloat16()):
+        out = client.prefill(0, t, *lay).output
+        assert torch.is_tensor(out) and out.dtype == t.dtype
+    # An fp16 query on this bf16 server: fp16 back, the server's bf16 values exactly.
+    half = client.prefill(0, torch.from_numpy(q).half(), *lay).output
+    wire = client.prefill(0, torch.from_numpy(q).half(), *lay, out="raw").output
+    assert torch.equal(half, torch.from_numpy(attnserve.bf16_bits_to_float32(wire)).half())
+    # Bit patterns: only as RawBits; a bare uint16 array is refused, naming RawBits.
+    bits = attnserve.float32_to_bf16_bits(q)
+    raw = client.prefill(0, attnserve.RawBits(bits, "bf16"), *lay).output
+    assert raw.dtype == np.uint16 and np.array_equal(raw, attnserve.float32_to_bf16_bits(ref))
+    with pytest.raises(TypeError, match=r"q: numpy uint16 holds integers.*RawBits"):
+        client.prefill(0, bits, *lay)
+    with pytest.raises(TypeError, match="RawBits of fp16, but the server's kv_dtype is bf16"):
+        client.prefill(0, attnserve.RawBits(bits, "fp16"), *lay)
+    v, _ = client.merge_states([(q.astype(np.float16), np.zeros((3, g.num_qo_heads), np.float32))])
+    assert v.dtype == np.float16
+    client.free_pages(pages)
+
+
+def test_a_request_over_max_message_bytes_names_it(server):
+    with attnserve.Client(server.address, max_message_bytes=4096, timeout=60) as c:
+        g = c.server_info
+        rows = (2 << 20) // (g.num_qo_heads * g.head_dim * 2)  # 2 MiB: past 4 KiB + 1 MiB
+        q = np.zeros((rows, g.num_qo_heads, g.head_dim), np.float32)
+        with pytest.raises(attnserve.ResourceExhausted) as e:
+            c.prefill(0, q, [0, rows], [0, 0], [], [])
+        assert "more than this client's max_message_bytes allows" in e.value.details
+        assert "shared-memory region" in e.value.details
+        assert "Sent message larger than max" not in e.value.details

@@ -109,8 +109,19 @@ def test_numpy_inputs_and_raw_bits():
     _, mv = dt.to_wire(x, dt.DTYPE_BF16, "k")
     bits = float32_to_bf16_bits(x)
     assert np.array_equal(np.frombuffer(mv, np.uint16), bits.reshape(-1))
-    _, raw = dt.to_wire(bits, dt.DTYPE_BF16, "k")            # uint16: taken as bits
+    _, raw = dt.to_wire(dt.RawBits(bits, "bf16"), dt.DTYPE_BF16, "k")  # bits, as they are
     assert np.frombuffer(raw, np.uint8).ctypes.data == bits.ctypes.data
+    # A bare uint16 array is integers, not bf16 bits: refused, naming RawBits.
+    with pytest.raises(TypeError, match=r"k: numpy uint16 holds integers, not bf16 values.*"
+                                        r"attnserve.RawBits\(k, \"bf16\"\)"):
+        dt.to_wire(bits, dt.DTYPE_BF16, "k")
+    with pytest.raises(TypeError, match="k: numpy int16 holds integers, not fp16"):
+        dt.to_wire(bits.view(np.int16), dt.DTYPE_FP16, "k")
+    # RawBits of the other 16-bit type would be read as other values.
+    with pytest.raises(TypeError, match="k: RawBits of fp16, but the server's kv_dtype is bf16"):
+        dt.to_wire(dt.RawBits(bits, "fp16"), dt.DTYPE_BF16, "k")
+    with pytest.raises(TypeError, match="RawBits: bits must be a uint16 or int16 array"):
+        dt.RawBits(x, "bf16")
     with pytest.raises(TypeError, match="k: numpy dtype int32"):
         dt.to_wire(np.zeros((1, 2, 64), np.int32), dt.DTYPE_BF16, "k")
     with pytest.raises(TypeError, match="q: torch dtype torch.int64"):
@@ -134,3 +145,23 @@ def test_from_wire_views_and_converts(wire):
         assert np.array_equal(t.view(torch.int16).numpy().view(np.uint16), bits)
     with pytest.raises(ValueError, match="holds 10 bytes"):
         dt.from_wire(b"\0" * 10, 0, 10, (3, 4, 8), wire, "numpy")
+
+
+@pytest.mark.parametrize("wire", [dt.DTYPE_BF16, dt.DTYPE_FP16])
+def test_results_come_back_in_the_callers_dtype(wire):
+    x = np.random.default_rng(5).standard_normal((3, 4, 8)).astype(np.float32)
+    bits = float32_to_bf16_bits(x) if wire == dt.DTYPE_BF16 else x.astype(np.float16).view(np.uint16)
+    buf = bits.tobytes()
+    for like in (x.astype(np.float16), x, x.astype(np.float64)):
+        kind, dtype = dt.result_like(like)
+        got = dt.from_wire(buf, 0, bits.nbytes, (3, 4, 8), wire, kind, None, dtype)
+        assert isinstance(got, np.ndarray) and got.dtype == like.dtype
+    for like in (torch.from_numpy(x).half(), torch.from_numpy(x), torch.from_numpy(x).bfloat16()):
+        kind, dtype = dt.result_like(like)
+        got = dt.from_wire(buf, 0, bits.nbytes, (3, 4, 8), wire, kind, None, dtype)
+        assert torch.is_tensor(got) and got.dtype == like.dtype
+    kind, dtype = dt.result_like(dt.RawBits(bits, "bf16"))
+    assert kind == "raw" and dtype is None
+    # Asked for torch with a numpy query: torch in the query's dtype.
+    got = dt.from_wire(buf, 0, bits.nbytes, (3, 4, 8), wire, "torch", None, np.dtype(np.float16))
+    assert got.dtype == torch.float16

@@ -55,7 +55,10 @@ def _works(server, token):
     client = attnserve.Client(server.address, token=token, timeout=30)
     g = client.server_info
     pages = client.allocate_pages(1)
-    q = np.random.default_rng(1).standard_normal((1, g.num_qo_heads, g.head_dim))
+    rng = np.random.default_rng(1)
+    kv = rng.standard_normal((1, g.num_kv_heads, g.head_dim))
+    client.write_kv(0, [pages[0] * g.page_size], kv, kv)
+    q = rng.standard_normal((1, g.num_qo_heads, g.head_dim))
     client.prefill(0, q, [0, 1], [0, 1], pages, [1])
     client.free_pages(pages)
     client.close()

@@ -249,9 +249,84 @@ def test_tls_and_mtls(certs):
             assert c.health() == "SERVING"
             pages = c.allocate_pages(1)
             c.free_pages(pages)
-        with pytest.raises(attnserve.Unavailable):  # no client certificate
-            attnserve.Client(server.address, tls_ca=p("ca.pem"), timeout=10)
-        with pytest.raises(attnserve.Unavailable):  # plaintext to a TLS port
-            attnserve.Client(server.address, timeout=10)
+        # Refused at once (connect_timeout allows minutes), each with its cause.
+        with pytest.raises(attnserve.Unavailable, match="wants a client certificate"):
+            attnserve.Client(server.address, tls_ca=p("ca.pem"), connect_timeout=600)
+        with pytest.raises(attnserve.Unavailable, match="if it is a TLS server"):
+            attnserve.Client(server.address, connect_timeout=600)
         with pytest.raises(ValueError, match="tls_cert and tls_key"):
             attnserve.Client(server.address, tls_cert=p("client.pem"))
+
+
+def test_only_idempotent_methods_are_retried_on_unavailable():
+    """A stand-in server answers every call UNAVAILABLE and counts them: the
+    client's retry policy (RETRY_SERVICE_CONFIG) tries the idempotent
+    methods 4 times in all, the others once."""
+    from concurrent import futures
+    calls = {}
+
+    class Draining(grpc.GenericRpcHandler):
+        def service(self, details):
+            method = details.method.rsplit("/", 1)[1]
+
+            def refuse(request, context):
+                calls[method] = calls.get(method, 0) + 1
+                context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining")
+            return grpc.unary_unary_rpc_method_handler(refuse)
+
+    server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[Draining()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        c = attnserve.Client(f"127.0.0.1:{port}", fetch_info=False, timeout=60)
+        c._info = attnserve.ServerInfo("v", "cpu", "cpu", 1, 16, 16, 8, 2, 64, "bf16", 16,
+                                       16384, 1 << 29, 1)
+        q = np.zeros((1, 8, 64), np.float32)
+        kv = np.zeros((1, 2, 64), np.float32)
+        attempts = [
+            ("GetServerInfo", lambda: c.info()),
+            ("Prefill", lambda: c.prefill(0, q, [0, 1], [0, 0], [], [])),
+            ("WriteKV", lambda: c.write_kv(0, [0], kv, kv)),
+            ("ReadKV", lambda: c.read_kv(0, [0])),
+            ("MergeStates", lambda: c.merge_states([(q, np.zeros((1, 8), np.float32))])),
+            ("ListRegions", lambda: c.list_regions()),
+            ("AllocatePages", lambda: c.allocate_pages(1)),
+            ("FreePages", lambda: c.free_pages([0])),
+            ("CreatePlan", lambda: c.create_plan([0, 1], [0, 0], [], [])),
+            ("ReleasePlan", lambda: c.release_plan(1)),
+            # The RPC itself (register_system_region first sends its memfd to
+            # the region socket the server names).
+            ("RegisterRegion",
+             lambda: c._call(c._req_register_region("r", system=(bytes(16), 0, 4096)), None)),
+            ("UnregisterRegion", lambda: c.unregister_region("r")),
+        ]
+        for method, call in attempts:
+            with pytest.raises(attnserve.Unavailable, match="server is draining"):
+                call()
+        c.close()
+    finally:
+        server.stop(None)
+    retried = {"GetServerInfo", "Prefill", "WriteKV", "ReadKV", "MergeStates", "ListRegions"}
+    assert calls == {m: 4 if m in retried else 1 for m, _ in attempts}
+
+
+def test_the_retry_policy_is_the_cpp_clients():
+    import json
+    import re as _re
+    from attnserve.client import RETRY_SERVICE_CONFIG
+    header = open(os.path.join(os.path.dirname(__file__), "..", "..", "common",
+                               "transport.h")).read()
+    cpp = _re.search(r'kClientServiceConfig\[\] = R"json\((.*?)\)json"', header, _re.S).group(1)
+    assert json.loads(cpp) == json.loads(RETRY_SERVICE_CONFIG)
+
+
+def test_a_prefill_over_unwritten_rows_is_refused(client):
+    g = client.server_info
+    pages = client.allocate_pages(1)
+    q = q_rows(2, g)
+    with pytest.raises(attnserve.FailedPrecondition) as e:
+        client.prefill(0, q, [0, 2], [0, 1], pages, [16])
+    assert not isinstance(e.value, attnserve.StaleIncarnation)
+    assert (f"reads rows [0, 16) of page {pages[0]} (kv_indices[0]) in layer 0, but row 0 was "
+            "never written there") in e.value.details
+    client.free_pages(pages)

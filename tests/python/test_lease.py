@@ -33,8 +33,13 @@ def _wait(cond, limit=10.0):
 
 
 def _decode(client, pages):
+    """Random K/V into every row of `pages` (layer 0), then one decode row over them."""
     g = client.server_info
-    q = np.random.default_rng(0).standard_normal((1, g.num_qo_heads, g.head_dim))
+    rng = np.random.default_rng(0)
+    slots = [p * g.page_size + i for p in pages for i in range(g.page_size)]
+    kv = rng.standard_normal((len(slots), g.num_kv_heads, g.head_dim))
+    client.write_kv(0, slots, kv, kv)
+    q = rng.standard_normal((1, g.num_qo_heads, g.head_dim))
     return client.prefill(0, q, [0, 1], [0, len(pages)], pages, [g.page_size])
 
 

@@ -78,7 +78,7 @@ def test_prefill_write_read_through_a_region_match_the_reference(client):
         lse = region.array(lse_at, lse_shape, "fp32").copy()
         o_ref, lse_ref = reference_prefill(mirror, 0, q, qo, kv, idx, last, page_size=g.page_size)
         assert within_tolerance(compare(o_ref, lse_ref, o, lse))
-        inline = client.prefill(0, q, qo, kv, idx, last)
+        inline = client.prefill(0, attnserve.RawBits(q, "bf16"), qo, kv, idx, last, out="numpy")
         assert np.array_equal(inline.output, o) and np.array_equal(inline.lse, lse)
         # read_kv into the region: the appended rows, bit for bit.
         back_k, back_v = 700000, 710000
@@ -127,7 +127,7 @@ def test_bad_references_raise_typed_errors_and_change_nothing(client, server):
     rng = np.random.default_rng(9)
     pages = client.allocate_pages(1)
     slots = [pages[0] * g.page_size]
-    k = bits(rng, (1, g.num_kv_heads, g.head_dim))
+    k = attnserve.RawBits(bits(rng, (1, g.num_kv_heads, g.head_dim)), "bf16")
     client.write_kv(0, slots, k, k)
     shape = (1, g.num_kv_heads, g.head_dim)
     with SharedMemoryRegion(4096) as region:
@@ -151,7 +151,7 @@ def test_bad_references_raise_typed_errors_and_change_nothing(client, server):
         # Another tenant is another token: without auth every caller is one
         # tenant, so ownership is tested by the C++ integration test.
         rk, _ = client.read_kv(0, slots, out="raw")
-        assert np.array_equal(rk, k)  # nothing changed
+        assert np.array_equal(rk, k.bits)  # nothing changed
     client.free_pages(pages)
     # The with-block closed the region without unregistering it (as a client
     # that exits does): its holder connection closed, and the next list

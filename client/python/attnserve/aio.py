@@ -12,6 +12,8 @@ geometry read info() first if the client has not yet.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from typing import Iterable, Optional
 
 import grpc
@@ -21,7 +23,7 @@ from attnserve import _wire
 from attnserve.client import (DEFAULT_MAX_MESSAGE_BYTES, HEALTH_CHECK, _METHODS, Holdings,
                               HoldingsList, LeaseGrant, PrefillLayout, PrefillResult, ServerInfo,
                               _Core, _method_path)
-from attnserve.errors import NotFound, Unavailable, from_rpc_error
+from attnserve.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_error
 
 
 class AsyncClient(_Core):
@@ -58,20 +60,21 @@ class AsyncClient(_Core):
         self._close_region_holders()
         await self._channel.close()
 
-    async def _wait_ready(self) -> None:
-        """Waits up to connect_timeout (at most timeout) for the server."""
-        wait = self.connect_timeout if self.timeout is None else min(self.timeout,
-                                                                     self.connect_timeout)
-        try:
-            await asyncio.wait_for(self._channel.channel_ready(), wait)
-        except asyncio.TimeoutError:
-            raise Unavailable(f"cannot reach {self.target} within {wait} s (connect_timeout)",
-                              grpc.StatusCode.UNAVAILABLE, "GetServerInfo") from None
+    async def _connect(self) -> ServerInfo:
+        """info(), as Client's connect: a named cause fails at once, a
+        connection in progress is waited for up to connect_timeout."""
+        wait = self._connect_wait()
+        deadline = time.monotonic() + wait
+        for attempt in itertools.count():
+            try:
+                return await self.info(timeout=max(deadline - time.monotonic(), 1e-3))
+            except (Unavailable, DeadlineExceeded) as e:
+                backoff = self._connect_retry(e, wait, deadline, attempt)
+            await asyncio.sleep(backoff)
 
     async def __aenter__(self) -> "AsyncClient":
         try:
-            await self._wait_ready()
-            await self.info()
+            await self._connect()
         except BaseException:
             await self.close()
             raise
@@ -86,8 +89,7 @@ class AsyncClient(_Core):
         await self._channel.close()
         self.forget_incarnation()
         self._open()
-        await self._wait_ready()
-        return await self.info()
+        return await self._connect()
 
     async def _call(self, request, timeout):
         method, body, parse = request
@@ -225,5 +227,5 @@ class AsyncClient(_Core):
             raw = await self._health(_wire.health_request(service),
                                      timeout=5.0 if t is None else t, metadata=self._metadata)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, "Health/Check") from None
+            raise self._health_error(from_rpc_error(e, "Health/Check")) from None
         return _wire.health_status(raw)

@@ -24,6 +24,10 @@ forget_incarnation() (same channel) or reconnect() (new channel, fresh info).
 
 from __future__ import annotations
 
+import itertools
+import json
+import random
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -33,7 +37,8 @@ import numpy as np
 from attnserve import _wire
 from attnserve import dtypes as _dt
 from attnserve import regions as _regions
-from attnserve.errors import NotFound, StaleIncarnation, Unavailable, from_rpc_error
+from attnserve.errors import (AttnserveError, DeadlineExceeded, NotFound, StaleIncarnation,
+                              Unavailable, connect_cause, from_rpc_error)
 from attnserve.regions import RegionTensor
 from attnserve.v1 import attention_pb2 as pb
 
@@ -279,6 +284,27 @@ TRANSPORT_OPTIONS = (
     ("grpc.http2.write_buffer_size", 8 << 20),
 )
 
+# The gRPC service config of both clients (common/transport.h,
+# kClientServiceConfig, has the same JSON): a call that fails with UNAVAILABLE
+# is tried again up to 3 more times after random waits in [0, 0.1 s x
+# 2^(n-1)], for the idempotent methods only. AllocatePages, FreePages,
+# CreatePlan, ReleasePlan, RegisterRegion and UnregisterRegion are never
+# retried: a repeat of one the server had already run would leave the
+# client's books wrong.
+RETRY_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": SERVICE, "method": m} for m in
+                 ("GetServerInfo", "Prefill", "WriteKV", "ReadKV", "MergeStates", "ListRegions")],
+        "retryPolicy": {
+            "maxAttempts": 4,
+            "initialBackoff": "0.05s",
+            "maxBackoff": "1s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }],
+})
+
 # glibc's mallopt parameters (malloc.h) and the values of common/transport.h's
 # RetainFreedMemory.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -326,9 +352,13 @@ class _Core:
             ("grpc.max_receive_message_length", limit),
             # Each client its own connection, as the C++ client does.
             ("grpc.use_local_subchannel_pool", 1),
+            # Backoff with jitter on UNAVAILABLE, idempotent methods only.
+            ("grpc.enable_retries", 1),
+            ("grpc.service_config", RETRY_SERVICE_CONFIG),
             *(TRANSPORT_OPTIONS if transport_tuning else ()),
             *channel_options,
         ]
+        self._tls, self._tls_ca, self._tls_cert = bool(tls or tls_ca or tls_cert), tls_ca, tls_cert
         self._credentials = None
         if tls or tls_ca or tls_cert:
             self._credentials = grpc.ssl_channel_credentials(
@@ -388,13 +418,50 @@ class _Core:
     def _out(self, out, like):
         if out is not None:
             return out
-        return "torch" if _dt.is_torch(like) else self.out
+        kind, _ = _dt.result_like(like)
+        return kind if kind in ("torch", "raw") else self.out
+
+    @staticmethod
+    def _dtype(out, like):
+        """The caller's dtype, which a result computed from `like` comes back
+        in (None: out's default, bits for "raw")."""
+        _, dtype = _dt.result_like(like)
+        return None if out == "raw" else dtype
 
     @staticmethod
     def _device(device, like):
         if device is not None:
             return device
         return like.device if _dt.is_torch(like) else None
+
+    # ------------------------------------------------------------ connecting
+    def _connect_wait(self) -> float:
+        return self.connect_timeout if self.timeout is None else min(self.timeout,
+                                                                     self.connect_timeout)
+
+    def _cause(self, e: AttnserveError) -> Optional[str]:
+        return connect_cause(e.details, self.target, self._tls, self._tls_ca, self._tls_cert)
+
+    def _connect_retry(self, e: AttnserveError, wait: float, deadline: float,
+                       attempt: int) -> float:
+        """Raises the error a failed first call ends the connect with, or
+        returns how long to wait before trying again."""
+        if isinstance(e, DeadlineExceeded) or time.monotonic() >= deadline:
+            raise Unavailable(f"cannot reach {self.target} within {wait} s (connect_timeout): no "
+                              "connection completed (a host that is down, or packets dropped on "
+                              "the way)", grpc.StatusCode.UNAVAILABLE, "GetServerInfo") from None
+        cause = self._cause(e)
+        if cause is not None:
+            raise Unavailable(cause, grpc.StatusCode.UNAVAILABLE, "GetServerInfo") from None
+        if "failed to connect" not in e.details:
+            raise e  # the server's own answer (it is draining)
+        # Another transport failure: the next connection attempt, with jitter.
+        return min(random.uniform(0, 0.05 * 2 ** min(attempt, 5)),
+                   max(deadline - time.monotonic(), 0))
+
+    def _health_error(self, e: AttnserveError) -> AttnserveError:
+        cause = self._cause(e) if isinstance(e, Unavailable) else None
+        return Unavailable(cause, e.code, e.method) if cause else e
 
     # ------------------------------------------------------------ requests
     def _req_info(self) -> _Request:
@@ -482,6 +549,7 @@ class _Core:
         like = None if isinstance(q, RegionTensor) else q
         out_kind = self._out(out, like)
         out_device = self._device(device, like)
+        out_dtype = self._dtype(out_kind, like)
 
         def parse(raw):
             tensors, incarnation = _wire.parse_tensor_message(raw, (1, 2), 3)
@@ -490,7 +558,7 @@ class _Core:
                 return PrefillResult(None, None, incarnation)
             o, lse = tensors[1], tensors[2]
             output = _dt.from_wire(raw, o.data_start, o.nbytes, o.shape, o.dtype, out_kind,
-                                   out_device)
+                                   out_device, out_dtype)
             lse_out = _dt.from_wire(raw, lse.data_start, lse.nbytes, lse.shape, lse.dtype,
                                     "numpy" if out_kind == "raw" else out_kind, out_device)
             return PrefillResult(output, lse_out, incarnation)
@@ -545,6 +613,7 @@ class _Core:
             pieces += [_wire.tag(1, 2) + _wire.varint(size), *v_pieces, *l_pieces]
         out_kind = self._out(out, like)
         out_device = self._device(device, like)
+        out_dtype = self._dtype(out_kind, like)
 
         def parse(raw):
             tensors, incarnation = _wire.parse_tensor_message(raw, (1, 2), 3)
@@ -553,7 +622,7 @@ class _Core:
                 return None
             v, lse = tensors[1], tensors[2]
             return (_dt.from_wire(raw, v.data_start, v.nbytes, v.shape, v.dtype, out_kind,
-                                  out_device),
+                                  out_device, out_dtype),
                     _dt.from_wire(raw, lse.data_start, lse.nbytes, lse.shape, lse.dtype,
                                   "numpy" if out_kind == "raw" else out_kind, out_device))
         return "MergeStates", b"".join(pieces), parse
@@ -685,11 +754,16 @@ class Client(_Core):
         method also takes timeout=.
       max_message_bytes: largest request or response (default 512 MiB, as the
         server's default --max_message_bytes).
-      out: default result format, "numpy" or "torch" ("raw": bf16 bits).
+      out: default result format, "numpy" or "torch" ("raw": 16-bit patterns).
+        A query given as a torch tensor gets torch results, RawBits raw ones;
+        a numpy or torch query gets its output in its own dtype.
       fetch_info: read the server's geometry now (health checks need none).
-      connect_timeout: with fetch_info, wait this long (at most `timeout`) for
-        the server to become reachable, retrying a failed first connection,
-        before raising Unavailable.
+      connect_timeout: with fetch_info, wait at most this long (at most
+        `timeout`) for the server's first answer. A cause gRPC names
+        (connection refused, a host that does not resolve, a TLS mismatch, an
+        HTTP/1 port such as the metrics one) raises Unavailable at once,
+        saying so; only a connection still in progress, or one that failed
+        for no named cause, is waited for.
       transport_tuning: gRPC settings for large tensors (TRANSPORT_OPTIONS);
         False: gRPC's defaults. channel_options are applied after them.
     """
@@ -708,20 +782,24 @@ class Client(_Core):
         self._open()
         if fetch_info:
             try:
-                self._wait_ready()
-                self.info()
+                self._connect()
             except BaseException:
                 self.close()
                 raise
 
-    def _wait_ready(self) -> None:
-        wait = self.connect_timeout if self.timeout is None else min(self.timeout,
-                                                                     self.connect_timeout)
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=wait)
-        except grpc.FutureTimeoutError:
-            raise Unavailable(f"cannot reach {self.target} within {wait} s (connect_timeout)",
-                              grpc.StatusCode.UNAVAILABLE, "GetServerInfo") from None
+    def _connect(self) -> ServerInfo:
+        """info(), fail-fast: a cause gRPC names (refused, unresolvable, TLS, an
+        HTTP/1 port) raises Unavailable at once; a connection still in
+        progress, or one that failed for no named cause, is tried again up to
+        connect_timeout (at most timeout)."""
+        wait = self._connect_wait()
+        deadline = time.monotonic() + wait
+        for attempt in itertools.count():
+            try:
+                return self.info(timeout=max(deadline - time.monotonic(), 1e-3))
+            except (Unavailable, DeadlineExceeded) as e:
+                backoff = self._connect_retry(e, wait, deadline, attempt)
+            time.sleep(backoff)
 
     def _open(self) -> None:
         if self._credentials is not None:
@@ -748,8 +826,7 @@ class Client(_Core):
         self._channel.close()
         self.forget_incarnation()
         self._open()
-        self._wait_ready()
-        return self.info()
+        return self._connect()
 
     def _call(self, request: _Request, timeout):
         method, body, parse = request
@@ -936,5 +1013,5 @@ class Client(_Core):
             raw = self._health(_wire.health_request(service), timeout=5.0 if t is None else t,
                                metadata=self._metadata)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, "Health/Check") from None
+            raise self._health_error(from_rpc_error(e, "Health/Check")) from None
         return _wire.health_status(raw)

@@ -196,6 +196,8 @@ def _rows(x, idx: np.ndarray):
     if _dt.is_torch(x):
         import torch
         return x[torch.as_tensor(idx, dtype=torch.long, device=x.device)]
+    if isinstance(x, _dt.RawBits):
+        return x[idx]
     return np.asarray(x)[idx]
 
 

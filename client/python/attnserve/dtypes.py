@@ -13,8 +13,14 @@ Inputs accepted wherever a tensor goes to the server:
     the host once), others are converted by torch on their device first;
   * numpy floating arrays (float32, float16; float64 is rounded to float32
     first), converted with round-to-nearest-even;
-  * numpy uint16 / int16 arrays, taken as raw 16-bit values already in the
-    server's dtype (what float32_to_bf16_bits returns).
+  * RawBits(bits, "bf16" or "fp16"): 16-bit patterns (e.g. what
+    float32_to_bf16_bits returns) sent as they are; their dtype must be the
+    server's.
+Any other array (a numpy uint16 array among them: its values are integers,
+not bf16 bits, unless wrapped in RawBits) raises TypeError.
+
+Results (result_like): a query of numpy or torch floating values gets its
+output back in its own dtype (and torch device); RawBits get bit patterns.
 """
 
 from __future__ import annotations
@@ -63,6 +69,37 @@ def is_torch(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+class RawBits:
+    """16-bit patterns of a tensor's values, sent to the server as they are.
+
+        q = attnserve.RawBits(attnserve.float32_to_bf16_bits(x), "bf16")
+
+    bits: a numpy uint16 or int16 array (any shape); dtype: "bf16" or "fp16",
+    the values' type, which must be the server's kv_dtype. numpy has no
+    bfloat16, so bf16 values otherwise travel as float32 and are rounded.
+    """
+
+    def __init__(self, bits, dtype: str):
+        arr = np.asarray(bits)
+        if arr.dtype not in (np.uint16, np.int16):
+            raise TypeError(f"RawBits: bits must be a uint16 or int16 array, not {arr.dtype}")
+        if dtype not in ("bf16", "fp16"):
+            raise ValueError(f"RawBits: dtype must be 'bf16' or 'fp16', not {dtype!r}")
+        self.bits = arr
+        self.dtype = dtype
+        self.wire_dtype = DTYPE_BF16 if dtype == "bf16" else DTYPE_FP16
+
+    @property
+    def shape(self):
+        return self.bits.shape
+
+    def __len__(self):
+        return len(self.bits)
+
+    def __getitem__(self, index):
+        return RawBits(self.bits[index], self.dtype)
+
+
 def _torch_dtype(wire_dtype: int):
     return torch.bfloat16 if wire_dtype == DTYPE_BF16 else torch.float16
 
@@ -88,20 +125,53 @@ def to_wire(x, wire_dtype: int, name: str):
         shape = tuple(x.shape)
         arr = x.view(torch.int16).numpy()
         return shape, memoryview(arr).cast("B") if arr.size else memoryview(b"")
+    if isinstance(x, RawBits):
+        if x.wire_dtype != wire_dtype:
+            raise TypeError(f"{name}: RawBits of {x.dtype}, but the server's kv_dtype is "
+                            f"{DTYPE_NAMES[wire_dtype]}: the bits would be read as other values")
+        raw = np.ascontiguousarray(x.bits)
+        return raw.shape, memoryview(raw).cast("B") if raw.size else memoryview(b"")
     arr = np.asarray(x)
-    if arr.dtype in (np.uint16, np.int16):
-        raw = arr
-    elif arr.dtype.kind == "f":
+    if arr.dtype.kind == "f":
         if wire_dtype == DTYPE_FP16:
             raw = arr.astype(np.float16, copy=False)
         else:
             raw = float32_to_bf16_bits(arr)
-    else:
+    elif arr.dtype in (np.uint16, np.int16):
         raise TypeError(
-            f"{name}: numpy dtype {arr.dtype} is neither floating nor uint16 "
-            f"(raw {DTYPE_NAMES[wire_dtype]} bits)")
+            f"{name}: numpy {arr.dtype} holds integers, not {DTYPE_NAMES[wire_dtype]} values: "
+            f"pass floating values (float32, float16), or wrap bit patterns as "
+            f"attnserve.RawBits({name}, \"{DTYPE_NAMES[wire_dtype]}\")")
+    else:
+        raise TypeError(f"{name}: numpy dtype {arr.dtype} is not a floating type (float32, "
+                        f"float16, float64), nor RawBits")
     raw = np.ascontiguousarray(raw)
     return arr.shape, memoryview(raw).cast("B") if raw.size else memoryview(b"")
+
+
+def result_like(x):
+    """What a result computed from input x is returned as: (out, dtype), out
+    one of "numpy", "torch", "raw" (None for no preference: a region), dtype
+    the numpy or torch dtype of x's values (None: the default of out)."""
+    if is_torch(x):
+        return "torch", x.dtype
+    if isinstance(x, RawBits):
+        return "raw", None
+    if isinstance(x, np.ndarray) and x.dtype.kind == "f":
+        return "numpy", x.dtype
+    return None, None
+
+
+def _numpy_dtype(dtype):
+    """dtype (numpy or torch) as a numpy floating dtype; bfloat16, which numpy
+    lacks, as float32."""
+    if is_torch_dtype(dtype):
+        return {torch.float16: np.float16, torch.float64: np.float64}.get(dtype, np.float32)
+    return np.dtype(dtype)
+
+
+def is_torch_dtype(dtype) -> bool:
+    return torch is not None and isinstance(dtype, torch.dtype)
 
 
 def f32_to_wire(x, name: str):
@@ -118,13 +188,28 @@ def _np_view(buf, start: int, nbytes: int, dtype) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype, count=nbytes // itemsize, offset=start)
 
 
-def from_wire(buf, start: int, nbytes: int, shape, wire_dtype: int, out: str, device=None):
+def from_wire(buf, start: int, nbytes: int, shape, wire_dtype: int, out: str, device=None,
+              dtype=None):
     """A response tensor as numpy or torch, viewing buf where it can.
 
     out: "numpy" (bf16 widened to float32, fp16 as float16, fp32 as float32),
          "raw" (uint16 bit patterns; float32 for fp32),
          "torch" (torch bf16/fp16/float32 on `device`, default CPU).
+    dtype: a numpy or torch floating dtype to return the 16-bit values in
+    instead (the caller's; float32 stays float32).
     """
+    t = _from_wire(buf, start, nbytes, shape, wire_dtype, out, device)
+    if dtype is None or out == "raw" or wire_dtype == DTYPE_FP32:
+        return t
+    if out == "torch":
+        want = dtype if is_torch_dtype(dtype) else torch.from_numpy(
+            np.zeros(0, _numpy_dtype(dtype))).dtype
+        return t if t.dtype == want else t.to(want)
+    want = _numpy_dtype(dtype)
+    return t if t.dtype == want else t.astype(want)
+
+
+def _from_wire(buf, start: int, nbytes: int, shape, wire_dtype: int, out: str, device=None):
     shape = tuple(int(s) for s in shape)
     if wire_dtype == DTYPE_FP32:
         np_dtype = np.float32

@@ -14,6 +14,8 @@ docs/design.md section 4 says which code each kind of bad request gets.
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 
@@ -128,13 +130,60 @@ _BY_CODE = {
 }
 
 
+_TOO_LARGE = re.compile(r"^(Sent|Received) message larger than max \((\d+) vs\. (\d+)\)")
+
+
 def error_for(code: grpc.StatusCode, details: str, method: str = "") -> AttnserveError:
     """The typed error for a gRPC status (code other than OK)."""
     if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith("lease "):
         return LeaseExpired(details, code, method)
     if code == grpc.StatusCode.FAILED_PRECONDITION and "incarnation" in details:
         return StaleIncarnation(details, code, method)
+    m = _TOO_LARGE.match(details) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    if m:
+        # gRPC's own check of this client's limit, in attnserve's terms.
+        which = "request" if m.group(1) == "Sent" else "response"
+        details = (f"the {which} is {m.group(2)} bytes, more than this client's "
+                   f"max_message_bytes allows ({m.group(3)} bytes with 1 MiB for framing): send "
+                   "tensors this large through a shared-memory region (docs/transport.md; the "
+                   "server needs --allow_shared_memory), or split the request, or raise "
+                   "max_message_bytes here and --max_message_bytes on the server")
     return _BY_CODE.get(code, AttnserveError)(details, code, method)
+
+
+def connect_cause(details: str, target: str, tls: bool, tls_ca: str | None = None,
+                  tls_cert: str | None = None) -> str | None:
+    """The cause of a failed connection that gRPC's UNAVAILABLE message names,
+    said in attnserve's terms; None when it names none a caller can act on
+    (then the address may still become ready)."""
+    ca = f"tls_ca={tls_ca}" if tls_ca else "the system's root CAs"
+    if "DNS resolution failed" in details or "Domain name not found" in details:
+        return f"cannot resolve the host of {target} (a typo?): {details}"
+    if "Connection refused" in details:
+        return (f"connection refused: nothing listens on {target} (is attnserve running, and is "
+                "this its --listen address?)")
+    if "Failed parsing HTTP/2" in details or "http1" in details or "HTTP/1" in details:
+        return (f"{target} answers HTTP/1, not gRPC: is it attnserve's metrics port "
+                "(--metrics_listen) instead of its --listen address?")
+    if "certificate verify failed" in details or "CERTIFICATE_VERIFY_FAILED" in details:
+        return (f"TLS: the certificate of {target} is not signed by {ca} (or does not name the "
+                f"host): {details}")
+    if "wrong version number" in details or "WRONG_VERSION_NUMBER" in details:
+        return (f"TLS: {target} does not speak TLS (a server without --tls_cert): connect "
+                "without tls")
+    # A server that wants client certificates (--tls_client_ca) closes the
+    # connection once the handshake has shown the client's.
+    mtls = ("a server with --tls_client_ca wants a client certificate (tls_cert, tls_key)"
+            if not tls_cert else "a server with --tls_client_ca refuses a client certificate "
+            f"its CA did not sign (tls_cert={tls_cert})")
+    if "andshake failed" in details:
+        return f"TLS handshake with {target} failed ({mtls}?): {details}"
+    if "Socket closed" in details or "Connection reset" in details:
+        if not tls:
+            return (f"{target} closed the connection before answering: if it is a TLS server "
+                    "(--tls_cert), connect with tls (and tls_ca)")
+        return f"{target} closed the connection after the TLS handshake: {mtls}"
+    return None
 
 
 def from_rpc_error(error: grpc.RpcError, method: str = "") -> AttnserveError:

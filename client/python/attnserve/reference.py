@@ -24,6 +24,8 @@ def as_float64(x, wire_dtype: int = _dt.DTYPE_BF16) -> np.ndarray:
     """The values the server sees for x (numpy float/uint16 bits or torch), in float64."""
     if _dt.is_torch(x):
         return x.detach().to("cpu").double().numpy()
+    if isinstance(x, _dt.RawBits):
+        wire_dtype, x = x.wire_dtype, x.bits
     arr = np.asarray(x)
     if arr.dtype == np.uint16:
         if wire_dtype == _dt.DTYPE_FP16:

@@ -60,13 +60,6 @@ std::string CpuBackend::Device() const {
   return absl::StrCat("cpu (", std::thread::hardware_concurrency(), " threads)");
 }
 
-Backend::MemoryUsage CpuBackend::Memory() const {
-  MemoryUsage m;
-  m.used_bytes = static_cast<int64_t>((k_pool_.size() + v_pool_.size()) * sizeof(uint16_t));
-  m.total_bytes = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
-  return m;
-}
-
 void CpuBackend::Append(int32_t layer, const int64_t* slots, int64_t n, const void* k,
                         const ScatterList& k_scattered, const void* v,
                         const ScatterList& v_scattered) {

@@ -17,7 +17,6 @@ class CpuBackend final : public Backend {
 
   std::string Name() const override { return "cpu"; }
   std::string Device() const override;
-  MemoryUsage Memory() const override;
   const KvGeometry& Geometry() const override { return geo_; }
 
   // The CPU computes the batch in Submit; Complete hands back its status.

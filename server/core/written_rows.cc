@@ -1,0 +1,118 @@
+#include "server/core/written_rows.h"
+
+#include <algorithm>
+#include <array>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+namespace {
+
+// The rows of one page a request appends: a bit each (page_size <= 128).
+using PageBits = std::array<uint8_t, 16>;
+
+// The first row in [0, rows) whose bit is set in neither `written` nor
+// `appended` (null: none), or -1 when all are.
+int32_t FirstMissing(const std::atomic<uint8_t>* written, const PageBits* appended, int32_t rows) {
+  for (int32_t byte = 0; byte * 8 < rows; ++byte) {
+    const int32_t in_byte = std::min(8, rows - byte * 8);
+    const uint8_t want = static_cast<uint8_t>((1u << in_byte) - 1);
+    uint8_t have = written[byte].load(std::memory_order_acquire);
+    if (appended != nullptr) have |= (*appended)[byte];
+    const uint8_t missing = static_cast<uint8_t>(want & ~have);
+    if (missing != 0) return byte * 8 + __builtin_ctz(missing);
+  }
+  return -1;
+}
+
+}  // namespace
+
+WrittenRows::WrittenRows(const KvGeometry& geo)
+    : num_pages_(geo.num_pages),
+      page_size_(geo.page_size),
+      num_layers_(geo.num_layers),
+      bytes_per_page_((geo.page_size + 7) / 8),
+      last_byte_(static_cast<uint8_t>((1u << (geo.page_size - (geo.page_size - 1) / 8 * 8)) - 1)),
+      bits_(new std::atomic<uint8_t>[static_cast<size_t>(geo.num_layers) * geo.num_pages *
+                                     ((geo.page_size + 7) / 8)]) {
+  const size_t n = static_cast<size_t>(num_layers_) * num_pages_ * bytes_per_page_;
+  for (size_t i = 0; i < n; ++i) bits_[i].store(0, std::memory_order_relaxed);
+}
+
+bool WrittenRows::Full(const std::atomic<uint8_t>* bits) const {
+  uint8_t all = 0xFF;
+  for (int32_t b = 0; b + 1 < bytes_per_page_; ++b) all &= bits[b].load(std::memory_order_acquire);
+  return all == 0xFF &&
+         (bits[bytes_per_page_ - 1].load(std::memory_order_acquire) & last_byte_) == last_byte_;
+}
+
+void WrittenRows::Reset(absl::Span<const int32_t> pages) {
+  for (int32_t layer = 0; layer < num_layers_; ++layer) {
+    for (int32_t page : pages) {
+      std::atomic<uint8_t>* bits = Bits(layer, page);
+      for (int32_t b = 0; b < bytes_per_page_; ++b) bits[b].store(0, std::memory_order_release);
+    }
+  }
+}
+
+void WrittenRows::Mark(int32_t layer, const int64_t* slots, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t page = static_cast<int32_t>(slots[i] / page_size_);
+    const int32_t row = static_cast<int32_t>(slots[i] % page_size_);
+    Bits(layer, page)[row / 8].fetch_or(static_cast<uint8_t>(1u << (row % 8)),
+                                        std::memory_order_release);
+  }
+}
+
+absl::Status WrittenRows::CheckPrefill(const PrefillTask& task) const {
+  // The rows this request appends before it attends, per page.
+  absl::flat_hash_map<int32_t, PageBits> appended;
+  for (int64_t i = 0; i < task.num_append; ++i) {
+    const int32_t page = static_cast<int32_t>(task.append_slots[i] / page_size_);
+    const int32_t row = static_cast<int32_t>(task.append_slots[i] % page_size_);
+    appended[page][row / 8] |= static_cast<uint8_t>(1u << (row % 8));  // new entries are zeros
+  }
+  const std::atomic<uint8_t>* layer_bits = Bits(task.layer, 0);
+  for (size_t s = 0; s < task.seqs.size(); ++s) {
+    const PrefillSeq& seq = task.seqs[s];
+    const int32_t num_pages = (seq.kv_len + page_size_ - 1) / page_size_;
+    for (int32_t i = 0; i < num_pages; ++i) {
+      const int32_t page = task.kv_indices[seq.kv_start + i];
+      const int32_t rows = i + 1 < num_pages ? page_size_ : seq.kv_len - i * page_size_;
+      // Most pages were written whole before: that is a compare per byte, and
+      // the request's appends are looked up only for a page with rows missing.
+      const std::atomic<uint8_t>* bits = layer_bits + static_cast<size_t>(page) * bytes_per_page_;
+      if (rows == page_size_ && Full(bits)) continue;
+      int32_t missing = FirstMissing(bits, nullptr, rows);
+      if (missing < 0) continue;
+      if (const auto it = appended.find(page); it != appended.end()) {
+        missing = FirstMissing(bits, &it->second, rows);
+        if (missing < 0) continue;
+      }
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", s, " reads rows [0, ", rows, ") of page ", page, " (kv_indices[",
+          seq.kv_start + i, "]) in layer ", task.layer, ", but row ", missing,
+          " was never written there (by WriteKV, or an append_slots of this or an earlier "
+          "Prefill): it would be read as zeros. Write it first, or check kv_last_page_len "
+          "(--check_kv_written=false turns this check off)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+DoneCallback WrittenRows::MarkOnSuccess(int32_t layer, const int64_t* slots, int64_t n,
+                                        std::shared_ptr<const void> keep_alive,
+                                        DoneCallback done) {
+  if (n == 0) return done;
+  return [this, layer, slots, n, keep_alive = std::move(keep_alive),
+          done = std::move(done)](absl::Status status) mutable {
+    if (status.ok()) Mark(layer, slots, n);
+    // Dropped before the answer: a plan held here must not outlive the
+    // request in the client's eyes (its ReleasePlan and FreePages follow).
+    keep_alive.reset();
+    done(std::move(status));
+  };
+}
+
+}  // namespace attnserve

@@ -1,0 +1,75 @@
+// WrittenRows: which KV rows hold data written since their page was
+// allocated, so that a Prefill reading rows nobody wrote (they hold zeros, or
+// a freed page's scrubbed contents) is refused instead of answered
+// (--check_kv_written, docs/operations.md).
+//
+// One bit per (layer, page, row): WriteKV and a Prefill's fused appends set
+// the bits of their rows when they succeed; allocating a page clears its bits
+// in every layer. A bit per row, not a count per page, because engines write
+// out of order: a decode step that appends row 9 of a page says nothing of
+// rows 0..8 in that layer. At one bit per row and layer this is 1/8 of a
+// byte per KV row per layer (for 32 layers and 524,288 rows: 2 MiB).
+//
+//   WrittenRows written(geometry);
+//   written.Reset(pages);                               // AllocatePages
+//   ATTN_RETURN_IF_ERROR(written.CheckPrefill(task));   // before queueing
+//   done = written.MarkOnSuccess(layer, slots, n, nullptr, std::move(done));
+//
+// Thread-safe: bits are set from the scheduler's threads while requests are
+// checked on the edge's.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "common/kv_geometry.h"
+#include "server/backend/backend.h"
+#include "server/core/requests.h"
+
+namespace attnserve {
+
+class WrittenRows {
+ public:
+  explicit WrittenRows(const KvGeometry& geo);
+
+  // Pages handed to a new owner: none of their rows is written, in any layer.
+  void Reset(absl::Span<const int32_t> pages);
+
+  // Marks slots[0, n) of `layer` written (validated slots).
+  void Mark(int32_t layer, const int64_t* slots, int64_t n);
+
+  // FAILED_PRECONDITION naming the sequence, the page, the first row missing
+  // and the rows read when a sequence of `task` (validated, its pages owned
+  // by the caller) reads a row of its layer that neither an earlier request
+  // nor this request's own appended slots wrote.
+  absl::Status CheckPrefill(const PrefillTask& task) const;
+
+  // `done`, which first marks slots[0, n) of `layer` when the request
+  // succeeded. The slots must live until `done` runs; `keep_alive` (e.g. the
+  // plan that holds them) is held until then, and released before `done`.
+  DoneCallback MarkOnSuccess(int32_t layer, const int64_t* slots, int64_t n,
+                             std::shared_ptr<const void> keep_alive, DoneCallback done);
+
+ private:
+  // The first byte of the bits of (layer, page): row r is bit r % 8 of byte
+  // r / 8.
+  std::atomic<uint8_t>* Bits(int32_t layer, int32_t page) const {
+    return &bits_[(static_cast<size_t>(layer) * num_pages_ + page) * bytes_per_page_];
+  }
+
+  // Every row of a page written.
+  bool Full(const std::atomic<uint8_t>* bits) const;
+
+  const int32_t num_pages_;
+  const int32_t page_size_;       // 1..128
+  const int32_t num_layers_;
+  const int32_t bytes_per_page_;  // ceil(page_size / 8)
+  const uint8_t last_byte_;       // the bits of a whole page's last byte
+  // (num_layers, num_pages, bytes_per_page): a bit per row, set once written.
+  std::unique_ptr<std::atomic<uint8_t>[]> bits_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,141 @@
+// The C++ client's own error handling, against a stand-in server that
+// answers every call UNAVAILABLE ("server is draining") and counts the
+// attempts per method: gRPC's retry policy (common/transport.h) tries the
+// idempotent methods again and never the others; and a request larger than
+// the client's max_message_bytes fails naming it and the ways around it.
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "client/client.h"
+#include "client/shared_memory.h"
+#include "gmock/gmock.h"
+#include "grpcpp/generic/async_generic_service.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Answers every call UNAVAILABLE at once and counts the calls per method.
+class DrainingServer final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++calls_[ctx->method()];
+    }
+    class Refuse final : public grpc::ServerGenericBidiReactor {
+     public:
+      Refuse() { Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is draining")); }
+      void OnDone() override { delete this; }
+    };
+    return new Refuse;
+  }
+
+  int Calls(const std::string& method) {
+    absl::MutexLock lock(&mu_);
+    return calls_["/attnserve.v1.AttentionService/" + method];
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, int> calls_ ABSL_GUARDED_BY(mu_);
+};
+
+class ClientErrorsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterCallbackGenericService(&service_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ClientOptions options;
+    options.target = "127.0.0.1:" + std::to_string(port_);
+    options.fetch_info = false;  // the stand-in has no ServerInfo to give
+    options.timeout_s = 60;
+    auto client = Client::Connect(options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = *std::move(client);
+  }
+  void TearDown() override { server_->Shutdown(); }
+
+  DrainingServer service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(ClientErrorsTest, OnlyIdempotentMethodsAreRetriedOnUnavailable) {
+  // Each call ends UNAVAILABLE with the server's message.
+  auto expect_unavailable = [](const absl::Status& s) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_THAT(s.message(), HasSubstr("server is draining"));
+  };
+  expect_unavailable(client_->GetServerInfo().status());
+  const std::vector<int64_t> slots = {0};
+  const std::vector<uint16_t> rows(0);
+  expect_unavailable(client_->WriteKV(0, slots, rows, rows));
+  expect_unavailable(client_->ReadKV(0, slots).status());
+  expect_unavailable(client_->Prefill(PrefillArgs{}).status());
+  expect_unavailable(client_->MergeStates({}, 0, 1, 64, false).status());
+  expect_unavailable(client_->ListRegions().status());
+  expect_unavailable(client_->AllocatePages(1).status());
+  const std::vector<int32_t> pages = {0};
+  expect_unavailable(client_->FreePages(pages));
+  expect_unavailable(client_->CreatePlan(PlanLayout{}).status());
+  expect_unavailable(client_->ReleasePlan(1));
+  auto memory = SharedMemory::Create("r", 4096);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  expect_unavailable(client_->RegisterSystemRegion("r", **memory, 0, 4096));
+  expect_unavailable(client_->UnregisterRegion("r"));
+  // The channel calls through the client's own channel (its retry policy).
+  for (const char* method : {"OpenChannel", "CloseChannel"}) {
+    grpc::ClientContext ctx;
+    client_->PrepareContext(&ctx);
+    v1::OpenChannelResponse open;
+    v1::CloseChannelResponse close;
+    const grpc::Status s =
+        std::string(method) == "OpenChannel"
+            ? client_->stub()->OpenChannel(&ctx, v1::OpenChannelRequest(), &open)
+            : client_->stub()->CloseChannel(&ctx, v1::CloseChannelRequest(), &close);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE) << method;
+  }
+  // 4 attempts (3 retries) of each idempotent method; 1 of the others.
+  // GetServerInfo was called twice: once above, once by RegisterSystemRegion
+  // (it reads the server's region socket when its info names none).
+  EXPECT_EQ(service_.Calls("GetServerInfo"), 8);
+  for (const char* m : {"WriteKV", "ReadKV", "Prefill", "MergeStates", "ListRegions"}) {
+    EXPECT_EQ(service_.Calls(m), 4) << m;
+  }
+  for (const char* m : {"AllocatePages", "FreePages", "CreatePlan", "ReleasePlan",
+                        "RegisterRegion", "UnregisterRegion", "OpenChannel", "CloseChannel"}) {
+    EXPECT_EQ(service_.Calls(m), 1) << m;
+  }
+}
+
+TEST_F(ClientErrorsTest, ARequestOverMaxMessageBytesNamesItAndTheWaysAround) {
+  ClientOptions options;
+  options.target = "127.0.0.1:" + std::to_string(port_);
+  options.fetch_info = false;
+  options.max_message_bytes = 4096;  // with 1 MiB for framing
+  auto client = Client::Connect(options);
+  ASSERT_TRUE(client.ok());
+  std::vector<int64_t> slots(8192);
+  const std::vector<uint16_t> rows(2 << 20);  // 4 MiB
+  const absl::Status s = (*client)->WriteKV(0, slots, rows, rows);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("more than this client's max_message_bytes allows"));
+  EXPECT_THAT(s.message(), HasSubstr("shared-memory region"));
+  EXPECT_THAT(s.message(), HasSubstr("--max_message_bytes"));
+  EXPECT_THAT(s.message(), ::testing::Not(HasSubstr("Sent message larger than max")));
+  EXPECT_EQ(service_.Calls("WriteKV"), 0) << "refused before it was sent";
+}
+
+}  // namespace
+}  // namespace attnserve

@@ -1,0 +1,147 @@
+#include "server/core/written_rows.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+KvGeometry Geometry() {
+  KvGeometry g;
+  g.num_layers = 2;
+  g.num_pages = 8;
+  g.page_size = 4;
+  g.num_qo_heads = 2;
+  g.num_kv_heads = 1;
+  g.head_dim = 64;
+  return g;
+}
+
+// One sequence over `pages` with kv_len keys, optionally appending `slots`.
+PrefillTask Task(int32_t layer, const std::vector<int32_t>& pages, int32_t kv_len,
+                 const std::vector<int64_t>& slots = {}) {
+  PrefillTask t;
+  t.layer = layer;
+  PrefillSeq seq;
+  seq.kv_len = kv_len;
+  seq.layer = layer;
+  t.seqs.push_back(seq);
+  t.kv_indices = pages.data();
+  t.num_kv_indices = static_cast<int32_t>(pages.size());
+  t.append_slots = slots.data();
+  t.num_append = static_cast<int64_t>(slots.size());
+  return t;
+}
+
+TEST(WrittenRowsTest, APrefillMayReadOnlyRowsWrittenInItsLayer) {
+  WrittenRows written(Geometry());
+  const std::vector<int32_t> pages = {3, 5};
+  // Nothing written: reading one key is refused, naming what is missing.
+  absl::Status s = written.CheckPrefill(Task(0, pages, 1));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("sequence 0 reads rows [0, 1) of page 3 (kv_indices[0]) in "
+                                     "layer 0, but row 0 was never written there"));
+  EXPECT_THAT(s.message(), HasSubstr("--check_kv_written=false"));
+  EXPECT_THAT(s.message(), ::testing::Not(HasSubstr("incarnation")));  // not a restart
+  // Page 3 whole and two rows of page 5, in layer 0.
+  const std::vector<int64_t> slots = {12, 13, 14, 15, 20, 21};
+  written.Mark(0, slots.data(), static_cast<int64_t>(slots.size()));
+  EXPECT_TRUE(written.CheckPrefill(Task(0, pages, 6)).ok());
+  EXPECT_TRUE(written.CheckPrefill(Task(0, pages, 5)).ok());
+  s = written.CheckPrefill(Task(0, pages, 7));  // one row past what was written
+  EXPECT_THAT(s.message(), HasSubstr("reads rows [0, 3) of page 5 (kv_indices[1])"));
+  EXPECT_THAT(s.message(), HasSubstr("row 2 was never written"));
+  // Layer 1 has none of it.
+  EXPECT_FALSE(written.CheckPrefill(Task(1, pages, 1)).ok());
+}
+
+TEST(WrittenRowsTest, ARequestsOwnAppendsCount) {
+  WrittenRows written(Geometry());
+  const std::vector<int32_t> pages = {2};
+  const std::vector<int64_t> first = {8, 9};
+  written.Mark(0, first.data(), 2);
+  // A decode step: two keys there, the third appended by the request itself.
+  EXPECT_TRUE(written.CheckPrefill(Task(0, pages, 3, {10})).ok());
+  // An append elsewhere does not fill this page's hole.
+  EXPECT_FALSE(written.CheckPrefill(Task(0, pages, 4, {10, 28})).ok());
+  // A row above a hole does not fill it: rows count one by one.
+  const std::vector<int64_t> top = {11};
+  written.Mark(0, top.data(), 1);
+  absl::Status s = written.CheckPrefill(Task(0, pages, 4));
+  EXPECT_THAT(s.message(), HasSubstr("row 2 was never written"));
+  EXPECT_TRUE(written.CheckPrefill(Task(0, pages, 4, {10})).ok());
+  // Writing a row again keeps it written.
+  written.Mark(0, first.data(), 1);
+  EXPECT_FALSE(written.CheckPrefill(Task(0, pages, 3)).ok());
+}
+
+TEST(WrittenRowsTest, EveryPageSizeAndRow) {
+  for (int32_t page_size : {1, 7, 8, 9, 16, 128}) {
+    KvGeometry g = Geometry();
+    g.page_size = page_size;
+    WrittenRows written(g);
+    const std::vector<int32_t> pages = {6};
+    for (int32_t row = 0; row < page_size; ++row) {
+      // Rows [0, row) written: reading row + 1 rows misses exactly `row`.
+      absl::Status s = written.CheckPrefill(Task(1, pages, row + 1));
+      EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("row ", row, " was never written")))
+          << page_size;
+      const int64_t slot = int64_t{6} * page_size + row;
+      written.Mark(1, &slot, 1);
+      EXPECT_TRUE(written.CheckPrefill(Task(1, pages, row + 1)).ok()) << page_size << " " << row;
+    }
+    EXPECT_FALSE(written.CheckPrefill(Task(0, pages, 1)).ok());  // another layer
+  }
+}
+
+TEST(WrittenRowsTest, AllocationForgetsWhatAPageHeld) {
+  WrittenRows written(Geometry());
+  const std::vector<int64_t> slots = {4, 5, 6, 7};
+  written.Mark(0, slots.data(), 4);
+  written.Mark(1, slots.data(), 4);
+  const std::vector<int32_t> pages = {1};
+  EXPECT_TRUE(written.CheckPrefill(Task(1, pages, 4)).ok());
+  written.Reset(pages);  // freed and allocated again
+  EXPECT_FALSE(written.CheckPrefill(Task(0, pages, 1)).ok());
+  EXPECT_FALSE(written.CheckPrefill(Task(1, pages, 1)).ok());
+}
+
+TEST(WrittenRowsTest, MarksOnlyWhenTheRequestSucceeded) {
+  WrittenRows written(Geometry());
+  const std::vector<int64_t> slots = {0, 1};
+  const std::vector<int32_t> pages = {0};
+  int calls = 0;
+  DoneCallback failed = written.MarkOnSuccess(0, slots.data(), 2, nullptr,
+                                              [&](absl::Status) { ++calls; });
+  failed(absl::InternalError("device fault"));
+  EXPECT_FALSE(written.CheckPrefill(Task(0, pages, 2)).ok());
+  DoneCallback ok = written.MarkOnSuccess(0, slots.data(), 2, nullptr,
+                                          [&](absl::Status) { ++calls; });
+  ok(absl::OkStatus());
+  EXPECT_TRUE(written.CheckPrefill(Task(0, pages, 2)).ok());
+  EXPECT_EQ(calls, 2);
+}
+
+TEST(WrittenRowsTest, WhatTheSlotsLiveInIsReleasedBeforeTheAnswer) {
+  // A plan's slots: its pins must be gone when the client hears back, or its
+  // ReleasePlan and FreePages right after would find the pages still held.
+  WrittenRows written(Geometry());
+  const std::vector<int64_t> slots = {0};
+  auto plan = std::make_shared<std::vector<int64_t>>(slots);
+  std::weak_ptr<std::vector<int64_t>> seen = plan;
+  bool released_first = false;
+  DoneCallback done = written.MarkOnSuccess(0, plan->data(), 1, plan, [&](absl::Status) {
+    released_first = seen.expired();
+  });
+  plan.reset();
+  done(absl::OkStatus());
+  EXPECT_TRUE(released_first);
+}
+
+}  // namespace
+}  // namespace attnserve

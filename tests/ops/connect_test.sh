@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# What a client says when it cannot connect, through attnctl (the C++
+# client): a refused port, a host that does not resolve and an HTTP/1 port
+# (the metrics one) each fail at once with their cause named, although
+# --connect_timeout_s would allow minutes (a generous watchdog, not a
+# timing bound, catches a client that waits anyway); gRPC's own log lines
+# stay off stderr; --connect_timeout_s is a flag. TLS mismatches are in
+# security_test.sh.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+source "$ROOT/tests/ops/lib.sh"
+WORK=$(mktemp -d)
+trap 'stop_server; rm -rf "$WORK"' EXIT
+
+# ctl_fails NAME PATTERN ARGS...: attnctl ARGS exits 1 within the watchdog,
+# its stderr matches PATTERN and holds no gRPC log line.
+ctl_fails() {
+  local name=$1 pattern=$2
+  shift 2
+  timeout 120 "$ATTNCTL" --connect_timeout_s=600 "$@" >"$WORK/out" 2>"$WORK/err"
+  local rc=$?
+  check "$name: exits 1 (not the watchdog's 124: no wait for the deadline)" test $rc -eq 1
+  check "$name: says '$pattern'" grep -q -- "$pattern" "$WORK/err" "$WORK/out"
+  check "$name: no gRPC log line on stderr" bash -c '! grep -Eq "^[EIWD][0-9]{4} |chttp2|Handshake failed" "$1"' _ "$WORK/err"
+  [[ $rc -eq 1 ]] || cat "$WORK/out" "$WORK/err"
+}
+
+free_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+ctl_fails "refused" "connection refused: nothing listens on 127.0.0.1:$free_port" \
+  --target="127.0.0.1:$free_port" info
+ctl_fails "refused, health" "UNAVAILABLE: connection refused: nothing listens on" \
+  --target="127.0.0.1:$free_port" health
+ctl_fails "unresolvable host" "cannot resolve the host of no-such-host.invalid:50051" \
+  --target=no-such-host.invalid:50051 info
+
+start_server || { echo "0 passed, 1 failed"; exit 1; }
+ctl_fails "the metrics port" "$METRICS_ADDR answers HTTP/1, not gRPC: is it attnserve's metrics port" \
+  --target="$METRICS_ADDR" info
+check "the gRPC port answers" "$ATTNCTL" --connect_timeout_s=30 --target="$GRPC_ADDR" info
+check "--help lists --connect_timeout_s" bash -c '"$1" --help | grep -q -- "--connect_timeout_s=10 "' _ "$ATTNCTL"
+finish

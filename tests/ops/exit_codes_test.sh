@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# attnserve's exit codes, as docs/operations.md ("Exit codes") lists them:
+# 2 for every flag error (an unknown flag, a value that does not parse or is
+# out of range, a file a flag names that cannot be read, flags that
+# contradict each other), 1 for a server that cannot start on this machine
+# (a port in use), 0 after a drain. Each error names the flag, and no gRPC
+# log line comes before it.
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+source "$ROOT/tests/ops/lib.sh"
+WORK=$(mktemp -d)
+trap 'stop_server; rm -rf "$WORK"' EXIT
+small=(--backend=cpu --num_layers=1 --num_pages=16 --num_qo_heads=8 --num_kv_heads=2 --head_dim=64
+       --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0)
+
+# exits CODE NAME PATTERN ARGS...: attnserve ARGS exits CODE, printing
+# PATTERN and no gRPC log line.
+exits() {
+  local code=$1 name=$2 pattern=$3
+  shift 3
+  timeout 120 "$ATTNSERVE" "$@" >"$WORK/out" 2>&1
+  local rc=$?
+  check "$name: exits $code" test $rc -eq "$code"
+  check "$name: says '$pattern'" grep -q -- "$pattern" "$WORK/out"
+  check "$name: no gRPC log line" bash -c '! grep -Eq "^[EIWD][0-9]{4} |chttp2_server" "$1"' _ "$WORK/out"
+  [[ $rc -eq $code ]] || cat "$WORK/out"
+}
+
+exits 2 "--num_pages=abc" "num_pages" "${small[@]}" --num_pages=abc
+exits 2 "unknown flag" "no_such_flag" "${small[@]}" --no_such_flag=1
+exits 2 "--backend=gpu" "--backend=gpu must be auto, cuda or cpu" "${small[@]}" --backend=gpu
+exits 2 "--head_dim=100" "--head_dim=100" "${small[@]}" --head_dim=100
+exits 2 "--log_level=loud" "--log_level=loud must be" "${small[@]}" --log_level=loud
+exits 2 "--drain_timeout_s=-1" "--drain_timeout_s=-1 must be at least 0" "${small[@]}" --drain_timeout_s=-1
+exits 2 "--listen=nonsense" "--listen=nonsense: not HOST:PORT" "${small[@]}" --listen=nonsense
+exits 2 "--listen=no-such-host.invalid:1" "--listen=no-such-host.invalid:1: host 'no-such-host.invalid' does not resolve" \
+  "${small[@]}" --listen=no-such-host.invalid:1
+exits 2 "--metrics_listen=127.0.0.1:99999" "--metrics_listen=127.0.0.1:99999: not HOST:PORT" \
+  "${small[@]}" --metrics_listen=127.0.0.1:99999
+exits 2 "--auth_tokens_file missing" "--auth_tokens_file=$WORK/none: cannot open" \
+  "${small[@]}" --auth_tokens_file="$WORK/none"
+exits 2 "--tls_cert missing" "--tls_cert=$WORK/none.pem: cannot open" \
+  "${small[@]}" --tls_cert="$WORK/none.pem" --tls_key="$WORK/none.key"
+exits 2 "--tls_cert without --tls_key" "--tls_cert and --tls_key must be given together" \
+  "${small[@]}" --tls_cert="$WORK/none.pem"
+exits 2 "--prefill_kernel=sm90 on the cpu backend" \
+  "--prefill_kernel=sm90 selects a CUDA kernel family, but the backend is cpu" \
+  "${small[@]}" --prefill_kernel=sm90
+exits 2 "--flagfile missing" "flagfile" "${small[@]}" --flagfile="$WORK/none.flags"
+
+start_server || { echo "0 passed, 1 failed"; exit 1; }
+port=${GRPC_ADDR##*:}
+taken=("${small[@]}" --listen="127.0.0.1:$port")
+exits 1 "a taken --listen port" "the address is already in use" "${taken[@]}"
+check "--help exits 0" "$ATTNSERVE" --help >/dev/null
+check "--version exits 0" "$ATTNSERVE" --version >/dev/null
+kill -TERM "$SERVER_PID"
+wait "$SERVER_PID"
+check "a drained server exits 0" test $? -eq 0
+check "its start line says shared_memory and the KV cache's bytes" \
+  grep -Eq "kv_cache_bytes=[0-9]+ \([0-9.]+ MiB\).* shared_memory=off" "$SERVER_LOG"
+finish
