@@ -136,6 +136,16 @@ class AttentionServiceImpl::Call final
       return;
     }
     bytes_in_ = static_cast<int64_t>(request_.Length());
+    // gRPC lets messages of up to 2 GiB through (AttnServer): the limit is
+    // checked here, in words that name the flag and the way around it.
+    const int64_t max_bytes = service_->core_->limits().max_message_bytes;
+    if (bytes_in_ > max_bytes) {
+      FinishNow(absl::ResourceExhaustedError(absl::StrCat(
+          "the request is ", bytes_in_, " bytes, more than --max_message_bytes=", max_bytes,
+          ": send tensors this large through a shared-memory region (docs/transport.md; the "
+          "server needs --allow_shared_memory), or split the request")));
+      return;
+    }
     (service_->*handler_)(this);
   }
 

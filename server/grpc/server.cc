@@ -241,8 +241,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   int port = 0;
   builder.AddListeningPort(options.listen, *creds, &port);
   builder.RegisterService(s->service_.get());
-  const int max_bytes = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX));
-  builder.SetMaxReceiveMessageSize(max_bytes);
+  // gRPC checks a message's size only once the whole message has arrived,
+  // as the service does: the service's check names --max_message_bytes
+  // (gRPC's would not), so gRPC's own limit is its largest.
+  builder.SetMaxReceiveMessageSize(INT32_MAX);
   // Responses are checked against max_message_bytes; leave room for framing.
   builder.SetMaxSendMessageSize(static_cast<int>(
       std::min<int64_t>(options.max_message_bytes + (1 << 20), INT32_MAX)));

@@ -598,5 +598,25 @@ TEST(ShutdownTest, EveryCallDuringADrainIsOkOrUnavailable) {
   }
 }
 
+// A request over --max_message_bytes is refused naming the flag and the way
+// around it (gRPC's own "Received message larger than max (N vs. M)" before),
+// and counted as RESOURCE_EXHAUSTED, not as a malformed request.
+TEST(EdgeErrorTest, ARequestOverMaxMessageBytesNamesTheFlag) {
+  TestServerOptions options;
+  options.extra_flags = {"--max_message_bytes=1048576"};
+  auto server = TestServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto channel = Channel((*server)->grpc_address());
+  const grpc::Status s =
+      SendRaw(channel, "Prefill", Field(2, Field(3, std::string(size_t{2} << 20, 'q'))));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("more than --max_message_bytes=1048576"));
+  EXPECT_THAT(s.error_message(), HasSubstr("shared-memory region"));
+  EXPECT_EQ(Metric(**server, "attnserve_requests_total",
+                   "code=\"RESOURCE_EXHAUSTED\",method=\"Prefill\",shape=\"none\""),
+            1);
+  EXPECT_TRUE(SendRaw(channel, "GetServerInfo", "").ok());
+}
+
 }  // namespace
 }  // namespace attnserve
