@@ -1,14 +1,17 @@
 // Paged prefill attention: params shared by the CPU reference
 // (PagedPrefillCpu, here) and the CUDA kernel (paged_prefill_cuda.h).
 //
-// Conventions (docs/design.md section 3):
+// Conventions (docs/design.md section 3; the rules themselves are written
+// once, in kernels/variant.h):
 //  - GQA: query head h reads KV head h / (num_qo_heads / num_kv_heads).
-//  - Causal mask aligned bottom-right: row i (0-based within its sequence)
-//    sees KV positions j <= i + kv_len - q_len + causal_shift (causal_shift
-//    is 0 unless the request places its KV range inside a longer sequence).
-//  - LSE is the log-sum-exp of the scaled logits over the visible positions,
-//    base 2 unless the sequence asks for base e.
-//  - A row that sees nothing gets output 0 and LSE -inf; never NaN.
+//  - Row t sees the keys RowKeys(seq, t): causal (aligned bottom-right,
+//    shifted by causal_shift) and a sliding window (window_left) bound them.
+//  - Logits are dot(q, k) * sm_scale, soft-capped when soft_cap > 0.
+//  - A sink (one logit per query head) enters the denominator only.
+//  - LSE is the log-sum-exp of the logits over the visible keys (and the
+//    sink), base 2 unless the sequence asks for base e.
+//  - A row that sees nothing gets output 0 and LSE -inf (the sink with one);
+//    never NaN.
 //  - fp32 accumulation.
 #pragma once
 
@@ -32,6 +35,13 @@ struct PrefillSeq {
   // of a sequence's keys gets the number of the sequence's keys held after
   // its range (docs/design.md section 3).
   int32_t causal_shift = 0;
+  // Sliding window (kernels/variant.h): row t sees no key before
+  // QueryPos(t) - window_left; -1: no window.
+  int32_t window_left = -1;
+  float soft_cap = 0.f;    // > 0: logits become soft_cap * tanh(logit / soft_cap)
+  // Sinks: PagedPrefillParams::sinks[sink_index * num_qo_heads + head] (one
+  // logit per query head, natural units); -1: none.
+  int32_t sink_index = -1;
   uint8_t causal = 1;      // 1: causal mask
   uint8_t lse_base_e = 0;  // 1: LSE in natural log; 0: base 2
   uint8_t pad_[2] = {0, 0};
@@ -46,6 +56,9 @@ struct PagedPrefillParams {
   const int32_t* kv_indices = nullptr;  // page ids; sequence s uses
                                         // kv_indices[seqs[s].kv_start ...]
   const PrefillSeq* seqs = nullptr;     // (num_seqs)
+  // (sink sets, num_qo_heads) float32: the sinks of the sequences whose
+  // sink_index names a set; null when none has one.
+  const float* sinks = nullptr;
   int32_t num_seqs = 0;
   int32_t total_q = 0;          // rows of q / o / lse
   KvGeometry geo;

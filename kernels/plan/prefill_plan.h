@@ -35,6 +35,9 @@ struct PrefillWorkItem {
   // part_lse[part_base + t * num_qo_heads + h] (base-2 LSE), t the token
   // within the sequence.
   int32_t part_base = -1;
+  // Which of the tile's chunks this is: chunk 0 carries the sequence's sink
+  // (kernels/variant.h: exactly one partial state of a row may).
+  int32_t chunk = 0;
 };
 
 // A sequence whose KV range was split: the merge pass combines its

@@ -1,0 +1,173 @@
+// What attention means, written once (docs/design.md section 3, "Variants"):
+// the keys a query row sees, the keys a tile of rows reads, the transform of
+// a logit, and how a row's softmax ends (with or without a sink). The host
+// plans, every CUDA family and the CPU kernels include it; the float64
+// reference (common/reference.h) is written apart from it, from the same
+// definitions, so that tests comparing the two can fail.
+//
+// A sequence's settings live in its PrefillSeq (kernels/paged_prefill.h):
+//  - positions: query row t of a sequence (q_len rows over kv_len keys) is at
+//    key position QueryPos = t + kv_len - q_len + causal_shift (bottom-right
+//    alignment; causal_shift is the keys of the sequence held after this
+//    range, e.g. on other servers);
+//  - causal: the row sees keys j <= QueryPos;
+//  - window_left >= 0 (FlashInfer's and vLLM's convention): the row sees no
+//    key j < QueryPos - window_left; with the causal mask it so sees
+//    QueryPos - window_left .. QueryPos inclusive, without it the window is
+//    a left bound only; -1: no window;
+//  - soft_cap > 0: a scaled logit x = dot(q, k) * sm_scale becomes
+//    soft_cap * tanh(x / soft_cap) (Gemma 2's), the scale applied first;
+//  - sinks: one logit per query head, in natural units, that enters the
+//    softmax denominator only (gpt-oss): o = sum_j e^{x_j} v_j /
+//    (e^{sink} + sum_j e^{x_j}). The LSE includes it, LSE = log(e^{sink} +
+//    sum_j e^{x_j}), so that merging by LSE states of which exactly one
+//    carries the sink is exact. A row that sees no key gets o = 0 and LSE =
+//    the sink (-inf without one).
+//
+//   const PrefillSeq& s = ...;
+//   KeyRange r = RowKeys(s, t);          // keys [r.begin, r.end) row t sees
+//   TileKeys k = RowsKeys(s, t0, t1);    // rows t0..t1: keys read, keys all see
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/math.h"
+
+#if defined(__CUDACC__)
+#define ATTN_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define ATTN_HOST_DEVICE inline
+#endif
+
+namespace attnserve {
+
+// Keys [begin, end) of a sequence; empty when end <= begin.
+struct KeyRange {
+  int32_t begin = 0;
+  int32_t end = 0;
+  ATTN_HOST_DEVICE int32_t size() const { return end > begin ? end - begin : 0; }
+};
+
+namespace variant_detail {
+ATTN_HOST_DEVICE int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
+ATTN_HOST_DEVICE int64_t Max(int64_t a, int64_t b) { return a > b ? a : b; }
+}  // namespace variant_detail
+
+// The key position of query row t (0-based within its sequence).
+template <typename Seq>
+ATTN_HOST_DEVICE int64_t QueryPos(const Seq& s, int32_t t) {
+  return int64_t{t} + s.kv_len - s.q_len + s.causal_shift;
+}
+
+// The keys query row t of sequence s sees.
+template <typename Seq>
+ATTN_HOST_DEVICE KeyRange RowKeys(const Seq& s, int32_t t) {
+  using variant_detail::Max;
+  using variant_detail::Min;
+  const int64_t pos = QueryPos(s, t);
+  const int64_t end = s.causal ? Min(s.kv_len, pos + 1) : s.kv_len;
+  const int64_t begin = s.window_left >= 0 ? Max(0, pos - s.window_left) : 0;
+  KeyRange r;
+  r.begin = static_cast<int32_t>(Min(begin, s.kv_len));
+  r.end = static_cast<int32_t>(Max(end, r.begin));
+  return r;
+}
+
+// What rows t_first .. t_last (inclusive, t_first <= t_last) of a tile read:
+// `read`, the keys any of them sees (a tile reads nothing outside it), and
+// `full`, the keys every one of them sees (a block inside it needs no
+// per-element mask). A row's range only moves right as t grows, so both
+// come from the first and the last row.
+struct TileKeys {
+  KeyRange read;
+  KeyRange full;
+};
+template <typename Seq>
+ATTN_HOST_DEVICE TileKeys RowsKeys(const Seq& s, int32_t t_first, int32_t t_last) {
+  const KeyRange a = RowKeys(s, t_first);
+  const KeyRange b = RowKeys(s, t_last);
+  TileKeys k;
+  k.read.begin = a.begin;
+  k.read.end = b.end > a.begin ? b.end : a.begin;
+  k.full.begin = b.begin;
+  k.full.end = a.end;
+  return k;
+}
+
+// How many (query row, key) pairs of sequence s are visible: the work and
+// the FLOPs of its attention, per query head.
+template <typename Seq>
+inline int64_t VisiblePairs(const Seq& s) {
+  int64_t pairs = 0;
+  for (int32_t t = 0; t < s.q_len; ++t) pairs += RowKeys(s, t).size();
+  return pairs;
+}
+
+// tanh for the soft-cap: the hardware's approximation on the device (one
+// MUFU op, relative error about 2^-11, under bf16's rounding of P), the
+// library's on the host.
+ATTN_HOST_DEVICE float SoftCapTanh(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::tanh(x);
+#endif
+}
+
+// A sequence's logit transform in the kernels' base-2 units. The kernels
+// take a row's maximum on raw dot products d (Q's sign flipped when sm_scale
+// is negative, so the scale applied is |sm_scale| > 0), which the transform
+// keeps (it is increasing in d): Log2(d) = d * |sm_scale| * log2(e), or,
+// with a soft-cap c, c * log2(e) * tanh(d * |sm_scale| / c).
+struct LogitTransform {
+  float scale_log2 = 0.f;  // |sm_scale| * log2(e) (at least 1e-30: masked -inf stays -inf)
+  float cap_log2 = 0.f;    // soft_cap * log2(e); 0: no soft-cap
+  float cap_arg = 0.f;     // |sm_scale| / soft_cap
+
+  template <typename Seq>
+  ATTN_HOST_DEVICE static LogitTransform Of(const Seq& s) {
+    LogitTransform t;
+    const float scale = s.sm_scale < 0.f ? -s.sm_scale : s.sm_scale;
+    t.scale_log2 = scale * kLog2e > 1e-30f ? scale * kLog2e : 1e-30f;
+    if (s.soft_cap > 0.f) {
+      t.cap_log2 = s.soft_cap * kLog2e;
+      t.cap_arg = scale / s.soft_cap;
+    }
+    return t;
+  }
+  ATTN_HOST_DEVICE bool capped() const { return cap_log2 > 0.f; }
+  // d -> the base-2 logit (d = -inf stays -inf).
+  ATTN_HOST_DEVICE float Log2(float d) const {
+    return capped() ? cap_log2 * SoftCapTanh(d * cap_arg) : d * scale_log2;
+  }
+};
+
+// How a row's online softmax ends: o = acc * o_scale, lse2 its base-2 LSE.
+// m2 is the row's running maximum (base-2 units; -inf when it saw no key),
+// l the sum of 2^(logit2 - m2) over its keys, sink2 the sink in base-2
+// units (sink * log2(e)), -inf for none. With a sink the denominator gains
+// 2^sink2, both taken relative to max(m2, sink2) so that neither overflows.
+struct RowEnd {
+  float o_scale = 0.f;
+  float lse2 = 0.f;
+};
+ATTN_HOST_DEVICE RowEnd EndRow(float m2, float l, float sink2) {
+  RowEnd e;
+  if (!(sink2 > -INFINITY)) {
+    e.o_scale = l > 0.f ? 1.f / l : 0.f;
+    e.lse2 = l > 0.f ? m2 + log2f(l) : -INFINITY;
+    return e;
+  }
+  const bool keys = l > 0.f;
+  const float top = keys && m2 > sink2 ? m2 : sink2;
+  const float a = keys ? exp2f(m2 - top) : 0.f;  // acc and l are relative to m2
+  const float total = l * a + exp2f(sink2 - top);
+  e.o_scale = a / total;
+  e.lse2 = top + log2f(total);
+  return e;
+}
+
+}  // namespace attnserve
