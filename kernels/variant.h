@@ -117,21 +117,27 @@ ATTN_HOST_DEVICE float SoftCapTanh(float x) {
 #endif
 }
 
-// A sequence's logit transform in the kernels' base-2 units. The kernels
-// take a row's maximum on raw dot products d (Q's sign flipped when sm_scale
-// is negative, so the scale applied is |sm_scale| > 0), which the transform
-// keeps (it is increasing in d): Log2(d) = d * |sm_scale| * log2(e), or,
-// with a soft-cap c, c * log2(e) * tanh(d * |sm_scale| / c).
+// A sequence's logit transform in the kernels' base-2 units: Log2(d) =
+// d * scale * log2(e), or, with a soft-cap c, c * log2(e) * tanh(d * scale /
+// c), d the raw dot product. Kernels that take a row's maximum on raw dot
+// products flip Q's sign when sm_scale is negative and ask for the
+// magnitude (positive_scale: the scale applied is |sm_scale|, at least
+// 1e-30, so that the transform is increasing in d and a masked -inf stays
+// -inf); the others apply sm_scale as it is.
 struct LogitTransform {
-  float scale_log2 = 0.f;  // |sm_scale| * log2(e) (at least 1e-30: masked -inf stays -inf)
+  float scale_log2 = 0.f;  // scale * log2(e)
   float cap_log2 = 0.f;    // soft_cap * log2(e); 0: no soft-cap
-  float cap_arg = 0.f;     // |sm_scale| / soft_cap
+  float cap_arg = 0.f;     // scale / soft_cap
 
   template <typename Seq>
-  ATTN_HOST_DEVICE static LogitTransform Of(const Seq& s) {
+  ATTN_HOST_DEVICE static LogitTransform Of(const Seq& s, bool positive_scale) {
     LogitTransform t;
-    const float scale = s.sm_scale < 0.f ? -s.sm_scale : s.sm_scale;
-    t.scale_log2 = scale * kLog2e > 1e-30f ? scale * kLog2e : 1e-30f;
+    float scale = s.sm_scale;
+    if (positive_scale) {
+      scale = scale < 0.f ? -scale : scale;
+      scale = scale > 1e-30f ? scale : 1e-30f;
+    }
+    t.scale_log2 = scale * kLog2e;
     if (s.soft_cap > 0.f) {
       t.cap_log2 = s.soft_cap * kLog2e;
       t.cap_arg = scale / s.soft_cap;
