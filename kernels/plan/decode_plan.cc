@@ -7,18 +7,16 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/variant.h"
+
 namespace attnserve {
 namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// KV positions [0, end) that some row of the sequence sees: the last row
-// (t = q_len - 1) sees j <= kv_len - 1 + causal_shift when causal.
-int32_t VisibleEnd(const PrefillSeq& s) {
-  if (!s.causal) return s.kv_len;
-  const int64_t end = int64_t{s.kv_len} + s.causal_shift;
-  return static_cast<int32_t>(std::clamp<int64_t>(end, 0, s.kv_len));
-}
+// The keys some row of the sequence sees (kernels/variant.h): with at most
+// kMaxDecodeQueryRows rows, every tile's range is about this one.
+KeyRange VisibleKeys(const PrefillSeq& s) { return RowsKeys(s, 0, s.q_len - 1).read; }
 
 // Cluster mode: every tile of the planned sequences gets exactly `cluster`
 // consecutive items (chunk c of the tile is the cluster's CTA c); tiles
@@ -27,20 +25,23 @@ template <typename TilesOf>
 void BuildClusterItems(const PrefillSeq* seqs, const std::vector<int32_t>& planned, int32_t kvh_count, int32_t m,
                        const TilesOf& tiles_of, int32_t cluster, DecodePlan* plan) {
   struct Tile {
-    int32_t seq, kv_head, row_begin, vis;
+    int32_t seq, kv_head, row_begin;
+    KeyRange keys;
   };
   std::vector<Tile> tiles;
   for (int32_t i : planned) {
     const int32_t nt = tiles_of(seqs[i]);
     for (int32_t kvh = 0; kvh < kvh_count; ++kvh) {
-      for (int32_t t = 0; t < nt; ++t) tiles.push_back({i, kvh, t * m, VisibleEnd(seqs[i])});
+      for (int32_t t = 0; t < nt; ++t) tiles.push_back({i, kvh, t * m, VisibleKeys(seqs[i])});
     }
   }
-  std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.vis > b.vis; });
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const Tile& a, const Tile& b) { return a.keys.size() > b.keys.size(); });
   int32_t longest = 0;
   for (const Tile& t : tiles) {
+    const int32_t vis = t.keys.size();
     const int32_t len =
-        static_cast<int32_t>(CeilDiv(CeilDiv(t.vis, cluster), kDecodeChunkQuantum) * kDecodeChunkQuantum);
+        static_cast<int32_t>(CeilDiv(CeilDiv(vis, cluster), kDecodeChunkQuantum) * kDecodeChunkQuantum);
     longest = std::max(longest, len);
     for (int32_t c = 0; c < cluster; ++c) {
       DecodeWorkItem it;
@@ -49,9 +50,10 @@ void BuildClusterItems(const PrefillSeq* seqs, const std::vector<int32_t>& plann
       it.kv_head = t.kv_head;
       it.row_begin = t.row_begin;
       // Chunks past the visible range are empty (kv_begin == kv_end): their
-      // CTA contributes an empty state (LSE -inf) to the merge.
-      it.kv_begin = std::min(c * len, t.vis);
-      it.kv_end = std::min((c + 1) * len, t.vis);
+      // CTA contributes an empty state (LSE -inf; chunk 0 the sink) to the
+      // merge.
+      it.kv_begin = t.keys.begin + std::min(c * len, vis);
+      it.kv_end = t.keys.begin + std::min((c + 1) * len, vis);
       it.chunk = c;
       it.num_chunks = cluster;
       plan->items.push_back(it);
@@ -144,7 +146,7 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   const double hbm = std::max(options.hbm_bytes_per_ns, 1e-3);
   const double cta_rate = std::max(options.cta_bytes_per_ns, 1e-3);
   int64_t v_max = 0;
-  for (int32_t i : planned) v_max = std::max<int64_t>(v_max, VisibleEnd(seqs[i]));
+  for (int32_t i : planned) v_max = std::max<int64_t>(v_max, VisibleKeys(seqs[i]).size());
 
   struct Eval {
     bool ok = false;
@@ -163,7 +165,7 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
     double tokens = 0, items = 0, partial_slots = 0;
     for (int32_t i : planned) {
       const PrefillSeq& s = seqs[i];
-      const int64_t vis = VisibleEnd(s);
+      const int64_t vis = VisibleKeys(s).size();
       const int64_t chunks = (len > 0 && vis > len) ? CeilDiv(vis, len) : 1;
       if (chunks > kMaxDecodeChunks) return e;
       const int64_t item_len = chunks > 1 ? len : vis;
@@ -194,7 +196,7 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
     double tokens = 0, items = 0;
     for (int32_t i : planned) {
       const PrefillSeq& s = seqs[i];
-      const int64_t vis = VisibleEnd(s);
+      const int64_t vis = VisibleKeys(s).size();
       const double tiles = double(kvh_count) * tiles_of(s);
       longest = std::max(longest, CeilDiv(CeilDiv(vis, c), quantum) * quantum);
       tokens += tiles * double(vis);
@@ -248,7 +250,8 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   std::vector<int32_t> cost;  // visible tokens per item, for the order
   for (int32_t i : planned) {
     const PrefillSeq& s = seqs[i];
-    const int32_t vis = VisibleEnd(s);
+    const KeyRange keys = VisibleKeys(s);
+    const int32_t vis = keys.size();
     const int32_t chunks =
         (chunk_len > 0 && vis > chunk_len) ? static_cast<int32_t>(CeilDiv(vis, chunk_len)) : 1;
     const int32_t nt = tiles_of(s);
@@ -263,17 +266,17 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
           it.num_chunks = chunks;
           it.chunk = c;
           if (chunks > 1) {
-            it.kv_begin = static_cast<int32_t>(c * chunk_len);
-            it.kv_end = static_cast<int32_t>(std::min<int64_t>((c + 1) * chunk_len, vis));
+            it.kv_begin = static_cast<int32_t>(keys.begin + c * chunk_len);
+            it.kv_end = static_cast<int32_t>(keys.begin + std::min<int64_t>((c + 1) * chunk_len, vis));
             it.split_tile = split_tiles;
             it.part_begin = static_cast<int32_t>(slot);
           } else {
-            // Unsplit: the whole KV range; the kernel clips per row.
-            it.kv_begin = 0;
-            it.kv_end = s.kv_len;
+            // Unsplit: the keys some row sees; the kernel masks per row.
+            it.kv_begin = keys.begin;
+            it.kv_end = std::max(keys.end, keys.begin);
           }
           plan->items.push_back(it);
-          cost.push_back(std::min(it.kv_end, vis) - it.kv_begin);
+          cost.push_back(it.kv_end - it.kv_begin);
         }
         if (chunks > 1) {
           slot += chunks;

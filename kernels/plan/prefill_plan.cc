@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/variant.h"
+
 namespace attnserve {
 
 void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
@@ -23,13 +25,36 @@ void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry
   constexpr int kBlock = 64;
 
   auto tiles_of = [&](const PrefillSeq& s) { return (s.q_len * group + M - 1) / M; };
+  // The keys tile `tile` of s reads (kernels/variant.h: its rows' union,
+  // clipped by the causal mask and the window), its start rounded down to
+  // whole runs of the tensor copy engine (the sm90 family's boxes of
+  // `align` rows; the extra keys are masked): a window costs the keys it
+  // lets through, not the sequence.
+  const int32_t align = [&] {
+    const int32_t run = std::min(geo.page_size & -geo.page_size, 128);
+    return run >= 8 ? run : 1;
+  }();
+  auto tile_keys = [&](const PrefillSeq& s, int tile) {
+    const int32_t t0 = tile * M / group;
+    const int32_t t1 = std::min(s.q_len - 1, (tile * M + M - 1) / group);
+    KeyRange r = RowsKeys(s, t0, t1).read;
+    if (r.size() == 0) return KeyRange{r.begin, r.begin};
+    r.begin = r.begin / align * align;
+    return r;
+  };
   int64_t base_items = 0;
   int64_t total_work = 0;  // KV tokens summed over unsplit items
+  std::vector<int32_t> longest(num_seqs, 0);  // the longest tile range of each sequence
   for (int i = 0; i < num_seqs; ++i) {
     const PrefillSeq& s = seqs[i];
     if (s.q_len <= 0) continue;
-    base_items += int64_t{KVH} * tiles_of(s);
-    total_work += int64_t{KVH} * tiles_of(s) * std::max(s.kv_len, kBlock);
+    const int nt = tiles_of(s);
+    base_items += int64_t{KVH} * nt;
+    for (int tile = 0; tile < nt; ++tile) {
+      const int32_t keys = tile_keys(s, tile).size();
+      longest[i] = std::max(longest[i], keys);
+      total_work += int64_t{KVH} * std::max(keys, kBlock);
+    }
   }
 
   // Split only when the batch alone would leave SMs idle.
@@ -45,8 +70,8 @@ void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry
       for (int i = 0; i < num_seqs; ++i) {
         const PrefillSeq& s = seqs[i];
         chunks[i] = 1;
-        if (s.q_len <= 0 || s.kv_len <= chunk_len) continue;
-        chunks[i] = static_cast<int32_t>((s.kv_len + chunk_len - 1) / chunk_len);
+        if (s.q_len <= 0 || longest[i] <= chunk_len) continue;
+        chunks[i] = static_cast<int32_t>((longest[i] + chunk_len - 1) / chunk_len);
         pairs += int64_t{chunks[i]} * s.q_len * H;
         any = true;
       }
@@ -76,20 +101,22 @@ void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry
     }
     for (int kvh = 0; kvh < KVH; ++kvh) {
       for (int tile = 0; tile < nt; ++tile) {
+        const KeyRange keys = tile_keys(s, tile);
+        // A split tile's range in nc chunks of whole blocks (some may be
+        // empty: their items write an empty state, chunk 0 the sink).
+        const int64_t len =
+            nc > 1 ? (int64_t{keys.size()} + nc - 1) / nc : int64_t{keys.size()};
+        const int64_t step = nc > 1 ? (len + kBlock - 1) / kBlock * kBlock : len;
         for (int c = 0; c < nc; ++c) {
           PrefillWorkItem it;
           it.seq = i;
           it.kv_head = kvh;
           it.row_begin = tile * M;
-          if (nc > 1) {
-            it.kv_begin = static_cast<int32_t>(c * chunk_len);
-            it.kv_end = static_cast<int32_t>(std::min<int64_t>((c + 1) * chunk_len, s.kv_len));
-            it.part_base = static_cast<int32_t>(part_off + int64_t{c} * s.q_len * H);
-          } else {
-            it.kv_begin = 0;
-            it.kv_end = s.kv_len;
-            it.part_base = -1;
-          }
+          it.chunk = c;
+          it.kv_begin = static_cast<int32_t>(std::min<int64_t>(keys.begin + c * step, keys.end));
+          it.kv_end = static_cast<int32_t>(std::min<int64_t>(keys.begin + (c + 1) * step, keys.end));
+          if (nc == 1) it.kv_end = keys.end;
+          it.part_base = nc > 1 ? static_cast<int32_t>(part_off + int64_t{c} * s.q_len * H) : -1;
           plan->items.push_back(it);
         }
       }
@@ -107,15 +134,8 @@ void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry
   // section holds groups whose K/V bytes sum to at most l2_section_bytes, so
   // the CTAs in flight (about one section) share what is in L2, while the
   // tail of the grid still holds the short items of the last section.
-  auto cost = [&](const PrefillWorkItem& it) {
-    const PrefillSeq& s = seqs[it.seq];
-    int end = it.kv_end;
-    if (s.causal) {
-      const int t_last = std::min(s.q_len - 1, (it.row_begin + M - 1) / group);
-      end = std::min(end, t_last + s.kv_len - s.q_len + s.causal_shift + 1);
-    }
-    return std::max(end - it.kv_begin, 0);
-  };
+  // An item's keys (its range is already clipped to what its rows see).
+  auto cost = [&](const PrefillWorkItem& it) { return std::max(it.kv_end - it.kv_begin, 0); };
   const size_t n = plan->items.size();
   std::vector<int32_t> costs(n);
   for (size_t i = 0; i < n; ++i) costs[i] = cost(plan->items[i]);
@@ -124,13 +144,19 @@ void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry
   std::vector<int32_t> group_max;    // longest item of the group (tokens)
   std::vector<int64_t> group_bytes;  // K + V bytes the group reads
   const int64_t token_bytes = int64_t{2} * geo.head_dim * KvDTypeBytes(geo.dtype);  // K and V
+  int32_t group_lo = 0, group_hi = 0;  // keys the current group's items read
   for (size_t i = 0; i < n; ++i) {
     const PrefillWorkItem& it = plan->items[i];
     if (i == 0 || it.seq != plan->items[i - 1].seq || it.kv_head != plan->items[i - 1].kv_head) {
       group_begin.push_back(static_cast<int32_t>(i));
       group_max.push_back(0);
-      group_bytes.push_back(int64_t{seqs[it.seq].kv_len} * token_bytes);
+      group_bytes.push_back(0);
+      group_lo = it.kv_begin;
+      group_hi = it.kv_end;
     }
+    group_lo = std::min(group_lo, it.kv_begin);
+    group_hi = std::max(group_hi, it.kv_end);
+    group_bytes.back() = int64_t{std::max(group_hi - group_lo, 0)} * token_bytes;
     group_max.back() = std::max(group_max.back(), costs[i]);
   }
   group_begin.push_back(static_cast<int32_t>(n));

@@ -38,10 +38,22 @@ PrefillSeq Seq(int q_len, int kv_len, bool causal = true, int shift = 0) {
   return s;
 }
 
-int VisibleEnd(const PrefillSeq& s) {
-  if (!s.causal) return s.kv_len;
-  return std::clamp(s.kv_len + s.causal_shift, 0, s.kv_len);
+// The keys some row of the sequence sees (causal, shift, window), written
+// here from the definitions (docs/design.md section 3) rather than taken from
+// kernels/variant.h: row t sees [max(0, pos - window_left), min(kv_len,
+// pos + 1)) with pos = t + kv_len - q_len + shift (causal), or up to kv_len.
+std::pair<int, int> Visible(const PrefillSeq& s) {
+  auto row = [&](int t) {
+    const int64_t pos = int64_t{t} + s.kv_len - s.q_len + s.causal_shift;
+    int64_t lo = s.window_left >= 0 ? std::max<int64_t>(0, pos - s.window_left) : 0;
+    int64_t hi = s.causal ? std::min<int64_t>(s.kv_len, pos + 1) : s.kv_len;
+    lo = std::min<int64_t>(lo, s.kv_len);
+    return std::make_pair(static_cast<int>(lo), static_cast<int>(std::max(hi, lo)));
+  };
+  const auto first = row(0), last = row(s.q_len - 1);
+  return {first.first, std::max(last.second, first.first)};
 }
+int VisibleKeys(const PrefillSeq& s) { return Visible(s).second - Visible(s).first; }
 
 // Checks every structural property; returns the number of items per tile.
 void CheckPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const DecodePlan& plan) {
@@ -81,15 +93,15 @@ void CheckPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const D
         std::sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.chunk < b.chunk; });
         const int n = static_cast<int>(items.size());
         ASSERT_LE(n, kMaxDecodeChunks);
+        const auto [lo, hi] = Visible(s);
         if (n == 1) {
           EXPECT_EQ(items[0].split_tile, -1);
-          EXPECT_EQ(items[0].kv_begin, 0);
-          EXPECT_EQ(items[0].kv_end, s.kv_len);
+          EXPECT_EQ(items[0].kv_begin, lo);
+          EXPECT_EQ(items[0].kv_end, hi);
           continue;
         }
-        // Split: chunks 0..n-1 tile [0, visible end) in order.
-        const int vis = VisibleEnd(s);
-        int pos = 0;
+        // Split: chunks 0..n-1 tile the visible keys [lo, hi) in order.
+        int pos = lo;
         for (int c = 0; c < n; ++c) {
           const auto& it = items[c];
           EXPECT_EQ(it.chunk, c);
@@ -103,7 +115,7 @@ void CheckPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const D
           EXPECT_EQ(slot_used[it.part_begin + c]++, 0) << "partial slot used twice";
           pos = it.kv_end;
         }
-        EXPECT_EQ(pos, vis);
+        EXPECT_EQ(pos, hi);
         ASSERT_GE(items[0].split_tile, 0);
         ASSERT_LT(items[0].split_tile, plan.split_tiles);
         EXPECT_TRUE(counters.insert(items[0].split_tile).second) << "counter shared by two tiles";
@@ -113,7 +125,7 @@ void CheckPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const D
   EXPECT_EQ(static_cast<int>(counters.size()), plan.split_tiles);
   // Longest (visible) chunk first.
   for (size_t i = 1; i < plan.items.size(); ++i) {
-    auto len = [&](const DecodeWorkItem& it) { return std::min(it.kv_end, VisibleEnd(seqs[it.seq])) - it.kv_begin; };
+    auto len = [&](const DecodeWorkItem& it) { return it.kv_end - it.kv_begin; };
     EXPECT_GE(len(plan.items[i - 1]), len(plan.items[i])) << "item " << i;
   }
 }
@@ -139,10 +151,11 @@ void CheckClusterPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, 
     ASSERT_TRUE(DecodeSeqQualifies(s, g));
     ASSERT_EQ(std::memcmp(&first.seq_info, &s, sizeof(PrefillSeq)), 0);
     EXPECT_TRUE(seen.insert({first.seq, first.kv_head, first.row_begin}).second) << "tile twice";
-    const int vis = VisibleEnd(s);
+    const auto [lo, hi] = Visible(s);
+    const int vis = hi - lo;
     EXPECT_LE(vis, prev_vis) << "tiles not longest first";
     prev_vis = vis;
-    int pos = 0;
+    int pos = lo;
     for (int k = 0; k < c; ++k) {
       const DecodeWorkItem& it = plan.items[t * c + k];
       EXPECT_EQ(it.seq, first.seq);
@@ -156,7 +169,7 @@ void CheckClusterPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, 
       EXPECT_LE(it.kv_end - it.kv_begin, plan.chunk_len);
       pos = it.kv_end;
     }
-    EXPECT_EQ(pos, vis);
+    EXPECT_EQ(pos, hi);
   }
   // Every qualifying (sequence, KV head, row tile) once.
   size_t tiles = 0;
@@ -332,6 +345,9 @@ TEST(DecodePlan, RandomBatches) {
       const int q = rng() % 11;
       const int kv = rng() % 4 == 0 ? static_cast<int>(rng() % 200000) : static_cast<int>(rng() % 5000);
       seqs.push_back(Seq(q, kv, rng() % 3 != 0, static_cast<int>(rng() % 200) - 150));
+      // Windows: none mostly; 0, a block, short, long.
+      const int w = static_cast<int>(rng() % 8);
+      if (w < 4) seqs.back().window_left = w == 0 ? 0 : w == 1 ? 128 : static_cast<int>(rng() % (w == 2 ? 300 : 50000));
     }
     DecodePlanOptions opt;
     opt.num_sms = 1 + rng() % 140;
@@ -397,6 +413,23 @@ TEST(DecodePlan, ClusterMode) {
   const auto one = Uniform(1, 1, 4096);
   const DecodePlan p = Plan(one, g, b);
   EXPECT_TRUE(p.cluster == 0 || p.items.size() <= 8u);
+}
+
+// A window costs the keys it lets through: 64 sequences over 32k keys with a
+// 128-key window plan as decode over 129 keys, starting at the window.
+TEST(DecodePlan, AWindowCostsItsKeysNotTheSequence) {
+  const KvGeometry g = Geo(32, 4, 128, 1);
+  std::vector<PrefillSeq> windowed = Uniform(64, 1, 32768);
+  for (PrefillSeq& s : windowed) s.window_left = 128;
+  const DecodePlan p = Plan(windowed, g);
+  CheckPlan(windowed, g, p);
+  EXPECT_EQ(p.split_tiles, 0);
+  for (const DecodeWorkItem& it : p.items) {
+    EXPECT_EQ(it.kv_begin, 32768 - 129);
+    EXPECT_EQ(it.kv_end, 32768);
+  }
+  const DecodePlan short_plan = Plan(Uniform(64, 1, 129), g);
+  EXPECT_EQ(p.items.size(), short_plan.items.size());
 }
 
 }  // namespace

@@ -4,14 +4,16 @@
 // and prefill-like, causal and not, q_len > kv_len, empty KV, one long KV.
 // Plain host code: runs in every build, with or without CUDA.
 //
-// Checked for every plan: each (sequence, KV head, packed row) sees every KV
-// position in [0, kv_len) through exactly one item, and the kernel's clipped
-// range (kv_end cut at the tile's last visible position) holds every
-// position the row may see; unsplit items cover the whole KV; split items
-// write each partial (row, head) pair exactly once, inside
-// [0, partial_pairs); the merges' pair_begin / part_off / num_chunks match
-// the items that wrote the partials; every output (row, head) of the batch
-// is written exactly once, by a final item or by a merge.
+// Checked for every plan: the items of each (sequence, KV head, packed row)
+// have consecutive, disjoint key ranges inside [0, kv_len) whose union holds
+// every key the row sees (kernels/variant.h: causal, shift, window) and
+// reads no key before the tile's first visible one, rounded down to the
+// tensor copy engine's run (so a window costs its keys, not the sequence);
+// exactly one of them is chunk 0 (it carries the sink); split items write
+// each partial (row, head) pair exactly once, inside [0, partial_pairs); the
+// merges' pair_begin / part_off / num_chunks match the items that wrote the
+// partials, in key order; every output (row, head) of the batch is written
+// exactly once, by a final item or by a merge.
 #include <algorithm>
 #include <cstdint>
 #include <random>
@@ -21,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "kernels/plan/kernel_select.h"
 #include "kernels/plan/prefill_plan.h"
+#include "kernels/variant.h"
 
 namespace attnserve {
 namespace {
@@ -55,6 +58,15 @@ Batch RandomBatch(std::mt19937_64& gen, const KvGeometry& geo, int tasks, bool m
       s.causal = causal;
       // A server holding part of a context-parallel sequence's keys.
       if (gen() % 4 == 0) s.causal_shift = static_cast<int32_t>(gen() % 600) - 100;
+      // Sliding windows: none mostly; 0, 1, a block, short, long.
+      switch (gen() % 8) {
+        case 0: s.window_left = 0; break;
+        case 1: s.window_left = 1; break;
+        case 2: s.window_left = 128; break;
+        case 3: s.window_left = static_cast<int32_t>(gen() % 300); break;
+        case 4: s.window_left = static_cast<int32_t>(gen() % 5000); break;
+        default: break;
+      }
       s.lse_base_e = static_cast<uint8_t>(gen() % 2);
       q += s.q_len;
       idx += pages;
@@ -92,6 +104,7 @@ std::string CheckPlan(const Batch& b, const PrefillPlanOptions& opt, const Prefi
   if (plan.partial_pairs < 0) return "negative partial_pairs";
   if (plan.partial_pairs > opt.max_partial_pairs) return "partial_pairs over the workspace";
   std::vector<int> part_writer(plan.partial_pairs, -1);
+  std::vector<std::vector<int>> sink_carriers(b.total_q, std::vector<int>(H, 0));
 
   for (int i = 0; i < static_cast<int>(plan.items.size()); ++i) {
     const PrefillWorkItem& it = plan.items[i];
@@ -105,31 +118,23 @@ std::string CheckPlan(const Batch& b, const PrefillPlanOptions& opt, const Prefi
     if (it.row_begin < 0 || it.row_begin % M != 0 || it.row_begin >= s.q_len * group) {
       return fail("row_begin", i);
     }
-    if (it.kv_begin < 0 || it.kv_end > s.kv_len || (it.kv_begin >= it.kv_end && s.kv_len > 0)) {
+    if (it.kv_begin < 0 || it.kv_end > s.kv_len || it.kv_begin > it.kv_end) {
       return fail("kv range", i);
     }
-    if (it.part_base < 0 && (it.kv_begin != 0 || it.kv_end != s.kv_len)) {
-      return fail("final item not over the whole KV", i);
-    }
-    // The kernel's clipping (PagedPrefillKernel): rows past q_len are not
-    // written; kv_end is cut at the tile's last row's causal limit.
-    const int diag = s.kv_len - s.q_len + s.causal_shift;
     const int t_first = it.row_begin / group;
     const int t_last = std::min(s.q_len - 1, (it.row_begin + M - 1) / group);
-    int kv_end = it.kv_end, full_end = it.kv_end;
-    if (s.causal) {
-      kv_end = std::min(kv_end, t_last + diag + 1);
-      full_end = std::min(full_end, t_first + diag + 1);
+    const KeyRange read = RowsKeys(s, t_first, t_last).read;
+    const int run = std::min(b.geo.page_size & -b.geo.page_size, 128);
+    const int align = run >= 8 ? run : 1;
+    if (it.kv_begin < read.begin / align * align && it.kv_begin < it.kv_end) {
+      return fail("item reads keys before its tile's first visible one", i);
     }
+    if (it.kv_end > std::max(read.end, read.begin)) return fail("item reads past its tile's keys", i);
     for (int r = it.row_begin; r < it.row_begin + M; ++r) {
       const int t = r / group;
       if (t >= s.q_len) break;
       const int head = it.kv_head * group + r % group;
-      const int lim = s.causal ? std::min(it.kv_end, t + diag + 1) : it.kv_end;
-      // Positions the row sees in this item lie in the visited blocks, and
-      // blocks before full_end need no mask for this row.
-      if (lim > it.kv_begin && lim > kv_end) return fail("row sees past the clipped kv_end", i);
-      if (full_end > lim) return fail("full_end past a row's limit", i);
+      if (it.chunk == 0) ++sink_carriers[s.q_start + t][head];
       ranges[it.seq][(int64_t{it.kv_head} * s.q_len * group) + r].push_back({it.kv_begin, it.kv_end});
       if (it.part_base < 0) {
         ++o_writes[int64_t{s.q_start + t} * H + head];
@@ -141,16 +146,28 @@ std::string CheckPlan(const Batch& b, const PrefillPlanOptions& opt, const Prefi
       }
     }
   }
-  // Exactly-once KV coverage per row.
-  for (int s = 0; s < num_seqs; ++s) {
-    for (auto& v : ranges[s]) {
+  // Per row: consecutive disjoint ranges holding every key the row sees.
+  for (int si = 0; si < num_seqs; ++si) {
+    const PrefillSeq& seq = b.seqs[si];
+    for (int64_t k = 0; k < static_cast<int64_t>(ranges[si].size()); ++k) {
+      auto& v = ranges[si][k];
+      const int32_t t = static_cast<int32_t>((k % (int64_t{seq.q_len} * group)) / group);
+      const KeyRange sees = RowKeys(seq, t);
+      if (v.empty()) return "no item for a row of seq " + std::to_string(si);
       std::sort(v.begin(), v.end());
-      int at = 0;
-      for (auto [lo, hi] : v) {
-        if (lo != at) return "KV gap or overlap in seq " + std::to_string(s);
-        at = hi;
+      for (size_t j = 1; j < v.size(); ++j) {
+        if (v[j].first != v[j - 1].second) return "KV gap or overlap in seq " + std::to_string(si);
       }
-      if (v.empty() || at != b.seqs[s].kv_len) return "KV not covered in seq " + std::to_string(s);
+      if (sees.size() > 0 && (v.front().first > sees.begin || v.back().second < sees.end)) {
+        return "a key the row sees is in no item, seq " + std::to_string(si);
+      }
+    }
+  }
+  for (const PrefillSeq& seq : b.seqs) {
+    for (int32_t t = 0; t < seq.q_len; ++t) {
+      for (int h = 0; h < H; ++h) {
+        if (sink_carriers[seq.q_start + t][h] != 1) return "a row's sink carried other than once";
+      }
     }
   }
   // Merges.
@@ -170,17 +187,17 @@ std::string CheckPlan(const Batch& b, const PrefillPlanOptions& opt, const Prefi
     if (seq < 0) return fail("merge of no sequence", m);
     if (ms.lse_base_e != b.seqs[seq].lse_base_e) return fail("merge lse base", m);
     for (int64_t local = 0; local < chunk_stride; ++local) {
-      int prev_end = 0;
+      int prev_end = -1;
       for (int c = 0; c < ms.num_chunks; ++c) {
         const int w = part_writer[ms.part_off + local + c * chunk_stride];
         if (w < 0) return fail("merge reads a partial no item wrote", m);
         const PrefillWorkItem& it = plan.items[w];
         if (it.seq != seq) return fail("merge reads another sequence's partial", m);
         if (it.kv_head != (local % H) / group) return fail("merge reads another head's partial", m);
-        if (it.kv_begin != prev_end) return fail("merge chunks out of KV order", m);
+        if (it.chunk != c) return fail("merge chunk index", m);
+        if (prev_end >= 0 && it.kv_begin != prev_end) return fail("merge chunks out of KV order", m);
         prev_end = it.kv_end;
       }
-      if (prev_end != b.seqs[seq].kv_len) return fail("merge chunks do not end at kv_len", m);
       const int64_t t = local / H, head = local % H;
       ++o_writes[(ms.q_start + t) * H + head];
     }
@@ -423,6 +440,30 @@ TEST(PrefillPlan, CheckerCatchesCorruptPlans) {
     }
   }
   EXPECT_EQ(checked, 20);
+}
+
+// A window costs the keys it lets through, not the sequence: 2048 rows over
+// 128k keys with a 128-key window read about 128 + the tile's rows per tile.
+TEST(PrefillPlan, AWindowCostsItsKeysNotTheSequence) {
+  const KvGeometry g = Geo(32, 4, 128, 1);
+  PrefillSeq s;
+  s.q_len = 2048;
+  s.kv_len = 131072;
+  s.sm_scale = 0.088f;
+  s.window_left = 128;
+  const std::vector<PrefillSeq> seqs = {s};
+  Batch b;
+  b.geo = g;
+  b.seqs = seqs;
+  b.total_q = s.q_len;
+  const PrefillPlanOptions opt = ServerOptions(128, 2, int64_t{16} << 20);
+  PrefillPlan plan;
+  BuildPrefillPlan(seqs.data(), 1, g, opt, &plan);
+  ASSERT_EQ(CheckPlan(b, opt, plan), "");
+  int64_t keys = 0;
+  for (const PrefillWorkItem& it : plan.items) keys += it.kv_end - it.kv_begin;
+  // 16 tiles of 16 tokens (8 heads each) per KV head: 16 + 128 keys each.
+  EXPECT_EQ(keys, int64_t{4} * (2048 / 16) * (15 + 129));
 }
 
 }  // namespace
