@@ -59,6 +59,10 @@ struct PagedPrefillParams {
   // (sink sets, num_qo_heads) float32: the sinks of the sequences whose
   // sink_index names a set; null when none has one.
   const float* sinks = nullptr;
+  // Some sequence has a soft_cap or a sink: kernels with an instantiation
+  // without them (kernels/sm90) run it only when this is false. Whoever
+  // fills seqs sets it (LogitVariants below).
+  bool logit_variants = false;
   int32_t num_seqs = 0;
   int32_t total_q = 0;          // rows of q / o / lse
   KvGeometry geo;
@@ -68,6 +72,14 @@ struct PagedPrefillParams {
   // persistent_ctas should match. Tests set a few to run many items per CTA.
   int32_t max_ctas = 0;
 };
+
+// Whether any of seqs[0, n) has a soft-cap or a sink (logit_variants).
+inline bool LogitVariants(const PrefillSeq* seqs, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) {
+    if (seqs[i].soft_cap != 0.f || seqs[i].sink_index >= 0) return true;
+  }
+  return false;
+}
 
 // CPU reference: computes o and lse for every row of every sequence.
 // Multi-threaded (OpenMP). Inputs must already be validated (page ids in

@@ -54,24 +54,31 @@ ATTN_HOST_DEVICE int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
 ATTN_HOST_DEVICE int64_t Max(int64_t a, int64_t b) { return a > b ? a : b; }
 }  // namespace variant_detail
 
-// The key position of query row t (0-based within its sequence).
+// The key position of query row t (0-based within its sequence). Below 2^31
+// - 1 for validated input (kv_keys_after <= 2^31 - 1 - kv_len).
 template <typename Seq>
-ATTN_HOST_DEVICE int64_t QueryPos(const Seq& s, int32_t t) {
-  return int64_t{t} + s.kv_len - s.q_len + s.causal_shift;
+ATTN_HOST_DEVICE int32_t QueryPos(const Seq& s, int32_t t) {
+  return t + s.kv_len - s.q_len + s.causal_shift;
+}
+
+// The keys a row at key position pos sees of a sequence of kv_len keys
+// (kernels keep pos's offset, the window and the causal flag in registers
+// and call this; RowKeys below for everyone else). No overflow for any
+// window_left: the window's start saturates at 0.
+ATTN_HOST_DEVICE KeyRange RowKeysAt(int32_t pos, int32_t window_left, bool causal,
+                                   int32_t kv_len) {
+  KeyRange r;
+  const int32_t begin = window_left >= 0 && pos > window_left ? pos - window_left : 0;
+  r.begin = begin < kv_len ? begin : kv_len;
+  const int32_t end = causal && pos + 1 < kv_len ? pos + 1 : kv_len;
+  r.end = end > r.begin ? end : r.begin;
+  return r;
 }
 
 // The keys query row t of sequence s sees.
 template <typename Seq>
 ATTN_HOST_DEVICE KeyRange RowKeys(const Seq& s, int32_t t) {
-  using variant_detail::Max;
-  using variant_detail::Min;
-  const int64_t pos = QueryPos(s, t);
-  const int64_t end = s.causal ? Min(s.kv_len, pos + 1) : s.kv_len;
-  const int64_t begin = s.window_left >= 0 ? Max(0, pos - s.window_left) : 0;
-  KeyRange r;
-  r.begin = static_cast<int32_t>(Min(begin, s.kv_len));
-  r.end = static_cast<int32_t>(Max(end, r.begin));
-  return r;
+  return RowKeysAt(QueryPos(s, t), s.window_left, s.causal != 0, s.kv_len);
 }
 
 // What rows t_first .. t_last (inclusive, t_first <= t_last) of a tile read:
@@ -119,15 +126,15 @@ ATTN_HOST_DEVICE float SoftCapTanh(float x) {
 
 // A sequence's logit transform in the kernels' base-2 units: Log2(d) =
 // d * scale * log2(e), or, with a soft-cap c, c * log2(e) * tanh(d * scale /
-// c), d the raw dot product. Kernels that take a row's maximum on raw dot
-// products flip Q's sign when sm_scale is negative and ask for the
-// magnitude (positive_scale: the scale applied is |sm_scale|, at least
-// 1e-30, so that the transform is increasing in d and a masked -inf stays
-// -inf); the others apply sm_scale as it is.
+// c), d the raw dot product; -inf (masked) stays -inf. Kernels that take a
+// row's maximum on raw dot products flip Q's sign when sm_scale is negative
+// and ask for the magnitude (positive_scale: the scale applied is
+// |sm_scale|, at least 1e-30, so that the transform is increasing in d and a
+// masked -inf stays -inf); the others apply sm_scale as it is. Two floats,
+// so that the soft-cap costs the kernels' main loops one register.
 struct LogitTransform {
-  float scale_log2 = 0.f;  // scale * log2(e)
-  float cap_log2 = 0.f;    // soft_cap * log2(e); 0: no soft-cap
-  float cap_arg = 0.f;     // scale / soft_cap
+  float mul = 0.f;  // scale * log2(e); soft-capped: scale / c
+  float cap = 0.f;  // soft-capped: c * log2(e); 0: no soft-cap
 
   template <typename Seq>
   ATTN_HOST_DEVICE static LogitTransform Of(const Seq& s, bool positive_scale) {
@@ -137,17 +144,19 @@ struct LogitTransform {
       scale = scale < 0.f ? -scale : scale;
       scale = scale > 1e-30f ? scale : 1e-30f;
     }
-    t.scale_log2 = scale * kLog2e;
     if (s.soft_cap > 0.f) {
-      t.cap_log2 = s.soft_cap * kLog2e;
-      t.cap_arg = scale / s.soft_cap;
+      t.mul = scale / s.soft_cap;
+      t.cap = s.soft_cap * kLog2e;
+    } else {
+      t.mul = scale * kLog2e;
     }
     return t;
   }
-  ATTN_HOST_DEVICE bool capped() const { return cap_log2 > 0.f; }
-  // d -> the base-2 logit (d = -inf stays -inf).
+  ATTN_HOST_DEVICE bool capped() const { return cap > 0.f; }
+  // d -> the base-2 logit.
   ATTN_HOST_DEVICE float Log2(float d) const {
-    return capped() ? cap_log2 * SoftCapTanh(d * cap_arg) : d * scale_log2;
+    if (!capped()) return d * mul;
+    return d > -INFINITY ? cap * SoftCapTanh(d * mul) : -INFINITY;
   }
 };
 
@@ -160,19 +169,53 @@ struct RowEnd {
   float o_scale = 0.f;
   float lse2 = 0.f;
 };
+namespace variant_detail {
+// 2^x, a / b and log2(x): the hardware's approximations on the device (a
+// few ulp; l >= 1 whenever a row saw a key, so the division is in range), the
+// library's on the host.
+ATTN_HOST_DEVICE float Exp2(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::exp2(x);
+#endif
+}
+ATTN_HOST_DEVICE float Div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdividef(a, b);
+#else
+  return a / b;
+#endif
+}
+ATTN_HOST_DEVICE float Log2(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::log2(x);
+#endif
+}
+}  // namespace variant_detail
+
 ATTN_HOST_DEVICE RowEnd EndRow(float m2, float l, float sink2) {
+  using variant_detail::Div;
+  using variant_detail::Exp2;
+  using variant_detail::Log2;
   RowEnd e;
   if (!(sink2 > -INFINITY)) {
-    e.o_scale = l > 0.f ? 1.f / l : 0.f;
-    e.lse2 = l > 0.f ? m2 + log2f(l) : -INFINITY;
+    e.o_scale = l > 0.f ? Div(1.f, l) : 0.f;
+    e.lse2 = l > 0.f ? m2 + Log2(l) : -INFINITY;
     return e;
   }
   const bool keys = l > 0.f;
   const float top = keys && m2 > sink2 ? m2 : sink2;
-  const float a = keys ? exp2f(m2 - top) : 0.f;  // acc and l are relative to m2
-  const float total = l * a + exp2f(sink2 - top);
-  e.o_scale = a / total;
-  e.lse2 = top + log2f(total);
+  const float a = keys ? Exp2(m2 - top) : 0.f;  // acc and l are relative to m2
+  const float total = l * a + Exp2(sink2 - top);
+  e.o_scale = Div(a, total);
+  e.lse2 = top + Log2(total);
   return e;
 }
 

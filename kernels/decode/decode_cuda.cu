@@ -154,19 +154,11 @@ cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows,
     return cudaErrorInvalidValue;
   }
   DecodeKernelArgs args;
-  args.q = params.q;
-  args.o = params.o;
-  args.lse = params.lse;
-  args.k_cache = params.k_cache;
-  args.v_cache = params.v_cache;
-  args.kv_indices = params.kv_indices;
+  args.p = params;
   args.items = items;
   args.part_o = part_o;
   args.part_lse = part_lse;
   args.counters = counters;
-  args.num_qo_heads = geo.num_qo_heads;
-  args.num_kv_heads = geo.num_kv_heads;
-  args.page_size = geo.page_size;
   args.skip_merge = options.skip_merge ? 1 : 0;
   args.cluster = options.cluster;
   args.slots_per_layer = geo.SlotsPerLayer();

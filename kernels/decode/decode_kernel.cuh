@@ -25,6 +25,7 @@
 #include "kernels/decode/traits.cuh"
 #include "kernels/math.h"
 #include "kernels/sm80/mma.cuh"
+#include "kernels/variant.h"
 
 namespace attnserve {
 namespace decode {
@@ -48,25 +49,21 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
 
   const DecodeWorkItem item = args.items[blockIdx.x];
   const PrefillSeq& seq = item.seq_info;
-  const int H = args.num_qo_heads;
-  const int KVH = args.num_kv_heads;
+  const int H = args.p.geo.num_qo_heads;
+  const int KVH = args.p.geo.num_kv_heads;
   const int group = H / KVH;
   const int kvh = item.kv_head;
   const int q_len = seq.q_len;
-  const int diag = seq.kv_len - seq.q_len + seq.causal_shift;  // row t sees j <= t + diag
-  const bool causal = seq.causal != 0;
 
-  // KV range of the tile: clipped to what its last row sees; blocks ending at
-  // or before full_end need no mask.
+  // The keys the tile reads (kernels/variant.h: what its rows see, within
+  // the item's chunk); steps inside [full_begin, full_end) need no mask.
   const int t_first = item.row_begin / group;
   const int t_last = min(q_len - 1, (item.row_begin + kM - 1) / group);
+  const TileKeys tile_keys = RowsKeys(seq, t_first, t_last);
   const int kv_begin = item.kv_begin;
-  int kv_end = item.kv_end;
-  int full_end = item.kv_end;
-  if (causal) {
-    kv_end = min(kv_end, t_last + diag + 1);
-    full_end = min(full_end, t_first + diag + 1);
-  }
+  const int kv_end = min(item.kv_end, tile_keys.read.end);
+  const int full_begin = tile_keys.full.begin;
+  const int full_end = min(item.kv_end, tile_keys.full.end);
   const int num_steps = kv_end > kv_begin ? (kv_end - kv_begin + Tr::kTok - 1) / Tr::kTok : 0;
   const int my_steps = num_steps > warp ? (num_steps - warp + Tr::kWarps - 1) / Tr::kWarps : 0;
 
@@ -75,10 +72,10 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
   const int kv_r0 = lane / Tr::kChunks;
   const int64_t row_stride = static_cast<int64_t>(KVH) * D;
   const int64_t kv_base = static_cast<int64_t>(seq.layer) * args.slots_per_layer * row_stride + kvh * D + kv_c * 8;
-  const T* k_base = static_cast<const T*>(args.k_cache) + kv_base;
-  const T* v_base = static_cast<const T*>(args.v_cache) + kv_base;
-  const int32_t* pages = args.kv_indices + seq.kv_start;
-  const int ps = args.page_size;
+  const T* k_base = static_cast<const T*>(args.p.k_cache) + kv_base;
+  const T* v_base = static_cast<const T*>(args.p.v_cache) + kv_base;
+  const int32_t* pages = args.p.kv_indices + seq.kv_start;
+  const int ps = args.p.geo.page_size;
 
   // Lane l holds the page of token (l & 15) of a step (-1: past the range).
   auto step_pos = [&](int i) { return kv_begin + (i * Tr::kWarps + warp) * Tr::kTok + (lane & 15); };
@@ -117,7 +114,7 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
 
   // Q tile: packed row r -> token r / group, head kvh * group + r % group.
   {
-    const T* q = static_cast<const T*>(args.q);
+    const T* q = static_cast<const T*>(args.p.q);
     for (int idx = tid; idx < kM * Tr::kChunks; idx += Tr::kThreads) {
       const int r = idx / Tr::kChunks;
       const int c = idx % Tr::kChunks;
@@ -134,17 +131,19 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
   __syncthreads();
 
   // Thread holds rows lane / 4 (h = 0) and lane / 4 + 8 (h = 1) of each m-tile;
-  // KV positions < lim[mt][h] are visible to them.
-  int lim[MT][2];
+  // KV positions in [lo, hi)[mt][h] are visible to them.
+  int lo[MT][2], hi[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int t = (item.row_begin + mt * 16 + (lane >> 2) + h * 8) / group;
-      lim[mt][h] = causal ? min(item.kv_end, t + diag + 1) : item.kv_end;
+      const KeyRange sees = RowKeys(seq, (item.row_begin + mt * 16 + (lane >> 2) + h * 8) / group);
+      lo[mt][h] = sees.begin;
+      hi[mt][h] = min(sees.end, item.kv_end);
     }
   }
-  const float scale_log2 = seq.sm_scale * kLog2e;
+  // The scale keeps its sign here (it is applied before the row maximum).
+  const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/false);
   float o_acc[MT][D / 8][4];
   float m_run[MT][2];
   float l_run[MT][2];
@@ -195,7 +194,7 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
 
     // Scale, mask (boundary steps only), online softmax in base 2.
     const int step_start = kv_begin + (i * Tr::kWarps + warp) * Tr::kTok;
-    const bool need_mask = step_start + Tr::kTok > full_end;
+    const bool need_mask = step_start < full_begin || step_start + Tr::kTok > full_end;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -204,8 +203,9 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
         for (int n = 0; n < 2; ++n) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            float x = s[mt][n][2 * h + e] * scale_log2;
-            if (need_mask && step_start + n * 8 + (lane & 3) * 2 + e >= lim[mt][h]) x = -INFINITY;
+            float x = logit.Log2(s[mt][n][2 * h + e]);
+            const int pos = step_start + n * 8 + (lane & 3) * 2 + e;
+            if (need_mask && (pos < lo[mt][h] || pos >= hi[mt][h])) x = -INFINITY;
             s[mt][n][2 * h + e] = x;
           }
         }
@@ -275,6 +275,9 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
     }
   }
   __syncthreads();
+  // Each row's end (kernels/variant.h, EndRow; the item of chunk 0 carries
+  // the rows' sinks): s_row_m its max, s_row_l the factor of its O, and its
+  // base-2 LSE in s_l[row] (the thread has read that slot's warp sums).
   if (tid < kM) {
     float m = -INFINITY;
 #pragma unroll
@@ -285,8 +288,17 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
       const float mw = s_m[w * kM + tid];
       if (mw != -INFINITY) l += s_l[w * kM + tid] * Exp2(mw - m);
     }
+    float sink2 = -INFINITY;
+    const int pr = item.row_begin + tid;
+    const int t = pr / group;
+    if (seq.sink_index >= 0 && item.chunk == 0 && t < q_len) {
+      sink2 = __ldg(args.p.sinks + static_cast<int64_t>(seq.sink_index) * H + kvh * group + (pr - t * group)) *
+              kLog2e;
+    }
+    const RowEnd end = EndRow(m, l, sink2);
     s_row_m[tid] = m;
-    s_row_l[tid] = l;
+    s_row_l[tid] = end.o_scale;
+    s_l[tid] = end.lse2;
   }
   __syncthreads();
   float* s_o = reinterpret_cast<float*>(smem);  // (warps, M, kOStride)
@@ -295,8 +307,7 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = mt * 16 + (lane >> 2) + h * 8;
-      const float l = s_row_l[r];
-      const float f = (m_run[mt][h] != -INFINITY && l > 0.f) ? Exp2(m_run[mt][h] - s_row_m[r]) / l : 0.f;
+      const float f = m_run[mt][h] != -INFINITY ? Exp2(m_run[mt][h] - s_row_m[r]) * s_row_l[r] : 0.f;
       float* dst = s_o + (warp * kM + r) * Tr::kOStride + (lane & 3) * 2;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
@@ -318,11 +329,8 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
       v[4] += b.x; v[5] += b.y; v[6] += b.z; v[7] += b.w;
     }
   };
-  auto row_lse2 = [&](int r) {
-    const float l = s_row_l[r];
-    return l > 0.f ? s_row_m[r] + log2f(l) : -INFINITY;
-  };
-  T* o_out = static_cast<T*>(args.o);
+  auto row_lse2 = [&](int r) { return s_l[r]; };
+  T* o_out = static_cast<T*>(args.p.o);
   auto out_row = [&](int r, int* t_out) -> int64_t {  // (q row, head) index; -1 for padding
     const int pr = item.row_begin + r;
     const int t = pr / group;
@@ -331,7 +339,7 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
     return static_cast<int64_t>(seq.q_start + t) * H + kvh * group + (pr - t * group);
   };
   auto write_lse = [&](int64_t row, float lse2) {
-    args.lse[row] = (seq.lse_base_e && lse2 != -INFINITY) ? lse2 * kLn2 : lse2;
+    args.p.lse[row] = (seq.lse_base_e && lse2 != -INFINITY) ? lse2 * kLn2 : lse2;
   };
 
   if (args.cluster > 1) {

@@ -16,22 +16,14 @@ namespace attnserve {
 namespace decode {
 
 struct DecodeKernelArgs {
-  const void* q;              // (total_q, H, D)
-  void* o;                    // (total_q, H, D)
-  float* lse;                 // (total_q, H)
-  const void* k_cache;        // (L, pages, page_size, KVH, D)
-  const void* v_cache;
-  const int32_t* kv_indices;
+  PagedPrefillParams p;         // the batch: q, o, lse, caches, indices, sinks, geometry
   const DecodeWorkItem* items;  // each carries its sequence (seq_info)
   float* part_o;              // (slots * M, D) fp32
   float* part_lse;            // (slots * M) base 2
   int32_t* counters;          // (split tiles)
-  int32_t num_qo_heads;
-  int32_t num_kv_heads;
-  int32_t page_size;
   int32_t skip_merge;
   int32_t cluster;  // > 1: cluster mode (grid = tiles x cluster, sm_90)
-  int64_t slots_per_layer;
+  int64_t slots_per_layer;    // p.geo.SlotsPerLayer()
 };
 
 template <int D, int MT>

@@ -74,19 +74,10 @@ cudaError_t PagedPrefillSm80(const PagedPrefillParams& params, const PrefillWork
   if (geo.num_kv_heads <= 0 || geo.num_qo_heads % geo.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (num_items == 0) return cudaSuccess;
   PrefillKernelArgs args;
-  args.q = params.q;
-  args.o = params.o;
-  args.lse = params.lse;
-  args.k_cache = params.k_cache;
-  args.v_cache = params.v_cache;
-  args.kv_indices = params.kv_indices;
-  args.seqs = params.seqs;
+  args.p = params;
   args.items = items;
   args.part_o = part_o;
   args.part_lse = part_lse;
-  args.num_qo_heads = geo.num_qo_heads;
-  args.num_kv_heads = geo.num_kv_heads;
-  args.page_size = geo.page_size;
   args.slots_per_layer = geo.SlotsPerLayer();
   return ATTNSERVE_SM80_DISPATCH(geo.head_dim, rows64, geo.dtype, Launch, args, num_items, stream);
 }

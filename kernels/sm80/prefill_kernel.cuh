@@ -20,6 +20,7 @@
 #include "kernels/math.h"
 #include "kernels/sm80/mma.cuh"
 #include "kernels/sm80/traits.cuh"
+#include "kernels/variant.h"
 
 namespace attnserve {
 namespace sm80 {
@@ -47,28 +48,27 @@ __global__ void __launch_bounds__(128, 2)
   const int lane = tid & 31;
 
   const PrefillWorkItem item = args.items[blockIdx.x];
-  const PrefillSeq seq = args.seqs[item.seq];
-  const int H = args.num_qo_heads;
-  const int KVH = args.num_kv_heads;
+  const PrefillSeq seq = args.p.seqs[item.seq];
+  const int H = args.p.geo.num_qo_heads;
+  const int KVH = args.p.geo.num_kv_heads;
   const int group = H / KVH;
   const int kvh = item.kv_head;
   const int q_len = seq.q_len;
-  const int diag = seq.kv_len - seq.q_len + seq.causal_shift;  // row t sees j <= t + diag
-  const bool causal = seq.causal != 0;
 
+  // The keys the tile reads (kernels/variant.h: what its rows see, within
+  // the item's chunk) and those every row sees: blocks inside
+  // [full_begin, full_end) need no per-element mask.
   const int t_first = item.row_begin / group;
   const int t_last = min(q_len - 1, (item.row_begin + Tr::kM - 1) / group);
-  int kv_end = item.kv_end;
-  int full_end = item.kv_end;  // blocks ending at or before this need no mask
-  if (causal) {
-    kv_end = min(kv_end, t_last + diag + 1);
-    full_end = min(full_end, t_first + diag + 1);
-  }
+  const TileKeys tile_keys = RowsKeys(seq, t_first, t_last);
   const int kv_begin = item.kv_begin;
+  const int kv_end = min(item.kv_end, tile_keys.read.end);
+  const int full_begin = tile_keys.full.begin;
+  const int full_end = min(item.kv_end, tile_keys.full.end);
   const int num_blocks = kv_end > kv_begin ? (kv_end - kv_begin + KB - 1) / KB : 0;
 
   // ---- Q tile: packed row r -> token r / group, head kvh * group + r % group.
-  const T* q = static_cast<const T*>(args.q);
+  const T* q = static_cast<const T*>(args.p.q);
   {
     const int c = tid % Tr::kChunks;
 #pragma unroll
@@ -88,10 +88,10 @@ __global__ void __launch_bounds__(128, 2)
   const int kv_r0 = tid / Tr::kChunks;
   const int64_t row_stride = (int64_t)KVH * D;
   const int64_t kv_base = (int64_t)seq.layer * args.slots_per_layer * row_stride + kvh * D + kv_c * 8;
-  const T* k_base = static_cast<const T*>(args.k_cache) + kv_base;
-  const T* v_base = static_cast<const T*>(args.v_cache) + kv_base;
-  const int32_t* pages = args.kv_indices + seq.kv_start;
-  const int ps = args.page_size;
+  const T* k_base = static_cast<const T*>(args.p.k_cache) + kv_base;
+  const T* v_base = static_cast<const T*>(args.p.v_cache) + kv_base;
+  const int32_t* pages = args.p.kv_indices + seq.kv_start;
+  const int ps = args.p.geo.page_size;
 
   // Row offsets of block `block` into s_off[block & 1]; called by every
   // thread, rows strided by the CTA size.
@@ -126,13 +126,14 @@ __global__ void __launch_bounds__(128, 2)
   // ---- Per-row state. Thread holds rows lane/4 (h = 0) and lane/4 + 8 (h = 1)
   // of each of its MT m-tiles.
   const int warp_row0 = warp * 16 * MT;
-  // KV positions < RowLimit(mt, h) are visible to the thread's row (mt, h);
+  // The keys [begin, end) the thread's row (mt, h) sees in this item;
   // recomputed on boundary blocks only, to keep registers for the tiles.
   const int item_kv_end = item.kv_end;
   const int row_base = item.row_begin + warp_row0 + (lane >> 2);
-  auto row_limit = [&](int mt, int h) {
-    const int t = (row_base + mt * 16 + h * 8) / group;
-    return causal ? min(item_kv_end, t + diag + 1) : item_kv_end;
+  const int diag = seq.kv_len - q_len + seq.causal_shift;  // row t is at key position t + diag
+  auto row_keys = [&](int mt, int h) {
+    return RowKeysAt((row_base + mt * 16 + h * 8) / group + diag, seq.window_left, seq.causal != 0,
+                     item_kv_end);
   };
   float o_acc[MT][D / 8][4];
   float m_run[MT][2];
@@ -150,9 +151,10 @@ __global__ void __launch_bounds__(128, 2)
   // The softmax takes row maxima on raw logits, so it needs a positive scale: a
   // negative one is moved into Q (sign flip in shared memory, once), and a
   // zero one becomes 1e-30 (every logit rounds to 0 either way, while masked
-  // logits stay -inf instead of -inf * 0).
+  // logits stay -inf instead of -inf * 0). A soft-capped sequence takes the
+  // transform's other branch (uniform over the CTA).
   const bool negate_q = seq.sm_scale < 0.f;
-  const float scale_log2 = fmaxf(fabsf(seq.sm_scale) * kLog2e, 1e-30f);
+  const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/true);
 
   uint32_t q_frag[Tr::kQInRegs ? D / 16 : 1][4];
 
@@ -235,19 +237,19 @@ __global__ void __launch_bounds__(128, 2)
 
     // ---- Mask (boundary blocks only), online softmax in base 2.
     const int block_start = kv_begin + b * KB;
-    const bool need_mask = block_start + KB > full_end;
+    const bool need_mask = block_start < full_begin || block_start + KB > full_end;
     if (need_mask) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int lim = row_limit(mt, h);
+          const KeyRange sees = row_keys(mt, h);
 #pragma unroll
           for (int n = 0; n < KB / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int pos = block_start + n * 8 + (lane & 3) * 2 + e;
-              if (pos >= lim) s[mt][n][2 * h + e] = -INFINITY;
+              if (pos < sees.begin || pos >= sees.end) s[mt][n][2 * h + e] = -INFINITY;
             }
           }
         }
@@ -273,7 +275,7 @@ __global__ void __launch_bounds__(128, 2)
           }
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          mx2[mt][h] = mx * scale_log2;
+          mx2[mt][h] = logit.Log2(mx);
           grow |= mx2[mt][h] > m_run[mt][h] + kLazyRescale;
         }
       }
@@ -300,13 +302,24 @@ __global__ void __launch_bounds__(128, 2)
         for (int h = 0; h < 2; ++h) {
           const float neg_m = m_run[mt][h] == -INFINITY ? 0.f : -m_run[mt][h];
           float sum = 0.f;
+          if (logit.capped()) {
 #pragma unroll
-          for (int n = 0; n < KB / 8; ++n) {
-            const float p0 = Exp2(fmaf(s[mt][n][2 * h], scale_log2, neg_m));
-            const float p1 = Exp2(fmaf(s[mt][n][2 * h + 1], scale_log2, neg_m));
-            s[mt][n][2 * h] = p0;
-            s[mt][n][2 * h + 1] = p1;
-            sum += p0 + p1;
+            for (int n = 0; n < KB / 8; ++n) {
+              const float p0 = Exp2(logit.Log2(s[mt][n][2 * h]) + neg_m);
+              const float p1 = Exp2(logit.Log2(s[mt][n][2 * h + 1]) + neg_m);
+              s[mt][n][2 * h] = p0;
+              s[mt][n][2 * h + 1] = p1;
+              sum += p0 + p1;
+            }
+          } else {
+#pragma unroll
+            for (int n = 0; n < KB / 8; ++n) {
+              const float p0 = Exp2(fmaf(s[mt][n][2 * h], logit.mul, neg_m));
+              const float p1 = Exp2(fmaf(s[mt][n][2 * h + 1], logit.mul, neg_m));
+              s[mt][n][2 * h] = p0;
+              s[mt][n][2 * h + 1] = p1;
+              sum += p0 + p1;
+            }
           }
           l_run[mt][h] += sum;
         }
@@ -347,9 +360,11 @@ __global__ void __launch_bounds__(128, 2)
     __syncthreads();  // num_blocks is uniform over the CTA
   }
 
-  // ---- Epilogue: normalise, LSE (base 2 internally), write.
+  // ---- Epilogue: normalise, LSE (base 2 internally), write. The item of
+  // chunk 0 carries the rows' sinks (kernels/variant.h, EndRow).
   float inv[MT][2];
   float lse2[MT][2];
+  const bool sinks = seq.sink_index >= 0 && item.chunk == 0;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -357,8 +372,17 @@ __global__ void __launch_bounds__(128, 2)
       float l = l_run[mt][h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      inv[mt][h] = l > 0.f ? 1.f / l : 0.f;
-      lse2[mt][h] = l > 0.f ? m_run[mt][h] + log2f(l) : -INFINITY;
+      float sink2 = -INFINITY;
+      if (sinks) {
+        const int pr = row_base + mt * 16 + h * 8;
+        const int t = pr / group;
+        if (t < q_len) {
+          sink2 = __ldg(args.p.sinks + (int64_t)seq.sink_index * H + kvh * group + (pr - t * group)) * kLog2e;
+        }
+      }
+      const RowEnd end = EndRow(m_run[mt][h], l, sink2);
+      inv[mt][h] = end.o_scale;
+      lse2[mt][h] = end.lse2;
     }
   }
 
@@ -404,13 +428,13 @@ __global__ void __launch_bounds__(128, 2)
         if (t < q_len) {
           const int head = kvh * group + (pr - t * group);
           const float v = seq.lse_base_e ? lse2[mt][h] * kLn2 : lse2[mt][h];
-          args.lse[(int64_t)(seq.q_start + t) * H + head] = v;
+          args.p.lse[(int64_t)(seq.q_start + t) * H + head] = v;
         }
       }
     }
   }
   __syncwarp();
-  T* o = static_cast<T*>(args.o);
+  T* o = static_cast<T*>(args.p.o);
   constexpr int kWarpChunks = 16 * MT * Tr::kChunks;
 #pragma unroll
   for (int i = 0; i < kWarpChunks / 32; ++i) {

@@ -15,20 +15,11 @@ namespace sm80 {
 constexpr float kLazyRescale = 8.f;
 
 struct PrefillKernelArgs {
-  const void* q;            // (total_q, H, D)
-  void* o;                  // (total_q, H, D)
-  float* lse;               // (total_q, H)
-  const void* k_cache;      // (L, pages, page_size, KVH, D)
-  const void* v_cache;
-  const int32_t* kv_indices;
-  const PrefillSeq* seqs;
+  PagedPrefillParams p;     // the batch: q, o, lse, caches, indices, seqs, sinks, geometry
   const PrefillWorkItem* items;
   float* part_o;            // (pairs, D) fp32
   float* part_lse;          // (pairs) base 2
-  int32_t num_qo_heads;
-  int32_t num_kv_heads;
-  int32_t page_size;
-  int64_t slots_per_layer;
+  int64_t slots_per_layer;  // p.geo.SlotsPerLayer()
 };
 
 template <int D, int MT, int KB>

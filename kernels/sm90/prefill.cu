@@ -23,15 +23,18 @@ using sm90::Schedule;
 using sm90::Traits;
 
 // Variant V (Sm90Variant's value) -> the kernel and its Traits; kTma: the
-// overlapped schedule with tensor-copy-engine loads (Traits::kTma).
-template <int D, typename T, int V, bool kTma = false>
+// overlapped schedule with tensor-copy-engine loads (Traits::kTma); kVar:
+// with soft-caps and sinks (Traits::kVariants; only kOverlap, the serving
+// kernel, has a lean instantiation, the others always carry them).
+template <int D, typename T, int V, bool kTma = false, bool kVar = true>
 struct Kernel {
-  using Tr = Traits<D, V == 0 ? Schedule::kSerial : Schedule::kOverlap, V != 2, kTma>;
+  static_assert(kVar || V == 1, "only kOverlap has a kernel without soft-caps and sinks");
+  using Tr = Traits<D, V == 0 ? Schedule::kSerial : Schedule::kOverlap, V != 2, kTma, kVar>;
   static auto Get() {
     if constexpr (V == 0) {
       return PagedPrefillSm90Kernel<D, T>;
     } else {
-      return PagedPrefillSm90OverlapKernel<D, T, V == 1, false, kTma>;
+      return PagedPrefillSm90OverlapKernel<D, T, V == 1, false, kTma, kVar>;
     }
   }
 };
@@ -54,10 +57,10 @@ int32_t GridSize(bool persistent, int32_t num_items, int32_t max_ctas) {
   return grid;
 }
 
-template <int D, typename T, int V, bool kTma>
+template <int D, typename T, int V, bool kTma, bool kVar>
 cudaError_t LaunchKernel(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
-  using Tr = typename Kernel<D, T, V, kTma>::Tr;
-  auto kernel = Kernel<D, T, V, kTma>::Get();
+  using Tr = typename Kernel<D, T, V, kTma, kVar>::Tr;
+  auto kernel = Kernel<D, T, V, kTma, kVar>::Get();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<GridSize(Tr::kPersistent, args.num_items, max_ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
@@ -65,13 +68,21 @@ cudaError_t LaunchKernel(const PrefillKernelArgs& args, int32_t max_ctas, cudaSt
 }
 
 // kOverlap loads K and V by the tensor copy engine when the caches' tensor
-// maps could be made (args.tma_run > 0), the other variants by cp.async.
+// maps could be made (args.tma_run > 0), the other variants by cp.async;
+// kOverlap runs its lean kernel when no sequence of the batch has a
+// soft-cap or a sink.
 template <int D, typename T, int V>
 cudaError_t Launch(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
   if constexpr (V == 1) {
-    if (args.tma_run > 0) return LaunchKernel<D, T, V, true>(args, max_ctas, stream);
+    const bool var = args.p.logit_variants;
+    if (args.tma_run > 0) {
+      return var ? LaunchKernel<D, T, V, true, true>(args, max_ctas, stream)
+                 : LaunchKernel<D, T, V, true, false>(args, max_ctas, stream);
+    }
+    return var ? LaunchKernel<D, T, V, false, true>(args, max_ctas, stream)
+               : LaunchKernel<D, T, V, false, false>(args, max_ctas, stream);
   }
-  return LaunchKernel<D, T, V, false>(args, max_ctas, stream);
+  return LaunchKernel<D, T, V, false, true>(args, max_ctas, stream);
 }
 
 template <int D, typename T, int V>
@@ -218,20 +229,11 @@ cudaError_t MakeArgs(const PagedPrefillParams& params, const PrefillWorkItem* it
   if (geo.num_kv_heads <= 0 || geo.num_qo_heads % geo.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (!Sm90PrefillSupported()) return cudaErrorNotSupported;
   *args = PrefillKernelArgs{};
-  args->q = params.q;
-  args->o = params.o;
-  args->lse = params.lse;
-  args->k_cache = params.k_cache;
-  args->v_cache = params.v_cache;
-  args->kv_indices = params.kv_indices;
-  args->seqs = params.seqs;
+  args->p = params;
   args->items = items;
   args->num_items = num_items;
   args->part_o = part_o;
   args->part_lse = part_lse;
-  args->num_qo_heads = geo.num_qo_heads;
-  args->num_kv_heads = geo.num_kv_heads;
-  args->page_size = geo.page_size;
   args->group = FastDiv(geo.num_qo_heads / geo.num_kv_heads);
   args->page = FastDiv(geo.page_size);
   args->slots_per_layer = geo.SlotsPerLayer();
@@ -261,8 +263,9 @@ cudaError_t PagedPrefillSm90Traced(const PagedPrefillParams& params, const Prefi
   args.trace = trace;
   args.trace_ctas = trace_ctas;
   SetTmaMaps(params, &args);
-  using Tr = Traits<128, Schedule::kOverlap, true, true>;
-  auto kernel = PagedPrefillSm90OverlapKernel<128, __nv_bfloat16, true, true, true>;
+  using Tr = Traits<128, Schedule::kOverlap, true, true, false>;
+  if (params.logit_variants) return cudaErrorInvalidValue;  // the traced kernel is the lean one
+  auto kernel = PagedPrefillSm90OverlapKernel<128, __nv_bfloat16, true, true, true, false>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<GridSize(Tr::kPersistent, num_items, params.max_ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);

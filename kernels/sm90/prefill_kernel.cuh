@@ -39,8 +39,9 @@
 // kTrace (PagedPrefillSm90Traced) adds clock64 stamps of each phase
 // (Sm90Trace); the server's kernels have none.
 //
-// Semantics are those of kernels/paged_prefill.h and kernels/sm80 (GQA
-// packing, causal with causal_shift, empty rows -> 0 and -inf, base-2 LSE).
+// Semantics are those of kernels/paged_prefill.h, written once in
+// kernels/variant.h (GQA packing, causal with causal_shift, windows,
+// soft-cap, sinks, empty rows -> 0 and -inf or the sink, base-2 LSE).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -52,6 +53,7 @@
 #include "kernels/math.h"
 #include "kernels/sm90/ptx.cuh"
 #include "kernels/sm90/traits.cuh"
+#include "kernels/variant.h"
 
 namespace attnserve {
 namespace sm90 {
@@ -67,8 +69,7 @@ namespace sm90 {
 struct Tile {
   PrefillWorkItem item;
   PrefillSeq seq;
-  int diag;        // causal: row t sees KV positions j <= t + diag
-  int kv_end;      // the tile reads [item.kv_begin, kv_end): causal rows stop at their diagonal
+  int kv_end;      // the tile reads [item.kv_begin, kv_end): what its rows see (kernels/variant.h)
   int num_blocks;  // KV blocks of Tr::kKB keys
   int g0;          // ring position of block 0 (K stage g0 % kKStages, V stage g0 % kVStages)
   bool q_ahead;    // Tr::kPersistent: the Q tile is loaded by the previous tile's producer
@@ -85,10 +86,9 @@ __device__ __forceinline__ Tile MakeTile(const PrefillKernelArgs& args, int idx)
   t.item = args.items[idx];
   t.idx = idx;
   if (t.item.seq < 0) return t;
-  t.seq = args.seqs[t.item.seq];
-  t.diag = t.seq.kv_len - t.seq.q_len + t.seq.causal_shift;
+  t.seq = args.p.seqs[t.item.seq];
   const int t_last = min(t.seq.q_len - 1, args.group.Div(t.item.row_begin + Tr::kM - 1));
-  t.kv_end = t.seq.causal != 0 ? min(t.item.kv_end, t_last + t.diag + 1) : t.item.kv_end;
+  t.kv_end = min(t.item.kv_end, RowKeys(t.seq, t_last).end);
   t.num_blocks = t.kv_end > t.item.kv_begin ? (t.kv_end - t.item.kv_begin + Tr::kKB - 1) / Tr::kKB : 0;
   return t;
 }
@@ -220,7 +220,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     ForEachTile<Tr>(args, [&](const Tile& tile, auto&&) {
       const PrefillWorkItem& item = tile.item;
       const PrefillSeq& seq = tile.seq;
-      const int H = args.num_qo_heads;
+      const int H = args.p.geo.num_qo_heads;
       const int group = args.group.d;
       const int kvh = item.kv_head;
       const int kv_begin = item.kv_begin;
@@ -245,7 +245,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       // r / group, head kvh * group + r % group. The thread's rows are
       // r0 + kRowsPerPass * p: one division, then carries.
       auto issue_q = [&](const Tile& qtile, int qb) {
-        const T* q = static_cast<const T*>(args.q);
+        const T* q = static_cast<const T*>(args.p.q);
         const int pr0 = qtile.item.row_begin + r0;
         int t = args.group.Div(pr0);
         int g = pr0 - t * group;
@@ -300,12 +300,12 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       // so that eight lanes read one 128-byte line and a thread works out one
       // row's address per D / 64 copies (unsigned 32 x 32 -> 64-bit: a slot is
       // below 2^31, the backend checks).
-      const uint32_t row_bytes = static_cast<uint32_t>(args.num_kv_heads) * D * sizeof(T);
+      const uint32_t row_bytes = static_cast<uint32_t>(args.p.geo.num_kv_heads) * D * sizeof(T);
       const int64_t kv_base =
-          ((int64_t)seq.layer * args.slots_per_layer * args.num_kv_heads + kvh) * D * sizeof(T) + (tid & 7) * 16;
-      const char* k_base = static_cast<const char*>(args.k_cache) + kv_base;
-      const char* v_base = static_cast<const char*>(args.v_cache) + kv_base;
-      const int32_t* pages = args.kv_indices + seq.kv_start;
+          ((int64_t)seq.layer * args.slots_per_layer * args.p.geo.num_kv_heads + kvh) * D * sizeof(T) + (tid & 7) * 16;
+      const char* k_base = static_cast<const char*>(args.p.k_cache) + kv_base;
+      const char* v_base = static_cast<const char*>(args.p.v_cache) + kv_base;
+      const int32_t* pages = args.p.kv_indices + seq.kv_start;
       // Slot of row `tid` of block `block` within the layer (-1: past the
       // end).
       auto row_slot = [&](int block) -> int32_t {
@@ -454,7 +454,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           if (next.item.seq >= 0) {
             load_q(next, qt + 1);
             // Its first page-table line, for its first block's slots.
-            PrefetchL1(args.kv_indices + next.seq.kv_start + args.page.Div(next.item.kv_begin));
+            PrefetchL1(args.p.kv_indices + next.seq.kv_start + args.page.Div(next.item.kv_begin));
           }
         }
         pst.Now(7);
@@ -508,12 +508,10 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
   ForEachTile<Tr>(args, [&](const Tile& tile, auto&& fetch_next) {
     const PrefillWorkItem& item = tile.item;
     const PrefillSeq& seq = tile.seq;
-    const int H = args.num_qo_heads;
+    const int H = args.p.geo.num_qo_heads;
     const int group = args.group.d;
     const int kvh = item.kv_head;
     const int q_len = seq.q_len;
-    const int diag = tile.diag;
-    const bool causal = seq.causal != 0;
     const int kv_begin = item.kv_begin;
     const int num_blocks = tile.num_blocks;
     const int g0 = tile.g0;
@@ -537,17 +535,26 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     // Thread rows: wg_row0 + warp * 16 + lane / 4 (h = 0) and + 8 (h = 1).
     const int row_base = item.row_begin + wg_row0 + warp * 16 + (lane >> 2);
     const int item_kv_end = item.kv_end;
-    auto row_limit = [&](int h) {
-      const int t = args.group.Div(row_base + h * 8);
-      return causal ? min(item_kv_end, t + diag + 1) : item_kv_end;
-    };
-    // This warpgroup's rows: the KV positions they see, and those all see.
+    // The keys [begin, end) the thread's rows h = 0, 1 see in this item
+    // (kernels/variant.h): four registers, in place of the sequence's
+    // diagonal, window and causal flag, which the main loop then never
+    // needs. A block inside both ranges needs no per-element mask (a
+    // per-thread test: the masking diverges at most over a few selects).
+    KeyRange sees[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sees[h] = RowKeysAt(QueryPos(seq, args.group.Div(row_base + h * 8)), seq.window_left,
+                          seq.causal != 0, item_kv_end);
+    }
+    // This warpgroup's rows: the KV positions they see.
     const int wg_t_first = args.group.Div(item.row_begin + wg_row0);
     const int wg_t_last = min(q_len - 1, args.group.Div(item.row_begin + wg_row0 + Tr::kWgRows - 1));
     const bool wg_active = wg_t_first < q_len;
-    const int wg_kv_end = causal ? min(item_kv_end, wg_t_last + diag + 1) : item_kv_end;
-    const int wg_full_end = causal ? min(item_kv_end, wg_t_first + diag + 1) : item_kv_end;
-    const float scale_log2 = fmaxf(fabsf(seq.sm_scale) * kLog2e, 1e-30f);
+    const int wg_kv_end =
+        min(item_kv_end, RowsKeys(seq, wg_t_first, max(wg_t_first, wg_t_last)).read.end);
+    // Positive scale (Q's sign flipped for a negative one); a soft-capped
+    // sequence takes the transform's other branch, uniform over the CTA.
+    const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/true);
 
     float o_acc[D / 2];
 #pragma unroll
@@ -597,18 +604,29 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     // max). Returns whether O must be rescaled.
     auto softmax = [&](int t, float (&alpha)[2]) -> bool {
       const int block_start = kv_begin + t * KB;
-      if (block_start + KB > wg_full_end) {
+      if (block_start < max(sees[0].begin, sees[1].begin) ||
+          block_start + KB > min(sees[0].end, sees[1].end)) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int lim = row_limit(h);
 #pragma unroll
           for (int n = 0; n < KB / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int pos = block_start + n * 8 + (lane & 3) * 2 + e;
-              if (pos >= lim) s[4 * n + 2 * h + e] = -INFINITY;
+              if (pos < sees[h].begin || pos >= sees[h].end) s[4 * n + 2 * h + e] = -INFINITY;
             }
           }
+        }
+      }
+      // A soft-capped sequence's logits are transformed in place first (to
+      // base-2 units; the scale below is then 1): one small pass, and one
+      // copy of the softmax for both.
+      float mul = logit.mul;
+      if constexpr (Tr::kVariants) {
+        if (logit.capped()) {
+#pragma unroll
+          for (int i = 0; i < KB / 2; ++i) s[i] = logit.Log2(s[i]);
+          mul = 1.f;
         }
       }
       float mx2[2];
@@ -620,7 +638,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         for (int n = 0; n < KB / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx2[h] = mx * scale_log2;
+        mx2[h] = mx * mul;
         grow |= mx2[h] > m_run[h] + kLazyRescale;
       }
       const bool rescale = __any_sync(0xffffffffu, grow);
@@ -637,8 +655,8 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         float sum = 0.f;
 #pragma unroll
         for (int n = 0; n < KB / 8; ++n) {
-          const float p0 = Exp2(fmaf(s[4 * n + 2 * h], scale_log2, neg_m));
-          const float p1 = Exp2(fmaf(s[4 * n + 2 * h + 1], scale_log2, neg_m));
+          const float p0 = Exp2(fmaf(s[4 * n + 2 * h], mul, neg_m));
+          const float p1 = Exp2(fmaf(s[4 * n + 2 * h + 1], mul, neg_m));
           s[4 * n + 2 * h] = p0;
           s[4 * n + 2 * h + 1] = p1;
           sum += p0 + p1;
@@ -716,8 +734,9 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       // releases it, so that its arrivals count in that block's phase. Both
       // warpgroups take num_blocks + 1 turns (kPingPong: warpgroup 0 first;
       // every sync meets exactly one arrive, as in the serial schedule).
-      // This warpgroup computes blocks 0 .. wg_blocks - 1 (a prefix: causal
-      // rows see a prefix of the KV range): turn 0 (S_0), turns 1 ..
+      // This warpgroup computes blocks 0 .. wg_blocks - 1 (a prefix: its
+      // rows see keys up to wg_kv_end; keys before a window's start are
+      // masked, they are at most the item's first blocks): turn 0 (S_0), turns 1 ..
       // wg_blocks - 1 (S_t and PV_{t-1}), turn wg_blocks (PV alone), then turns
       // without GEMMs. Each wgmma is issued and waited for in the same
       // unconditional stretch of code: ptxas serializes wgmma whose pipeline
@@ -832,19 +851,28 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     tst.Now(3);
     tst1.Now(11);
     fetch_next();
-    // ---- Epilogue: normalise, LSE (base 2 internally), write.
+    // ---- Epilogue: normalise, LSE (base 2 internally), write. The item of
+    // chunk 0 carries the rows' sinks (kernels/variant.h, EndRow).
     float inv[2];
     float lse2[2];
+    const bool sinks = Tr::kVariants && seq.sink_index >= 0 && item.chunk == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = l_run[h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
+      float sink2 = -INFINITY;
+      if (sinks) {
+        const int pr = row_base + h * 8;
+        const int t = args.group.Div(pr);
+        if (t < q_len) sink2 = __ldg(args.p.sinks + (int64_t)seq.sink_index * H + kvh * group + (pr - t * group)) * kLog2e;
+      }
       // l >= 1 when positive (the row max contributes exp2(0) before any
-      // lazy growth, at most 2^kLazyRescale since): the approximate
+      // lazy growth, at most 2^kLazyRescale since): EndRow's approximate
       // reciprocal and log2 (MUFU, a few ulp) are exact enough.
-      inv[h] = l > 0.f ? __fdividef(1.f, l) : 0.f;
-      lse2[h] = l > 0.f ? m_run[h] + __log2f(l) : -INFINITY;
+      const RowEnd end = EndRow(m_run[h], l, sink2);
+      inv[h] = end.o_scale;
+      lse2[h] = end.lse2;
     }
     tst.Now(10);
 #pragma unroll
@@ -858,7 +886,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         // chunks, lane j holds whole chunks n = 4 m + j and writes each with
         // one 16-byte store (a warp writes 64 contiguous bytes of each of
         // its 8 rows, not 16).
-        T* dst = static_cast<T*>(args.o) + ((int64_t)(seq.q_start + t) * H + head) * D + (lane & 3) * 8;
+        T* dst = static_cast<T*>(args.p.o) + ((int64_t)(seq.q_start + t) * H + head) * D + (lane & 3) * 8;
 #pragma unroll
         for (int m = 0; m < D / 32; ++m) {
           uint32_t w[4];
@@ -871,7 +899,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           if (t < q_len) *reinterpret_cast<uint4*>(dst + m * 32) = make_uint4(w[0], w[1], w[2], w[3]);
         }
         if (t < q_len && (lane & 3) == 0) {
-          args.lse[(int64_t)(seq.q_start + t) * H + head] = seq.lse_base_e ? lse2[h] * kLn2 : lse2[h];
+          args.p.lse[(int64_t)(seq.q_start + t) * H + head] = seq.lse_base_e ? lse2[h] * kLn2 : lse2[h];
         }
         continue;
       }
@@ -917,9 +945,10 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const __grid_co
 // clock64 stamps (PagedPrefillSm90Traced).
 // kTma: K and V by the tensor copy engine (Traits); the tensor maps are read
 // from the kernel's parameter space (__grid_constant__).
-template <int D, typename T, bool kPingPong, bool kTrace = false, bool kTma = false>
+// kVariants: with soft-caps and sinks (Traits::kVariants).
+template <int D, typename T, bool kPingPong, bool kTrace = false, bool kTma = false, bool kVariants = true>
 __global__ void __launch_bounds__(384, 1) PagedPrefillSm90OverlapKernel(const __grid_constant__ PrefillKernelArgs args) {
-  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong, kTma>, T, kTrace);
+  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong, kTma, kVariants>, T, kTrace);
 }
 
 #undef ATTNSERVE_SM90_BODY

@@ -18,13 +18,7 @@ namespace sm90 {
 constexpr float kLazyRescale = 8.f;
 
 struct PrefillKernelArgs {
-  const void* q;            // (total_q, H, D)
-  void* o;                  // (total_q, H, D)
-  float* lse;               // (total_q, H)
-  const void* k_cache;      // (L, pages, page_size, KVH, D)
-  const void* v_cache;
-  const int32_t* kv_indices;
-  const PrefillSeq* seqs;
+  PagedPrefillParams p;     // the batch: q, o, lse, caches, indices, seqs, sinks, geometry
   const PrefillWorkItem* items;
   int32_t num_items;        // entries of items (padding included)
   float* part_o;            // (pairs, D) fp32
@@ -37,9 +31,6 @@ struct PrefillKernelArgs {
   // page_size) is 0 when K and V are gathered by cp.async alone.
   CUtensorMap k_map, v_map;
   int32_t tma_run;
-  int32_t num_qo_heads;
-  int32_t num_kv_heads;
-  int32_t page_size;
   // Query heads per KV head and the page size, as dividers of packed rows
   // and KV positions (both below 2^31).
   FastDiv group;
@@ -68,7 +59,12 @@ enum class Schedule : int { kSerial, kOverlap };
 // rows come in runs of 8 or more slots (page_size >= 8) with the tensor copy
 // engine, a box per run, instead of cp.async; the stages' full barriers then
 // also count the boxes' bytes.
-template <int D, Schedule kSchedule = Schedule::kSerial, bool kTurns = true, bool kTmaLoads = false>
+// kLogitVariants: the kernel runs soft-capped sequences and sinks
+// (kernels/variant.h); without, their code is left out, which keeps the
+// head_dim 128 consumers inside their registers. The launch picks the
+// capable kernel for a batch with either (PagedPrefillParams::logit_variants).
+template <int D, Schedule kSchedule = Schedule::kSerial, bool kTurns = true, bool kTmaLoads = false,
+          bool kLogitVariants = true>
 struct Traits {
   static_assert(D == 64 || D == 128, "the sm90 family runs head_dim 64 and 128");
   static constexpr int kD = D;
@@ -77,6 +73,7 @@ struct Traits {
   static constexpr int kKB = 128;           // KV tokens per block
   static constexpr bool kOverlap = kSchedule == Schedule::kOverlap;
   static constexpr bool kTma = kTmaLoads && kOverlap;
+  static constexpr bool kVariants = kLogitVariants;
   // A persistent grid (kOverlap): each CTA loops over the plan's items with
   // a stride of the grid, so that the producer loads the next tile's K, V
   // and Q while the consumers finish the last one; kSerial runs one item

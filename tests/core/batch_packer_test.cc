@@ -341,6 +341,53 @@ TEST(BatchPacker, ScatteredInputsAreGatheredIntoTheStaging) {
   }
 }
 
+// Each task's sink set lands once in the staging; its sequences point at it
+// (their sink_index rebased), the others at none; a batch with a sink or a
+// soft-cap asks for the kernels that have them.
+TEST(BatchPacker, SinkSetsArePackedOncePerTaskAndSequencesRebased) {
+  const KvGeometry g = Geo(8, 2, 128, 16);
+  std::vector<Request> reqs(4);
+  MakeRequest(g, {{1, 100}, {3, 300}}, 0, &reqs[0]);  // sinks
+  MakeRequest(g, {{2, 50}}, 1, &reqs[1]);             // none
+  MakeRequest(g, {{1, 70}, {0, 10}, {5, 900}}, 0, &reqs[2]);  // sinks; one sequence without
+  MakeRequest(g, {{4, 40}}, 1, &reqs[3]);             // soft-capped, no sinks
+  std::vector<float> sinks0(8), sinks2(8);
+  for (int h = 0; h < 8; ++h) {
+    sinks0[h] = 0.5f + h;
+    sinks2[h] = -2.25f - h;
+  }
+  reqs[0].task.sinks = sinks0.data();
+  for (PrefillSeq& s : reqs[0].task.seqs) s.sink_index = 0;
+  reqs[2].task.sinks = sinks2.data();
+  reqs[2].task.seqs[0].sink_index = 0;
+  reqs[2].task.seqs[2].sink_index = -1;
+  reqs[3].task.seqs[0].soft_cap = 30.f;
+
+  Packed p = Pack(g, Limits(true), reqs);
+  ASSERT_EQ(p.b.num_sink_sets, 2);
+  EXPECT_TRUE(p.b.logit_variants);
+  std::vector<float> packed(16);
+  std::memcpy(packed.data(), p.staging.get() + p.b.off_sinks, 16 * sizeof(float));
+  for (int h = 0; h < 8; ++h) {
+    EXPECT_EQ(packed[h], sinks0[h]);
+    EXPECT_EQ(packed[8 + h], sinks2[h]);
+  }
+  // Batch sequences (q_len 0 dropped): r0's two, r1's one, r2's two, r3's one.
+  ASSERT_EQ(p.seqs.size(), 6u);
+  const int32_t want[6] = {0, 0, -1, 1, -1, -1};
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(p.seqs[i].sink_index, want[i]) << "batch sequence " << i;
+  EXPECT_EQ(p.seqs[5].soft_cap, 30.f);
+  EXPECT_GE(p.b.off_sinks, p.b.upload_begin);
+  EXPECT_LE(p.b.off_sinks + 16 * int64_t{sizeof(float)}, p.b.upload_end);
+
+  // Without sinks or soft-caps: no sets, the lean kernels.
+  std::vector<Request> plain(1);
+  MakeRequest(g, {{3, 200}}, 0, &plain[0]);
+  Packed q = Pack(g, Limits(true), plain);
+  EXPECT_EQ(q.b.num_sink_sets, 0);
+  EXPECT_FALSE(q.b.logit_variants);
+}
+
 TEST(BatchPacker, DecodeOffRoutesEverythingToPrefill) {
   const KvGeometry g = Geo(32, 4, 128, 16);
   std::vector<Request> reqs(1);

@@ -36,8 +36,10 @@ void AddDeviceCopy(std::vector<PackedBatch::DeviceCopy>* copies, int64_t dst, co
 int64_t BatchPacker::InputCapacity() const {
   const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
   const int64_t kv_row = geo_.RowElems() * KvDTypeBytes(geo_.dtype);
+  // A sink set per task, and a task has at least one row.
+  const int64_t sink_sets = limits_.max_rows * geo_.num_qo_heads * 4;
   return AlignUp(limits_.max_rows * q_row) + AlignUp(limits_.max_indices * 4) +
-         AlignUp(limits_.max_rows * int64_t{sizeof(PrefillSeq)}) +
+         AlignUp(limits_.max_rows * int64_t{sizeof(PrefillSeq)}) + AlignUp(sink_sets) +
          AlignUp(limits_.max_items * int64_t{sizeof(PrefillWorkItem)}) +
          AlignUp(limits_.max_decode_items * int64_t{sizeof(DecodeWorkItem)}) +
          AlignUp(limits_.max_rows * int64_t{sizeof(SplitMergeSeq)}) + AlignUp(limits_.max_append * 8) +
@@ -52,13 +54,26 @@ int64_t BatchPacker::OutputCapacity() const {
 absl::Status BatchPacker::Flatten(absl::Span<const PrefillTask> tasks, PackedBatch* out, int64_t* total_idx) {
   int64_t total_q = 0, idx = 0, total_append = 0;
   seqs_.clear();
+  sinks_.clear();
+  out->logit_variants = false;
   for (const PrefillTask& t : tasks) {
+    int32_t sink_set = -1;  // this task's set in sinks_, once a sequence uses it
     for (const PrefillSeq& s : t.seqs) {
       if (s.q_len <= 0) continue;
       PrefillSeq b = s;
       b.q_start = static_cast<int32_t>(s.q_start + total_q);
       b.kv_start = static_cast<int32_t>(s.kv_start + idx);
       b.layer = t.layer;
+      if (b.sink_index >= 0 && t.sinks != nullptr) {
+        if (sink_set < 0) {
+          sink_set = static_cast<int32_t>(sinks_.size() / geo_.num_qo_heads);
+          sinks_.insert(sinks_.end(), t.sinks, t.sinks + geo_.num_qo_heads);
+        }
+        b.sink_index = sink_set;
+      } else {
+        b.sink_index = -1;
+      }
+      out->logit_variants |= b.soft_cap != 0.f || b.sink_index >= 0;
       seqs_.push_back(b);
     }
     total_q += t.total_q;
@@ -74,6 +89,7 @@ absl::Status BatchPacker::Flatten(absl::Span<const PrefillTask> tasks, PackedBat
   }
   out->total_q = total_q;
   out->num_seqs = static_cast<int32_t>(seqs_.size());
+  out->num_sink_sets = static_cast<int32_t>(sinks_.size() / geo_.num_qo_heads);
   *total_idx = idx;
   return absl::OkStatus();
 }
@@ -188,13 +204,14 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
   out->off_q = in.Take(out->total_q * q_row);
   out->off_idx = in.Take(total_idx * 4);
   out->off_seqs = in.Take(static_cast<int64_t>(seqs_.size() * sizeof(PrefillSeq)));
+  out->off_sinks = in.Take(static_cast<int64_t>(sinks_.size() * sizeof(float)));
   out->off_items = in.Take(static_cast<int64_t>(plan_.items.size() * sizeof(PrefillWorkItem)));
   out->off_merges = in.Take(static_cast<int64_t>(plan_.merges.size() * sizeof(SplitMergeSeq)));
   out->off_decode_items = in.Take(int64_t{out->num_decode_items} * int64_t{sizeof(DecodeWorkItem)});
   out->off_slots = in.Take(n_append * 8);
   out->off_k = in.Take(n_append * kv_row);
   out->off_v = in.Take(n_append * kv_row);
-  for (int64_t off : {out->off_q, out->off_idx, out->off_seqs, out->off_items, out->off_merges,
+  for (int64_t off : {out->off_q, out->off_idx, out->off_seqs, out->off_sinks, out->off_items, out->off_merges,
                       out->off_decode_items, out->off_slots, out->off_k, out->off_v}) {
     if (off < 0) return absl::InternalError("input staging overflow");
   }
@@ -218,6 +235,7 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
     idx += t.num_kv_indices;
   }
   if (!seqs_.empty()) std::memcpy(in.At(out->off_seqs), seqs_.data(), seqs_.size() * sizeof(PrefillSeq));
+  if (!sinks_.empty()) std::memcpy(in.At(out->off_sinks), sinks_.data(), sinks_.size() * sizeof(float));
   if (!plan_.items.empty()) {
     std::memcpy(in.At(out->off_items), plan_.items.data(), plan_.items.size() * sizeof(PrefillWorkItem));
   }

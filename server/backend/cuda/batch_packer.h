@@ -79,6 +79,13 @@ struct PackedBatch {
   int32_t decode_cluster = 0;  // > 1: the decode plan runs in cluster mode
   int64_t off_decode_items = 0;
   int64_t num_append = 0;  // after dropping overwritten slots
+  // The tasks' sink sets, one per task with sinks (PrefillTask::sinks), at
+  // off_sinks (num_sink_sets * num_qo_heads floats); the sequences'
+  // sink_index rebased to them. logit_variants: some sequence has a soft-cap
+  // or a sink (PagedPrefillParams::logit_variants).
+  int32_t num_sink_sets = 0;
+  int64_t off_sinks = 0;
+  bool logit_variants = false;
   int64_t off_q = 0, off_idx = 0, off_seqs = 0, off_items = 0, off_merges = 0;
   int64_t off_slots = 0, off_k = 0, off_v = 0;
   int64_t in_bytes = 0;  // staging bytes packed (holes for device inputs included)
@@ -115,7 +122,8 @@ class BatchPacker {
 
  private:
   // Batch-global sequences (q_start / kv_start shifted, layer set, q_len 0
-  // dropped) into seqs_, and the batch's totals checked against the limits.
+  // dropped, sink_index to the batch's sink sets in sinks_) into seqs_, and
+  // the batch's totals checked against the limits.
   absl::Status Flatten(absl::Span<const PrefillTask> tasks, PackedBatch* out, int64_t* total_idx);
   // Routes the sequences: the decode family's plan into decode_plan_, the
   // prefill kernel and its work items for the rest into plan_.
@@ -131,6 +139,7 @@ class BatchPacker {
   PrefillPlan plan_;
   DecodePlan decode_plan_;
   std::vector<PrefillSeq> seqs_;
+  std::vector<float> sinks_;  // the sink sets, (sets, num_qo_heads)
   std::vector<PrefillSeq> prefill_seqs_;  // seqs_ with decode sequences' q_len 0
   std::vector<std::pair<int32_t, int64_t>> append_rows_;  // (task, row)
   std::vector<int64_t> append_slots_;                     // layer-global
