@@ -413,8 +413,8 @@ TEST_P(ClusterFaultsTest, NoWrongResultAndNothingLeftHeld) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, ClusterFaultsTest,
                          // About 1.2 injected faults per round.
-                         ::testing::Values(Params{true, 1300, 1200, 11},
-                                           Params{false, 1300, 1200, 12}),
+                         ::testing::Values(Params{true, 1300, 1300, 11},
+                                           Params{false, 1300, 1300, 12}),
                          [](const auto& info) {
                            return std::string(info.param.lease ? "Lease" : "NoLease");
                          });

@@ -396,8 +396,8 @@ TEST_P(KvManagerFaultsTest, NoWrongResultAndNothingLeftHeld) {
 INSTANTIATE_TEST_SUITE_P(
     Modes, KvManagerFaultsTest,
     // About 1.0-1.4 injected faults per round.
-    ::testing::Values(Params{true, true, 900, 800, 1}, Params{true, false, 1000, 800, 2},
-                      Params{false, true, 900, 800, 3}, Params{false, false, 1000, 800, 4}),
+    ::testing::Values(Params{true, true, 900, 900, 1}, Params{true, false, 1000, 900, 2},
+                      Params{false, true, 900, 900, 3}, Params{false, false, 1200, 900, 4}),
     [](const auto& info) {
       return std::string(info.param.lease ? "Lease" : "NoLease") +
              (info.param.server_plans ? "ServerPlans" : "Layout");
