@@ -360,7 +360,11 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::PlanOnce(
   }
   // Now and then: new servers join, free pages and restarts are read (the
   // sequences a restart lost are reported when they are named).
-  if (absl::Now() - refreshed_at_ >= absl::Seconds(options_.refresh_interval_s)) {
+  // Also when no server takes new sequences: one that failed a call may answer now.
+  const bool none_usable = std::none_of(servers_.begin(), servers_.end(), [](const auto& s) {
+    return s->listed && s->reachable && !s->gone;
+  });
+  if (none_usable || absl::Now() - refreshed_at_ >= absl::Seconds(options_.refresh_interval_s)) {
     Refresh().IgnoreError();
   }
   std::vector<int64_t> lost;
@@ -552,6 +556,12 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::PlanOnce(
       }
     }
     const std::string address = servers_[failed_server]->address;
+    if (failed.code() == absl::StatusCode::kResourceExhausted) {
+      // Its free pages were fewer than the estimate (others took them, or a
+      // failed free left some held): read them again for the next placement.
+      auto info = servers_[failed_server]->client->GetServerInfo();
+      if (info.ok()) ReadInfo(failed_server, *info);
+    }
     if (Observe(failed_server, failed, &l)) {
       if (!l.empty()) return LostError(l, absl::StrCat("server ", address, ": ", failed.message()));
       *again = !IsUnreachable(failed);

@@ -71,7 +71,8 @@ struct ClusterOptions {
   KvManagerOptions kv;
   // Plan() runs Refresh() (a dns:/// target resolved again, every server's
   // Info read: free pages, restarts, unreachable servers back) once this
-  // many seconds have passed since the last one.
+  // many seconds have passed since the last one, or when no server takes new
+  // sequences.
   double refresh_interval_s = 30;
   // A step that appends at least this many tokens to one sequence spreads
   // them over several servers, in ranges that share the causal attention

@@ -595,6 +595,7 @@ absl::Status KvManager::Finish(absl::Span<const int64_t> seq_ids) {
   }
   // From here on the sequences are gone, whatever the server answers.
   std::vector<int32_t> pages;
+  const size_t unreleased_before = unreleased_.size();
   for (int64_t id : seq_ids) {
     if (lost_.erase(id)) continue;  // its pages went with the lease
     auto it = seqs_.find(id);
@@ -604,9 +605,9 @@ absl::Status KvManager::Finish(absl::Span<const int64_t> seq_ids) {
     seqs_.erase(it);
   }
   if (latest_ != nullptr && !live_steps_.contains(latest_->step)) latest_.reset();
-  if (pages.empty() && unreleased_.empty() && !dirty_ && to_free_.empty()) {
-    return absl::OkStatus();
-  }
+  // Nothing of these sequences to free (lost ones, or empty): no RPC; what
+  // earlier calls left pending waits for the next call that allocates.
+  if (pages.empty() && unreleased_.size() == unreleased_before) return absl::OkStatus();
   if (keeper_ != nullptr && keeper_->expired()) {
     std::vector<int64_t> lost = LoseAll();  // these sequences' pages went with it
     return lost.empty() ? absl::OkStatus() : SequencesLostError(lost, kLeaseGone);
@@ -623,21 +624,20 @@ absl::Status KvManager::Finish(absl::Span<const int64_t> seq_ids) {
 }
 
 absl::Status KvManager::Release() {
-  absl::Status s;
-  if (options_.lease) {
-    // Revoking the lease frees everything under it, in one call.
-    ClearBookkeeping();
-    if (keeper_ != nullptr) {
-      unrevoked_.push_back(keeper_->id());
-      EndLease();
-    }
-  } else {
-    std::vector<int64_t> all = Sequences();
-    for (int64_t id : lost_) all.push_back(id);
-    s = all.empty() ? FreeUnowned({}) : Finish(all);
+  // Finish() first: FreePages answers once the pages are zeroed and free.
+  std::vector<int64_t> all = Sequences();
+  for (int64_t id : lost_) all.push_back(id);
+  absl::Status s = all.empty() ? FreeUnowned({}) : Finish(all);
+  if (!options_.lease) return s;
+  // Then the lease ends: revoking it releases whatever a failure left under it.
+  ClearBookkeeping();
+  if (keeper_ != nullptr) {
+    unrevoked_.push_back(keeper_->id());
+    EndLease();
   }
   absl::Status revoked = RevokeEnded();
-  if (revoked.ok() || !s.ok()) return s;
+  if (revoked.ok()) return absl::OkStatus();  // nothing is left held
+  if (!s.ok()) return s;
   return Prefixed(revoked,
                   "Release: every sequence is forgotten, but revoking the manager's lease was not "
                   "confirmed; it is tried again at the next call, and the server frees everything "

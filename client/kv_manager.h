@@ -151,9 +151,11 @@ class KvManager {
   // pages that may or may not have been freed are leaked (Leaked()).
   absl::Status Finish(absl::Span<const int64_t> seq_ids);
   // Forgets every sequence (lost ones too) and frees everything the manager
-  // holds: with the lease, by revoking it (one RPC; if that fails, the lease
-  // ends within its ttl and the server frees everything then); without,
-  // Finish() of every sequence. The next Plan() starts a new lease.
+  // holds: Finish() of every sequence (FreePages answers once the pages are
+  // zeroed and free), then, with the lease, its revocation, which releases
+  // whatever a failure left under it (OK once that succeeds; if it fails, it
+  // is tried again at the next call, and the lease ends within its ttl
+  // anyway). The next Plan() starts a new lease.
   absl::Status Release();
   // Forgets every sequence and plan without an RPC (the server restarted;
   // then client->ForgetIncarnation() once the state is re-created).

@@ -210,7 +210,8 @@ class Cluster:
         (0: any number).
       refresh_interval: plan() runs refresh() (a dns:/// target resolved
         again, every server's info read: free pages, restarts, unreachable
-        servers back) once this many seconds have passed since the last.
+        servers back) once this many seconds have passed since the last, or
+        when no server takes new sequences.
       server_lost_after: a server whose calls fail with Unavailable or
         DeadlineExceeded for this many seconds (from the first such failure,
         with no success since) has its sequences declared lost
@@ -515,7 +516,10 @@ class Cluster:
         lens = lens.astype(np.int64)
         # Now and then: new servers join, free pages and restarts are read (the
         # sequences a restart lost are reported when they are named).
-        if time.monotonic() - self._refreshed_at >= self.refresh_interval:
+        # Also when no server takes new sequences: one that failed a call may
+        # answer now.
+        if (not any(s.usable for s in self._servers)
+                or time.monotonic() - self._refreshed_at >= self.refresh_interval):
             try:
                 self.refresh()
             except (AttnserveError, ValueError):
@@ -627,6 +631,13 @@ class Cluster:
                         self._servers[i].kv.undo(p)
                     except (DataLoss, StaleIncarnation) as u:
                         self._observe(i, u, lost)
+                    except AttnserveError:
+                        pass
+                if isinstance(e, ResourceExhausted):
+                    # Its free pages were fewer than the estimate (others took
+                    # them, or a failed free left some held): read them again.
+                    try:
+                        self._read_info(srv, s.client.info())
                     except AttnserveError:
                         pass
                 if isinstance(e, AttnserveError) and self._observe(srv, e, lost):

@@ -674,6 +674,7 @@ class _Bookkeeping:
             raise KeyError(f"finish: unknown sequence(s) {missing}")
         # From here on the sequences are gone, whatever the server answers.
         pages = []
+        unreleased_before = len(self._unreleased)
         for sid in seq_ids:
             if sid in self._lost:
                 self._lost.discard(sid)  # its pages went with the lease
@@ -683,7 +684,9 @@ class _Bookkeeping:
             self._retire(s.plan)  # the plans pin the pages: released first
         if self._latest is not None and not self._latest.valid:
             self._latest = None
-        if not (pages or self._unreleased or self._dirty or self._to_free):
+        if not pages and len(self._unreleased) == unreleased_before:
+            # Nothing of these sequences to free (lost ones, or empty): no RPC;
+            # what earlier calls left pending waits for the next call.
             return
         if self._lease is not None and self._lease.expired:
             lost = self._lose_all()  # these sequences' pages went with it
@@ -704,32 +707,34 @@ class _Bookkeeping:
                                 "was not confirmed; ") from None
 
     def _release_flow(self):
+        # finish() first: FreePages answers once the pages are zeroed and free.
         error = None
-        if self.leases:
-            # Revoking the lease frees everything under it, in one call.
-            self._clear()
-            if self._lease is not None:
-                self._unrevoked.append(self._lease.lease_id)
-                self._end_lease()
-        else:
-            every = list(self._seqs) + list(self._lost)
-            try:
-                if every:
-                    yield from self._finish_flow(every)
-                else:
-                    yield from self._free_unowned([])
-            except AttnserveError as e:
-                error = e
+        every = list(self._seqs) + list(self._lost)
+        try:
+            if every:
+                yield from self._finish_flow(every)
+            else:
+                yield from self._free_unowned([])
+        except AttnserveError as e:
+            error = e
+        if not self.leases:
+            if error is not None:
+                raise error
+            return
+        # Then the lease ends: revoking it releases whatever a failure left under it.
+        self._clear()
+        if self._lease is not None:
+            self._unrevoked.append(self._lease.lease_id)
+            self._end_lease()
         try:
             yield from self._revoke_ended()
         except AttnserveError as e:
-            if error is None:
-                error = _explained(e, "release: every sequence is forgotten, but revoking the "
-                                      "manager's lease was not confirmed; it is tried again at "
-                                      "the next call, and the server frees everything under "
-                                      "the lease when it ends, within its ttl: ")
-        if error is not None:
-            raise error
+            raise error or _explained(e, "release: every sequence is forgotten, but revoking "
+                                         "the manager's lease was not confirmed; it is tried "
+                                         "again at the next call, and the server frees "
+                                         "everything under the lease when it ends, within its "
+                                         "ttl: ") from None
+        # Revoked: nothing is left held, whatever finish() said.
 
 
 class KvManager(_Bookkeeping):
@@ -846,9 +851,11 @@ class KvManager(_Bookkeeping):
 
     def release(self) -> None:
         """Forgets every sequence (lost ones too) and frees everything the
-        manager holds: with the lease, by revoking it (if that fails, the
-        lease ends within its ttl and the server frees everything then);
-        without, finish() of every sequence. The next plan() starts a new
+        manager holds: finish() of every sequence (FreePages answers once the
+        pages are zeroed and free), then, with the lease, its revocation,
+        which releases whatever a failure left under it (no error once that
+        succeeds; if it fails, it is tried again at the next call, and the
+        lease ends within its ttl anyway). The next plan() starts a new
         lease."""
         self._drive(self._release_flow())
 
