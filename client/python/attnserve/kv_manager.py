@@ -35,6 +35,7 @@ with the blocking client, AsyncKvManager awaits them.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
@@ -774,6 +775,9 @@ class KvManager(_Bookkeeping):
             try:
                 if op is _START_LEASE:
                     result = Lease(self._rpc, self.lease_ttl)
+                    # A manager dropped without close(): the lease stops being
+                    # renewed, and the server frees what it holds within its ttl.
+                    weakref.finalize(self, result.abandon)
                 else:
                     method, args, kwargs = op
                     result = getattr(self._rpc, method)(*args, **kwargs)
