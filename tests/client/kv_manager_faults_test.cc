@@ -584,6 +584,28 @@ TEST_F(KvManagerFailureTest, AFailedRunRefusesThePlanUntilTheLayerRunsAgain) {
   EXPECT_TRUE(mgr.Plan({9, 7}, {1, 1}).ok());
 }
 
+TEST_F(KvManagerFailureTest, AReleaseThatReachesNoServerLeavesNothingPastTheTtl) {
+  KvManagerOptions options;
+  options.lease_ttl_ms = 1000;
+  KvManager mgr(client_.get(), options);
+  ASSERT_TRUE(mgr.Plan({1, 2}, {8, 8}).ok());
+  ASSERT_TRUE(RunAll(mgr, 16).ok());
+  faults_->SetDown(server_->grpc_address(), true);  // the release reaches nothing
+  EXPECT_EQ(mgr.Release().code(), absl::StatusCode::kUnavailable);
+  faults_->SetDown(server_->grpc_address(), false);
+  EXPECT_TRUE(mgr.Sequences().empty());
+  // No renewal any more: the server releases it all once the ttl has passed
+  // (polled for up to 10 s; it takes the ttl, 1 s, and the reaper's 100 ms).
+  absl::StatusOr<v1::ListHoldingsResponse> listed = admin_->ListHoldings(0);
+  for (int i = 0; i < 200 && listed.ok() && listed->leases_size() > 0; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+    listed = admin_->ListHoldings(0);
+  }
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->leases_size(), 0);
+  EXPECT_EQ(listed->unleased().page_ids_size(), 0);
+}
+
 TEST_F(KvManagerFailureTest, DestroyingTheManagerRevokesItsLease) {
   uint64_t lease = 0;
   {

@@ -14,6 +14,7 @@ partial failures of issue #29 one at a time.
 import asyncio
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -788,6 +789,29 @@ def test_an_expired_lease_loses_every_sequence_and_finish_needs_no_server():
         mgr.plan([3], [2])
         assert mgr.lease_id not in (0, lease)
         mgr.close()
+        client.close()
+        admin.close()
+
+
+def test_a_release_that_reaches_no_server_leaves_nothing_past_the_ttl():
+    faults = FaultInjector(7)
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        client = attnserve.Client(server.address, timeout=30, interceptors=faults.interceptors)
+        admin = attnserve.Client(server.address, timeout=30)
+        mgr = attnserve.KvManager(client, lease_ttl=1.0)
+        mgr.plan([1, 2], [8, 8])
+        faults.set_down(server.address, True)             # the release reaches nothing
+        with pytest.raises(attnserve.Unavailable):
+            mgr.release()
+        faults.set_down(server.address, False)
+        assert mgr.sequences == []
+        # No renewal any more: the server releases it all once the ttl has
+        # passed (polled for up to 10 s; it takes the ttl and the reaper's 100 ms).
+        for _ in range(200):
+            if not admin.list_holdings().leases:
+                break
+            time.sleep(0.05)
+        assert admin.list_holdings().leases == () and held(admin) == ([], [])
         client.close()
         admin.close()
 
