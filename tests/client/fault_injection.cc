@@ -33,8 +33,8 @@ class FaultInterceptor final : public grpc::experimental::Interceptor {
     } else if (fault_ == Fault::kReplyLost &&
                m->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_STATUS)) {
       // The server answered; the caller sees its deadline pass instead.
-      *m->GetRecvStatus() = grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                                         "injected fault: the reply was lost");
+      *m->GetRecvStatus() =
+          grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "injected fault: the reply was lost");
     }
     m->Proceed();
   }

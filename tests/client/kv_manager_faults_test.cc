@@ -174,7 +174,8 @@ class KvManagerFaultsTest : public ::testing::TestWithParam<Params> {
 
   void Finish(std::vector<int64_t> ids) {
     absl::Status s = mgr_->Finish(ids);
-    Log(absl::StrCat("Finish ", absl::StrJoin(ids, ","), ": ", s.ToString(), " faults=", faults_->injected()));
+    Log(absl::StrCat("Finish ", absl::StrJoin(ids, ","), ": ", s.ToString(),
+                     " faults=", faults_->injected()));
     // Forgotten whatever happened.
     for (int64_t id : ids) {
       EXPECT_FALSE(mgr_->Has(id)) << "sequence " << id << " after Finish: " << s;
@@ -202,7 +203,10 @@ class KvManagerFaultsTest : public ::testing::TestWithParam<Params> {
       q_lens.push_back(1 + static_cast<int32_t>(gen_() % 12));
     }
     auto plan = mgr_->Plan(ids, q_lens);
-    Log(absl::StrCat("Plan ", absl::StrJoin(ids, ","), ": ", plan.status().ToString(), " faults=", faults_->injected(), plan.ok() ? absl::StrCat(" pages ", absl::StrJoin((*plan)->kv_indices, ",")) : ""));
+    Log(absl::StrCat(
+        "Plan ", absl::StrJoin(ids, ","), ": ", plan.status().ToString(),
+        " faults=", faults_->injected(),
+        plan.ok() ? absl::StrCat(" pages ", absl::StrJoin((*plan)->kv_indices, ",")) : ""));
     if (!plan.ok()) {
       if (!Settle(plan.status())) return;
       EXPECT_NE(plan.status().code(), absl::StatusCode::kFailedPrecondition) << plan.status();
@@ -228,7 +232,8 @@ class KvManagerFaultsTest : public ::testing::TestWithParam<Params> {
       bool done = false;
       for (int attempt = 0; attempt < 3 && !done; ++attempt) {
         auto out = mgr_->Run(layer, q, k, v, &p);
-        Log(absl::StrCat("Run ", layer, ": ", out.status().ToString(), " faults=", faults_->injected()));
+        Log(absl::StrCat("Run ", layer, ": ", out.status().ToString(),
+                         " faults=", faults_->injected()));
         if (!out.ok()) {
           if (!Settle(out.status())) return;
           continue;
@@ -395,15 +400,16 @@ TEST_P(KvManagerFaultsTest, NoWrongResultAndNothingLeftHeld) {
   EXPECT_EQ(restarts_, 2);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Modes, KvManagerFaultsTest,
-    // About 1.0-1.4 injected faults per round.
-    ::testing::Values(Params{true, true, 900, 900, 1}, Params{true, false, 1000, 900, 2},
-                      Params{false, true, 900, 900, 3}, Params{false, false, 1200, 900, 4}),
-    [](const auto& info) {
-      return std::string(info.param.lease ? "Lease" : "NoLease") +
-             (info.param.server_plans ? "ServerPlans" : "Layout");
-    });
+INSTANTIATE_TEST_SUITE_P(Modes, KvManagerFaultsTest,
+                         // About 1.0-1.4 injected faults per round.
+                         ::testing::Values(Params{true, true, 900, 900, 1},
+                                           Params{true, false, 1000, 900, 2},
+                                           Params{false, true, 900, 900, 3},
+                                           Params{false, false, 1200, 900, 4}),
+                         [](const auto& info) {
+                           return std::string(info.param.lease ? "Lease" : "NoLease") +
+                                  (info.param.server_plans ? "ServerPlans" : "Layout");
+                         });
 
 }  // namespace
 }  // namespace attnserve
@@ -445,9 +451,10 @@ class KvManagerFailureTest : public ::testing::Test {
   // Every layer of the latest plan of `mgr`, with random rows of n tokens.
   absl::Status RunAll(KvManager& mgr, int64_t n) {
     for (int32_t layer = 0; layer < geo_.num_layers; ++layer) {
-      auto out = mgr.Run(layer, RandomHalves(gen_, geo_.dtype, n * geo_.num_qo_heads * geo_.head_dim),
-                         RandomHalves(gen_, geo_.dtype, n * geo_.RowElems()),
-                         RandomHalves(gen_, geo_.dtype, n * geo_.RowElems()));
+      auto out =
+          mgr.Run(layer, RandomHalves(gen_, geo_.dtype, n * geo_.num_qo_heads * geo_.head_dim),
+                  RandomHalves(gen_, geo_.dtype, n * geo_.RowElems()),
+                  RandomHalves(gen_, geo_.dtype, n * geo_.RowElems()));
       if (!out.ok()) return out.status();
     }
     return absl::OkStatus();
@@ -572,8 +579,7 @@ TEST_F(KvManagerFailureTest, AFailedRunRefusesThePlanUntilTheLayerRunsAgain) {
   const auto v = RandomHalves(gen_, geo_.dtype, 5 * geo_.RowElems());
   ASSERT_TRUE(mgr.Run(0, q, k, v, plan->get()).ok());
   faults_->FailNext("Prefill", Fault::kReplyLost);  // layer 1 may or may not be appended
-  EXPECT_EQ(mgr.Run(1, q, k, v, plan->get()).status().code(),
-            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(mgr.Run(1, q, k, v, plan->get()).status().code(), absl::StatusCode::kDeadlineExceeded);
   auto refused = mgr.Plan({9, 7}, {1, 1});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(refused.status().message(), HasSubstr("sequences 9, 7: layer 1 of step 1"));

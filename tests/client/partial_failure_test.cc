@@ -45,7 +45,8 @@ struct LayerData {
 };
 LayerData RandomLayer(std::mt19937_64& gen, const KvGeometry& g, int64_t n) {
   return {RandomHalves(gen, g.dtype, n * g.num_qo_heads * g.head_dim),
-          RandomHalves(gen, g.dtype, n * g.RowElems()), RandomHalves(gen, g.dtype, n * g.RowElems())};
+          RandomHalves(gen, g.dtype, n * g.RowElems()),
+          RandomHalves(gen, g.dtype, n * g.RowElems())};
 }
 
 // Runs every layer of a one-sequence step (`run` returns its output),

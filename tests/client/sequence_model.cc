@@ -76,9 +76,8 @@ std::vector<std::pair<int64_t, std::string>> SequenceModel::Check(
     std::vector<double> o_ref(p.q_len * q_row), lse_ref(p.q_len * g.num_qo_heads);
     reference::Prefill(g, rows, q.data() + p.row * q_row, p.q_len, kv_indices, {s}, &o_ref,
                        &lse_ref);
-    const Comparison c =
-        Compare(g.dtype, o_ref, lse_ref, o.subspan(p.row * q_row, p.q_len * q_row),
-                lse.subspan(p.row * g.num_qo_heads, p.q_len * g.num_qo_heads));
+    const Comparison c = Compare(g.dtype, o_ref, lse_ref, o.subspan(p.row * q_row, p.q_len * q_row),
+                                 lse.subspan(p.row * g.num_qo_heads, p.q_len * g.num_qo_heads));
     if (!c.Ok(g.dtype)) wrong.push_back({p.seq, c.ToString()});
   }
   return wrong;
