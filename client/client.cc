@@ -295,7 +295,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     args.SetInt(arg.name, arg.value);
   }
   if (!arg_error.empty()) return absl::InvalidArgumentError(absl::StrCat("grpc_args: ", arg_error));
-  c->channel_ = grpc::CreateCustomChannel(options.target, creds, args);
+  if (options.interceptors) {
+    c->channel_ = grpc::experimental::CreateCustomChannelWithInterceptors(
+        options.target, creds, args, options.interceptors(options.target));
+  } else {
+    c->channel_ = grpc::CreateCustomChannel(options.target, creds, args);
+  }
   c->stub_ = v1::AttentionService::NewStub(c->channel_);
   c->raw_ = std::make_unique<RawMethods>(c->channel_);
   if (!options.fetch_info) return c;
@@ -707,6 +712,26 @@ std::unique_ptr<Client> Client::Fork() const {
 bool IsLeaseExpired(const absl::Status& status) {
   return status.code() == absl::StatusCode::kFailedPrecondition &&
          absl::StartsWith(status.message(), "lease ");
+}
+
+bool IsStaleIncarnation(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kFailedPrecondition && !IsLeaseExpired(status) &&
+         absl::StrContains(status.message(), "incarnation");
+}
+
+bool OutcomeUnknown(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kAborted:
+    case absl::StatusCode::kDataLoss:
+      return true;
+    default:
+      return false;
+  }
 }
 
 absl::StatusOr<LeaseGrant> Client::GrantLease(int64_t ttl_ms) {

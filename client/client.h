@@ -25,6 +25,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,6 +39,7 @@
 #include "common/kv_geometry.h"
 #include "common/unique_fd.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/support/client_interceptor.h"
 
 namespace attnserve {
 
@@ -74,6 +76,13 @@ struct ClientOptions {
   // Read the geometry (GetServerInfo) at connect time. Health checks need no
   // credentials and skip it.
   bool fetch_info = true;
+  // For tests: when set, called with the target once per connection for
+  // gRPC client interceptors that see every call on it
+  // (tests/client/fault_injection.h injects failures with them). Forks
+  // share the connection and its interceptors.
+  std::function<std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>>(
+      const std::string& target)>
+      interceptors;
 };
 
 // A byte range of a registered shared-memory region (docs/transport.md),
@@ -158,6 +167,17 @@ struct LeaseGrant {
 // holds (expired, revoked, or from before a restart): everything held under
 // it was released. FAILED_PRECONDITION whose message starts "lease ".
 bool IsLeaseExpired(const absl::Status& status);
+
+// True for the error of a request that named the incarnation of a server
+// that has since restarted (FAILED_PRECONDITION naming the incarnation):
+// its pages, plans and leases are gone, and the request changed nothing.
+bool IsStaleIncarnation(const absl::Status& status);
+
+// True when a failed call may or may not have taken effect on the server:
+// DEADLINE_EXCEEDED, UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL, ABORTED and
+// DATA_LOSS (the reply, not the request, may be what was lost). Any other
+// code is the server's definite answer: the request changed nothing.
+bool OutcomeUnknown(const absl::Status& status);
 
 class Client {
  public:

@@ -20,7 +20,6 @@
 namespace attnserve {
 namespace {
 
-constexpr char kLostUrl[] = "type.attnserve.dev/attnserve.LostSequences";
 constexpr char kDnsScheme[] = "dns:///";
 
 // getaddrinfo of host:port as "ip:port" / "[ipv6]:port", sorted, distinct.
@@ -70,9 +69,9 @@ std::string GeometryDifference(const KvGeometry& a, const KvGeometry& b) {
   return absl::StrJoin(diffs, ", ");
 }
 
-bool IsStaleIncarnation(const absl::Status& s) {
-  return s.code() == absl::StatusCode::kFailedPrecondition &&
-         absl::StrContains(s.message(), "incarnation");
+bool IsUnreachable(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kUnavailable ||
+         s.code() == absl::StatusCode::kDeadlineExceeded;
 }
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -98,26 +97,8 @@ std::vector<int64_t> CausalSpread(int64_t n, int64_t k) {
   return sizes;
 }
 
-std::vector<int64_t> LostSequences(const absl::Status& status) {
-  std::vector<int64_t> ids;
-  if (status.code() != absl::StatusCode::kDataLoss) return ids;
-  auto payload = status.GetPayload(kLostUrl);
-  if (!payload.has_value()) return ids;
-  for (absl::string_view part : absl::StrSplit(std::string(*payload), ',', absl::SkipEmpty())) {
-    int64_t id;
-    if (absl::SimpleAtoi(part, &id)) ids.push_back(id);
-  }
-  return ids;
-}
-
 absl::Status Cluster::LostError(absl::Span<const int64_t> ids, absl::string_view why) {
-  std::vector<int64_t> sorted(ids.begin(), ids.end());
-  std::sort(sorted.begin(), sorted.end());
-  absl::Status s = absl::DataLossError(
-      absl::StrCat("sequences lost: ", absl::StrJoin(sorted, ", "), " (", why,
-                   "); Finish() them and start them again"));
-  s.SetPayload(kLostUrl, absl::Cord(absl::StrJoin(sorted, ",")));
-  return s;
+  return SequencesLostError(ids, why);
 }
 
 absl::StatusOr<std::unique_ptr<Cluster>> Cluster::Connect(const ClusterOptions& options) {
@@ -212,6 +193,7 @@ std::vector<ClusterServer> Cluster::Servers() const {
     cs.restarts = s->epoch;
     cs.free_pages = FreeEstimate(*s);
     cs.pages_held = s->kv->NumPages();
+    cs.leaked_pages = s->kv->Leaked();
     out.push_back(cs);
   }
   for (const auto& [id, seq] : seqs_) {
@@ -220,7 +202,7 @@ std::vector<ClusterServer> Cluster::Servers() const {
   return out;
 }
 
-std::vector<int64_t> Cluster::LoseServer(int32_t server, bool gone) {
+std::vector<int64_t> Cluster::LoseServer(int32_t server, Loss why, bool gone) {
   Server& s = *servers_[server];
   std::vector<int64_t> lost;
   for (auto& [id, seq] : seqs_) {
@@ -231,17 +213,55 @@ std::vector<int64_t> Cluster::LoseServer(int32_t server, bool gone) {
     seq.lost = true;
     lost.push_back(id);
   }
-  s.kv->Reset();
-  s.client->ForgetIncarnation();
+  // An unreachable server may still hold the pages: with the lease it frees
+  // them when the lease ends; without, they are counted as leaked.
+  if (why == Loss::kUnreachable) {
+    s.kv->Abandon();
+  } else {
+    s.kv->Reset();
+  }
   ++s.epoch;
+  s.unreachable_since.reset();
   s.gone = s.gone || gone;
-  if (!s.gone) {
-    auto info = s.client->GetServerInfo();  // learns the new incarnation
-    s.reachable = info.ok();
-    if (info.ok()) ReadInfo(server, *info);
+  if (why == Loss::kUnreachable) s.reachable = false;
+  if (why == Loss::kRestarted) {
+    s.client->ForgetIncarnation();
+    if (!s.gone) {
+      // It answered a moment ago (with its new incarnation): it takes new
+      // sequences, its free pages read here or at the next Refresh().
+      s.reachable = true;
+      auto info = s.client->GetServerInfo();  // learns the new incarnation
+      if (info.ok()) ReadInfo(server, *info);
+    }
   }
   std::sort(lost.begin(), lost.end());
   return lost;
+}
+
+bool Cluster::Observe(int32_t server, const absl::Status& status, std::vector<int64_t>* lost) {
+  Server& s = *servers_[server];
+  if (status.ok()) {
+    s.unreachable_since.reset();
+    return false;
+  }
+  std::vector<int64_t> l;
+  if (IsStaleIncarnation(status)) {
+    l = LoseServer(server, Loss::kRestarted);
+  } else if (status.code() == absl::StatusCode::kDataLoss) {
+    l = LoseServer(server, Loss::kLeaseLost);
+  } else if (IsUnreachable(status) && options_.server_lost_after_s >= 0) {
+    const absl::Time now = absl::Now();
+    if (!s.unreachable_since.has_value()) s.unreachable_since = now;
+    if (now - *s.unreachable_since < absl::Seconds(options_.server_lost_after_s)) return false;
+    l = LoseServer(server, Loss::kUnreachable);
+  } else {
+    if (IsUnreachable(status) && !s.unreachable_since.has_value()) {
+      s.unreachable_since = absl::Now();
+    }
+    return false;
+  }
+  lost->insert(lost->end(), l.begin(), l.end());
+  return true;
 }
 
 absl::Status Cluster::Resolve() {
@@ -260,7 +280,8 @@ absl::Status Cluster::Resolve() {
     // readiness blip); otherwise its KV is gone with it.
     auto info = s.client->GetServerInfo();
     if (info.ok() && info->incarnation() == s.client->incarnation()) continue;
-    std::vector<int64_t> l = LoseServer(i, /*gone=*/true);
+    std::vector<int64_t> l =
+        LoseServer(i, info.ok() ? Loss::kRestarted : Loss::kUnreachable, /*gone=*/true);
     lost.insert(lost.end(), l.begin(), l.end());
   }
   for (const std::string& a : *resolved) {
@@ -288,9 +309,13 @@ absl::Status Cluster::Refresh() {
     if (s.gone) continue;
     auto info = s.client->GetServerInfo();
     s.reachable = info.ok();
-    if (!info.ok()) continue;
+    if (!info.ok()) {
+      Observe(i, info.status(), &lost);  // unreachable too long: its sequences are lost
+      continue;
+    }
+    s.unreachable_since.reset();
     if (s.client->incarnation() != 0 && info->incarnation() != s.client->incarnation()) {
-      std::vector<int64_t> l = LoseServer(i, /*gone=*/false);
+      std::vector<int64_t> l = LoseServer(i, Loss::kRestarted);
       lost.insert(lost.end(), l.begin(), l.end());
       continue;
     }
@@ -302,6 +327,17 @@ absl::Status Cluster::Refresh() {
 
 absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
     absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens) {
+  bool again = false;
+  auto step = PlanOnce(seq_ids, q_lens, &again);
+  // A server found restarted (or its lease gone) that held none of these
+  // sequences: it starts afresh, and the plan can go there now.
+  if (again) step = PlanOnce(seq_ids, q_lens, &again);
+  return step;
+}
+
+absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::PlanOnce(
+    absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens, bool* again) {
+  *again = false;
   if (seq_ids.empty()) return absl::InvalidArgumentError("seq_ids is empty");
   if (seq_ids.size() != q_lens.size()) {
     return absl::InvalidArgumentError(
@@ -324,7 +360,11 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
   }
   // Now and then: new servers join, free pages and restarts are read (the
   // sequences a restart lost are reported when they are named).
-  if (absl::Now() - refreshed_at_ >= absl::Seconds(options_.refresh_interval_s)) {
+  // Also when no server takes new sequences: one that failed a call may answer now.
+  const bool none_usable = std::none_of(servers_.begin(), servers_.end(), [](const auto& s) {
+    return s->listed && s->reachable && !s->gone;
+  });
+  if (none_usable || absl::Now() - refreshed_at_ >= absl::Seconds(options_.refresh_interval_s)) {
     Refresh().IgnoreError();
   }
   std::vector<int64_t> lost;
@@ -333,6 +373,24 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
     if (it != seqs_.end() && it->second.lost) lost.push_back(id);
   }
   if (!lost.empty()) return LostError(lost, "a server holding them restarted or left");
+  // A sequence whose last Run() of some layer failed on a server is refused
+  // until that layer has run again (KvManager::CheckWritten).
+  for (int32_t srv = 0; srv < num_servers(); ++srv) {
+    std::vector<int64_t> here;
+    for (int64_t id : seq_ids) {
+      auto it = seqs_.find(id);
+      if (it == seqs_.end()) continue;
+      for (const Shard& sh : it->second.shards) {
+        if (sh.server == srv) here.push_back(id);
+      }
+    }
+    if (here.empty()) continue;
+    absl::Status written = servers_[srv]->kv->CheckWritten(here);
+    if (!written.ok()) {
+      return absl::Status(written.code(), absl::StrCat("server ", servers_[srv]->address, ": ",
+                                                       written.message()));
+    }
+  }
 
   // Free pages per server, as this step uses them up.
   const int64_t ps = geo_.page_size;
@@ -488,17 +546,30 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
     step->parts.push_back(std::move(part));
   }
   if (!failed.ok()) {
+    std::vector<int64_t> l;
     for (auto it = done.rbegin(); it != done.rend(); ++it) {
-      servers_[it->first]->kv->Undo(it->second).IgnoreError();
+      // Undo takes the bookkeeping back whatever happens; a free it could
+      // not confirm is its manager's to settle. A loss is the cluster's.
+      absl::Status undone = servers_[it->first]->kv->Undo(it->second);
+      if (undone.code() == absl::StatusCode::kDataLoss || IsStaleIncarnation(undone)) {
+        Observe(it->first, undone, &l);
+      }
     }
-    if (IsStaleIncarnation(failed)) {
-      std::vector<int64_t> l = LoseServer(failed_server, /*gone=*/false);
-      return LostError(l, absl::StrCat("server ", servers_[failed_server]->address,
-                                       " restarted"));
+    const std::string address = servers_[failed_server]->address;
+    if (failed.code() == absl::StatusCode::kResourceExhausted) {
+      // Its free pages were fewer than the estimate (others took them, or a
+      // failed free left some held): read them again for the next placement.
+      auto info = servers_[failed_server]->client->GetServerInfo();
+      if (info.ok()) ReadInfo(failed_server, *info);
     }
-    return absl::Status(failed.code(), absl::StrCat("server ", servers_[failed_server]->address,
-                                                    ": ", failed.message()));
+    if (Observe(failed_server, failed, &l)) {
+      if (!l.empty()) return LostError(l, absl::StrCat("server ", address, ": ", failed.message()));
+      *again = !IsUnreachable(failed);
+    }
+    if (!l.empty()) return LostError(l, "a server holding them restarted or lost their pages");
+    return absl::Status(failed.code(), absl::StrCat("server ", address, ": ", failed.message()));
   }
+  for (const auto& [srv, plan] : done) Observe(srv, absl::OkStatus(), nullptr);
 
   // The step in the caller's terms, and each part's rows.
   step->step = ++step_;
@@ -602,20 +673,22 @@ absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint1
   if (!to_run.empty()) run_part(to_run[0]);
   for (std::thread& t : threads) t.join();
 
-  // Restarts found now lose their sequences; any other failure is the answer.
-  std::vector<int32_t> restarted;
+  // Restarts, lost leases and servers unreachable for too long lose their
+  // sequences (their rows come back empty, with DATA_LOSS); any other
+  // failure is the answer.
+  absl::Status failure;
+  std::vector<int64_t> found_lost;
   for (size_t pi : to_run) {
-    if (results[pi].ok()) continue;
-    if (IsStaleIncarnation(results[pi].status())) {
+    const int32_t srv = step->parts[pi].server;
+    if (Observe(srv, results[pi].status(), &found_lost)) {
       skipped[pi] = true;
-      restarted.push_back(step->parts[pi].server);
-      continue;
+    } else if (!results[pi].ok() && failure.ok()) {
+      failure = absl::Status(results[pi].status().code(),
+                             absl::StrCat("server ", servers_[srv]->address, ": ",
+                                          results[pi].status().message()));
     }
-    return absl::Status(results[pi].status().code(),
-                        absl::StrCat("server ", servers_[step->parts[pi].server]->address, ": ",
-                                     results[pi].status().message()));
   }
-  for (int32_t srv : restarted) LoseServer(srv, /*gone=*/false);
+  if (!failure.ok()) return failure;
 
   // Assemble in the caller's order: copy, or merge the servers' states.
   PrefillResult out;
@@ -678,7 +751,8 @@ absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint1
   }
   if (!lost.empty()) {
     if (partial != nullptr) *partial = std::move(out);
-    return LostError(lost, "a server holding them restarted");
+    return LostError(lost, "a server holding them restarted, lost their pages or could not be "
+                           "reached");
   }
   return out;
 }
@@ -693,44 +767,61 @@ absl::Status Cluster::Finish(absl::Span<const int64_t> seq_ids) {
   }
   std::vector<std::vector<int64_t>> per_server(servers_.size());
   for (int64_t id : seq_ids) {
-    for (const Shard& sh : seqs_[id].shards) per_server[sh.server].push_back(id);
-  }
-  absl::Status first;
-  std::vector<int64_t> lost;
-  for (int32_t srv = 0; srv < num_servers(); ++srv) {
-    if (per_server[srv].empty()) continue;
-    absl::Status s = servers_[srv]->kv->Finish(per_server[srv]);
-    if (IsStaleIncarnation(s)) {
-      // Gone with the restart: nothing to free there.
-      std::vector<int64_t> l = LoseServer(srv, /*gone=*/false);
-      lost.insert(lost.end(), l.begin(), l.end());
-      continue;
-    }
-    if (!s.ok() && first.ok()) {
-      first = absl::Status(s.code(), absl::StrCat("server ", servers_[srv]->address, ": ",
-                                                  s.message()));
+    for (const Shard& sh : seqs_[id].shards) {
+      // A manager that forgot it (lost with its lease, reset) holds nothing of it.
+      if (servers_[sh.server]->kv->Has(id)) per_server[sh.server].push_back(id);
     }
   }
-  if (!first.ok()) return first;
+  // Every named sequence goes, whatever the servers answer: a server that
+  // fails is reported, and its KvManager (which forgot the sequences too)
+  // frees their pages later.
   for (int64_t id : seq_ids) {
     auto it = seqs_.find(id);
     if (it->second.step != nullptr) live_steps_.erase(it->second.step->step);
     seqs_.erase(it);
   }
-  // Sequences outside seq_ids that a restart found now are lost: say so.
+  std::vector<std::string> unconfirmed;
+  absl::StatusCode code = absl::StatusCode::kOk;
+  std::vector<int64_t> lost;
+  for (int32_t srv = 0; srv < num_servers(); ++srv) {
+    if (per_server[srv].empty()) continue;
+    absl::Status s = servers_[srv]->kv->Finish(per_server[srv]);
+    // A restart, a lost lease, or an unreachability declared a loss: the
+    // pages are gone (or freed when the lease ends), nothing to report.
+    if (Observe(srv, s, &lost) || s.ok()) continue;
+    if (code == absl::StatusCode::kOk) code = s.code();
+    unconfirmed.push_back(absl::StrCat("server ", servers_[srv]->address, " (sequences ",
+                                       absl::StrJoin(per_server[srv], ", "), "): ", s.message()));
+  }
+  if (!unconfirmed.empty()) {
+    return absl::Status(
+        code, absl::StrCat("Finish: sequences ", absl::StrJoin(seq_ids, ", "),
+                           " are finished (forgotten by the cluster), but freeing their pages "
+                           "was not confirmed on ",
+                           absl::StrJoin(unconfirmed, "; ")));
+  }
+  // Sequences outside seq_ids that a loss found now: say so.
   std::vector<int64_t> others;
   for (int64_t id : lost) {
     if (!seen.contains(id)) others.push_back(id);
   }
-  if (!others.empty()) return LostError(others, "a server holding them restarted");
+  if (!others.empty()) {
+    return LostError(others, "a server holding them restarted, lost their pages or could not be "
+                             "reached");
+  }
   return absl::OkStatus();
 }
 
 absl::Status Cluster::Release() {
   std::vector<int64_t> ids;
   for (const auto& [id, s] : seqs_) ids.push_back(id);
-  if (ids.empty()) return absl::OkStatus();
-  return Finish(ids);
+  absl::Status finished = ids.empty() ? absl::OkStatus() : Finish(ids);
+  // End every manager's lease: what a failed free left behind goes now (or
+  // when the lease ends).
+  for (const auto& s : servers_) {
+    if (!s->gone) s->kv->Release().IgnoreError();
+  }
+  return finished;
 }
 
 int64_t Cluster::KvLen(int64_t seq_id) const {

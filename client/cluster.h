@@ -30,7 +30,13 @@
 // with keys there is lost: the call that found out fails with DATA_LOSS
 // naming them (LostSequences() reads the ids back), the rest of the cluster
 // keeps working, and Finish() of the lost sequences frees what they held on
-// the other servers.
+// the other servers. So is every sequence of a server whose KvManager's
+// lease expired, or that stayed unreachable for server_lost_after_s.
+//
+// Partial failures (docs/cluster.md, "When a call fails"): Finish() forgets
+// every sequence it names whatever happens, and says which servers could
+// not confirm freeing their pages; each server's KvManager holds its pages
+// under a lease and reconciles what a failed call left in doubt.
 //
 // Not thread-safe: one thread plans, runs and finishes (Run() itself calls
 // the servers concurrently).
@@ -39,6 +45,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,7 +71,8 @@ struct ClusterOptions {
   KvManagerOptions kv;
   // Plan() runs Refresh() (a dns:/// target resolved again, every server's
   // Info read: free pages, restarts, unreachable servers back) once this
-  // many seconds have passed since the last one.
+  // many seconds have passed since the last one, or when no server takes new
+  // sequences.
   double refresh_interval_s = 30;
   // A step that appends at least this many tokens to one sequence spreads
   // them over several servers, in ranges that share the causal attention
@@ -73,6 +81,14 @@ struct ClusterOptions {
   int32_t split_min_tokens = 0;
   // At most this many servers hold one sequence (0: any number).
   int32_t max_servers_per_sequence = 0;
+  // A server whose calls fail with UNAVAILABLE or DEADLINE_EXCEEDED for this
+  // many seconds (from the first such failure, with no success since) has
+  // its sequences declared lost (DATA_LOSS naming them): Finish() of them
+  // then succeeds without it. It takes new sequences again once Refresh()
+  // reaches it. 0: at its first such failure; negative: never. The default
+  // is twice the servers' default lease ttl (30 s), so that a server back
+  // from a partition has already freed what the lost sequences held.
+  double server_lost_after_s = 60;
   // Resolves a dns:/// target's host and port to "ip:port" addresses;
   // getaddrinfo when unset (tests put their own here).
   std::function<absl::StatusOr<std::vector<std::string>>(const std::string& host,
@@ -129,6 +145,7 @@ struct ClusterServer {
   int64_t free_pages = 0;     // estimate: its last Info, less what we allocated since
   int64_t pages_held = 0;     // held by this cluster's sequences
   int64_t sequences = 0;      // sequences with keys there
+  int64_t leaked_pages = 0;   // its KvManager's Leaked() (without leases)
 };
 
 // How a step spreads n new tokens of one sequence over k servers, in
@@ -137,8 +154,8 @@ struct ClusterServer {
 // later query reads it). Sums to n.
 std::vector<int64_t> CausalSpread(int64_t n, int64_t k);
 
-// The sequences a DATA_LOSS status of Cluster names (empty for any other).
-std::vector<int64_t> LostSequences(const absl::Status& status);
+// LostSequences(status) (client/kv_manager.h) reads back the sequences a
+// DATA_LOSS status of Cluster names.
 
 class Cluster {
  public:
@@ -185,8 +202,15 @@ class Cluster {
                                     PrefillResult* partial = nullptr);
 
   // Frees the sequences' pages on every server and forgets them (lost ones
-  // too). NOT_FOUND for an unknown id, and nothing is freed.
+  // too). Unknown or repeated ids (NOT_FOUND, INVALID_ARGUMENT) change
+  // nothing; otherwise every named sequence is gone from the cluster
+  // afterwards, whatever happens, and an error names the servers that could
+  // not confirm freeing their pages and the sequences concerned (their
+  // KvManagers free them later: docs/cluster.md). DATA_LOSS names other
+  // sequences found lost meanwhile.
   absl::Status Finish(absl::Span<const int64_t> seq_ids);
+  // Finish() of every sequence, then every server's KvManager::Release()
+  // (its lease revoked), best effort.
   absl::Status Release();
 
   int64_t KvLen(int64_t seq_id) const;      // -1 when unknown
@@ -205,6 +229,15 @@ class Cluster {
     int64_t epoch = 0;       // restarts seen
     int64_t free_base = 0;   // free_pages of the last Info
     int64_t held_base = 0;   // kv->NumPages() then
+    // The first of the calls failing with UNAVAILABLE or DEADLINE_EXCEEDED
+    // since the last success; nullopt while it answers.
+    std::optional<absl::Time> unreachable_since;
+  };
+  // Why a server's sequences are lost.
+  enum class Loss {
+    kRestarted,    // a new incarnation: its KV is gone
+    kLeaseLost,    // its KvManager's lease expired: the server freed its pages
+    kUnreachable,  // unreachable past server_lost_after_s, or gone from the name
   };
   struct Sequence {
     std::vector<Shard> shards;  // in position order
@@ -214,12 +247,23 @@ class Cluster {
   };
 
   Cluster() = default;
+  // Plan() once; *again: a server it needed was found restarted (or its
+  // lease gone) holding none of these sequences, and a second try may pass.
+  absl::StatusOr<std::shared_ptr<const ClusterStep>> PlanOnce(absl::Span<const int64_t> seq_ids,
+                                                              absl::Span<const int32_t> q_lens,
+                                                              bool* again);
   absl::StatusOr<int32_t> AddServer(const std::string& address);
   absl::Status Resolve();
   int64_t FreeEstimate(const Server& s) const;
   void ReadInfo(int32_t server, const v1::ServerInfo& info);
-  // The server restarted (or left): its sequences are lost; returns them.
-  std::vector<int64_t> LoseServer(int32_t server, bool gone);
+  // The server's sequences are lost (or it left the cluster: `gone`);
+  // returns them.
+  std::vector<int64_t> LoseServer(int32_t server, Loss why, bool gone = false);
+  // What a call to a server's KvManager answered says about the server: OK
+  // marks it answering; a restart, a lost lease or an unreachability past
+  // server_lost_after_s loses its sequences, appended to *lost (returns
+  // true: the failure is accounted for by the loss).
+  bool Observe(int32_t server, const absl::Status& status, std::vector<int64_t>* lost);
   static absl::Status LostError(absl::Span<const int64_t> ids, absl::string_view why);
 
   ClusterOptions options_;

@@ -2,14 +2,56 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 namespace attnserve {
+namespace {
+
+constexpr char kLostUrl[] = "type.attnserve.dev/attnserve.LostSequences";
+
+// The reason the manager gives when its lease is gone.
+constexpr char kLeaseGone[] =
+    "the KV manager's lease expired or was revoked: the server released its pages";
+
+absl::Status Prefixed(const absl::Status& s, absl::string_view prefix) {
+  return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+}
+
+}  // namespace
+
+absl::Status SequencesLostError(absl::Span<const int64_t> seq_ids, absl::string_view why) {
+  std::vector<int64_t> sorted(seq_ids.begin(), seq_ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  absl::Status s = absl::DataLossError(
+      absl::StrCat("sequences lost: ", absl::StrJoin(sorted, ", "), " (", why,
+                   "); Finish() them and start them again"));
+  s.SetPayload(kLostUrl, absl::Cord(absl::StrJoin(sorted, ",")));
+  return s;
+}
+
+std::vector<int64_t> LostSequences(const absl::Status& status) {
+  std::vector<int64_t> ids;
+  if (status.code() != absl::StatusCode::kDataLoss) return ids;
+  auto payload = status.GetPayload(kLostUrl);
+  if (!payload.has_value()) return ids;
+  for (absl::string_view part : absl::StrSplit(std::string(*payload), ',', absl::SkipEmpty())) {
+    int64_t id;
+    if (absl::SimpleAtoi(part, &id)) ids.push_back(id);
+  }
+  return ids;
+}
 
 KvManager::KvManager(Client* client, KvManagerOptions options)
     : client_(client), options_(options), page_size_(client->info().page_size()) {}
+
+// keeper_'s destructor revokes the lease (before own_, which it uses, goes).
+KvManager::~KvManager() = default;
 
 void KvManager::Retire(const std::shared_ptr<const StepPlan>& plan) {
   if (plan == nullptr || !live_steps_.erase(plan->step)) return;
@@ -18,12 +60,269 @@ void KvManager::Retire(const std::shared_ptr<const StepPlan>& plan) {
 
 absl::Status KvManager::ReleaseStale() {
   while (!unreleased_.empty()) {
-    absl::Status s = client_->ReleasePlan(unreleased_.back());
+    absl::Status s = rpc()->ReleasePlan(unreleased_.back());
     // NOT_FOUND: the server dropped it already (idle timeout or restart).
+    // Plan ids are random and never reused, so a release whose outcome is
+    // unknown is simply tried again.
     if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return s;
     unreleased_.pop_back();
   }
   return absl::OkStatus();
+}
+
+absl::flat_hash_set<uint64_t> KvManager::LivePlanIds() const {
+  absl::flat_hash_set<uint64_t> ids;
+  for (const auto& [id, s] : seqs_) {
+    if (s.plan != nullptr && s.plan->plan_id != 0 && live_steps_.contains(s.plan->step)) {
+      ids.insert(s.plan->plan_id);
+    }
+  }
+  return ids;
+}
+
+void KvManager::EndLease() {
+  if (keeper_ != nullptr) keeper_->Abandon();
+  keeper_.reset();
+}
+
+std::vector<int64_t> KvManager::LoseAll() {
+  std::vector<int64_t> lost;
+  for (const auto& [id, s] : seqs_) {
+    lost.push_back(id);
+    lost_.insert(id);
+  }
+  std::sort(lost.begin(), lost.end());
+  seqs_.clear();
+  live_steps_.clear();
+  unreleased_.clear();
+  latest_.reset();
+  to_free_.clear();
+  dirty_ = false;
+  EndLease();  // gone already
+  return lost;
+}
+
+void KvManager::ClearBookkeeping() {
+  seqs_.clear();
+  live_steps_.clear();
+  unreleased_.clear();
+  latest_.reset();
+  lost_.clear();
+  to_free_.clear();
+  dirty_ = false;
+}
+
+void KvManager::Reset() {
+  ClearBookkeeping();
+  EndLease();
+  unrevoked_.clear();  // the server that restarted has none of them
+}
+
+void KvManager::Abandon() {
+  if (keeper_ == nullptr) {
+    leaked_ += NumPages() + static_cast<int64_t>(to_free_.size());
+  } else {
+    unrevoked_.push_back(keeper_->id());  // if the server answers again
+  }
+  ClearBookkeeping();
+  EndLease();
+}
+
+absl::Status KvManager::Failed(const absl::Status& s, int64_t leak_if_unknown) {
+  if (IsLeaseExpired(s)) {
+    std::vector<int64_t> lost = LoseAll();
+    return lost.empty() ? s : SequencesLostError(lost, kLeaseGone);
+  }
+  if (IsStaleIncarnation(s)) return s;  // the server restarted: nothing is held there
+  if (OutcomeUnknown(s)) {
+    if (keeper_ != nullptr) {
+      dirty_ = true;
+    } else {
+      leaked_ += leak_if_unknown;
+    }
+  }
+  return s;
+}
+
+absl::Status KvManager::Prepare() {
+  if (!options_.lease) {
+    if (!to_free_.empty()) FreePending();
+    return absl::OkStatus();
+  }
+  if (keeper_ != nullptr && keeper_->expired()) {
+    std::vector<int64_t> lost = LoseAll();
+    if (!lost.empty()) return SequencesLostError(lost, kLeaseGone);
+  }
+  if (keeper_ != nullptr && dirty_) {
+    absl::Status s = Reconcile();
+    // A loss stops the plan; holdings left in doubt do not: they are the
+    // lease's, which no one else can be given, and a later call reconciles
+    // them. A lease found gone with no sequence under it: a new one below.
+    if (s.code() == absl::StatusCode::kDataLoss || IsStaleIncarnation(s)) return s;
+  }
+  if (keeper_ == nullptr) {
+    // Leases ended while the server did not answer: revoked now, best
+    // effort (they also end by themselves within their ttl).
+    RevokeEnded().IgnoreError();
+    // A fresh fork: it takes the client's incarnation as it is now (the
+    // caller's after a restart).
+    own_ = client_->Fork();
+    auto keeper = LeaseKeeper::Start(own_.get(), options_.lease_ttl_ms);
+    if (keeper.ok()) {
+      keeper_ = *std::move(keeper);
+    } else if (keeper.status().code() == absl::StatusCode::kUnimplemented) {
+      options_.lease = false;  // a server without leases: as before them
+      own_.reset();
+    } else {
+      return keeper.status();
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvManager::Reconcile() {
+  const uint64_t lease = keeper_->id();
+  auto listed = rpc()->ListHoldings(lease);
+  if (!listed.ok()) return Failed(listed.status());
+  absl::flat_hash_set<int32_t> held_pages;
+  std::vector<uint64_t> held_plans;
+  for (const v1::LeaseInfo& l : listed->leases()) {
+    if (l.lease_id() != lease) continue;
+    held_pages.insert(l.holdings().page_ids().begin(), l.holdings().page_ids().end());
+    held_plans.assign(l.holdings().plan_ids().begin(), l.holdings().plan_ids().end());
+  }
+  // Plans first: a plan pins its pages. Every plan the lease holds that is
+  // not a live plan goes (stale ones, and one whose CreatePlan reply was lost).
+  const absl::flat_hash_set<uint64_t> live = LivePlanIds();
+  for (uint64_t id : held_plans) {
+    if (live.contains(id)) continue;
+    absl::Status s = rpc()->ReleasePlan(id);
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) return Failed(s);
+  }
+  unreleased_.clear();
+  // Then every page no live sequence owns (one whose FreePages reply was
+  // lost, or whose AllocatePages reply was).
+  absl::flat_hash_set<int32_t> owned;
+  std::vector<int64_t> missing;
+  for (const auto& [id, s] : seqs_) {
+    bool whole = true;
+    for (int32_t p : s.pages) {
+      owned.insert(p);
+      whole = whole && held_pages.contains(p);
+    }
+    if (!whole) missing.push_back(id);
+  }
+  std::vector<int32_t> unowned;
+  for (int32_t p : held_pages) {
+    if (!owned.contains(p)) unowned.push_back(p);
+  }
+  std::sort(unowned.begin(), unowned.end());
+  if (!unowned.empty()) {
+    absl::Status s = rpc()->FreePages(unowned);
+    if (!s.ok()) return Failed(s);
+  }
+  dirty_ = false;
+  if (!missing.empty()) {
+    // Pages of a live sequence that the lease no longer holds: something
+    // freed them behind the manager's back. Never attend over them again.
+    for (int64_t id : missing) {
+      auto it = seqs_.find(id);
+      Retire(it->second.plan);
+      seqs_.erase(it);
+      lost_.insert(id);
+    }
+    return SequencesLostError(missing, "pages of theirs are no longer held under the lease");
+  }
+  return absl::OkStatus();
+}
+
+void KvManager::FreePending() {
+  std::vector<int32_t> pages = std::move(to_free_);
+  to_free_.clear();
+  if (!ReleaseStale().ok()) {
+    to_free_ = std::move(pages);
+    return;
+  }
+  absl::Status s = rpc()->FreePages(pages);
+  if (s.ok() || IsStaleIncarnation(s)) return;
+  if (OutcomeUnknown(s) || s.code() != absl::StatusCode::kFailedPrecondition) {
+    leaked_ += static_cast<int64_t>(pages.size());  // never freed twice
+  } else {
+    to_free_ = std::move(pages);  // still pinned by a plan: the next call tries again
+  }
+}
+
+absl::Status KvManager::FreeUnowned(std::vector<int32_t> pages) {
+  // Without a lease of its own any more, a lease-mode manager holds nothing:
+  // what it held went with the lease.
+  if (options_.lease && keeper_ == nullptr) return absl::OkStatus();
+  if (keeper_ != nullptr) {
+    // With the lease every failure is settled by the next reconciliation:
+    // what the lease still holds and no sequence owns is freed then.
+    absl::Status s;
+    if (dirty_) {
+      s = Reconcile();  // frees `pages` too: the lease holds them, no sequence owns them
+    } else {
+      s = ReleaseStale();
+      if (s.ok() && !pages.empty()) s = rpc()->FreePages(pages);
+    }
+    if (s.ok() || s.code() == absl::StatusCode::kDataLoss) return s;
+    if (IsLeaseExpired(s) || IsStaleIncarnation(s)) return Failed(s);
+    dirty_ = true;
+    return Prefixed(s,
+                    "the manager frees what its lease still holds and no sequence owns at its "
+                    "next Plan(), Finish() or Release() (the server, when the lease ends): ");
+  }
+  // Without a lease, a FreePages whose outcome is unknown is never tried
+  // again: the pages may belong to another client of the tenant by now.
+  absl::Status s = ReleaseStale();
+  if (!s.ok()) {
+    if (IsLeaseExpired(s) || IsStaleIncarnation(s)) return Failed(s);
+    // The stale plans pin the pages, which are surely still held.
+    to_free_.insert(to_free_.end(), pages.begin(), pages.end());
+    return Prefixed(s, "the pages are freed at a later call, once their plans are released: ");
+  }
+  if (!pages.empty()) {
+    s = rpc()->FreePages(pages);
+    if (!s.ok()) {
+      if (IsLeaseExpired(s) || IsStaleIncarnation(s)) return Failed(s);
+      if (!OutcomeUnknown(s) && s.code() == absl::StatusCode::kFailedPrecondition) {
+        // Pinned by a plan whose CreatePlan reply was lost: the server drops
+        // it after --plan_idle_timeout_s.
+        to_free_.insert(to_free_.end(), pages.begin(), pages.end());
+        return Prefixed(s, "the pages are freed at a later call, once the plans that pin them "
+                           "are gone: ");
+      }
+      leaked_ += static_cast<int64_t>(pages.size());
+      return Prefixed(s, "pages that may or may not have been freed are leaked (Leaked()), "
+                         "never freed or reused: ");
+    }
+  }
+  if (!to_free_.empty()) FreePending();
+  return absl::OkStatus();
+}
+
+absl::Status KvManager::CheckWritten(absl::Span<const int64_t> seq_ids) const {
+  // (step, layers) -> sequences
+  std::map<std::pair<int64_t, std::vector<int32_t>>, std::vector<int64_t>> groups;
+  for (int64_t id : seq_ids) {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end() || it->second.unwritten.empty()) continue;
+    const int64_t step = it->second.plan == nullptr ? 0 : it->second.plan->step;
+    groups[{step, it->second.unwritten}].push_back(id);
+  }
+  if (groups.empty()) return absl::OkStatus();
+  std::vector<std::string> parts;
+  for (const auto& [key, ids] : groups) {
+    parts.push_back(absl::StrCat("sequences ", absl::StrJoin(ids, ", "), ": layer",
+                                 key.second.size() > 1 ? "s " : " ",
+                                 absl::StrJoin(key.second, ", "), " of step ", key.first));
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      absl::StrJoin(parts, "; "),
+      ": a Run() of that layer failed, and it may or may not have appended the step's K/V "
+      "rows; run that layer of that plan again (with the same q, k_new, v_new) or Finish() "
+      "the sequences"));
 }
 
 absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::Plan(
@@ -32,6 +331,17 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::Plan(
 }
 
 absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanRows(
+    absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> append_lens,
+    absl::Span<const int32_t> q_rows, absl::Span<const int32_t> kv_keys_after) {
+  auto plan = PlanOnce(seq_ids, append_lens, q_rows, kv_keys_after);
+  // A lease found gone with no sequence under it: once more, with a new one.
+  if (!plan.ok() && IsLeaseExpired(plan.status())) {
+    plan = PlanOnce(seq_ids, append_lens, q_rows, kv_keys_after);
+  }
+  return plan;
+}
+
+absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanOnce(
     absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens,
     absl::Span<const int32_t> q_rows, absl::Span<const int32_t> kv_keys_after) {
   // q_lens: the tokens appended here (Plan()'s name for them).
@@ -66,10 +376,8 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanRows(
   if (total_rows > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError("the step has more than 2^31 - 1 query rows");
   }
-  // Pages each sequence needs beyond those it holds.
   absl::flat_hash_set<int64_t> seen;
-  std::vector<int32_t> needs(seq_ids.size());
-  int64_t total_need = 0, total_q = 0;
+  std::vector<int64_t> lost;
   for (size_t b = 0; b < seq_ids.size(); ++b) {
     if (!seen.insert(seq_ids[b]).second) {
       return absl::InvalidArgumentError(absl::StrCat("seq_ids has ", seq_ids[b], " twice"));
@@ -78,6 +386,16 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanRows(
       return absl::InvalidArgumentError(absl::StrCat("q_lens[", b, "]=", q_lens[b],
                                                      " is negative"));
     }
+    if (lost_.contains(seq_ids[b])) lost.push_back(seq_ids[b]);
+  }
+  if (!lost.empty()) return SequencesLostError(lost, kLeaseGone);
+  if (absl::Status s = CheckWritten(seq_ids); !s.ok()) return s;
+  if (absl::Status s = Prepare(); !s.ok()) return s;
+
+  // Pages each sequence needs beyond those it holds.
+  std::vector<int32_t> needs(seq_ids.size());
+  int64_t total_need = 0, total_q = 0;
+  for (size_t b = 0; b < seq_ids.size(); ++b) {
     auto it = seqs_.find(seq_ids[b]);
     const int64_t length = it == seqs_.end() ? 0 : it->second.length;
     const int64_t held = it == seqs_.end() ? 0 : static_cast<int64_t>(it->second.pages.size());
@@ -97,8 +415,8 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanRows(
   }
   std::vector<int32_t> new_pages;
   if (total_need > 0) {
-    auto allocated = client_->AllocatePages(static_cast<int32_t>(total_need));
-    if (!allocated.ok()) return allocated.status();
+    auto allocated = rpc()->AllocatePages(static_cast<int32_t>(total_need));
+    if (!allocated.ok()) return Failed(allocated.status(), total_need);
     new_pages = *std::move(allocated);
   }
 
@@ -146,14 +464,24 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanRows(
     layout.kv_last_page_len = plan->kv_last_page_len;
     layout.append_slots = plan->append_slots;
     layout.kv_keys_after = plan->kv_keys_after;
-    auto id = client_->CreatePlan(layout);
+    auto id = rpc()->CreatePlan(layout);
     if (id.ok()) {
       plan->plan_id = *id;
     } else if (id.status().code() == absl::StatusCode::kUnimplemented) {
       options_.server_plans = false;  // a server without plans: send the layout
     } else {
-      if (!new_pages.empty()) client_->FreePages(new_pages).IgnoreError();
-      return id.status();
+      const absl::Status failed = id.status();
+      if (IsLeaseExpired(failed) || IsStaleIncarnation(failed)) return Failed(failed);
+      if (keeper_ != nullptr && OutcomeUnknown(failed)) {
+        // The plan may exist, pinning the new pages: the next call releases
+        // it and frees them (the lease lists both).
+        dirty_ = true;
+      } else if (!new_pages.empty()) {
+        // Without a lease, a plan that may exist pins the pages until the
+        // server drops it: they wait in to_free_.
+        FreeUnowned(new_pages).IgnoreError();
+      }
+      return failed;
     }
   }
 
@@ -166,10 +494,15 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanRows(
     s.length = plan->kv_lens[b];
     Retire(s.plan);
     s.plan = plan;
+    s.unwritten.clear();
   }
   latest_ = plan;
   // A failed release stays queued for the next Plan() or Finish().
-  ReleaseStale().IgnoreError();
+  absl::Status released = ReleaseStale();
+  if (!released.ok() && IsLeaseExpired(released)) {
+    // The plan just made went with the lease: report the loss now.
+    return Failed(released);
+  }
   return std::shared_ptr<const StepPlan>(plan);
 }
 
@@ -180,6 +513,11 @@ absl::StatusOr<PrefillResult> KvManager::Run(int32_t layer, absl::Span<const uin
   if (plan == nullptr) plan = latest_.get();
   if (plan == nullptr) return absl::FailedPreconditionError("Run before any Plan");
   if (!live_steps_.contains(plan->step)) {
+    std::vector<int64_t> lost;
+    for (int64_t id : plan->seq_ids) {
+      if (lost_.contains(id)) lost.push_back(id);
+    }
+    if (!lost.empty()) return SequencesLostError(lost, kLeaseGone);
     return absl::FailedPreconditionError(
         absl::StrCat("the plan of step ", plan->step,
                      " is stale: a later Plan() or Finish() changed one of its sequences"));
@@ -202,7 +540,22 @@ absl::StatusOr<PrefillResult> KvManager::Run(int32_t layer, absl::Span<const uin
   args.lse_base_e = options_.lse_base_e;
   args.append_k = k_new;
   args.append_v = v_new;
-  return client_->Prefill(args);
+  auto out = rpc()->Prefill(args);
+  if (!out.ok() && IsLeaseExpired(out.status())) return Failed(out.status());
+  // The plan is live, so it is the latest plan of each of its sequences.
+  for (size_t b = 0; b < plan->seq_ids.size(); ++b) {
+    if (plan->append_lens[b] == 0) continue;  // nothing appended here
+    std::vector<int32_t>& unwritten = seqs_[plan->seq_ids[b]].unwritten;
+    auto at = std::lower_bound(unwritten.begin(), unwritten.end(), layer);
+    const bool listed = at != unwritten.end() && *at == layer;
+    if (out.ok() && listed) {
+      unwritten.erase(at);
+    } else if (!out.ok() && !listed) {
+      // It may or may not have appended this layer's rows.
+      unwritten.insert(at, layer);
+    }
+  }
+  return out;
 }
 
 absl::Status KvManager::Undo(const std::shared_ptr<const StepPlan>& plan) {
@@ -225,52 +578,94 @@ absl::Status KvManager::Undo(const std::shared_ptr<const StepPlan>& plan) {
     s.pages.resize(std::min(keep, s.pages.size()));
     s.length = old_length;
     s.plan = nullptr;
+    s.unwritten.clear();
     if (old_length == 0 && s.pages.empty()) seqs_.erase(it);
   }
   if (latest_ == plan) latest_.reset();
-  absl::Status released = ReleaseStale();
-  if (!freed.empty()) {
-    if (absl::Status s = client_->FreePages(freed); !s.ok()) return s;
-  }
-  return released;
+  return FreeUnowned(std::move(freed));
 }
 
 absl::Status KvManager::Finish(absl::Span<const int64_t> seq_ids) {
-  std::vector<int32_t> pages;
   absl::flat_hash_set<int64_t> seen;
   for (int64_t id : seq_ids) {
     if (!seen.insert(id).second) {
       return absl::InvalidArgumentError(absl::StrCat("seq_ids has ", id, " twice"));
     }
+    if (!Has(id)) return absl::NotFoundError(absl::StrCat("sequence ", id, " unknown"));
+  }
+  // From here on the sequences are gone, whatever the server answers.
+  std::vector<int32_t> pages;
+  const size_t unreleased_before = unreleased_.size();
+  for (int64_t id : seq_ids) {
+    if (lost_.erase(id)) continue;  // its pages went with the lease
     auto it = seqs_.find(id);
-    if (it == seqs_.end()) return absl::NotFoundError(absl::StrCat("sequence ", id, " unknown"));
     pages.insert(pages.end(), it->second.pages.begin(), it->second.pages.end());
+    // The plans of these sequences pin their pages: they are released first.
+    Retire(it->second.plan);
+    seqs_.erase(it);
   }
-  // The plans of these sequences pin their pages: release them first.
-  for (int64_t id : seq_ids) Retire(seqs_[id].plan);
-  if (absl::Status s = ReleaseStale(); !s.ok()) return s;
-  if (!pages.empty()) {
-    if (absl::Status s = client_->FreePages(pages); !s.ok()) return s;
+  if (latest_ != nullptr && !live_steps_.contains(latest_->step)) latest_.reset();
+  // Nothing of these sequences to free (lost ones, or empty): no RPC; what
+  // earlier calls left pending waits for the next call that allocates.
+  if (pages.empty() && unreleased_.size() == unreleased_before) return absl::OkStatus();
+  if (keeper_ != nullptr && keeper_->expired()) {
+    std::vector<int64_t> lost = LoseAll();  // these sequences' pages went with it
+    return lost.empty() ? absl::OkStatus() : SequencesLostError(lost, kLeaseGone);
   }
-  for (int64_t id : seq_ids) seqs_.erase(id);
-  return absl::OkStatus();
+  absl::Status s = FreeUnowned(std::move(pages));
+  if (s.ok() || s.code() == absl::StatusCode::kDataLoss) return s;
+  if (IsLeaseExpired(s)) return absl::OkStatus();  // their pages went with it, no other lost
+  if (IsStaleIncarnation(s)) {
+    return Prefixed(s, "Finish: the sequences are forgotten (the server restarted: their pages "
+                       "are gone): ");
+  }
+  return Prefixed(s, "Finish: the sequences are forgotten, but freeing their pages was not "
+                     "confirmed; ");
 }
 
 absl::Status KvManager::Release() {
-  if (seqs_.empty()) return ReleaseStale();
-  return Finish(Sequences());
+  // Finish() first: FreePages answers once the pages are zeroed and free.
+  std::vector<int64_t> all = Sequences();
+  for (int64_t id : lost_) all.push_back(id);
+  absl::Status s = all.empty() ? FreeUnowned({}) : Finish(all);
+  if (!options_.lease) return s;
+  // Then the lease ends: revoking it releases whatever a failure left under it.
+  ClearBookkeeping();
+  if (keeper_ != nullptr) {
+    unrevoked_.push_back(keeper_->id());
+    EndLease();
+  }
+  absl::Status revoked = RevokeEnded();
+  if (revoked.ok()) return absl::OkStatus();  // nothing is left held
+  if (!s.ok()) return s;
+  return Prefixed(revoked,
+                  "Release: every sequence is forgotten, but revoking the manager's lease was not "
+                  "confirmed; it is tried again at the next call, and the server frees everything "
+                  "under the lease when it ends, within its ttl: ");
 }
 
-void KvManager::Reset() {
-  seqs_.clear();
-  live_steps_.clear();
-  unreleased_.clear();
-  latest_.reset();
+absl::Status KvManager::RevokeEnded() {
+  while (!unrevoked_.empty()) {
+    auto released = rpc()->RevokeLease(unrevoked_.back());
+    // A lease that is gone already is no error; a server that restarted
+    // holds none of them.
+    if (!released.ok() && !IsStaleIncarnation(released.status())) return released.status();
+    if (!released.ok()) {
+      unrevoked_.clear();
+      break;
+    }
+    unrevoked_.pop_back();
+  }
+  return absl::OkStatus();
 }
 
 int64_t KvManager::KvLen(int64_t seq_id) const {
   auto it = seqs_.find(seq_id);
   return it == seqs_.end() ? -1 : it->second.length;
+}
+
+bool KvManager::Has(int64_t seq_id) const {
+  return seqs_.contains(seq_id) || lost_.contains(seq_id);
 }
 
 std::vector<int32_t> KvManager::PagesOf(int64_t seq_id) const {
@@ -288,6 +683,12 @@ std::vector<int64_t> KvManager::Sequences() const {
   std::vector<int64_t> ids;
   ids.reserve(seqs_.size());
   for (const auto& [id, s] : seqs_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+std::vector<int64_t> KvManager::Lost() const {
+  std::vector<int64_t> ids(lost_.begin(), lost_.end());
   std::sort(ids.begin(), ids.end());
   return ids;
 }

@@ -63,6 +63,13 @@ absl::Status LeaseKeeper::status() const {
   return status_;
 }
 
+void LeaseKeeper::Abandon() {
+  if (!stop_.HasBeenNotified()) stop_.Notify();
+  if (thread_.joinable()) thread_.join();
+  absl::MutexLock lock(&mu_);
+  revoked_ = true;  // nothing left for the destructor to revoke
+}
+
 absl::StatusOr<v1::Holdings> LeaseKeeper::Revoke() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (thread_.joinable()) thread_.join();

@@ -50,6 +50,11 @@ class LeaseKeeper {
   // Revokes now and returns what was released; the keeper then only waits
   // to be destroyed.
   absl::StatusOr<v1::Holdings> Revoke();
+  // Stops renewing without an RPC: the server releases the lease's holdings
+  // within its ttl (for a server that restarted or cannot be reached, where
+  // a revocation would fail or wait). The keeper then only waits to be
+  // destroyed, which revokes nothing.
+  void Abandon();
 
  private:
   LeaseKeeper(Client* client, uint64_t id, int64_t ttl_ms);

@@ -167,6 +167,9 @@ def test_a_server_without_plans_gets_the_layout(client):
         def create_plan(self, *args, **kwargs):
             raise attnserve.Unimplemented("unknown method CreatePlan")
 
+        def fork(self):  # the manager's own client, for its lease
+            return NoPlans(self.inner.fork())
+
         def __getattr__(self, name):
             return getattr(self.inner, name)
 

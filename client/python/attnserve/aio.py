@@ -38,21 +38,27 @@ class AsyncClient(_Core):
                  tls_key: Optional[str] = None, timeout: Optional[float] = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, out: str = "numpy",
                  channel_options: Iterable = (), connect_timeout: float = 10.0,
-                 transport_tuning: bool = True):
+                 transport_tuning: bool = True, interceptors: Iterable = ()):
         super().__init__(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                          tls_key=tls_key, timeout=timeout, max_message_bytes=max_message_bytes,
                          out=out, channel_options=channel_options,
                          transport_tuning=transport_tuning)
         self.connect_timeout = connect_timeout
+        # grpc.aio.UnaryUnaryClientInterceptor objects, or a function of the
+        # target that returns them (tests that inject failures).
+        self._interceptors = list(interceptors(target) if callable(interceptors)
+                                  else interceptors) or None
         self._info_lock: Optional[asyncio.Lock] = None  # made in the loop that uses it
         self._open()
 
     def _open(self) -> None:
         if self._credentials is not None:
             self._channel = grpc.aio.secure_channel(self.target, self._credentials,
-                                                    options=self._channel_options)
+                                                    options=self._channel_options,
+                                                    interceptors=self._interceptors)
         else:
-            self._channel = grpc.aio.insecure_channel(self.target, options=self._channel_options)
+            self._channel = grpc.aio.insecure_channel(self.target, options=self._channel_options,
+                                                      interceptors=self._interceptors)
         self._stubs = {name: self._channel.unary_unary(_method_path(name)) for name in _METHODS}
         self._health = self._channel.unary_unary(HEALTH_CHECK)
 

@@ -766,6 +766,10 @@ class Client(_Core):
         for no named cause, is waited for.
       transport_tuning: gRPC settings for large tensors (TRANSPORT_OPTIONS);
         False: gRPC's defaults. channel_options are applied after them.
+      interceptors: grpc.UnaryUnaryClientInterceptor objects that see every
+        call (grpc.intercept_channel), or a function of the target that
+        returns them; for tests that inject failures (tests/python/faults.py).
+        Forks share them with the channel.
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", *, token: Optional[str] = None,
@@ -773,12 +777,15 @@ class Client(_Core):
                  tls_key: Optional[str] = None, timeout: Optional[float] = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, out: str = "numpy",
                  fetch_info: bool = True, channel_options: Iterable = (),
-                 connect_timeout: float = 10.0, transport_tuning: bool = True):
+                 connect_timeout: float = 10.0, transport_tuning: bool = True,
+                 interceptors: Iterable = ()):
         super().__init__(target, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                          tls_key=tls_key, timeout=timeout, max_message_bytes=max_message_bytes,
                          out=out, channel_options=channel_options,
                          transport_tuning=transport_tuning)
         self.connect_timeout = connect_timeout
+        self._interceptors = tuple(interceptors(target) if callable(interceptors)
+                                   else interceptors)
         self._open()
         if fetch_info:
             try:
@@ -807,7 +814,10 @@ class Client(_Core):
                                                 options=self._channel_options)
         else:
             self._channel = grpc.insecure_channel(self.target, options=self._channel_options)
-        self._stubs = {name: self._channel.unary_unary(_method_path(name)) for name in _METHODS}
+        calls = self._channel
+        if self._interceptors:
+            calls = grpc.intercept_channel(self._channel, *self._interceptors)
+        self._stubs = {name: calls.unary_unary(_method_path(name)) for name in _METHODS}
         self._health = self._channel.unary_unary(HEALTH_CHECK)
 
     def close(self) -> None:

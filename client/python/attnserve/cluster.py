@@ -25,7 +25,11 @@ results by LSE.
 
 A server whose incarnation changed has lost its KV: every sequence with keys
 there is lost, the call that finds out raises SequencesLost naming them, and
-the rest of the cluster keeps working.
+the rest of the cluster keeps working. So is every sequence of a server whose
+KvManager's lease expired, or that stayed unreachable for server_lost_after
+seconds. finish() forgets every sequence it names whatever happens, and says
+which servers could not confirm freeing their pages (docs/cluster.md, "When a
+call fails").
 """
 
 from __future__ import annotations
@@ -42,29 +46,13 @@ import numpy as np
 
 from attnserve import dtypes as _dt
 from attnserve.client import Client, PrefillResult
-from attnserve.errors import AttnserveError, DataLoss, ResourceExhausted, StaleIncarnation
-from attnserve.kv_manager import KvManager, Plan
+from attnserve.errors import (AttnserveError, DataLoss, DeadlineExceeded, ResourceExhausted,
+                              SequencesLost, StaleIncarnation, Unavailable)
+from attnserve.kv_manager import KvManager, Plan, _explained
 from attnserve.merge import merge_states
 
 _DNS = "dns:///"
-
-
-class SequencesLost(DataLoss):
-    """Sequences whose KV is gone: a server holding part of them restarted or
-    left. seq_ids names them; finish() them and start them again.
-
-    From run(), partial is the step's PrefillResult for the other sequences
-    (the lost sequences' rows are 0 with LSE -inf).
-    """
-
-    code = grpc.StatusCode.DATA_LOSS
-
-    def __init__(self, seq_ids, why: str, partial: Optional[PrefillResult] = None,
-                 method: str = ""):
-        self.seq_ids = sorted(seq_ids, key=repr)
-        self.partial = partial
-        super().__init__(f"sequences lost: {self.seq_ids} ({why}); finish() them and start "
-                         "them again", grpc.StatusCode.DATA_LOSS, method)
+_LOST_WHY = "a server holding them restarted, lost their pages or could not be reached"
 
 
 @dataclass
@@ -124,6 +112,7 @@ class ClusterServer:
     free_pages: int       # estimate: its last info, less what we allocated since
     pages_held: int       # held by this cluster's sequences
     sequences: int        # sequences with keys there
+    leaked_pages: int = 0  # its KvManager's leaked_pages (without leases)
 
 
 class _Server:
@@ -137,6 +126,9 @@ class _Server:
         self.epoch = 0
         self.free_base = client.server_info.free_pages
         self.held_base = 0
+        # time.monotonic() of the first of the calls failing with UNAVAILABLE
+        # or DEADLINE_EXCEEDED since the last success; None while it answers.
+        self.unreachable_since: Optional[float] = None
 
     @property
     def usable(self) -> bool:
@@ -220,10 +212,19 @@ class Cluster:
         (0: any number).
       refresh_interval: plan() runs refresh() (a dns:/// target resolved
         again, every server's info read: free pages, restarts, unreachable
-        servers back) once this many seconds have passed since the last.
+        servers back) once this many seconds have passed since the last, or
+        when no server takes new sequences.
+      server_lost_after: a server whose calls fail with Unavailable or
+        DeadlineExceeded for this many seconds (from the first such failure,
+        with no success since) has its sequences declared lost
+        (SequencesLost): finish() of them then succeeds without it. 0: at its
+        first such failure; None: never. The default, 60, is twice the
+        servers' default lease ttl.
       resolver: (host, port) -> ["ip:port", ...] for dns:/// (default
         getaddrinfo_resolver; tests put their own).
-      causal, sm_scale, lse_base, server_plans: every server's KvManager's.
+      causal, sm_scale, lse_base, server_plans, lease, lease_ttl: every
+        server's KvManager's (lease: its pages and plans under a lease of its
+        own, the default).
       client_kwargs: for every server's attnserve.Client (token, tls_ca,
         timeout, ...).
 
@@ -235,7 +236,9 @@ class Cluster:
                  max_servers_per_sequence: int = 0, refresh_interval: float = 30.0,
                  resolver: Optional[Callable[[str, str], list]] = None, causal: bool = True,
                  sm_scale: Optional[float] = None, lse_base: str = "2",
-                 server_plans: bool = True, **client_kwargs):
+                 server_plans: bool = True, lease: bool = True,
+                 lease_ttl: Optional[float] = None, server_lost_after: Optional[float] = 60.0,
+                 **client_kwargs):
         if isinstance(targets, str):
             targets = [targets]
         targets = list(targets)
@@ -246,9 +249,10 @@ class Cluster:
         self.split_min_tokens = int(split_min_tokens)
         self.max_servers_per_sequence = int(max_servers_per_sequence)
         self.refresh_interval = float(refresh_interval)
+        self.server_lost_after = None if server_lost_after is None else float(server_lost_after)
         self.lse_base = lse_base
         self._kv_options = dict(causal=causal, sm_scale=sm_scale, lse_base=lse_base,
-                                server_plans=server_plans)
+                                server_plans=server_plans, lease=lease, lease_ttl=lease_ttl)
         self._client_kwargs = client_kwargs
         self._resolver = resolver or getaddrinfo_resolver
         self._dns: Optional[tuple] = None
@@ -324,10 +328,15 @@ class Cluster:
         return [ClusterServer(address=s.address, active=s.usable,
                               incarnation=s.client.incarnation, restarts=s.epoch,
                               free_pages=s.free_estimate(), pages_held=s.kv.num_pages,
-                              sequences=counts[i]) for i, s in enumerate(self._servers)]
+                              sequences=counts[i], leaked_pages=s.kv.leaked_pages)
+                for i, s in enumerate(self._servers)]
 
     def close(self) -> None:
+        """Revokes every server's KvManager lease (best effort) and closes
+        the clients."""
         for s in self._servers:
+            if not s.gone:
+                s.kv.close()
             s.client.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -344,8 +353,10 @@ class Cluster:
         s.free_base = info.free_pages
         s.held_base = s.kv.num_pages
 
-    def _lose_server(self, i: int, gone: bool) -> list:
-        """Server i restarted (or left): its sequences are lost; returns them."""
+    def _lose_server(self, i: int, why: str, gone: bool = False) -> list:
+        """Server i's sequences are lost (why: "restarted"; "lease", its
+        KvManager's lease expired; or "unreachable"; gone: it left the
+        cluster); returns them."""
         s = self._servers[i]
         lost = []
         for sid, seq in self._seqs.items():
@@ -354,17 +365,52 @@ class Cluster:
                 seq.shards = kept  # the rest waits for finish()
                 seq.lost = True
                 lost.append(sid)
-        s.kv.reset()
-        s.client.forget_incarnation()
+        # An unreachable server may still hold the pages: with the lease it
+        # frees them when the lease ends; without, they count as leaked.
+        if why == "unreachable":
+            s.kv.abandon()
+            s.reachable = False
+        else:
+            s.kv.reset()
         s.epoch += 1
+        s.unreachable_since = None
         s.gone = s.gone or gone
-        if not s.gone:
-            try:
-                self._read_info(i, s.client.info())  # learns the new incarnation
+        if why == "restarted":
+            s.client.forget_incarnation()
+            if not s.gone:
+                # It answered a moment ago (with its new incarnation): it takes
+                # new sequences, its free pages read here or at the next refresh.
                 s.reachable = True
-            except AttnserveError:
-                s.reachable = False
+                try:
+                    self._read_info(i, s.client.info())  # learns the new incarnation
+                except AttnserveError:
+                    pass
         return lost
+
+    def _observe(self, i: int, error: Optional[AttnserveError], lost: list) -> bool:
+        """What a call to server i's KvManager answered says about the server:
+        success (None) marks it answering; a restart, a lost lease or an
+        unreachability past server_lost_after loses its sequences, added to
+        `lost` (returns True: the failure is accounted for by the loss)."""
+        s = self._servers[i]
+        if error is None:
+            s.unreachable_since = None
+            return False
+        if isinstance(error, StaleIncarnation):
+            lost += self._lose_server(i, "restarted")
+            return True
+        if isinstance(error, DataLoss):
+            lost += self._lose_server(i, "lease")
+            return True
+        if isinstance(error, (Unavailable, DeadlineExceeded)):
+            now = time.monotonic()
+            if s.unreachable_since is None:
+                s.unreachable_since = now
+            if (self.server_lost_after is not None
+                    and now - s.unreachable_since >= self.server_lost_after):
+                lost += self._lose_server(i, "unreachable")
+                return True
+        return False
 
     def _resolve(self) -> None:
         if self._dns is None:
@@ -379,12 +425,14 @@ class Cluster:
                 continue
             # Left the name: kept while it answers with the same incarnation
             # (a readiness blip); otherwise its KV is gone with it.
+            why = "unreachable"
             try:
                 if s.client.info().incarnation == s.client.incarnation:
                     continue
+                why = "restarted"
             except AttnserveError:
                 pass
-            lost += self._lose_server(i, gone=True)
+            lost += self._lose_server(i, why, gone=True)
         for a in sorted(now):
             if any(s.address == a and not s.gone for s in self._servers):
                 continue
@@ -417,12 +465,14 @@ class Cluster:
             expected = s.client.incarnation
             try:
                 info = s.client.info()
-            except AttnserveError:
+            except AttnserveError as e:
                 s.reachable = False
+                self._observe(i, e, lost)  # unreachable too long: its sequences are lost
                 continue
             s.reachable = True
+            s.unreachable_since = None
             if expected and info.incarnation != expected:
-                lost += self._lose_server(i, gone=False)
+                lost += self._lose_server(i, "restarted")
             else:
                 self._read_info(i, info)
         if lost:
@@ -438,8 +488,21 @@ class Cluster:
         appended tokens go to each sequence's last server (spilling to others
         when it is full, or spread when split_min_tokens says so). Atomic: on
         any error nothing changes. SequencesLost for lost sequences among
-        seq_ids; ResourceExhausted when the cluster has too few free pages.
+        seq_ids; ResourceExhausted when the cluster has too few free pages;
+        FailedPrecondition for a sequence whose last run() of some layer
+        failed on a server (run it again first).
         """
+        again = []
+        try:
+            return self._plan_once(seq_ids, q_lens, again)
+        except AttnserveError:
+            if not again:
+                raise
+        # A server found restarted (or its lease gone) that held none of these
+        # sequences starts afresh: the plan can go there now.
+        return self._plan_once(seq_ids, q_lens, [])
+
+    def _plan_once(self, seq_ids: Sequence, q_lens, again: list) -> ClusterStep:
         seq_ids = list(seq_ids)
         if not seq_ids:
             raise ValueError("plan: seq_ids is empty")
@@ -455,7 +518,10 @@ class Cluster:
         lens = lens.astype(np.int64)
         # Now and then: new servers join, free pages and restarts are read (the
         # sequences a restart lost are reported when they are named).
-        if time.monotonic() - self._refreshed_at >= self.refresh_interval:
+        # Also when no server takes new sequences: one that failed a call may
+        # answer now.
+        if (not any(s.usable for s in self._servers)
+                or time.monotonic() - self._refreshed_at >= self.refresh_interval):
             try:
                 self.refresh()
             except (AttnserveError, ValueError):
@@ -463,6 +529,16 @@ class Cluster:
         lost = [sid for sid in seq_ids if sid in self._seqs and self._seqs[sid].lost]
         if lost:
             raise SequencesLost(lost, "a server holding them restarted or left", method="plan")
+        # A sequence whose last run() of some layer failed on a server is
+        # refused until that layer has run again (KvManager.check_written).
+        for i, server in enumerate(self._servers):
+            here = [sid for sid in seq_ids if sid in self._seqs
+                    and any(sh.server == i for sh in self._seqs[sid].shards)]
+            if here:
+                try:
+                    server.kv.check_written(*here)
+                except AttnserveError as e:
+                    raise _explained(e, f"server {server.address}: ") from None
 
         ps = self._geometry["page_size"]
         free = [s.free_estimate() if s.usable else -1 for s in self._servers]
@@ -549,15 +625,33 @@ class Cluster:
                                       [int(lens[e[0]]) - e[4] for e in entries],
                                       [length_after[e[0]] - e[3] for e in entries])
             except BaseException as e:
+                lost = []
                 for i, p in reversed(done):
+                    # undo takes the bookkeeping back whatever happens; a free
+                    # it could not confirm is its manager's to settle.
                     try:
                         self._servers[i].kv.undo(p)
+                    except (DataLoss, StaleIncarnation) as u:
+                        self._observe(i, u, lost)
                     except AttnserveError:
                         pass
-                if isinstance(e, StaleIncarnation):
-                    lost = self._lose_server(srv, gone=False)
-                    raise SequencesLost(lost, f"server {s.address} restarted",
-                                        method="plan") from None
+                if isinstance(e, ResourceExhausted):
+                    # Its free pages were fewer than the estimate (others took
+                    # them, or a failed free left some held): read them again.
+                    try:
+                        self._read_info(srv, s.client.info())
+                    except AttnserveError:
+                        pass
+                if isinstance(e, AttnserveError) and self._observe(srv, e, lost):
+                    if lost:
+                        raise SequencesLost(lost, f"server {s.address}: {e.details}",
+                                            method="plan") from None
+                    if not isinstance(e, (Unavailable, DeadlineExceeded)):
+                        again.append(srv)
+                if lost:
+                    raise SequencesLost(lost, _LOST_WHY, method="plan") from None
+                if isinstance(e, AttnserveError):
+                    raise _explained(e, f"server {s.address}: ") from None
                 raise
             done.append((srv, plan))
             q_rows, append_rows = [], []
@@ -573,6 +667,8 @@ class Cluster:
             for j, (b, _, _, _, skip) in enumerate(per_server[part.server]):
                 step.sources[b].append((pi, int(part.plan.qo_indptr[j]), skip))
 
+        for srv, _ in done:
+            self._observe(srv, None, [])
         # Commit.
         self._step = step.step
         for b, sid in enumerate(seq_ids):
@@ -641,12 +737,19 @@ class Cluster:
                 results[pi] = run_part(step.parts[pi]) if j == 0 else futures[pi].result()
             except AttnserveError as e:
                 errors[pi] = e
-        for pi, e in errors.items():
-            if not isinstance(e, StaleIncarnation):
-                raise e
-        for pi in errors:
-            skipped.add(pi)
-            self._lose_server(step.parts[pi].server, gone=False)
+        # Restarts, lost leases and servers unreachable for too long lose
+        # their sequences (their rows come back empty, with SequencesLost);
+        # any other failure is the answer.
+        failure = None
+        for pi in live:
+            server = step.parts[pi].server
+            e = errors.get(pi)
+            if self._observe(server, e, []):
+                skipped.add(pi)
+            elif e is not None and failure is None:
+                failure = _explained(e, f"server {self._servers[server].address}: ")
+        if failure is not None:
+            raise failure
 
         hq, d = g["num_qo_heads"], g["head_dim"]
         if out == "torch":
@@ -683,13 +786,17 @@ class Cluster:
         incarnation = next((r.incarnation for r in results.values()), 0)
         result = PrefillResult(o_all, lse, incarnation)
         if lost:
-            raise SequencesLost(lost, "a server holding them restarted", partial=result,
-                                method="run")
+            raise SequencesLost(lost, _LOST_WHY, partial=result, method="run")
         return result
 
     def finish(self, *seq_ids: Hashable) -> None:
         """Frees the sequences' pages on every server and forgets them (lost
-        ones too). KeyError for an unknown id, and nothing is freed."""
+        ones too). Unknown ids (KeyError) or duplicates (ValueError) change
+        nothing; otherwise every named sequence is gone from the cluster
+        afterwards, whatever happens, and an error names the servers that
+        could not confirm freeing their pages and the sequences concerned
+        (their KvManagers free them later: docs/cluster.md). SequencesLost
+        names other sequences found lost meanwhile."""
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("finish: seq_ids has duplicates")
         missing = [sid for sid in seq_ids if sid not in self._seqs]
@@ -698,29 +805,51 @@ class Cluster:
         per_server: dict = {}
         for sid in seq_ids:
             for sh in self._seqs[sid].shards:
-                per_server.setdefault(sh.server, []).append(sid)
-        lost, first = [], None
-        for srv, ids in sorted(per_server.items()):
-            try:
-                self._servers[srv].kv.finish(*ids)
-            except StaleIncarnation:
-                lost += self._lose_server(srv, gone=False)  # nothing left to free there
-            except AttnserveError as e:
-                first = first or e
-        if first is not None:
-            raise first
+                # A manager that forgot it (lost with its lease, reset) holds
+                # nothing of it.
+                if self._servers[sh.server].kv.has(sid):
+                    per_server.setdefault(sh.server, []).append(sid)
+        # Every named sequence goes, whatever the servers answer.
         for sid in seq_ids:
             seq = self._seqs.pop(sid)
             if seq.step is not None:
                 seq.step.valid = False
+        lost, unconfirmed, first = [], [], None
+        for srv, ids in sorted(per_server.items()):
+            try:
+                self._servers[srv].kv.finish(*ids)
+                error = None
+            except AttnserveError as e:
+                error = e
+            # A restart, a lost lease, or an unreachability declared a loss:
+            # the pages are gone (or freed when the lease ends).
+            if self._observe(srv, error, lost) or error is None:
+                continue
+            first = first or error
+            unconfirmed.append(f"server {self._servers[srv].address} (sequences "
+                               f"{', '.join(map(repr, ids))}): {error.details}")
+        if first is not None:
+            raise type(first)(
+                f"finish: sequences {', '.join(map(repr, seq_ids))} are finished (forgotten by "
+                "the cluster), but freeing their pages was not confirmed on "
+                + "; ".join(unconfirmed), first.code, "finish")
         others = [sid for sid in lost if sid not in seq_ids]
         if others:
-            raise SequencesLost(others, "a server holding them restarted", method="finish")
+            raise SequencesLost(others, _LOST_WHY, method="finish")
 
     def release(self) -> None:
-        """finish() of every sequence."""
-        if self._seqs:
-            self.finish(*list(self._seqs))
+        """finish() of every sequence, then every server's KvManager.release()
+        (its lease revoked), best effort."""
+        try:
+            if self._seqs:
+                self.finish(*list(self._seqs))
+        finally:
+            for s in self._servers:
+                if not s.gone:
+                    try:
+                        s.kv.release()
+                    except AttnserveError:
+                        pass
 
     # ------------------------------------------------------------ queries
     def kv_len(self, seq_id: Hashable) -> int:

@@ -122,6 +122,41 @@ class Unauthenticated(AttnserveError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class SequencesLost(DataLoss):
+    """Sequences whose KV is gone: a server holding part of them restarted or
+    could not be reached for too long (attnserve.Cluster), or the KV manager's
+    lease expired (attnserve.KvManager). seq_ids names them; finish() them and
+    start them again.
+
+    From run(), partial is the step's PrefillResult for the other sequences
+    (the lost sequences' rows are 0 with LSE -inf), when there are others.
+    """
+
+    code = grpc.StatusCode.DATA_LOSS
+
+    def __init__(self, seq_ids, why: str, partial=None, method: str = ""):
+        self.seq_ids = sorted(seq_ids, key=repr)
+        self.partial = partial
+        super().__init__(f"sequences lost: {self.seq_ids} ({why}); finish() them and start "
+                         "them again", grpc.StatusCode.DATA_LOSS, method)
+
+
+# Codes of a failed call that may or may not have taken effect on the server
+# (the reply, not the request, may be what was lost).
+_OUTCOME_UNKNOWN = frozenset((grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+                              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                              grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
+                              grpc.StatusCode.DATA_LOSS))
+
+
+def outcome_unknown(error: AttnserveError) -> bool:
+    """True when the failed call may or may not have taken effect on the
+    server (DEADLINE_EXCEEDED, UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL,
+    ABORTED, DATA_LOSS); any other code is the server's definite answer: the
+    request changed nothing."""
+    return error.code in _OUTCOME_UNKNOWN
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (Cancelled, Unknown, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists,

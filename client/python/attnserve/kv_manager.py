@@ -16,18 +16,35 @@ the step's layout once (qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
 the append slots and each new token's position) and registers it with the
 server (CreatePlan). run() sends one Prefill per layer that names the plan,
 with the fused append of that layer's K/V rows.
+
+Leases (the default): the manager holds its pages and plans under a lease of
+its own (a client.fork() and an attnserve.Lease, granted at the first plan()).
+If the process dies, the server frees them within the lease's ttl; close()
+or release() revokes it. A failed call never leaves a sequence usable whose
+pages may have been freed: finish() forgets its sequences whatever happens,
+and pages whose fate a failed call left unknown are reconciled against the
+lease's holdings (ListHoldings) before the next plan(), finish() or
+release(). A lease that expired loses every sequence (SequencesLost).
+docs/kv_manager.md, "When a call fails".
+
+The RPC sequences of plan, finish and release are written once, as
+generators that yield the calls they make (_Flows); KvManager runs them
+with the blocking client, AsyncKvManager awaits them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass, field
 from typing import Hashable, Optional, Sequence
 
 import numpy as np
 
 from attnserve.client import PrefillLayout, PrefillResult
-from attnserve.errors import AttnserveError, NotFound, Unimplemented
+from attnserve.errors import (AttnserveError, FailedPrecondition, LeaseExpired, NotFound,
+                              SequencesLost, StaleIncarnation, Unimplemented, outcome_unknown)
+from attnserve.lease import AsyncLease, Lease
 
 
 @dataclass
@@ -73,35 +90,80 @@ class Plan:
         return len(self.seq_ids)
 
 
+_LEASE_GONE = "the KV manager's lease expired or was revoked: the server released its pages"
+
+
+def _call(method: str, *args, **kwargs) -> tuple:
+    """An RPC a flow yields: the client method's name and its arguments."""
+    return (method, args, kwargs)
+
+
+_START_LEASE = ("<start lease>", (), {})
+
+
+def _explained(e: AttnserveError, prefix: str) -> AttnserveError:
+    """e's class, code and method, with `prefix` before its details."""
+    if isinstance(e, SequencesLost):
+        return e
+    return type(e)(prefix + e.details, e.code, e.method)
+
+
 class _Sequence:
-    __slots__ = ("pages", "length", "plan")
+    __slots__ = ("pages", "length", "plan", "unwritten")
 
     def __init__(self):
         self.pages: list = []
         self.length = 0
         self.plan: Optional[Plan] = None
+        self.unwritten: set = set()  # layers of `plan` whose run() failed
 
 
 class _Bookkeeping:
-    """Everything but the RPCs: sequences, their pages, the layout of a step."""
+    """Everything but the RPCs: sequences, their pages, the layout of a step,
+    the lease and what failed calls left in doubt; the flows of plan, finish
+    and release as generators of the calls they make."""
 
-    def __init__(self, *, causal: bool = True, sm_scale: Optional[float] = None,
-                 lse_base: str = "2", server_plans: bool = True):
+    def __init__(self, client, *, causal: bool = True, sm_scale: Optional[float] = None,
+                 lse_base: str = "2", server_plans: bool = True, lease: bool = True,
+                 lease_ttl: Optional[float] = None):
+        self.client = client
         self.causal = causal
         self.sm_scale = sm_scale
         self.lse_base = lse_base
         # Register each step's layout with CreatePlan (False: send it with every
         # layer, as for a server without plans, which also turns this off).
         self.server_plans = server_plans
+        # Hold pages and plans under a lease of the manager's own (False: the
+        # client's requests as they are, as before leases; also for a server
+        # without leases).
+        self.leases = lease
+        self.lease_ttl = lease_ttl
+        self._rpc = client              # lease mode: a fork holding the lease
+        self._lease = None              # attnserve.Lease / AsyncLease
         self._seqs: dict = {}
+        self._lost: set = set()         # lost with a lease, not yet finished
         self._step = 0
         self._latest: Optional[Plan] = None
-        self._unreleased: list = []  # server plans gone stale, still to release
+        self._unreleased: list = []     # server plans gone stale, still to release
+        self._unrevoked: list = []      # ended leases whose revocation is not confirmed
+        self._dirty = False             # lease: holdings may differ from the bookkeeping
+        self._to_free: list = []        # no lease: pages surely held, owned by no sequence
+        self._leaked = 0
 
     # ------------------------------------------------------------ queries
     @property
     def sequences(self) -> list:
+        """The live sequences."""
         return list(self._seqs)
+
+    @property
+    def lost(self) -> list:
+        """Sequences lost with an expired lease, not yet finished."""
+        return sorted(self._lost, key=repr)
+
+    def has(self, seq_id: Hashable) -> bool:
+        """True for a sequence the manager knows: live, or lost and not finished."""
+        return seq_id in self._seqs or seq_id in self._lost
 
     def kv_len(self, seq_id: Hashable) -> int:
         return self._seqs[seq_id].length
@@ -111,20 +173,106 @@ class _Bookkeeping:
 
     @property
     def num_pages(self) -> int:
-        """Pages this manager holds on the server."""
+        """Pages this manager's live sequences hold on the server."""
         return sum(len(s.pages) for s in self._seqs.values())
 
-    def reset(self) -> None:
-        """Forgets every sequence and plan without an RPC (after a server restart)."""
+    @property
+    def leaked_pages(self) -> int:
+        """Pages given up without a lease: a free or an allocation whose outcome
+        is unknown (they may still be held on the server; never reused)."""
+        return self._leaked
+
+    @property
+    def lease_id(self) -> int:
+        """The manager's lease (0: none yet, or leases off)."""
+        return 0 if self._lease is None else self._lease.lease_id
+
+    def check_written(self, *seq_ids: Hashable) -> None:
+        """Raises FailedPrecondition naming the sequences among seq_ids whose
+        last run() of some layer failed (plan() refuses them until that layer
+        of that plan runs again)."""
+        groups: dict = {}
+        for sid in seq_ids:
+            s = self._seqs.get(sid)
+            if s is not None and s.unwritten:
+                key = (s.plan.step if s.plan is not None else 0, tuple(sorted(s.unwritten)))
+                groups.setdefault(key, []).append(sid)
+        if groups:
+            parts = [f"sequences {', '.join(map(repr, ids))}: layer{'s' if len(layers) > 1 else ''} "
+                     f"{', '.join(map(str, layers))} of step {step}"
+                     for (step, layers), ids in groups.items()]
+            raise FailedPrecondition(
+                "; ".join(parts) + ": a run() of that layer failed, and it may or may not have "
+                "appended the step's K/V rows; run that layer of that plan again (with the same "
+                "q, k_new, v_new) or finish() the sequences", method="plan")
+
+    def _clear(self) -> None:
         for s in self._seqs.values():
             if s.plan is not None:
                 s.plan.valid = False
         self._seqs.clear()
+        self._lost.clear()
         self._latest = None
         self._unreleased.clear()
+        self._to_free.clear()
+        self._dirty = False
+
+    def _end_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.abandon()
+        self._lease = None
+
+    def reset(self) -> None:
+        """Forgets every sequence and plan without an RPC (after a server restart)."""
+        self._clear()
+        self._end_lease()
+        self._unrevoked.clear()  # the server that restarted has none of them
+
+    def abandon(self) -> None:
+        """reset() for a server that cannot be reached: with the lease, the
+        server frees everything within the lease's ttl; without, the pages
+        the manager held are counted as leaked."""
+        if self._lease is None:
+            self._leaked += self.num_pages + len(self._to_free)
+        else:
+            self._unrevoked.append(self._lease.lease_id)  # if the server answers again
+        self._clear()
+        self._end_lease()
+
+    def _lose_all(self) -> list:
+        """Every sequence is lost (the lease is gone); returns them."""
+        lost = list(self._seqs)
+        for s in self._seqs.values():
+            if s.plan is not None:
+                s.plan.valid = False
+        self._lost.update(lost)
+        self._seqs.clear()
+        self._latest = None
+        self._unreleased.clear()
+        self._to_free.clear()
+        self._dirty = False
+        self._end_lease()
+        return lost
+
+    def _failed(self, e: AttnserveError, leak: int = 0) -> AttnserveError:
+        """The error to raise for a failed call: a lease that expired loses
+        every sequence (SequencesLost); an outcome that is unknown marks the
+        lease's holdings for reconciliation (without a lease, `leak` pages
+        are counted as leaked)."""
+        if isinstance(e, LeaseExpired):
+            lost = self._lose_all()
+            return SequencesLost(lost, _LEASE_GONE, method=e.method) if lost else e
+        if isinstance(e, StaleIncarnation):
+            return e  # the server restarted: nothing is held there
+        if outcome_unknown(e):
+            if self._lease is not None:
+                self._dirty = True
+            else:
+                self._leaked += leak
+        return e
 
     # ------------------------------------------------------------ planning
-    def _pages_needed(self, page_size: int, seq_ids: Sequence, q_lens) -> tuple:
+    def _validate(self, seq_ids: Sequence, q_lens) -> np.ndarray:
         if len(seq_ids) == 0:
             raise ValueError("plan: seq_ids is empty")
         if len(seq_ids) != len(q_lens):
@@ -136,13 +284,16 @@ class _Bookkeeping:
             raise TypeError(f"plan: q_lens must be integers, not {lens.dtype}")
         if (lens < 0).any():
             raise ValueError(f"plan: q_lens[{int(np.argmax(lens < 0))}] is negative")
+        return lens.astype(np.int64)
+
+    def _pages_needed(self, page_size: int, seq_ids: Sequence, lens: np.ndarray) -> list:
         needs = []
         for sid, q_len in zip(seq_ids, lens.tolist()):
             s = self._seqs.get(sid)
             length = s.length if s is not None else 0
             held = len(s.pages) if s is not None else 0
             needs.append(max(0, -(-(length + q_len) // page_size) - held))
-        return lens.astype(np.int64), needs
+        return needs
 
     def _lay_out(self, page_size: int, seq_ids: Sequence, q_lens: np.ndarray, needs: list,
                  new_pages: list, q_rows: Optional[np.ndarray] = None,
@@ -212,6 +363,7 @@ class _Bookkeeping:
             s.pages, s.length = pages, length
             self._retire(s.plan)
             s.plan = plan
+            s.unwritten = set()
         self._latest = plan
 
     def _retire(self, plan: Optional[Plan]) -> None:
@@ -220,28 +372,40 @@ class _Bookkeeping:
             if plan.plan_id:
                 self._unreleased.append(plan.plan_id)
 
+    def _live_plan_ids(self) -> set:
+        return {s.plan.plan_id for s in self._seqs.values()
+                if s.plan is not None and s.plan.valid and s.plan.plan_id}
+
     def _plan_for_run(self, plan: Optional[Plan]) -> Plan:
         plan = self._latest if plan is None else plan
         if plan is None:
             raise RuntimeError("run: no plan; call plan() first")
         if not plan.valid:
+            lost = [sid for sid in plan.seq_ids if sid in self._lost]
+            if lost:
+                raise SequencesLost(lost, _LEASE_GONE, method="run")
             raise RuntimeError(f"run: the plan of step {plan.step} is stale (a later plan or "
                                "finish() changed one of its sequences)")
         return plan
 
-    def _take(self, seq_ids) -> list:
-        """The pages of seq_ids; their plans go stale."""
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("finish: seq_ids has duplicates")
-        missing = [sid for sid in seq_ids if sid not in self._seqs]
-        if missing:
-            raise KeyError(f"finish: unknown sequence(s) {missing}")
-        pages = []
-        for sid in seq_ids:
-            s = self._seqs[sid]
-            pages.extend(s.pages)
-            self._retire(s.plan)
-        return pages
+    def _run_failed(self, plan: Plan, layer: int, e: AttnserveError, lease) -> AttnserveError:
+        """A run() of `plan` failed with e (under `lease`, the lease then)."""
+        if isinstance(e, LeaseExpired):
+            if lease is not None and lease is self._lease:
+                return self._failed(e)
+            lost = [sid for sid in plan.seq_ids if sid in self._lost]
+            return SequencesLost(lost, _LEASE_GONE, method="run") if lost else e
+        if plan.valid:  # the latest plan of each of its sequences
+            appended = plan.append_lens if plan.append_lens is not None else plan.q_lens
+            for sid, n in zip(plan.seq_ids, appended.tolist()):
+                if n:  # it may or may not have appended this layer's rows
+                    self._seqs[sid].unwritten.add(layer)
+        return e
+
+    def _run_ok(self, plan: Plan, layer: int) -> None:
+        if plan.valid:
+            for sid in plan.seq_ids:
+                self._seqs[sid].unwritten.discard(layer)
 
     def _undo(self, plan: Plan) -> list:
         """The bookkeeping of undo(); returns the pages to free."""
@@ -259,20 +423,319 @@ class _Bookkeeping:
             freed.extend(s.pages[keep:])
             del s.pages[keep:]
             s.plan = None
+            s.unwritten = set()
             if s.length == 0 and not s.pages:
                 del self._seqs[sid]
         if self._latest is plan:
             self._latest = None
         return freed
 
-    def _drop(self, seq_ids) -> None:
-        for sid in seq_ids:
-            self._seqs.pop(sid)
+    # ------------------------------------------------------------ flows
+    # Generators that yield the calls they make (_call(...), or _START_LEASE)
+    # and get their results back; a failed call is thrown into them.
 
-    @staticmethod
-    def _released(plan_id: int, error: Optional[AttnserveError]) -> bool:
-        # NOT_FOUND: the server dropped it already (idle timeout or restart).
-        return error is None or isinstance(error, NotFound)
+    def _prepare(self):
+        """Before a call that allocates: the lease (a new one when there is
+        none, every sequence lost when it expired) and the reconciliation of
+        what a failed call left in doubt."""
+        if not self.leases:
+            if self._to_free:
+                yield from self._free_pending()
+            return
+        if self._lease is not None and self._lease.expired:
+            lost = self._lose_all()
+            if lost:
+                raise SequencesLost(lost, _LEASE_GONE, method="plan")
+        if self._lease is not None and self._dirty:
+            try:
+                yield from self._reconcile()
+            except (SequencesLost, StaleIncarnation):
+                raise
+            except AttnserveError:
+                # Still in doubt: the lease's, which no one else can be
+                # given; a later call reconciles them. A lease found gone
+                # with no sequence under it: a new one below.
+                pass
+        if self._lease is None:
+            try:
+                yield from self._revoke_ended()  # best effort: they also end by themselves
+            except AttnserveError:
+                pass
+            # A fresh fork takes the client's incarnation as it is now.
+            self._rpc = self.client.fork()
+            try:
+                self._lease = yield _START_LEASE
+            except Unimplemented:
+                self.leases = False  # a server without leases: as before them
+                self._rpc = self.client
+
+    def _reconcile(self):
+        """Frees what the lease holds that no live sequence owns and releases
+        the plans the manager does not know (ListHoldings)."""
+        lease_id = self._lease.lease_id
+        try:
+            listed = yield _call("list_holdings", lease_id)
+        except AttnserveError as e:
+            raise self._failed(e) from None
+        held_pages, held_plans = set(), ()
+        for info in listed.leases:
+            if info.lease_id == lease_id:
+                held_pages, held_plans = set(info.holdings.pages), info.holdings.plans
+        # Plans first: a plan pins its pages.
+        live = self._live_plan_ids()
+        for plan_id in held_plans:
+            if plan_id in live:
+                continue
+            try:
+                yield _call("release_plan", plan_id)
+            except NotFound:
+                pass
+            except AttnserveError as e:
+                raise self._failed(e) from None
+        self._unreleased.clear()
+        owned, missing = set(), []
+        for sid, s in self._seqs.items():
+            owned.update(s.pages)
+            if not held_pages.issuperset(s.pages):
+                missing.append(sid)
+        unowned = sorted(held_pages - owned)
+        if unowned:
+            try:
+                yield _call("free_pages", unowned)
+            except AttnserveError as e:
+                raise self._failed(e) from None
+        self._dirty = False
+        if missing:
+            # Pages of a live sequence the lease no longer holds: freed behind
+            # the manager's back. Never attend over them again.
+            for sid in missing:
+                self._retire(self._seqs.pop(sid).plan)
+                self._lost.add(sid)
+            raise SequencesLost(missing, "pages of theirs are no longer held under the lease")
+
+    def _release_stale(self):
+        """ReleasePlan of the stale server plans; the first failure raises.
+        NOT_FOUND counts as released; plan ids are random and never reused,
+        so a release whose outcome is unknown is simply tried again."""
+        while self._unreleased:
+            try:
+                yield _call("release_plan", self._unreleased[-1])
+            except NotFound:
+                pass
+            self._unreleased.pop()
+
+    def _revoke_ended(self):
+        while self._unrevoked:
+            try:
+                yield _call("revoke_lease", self._unrevoked[-1])
+            except StaleIncarnation:
+                self._unrevoked.clear()  # the server restarted: none of them is left
+                return
+            self._unrevoked.pop()
+
+    def _free_pending(self):
+        """Without a lease: FreePages of _to_free, best effort."""
+        pages, self._to_free = self._to_free, []
+        try:
+            yield from self._release_stale()
+        except AttnserveError:
+            self._to_free = pages
+            return
+        try:
+            yield _call("free_pages", pages)
+        except (StaleIncarnation, LeaseExpired):
+            pass  # gone with the server or the lease
+        except AttnserveError as e:
+            if not outcome_unknown(e) and isinstance(e, FailedPrecondition):
+                self._to_free = pages  # still pinned by a plan: the next call tries again
+            else:
+                self._leaked += len(pages)  # never freed twice
+
+    def _free_unowned(self, pages: list):
+        """Frees pages no sequence owns any more (and the stale plans first)."""
+        if self.leases and self._lease is None:
+            return  # what a lease-mode manager held went with its lease
+        if self._lease is not None:
+            # With the lease every failure is settled by the next
+            # reconciliation: what the lease still holds and no sequence
+            # owns is freed then.
+            try:
+                if self._dirty:
+                    yield from self._reconcile()  # frees `pages` too
+                else:
+                    yield from self._release_stale()
+                    if pages:
+                        yield _call("free_pages", pages)
+            except SequencesLost:
+                raise
+            except (LeaseExpired, StaleIncarnation) as e:
+                raise self._failed(e) from None
+            except AttnserveError as e:
+                self._dirty = True
+                raise _explained(e, "the manager frees what its lease still holds and no "
+                                    "sequence owns at its next plan(), finish() or release() "
+                                    "(the server, when the lease ends): ") from None
+            return
+        # Without a lease, a FreePages whose outcome is unknown is never
+        # tried again: the pages may belong to another client of the tenant.
+        try:
+            yield from self._release_stale()
+        except (LeaseExpired, StaleIncarnation) as e:
+            raise self._failed(e) from None
+        except AttnserveError as e:
+            self._to_free.extend(pages)  # pinned by the stale plans, surely held
+            raise _explained(e, "the pages are freed at a later call, once their plans are "
+                                "released: ") from None
+        if pages:
+            try:
+                yield _call("free_pages", pages)
+            except (LeaseExpired, StaleIncarnation) as e:
+                raise self._failed(e) from None
+            except AttnserveError as e:
+                if not outcome_unknown(e) and isinstance(e, FailedPrecondition):
+                    # Pinned by a plan whose CreatePlan reply was lost: the
+                    # server drops it after --plan_idle_timeout_s.
+                    self._to_free.extend(pages)
+                    raise _explained(e, "the pages are freed at a later call, once the plans "
+                                        "that pin them are gone: ") from None
+                self._leaked += len(pages)
+                raise _explained(e, "pages that may or may not have been freed are leaked "
+                                    "(leaked_pages), never freed or reused: ") from None
+        if self._to_free:
+            yield from self._free_pending()
+
+    def _plan_flow(self, page_size: int, seq_ids: Sequence, append_lens, q_rows=None,
+                   kv_keys_after=None):
+        lens = self._validate(seq_ids, append_lens)
+        rows = after = None
+        if q_rows is not None:
+            rows = np.asarray(q_rows, dtype=np.int64).reshape(-1)
+            if len(rows) != len(lens) or (rows < lens).any():
+                raise ValueError("plan_rows: q_rows must have one entry per sequence, each "
+                                 ">= its append_lens")
+        if kv_keys_after is not None:
+            after = np.asarray(kv_keys_after, dtype=np.int64).reshape(-1)
+            if len(after) != len(lens) or (after < 0).any():
+                raise ValueError("plan_rows: kv_keys_after must have one entry >= 0 per "
+                                 "sequence")
+        lost = [sid for sid in seq_ids if sid in self._lost]
+        if lost:
+            raise SequencesLost(lost, _LEASE_GONE, method="plan")
+        self.check_written(*seq_ids)
+        yield from self._prepare()
+        needs = self._pages_needed(page_size, seq_ids, lens)
+        total = sum(needs)
+        new_pages = []
+        if total:
+            try:
+                new_pages = yield _call("allocate_pages", total)
+            except AttnserveError as e:
+                raise self._failed(e, leak=total) from None
+        plan, grown = self._lay_out(page_size, seq_ids, lens, needs, new_pages, rows,
+                                    kv_keys_after)
+        registered = False
+        if self.server_plans:
+            try:
+                self._plan_layout(plan, (yield _call("create_plan", *self._create_args(plan))))
+                registered = True
+            except Unimplemented:
+                self.server_plans = False  # a server without plans: send the layout
+            except (LeaseExpired, StaleIncarnation) as e:
+                raise self._failed(e) from None
+            except AttnserveError as e:
+                if self._lease is not None and outcome_unknown(e):
+                    # The plan may exist, pinning the new pages: the next call
+                    # releases it and frees them (the lease lists both).
+                    self._dirty = True
+                elif new_pages:
+                    try:
+                        yield from self._free_unowned(new_pages)
+                    except AttnserveError:
+                        pass  # the first error is the one to report
+                raise
+        if not registered:
+            plan.layout = self._layout_bytes(plan)
+        self._apply(plan, grown)
+        try:  # a failed release stays queued for the next plan or finish
+            yield from self._release_stale()
+        except LeaseExpired as e:
+            raise self._failed(e) from None  # the plan just made went with the lease
+        except AttnserveError:
+            pass
+        return plan
+
+    def _undo_flow(self, plan: Plan):
+        yield from self._free_unowned(self._undo(plan))
+
+    def _finish_flow(self, seq_ids):
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("finish: seq_ids has duplicates")
+        missing = [sid for sid in seq_ids if not self.has(sid)]
+        if missing:
+            raise KeyError(f"finish: unknown sequence(s) {missing}")
+        # From here on the sequences are gone, whatever the server answers.
+        pages = []
+        unreleased_before = len(self._unreleased)
+        for sid in seq_ids:
+            if sid in self._lost:
+                self._lost.discard(sid)  # its pages went with the lease
+                continue
+            s = self._seqs.pop(sid)
+            pages.extend(s.pages)
+            self._retire(s.plan)  # the plans pin the pages: released first
+        if self._latest is not None and not self._latest.valid:
+            self._latest = None
+        if not pages and len(self._unreleased) == unreleased_before:
+            # Nothing of these sequences to free (lost ones, or empty): no RPC;
+            # what earlier calls left pending waits for the next call.
+            return
+        if self._lease is not None and self._lease.expired:
+            lost = self._lose_all()  # these sequences' pages went with it
+            if lost:
+                raise SequencesLost(lost, _LEASE_GONE, method="finish")
+            return
+        try:
+            yield from self._free_unowned(pages)
+        except SequencesLost:
+            raise
+        except LeaseExpired:
+            return  # their pages went with it, and no other sequence was lost
+        except StaleIncarnation as e:
+            raise _explained(e, "finish: the sequences are forgotten (the server restarted: "
+                                "their pages are gone): ") from None
+        except AttnserveError as e:
+            raise _explained(e, "finish: the sequences are forgotten, but freeing their pages "
+                                "was not confirmed; ") from None
+
+    def _release_flow(self):
+        # finish() first: FreePages answers once the pages are zeroed and free.
+        error = None
+        every = list(self._seqs) + list(self._lost)
+        try:
+            if every:
+                yield from self._finish_flow(every)
+            else:
+                yield from self._free_unowned([])
+        except AttnserveError as e:
+            error = e
+        if not self.leases:
+            if error is not None:
+                raise error
+            return
+        # Then the lease ends: revoking it releases whatever a failure left under it.
+        self._clear()
+        if self._lease is not None:
+            self._unrevoked.append(self._lease.lease_id)
+            self._end_lease()
+        try:
+            yield from self._revoke_ended()
+        except AttnserveError as e:
+            raise error or _explained(e, "release: every sequence is forgotten, but revoking "
+                                         "the manager's lease was not confirmed; it is tried "
+                                         "again at the next call, and the server frees "
+                                         "everything under the lease when it ends, within its "
+                                         "ttl: ") from None
+        # Revoked: nothing is left held, whatever finish() said.
 
 
 class KvManager(_Bookkeeping):
@@ -283,22 +746,54 @@ class KvManager(_Bookkeeping):
       causal, sm_scale, lse_base: the Prefill options of every run().
       server_plans: register each step's layout with CreatePlan (default);
         False sends the layout with every layer instead.
+      lease: hold the pages and plans under a lease of the manager's own
+        (default; a client.fork() with an attnserve.Lease). False: the
+        client's requests as they are, as before leases.
+      lease_ttl: the lease's time-to-live in seconds (None: the server's
+        --lease_default_ttl_s).
+
+    close() (or the with block's end) revokes the lease: everything the
+    manager still holds is freed.
     """
 
     def __init__(self, client, *, causal: bool = True, sm_scale: Optional[float] = None,
-                 lse_base: str = "2", server_plans: bool = True):
-        super().__init__(causal=causal, sm_scale=sm_scale, lse_base=lse_base,
-                         server_plans=server_plans)
-        self.client = client
+                 lse_base: str = "2", server_plans: bool = True, lease: bool = True,
+                 lease_ttl: Optional[float] = None):
+        super().__init__(client, causal=causal, sm_scale=sm_scale, lse_base=lse_base,
+                         server_plans=server_plans, lease=lease, lease_ttl=lease_ttl)
         self.page_size = client.server_info.page_size
+
+    def _drive(self, flow):
+        """Runs a flow with the blocking client."""
+        result, error = None, None
+        while True:
+            try:
+                op = flow.send(result) if error is None else flow.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            result, error = None, None
+            try:
+                if op is _START_LEASE:
+                    result = Lease(self._rpc, self.lease_ttl)
+                    # A manager dropped without close(): the lease stops being
+                    # renewed, and the server frees what it holds within its ttl.
+                    weakref.finalize(self, result.abandon)
+                else:
+                    method, args, kwargs = op
+                    result = getattr(self._rpc, method)(*args, **kwargs)
+            except AttnserveError as e:
+                error = e
 
     def plan(self, seq_ids: Sequence, q_lens) -> Plan:
         """Grows seq_ids[b] by q_lens[b] tokens and lays the step out.
 
         A sequence not seen before starts empty. Allocates the pages the step
-        needs in one call and registers the layout; on failure (e.g.
-        ResourceExhausted) nothing changes. Lengths advance here, once per
-        step: every layer's run() then appends at the same positions.
+        needs in one call and registers the layout; on failure nothing
+        changes: ValueError/TypeError for bad arguments, ResourceExhausted,
+        FailedPrecondition for a sequence whose last run() of some layer
+        failed (run it again first), SequencesLost for lost sequences, or the
+        failed call's error. Lengths advance here, once per step: every
+        layer's run() then appends at the same positions.
         """
         return self.plan_rows(seq_ids, q_lens)
 
@@ -310,55 +805,15 @@ class KvManager(_Bookkeeping):
         sequence's new tokens, some appended on other servers), and
         kv_keys_after[b] of the sequence's keys lie beyond this range.
         run() then takes k_new, v_new of the appended rows only."""
-        lens, needs = self._pages_needed(self.page_size, seq_ids, append_lens)
-        rows = None
-        if q_rows is not None:
-            rows = np.asarray(q_rows, dtype=np.int64).reshape(-1)
-            if len(rows) != len(lens) or (rows < lens).any():
-                raise ValueError("plan_rows: q_rows must have one entry per sequence, each "
-                                 ">= its append_lens")
-        if kv_keys_after is not None:
-            after = np.asarray(kv_keys_after, dtype=np.int64).reshape(-1)
-            if len(after) != len(lens) or (after < 0).any():
-                raise ValueError("plan_rows: kv_keys_after must have one entry >= 0 per "
-                                 "sequence")
-        new_pages = self.client.allocate_pages(sum(needs)) if sum(needs) else []
-        plan, after = self._lay_out(self.page_size, seq_ids, lens, needs, new_pages, rows,
-                                    kv_keys_after)
+        seq_ids = list(seq_ids)
         try:
-            self._register(plan)
-        except BaseException:
-            if new_pages:
-                try:
-                    self.client.free_pages(new_pages)
-                except AttnserveError:
-                    pass  # the first error is the one to report
-            raise
-        self._apply(plan, after)
-        self._release_stale(strict=False)
-        return plan
-
-    def _register(self, plan: Plan) -> None:
-        if self.server_plans:
-            try:
-                self._plan_layout(plan, self.client.create_plan(*self._create_args(plan)))
-                return
-            except Unimplemented:
-                self.server_plans = False  # a server without plans
-        plan.layout = self._layout_bytes(plan)
-
-    def _release_stale(self, strict: bool) -> None:
-        """ReleasePlan for plans gone stale; with strict, the first failure raises."""
-        pending, self._unreleased = self._unreleased, []
-        for i, plan_id in enumerate(pending):
-            try:
-                self.client.release_plan(plan_id)
-            except AttnserveError as e:
-                if not self._released(plan_id, e):
-                    self._unreleased.extend(pending[i:])
-                    if strict:
-                        raise
-                    return
+            return self._drive(self._plan_flow(self.page_size, seq_ids, append_lens, q_rows,
+                                               kv_keys_after))
+        except LeaseExpired:
+            # The lease was found gone with no sequence under it: once more,
+            # with a new one.
+            return self._drive(self._plan_flow(self.page_size, seq_ids, append_lens, q_rows,
+                                               kv_keys_after))
 
     def run(self, layer: int, q, k_new, v_new, *, plan: Optional[Plan] = None,
             **kwargs) -> PrefillResult:
@@ -367,51 +822,79 @@ class KvManager(_Bookkeeping):
 
         plan defaults to the latest; any plan whose sequences no later plan or
         finish() touched may run (e.g. two micro-batches). kwargs go to
-        Client.prefill_layout (out, device, timeout).
+        Client.prefill_layout (out, device, timeout). A run() that fails may
+        or may not have appended that layer's rows: until that layer of that
+        plan has run again successfully, plan() refuses its sequences.
         """
         p = self._plan_for_run(plan)
-        return self.client.prefill_layout(layer, q, p.layout, k_new, v_new, **kwargs)
+        lease = self._lease
+        try:
+            r = self._rpc.prefill_layout(layer, q, p.layout, k_new, v_new, **kwargs)
+        except AttnserveError as e:
+            raise self._run_failed(p, layer, e, lease) from None
+        self._run_ok(p, layer)
+        return r
 
     def undo(self, plan: Plan) -> None:
         """Takes back plan, the latest plan of each of its sequences: their
         lengths go back, the pages it allocated are freed, its server plan is
         released and it goes stale (as do the plans it had made stale). For a
-        cluster whose step failed on another server."""
-        freed = self._undo(plan)
-        self._release_stale(strict=False)
-        if freed:
-            self.client.free_pages(freed)
+        cluster whose step failed on another server. The bookkeeping is taken
+        back whatever happens; an error says the frees failed (as finish())."""
+        self._drive(self._undo_flow(plan))
 
     def finish(self, *seq_ids: Hashable) -> None:
         """Releases the sequences' plans, frees their pages (one FreePages) and
-        forgets them."""
-        pages = self._take(seq_ids)
-        self._release_stale(strict=True)
-        if pages:
-            self.client.free_pages(pages)
-        self._drop(seq_ids)
+        forgets them. Unknown ids (KeyError) or duplicates (ValueError) change
+        nothing; otherwise the sequences are forgotten whatever happens (lost
+        ones without an RPC), and an error says that freeing their pages could
+        not be confirmed (with the lease, they are freed at the next call or
+        when the lease ends; without, pages that may or may not have been
+        freed count in leaked_pages)."""
+        self._drive(self._finish_flow(seq_ids))
 
     def release(self) -> None:
-        """finish() for every sequence."""
-        if self._seqs:
-            self.finish(*self._seqs)
-        else:
-            self._release_stale(strict=True)
+        """Forgets every sequence (lost ones too) and frees everything the
+        manager holds: finish() of every sequence (FreePages answers once the
+        pages are zeroed and free), then, with the lease, its revocation,
+        which releases whatever a failure left under it (no error once that
+        succeeds; if it fails, it is tried again at the next call, and the
+        lease ends within its ttl anyway). The next plan() starts a new
+        lease."""
+        self._drive(self._release_flow())
+
+    def close(self) -> None:
+        """release(), best effort: errors are swallowed."""
+        try:
+            self.release()
+        except AttnserveError:
+            pass
+
+    def __enter__(self) -> "KvManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class AsyncKvManager(_Bookkeeping):
     """KvManager over an attnserve.aio.AsyncClient: plan, run and finish are awaited.
 
-    plan() and finish() are serialized by a lock; run() calls may overlap (two
-    micro-batches' plans in flight at once).
+    plan(), finish() and release() are serialized by a lock; run() calls may
+    overlap (two micro-batches' plans in flight at once). `await close()`
+    (or `async with`) revokes the lease.
     """
 
     def __init__(self, client, *, causal: bool = True, sm_scale: Optional[float] = None,
-                 lse_base: str = "2", server_plans: bool = True):
-        super().__init__(causal=causal, sm_scale=sm_scale, lse_base=lse_base,
-                         server_plans=server_plans)
-        self.client = client
+                 lse_base: str = "2", server_plans: bool = True, lease: bool = True,
+                 lease_ttl: Optional[float] = None):
+        super().__init__(client, causal=causal, sm_scale=sm_scale, lse_base=lse_base,
+                         server_plans=server_plans, lease=lease, lease_ttl=lease_ttl)
         self._lock_made: Optional[asyncio.Lock] = None  # made in the loop that uses it
+
+    @property
+    def page_size(self) -> int:
+        return self.client.server_info.page_size
 
     @property
     def _lock(self) -> asyncio.Lock:
@@ -419,63 +902,60 @@ class AsyncKvManager(_Bookkeeping):
             self._lock_made = asyncio.Lock()
         return self._lock_made
 
+    async def _drive(self, flow):
+        """Runs a flow with the asyncio client."""
+        result, error = None, None
+        while True:
+            try:
+                op = flow.send(result) if error is None else flow.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            result, error = None, None
+            try:
+                if op is _START_LEASE:
+                    result = await AsyncLease.start(self._rpc, self.lease_ttl)
+                else:
+                    method, args, kwargs = op
+                    result = await getattr(self._rpc, method)(*args, **kwargs)
+            except AttnserveError as e:
+                error = e
+
     async def plan(self, seq_ids: Sequence, q_lens) -> Plan:
+        seq_ids = list(seq_ids)
         async with self._lock:
             await self.client._ensure_info()
-            page_size = self.client.server_info.page_size
-            lens, needs = self._pages_needed(page_size, seq_ids, q_lens)
-            new_pages = await self.client.allocate_pages(sum(needs)) if sum(needs) else []
-            plan, after = self._lay_out(page_size, seq_ids, lens, needs, new_pages)
             try:
-                await self._register(plan)
-            except BaseException:
-                if new_pages:
-                    try:
-                        await self.client.free_pages(new_pages)
-                    except AttnserveError:
-                        pass
-                raise
-            self._apply(plan, after)
-            await self._release_stale(strict=False)
-            return plan
-
-    async def _register(self, plan: Plan) -> None:
-        if self.server_plans:
-            try:
-                self._plan_layout(plan, await self.client.create_plan(*self._create_args(plan)))
-                return
-            except Unimplemented:
-                self.server_plans = False
-        plan.layout = self._layout_bytes(plan)
-
-    async def _release_stale(self, strict: bool) -> None:
-        pending, self._unreleased = self._unreleased, []
-        for i, plan_id in enumerate(pending):
-            try:
-                await self.client.release_plan(plan_id)
-            except AttnserveError as e:
-                if not self._released(plan_id, e):
-                    self._unreleased.extend(pending[i:])
-                    if strict:
-                        raise
-                    return
+                return await self._drive(self._plan_flow(self.page_size, seq_ids, q_lens))
+            except LeaseExpired:
+                return await self._drive(self._plan_flow(self.page_size, seq_ids, q_lens))
 
     async def run(self, layer: int, q, k_new, v_new, *, plan: Optional[Plan] = None,
                   **kwargs) -> PrefillResult:
         p = self._plan_for_run(plan)
-        return await self.client.prefill_layout(layer, q, p.layout, k_new, v_new, **kwargs)
+        lease = self._lease
+        try:
+            r = await self._rpc.prefill_layout(layer, q, p.layout, k_new, v_new, **kwargs)
+        except AttnserveError as e:
+            raise self._run_failed(p, layer, e, lease) from None
+        self._run_ok(p, layer)
+        return r
 
     async def finish(self, *seq_ids: Hashable) -> None:
         async with self._lock:
-            pages = self._take(seq_ids)
-            await self._release_stale(strict=True)
-            if pages:
-                await self.client.free_pages(pages)
-            self._drop(seq_ids)
+            await self._drive(self._finish_flow(seq_ids))
 
     async def release(self) -> None:
-        if self._seqs:
-            await self.finish(*list(self._seqs))
-        else:
-            async with self._lock:
-                await self._release_stale(strict=True)
+        async with self._lock:
+            await self._drive(self._release_flow())
+
+    async def close(self) -> None:
+        try:
+            await self.release()
+        except AttnserveError:
+            pass
+
+    async def __aenter__(self) -> "AsyncKvManager":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -60,13 +60,24 @@ class Lease:
             except AttnserveError:
                 wait = max(period / 4.0, 0.05)
 
+    def abandon(self) -> None:
+        """Stops renewing without an RPC: the server releases everything under
+        the lease within its ttl (for a server that restarted or cannot be
+        reached, where a revocation would fail or wait). Idempotent."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._client.lease_id == self.lease_id:
+            self._client.use_lease(0)
+
     def close(self) -> None:
         """Stops renewing and revokes the lease (best effort: an unreachable
         server lets it expire). Idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
         if not self.expired:
             try:
                 self._client.revoke_lease(self.lease_id)
@@ -118,6 +129,14 @@ class AsyncLease:
                 return
             except AttnserveError:
                 wait = max(period / 4.0, 0.05)
+
+    def abandon(self) -> None:
+        """Stops renewing without an RPC (as Lease.abandon)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+        if self._client.lease_id == self.lease_id:
+            self._client.use_lease(0)
 
     async def close(self) -> None:
         if self._task is None:
