@@ -1,6 +1,7 @@
 #include "server/core/attention_core.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -221,7 +222,7 @@ absl::Status AttentionCore::RenewLease(const CallContext& ctx) {
   return leases_.Renew(ctx.tenant, ctx.lease_id, absl::Now()).status();
 }
 
-HoldingsData AttentionCore::ReleaseHeld(const std::string& tenant, uint64_t lease) {
+HoldingsData AttentionCore::ReleaseHeld(const std::string& tenant, uint64_t lease, DoneCallback zeroed) {
   HoldingsData out;
   // Channels before the regions they poll; plans before the pages they pin.
   out.channels = channels_.CloseHeld(tenant, lease);
@@ -241,7 +242,11 @@ HoldingsData AttentionCore::ReleaseHeld(const std::string& tenant, uint64_t leas
   }
   // Freed pages are zeroed before anyone can allocate them again (pinned ones
   // when their requests finish).
-  if (!out.pages.empty()) scheduler_->ScrubReleased(nullptr);
+  if (!out.pages.empty()) {
+    scheduler_->ScrubReleased(std::move(zeroed));
+  } else if (zeroed) {
+    zeroed(absl::OkStatus());
+  }
   UpdatePageGauges();
   metrics_->SetTenantPages(tenant, pages_.TenantPages(tenant));
   UpdateRegionGauges(tenant);
@@ -275,20 +280,57 @@ absl::StatusOr<int64_t> AttentionCore::KeepAlive(const CallContext& ctx, uint64_
   return absl::ToInt64Milliseconds(ttl);
 }
 
-absl::StatusOr<HoldingsData> AttentionCore::RevokeLease(const CallContext& ctx,
-                                                        uint64_t lease_id) {
-  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
-  if (lease_id == 0) return absl::InvalidArgumentError("lease_id is 0: name a lease (GrantLease)");
+// The answer of RevokeLease and ReleaseHoldings, once their pages are zeroed
+// (ReleaseHeld's `zeroed`, which may run before ReleaseHeld returns).
+struct AttentionCore::PendingRelease {
+  absl::Mutex mu;
+  HoldingsData released;
+  bool have_released = false, zeroed = false;
+  HoldingsCallback done;
+  // Runs `done` once both are in.
+  void Set(std::optional<HoldingsData> r, bool z) {
+    HoldingsCallback fire;
+    HoldingsData answer;
+    {
+      absl::MutexLock lock(&mu);
+      if (r) {
+        released = std::move(*r);
+        have_released = true;
+      }
+      zeroed |= z;
+      if (have_released && zeroed && done != nullptr) {
+        fire = std::exchange(done, nullptr);
+        answer = std::move(released);
+      }
+    }
+    if (fire) fire(std::move(answer));
+  }
+};
+
+void AttentionCore::RevokeLease(const CallContext& ctx, uint64_t lease_id, HoldingsCallback done) {
+  if (absl::Status stale = CheckIncarnation(ctx.expected_incarnation, incarnation_); !stale.ok()) {
+    done(stale);
+    return;
+  }
+  if (lease_id == 0) {
+    done(absl::InvalidArgumentError("lease_id is 0: name a lease (GrantLease)"));
+    return;
+  }
+  auto pending = std::make_shared<PendingRelease>();
+  pending->done = std::move(done);
   HoldingsData released;
   {
     absl::MutexLock lock(&lease_mu_);
     // Gone already (expired and released, or revoked before): nothing to do.
-    if (!leases_.Revoke(ctx.tenant, lease_id)) return released;
-    released = ReleaseHeld(ctx.tenant, lease_id);
+    if (!leases_.Revoke(ctx.tenant, lease_id)) {
+      pending->Set(HoldingsData(), true);
+      return;
+    }
+    released = ReleaseHeld(ctx.tenant, lease_id, [pending](absl::Status) { pending->Set(std::nullopt, true); });
   }
   metrics_->SetTenantLeases(ctx.tenant, leases_.TenantLeases(ctx.tenant));
   CountRelease(Metrics::Release::kRevoked, 1, released);
-  return released;
+  pending->Set(std::move(released), false);
 }
 
 absl::StatusOr<ListHoldingsData> AttentionCore::ListHoldings(const CallContext& ctx,
@@ -332,18 +374,23 @@ absl::StatusOr<ListHoldingsData> AttentionCore::ListHoldings(const CallContext& 
   return out;
 }
 
-absl::StatusOr<HoldingsData> AttentionCore::ReleaseHoldings(const CallContext& ctx) {
-  ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
+void AttentionCore::ReleaseHoldings(const CallContext& ctx, HoldingsCallback done) {
+  if (absl::Status stale = CheckIncarnation(ctx.expected_incarnation, incarnation_); !stale.ok()) {
+    done(stale);
+    return;
+  }
+  auto pending = std::make_shared<PendingRelease>();
+  pending->done = std::move(done);
   HoldingsData released;
   int64_t leases = 0;
   {
     absl::MutexLock lock(&lease_mu_);
     leases = static_cast<int64_t>(leases_.RevokeAll(ctx.tenant).size());
-    released = ReleaseHeld(ctx.tenant, 0);
+    released = ReleaseHeld(ctx.tenant, 0, [pending](absl::Status) { pending->Set(std::nullopt, true); });
   }
   metrics_->SetTenantLeases(ctx.tenant, 0);
   CountRelease(Metrics::Release::kReleaseHoldings, leases, released);
-  return released;
+  pending->Set(std::move(released), false);
 }
 
 void AttentionCore::UpdatePageGauges() {

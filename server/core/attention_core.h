@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -97,15 +98,19 @@ class AttentionCore {
   // Leases (lease_table.h). GrantLease: a new lease of ctx.tenant living
   // ttl_ms (0: the default). KeepAlive renews it and returns its ttl in ms
   // (LeaseTable::ExpiredError when it is gone). RevokeLease ends it now and
-  // releases what it holds (nothing when it was gone already).
+  // releases what it holds (nothing when it was gone already); `done` runs
+  // once the pages it freed are zeroed and free, as FreePages's does (pages
+  // a running request still reads are zeroed when it finishes).
+  using HoldingsCallback = std::function<void(absl::StatusOr<HoldingsData>)>;
   absl::StatusOr<LeaseTable::Granted> GrantLease(const CallContext& ctx, int64_t ttl_ms);
   absl::StatusOr<int64_t> KeepAlive(const CallContext& ctx, uint64_t lease_id);
-  absl::StatusOr<HoldingsData> RevokeLease(const CallContext& ctx, uint64_t lease_id);
+  void RevokeLease(const CallContext& ctx, uint64_t lease_id, HoldingsCallback done);
   // What ctx.tenant holds: per lease, and unleased (lease_id 0), or under
   // one lease.
   absl::StatusOr<ListHoldingsData> ListHoldings(const CallContext& ctx, uint64_t lease_id);
-  // Releases everything ctx.tenant holds, its leases included.
-  absl::StatusOr<HoldingsData> ReleaseHoldings(const CallContext& ctx);
+  // Releases everything ctx.tenant holds, its leases included; `done` as
+  // RevokeLease's.
+  void ReleaseHoldings(const CallContext& ctx, HoldingsCallback done);
 
   // Request channels (channel_table.h): a ring in one of ctx.tenant's system
   // regions, polled by the endpoint `make` starts. Returns the channel id.
@@ -139,6 +144,7 @@ class AttentionCore {
   int64_t batches_run() const { return scheduler_->batches_run(); }
 
  private:
+  struct PendingRelease;
   // Pins `pages` for `tenant` and queues `job`; on any error runs done.
   template <typename CallT>
   void Submit(const CallT& call, std::vector<int32_t> pages, absl::string_view field,
@@ -149,9 +155,9 @@ class AttentionCore {
   absl::Status RenewLease(const CallContext& ctx);
   // Releases what `tenant` holds under `lease` (0: everything it holds):
   // channels closed, regions unregistered, plans released (and any other
-  // plan that names a page freed here), pages freed and zeroed. Under
-  // lease_mu_ held exclusively.
-  HoldingsData ReleaseHeld(const std::string& tenant, uint64_t lease)
+  // plan that names a page freed here), pages freed and zeroed (`zeroed`,
+  // if any, runs when they are). Under lease_mu_ held exclusively.
+  HoldingsData ReleaseHeld(const std::string& tenant, uint64_t lease, DoneCallback zeroed = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_mu_);
   void CountRelease(Metrics::Release why, int64_t leases, const HoldingsData& released);
   // Every reap_interval: expired leases released, idle plans released.

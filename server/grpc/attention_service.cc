@@ -691,13 +691,20 @@ void AttentionServiceImpl::RevokeLease(Call* call) {
   v1::RevokeLeaseRequest parsed;
   CallContext c;
   if (!call->Open(limits_.revoke_lease, &parsed, &c)) return;
-  auto released = core_->RevokeLease(c, parsed.lease_id());
-  v1::RevokeLeaseResponse out;
-  if (released.ok()) {
-    ToProto(*released, out.mutable_released());
-    out.set_incarnation(core_->incarnation());
-  }
-  if (call->Claim()) call->Finish(released.status(), &out);
+  // Answered once the pages it freed are zeroed (AttentionCore::RevokeLease).
+  call->Ref();
+  const uint64_t incarnation = core_->incarnation();
+  core_->RevokeLease(c, parsed.lease_id(), [call, incarnation](absl::StatusOr<HoldingsData> released) {
+    if (call->Claim()) {
+      v1::RevokeLeaseResponse out;
+      if (released.ok()) {
+        ToProto(*released, out.mutable_released());
+        out.set_incarnation(incarnation);
+      }
+      call->Finish(released.status(), &out);
+    }
+    call->Unref();
+  });
 }
 
 void AttentionServiceImpl::ListHoldings(Call* call) {
@@ -724,13 +731,20 @@ void AttentionServiceImpl::ReleaseHoldings(Call* call) {
   v1::ReleaseHoldingsRequest parsed;
   CallContext c;
   if (!call->Open(limits_.release_holdings, &parsed, &c)) return;
-  auto released = core_->ReleaseHoldings(c);
-  v1::ReleaseHoldingsResponse out;
-  if (released.ok()) {
-    ToProto(*released, out.mutable_released());
-    out.set_incarnation(core_->incarnation());
-  }
-  if (call->Claim()) call->Finish(released.status(), &out);
+  // Answered once the pages it freed are zeroed (AttentionCore::RevokeLease).
+  call->Ref();
+  const uint64_t incarnation = core_->incarnation();
+  core_->ReleaseHoldings(c, [call, incarnation](absl::StatusOr<HoldingsData> released) {
+    if (call->Claim()) {
+      v1::ReleaseHoldingsResponse out;
+      if (released.ok()) {
+        ToProto(*released, out.mutable_released());
+        out.set_incarnation(incarnation);
+      }
+      call->Finish(released.status(), &out);
+    }
+    call->Unref();
+  });
 }
 
 }  // namespace attnserve

@@ -233,13 +233,10 @@ TEST_F(LeaseTest, AKeptLeaseOutlivesItsTtlAndItsKeeperRevokesItOnTheWayOut) {
     std::mt19937_64 gen(9);
     EXPECT_TRUE(Decode(*forked, *pages, gen).ok());
   }
-  // Destroyed: revoked at once, not a ttl later (the pages return to the
-  // free list once they are zeroed, after RevokeLease answers: well within
-  // half a ttl).
+  // Destroyed: revoked at once, not a ttl later.
   EXPECT_EQ(forked->lease_id(), 0u);
-  EXPECT_TRUE(WaitFor([&] { return client_->GetServerInfo()->free_pages() == free_at_start; },
-                      absl::Milliseconds(1000)))
-      << client_->GetServerInfo()->free_pages() << " free pages, " << free_at_start << " at the start";
+  EXPECT_EQ(client_->GetServerInfo()->free_pages(), free_at_start)
+      << "RevokeLease answers once the pages it freed are zeroed and free";
   EXPECT_EQ(Metric(*server_, "attnserve_leases_ended_total", "reason=\"revoked\""), 1);
   EXPECT_EQ(Metric(*server_, "attnserve_leases_ended_total", "reason=\"expired\""), 0);
 }
