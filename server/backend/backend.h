@@ -54,8 +54,15 @@ struct PrefillTask {
   bool q_pinned = false;
   int32_t total_q = 0;
   // Sequences of this request; q_start is relative to q, kv_start relative to
-  // kv_indices, layer equals `layer`.
+  // kv_indices, layer equals `layer`. Their window_left and soft_cap are the
+  // request's options; sink_index is 0 for those the sinks enter, -1 for the
+  // rest (all of them when sinks is null).
   std::vector<PrefillSeq> seqs;
+  // (num_qo_heads) sink logits, natural units, or null: the one sink set of
+  // this task (PagedPrefillParams::sinks[0 * num_qo_heads + head] as the
+  // task's own seqs see it; a backend that packs several tasks rebases
+  // sink_index). Host memory, in the request or its plan.
+  const float* sinks = nullptr;
   const int32_t* kv_indices = nullptr;  // (num_kv_indices) page ids, validated
   int32_t num_kv_indices = 0;
   // Fused append, applied before any attention of the batch.
