@@ -3,6 +3,7 @@
 //   attnbench --workload=decode --batch=64 --kv_len=4096 --concurrency=16 --duration_s=30
 //   attnbench --workload=prefill --batch=1 --q_len=16384 --requests=20 --json=out.json
 //   attnbench --workload=decode --rate=500 --concurrency=64 --metrics=127.0.0.1:9464
+//   attnbench --workload=prefix --window_left=128 --soft_cap=50 --sinks=random --verify
 //
 // Closed loop (default): --concurrency clients, each with its own Client and
 // channel, send back to back. Open loop (--rate=R): Poisson arrivals at R
@@ -11,8 +12,11 @@
 // request's latency runs from its scheduled arrival.
 //
 // Each client allocates its pages and writes random K/V once (keeping a copy
-// in a KvMirror); the timed loop only sends Prefill. --verify compares every
-// response with the float64 reference. Exit code 0 only when no request failed
+// in a KvMirror); the timed loop only sends Prefill. --window_left, --soft_cap
+// and --sinks (client/cli_flags.h) give every request those attention options
+// (with --plan, the plans carry them); the TFLOP/s count only the (query, key)
+// pairs a window lets through. --verify compares every response with the
+// float64 reference. Exit code 0 only when no request failed
 // and (with --verify) none was wrong.
 //
 // --shm: each client registers a system region, a sealed memfd (the server
@@ -126,12 +130,15 @@ struct Shape {
 // Sequences of (q_len, kv_len) each over consecutive pages taken from `pages`
 // starting at *next.
 Shape MakeShape(std::mt19937_64& gen, const KvGeometry& g, const std::string& name, int32_t batch,
-                int32_t q_len, int32_t kv_len, const std::vector<int32_t>& pages, size_t* next) {
+                int32_t q_len, int32_t kv_len, const AttentionOptions& options,
+                const std::vector<int32_t>& pages, size_t* next) {
   Shape s;
   s.name = name;
   PrefillInputs& in = s.in;
   in.layer = absl::GetFlag(FLAGS_layer);
   in.causal = true;
+  in.options = options;
+  const int64_t window = options.window_left.value_or(-1);
   in.qo_indptr.push_back(0);
   in.kv_indptr.push_back(0);
   const int32_t num_pages = (kv_len + g.page_size - 1) / g.page_size;
@@ -141,8 +148,12 @@ Shape MakeShape(std::mt19937_64& gen, const KvGeometry& g, const std::string& na
     in.qo_indptr.push_back(in.qo_indptr.back() + q_len);
     in.kv_indptr.push_back(in.kv_indptr.back() + num_pages);
     in.kv_last_page_len.push_back(num_pages == 0 ? 0 : kv_len - (num_pages - 1) * g.page_size);
+    // Row i at position p = i + kv_len - q_len sees keys [p - window, p].
     for (int64_t i = 0; i < q_len; ++i) {
-      visible += std::max<int64_t>(0, std::min<int64_t>(kv_len, i + kv_len - q_len + 1));
+      const int64_t p = i + kv_len - q_len;
+      const int64_t end = std::max<int64_t>(0, std::min<int64_t>(kv_len, p + 1));
+      const int64_t begin = window >= 0 ? std::max<int64_t>(0, p - window) : 0;
+      visible += std::max<int64_t>(0, end - begin);
     }
   }
   in.q = RandomHalves(gen, g.dtype, in.total_q() * g.num_qo_heads * g.head_dim);
@@ -201,6 +212,9 @@ class Worker {
     pages_ = *std::move(pages);
     std::mt19937_64 gen(seed);
     std::shuffle(pages_.begin(), pages_.end(), gen);
+    std::mt19937_64 sink_gen(absl::GetFlag(FLAGS_seed));  // the same sinks in every client
+    auto attention = AttentionOptionsFromFlags(g.num_qo_heads, sink_gen);
+    if (!attention.ok()) return attention.status();
     mirror_ = std::make_unique<KvMirror>(g);
     const int32_t layer = absl::GetFlag(FLAGS_layer);
     const std::vector<int64_t> slots = SlotsOfPages(g, pages_);
@@ -226,7 +240,8 @@ class Worker {
       for (size_t i = 0; i < specs.size(); ++i) {
         const ShapeSpec& s = specs[i];
         size_t next = first_page[i];
-        shapes_.push_back(MakeShape(gen, g, s.name, batch, s.q_len, s.kv_len, pages_, &next));
+        shapes_.push_back(
+            MakeShape(gen, g, s.name, batch, s.q_len, s.kv_len, *attention, pages_, &next));
         if (verify) {
           ReferencePrefill(*mirror_, shapes_.back().in, &shapes_.back().o_ref,
                            &shapes_.back().lse_ref);
@@ -241,6 +256,7 @@ class Worker {
         layout.kv_indices = sh.in.kv_indices;
         layout.kv_last_page_len = sh.in.kv_last_page_len;
         layout.kv_keys_after = sh.in.kv_keys_after;
+        layout.options = sh.in.options;  // the plan carries them; the Prefills do not
         auto id = client_->CreatePlan(layout);
         if (!id.ok()) return id.status();
         plan_ids_.push_back(*id);
@@ -310,6 +326,7 @@ class Worker {
       args.kv_indices = {};
       args.kv_last_page_len = {};
       args.kv_keys_after = {};
+      args.options = {};
       args.q_rows = shape.in.total_q();
     }
     const int64_t q_bytes = static_cast<int64_t>(shape.in.q.size()) * 2;

@@ -6,6 +6,7 @@
 //   attnctl write --layer=0 SLOT...      (random K/V rows; prints a checksum)
 //   attnctl read --layer=0 SLOT...
 //   attnctl prefill --batch=4 --q_len=64 --kv_len=512   (verified; prints errors)
+//   attnctl prefill --window_left=128 --soft_cap=50 --sinks=random
 //   attnctl merge --states=3 --n=16                     (verified)
 //   attnctl regions                      (the caller's shared-memory regions)
 //   attnctl unregister NAME...           (e.g. regions a dead client left)
@@ -76,6 +77,9 @@ int Prefill(Client& client) {
   spec.causal = absl::GetFlag(FLAGS_causal);
   spec.lse_base_e = absl::GetFlag(FLAGS_lse_base_e);
   spec.layer = absl::GetFlag(FLAGS_layer);
+  auto flag_options = AttentionOptionsFromFlags(g.num_qo_heads, gen);
+  if (!flag_options.ok()) return Fail(flag_options.status());
+  const AttentionOptions options = *std::move(flag_options);
   const int64_t need = PagesNeeded(g, spec);
   auto pages = client.AllocatePages(static_cast<int32_t>(std::max<int64_t>(need, 1)));
   if (!pages.ok()) return Fail(pages.status());
@@ -89,6 +93,7 @@ int Prefill(Client& client) {
   if (status.ok()) {
     mirror.Write(spec.layer, slots, k, v);
     PrefillInputs in = RandomPrefill(gen, g, spec, *pages);
+    in.options = options;
     PrefillArgs args = ArgsOf(in);
     auto out = client.Prefill(args);
     if (!out.ok()) {

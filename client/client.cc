@@ -31,6 +31,12 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 
 v1::DType WireDType(const v1::ServerInfo& info) { return info.kv_dtype(); }
 
+void SetOptions(const AttentionOptions& o, v1::AttentionOptions* out) {
+  if (o.window_left) out->set_window_left(*o.window_left);
+  if (o.logits_soft_cap) out->set_logits_soft_cap(*o.logits_soft_cap);
+  out->mutable_sinks()->Assign(o.sinks.begin(), o.sinks.end());
+}
+
 void SetRef(v1::RegionRef* r, const RegionRef& ref) {
   r->set_name(ref.name);
   r->set_offset(ref.offset);
@@ -495,6 +501,8 @@ grpc::ByteBuffer Client::EncodePrefill(const PrefillArgs& a, BorrowedMemory* bor
   req.set_lease_id(a.lease_id != 0 ? a.lease_id : lease_id());
   req.set_plan_id(a.plan_id);
   req.mutable_kv_keys_after()->Assign(a.kv_keys_after.begin(), a.kv_keys_after.end());
+  if (!a.options.empty()) SetOptions(a.options, req.mutable_options());
+  req.mutable_apply_sinks()->Assign(a.apply_sinks.begin(), a.apply_sinks.end());
   return EncodeRequest(req, tensors, borrowed);
 }
 
@@ -530,6 +538,11 @@ absl::StatusOr<uint64_t> Client::CreatePlan(const PlanLayout& layout) {
                                          layout.kv_last_page_len.end());
   req.mutable_append_slots()->Assign(layout.append_slots.begin(), layout.append_slots.end());
   req.mutable_kv_keys_after()->Assign(layout.kv_keys_after.begin(), layout.kv_keys_after.end());
+  req.mutable_apply_sinks()->Assign(layout.apply_sinks.begin(), layout.apply_sinks.end());
+  if (!layout.options.empty()) SetOptions(layout.options, req.mutable_options());
+  for (const auto& [layer, options] : layout.layer_options) {
+    SetOptions(options, &(*req.mutable_layer_options())[layer]);
+  }
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   v1::CreatePlanResponse resp;

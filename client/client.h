@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -93,6 +94,25 @@ struct RegionRef {
   int64_t byte_size = 0;
 };
 
+// Attention variants (docs/design.md, "Variants"): the API's
+// AttentionOptions. An unset field takes the value its plan gives the
+// request's layer (a Prefill naming a plan), else the default; a set one
+// that contradicts the plan's is INVALID_ARGUMENT.
+struct AttentionOptions {
+  // Sliding window: a query row at position p sees no key before
+  // p - window_left (with the causal mask: p - window_left .. p). -1: none.
+  std::optional<int32_t> window_left;
+  // > 0: a scaled logit x becomes logits_soft_cap * tanh(x / logits_soft_cap)
+  // (Gemma 2's). 0: none.
+  std::optional<float> logits_soft_cap;
+  // (num_qo_heads) or empty: one logit per query head, natural units, that
+  // enters the softmax denominator only (gpt-oss); the LSE includes it. -inf
+  // is no sink for that head.
+  std::vector<float> sinks;
+
+  bool empty() const { return !window_left && !logits_soft_cap && sinks.empty(); }
+};
+
 struct PrefillArgs {
   int32_t layer = 0;
   absl::Span<const uint16_t> q;                // (total_q, num_qo_heads, head_dim)
@@ -126,9 +146,16 @@ struct PrefillArgs {
   // (batch) or empty: keys of each sequence held after this request's range
   // (a sequence spread over servers; docs/design.md section 3).
   absl::Span<const int32_t> kv_keys_after;
+  // Sliding window, soft-cap, sinks (with a plan: must agree with the plan's
+  // for this layer).
+  AttentionOptions options;
+  // (batch) or empty (all 1): 0 where options.sinks do not enter sequence b
+  // (a sequence spread over servers takes its sinks on one of them only).
+  absl::Span<const uint8_t> apply_sinks;
 };
 
-// A step's layout for CreatePlan (the same arrays as PrefillArgs).
+// A step's layout for CreatePlan (the same arrays as PrefillArgs), and the
+// attention options of every layer's Prefill that names it.
 struct PlanLayout {
   absl::Span<const int32_t> qo_indptr;
   absl::Span<const int32_t> kv_indptr;
@@ -136,6 +163,11 @@ struct PlanLayout {
   absl::Span<const int32_t> kv_last_page_len;
   absl::Span<const int64_t> append_slots;
   absl::Span<const int32_t> kv_keys_after;  // (batch) or empty
+  absl::Span<const uint8_t> apply_sinks;    // (batch) or empty (all 1)
+  // The options of every layer, but those of the layers in layer_options,
+  // which replace them for that layer (e.g. windowed and full layers).
+  AttentionOptions options;
+  std::map<int32_t, AttentionOptions> layer_options;
 };
 
 struct PrefillResult {

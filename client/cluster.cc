@@ -477,6 +477,7 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::PlanOnce(
     int64_t offset;  // first new token appended here, within the step
     int64_t end;     // the shard's end position after the step
     int32_t skip;    // the step's first rows that see nothing here (causal)
+    bool first;      // the shard holds the sequence's first keys: it carries the sinks
   };
   std::vector<std::vector<Entry>> per_server(servers_.size());
   std::vector<std::vector<Shard>> shards_after(seq_ids.size());
@@ -512,7 +513,7 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::PlanOnce(
           options_.kv.causal ? std::clamp<int64_t>(sh.start - start, 0, q_lens[b]) : 0;
       per_server[sh.server].push_back(Entry{b, static_cast<int32_t>(appended[j]),
                                             std::max<int64_t>(0, end - appended[j] - start),
-                                            end, static_cast<int32_t>(skip)});
+                                            end, static_cast<int32_t>(skip), sh.start == 0});
     }
   }
 
@@ -526,13 +527,17 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::PlanOnce(
     if (entries.empty()) continue;
     std::vector<int64_t> ids;
     std::vector<int32_t> appends, rows, after;
+    // The sinks enter a sequence's softmax on one server only, so that the
+    // merge by LSE counts them once: the one holding its first keys.
+    std::vector<uint8_t> sinks;
     for (const Entry& e : entries) {
       ids.push_back(seq_ids[e.b]);
       appends.push_back(e.append);
       rows.push_back(q_lens[e.b] - e.skip);
       after.push_back(static_cast<int32_t>(length_after[e.b] - e.end));
+      sinks.push_back(e.first ? 1 : 0);
     }
-    auto planned = servers_[srv]->kv->PlanRows(ids, appends, rows, after);
+    auto planned = servers_[srv]->kv->PlanRows(ids, appends, rows, after, sinks);
     if (!planned.ok()) {
       failed = planned.status();
       failed_server = srv;

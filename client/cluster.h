@@ -67,7 +67,9 @@ struct ClusterOptions {
   std::vector<std::string> targets;
   // Token, TLS and deadlines of every server's client (its target is unused).
   ClientOptions client;
-  // Options of every server's KvManager (causal, sm_scale, lse_base, plans).
+  // Options of every server's KvManager (causal, sm_scale, lse_base, plans, the
+  // attention options; a spread sequence takes its sinks on the server holding
+  // its first keys only).
   KvManagerOptions kv;
   // Plan() runs Refresh() (a dns:/// target resolved again, every server's
   // Info read: free pages, restarts, unreachable servers back) once this

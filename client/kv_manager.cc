@@ -330,20 +330,27 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::Plan(
   return PlanRows(seq_ids, q_lens, q_lens, {});
 }
 
+const AttentionOptions& KvManager::AttentionOf(int32_t layer) const {
+  auto it = options_.layer_attention.find(layer);
+  return it == options_.layer_attention.end() ? options_.attention : it->second;
+}
+
 absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanRows(
     absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> append_lens,
-    absl::Span<const int32_t> q_rows, absl::Span<const int32_t> kv_keys_after) {
-  auto plan = PlanOnce(seq_ids, append_lens, q_rows, kv_keys_after);
+    absl::Span<const int32_t> q_rows, absl::Span<const int32_t> kv_keys_after,
+    absl::Span<const uint8_t> apply_sinks) {
+  auto plan = PlanOnce(seq_ids, append_lens, q_rows, kv_keys_after, apply_sinks);
   // A lease found gone with no sequence under it: once more, with a new one.
   if (!plan.ok() && IsLeaseExpired(plan.status())) {
-    plan = PlanOnce(seq_ids, append_lens, q_rows, kv_keys_after);
+    plan = PlanOnce(seq_ids, append_lens, q_rows, kv_keys_after, apply_sinks);
   }
   return plan;
 }
 
 absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanOnce(
     absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens,
-    absl::Span<const int32_t> q_rows, absl::Span<const int32_t> kv_keys_after) {
+    absl::Span<const int32_t> q_rows, absl::Span<const int32_t> kv_keys_after,
+    absl::Span<const uint8_t> apply_sinks) {
   // q_lens: the tokens appended here (Plan()'s name for them).
   if (page_size_ <= 0) {
     return absl::FailedPreconditionError(
@@ -355,10 +362,11 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanOnce(
                                                    q_lens.size(), " q_lens"));
   }
   if (q_rows.size() != q_lens.size() ||
-      (!kv_keys_after.empty() && kv_keys_after.size() != q_lens.size())) {
+      (!kv_keys_after.empty() && kv_keys_after.size() != q_lens.size()) ||
+      (!apply_sinks.empty() && apply_sinks.size() != q_lens.size())) {
     return absl::InvalidArgumentError(absl::StrCat(
-        seq_ids.size(), " seq_ids but ", q_rows.size(), " q_rows and ", kv_keys_after.size(),
-        " kv_keys_after"));
+        seq_ids.size(), " seq_ids but ", q_rows.size(), " q_rows, ", kv_keys_after.size(),
+        " kv_keys_after and ", apply_sinks.size(), " apply_sinks"));
   }
   int64_t total_rows = 0;
   for (size_t b = 0; b < q_rows.size(); ++b) {
@@ -427,6 +435,7 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanOnce(
   plan->q_lens.assign(q_rows.begin(), q_rows.end());
   plan->append_lens.assign(q_lens.begin(), q_lens.end());
   plan->kv_keys_after.assign(kv_keys_after.begin(), kv_keys_after.end());
+  plan->apply_sinks.assign(apply_sinks.begin(), apply_sinks.end());
   plan->qo_indptr = {0};
   plan->kv_indptr = {0};
   plan->append_slots.reserve(total_q);
@@ -464,6 +473,9 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanOnce(
     layout.kv_last_page_len = plan->kv_last_page_len;
     layout.append_slots = plan->append_slots;
     layout.kv_keys_after = plan->kv_keys_after;
+    layout.apply_sinks = plan->apply_sinks;
+    layout.options = options_.attention;
+    layout.layer_options = options_.layer_attention;
     auto id = rpc()->CreatePlan(layout);
     if (id.ok()) {
       plan->plan_id = *id;
@@ -526,7 +538,7 @@ absl::StatusOr<PrefillResult> KvManager::Run(int32_t layer, absl::Span<const uin
   args.layer = layer;
   args.q = q;
   if (plan->plan_id != 0) {
-    args.plan_id = plan->plan_id;  // the server has the layout
+    args.plan_id = plan->plan_id;  // the server has the layout and the options
   } else {
     args.qo_indptr = plan->qo_indptr;
     args.kv_indptr = plan->kv_indptr;
@@ -534,6 +546,8 @@ absl::StatusOr<PrefillResult> KvManager::Run(int32_t layer, absl::Span<const uin
     args.kv_last_page_len = plan->kv_last_page_len;
     args.append_slots = plan->append_slots;
     args.kv_keys_after = plan->kv_keys_after;
+    args.apply_sinks = plan->apply_sinks;
+    args.options = AttentionOf(layer);
   }
   args.sm_scale = options_.sm_scale;
   args.causal = options_.causal;

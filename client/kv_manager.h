@@ -33,6 +33,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -53,6 +54,12 @@ struct KvManagerOptions {
   bool causal = true;
   std::optional<float> sm_scale;  // default 1/sqrt(head_dim)
   bool lse_base_e = false;
+  // Attention options (docs/design.md, "Variants") of every layer, but those
+  // of the layers in layer_attention, which replace them for that layer (a
+  // model whose windowed and full layers alternate). With server plans each
+  // step's plan carries them; without, each layer's Prefill.
+  AttentionOptions attention;
+  std::map<int32_t, AttentionOptions> layer_attention;
   // Register each step's layout with CreatePlan; false sends it with every
   // layer instead (as for a server without plans, which also turns it off).
   bool server_plans = true;
@@ -78,6 +85,7 @@ struct StepPlan {
   std::vector<int32_t> kv_indices;        // [kv_indptr[batch]] page ids
   std::vector<int32_t> kv_last_page_len;  // [batch], 0 for a sequence without pages
   std::vector<int32_t> kv_keys_after;     // [batch] or empty (PlanRows only)
+  std::vector<uint8_t> apply_sinks;       // [batch] or empty: 0 where sinks stay out (PlanRows)
   std::vector<int64_t> append_slots;      // [num_append] where each new token's K/V goes
   std::vector<int64_t> positions;         // [num_append] each new token's position
   uint64_t plan_id = 0;                   // the server's plan; 0: the layout travels
@@ -116,11 +124,14 @@ class KvManager {
   // append_lens[b] tokens here, but the step sends q_rows[b] >= append_lens[b]
   // query rows (the sequence's new tokens, some of which are appended on
   // other servers), and kv_keys_after[b] of the sequence's keys (after the
-  // step) lie beyond this range (empty: 0). Run() then takes k_new, v_new of
-  // the appended rows only. Atomic as Plan().
+  // step) lie beyond this range (empty: 0). apply_sinks[b] 0: the attention
+  // sinks stay out of sequence b here (another server's range carries them;
+  // empty: all in). Run() then takes k_new, v_new of the appended rows only.
+  // Atomic as Plan().
   absl::StatusOr<std::shared_ptr<const StepPlan>> PlanRows(
       absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> append_lens,
-      absl::Span<const int32_t> q_rows, absl::Span<const int32_t> kv_keys_after);
+      absl::Span<const int32_t> q_rows, absl::Span<const int32_t> kv_keys_after,
+      absl::Span<const uint8_t> apply_sinks = {});
 
   // Takes back `plan`, which must be the latest plan of each of its
   // sequences: their lengths go back, the pages it allocated are freed, its
@@ -204,7 +215,10 @@ class KvManager {
   absl::StatusOr<std::shared_ptr<const StepPlan>> PlanOnce(absl::Span<const int64_t> seq_ids,
                                                            absl::Span<const int32_t> append_lens,
                                                            absl::Span<const int32_t> q_rows,
-                                                           absl::Span<const int32_t> kv_keys_after);
+                                                           absl::Span<const int32_t> kv_keys_after,
+                                                           absl::Span<const uint8_t> apply_sinks);
+  // The attention options of `layer`.
+  const AttentionOptions& AttentionOf(int32_t layer) const;
   // Marks a sequence's plan stale; its server plan waits in unreleased_.
   void Retire(const std::shared_ptr<const StepPlan>& plan);
   // ReleasePlan of the stale server plans; NOT_FOUND counts as released.

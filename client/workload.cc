@@ -74,6 +74,10 @@ void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<d
     s.causal = in.causal;
     s.lse_base_e = in.lse_base_e;
     s.causal_shift = in.kv_keys_after.empty() ? 0 : in.kv_keys_after[b];
+    s.window_left = in.options.window_left.value_or(-1);
+    s.soft_cap = in.options.logits_soft_cap.value_or(0.f);
+    const bool sinks = in.apply_sinks.empty() || in.apply_sinks[b] != 0;
+    s.sinks = sinks && !in.options.sinks.empty() ? in.options.sinks.data() : nullptr;
     seqs.push_back(s);
   }
   reference::Prefill(g, MirrorRows(kv), in.q.data(), in.total_q(), in.kv_indices, seqs, o, lse);
@@ -91,7 +95,44 @@ PrefillArgs ArgsOf(const PrefillInputs& in) {
   a.causal = in.causal;
   a.lse_base_e = in.lse_base_e;
   a.kv_keys_after = in.kv_keys_after;
+  a.options = in.options;
+  a.apply_sinks = in.apply_sinks;
   return a;
+}
+
+std::vector<float> RandomSinks(std::mt19937_64& gen, int32_t n) {
+  const float kNegInf = -std::numeric_limits<float>::infinity();
+  switch (std::uniform_int_distribution<int>(0, 3)(gen)) {
+    case 0: return std::vector<float>(n, kNegInf);
+    case 1: return std::vector<float>(n, 0.f);
+    // Dominates the denominator, yet leaves outputs (about e^-8 of V's) that
+    // fp16 still represents.
+    case 2: return std::vector<float>(n, 8.f);
+    default: break;
+  }
+  std::normal_distribution<float> dist(0.f, 2.f);
+  std::vector<float> sinks(n);
+  for (float& x : sinks) x = std::bernoulli_distribution(0.2)(gen) ? kNegInf : dist(gen);
+  return sinks;
+}
+
+AttentionOptions RandomOptions(std::mt19937_64& gen, const KvGeometry& geo, int32_t max_kv_len) {
+  AttentionOptions o;
+  auto coin = [&gen] { return std::bernoulli_distribution(0.5)(gen); };
+  if (coin()) {
+    const int32_t windows[] = {-1, 0, 1, std::max(0, geo.page_size - 1), 63, 64, 127, 128,
+                               max_kv_len + 1000};
+    const size_t n = sizeof(windows) / sizeof(windows[0]);
+    const size_t pick = std::uniform_int_distribution<size_t>(0, n)(gen);
+    o.window_left = pick < n ? windows[pick]
+                             : std::uniform_int_distribution<int32_t>(0, max_kv_len)(gen);
+  }
+  if (coin()) {
+    const float caps[] = {0.f, 1.f, 5.f, 30.f, 50.f};
+    o.logits_soft_cap = caps[std::uniform_int_distribution<int>(0, 4)(gen)];
+  }
+  if (coin()) o.sinks = RandomSinks(gen, geo.num_qo_heads);
+  return o;
 }
 
 std::vector<int64_t> SlotsOfPages(const KvGeometry& geo, absl::Span<const int32_t> pages) {
@@ -130,6 +171,7 @@ PrefillInputs RandomPrefill(std::mt19937_64& gen, const KvGeometry& geo, const W
     in.kv_last_page_len.push_back(num_pages == 0 ? 0 : kv_len - (num_pages - 1) * geo.page_size);
   }
   in.q = RandomHalves(gen, geo.dtype, in.total_q() * geo.num_qo_heads * geo.head_dim);
+  if (spec.variants) in.options = RandomOptions(gen, geo, spec.max_kv_len);
   return in;
 }
 

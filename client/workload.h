@@ -53,14 +53,35 @@ struct PrefillInputs {
   bool lse_base_e = false;
   // (batch) or empty: keys of each sequence after this range (causal shift).
   std::vector<int32_t> kv_keys_after;
+  // Sliding window, soft-cap, sinks (docs/design.md, "Variants"), and
+  // (batch) or empty: 0 where the sinks do not enter sequence b.
+  AttentionOptions options;
+  std::vector<uint8_t> apply_sinks;
   int64_t total_q() const { return qo_indptr.empty() ? 0 : qo_indptr.back(); }
 };
 
 // float64 attention per docs/design.md section 3: o (total_q, Hq, D), lse
-// (total_q, Hq) with -inf for rows that see nothing. Causal row i of
-// sequence b sees j <= i + kv_len - q_len + kv_keys_after[b].
+// (total_q, Hq) with -inf for rows that see nothing (the sink's logit with
+// a sink). Row i of sequence b is at position p = i + kv_len - q_len +
+// kv_keys_after[b]; causal, it sees j <= p; a window drops j < p - window_left.
 void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<double>* o,
                       std::vector<double>* lse);
+
+// Attention options drawn at random over the cases of the variant
+// conformance suite (docs/design.md, "Variants"), for tests (tests/kernels,
+// tests/gpu, tests/integration) and attnbench:
+//  - window_left: unset, -1, 0, 1, a page of keys (page_size - 1), a kernel
+//    block of keys (63, 127) or one more (64, 128), larger than any sequence
+//    of max_kv_len keys, or uniform in [0, max_kv_len];
+//  - logits_soft_cap: unset, 0, or one of 1, 5, 30, 50;
+//  - sinks: none, all -inf, all 0, all large (8), or per head N(0, 2^2) with
+//    some -inf.
+// Each drawn independently, about half the time not plain.
+AttentionOptions RandomOptions(std::mt19937_64& gen, const KvGeometry& geo, int32_t max_kv_len);
+
+// `n` sink logits (natural units) of one of the kinds above, as RandomOptions
+// draws them (never empty).
+std::vector<float> RandomSinks(std::mt19937_64& gen, int32_t n);
 
 // The Prefill arguments viewing `in` (which must outlive them).
 PrefillArgs ArgsOf(const PrefillInputs& in);
@@ -76,6 +97,8 @@ struct WorkloadSpec {
   bool causal = true;
   bool lse_base_e = false;
   int32_t layer = 0;
+  // Draw each request's attention options (RandomOptions).
+  bool variants = false;
 };
 
 // Draws sequence lengths and q; assigns pages (shuffled) from `pages`, which

@@ -21,29 +21,45 @@ void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
   const int64_t hq = g.num_qo_heads, d = g.head_dim, ps = g.page_size;
   const int64_t kv_head = h / (g.num_qo_heads / g.num_kv_heads);
   auto half = [&](uint16_t x) { return static_cast<double>(HalfToFloat(g.dtype, x)); };
-  // K and V of this head at every position, in float64.
-  std::vector<double> k(s.kv_len * d), v(s.kv_len * d);
-  for (int64_t j = 0; j < s.kv_len; ++j) {
+  // Row i, at position pos(i), sees positions [first(i), last(i)): none
+  // after pos (causal), none before pos - window_left (a window).
+  auto pos = [&](int64_t i) { return i + s.kv_len - s.q_len + s.causal_shift; };
+  auto last = [&](int64_t i) { return s.causal ? std::min(s.kv_len, pos(i) + 1) : s.kv_len; };
+  auto first = [&](int64_t i) {
+    return std::min(s.kv_len,
+                    s.window_left >= 0 ? std::max<int64_t>(0, pos(i) - s.window_left) : 0);
+  };
+  // K and V of this head at the positions some row sees, [lo, hi), in float64.
+  int64_t lo = s.kv_len, hi = 0;
+  for (int64_t i = 0; i < s.q_len; ++i) {
+    if (first(i) < last(i)) {
+      lo = std::min(lo, first(i));
+      hi = std::max(hi, last(i));
+    }
+  }
+  std::vector<double> k(std::max<int64_t>(0, hi - lo) * d), v(k.size());
+  for (int64_t j = lo; j < hi; ++j) {
     const int64_t slot = int64_t{kv_indices[s.kv_start + j / ps]} * ps + j % ps;
     const uint16_t* kr = kv.K(s.layer, slot) + kv_head * d;
     const uint16_t* vr = kv.V(s.layer, slot) + kv_head * d;
     for (int64_t c = 0; c < d; ++c) {
-      k[j * d + c] = half(kr[c]);
-      v[j * d + c] = half(vr[c]);
+      k[(j - lo) * d + c] = half(kr[c]);
+      v[(j - lo) * d + c] = half(vr[c]);
     }
   }
+  // The head's sink, natural units (-inf: none).
+  const double sink = s.sinks != nullptr ? static_cast<double>(s.sinks[h]) : kNegInf;
   std::vector<double> qd(d), logits(s.kv_len);
   for (int64_t i = 0; i < s.q_len; ++i) {
     const int64_t row = s.q_start + i;
-    const int64_t visible =
-        s.causal ? std::min(s.kv_len, i + s.kv_len - s.q_len + s.causal_shift + 1) : s.kv_len;
-    if (visible <= 0) continue;  // sees nothing: o 0, lse -inf
+    const int64_t begin = first(i), end = last(i);
+    if (begin >= end && sink == kNegInf) continue;  // sees nothing: o 0, lse -inf
     for (int64_t c = 0; c < d; ++c) qd[c] = half(q[(row * hq + h) * d + c]);
-    double m = kNegInf;
-    for (int64_t j = 0; j < visible; ++j) {
+    double m = sink;
+    for (int64_t j = begin; j < end; ++j) {
       // Four partial sums: one chain of dependent adds is bound by the add
       // latency (the GPU tests spend most of their time here).
-      const double* kj = k.data() + j * d;
+      const double* kj = k.data() + (j - lo) * d;
       double dot0 = 0, dot1 = 0, dot2 = 0, dot3 = 0;
       int64_t c = 0;
       for (; c + 4 <= d; c += 4) {
@@ -53,15 +69,18 @@ void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
         dot3 += qd[c + 3] * kj[c + 3];
       }
       for (; c < d; ++c) dot0 += qd[c] * kj[c];
-      logits[j] = ((dot0 + dot1) + (dot2 + dot3)) * s.sm_scale;
-      m = std::max(m, logits[j]);
+      double x = ((dot0 + dot1) + (dot2 + dot3)) * s.sm_scale;
+      if (s.soft_cap > 0) x = s.soft_cap * std::tanh(x / s.soft_cap);
+      logits[j] = x;
+      m = std::max(m, x);
     }
-    double sum = 0;
+    // The denominator: every visible key's e^x and the sink's e^sink.
+    double sum = sink == kNegInf ? 0 : std::exp(sink - m);
     double* out = o->data() + (row * hq + h) * d;
-    for (int64_t j = 0; j < visible; ++j) {
+    for (int64_t j = begin; j < end; ++j) {
       const double w = std::exp(logits[j] - m);
       sum += w;
-      for (int64_t c = 0; c < d; ++c) out[c] += w * v[j * d + c];
+      for (int64_t c = 0; c < d; ++c) out[c] += w * v[(j - lo) * d + c];
     }
     for (int64_t c = 0; c < d; ++c) out[c] /= sum;
     const double lse_e = m + std::log(sum);

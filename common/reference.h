@@ -1,6 +1,8 @@
 // The float64 reference of attnserve's numerics (docs/design.md section 3):
-// paged prefill attention and the N-way merge of (output, LSE) states.
-// Written from the definitions, sharing no code with the kernels, so that the
+// paged prefill attention, its variants (sliding window, logit soft-cap,
+// sinks; docs/design.md, "Variants") and the N-way merge of (output, LSE)
+// states. Written from the definitions, sharing no code with the kernels
+// (kernels/variant.h is their one statement of the same rules), so that the
 // tests that compare a kernel (CPU or CUDA) or the whole server with it can
 // fail. Used by the kernel, integration and GPU tests and by
 // `attnbench --verify` (through client/workload.h). Plain C++: no CUDA, no
@@ -53,9 +55,19 @@ struct Seq {
   int32_t layer = 0;
   double sm_scale = 0;   // logits are dot(q, k) * sm_scale
   bool causal = true;
-  // Causal: row i sees positions j <= i + kv_len - q_len + causal_shift (0:
-  // bottom-right alignment).
+  // Row i is at position p = i + kv_len - q_len + causal_shift (0:
+  // bottom-right alignment). Causal: it sees positions j <= p.
   int64_t causal_shift = 0;
+  // Sliding window: row i sees no position j < p - window_left (with the
+  // causal mask p - window_left .. p; without it a left bound only). -1: none.
+  int64_t window_left = -1;
+  // > 0: a logit x = dot(q, k) * sm_scale becomes soft_cap * tanh(x / soft_cap).
+  double soft_cap = 0;
+  // (num_qo_heads) sink logits in natural units, or null: sinks[h] enters the
+  // softmax denominator of every row of head h (e^sinks[h] beside the keys'
+  // e^x) and so the LSE; -inf is no sink. A row that sees no key gets o = 0
+  // and LSE = sinks[h].
+  const float* sinks = nullptr;
   bool lse_base_e = false;  // LSE in natural log; base 2 otherwise
 };
 
@@ -63,7 +75,7 @@ struct Seq {
 // geo.dtype. Query head h reads KV head h / (num_qo_heads / num_kv_heads).
 // Fills o (total_q, num_qo_heads, head_dim) and lse (total_q, num_qo_heads),
 // each in its sequence's base; a row that sees nothing (and a row of no
-// sequence) gets o = 0 and lse = -inf. `threads` > 1 splits the (sequence,
+// sequence) gets o = 0 and lse = -inf, or the sink's logit when it has one. `threads` > 1 splits the (sequence,
 // head) pairs over that many threads.
 void Prefill(const KvGeometry& geo, const KvRows& kv, const uint16_t* q, int64_t total_q,
              const std::vector<int32_t>& kv_indices, const std::vector<Seq>& seqs,

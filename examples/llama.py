@@ -19,6 +19,8 @@ the two best logits are closer than the runs' difference, no numerics can
 order them (they occur at the realistic size; --strict fails on them too).
 The server's geometry (layers, heads, head_dim, dtype) must be the model's:
 the example reads it from info() and stops with the differences otherwise.
+examples/decoder.py holds what this and the other example decoders
+(gpt_oss.py, gemma2.py) share.
 
   scripts/run.sh        # the server's default geometry (--preset default); in another shell:
   PYTHONPATH=client/python python3 examples/llama.py --preset default
@@ -28,27 +30,25 @@ the example reads it from info() and stops with the differences otherwise.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import dataclasses
-import json
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-try:
-    import attnserve
-except ImportError:  # run from the source tree without PYTHONPATH
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client",
-                                    "python"))
-    import attnserve
-from attnserve.aio import AsyncClient
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # decoder.py beside it
+import decoder  # noqa: E402
+# What every example decoder shares (examples/decoder.py), under the names
+# this module has always had.
+from decoder import (AsyncServerAttention, GeometryMismatch, LocalAttention, Run,  # noqa: E402
+                     ServerAttention, check_geometry, compare_runs, forward, generate,
+                     generate_pingpong, random_prompts)
+
+__all__ = ["Config", "PRESETS", "Model", "main", "AsyncServerAttention", "GeometryMismatch",
+           "LocalAttention", "Run", "ServerAttention", "check_geometry", "compare_runs",
+           "forward", "generate", "generate_pingpong", "random_prompts"]
 
 
 # ---------------------------------------------------------------- the model
@@ -117,6 +117,23 @@ class Model:
         self.inv_freq = (1.0 / c.rope_theta ** (torch.arange(half, dtype=torch.float32) / half)
                          ).to(self.device)
 
+    def embed_tokens(self, ids):
+        return self.embed[ids]
+
+    def attention_probs(self, layer, dots, visible, distance):
+        """Softmax(q . k / sqrt(head_dim)) under the causal mask."""
+        scores = dots / math.sqrt(self.cfg.head_dim)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0)   # padded rows: 0
+
+    def server_options(self) -> dict:
+        return {}  # attnserve's defaults: causal, 1/sqrt(head_dim)
+
+    def describe(self) -> str:
+        c = self.cfg
+        return (f"{c.layers} layers, hidden {c.hidden}, {c.qo_heads}/{c.kv_heads} heads x "
+                f"{c.head_dim}, ffn {c.ffn}, vocab {c.vocab}")
+
     def rms_norm(self, x, weight):
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.cfg.eps)).to(
@@ -149,388 +166,10 @@ class Model:
         return self.rms_norm(x, self.final_norm).float() @ self.lm_head
 
 
-# ---------------------------------------------------------------- attention
-class LocalAttention:
-    """Attention in PyTorch over a padded per-sequence KV cache (float32 math
-    on the bf16 q/k/v the server would get; output rounded to bf16)."""
-
-    def __init__(self, cfg: Config, device, wire_dtype=torch.bfloat16):
-        self.cfg, self.device, self.wire_dtype = cfg, torch.device(device), wire_dtype
-        self.slot_of: dict = {}
-        self.lens: dict = {}
-        self.cache: dict = {}      # layer -> (k, v) [slots, capacity, kv_heads, head_dim]
-        self.step = None
-
-    def begin_step(self, seq_ids, q_lens):
-        for sid in seq_ids:
-            if sid not in self.slot_of:
-                self.slot_of[sid] = len(self.slot_of)
-                self.lens[sid] = 0
-        starts = [self.lens[s] for s in seq_ids]
-        for sid, n in zip(seq_ids, q_lens):
-            self.lens[sid] += n
-        ql = torch.tensor(q_lens, dtype=torch.int64)
-        st = torch.tensor(starts, dtype=torch.int64)
-        batch_of = torch.repeat_interleave(torch.arange(len(seq_ids)), ql)
-        first = torch.cumsum(ql, 0) - ql
-        col = torch.arange(int(ql.sum())) - first[batch_of]                 # row within its seq
-        positions = st[batch_of] + col
-        self.step = dict(slots=torch.tensor([self.slot_of[s] for s in seq_ids]),
-                         q_lens=ql, kv_lens=st + ql, batch_of=batch_of, col=col,
-                         positions=positions)
-        return positions
-
-    def _grow(self, layer, slots_needed, length):
-        c = self.cfg
-        k, v = self.cache.get(layer, (None, None))
-        cap = 0 if k is None else k.shape[1]
-        n = 0 if k is None else k.shape[0]
-        if k is not None and n >= slots_needed and cap >= length:
-            return k, v
-        new_cap, new_n = max(cap, 16), max(n, slots_needed, 4)
-        while new_cap < length:
-            new_cap *= 2
-        shape = (new_n, new_cap, c.kv_heads, c.head_dim)
-        nk = torch.zeros(shape, dtype=self.wire_dtype, device=self.device)
-        nv = torch.zeros(shape, dtype=self.wire_dtype, device=self.device)
-        if k is not None:
-            nk[:n, :cap], nv[:n, :cap] = k, v
-        self.cache[layer] = (nk, nv)
-        return nk, nv
-
-    def attention(self, layer, q, k, v):
-        s, c = self.step, self.cfg
-        dev = self.device
-        kv_lens = s["kv_lens"].to(dev)
-        k_cache, v_cache = self._grow(layer, len(self.slot_of), int(s["kv_lens"].max()))
-        slots = s["slots"].to(dev)
-        tok_slot = slots[s["batch_of"].to(dev)]
-        tok_pos = s["positions"].to(dev)
-        k_cache[tok_slot, tok_pos] = k.to(self.wire_dtype)
-        v_cache[tok_slot, tok_pos] = v.to(self.wire_dtype)
-        b, tq, tk = len(slots), int(s["q_lens"].max()), int(s["kv_lens"].max())
-        q_pad = torch.zeros(b, tq, c.qo_heads, c.head_dim, dtype=torch.float32, device=dev)
-        q_pad[s["batch_of"].to(dev), s["col"].to(dev)] = q.to(self.wire_dtype).float()
-        group = c.qo_heads // c.kv_heads
-        keys = k_cache[slots, :tk].float().repeat_interleave(group, dim=2)    # [B, tk, Hq, D]
-        vals = v_cache[slots, :tk].float().repeat_interleave(group, dim=2)
-        scores = torch.einsum("bihd,bjhd->bhij", q_pad, keys) / math.sqrt(c.head_dim)
-        i = torch.arange(tq, device=dev)[None, :, None]
-        j = torch.arange(tk, device=dev)[None, None, :]
-        ql = s["q_lens"].to(dev)[:, None, None]
-        kl = kv_lens[:, None, None]
-        visible = (j < kl) & (j <= i + kl - ql)                             # bottom-right causal
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)               # padded rows: 0
-        out = torch.einsum("bhij,bjhd->bihd", probs, vals)
-        return out[s["batch_of"].to(dev), s["col"].to(dev)].to(self.wire_dtype)
-
-    def finish(self, seq_ids):
-        pass  # slots are not reused within one run
-
-
-class ServerAttention:
-    """Attention on attnserve through the blocking client and KvManager."""
-
-    def __init__(self, client, server_plans: bool = True):
-        self.mgr = attnserve.KvManager(client, server_plans=server_plans)
-        self.round_trips: list = []
-
-    def begin_step(self, seq_ids, q_lens):
-        return torch.from_numpy(self.mgr.plan(seq_ids, q_lens).positions)
-
-    def attention(self, layer, q, k, v):
-        t0 = time.perf_counter()
-        out = self.mgr.run(layer, q, k, v, out="torch", device=q.device).output
-        self.round_trips.append(time.perf_counter() - t0)
-        return out
-
-    def finish(self, seq_ids):
-        self.mgr.finish(*seq_ids)
-
-
-class AsyncServerAttention:
-    """Attention on attnserve through the asyncio client; one per micro-batch."""
-
-    def __init__(self, mgr: attnserve.AsyncKvManager, round_trips: list):
-        self.mgr, self.round_trips, self.plan = mgr, round_trips, None
-
-    async def begin_step(self, seq_ids, q_lens):
-        self.plan = await self.mgr.plan(seq_ids, q_lens)
-        return torch.from_numpy(self.plan.positions)
-
-    async def attention(self, layer, q, k, v):
-        t0 = time.perf_counter()
-        r = await self.mgr.run(layer, q, k, v, plan=self.plan, out="torch", device=q.device)
-        self.round_trips.append(time.perf_counter() - t0)
-        return r.output
-
-    async def finish(self, seq_ids):
-        await self.mgr.finish(*seq_ids)
-
-
-# ---------------------------------------------------------------- generation
-def _last_rows(q_lens):
-    return torch.cumsum(torch.tensor(q_lens), 0) - 1
-
-
-def _step_inputs(model, tokens):
-    q_lens = [len(t) for t in tokens]
-    flat = torch.tensor([x for t in tokens for x in t], device=model.device)
-    return q_lens, model.embed[flat]
-
-
-def forward(model, attn, seq_ids, tokens, wire_dtype):
-    """One step for every sequence: logits [batch, vocab] of each one's last token."""
-    q_lens, x = _step_inputs(model, tokens)
-    positions = attn.begin_step(seq_ids, q_lens)
-    for layer in range(model.cfg.layers):
-        q, k, v = model.pre_attention(layer, x, positions)
-        o = attn.attention(layer, q.to(wire_dtype), k.to(wire_dtype), v.to(wire_dtype))
-        x = model.post_attention(layer, x, o)
-    return model.logits(x[_last_rows(q_lens).to(model.device)])
-
-
-async def forward_async(model, attn, seq_ids, tokens, wire_dtype):
-    """forward() for one micro-batch; awaits the server once per layer."""
-    q_lens, x = _step_inputs(model, tokens)
-    positions = await attn.begin_step(seq_ids, q_lens)
-    for layer in range(model.cfg.layers):
-        q, k, v = model.pre_attention(layer, x, positions)
-        o = await attn.attention(layer, q.to(wire_dtype), k.to(wire_dtype), v.to(wire_dtype))
-        x = model.post_attention(layer, x, o)
-    return model.logits(x[_last_rows(q_lens).to(model.device)])
-
-
-@dataclass
-class Run:
-    mode: str
-    tokens: torch.Tensor          # [batch, steps + 1] greedy tokens
-    logits: list                  # steps + 1 tensors [batch, vocab] float32 (CPU)
-    prefill_s: float
-    decode_s: float
-    round_trips: list             # seconds per layer round trip (server modes)
-
-    def summary(self, batch: int) -> dict:
-        steps = len(self.logits) - 1
-        rt = np.array(self.round_trips) * 1e3
-        return {
-            "mode": self.mode, "batch": batch, "decode_steps": steps,
-            "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
-            "decode_tokens_per_s": round(batch * steps / self.decode_s, 1) if self.decode_s else None,
-            "layer_round_trip_ms_mean": round(float(rt.mean()), 3) if rt.size else None,
-            "layer_round_trip_ms_p50": round(float(np.percentile(rt, 50)), 3) if rt.size else None,
-            "layer_round_trip_ms_p99": round(float(np.percentile(rt, 99)), 3) if rt.size else None,
-        }
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _next_inputs(tokens, follow, step):
-    """Each sequence's next input: its own greedy token, or follow[:, step] when
-    following another run's tokens (so that two runs' logits stay comparable)."""
-    chosen = tokens[-1] if follow is None else follow[:, step]
-    return [[int(t)] for t in chosen.tolist()]
-
-
-def generate(model, attn, prompts, steps, wire_dtype, mode, follow=None) -> Run:
-    """Prefill, then `steps` greedy decode steps. follow [batch, steps + 1]: feed
-    these tokens instead of the run's own (its own argmax is still recorded)."""
-    seq_ids = list(range(len(prompts)))
-    t0 = time.perf_counter()
-    logits = [forward(model, attn, seq_ids, prompts, wire_dtype)]
-    tokens = [logits[-1].argmax(-1)]
-    _sync(model.device)
-    t1 = time.perf_counter()
-    for step in range(steps):
-        logits.append(forward(model, attn, seq_ids, _next_inputs(tokens, follow, step),
-                              wire_dtype))
-        tokens.append(logits[-1].argmax(-1))
-    _sync(model.device)
-    t2 = time.perf_counter()
-    attn.finish(seq_ids)
-    return Run(mode, torch.stack(tokens, 1).cpu(), [l.cpu() for l in logits], t1 - t0, t2 - t1,
-               list(getattr(attn, "round_trips", [])))
-
-
-async def generate_pingpong(model, client: AsyncClient, prompts, steps, wire_dtype,
-                            follow=None, server_plans: bool = True) -> Run:
-    """generate() with two micro-batches in flight: each step runs both halves'
-    forward passes concurrently, so one's attention overlaps the other's MLP."""
-    mgr = attnserve.AsyncKvManager(client, server_plans=server_plans)
-    round_trips: list = []
-    half = (len(prompts) + 1) // 2
-    groups = [list(range(0, half)), list(range(half, len(prompts)))]
-    groups = [g for g in groups if g]
-    attns = [AsyncServerAttention(mgr, round_trips) for _ in groups]
-
-    async def step(inputs):
-        outs = await asyncio.gather(*(forward_async(model, a, g, [inputs[i] for i in g],
-                                                    wire_dtype)
-                                      for a, g in zip(attns, groups)))
-        return torch.cat(outs, 0)
-
-    t0 = time.perf_counter()
-    logits = [await step(prompts)]
-    tokens = [logits[-1].argmax(-1)]
-    _sync(model.device)
-    t1 = time.perf_counter()
-    for i in range(steps):
-        logits.append(await step(_next_inputs(tokens, follow, i)))
-        tokens.append(logits[-1].argmax(-1))
-    _sync(model.device)
-    t2 = time.perf_counter()
-    await mgr.release()
-    return Run("pingpong", torch.stack(tokens, 1).cpu(), [l.cpu() for l in logits], t1 - t0,
-               t2 - t1, round_trips)
-
-
-# ---------------------------------------------------------------- checks
-class GeometryMismatch(SystemExit):
-    pass
-
-
-def check_geometry(cfg: Config, info: attnserve.ServerInfo, wire: str) -> None:
-    """Stops with every difference between the model and the server."""
-    pairs = [("num_layers", info.num_layers, cfg.layers, "--layers"),
-             ("num_qo_heads", info.num_qo_heads, cfg.qo_heads, "--qo_heads"),
-             ("num_kv_heads", info.num_kv_heads, cfg.kv_heads, "--kv_heads"),
-             ("head_dim", info.head_dim, cfg.head_dim, "--head_dim"),
-             ("kv_dtype", info.kv_dtype, wire, "--attn_dtype")]
-    diffs = [f"  {name}: server {s}, model {m} (server flag --{name}={m}, or model {flag}={s})"
-             for name, s, m, flag in pairs if s != m]
-    if diffs:
-        raise GeometryMismatch(
-            f"the server at {info.device!r} does not fit the model:\n" + "\n".join(diffs))
-
-
-def compare_runs(a: Run, b: Run, rel_tol: float) -> dict:
-    """a against the reference b, which a followed (the same inputs at every step).
-
-    max_logits_rel_error: the largest relative norm error of a step's logits.
-    greedy_differences: (seq, step) where the argmax differs; each is a near-tie
-    when b's two best logits there are closer than the largest difference
-    between a's and b's logits in that row (the numerics cannot order them).
-    """
-    errors = [float((x - y).norm() / y.norm()) for x, y in zip(a.logits, b.logits)]
-    diff = (a.tokens != b.tokens).nonzero().tolist()             # [(seq, step), ...]
-    near_ties = 0
-    for seq, step in diff:
-        top2 = b.logits[step][seq].topk(2).values
-        if float(top2[0] - top2[1]) <= float((a.logits[step][seq] - b.logits[step][seq]).abs().max()):
-            near_ties += 1
-    return {"max_logits_rel_error": max(errors), "tokens_identical": not diff,
-            "greedy_differences": len(diff), "greedy_differences_at_near_ties": near_ties,
-            "tokens_compared": int(a.tokens.numel()),
-            "ok": max(errors) < rel_tol and near_ties == len(diff)}
-
-
-def random_prompts(vocab, batch, lo, hi, seed):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, int(rng.integers(lo, hi + 1))).tolist() for _ in range(batch)]
-
-
 # ---------------------------------------------------------------- main
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", default="127.0.0.1:50051")
-    p.add_argument("--token", default=None, help="bearer token (--auth_tokens_file servers)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    p.add_argument("--attention", choices=["local", "server", "pingpong", "all"], default="all")
-    for name in ("layers", "qo_heads", "kv_heads", "head_dim", "ffn", "vocab"):
-        p.add_argument(f"--{name}", type=int, default=None, help="override the preset")
-    p.add_argument("--attn_dtype", choices=["bf16", "fp16"], default="bf16")
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="decode steps after the prefill")
-    p.add_argument("--prompt_len", default=None, help="MIN:MAX tokens per prompt")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] for the model")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="model compute dtype; with bfloat16 the modes' greedy tokens part "
-                        "ways after the first near-tie, so compare in float32")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rel_tol", type=float, default=2e-2,
-                   help="largest relative error of a step's logits between modes")
-    p.add_argument("--no_server_plans", action="store_true",
-                   help="send each step's layout with every layer instead of CreatePlan")
-    p.add_argument("--strict", action="store_true",
-                   help="also fail when greedy tokens differ at near-ties")
-    p.add_argument("--timeout", type=float, default=300, help="per-call deadline, seconds")
-    p.add_argument("--json", default=None, help="write the report here")
-    args = p.parse_args(argv)
-
-    preset = PRESETS[args.preset]
-    overrides = {k: getattr(args, k) for k in ("layers", "qo_heads", "kv_heads", "head_dim",
-                                               "ffn", "vocab") if getattr(args, k) is not None}
-    cfg = dataclasses.replace(preset["config"], **overrides)
-    batch = args.batch or preset["batch"]
-    steps = preset["steps"] if args.steps is None else args.steps
-    lo, hi = preset["prompt_len"] if args.prompt_len is None else map(
-        int, args.prompt_len.split(":"))
-    dtype = getattr(torch, args.dtype)
-    wire_dtype = torch.bfloat16 if args.attn_dtype == "bf16" else torch.float16
-
-    modes = ["local", "server", "pingpong"] if args.attention == "all" else [args.attention]
-    client = None
-    if any(m != "local" for m in modes):
-        client = attnserve.Client(args.target, token=args.token, timeout=args.timeout)
-        check_geometry(cfg, client.server_info, args.attn_dtype)
-        info = client.server_info
-        print(f"server {args.target}: {info.backend} {info.device}, {info.num_layers} layers, "
-              f"{info.num_qo_heads}/{info.num_kv_heads} heads x {info.head_dim}, "
-              f"{info.kv_dtype}, {info.free_pages} free pages of {info.page_size}", flush=True)
-
-    model = Model(cfg, seed=args.seed, device=args.device, dtype=dtype)
-    prompts = random_prompts(cfg.vocab, batch, lo, hi, args.seed + 1)
-    print(f"model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.qo_heads}/{cfg.kv_heads} heads "
-          f"x {cfg.head_dim}, ffn {cfg.ffn}, vocab {cfg.vocab}, {str(dtype)[6:]} on {args.device};"
-          f" batch {batch}, prompts {lo}..{hi} tokens, {steps} decode steps", flush=True)
-
-    runs = {}
-    follow = None  # with several modes, the later ones follow the first one's tokens
-    for mode in modes:
-        if mode == "local":
-            runs[mode] = generate(model, LocalAttention(cfg, args.device, wire_dtype), prompts,
-                                  steps, wire_dtype, mode, follow)
-        elif mode == "server":
-            runs[mode] = generate(model, ServerAttention(client, not args.no_server_plans),
-                                  prompts, steps, wire_dtype, mode, follow)
-        else:
-            async def pingpong():
-                async with AsyncClient(args.target, token=args.token,
-                                       timeout=args.timeout) as aclient:
-                    return await generate_pingpong(model, aclient, prompts, steps, wire_dtype,
-                                                   follow, not args.no_server_plans)
-            runs[mode] = asyncio.run(pingpong())
-        if follow is None and len(modes) > 1:
-            follow = runs[mode].tokens
-        print(json.dumps(runs[mode].summary(batch)), flush=True)
-
-    report = {"config": dataclasses.asdict(cfg), "batch": batch, "steps": steps,
-              "runs": [r.summary(batch) for r in runs.values()], "comparisons": {}}
-    ok = True
-    names = list(runs)
-    for other in names[1:]:
-        c = compare_runs(runs[other], runs[names[0]], args.rel_tol)
-        report["comparisons"][f"{other}_vs_{names[0]}"] = c
-        if args.strict:
-            c["ok"] = c["ok"] and c["tokens_identical"]
-        print(f"{other} vs {names[0]}: max logits rel error {c['max_logits_rel_error']:.2e}, "
-              f"greedy tokens identical: {c['tokens_identical']}"
-              + ("" if c["tokens_identical"] else
-                 f" ({c['greedy_differences']} of {c['tokens_compared']} differ, "
-                 f"{c['greedy_differences_at_near_ties']} of them at near-ties)"), flush=True)
-        ok &= c["ok"]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    if client is not None:
-        client.close()
-    if not ok:
-        print(f"FAILED: the modes disagree (tolerance {args.rel_tol})", file=sys.stderr)
-    return 0 if ok else 1
+    return decoder.main(argv, description=__doc__.split("\n")[0], presets=PRESETS,
+                        make_model=Model)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-// CPU reference for paged prefill attention (see paged_prefill.h).
+// CPU kernel for paged prefill attention (see paged_prefill.h). The rules of
+// attention (the keys a row sees, the soft-cap, how a row ends with a sink)
+// come from kernels/variant.h, as in every CUDA family.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -7,29 +9,33 @@
 #include "common/dtype.h"
 #include "kernels/math.h"
 #include "kernels/paged_prefill.h"
+#include "kernels/variant.h"
 
 namespace attnserve {
 namespace {
 
-
-// Gathers the K and V rows of one KV head of one sequence into float
-// buffers (kv_len, head_dim), following the page table.
-void GatherHead(const PagedPrefillParams& p, const PrefillSeq& seq, int kv_head,
+// Gathers the K and V rows [keys.begin, keys.end) of one KV head of one
+// sequence into float buffers (keys.size(), head_dim), following the page
+// table: only the keys some row of the sequence sees, so a 128-key window
+// over a 128k sequence reads 128 keys per row, not 128k.
+void GatherHead(const PagedPrefillParams& p, const PrefillSeq& seq, int kv_head, KeyRange keys,
                 std::vector<float>& k, std::vector<float>& v) {
   const KvGeometry& g = p.geo;
   const int64_t d = g.head_dim;
-  k.resize(static_cast<size_t>(seq.kv_len) * d);
-  v.resize(static_cast<size_t>(seq.kv_len) * d);
+  const int32_t n = keys.size();
+  k.resize(static_cast<size_t>(n) * d);
+  v.resize(static_cast<size_t>(n) * d);
   const auto* k_cache = static_cast<const uint16_t*>(p.k_cache);
   const auto* v_cache = static_cast<const uint16_t*>(p.v_cache);
 #pragma omp parallel for schedule(static)
-  for (int32_t j = 0; j < seq.kv_len; ++j) {
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t j = keys.begin + i;
     const int64_t page = p.kv_indices[seq.kv_start + j / g.page_size];
     const int64_t slot = page * g.page_size + j % g.page_size;
     const int64_t offset =
         (seq.layer * g.SlotsPerLayer() + slot) * g.RowElems() + int64_t{kv_head} * d;
-    HalfToFloatN(g.dtype, k_cache + offset, k.data() + j * d, d);
-    HalfToFloatN(g.dtype, v_cache + offset, v.data() + j * d, d);
+    HalfToFloatN(g.dtype, k_cache + offset, k.data() + int64_t{i} * d, d);
+    HalfToFloatN(g.dtype, v_cache + offset, v.data() + int64_t{i} * d, d);
   }
 }
 
@@ -46,8 +52,14 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     const PrefillSeq& seq = p.seqs[s];
     if (seq.q_len <= 0) continue;
+    // The keys any row of the sequence sees: the only ones gathered.
+    const KeyRange read = RowsKeys(seq, 0, seq.q_len - 1).read;
+    const LogitTransform transform = LogitTransform::Of(seq, /*positive_scale=*/false);
+    const float* sinks = seq.sink_index >= 0 && p.sinks != nullptr
+                             ? p.sinks + int64_t{seq.sink_index} * g.num_qo_heads
+                             : nullptr;
     for (int kv_head = 0; kv_head < g.num_kv_heads; ++kv_head) {
-      GatherHead(p, seq, kv_head, k, v);
+      GatherHead(p, seq, kv_head, read, k, v);
       const int64_t items = int64_t{seq.q_len} * group;
 #pragma omp parallel
       {
@@ -58,40 +70,33 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
           const int head = kv_head * group + static_cast<int>(item % group);
           const int64_t row = seq.q_start + i;
           const int64_t q_off = (row * g.num_qo_heads + head) * d;
-          // Causal: row i sees j <= i + kv_len - q_len + causal_shift.
-          int64_t visible = seq.kv_len;
-          if (seq.causal) {
-            visible = std::min<int64_t>(
-                visible, int64_t{i} + seq.kv_len - seq.q_len + seq.causal_shift + 1);
-          }
-          float* out_lse = p.lse + row * g.num_qo_heads + head;
-          if (visible <= 0) {
-            std::fill(o + q_off, o + q_off + d, FloatToHalf(g.dtype, 0.f));
-            *out_lse = -std::numeric_limits<float>::infinity();
-            continue;
-          }
-          HalfToFloatN(g.dtype, q + q_off, qf.data(), d);
-          logits.resize(visible);
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < visible; ++j) {
-            const float* kj = k.data() + j * d;
-            float dot = 0.f;
-            for (int c = 0; c < d; ++c) dot += qf[c] * kj[c];
-            logits[j] = dot * seq.sm_scale;
-            m = std::max(m, logits[j]);
-          }
+          const KeyRange keys = RowKeys(seq, i);
+          // Base-2 units throughout: logits x * log2(e), the sink likewise.
+          const float sink2 = sinks != nullptr ? sinks[head] * kLog2e : -INFINITY;
+          float m2 = -std::numeric_limits<float>::infinity();
+          float l = 0.f;
           std::fill(acc.begin(), acc.end(), 0.f);
-          float sum = 0.f;
-          for (int64_t j = 0; j < visible; ++j) {
-            const float w = std::exp(logits[j] - m);
-            sum += w;
-            const float* vj = v.data() + j * d;
-            for (int c = 0; c < d; ++c) acc[c] += w * vj[c];
+          if (keys.size() > 0) {
+            HalfToFloatN(g.dtype, q + q_off, qf.data(), d);
+            logits.resize(keys.size());
+            for (int32_t j = keys.begin; j < keys.end; ++j) {
+              const float* kj = k.data() + int64_t{j - read.begin} * d;
+              float dot = 0.f;
+              for (int c = 0; c < d; ++c) dot += qf[c] * kj[c];
+              const float x2 = transform.Log2(dot);
+              logits[j - keys.begin] = x2;
+              m2 = std::max(m2, x2);
+            }
+            for (int32_t j = keys.begin; j < keys.end; ++j) {
+              const float w = std::exp2(logits[j - keys.begin] - m2);
+              l += w;
+              const float* vj = v.data() + int64_t{j - read.begin} * d;
+              for (int c = 0; c < d; ++c) acc[c] += w * vj[c];
+            }
           }
-          const float inv = 1.f / sum;  // sum >= 1: the max term is exp(0)
-          for (int c = 0; c < d; ++c) o[q_off + c] = FloatToHalf(g.dtype, acc[c] * inv);
-          const float lse_e = m + std::log(sum);
-          *out_lse = seq.lse_base_e ? lse_e : lse_e / kLn2;
+          const RowEnd end = EndRow(m2, l, sink2);
+          for (int c = 0; c < d; ++c) o[q_off + c] = FloatToHalf(g.dtype, acc[c] * end.o_scale);
+          p.lse[row * g.num_qo_heads + head] = seq.lse_base_e ? end.lse2 * kLn2 : end.lse2;
         }
       }
     }

@@ -464,7 +464,8 @@ void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
 }
 
 absl::StatusOr<uint64_t> AttentionCore::CreatePlan(const CallContext& ctx,
-                                                    const PrefillLayout& layout) {
+                                                    const PrefillLayout& layout,
+                                                    const PlanOptionsView& options) {
   ATTN_RETURN_IF_ERROR(CheckIncarnation(ctx.expected_incarnation, incarnation_));
   auto plan = std::make_unique<Plan>();
   plan->tenant = ctx.tenant;
@@ -472,8 +473,10 @@ absl::StatusOr<uint64_t> AttentionCore::CreatePlan(const CallContext& ctx,
   plan->kv_indices.assign(layout.kv_indices.begin(), layout.kv_indices.end());
   plan->append_slots.assign(layout.append_slots.begin(), layout.append_slots.end());
   const PrefillLayout owned{layout.qo_indptr,        layout.kv_indptr,   plan->kv_indices,
-                            layout.kv_last_page_len, plan->append_slots, layout.kv_keys_after};
+                            layout.kv_last_page_len, plan->append_slots, layout.kv_keys_after,
+                            layout.apply_sinks};
   ATTN_ASSIGN_OR_RETURN(plan->layout, ValidatePlanLayout(owned, backend_->Geometry(), limits_));
+  ATTN_ASSIGN_OR_RETURN(plan->options, ValidatePlanOptions(options, backend_->Geometry()));
   absl::ReaderMutexLock hold(&lease_mu_);
   ATTN_RETURN_IF_ERROR(RenewLease(ctx));
   ATTN_RETURN_IF_ERROR(pages_.PinOwned(ctx.tenant, plan->layout.pages, "kv_indices/append_slots",
@@ -603,8 +606,8 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
       return;
     }
     validated = ValidatePlannedPrefill(call, plan->layout, plan->kv_indices.data(),
-                                       plan->append_slots.data(), backend_->Geometry(), limits_,
-                                       incarnation_);
+                                       plan->append_slots.data(), plan->options,
+                                       backend_->Geometry(), limits_, incarnation_);
   } else {
     validated = ValidatePrefill(call, backend_->Geometry(), limits_, incarnation_);
   }

@@ -80,7 +80,8 @@ class AttentionCore {
 
   // Registers a step's layout (validated, its pages pinned) for the caller's
   // tenant and returns its plan id; Prefill calls then name it (plan_id).
-  absl::StatusOr<uint64_t> CreatePlan(const CallContext& ctx, const PrefillLayout& layout);
+  absl::StatusOr<uint64_t> CreatePlan(const CallContext& ctx, const PrefillLayout& layout,
+                                      const PlanOptionsView& options = {});
   // Releases a plan: its pages are unpinned once no request uses it.
   absl::Status ReleasePlan(const CallContext& ctx, uint64_t plan_id);
 

@@ -2,7 +2,8 @@
 //
 // A page id names the same slots in every layer, so one decode step's layout
 // (indptrs, page ids, last-page lengths, append slots) is the same for all
-// of a model's layers. A client registers it once; every layer's Prefill then
+// of a model's layers; the plan may also hold each layer's attention options
+// (docs/design.md, "Variants"). A client registers it once; every layer's Prefill then
 // names the plan instead of sending the layout again, and the server
 // neither re-validates nor re-pins it. A plan's pages stay pinned (and
 // cannot be freed) until the plan is released, expires, or the server stops.
@@ -36,6 +37,7 @@ struct Plan {
   std::vector<int32_t> kv_indices;    // the tasks point into these two
   std::vector<int64_t> append_slots;
   ValidatedLayout layout;             // layout.pages are pinned for the plan
+  PlanOptions options;                // per layer; tasks point at their sinks
 };
 
 class PlanTable {

@@ -13,6 +13,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -109,6 +110,22 @@ struct PrefillOutput {
   int64_t lse_bytes = 0;
 };
 
+// Attention options (docs/design.md, "Variants") as a request carries them;
+// an unset field is not specified (the plan's for the layer, else the
+// default, applies).
+struct AttentionOptionsView {
+  std::optional<int32_t> window_left;      // -1: no window
+  std::optional<float> logits_soft_cap;    // 0: none
+  absl::Span<const float> sinks;           // (num_qo_heads) natural units, or empty: none set
+};
+
+// A CreatePlan's options: those of every layer, and per layer those that
+// replace them whole for that layer.
+struct PlanOptionsView {
+  AttentionOptionsView all;
+  std::vector<std::pair<int32_t, AttentionOptionsView>> layers;
+};
+
 struct PrefillCall : CallContext {
   int32_t layer = 0;
   TensorView q;                               // (total_q, num_qo_heads, head_dim)
@@ -123,6 +140,8 @@ struct PrefillCall : CallContext {
   TensorView append_k;                        // (n, num_kv_heads, head_dim)
   TensorView append_v;
   absl::Span<const int32_t> kv_keys_after;    // (batch) or empty: PrefillSeq::causal_shift
+  absl::Span<const bool> apply_sinks;         // (batch) or empty: where options.sinks enter
+  AttentionOptionsView options;               // window, soft-cap, sinks
   uint64_t plan_id = 0;                       // 0: the layout fields above hold the layout
   // Both set: o and lse are written there, and `out` gets no buffer.
   RegionRefView out_region;                   // (total_q, num_qo_heads, head_dim) bytes

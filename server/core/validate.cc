@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -123,6 +124,64 @@ absl::Status ValidateTensor(const TensorView& t, absl::string_view field, Tensor
   return absl::OkStatus();
 }
 
+absl::Status ValidateOptions(const AttentionOptionsView& o, absl::string_view field,
+                             const KvGeometry& geo) {
+  if (o.window_left.has_value() && *o.window_left < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".window_left=", *o.window_left, " out of range [-1, ", INT32_MAX,
+                     "] (-1: no window)"));
+  }
+  if (o.logits_soft_cap.has_value() &&
+      !(std::isfinite(*o.logits_soft_cap) && *o.logits_soft_cap >= 0.f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".logits_soft_cap=", *o.logits_soft_cap,
+                     " must be finite and at least 0 (0: no soft-cap)"));
+  }
+  if (!o.sinks.empty() && static_cast<int64_t>(o.sinks.size()) != geo.num_qo_heads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".sinks has ", o.sinks.size(), " entries, must have num_qo_heads = ",
+                     geo.num_qo_heads, " (or none)"));
+  }
+  for (size_t h = 0; h < o.sinks.size(); ++h) {
+    const float x = o.sinks[h];
+    if (x == -std::numeric_limits<float>::infinity()) continue;  // no sink for this head
+    if (!(std::abs(x) <= kMaxSinkMagnitude)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".sinks[", h, "]=", x, " must be -inf (none) or finite in [-",
+          kMaxSinkMagnitude, ", ", kMaxSinkMagnitude, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+AttentionOptionsData Own(const AttentionOptionsView& o) {
+  AttentionOptionsData d;
+  d.window_left = o.window_left;
+  d.logits_soft_cap = o.logits_soft_cap;
+  d.sinks.assign(o.sinks.begin(), o.sinks.end());
+  return d;
+}
+
+}  // namespace
+
+absl::StatusOr<PlanOptions> ValidatePlanOptions(const PlanOptionsView& options,
+                                                const KvGeometry& geo) {
+  ATTN_RETURN_IF_ERROR(ValidateOptions(options.all, "options", geo));
+  PlanOptions out;
+  out.all = Own(options.all);
+  for (const auto& [layer, o] : options.layers) {
+    if (layer < 0 || layer >= geo.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer_options has key ", layer, " out of range [0, ", geo.num_layers, ") (num_layers)"));
+    }
+    ATTN_RETURN_IF_ERROR(ValidateOptions(o, absl::StrCat("layer_options[", layer, "]"), geo));
+    out.layers[layer] = Own(o);
+  }
+  return out;
+}
+
 absl::Status CheckIncarnation(uint64_t expected, uint64_t incarnation) {
   if (expected != 0 && expected != incarnation) {
     return absl::FailedPreconditionError(
@@ -186,6 +245,13 @@ absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int6
                                                    " entries, must have batch = ", batch,
                                                    " (or none)"));
   }
+  const bool has_apply = !layout.apply_sinks.empty();
+  if (has_apply && static_cast<int64_t>(layout.apply_sinks.size()) != batch) {
+    return absl::InvalidArgumentError(absl::StrCat("apply_sinks has ",
+                                                   layout.apply_sinks.size(),
+                                                   " entries, must have batch = ", batch,
+                                                   " (or none)"));
+  }
   out.seqs.reserve(batch);
   for (int64_t b = 0; b < batch; ++b) {
     const int32_t num_pages = layout.kv_indptr[b + 1] - layout.kv_indptr[b];
@@ -223,6 +289,9 @@ absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int6
       }
       seq.causal_shift = static_cast<int32_t>(after);
     }
+    // The request's one sink set, where it may enter (ValidateAgainstLayout
+    // takes it out again when there are no sinks).
+    seq.sink_index = !has_apply || layout.apply_sinks[b] ? 0 : -1;
     out.seqs.push_back(seq);
   }
   out.num_append = static_cast<int64_t>(layout.append_slots.size());
@@ -259,12 +328,72 @@ absl::StatusOr<ValidatedLayout> ValidatePlanLayout(const PrefillLayout& layout,
 
 namespace {
 
+// The one value of an option the request and its plan may both set: the
+// request's when set (it must then equal the plan's, if that is set too).
+template <typename T>
+absl::StatusOr<std::optional<T>> Agree(const std::optional<T>& mine, const std::optional<T>& plan,
+                                       absl::string_view name, int32_t layer) {
+  if (!mine.has_value()) return plan;
+  if (plan.has_value() && !(*plan == *mine)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.", name, "=", *mine, " contradicts the plan's ", name, "=", *plan,
+        " for layer ", layer, " (leave it unset to take the plan's)"));
+  }
+  return mine;
+}
+
+// The options a Prefill runs with: its own, and for what it leaves unset its
+// plan's for its layer (`plan` null: no plan). The sinks point into the
+// request or the plan.
+struct ResolvedOptions {
+  int32_t window_left = -1;
+  float soft_cap = 0.f;
+  const float* sinks = nullptr;
+};
+
+absl::StatusOr<ResolvedOptions> ResolveOptions(const PrefillCall& call,
+                                               const AttentionOptionsData* plan,
+                                               const KvGeometry& geo) {
+  const AttentionOptionsView& mine = call.options;
+  ATTN_RETURN_IF_ERROR(ValidateOptions(mine, "options", geo));
+  const AttentionOptionsData theirs_none;
+  const AttentionOptionsData& theirs = plan != nullptr ? *plan : theirs_none;
+  ResolvedOptions r;
+  ATTN_ASSIGN_OR_RETURN(std::optional<int32_t> window,
+                        Agree(mine.window_left, theirs.window_left, "window_left", call.layer));
+  ATTN_ASSIGN_OR_RETURN(
+      std::optional<float> cap,
+      Agree(mine.logits_soft_cap, theirs.logits_soft_cap, "logits_soft_cap", call.layer));
+  r.window_left = window.value_or(-1);
+  r.soft_cap = cap.value_or(0.f);
+  if (!mine.sinks.empty() && !theirs.sinks.empty()) {
+    for (size_t h = 0; h < mine.sinks.size(); ++h) {
+      if (!(mine.sinks[h] == theirs.sinks[h])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "options.sinks[", h, "]=", mine.sinks[h], " contradicts the plan's sinks[", h,
+            "]=", theirs.sinks[h], " for layer ", call.layer,
+            " (leave options.sinks empty to take the plan's)"));
+      }
+    }
+  }
+  if (!mine.sinks.empty()) {
+    r.sinks = mine.sinks.data();
+  } else if (!theirs.sinks.empty()) {
+    r.sinks = theirs.sinks.data();
+  }
+  return r;
+}
+
 // What a Prefill carries besides its layout: layer, q with the layout's rows,
-// scale, mask, LSE base, and the append rows the layout's slots receive.
+// scale, mask, options, LSE base, and the append rows the layout's slots
+// receive. plan_options: the options its plan gives its layer (null: none).
 absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
                                                        const ValidatedLayout& layout,
+                                                       const AttentionOptionsData* plan_options,
                                                        const KvGeometry& geo,
                                                        const RequestLimits& limits) {
+  ATTN_ASSIGN_OR_RETURN(const ResolvedOptions options,
+                        ResolveOptions(call, plan_options, geo));
   float sm_scale = 1.0f / std::sqrt(static_cast<float>(geo.head_dim));
   if (call.sm_scale.has_value()) {
     if (!std::isfinite(*call.sm_scale)) {
@@ -287,11 +416,15 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
   task.total_q = static_cast<int32_t>(layout.total_q);
   task.num_kv_indices = static_cast<int32_t>(layout.pages.size() - layout.num_append);
   task.seqs = layout.seqs;
+  task.sinks = options.sinks;
   for (PrefillSeq& seq : task.seqs) {
     seq.layer = call.layer;
     seq.sm_scale = sm_scale;
     seq.causal = call.causal.value_or(true) ? 1 : 0;
     seq.lse_base_e = static_cast<uint8_t>(call.lse_base);
+    seq.window_left = options.window_left;
+    seq.soft_cap = options.soft_cap;
+    if (options.sinks == nullptr) seq.sink_index = -1;  // else as the layout says
   }
   const int64_t n_append = layout.num_append;
   if (n_append > 0 || call.append_k.byte_size() != 0 || call.append_v.byte_size() != 0) {
@@ -345,10 +478,12 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call, const 
   ATTN_RETURN_IF_ERROR(CheckLayer(call.layer, geo));
   ATTN_ASSIGN_OR_RETURN(const int64_t total_q, CheckQuery(call.q, -1, geo, limits));
   const PrefillLayout fields{call.qo_indptr,        call.kv_indptr,    call.kv_indices,
-                             call.kv_last_page_len, call.append_slots, call.kv_keys_after};
+                             call.kv_last_page_len, call.append_slots, call.kv_keys_after,
+                             call.apply_sinks};
   ATTN_ASSIGN_OR_RETURN(ValidatedLayout layout,
                         ValidateLayout(fields, total_q, "q.shape[0]", geo, limits));
-  ATTN_ASSIGN_OR_RETURN(ValidatedPrefill out, ValidateAgainstLayout(call, layout, geo, limits));
+  ATTN_ASSIGN_OR_RETURN(ValidatedPrefill out,
+                        ValidateAgainstLayout(call, layout, nullptr, geo, limits));
   // The task reads the request's own arrays.
   out.task.kv_indices = call.kv_indices.data();
   if (out.task.num_append > 0) out.task.append_slots = call.append_slots.data();
@@ -360,20 +495,23 @@ absl::StatusOr<ValidatedPrefill> ValidatePlannedPrefill(const PrefillCall& call,
                                                         const ValidatedLayout& plan,
                                                         const int32_t* kv_indices,
                                                         const int64_t* append_slots,
+                                                        const PlanOptions& plan_options,
                                                         const KvGeometry& geo,
                                                         const RequestLimits& limits,
                                                         uint64_t incarnation) {
   ATTN_RETURN_IF_ERROR(CheckIncarnation(call.expected_incarnation, incarnation));
   if (!call.qo_indptr.empty() || !call.kv_indptr.empty() || !call.kv_indices.empty() ||
       !call.kv_last_page_len.empty() || !call.append_slots.empty() ||
-      !call.kv_keys_after.empty()) {
+      !call.kv_keys_after.empty() || !call.apply_sinks.empty()) {
     return absl::InvalidArgumentError(
-        "plan_id is set: qo_indptr, kv_indptr, kv_indices, kv_last_page_len, append_slots and "
-        "kv_keys_after must be empty (the plan holds them)");
+        "plan_id is set: qo_indptr, kv_indptr, kv_indices, kv_last_page_len, append_slots, "
+        "kv_keys_after and apply_sinks must be empty (the plan holds them)");
   }
   ATTN_RETURN_IF_ERROR(CheckLayer(call.layer, geo));
   ATTN_RETURN_IF_ERROR(CheckQuery(call.q, plan.total_q, geo, limits).status());
-  ATTN_ASSIGN_OR_RETURN(ValidatedPrefill out, ValidateAgainstLayout(call, plan, geo, limits));
+  ATTN_ASSIGN_OR_RETURN(
+      ValidatedPrefill out,
+      ValidateAgainstLayout(call, plan, &plan_options.For(call.layer), geo, limits));
   out.task.kv_indices = kv_indices;
   if (out.task.num_append > 0) out.task.append_slots = append_slots;
   return out;  // no pages: the plan pins them

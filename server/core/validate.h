@@ -6,8 +6,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "common/kv_geometry.h"
 #include "server/backend/backend.h"
@@ -40,10 +42,32 @@ struct PrefillLayout {
   // (batch) or empty: keys of each sequence held after this range
   // (PrefillSeq::causal_shift); empty means 0 for every sequence.
   absl::Span<const int32_t> kv_keys_after;
+  // (batch) or empty (all true): the sequences a request's sinks enter.
+  absl::Span<const bool> apply_sinks = {};
+};
+
+// Attention options (docs/design.md, "Variants") that passed validation,
+// owned (a plan keeps them); unset fields as in AttentionOptionsView.
+struct AttentionOptionsData {
+  std::optional<int32_t> window_left;
+  std::optional<float> logits_soft_cap;
+  std::vector<float> sinks;  // (num_qo_heads) or empty
+};
+
+// A plan's options: every layer's, and those replacing them for some layers.
+struct PlanOptions {
+  AttentionOptionsData all;
+  absl::flat_hash_map<int32_t, AttentionOptionsData> layers;
+  // The options of `layer`: its entry, else `all`.
+  const AttentionOptionsData& For(int32_t layer) const {
+    auto it = layers.find(layer);
+    return it == layers.end() ? all : it->second;
+  }
 };
 
 // A layout that passed validation: the sequences (q_start, q_len, kv_start,
-// kv_len set; the per-request fields not) and the pages it touches.
+// kv_len, causal_shift set; sink_index 0 where apply_sinks lets sinks in,
+// -1 where not; the per-request fields not) and the pages it touches.
 struct ValidatedLayout {
   int64_t total_q = 0;
   std::vector<PrefillSeq> seqs;
@@ -63,6 +87,17 @@ absl::StatusOr<ValidatedLayout> ValidatePlanLayout(const PrefillLayout& layout,
                                                    const KvGeometry& geo,
                                                    const RequestLimits& limits);
 
+// The bounds of AttentionOptions (proto/attnserve/v1/attention.proto): a
+// window of at least -1, a finite soft-cap of at least 0, num_qo_heads sinks
+// each -inf or finite of magnitude at most kMaxSinkMagnitude. `field` names
+// the message in errors ("options", "layer_options[3]").
+inline constexpr float kMaxSinkMagnitude = 1e30f;
+absl::Status ValidateOptions(const AttentionOptionsView& options, absl::string_view field,
+                             const KvGeometry& geo);
+// A CreatePlan's options: each valid, layer keys in [0, num_layers); copied.
+absl::StatusOr<PlanOptions> ValidatePlanOptions(const PlanOptionsView& options,
+                                                const KvGeometry& geo);
+
 // FAILED_PRECONDITION when a caller expects another incarnation than the
 // server's (0: not checked): it outlived a restart.
 absl::Status CheckIncarnation(uint64_t expected, uint64_t incarnation);
@@ -73,13 +108,16 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call,
                                                  uint64_t incarnation);
 
 // A Prefill naming a plan (call.plan_id): its layout fields must be empty,
-// q must have the plan's rows and the append tensors its append rows. The
-// task reads kv_indices and append_slots from the plan's arrays; no pages
-// are returned (the plan holds their pins).
+// q must have the plan's rows and the append tensors its append rows, and
+// the options it sets must agree with plan_options.For(call.layer), which
+// supply the ones it leaves unset. The task reads kv_indices, append_slots
+// and any sinks from the plan's arrays; no pages are returned (the plan
+// holds their pins).
 absl::StatusOr<ValidatedPrefill> ValidatePlannedPrefill(const PrefillCall& call,
                                                         const ValidatedLayout& plan,
                                                         const int32_t* kv_indices,
                                                         const int64_t* append_slots,
+                                                        const PlanOptions& plan_options,
                                                         const KvGeometry& geo,
                                                         const RequestLimits& limits,
                                                         uint64_t incarnation);

@@ -53,7 +53,8 @@ AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth*
       access_log_(options.access_log),
       read_timeout_(options.read_timeout),
       limits_(core->limits().max_request_rows, core->limits().max_request_kv_indices,
-              core->geometry().num_pages, kMaxMergeStates),
+              core->geometry().num_pages, kMaxMergeStates, core->geometry().num_qo_heads,
+              core->geometry().num_layers),
       prefill_requests_(kPooledPrefillRequests, kPooledPrefillBytes,
                         [](v1::PrefillRequest* r) { return ResetForReuse(r); }) {
   options.channels.access_log = options.access_log;
@@ -571,7 +572,7 @@ void AttentionServiceImpl::CreatePlan(Call* call) {
   v1::CreatePlanRequest parsed;
   CallContext c;
   if (!call->Open(limits_.create_plan, &parsed, &c)) return;
-  auto id = core_->CreatePlan(c, ToLayout(parsed));
+  auto id = core_->CreatePlan(c, ToLayout(parsed), ToPlanOptions(parsed));
   v1::CreatePlanResponse out;
   if (id.ok()) {
     out.set_plan_id(*id);

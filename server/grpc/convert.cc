@@ -147,6 +147,14 @@ absl::Span<const T> Span(const google::protobuf::RepeatedField<T>& field) {
   return absl::MakeConstSpan(field.data(), static_cast<size_t>(field.size()));
 }
 
+AttentionOptionsView OptionsView(const v1::AttentionOptions& o) {
+  AttentionOptionsView view;
+  if (o.has_window_left()) view.window_left = o.window_left();
+  if (o.has_logits_soft_cap()) view.logits_soft_cap = o.logits_soft_cap();
+  view.sinks = Span(o.sinks());
+  return view;
+}
+
 // Whether protobuf's parser takes bytes [begin, end) of the message, a
 // field's tag and length that CodedInputStream read, as it would read them
 // itself: a tag of at most 5 bytes, a length of at most 5 bytes (the fifth
@@ -238,6 +246,8 @@ void ToCall(const v1::PrefillRequest& r, const InPlaceTensors& tensors, PrefillC
   c->append_k = View(r.append_k(), v1::PrefillRequest::kAppendKFieldNumber, tensors);
   c->append_v = View(r.append_v(), v1::PrefillRequest::kAppendVFieldNumber, tensors);
   c->kv_keys_after = Span(r.kv_keys_after());
+  c->apply_sinks = Span(r.apply_sinks());
+  c->options = OptionsView(r.options());
   c->plan_id = r.plan_id();
   c->out_region = RefView(r.has_output_region(), r.output_region());
   c->lse_region = RefView(r.has_lse_region(), r.lse_region());
@@ -254,7 +264,18 @@ Metrics::Shape PrefillShape(const v1::PrefillRequest& r) {
 PrefillLayout ToLayout(const v1::CreatePlanRequest& r) {
   return PrefillLayout{Span(r.qo_indptr()),        Span(r.kv_indptr()),
                        Span(r.kv_indices()),       Span(r.kv_last_page_len()),
-                       Span(r.append_slots()),     Span(r.kv_keys_after())};
+                       Span(r.append_slots()),     Span(r.kv_keys_after()),
+                       Span(r.apply_sinks())};
+}
+
+PlanOptionsView ToPlanOptions(const v1::CreatePlanRequest& r) {
+  PlanOptionsView view;
+  view.all = OptionsView(r.options());
+  view.layers.reserve(r.layer_options_size());
+  for (const auto& [layer, options] : r.layer_options()) {
+    view.layers.emplace_back(layer, OptionsView(options));
+  }
+  return view;
 }
 
 void ToCall(const v1::WriteKVRequest& r, WriteKvCall* c) { ToCall(r, NoneInPlace(), c); }
@@ -332,7 +353,8 @@ int64_t ResetForReuse(v1::PrefillRequest* request) {
                                       request->kv_indices().Capacity() +
                                       request->kv_last_page_len().Capacity() +
                                       request->kv_keys_after().Capacity()) * 4 +
-                 static_cast<int64_t>(request->append_slots().Capacity()) * 8;
+                 static_cast<int64_t>(request->append_slots().Capacity()) * 8 +
+                 static_cast<int64_t>(request->apply_sinks().Capacity());
   for (v1::Tensor* t : {q.get(), append_k.get(), append_v.get()}) {
     if (t == nullptr) continue;
     t->Clear();  // keeps the data string's capacity

@@ -94,6 +94,8 @@ void ToCall(const v1::PrefillRequest& request, PrefillCall* call);  // no tensor
 Metrics::Shape PrefillShape(const v1::PrefillRequest& request);
 // A CreatePlan's layout, viewing the request's arrays.
 PrefillLayout ToLayout(const v1::CreatePlanRequest& request);
+// A CreatePlan's attention options, viewing the request.
+PlanOptionsView ToPlanOptions(const v1::CreatePlanRequest& request);
 void ToCall(const v1::WriteKVRequest& request, const InPlaceTensors& tensors, WriteKvCall* call);
 void ToCall(const v1::WriteKVRequest& request, WriteKvCall* call);
 void ToCall(const v1::ReadKVRequest& request, v1::ReadKVResponse* response, ReadKvCall* call);

@@ -106,6 +106,10 @@ class Walker {
           break;
         case WireFormatLite::WIRETYPE_FIXED32:
           if (!input_->Skip(4)) return Malformed(frame, "truncated fixed32 field");
+          if (field != nullptr && field->kind == WireField::kRepeatedFixed32 &&
+              ++counts[index] > field->max_count) {
+            return TooMany(frame, *field);
+          }
           break;
         case WireFormatLite::WIRETYPE_LENGTH_DELIMITED: {
           uint32_t length = 0;
@@ -156,6 +160,14 @@ class Walker {
         if (*count > field.max_count) return TooMany(frame, field);
         return absl::OkStatus();
       }
+      case WireField::kRepeatedFixed32: {  // packed: 4 bytes an entry
+        *count += (int64_t{length} + 3) / 4;
+        if (*count > field.max_count) return TooMany(frame, field);
+        if (!input_->Skip(static_cast<int>(length))) {
+          return Malformed(frame, absl::StrCat(field.name, " is truncated"));
+        }
+        return absl::OkStatus();
+      }
       case WireField::kMessage:
       case WireField::kRepeatedMessage: {
         if (field.kind == WireField::kMessage && *count >= 1) {
@@ -199,9 +211,14 @@ absl::Status CheckWire(const grpc::ByteBuffer& bytes, const WireMessage& message
 }
 
 RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, int64_t num_pages,
-                                     int64_t max_merge_states) {
+                                     int64_t max_merge_states, int64_t num_qo_heads,
+                                     int64_t num_layers) {
   using F = WireField;
   region_ref = {"attnserve.v1.RegionRef", {}};
+  attention_options = {"attnserve.v1.AttentionOptions",
+                       {{3, "sinks", F::kRepeatedFixed32, num_qo_heads, nullptr, "num_qo_heads"}}};
+  layer_options_entry = {"attnserve.v1.CreatePlanRequest.LayerOptionsEntry",
+                         {{2, "value", F::kMessage, 1, &attention_options, ""}}};
   tensor = {"attnserve.v1.Tensor",
             {{2, "shape", F::kRepeatedScalar, 8, nullptr, "rank"},
              {4, "region", F::kMessage, 1, &region_ref, ""}}};
@@ -231,8 +248,9 @@ RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, i
               {12, "append_v", F::kMessage, 1, &tensor, ""},
               {15, "output_region", F::kMessage, 1, &region_ref, ""},
               {16, "lse_region", F::kMessage, 1, &region_ref, ""},
-
-              {17, "kv_keys_after", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"}}};
+              {17, "kv_keys_after", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"},
+              {19, "options", F::kMessage, 1, &attention_options, ""},
+              {20, "apply_sinks", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"}}};
   create_plan = {"attnserve.v1.CreatePlanRequest",
                  {{1, "qo_indptr", F::kRepeatedScalar, max_rows + 1, nullptr, "max_request_rows + 1"},
                   {2, "kv_indptr", F::kRepeatedScalar, max_rows + 1, nullptr, "max_request_rows + 1"},
@@ -240,7 +258,11 @@ RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, i
                    "max_request_kv_indices"},
                   {4, "kv_last_page_len", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"},
                   {5, "append_slots", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"},
-                  {7, "kv_keys_after", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"}}};
+                  {7, "kv_keys_after", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"},
+                  {9, "options", F::kMessage, 1, &attention_options, ""},
+                  {10, "layer_options", F::kRepeatedMessage, num_layers, &layer_options_entry,
+                   "num_layers"},
+                  {11, "apply_sinks", F::kRepeatedScalar, max_rows, nullptr, "max_request_rows"}}};
   release_plan = {"attnserve.v1.ReleasePlanRequest", {}};
   merge_states = {"attnserve.v1.MergeStatesRequest",
                   {{1, "states", F::kRepeatedMessage, max_merge_states, &attention_state,

@@ -32,7 +32,9 @@ namespace attnserve {
 struct WireMessage;
 
 struct WireField {
-  enum Kind { kRepeatedScalar, kMessage, kRepeatedMessage };
+  // kRepeatedFixed32: a repeated float or fixed32, packed (4 bytes an entry)
+  // or not.
+  enum Kind { kRepeatedScalar, kRepeatedFixed32, kMessage, kRepeatedMessage };
   uint32_t number = 0;
   const char* name = "";
   Kind kind = kRepeatedScalar;
@@ -54,14 +56,18 @@ absl::Status CheckWire(const grpc::ByteBuffer& bytes, const WireMessage& message
 struct RequestWireLimits {
   // max_rows: query or KV rows one request may carry (and so sequences);
   // max_kv_indices: page ids one Prefill may name; num_pages: the pool's
-  // pages; max_merge_states: states one MergeStates may merge.
+  // pages; max_merge_states: states one MergeStates may merge; num_qo_heads:
+  // sinks one AttentionOptions may hold; num_layers: a plan's layer_options.
   RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, int64_t num_pages,
-                    int64_t max_merge_states);
+                    int64_t max_merge_states, int64_t num_qo_heads = 1024,
+                    int64_t num_layers = 1024);
   RequestWireLimits(const RequestWireLimits&) = delete;  // the messages point at each other
   RequestWireLimits& operator=(const RequestWireLimits&) = delete;
 
   WireMessage region_ref;
   WireMessage tensor;
+  WireMessage attention_options;
+  WireMessage layer_options_entry;
   WireMessage attention_state;
   WireMessage get_server_info;
   WireMessage allocate_pages;

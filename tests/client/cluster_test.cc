@@ -8,6 +8,7 @@
 #include "client/cluster.h"
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
@@ -113,12 +114,17 @@ class Reference {
       lse.insert(lse.end(), got.lse.begin() + r * geo_.num_qo_heads,
                  got.lse.begin() + (r + 1) * geo_.num_qo_heads);
     }
+    auto options = options_.find(layer);
+    if (options != options_.end()) in.options = options->second;
     std::vector<double> o_ref, lse_ref;
     ReferencePrefill(*mirror_, in, &o_ref, &lse_ref);
     return Compare(geo_.dtype, o_ref, lse_ref, o, lse);
   }
+  // The attention options of a layer (default: none).
+  void SetOptions(int32_t layer, AttentionOptions options) { options_[layer] = options; }
 
  private:
+  std::map<int32_t, AttentionOptions> options_;
   static constexpr int64_t kSlotsPerSeq = 4096;
   static int64_t Base(int64_t seq_id) { return seq_id * kSlotsPerSeq; }
   KvGeometry geo_;
@@ -284,6 +290,47 @@ TEST_P(ClusterSplitTest, SpreadSequencesMatchTheReference) {
   ASSERT_TRUE(chunk.ok()) << chunk.status();
   RunAndCheck(c, ref, **chunk, gen);
   ASSERT_TRUE(c.Release().ok());
+}
+
+// Attention variants on a cluster (docs/cluster.md): every server gets the
+// window and the soft-cap, and a spread sequence's sinks enter its softmax on
+// the server holding its first keys only, so that the merge by LSE counts
+// them once; the whole sequence's float64 reference agrees at every layer.
+TEST(ClusterTest, SpreadSequencesTakeTheirSinksOnce) {
+  auto servers = StartServers(std::vector<TestServerOptions>(2));
+  ASSERT_EQ(servers.size(), 2u);
+  ClusterOptions options = OptionsFor(servers);
+  options.split_min_tokens = 24;
+  std::mt19937_64 gen(41);
+  const int32_t hq = TestServerOptions().num_qo_heads;
+  AttentionOptions every;
+  every.logits_soft_cap = 10.f;
+  every.sinks.assign(hq, 2.5f);
+  AttentionOptions windowed;
+  windowed.window_left = 30;
+  windowed.sinks = RandomSinks(gen, hq);
+  windowed.sinks[0] = 3.f;
+  options.kv.attention = every;
+  options.kv.layer_attention[1] = windowed;
+  for (bool server_plans : {true, false}) {
+    options.kv.server_plans = server_plans;
+    auto cluster = Cluster::Connect(options);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    Cluster& c = **cluster;
+    Reference ref(c.geometry());
+    ref.SetOptions(0, every);
+    ref.SetOptions(1, windowed);
+    auto step = c.Plan({1, 2}, {60, 5});
+    ASSERT_TRUE(step.ok()) << step.status();
+    ASSERT_EQ(c.ShardsOf(1).size(), 2u);
+    RunAndCheck(c, ref, **step, gen);
+    for (int round = 0; round < 3; ++round) {
+      auto decode = c.Plan({1, 2}, {1, 1});
+      ASSERT_TRUE(decode.ok()) << decode.status();
+      RunAndCheck(c, ref, **decode, gen);
+    }
+    ASSERT_TRUE(c.Release().ok());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(PageSizesAndServers, ClusterSplitTest,

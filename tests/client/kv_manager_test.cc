@@ -145,6 +145,58 @@ TEST_P(KvManagerStepsTest, ManyStepsWithSequencesFinishingAndStarting) {
 INSTANTIATE_TEST_SUITE_P(Plans, KvManagerStepsTest, ::testing::Bool(),
                          [](const auto& info) { return info.param ? "ServerPlans" : "Layout"; });
 
+// Attention options per manager and per layer (docs/design.md, "Variants"):
+// a soft-cap and sinks on every layer, a window and other sinks instead on
+// layer 0; with server plans they travel in each step's plan, without in
+// each layer's Prefill. Checked against the float64 reference.
+TEST_P(KvManagerStepsTest, AttentionOptionsPerLayer) {
+  TestServerOptions options;
+  auto server = TestServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = Connect(**server);
+  ASSERT_NE(client, nullptr);
+  const KvGeometry g = GeometryOf(client->info());
+  std::mt19937_64 gen(31);
+  KvManagerOptions manager_options;
+  manager_options.server_plans = GetParam();
+  manager_options.attention.logits_soft_cap = 8.f;
+  manager_options.attention.sinks = RandomSinks(gen, g.num_qo_heads);
+  AttentionOptions windowed;
+  windowed.window_left = 6;
+  windowed.sinks.assign(g.num_qo_heads, 2.f);
+  manager_options.layer_attention[0] = windowed;
+  KvManager mgr(client.get(), manager_options);
+  KvMirror mirror(g);
+  for (const std::vector<int32_t>& q_lens :
+       std::vector<std::vector<int32_t>>{{20, 3}, {1, 1}, {4, 1}, {1, 1}}) {
+    auto plan = mgr.Plan({7, 9}, q_lens);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ((*plan)->plan_id != 0, GetParam());
+    const int64_t total_q = (*plan)->total_q();
+    for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+      const auto q = RandomHalves(gen, g.dtype, total_q * g.num_qo_heads * g.head_dim);
+      const auto k = RandomHalves(gen, g.dtype, total_q * g.RowElems());
+      const auto v = RandomHalves(gen, g.dtype, total_q * g.RowElems());
+      auto out = mgr.Run(layer, q, k, v);
+      ASSERT_TRUE(out.ok()) << out.status();
+      mirror.Write(layer, (*plan)->append_slots, k, v);
+      PrefillInputs in;
+      in.layer = layer;
+      in.q = q;
+      in.qo_indptr = (*plan)->qo_indptr;
+      in.kv_indptr = (*plan)->kv_indptr;
+      in.kv_indices = (*plan)->kv_indices;
+      in.kv_last_page_len = (*plan)->kv_last_page_len;
+      in.options = layer == 0 ? windowed : manager_options.attention;
+      std::vector<double> o_ref, lse_ref;
+      ReferencePrefill(mirror, in, &o_ref, &lse_ref);
+      const Comparison c = Compare(g.dtype, o_ref, lse_ref, out->o, out->lse);
+      EXPECT_TRUE(c.Ok(g.dtype)) << "layer " << layer << ": " << c.ToString();
+    }
+  }
+  ASSERT_TRUE(mgr.Release().ok());
+}
+
 TEST(KvManagerTest, PlanIsAtomicWhenPagesRunOut) {
   TestServerOptions options;
   options.num_layers = 1;

@@ -28,6 +28,9 @@ struct PrefillFixture {
       kv_last_page_len{4, 7};
   std::vector<int64_t> append_slots{9 * 16 + 3, 9 * 16};
   std::vector<int32_t> kv_keys_after;  // none: every causal_shift 0
+  std::vector<float> sinks;            // options.sinks
+  bool apply_sinks[3] = {true, true, true};
+  size_t num_apply_sinks = 0;          // none: the sinks enter every sequence
   PrefillCall call;
 
   PrefillFixture() {
@@ -49,6 +52,8 @@ struct PrefillFixture {
     call.kv_last_page_len = kv_last_page_len;
     call.append_slots = append_slots;
     call.kv_keys_after = kv_keys_after;
+    call.options.sinks = sinks;
+    call.apply_sinks = absl::MakeConstSpan(apply_sinks, num_apply_sinks);
     call.append_k = {TensorDType::kBf16, {2, 2, 64}, k_bytes};
     call.append_v = {TensorDType::kBf16, {2, 2, 64}, v_bytes};
   }
@@ -128,14 +133,16 @@ TEST(ValidatePrefillTest, KvKeysAfterBecomesTheCausalShift) {
   planned.call.append_slots = {};
   planned.call.plan_id = 1;
   auto run = ValidatePlannedPrefill(planned.call, *plan, f.kv_indices.data(),
-                                    f.append_slots.data(), f.geo, Limits(), kIncarnation);
+                                    f.append_slots.data(), PlanOptions{}, f.geo, Limits(),
+                                    kIncarnation);
   ASSERT_TRUE(run.ok()) << run.status();
   EXPECT_EQ(run->task.seqs[0].causal_shift, 5);
   EXPECT_EQ(run->task.seqs[1].causal_shift, INT32_MAX - 7);
   const std::vector<int32_t> own = {1, 1};
   planned.call.kv_keys_after = own;
   auto refused = ValidatePlannedPrefill(planned.call, *plan, f.kv_indices.data(),
-                                        f.append_slots.data(), f.geo, Limits(), kIncarnation);
+                                        f.append_slots.data(), PlanOptions{}, f.geo, Limits(),
+                                        kIncarnation);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("kv_keys_after"));
   // The plan's layout is checked like a Prefill's.
@@ -146,6 +153,137 @@ TEST(ValidatePrefillTest, KvKeysAfterBecomesTheCausalShift) {
   EXPECT_EQ(bad_plan.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad_plan.status().message()),
               HasSubstr("kv_keys_after[1]=-2 out of range [0, 2147483640]"));
+}
+
+// The options land in every sequence; the sinks stay in the request, each
+// sequence naming the task's one set (sink_index 0) where apply_sinks lets
+// them in.
+TEST(ValidatePrefillTest, OptionsBecomeSequenceSettings) {
+  PrefillFixture f;
+  f.sinks = {0.5f, -std::numeric_limits<float>::infinity(), 3.f, -1e30f};
+  f.Rebind();
+  f.call.options.window_left = 7;
+  f.call.options.logits_soft_cap = 30.f;
+  auto v = f.Validate();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->task.sinks, f.sinks.data());
+  for (const PrefillSeq& s : v->task.seqs) {
+    EXPECT_EQ(s.window_left, 7);
+    EXPECT_EQ(s.soft_cap, 30.f);
+    EXPECT_EQ(s.sink_index, 0);
+  }
+  f.apply_sinks[0] = false;
+  f.num_apply_sinks = 2;
+  f.Rebind();
+  v = f.Validate();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->task.seqs[0].sink_index, -1);
+  EXPECT_EQ(v->task.seqs[1].sink_index, 0);
+  // No sinks: no sequence names a set, whatever apply_sinks says; the
+  // defaults are no window and no soft-cap.
+  f.sinks.clear();
+  f.Rebind();
+  f.call.options = {};
+  v = f.Validate();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->task.sinks, nullptr);
+  for (const PrefillSeq& s : v->task.seqs) {
+    EXPECT_EQ(s.sink_index, -1);
+    EXPECT_EQ(s.window_left, -1);
+    EXPECT_EQ(s.soft_cap, 0.f);
+  }
+}
+
+// A plan's options: per layer (replacing its options whole for that layer),
+// filling what a Prefill leaves unset; a Prefill that sets one differently
+// is refused naming the field.
+TEST(ValidatePrefillTest, PlanOptionsFillAndMustAgree) {
+  PrefillFixture f;
+  const PrefillLayout fields{f.qo_indptr,        f.kv_indptr,    f.kv_indices,
+                             f.kv_last_page_len, f.append_slots, f.kv_keys_after};
+  auto plan = ValidatePlanLayout(fields, f.geo, Limits());
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const std::vector<float> plan_sinks = {1.f, 2.f, 3.f, 4.f};
+  PlanOptionsView view;
+  view.all.logits_soft_cap = 50.f;
+  AttentionOptionsView layer1;
+  layer1.window_left = 128;
+  layer1.sinks = plan_sinks;
+  view.layers.emplace_back(1, layer1);
+  auto options = ValidatePlanOptions(view, f.geo);
+  ASSERT_TRUE(options.ok()) << options.status();
+
+  PrefillFixture planned;
+  planned.call.qo_indptr = {};
+  planned.call.kv_indptr = {};
+  planned.call.kv_indices = {};
+  planned.call.kv_last_page_len = {};
+  planned.call.append_slots = {};
+  planned.call.plan_id = 1;
+  auto run = [&] {
+    return ValidatePlannedPrefill(planned.call, *plan, f.kv_indices.data(),
+                                  f.append_slots.data(), *options, f.geo, Limits(), kIncarnation);
+  };
+  // Layer 1: its entry, whole (no soft-cap there).
+  auto v = run();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->task.seqs[0].window_left, 128);
+  EXPECT_EQ(v->task.seqs[0].soft_cap, 0.f);
+  EXPECT_EQ(v->task.seqs[0].sink_index, 0);
+  EXPECT_NE(v->task.sinks, nullptr);
+  EXPECT_EQ(v->task.sinks[3], 4.f);
+  // Layer 0: the plan's options; the Prefill adds a window and sinks.
+  planned.call.layer = 0;
+  planned.call.options.window_left = 3;
+  v = run();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->task.seqs[1].window_left, 3);
+  EXPECT_EQ(v->task.seqs[1].soft_cap, 50.f);
+  EXPECT_EQ(v->task.sinks, nullptr);
+  // Setting what the plan sets: the same value is fine, another is refused.
+  planned.call.options.logits_soft_cap = 50.f;
+  EXPECT_TRUE(run().ok());
+  planned.call.options.logits_soft_cap = 0.f;
+  EXPECT_EQ(run().status().code(), kInvalid);
+  EXPECT_THAT(std::string(run().status().message()),
+              HasSubstr("options.logits_soft_cap=0 contradicts the plan's logits_soft_cap=50 "
+                        "for layer 0"));
+  planned.call.layer = 1;
+  planned.call.options = {};
+  planned.call.options.window_left = 127;
+  EXPECT_THAT(std::string(run().status().message()),
+              HasSubstr("options.window_left=127 contradicts the plan's window_left=128"));
+  planned.call.options = {};
+  const std::vector<float> other = {1.f, 2.f, 3.5f, 4.f};
+  planned.call.options.sinks = other;
+  EXPECT_THAT(std::string(run().status().message()),
+              HasSubstr("options.sinks[2]=3.5 contradicts the plan's sinks[2]=3 for layer 1"));
+  planned.call.options.sinks = plan_sinks;
+  EXPECT_TRUE(run().ok());
+  // A planned Prefill's own options are checked too; apply_sinks is the plan's.
+  planned.call.options.window_left = -5;
+  EXPECT_THAT(std::string(run().status().message()), HasSubstr("options.window_left=-5"));
+  planned.call.options = {};
+  const bool apply[2] = {true, false};
+  planned.call.apply_sinks = apply;
+  EXPECT_THAT(std::string(run().status().message()), HasSubstr("apply_sinks"));
+}
+
+TEST(ValidatePrefillTest, PlanOptionsAreValidated) {
+  const KvGeometry geo = Geo();
+  PlanOptionsView view;
+  view.layers.emplace_back(2, AttentionOptionsView{});
+  EXPECT_THAT(std::string(ValidatePlanOptions(view, geo).status().message()),
+              HasSubstr("layer_options has key 2 out of range [0, 2) (num_layers)"));
+  view.layers = {{1, AttentionOptionsView{}}};
+  view.layers[0].second.logits_soft_cap = -3.f;
+  EXPECT_THAT(std::string(ValidatePlanOptions(view, geo).status().message()),
+              HasSubstr("layer_options[1].logits_soft_cap=-3"));
+  view.layers.clear();
+  const std::vector<float> three = {1.f, 2.f, 3.f};
+  view.all.sinks = three;
+  EXPECT_THAT(std::string(ValidatePlanOptions(view, geo).status().message()),
+              HasSubstr("options.sinks has 3 entries, must have num_qo_heads = 4"));
 }
 
 TEST(ValidatePrefillTest, EdgeCasesThatAreValid) {
@@ -307,6 +445,56 @@ INSTANTIATE_TEST_SUITE_P(
         PrefillCase{"KvKeysAfterPastInt32",
                     [](F& f) { f.kv_keys_after = {INT32_MAX - 19, 0}; f.Rebind(); },
                     kInvalid, "kv_keys_after[0]=2147483628 out of range [0, 2147483627]"},
+        PrefillCase{"ApplySinksSize",
+                    [](F& f) {
+                      f.num_apply_sinks = 3;
+                      f.Rebind();
+                    },
+                    kInvalid, "apply_sinks has 3 entries, must have batch = 2"},
+        PrefillCase{"WindowBelowMinusOne", [](F& f) { f.call.options.window_left = -2; },
+                    kInvalid, "options.window_left=-2 out of range [-1, 2147483647]"},
+        PrefillCase{"SoftCapNaN",
+                    [](F& f) {
+                      f.call.options.logits_soft_cap = std::numeric_limits<float>::quiet_NaN();
+                    },
+                    kInvalid, "options.logits_soft_cap=nan must be finite and at least 0"},
+        PrefillCase{"SoftCapNegative", [](F& f) { f.call.options.logits_soft_cap = -1.f; },
+                    kInvalid, "options.logits_soft_cap=-1 must be finite and at least 0"},
+        PrefillCase{"SoftCapInf",
+                    [](F& f) {
+                      f.call.options.logits_soft_cap = std::numeric_limits<float>::infinity();
+                    },
+                    kInvalid, "options.logits_soft_cap=inf"},
+        PrefillCase{"SinksTooFew",
+                    [](F& f) {
+                      f.sinks = {0.f, 1.f, 2.f};
+                      f.Rebind();
+                    },
+                    kInvalid, "options.sinks has 3 entries, must have num_qo_heads = 4"},
+        PrefillCase{"SinksTooMany",
+                    [](F& f) {
+                      f.sinks.assign(8, 0.f);
+                      f.Rebind();
+                    },
+                    kInvalid, "options.sinks has 8 entries"},
+        PrefillCase{"SinkNaN",
+                    [](F& f) {
+                      f.sinks = {0.f, std::numeric_limits<float>::quiet_NaN(), 0.f, 0.f};
+                      f.Rebind();
+                    },
+                    kInvalid, "options.sinks[1]=nan must be -inf (none) or finite"},
+        PrefillCase{"SinkPlusInf",
+                    [](F& f) {
+                      f.sinks = {0.f, 0.f, std::numeric_limits<float>::infinity(), 0.f};
+                      f.Rebind();
+                    },
+                    kInvalid, "options.sinks[2]=inf"},
+        PrefillCase{"SinkHuge",
+                    [](F& f) {
+                      f.sinks = {0.f, 0.f, 0.f, -2e30f};
+                      f.Rebind();
+                    },
+                    kInvalid, "options.sinks[3]=-2e+30"},
         PrefillCase{"AppendSlotTooLarge",
                     [](F& f) { f.append_slots[1] = 10 * 16; f.Rebind(); }, kInvalid,
                     "append_slots[1]=160"},

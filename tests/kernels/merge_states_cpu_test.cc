@@ -306,5 +306,168 @@ TEST(MergeStatesTest, MergedChunksEqualWholeAttention) {
   }
 }
 
+
+// Sinks and merging (docs/design.md, "Variants"): a sequence's keys in three
+// contiguous ranges (as the cluster client spreads them over servers), each
+// run as a sequence of its own with kv_keys_after (causal_shift), a window
+// and a soft-cap. The LSE includes the sink, so merging the ranges' states
+// by LSE gives the whole sequence's attention exactly when one state
+// carries the sink; the same merge with the sink in every state, or in
+// none, fails the comparison with the float64 reference, as it must.
+class SinkMergeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::mt19937_64 gen(33);
+    g_.num_layers = 1;
+    g_.num_pages = 8;
+    g_.page_size = 16;
+    g_.num_qo_heads = 8;
+    g_.num_kv_heads = 2;
+    g_.head_dim = 64;
+    g_.dtype = KvDType::kBf16;
+    k_cache_ = RandomNonzeroHalves(gen, g_.dtype, g_.PoolElems());
+    v_cache_ = RandomNonzeroHalves(gen, g_.dtype, g_.PoolElems());
+    q_ = RandomNonzeroHalves(gen, g_.dtype, int64_t{kQLen} * g_.num_qo_heads * g_.head_dim);
+    // Sinks large enough to move every LSE well past the tolerance.
+    std::normal_distribution<float> dist(2.f, 0.5f);
+    sinks_.resize(g_.num_qo_heads);
+    for (float& x : sinks_) x = dist(gen);
+  }
+
+  // The whole sequence (70 keys on pages {6, 0, 3, 5, 1}) or its range
+  // [begin, end) (page aligned), with the sink or not.
+  PrefillSeq Seq(int32_t begin, int32_t end, bool sink) const {
+    PrefillSeq s;
+    s.q_len = kQLen;
+    s.kv_start = begin / g_.page_size;
+    s.kv_len = end - begin;
+    s.causal_shift = kKvLen - end;
+    s.sm_scale = 1.f / 8.f;
+    s.window_left = 40;
+    s.soft_cap = 3.f;
+    s.sink_index = sink ? 0 : -1;
+    return s;
+  }
+
+  // The float64 reference of the whole sequence.
+  void Whole(std::vector<double>* o, std::vector<double>* lse) const {
+    const PrefillSeq w = Seq(0, kKvLen, true);
+    reference::Seq r;
+    r.q_len = w.q_len;
+    r.kv_len = w.kv_len;
+    r.sm_scale = w.sm_scale;
+    r.window_left = w.window_left;
+    r.soft_cap = w.soft_cap;
+    r.sinks = sinks_.data();
+    reference::Prefill(g_, reference::HostPools(g_, k_cache_.data(), v_cache_.data()), q_.data(),
+                       kQLen, kIndices, {r}, o, lse);
+  }
+
+  // The three ranges' states from the CPU kernel, `sink[i]` saying which
+  // carry the sink.
+  States Ranges(const bool (&sink)[3]) const {
+    const int32_t bounds[] = {0, 32, 48, kKvLen};
+    States st;
+    st.n = kQLen;
+    st.h = g_.num_qo_heads;
+    st.d = g_.head_dim;
+    st.dtype = g_.dtype;
+    for (int i = 0; i < 3; ++i) {
+      const PrefillSeq seq = Seq(bounds[i], bounds[i + 1], sink[i]);
+      std::vector<uint16_t> o(q_.size());
+      std::vector<float> lse(int64_t{kQLen} * g_.num_qo_heads);
+      PagedPrefillParams p;
+      p.q = q_.data();
+      p.o = o.data();
+      p.lse = lse.data();
+      p.k_cache = k_cache_.data();
+      p.v_cache = v_cache_.data();
+      p.kv_indices = kIndices.data();
+      p.seqs = &seq;
+      p.sinks = sinks_.data();
+      p.num_seqs = 1;
+      p.total_q = kQLen;
+      p.geo = g_;
+      PagedPrefillCpu(p);
+      st.v.push_back(std::move(o));
+      st.lse.push_back(std::move(lse));
+    }
+    return st;
+  }
+
+  // Whether `merged` matches the whole sequence's float64 reference within
+  // docs/design.md's tolerances.
+  bool MatchesWhole(const std::vector<uint16_t>& v, const std::vector<float>& lse) const {
+    std::vector<double> o_ref, lse_ref;
+    Whole(&o_ref, &lse_ref);
+    double lse_err = 0;
+    for (size_t r = 0; r < lse_ref.size(); ++r) {
+      lse_err = std::max(lse_err, std::abs(lse[r] - lse_ref[r]));
+    }
+    const double o_err = RelNormError(g_.dtype, v.data(), o_ref.data(), o_ref.size());
+    return o_err < 1e-2 && lse_err < 1e-3;
+  }
+
+  static constexpr int32_t kQLen = 9;
+  static constexpr int32_t kKvLen = 70;
+  const std::vector<int32_t> kIndices = {6, 0, 3, 5, 1};
+  KvGeometry g_;
+  std::vector<uint16_t> k_cache_, v_cache_, q_;
+  std::vector<float> sinks_;
+};
+
+TEST_F(SinkMergeTest, MergeStatesCountsTheSinkOfExactlyOneState) {
+  const bool kFirst[3] = {true, false, false};
+  const bool kLast[3] = {false, false, true};
+  const bool kAll[3] = {true, true, true};
+  const bool kNone[3] = {false, false, false};
+  for (const bool(*which)[3] : {&kFirst, &kLast}) {
+    const States st = Ranges(*which);
+    const Merged m = RunMerge(st);
+    EXPECT_TRUE(MatchesWhole(m.v, m.lse)) << "one state carries the sink";
+  }
+  for (const bool(*which)[3] : {&kAll, &kNone}) {
+    const Merged m = RunMerge(Ranges(*which));
+    EXPECT_FALSE(MatchesWhole(m.v, m.lse))
+        << "the sink in every state or in none must not match the whole sequence";
+  }
+}
+
+// The float64 reference merges its own range states the same way: with the
+// sink in one it equals its whole sequence, with the sink in all it does not.
+TEST_F(SinkMergeTest, ReferenceCountsTheSinkOnce) {
+  const int32_t bounds[] = {0, 32, 48, kKvLen};
+  for (bool every : {false, true}) {
+    std::vector<std::vector<uint16_t>> vs(3);
+    std::vector<std::vector<float>> lses(3);
+    std::vector<reference::State> states;
+    for (int i = 0; i < 3; ++i) {
+      const PrefillSeq s = Seq(bounds[i], bounds[i + 1], i == 0 || every);
+      reference::Seq r;
+      r.q_len = s.q_len;
+      r.kv_start = s.kv_start;
+      r.kv_len = s.kv_len;
+      r.causal_shift = s.causal_shift;
+      r.sm_scale = s.sm_scale;
+      r.window_left = s.window_left;
+      r.soft_cap = s.soft_cap;
+      r.sinks = s.sink_index >= 0 ? sinks_.data() : nullptr;
+      std::vector<double> o, lse;
+      reference::Prefill(g_, reference::HostPools(g_, k_cache_.data(), v_cache_.data()),
+                         q_.data(), kQLen, kIndices, {r}, &o, &lse);
+      for (double x : o) vs[i].push_back(FloatToHalf(g_.dtype, static_cast<float>(x)));
+      for (double x : lse) lses[i].push_back(static_cast<float>(x));
+      states.push_back({vs[i].data(), lses[i].data()});
+    }
+    std::vector<double> v, lse;
+    reference::Merge(g_.dtype, states, int64_t{kQLen} * g_.num_qo_heads, g_.head_dim, false, &v,
+                     &lse);
+    std::vector<uint16_t> v_half;
+    for (double x : v) v_half.push_back(FloatToHalf(g_.dtype, static_cast<float>(x)));
+    const std::vector<float> lse_f(lse.begin(), lse.end());
+    EXPECT_EQ(MatchesWhole(v_half, lse_f), !every) << (every ? "sink in every range" : "sink once");
+  }
+}
+
 }  // namespace
 }  // namespace attnserve

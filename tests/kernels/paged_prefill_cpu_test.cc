@@ -1,7 +1,12 @@
 // PagedPrefillCpu and AppendKvCpu / GatherKvCpu against the float64 reference
 // of common/reference.h (docs/design.md section 3): GQA, bottom-right causal
 // mask, base-2 LSE by default, output 0 and LSE -inf for a row that sees
-// nothing.
+// nothing; and the conformance suite of the variants (docs/design.md,
+// "Variants": sliding windows, soft-caps, sinks) over page sizes, head
+// dimensions and dtypes.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -11,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "client/workload.h"
 #include "common/dtype.h"
 #include "common/reference.h"
 #include "gtest/gtest.h"
@@ -38,6 +44,10 @@ struct SeqSpec {
   float sm_scale = 0.f;
   bool causal = true;
   bool lse_base_e = false;
+  int32_t causal_shift = 0;
+  int32_t window_left = -1;
+  float soft_cap = 0.f;
+  std::vector<float> sinks;  // (num_qo_heads) or empty: none
   std::vector<int32_t> pages;
 };
 
@@ -48,6 +58,7 @@ struct Problem {
   std::vector<uint16_t> q;                 // (total_q, Hq, D)
   std::vector<int32_t> kv_indices;
   std::vector<PrefillSeq> seqs;
+  std::vector<float> sinks;  // (sink sets, Hq): set seqs[i].sink_index
   int32_t total_q = 0;
 };
 
@@ -72,6 +83,14 @@ Problem MakeProblem(std::mt19937_64& gen, const KvGeometry& geo,
     seq.sm_scale = s.sm_scale;
     seq.causal = s.causal ? 1 : 0;
     seq.lse_base_e = s.lse_base_e ? 1 : 0;
+    seq.causal_shift = s.causal_shift;
+    seq.window_left = s.window_left;
+    seq.soft_cap = s.soft_cap;
+    if (!s.sinks.empty()) {
+      EXPECT_EQ(static_cast<int32_t>(s.sinks.size()), geo.num_qo_heads);
+      seq.sink_index = static_cast<int32_t>(p.sinks.size() / geo.num_qo_heads);
+      p.sinks.insert(p.sinks.end(), s.sinks.begin(), s.sinks.end());
+    }
     const int32_t num_pages = PagesFor(s.kv_len, geo.page_size);
     if (!s.pages.empty()) {
       EXPECT_EQ(static_cast<int32_t>(s.pages.size()), num_pages);
@@ -100,6 +119,10 @@ void Reference(const Problem& p, std::vector<double>* o, std::vector<double>* ls
     r.sm_scale = s.sm_scale;
     r.causal = s.causal != 0;
     r.causal_shift = s.causal_shift;
+    r.window_left = s.window_left;
+    r.soft_cap = s.soft_cap;
+    r.sinks = s.sink_index >= 0 ? p.sinks.data() + int64_t{s.sink_index} * p.geo.num_qo_heads
+                                : nullptr;
     r.lse_base_e = s.lse_base_e != 0;
     seqs.push_back(r);
   }
@@ -128,6 +151,7 @@ Output RunKernel(const Problem& p) {
   params.v_cache = p.v_cache.data();
   params.kv_indices = p.kv_indices.data();
   params.seqs = p.seqs.data();
+  params.sinks = p.sinks.empty() ? nullptr : p.sinks.data();
   params.num_seqs = static_cast<int32_t>(p.seqs.size());
   params.total_q = p.total_q;
   params.geo = g;
@@ -138,7 +162,8 @@ Output RunKernel(const Problem& p) {
 // Counts of the edge cases a problem exercised, so that a test can prove it
 // covered what it claims.
 struct Coverage {
-  int64_t blind_rows = 0;   // (row, head) pairs that see nothing
+  int64_t blind_rows = 0;       // (row, head) pairs that see nothing and have no sink
+  int64_t sink_only_rows = 0;   // pairs that see no key but have a sink: o 0, LSE the sink
   int64_t seen_rows = 0;
 };
 
@@ -177,6 +202,20 @@ Coverage CheckAgainstReference(const Problem& p, const Output& out) {
         ADD_FAILURE() << "row " << r / hq << " head " << r % hq
                       << " sees nothing: want o = 0 and lse = -inf, got lse " << got
                       << (zero ? "" : " and nonzero o");
+        ++failures;
+      }
+      continue;
+    }
+    bool ref_zero = true;
+    for (int64_t c = 0; c < d; ++c) ref_zero &= o_ref[r * d + c] == 0.0;
+    if (ref_zero) {  // no key, a sink: o exactly 0, LSE the sink's logit
+      ++cov.sink_only_rows;
+      bool zero = true;
+      for (int64_t c = 0; c < d; ++c) zero &= HalfToFloat(g.dtype, o_row[c]) == 0.f;
+      if (!zero || !(std::abs(got - lse_ref[r]) < 1e-3)) {
+        ADD_FAILURE() << "row " << r / hq << " head " << r % hq
+                      << " sees only its sink: want o = 0 and lse " << lse_ref[r] << ", got lse "
+                      << got << (zero ? "" : " and nonzero o");
         ++failures;
       }
       continue;
@@ -450,6 +489,216 @@ TEST(PagedPrefillTest, LargeLogitsStayFinite) {
   specs[0].sm_scale = 30.f;
   const Problem p = MakeProblem(gen, geo, specs);
   CheckAgainstReference(p, RunKernel(p));
+}
+
+// ------------------------------------------------------------ variants
+
+// The variant conformance suite (docs/design.md, "Variants"): for each page
+// size x head_dim x dtype, one batch holding a sequence for every case
+// (windows of 0, 1, a page, a kernel block, larger than the sequence, with
+// kv_keys_after, causal or not; soft-caps with positive and negative scales;
+// sinks of -inf, 0, large and mixed; rows that see nothing, with and without
+// a sink), plus sequences with options drawn by client/workload.h's
+// RandomOptions (which tests/gpu draws from too), against the float64
+// reference. Small sizes: the CPU is slow.
+struct VariantConfig {
+  std::string name;
+  int32_t page_size;
+  int32_t head_dim;
+  KvDType dtype;
+};
+
+std::string VariantName(const ::testing::TestParamInfo<VariantConfig>& info) {
+  return info.param.name;
+}
+void PrintTo(const VariantConfig& c, std::ostream* os) { *os << c.name; }
+
+std::vector<SeqSpec> VariantCases(std::mt19937_64& gen, const KvGeometry& geo) {
+  const int32_t hq = geo.num_qo_heads;
+  const float scale = 1.f / std::sqrt(static_cast<float>(geo.head_dim));
+  const float kInf = std::numeric_limits<float>::infinity();
+  std::vector<SeqSpec> specs;
+  auto add = [&](int32_t q_len, int32_t kv_len, int32_t window, bool causal = true,
+                 int32_t shift = 0) -> SeqSpec& {
+    SeqSpec s;
+    s.q_len = q_len;
+    s.kv_len = kv_len;
+    s.window_left = window;
+    s.causal = causal;
+    s.causal_shift = shift;
+    s.sm_scale = scale;
+    specs.push_back(s);
+    return specs.back();
+  };
+  // Windows, causal: nothing but the diagonal, one more, a page of keys, a
+  // kernel block of keys (64 and 128, and one more), larger than the sequence.
+  add(20, 150, 0);
+  add(20, 150, 1);
+  add(20, 150, geo.page_size - 1);
+  add(12, 160, 63);
+  add(12, 160, 64);
+  add(12, 200, 127);
+  add(12, 200, 128);
+  add(20, 60, 500);
+  // Windows with kv_keys_after (a range of a longer sequence): rows see the
+  // range's end; far enough after it, nothing at all.
+  add(12, 40, 16, true, 10);
+  add(12, 40, 16, true, 30);   // every row's window lies past the range: blind
+  // Not causal: the window is a left bound only (and kv_keys_after moves it).
+  add(16, 90, 10, false);
+  add(16, 90, 10, false, 25);
+  add(16, 90, 0, false, 200);  // past the range: blind
+  // Soft-caps, with positive and negative scales (a cap of 1 bends every
+  // logit, 50 hardly any).
+  add(16, 100, -1).soft_cap = 1.f;
+  SeqSpec& neg_cap = add(16, 100, -1);
+  neg_cap.soft_cap = 5.f;
+  neg_cap.sm_scale = -1.5f * scale;
+  SeqSpec& neg_cap_window = add(16, 100, 32);
+  neg_cap_window.soft_cap = 50.f;
+  neg_cap_window.sm_scale = -scale;
+  add(16, 100, -1).sm_scale = -2.f * scale;  // a negative scale alone
+  // Sinks: -inf (none), 0, large, mixed per head.
+  add(10, 70, -1).sinks.assign(hq, -kInf);
+  add(10, 70, -1).sinks.assign(hq, 0.f);
+  // Large: the outputs shrink to e^-sink of V's; fp16 represents e^-8 of
+  // them, bf16 (fp32's exponent) far smaller.
+  add(10, 70, 8).sinks.assign(hq, geo.dtype == KvDType::kFp16 ? 8.f : 25.f);
+  add(10, 70, -1).sinks = RandomSinks(gen, hq);
+  // Rows that see nothing: more rows than keys (causal), no keys at all, a
+  // window past the range; each with and without a sink.
+  add(12, 5, -1);
+  add(12, 5, -1).sinks = RandomSinks(gen, hq);
+  {
+    SeqSpec& s = add(12, 5, 2);
+    s.sinks.assign(hq, 1.5f);
+    s.lse_base_e = true;
+  }
+  add(4, 0, -1).sinks.assign(hq, -0.5f);
+  add(6, 30, 3, true, 40).sinks.assign(hq, 3.f);
+  // Everything at once, in both LSE bases.
+  for (bool base_e : {false, true}) {
+    SeqSpec& s = add(14, 120, 20, true, 7);
+    s.soft_cap = 2.f;
+    s.sinks = RandomSinks(gen, hq);
+    s.lse_base_e = base_e;
+  }
+  // Random options, as the other suites draw them.
+  std::uniform_int_distribution<int32_t> q_dist(1, 24), kv_dist(0, 160);
+  for (int i = 0; i < 8; ++i) {
+    const AttentionOptions o = RandomOptions(gen, geo, 160);
+    SeqSpec& s = add(q_dist(gen), kv_dist(gen), o.window_left.value_or(-1),
+                     std::bernoulli_distribution(0.7)(gen),
+                     std::uniform_int_distribution<int32_t>(0, 30)(gen));
+    s.soft_cap = o.logits_soft_cap.value_or(0.f);
+    s.sinks = o.sinks;
+    s.lse_base_e = std::bernoulli_distribution(0.3)(gen);
+    if (std::bernoulli_distribution(0.3)(gen)) s.sm_scale = -s.sm_scale;
+  }
+  std::shuffle(specs.begin(), specs.end(), gen);
+  return specs;
+}
+
+class PagedPrefillVariantTest : public ::testing::TestWithParam<VariantConfig> {};
+
+TEST_P(PagedPrefillVariantTest, MatchesFloat64Reference) {
+  const VariantConfig& c = GetParam();
+  std::mt19937_64 gen(std::hash<std::string>()(c.name));
+  KvGeometry geo;
+  geo.num_layers = 1;
+  geo.page_size = c.page_size;
+  geo.num_qo_heads = 4;
+  geo.num_kv_heads = 2;
+  geo.head_dim = c.head_dim;
+  geo.dtype = c.dtype;
+  const std::vector<SeqSpec> specs = VariantCases(gen, geo);
+  int64_t pages_needed = 0;
+  for (const SeqSpec& s : specs) pages_needed += PagesFor(s.kv_len, c.page_size);
+  geo.num_pages = static_cast<int32_t>(std::max<int64_t>(8, pages_needed / 2));
+  const Problem p = MakeProblem(gen, geo, specs);
+  const Coverage cov = CheckAgainstReference(p, RunKernel(p));
+  EXPECT_GT(cov.blind_rows, 0);
+  EXPECT_GT(cov.sink_only_rows, 0);
+  EXPECT_GT(cov.seen_rows, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Variants, PagedPrefillVariantTest,
+    ::testing::Values(VariantConfig{"Ps1D64Bf16", 1, 64, KvDType::kBf16},
+                      VariantConfig{"Ps1D128Fp16", 1, 128, KvDType::kFp16},
+                      VariantConfig{"Ps1D256Bf16", 1, 256, KvDType::kBf16},
+                      VariantConfig{"Ps16D64Fp16", 16, 64, KvDType::kFp16},
+                      VariantConfig{"Ps16D128Bf16", 16, 128, KvDType::kBf16},
+                      VariantConfig{"Ps16D256Fp16", 16, 256, KvDType::kFp16},
+                      VariantConfig{"Ps64D64Bf16", 64, 64, KvDType::kBf16},
+                      VariantConfig{"Ps64D128Fp16", 64, 128, KvDType::kFp16},
+                      VariantConfig{"Ps64D256Bf16", 64, 256, KvDType::kBf16},
+                      VariantConfig{"Ps1D64Fp16", 1, 64, KvDType::kFp16},
+                      VariantConfig{"Ps16D128Fp16", 16, 128, KvDType::kFp16},
+                      VariantConfig{"Ps64D256Fp16", 64, 256, KvDType::kFp16},
+                      VariantConfig{"Ps1D128Bf16", 1, 128, KvDType::kBf16},
+                      VariantConfig{"Ps16D256Bf16", 16, 256, KvDType::kBf16},
+                      VariantConfig{"Ps64D64Fp16", 64, 64, KvDType::kFp16},
+                      VariantConfig{"Ps1D256Fp16", 1, 256, KvDType::kFp16},
+                      VariantConfig{"Ps16D64Bf16", 16, 64, KvDType::kBf16},
+                      VariantConfig{"Ps64D128Bf16", 64, 128, KvDType::kBf16}),
+    VariantName);
+
+// A window costs its keys, not the sequence's: a decode row with a 128-key
+// window over a 128k-key sequence reads only the page ids of its window. The
+// page table's entries before the window lie in memory that cannot be read
+// (PROT_NONE), so a kernel that touched them would crash the test.
+TEST(PagedPrefillTest, WindowReadsOnlyItsKeys) {
+  std::mt19937_64 gen(41);
+  KvGeometry geo = SmallGeometry(16);
+  geo.num_pages = 16;
+  const int32_t kv_len = 1 << 17, window = 128;
+  const int32_t entries = kv_len / geo.page_size;  // 8192 page ids
+  const long page_bytes = sysconf(_SC_PAGESIZE);
+  const int32_t per_os_page = static_cast<int32_t>(page_bytes / sizeof(int32_t));
+  // The last os page of ids holds the window's pages; everything before is unreadable.
+  const int32_t readable = per_os_page;
+  ASSERT_GE(readable, (window + 1) / geo.page_size + 2);
+  const size_t bytes = static_cast<size_t>(entries) * sizeof(int32_t);
+  void* map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(map, MAP_FAILED);
+  auto* ids = static_cast<int32_t*>(map);
+  std::vector<int32_t> ref_ids(entries, 0);
+  for (int32_t i = entries - readable; i < entries; ++i) {
+    ids[i] = ref_ids[i] = static_cast<int32_t>(i % geo.num_pages);
+  }
+  ASSERT_EQ(mprotect(map, bytes - readable * sizeof(int32_t), PROT_NONE), 0);
+
+  Problem p = MakeProblem(gen, geo, {});
+  p.q = RandomNonzeroHalves(gen, geo.dtype, int64_t{geo.num_qo_heads} * geo.head_dim);
+  p.total_q = 1;
+  PrefillSeq seq;
+  seq.q_len = 1;
+  seq.kv_len = kv_len;
+  seq.sm_scale = 0.125f;
+  seq.window_left = window;
+  p.seqs = {seq};
+  // The kernel reads the guarded ids; the reference a plain copy.
+  Output out;
+  out.o.resize(int64_t{2} * geo.num_qo_heads * geo.head_dim);
+  out.lse.resize(int64_t{2} * geo.num_qo_heads);
+  Poison(out.o);
+  Poison(out.lse);
+  PagedPrefillParams params;
+  params.q = p.q.data();
+  params.o = out.o.data();
+  params.lse = out.lse.data();
+  params.k_cache = p.k_cache.data();
+  params.v_cache = p.v_cache.data();
+  params.kv_indices = ids;
+  params.seqs = p.seqs.data();
+  params.num_seqs = 1;
+  params.total_q = 1;
+  params.geo = geo;
+  PagedPrefillCpu(params);
+  munmap(map, bytes);
+  p.kv_indices = ref_ids;
+  CheckAgainstReference(p, out);
 }
 
 // ------------------------------------------------------------ append / gather

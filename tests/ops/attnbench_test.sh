@@ -42,6 +42,24 @@ for w in decode prefill; do
   check "$w table reports requests per launch" grep -Eq "requests per launch: [0-9.]+$" "$WORK/$w.out"
 done
 
+# Attention variants on every request, with and without plans, verified; and
+# attnctl's prefill with the same flags.
+for plan in false true; do
+  bench --workload=mixed --concurrency=2 --requests=12 --verify --batch=2 --q_len=24 --kv_len=160 \
+    --window_left=40 --soft_cap=20 --sinks=random --plan=$plan --json="$WORK/variants_$plan.json" \
+    >"$WORK/variants_$plan.out"
+  check "window, soft-cap and sinks (--plan=$plan), verified, exit 0" test $? -eq 0
+  check "... JSON has the keys and 12 requests" json_check "$WORK/variants_$plan.json" 12
+done
+ATTNCTL=${ATTNCTL:-$ROOT/build/bin/attnctl}
+"$ATTNCTL" --target="$GRPC_ADDR" prefill --batch=3 --q_len=16 --kv_len=96 --window_left=8 \
+  --soft_cap=5 --sinks=1.5 >"$WORK/attnctl.out" 2>&1
+check "attnctl prefill with the variant flags, verified" grep -q "OK" "$WORK/attnctl.out"
+"$ATTNCTL" --target="$GRPC_ADDR" prefill --sinks=0,1 >"$WORK/attnctl_bad.out" 2>&1
+check "attnctl prefill with sinks of the wrong length exits non-zero" test $? -ne 0
+check "... naming the field and the bound" grep -q "options.sinks has 2 entries, must have num_qo_heads" \
+  "$WORK/attnctl_bad.out"
+
 # 30 arrivals at 10/s: about 3 s, so the once-a-second progress line shows.
 bench --workload=mixed --rate=10 --concurrency=4 --requests=30 --verify --batch=2 --q_len=16 \
   --kv_len=64 --json="$WORK/open.json" >"$WORK/open.out"

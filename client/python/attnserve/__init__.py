@@ -3,14 +3,15 @@
     import attnserve
     client = attnserve.Client("127.0.0.1:50051")
     mgr = attnserve.KvManager(client)
+    gpt_oss = attnserve.AttentionOptions(window_left=127, sinks=sinks)   # a variant (docs/python.md)
     cluster = attnserve.Cluster(["10.0.0.1:50051", "10.0.0.2:50051"])   # many servers
 
 docs/python.md is the guide; proto/attnserve/v1/attention.proto and
 docs/design.md are the contract.
 """
 
-from attnserve.client import (Client, Holdings, HoldingsList, LeaseGrant, LeaseInfo,
-                              PrefillLayout, PrefillResult, RegionInfo, ServerInfo,
+from attnserve.client import (AttentionOptions, Client, Holdings, HoldingsList, LeaseGrant,
+                              LeaseInfo, PrefillLayout, PrefillResult, RegionInfo, ServerInfo,
                               retain_freed_memory)
 from attnserve.aio import AsyncClient
 from attnserve.dtypes import RawBits, bf16_bits_to_float32, float32_to_bf16_bits
@@ -29,7 +30,7 @@ from attnserve.merge import merge_states
 from attnserve._version import __version__
 
 __all__ = [
-    "Client", "AsyncClient", "ServerInfo", "PrefillResult", "PrefillLayout",
+    "Client", "AsyncClient", "ServerInfo", "PrefillResult", "PrefillLayout", "AttentionOptions",
     "KvManager", "AsyncKvManager", "Plan", "RegionInfo", "RegionTensor", "SharedMemoryRegion",
     "register_cuda_tensor", "retain_freed_memory",
     "Lease", "AsyncLease", "LeaseGrant", "LeaseInfo", "Holdings", "HoldingsList", "LeaseExpired",

@@ -138,30 +138,35 @@ class AsyncClient(_Core):
     async def prefill(self, layer: int, q, qo_indptr, kv_indptr, kv_indices,
                       kv_last_page_len=None, *, sm_scale: Optional[float] = None,
                       causal: Optional[bool] = None, lse_base: str = "2", append_slots=None,
-                      append_k=None, append_v=None, kv_keys_after=None,
-                      out: Optional[str] = None, device=None,
+                      append_k=None, append_v=None, kv_keys_after=None, options=None,
+                      apply_sinks=None, out: Optional[str] = None, device=None,
                       output_to=None, timeout: Optional[float] = None) -> PrefillResult:
         layout = PrefillLayout.encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                       sm_scale=sm_scale, causal=causal, lse_base=lse_base,
-                                      append_slots=append_slots, kv_keys_after=kv_keys_after)
+                                      append_slots=append_slots, kv_keys_after=kv_keys_after,
+                                      options=options, apply_sinks=apply_sinks)
         return await self.prefill_layout(layer, q, layout, append_k, append_v, out=out,
                                          device=device, output_to=output_to, timeout=timeout)
 
     async def prefill_layout(self, layer: int, q, layout: PrefillLayout, append_k=None,
-                             append_v=None, *, out: Optional[str] = None, device=None,
-                             output_to=None, timeout: Optional[float] = None) -> PrefillResult:
+                             append_v=None, *, options=None, out: Optional[str] = None,
+                             device=None, output_to=None,
+                             timeout: Optional[float] = None) -> PrefillResult:
         await self._ensure_info()
         return await self._call(
-            self._req_prefill(layer, q, layout, append_k, append_v, out, device, output_to),
+            self._req_prefill(layer, q, layout, append_k, append_v, out, device, output_to,
+                              options),
             timeout)
 
     async def create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None,
-                          append_slots=None, kv_keys_after=None, *,
+                          append_slots=None, kv_keys_after=None, *, options=None,
+                          layer_options=None, apply_sinks=None,
                           timeout: Optional[float] = None) -> int:
         await self._ensure_info()
         return await self._call(self._req_create_plan(qo_indptr, kv_indptr, kv_indices,
                                                       kv_last_page_len, append_slots,
-                                                      kv_keys_after), timeout)
+                                                      kv_keys_after, options, layer_options,
+                                                      apply_sinks), timeout)
 
     async def release_plan(self, plan_id: int, *, timeout: Optional[float] = None) -> None:
         await self._ensure_info()

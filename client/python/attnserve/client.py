@@ -129,21 +129,86 @@ class PrefillResult:
     incarnation: int
 
 
+def _floats(values, name: str) -> list:
+    """values (a sequence, numpy array or torch tensor of numbers) as a flat
+    list of float."""
+    if _dt.is_torch(values):
+        values = values.detach().to("cpu").float().numpy()
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: {e}") from None
+    return arr.reshape(-1).tolist()
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Attention variants (docs/design.md, "Variants"), FlashInfer's names.
+
+    window_left: sliding window; a query row at position p sees no key
+      before p - window_left (with the causal mask p - window_left .. p);
+      -1: none.
+    logits_soft_cap: c > 0 turns a scaled logit x into c * tanh(x / c)
+      (Gemma 2's); 0: none.
+    sinks: [num_qo_heads] logits in natural units (a list, numpy array or
+      torch tensor) that enter the softmax denominator only (gpt-oss's); the
+      LSE includes them; -inf is no sink for that head.
+
+    None leaves a field unset: a Prefill naming a plan then takes the plan's
+    value for its layer (and a set one must equal it), else the default.
+    """
+
+    window_left: Optional[int] = None
+    logits_soft_cap: Optional[float] = None
+    sinks: Any = None
+
+    def to_proto(self) -> "pb.AttentionOptions":
+        o = pb.AttentionOptions()
+        if self.window_left is not None:
+            o.window_left = _int32(self.window_left, "options.window_left")
+        if self.logits_soft_cap is not None:
+            o.logits_soft_cap = float(self.logits_soft_cap)
+        if self.sinks is not None:
+            o.sinks.extend(_floats(self.sinks, "options.sinks"))
+        return o
+
+    @property
+    def empty(self) -> bool:
+        return self.window_left is None and self.logits_soft_cap is None and self.sinks is None
+
+
+def _options(options) -> Optional[AttentionOptions]:
+    """options as AttentionOptions (also from a dict of its fields), or None."""
+    if options is None or isinstance(options, AttentionOptions):
+        return options
+    if isinstance(options, dict):
+        return AttentionOptions(**options)
+    raise TypeError(f"options: attnserve.AttentionOptions expected, not {type(options).__name__}")
+
+
+def _bools(values, name: str) -> list:
+    try:
+        return [bool(x) for x in np.asarray(values).reshape(-1).tolist()]
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: {e}") from None
+
+
 @dataclass(frozen=True)
 class PrefillLayout:
     """A ragged batch's layout, encoded once and reused for every layer.
 
     It holds the Prefill fields that do not change from layer to layer
     (indptrs, page ids, last-page lengths, append slots, sm_scale, causal,
-    lse_base) as serialized protobuf bytes. KvManager.plan() makes one per
-    step; run() sends it with each layer's tensors. When the server grows a
-    plan RPC, a layout becomes a registered plan id and nothing above changes.
+    lse_base, and the attention options when given here) as serialized
+    protobuf bytes. KvManager.plan() makes one per step; run() sends it with
+    each layer's tensors (and that layer's options).
     """
 
     encoded: bytes
     total_q: int
     num_append: int
     plan_id: int = 0  # a server plan (CreatePlan) stands for the layout fields
+    has_options: bool = False  # the encoded bytes carry AttentionOptions
 
     @staticmethod
     def for_plan(plan_id: int, total_q: int, num_append: int, *, sm_scale=None, causal=None,
@@ -160,10 +225,15 @@ class PrefillLayout:
     @staticmethod
     def encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None, *, sm_scale=None,
                causal=None, lse_base: str = "2", append_slots=None,
-               kv_keys_after=None) -> "PrefillLayout":
+               kv_keys_after=None, options=None, apply_sinks=None) -> "PrefillLayout":
         req = pb.PrefillRequest()
         if kv_keys_after is not None:
             _extend(req.kv_keys_after, kv_keys_after, "kv_keys_after")
+        if apply_sinks is not None:
+            req.apply_sinks.extend(_bools(apply_sinks, "apply_sinks"))
+        options = _options(options)
+        if options is not None:
+            req.options.CopyFrom(options.to_proto())
         _extend(req.qo_indptr, qo_indptr, "qo_indptr")
         _extend(req.kv_indptr, kv_indptr, "kv_indptr")
         _extend(req.kv_indices, kv_indices, "kv_indices")
@@ -177,7 +247,8 @@ class PrefillLayout:
         slots = _extend(req.append_slots, append_slots, "append_slots") \
             if append_slots is not None else []
         total_q = req.qo_indptr[-1] if len(req.qo_indptr) else 0
-        return PrefillLayout(req.SerializeToString(), int(total_q), len(slots))
+        return PrefillLayout(req.SerializeToString(), int(total_q), len(slots),
+                             has_options=options is not None)
 
 
 def _ints(values, name: str) -> list:
@@ -532,10 +603,16 @@ class _Core:
         return "ReadKV", req.SerializeToString(), parse
 
     def _req_prefill(self, layer: int, q, layout: PrefillLayout, append_k, append_v, out,
-                     device, output_to=None) -> _Request:
+                     device, output_to=None, options=None) -> _Request:
         wire = self.server_info.wire_dtype
         small = pb.PrefillRequest(layer=_int32(layer, "layer"),
                                   expected_incarnation=self._incarnation, lease_id=self._lease_id)
+        options = _options(options)
+        if options is not None:
+            if layout.has_options:
+                raise ValueError("options: the layout carries options already (pass them to "
+                                 "one of PrefillLayout.encode and prefill_layout)")
+            small.options.CopyFrom(options.to_proto())
         output_to = _pair(output_to, "output_to (output, lse)")
         if output_to is not None:
             small.output_region.CopyFrom(_region_ref(output_to[0]))
@@ -565,10 +642,20 @@ class _Core:
         return "Prefill", b"".join(pieces), parse
 
     def _req_create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                         append_slots, kv_keys_after=None) -> _Request:
+                         append_slots, kv_keys_after=None, options=None, layer_options=None,
+                         apply_sinks=None) -> _Request:
         req = pb.CreatePlanRequest(expected_incarnation=self._incarnation, lease_id=self._lease_id)
         if kv_keys_after is not None:
             _extend(req.kv_keys_after, kv_keys_after, "kv_keys_after")
+        if apply_sinks is not None:
+            req.apply_sinks.extend(_bools(apply_sinks, "apply_sinks"))
+        options = _options(options)
+        if options is not None:
+            req.options.CopyFrom(options.to_proto())
+        for layer, o in (layer_options or {}).items():
+            o = _options(o)
+            if o is not None:
+                req.layer_options[_int32(layer, "layer_options key")].CopyFrom(o.to_proto())
         _extend(req.qo_indptr, qo_indptr, "qo_indptr")
         _extend(req.kv_indptr, kv_indptr, "kv_indptr")
         _extend(req.kv_indices, kv_indices, "kv_indices")
@@ -877,8 +964,8 @@ class Client(_Core):
     def prefill(self, layer: int, q, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None, *,
                 sm_scale: Optional[float] = None, causal: Optional[bool] = None,
                 lse_base: str = "2", append_slots=None, append_k=None, append_v=None,
-                kv_keys_after=None, out: Optional[str] = None, device=None, output_to=None,
-                timeout: Optional[float] = None) -> PrefillResult:
+                kv_keys_after=None, options=None, apply_sinks=None, out: Optional[str] = None,
+                device=None, output_to=None, timeout: Optional[float] = None) -> PrefillResult:
         """Paged attention over a ragged batch (docs/design.md sections 3-4).
 
         q [total_q, num_qo_heads, head_dim]; qo_indptr, kv_indptr [batch + 1];
@@ -888,37 +975,49 @@ class Client(_Core):
         append_v [n, num_kv_heads, head_dim] are written before attention.
         kv_keys_after [batch]: keys of each sequence held after this range
         (a sequence spread over servers; default none).
+        options: attnserve.AttentionOptions (sliding window, soft-cap,
+        sinks); apply_sinks [batch] of bools: False keeps the sinks out of
+        that sequence (default: in every one).
         Returns output [total_q, num_qo_heads, head_dim] and lse
-        [total_q, num_qo_heads] (float32; -inf where a row sees nothing).
+        [total_q, num_qo_heads] (float32; -inf where a row sees nothing, the
+        sink's logit with a sink).
         q, append_k and append_v may be RegionTensors (attnserve.regions);
         output_to=(output, lse) RegionTensors: the results are written there
         and the returned PrefillResult's output and lse are None.
         """
         layout = PrefillLayout.encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                       sm_scale=sm_scale, causal=causal, lse_base=lse_base,
-                                      append_slots=append_slots, kv_keys_after=kv_keys_after)
+                                      append_slots=append_slots, kv_keys_after=kv_keys_after,
+                                      options=options, apply_sinks=apply_sinks)
         return self.prefill_layout(layer, q, layout, append_k, append_v, out=out, device=device,
                                    output_to=output_to, timeout=timeout)
 
     def prefill_layout(self, layer: int, q, layout: PrefillLayout, append_k=None, append_v=None,
-                       *, out: Optional[str] = None, device=None, output_to=None,
+                       *, options=None, out: Optional[str] = None, device=None, output_to=None,
                        timeout: Optional[float] = None) -> PrefillResult:
-        """prefill() with a layout encoded once (PrefillLayout.encode) for many layers."""
+        """prefill() with a layout encoded once (PrefillLayout.encode) for many
+        layers; options: this layer's attnserve.AttentionOptions (when the
+        layout carries none)."""
         return self._call(self._req_prefill(layer, q, layout, append_k, append_v, out, device,
-                                            output_to), timeout)
+                                            output_to, options), timeout)
 
     def create_plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None,
-                    append_slots=None, kv_keys_after=None, *,
-                    timeout: Optional[float] = None) -> int:
+                    append_slots=None, kv_keys_after=None, *, options=None, layer_options=None,
+                    apply_sinks=None, timeout: Optional[float] = None) -> int:
         """Registers a step's layout once (docs/design.md section 4); its id.
 
         Every layer's Prefill then names it: prefill_layout(layer, q,
         PrefillLayout.for_plan(plan_id, total_q, len(append_slots)), k, v).
         The plan pins its pages until release_plan() (or the server's idle
         timeout): free_pages() of them fails meanwhile.
+        options: the attnserve.AttentionOptions of every layer's Prefill;
+        layer_options {layer: AttentionOptions} replace them for those layers
+        (e.g. the windowed layers of a model). A Prefill naming the plan may
+        set what they leave unset. apply_sinks as in prefill().
         """
         return self._call(self._req_create_plan(qo_indptr, kv_indptr, kv_indices,
-                                                kv_last_page_len, append_slots, kv_keys_after),
+                                                kv_last_page_len, append_slots, kv_keys_after,
+                                                options, layer_options, apply_sinks),
                           timeout)
 
     def release_plan(self, plan_id: int, *, timeout: Optional[float] = None) -> None:

@@ -193,6 +193,13 @@ def _rows(x, idx: np.ndarray):
     return np.asarray(x)[idx]
 
 
+def _carries_sinks(shard: Shard) -> bool:
+    """Whether a sequence's attention sinks enter its softmax on the server of
+    this shard: on the one holding its first keys only, so that the merge by
+    LSE of its servers' states counts them exactly once."""
+    return shard.start == 0
+
+
 def _count(x) -> int:
     return int(x.shape[0]) if hasattr(x, "shape") else len(x)
 
@@ -222,9 +229,12 @@ class Cluster:
         servers' default lease ttl.
       resolver: (host, port) -> ["ip:port", ...] for dns:/// (default
         getaddrinfo_resolver; tests put their own).
-      causal, sm_scale, lse_base, server_plans, lease, lease_ttl: every
-        server's KvManager's (lease: its pages and plans under a lease of its
-        own, the default).
+      causal, sm_scale, lse_base, server_plans, lease, lease_ttl, options,
+        layer_options: every server's KvManager's (lease: its pages and plans
+        under a lease of its own, the default; options and layer_options:
+        attention variants; a sequence spread over servers takes its sinks on
+        the server holding its first keys only, so that the merge counts them
+        once).
       client_kwargs: for every server's attnserve.Client (token, tls_ca,
         timeout, ...).
 
@@ -238,7 +248,7 @@ class Cluster:
                  sm_scale: Optional[float] = None, lse_base: str = "2",
                  server_plans: bool = True, lease: bool = True,
                  lease_ttl: Optional[float] = None, server_lost_after: Optional[float] = 60.0,
-                 **client_kwargs):
+                 options=None, layer_options=None, **client_kwargs):
         if isinstance(targets, str):
             targets = [targets]
         targets = list(targets)
@@ -252,7 +262,8 @@ class Cluster:
         self.server_lost_after = None if server_lost_after is None else float(server_lost_after)
         self.lse_base = lse_base
         self._kv_options = dict(causal=causal, sm_scale=sm_scale, lse_base=lse_base,
-                                server_plans=server_plans, lease=lease, lease_ttl=lease_ttl)
+                                server_plans=server_plans, lease=lease, lease_ttl=lease_ttl,
+                                options=options, layer_options=layer_options)
         self._client_kwargs = client_kwargs
         self._resolver = resolver or getaddrinfo_resolver
         self._dns: Optional[tuple] = None
@@ -581,7 +592,7 @@ class Cluster:
 
         # Each server's share: every shard of a sequence (old and new) attends
         # with the step's rows of that sequence that can see some of it.
-        per_server = [[] for _ in self._servers]  # (b, append, offset, end, skip)
+        per_server = [[] for _ in self._servers]  # (b, append, offset, end, skip, sinks)
         causal = self._kv_options["causal"]
         shards_after, length_after = [], []
         for b, (sid, n) in enumerate(zip(seq_ids, lens.tolist())):
@@ -605,7 +616,8 @@ class Cluster:
                 # The step's row r is position start + r: it sees this shard
                 # from position sh.start on (causal); the rows before stay away.
                 skip = min(max(sh.start - start, 0), n) if causal else 0
-                per_server[sh.server].append((b, a, max(0, end - a - start), end, skip))
+                per_server[sh.server].append((b, a, max(0, end - a - start), end, skip,
+                                              _carries_sinks(sh)))
 
         step = ClusterStep(step=self._step + 1, seq_ids=tuple(seq_ids),
                            q_lens=lens.astype(np.int32),
@@ -623,7 +635,8 @@ class Cluster:
                 plan = s.kv.plan_rows([seq_ids[e[0]] for e in entries],
                                       [e[1] for e in entries],
                                       [int(lens[e[0]]) - e[4] for e in entries],
-                                      [length_after[e[0]] - e[3] for e in entries])
+                                      [length_after[e[0]] - e[3] for e in entries],
+                                      [e[5] for e in entries])
             except BaseException as e:
                 lost = []
                 for i, p in reversed(done):
@@ -655,7 +668,7 @@ class Cluster:
                 raise
             done.append((srv, plan))
             q_rows, append_rows = [], []
-            for b, a, off, _, skip in entries:
+            for b, a, off, _, skip, _ in entries:
                 first = int(step.qo_indptr[b])
                 q_rows.append(np.arange(first + skip, first + int(lens[b])))
                 append_rows.append(np.arange(first + off, first + off + a))
@@ -664,7 +677,7 @@ class Cluster:
                                     np.concatenate(append_rows).astype(np.int64)))
         step.sources = [[] for _ in seq_ids]
         for pi, part in enumerate(step.parts):
-            for j, (b, _, _, _, skip) in enumerate(per_server[part.server]):
+            for j, (b, _, _, _, skip, _) in enumerate(per_server[part.server]):
                 step.sources[b].append((pi, int(part.plan.qo_indptr[j]), skip))
 
         for srv, _ in done:

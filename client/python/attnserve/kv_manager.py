@@ -42,6 +42,7 @@ from typing import Hashable, Optional, Sequence
 import numpy as np
 
 from attnserve.client import PrefillLayout, PrefillResult
+from attnserve.client import _options as _as_options
 from attnserve.errors import (AttnserveError, FailedPrecondition, LeaseExpired, NotFound,
                               SequencesLost, StaleIncarnation, Unimplemented, outcome_unknown)
 from attnserve.lease import AsyncLease, Lease
@@ -63,6 +64,8 @@ class Plan:
     plan_rows(), where q_lens are the query rows).
     kv_keys_after [batch] or None: keys of each sequence beyond this server's
     range (plan_rows() only).
+    apply_sinks [batch] (bool) or None: False where the attention sinks stay
+    out of a sequence here (plan_rows() only: another server carries them).
     """
 
     seq_ids: tuple
@@ -80,6 +83,7 @@ class Plan:
     valid: bool = True
     append_lens: Optional[np.ndarray] = None
     kv_keys_after: Optional[np.ndarray] = None
+    apply_sinks: Optional[np.ndarray] = None
 
     @property
     def total_q(self) -> int:
@@ -125,11 +129,15 @@ class _Bookkeeping:
 
     def __init__(self, client, *, causal: bool = True, sm_scale: Optional[float] = None,
                  lse_base: str = "2", server_plans: bool = True, lease: bool = True,
-                 lease_ttl: Optional[float] = None):
+                 lease_ttl: Optional[float] = None, options=None, layer_options=None):
         self.client = client
         self.causal = causal
         self.sm_scale = sm_scale
         self.lse_base = lse_base
+        # Attention options (docs/design.md, "Variants") of every layer, and
+        # per layer those that replace them (e.g. windowed layers).
+        self.options = _as_options(options)
+        self.layer_options = {int(k): _as_options(v) for k, v in (layer_options or {}).items()}
         # Register each step's layout with CreatePlan (False: send it with every
         # layer, as for a server without plans, which also turns this off).
         self.server_plans = server_plans
@@ -297,7 +305,8 @@ class _Bookkeeping:
 
     def _lay_out(self, page_size: int, seq_ids: Sequence, q_lens: np.ndarray, needs: list,
                  new_pages: list, q_rows: Optional[np.ndarray] = None,
-                 kv_keys_after: Optional[np.ndarray] = None) -> tuple:
+                 kv_keys_after: Optional[np.ndarray] = None,
+                 apply_sinks: Optional[np.ndarray] = None) -> tuple:
         """The step's Plan and each sequence's (pages, length) after it; changes nothing.
 
         q_lens: tokens appended; q_rows: query rows (default q_lens)."""
@@ -331,17 +340,28 @@ class _Bookkeeping:
                     append_slots=np.concatenate(slots), positions=np.concatenate(positions),
                     step=self._step + 1, append_lens=q_lens.astype(np.int32),
                     kv_keys_after=None if kv_keys_after is None
-                    else np.asarray(kv_keys_after, dtype=np.int32))
+                    else np.asarray(kv_keys_after, dtype=np.int32),
+                    apply_sinks=None if apply_sinks is None
+                    else np.asarray(apply_sinks, dtype=bool).reshape(-1))
         return plan, after
 
     def _options(self) -> dict:
         return dict(sm_scale=self.sm_scale, causal=self.causal, lse_base=self.lse_base)
 
     def _layout_bytes(self, plan: Plan) -> PrefillLayout:
-        """The layout sent with every layer when there is no server plan."""
+        """The layout sent with every layer when there is no server plan (each
+        layer's run() adds that layer's attention options)."""
         return PrefillLayout.encode(plan.qo_indptr, plan.kv_indptr, plan.kv_indices,
                                     plan.kv_last_page_len, append_slots=plan.append_slots,
-                                    kv_keys_after=plan.kv_keys_after, **self._options())
+                                    kv_keys_after=plan.kv_keys_after,
+                                    apply_sinks=plan.apply_sinks, **self._options())
+
+    def _layer_options(self, plan: Plan, layer: int):
+        """What run() sends with a layer: nothing with a server plan (it holds
+        them), else the layer's options."""
+        if plan.plan_id:
+            return None
+        return self.layer_options.get(int(layer), self.options)
 
     def _plan_layout(self, plan: Plan, plan_id: int) -> None:
         plan.plan_id = plan_id
@@ -351,6 +371,10 @@ class _Bookkeeping:
     def _create_args(self, plan: Plan) -> tuple:
         return (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len,
                 plan.append_slots, plan.kv_keys_after)
+
+    def _create_kwargs(self, plan: Plan) -> dict:
+        return dict(options=self.options, layer_options=self.layer_options or None,
+                    apply_sinks=plan.apply_sinks)
 
     def _apply(self, plan: Plan, after: list) -> None:
         """Commits the plan: lengths and pages advance; older plans of its
@@ -605,7 +629,7 @@ class _Bookkeeping:
             yield from self._free_pending()
 
     def _plan_flow(self, page_size: int, seq_ids: Sequence, append_lens, q_rows=None,
-                   kv_keys_after=None):
+                   kv_keys_after=None, apply_sinks=None):
         lens = self._validate(seq_ids, append_lens)
         rows = after = None
         if q_rows is not None:
@@ -618,6 +642,8 @@ class _Bookkeeping:
             if len(after) != len(lens) or (after < 0).any():
                 raise ValueError("plan_rows: kv_keys_after must have one entry >= 0 per "
                                  "sequence")
+        if apply_sinks is not None and len(np.asarray(apply_sinks).reshape(-1)) != len(lens):
+            raise ValueError("plan_rows: apply_sinks must have one entry per sequence")
         lost = [sid for sid in seq_ids if sid in self._lost]
         if lost:
             raise SequencesLost(lost, _LEASE_GONE, method="plan")
@@ -632,11 +658,12 @@ class _Bookkeeping:
             except AttnserveError as e:
                 raise self._failed(e, leak=total) from None
         plan, grown = self._lay_out(page_size, seq_ids, lens, needs, new_pages, rows,
-                                    kv_keys_after)
+                                    kv_keys_after, apply_sinks)
         registered = False
         if self.server_plans:
             try:
-                self._plan_layout(plan, (yield _call("create_plan", *self._create_args(plan))))
+                self._plan_layout(plan, (yield _call("create_plan", *self._create_args(plan),
+                                                     **self._create_kwargs(plan))))
                 registered = True
             except Unimplemented:
                 self.server_plans = False  # a server without plans: send the layout
@@ -744,6 +771,10 @@ class KvManager(_Bookkeeping):
     Args:
       client: an attnserve.Client (its server's page_size is used).
       causal, sm_scale, lse_base: the Prefill options of every run().
+      options: attnserve.AttentionOptions of every layer (sliding window,
+        soft-cap, sinks); layer_options {layer: AttentionOptions} replace them
+        for those layers (a model whose windowed and full layers alternate).
+        Each step's server plan carries them (without one, each run()).
       server_plans: register each step's layout with CreatePlan (default);
         False sends the layout with every layer instead.
       lease: hold the pages and plans under a lease of the manager's own
@@ -758,9 +789,10 @@ class KvManager(_Bookkeeping):
 
     def __init__(self, client, *, causal: bool = True, sm_scale: Optional[float] = None,
                  lse_base: str = "2", server_plans: bool = True, lease: bool = True,
-                 lease_ttl: Optional[float] = None):
+                 lease_ttl: Optional[float] = None, options=None, layer_options=None):
         super().__init__(client, causal=causal, sm_scale=sm_scale, lse_base=lse_base,
-                         server_plans=server_plans, lease=lease, lease_ttl=lease_ttl)
+                         server_plans=server_plans, lease=lease, lease_ttl=lease_ttl,
+                         options=options, layer_options=layer_options)
         self.page_size = client.server_info.page_size
 
     def _drive(self, flow):
@@ -798,22 +830,24 @@ class KvManager(_Bookkeeping):
         return self.plan_rows(seq_ids, q_lens)
 
     def plan_rows(self, seq_ids: Sequence, append_lens, q_rows=None,
-                  kv_keys_after=None) -> Plan:
+                  kv_keys_after=None, apply_sinks=None) -> Plan:
         """plan() for one server of a cluster (attnserve.Cluster), which holds a
         contiguous range of each sequence: seq_ids[b] grows by append_lens[b]
         tokens here, the step sends q_rows[b] >= append_lens[b] query rows (the
         sequence's new tokens, some appended on other servers), and
-        kv_keys_after[b] of the sequence's keys lie beyond this range.
+        kv_keys_after[b] of the sequence's keys lie beyond this range;
+        apply_sinks[b] False keeps the attention sinks out of sequence b here
+        (another server's range carries them).
         run() then takes k_new, v_new of the appended rows only."""
         seq_ids = list(seq_ids)
         try:
             return self._drive(self._plan_flow(self.page_size, seq_ids, append_lens, q_rows,
-                                               kv_keys_after))
+                                               kv_keys_after, apply_sinks))
         except LeaseExpired:
             # The lease was found gone with no sequence under it: once more,
             # with a new one.
             return self._drive(self._plan_flow(self.page_size, seq_ids, append_lens, q_rows,
-                                               kv_keys_after))
+                                               kv_keys_after, apply_sinks))
 
     def run(self, layer: int, q, k_new, v_new, *, plan: Optional[Plan] = None,
             **kwargs) -> PrefillResult:
@@ -829,7 +863,8 @@ class KvManager(_Bookkeeping):
         p = self._plan_for_run(plan)
         lease = self._lease
         try:
-            r = self._rpc.prefill_layout(layer, q, p.layout, k_new, v_new, **kwargs)
+            r = self._rpc.prefill_layout(layer, q, p.layout, k_new, v_new,
+                                         options=self._layer_options(p, layer), **kwargs)
         except AttnserveError as e:
             raise self._run_failed(p, layer, e, lease) from None
         self._run_ok(p, layer)
@@ -887,9 +922,10 @@ class AsyncKvManager(_Bookkeeping):
 
     def __init__(self, client, *, causal: bool = True, sm_scale: Optional[float] = None,
                  lse_base: str = "2", server_plans: bool = True, lease: bool = True,
-                 lease_ttl: Optional[float] = None):
+                 lease_ttl: Optional[float] = None, options=None, layer_options=None):
         super().__init__(client, causal=causal, sm_scale=sm_scale, lse_base=lse_base,
-                         server_plans=server_plans, lease=lease, lease_ttl=lease_ttl)
+                         server_plans=server_plans, lease=lease, lease_ttl=lease_ttl,
+                         options=options, layer_options=layer_options)
         self._lock_made: Optional[asyncio.Lock] = None  # made in the loop that uses it
 
     @property
@@ -934,7 +970,8 @@ class AsyncKvManager(_Bookkeeping):
         p = self._plan_for_run(plan)
         lease = self._lease
         try:
-            r = await self._rpc.prefill_layout(layer, q, p.layout, k_new, v_new, **kwargs)
+            r = await self._rpc.prefill_layout(layer, q, p.layout, k_new, v_new,
+                                               options=self._layer_options(p, layer), **kwargs)
         except AttnserveError as e:
             raise self._run_failed(p, layer, e, lease) from None
         self._run_ok(p, layer)

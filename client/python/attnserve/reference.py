@@ -62,13 +62,38 @@ class KvMirror:
         return np.stack(ks), np.stack(vs)
 
 
+def _sink_values(sinks, hq: int):
+    """sinks ([Hq] list, numpy or torch) as float64 numpy, or None."""
+    if sinks is None:
+        return None
+    if _dt.is_torch(sinks):
+        sinks = sinks.detach().to("cpu").double().numpy()
+    arr = np.asarray(sinks, dtype=np.float64).reshape(-1)
+    if arr.size != hq:
+        raise ValueError(f"sinks has {arr.size} entries, num_qo_heads is {hq}")
+    return arr
+
+
 def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_indices,
                       kv_last_page_len, *, page_size: int, causal: bool = True,
                       sm_scale: float | None = None, lse_base: str = "2",
-                      kv_keys_after=None) -> tuple:
+                      kv_keys_after=None, options=None, apply_sinks=None) -> tuple:
     """(o [total_q, Hq, D], lse [total_q, Hq]) in float64; -inf LSE and 0 output
-    where a row sees nothing. Causal row i of sequence b sees positions
-    j <= i + kv_len - q_len + kv_keys_after[b] (default 0: bottom-right)."""
+    where a row sees nothing (the sink's logit with a sink). Row i of
+    sequence b is at position p = i + kv_len - q_len + kv_keys_after[b]
+    (default 0: bottom-right); causal, it sees positions j <= p.
+
+    options (attnserve.AttentionOptions or a dict of its fields): a window
+    drops positions j < p - window_left; a soft-cap c turns a scaled logit
+    x into c * tanh(x / c); sinks [Hq] add e^sink to each row's
+    denominator (and LSE) in the sequences apply_sinks [batch] allows
+    (default all)."""
+    o_window = o_cap = o_sinks = None
+    if options is not None:
+        get = options.get if isinstance(options, dict) else (lambda k: getattr(options, k))
+        o_window, o_cap, o_sinks = get("window_left"), get("logits_soft_cap"), get("sinks")
+    window = -1 if o_window is None else int(o_window)
+    cap = 0.0 if o_cap is None else float(o_cap)
     q64 = as_float64(q, mirror.wire_dtype)
     total_q, hq, d = q64.shape
     hkv = mirror.row_shape[0]
@@ -81,6 +106,9 @@ def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_
     idx = np.asarray(kv_indices).tolist()
     last = None if kv_last_page_len is None else np.asarray(kv_last_page_len).tolist()
     after = [0] * (len(qo) - 1) if kv_keys_after is None else np.asarray(kv_keys_after).tolist()
+    sinks = _sink_values(o_sinks, hq)
+    apply = [True] * (len(qo) - 1) if apply_sinks is None else \
+        [bool(x) for x in np.asarray(apply_sinks).reshape(-1).tolist()]
     for b in range(len(qo) - 1):
         q_len = qo[b + 1] - qo[b]
         pages = idx[kvp[b]:kvp[b + 1]]
@@ -89,16 +117,27 @@ def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_
         k, v = mirror.rows(layer, slots)                      # [kv_len, Hkv, D]
         k = np.repeat(k, group, axis=1)                      # [kv_len, Hq, D]
         v = np.repeat(v, group, axis=1)
+        sink = sinks if sinks is not None and apply[b] else None
         for i in range(q_len):
             row = qo[b] + i
-            visible = min(kv_len, i + kv_len - q_len + after[b] + 1) if causal else kv_len
-            if visible <= 0:
+            pos = i + kv_len - q_len + after[b]
+            end = min(kv_len, pos + 1) if causal else kv_len
+            begin = max(0, pos - window) if window >= 0 else 0
+            if end <= begin:
+                if sink is not None:   # only the sink: o 0, LSE the sink
+                    lse[row] = sink if lse_base == "e" else sink / math.log(2.0)
                 continue
-            logits = np.einsum("hd,jhd->hj", q64[row], k[:visible]) * scale   # [Hq, visible]
+            logits = np.einsum("hd,jhd->hj", q64[row], k[begin:end]) * scale   # [Hq, keys]
+            if cap > 0:
+                logits = cap * np.tanh(logits / cap)
             m = logits.max(axis=1, keepdims=True)
+            if sink is not None:
+                m = np.maximum(m, sink[:, None])
             w = np.exp(logits - m)
             s = w.sum(axis=1, keepdims=True)
-            o[row] = np.einsum("hj,jhd->hd", w / s, v[:visible])
+            if sink is not None:
+                s = s + np.exp(sink[:, None] - m)
+            o[row] = np.einsum("hj,jhd->hd", w / s, v[begin:end])
             lse_e = (m + np.log(s))[:, 0]
             lse[row] = lse_e if lse_base == "e" else lse_e / math.log(2.0)
     return o, lse

@@ -90,6 +90,7 @@ void CpuBackend::Attend(const PrefillTask& t) {
   p.k_cache = k_pool_.data();
   p.v_cache = v_pool_.data();
   p.kv_indices = t.kv_indices;
+  p.sinks = t.sinks;  // the task's one set: its seqs' sink_index is 0 or -1
   p.geo = geo_;
   if (!NeedsFlat(t.q, t.q_scattered)) {
     p.q = t.q;
@@ -102,9 +103,10 @@ void CpuBackend::Attend(const PrefillTask& t) {
     return;
   }
   // The query flattened a chunk of rows at a time. Each chunk of a sequence
-  // runs as a sequence of its own whose causal diagonal is shifted to where
-  // it was (row i of q_len sees j <= i + kv_len - q_len + causal_shift);
-  // every row is computed on its own, so the results are the same bits.
+  // runs as a sequence of its own whose rows keep their key positions
+  // (kernels/variant.h's QueryPos: row i of q_len is at i + kv_len - q_len +
+  // causal_shift), so the causal diagonal and the window stay where they
+  // were; every row is computed on its own, so the results are the same bits.
   const int64_t row_bytes = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
   const int32_t chunk = static_cast<int32_t>(std::max<int64_t>(1, kFlatChunkBytes / row_bytes));
   std::vector<uint16_t> q_flat;
