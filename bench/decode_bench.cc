@@ -57,6 +57,11 @@ struct Workload {
   int batch, q_len, kv_len, page_size;
   // Target: max ms (0: none) and min TB/s (0: none), kernel time incl. merge.
   double target_ms, target_tbs;
+  // Variants (kernels/variant.h): window_left keys before the diagonal (-1:
+  // none; bytes then count the keys in the window), a soft-cap, a sink per head.
+  int window_left = -1;
+  float soft_cap = 0.f;
+  bool sinks = false;
 };
 
 // Fills n bf16 values with N(0, 1) (never zeros) from a host table.
@@ -157,8 +162,12 @@ Row RunWorkload(const Workload& w, int repeats) {
     s.kv_len = w.kv_len;
     s.sm_scale = 1.f / std::sqrt(float(kD));
     s.causal = 1;
+    s.window_left = w.window_left;
+    s.soft_cap = w.soft_cap;
+    s.sink_index = w.sinks ? 0 : -1;
   }
-  const double kv_bytes = 2.0 * w.batch * double(w.kv_len) * kKvh * kD * 2;
+  const int keys_read = w.window_left >= 0 ? std::min(w.kv_len, w.window_left + w.q_len) : w.kv_len;
+  const double kv_bytes = 2.0 * w.batch * double(keys_read) * kKvh * kD * 2;
 
   // ---- Plans: decode (heuristic, and unsplit for A/B), prefill variant 1 / 0.
   const int sms = NumSms();
@@ -203,6 +212,9 @@ Row RunWorkload(const Workload& w, int repeats) {
   void* d_seqs = dev_copy(seqs.data(), seqs.size() * sizeof(PrefillSeq));
   void* d_items = dev_copy(dplan.items.data(), dplan.items.size() * sizeof(DecodeWorkItem));
   void* d_nitems = dev_copy(nplan.items.data(), nplan.items.size() * sizeof(DecodeWorkItem));
+  std::vector<float> h_sinks(kH);
+  for (int h = 0; h < kH; ++h) h_sinks[h] = 0.25f * (h % 8);
+  void* d_sinks = dev_copy(h_sinks.data(), h_sinks.size() * sizeof(float));
   float *part_o, *part_lse;
   int32_t* counters;
   CHECK_CUDA(cudaMalloc(&part_o, std::max<int64_t>(dplan.PartOBytes(kD), 4)));
@@ -220,6 +232,8 @@ Row RunWorkload(const Workload& w, int repeats) {
     p.v_cache = vs[s];
     p.kv_indices = static_cast<int32_t*>(d_idx);
     p.seqs = static_cast<PrefillSeq*>(d_seqs);
+    p.sinks = w.sinks ? static_cast<const float*>(d_sinks) : nullptr;
+    p.logit_variants = LogitVariants(seqs.data(), w.batch);
     p.num_seqs = w.batch;
     p.total_q = w.batch * w.q_len;
     p.geo = g;
@@ -384,7 +398,7 @@ Row RunWorkload(const Workload& w, int repeats) {
     cudaFree(ks[i]);
     cudaFree(vs[i]);
   }
-  for (void* p : {o_dec, o_pre, static_cast<void*>(lse), d_idx, d_seqs, d_items, d_nitems,
+  for (void* p : {o_dec, o_pre, static_cast<void*>(lse), d_idx, d_seqs, d_items, d_nitems, d_sinks,
                   static_cast<void*>(part_o), static_cast<void*>(part_lse), static_cast<void*>(counters)}) {
     cudaFree(p);
   }
@@ -454,6 +468,10 @@ int main(int argc, char** argv) {
       {"decode_b8_128k", 8, 1, 131072, 1, 0, 3.8},  {"decode_b8_128k", 8, 1, 131072, 16, 0, 3.8},
       {"decode_b1", 1, 1, 4096, 1, 0.015, 0},       {"decode_b1", 1, 1, 4096, 16, 0.015, 0},
       {"spec_b64_q4", 64, 4, 4096, 1, 0, 3.8},      {"spec_b64_q4", 64, 4, 4096, 16, 0, 3.8},
+      // Variants: a 128-key window over 32k keys against 128 keys; soft-cap
+      // and sinks against decode_b64.
+      {"win128_b64_32k", 64, 1, 32768, 16, 0, 0, 127}, {"decode_b64_128", 64, 1, 128, 16, 0, 0},
+      {"decode_b64_cap", 64, 1, 4096, 16, 0, 0, -1, 30.f}, {"decode_b64_sink", 64, 1, 4096, 16, 0, 0, -1, 0.f, true},
   };
   std::vector<Row> rows;
   for (const auto& w : workloads) {

@@ -15,7 +15,8 @@
 // (ChoosePrefillKernel); a name forces that kernel (sm90*: sm_90 devices
 // only).
 // --workload times only the named anchor workloads (long, batch, prefix,
-// decode) at page_size 1 and 16 (--page_sizes=1,16,64 to choose) with the
+// decode; the variants long_cap, long_sink, batch_cap, batch_sink,
+// prefix_cap, prefix_sink, long32k and win4k_32k) at page_size 1 and 16 (--page_sizes=1,16,64 to choose) with the
 // default plan, and `sweep` the
 // sequence-length sweep at page_size 1 (16k query tokens as 32 x 512 ..
 // 1 x 16384, causal); no merge. sweep_lenN is one point of the sweep, run
@@ -40,6 +41,7 @@
 #include "kernels/plan/kernel_select.h"
 #include "kernels/prefill_cuda.h"
 #include "kernels/sm90/prefill_sm90.h"
+#include "kernels/variant.h"
 
 namespace attnserve {
 namespace {
@@ -58,6 +60,11 @@ constexpr int kH = 32, kKvh = 4, kD = 128;
 struct Workload {
   std::string name;
   int batch, q_len, kv_len;
+  // Variants (kernels/variant.h): a window of window_left keys before the
+  // diagonal (-1: none), a soft-cap (0: none), one set of sinks.
+  int window_left = -1;
+  float soft_cap = 0.f;
+  bool sinks = false;
 };
 
 struct Result {
@@ -261,7 +268,10 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     s.kv_len = w.kv_len;
     s.sm_scale = 1.f / std::sqrt(float(kD));
     s.causal = 1;
-    for (int i = 0; i < w.q_len; ++i) pairs += std::min(w.kv_len, std::max(0, i + w.kv_len - w.q_len + 1));
+    s.window_left = w.window_left;
+    s.soft_cap = w.soft_cap;
+    s.sink_index = w.sinks ? 0 : -1;
+    for (int i = 0; i < w.q_len; ++i) pairs += RowKeys(s, i).size();  // visible pairs
   }
   const double flops = 4.0 * kD * kH * pairs;
   const double kv_bytes = 2.0 * w.batch * double(w.kv_len) * kKvh * kD * 2;
@@ -298,7 +308,13 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     FillRandomBf16(ks[i], pool_elems, 100 + i);
     FillRandomBf16(vs[i], pool_elems, 200 + i);
   }
-  void *o, *lse, *d_idx, *d_seqs, *d_items, *d_merges, *part_o, *part_lse;
+  void *o, *lse, *d_idx, *d_seqs, *d_items, *d_merges, *part_o, *part_lse, *d_sinks;
+  CHECK_CUDA(cudaMalloc(&d_sinks, kH * sizeof(float)));
+  {
+    std::vector<float> sinks(kH);
+    for (int h = 0; h < kH; ++h) sinks[h] = 0.25f * (h % 8);
+    CHECK_CUDA(cudaMemcpy(d_sinks, sinks.data(), kH * sizeof(float), cudaMemcpyHostToDevice));
+  }
   CHECK_CUDA(cudaMalloc(&o, q_elems * 2));
   CHECK_CUDA(cudaMalloc(&lse, size_t(w.batch) * w.q_len * kH * 4));
   CHECK_CUDA(cudaMalloc(&d_idx, idx.size() * 4));
@@ -329,6 +345,8 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     p.v_cache = vs[s];
     p.kv_indices = static_cast<int32_t*>(d_idx);
     p.seqs = static_cast<PrefillSeq*>(d_seqs);
+    p.sinks = w.sinks ? static_cast<const float*>(d_sinks) : nullptr;
+    p.logit_variants = LogitVariants(seqs.data(), w.batch);
     p.num_seqs = w.batch;
     p.total_q = w.batch * w.q_len;
     p.geo = g;
@@ -350,7 +368,7 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
     if (r >= 3) times.push_back(ms);
   }
-  if (trace_ctas > 0 && kernel == PrefillKernel::kSm90Overlap) {
+  if (trace_ctas > 0 && kernel == PrefillKernel::kSm90Overlap && !LogitVariants(seqs.data(), w.batch)) {
     // One CTA per SM at most (the kernel is persistent): each traces its first tile.
     const int n = std::min<int>({trace_ctas, static_cast<int>(plan.items.size()), NumSms()});
     long long* d_trace = nullptr;
@@ -382,7 +400,7 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     cudaFree(ks[i]);
     cudaFree(vs[i]);
   }
-  for (void* p : {o, lse, d_idx, d_seqs, d_items, d_merges, part_o, part_lse}) cudaFree(p);
+  for (void* p : {o, lse, d_idx, d_seqs, d_items, d_merges, part_o, part_lse, d_sinks}) cudaFree(p);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   std::printf("RESULT kernel=prefill workload=%s batch=%d q=%d kv=%d page_size=%d family=%s section_mb=%d ms=%.4f "
@@ -488,8 +506,28 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   const int reps = quick ? 5 : 20;
-  const std::vector<Workload> anchors = {
+  // The anchors, then the variants (TFLOP/s over the pairs rows see): the
+  // anchors with a soft-cap of 30 or a sink per head, and a 4,096-key window
+  // (row i sees keys i-4095 .. i) over 32k keys beside the full 32k.
+  std::vector<Workload> anchors = {
       {"long", 1, 16384, 16384}, {"batch", 16, 2048, 2048}, {"prefix", 32, 512, 4096}, {"decode", 64, 1, 4096}};
+  for (const char* base : {"long", "batch", "prefix"}) {
+    for (const Workload& w : std::vector<Workload>(anchors)) {
+      if (w.name != base) continue;
+      Workload cap = w, sink = w;
+      cap.name += "_cap";
+      cap.soft_cap = 30.f;
+      sink.name += "_sink";
+      sink.sinks = true;
+      anchors.push_back(cap);
+      anchors.push_back(sink);
+    }
+  }
+  anchors.push_back({"long32k", 1, 32768, 32768});
+  Workload win = {"win4k_32k", 1, 32768, 32768};
+  win.window_left = 4095;
+  anchors.push_back(win);
+  const size_t num_anchors = 4;  // the full run's table: the four anchors
   std::vector<Result> results;
   if (merge_only) {
     RunMerge(65536, reps * 2);
@@ -555,7 +593,9 @@ int main(int argc, char** argv) {
         if (w.name == name) found = &w;
       }
       if (found == nullptr) {
-        std::fprintf(stderr, "--workload=%s: expected names among long, batch, prefix, decode, sweep, sweep_lenN\n",
+        std::fprintf(stderr,
+                     "--workload=%s: expected names among long, batch, prefix, decode, {long,batch,prefix}_cap, "
+                     "{long,batch,prefix}_sink, long32k, win4k_32k, sweep, sweep_lenN\n",
                      only_workload.c_str());
         return 2;
       }
@@ -573,7 +613,7 @@ int main(int argc, char** argv) {
   const std::vector<int> sections = {-1, 0, 8};
   for (int section_mb : sections) {
     for (int ps : {1, 16}) {
-      for (const auto& w : anchors) results.push_back(RunPrefill(w, ps, forced, reps, section_mb));
+      for (size_t i = 0; i < num_anchors; ++i) results.push_back(RunPrefill(anchors[i], ps, forced, reps, section_mb));
     }
   }
   // The sequence-length sweep; decode batches.

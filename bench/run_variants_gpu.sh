@@ -21,15 +21,15 @@ date -u | tee "$out/date.txt"
 
 if [ "$what" = tests ]; then
   echo "== variants conformance (every family)"
-  timeout 280 "$inst/bin/attnserve_gpu_kernel_tests" --gtest_filter='VariantsCuda*:CudaBackend*' \
+  timeout 240 "$inst/bin/attnserve_gpu_kernel_tests" --gtest_filter='VariantsCuda*:CudaBackend*' \
     > "$out/variants_tests.txt" 2>&1
   echo "exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error" "$out/variants_tests.txt" | head -30
   echo "== the other kernel tests"
-  timeout 200 "$inst/bin/attnserve_gpu_kernel_tests" --gtest_filter='-VariantsCuda*:CudaBackend*' \
+  timeout 150 "$inst/bin/attnserve_gpu_kernel_tests" --gtest_filter='-VariantsCuda*:CudaBackend*' \
     > "$out/kernel_tests.txt" 2>&1
   echo "exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure" "$out/kernel_tests.txt" | head -20
   echo "== decode family"
-  timeout 100 "$inst/bin/attnserve_gpu_decode_tests" > "$out/decode_tests.txt" 2>&1
+  timeout 90 "$inst/bin/attnserve_gpu_decode_tests" > "$out/decode_tests.txt" 2>&1
   echo "exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure" "$out/decode_tests.txt" | head -20
 fi
 

@@ -334,7 +334,7 @@ TEST(CudaBackend, LongKvSplitsAndMergesOnce) {
 // dtypes, short (unsplit) and long (split) KV, several tasks per batch;
 // every output against the float64 reference, and the launch counts of each
 // family. Every fourth round runs with decode_kernel off (all on prefill).
-TEST(CudaBackend, DecodeAndMixedBatchesMatchReference) {
+TEST(CudaBackend, DecodeAndMixedBatchesWithVariantsMatchReference) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(1414);
   int decode_batches = 0, mixed_batches = 0, split_like = 0;
@@ -369,6 +369,11 @@ TEST(CudaBackend, DecodeAndMixedBatchesMatchReference) {
       p.geo = pools.geo;
       const int layer = rng() % 2;
       const int nseq = 1 + rng() % 5;
+      // Variants (docs/design.md, "Variants"): some tasks carry a sink set
+      // (the packer rebases each task's to the batch's), sequences draw
+      // windows and soft-caps.
+      const bool task_sinks = rng() % 2 == 0;
+      if (task_sinks) gpu_test::AddSinkSet(&p, &rng);
       for (int s = 0; s < nseq; ++s) {
         const int q_len = (mixed && s == 0 && t == 0) ? 9 + rng() % 120 : 1 + rng() % 8;
         int kv_len = rng() % 3 == 0 ? 4000 + static_cast<int>(rng() % 5000) : 1 + static_cast<int>(rng() % 2000);
@@ -376,6 +381,9 @@ TEST(CudaBackend, DecodeAndMixedBatchesMatchReference) {
         gpu_test::AddSeq(&p, q_len, kv_len, layer, rng() % 4 != 0, rng() % 3 == 0,
                          1 / std::sqrt(float(pools.geo.head_dim)), &rng);
         if (rng() % 4 == 0) p.seqs.back().causal_shift = static_cast<int>(rng() % 21) - 10;
+        if (rng() % 3 == 0) p.seqs.back().window_left = static_cast<int>(rng() % 700);
+        if (rng() % 3 == 0) p.seqs.back().soft_cap = 30.f;
+        if (task_sinks && rng() % 3 != 0) p.seqs.back().sink_index = 0;
         split_like += kv_len >= 4000;
       }
       gpu_test::FinishBatch(&p, 1.f, &rng);
@@ -384,6 +392,7 @@ TEST(CudaBackend, DecodeAndMixedBatchesMatchReference) {
       task.q = p.q.data();
       task.total_q = p.total_q;
       task.seqs = p.seqs;
+      task.sinks = p.sinks.empty() ? nullptr : p.sinks.data();
       task.kv_indices = p.kv_indices.data();
       task.num_kv_indices = static_cast<int32_t>(p.kv_indices.size());
       outs[t].assign(size_t(p.total_q) * pools.geo.num_qo_heads * pools.geo.head_dim, 0xFFFF);  // poison

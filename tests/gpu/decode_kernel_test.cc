@@ -15,154 +15,22 @@
 #include "gtest/gtest.h"
 #include "kernels/decode/decode_cuda.h"
 #include "kernels/plan/decode_plan.h"
-#include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/family_run.h"
 
 namespace attnserve {
 namespace {
 
 using gpu_test::HostBatch;
 
-// Device buffer whose every call is checked: errors land in *err (first one
-// wins) so that a test reports the failing call instead of crashing.
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t n = 0;
-  std::string* err;
-  DeviceBuffer(size_t count, std::string* e) : n(count), err(e) {
-    Check(cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)), "cudaMalloc");
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { cudaFree(ptr); }
-  void Check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess && err->empty()) *err = std::string(what) + ": " + cudaGetErrorString(e);
-  }
-  void Upload(const std::vector<T>& v) {
-    if (!v.empty()) Check(cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "upload");
-  }
-  std::vector<T> Download() {
-    std::vector<T> v(n);
-    if (n > 0) Check(cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), "download");
-    return v;
-  }
-  void Poison() { Check(cudaMemset(ptr, 0xFF, std::max<size_t>(n, 1) * sizeof(T)), "poison"); }
-  void Zero() { Check(cudaMemset(ptr, 0, std::max<size_t>(n, 1) * sizeof(T)), "zero"); }
-};
+using gpu_test::kNoSplit;
+using gpu_test::RunResult;
 
-int NumSms() {
-  int dev = 0, sms = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return sms;
-}
-
-struct RunResult {
-  std::string error;
-  bool split = false;
-  int cluster = 0;  // plan.cluster
-};
-
-// Plans and runs the batch twice (poisoning outputs before each run) and
-// compares both runs to the reference. force_chunk 0: the heuristic with
-// this GPU's SM count (and its cluster size, as the server plans); > 0:
-// chunks of that many tokens; kNoSplit: never split. force_cluster > 1:
-// cluster mode with that many CTAs per tile (sm_90; force_chunk ignored).
-constexpr int kNoSplit = -1;
 RunResult RunAndCheck(const HostBatch& b, int force_chunk, int force_cluster = 0) {
-  RunResult res;
-  std::string& err = res.error;
-  const KvGeometry& g = b.geo;
-  DecodePlanOptions opt;
-  opt.num_sms = NumSms();
-  int max_rows = 1;
-  for (const auto& s : b.seqs) max_rows = std::max(max_rows, s.q_len * (g.num_qo_heads / g.num_kv_heads));
-  opt.ctas_per_sm = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows));
-  if (force_chunk == 0 || force_cluster > 1) {
-    opt.max_cluster = DecodeMaxCluster(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows));
-  }
-  if (force_cluster > 1) {
-    opt.force_cluster = force_cluster;
-  } else {
-    opt.force_chunk = std::max(force_chunk, 0);
-    opt.no_split = force_chunk == kNoSplit;
-  }
-  DecodePlan plan;
-  BuildDecodePlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
-  res.split = plan.split_tiles > 0;
-  res.cluster = plan.cluster;
-
-  DeviceBuffer<uint16_t> k(b.k_pool.size(), &err), v(b.v_pool.size(), &err), q(b.q.size(), &err);
-  DeviceBuffer<uint16_t> o(b.q.size(), &err);
-  DeviceBuffer<float> lse(size_t(b.total_q) * g.num_qo_heads, &err);
-  DeviceBuffer<int32_t> idx(b.kv_indices.size(), &err);
-  DeviceBuffer<PrefillSeq> seqs(b.seqs.size(), &err);
-  DeviceBuffer<DecodeWorkItem> items(plan.items.size(), &err);
-  DeviceBuffer<float> part_o(size_t(plan.partial_slots) * plan.tile_rows * g.head_dim, &err);
-  DeviceBuffer<float> part_lse(size_t(plan.partial_slots) * plan.tile_rows, &err);
-  DeviceBuffer<int32_t> counters(plan.split_tiles, &err);
-  k.Upload(b.k_pool);
-  v.Upload(b.v_pool);
-  q.Upload(b.q);
-  idx.Upload(b.kv_indices);
-  seqs.Upload(b.seqs);
-  items.Upload(plan.items);
-  counters.Zero();
-  if (!err.empty()) return res;
-
-  PagedPrefillParams p;
-  p.q = q.ptr;
-  p.o = o.ptr;
-  p.lse = lse.ptr;
-  p.k_cache = k.ptr;
-  p.v_cache = v.ptr;
-  p.kv_indices = idx.ptr;
-  p.seqs = seqs.ptr;
-  p.num_seqs = static_cast<int32_t>(b.seqs.size());
-  p.total_q = b.total_q;
-  p.geo = g;
-  std::vector<double> o_ref, lse_ref;
-  gpu_test::Reference(b, &o_ref, &lse_ref);
-  for (int run = 0; run < 2; ++run) {
-    o.Poison();
-    lse.Poison();
-    part_o.Poison();
-    part_lse.Poison();
-    cudaError_t e = PagedDecodeCuda(p, plan.tile_rows, items.ptr, static_cast<int32_t>(plan.items.size()),
-                                    part_o.ptr, part_lse.ptr, counters.ptr, nullptr,
-                                    DecodeLaunchOptions{plan.cluster, false});
-    if (e == cudaSuccess) e = cudaDeviceSynchronize();
-    if (e != cudaSuccess) {
-      err = "run " + std::to_string(run) + ": CUDA: " + cudaGetErrorString(e);
-      return res;
-    }
-    const std::string cmp = gpu_test::Compare(g.dtype, o.Download(), lse.Download(), o_ref, lse_ref);
-    if (!err.empty()) return res;
-    if (!cmp.empty()) {
-      err = "run " + std::to_string(run) + ": " + cmp;
-      return res;
-    }
-    for (int32_t c : counters.Download()) {
-      if (plan.split_tiles > 0 && c != 0) {
-        err = "run " + std::to_string(run) + ": a split counter was left at " + std::to_string(c);
-        return res;
-      }
-    }
-  }
-  return res;
+  return gpu_test::RunDecode(b, force_chunk, force_cluster);
 }
 
 std::string Describe(const HostBatch& b, int force_chunk, bool split) {
-  std::string s = "D=" + std::to_string(b.geo.head_dim) + " H=" + std::to_string(b.geo.num_qo_heads) +
-                  " KVH=" + std::to_string(b.geo.num_kv_heads) + " ps=" + std::to_string(b.geo.page_size) +
-                  (b.geo.dtype == KvDType::kBf16 ? " bf16" : " fp16") + " force_chunk=" +
-                  std::to_string(force_chunk) + (split ? " split" : "") + " seqs:";
-  for (const auto& q : b.seqs) {
-    s += " (" + std::to_string(q.q_len) + "/" + std::to_string(q.kv_len) + (q.causal ? " c" : " nc") +
-         (q.causal_shift != 0 ? " shift" + std::to_string(q.causal_shift) : "") + (q.lse_base_e ? " e" : "") +
-         " L" + std::to_string(q.layer) + ")";
-  }
-  return s;
+  return "force_chunk=" + std::to_string(force_chunk) + (split ? " split " : " ") + gpu_test::Describe(b);
 }
 
 float RandomScale(int head_dim, std::mt19937_64* rng) {

@@ -74,8 +74,20 @@ struct HostBatch {
   std::vector<uint16_t> q;               // (total_q, H, D)
   std::vector<PrefillSeq> seqs;          // q_start / kv_start batch-global
   std::vector<int32_t> kv_indices;
+  // (sets, num_qo_heads) sink logits, natural units: a sequence's sink_index
+  // names its set (PagedPrefillParams::sinks).
+  std::vector<float> sinks;
   int32_t total_q = 0;
 };
+
+// Adds a set of random sink logits (natural units, around the rows' own
+// LSEs, so that the sink moves both O and the LSE) and returns its index.
+inline int32_t AddSinkSet(HostBatch* b, std::mt19937_64* rng) {
+  std::uniform_real_distribution<float> u(-2.f, 6.f);
+  const int32_t set = static_cast<int32_t>(b->sinks.size() / b->geo.num_qo_heads);
+  for (int h = 0; h < b->geo.num_qo_heads; ++h) b->sinks.push_back(u(*rng));
+  return set;
+}
 
 // Fills v with N(0, scale) values in dt (never all zeros): each element is
 // one of 2^16 values drawn once per (dtype, scale) from a normal
@@ -168,6 +180,9 @@ inline void Reference(const HostBatch& b, std::vector<double>* o, std::vector<do
     r.sm_scale = s.sm_scale;
     r.causal = s.causal != 0;
     r.causal_shift = s.causal_shift;
+    r.window_left = s.window_left;
+    r.soft_cap = s.soft_cap;
+    r.sinks = s.sink_index >= 0 ? b.sinks.data() + int64_t{s.sink_index} * b.geo.num_qo_heads : nullptr;
     r.lse_base_e = s.lse_base_e != 0;
     seqs.push_back(r);
   }
@@ -220,9 +235,11 @@ inline std::shared_ptr<const ReferenceResult> CachedReference(const HostBatch& b
   for (const PrefillSeq& s : b.seqs) {
     const double f[] = {double(s.q_start), double(s.q_len), double(s.kv_start), double(s.kv_len),
                         double(s.layer), double(s.sm_scale), double(s.causal), double(s.causal_shift),
-                        double(s.lse_base_e)};
+                        double(s.lse_base_e), double(s.window_left), double(s.soft_cap),
+                        double(s.sink_index)};
     mix(f, sizeof(f));
   }
+  mix(b.sinks.data(), b.sinks.size() * sizeof(float));
   mix(b.kv_indices.data(), b.kv_indices.size() * 4);
   mix(b.q.data(), b.q.size() * 2);
   mix(b.k_pool.data(), b.k_pool.size() * 2);

@@ -18,46 +18,16 @@
 #include "kernels/kv/kv_rows_cuda.h"
 #include "kernels/merge/merge_cuda.h"
 #include "kernels/prefill_cuda.h"
-#include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/family_run.h"
 
 namespace attnserve {
 namespace {
 
 using gpu_test::HostBatch;
 
-template <typename T>
-struct DeviceBuffer {
-  T* ptr = nullptr;
-  size_t n = 0;
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t count) : n(count) {
-    if (cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) ptr = nullptr;
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { cudaFree(ptr); }
-  void Upload(const std::vector<T>& v) {
-    cudaMemcpy(ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
-  }
-  std::vector<T> Download() const {
-    std::vector<T> v(n);
-    cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
-    return v;
-  }
-  void Poison() { cudaMemset(ptr, 0xFF, std::max<size_t>(n, 1) * sizeof(T)); }
-};
-
-int NumSms() {
-  int dev = 0, sms = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return sms;
-}
-
-struct RunResult {
-  std::string error;
-  bool split = false;
-};
+using gpu_test::DeviceBuffer;
+using gpu_test::PrefillRun;
+using gpu_test::RunResult;
 
 // The kernel a test runs: the parameter's kernel for the head_dim. sm80:
 // variant 1 is the 64-row tile kernel (head_dim 128), 0 the default tile.
@@ -68,86 +38,13 @@ PrefillKernel KernelOf(PrefillKernel param, int variant, int head_dim) {
   return variant == 1 ? PrefillKernel::kSm80Rows64 : PrefillKernel::kSm80;
 }
 
-// Runs the batch through plan + prefill (+ merge) and compares. max_ctas:
-// the persistent kernels' grid (0: one wave); plan_ctas: the CTAs the plan
-// deals the items to (-1: the same as the grid), to run a plan dealt for
-// another grid, which must still compute every item.
 RunResult RunAndCheck(const HostBatch& b, PrefillKernel kernel, bool force_split, int min_chunk,
                       int32_t max_ctas = 0, int32_t plan_ctas = -1) {
-  RunResult res;
-  const KvGeometry& g = b.geo;
-  PrefillPlanOptions opt;
-  opt.num_sms = force_split ? 1 << 20 : NumSms();
-  opt.ctas_per_sm = PrefillCtasPerSm(kernel, g.head_dim, g.dtype);
-  opt.min_chunk = min_chunk;
-  opt.tile_rows = PrefillTileRows(kernel, g.head_dim);
-  opt.max_partial_pairs = int64_t{1} << 24;
-  const int32_t ctas = plan_ctas >= 0 ? plan_ctas : max_ctas > 0 ? max_ctas : NumSms() * opt.ctas_per_sm;
-  opt.persistent_ctas = PrefillPersistentCtas(kernel, ctas, 1);
-  PrefillPlan plan;
-  BuildPrefillPlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
-  res.split = !plan.merges.empty();
-
-  DeviceBuffer<uint16_t> k(b.k_pool.size()), v(b.v_pool.size()), q(b.q.size());
-  DeviceBuffer<uint16_t> o(b.q.size());
-  DeviceBuffer<float> lse(size_t(b.total_q) * g.num_qo_heads);
-  DeviceBuffer<int32_t> idx(b.kv_indices.size());
-  DeviceBuffer<PrefillSeq> seqs(b.seqs.size());
-  DeviceBuffer<PrefillWorkItem> items(plan.items.size());
-  DeviceBuffer<SplitMergeSeq> merges(plan.merges.size());
-  DeviceBuffer<float> part_o(size_t(plan.partial_pairs) * g.head_dim);
-  DeviceBuffer<float> part_lse(plan.partial_pairs);
-  k.Upload(b.k_pool);
-  v.Upload(b.v_pool);
-  q.Upload(b.q);
-  idx.Upload(b.kv_indices);
-  seqs.Upload(b.seqs);
-  items.Upload(plan.items);
-  merges.Upload(plan.merges);
-  o.Poison();
-  lse.Poison();
-  part_o.Poison();
-  part_lse.Poison();
-
-  PagedPrefillParams p;
-  p.q = q.ptr;
-  p.o = o.ptr;
-  p.lse = lse.ptr;
-  p.k_cache = k.ptr;
-  p.v_cache = v.ptr;
-  p.kv_indices = idx.ptr;
-  p.seqs = seqs.ptr;
-  p.num_seqs = static_cast<int32_t>(b.seqs.size());
-  p.total_q = b.total_q;
-  p.geo = g;
-  p.max_ctas = max_ctas;
-  cudaError_t err = PagedPrefillCuda(p, items.ptr, static_cast<int32_t>(plan.items.size()), part_o.ptr,
-                                     part_lse.ptr, kernel, nullptr);
-  if (err == cudaSuccess && !plan.merges.empty()) {
-    err = MergeSplitsCuda(p, merges.ptr, static_cast<int32_t>(plan.merges.size()), plan.merge_pairs,
-                          part_o.ptr, part_lse.ptr, nullptr);
-  }
-  if (err == cudaSuccess) err = cudaDeviceSynchronize();
-  if (err != cudaSuccess) {
-    res.error = std::string("CUDA: ") + cudaGetErrorString(err);
-    return res;
-  }
-  const auto ref = gpu_test::CachedReference(b);
-  res.error = gpu_test::Compare(g.dtype, o.Download(), lse.Download(), ref->o, ref->lse);
-  return res;
+  return gpu_test::RunPrefill(b, kernel, PrefillRun{force_split, min_chunk, max_ctas, plan_ctas});
 }
 
 std::string Describe(const HostBatch& b, PrefillKernel kernel, bool split) {
-  std::string s = "D=" + std::to_string(b.geo.head_dim) + " H=" + std::to_string(b.geo.num_qo_heads) +
-                  " KVH=" + std::to_string(b.geo.num_kv_heads) + " ps=" + std::to_string(b.geo.page_size) +
-                  (b.geo.dtype == KvDType::kBf16 ? " bf16" : " fp16") + " kernel=" + PrefillKernelName(kernel) +
-                  (split ? " split" : "") + " seqs:";
-  for (const auto& q : b.seqs) {
-    s += " (" + std::to_string(q.q_len) + "/" + std::to_string(q.kv_len) + (q.causal ? " c" : " nc") +
-         (q.causal_shift != 0 ? " shift" + std::to_string(q.causal_shift) : "") +
-         (q.lse_base_e ? " e" : "") + " L" + std::to_string(q.layer) + ")";
-  }
-  return s;
+  return std::string("kernel=") + PrefillKernelName(kernel) + (split ? " split " : " ") + gpu_test::Describe(b);
 }
 
 // Parameterized over the kernel family (kSm80, or one of the sm90 kernels);
@@ -395,22 +292,24 @@ TEST(MergeStatesCuda, RandomStatesWithNegInf) {
     for (int64_t r = 0; r < n * h; r += 7) {  // some rows all -inf
       for (int s = 0; s < ns; ++s) ls[s][r] = -INFINITY;
     }
+    std::string err;
     std::vector<DeviceBuffer<uint16_t>*> dv;
     std::vector<DeviceBuffer<float>*> dl;
     std::vector<const void*> vptr;
     std::vector<const float*> lptr;
     for (int s = 0; s < ns; ++s) {
-      dv.push_back(new DeviceBuffer<uint16_t>(vs[s].size()));
-      dl.push_back(new DeviceBuffer<float>(ls[s].size()));
+      dv.push_back(new DeviceBuffer<uint16_t>(vs[s].size(), &err));
+      dl.push_back(new DeviceBuffer<float>(ls[s].size(), &err));
       dv.back()->Upload(vs[s]);
       dl.back()->Upload(ls[s]);
       vptr.push_back(dv.back()->ptr);
       lptr.push_back(dl.back()->ptr);
     }
-    DeviceBuffer<uint16_t> out(n * h * d);
-    DeviceBuffer<float> out_lse(n * h);
+    DeviceBuffer<uint16_t> out(n * h * d, &err);
+    DeviceBuffer<float> out_lse(n * h, &err);
     out.Poison();
     out_lse.Poison();
+    ASSERT_EQ(err, "");
     MergeStatesParams p;
     p.v = vptr.data();  // host arrays of device pointers
     p.lse = lptr.data();
@@ -440,7 +339,10 @@ TEST(MergeStatesCuda, RandomStatesWithNegInf) {
       for (int e = 0; e < d; ++e) o_ref[r * d + e] /= ws;
       l_ref[r] = (m + std::log2(ws)) / to2;
     }
-    EXPECT_EQ(gpu_test::Compare(dt, out.Download(), out_lse.Download(), o_ref, l_ref), "")
+    const std::vector<uint16_t> got = out.Download();
+    const std::vector<float> got_lse = out_lse.Download();
+    ASSERT_EQ(err, "");
+    EXPECT_EQ(gpu_test::Compare(dt, got, got_lse, o_ref, l_ref), "")
         << "iteration " << it << " d=" << d << " states=" << ns;
     for (auto* x : dv) delete x;
     for (auto* x : dl) delete x;
@@ -458,7 +360,8 @@ TEST(AppendKvCuda, ScatterThenGatherRoundTrips) {
     g.num_qo_heads = 8;
     g.num_kv_heads = 2;
     g.head_dim = 128;
-    DeviceBuffer<uint16_t> kc(g.PoolElems()), vc(g.PoolElems());
+    std::string err;
+    DeviceBuffer<uint16_t> kc(g.PoolElems(), &err), vc(g.PoolElems(), &err);
     ASSERT_CUDA(cudaMemset(kc.ptr, 0, g.PoolElems() * 2));
     ASSERT_CUDA(cudaMemset(vc.ptr, 0, g.PoolElems() * 2));
     // Unique random slots in layer 2, written through layer-global slots.
@@ -472,14 +375,15 @@ TEST(AppendKvCuda, ScatterThenGatherRoundTrips) {
     std::vector<uint16_t> k(n * g.RowElems()), v(n * g.RowElems());
     gpu_test::FillRandom(&k, KvDType::kBf16, 1.f, &rng);
     gpu_test::FillRandom(&v, KvDType::kBf16, 1.f, &rng);
-    DeviceBuffer<int64_t> ds(n), dg(n);
+    DeviceBuffer<int64_t> ds(n, &err), dg(n, &err);
     ds.Upload(slots);
     dg.Upload(global);
-    DeviceBuffer<uint16_t> dk(k.size()), dv(v.size()), gk(k.size()), gv(v.size());
+    DeviceBuffer<uint16_t> dk(k.size(), &err), dv(v.size(), &err), gk(k.size(), &err), gv(v.size(), &err);
     dk.Upload(k);
     dv.Upload(v);
     gk.Poison();
     gv.Poison();
+    ASSERT_EQ(err, "");
     AppendKvParams a;
     a.k_cache = kc.ptr;
     a.v_cache = vc.ptr;
@@ -505,6 +409,7 @@ TEST(AppendKvCuda, ScatterThenGatherRoundTrips) {
     EXPECT_EQ(gv.Download(), v);
     // Layers 0 and 1 untouched.
     std::vector<uint16_t> pool = kc.Download();
+    ASSERT_EQ(err, "");
     for (int64_t i = 0; i < 2 * g.LayerElems(); ++i) ASSERT_EQ(pool[i], 0) << i;
   }
 }
