@@ -233,7 +233,7 @@ Row RunWorkload(const Workload& w, int repeats) {
     p.kv_indices = static_cast<int32_t*>(d_idx);
     p.seqs = static_cast<PrefillSeq*>(d_seqs);
     p.sinks = w.sinks ? static_cast<const float*>(d_sinks) : nullptr;
-    p.logit_variants = LogitVariants(seqs.data(), w.batch);
+    p.any_soft_cap = AnySoftCap(seqs.data(), w.batch);
     p.num_seqs = w.batch;
     p.total_q = w.batch * w.q_len;
     p.geo = g;

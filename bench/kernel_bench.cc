@@ -280,7 +280,8 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const PrefillKernel kernel =
       forced != nullptr ? *forced
-                        : ChoosePrefillKernel(g, PrefillDevice{prop.major, prop.minor}, int64_t{w.q_len} * (kH / kKvh));
+                        : ChoosePrefillKernel(g, PrefillDevice{prop.major, prop.minor}, int64_t{w.q_len} * (kH / kKvh),
+                                              PrefillFamily::kAuto, w.kv_len);  // mean keys per row, as the server's packer counts
   res.kernel = PrefillKernelName(kernel);
   PrefillPlanOptions opt;
   opt.num_sms = NumSms();
@@ -346,7 +347,7 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     p.kv_indices = static_cast<int32_t*>(d_idx);
     p.seqs = static_cast<PrefillSeq*>(d_seqs);
     p.sinks = w.sinks ? static_cast<const float*>(d_sinks) : nullptr;
-    p.logit_variants = LogitVariants(seqs.data(), w.batch);
+    p.any_soft_cap = AnySoftCap(seqs.data(), w.batch);
     p.num_seqs = w.batch;
     p.total_q = w.batch * w.q_len;
     p.geo = g;
@@ -368,7 +369,7 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
     if (r >= 3) times.push_back(ms);
   }
-  if (trace_ctas > 0 && kernel == PrefillKernel::kSm90Overlap && !LogitVariants(seqs.data(), w.batch)) {
+  if (trace_ctas > 0 && kernel == PrefillKernel::kSm90Overlap && !AnySoftCap(seqs.data(), w.batch) && !w.sinks) {
     // One CTA per SM at most (the kernel is persistent): each traces its first tile.
     const int n = std::min<int>({trace_ctas, static_cast<int>(plan.items.size()), NumSms()});
     long long* d_trace = nullptr;

@@ -21,11 +21,11 @@ date -u | tee "$out/date.txt"
 
 if [ "$what" = tests ]; then
   echo "== variants conformance (every family)"
-  timeout 240 "$inst/bin/attnserve_gpu_kernel_tests" --gtest_filter='VariantsCuda*:CudaBackend*' \
+  timeout 240 "$inst/bin/attnserve_gpu_kernel_tests" --gtest_filter='*VariantsCuda*:CudaBackend*' \
     > "$out/variants_tests.txt" 2>&1
   echo "exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure|error" "$out/variants_tests.txt" | head -30
   echo "== the other kernel tests"
-  timeout 150 "$inst/bin/attnserve_gpu_kernel_tests" --gtest_filter='-VariantsCuda*:CudaBackend*' \
+  timeout 150 "$inst/bin/attnserve_gpu_kernel_tests" --gtest_filter='-*VariantsCuda*:CudaBackend*' \
     > "$out/kernel_tests.txt" 2>&1
   echo "exit $?"; grep -E "^\[  (PASSED|FAILED|SKIPPED) |Failure" "$out/kernel_tests.txt" | head -20
   echo "== decode family"
@@ -34,11 +34,24 @@ if [ "$what" = tests ]; then
 fi
 
 if [ "$what" = bench ]; then
-  echo "== prefill: anchors and variants (sm90_overlap, the server's choice)"
-  timeout 220 "$inst/bin/attnserve_kernel_bench" --quick \
-    --workload=long,long_cap,long_sink,batch,batch_cap,batch_sink,prefix,prefix_cap,prefix_sink,long32k,win4k_32k \
-    --page_sizes=1,16 > "$out/prefill_bench.txt" 2>&1
-  echo "exit $?"; grep RESULT "$out/prefill_bench.txt" | awk '{print $3, $7, $8, $10, $11}'
+  # Two passes; in each, the code before the variants (INSTALL_DIR/bin/
+  # attnserve_kernel_bench_base, if there) on the anchors, then this code on
+  # the anchors and their variants (sm90_overlap, the server's kernel for
+  # these shapes).
+  wl=long,long_cap,long_sink,batch,batch_cap,batch_sink,prefix,prefix_cap,prefix_sink,long32k,win4k_32k
+  for pass in a b; do
+    if [ -x "$inst/bin/attnserve_kernel_bench_base" ]; then
+      timeout 100 "$inst/bin/attnserve_kernel_bench_base" --quick --kernel=sm90_overlap --workload=long,batch,prefix \
+        --page_sizes=1,16 >> "$out/prefill_base.txt" 2>&1
+    fi
+    timeout 200 "$inst/bin/attnserve_kernel_bench" --quick --kernel=sm90_overlap --workload=$wl \
+      --page_sizes=1,16 >> "$out/prefill_bench.txt" 2>&1
+  done
+  echo "== --kernel=auto picks (the server's heuristic)"
+  timeout 100 "$inst/bin/attnserve_kernel_bench" --quick --workload=long,batch,prefix,win4k_32k --page_sizes=1 \
+    >> "$out/prefill_bench.txt" 2>&1
+  grep RESULT "$out/prefill_base.txt" 2>/dev/null | awk '{print "base", $3, $7, $8, $10, $11}'
+  grep RESULT "$out/prefill_bench.txt" | awk '{print "new ", $3, $7, $8, $10, $11}'
   echo "== decode: variants"
   for w in decode_b64 win128_b64_32k decode_b64_128 decode_b64_cap decode_b64_sink; do
     timeout 60 "$inst/bin/attnserve_decode_bench" --quick --only=$w >> "$out/decode_bench.txt" 2>&1

@@ -59,10 +59,11 @@ struct PagedPrefillParams {
   // (sink sets, num_qo_heads) float32: the sinks of the sequences whose
   // sink_index names a set; null when none has one.
   const float* sinks = nullptr;
-  // Some sequence has a soft_cap or a sink: kernels with an instantiation
-  // without them (kernels/sm90) run it only when this is false. Whoever
-  // fills seqs sets it (LogitVariants below).
-  bool logit_variants = false;
+  // Some sequence has a soft_cap: kernels with instantiations without the
+  // soft-cap's code (kernels/sm90) run one only when this is false (and one
+  // without the sinks' code only when sinks is null). Whoever fills seqs
+  // sets it (AnySoftCap below).
+  bool any_soft_cap = false;
   int32_t num_seqs = 0;
   int32_t total_q = 0;          // rows of q / o / lse
   KvGeometry geo;
@@ -73,10 +74,10 @@ struct PagedPrefillParams {
   int32_t max_ctas = 0;
 };
 
-// Whether any of seqs[0, n) has a soft-cap or a sink (logit_variants).
-inline bool LogitVariants(const PrefillSeq* seqs, int32_t n) {
+// Whether any of seqs[0, n) has a soft-cap (any_soft_cap).
+inline bool AnySoftCap(const PrefillSeq* seqs, int32_t n) {
   for (int32_t i = 0; i < n; ++i) {
-    if (seqs[i].soft_cap != 0.f || seqs[i].sink_index >= 0) return true;
+    if (seqs[i].soft_cap != 0.f) return true;
   }
   return false;
 }

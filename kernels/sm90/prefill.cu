@@ -23,18 +23,18 @@ using sm90::Schedule;
 using sm90::Traits;
 
 // Variant V (Sm90Variant's value) -> the kernel and its Traits; kTma: the
-// overlapped schedule with tensor-copy-engine loads (Traits::kTma); kVar:
-// with soft-caps and sinks (Traits::kVariants; only kOverlap, the serving
-// kernel, has a lean instantiation, the others always carry them).
-template <int D, typename T, int V, bool kTma = false, bool kVar = true>
+// overlapped schedule with tensor-copy-engine loads (Traits::kTma); kCap,
+// kSinks: with soft-caps, sinks (Traits; only kOverlap, the serving kernel,
+// has instantiations without them, the others always carry both).
+template <int D, typename T, int V, bool kTma = false, bool kCap = true, bool kSinks = true>
 struct Kernel {
-  static_assert(kVar || V == 1, "only kOverlap has a kernel without soft-caps and sinks");
-  using Tr = Traits<D, V == 0 ? Schedule::kSerial : Schedule::kOverlap, V != 2, kTma, kVar>;
+  static_assert((kCap && kSinks) || V == 1, "only kOverlap has kernels without soft-caps or sinks");
+  using Tr = Traits<D, V == 0 ? Schedule::kSerial : Schedule::kOverlap, V != 2, kTma, kCap, kSinks>;
   static auto Get() {
     if constexpr (V == 0) {
       return PagedPrefillSm90Kernel<D, T>;
     } else {
-      return PagedPrefillSm90OverlapKernel<D, T, V == 1, false, kTma, kVar>;
+      return PagedPrefillSm90OverlapKernel<D, T, V == 1, false, kTma, kCap, kSinks>;
     }
   }
 };
@@ -57,10 +57,10 @@ int32_t GridSize(bool persistent, int32_t num_items, int32_t max_ctas) {
   return grid;
 }
 
-template <int D, typename T, int V, bool kTma, bool kVar>
+template <int D, typename T, int V, bool kTma, bool kCap = true, bool kSinks = true>
 cudaError_t LaunchKernel(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
-  using Tr = typename Kernel<D, T, V, kTma, kVar>::Tr;
-  auto kernel = Kernel<D, T, V, kTma, kVar>::Get();
+  using Tr = typename Kernel<D, T, V, kTma, kCap, kSinks>::Tr;
+  auto kernel = Kernel<D, T, V, kTma, kCap, kSinks>::Get();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<GridSize(Tr::kPersistent, args.num_items, max_ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
@@ -69,20 +69,23 @@ cudaError_t LaunchKernel(const PrefillKernelArgs& args, int32_t max_ctas, cudaSt
 
 // kOverlap loads K and V by the tensor copy engine when the caches' tensor
 // maps could be made (args.tma_run > 0), the other variants by cp.async;
-// kOverlap runs its lean kernel when no sequence of the batch has a
-// soft-cap or a sink.
+// kOverlap runs the leanest of its kernels the batch allows: without the
+// soft-cap's code when no sequence has one, without the sinks' too when the
+// batch has no sink set.
+template <int D, typename T, bool kTma>
+cudaError_t LaunchOverlap(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
+  if (args.p.any_soft_cap) return LaunchKernel<D, T, 1, kTma, true, true>(args, max_ctas, stream);
+  if (args.p.sinks != nullptr) return LaunchKernel<D, T, 1, kTma, false, true>(args, max_ctas, stream);
+  return LaunchKernel<D, T, 1, kTma, false, false>(args, max_ctas, stream);
+}
+
 template <int D, typename T, int V>
 cudaError_t Launch(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
   if constexpr (V == 1) {
-    const bool var = args.p.logit_variants;
-    if (args.tma_run > 0) {
-      return var ? LaunchKernel<D, T, V, true, true>(args, max_ctas, stream)
-                 : LaunchKernel<D, T, V, true, false>(args, max_ctas, stream);
-    }
-    return var ? LaunchKernel<D, T, V, false, true>(args, max_ctas, stream)
-               : LaunchKernel<D, T, V, false, false>(args, max_ctas, stream);
+    return args.tma_run > 0 ? LaunchOverlap<D, T, true>(args, max_ctas, stream)
+                            : LaunchOverlap<D, T, false>(args, max_ctas, stream);
   }
-  return LaunchKernel<D, T, V, false, true>(args, max_ctas, stream);
+  return LaunchKernel<D, T, V, false>(args, max_ctas, stream);
 }
 
 template <int D, typename T, int V>
@@ -263,9 +266,10 @@ cudaError_t PagedPrefillSm90Traced(const PagedPrefillParams& params, const Prefi
   args.trace = trace;
   args.trace_ctas = trace_ctas;
   SetTmaMaps(params, &args);
-  using Tr = Traits<128, Schedule::kOverlap, true, true, false>;
-  if (params.logit_variants) return cudaErrorInvalidValue;  // the traced kernel is the lean one
-  auto kernel = PagedPrefillSm90OverlapKernel<128, __nv_bfloat16, true, true, true, false>;
+  using Tr = Traits<128, Schedule::kOverlap, true, true, false, false>;
+  // The traced kernel is the lean one.
+  if (params.any_soft_cap || params.sinks != nullptr) return cudaErrorInvalidValue;
+  auto kernel = PagedPrefillSm90OverlapKernel<128, __nv_bfloat16, true, true, true, false, false>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<GridSize(Tr::kPersistent, num_items, params.max_ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);

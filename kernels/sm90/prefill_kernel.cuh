@@ -622,7 +622,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       // base-2 units; the scale below is then 1): one small pass, and one
       // copy of the softmax for both.
       float mul = logit.mul;
-      if constexpr (Tr::kVariants) {
+      if constexpr (Tr::kSoftCap) {
         if (logit.capped()) {
 #pragma unroll
           for (int i = 0; i < KB / 2; ++i) s[i] = logit.Log2(s[i]);
@@ -855,7 +855,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     // chunk 0 carries the rows' sinks (kernels/variant.h, EndRow).
     float inv[2];
     float lse2[2];
-    const bool sinks = Tr::kVariants && seq.sink_index >= 0 && item.chunk == 0;
+    const bool sinks = Tr::kSinks && seq.sink_index >= 0 && item.chunk == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = l_run[h];
@@ -945,10 +945,11 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const __grid_co
 // clock64 stamps (PagedPrefillSm90Traced).
 // kTma: K and V by the tensor copy engine (Traits); the tensor maps are read
 // from the kernel's parameter space (__grid_constant__).
-// kVariants: with soft-caps and sinks (Traits::kVariants).
-template <int D, typename T, bool kPingPong, bool kTrace = false, bool kTma = false, bool kVariants = true>
+// kSoftCap, kSinks: with soft-caps, sinks (Traits).
+template <int D, typename T, bool kPingPong, bool kTrace = false, bool kTma = false, bool kSoftCap = true,
+          bool kSinks = true>
 __global__ void __launch_bounds__(384, 1) PagedPrefillSm90OverlapKernel(const __grid_constant__ PrefillKernelArgs args) {
-  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong, kTma, kVariants>, T, kTrace);
+  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong, kTma, kSoftCap, kSinks>, T, kTrace);
 }
 
 #undef ATTNSERVE_SM90_BODY

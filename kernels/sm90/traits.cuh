@@ -59,12 +59,13 @@ enum class Schedule : int { kSerial, kOverlap };
 // rows come in runs of 8 or more slots (page_size >= 8) with the tensor copy
 // engine, a box per run, instead of cp.async; the stages' full barriers then
 // also count the boxes' bytes.
-// kLogitVariants: the kernel runs soft-capped sequences and sinks
-// (kernels/variant.h); without, their code is left out, which keeps the
-// head_dim 128 consumers inside their registers. The launch picks the
-// capable kernel for a batch with either (PagedPrefillParams::logit_variants).
+// kSoftCaps, kSinkSets: the kernel runs soft-capped sequences, sinks
+// (kernels/variant.h); without, their code is left out (the soft-cap's pass
+// costs the head_dim 128 consumers registers, and a few bytes of spill). The
+// launch picks the leanest kernel the batch allows
+// (PagedPrefillParams::any_soft_cap, sinks).
 template <int D, Schedule kSchedule = Schedule::kSerial, bool kTurns = true, bool kTmaLoads = false,
-          bool kLogitVariants = true>
+          bool kSoftCaps = true, bool kSinkSets = true>
 struct Traits {
   static_assert(D == 64 || D == 128, "the sm90 family runs head_dim 64 and 128");
   static constexpr int kD = D;
@@ -73,7 +74,8 @@ struct Traits {
   static constexpr int kKB = 128;           // KV tokens per block
   static constexpr bool kOverlap = kSchedule == Schedule::kOverlap;
   static constexpr bool kTma = kTmaLoads && kOverlap;
-  static constexpr bool kVariants = kLogitVariants;
+  static constexpr bool kSoftCap = kSoftCaps;
+  static constexpr bool kSinks = kSinkSets;
   // A persistent grid (kOverlap): each CTA loops over the plan's items with
   // a stride of the grid, so that the producer loads the next tile's K, V
   // and Q while the consumers finish the last one; kSerial runs one item

@@ -342,8 +342,8 @@ TEST(BatchPacker, ScatteredInputsAreGatheredIntoTheStaging) {
 }
 
 // Each task's sink set lands once in the staging; its sequences point at it
-// (their sink_index rebased), the others at none; a batch with a sink or a
-// soft-cap asks for the kernels that have them.
+// (their sink_index rebased), the others at none; a batch with a soft-cap
+// asks for the kernels that have it.
 TEST(BatchPacker, SinkSetsArePackedOncePerTaskAndSequencesRebased) {
   const KvGeometry g = Geo(8, 2, 128, 16);
   std::vector<Request> reqs(4);
@@ -365,7 +365,7 @@ TEST(BatchPacker, SinkSetsArePackedOncePerTaskAndSequencesRebased) {
 
   Packed p = Pack(g, Limits(true), reqs);
   ASSERT_EQ(p.b.num_sink_sets, 2);
-  EXPECT_TRUE(p.b.logit_variants);
+  EXPECT_TRUE(p.b.any_soft_cap);
   std::vector<float> packed(16);
   std::memcpy(packed.data(), p.staging.get() + p.b.off_sinks, 16 * sizeof(float));
   for (int h = 0; h < 8; ++h) {
@@ -385,7 +385,7 @@ TEST(BatchPacker, SinkSetsArePackedOncePerTaskAndSequencesRebased) {
   MakeRequest(g, {{3, 200}}, 0, &plain[0]);
   Packed q = Pack(g, Limits(true), plain);
   EXPECT_EQ(q.b.num_sink_sets, 0);
-  EXPECT_FALSE(q.b.logit_variants);
+  EXPECT_FALSE(q.b.any_soft_cap);
 }
 
 TEST(BatchPacker, DecodeOffRoutesEverythingToPrefill) {

@@ -92,7 +92,7 @@ struct DeviceBatch {
     p.kv_indices = idx.ptr;
     p.seqs = seqs.ptr;
     p.sinks = b.sinks.empty() ? nullptr : sinks.ptr;
-    p.logit_variants = LogitVariants(b.seqs.data(), static_cast<int32_t>(b.seqs.size()));
+    p.any_soft_cap = AnySoftCap(b.seqs.data(), static_cast<int32_t>(b.seqs.size()));
     p.num_seqs = static_cast<int32_t>(b.seqs.size());
     p.total_q = b.total_q;
     p.geo = b.geo;

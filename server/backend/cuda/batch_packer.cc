@@ -55,7 +55,7 @@ absl::Status BatchPacker::Flatten(absl::Span<const PrefillTask> tasks, PackedBat
   int64_t total_q = 0, idx = 0, total_append = 0;
   seqs_.clear();
   sinks_.clear();
-  out->logit_variants = false;
+  out->any_soft_cap = false;
   for (const PrefillTask& t : tasks) {
     int32_t sink_set = -1;  // this task's set in sinks_, once a sequence uses it
     for (const PrefillSeq& s : t.seqs) {
@@ -73,7 +73,7 @@ absl::Status BatchPacker::Flatten(absl::Span<const PrefillTask> tasks, PackedBat
       } else {
         b.sink_index = -1;
       }
-      out->logit_variants |= b.soft_cap != 0.f || b.sink_index >= 0;
+      out->any_soft_cap |= b.soft_cap != 0.f;
       seqs_.push_back(b);
     }
     total_q += t.total_q;

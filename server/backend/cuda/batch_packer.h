@@ -81,11 +81,11 @@ struct PackedBatch {
   int64_t num_append = 0;  // after dropping overwritten slots
   // The tasks' sink sets, one per task with sinks (PrefillTask::sinks), at
   // off_sinks (num_sink_sets * num_qo_heads floats); the sequences'
-  // sink_index rebased to them. logit_variants: some sequence has a soft-cap
-  // or a sink (PagedPrefillParams::logit_variants).
+  // sink_index rebased to them. any_soft_cap: some sequence has a soft-cap
+  // (PagedPrefillParams::any_soft_cap).
   int32_t num_sink_sets = 0;
   int64_t off_sinks = 0;
-  bool logit_variants = false;
+  bool any_soft_cap = false;
   int64_t off_q = 0, off_idx = 0, off_seqs = 0, off_items = 0, off_merges = 0;
   int64_t off_slots = 0, off_k = 0, off_v = 0;
   int64_t in_bytes = 0;  // staging bytes packed (holes for device inputs included)
