@@ -538,8 +538,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     // The keys [begin, end) the thread's rows h = 0, 1 see in this item
     // (kernels/variant.h): four registers, in place of the sequence's
     // diagonal, window and causal flag, which the main loop then never
-    // needs. A block inside both ranges needs no per-element mask (a
-    // per-thread test: the masking diverges at most over a few selects).
+    // needs.
     KeyRange sees[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -550,8 +549,13 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     const int wg_t_first = args.group.Div(item.row_begin + wg_row0);
     const int wg_t_last = min(q_len - 1, args.group.Div(item.row_begin + wg_row0 + Tr::kWgRows - 1));
     const bool wg_active = wg_t_first < q_len;
-    const int wg_kv_end =
-        min(item_kv_end, RowsKeys(seq, wg_t_first, max(wg_t_first, wg_t_last)).read.end);
+    const TileKeys wg_keys = RowsKeys(seq, wg_t_first, max(wg_t_first, wg_t_last));
+    const int wg_kv_end = min(item_kv_end, wg_keys.read.end);
+    // Keys every row of the warpgroup sees: a block inside them needs no
+    // per-element mask (a test uniform over the warpgroup, so that no warp
+    // diverges around the mask).
+    const int wg_full_begin = wg_keys.full.begin;
+    const int wg_full_end = min(item_kv_end, wg_keys.full.end);
     // Positive scale (Q's sign flipped for a negative one); a soft-capped
     // sequence takes the transform's other branch, uniform over the CTA.
     const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/true);
@@ -604,8 +608,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     // max). Returns whether O must be rescaled.
     auto softmax = [&](int t, float (&alpha)[2]) -> bool {
       const int block_start = kv_begin + t * KB;
-      if (block_start < max(sees[0].begin, sees[1].begin) ||
-          block_start + KB > min(sees[0].end, sees[1].end)) {
+      if (block_start < wg_full_begin || block_start + KB > wg_full_end) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -855,7 +858,13 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     // chunk 0 carries the rows' sinks (kernels/variant.h, EndRow).
     float inv[2];
     float lse2[2];
-    const bool sinks = Tr::kSinks && seq.sink_index >= 0 && item.chunk == 0;
+    // Read here, not kept from the tile's start: a register the main loop
+    // does not hold.
+    int sink_index = -1;
+    if constexpr (Tr::kSinks) {
+      if (item.chunk == 0) sink_index = __ldg(&args.p.seqs[item.seq].sink_index);
+    }
+    const bool sinks = sink_index >= 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = l_run[h];
@@ -865,7 +874,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       if (sinks) {
         const int pr = row_base + h * 8;
         const int t = args.group.Div(pr);
-        if (t < q_len) sink2 = __ldg(args.p.sinks + (int64_t)seq.sink_index * H + kvh * group + (pr - t * group)) * kLog2e;
+        if (t < q_len) sink2 = __ldg(args.p.sinks + (int64_t)sink_index * H + kvh * group + (pr - t * group)) * kLog2e;
       }
       // l >= 1 when positive (the row max contributes exp2(0) before any
       // lazy growth, at most 2^kLazyRescale since): EndRow's approximate
