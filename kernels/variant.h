@@ -34,12 +34,6 @@
 
 #include "kernels/math.h"
 
-#if defined(__CUDACC__)
-#define ATTN_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define ATTN_HOST_DEVICE inline
-#endif
-
 namespace attnserve {
 
 // Keys [begin, end) of a sequence; empty when end <= begin.
@@ -49,10 +43,6 @@ struct KeyRange {
   ATTN_HOST_DEVICE int32_t size() const { return end > begin ? end - begin : 0; }
 };
 
-namespace variant_detail {
-ATTN_HOST_DEVICE int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
-ATTN_HOST_DEVICE int64_t Max(int64_t a, int64_t b) { return a > b ? a : b; }
-}  // namespace variant_detail
 
 // The key position of query row t (0-based within its sequence). Below 2^31
 // - 1 for validated input (kv_keys_after <= 2^31 - 1 - kv_len).
@@ -158,6 +148,10 @@ struct LogitTransform {
     if (!capped()) return d * mul;
     return d > -INFINITY ? cap * SoftCapTanh(d * mul) : -INFINITY;
   }
+  // Soft-capped, for kernels that mask after the transform: d -> tanh(d *
+  // scale / c), the base-2 logit divided by cap (no test for -inf: the mask
+  // that follows sets it).
+  ATTN_HOST_DEVICE float Unit(float d) const { return SoftCapTanh(d * mul); }
 };
 
 // How a row's online softmax ends: o = acc * o_scale, lse2 its base-2 LSE.
@@ -169,41 +163,8 @@ struct RowEnd {
   float o_scale = 0.f;
   float lse2 = 0.f;
 };
-namespace variant_detail {
-// 2^x, a / b and log2(x): the hardware's approximations on the device (a
-// few ulp; l >= 1 whenever a row saw a key, so the division is in range), the
-// library's on the host.
-ATTN_HOST_DEVICE float Exp2(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return std::exp2(x);
-#endif
-}
-ATTN_HOST_DEVICE float Div(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdividef(a, b);
-#else
-  return a / b;
-#endif
-}
-ATTN_HOST_DEVICE float Log2(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return std::log2(x);
-#endif
-}
-}  // namespace variant_detail
 
 ATTN_HOST_DEVICE RowEnd EndRow(float m2, float l, float sink2) {
-  using variant_detail::Div;
-  using variant_detail::Exp2;
-  using variant_detail::Log2;
   RowEnd e;
   if (!(sink2 > -INFINITY)) {
     e.o_scale = l > 0.f ? Div(1.f, l) : 0.f;

@@ -239,10 +239,10 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
     uint32_t pa[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      pa[mt][0] = mma::Pack2<T>(s[mt][0][0], s[mt][0][1]);
-      pa[mt][1] = mma::Pack2<T>(s[mt][0][2], s[mt][0][3]);
-      pa[mt][2] = mma::Pack2<T>(s[mt][1][0], s[mt][1][1]);
-      pa[mt][3] = mma::Pack2<T>(s[mt][1][2], s[mt][1][3]);
+      pa[mt][0] = Pack2<T>(s[mt][0][0], s[mt][0][1]);
+      pa[mt][1] = Pack2<T>(s[mt][0][2], s[mt][0][3]);
+      pa[mt][2] = Pack2<T>(s[mt][1][0], s[mt][1][1]);
+      pa[mt][3] = Pack2<T>(s[mt][1][2], s[mt][1][3]);
     }
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
@@ -398,7 +398,7 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
       const int64_t row = out_row(r, &t);
       if (row < 0) continue;
       *reinterpret_cast<uint2*>(o_out + row * D + (q % kRowQuads) * 4) =
-          make_uint2(mma::Pack2<T>(acc.x * inv, acc.y * inv), mma::Pack2<T>(acc.z * inv, acc.w * inv));
+          make_uint2(Pack2<T>(acc.x * inv, acc.y * inv), Pack2<T>(acc.z * inv, acc.w * inv));
       if (q % kRowQuads == 0) write_lse(row, l > 0.f ? m + log2f(l) : -INFINITY);
     }
     cluster.sync();
@@ -536,7 +536,7 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
     const int64_t row = out_row(q / kRowQuads, &t);
     if (row < 0) continue;
     *reinterpret_cast<uint2*>(o_out + row * D + (q % kRowQuads) * 4) =
-        make_uint2(mma::Pack2<T>(acc[j].x, acc[j].y), mma::Pack2<T>(acc[j].z, acc[j].w));
+        make_uint2(Pack2<T>(acc[j].x, acc[j].y), Pack2<T>(acc[j].z, acc[j].w));
   }
   if (tid < valid_rows) {
     int t;

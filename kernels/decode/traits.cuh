@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "kernels/numerics.cuh"
 #include "kernels/paged_prefill.h"
 #include "kernels/plan/decode_plan.h"
 #include "kernels/sm80/mma.cuh"
@@ -63,22 +64,10 @@ struct DecodeTraits {
   static_assert(kChunks >= 8 && 32 % kChunks == 0, "head_dim 64, 128 or 256");
 };
 
-// Byte offset of 16-byte chunk c of row r in a swizzled tile.
-template <int ROW_BYTES>
-__device__ __forceinline__ uint32_t Swz(int r, int c) {
-  return r * ROW_BYTES + ((c ^ (r & 7)) << 4);
-}
-
-__device__ __forceinline__ float Exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 template <typename T>
 __device__ __forceinline__ uint4 PackOut(const float (&v)[8]) {
-  return make_uint4(mma::Pack2<T>(v[0], v[1]), mma::Pack2<T>(v[2], v[3]), mma::Pack2<T>(v[4], v[5]),
-                    mma::Pack2<T>(v[6], v[7]));
+  return make_uint4(Pack2<T>(v[0], v[1]), Pack2<T>(v[2], v[3]), Pack2<T>(v[4], v[5]),
+                    Pack2<T>(v[6], v[7]));
 }
 
 }  // namespace decode

@@ -14,7 +14,7 @@
 
 #include "kernels/math.h"
 #include "kernels/merge/merge_cuda.h"
-#include "kernels/sm80/mma.cuh"
+#include "kernels/numerics.cuh"
 
 namespace attnserve {
 namespace {
@@ -53,11 +53,11 @@ __device__ __forceinline__ void ToFloats(const Raw<E, VEC>& r, float (&v)[VEC]) 
   } else if constexpr (VEC == 8) {
     const E* e = reinterpret_cast<const E*>(&r.v);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = mma::ToFloat<E>(e[i]);
+    for (int i = 0; i < 8; ++i) v[i] = ToFloat<E>(e[i]);
   } else if constexpr (std::is_same_v<E, float>) {
     v[0] = r.v;
   } else {
-    v[0] = mma::ToFloat<E>(r.v);
+    v[0] = ToFloat<E>(r.v);
   }
 }
 
@@ -65,13 +65,13 @@ template <typename T, int VEC>
 __device__ __forceinline__ void StoreVec(T* dst, const float (&acc)[VEC], float inv) {
   if constexpr (VEC == 8) {
     uint4 out;
-    out.x = mma::Pack2<T>(acc[0] * inv, acc[1] * inv);
-    out.y = mma::Pack2<T>(acc[2] * inv, acc[3] * inv);
-    out.z = mma::Pack2<T>(acc[4] * inv, acc[5] * inv);
-    out.w = mma::Pack2<T>(acc[6] * inv, acc[7] * inv);
+    out.x = Pack2<T>(acc[0] * inv, acc[1] * inv);
+    out.y = Pack2<T>(acc[2] * inv, acc[3] * inv);
+    out.z = Pack2<T>(acc[4] * inv, acc[5] * inv);
+    out.w = Pack2<T>(acc[6] * inv, acc[7] * inv);
     *reinterpret_cast<uint4*>(dst) = out;
   } else {
-    dst[0] = mma::FromFloat<T>(acc[0] * inv);
+    dst[0] = FromFloat<T>(acc[0] * inv);
   }
 }
 

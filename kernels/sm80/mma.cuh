@@ -71,41 +71,5 @@ __device__ __forceinline__ void Mma16816<__half>(float (&d)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two floats -> one register of two 16-bit values (lo = x).
-template <typename T>
-__device__ __forceinline__ uint32_t Pack2(float x, float y);
-template <>
-__device__ __forceinline__ uint32_t Pack2<__nv_bfloat16>(float x, float y) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t Pack2<__half>(float x, float y) {
-  __half2 v = __floats2half2_rn(x, y);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-template <typename T>
-__device__ __forceinline__ float ToFloat(T x);
-template <>
-__device__ __forceinline__ float ToFloat<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float ToFloat<__half>(__half x) {
-  return __half2float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T FromFloat(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half FromFloat<__half>(float x) {
-  return __float2half_rn(x);
-}
-
 }  // namespace mma
 }  // namespace attnserve

@@ -333,10 +333,10 @@ __global__ void __launch_bounds__(128, 2)
       uint32_t pa[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        pa[mt][0] = mma::Pack2<T>(s[mt][2 * j][0], s[mt][2 * j][1]);
-        pa[mt][1] = mma::Pack2<T>(s[mt][2 * j][2], s[mt][2 * j][3]);
-        pa[mt][2] = mma::Pack2<T>(s[mt][2 * j + 1][0], s[mt][2 * j + 1][1]);
-        pa[mt][3] = mma::Pack2<T>(s[mt][2 * j + 1][2], s[mt][2 * j + 1][3]);
+        pa[mt][0] = Pack2<T>(s[mt][2 * j][0], s[mt][2 * j][1]);
+        pa[mt][1] = Pack2<T>(s[mt][2 * j][2], s[mt][2 * j][3]);
+        pa[mt][2] = Pack2<T>(s[mt][2 * j + 1][0], s[mt][2 * j + 1][1]);
+        pa[mt][3] = Pack2<T>(s[mt][2 * j + 1][2], s[mt][2 * j + 1][3]);
       }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
@@ -419,7 +419,7 @@ __global__ void __launch_bounds__(128, 2)
       const int r = warp_row0 + mt * 16 + (lane >> 2) + h * 8;
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
-        const uint32_t v = mma::Pack2<T>(o_acc[mt][n][2 * h] * inv[mt][h], o_acc[mt][n][2 * h + 1] * inv[mt][h]);
+        const uint32_t v = Pack2<T>(o_acc[mt][n][2 * h] * inv[mt][h], o_acc[mt][n][2 * h + 1] * inv[mt][h]);
         *reinterpret_cast<uint32_t*>(s_q + Swz<Tr::kRowBytes>(r, n) + (lane & 3) * 4) = v;
       }
       if ((lane & 3) == 0) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "kernels/numerics.cuh"
 #include "kernels/paged_prefill.h"
 #include "kernels/plan/prefill_plan.h"
 
@@ -40,18 +41,6 @@ struct Traits {
   static constexpr bool kQInRegs = (MT == 1 && D <= 128);
   static_assert(KB % kRowsPerPass == 0 && kM % kRowsPerPass == 0, "tiling");
 };
-
-// Byte offset of 16-byte chunk c of row r in a swizzled tile.
-template <int ROW_BYTES>
-__device__ __forceinline__ uint32_t Swz(int r, int c) {
-  return r * ROW_BYTES + ((c ^ (r & 7)) << 4);
-}
-
-__device__ __forceinline__ float Exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 }  // namespace sm80
 }  // namespace attnserve

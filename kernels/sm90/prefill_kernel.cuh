@@ -608,6 +608,19 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     // max). Returns whether O must be rescaled.
     auto softmax = [&](int t, float (&alpha)[2]) -> bool {
       const int block_start = kv_begin + t * KB;
+      // A soft-capped sequence's logits become tanh(d * scale / c) in place,
+      // before the mask (a masked key's -inf then needs no test), and the
+      // exponent's multiplier becomes c * log2(e): beyond the plain path the
+      // soft-cap costs one multiply and one MUFU tanh per logit, and one copy
+      // of the softmax serves both.
+      float mul = logit.mul;
+      if constexpr (Tr::kSoftCap) {
+        if (logit.capped()) {
+#pragma unroll
+          for (int i = 0; i < KB / 2; ++i) s[i] = logit.Unit(s[i]);
+          mul = logit.cap;
+        }
+      }
       if (block_start < wg_full_begin || block_start + KB > wg_full_end) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -619,17 +632,6 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
               if (pos < sees[h].begin || pos >= sees[h].end) s[4 * n + 2 * h + e] = -INFINITY;
             }
           }
-        }
-      }
-      // A soft-capped sequence's logits are transformed in place first (to
-      // base-2 units; the scale below is then 1): one small pass, and one
-      // copy of the softmax for both.
-      float mul = logit.mul;
-      if constexpr (Tr::kSoftCap) {
-        if (logit.capped()) {
-#pragma unroll
-          for (int i = 0; i < KB / 2; ++i) s[i] = logit.Log2(s[i]);
-          mul = 1.f;
         }
       }
       float mx2[2];
