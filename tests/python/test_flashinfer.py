@@ -718,3 +718,105 @@ def test_appends_of_a_run_that_was_not_sent_stay_queued(grpc_cache):
     assert c.pending_rows(0) == 7                 # not sent: still queued
     matches(w.run(q, c[0], return_lse=True), b.reference(0, q, qo, causal=True))
     assert c.pending_rows(0) == 0
+
+
+def test_a_flush_that_fails_keeps_its_appends_queued(grpc_cache, client):
+    c = grpc_cache
+    b = Batch(c, [6, 11], seed=15)
+    k, v, slots = b.append(1)
+    real = c.rpc.write_kv
+
+    def failing(*args, **kwargs):
+        raise ConnectionError("write_kv failed")
+    c.rpc.write_kv = failing
+    try:
+        with pytest.raises(ConnectionError, match="write_kv failed"):
+            c.flush(1)
+    finally:
+        c.rpc.write_kv = real
+    assert c.pending_rows(1) == 17                 # requeued, not dropped
+    c.flush(1)
+    assert c.pending_rows(1) == 0
+    got_k, got_v = client.read_kv(1, slots.tolist(), out="torch")
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+# FlashInfer 0.6's public signatures (flashinfer/decode.py, prefill.py,
+# page.py): every parameter's name, kind and default, in order.
+_E = "<required>"
+FLASHINFER_SIGNATURES = {
+    "BatchDecodeWithPagedKVCacheWrapper.__init__": [
+        ("float_workspace_buffer", _E), ("kv_layout", "NHD"), ("use_cuda_graph", False),
+        ("use_tensor_cores", False), ("paged_kv_indptr_buffer", None),
+        ("paged_kv_indices_buffer", None), ("paged_kv_last_page_len_buffer", None),
+        ("backend", "auto"), ("jit_args", None)],
+    "BatchDecodeWithPagedKVCacheWrapper.plan": [
+        ("indptr", _E), ("indices", _E), ("last_page_len", _E), ("num_qo_heads", _E),
+        ("num_kv_heads", _E), ("head_dim", _E), ("page_size", _E),
+        ("pos_encoding_mode", "NONE"), ("window_left", -1), ("logits_soft_cap", None),
+        ("q_data_type", "float16"), ("kv_data_type", None), ("o_data_type", None),
+        ("data_type", None), ("sm_scale", None), ("rope_scale", None), ("rope_theta", None),
+        ("non_blocking", True), ("block_tables", None), ("seq_lens", None),
+        ("fixed_split_size", None), ("disable_split_kv", False), ("q_len_per_req", 1),
+        ("*window_right", 0)],
+    "BatchDecodeWithPagedKVCacheWrapper.run": [
+        ("q", _E), ("paged_kv_cache", _E), ("*args", _E), ("*q_scale", None),
+        ("*k_scale", None), ("*v_scale", None), ("*out", None), ("*lse", None),
+        ("*return_lse", False), ("*enable_pdl", None), ("*window_left", None),
+        ("*sinks", None), ("*q_len_per_req", None),
+        ("*skip_softmax_threshold_scale_factor", None), ("*kv_cache_sf", None)],
+    "BatchPrefillWithPagedKVCacheWrapper.__init__": [
+        ("float_workspace_buffer", _E), ("kv_layout", "NHD"), ("use_cuda_graph", False),
+        ("qo_indptr_buf", None), ("paged_kv_indptr_buf", None), ("paged_kv_indices_buf", None),
+        ("paged_kv_last_page_len_buf", None), ("custom_mask_buf", None),
+        ("mask_indptr_buf", None), ("backend", "auto"), ("jit_args", None),
+        ("jit_kwargs", None)],
+    "BatchPrefillWithPagedKVCacheWrapper.plan": [
+        ("qo_indptr", _E), ("paged_kv_indptr", _E), ("paged_kv_indices", _E),
+        ("paged_kv_last_page_len", _E), ("num_qo_heads", _E), ("num_kv_heads", _E),
+        ("head_dim_qk", _E), ("page_size", _E), ("head_dim_vo", None), ("custom_mask", None),
+        ("packed_custom_mask", None), ("causal", False), ("pos_encoding_mode", "NONE"),
+        ("use_fp16_qk_reduction", False), ("sm_scale", None), ("window_left", -1),
+        ("logits_soft_cap", None), ("rope_scale", None), ("rope_theta", None),
+        ("q_data_type", "float16"), ("kv_data_type", None), ("o_data_type", None),
+        ("non_blocking", True), ("prefix_len_ptr", None), ("token_pos_in_items_ptr", None),
+        ("token_pos_in_items_len", 0), ("max_item_len_ptr", None), ("seq_lens", None),
+        ("seq_lens_q", None), ("block_tables", None), ("max_token_per_sequence", None),
+        ("max_sequence_kv", None), ("fixed_split_size", None), ("disable_split_kv", False)],
+    "BatchPrefillWithPagedKVCacheWrapper.run": [
+        ("q", _E), ("paged_kv_cache", _E), ("*args", _E), ("*q_scale", None),
+        ("*k_scale", None), ("*v_scale", None), ("*out", None), ("*lse", None),
+        ("*return_lse", False), ("*enable_pdl", None), ("*window_left", None),
+        ("*sinks", None), ("*kv_cache_sf", None),
+        ("*skip_softmax_threshold_scale_factor", None), ("*use_fp16_softmax", None),
+        ("*uses_spcompress", None)],
+    "append_paged_kv_cache": [
+        ("append_key", _E), ("append_value", _E), ("batch_indices", _E), ("positions", _E),
+        ("paged_kv_cache", _E), ("kv_indices", _E), ("kv_indptr", _E),
+        ("kv_last_page_len", _E), ("kv_layout", "NHD")],
+    "get_batch_indices_positions": [
+        ("append_indptr", _E), ("seq_lens", _E), ("nnz", _E), ("batch_indices", None),
+        ("positions", None)],
+    "get_seq_lens": [("kv_indptr", _E), ("kv_last_page_len", _E), ("page_size", _E)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLASHINFER_SIGNATURES))
+def test_signatures_are_flashinfers(name):
+    import inspect
+    obj = fi
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    got = []
+    for p in inspect.signature(obj).parameters.values():
+        if p.name == "self":
+            continue
+        star = "*" if p.kind in (p.KEYWORD_ONLY, p.VAR_POSITIONAL) else ""
+        default = _E if p.default is p.empty else p.default
+        got.append((star + p.name, default))
+    assert got == FLASHINFER_SIGNATURES[name]
+    # run_async takes run's arguments.
+    if name.endswith(".run"):
+        asynchronous = getattr(getattr(fi, name.split(".")[0]), "run_async")
+        assert list(inspect.signature(asynchronous).parameters) == \
+            list(inspect.signature(obj).parameters)

@@ -675,7 +675,11 @@ class PagedKVCache:
             taken = self._take(l)
             if taken is not None:
                 slots, k, v = taken
-                self.rpc.write_kv(l, slots, k, v)
+                try:
+                    self.rpc.write_kv(l, slots, k, v)
+                except BaseException:
+                    self._requeue(l, taken)     # WriteKV is idempotent: flush() again
+                    raise
 
     def pending_rows(self, layer: int) -> int:
         """Appended rows of `layer` that have not reached the server yet."""
