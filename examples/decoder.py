@@ -484,6 +484,9 @@ def random_prompts(vocab, batch, lo, hi, seed):
 
 
 # ---------------------------------------------------------------- main
+ATTENTION_MODES = ("local", "server", "kvmanager", "pingpong")
+
+
 def main(argv, *, description: str, presets: dict, make_model) -> int:
     """The command line of an example decoder: presets (each a dict of
     config, batch, steps, prompt_len), make_model(cfg, seed=, device=, dtype=)."""
@@ -491,8 +494,19 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--token", default=None, help="bearer token (--auth_tokens_file servers)")
     p.add_argument("--preset", choices=sorted(presets), default="small")
-    p.add_argument("--attention", choices=["local", "server", "kvmanager", "pingpong", "all"],
-                   default="all", help="all: local, server and pingpong")
+    def attention_modes(text):
+        modes = ["local", "server", "pingpong"] if text == "all" else text.split(",")
+        for m in modes:
+            if m not in ATTENTION_MODES:
+                raise argparse.ArgumentTypeError(
+                    f"{m!r} is not one of {', '.join(ATTENTION_MODES)} or all")
+        if len(set(modes)) != len(modes):
+            raise argparse.ArgumentTypeError(f"{text!r} names a mode twice")
+        return modes
+    p.add_argument("--attention", type=attention_modes, default="all",
+                   help="local, server, kvmanager, pingpong, or several of them comma-separated "
+                        "(run in that order, each compared with the first); all: local, server "
+                        "and pingpong")
     p.add_argument("--transport", choices=["grpc", "shm", "channel", "cuda"], default="grpc",
                    help="how --attention server reaches the server: shm, channel and cuda need "
                         "it on this host with --allow_shared_memory (cuda: a GPU here and the "
@@ -530,7 +544,7 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
     dtype = getattr(torch, args.dtype)
     wire_dtype = torch.bfloat16 if args.attn_dtype == "bf16" else torch.float16
 
-    modes = ["local", "server", "pingpong"] if args.attention == "all" else [args.attention]
+    modes = args.attention
     client = None
     if any(m != "local" for m in modes):
         client = attnserve.Client(args.target, token=args.token, timeout=args.timeout)
