@@ -11,7 +11,7 @@ mean and p50 (the p50 interpolated within the histogram's power-of-two
 buckets, so good to about a bucket's width).
 
 Usage: bench/server_handling.py BIN_DIR [--backend=cpu] [--kv_len=64]
-       [--requests=3000] [--runs=3] [--server_args="..."] [--json=PATH]
+       [--requests=3000] [--runs=3] [--warmup=200] [--server_args="..."] [--json=PATH]
 
 On the CPU backend the kernel runs on the host, so `wait` there is the kernel;
 the other stages are the same code as on the CUDA backend's edge and core
@@ -107,7 +107,7 @@ def one_run(args, bin_dir, tmp, run):
         bench = [f"{bin_dir}/attnbench", f"--target={target}", "--workload=decode",
                  f"--batch={args.batch}", f"--kv_len={args.kv_len}", "--concurrency=1", "--plan"]
         # Warm-up (the plan, the connection, the allocator), then the measured run.
-        subprocess.run(bench + ["--requests=200"], check=True, capture_output=True)
+        subprocess.run(bench + [f"--requests={args.warmup}"], check=True, capture_output=True)
         before = scrape(metrics)
         res = subprocess.run(bench + [f"--requests={args.requests}", f"--json={tmp}/b{run}.json"],
                              check=True, capture_output=True, text=True)
@@ -150,6 +150,7 @@ def main():
     ap.add_argument("--kv_len", type=int, default=64)
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=200, help="requests before the measured ones")
     ap.add_argument("--server_args", default="")
     ap.add_argument("--json")
     args = ap.parse_args()

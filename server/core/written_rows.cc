@@ -66,8 +66,8 @@ void WrittenRows::Reset(absl::Span<const int32_t> pages) {
 
 void WrittenRows::NoteWhole(int32_t layer, int32_t page) {
   if (!Full(Bits(layer, page))) return;
-  if (whole_[static_cast<size_t>(layer) * num_pages_ + page].exchange(1, std::memory_order_acq_rel) ==
-      0) {
+  if (whole_[static_cast<size_t>(layer) * num_pages_ + page].exchange(
+          1, std::memory_order_acq_rel) == 0) {
     whole_in_[page].fetch_add(1, std::memory_order_acq_rel);
   }
 }

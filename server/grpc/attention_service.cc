@@ -314,7 +314,7 @@ class AttentionServiceImpl::Call final
   std::string tenant_;
   Metrics::Shape shape_ = Metrics::Shape::kNone;
   bool accepted_ = false;  // arrived before the drain began
-  std::atomic<bool> reading_{false};    // admitted, its request being read
+  std::atomic<bool> reading_{false};  // admitted, its request being read
   std::atomic<bool> read_done_{false};
   std::atomic<bool> claimed_{false};
   std::atomic<int> refs_{1};  // gRPC's, until OnDone

@@ -47,8 +47,10 @@ Transports (PagedKVCache(transport=...)):
   "channel"  the same region, and the calls go through a request channel
              (a ring the server polls): no gRPC call per layer;
   "cuda"     torch CUDA tensors stay on the GPU: a CUDA region, through a
-             channel (a CUDA-backend server on this host). NOT YET RUN ON A
-             GPU: written, but no test has exercised it.
+             channel (a CUDA-backend server on this host); the caller's
+             current stream is synchronized before each request is sent and
+             the outputs are copied out on it (tests/python/
+             test_flashinfer_cuda.py, run on an H200).
 run_async() returns an AttentionFuture at once, so that an engine can do
 its own work while the server computes; run() is run_async().result().
 """
@@ -326,7 +328,7 @@ class _Area:
 class _RegionTransport:
     """The tensors of each call in flight in an area of a region; the call
     over gRPC ("shm"), through a request channel ("channel"), or, with CUDA
-    areas, through a channel ("cuda": NOT YET RUN ON A GPU). A call larger
+    areas, through a channel ("cuda"). A call larger
     than an area (more than max_rows rows) goes over gRPC with its tensors
     inline. An area whose call failed with an unknown outcome (the server may
     still write its output there) is never used again."""
@@ -353,7 +355,6 @@ class _RegionTransport:
                 from attnserve.channel import channel_bytes
                 ring = channel_bytes(slots, slot_bytes)
             if name == "cuda":
-                # NOT YET RUN ON A GPU.
                 self.region = SharedMemoryRegion(ring).register(rpc, f"attnserve-fi-ring-{tag}")
                 size = self._areas(None, 0, max_rows, slots)[-1].end   # a multiple of 64
                 # float32 elements: register_cuda_tensor takes bf16, fp16 or float32.
