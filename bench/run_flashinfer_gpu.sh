@@ -9,6 +9,7 @@
 #   bench/run_flashinfer_gpu.sh INSTALL_DIR OUT
 # INSTALL_DIR/bin/attnserve: a CUDA build (ATTNSERVE_SM90A_ONLY for an H200).
 set -u
+if [ $# -ne 2 ]; then echo "usage: bench/run_flashinfer_gpu.sh INSTALL_DIR OUT" >&2; exit 2; fi
 inst=$(cd "$1" && pwd)
 out=$2
 mkdir -p "$out"

@@ -1,4 +1,5 @@
-"""Runs the real attnserve binary (CPU backend) for the Python tests.
+"""Runs the real attnserve binary (CPU backend; backend="cuda" on a GPU machine) for the
+Python tests.
 
 Like tests/integration/test_server.h: the server listens on 127.0.0.1:0 for
 gRPC and metrics, the line `listening grpc=HOST:PORT metrics=HOST:PORT` it
