@@ -39,7 +39,7 @@ timeout 240 python3 examples/llama.py --preset realistic --layers 32 --device cu
 echo "exit $?"; tail -15 "$out/llama.txt"
 echo "== llama: server without plans"
 timeout 120 python3 examples/llama.py --preset realistic --layers 32 --device cuda \
-  --attention server --no_server_plans --json "$out/llama_noplans.json" > "$out/llama_noplans.txt" 2>&1
+  --attention kvmanager --no_server_plans --json "$out/llama_noplans.json" > "$out/llama_noplans.txt" 2>&1
 echo "exit $?"; tail -6 "$out/llama_noplans.txt"
 curl -s 127.0.0.1:9464/metrics > "$out/metrics.txt" 2>/dev/null || true
 kill -TERM $pid; wait $pid; echo "server exit $?"

@@ -24,8 +24,16 @@ and generation runs its attention
   local     in PyTorch (LocalAttention: a padded per-sequence KV cache and the
             model's attention_probs, float32 math on the bf16 q/k/v the
             server would get);
-  server    on attnserve through attnserve.KvManager (one Prefill per layer
-            with the new tokens' K/V appended in the same call);
+  server    on attnserve through its FlashInfer-style wrappers
+            (FlashInferAttention, attnserve.flashinfer: FlashInfer's plan /
+            run / append_paged_kv_cache loop, one request per layer with the
+            new tokens' K/V fused in), over the transport --transport picks:
+            grpc, shm (a shared-memory region), channel (a request channel:
+            no gRPC call per layer) or cuda (CUDA tensors stay on the GPU;
+            needs a GPU and a CUDA server on this host);
+  kvmanager on attnserve through attnserve.KvManager (one Prefill per layer
+            with the new tokens' K/V appended in the same call; with
+            --no_server_plans the layout travels with every layer);
   pingpong  on attnserve through the asyncio client, with the batch split in
             two micro-batches: while one micro-batch's attention is on the
             server, the other's MLP and projections run here.
@@ -181,6 +189,114 @@ class ServerAttention:
 
     def finish(self, seq_ids):
         self.mgr.finish(*seq_ids)
+
+
+def pages_for(prompts, steps: int, page_size: int) -> int:
+    """Pages the sequences of a generation hold at its end."""
+    return sum(-(-(len(p) + steps) // page_size) for p in prompts)
+
+
+class FlashInferAttention:
+    """Attention on attnserve through its FlashInfer-style wrappers
+    (attnserve.flashinfer, docs/flashinfer.md): the loop a FlashInfer engine
+    runs, with its import and its KV-cache allocation changed. The engine
+    keeps its own page table (a free list over the cache's page indices
+    0..max_num_pages-1), plans each step once per wrapper (a prefill wrapper
+    for steps with prompts, a decode wrapper for one-token steps; one of each
+    per distinct window and soft-cap, as an engine does for models whose
+    layers differ) and, per layer, appends the new tokens' K/V with
+    append_paged_kv_cache and runs the layer's wrapper (its sinks passed to
+    run()). transport: PagedKVCache's ("grpc", "shm", "channel", "cuda")."""
+
+    def __init__(self, client, max_num_pages: int, model=None, transport: str = "grpc"):
+        import attnserve.flashinfer as flashinfer
+        self.fi = flashinfer
+        info = client.server_info
+        self.info = info
+        self.cache = flashinfer.PagedKVCache(client, max_num_pages, transport=transport)
+        self.free = list(range(max_num_pages - 1, -1, -1))
+        self.pages: dict = {}
+        self.lens: dict = {}
+        opts = _server_options(model)
+        self.sm_scale = opts.get("sm_scale")
+        every = opts.get("options")
+        per_layer = opts.get("layer_options") or {}
+        self.groups: dict = {}      # (window_left, soft_cap) -> (prefill, decode) wrappers
+        self.layer_group, self.layer_sinks = [], []
+        for layer in range(info.num_layers):
+            o = per_layer.get(layer, every)
+            window = -1 if o is None or o.window_left is None else int(o.window_left)
+            cap = None if o is None else o.logits_soft_cap
+            key = (window, cap)
+            if key not in self.groups:
+                self.groups[key] = (
+                    flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.cache, "NHD"),
+                    flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.cache, "NHD"))
+            self.layer_group.append(key)
+            sinks = None if o is None or o.sinks is None else torch.as_tensor(
+                np.asarray(o.sinks, np.float32))
+            self.layer_sinks.append(sinks)
+        self.round_trips: list = []
+        self.step = None
+
+    def begin_step(self, seq_ids, q_lens):
+        fi, ps = self.fi, self.info.page_size
+        for sid, n in zip(seq_ids, q_lens):
+            length = self.lens.get(sid, 0) + n
+            pages = self.pages.setdefault(sid, [])
+            while len(pages) * ps < length:
+                pages.append(self.free.pop())
+            self.lens[sid] = length
+        i32 = dict(dtype=torch.int32)
+        kv_indptr = torch.tensor([0] + np.cumsum([len(self.pages[s]) for s in seq_ids]).tolist(),
+                                 **i32)
+        kv_indices = torch.tensor([p for s in seq_ids for p in self.pages[s]], **i32)
+        kv_last = torch.tensor([self.lens[s] - (len(self.pages[s]) - 1) * ps for s in seq_ids],
+                               **i32)
+        qo_indptr = torch.tensor([0] + np.cumsum(q_lens).tolist(), **i32)
+        seq_lens = fi.get_seq_lens(kv_indptr, kv_last, ps)
+        nnz = int(qo_indptr[-1])
+        batch_indices, positions = fi.get_batch_indices_positions(qo_indptr, seq_lens, nnz)
+        decode = all(n == 1 for n in q_lens)
+        g = self.info
+        for (window, cap), (prefill, dec) in self.groups.items():
+            if decode:
+                dec.plan(kv_indptr, kv_indices, kv_last, g.num_qo_heads, g.num_kv_heads,
+                         g.head_dim, ps, window_left=window, logits_soft_cap=cap,
+                         q_data_type=self.cache.dtype, sm_scale=self.sm_scale)
+            else:
+                prefill.plan(qo_indptr, kv_indptr, kv_indices, kv_last, g.num_qo_heads,
+                             g.num_kv_heads, g.head_dim, ps, causal=True, window_left=window,
+                             logits_soft_cap=cap, q_data_type=self.cache.dtype,
+                             sm_scale=self.sm_scale)
+        self.step = dict(kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last=kv_last,
+                         batch_indices=batch_indices, positions=positions, decode=decode)
+        return positions.to(torch.int64)
+
+    def attention(self, layer, q, k, v):
+        s = self.step
+        t0 = time.perf_counter()
+        self.fi.append_paged_kv_cache(k, v, s["batch_indices"], s["positions"],
+                                      self.cache[layer], s["kv_indices"], s["kv_indptr"],
+                                      s["kv_last"])
+        prefill, dec = self.groups[self.layer_group[layer]]
+        out = (dec if s["decode"] else prefill).run(q, self.cache[layer],
+                                                     sinks=self.layer_sinks[layer])
+        self.round_trips.append(time.perf_counter() - t0)
+        return out
+
+    def finish(self, seq_ids):
+        for sid in seq_ids:
+            self.free.extend(reversed(self.pages.pop(sid, [])))
+            self.lens.pop(sid, None)
+        if not self.pages:
+            self.close()
+
+    def close(self):
+        for prefill, dec in self.groups.values():
+            prefill.close()
+            dec.close()
+        self.cache.close()
 
 
 class AsyncServerAttention:
@@ -368,6 +484,9 @@ def random_prompts(vocab, batch, lo, hi, seed):
 
 
 # ---------------------------------------------------------------- main
+ATTENTION_MODES = ("local", "server", "kvmanager", "pingpong")
+
+
 def main(argv, *, description: str, presets: dict, make_model) -> int:
     """The command line of an example decoder: presets (each a dict of
     config, batch, steps, prompt_len), make_model(cfg, seed=, device=, dtype=)."""
@@ -375,7 +494,23 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
     p.add_argument("--target", default="127.0.0.1:50051")
     p.add_argument("--token", default=None, help="bearer token (--auth_tokens_file servers)")
     p.add_argument("--preset", choices=sorted(presets), default="small")
-    p.add_argument("--attention", choices=["local", "server", "pingpong", "all"], default="all")
+    def attention_modes(text):
+        modes = ["local", "server", "pingpong"] if text == "all" else text.split(",")
+        for m in modes:
+            if m not in ATTENTION_MODES:
+                raise argparse.ArgumentTypeError(
+                    f"{m!r} is not one of {', '.join(ATTENTION_MODES)} or all")
+        if len(set(modes)) != len(modes):
+            raise argparse.ArgumentTypeError(f"{text!r} names a mode twice")
+        return modes
+    p.add_argument("--attention", type=attention_modes, default="all",
+                   help="local, server, kvmanager, pingpong, or several of them comma-separated "
+                        "(run in that order, each compared with the first); all: local, server "
+                        "and pingpong")
+    p.add_argument("--transport", choices=["grpc", "shm", "channel", "cuda"], default="grpc",
+                   help="how --attention server reaches the server: shm, channel and cuda need "
+                        "it on this host with --allow_shared_memory (cuda: a GPU here and the "
+                        "CUDA backend there)")
     for name in ("layers", "qo_heads", "kv_heads", "head_dim", "ffn", "vocab"):
         p.add_argument(f"--{name}", type=int, default=None, help="override the preset")
     p.add_argument("--attn_dtype", choices=["bf16", "fp16"], default="bf16")
@@ -390,7 +525,8 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
     p.add_argument("--rel_tol", type=float, default=2e-2,
                    help="largest relative error of a step's logits between modes")
     p.add_argument("--no_server_plans", action="store_true",
-                   help="send each step's layout with every layer instead of CreatePlan")
+                   help="kvmanager and pingpong: send each step's layout with every layer "
+                        "instead of CreatePlan")
     p.add_argument("--strict", action="store_true",
                    help="also fail when greedy tokens differ at near-ties")
     p.add_argument("--timeout", type=float, default=300, help="per-call deadline, seconds")
@@ -408,12 +544,20 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
     dtype = getattr(torch, args.dtype)
     wire_dtype = torch.bfloat16 if args.attn_dtype == "bf16" else torch.float16
 
-    modes = ["local", "server", "pingpong"] if args.attention == "all" else [args.attention]
+    modes = args.attention
     client = None
     if any(m != "local" for m in modes):
         client = attnserve.Client(args.target, token=args.token, timeout=args.timeout)
         check_geometry(cfg, client.server_info, args.attn_dtype)
         info = client.server_info
+        if "server" in modes and args.transport == "cuda":
+            import attnserve.flashinfer as flashinfer
+            try:
+                flashinfer.PagedKVCache._check_cuda(info)
+            except RuntimeError as e:
+                print(f"--transport=cuda: {e}", file=sys.stderr)
+                client.close()
+                return 2
         print(f"server {args.target}: {info.backend} {info.device}, {info.num_layers} layers, "
               f"{info.num_qo_heads}/{info.num_kv_heads} heads x {info.head_dim}, "
               f"{info.kv_dtype}, {info.free_pages} free pages of {info.page_size}", flush=True)
@@ -430,6 +574,16 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
             local = LocalAttention(cfg, args.device, wire_dtype, model.attention_probs)
             runs[mode] = generate(model, local, prompts, steps, wire_dtype, mode, follow)
         elif mode == "server":
+            try:
+                remote = FlashInferAttention(client, pages_for(prompts, steps, info.page_size),
+                                             model, args.transport)
+            except (RuntimeError, NotImplementedError, attnserve.AttnserveError) as e:
+                print(f"--transport={args.transport}: {e}", file=sys.stderr)
+                client.close()
+                return 2
+            runs[mode] = generate(model, remote, prompts, steps, wire_dtype, mode, follow)
+            print(f"transport: {args.transport}", flush=True)
+        elif mode == "kvmanager":
             remote = ServerAttention(client, not args.no_server_plans, model)
             runs[mode] = generate(model, remote, prompts, steps, wire_dtype, mode, follow)
         else:
@@ -444,6 +598,7 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
         print(json.dumps(runs[mode].summary(batch)), flush=True)
 
     report = {"config": dataclasses.asdict(cfg), "batch": batch, "steps": steps,
+              "transport": args.transport,
               "runs": [r.summary(batch) for r in runs.values()], "comparisons": {}}
     ok = True
     names = list(runs)

@@ -12,10 +12,12 @@ logits soft-capped at 30. Random weights from a fixed seed; small widths so
 that it runs on a CPU.
 
 On attnserve the scale is sm_scale, the soft-cap logits_soft_cap and the
-windows window_left = sliding_window - 1 on the windowed layers
-(attnserve.AttentionOptions, registered with each step's plan by
-attnserve.KvManager). examples/decoder.py runs the modes (local, server,
-pingpong) and checks that they agree, as for examples/llama.py.
+windows window_left = sliding_window - 1 on the windowed layers: the plan()
+arguments of the FlashInfer-style wrappers (--attention server; one pair of
+wrappers for the windowed layers, one for the full ones), or
+attnserve.AttentionOptions registered with each step's plan by
+attnserve.KvManager (kvmanager, pingpong). examples/decoder.py runs the
+modes and checks that they agree, as for examples/llama.py.
 
   # a server with the small preset's geometry (tests/python's), in another shell:
   build/bin/attnserve --backend=cpu --num_layers=2 --num_qo_heads=8 --num_kv_heads=2 --head_dim=64

@@ -12,9 +12,12 @@ widths so that it runs on a CPU.
 
 On attnserve the windows and sinks are attnserve.AttentionOptions per layer
 (window_left = sliding_window - 1: a query sees itself and the 127 keys
-before it), registered with each step's plan by attnserve.KvManager.
-examples/decoder.py runs the modes (local, server, pingpong) and checks that
-they agree, as for examples/llama.py.
+before it). Through the FlashInfer-style wrappers (--attention server) the
+windowed and the full layers each have their wrappers, planned with their
+window_left, and each layer passes its sinks to run(); through
+attnserve.KvManager (kvmanager, pingpong) they are registered with each
+step's plan. examples/decoder.py runs the modes and checks that they agree,
+as for examples/llama.py.
 
   # a server with the small preset's geometry (tests/python's), in another shell:
   build/bin/attnserve --backend=cpu --num_layers=2 --num_qo_heads=8 --num_kv_heads=2 --head_dim=64

@@ -6,13 +6,17 @@ fixed seed (nothing is downloaded). A batch of random prompts goes through
 prefill, then greedy decode, with the attention of every layer computed
 
   local     in PyTorch, from the same bf16 q/k/v the server would get;
-  server    on attnserve through attnserve.KvManager (one Prefill per layer
+  server    on attnserve through its FlashInfer-style wrappers
+            (attnserve.flashinfer: plan once per step, append_paged_kv_cache
+            and run per layer, docs/flashinfer.md), over --transport grpc,
+            shm, channel or cuda;
+  kvmanager on attnserve through attnserve.KvManager (one Prefill per layer
             with the new tokens' K/V appended in the same call);
   pingpong  on attnserve through the asyncio client, with the batch split in
             two micro-batches: while one micro-batch's attention is on the
             server, the other's MLP and projections run here.
 
-`--attention all` (the default) runs the three, the second and third fed the
+`--attention all` (the default) runs local, server and pingpong, the later ones fed the
 first one's tokens, and checks that every step's logits agree within bf16
 tolerance and that the greedy tokens are identical, except at near-ties: where
 the two best logits are closer than the runs' difference, no numerics can

@@ -453,7 +453,7 @@ void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
   job->pinned = std::move(pages);
   // Whether a Prefill's keys were written, asked only of the pages it owns.
   if (job->kind == Job::Kind::kPrefill && written_ != nullptr) {
-    status = written_->CheckPrefill(job->task);
+    status = written_->CheckPrefill(job->task, job->plan ? &job->plan->unsettled : nullptr);
   }
   if (status.ok()) status = scheduler_->Enqueue(job);
   if (!status.ok()) {  // the job stayed with us
@@ -481,6 +481,11 @@ absl::StatusOr<uint64_t> AttentionCore::CreatePlan(const CallContext& ctx,
   ATTN_RETURN_IF_ERROR(RenewLease(ctx));
   ATTN_RETURN_IF_ERROR(pages_.PinOwned(ctx.tenant, plan->layout.pages, "kv_indices/append_slots",
                                        PageTable::Holder::kPlan, ctx.lease_id));
+  // Once pinned, a page whole in every layer stays so: its requests' checks
+  // skip it.
+  if (written_ != nullptr) {
+    plan->unsettled = written_->Unsettled(plan->layout.seqs, plan->kv_indices.data());
+  }
   // The pins go with the last reference: the table's, or a request's that
   // still uses the plan after it was released.
   std::shared_ptr<Plan> shared(plan.release(), [this](Plan* p) {

@@ -27,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/core/validate.h"
+#include "server/core/written_rows.h"
 
 namespace attnserve {
 
@@ -38,6 +39,9 @@ struct Plan {
   std::vector<int64_t> append_slots;
   ValidatedLayout layout;             // layout.pages are pinned for the plan
   PlanOptions options;                // per layer; tasks point at their sinks
+  // With --check_kv_written: the pages its requests' check looks at
+  // (WrittenRows::Unsettled, taken once its pages were pinned).
+  std::vector<WrittenRows::Position> unsettled;
 };
 
 class PlanTable {

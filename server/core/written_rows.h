@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -41,11 +42,29 @@ class WrittenRows {
   // Marks slots[0, n) of `layer` written (validated slots).
   void Mark(int32_t layer, const int64_t* slots, int64_t n);
 
+  // A page that CheckPrefill looks at: kv_indices[seqs[seq].kv_start + index].
+  struct Position {
+    int32_t seq;
+    int32_t index;
+  };
+  // The positions of a layout whose pages CheckPrefill must look at in any
+  // layer: each sequence's partial last page and every page not yet whole
+  // (all its rows written) in every layer. A page whole in every layer stays
+  // so while it is pinned (only a new owner's Reset clears it), so a plan
+  // takes these once, after pinning its pages, for its requests of every
+  // layer: a decode step's 32 layers then look at a few pages per sequence
+  // each rather than at all of them.
+  std::vector<Position> Unsettled(absl::Span<const PrefillSeq> seqs,
+                                  const int32_t* kv_indices) const;
+
   // FAILED_PRECONDITION naming the sequence, the page, the first row missing
   // and the rows read when a sequence of `task` (validated, its pages owned
   // by the caller) reads a row of its layer that neither an earlier request
-  // nor this request's own appended slots wrote.
-  absl::Status CheckPrefill(const PrefillTask& task) const;
+  // nor this request's own appended slots wrote. With `only` (Unsettled of
+  // the task's layout, its pages pinned since), the pages at those positions
+  // alone are looked at.
+  absl::Status CheckPrefill(const PrefillTask& task,
+                            const std::vector<Position>* only = nullptr) const;
 
   // `done`, which first marks slots[0, n) of `layer` when the request
   // succeeded. The slots must live until `done` runs; `keep_alive` (e.g. the
@@ -62,6 +81,9 @@ class WrittenRows {
 
   // Every row of a page written.
   bool Full(const std::atomic<uint8_t>* bits) const;
+  // After rows of (layer, page) were marked: counts the page whole in `layer`
+  // once it is (whole_in_ counts each layer once).
+  void NoteWhole(int32_t layer, int32_t page);
 
   const int32_t num_pages_;
   const int32_t page_size_;       // 1..128
@@ -70,6 +92,12 @@ class WrittenRows {
   const uint8_t last_byte_;       // the bits of a whole page's last byte
   // (num_layers, num_pages, bytes_per_page): a bit per row, set once written.
   std::unique_ptr<std::atomic<uint8_t>[]> bits_;
+  // (num_layers, num_pages): 1 once the page is whole in that layer.
+  std::unique_ptr<std::atomic<uint8_t>[]> whole_;
+  // (num_pages): the layers in which the page is whole. A write may go
+  // uncounted when two finish a page at once (the page is then looked at
+  // each time, never skipped unwritten).
+  std::unique_ptr<std::atomic<int32_t>[]> whole_in_;
 };
 
 }  // namespace attnserve

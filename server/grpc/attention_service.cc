@@ -1,5 +1,6 @@
 #include "server/grpc/attention_service.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -7,7 +8,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "grpcpp/alarm.h"
 #include "grpcpp/support/proto_buffer_writer.h"
 #include "spdlog/spdlog.h"
 #include "server/grpc/convert.h"
@@ -61,6 +61,7 @@ AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth*
   channels_ = std::make_unique<ChannelServer>(core, metrics, &limits_, &prefill_requests_,
                                               options.channels);
   RegisterMethods();
+  sweeper_ = std::thread([this] { SweepReads(); });
 }
 
 // One RPC: its reactor. Created when the call's metadata arrives, it admits
@@ -106,23 +107,27 @@ class AttentionServiceImpl::Call final
       return;
     }
     tenant_ = *std::move(tenant);
-    // The read timeout: its alarm holds a reference until it has run.
-    Ref();
-    read_alarm_.Set(absl::ToChronoTime(start_ + service_->read_timeout_), [this](bool fired) {
-      if (fired && !read_done_.load(std::memory_order_acquire)) {
-        FinishNow(absl::DeadlineExceededError(absl::StrCat(
-            "the request did not arrive within ",
-            absl::FormatDuration(service_->read_timeout_),
-            " of the call's start (--request_read_timeout_s): a slow or stalled sender")));
-      }
-      Unref();
-    });
+    // From now on SweepReads cuts the call off if its request has not
+    // arrived within the read timeout.
+    reading_.store(true, std::memory_order_release);
     StartRead(&request_);
+  }
+
+  // True when the call's request is still being read at `now`, past the
+  // read timeout (SweepReads then finishes it).
+  bool ReadOverdue(absl::Time now) const {
+    return reading_.load(std::memory_order_acquire) &&
+           !read_done_.load(std::memory_order_acquire) && now >= start_ + service_->read_timeout_;
+  }
+  void FinishReadOverdue() {
+    if (read_done_.load(std::memory_order_acquire)) return;
+    FinishNow(absl::DeadlineExceededError(absl::StrCat(
+        "the request did not arrive within ", absl::FormatDuration(service_->read_timeout_),
+        " of the call's start (--request_read_timeout_s): a slow or stalled sender")));
   }
 
   void OnReadDone(bool ok) override {
     read_done_.store(true, std::memory_order_release);
-    read_alarm_.Cancel();
     if (!ok) {
       // No message: the client gave up (or its deadline passed) while
       // sending, or half-closed without one, or sent more than
@@ -309,7 +314,7 @@ class AttentionServiceImpl::Call final
   std::string tenant_;
   Metrics::Shape shape_ = Metrics::Shape::kNone;
   bool accepted_ = false;  // arrived before the drain began
-  grpc::Alarm read_alarm_;
+  std::atomic<bool> reading_{false};  // admitted, its request being read
   std::atomic<bool> read_done_{false};
   std::atomic<bool> claimed_{false};
   std::atomic<int> refs_{1};  // gRPC's, until OnDone
@@ -348,7 +353,41 @@ void AttentionServiceImpl::RegisterMethods() {
   }
 }
 
-AttentionServiceImpl::~AttentionServiceImpl() = default;
+AttentionServiceImpl::~AttentionServiceImpl() {
+  {
+    absl::MutexLock lock(&sweep_mu_);
+    sweep_stop_ = true;
+  }
+  if (sweeper_.joinable()) sweeper_.join();
+}
+
+void AttentionServiceImpl::SweepReads() {
+  // Ten looks per timeout, at most every 100 ms: a stalled sender is cut off
+  // within a tenth of the timeout (or 100 ms) after it.
+  const absl::Duration tick =
+      std::clamp(read_timeout_ / 10, absl::Milliseconds(1), absl::Milliseconds(100));
+  absl::MutexLock stop_lock(&sweep_mu_);
+  while (!sweep_mu_.AwaitWithTimeout(absl::Condition(&sweep_stop_), tick)) {
+    const absl::Time now = absl::Now();
+    std::vector<Call*> overdue;
+    {
+      absl::MutexLock lock(&calls_mu_);
+      for (Call* call : calls_) {
+        if (call->ReadOverdue(now)) {
+          call->Ref();  // alive until finished here, whoever finishes first
+          overdue.push_back(call);
+        }
+      }
+    }
+    if (overdue.empty()) continue;
+    sweep_mu_.Unlock();
+    for (Call* call : overdue) {
+      call->FinishReadOverdue();
+      call->Unref();
+    }
+    sweep_mu_.Lock();
+  }
+}
 
 int AttentionServiceImpl::AbandonInflight(const absl::Status& status) {
   std::vector<Call*> calls;

@@ -1,5 +1,6 @@
 #include "server/core/written_rows.h"
 
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -78,6 +79,50 @@ TEST(WrittenRowsTest, ARequestsOwnAppendsCount) {
   // Writing a row again keeps it written.
   written.Mark(0, first.data(), 1);
   EXPECT_FALSE(written.CheckPrefill(Task(0, pages, 3)).ok());
+}
+
+TEST(WrittenRowsTest, APlansCheckLooksOnlyAtPagesNotYetWholeInEveryLayer) {
+  WrittenRows written(Geometry());  // 2 layers, pages of 4 rows
+  const std::vector<int32_t> pages = {3, 5, 6};
+  const PrefillTask task = Task(0, pages, 10);  // pages 3 and 5 whole, 2 rows of page 6
+  using Positions = std::vector<std::pair<int32_t, int32_t>>;
+  auto unsettled = [&] {
+    Positions out;
+    for (const auto& p : written.Unsettled(task.seqs, task.kv_indices)) {
+      out.emplace_back(p.seq, p.index);
+    }
+    return out;
+  };
+  EXPECT_EQ(unsettled(), (Positions{{0, 0}, {0, 1}, {0, 2}}));
+  // Page 3 whole in layer 0 only, then in both; page 5 whole in layer 1 by
+  // two writes; the partial last page is always looked at.
+  const std::vector<int64_t> p3 = {12, 13, 14, 15};
+  written.Mark(0, p3.data(), 4);
+  EXPECT_EQ(unsettled(), (Positions{{0, 0}, {0, 1}, {0, 2}}));
+  written.Mark(1, p3.data(), 4);
+  EXPECT_EQ(unsettled(), (Positions{{0, 1}, {0, 2}}));
+  const std::vector<int64_t> p5a = {20, 21}, p5b = {23, 22}, p6 = {24, 25, 26, 27};
+  written.Mark(1, p5a.data(), 2);
+  written.Mark(1, p5b.data(), 2);
+  written.Mark(0, p6.data(), 4);
+  written.Mark(1, p6.data(), 4);
+  EXPECT_EQ(unsettled(), (Positions{{0, 1}, {0, 2}}));  // page 5 not whole in layer 0
+  // With the positions, pages outside them are not looked at: page 5's
+  // missing rows in layer 0 are found only while it is among them.
+  const std::vector<WrittenRows::Position> still = written.Unsettled(task.seqs, task.kv_indices);
+  absl::Status s = written.CheckPrefill(task, &still);
+  EXPECT_THAT(s.message(), HasSubstr("page 5 (kv_indices[1]) in layer 0"));
+  EXPECT_TRUE(written.CheckPrefill(Task(1, pages, 10), &still).ok());
+  written.Mark(0, p5a.data(), 2);
+  written.Mark(0, p5b.data(), 2);
+  EXPECT_EQ(unsettled(), (Positions{{0, 2}}));
+  const std::vector<WrittenRows::Position> settled = written.Unsettled(task.seqs, task.kv_indices);
+  EXPECT_TRUE(written.CheckPrefill(task, &settled).ok());
+  // A new owner's pages start unwritten again, in the count too.
+  const std::vector<int32_t> again = {3};
+  written.Reset(again);
+  EXPECT_EQ(unsettled(), (Positions{{0, 0}, {0, 2}}));
+  EXPECT_FALSE(written.CheckPrefill(task).ok());
 }
 
 TEST(WrittenRowsTest, EveryPageSizeAndRow) {

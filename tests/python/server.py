@@ -1,4 +1,5 @@
-"""Runs the real attnserve binary (CPU backend) for the Python tests.
+"""Runs the real attnserve binary (CPU backend; backend="cuda" on a GPU machine) for the
+Python tests.
 
 Like tests/integration/test_server.h: the server listens on 127.0.0.1:0 for
 gRPC and metrics, the line `listening grpc=HOST:PORT metrics=HOST:PORT` it
@@ -42,12 +43,13 @@ class TestServer:
     def __init__(self, *, num_layers: int = 2, num_pages: int = 256, page_size: int = 16,
                  num_qo_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 64,
                  kv_dtype: str = "bf16", extra_flags=(), start_timeout_s: float = 60,
-                 probe_credentials: grpc.ChannelCredentials | None = None):
+                 probe_credentials: grpc.ChannelCredentials | None = None,
+                 backend: str = "cpu"):
         self.geometry = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
                              num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, kv_dtype=kv_dtype)
         args = [attnserve_bin(), "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
-                "--backend=cpu", "--drain_timeout_s=10"]
+                "--backend=" + backend, "--drain_timeout_s=10"]
         args += [f"--{k}={v}" for k, v in self.geometry.items()]
         args += list(extra_flags)
         self._probe_credentials = probe_credentials  # TLS servers: the health probe's

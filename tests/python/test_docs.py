@@ -34,3 +34,34 @@ def test_block(default_server, index, capsys):
                  f"docs/python.md block {index}", "exec"), {"__name__": "__main__"})
     printed = [line.strip() for line in capsys.readouterr().out.splitlines()]
     assert printed == expected
+
+
+# docs/flashinfer.md: its python blocks that the docs runner runs (not those
+# marked `<!-- not run: ... -->`), against one server with the default
+# geometry and shared memory on, standing for both of the page's servers.
+FI_DOC = os.path.join(os.path.dirname(DOC), "flashinfer.md")
+FI_BLOCKS = [m.group(2) for m in re.finditer(r"(<!--[^\n]*-->\n)?```python\n(.*?)```",
+                                             open(FI_DOC).read(), re.S)
+             if not (m.group(1) or "").startswith("<!-- not run")]
+
+
+@pytest.fixture(scope="module")
+def shm_server():
+    with TestServer(num_layers=4, num_pages=1024, page_size=16, num_qo_heads=32,
+                    num_kv_heads=4, head_dim=128, extra_flags=["--allow_shared_memory"]) as s:
+        yield s
+
+
+def test_flashinfer_doc_has_blocks():
+    assert len(FI_BLOCKS) == 3
+
+
+@pytest.mark.parametrize("index", range(len(FI_BLOCKS)))
+def test_flashinfer_block(shm_server, index, capsys):
+    code = FI_BLOCKS[index]
+    expected = [m.group(1).strip() for m in map(EXPECTED.match, code.splitlines()) if m]
+    for address in ("127.0.0.1:50051", "127.0.0.1:50054"):
+        code = code.replace(address, shm_server.address)
+    exec(compile(code, f"docs/flashinfer.md block {index}", "exec"), {"__name__": "__main__"})
+    printed = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    assert printed == expected and expected

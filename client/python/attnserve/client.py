@@ -48,7 +48,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 _METHODS = ("GetServerInfo", "AllocatePages", "FreePages", "WriteKV", "ReadKV", "Prefill",
             "MergeStates", "CreatePlan", "ReleasePlan", "RegisterRegion", "UnregisterRegion",
             "ListRegions", "GrantLease", "KeepAlive", "RevokeLease", "ListHoldings",
-            "ReleaseHoldings")
+            "ReleaseHoldings", "OpenChannel", "CloseChannel")
 
 
 @dataclass(frozen=True)
@@ -774,6 +774,23 @@ class _Core:
                                r.in_use, r.registered, r.key_exists) for r in resp.regions]
         return "ListRegions", pb.ListRegionsRequest().SerializeToString(), parse
 
+    def _req_open_channel(self, name: str, offset: int, byte_size: int) -> _Request:
+        req = pb.OpenChannelRequest(expected_incarnation=self._incarnation,
+                                    lease_id=self._lease_id)
+        req.ring.CopyFrom(pb.RegionRef(name=name, offset=int(offset), byte_size=int(byte_size)))
+
+        def parse(raw):
+            resp = pb.OpenChannelResponse.FromString(raw)
+            self._observe(resp.incarnation, "OpenChannel")
+            return resp
+        return "OpenChannel", req.SerializeToString(), parse
+
+    def _req_close_channel(self, channel_id: int) -> _Request:
+        def parse(raw):
+            self._observe(pb.CloseChannelResponse.FromString(raw).incarnation, "CloseChannel")
+        return ("CloseChannel",
+                pb.CloseChannelRequest(channel_id=int(channel_id)).SerializeToString(), parse)
+
 
     def _req_grant_lease(self, ttl) -> _Request:
         ttl_ms = 0 if ttl is None else int(round(float(ttl) * 1000))
@@ -822,6 +839,27 @@ class _Core:
             self._observe(resp.incarnation, "ReleaseHoldings")
             return Holdings._from(resp.released)
         return "ReleaseHoldings", req.SerializeToString(), parse
+
+
+class CallFuture:
+    """A call in flight (Client._call_future): result() waits for the answer
+    and returns what the blocking call would, or raises its error."""
+
+    def __init__(self, future, method: str, parse):
+        self._future, self._method, self._parse = future, method, parse
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: Optional[float] = None):
+        try:
+            raw = self._future.result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise TimeoutError(f"{self._method}: no answer within {timeout} s of waiting (the "
+                               "call goes on; result() again waits for it)") from None
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, self._method) from None
+        return self._parse(raw)
 
 
 def _method_path(name: str) -> str:
@@ -932,6 +970,16 @@ class Client(_Core):
         except grpc.RpcError as e:
             raise from_rpc_error(e, method) from None
         return parse(raw)
+
+    def _call_future(self, request: _Request, timeout) -> "CallFuture":
+        """Starts the call and returns at once; CallFuture.result() waits."""
+        method, body, parse = request
+        try:
+            future = self._stubs[method].future(body, timeout=self._timeout(timeout),
+                                                metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, method) from None
+        return CallFuture(future, method, parse)
 
     # ------------------------------------------------------------ the API
     def info(self, *, timeout: Optional[float] = None) -> ServerInfo:
@@ -1077,6 +1125,24 @@ class Client(_Core):
     def list_regions(self, *, timeout: Optional[float] = None) -> list:
         """This tenant's regions: a list of RegionInfo."""
         return self._call(self._req_list_regions(), timeout)
+
+    # ------------------------------------------------------------ channels
+    def open_channel(self, region, offset: int = 0, *, slot_count: int = 4,
+                     slot_bytes: int = 64 << 10, spin_us: float = 50,
+                     timeout: Optional[float] = None):
+        """Opens a request channel (docs/transport.md, "Request channels") on
+        the ring at `offset` of `region`, a SharedMemoryRegion registered
+        with this client: Prefills then travel through the ring's slots
+        instead of a gRPC call each. Returns an attnserve.channel.RequestChannel
+        (its prefill() and prefill_layout() are this client's). Needs a
+        server on this host with --allow_shared_memory."""
+        from attnserve.channel import RequestChannel  # noqa: cyclic import
+        return RequestChannel._open(self, region, offset, slot_count=slot_count,
+                                    slot_bytes=slot_bytes, spin_us=spin_us, timeout=timeout)
+
+    def close_channel(self, channel_id: int, *, timeout: Optional[float] = None) -> None:
+        """CloseChannel: the server answers what the channel took, then stops polling it."""
+        return self._call(self._req_close_channel(channel_id), timeout)
 
     # ------------------------------------------------------------ leases
     def grant_lease(self, ttl: Optional[float] = None, *,

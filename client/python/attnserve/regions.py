@@ -251,7 +251,14 @@ class SharedMemoryRegion:
         self.name = None
         self._client = None
         if self.fd >= 0:
-            self.buf.close()  # BufferError while numpy views of it live
+            try:
+                self.buf.close()
+            except BufferError:
+                # Views of it may be held only by garbage in reference
+                # cycles (a traceback's frames): collect them, and try once more.
+                import gc
+                gc.collect()
+                self.buf.close()  # BufferError while numpy views of it live
             os.close(self.fd)
             self.fd = -1
 

@@ -1,0 +1,146 @@
+"""Request channels from Python (attnserve.channel, docs/transport.md
+"Request channels"): Client.prefill's arguments, results and errors through
+the ring of common/channel_layout.h, with no gRPC call; calls in flight at
+once (more than the ring's slots); a channel the server closed; bad
+arguments."""
+
+import numpy as np
+import pytest
+
+import attnserve
+from server import TestServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    with TestServer(extra_flags=["--allow_shared_memory"]) as s:
+        yield s
+
+
+class _Counter:
+    """A client interceptor that counts the gRPC calls of each method."""
+
+    def __init__(self):
+        import grpc
+        self.calls: dict = {}
+        counter = self
+
+        class Interceptor(grpc.UnaryUnaryClientInterceptor):
+            def intercept_unary_unary(self, continuation, details, request):
+                name = details.method.rsplit("/", 1)[-1]
+                counter.calls[name] = counter.calls.get(name, 0) + 1
+                return continuation(details, request)
+        self.interceptor = Interceptor()
+
+
+def test_channel_is_the_clients_prefill(server):
+    """RequestChannel.prefill takes Client.prefill's arguments and gives its
+    results and errors, with no gRPC call."""
+    counter = _Counter()
+    client = attnserve.Client(server.address, timeout=60, interceptors=[counter.interceptor])
+    g = client.server_info
+    region = attnserve.SharedMemoryRegion(1 << 20).register(client, "chan-test")
+    try:
+        ch = client.open_channel(region, 0, slot_count=2, slot_bytes=64 << 10)
+        pages = client.allocate_pages(2)
+        slots = [p * g.page_size + i for p in pages for i in range(g.page_size)]
+        rng = np.random.default_rng(12)
+        kv = rng.standard_normal((2, len(slots), g.num_kv_heads, g.head_dim), np.float32)
+        client.write_kv(0, slots, kv[0], kv[1])
+        q = rng.standard_normal((3, g.num_qo_heads, g.head_dim), np.float32)
+        args = (0, q, [0, 3], [0, 2], pages, [g.page_size])
+        expected = client.prefill(*args)
+        grpc_prefills = counter.calls["Prefill"]
+        r = ch.prefill(*args)
+        assert np.array_equal(r.output, expected.output) and np.array_equal(r.lse, expected.lse)
+        with pytest.raises(attnserve.InvalidArgument, match="kv_last_page_len"):
+            ch.prefill(0, q, [0, 3], [0, 2], pages, [g.page_size + 1])
+        calls = [ch.prefill_layout_async(0, q, attnserve.PrefillLayout.encode(
+            [0, 3], [0, 2], pages, [g.page_size])) for _ in range(5)]   # more than its 2 slots
+        for call in calls:
+            assert np.array_equal(call.result().output, expected.output) and call.done()
+        assert counter.calls["Prefill"] == grpc_prefills      # none of them over gRPC
+        big = np.ones((200, g.num_qo_heads, g.head_dim), np.float32)
+        with pytest.raises(attnserve.InvalidArgument, match="more than the channel's "
+                                                            "slot_bytes=65536"):
+            ch.prefill(0, big, [0, 200], [0, 2], pages, [g.page_size])
+        # Closed by the server (CloseChannel from elsewhere): a call fails, no hang.
+        client.close_channel(ch.id)
+        with pytest.raises(attnserve.Unavailable, match="closed by the server"):
+            ch.prefill(*args)
+        ch.close()
+        with pytest.raises(attnserve.FailedPrecondition, match="is closed"):
+            ch.prefill(*args)
+        with pytest.raises(ValueError, match="slot_count=0 out of range"):
+            client.open_channel(region, 0, slot_count=0)
+        with pytest.raises(ValueError, match="offset=8 must be >= 0 and a multiple of 64"):
+            client.open_channel(region, 8)
+        with pytest.raises(ValueError, match="the ring needs"):
+            client.open_channel(region, 0, slot_count=64, slot_bytes=1 << 20)
+        client.free_pages(pages)
+    finally:
+        region.close(client)
+        client.close()
+
+
+def _decode_setup(client):
+    g = client.server_info
+    pages = client.allocate_pages(1)
+    slots = [pages[0] * g.page_size + i for i in range(g.page_size)]
+    rng = np.random.default_rng(14)
+    kv = rng.standard_normal((2, len(slots), g.num_kv_heads, g.head_dim), np.float32)
+    client.write_kv(1, slots, kv[0], kv[1])
+    return pages, rng
+
+
+def test_threads_share_a_channel(server):
+    import threading
+    with attnserve.Client(server.address, timeout=60) as client:
+        g = client.server_info
+        region = attnserve.SharedMemoryRegion(1 << 20).register(client, "chan-threads")
+        ch = client.open_channel(region, 0, slot_count=2, slot_bytes=16 << 10)
+        pages, rng = _decode_setup(client)
+        qs = [rng.standard_normal((2, g.num_qo_heads, g.head_dim), np.float32)
+              for _ in range(4)]
+        expected = [client.prefill(1, q, [0, 1, 2], [0, 1, 1], pages, [g.page_size, 0])
+                    for q in qs]
+        failures = []
+
+        def worker(i):
+            for _ in range(10):
+                r = ch.prefill(1, qs[i], [0, 1, 2], [0, 1, 1], pages, [g.page_size, 0])
+                if not np.array_equal(r.output, expected[i].output):
+                    failures.append(i)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failures
+        ch.close()
+        region.close(client)
+        client.free_pages(pages)
+
+
+def test_a_dead_server_fails_the_call_instead_of_hanging():
+    import os
+    import signal
+    with TestServer(extra_flags=["--allow_shared_memory"]) as s:
+        client = attnserve.Client(s.address, timeout=60)
+        g = client.server_info
+        region = attnserve.SharedMemoryRegion(1 << 20).register(client, "chan-dead")
+        ch = client.open_channel(region, 0, slot_count=1, slot_bytes=16 << 10)
+        pages, rng = _decode_setup(client)
+        q = rng.standard_normal((1, g.num_qo_heads, g.head_dim), np.float32)
+        ch.prefill(1, q, [0, 1], [0, 1], pages, [g.page_size])
+        os.kill(s.pid, signal.SIGKILL)
+        s.stop()
+        # Nothing polls the ring any more: the wait's probe of the server says so.
+        with pytest.raises(attnserve.Unavailable, match="does not answer"):
+            ch.prefill(1, q, [0, 1], [0, 1], pages, [g.page_size])
+        # Every slot now waits for an answer that never came.
+        with pytest.raises(attnserve.Unavailable, match="open a new channel"):
+            ch.prefill(1, q, [0, 1], [0, 1], pages, [g.page_size])
+        ch.close(timeout=1)
+        region.close()
+        client.close()
