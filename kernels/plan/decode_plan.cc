@@ -142,7 +142,7 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   const int64_t slots = int64_t{std::max(options.num_sms, 1)} * std::max(options.ctas_per_sm, 1);
   const int64_t quantum = kDecodeChunkQuantum;
   const int64_t min_chunk = std::max<int64_t>(quantum, CeilDiv(std::max(options.min_chunk, 1), quantum) * quantum);
-  const double token_bytes = 2.0 * geo.head_dim * KvDTypeBytes(geo.dtype);  // K + V of one KV head
+  const double token_bytes = 2.0 * geo.head_dim * geo.KvElemBytes();  // K + V of one KV head
   const double hbm = std::max(options.hbm_bytes_per_ns, 1e-3);
   const double cta_rate = std::max(options.cta_bytes_per_ns, 1e-3);
   int64_t v_max = 0;
