@@ -96,11 +96,11 @@ absl::Status BatchPacker::Flatten(absl::Span<const PrefillTask> tasks, PackedBat
   return absl::OkStatus();
 }
 
-absl::Status BatchPacker::PlanDecode(PackedBatch* out) {
-  const int32_t n = static_cast<int32_t>(seqs_.size());
+absl::Status BatchPacker::PlanDecode(const std::vector<PrefillSeq>& seqs, PackedBatch* out) {
+  const int32_t n = static_cast<int32_t>(seqs.size());
   const int32_t group = geo_.num_qo_heads / geo_.num_kv_heads;
   int32_t max_rows = 1;
-  for (const PrefillSeq& s : seqs_) {
+  for (const PrefillSeq& s : seqs) {
     if (DecodeSeqQualifies(s, geo_)) max_rows = std::max(max_rows, s.q_len * group);
   }
   const int32_t tile_rows = DecodeTileRows(geo_.head_dim, max_rows);
@@ -110,7 +110,7 @@ absl::Status BatchPacker::PlanDecode(PackedBatch* out) {
   dopt.max_partial_slots = std::max<int64_t>(DecodePartialSlots(limits_, geo_.head_dim), 1);
   dopt.max_cluster = limits_.decode_max_cluster[tile_rows == 32 ? 1 : 0];
   dopt.max_items = limits_.max_decode_items;
-  BuildDecodePlan(seqs_.data(), n, geo_, dopt, &decode_plan_);
+  BuildDecodePlan(seqs.data(), n, geo_, dopt, &decode_plan_);
   const int64_t items = static_cast<int64_t>(decode_plan_.items.size());
   if (items > limits_.max_decode_items || decode_plan_.partial_slots > dopt.max_partial_slots) {
     return absl::InternalError(absl::StrCat("decode plan has ", items, " work items and ",
@@ -129,18 +129,28 @@ absl::Status BatchPacker::Plan(PackedBatch* out) {
   decode_plan_.items.clear();
   int32_t num_decode = 0;
   const int32_t n = static_cast<int32_t>(seqs_.size());
+  plan_.items.clear();
+  plan_.merges.clear();
+  plan_.merge_pairs = 0;
+  if (geo_.KvIsFp8()) {
+    // Only the decode family reads FP8 pools: every sequence runs there, in
+    // pieces of at most 8 rows (CutForDecode; --decode_kernel=off does not
+    // apply).
+    CutForDecode(seqs_.data(), n, &decode_pieces_);
+    out->num_items = out->num_merges = 0;
+    out->merge_pairs = 0;
+    if (decode_pieces_.empty()) return absl::OkStatus();
+    return PlanDecode(decode_pieces_, out);
+  }
   if (limits_.decode && DecodeGeometrySupported(geo_)) {
     num_decode = SeqsForPrefillFamily(seqs_.data(), n, geo_, &prefill_seqs_);
   }
   if (num_decode > 0) {
-    if (absl::Status st = PlanDecode(out); !st.ok()) return st;
+    if (absl::Status st = PlanDecode(seqs_, out); !st.ok()) return st;
   }
   // The prefill family plans the rest (decode sequences have q_len 0 in the
   // copy: no items; its items index the same device seqs array).
   const std::vector<PrefillSeq>& rest = num_decode > 0 ? prefill_seqs_ : seqs_;
-  plan_.items.clear();
-  plan_.merges.clear();
-  plan_.merge_pairs = 0;
   if (num_decode < n) {
     const int64_t group = geo_.num_qo_heads / geo_.num_kv_heads;
     int64_t max_packed_rows = 0, rows = 0, row_keys = 0;

@@ -135,7 +135,7 @@ class BatchPacker {
   // Routes the sequences: the decode family's plan into decode_plan_, the
   // prefill kernel and its work items for the rest into plan_.
   absl::Status Plan(PackedBatch* out);
-  absl::Status PlanDecode(PackedBatch* out);
+  absl::Status PlanDecode(const std::vector<PrefillSeq>& seqs, PackedBatch* out);
   // Appends in task order; a later write to the same (layer, slot) wins, so
   // only the last is kept (no races). The kept geo.dtype rows go first, the
   // FP8 rows last; returns how many are FP8.
@@ -149,6 +149,7 @@ class BatchPacker {
   std::vector<PrefillSeq> seqs_;
   std::vector<float> sinks_;  // the sink sets, (sets, num_qo_heads)
   std::vector<PrefillSeq> prefill_seqs_;  // seqs_ with decode sequences' q_len 0
+  std::vector<PrefillSeq> decode_pieces_;  // FP8 pools: seqs_ cut by CutForDecode
   std::vector<std::pair<int32_t, int64_t>> append_rows_;  // (task, row); 16-bit rows first
   std::vector<int64_t> append_slots_;                     // layer-global
   absl::flat_hash_map<int64_t, int64_t> last_append_;

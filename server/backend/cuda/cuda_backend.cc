@@ -315,17 +315,6 @@ absl::Status CudaBackend::Init() {
   if (g.SlotsPerLayer() >= (int64_t{1} << 31)) {
     return absl::InvalidArgumentError("num_pages * page_size must stay below 2^31 per layer");
   }
-  // FP8 KV caches: the plumbing below (pool sizes, the scales on the device,
-  // the quantizing append and dequantizing gather of kernels/kv/, two append
-  // launches per batch) is in place, but the attention families (decode,
-  // sm80, sm90) do not read FP8 pools yet. Until they do, an FP8 pool is
-  // refused here; remove this check together with the kernels' FP8 paths.
-  if (g.KvIsFp8()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--kv_dtype=", Fp8FormatName(g.kv_fp8),
-        ": the CUDA backend's attention kernels do not read FP8 KV caches yet; use "
-        "--kv_dtype=bf16 or fp16 on this backend, or --backend=cpu for an FP8 cache"));
-  }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
   cudaDeviceProp prop;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, options_.device));
@@ -365,13 +354,16 @@ absl::Status CudaBackend::Init() {
   // head, 16-row tile) plus one per sequence; split ones add a partial slot
   // each.
   lim.decode = options_.decode_kernel && DecodeGeometrySupported(g);
-  lim.decode_ctas_per_sm[0] = DecodeCtasPerSm(g.head_dim, g.dtype, 16);
-  lim.decode_ctas_per_sm[1] = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim));
-  lim.decode_max_cluster[0] = DecodeMaxCluster(g.head_dim, g.dtype, 16);
-  lim.decode_max_cluster[1] = DecodeMaxCluster(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim));
+  lim.decode_ctas_per_sm[0] = DecodeCtasPerSm(g.head_dim, g.dtype, 16, g.kv_fp8);
+  lim.decode_ctas_per_sm[1] = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim), g.kv_fp8);
+  lim.decode_max_cluster[0] = DecodeMaxCluster(g.head_dim, g.dtype, 16, g.kv_fp8);
+  lim.decode_max_cluster[1] = DecodeMaxCluster(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim), g.kv_fp8);
   cudaGetLastError();
   const int64_t decode_slots = DecodePartialSlots(lim, g.head_dim);
   lim.max_decode_items = g.num_kv_heads * (lim.max_rows * group / 16 + lim.max_rows + 1) + decode_slots;
+  // FP8 pools cut sequences into pieces of 8 rows (CutForDecode): one more
+  // tile per piece at most.
+  if (g.KvIsFp8()) lim.max_decode_items += g.num_kv_heads * (lim.max_rows / kMaxDecodeQueryRows + 1);
   packer_.emplace(g, lim);
 
   const int64_t pool_bytes = g.PoolBytes();
@@ -829,8 +821,6 @@ absl::Status CudaBackend::ZeroPages(absl::Span<const int32_t> pages, BatchStats*
   return absl::OkStatus();
 }
 
-// NOT RUN ON A GPU YET: Init refuses FP8 pools, so this has only been
-// compiled.
 absl::Status CudaBackend::SetKvScales(int32_t layer, absl::Span<const float> k_scales,
                                       absl::Span<const float> v_scales) {
   if (!geo_.KvIsFp8()) {
