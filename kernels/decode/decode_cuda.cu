@@ -20,7 +20,7 @@ using decode::PagedDecodeKernel;
 // sizes (up to 16 CTAs; sm_90+, where cluster mode runs).
 template <int D, int MT, typename T, int F8>
 cudaError_t ConfigureDecode() {
-  using Tr = DecodeTraits<D, MT>;
+  using Tr = DecodeTraits<D, MT, F8 != 0>;
   auto kernel = PagedDecodeKernel<D, MT, T, F8>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -33,7 +33,7 @@ cudaError_t ConfigureDecode() {
 
 template <int D, int MT, typename T, int F8>
 cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream) {
-  using Tr = DecodeTraits<D, MT>;
+  using Tr = DecodeTraits<D, MT, F8 != 0>;
   auto kernel = PagedDecodeKernel<D, MT, T, F8>;
   // The attributes are per device; set them once per device (a host call
   // per launch adds to the latency of small decode batches).
@@ -69,7 +69,7 @@ cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaSt
 // kernel; 0 below sm_90.
 template <int D, int MT, typename T, int F8>
 int32_t MaxCluster() {
-  using Tr = DecodeTraits<D, MT>;
+  using Tr = DecodeTraits<D, MT, F8 != 0>;
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9 ||
@@ -98,7 +98,7 @@ int32_t MaxCluster() {
 
 template <int D, int MT, typename T, int F8>
 int32_t CtasPerSm() {
-  using Tr = DecodeTraits<D, MT>;
+  using Tr = DecodeTraits<D, MT, F8 != 0>;
   auto kernel = PagedDecodeKernel<D, MT, T, F8>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes) != cudaSuccess) {
     cudaGetLastError();

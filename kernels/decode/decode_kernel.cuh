@@ -22,8 +22,11 @@
 // S = Q K^T MMA is physical dimension ((p & 7) >> 1) * D/4 + kk * 4 +
 // (p >> 3) * 2 + (p & 1), Q is stored in shared memory in that order, and
 // the dot product does not change. For O += P V, column n of n-tile nt is
-// physical dimension n * D/8 + nt (the epilogue writes O back in order). K's
-// scale is folded into the logit transform, V's into the output factor.
+// physical dimension n * D/8 + nt (the epilogue writes O back in order); it
+// runs in fp16 whatever T is (P in [0, 1] and every FP8 value are exact or
+// finer in fp16 than in bf16), so that V's bytes take the hardware's E4M3
+// conversion on sm_89+. K's scale is folded into the logit transform, V's
+// into the output factor.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -41,9 +44,16 @@
 namespace attnserve {
 namespace decode {
 
+// Resident CTAs per SM the kernel is compiled for: 3 for FP8 pools with one
+// m-tile at head_dim 64 / 128 (their registers fit), else 2.
+template <int D, int MT, int F8>
+constexpr int DecodeMinBlocks() {
+  return F8 != 0 && MT == 1 && D <= 128 ? 3 : 2;
+}
+
 template <int D, int MT, typename T, int F8>
-__global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelArgs args) {
-  using Tr = DecodeTraits<D, MT>;
+__global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDecodeKernel(const DecodeKernelArgs args) {
+  using Tr = DecodeTraits<D, MT, F8 != 0>;
   constexpr int kM = Tr::kM;
   constexpr bool kFp8 = F8 != 0;
   constexpr int kStages = kFp8 ? Tr::kStages8 : Tr::kStages;
@@ -243,8 +253,13 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
         for (int w = 0; w < 4; ++w) {
           const int kk = j * 4 + w;
           uint32_t b0[2], b1[2];
-          Fp8x4ToT<F8, T>(w0[w], b0[0], b0[1]);
-          Fp8x4ToT<F8, T>(w1[w], b1[0], b1[1]);
+          if constexpr (std::is_same<T, __half>::value) {
+            Fp8x4ToHalf<F8>(w0[w], b0[0], b0[1]);
+            Fp8x4ToHalf<F8>(w1[w], b1[0], b1[1]);
+          } else {
+            Fp8x4ToT<F8, T>(w0[w], b0[0], b0[1]);
+            Fp8x4ToT<F8, T>(w1[w], b1[0], b1[1]);
+          }
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             uint32_t qa[4];
@@ -311,14 +326,15 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
       }
     }
 
-    // O += P V: P is one 16x16 A fragment per m-tile.
+    // O += P V: P is one 16x16 A fragment per m-tile (fp16 for FP8 pools).
+    using TP = typename std::conditional<kFp8, __half, T>::type;
     uint32_t pa[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      pa[mt][0] = mma::Pack2<T>(s[mt][0][0], s[mt][0][1]);
-      pa[mt][1] = mma::Pack2<T>(s[mt][0][2], s[mt][0][3]);
-      pa[mt][2] = mma::Pack2<T>(s[mt][1][0], s[mt][1][1]);
-      pa[mt][3] = mma::Pack2<T>(s[mt][1][2], s[mt][1][3]);
+      pa[mt][0] = mma::Pack2<TP>(s[mt][0][0], s[mt][0][1]);
+      pa[mt][1] = mma::Pack2<TP>(s[mt][0][2], s[mt][0][3]);
+      pa[mt][2] = mma::Pack2<TP>(s[mt][1][0], s[mt][1][1]);
+      pa[mt][3] = mma::Pack2<TP>(s[mt][1][2], s[mt][1][3]);
     }
     if constexpr (kFp8) {
       // Thread (g, c) reads bytes g * D/8 .. of tokens 2c, 2c + 1 (b0) and
@@ -327,14 +343,14 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
       const int g = lane >> 2, c = lane & 3;
       auto pv4 = [&](int nt0, uint32_t x0, uint32_t x1, uint32_t x8, uint32_t x9) {
         uint32_t lo[4], hi[4];  // n-tiles nt0 .. nt0 + 3: (lo[k], hi[k]) their b0, b1
-        Fp8x4ToT<F8, T>(__byte_perm(x0, x1, 0x5140), lo[0], lo[1]);
-        Fp8x4ToT<F8, T>(__byte_perm(x0, x1, 0x7362), lo[2], lo[3]);
-        Fp8x4ToT<F8, T>(__byte_perm(x8, x9, 0x5140), hi[0], hi[1]);
-        Fp8x4ToT<F8, T>(__byte_perm(x8, x9, 0x7362), hi[2], hi[3]);
+        Fp8x4ToHalf<F8>(__byte_perm(x0, x1, 0x5140), lo[0], lo[1]);
+        Fp8x4ToHalf<F8>(__byte_perm(x0, x1, 0x7362), lo[2], lo[3]);
+        Fp8x4ToHalf<F8>(__byte_perm(x8, x9, 0x5140), hi[0], hi[1]);
+        Fp8x4ToHalf<F8>(__byte_perm(x8, x9, 0x7362), hi[2], hi[3]);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) mma::Mma16816<T>(o_acc[mt][nt0 + k], pa[mt], lo[k], hi[k]);
+          for (int mt = 0; mt < MT; ++mt) mma::Mma16816<__half>(o_acc[mt][nt0 + k], pa[mt], lo[k], hi[k]);
         }
       };
       if constexpr (kVB == 8) {  // head_dim 64: half a chunk per row

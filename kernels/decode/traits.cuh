@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -28,7 +29,10 @@ struct DecodeKernelArgs {
   int64_t slots_per_layer;    // p.geo.SlotsPerLayer()
 };
 
-template <int D, int MT>
+constexpr int ConstMax(int a, int b) { return a > b ? a : b; }
+
+// F8: the pools are FP8 (a smaller ring: see kStages8).
+template <int D, int MT, bool F8 = false>
 struct DecodeTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
@@ -40,7 +44,15 @@ struct DecodeTraits {
   // head_dim 64 / 128; 128 KiB (one CTA per SM) for 256.
   static constexpr int kStages = D == 64 ? 6 : D == 128 ? 3 : 2;
   static constexpr int kStageBytes = kTok * kRowBytes;  // K (or V) of a step
-  static constexpr int kWarpRingBytes = kStages * 2 * kStageBytes;
+  // FP8 pools: rows of D bytes; 8 / 4 / 4 stages for head_dim 64 / 128 /
+  // 256, so that three CTAs fit an SM at head_dim 64 and 128 (about the bytes
+  // in flight per SM of the 16-bit ring, over 12 warps instead of 8).
+  static constexpr int kChunks8 = D / 16;
+  static constexpr int kRowsPerPass8 = 32 / kChunks8;
+  static constexpr int kPasses8 = kTok / kRowsPerPass8;
+  static constexpr int kStageBytes8 = kTok * D;
+  static constexpr int kStages8 = D == 64 ? 8 : 4;
+  static constexpr int kWarpRingBytes = F8 ? kStages8 * 2 * kStageBytes8 : kStages * 2 * kStageBytes;
   static constexpr int kQBytes = kM * kRowBytes;
   static constexpr int kLoopBytes = kQBytes + kWarps * kWarpRingBytes;
   // Epilogue: each warp's scaled O, fp32, rows padded against bank conflicts.
@@ -49,9 +61,12 @@ struct DecodeTraits {
   // Merge: weight of each chunk for each row, then a pass of partials (the
   // rest of the main region).
   static constexpr int kMergeBytes = kMaxDecodeChunks * kM * 4;
+  // At least the warps' O plus the cluster state, and the merge's weights
+  // plus one pass (the 16-bit ring always holds both; the FP8 one may not).
+  static constexpr int kClusterNeed = kCombineBytes + kM * D * 4 + kM * 4;
+  static constexpr int kMergeNeed = kMergeBytes + kM * D * 4;
   static constexpr int kMainBytes =
-      kLoopBytes > kCombineBytes ? (kLoopBytes > kMergeBytes ? kLoopBytes : kMergeBytes)
-                                 : (kCombineBytes > kMergeBytes ? kCombineBytes : kMergeBytes);
+      ConstMax(ConstMax(kLoopBytes, kCombineBytes), ConstMax(kClusterNeed, kMergeNeed));
   // Then: m and l per (warp, row), row max and row sum, the last-CTA flag.
   static constexpr int kSmemBytes = kMainBytes + (2 * kWarps * kM + 2 * kM) * 4 + 16;
   static constexpr int kMergePassBytes = kMainBytes - kMergeBytes;
@@ -63,15 +78,6 @@ struct DecodeTraits {
   static constexpr int kRowsPerPass = 32 / kChunks;
   static constexpr int kPasses = kTok / kRowsPerPass;
   static_assert(kChunks >= 8 && 32 % kChunks == 0, "head_dim 64, 128 or 256");
-
-  // FP8 pools: rows of D bytes in the same ring, so twice the steps in
-  // flight (the same bytes), and the shared memory above is unchanged.
-  static constexpr int kChunks8 = D / 16;
-  static constexpr int kRowsPerPass8 = 32 / kChunks8;
-  static constexpr int kPasses8 = kTok / kRowsPerPass8;
-  static constexpr int kStageBytes8 = kTok * D;
-  static constexpr int kStages8 = kWarpRingBytes / (2 * kStageBytes8);
-  static_assert(kStages8 == 2 * kStages, "an FP8 stage is half a 16-bit one");
 };
 
 // FP8 pools (docs/design.md section 3, "FP8 KV cache"): byte offset of
@@ -119,6 +125,22 @@ template <int F8, typename T>
 __device__ __forceinline__ void Fp8x4ToT(uint32_t w, uint32_t& lo, uint32_t& hi) {
   lo = Fp8HalvesToT<F8, T>(__byte_perm(w, 0u, 0x1404));
   hi = Fp8HalvesToT<F8, T>(__byte_perm(w, 0u, 0x3424));
+}
+
+// The same as fp16 pairs (exact), by the hardware's conversion on sm_89+
+// for E4M3 (one instruction a pair; NaN stays NaN).
+template <int F8>
+__device__ __forceinline__ void Fp8x4ToHalf(uint32_t w, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (F8 == static_cast<int>(Fp8Format::kE4m3)) {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    lo = uint32_t{a.x} | (uint32_t{a.y} << 16);
+    hi = uint32_t{b.x} | (uint32_t{b.y} << 16);
+    return;
+  }
+#endif
+  Fp8x4ToT<F8, __half>(w, lo, hi);
 }
 
 // Byte offset of 16-byte chunk c of row r in a swizzled tile.

@@ -160,7 +160,11 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   const int64_t min_chunk = std::max<int64_t>(quantum, CeilDiv(std::max(options.min_chunk, 1), quantum) * quantum);
   const double token_bytes = 2.0 * geo.head_dim * geo.KvElemBytes();  // K + V of one KV head
   const double hbm = std::max(options.hbm_bytes_per_ns, 1e-3);
-  const double cta_rate = std::max(options.cta_bytes_per_ns, 1e-3);
+  // A CTA on an FP8 pool streams tokens no faster than on a 16-bit one
+  // (its dequantization costs what the halved bytes save; H200,
+  // bench/results/2026-12-02-fp8-h200.md): the same tokens per ns, half the
+  // bytes.
+  const double cta_rate = std::max(options.cta_bytes_per_ns, 1e-3) * geo.KvElemBytes() / 2.0;
   int64_t v_max = 0;
   for (int32_t i : planned) v_max = std::max<int64_t>(v_max, VisibleKeys(seqs[i]).size());
 

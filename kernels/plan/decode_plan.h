@@ -95,7 +95,9 @@ struct DecodePlanOptions {
   // CTA's merge (fence, atomic, one pass over the LSEs, then 8 KiB of
   // partials per chunk and 16-row tile); merge_ns_per_chunk = 150 puts the
   // 1 x 4096 plan at the best of the second run's chunk sweep (16 chunks of
-  // 256 per tile: 0.0203 ms; 8 chunks 0.0226, 32 chunks 0.0208).
+  // 256 per tile: 0.0203 ms; 8 chunks 0.0226, 32 chunks 0.0208). An FP8
+  // pool's CTA is taken to stream half these bytes (the same tokens): its
+  // dequantization costs what the halved bytes save.
   double hbm_bytes_per_ns = 4300;
   double cta_bytes_per_ns = 36;
   double merge_ns = 1000;
