@@ -109,10 +109,10 @@ class PoolRows final : public reference::KvRows {
   PoolRows(const std::vector<uint16_t>& k, const std::vector<uint16_t>& v,
            const std::vector<int32_t>& rows, int64_t row_elems)
       : k_(k), v_(v), rows_(rows), row_elems_(row_elems) {}
-  const uint16_t* K(int32_t, int64_t slot) const override {
+  const void* K(int32_t, int64_t slot) const override {
     return k_.data() + rows_[slot] * row_elems_;
   }
-  const uint16_t* V(int32_t, int64_t slot) const override {
+  const void* V(int32_t, int64_t slot) const override {
     return v_.data() + rows_[slot] * row_elems_;
   }
 

@@ -15,8 +15,13 @@
 // both the same way. K/V bytes = 2 * batch * kv_len * 4 heads *
 // 128 * 2 bytes: each byte read once is the floor.
 //
-// Usage: attnserve_decode_bench [--quick] [--only=WORKLOAD]
-//   --only: run the workloads of that name alone (e.g. decode_b1, for ncu)
+// FP8 workloads (names ending _e4m3 / _e5m2; issue #32) run the same shapes
+// on FP8 pools (1 byte an element, per-head scales) with bf16 queries; their
+// bytes count one byte an element, and they have no prefill comparison (the
+// prefill families read 16-bit pools only).
+//
+// Usage: attnserve_decode_bench [--quick] [--only=WORKLOAD[,WORKLOAD...]]
+//   --only: run the workloads of those names alone (e.g. decode_b1, for ncu)
 // Prints one "RESULT key=value ..." line per measurement, then a table with
 // the issue's targets.
 #include <cuda_runtime.h>
@@ -62,6 +67,7 @@ struct Workload {
   int window_left = -1;
   float soft_cap = 0.f;
   bool sinks = false;
+  Fp8Format kv = Fp8Format::kNone;  // FP8 pools of this format
 };
 
 // Fills n bf16 values with N(0, 1) (never zeros) from a host table.
@@ -132,6 +138,7 @@ double TimeMs(int repeats, Fn&& fn, bool queued = false) {
 
 struct Row {
   std::string name;
+  Fp8Format kv;
   int page_size;
   double ms, tbs, merge_share, prefill_ms;
   double ms_queued, tbs_queued;
@@ -146,6 +153,8 @@ Row RunWorkload(const Workload& w, int repeats) {
   g.num_kv_heads = kKvh;
   g.head_dim = kD;
   g.dtype = KvDType::kBf16;
+  g.kv_fp8 = w.kv;
+  const bool fp8 = g.KvIsFp8();
   const int pages_per_seq = (w.kv_len + w.page_size - 1) / w.page_size;
   g.num_pages = pages_per_seq * w.batch;
 
@@ -167,15 +176,15 @@ Row RunWorkload(const Workload& w, int repeats) {
     s.sink_index = w.sinks ? 0 : -1;
   }
   const int keys_read = w.window_left >= 0 ? std::min(w.kv_len, w.window_left + w.q_len) : w.kv_len;
-  const double kv_bytes = 2.0 * w.batch * double(keys_read) * kKvh * kD * 2;
+  const double kv_bytes = 2.0 * w.batch * double(keys_read) * kKvh * kD * g.KvElemBytes();
 
   // ---- Plans: decode (heuristic, and unsplit for A/B), prefill variant 1 / 0.
   const int sms = NumSms();
   DecodePlanOptions dopt;
   dopt.num_sms = sms;
   const int tile_rows = DecodeTileRows(kD, w.q_len * (kH / kKvh));
-  dopt.ctas_per_sm = DecodeCtasPerSm(kD, g.dtype, tile_rows);
-  dopt.max_cluster = DecodeMaxCluster(kD, g.dtype, tile_rows);
+  dopt.ctas_per_sm = DecodeCtasPerSm(kD, g.dtype, tile_rows, g.kv_fp8);
+  dopt.max_cluster = DecodeMaxCluster(kD, g.dtype, tile_rows, g.kv_fp8);
   DecodePlan dplan;
   BuildDecodePlan(seqs.data(), w.batch, g, dopt, &dplan);
   DecodePlanOptions nopt = dopt;
@@ -185,7 +194,7 @@ Row RunWorkload(const Workload& w, int repeats) {
 
   const size_t q_elems = size_t(w.batch) * w.q_len * kH * kD;
   const size_t pool_elems = g.PoolElems();
-  const double set_bytes = double(q_elems + 2 * pool_elems) * 2;
+  const double set_bytes = double(q_elems) * 2 + 2.0 * pool_elems * g.KvElemBytes();
   const int sets = std::clamp(static_cast<int>(std::ceil(4.0 * L2Bytes() / set_bytes)), 1, 16);
   std::vector<void*> qs(sets), ks(sets), vs(sets);
   for (int i = 0; i < sets; ++i) {
@@ -193,8 +202,18 @@ Row RunWorkload(const Workload& w, int repeats) {
     CHECK_CUDA(cudaMalloc(&ks[i], pool_elems * 2));
     CHECK_CUDA(cudaMalloc(&vs[i], pool_elems * 2));
     FillRandomBf16(qs[i], q_elems, 1 + i);
-    FillRandomBf16(ks[i], pool_elems, 100 + i);
-    FillRandomBf16(vs[i], pool_elems, 200 + i);
+    // FP8 pools: the random bf16 bytes' high halves (sign, exponent, top
+    // mantissa bits) masked to finite values of magnitude below 2.
+    FillRandomBf16(ks[i], fp8 ? pool_elems / 2 : pool_elems, 100 + i);
+    FillRandomBf16(vs[i], fp8 ? pool_elems / 2 : pool_elems, 200 + i);
+    if (fp8) {
+      for (void* pool : {ks[i], vs[i]}) {
+        std::vector<uint8_t> h(pool_elems);
+        CHECK_CUDA(cudaMemcpy(h.data(), pool, pool_elems, cudaMemcpyDeviceToHost));
+        for (auto& b : h) b &= 0xBF;
+        CHECK_CUDA(cudaMemcpy(pool, h.data(), pool_elems, cudaMemcpyHostToDevice));
+      }
+    }
   }
   auto dev_copy = [](const void* src, size_t bytes) {
     void* d = nullptr;
@@ -215,6 +234,9 @@ Row RunWorkload(const Workload& w, int repeats) {
   std::vector<float> h_sinks(kH);
   for (int h = 0; h < kH; ++h) h_sinks[h] = 0.25f * (h % 8);
   void* d_sinks = dev_copy(h_sinks.data(), h_sinks.size() * sizeof(float));
+  std::vector<float> h_scales(kKvh);
+  for (int h = 0; h < kKvh; ++h) h_scales[h] = 0.5f + 0.125f * h;
+  void* d_scales = dev_copy(h_scales.data(), h_scales.size() * sizeof(float));
   float *part_o, *part_lse;
   int32_t* counters;
   CHECK_CUDA(cudaMalloc(&part_o, std::max<int64_t>(dplan.PartOBytes(kD), 4)));
@@ -230,6 +252,8 @@ Row RunWorkload(const Workload& w, int repeats) {
     p.lse = lse;
     p.k_cache = ks[s];
     p.v_cache = vs[s];
+    p.k_scales = fp8 ? static_cast<const float*>(d_scales) : nullptr;
+    p.v_scales = fp8 ? static_cast<const float*>(d_scales) : nullptr;
     p.kv_indices = static_cast<int32_t*>(d_idx);
     p.seqs = static_cast<PrefillSeq*>(d_seqs);
     p.sinks = w.sinks ? static_cast<const float*>(d_sinks) : nullptr;
@@ -266,10 +290,11 @@ Row RunWorkload(const Workload& w, int repeats) {
     });
   }
   const double merge_share = std::max(0.0, (ms - ms_nomerge) / ms);
-  std::printf("RESULT kernel=decode workload=%s batch=%d q=%d kv=%d page_size=%d ms=%.4f kv_tbs=%.3f "
+  std::printf("RESULT kernel=decode workload=%s kv_dtype=%s batch=%d q=%d kv=%d page_size=%d ms=%.4f kv_tbs=%.3f "
               "ms_queued=%.4f kv_tbs_queued=%.3f items=%d "
               "tile_rows=%d chunk=%d split_tiles=%d cluster=%d ctas_per_sm=%d ms_without_merge=%.4f merge_share=%.3f\n",
-              w.name.c_str(), w.batch, w.q_len, w.kv_len, w.page_size, ms, kv_bytes / (ms * 1e-3) / 1e12, ms_queued,
+              w.name.c_str(), fp8 ? Fp8FormatName(g.kv_fp8) : "bf16", w.batch, w.q_len, w.kv_len, w.page_size, ms,
+              kv_bytes / (ms * 1e-3) / 1e12, ms_queued,
               kv_bytes / (ms_queued * 1e-3) / 1e12, n_items,
               dplan.tile_rows, dplan.chunk_len, dplan.split_tiles, dplan.cluster, dopt.ctas_per_sm, ms_nomerge,
               merge_share);
@@ -286,7 +311,7 @@ Row RunWorkload(const Workload& w, int repeats) {
 
   // ---- Chunk sweep (page_size 1 only): forced chunk lengths, to refit the
   // plan's cost model (DecodePlanOptions) from one run.
-  if (w.page_size == 1 && w.q_len == 1 && w.batch != 128 && w.batch != 256) {
+  if (!fp8 && w.page_size == 1 && w.q_len == 1 && w.batch != 128 && w.batch != 256) {
     for (int k : {2, 4, 8, 16, 32}) {
       DecodePlanOptions fopt = dopt;
       fopt.force_chunk = (w.kv_len + k - 1) / k;
@@ -337,8 +362,10 @@ Row RunWorkload(const Workload& w, int repeats) {
   }
 
   // ---- The prefill kernel on the same inputs (variants 1: 64 rows, 0: 128).
-  double best_prefill = 1e30;
+  double best_prefill = 0;  // none for FP8 pools
   for (int variant : {1, 0}) {
+    if (fp8) break;
+    if (best_prefill == 0) best_prefill = 1e30;
     PrefillPlanOptions popt;
     popt.num_sms = sms;
     const PrefillKernel pk = variant == 1 ? PrefillKernel::kSm80Rows64 : PrefillKernel::kSm80;
@@ -398,12 +425,12 @@ Row RunWorkload(const Workload& w, int repeats) {
     cudaFree(ks[i]);
     cudaFree(vs[i]);
   }
-  for (void* p : {o_dec, o_pre, static_cast<void*>(lse), d_idx, d_seqs, d_items, d_nitems, d_sinks,
+  for (void* p : {o_dec, o_pre, static_cast<void*>(lse), d_idx, d_seqs, d_items, d_nitems, d_sinks, d_scales,
                   static_cast<void*>(part_o), static_cast<void*>(part_lse), static_cast<void*>(counters)}) {
     cudaFree(p);
   }
   CHECK_CUDA(cudaGetLastError());
-  return {w.name, w.page_size, ms, kv_bytes / (ms * 1e-3) / 1e12, merge_share, best_prefill,
+  return {w.name, w.kv, w.page_size, ms, kv_bytes / (ms * 1e-3) / 1e12, merge_share, best_prefill,
           ms_queued, kv_bytes / (ms_queued * 1e-3) / 1e12, w.target_ms, w.target_tbs};
 }
 
@@ -465,6 +492,7 @@ int main(int argc, char** argv) {
   const std::vector<Workload> workloads = {
       {"decode_b64", 64, 1, 4096, 1, 0.135, 0},     {"decode_b64", 64, 1, 4096, 16, 0.135, 0},
       {"decode_b128", 128, 1, 4096, 1, 0, 0},       {"decode_b256", 256, 1, 4096, 1, 0.54, 0},
+      {"decode_b256", 256, 1, 4096, 16, 0.54, 0},
       {"decode_b8_128k", 8, 1, 131072, 1, 0, 3.8},  {"decode_b8_128k", 8, 1, 131072, 16, 0, 3.8},
       {"decode_b1", 1, 1, 4096, 1, 0.015, 0},       {"decode_b1", 1, 1, 4096, 16, 0.015, 0},
       {"spec_b64_q4", 64, 4, 4096, 1, 0, 3.8},      {"spec_b64_q4", 64, 4, 4096, 16, 0, 3.8},
@@ -472,10 +500,22 @@ int main(int argc, char** argv) {
       // and sinks against decode_b64.
       {"win128_b64_32k", 64, 1, 32768, 16, 0, 0, 127}, {"decode_b64_128", 64, 1, 128, 16, 0, 0},
       {"decode_b64_cap", 64, 1, 4096, 16, 0, 0, -1, 30.f}, {"decode_b64_sink", 64, 1, 4096, 16, 0, 0, -1, 0.f, true},
+      // FP8 pools (issue #32's targets), bf16 queries.
+      {"decode_b64_e4m3", 64, 1, 4096, 1, 0.075, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      {"decode_b64_e4m3", 64, 1, 4096, 16, 0.075, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      {"decode_b64_e5m2", 64, 1, 4096, 16, 0.075, 0, -1, 0.f, false, Fp8Format::kE5m2},
+      {"decode_b256_e4m3", 256, 1, 4096, 1, 0.28, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      {"decode_b256_e4m3", 256, 1, 4096, 16, 0.28, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      {"decode_b8_128k_e4m3", 8, 1, 131072, 1, 0.28, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      {"decode_b8_128k_e4m3", 8, 1, 131072, 16, 0.28, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      {"decode_b1_e4m3", 1, 1, 4096, 16, 0, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      {"spec_b64_q4_e4m3", 64, 4, 4096, 16, 0, 0, -1, 0.f, false, Fp8Format::kE4m3},
   };
   std::vector<Row> rows;
   for (const auto& w : workloads) {
-    if (only.empty() || w.name == only) rows.push_back(RunWorkload(w, reps));
+    if (only.empty() || ("," + only + ",").find("," + w.name + ",") != std::string::npos) {
+      rows.push_back(RunWorkload(w, reps));
+    }
   }
   if (rows.empty()) {
     std::fprintf(stderr, "--only=%s names no workload\n", only.c_str());
@@ -486,7 +526,7 @@ int main(int argc, char** argv) {
   std::printf("4-byte memset kernel, timed as the workloads (launch + event floor): %.4f ms idle, %.4f ms queued\n",
               empty_ms, empty_queued_ms);
   std::printf("ms: idle device (host launch latency included); queued: behind a spin kernel (device time)\n");
-  std::printf("%-15s %3s %9s %8s %9s %8s %7s %11s %8s %-16s %s\n", "workload", "ps", "ms", "TB/s", "ms_queued",
+  std::printf("%-19s %3s %9s %8s %9s %8s %7s %11s %8s %-16s %s\n", "workload", "ps", "ms", "TB/s", "ms_queued",
               "TB/s", "merge%", "prefill_ms", "speedup", "target", "met (idle / queued)");
   for (const auto& r : rows) {
     char target[64] = "-";
@@ -500,7 +540,7 @@ int main(int argc, char** argv) {
       met = r.tbs >= r.target_tbs;
       met_queued = r.tbs_queued >= r.target_tbs;
     }
-    std::printf("%-15s %3d %9.4f %8.2f %9.4f %8.2f %6.1f%% %11.4f %7.2fx %-16s %s\n", r.name.c_str(), r.page_size,
+    std::printf("%-19s %3d %9.4f %8.2f %9.4f %8.2f %6.1f%% %11.4f %7.2fx %-16s %s\n", r.name.c_str(), r.page_size,
                 r.ms, r.tbs, r.ms_queued, r.tbs_queued, 100 * r.merge_share, r.prefill_ms, r.prefill_ms / r.ms,
                 target,
                 (r.target_ms > 0 || r.target_tbs > 0)

@@ -108,6 +108,15 @@ ABSL_FLAG(bool, retain_freed_memory, true,
 ABSL_FLAG(std::string, metrics, "", "HOST:PORT of the server's /metrics, for requests per launch");
 ABSL_FLAG(std::string, json, "", "also write the results as JSON to this path");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
+ABSL_FLAG(std::string, kv_dtype, "",
+          "the server's KV cache dtype this run expects (bf16, fp16, fp8_e4m3, fp8_e5m2): "
+          "another one exits 1 before anything is written; empty: any");
+ABSL_FLAG(double, kv_scale, 0,
+          "FP8 servers: set K's and V's scale of --layer to this before writing (SetKvScales); "
+          "0: keep the server's");
+ABSL_FLAG(bool, fp8_rows, false,
+          "FP8 servers: write the K/V rows already quantized (as the cache stores them) instead "
+          "of 16-bit rows the server quantizes");
 
 namespace attnserve {
 namespace {
@@ -217,6 +226,15 @@ class Worker {
     if (!attention.ok()) return attention.status();
     mirror_ = std::make_unique<KvMirror>(g);
     const int32_t layer = absl::GetFlag(FLAGS_layer);
+    if (g.KvIsFp8() && absl::GetFlag(FLAGS_kv_scale) > 0) {
+      const float scale = static_cast<float>(absl::GetFlag(FLAGS_kv_scale));
+      absl::Status s = client_->SetKvScales({LayerKvScales{layer, {scale}, {scale}}});
+      if (!s.ok()) return s;
+    }
+    // The server's scales: the mirror quantizes (--fp8_rows: the rows sent)
+    // and dequantizes with them.
+    if (absl::Status s = MirrorServerScales(*client_, mirror_.get()); !s.ok()) return s;
+    const bool fp8_rows = g.KvIsFp8() && absl::GetFlag(FLAGS_fp8_rows);
     const std::vector<int64_t> slots = SlotsOfPages(g, pages_);
     // Written in pieces so that no WriteKV approaches the message limit.
     const size_t chunk = std::max<int64_t>(1, (16ll << 20) / (2 * g.RowElems()));
@@ -225,6 +243,19 @@ class Worker {
       absl::Span<const int64_t> part = absl::MakeConstSpan(slots).subspan(at, n);
       auto k = RandomHalves(gen, g.dtype, static_cast<int64_t>(n) * g.RowElems());
       auto v = RandomHalves(gen, g.dtype, static_cast<int64_t>(n) * g.RowElems());
+      if (fp8_rows) {
+        // Quantized here as the server would (the mirror's copy is exactly
+        // that), and sent as stored.
+        mirror_->Write(layer, part, k, v);
+        std::vector<uint8_t> k8(n * g.RowElems()), v8(k8.size());
+        for (size_t i = 0; i < n; ++i) {
+          std::memcpy(k8.data() + i * g.RowElems(), mirror_->StoredK(layer, part[i]), g.RowElems());
+          std::memcpy(v8.data() + i * g.RowElems(), mirror_->StoredV(layer, part[i]), g.RowElems());
+        }
+        absl::Status s = client_->WriteKVFp8(layer, part, k8, v8);
+        if (!s.ok()) return s;
+        continue;
+      }
       absl::Status s = client_->WriteKV(layer, part, k, v);
       if (!s.ok()) return s;
       mirror_->Write(layer, part, k, v);
@@ -560,6 +591,16 @@ int Main() {
   // Every client holds its pages for the whole run: say so before allocating
   // when they cannot fit.
   const v1::ServerInfo& start_info = (*info_client)->info();
+  if (const std::string want = absl::GetFlag(FLAGS_kv_dtype); !want.empty()) {
+    const KvGeometry g = GeometryOf(start_info);
+    const std::string have =
+        g.KvIsFp8() ? Fp8FormatName(g.kv_fp8) : (g.dtype == KvDType::kBf16 ? "bf16" : "fp16");
+    if (want != have) {
+      std::cerr << "error: --kv_dtype=" << want << ", but the server's KV cache is " << have
+                << " (its --kv_dtype)\n";
+      return 1;
+    }
+  }
   const int64_t per_client =
       PagesPerClient(specs, absl::GetFlag(FLAGS_batch), start_info.page_size());
   if (per_client * concurrency > start_info.free_pages()) {

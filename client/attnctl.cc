@@ -4,7 +4,7 @@
 //   attnctl alloc 4
 //   attnctl free 0 1 2 3
 //   attnctl write --layer=0 SLOT...      (random K/V rows; prints a checksum)
-//   attnctl read --layer=0 SLOT...
+//   attnctl read --layer=0 SLOT...       (--dequantize: an FP8 server's rows as values)
 //   attnctl prefill --batch=4 --q_len=64 --kv_len=512   (verified; prints errors)
 //   attnctl prefill --window_left=128 --soft_cap=50 --sinks=random
 //   attnctl merge --states=3 --n=16                     (verified)
@@ -12,11 +12,14 @@
 //   attnctl unregister NAME...           (e.g. regions a dead client left)
 //   attnctl holdings                     (what the caller's tenant holds, per lease)
 //   attnctl release-all                  (releases all of it: pages, plans, regions, leases)
+//   attnctl scales                       (an FP8 server's KV scales, every layer)
+//   attnctl set-scales --layer=0 --k_scale=0.02 --v_scale=0.01   (or one value per KV head: 0.02,0.03)
 //   attnctl health [SERVICE]             (exit 0 only when SERVING)
 #include <cstdio>
 #include <iostream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -24,6 +27,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "client/cli_flags.h"
 #include "client/client.h"
 #include "client/workload.h"
@@ -39,6 +43,12 @@ ABSL_FLAG(bool, lse_base_e, false, "prefill/merge: natural-log LSE");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
 ABSL_FLAG(int32_t, states, 3, "merge: number of states");
 ABSL_FLAG(int64_t, n, 16, "merge: tokens per state");
+ABSL_FLAG(bool, dequantize, false,
+          "read: an FP8 server's rows as q_dtype values (stored value x scale) instead of the "
+          "stored FP8 bytes");
+ABSL_FLAG(std::string, k_scale, "",
+          "set-scales: K's scale of --layer, one value or num_kv_heads comma-separated values");
+ABSL_FLAG(std::string, v_scale, "", "set-scales: V's scale of --layer, as --k_scale");
 
 namespace attnserve {
 namespace {
@@ -61,9 +71,10 @@ absl::StatusOr<std::vector<int64_t>> ParseInts(const std::vector<char*>& args, s
   return out;
 }
 
-uint64_t Checksum(absl::Span<const uint16_t> a) {
+template <typename T>
+uint64_t Checksum(const std::vector<T>& a) {
   uint64_t h = 1469598103934665603ull;
-  for (uint16_t x : a) h = (h ^ x) * 1099511628211ull;
+  for (T x : a) h = (h ^ x) * 1099511628211ull;
   return h;
 }
 
@@ -85,6 +96,8 @@ int Prefill(Client& client) {
   if (!pages.ok()) return Fail(pages.status());
   // Fill every allocated page with random K/V and keep a copy for the reference.
   KvMirror mirror(g);
+  // An FP8 server quantizes the rows with its scales: the mirror does too.
+  if (absl::Status s = MirrorServerScales(client, &mirror); !s.ok()) return Fail(s);
   std::vector<int64_t> slots = SlotsOfPages(g, *pages);
   auto k = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
   auto v = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
@@ -224,11 +237,53 @@ int Main(std::vector<char*> args) {
       std::cout << "wrote " << slots->size() << " rows, k checksum " << Checksum(k)
                 << ", v checksum " << Checksum(v) << "\n";
     } else {
-      auto kv = c.ReadKV(absl::GetFlag(FLAGS_layer), *slots);
+      auto kv = c.ReadKV(absl::GetFlag(FLAGS_layer), *slots, absl::GetFlag(FLAGS_dequantize));
       if (!kv.ok()) return Fail(kv.status());
-      std::cout << "read " << slots->size() << " rows, k checksum " << Checksum(kv->k)
-                << ", v checksum " << Checksum(kv->v) << "\n";
+      if (!kv->k_fp8.empty() || !kv->v_fp8.empty()) {
+        std::cout << "read " << slots->size() << " rows as stored ("
+                  << v1::DType_Name(c.info().kv_dtype()) << "), k checksum "
+                  << Checksum(kv->k_fp8) << ", v checksum " << Checksum(kv->v_fp8) << "\n";
+      } else {
+        std::cout << "read " << slots->size() << " rows, k checksum " << Checksum(kv->k)
+                  << ", v checksum " << Checksum(kv->v) << "\n";
+      }
     }
+    return 0;
+  }
+  if (cmd == "scales") {
+    auto scales = c.GetKvScales();
+    if (!scales.ok()) return Fail(scales.status());
+    if (scales->empty()) {
+      std::cout << "no KV scales: the server's kv_dtype is " << v1::DType_Name(c.info().kv_dtype())
+                << " (scales apply to FP8 caches)\n";
+    }
+    for (const LayerKvScales& l : *scales) {
+      std::cout << "layer " << l.layer << " k_scale " << absl::StrJoin(l.k_scale, ",")
+                << " v_scale " << absl::StrJoin(l.v_scale, ",") << "\n";
+    }
+    return 0;
+  }
+  if (cmd == "set-scales") {
+    LayerKvScales l;
+    l.layer = absl::GetFlag(FLAGS_layer);
+    for (auto [flag, name, out] : {std::tuple{absl::GetFlag(FLAGS_k_scale), "--k_scale", &l.k_scale},
+                                   std::tuple{absl::GetFlag(FLAGS_v_scale), "--v_scale", &l.v_scale}}) {
+      for (absl::string_view part : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
+        float x = 0;
+        if (!absl::SimpleAtof(part, &x)) {
+          std::cerr << "error: " << name << "=" << flag << ": not a list of numbers\n";
+          return 2;
+        }
+        out->push_back(x);
+      }
+      if (out->empty()) {
+        std::cerr << "usage: attnctl set-scales --layer=L --k_scale=X[,X...] --v_scale=Y[,Y...]\n";
+        return 2;
+      }
+    }
+    absl::Status s = c.SetKvScales({l});
+    if (!s.ok()) return Fail(s);
+    std::cout << "layer " << l.layer << " scales set\n";
     return 0;
   }
   if (cmd == "regions") {
@@ -300,7 +355,8 @@ int main(int argc, char** argv) {
        "  alloc COUNT          allocate pages; prints their ids\n"
        "  free PAGE...         free pages\n"
        "  write SLOT...        random K/V rows into slots of --layer; prints checksums\n"
-       "  read SLOT...         read K/V rows of --layer; prints checksums\n"
+       "  read SLOT...         read K/V rows of --layer; prints checksums (an FP8 server's\n"
+       "                       stored bytes, or with --dequantize their values)\n"
        "  regions              the caller's shared-memory regions (docs/transport.md)\n"
        "  unregister NAME...   unregister regions (e.g. ones a dead client left)\n"
        "  holdings             what the caller's tenant holds: pages, plans, regions and\n"
@@ -308,6 +364,8 @@ int main(int argc, char** argv) {
        "  release-all          release everything the caller's tenant holds, leases included\n"
        "  prefill              a random ragged batch, verified against a float64 reference\n"
        "  merge                random states merged by the server, verified\n"
+       "  scales               an FP8 server's KV scales of every layer\n"
+       "  set-scales           set --layer's --k_scale and --v_scale on an FP8 server\n"
        "  health [SERVICE]     exit 0 only when SERVING",
        {{"client/attnctl.cc", "Flags"}, {"client/cli_flags.cc", "Connection flags"}}});
   attnserve::HideGrpcLogs();

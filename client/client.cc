@@ -29,7 +29,8 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   return ss.str();
 }
 
-v1::DType WireDType(const v1::ServerInfo& info) { return info.kv_dtype(); }
+// The dtype of queries, outputs, states and 16-bit K/V rows.
+v1::DType WireDType(const v1::ServerInfo& info) { return QueryDType(info); }
 
 void SetOptions(const AttentionOptions& o, v1::AttentionOptions* out) {
   if (o.window_left) out->set_window_left(*o.window_left);
@@ -224,8 +225,15 @@ KvGeometry GeometryOf(const v1::ServerInfo& info) {
   g.num_qo_heads = info.num_qo_heads();
   g.num_kv_heads = info.num_kv_heads();
   g.head_dim = info.head_dim();
-  g.dtype = info.kv_dtype() == v1::DTYPE_FP16 ? KvDType::kFp16 : KvDType::kBf16;
+  g.dtype = QueryDType(info) == v1::DTYPE_FP16 ? KvDType::kFp16 : KvDType::kBf16;
+  g.kv_fp8 = info.kv_dtype() == v1::DTYPE_FP8_E4M3   ? Fp8Format::kE4m3
+             : info.kv_dtype() == v1::DTYPE_FP8_E5M2 ? Fp8Format::kE5m2
+                                                     : Fp8Format::kNone;
   return g;
+}
+
+v1::DType QueryDType(const v1::ServerInfo& info) {
+  return info.q_dtype() != v1::DTYPE_UNSPECIFIED ? info.q_dtype() : info.kv_dtype();
 }
 
 absl::Status Client::FromGrpc(const grpc::Status& status) {
@@ -423,22 +431,92 @@ absl::Status Client::WriteKV(int32_t layer, absl::Span<const int64_t> slots,
   return absl::OkStatus();
 }
 
-absl::StatusOr<KvData> Client::ReadKV(int32_t layer, absl::Span<const int64_t> slots) {
+absl::Status Client::WriteKVFp8(int32_t layer, absl::Span<const int64_t> slots,
+                                absl::Span<const uint8_t> k, absl::Span<const uint8_t> v) {
+  v1::WriteKVRequest req;  // k and v follow inline
+  req.set_layer(layer);
+  req.mutable_slots()->Assign(slots.begin(), slots.end());
+  req.set_expected_incarnation(incarnation());
+  req.set_lease_id(lease_id());
+  const int64_t n = static_cast<int64_t>(slots.size());
+  const std::vector<int64_t> shape = {n, info_.num_kv_heads(), info_.head_dim()};
+  const v1::DType dtype = info_.kv_dtype() == v1::DTYPE_FP8_E5M2 ? v1::DTYPE_FP8_E5M2 : v1::DTYPE_FP8_E4M3;
+  const InlineTensor tensors[] = {{3, dtype, shape, k.data(), k.size()},
+                                  {4, dtype, shape, v.data(), v.size()}};
+  BorrowedMemory borrowed;
+  grpc::ByteBuffer bytes;
+  grpc::Status s = CallRaw(raw_->write_kv, EncodeRequest(req, tensors, &borrowed), &bytes);
+  borrowed.WaitReleased();
+  if (!s.ok()) return FromGrpc(s);
+  v1::WriteKVResponse resp;
+  if (!grpc::SerializationTraits<v1::WriteKVResponse>::Deserialize(&bytes, &resp).ok()) {
+    return absl::InternalError("response does not parse as attnserve.v1.WriteKVResponse");
+  }
+  Learn(resp.incarnation());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<KvData> Client::ReadKV(int32_t layer, absl::Span<const int64_t> slots,
+                                      bool dequantize) {
   v1::ReadKVRequest req;
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
+  req.set_dequantize(dequantize);
   grpc::ByteBuffer bytes;
   grpc::Status s = CallRaw(raw_->read_kv, EncodeRequest(req, {}, nullptr), &bytes);
   if (!s.ok()) return FromGrpc(s);
   KvData out;
   ReceivedTensor k, v;
   uint64_t seen = 0;
-  absl::Status parsed = ReadTensorResponse(bytes, "attnserve.v1.ReadKVResponse", &k,
-                                           Into(&out.k), &v, Into(&out.v), &seen);
+  // An FP8 server answers its stored bytes unless asked to dequantize.
+  const bool fp8 = GeometryOf(info_).KvIsFp8() && !dequantize;
+  absl::Status parsed =
+      fp8 ? ReadTensorResponse(bytes, "attnserve.v1.ReadKVResponse", &k, Into(&out.k_fp8), &v,
+                               Into(&out.v_fp8), &seen)
+          : ReadTensorResponse(bytes, "attnserve.v1.ReadKVResponse", &k, Into(&out.k), &v,
+                               Into(&out.v), &seen);
   if (!parsed.ok()) return absl::InternalError(parsed.message());
+  const v1::DType want = fp8 ? info_.kv_dtype() : WireDType(info_);
+  if ((k.present && k.dtype != want) || (v.present && v.dtype != want)) {
+    return absl::InternalError(absl::StrCat("ReadKV answered rows of dtype ", k.dtype,
+                                            ", this client expected ", v1::DType_Name(want)));
+  }
   Learn(seen);
+  return out;
+}
+
+absl::Status Client::SetKvScales(absl::Span<const LayerKvScales> layers) {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::SetKvScalesRequest req;
+  for (const LayerKvScales& l : layers) {
+    v1::LayerKvScales* m = req.add_layers();
+    m->set_layer(l.layer);
+    m->mutable_k_scale()->Assign(l.k_scale.begin(), l.k_scale.end());
+    m->mutable_v_scale()->Assign(l.v_scale.begin(), l.v_scale.end());
+  }
+  req.set_expected_incarnation(incarnation());
+  v1::SetKvScalesResponse resp;
+  grpc::Status s = stub_->SetKvScales(&ctx, req, &resp);
+  if (!s.ok()) return FromGrpc(s);
+  Learn(resp.incarnation());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<LayerKvScales>> Client::GetKvScales() {
+  grpc::ClientContext ctx;
+  PrepareContext(&ctx);
+  v1::GetKvScalesResponse resp;
+  grpc::Status s = stub_->GetKvScales(&ctx, v1::GetKvScalesRequest(), &resp);
+  if (!s.ok()) return FromGrpc(s);
+  Learn(resp.incarnation());
+  std::vector<LayerKvScales> out;
+  for (const v1::LayerKvScales& m : resp.layers()) {
+    out.push_back({m.layer(), std::vector<float>(m.k_scale().begin(), m.k_scale().end()),
+                   std::vector<float>(m.v_scale().begin(), m.v_scale().end())});
+  }
   return out;
 }
 
@@ -470,7 +548,19 @@ grpc::ByteBuffer Client::EncodePrefill(const PrefillArgs& a, BorrowedMemory* bor
   if (a.causal) req.set_causal(*a.causal);
   req.set_lse_base(a.lse_base_e ? v1::LSE_BASE_E : v1::LSE_BASE_2);
   const bool append_in_region = a.append_k_region || a.append_v_region;
-  if (!append_in_region && (!a.append_slots.empty() || !a.append_k.empty())) {
+  const bool append_fp8 = !a.append_k_fp8.empty() || !a.append_v_fp8.empty();
+  if (!append_in_region && append_fp8) {
+    // Rows as an FP8 server stores them.
+    const int64_t row = int64_t{info_.num_kv_heads()} * info_.head_dim();
+    const int64_t n = !a.append_slots.empty() ? static_cast<int64_t>(a.append_slots.size())
+                      : row == 0             ? 0
+                                             : static_cast<int64_t>(a.append_k_fp8.size()) / row;
+    req.mutable_append_slots()->Assign(a.append_slots.begin(), a.append_slots.end());
+    tensors.push_back({11, info_.kv_dtype(), {n, info_.num_kv_heads(), info_.head_dim()},
+                       a.append_k_fp8.data(), a.append_k_fp8.size()});
+    tensors.push_back({12, info_.kv_dtype(), {n, info_.num_kv_heads(), info_.head_dim()},
+                       a.append_v_fp8.data(), a.append_v_fp8.size()});
+  } else if (!append_in_region && (!a.append_slots.empty() || !a.append_k.empty())) {
     // With a plan the slots are the plan's: the rows come from append_k.
     const int64_t row = int64_t{info_.num_kv_heads()} * info_.head_dim();
     const int64_t n = !a.append_slots.empty() ? static_cast<int64_t>(a.append_slots.size())

@@ -5,9 +5,10 @@
 //   (*client)->WriteKV(/*layer=*/0, slots, k, v);
 //   auto out = (*client)->Prefill(args);   // out->o, out->lse
 //
-// Tensors are raw 16-bit values (bf16 or fp16, as the server's kv_dtype) and
-// float32 LSEs. Errors come back as absl::Status with the server's code and
-// message.
+// Tensors are raw 16-bit values (bf16 or fp16, as the server's q_dtype) and
+// float32 LSEs; on an FP8 server K and V rows may also be FP8 bytes as the
+// cache stores them (WriteKVFp8, ReadKV without dequantize). Errors come back
+// as absl::Status with the server's code and message.
 //
 // Restart safety: the client remembers the server's incarnation from its
 // first answer and sends it as expected_incarnation with every later request
@@ -126,6 +127,10 @@ struct PrefillArgs {
   absl::Span<const int64_t> append_slots;
   absl::Span<const uint16_t> append_k;         // (n, num_kv_heads, head_dim)
   absl::Span<const uint16_t> append_v;
+  // Or, on an FP8 server, the rows as its cache stores them (FP8 bytes of
+  // its kv_dtype), instead of append_k / append_v (which then stay empty).
+  absl::Span<const uint8_t> append_k_fp8;
+  absl::Span<const uint8_t> append_v_fp8;
   uint64_t expected_incarnation = 0;  // 0: the client's remembered incarnation
   uint64_t lease_id = 0;              // 0: the client's lease (UseLease), if any
   // A plan from CreatePlan: then qo_indptr .. kv_last_page_len,
@@ -177,8 +182,20 @@ struct PrefillResult {
 };
 
 struct KvData {
-  std::vector<uint16_t> k;  // (n, num_kv_heads, head_dim)
+  std::vector<uint16_t> k;  // (n, num_kv_heads, head_dim): 16-bit rows (q_dtype)
   std::vector<uint16_t> v;
+  // An FP8 server's stored bytes (ReadKV without dequantize), k and v empty
+  // then; empty otherwise.
+  std::vector<uint8_t> k_fp8;
+  std::vector<uint8_t> v_fp8;
+};
+
+// One layer's KV scales of an FP8 server (SetKvScales, GetKvScales): 1 entry
+// (the whole layer) or num_kv_heads entries each; real = fp8 value x scale.
+struct LayerKvScales {
+  int32_t layer = 0;
+  std::vector<float> k_scale;
+  std::vector<float> v_scale;
 };
 
 struct State {
@@ -186,8 +203,13 @@ struct State {
   std::vector<float> lse;   // (n, h)
 };
 
-// The KV geometry a server reports.
+// The KV geometry a server reports (dtype: its q_dtype; kv_fp8: its
+// kv_dtype when that is FP8).
 KvGeometry GeometryOf(const v1::ServerInfo& info);
+
+// A server's query dtype: q_dtype, or kv_dtype from a server that predates
+// q_dtype (and has a 16-bit cache).
+v1::DType QueryDType(const v1::ServerInfo& info);
 
 // A lease GrantLease gave: its id and its time-to-live.
 struct LeaseGrant {
@@ -225,9 +247,25 @@ class Client {
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
   absl::StatusOr<std::vector<int32_t>> AllocatePages(int32_t count);
   absl::Status FreePages(absl::Span<const int32_t> page_ids);
+  // k, v: (n, num_kv_heads, head_dim) 16-bit rows of the server's q_dtype
+  // (an FP8 server quantizes them with the layer's scales).
   absl::Status WriteKV(int32_t layer, absl::Span<const int64_t> slots,
                        absl::Span<const uint16_t> k, absl::Span<const uint16_t> v);
-  absl::StatusOr<KvData> ReadKV(int32_t layer, absl::Span<const int64_t> slots);
+  // An FP8 server: rows as its cache stores them (bytes of its kv_dtype).
+  // To a 16-bit server they go as DTYPE_FP8_E4M3, which it refuses
+  // (INVALID_ARGUMENT naming k.dtype).
+  absl::Status WriteKVFp8(int32_t layer, absl::Span<const int64_t> slots,
+                          absl::Span<const uint8_t> k, absl::Span<const uint8_t> v);
+  // The rows as stored (an FP8 server's bytes in k_fp8 / v_fp8), or with
+  // dequantize, an FP8 server's rows as q_dtype values (stored value x
+  // scale) in k / v.
+  absl::StatusOr<KvData> ReadKV(int32_t layer, absl::Span<const int64_t> slots,
+                                bool dequantize = false);
+  // An FP8 server's KV scales: sets the layers listed (all or none), or
+  // reads every layer's (num_kv_heads entries each; empty from a 16-bit
+  // server). docs/design.md, "FP8 KV cache".
+  absl::Status SetKvScales(absl::Span<const LayerKvScales> layers);
+  absl::StatusOr<std::vector<LayerKvScales>> GetKvScales();
   absl::StatusOr<PrefillResult> Prefill(const PrefillArgs& args);
   // Prefill into the caller's result, whose vectors' memory is reused: the
   // response's bytes are copied once, into memory already mapped when the

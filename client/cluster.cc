@@ -17,6 +17,12 @@
 #include "absl/time/clock.h"
 #include "kernels/merge_states.h"
 
+#define ATTN_CLUSTER_RETURN_IF_ERROR(expr)     \
+  do {                                         \
+    absl::Status _st = (expr);                 \
+    if (!_st.ok()) return _st;                 \
+  } while (0)
+
 namespace attnserve {
 namespace {
 
@@ -61,10 +67,16 @@ std::string GeometryDifference(const KvGeometry& a, const KvGeometry& b) {
   cmp("num_qo_heads", a.num_qo_heads, b.num_qo_heads);
   cmp("num_kv_heads", a.num_kv_heads, b.num_kv_heads);
   cmp("head_dim", a.head_dim, b.head_dim);
+  auto q_name = [](const KvGeometry& g) { return g.dtype == KvDType::kBf16 ? "bf16" : "fp16"; };
+  auto kv_name = [&](const KvGeometry& g) {
+    return g.KvIsFp8() ? Fp8FormatName(g.kv_fp8) : q_name(g);
+  };
+  if (std::string(kv_name(a)) != kv_name(b)) {
+    diffs.push_back(
+        absl::StrCat("kv_dtype=", kv_name(b), " (the others have ", kv_name(a), ")"));
+  }
   if (a.dtype != b.dtype) {
-    diffs.push_back(absl::StrCat("kv_dtype=", b.dtype == KvDType::kBf16 ? "bf16" : "fp16",
-                                 " (the others have ",
-                                 a.dtype == KvDType::kBf16 ? "bf16" : "fp16", ")"));
+    diffs.push_back(absl::StrCat("q_dtype=", q_name(b), " (the others have ", q_name(a), ")"));
   }
   return absl::StrJoin(diffs, ", ");
 }
@@ -170,7 +182,37 @@ absl::StatusOr<int32_t> Cluster::AddServer(const std::string& address) {
   s->kv = std::make_unique<KvManager>(s->client.get(), options_.kv);
   s->free_base = s->client->info().free_pages();
   servers_.push_back(std::move(s));
-  return static_cast<int32_t>(servers_.size() - 1);
+  const int32_t index = static_cast<int32_t>(servers_.size() - 1);
+  if (absl::Status st = ApplyScales(index); !st.ok()) {
+    servers_.pop_back();
+    return absl::Status(st.code(), absl::StrCat("server ", address, ": ", st.message()));
+  }
+  return index;
+}
+
+absl::Status Cluster::ApplyScales(int32_t server) {
+  Server& s = *servers_[server];
+  if (kv_scales_.empty() || s.scales_incarnation == s.client->incarnation()) {
+    return absl::OkStatus();
+  }
+  std::vector<LayerKvScales> layers;
+  for (const auto& [layer, l] : kv_scales_) layers.push_back(l);
+  ATTN_CLUSTER_RETURN_IF_ERROR(s.client->SetKvScales(layers));
+  s.scales_incarnation = s.client->incarnation();
+  return absl::OkStatus();
+}
+
+absl::Status Cluster::SetKvScales(absl::Span<const LayerKvScales> layers) {
+  for (const auto& s : servers_) {
+    if (s->gone) continue;
+    absl::Status st = s->client->SetKvScales(layers);
+    if (!st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("server ", s->address, ": ", st.message()));
+    }
+    s->scales_incarnation = s->client->incarnation();
+  }
+  for (const LayerKvScales& l : layers) kv_scales_[l.layer] = l;
+  return absl::OkStatus();
 }
 
 int64_t Cluster::FreeEstimate(const Server& s) const {
@@ -232,6 +274,8 @@ std::vector<int64_t> Cluster::LoseServer(int32_t server, Loss why, bool gone) {
       s.reachable = true;
       auto info = s.client->GetServerInfo();  // learns the new incarnation
       if (info.ok()) ReadInfo(server, *info);
+      // No new sequences before it has the cluster's KV scales again.
+      if (!info.ok() || !ApplyScales(server).ok()) s.reachable = false;
     }
   }
   std::sort(lost.begin(), lost.end());
@@ -320,6 +364,8 @@ absl::Status Cluster::Refresh() {
       continue;
     }
     ReadInfo(i, *info);
+    // A server that could not take the KV scales takes no new sequences.
+    if (!ApplyScales(i).ok()) s.reachable = false;
   }
   if (!lost.empty()) return LostError(lost, "their server restarted or left");
   return resolved;

@@ -44,6 +44,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -215,6 +216,12 @@ class Cluster {
   // (its lease revoked), best effort.
   absl::Status Release();
 
+  // FP8 servers: sets the KV scales (Client::SetKvScales) on every server,
+  // and keeps them for servers that join or restart later (their scales
+  // start at 1.0; a server that cannot take them takes no new sequences).
+  // The first server's error names it; servers that took them keep them.
+  absl::Status SetKvScales(absl::Span<const LayerKvScales> layers);
+
   int64_t KvLen(int64_t seq_id) const;      // -1 when unknown
   std::vector<Shard> ShardsOf(int64_t seq_id) const;
   std::vector<int64_t> Sequences() const;  // known and not lost
@@ -228,6 +235,7 @@ class Cluster {
     bool listed = true;      // in the last resolution (or a fixed target)
     bool reachable = true;
     bool gone = false;       // left the cluster: never used again
+    uint64_t scales_incarnation = 0;  // the incarnation kv_scales_ were last given to
     int64_t epoch = 0;       // restarts seen
     int64_t free_base = 0;   // free_pages of the last Info
     int64_t held_base = 0;   // kv->NumPages() then
@@ -255,6 +263,8 @@ class Cluster {
                                                               absl::Span<const int32_t> q_lens,
                                                               bool* again);
   absl::StatusOr<int32_t> AddServer(const std::string& address);
+  // kv_scales_ to the server unless its incarnation has them already.
+  absl::Status ApplyScales(int32_t server);
   absl::Status Resolve();
   int64_t FreeEstimate(const Server& s) const;
   void ReadInfo(int32_t server, const v1::ServerInfo& info);
@@ -272,6 +282,7 @@ class Cluster {
   std::string dns_host_, dns_port_;  // set for a dns:/// target
   absl::Time refreshed_at_ = absl::Now();
   KvGeometry geo_;
+  std::map<int32_t, LayerKvScales> kv_scales_;  // SetKvScales, by layer
   std::vector<std::unique_ptr<Server>> servers_;
   absl::flat_hash_map<int64_t, Sequence> seqs_;
   absl::flat_hash_set<int64_t> live_steps_;

@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <tuple>
 
 #include "absl/strings/str_format.h"
 #include "common/dtype.h"
 #include "common/reference.h"
+#include "kernels/fp8.h"
 
 namespace attnserve {
 
@@ -18,9 +21,38 @@ std::vector<uint16_t> RandomHalves(std::mt19937_64& gen, KvDType dtype, int64_t 
   return out;
 }
 
+KvMirror::KvMirror(const KvGeometry& geo)
+    : geo_(geo),
+      k_scales_(static_cast<size_t>(geo.num_layers) * geo.num_kv_heads, 1.f),
+      v_scales_(k_scales_),
+      zeros_(static_cast<size_t>(geo.KvRowBytes()), 0) {}
+
 void KvMirror::Write(int32_t layer, absl::Span<const int64_t> slots,
                      absl::Span<const uint16_t> k_rows, absl::Span<const uint16_t> v_rows) {
   const int64_t row = geo_.RowElems();
+  const int32_t d = geo_.head_dim;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int64_t key = layer * geo_.SlotsPerLayer() + slots[i];
+    for (auto [rows, in, scales] : {std::tuple{&k_, &k_rows, &k_scales_},
+                                    std::tuple{&v_, &v_rows, &v_scales_}}) {
+      std::vector<uint8_t>& stored = (*rows)[key];
+      stored.resize(static_cast<size_t>(geo_.KvRowBytes()));
+      const uint16_t* src = in->data() + i * row;
+      if (!geo_.KvIsFp8()) {
+        std::memcpy(stored.data(), src, stored.size());
+        continue;
+      }
+      for (int64_t c = 0; c < row; ++c) {
+        const float scale = (*scales)[int64_t{layer} * geo_.num_kv_heads + c / d];
+        stored[c] = Fp8Quantize(geo_.kv_fp8, HalfToFloat(geo_.dtype, src[c]), scale);
+      }
+    }
+  }
+}
+
+void KvMirror::WriteStored(int32_t layer, absl::Span<const int64_t> slots,
+                           absl::Span<const uint8_t> k_rows, absl::Span<const uint8_t> v_rows) {
+  const int64_t row = geo_.KvRowBytes();
   for (size_t i = 0; i < slots.size(); ++i) {
     const int64_t key = layer * geo_.SlotsPerLayer() + slots[i];
     k_[key].assign(k_rows.begin() + i * row, k_rows.begin() + (i + 1) * row);
@@ -28,16 +60,36 @@ void KvMirror::Write(int32_t layer, absl::Span<const int64_t> slots,
   }
 }
 
-const uint16_t* KvMirror::Row(const absl::flat_hash_map<int64_t, std::vector<uint16_t>>& rows,
-                              int32_t layer, int64_t slot) const {
-  auto it = rows.find(layer * geo_.SlotsPerLayer() + slot);
-  if (it != rows.end()) return it->second.data();
-  zeros_.assign(geo_.RowElems(), 0);
-  return zeros_.data();
+void KvMirror::SetScales(int32_t layer, absl::Span<const float> k_scales,
+                         absl::Span<const float> v_scales) {
+  std::copy(k_scales.begin(), k_scales.end(),
+            k_scales_.begin() + int64_t{layer} * geo_.num_kv_heads);
+  std::copy(v_scales.begin(), v_scales.end(),
+            v_scales_.begin() + int64_t{layer} * geo_.num_kv_heads);
 }
 
-const uint16_t* KvMirror::K(int32_t layer, int64_t slot) const { return Row(k_, layer, slot); }
-const uint16_t* KvMirror::V(int32_t layer, int64_t slot) const { return Row(v_, layer, slot); }
+const void* KvMirror::Row(const absl::flat_hash_map<int64_t, std::vector<uint8_t>>& rows,
+                          int32_t layer, int64_t slot) const {
+  auto it = rows.find(layer * geo_.SlotsPerLayer() + slot);
+  return it != rows.end() ? it->second.data() : zeros_.data();
+}
+
+const void* KvMirror::StoredK(int32_t layer, int64_t slot) const { return Row(k_, layer, slot); }
+const void* KvMirror::StoredV(int32_t layer, int64_t slot) const { return Row(v_, layer, slot); }
+const uint16_t* KvMirror::K(int32_t layer, int64_t slot) const {
+  return static_cast<const uint16_t*>(StoredK(layer, slot));
+}
+const uint16_t* KvMirror::V(int32_t layer, int64_t slot) const {
+  return static_cast<const uint16_t*>(StoredV(layer, slot));
+}
+
+absl::Status MirrorServerScales(Client& client, KvMirror* mirror) {
+  if (!mirror->geometry().KvIsFp8()) return absl::OkStatus();
+  auto scales = client.GetKvScales();
+  if (!scales.ok()) return scales.status();
+  for (const LayerKvScales& l : *scales) mirror->SetScales(l.layer, l.k_scale, l.v_scale);
+  return absl::OkStatus();
+}
 
 namespace {
 
@@ -45,8 +97,14 @@ namespace {
 class MirrorRows final : public reference::KvRows {
  public:
   explicit MirrorRows(const KvMirror& kv) : kv_(kv) {}
-  const uint16_t* K(int32_t layer, int64_t slot) const override { return kv_.K(layer, slot); }
-  const uint16_t* V(int32_t layer, int64_t slot) const override { return kv_.V(layer, slot); }
+  const void* K(int32_t layer, int64_t slot) const override { return kv_.StoredK(layer, slot); }
+  const void* V(int32_t layer, int64_t slot) const override { return kv_.StoredV(layer, slot); }
+  double KScale(int32_t layer, int32_t head) const override {
+    return kv_.k_scales()[int64_t{layer} * kv_.geometry().num_kv_heads + head];
+  }
+  double VScale(int32_t layer, int32_t head) const override {
+    return kv_.v_scales()[int64_t{layer} * kv_.geometry().num_kv_heads + head];
+  }
 
  private:
   const KvMirror& kv_;

@@ -23,25 +23,49 @@ namespace attnserve {
 std::vector<uint16_t> RandomHalves(std::mt19937_64& gen, KvDType dtype, int64_t n,
                                    double stddev = 1.0);
 
-// The client's copy of the K/V rows it wrote, by (layer, slot).
+// The client's copy of the K/V rows it wrote, by (layer, slot), as the
+// server stores them: on an FP8 server (geo.kv_fp8) the 16-bit rows given to
+// Write are quantized as the server does (kernels/fp8.h, with the scales
+// given to SetScales, 1.0 until then), and the reference reads them
+// dequantized.
 class KvMirror {
  public:
-  explicit KvMirror(const KvGeometry& geo) : geo_(geo) {}
-  // k_rows, v_rows: (slots.size(), num_kv_heads, head_dim).
+  explicit KvMirror(const KvGeometry& geo);
+  // k_rows, v_rows: (slots.size(), num_kv_heads, head_dim) in geo.dtype.
   void Write(int32_t layer, absl::Span<const int64_t> slots, absl::Span<const uint16_t> k_rows,
              absl::Span<const uint16_t> v_rows);
-  // Row of (num_kv_heads * head_dim) values; zeros for a slot never written.
+  // FP8 rows as stored (an FP8 geometry only): (slots.size(), num_kv_heads,
+  // head_dim) bytes each.
+  void WriteStored(int32_t layer, absl::Span<const int64_t> slots,
+                   absl::Span<const uint8_t> k_rows, absl::Span<const uint8_t> v_rows);
+  // An FP8 geometry's scales of `layer`: num_kv_heads entries each (the
+  // server's GetKvScales), for the rows written from then on and for the
+  // reference's dequantization of every row of the layer.
+  void SetScales(int32_t layer, absl::Span<const float> k_scales, absl::Span<const float> v_scales);
+  // 16-bit geometries: the row of (num_kv_heads * head_dim) values; zeros
+  // for a slot never written.
   const uint16_t* K(int32_t layer, int64_t slot) const;
   const uint16_t* V(int32_t layer, int64_t slot) const;
+  // The row as stored (geo.KvRowBytes() bytes; FP8 bytes on an FP8 geometry).
+  const void* StoredK(int32_t layer, int64_t slot) const;
+  const void* StoredV(int32_t layer, int64_t slot) const;
+  // (num_layers, num_kv_heads) scales.
+  const std::vector<float>& k_scales() const { return k_scales_; }
+  const std::vector<float>& v_scales() const { return v_scales_; }
   const KvGeometry& geometry() const { return geo_; }
 
  private:
-  const uint16_t* Row(const absl::flat_hash_map<int64_t, std::vector<uint16_t>>& rows,
-                      int32_t layer, int64_t slot) const;
+  const void* Row(const absl::flat_hash_map<int64_t, std::vector<uint8_t>>& rows, int32_t layer,
+                  int64_t slot) const;
   KvGeometry geo_;
-  absl::flat_hash_map<int64_t, std::vector<uint16_t>> k_, v_;  // key: layer * slots + slot
-  mutable std::vector<uint16_t> zeros_;
+  absl::flat_hash_map<int64_t, std::vector<uint8_t>> k_, v_;  // key: layer * slots + slot
+  std::vector<float> k_scales_, v_scales_;
+  std::vector<uint8_t> zeros_;
 };
+
+// Copies an FP8 server's KV scales (GetKvScales) into `mirror`, whose
+// geometry must be the server's; nothing to do for a 16-bit server.
+absl::Status MirrorServerScales(Client& client, KvMirror* mirror);
 
 // One Prefill's inputs, in the API's layout.
 struct PrefillInputs {

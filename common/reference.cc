@@ -21,6 +21,15 @@ void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
   const int64_t hq = g.num_qo_heads, d = g.head_dim, ps = g.page_size;
   const int64_t kv_head = h / (g.num_qo_heads / g.num_kv_heads);
   auto half = [&](uint16_t x) { return static_cast<double>(HalfToFloat(g.dtype, x)); };
+  // Element c of a stored K or V row of this head, as its real value.
+  const double k_scale = kv.KScale(s.layer, static_cast<int32_t>(kv_head));
+  const double v_scale = kv.VScale(s.layer, static_cast<int32_t>(kv_head));
+  auto stored = [&](const void* row, int64_t c, double scale) {
+    if (g.KvIsFp8()) {
+      return Fp8Value(g.kv_fp8, static_cast<const uint8_t*>(row)[kv_head * d + c]) * scale;
+    }
+    return half(static_cast<const uint16_t*>(row)[kv_head * d + c]);
+  };
   // Row i, at position pos(i), sees positions [first(i), last(i)): none
   // after pos (causal), none before pos - window_left (a window).
   auto pos = [&](int64_t i) { return i + s.kv_len - s.q_len + s.causal_shift; };
@@ -40,11 +49,11 @@ void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
   std::vector<double> k(std::max<int64_t>(0, hi - lo) * d), v(k.size());
   for (int64_t j = lo; j < hi; ++j) {
     const int64_t slot = int64_t{kv_indices[s.kv_start + j / ps]} * ps + j % ps;
-    const uint16_t* kr = kv.K(s.layer, slot) + kv_head * d;
-    const uint16_t* vr = kv.V(s.layer, slot) + kv_head * d;
+    const void* kr = kv.K(s.layer, slot);
+    const void* vr = kv.V(s.layer, slot);
     for (int64_t c = 0; c < d; ++c) {
-      k[(j - lo) * d + c] = half(kr[c]);
-      v[(j - lo) * d + c] = half(vr[c]);
+      k[(j - lo) * d + c] = stored(kr, c, k_scale);
+      v[(j - lo) * d + c] = stored(vr, c, v_scale);
     }
   }
   // The head's sink, natural units (-inf: none).
@@ -89,6 +98,28 @@ void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
 }
 
 }  // namespace
+
+double Fp8Value(Fp8Format format, uint8_t bits) {
+  // (-1)^s x 2^(e - bias) x (1 + m / 2^M) for a normal, 2^(1 - bias) x
+  // m / 2^M for a subnormal (e = 0).
+  const int exp_bits = format == Fp8Format::kE5m2 ? 5 : 4;
+  const int man_bits = 7 - exp_bits;
+  const int bias = (1 << (exp_bits - 1)) - 1;
+  const int e = (bits >> man_bits) & ((1 << exp_bits) - 1);
+  const int m = bits & ((1 << man_bits) - 1);
+  const double sign = (bits & 0x80) != 0 ? -1.0 : 1.0;
+  const int e_max = (1 << exp_bits) - 1;
+  if (format == Fp8Format::kE5m2 && e == e_max) {
+    return m == 0 ? sign * std::numeric_limits<double>::infinity()
+                  : std::numeric_limits<double>::quiet_NaN();
+  }
+  if (format != Fp8Format::kE5m2 && e == e_max && m == (1 << man_bits) - 1) {
+    return std::numeric_limits<double>::quiet_NaN();  // E4M3 has no infinities
+  }
+  const double frac = static_cast<double>(m) / (1 << man_bits);
+  if (e == 0) return sign * std::ldexp(frac, 1 - bias);
+  return sign * std::ldexp(1.0 + frac, e - bias);
+}
 
 void Prefill(const KvGeometry& geo, const KvRows& kv, const uint16_t* q, int64_t total_q,
              const std::vector<int32_t>& kv_indices, const std::vector<Seq>& seqs,

@@ -17,33 +17,61 @@
 namespace attnserve {
 namespace reference {
 
-// Where the reference reads K and V: the row of (layer, slot), num_kv_heads *
-// head_dim values in the geometry's dtype. Must be safe to call from several
-// threads at once when Prefill is given more than one thread.
+// Where the reference reads K and V: the row of (layer, slot) as the pools
+// store it, num_kv_heads * head_dim elements of the geometry's
+// KvElemBytes(): 16-bit values of geo.dtype, or FP8 bytes of geo.kv_fp8,
+// whose real values are the FP8 values times KScale / VScale of their layer
+// and KV head (the reference decodes FP8 from the formats' definitions, on
+// its own). Must be safe to call from several threads at once when Prefill
+// is given more than one thread.
 class KvRows {
  public:
   virtual ~KvRows() = default;
-  virtual const uint16_t* K(int32_t layer, int64_t slot) const = 0;
-  virtual const uint16_t* V(int32_t layer, int64_t slot) const = 0;
+  virtual const void* K(int32_t layer, int64_t slot) const = 0;
+  virtual const void* V(int32_t layer, int64_t slot) const = 0;
+  // FP8 rows' scales (real = fp8 value x scale); unused for 16-bit rows.
+  virtual double KScale(int32_t /*layer*/, int32_t /*kv_head*/) const { return 1.0; }
+  virtual double VScale(int32_t /*layer*/, int32_t /*kv_head*/) const { return 1.0; }
 };
 
 // Host pools laid out as the server's: [num_layers, num_pages, page_size,
-// num_kv_heads, head_dim] each. The pointers must outlive this.
+// num_kv_heads, head_dim] each, and for FP8 pools their (num_layers,
+// num_kv_heads) scales (null: 1.0). The pointers must outlive this.
 class HostPools final : public KvRows {
  public:
-  HostPools(const KvGeometry& geo, const uint16_t* k_pool, const uint16_t* v_pool)
-      : geo_(geo), k_(k_pool), v_(v_pool) {}
-  const uint16_t* K(int32_t layer, int64_t slot) const override { return k_ + Offset(layer, slot); }
-  const uint16_t* V(int32_t layer, int64_t slot) const override { return v_ + Offset(layer, slot); }
+  HostPools(const KvGeometry& geo, const void* k_pool, const void* v_pool,
+            const float* k_scales = nullptr, const float* v_scales = nullptr)
+      : geo_(geo),
+        k_(static_cast<const char*>(k_pool)),
+        v_(static_cast<const char*>(v_pool)),
+        k_scales_(k_scales),
+        v_scales_(v_scales) {}
+  const void* K(int32_t layer, int64_t slot) const override { return k_ + Offset(layer, slot); }
+  const void* V(int32_t layer, int64_t slot) const override { return v_ + Offset(layer, slot); }
+  double KScale(int32_t layer, int32_t kv_head) const override {
+    return Scale(k_scales_, layer, kv_head);
+  }
+  double VScale(int32_t layer, int32_t kv_head) const override {
+    return Scale(v_scales_, layer, kv_head);
+  }
 
  private:
   int64_t Offset(int32_t layer, int64_t slot) const {
-    return (int64_t{layer} * geo_.SlotsPerLayer() + slot) * geo_.RowElems();
+    return (int64_t{layer} * geo_.SlotsPerLayer() + slot) * geo_.KvRowBytes();
+  }
+  double Scale(const float* scales, int32_t layer, int32_t kv_head) const {
+    return scales == nullptr ? 1.0 : scales[int64_t{layer} * geo_.num_kv_heads + kv_head];
   }
   KvGeometry geo_;
-  const uint16_t* k_;
-  const uint16_t* v_;
+  const char* k_;
+  const char* v_;
+  const float* k_scales_;
+  const float* v_scales_;
 };
+
+// The real value of FP8 bits of `format` (kE4m3 or kE5m2), from the format's
+// definition: NaN for its NaN patterns, +-inf for E5M2's infinities.
+double Fp8Value(Fp8Format format, uint8_t bits);
 
 // One sequence of a ragged batch.
 struct Seq {
@@ -71,8 +99,9 @@ struct Seq {
   bool lse_base_e = false;  // LSE in natural log; base 2 otherwise
 };
 
-// Paged prefill attention in float64. q: (total_q, num_qo_heads, head_dim) in
-// geo.dtype. Query head h reads KV head h / (num_qo_heads / num_kv_heads).
+// Paged prefill attention in float64, over K and V as their real values
+// (an FP8 pool's dequantized: its stored values times their scales). q:
+// (total_q, num_qo_heads, head_dim) in geo.dtype. Query head h reads KV head h / (num_qo_heads / num_kv_heads).
 // Fills o (total_q, num_qo_heads, head_dim) and lse (total_q, num_qo_heads),
 // each in its sequence's base; a row that sees nothing (and a row of no
 // sequence) gets o = 0 and lse = -inf, or the sink's logit when it has one. `threads` > 1 splits the (sequence,

@@ -42,6 +42,12 @@ main() runs the modes, feeds the later ones the first one's tokens and
 checks that every step's logits agree within bf16 tolerance and that the
 greedy tokens are identical (but at near-ties: where the two best logits are
 closer than the runs' difference, no numerics can order them).
+
+Against a server whose KV cache is FP8 (attnserve --kv_dtype=fp8_e4m3 or
+fp8_e5m2; docs/design.md, "FP8 KV cache") the server modes attend over FP8
+keys and values while local attention keeps bf16: main() sets the server's
+KV scales (--kv_scale, every layer, K and V) and reports how far the logits
+and greedy tokens move from bf16, checked against --fp8_rel_tol instead.
 """
 
 from __future__ import annotations
@@ -444,12 +450,13 @@ class GeometryMismatch(SystemExit):
 
 
 def check_geometry(cfg, info: attnserve.ServerInfo, wire: str) -> None:
-    """Stops with every difference between the model and the server."""
+    """Stops with every difference between the model and the server (whose
+    queries' dtype must be --attn_dtype; its KV cache may be FP8)."""
     pairs = [("num_layers", info.num_layers, cfg.layers, "--layers"),
              ("num_qo_heads", info.num_qo_heads, cfg.qo_heads, "--qo_heads"),
              ("num_kv_heads", info.num_kv_heads, cfg.kv_heads, "--kv_heads"),
              ("head_dim", info.head_dim, cfg.head_dim, "--head_dim"),
-             ("kv_dtype", info.kv_dtype, wire, "--attn_dtype")]
+             ("q_dtype", info.q_dtype or info.kv_dtype, wire, "--attn_dtype")]
     diffs = [f"  {name}: server {s}, model {m} (server flag --{name}={m}, or model {flag}={s})"
              for name, s, m, flag in pairs if s != m]
     if diffs:
@@ -529,6 +536,12 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
                         "instead of CreatePlan")
     p.add_argument("--strict", action="store_true",
                    help="also fail when greedy tokens differ at near-ties")
+    p.add_argument("--kv_scale", type=float, default=1.0,
+                   help="FP8 servers: the KV scale set for every layer's K and V (real = fp8 "
+                        "value x scale; 1.0 as vLLM's default)")
+    p.add_argument("--fp8_rel_tol", type=float, default=0.1,
+                   help="FP8 servers: largest relative error of a step's logits between the "
+                        "server's FP8 attention and local bf16 attention")
     p.add_argument("--timeout", type=float, default=300, help="per-call deadline, seconds")
     p.add_argument("--json", default=None, help="write the report here")
     args = p.parse_args(argv)
@@ -560,7 +573,14 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
                 return 2
         print(f"server {args.target}: {info.backend} {info.device}, {info.num_layers} layers, "
               f"{info.num_qo_heads}/{info.num_kv_heads} heads x {info.head_dim}, "
-              f"{info.kv_dtype}, {info.free_pages} free pages of {info.page_size}", flush=True)
+              f"KV {info.kv_dtype}, queries {info.q_dtype or info.kv_dtype}, "
+              f"{info.free_pages} free pages of {info.page_size}", flush=True)
+        if info.kv_fp8:
+            client.set_kv_scales({layer: (args.kv_scale, args.kv_scale)
+                                  for layer in range(info.num_layers)})
+            print(f"FP8 KV cache: K and V scales {args.kv_scale} in every layer; the server "
+                  f"modes are compared with local bf16 attention within --fp8_rel_tol="
+                  f"{args.fp8_rel_tol}", flush=True)
 
     model = make_model(cfg, seed=args.seed, device=args.device, dtype=dtype)
     prompts = random_prompts(cfg.vocab, batch, lo, hi, args.seed + 1)
@@ -597,17 +617,29 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
             follow = runs[mode].tokens
         print(json.dumps(runs[mode].summary(batch)), flush=True)
 
+    kv_dtype = client.server_info.kv_dtype if client is not None else None
+    fp8 = client is not None and client.server_info.kv_fp8
     report = {"config": dataclasses.asdict(cfg), "batch": batch, "steps": steps,
               "transport": args.transport,
               "runs": [r.summary(batch) for r in runs.values()], "comparisons": {}}
+    if client is not None:
+        report["server_kv_dtype"] = kv_dtype
     ok = True
     names = list(runs)
     for other in names[1:]:
-        c = compare_runs(runs[other], runs[names[0]], args.rel_tol)
+        # FP8 attention (a server mode) against bf16 (local): its own tolerance.
+        crossed = fp8 and (other == "local") != (names[0] == "local")
+        c = compare_runs(runs[other], runs[names[0]],
+                         args.fp8_rel_tol if crossed else args.rel_tol)
+        if crossed:
+            c["kv_dtypes"] = [kv_dtype if other != "local" else args.attn_dtype,
+                              kv_dtype if names[0] != "local" else args.attn_dtype]
         report["comparisons"][f"{other}_vs_{names[0]}"] = c
         if args.strict:
             c["ok"] = c["ok"] and c["tokens_identical"]
-        print(f"{other} vs {names[0]}: max logits rel error {c['max_logits_rel_error']:.2e}, "
+        label = (f"{other} ({kv_dtype} KV) vs {names[0]} ({args.attn_dtype})" if crossed
+                 else f"{other} vs {names[0]}")
+        print(f"{label}: max logits rel error {c['max_logits_rel_error']:.2e}, "
               f"greedy tokens identical: {c['tokens_identical']}"
               + ("" if c["tokens_identical"] else
                  f" ({c['greedy_differences']} of {c['tokens_compared']} differ, "

@@ -1,6 +1,12 @@
 // KV append: scatter n rows of K and V into the paged pools by slot
 // (slot = page_id * page_size + offset), like vLLM's reshape_and_cache.
 // Shared by the CPU reference (AppendKvCpu) and the CUDA kernel.
+//
+// An FP8 pool (geo.kv_fp8) takes 16-bit rows (geo.dtype), quantized by
+// Fp8Quantize (kernels/fp8.h) with the scale of their layer and KV head, or
+// rows already in its FP8 format (rows_fp8), stored as they are. A gather
+// from it returns the stored bytes, or 16-bit rows (dequantize): each
+// element's FP8 value times its scale in float32, rounded to geo.dtype.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +24,13 @@ struct AppendKvParams {
   int64_t n = 0;
   int32_t layer = 0;
   KvGeometry geo;
+  // FP8 pools: k and v hold FP8 bytes of geo.kv_fp8 (stored as they are);
+  // false: geo.dtype values, quantized with the scales below.
+  bool rows_fp8 = false;
+  // FP8 pools: (num_layers, num_kv_heads) scales of K and V (the kernel's
+  // memory: device pointers for AppendKvCuda); null means 1.0.
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
 };
 
 void AppendKvCpu(const AppendKvParams& params);
@@ -33,6 +46,11 @@ struct GatherKvParams {
   int64_t n = 0;
   int32_t layer = 0;
   KvGeometry geo;
+  // FP8 pools: write geo.dtype rows (the stored values times their scales)
+  // instead of the stored bytes.
+  bool dequantize = false;
+  const float* k_scales = nullptr;  // as AppendKvParams'
+  const float* v_scales = nullptr;
 };
 
 void GatherKvCpu(const GatherKvParams& params);

@@ -13,6 +13,10 @@
 //  - A row that sees nothing gets output 0 and LSE -inf (the sink with one);
 //    never NaN.
 //  - fp32 accumulation.
+//  - An FP8 pool (geo.kv_fp8, kernels/fp8.h) holds K and V as FP8 bytes:
+//    the real value of an element of layer l and KV head h is its FP8 value
+//    times k_scales[l * num_kv_heads + h] (v_scales for V). Queries and
+//    outputs stay geo.dtype (16-bit).
 #pragma once
 
 #include <cstdint>
@@ -51,8 +55,17 @@ struct PagedPrefillParams {
   const void* q = nullptr;      // (total_q, num_qo_heads, head_dim), dtype
   void* o = nullptr;            // (total_q, num_qo_heads, head_dim), dtype
   float* lse = nullptr;         // (total_q, num_qo_heads), float32
-  const void* k_cache = nullptr;  // (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+  // (num_layers, num_pages, page_size, num_kv_heads, head_dim), elements of
+  // geo.KvElemBytes(): geo.dtype, or FP8 bytes of geo.kv_fp8.
+  const void* k_cache = nullptr;
   const void* v_cache = nullptr;  // same shape as k_cache
+  // FP8 pools only: (num_layers, num_kv_heads) float32 dequantization
+  // scales of K and V (real = fp8 value x scale), on the kernel's side of
+  // the bus (device memory for the CUDA families). Per-layer scales are
+  // repeated over the layer's heads. Ignored (and may be null) for 16-bit
+  // pools; null on an FP8 pool means 1.0 everywhere.
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
   const int32_t* kv_indices = nullptr;  // page ids; sequence s uses
                                         // kv_indices[seqs[s].kv_start ...]
   const PrefillSeq* seqs = nullptr;     // (num_seqs)

@@ -126,10 +126,14 @@ struct LogitTransform {
   float mul = 0.f;  // scale * log2(e); soft-capped: scale / c
   float cap = 0.f;  // soft-capped: c * log2(e); 0: no soft-cap
 
+  // k_scale: the dequantization scale of an FP8 K (kernels/fp8.h), folded
+  // into the logit scale so that d may be the dot product with the stored
+  // FP8 values (1 for a 16-bit K).
   template <typename Seq>
-  ATTN_HOST_DEVICE static LogitTransform Of(const Seq& s, bool positive_scale) {
+  ATTN_HOST_DEVICE static LogitTransform Of(const Seq& s, bool positive_scale,
+                                            float k_scale = 1.f) {
     LogitTransform t;
-    float scale = s.sm_scale;
+    float scale = s.sm_scale * k_scale;
     if (positive_scale) {
       scale = scale < 0.f ? -scale : scale;
       scale = scale > 1e-30f ? scale : 1e-30f;

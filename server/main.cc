@@ -57,7 +57,13 @@ ABSL_FLAG(int32_t, page_size, 16, "tokens per page (1..128)");
 ABSL_FLAG(int32_t, num_qo_heads, 32, "query heads");
 ABSL_FLAG(int32_t, num_kv_heads, 4, "KV heads (must divide num_qo_heads)");
 ABSL_FLAG(int32_t, head_dim, 128, "head dimension (64, 128 or 256)");
-ABSL_FLAG(std::string, kv_dtype, "bf16", "bf16 or fp16");
+ABSL_FLAG(std::string, kv_dtype, "bf16",
+          "what the KV cache holds: bf16 or fp16 (also the queries' dtype), or fp8_e4m3 or "
+          "fp8_e5m2 (one byte an element: twice the pages in the same --kv_cache_bytes; "
+          "queries stay --q_dtype)");
+ABSL_FLAG(std::string, q_dtype, "",
+          "queries and outputs: bf16 or fp16; empty: --kv_dtype when that is bf16 or fp16, "
+          "else bf16. A 16-bit --kv_dtype must equal it");
 ABSL_FLAG(std::string, prefill_kernel, "auto",
           "CUDA prefill kernel family: auto (the heuristic's choice for the device), sm80 (mma.sync) "
           "or sm90 (wgmma; Hopper GPUs only, head_dim 64 and 128)");
@@ -149,12 +155,28 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
   g.num_kv_heads = absl::GetFlag(FLAGS_num_kv_heads);
   g.head_dim = absl::GetFlag(FLAGS_head_dim);
   const std::string dtype = absl::GetFlag(FLAGS_kv_dtype);
-  if (dtype == "bf16") {
-    g.dtype = KvDType::kBf16;
-  } else if (dtype == "fp16") {
-    g.dtype = KvDType::kFp16;
+  const std::string q_dtype = absl::GetFlag(FLAGS_q_dtype);
+  if (dtype == "bf16" || dtype == "fp16") {
+    g.dtype = dtype == "bf16" ? KvDType::kBf16 : KvDType::kFp16;
+    if (!q_dtype.empty() && q_dtype != dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--q_dtype=", q_dtype, " contradicts --kv_dtype=", dtype,
+          ": a 16-bit KV cache holds the queries' dtype (a different --q_dtype needs "
+          "--kv_dtype=fp8_e4m3 or fp8_e5m2)"));
+    }
+  } else if (dtype == "fp8_e4m3" || dtype == "fp8_e5m2") {
+    g.kv_fp8 = dtype == "fp8_e4m3" ? Fp8Format::kE4m3 : Fp8Format::kE5m2;
+    if (q_dtype.empty() || q_dtype == "bf16") {
+      g.dtype = KvDType::kBf16;
+    } else if (q_dtype == "fp16") {
+      g.dtype = KvDType::kFp16;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--q_dtype=", q_dtype, " must be bf16 or fp16"));
+    }
   } else {
-    return absl::InvalidArgumentError(absl::StrCat("--kv_dtype=", dtype, " must be bf16 or fp16"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_dtype=", dtype, " must be bf16, fp16, fp8_e4m3 or fp8_e5m2"));
   }
   if (g.num_layers < 1 || g.num_layers > 1024) {
     return absl::InvalidArgumentError(absl::StrCat("--num_layers=", g.num_layers, " out of range [1, 1024]"));
@@ -474,15 +496,19 @@ int Run() {
   // The prefill kernel family the CUDA backend picks from; the CPU backend
   // runs its reference kernels whatever the flag says.
   const std::string family = info.backend == "cuda" ? PrefillFamilyName(backend_options.prefill_family) : "cpu";
-  metrics.SetBuildInfo(info.version, kGitCommit, info.backend, info.device, family);
-  const int64_t kv_cache_bytes = BytesPerPage(*geometry) * info.num_pages;
+  const std::string q_name = geometry->dtype == KvDType::kBf16 ? "bf16" : "fp16";
+  const std::string kv_name = geometry->KvIsFp8() ? Fp8FormatName(geometry->kv_fp8) : q_name;
+  metrics.SetBuildInfo(info.version, kGitCommit, info.backend, info.device, family, kv_name,
+                       q_name);
+  const int64_t kv_cache_bytes = info.kv_cache_bytes;
   spdlog::info(
       "attnserve {} (commit {}) started: pid={} backend={} device=\"{}\" layers={} pages={} "
-      "page_size={} qo_heads={} kv_heads={} head_dim={} kv_dtype={} kv_cache_bytes={} ({:.1f} "
-      "MiB) prefill_kernel={} auth={} tls={} shared_memory={} check_kv_written={}",
+      "page_size={} qo_heads={} kv_heads={} head_dim={} kv_dtype={} q_dtype={} kv_cache_bytes={} "
+      "({:.1f} MiB) page_bytes={} prefill_kernel={} auth={} tls={} shared_memory={} "
+      "check_kv_written={}",
       info.version, kGitCommit, getpid(), info.backend, info.device, info.num_layers,
       info.num_pages, info.page_size, info.num_qo_heads, info.num_kv_heads, info.head_dim,
-      absl::GetFlag(FLAGS_kv_dtype), kv_cache_bytes, kv_cache_bytes / 1048576.0, family,
+      kv_name, q_name, kv_cache_bytes, kv_cache_bytes / 1048576.0, info.page_bytes, family,
       (*auth)->enabled() ? "on" : "off", server_options.tls_cert.empty() ? "off" : "on",
       core_options.regions.enabled ? "on" : "off", core_options.check_kv_written ? "on" : "off");
   // Tests and scripts read this line to find the ports.

@@ -44,7 +44,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                          .Add({});
   build_info_ = &prometheus::BuildGauge()
                      .Name("attnserve_build_info")
-                     .Help("1, labelled with the server's version, commit, backend, device and prefill kernel family")
+                     .Help("1, labelled with the server's version, commit, backend, device, prefill kernel family and KV and query dtypes")
                      .Register(*registry_);
   queue_wait_ = &prometheus::BuildHistogram()
                      .Name("attnserve_queue_wait_seconds")
@@ -170,6 +170,8 @@ const char* Metrics::RpcName(Rpc rpc) {
     case Rpc::kRevokeLease: return "RevokeLease";
     case Rpc::kListHoldings: return "ListHoldings";
     case Rpc::kReleaseHoldings: return "ReleaseHoldings";
+    case Rpc::kSetKvScales: return "SetKvScales";
+    case Rpc::kGetKvScales: return "GetKvScales";
     case Rpc::kCount: break;
   }
   return "unknown";
@@ -236,10 +238,12 @@ void Metrics::AddTenants(const std::vector<std::string>& tenants) {
 
 void Metrics::SetBuildInfo(const std::string& version, const std::string& commit,
                            const std::string& backend, const std::string& device,
-                           const std::string& prefill_kernel) {
+                           const std::string& prefill_kernel, const std::string& kv_dtype,
+                           const std::string& q_dtype) {
   absl::MutexLock lock(&series_mu_);
   build_info_->Add({{"version", version}, {"commit", commit}, {"backend", backend},
-                    {"device", device}, {"prefill_kernel", prefill_kernel}})
+                    {"device", device}, {"prefill_kernel", prefill_kernel},
+                    {"kv_dtype", kv_dtype}, {"q_dtype", q_dtype}})
       .Set(1);
 }
 

@@ -30,7 +30,8 @@ class Metrics {
   enum class Rpc {
     kGetServerInfo, kAllocatePages, kFreePages, kWriteKV, kReadKV, kPrefill, kMergeStates,
     kCreatePlan, kReleasePlan, kRegisterRegion, kUnregisterRegion, kListRegions, kOpenChannel,
-    kCloseChannel, kGrantLease, kKeepAlive, kRevokeLease, kListHoldings, kReleaseHoldings, kCount
+    kCloseChannel, kGrantLease, kKeepAlive, kRevokeLease, kListHoldings, kReleaseHoldings,
+    kSetKvScales, kGetKvScales, kCount
   };
   static const char* RpcName(Rpc rpc);
   // The `shape` label: kDecode for a Prefill whose every sequence has at most
@@ -54,10 +55,12 @@ class Metrics {
   // per-tenant series exist from then on, at 0, instead of appearing on
   // first use.
   void AddTenants(const std::vector<std::string>& tenants);
-  // attnserve_build_info{version, commit, backend, device, prefill_kernel} = 1.
+  // attnserve_build_info{version, commit, backend, device, prefill_kernel,
+  // kv_dtype, q_dtype} = 1.
   void SetBuildInfo(const std::string& version, const std::string& commit,
                     const std::string& backend, const std::string& device,
-                    const std::string& prefill_kernel);
+                    const std::string& prefill_kernel, const std::string& kv_dtype,
+                    const std::string& q_dtype);
   void ObserveQueueWait(double seconds) { queue_wait_->Observe(seconds); }
   // One attention launch: requests and query rows in it.
   void ObserveBatch(int requests, int64_t query_rows);

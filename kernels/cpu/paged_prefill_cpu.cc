@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/dtype.h"
+#include "kernels/fp8.h"
 #include "kernels/math.h"
 #include "kernels/paged_prefill.h"
 #include "kernels/variant.h"
@@ -17,7 +18,8 @@ namespace {
 // Gathers the K and V rows [keys.begin, keys.end) of one KV head of one
 // sequence into float buffers (keys.size(), head_dim), following the page
 // table: only the keys some row of the sequence sees, so a 128-key window
-// over a 128k sequence reads 128 keys per row, not 128k.
+// over a 128k sequence reads 128 keys per row, not 128k. An FP8 pool's
+// values come out as they are stored (its scales are applied by the caller).
 void GatherHead(const PagedPrefillParams& p, const PrefillSeq& seq, int kv_head, KeyRange keys,
                 std::vector<float>& k, std::vector<float>& v) {
   const KvGeometry& g = p.geo;
@@ -25,8 +27,6 @@ void GatherHead(const PagedPrefillParams& p, const PrefillSeq& seq, int kv_head,
   const int32_t n = keys.size();
   k.resize(static_cast<size_t>(n) * d);
   v.resize(static_cast<size_t>(n) * d);
-  const auto* k_cache = static_cast<const uint16_t*>(p.k_cache);
-  const auto* v_cache = static_cast<const uint16_t*>(p.v_cache);
 #pragma omp parallel for schedule(static)
   for (int32_t i = 0; i < n; ++i) {
     const int32_t j = keys.begin + i;
@@ -34,9 +34,26 @@ void GatherHead(const PagedPrefillParams& p, const PrefillSeq& seq, int kv_head,
     const int64_t slot = page * g.page_size + j % g.page_size;
     const int64_t offset =
         (seq.layer * g.SlotsPerLayer() + slot) * g.RowElems() + int64_t{kv_head} * d;
-    HalfToFloatN(g.dtype, k_cache + offset, k.data() + int64_t{i} * d, d);
-    HalfToFloatN(g.dtype, v_cache + offset, v.data() + int64_t{i} * d, d);
+    float* kf = k.data() + int64_t{i} * d;
+    float* vf = v.data() + int64_t{i} * d;
+    if (g.KvIsFp8()) {
+      const auto* kb = static_cast<const uint8_t*>(p.k_cache) + offset;
+      const auto* vb = static_cast<const uint8_t*>(p.v_cache) + offset;
+      for (int64_t c = 0; c < d; ++c) {
+        kf[c] = Fp8ToFloat(g.kv_fp8, kb[c]);
+        vf[c] = Fp8ToFloat(g.kv_fp8, vb[c]);
+      }
+    } else {
+      HalfToFloatN(g.dtype, static_cast<const uint16_t*>(p.k_cache) + offset, kf, d);
+      HalfToFloatN(g.dtype, static_cast<const uint16_t*>(p.v_cache) + offset, vf, d);
+    }
   }
+}
+
+// An FP8 pool's scale of (layer, KV head); 1 for a 16-bit pool.
+float KvScale(const PagedPrefillParams& p, const float* scales, int32_t layer, int kv_head) {
+  if (!p.geo.KvIsFp8() || scales == nullptr) return 1.f;
+  return scales[int64_t{layer} * p.geo.num_kv_heads + kv_head];
 }
 
 }  // namespace
@@ -54,11 +71,14 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
     if (seq.q_len <= 0) continue;
     // The keys any row of the sequence sees: the only ones gathered.
     const KeyRange read = RowsKeys(seq, 0, seq.q_len - 1).read;
-    const LogitTransform transform = LogitTransform::Of(seq, /*positive_scale=*/false);
     const float* sinks = seq.sink_index >= 0 && p.sinks != nullptr
                              ? p.sinks + int64_t{seq.sink_index} * g.num_qo_heads
                              : nullptr;
     for (int kv_head = 0; kv_head < g.num_kv_heads; ++kv_head) {
+      // FP8: K's scale folds into the logit scale, V's into the output.
+      const LogitTransform transform = LogitTransform::Of(
+          seq, /*positive_scale=*/false, KvScale(p, p.k_scales, seq.layer, kv_head));
+      const float v_scale = KvScale(p, p.v_scales, seq.layer, kv_head);
       GatherHead(p, seq, kv_head, read, k, v);
       const int64_t items = int64_t{seq.q_len} * group;
 #pragma omp parallel
@@ -95,7 +115,8 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
             }
           }
           const RowEnd end = EndRow(m2, l, sink2);
-          for (int c = 0; c < d; ++c) o[q_off + c] = FloatToHalf(g.dtype, acc[c] * end.o_scale);
+          const float o_scale = end.o_scale * v_scale;
+          for (int c = 0; c < d; ++c) o[q_off + c] = FloatToHalf(g.dtype, acc[c] * o_scale);
           p.lse[row * g.num_qo_heads + head] = seq.lse_base_e ? end.lse2 * kLn2 : end.lse2;
         }
       }

@@ -1,6 +1,6 @@
 // Launch and dispatch of the decode family (kernels/decode/decode_kernel.cuh):
 // per-device attributes, cluster launches, occupancy, and the (head_dim,
-// tile_rows, dtype) switch behind kernels/decode/decode_cuda.h.
+// tile_rows, dtype, FP8 format) switch behind kernels/decode/decode_cuda.h.
 #include "kernels/decode/decode_cuda.h"
 
 #include <algorithm>
@@ -18,10 +18,10 @@ using decode::PagedDecodeKernel;
 
 // The kernel's attributes: its shared memory, and non-portable cluster
 // sizes (up to 16 CTAs; sm_90+, where cluster mode runs).
-template <int D, int MT, typename T>
+template <int D, int MT, typename T, int F8>
 cudaError_t ConfigureDecode() {
-  using Tr = DecodeTraits<D, MT>;
-  auto kernel = PagedDecodeKernel<D, MT, T>;
+  using Tr = DecodeTraits<D, MT, F8 != 0>;
+  auto kernel = PagedDecodeKernel<D, MT, T, F8>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   int dev = 0, major = 0;
@@ -31,10 +31,10 @@ cudaError_t ConfigureDecode() {
   return cudaSuccess;
 }
 
-template <int D, int MT, typename T>
+template <int D, int MT, typename T, int F8>
 cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream) {
-  using Tr = DecodeTraits<D, MT>;
-  auto kernel = PagedDecodeKernel<D, MT, T>;
+  using Tr = DecodeTraits<D, MT, F8 != 0>;
+  auto kernel = PagedDecodeKernel<D, MT, T, F8>;
   // The attributes are per device; set them once per device (a host call
   // per launch adds to the latency of small decode batches).
   static std::atomic<uint64_t> configured{0};
@@ -43,7 +43,7 @@ cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaSt
   if (err != cudaSuccess) return err;
   const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
   if (bit == 0 || (configured.load(std::memory_order_acquire) & bit) == 0) {
-    if ((err = ConfigureDecode<D, MT, T>()) != cudaSuccess) return err;
+    if ((err = ConfigureDecode<D, MT, T, F8>()) != cudaSuccess) return err;
     configured.fetch_or(bit, std::memory_order_acq_rel);
   }
   if (args.cluster <= 1) {
@@ -67,13 +67,13 @@ cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaSt
 
 // Largest cluster (<= kMaxDecodeCluster) the device co-schedules for this
 // kernel; 0 below sm_90.
-template <int D, int MT, typename T>
+template <int D, int MT, typename T, int F8>
 int32_t MaxCluster() {
-  using Tr = DecodeTraits<D, MT>;
+  using Tr = DecodeTraits<D, MT, F8 != 0>;
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9 ||
-      ConfigureDecode<D, MT, T>() != cudaSuccess) {
+      ConfigureDecode<D, MT, T, F8>() != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
@@ -89,17 +89,17 @@ int32_t MaxCluster() {
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   int n = 0;
-  if (cudaOccupancyMaxPotentialClusterSize(&n, PagedDecodeKernel<D, MT, T>, &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxPotentialClusterSize(&n, PagedDecodeKernel<D, MT, T, F8>, &cfg) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
   return std::min<int32_t>(n, kMaxDecodeCluster);
 }
 
-template <int D, int MT, typename T>
+template <int D, int MT, typename T, int F8>
 int32_t CtasPerSm() {
-  using Tr = DecodeTraits<D, MT>;
-  auto kernel = PagedDecodeKernel<D, MT, T>;
+  using Tr = DecodeTraits<D, MT, F8 != 0>;
+  auto kernel = PagedDecodeKernel<D, MT, T, F8>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes) != cudaSuccess) {
     cudaGetLastError();
     return 1;
@@ -114,32 +114,45 @@ int32_t CtasPerSm() {
 
 // (head_dim, tile_rows, dtype) -> the kernel's constants. Invalid pairs
 // return cudaErrorInvalidValue (for CtasPerSm: 1) through FALLBACK.
-#define ATTNSERVE_DISPATCH_DECODE_T(head_dim, tile_rows, FALLBACK, FN, ...) \
-  if ((head_dim) == 64 && (tile_rows) == 16) return FN<64, 1, T>(__VA_ARGS__);   \
-  if ((head_dim) == 64 && (tile_rows) == 32) return FN<64, 2, T>(__VA_ARGS__);   \
-  if ((head_dim) == 128 && (tile_rows) == 16) return FN<128, 1, T>(__VA_ARGS__); \
-  if ((head_dim) == 128 && (tile_rows) == 32) return FN<128, 2, T>(__VA_ARGS__); \
-  if ((head_dim) == 256 && (tile_rows) == 16) return FN<256, 1, T>(__VA_ARGS__); \
+#define ATTNSERVE_DISPATCH_DECODE_T(head_dim, tile_rows, FALLBACK, FN, ...)     \
+  if ((head_dim) == 64 && (tile_rows) == 16) return FN<64, 1, T, F8>(__VA_ARGS__);   \
+  if ((head_dim) == 64 && (tile_rows) == 32) return FN<64, 2, T, F8>(__VA_ARGS__);   \
+  if ((head_dim) == 128 && (tile_rows) == 16) return FN<128, 1, T, F8>(__VA_ARGS__); \
+  if ((head_dim) == 128 && (tile_rows) == 32) return FN<128, 2, T, F8>(__VA_ARGS__); \
+  if ((head_dim) == 256 && (tile_rows) == 16) return FN<256, 1, T, F8>(__VA_ARGS__); \
   return FALLBACK
-#define ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, FALLBACK, FN, ...)   \
-  [&]() {                                                                          \
-    if ((dtype) == KvDType::kBf16) {                                               \
-      using T = __nv_bfloat16;                                                     \
-      ATTNSERVE_DISPATCH_DECODE_T(head_dim, tile_rows, FALLBACK, FN, __VA_ARGS__); \
-    } else {                                                                       \
-      using T = __half;                                                            \
-      ATTNSERVE_DISPATCH_DECODE_T(head_dim, tile_rows, FALLBACK, FN, __VA_ARGS__); \
-    }                                                                              \
+#define ATTNSERVE_DISPATCH_DECODE_F8(head_dim, tile_rows, kv_fp8, FALLBACK, FN, ...)  \
+  if ((kv_fp8) == Fp8Format::kE4m3) {                                                \
+    constexpr int F8 = static_cast<int>(Fp8Format::kE4m3);                           \
+    ATTNSERVE_DISPATCH_DECODE_T(head_dim, tile_rows, FALLBACK, FN, __VA_ARGS__);     \
+  } else if ((kv_fp8) == Fp8Format::kE5m2) {                                         \
+    constexpr int F8 = static_cast<int>(Fp8Format::kE5m2);                           \
+    ATTNSERVE_DISPATCH_DECODE_T(head_dim, tile_rows, FALLBACK, FN, __VA_ARGS__);     \
+  } else {                                                                           \
+    constexpr int F8 = 0;                                                            \
+    ATTNSERVE_DISPATCH_DECODE_T(head_dim, tile_rows, FALLBACK, FN, __VA_ARGS__);     \
+  }
+// (head_dim, tile_rows, dtype, kv_fp8): kv_fp8 the pools' FP8 format
+// (Fp8Format::kNone: 16-bit pools of dtype).
+#define ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, kv_fp8, FALLBACK, FN, ...)    \
+  [&]() {                                                                                  \
+    if ((dtype) == KvDType::kBf16) {                                                       \
+      using T = __nv_bfloat16;                                                             \
+      ATTNSERVE_DISPATCH_DECODE_F8(head_dim, tile_rows, kv_fp8, FALLBACK, FN, __VA_ARGS__); \
+    } else {                                                                               \
+      using T = __half;                                                                    \
+      ATTNSERVE_DISPATCH_DECODE_F8(head_dim, tile_rows, kv_fp8, FALLBACK, FN, __VA_ARGS__); \
+    }                                                                                      \
   }()
 
 }  // namespace
 
-int32_t DecodeCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows) {
-  return ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, int32_t{1}, CtasPerSm);
+int32_t DecodeCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows, Fp8Format kv_fp8) {
+  return ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, kv_fp8, int32_t{1}, CtasPerSm);
 }
 
-int32_t DecodeMaxCluster(int32_t head_dim, KvDType dtype, int32_t tile_rows) {
-  return ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, int32_t{0}, MaxCluster);
+int32_t DecodeMaxCluster(int32_t head_dim, KvDType dtype, int32_t tile_rows, Fp8Format kv_fp8) {
+  return ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, kv_fp8, int32_t{0}, MaxCluster);
 }
 
 cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows, const DecodeWorkItem* items,
@@ -162,8 +175,8 @@ cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows,
   args.skip_merge = options.skip_merge ? 1 : 0;
   args.cluster = options.cluster;
   args.slots_per_layer = geo.SlotsPerLayer();
-  return ATTNSERVE_DISPATCH_DECODE(geo.head_dim, tile_rows, geo.dtype, cudaErrorInvalidValue, LaunchDecode, args,
-                                   num_items, stream);
+  return ATTNSERVE_DISPATCH_DECODE(geo.head_dim, tile_rows, geo.dtype, geo.kv_fp8, cudaErrorInvalidValue,
+                                   LaunchDecode, args, num_items, stream);
 }
 
 }  // namespace attnserve

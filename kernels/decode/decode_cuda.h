@@ -7,7 +7,8 @@
 // docs/design.md section 3): mixed layers, scales, masks and LSE bases in one
 // batch, GQA, causal with causal_shift, rows that see nothing get 0 and LSE
 // -inf, base-2 LSE unless lse_base_e, fp32 accumulation, bf16 / fp16,
-// head_dim 64 / 128 / 256, any page_size.
+// head_dim 64 / 128 / 256, any page_size. FP8 pools (geo.kv_fp8, with
+// params.k_scales / v_scales) are read and dequantized in registers.
 //
 // Usage (all device pointers except the plan):
 //   DecodePlanOptions opt;
@@ -32,12 +33,14 @@ namespace attnserve {
 
 // Resident CTAs per SM of the decode kernel for this configuration (for
 // DecodePlanOptions::ctas_per_sm). tile_rows as DecodeTileRows returns it.
-int32_t DecodeCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows);
+int32_t DecodeCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows,
+                        Fp8Format kv_fp8 = Fp8Format::kNone);
 
 // Largest thread-block cluster the device co-schedules for this
 // configuration (for DecodePlanOptions::max_cluster): up to
 // kMaxDecodeCluster on sm_90+, 0 on older GPUs (no cluster mode).
-int32_t DecodeMaxCluster(int32_t head_dim, KvDType dtype, int32_t tile_rows);
+int32_t DecodeMaxCluster(int32_t head_dim, KvDType dtype, int32_t tile_rows,
+                         Fp8Format kv_fp8 = Fp8Format::kNone);
 
 struct DecodeLaunchOptions {
   // plan.cluster: > 1 runs cluster mode (num_items a multiple of it).

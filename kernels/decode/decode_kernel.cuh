@@ -13,6 +13,20 @@
 // tile's partials and writes o / lse (decode_plan.h). In cluster mode
 // (sm_90) the chunks of a tile are one thread-block cluster and merge
 // through distributed shared memory instead.
+//
+// FP8 pools (F8: an Fp8Format; 0 for a 16-bit pool): the ring holds FP8
+// rows (twice the steps in flight in the same bytes) and the fragments are
+// read from it with plain shared loads and dequantized in registers
+// (Fp8x4ToT: exact). The head dimension is permuted so that each thread's K
+// bytes are contiguous: logical element p of 16-element block kk of the
+// S = Q K^T MMA is physical dimension ((p & 7) >> 1) * D/4 + kk * 4 +
+// (p >> 3) * 2 + (p & 1), Q is stored in shared memory in that order, and
+// the dot product does not change. For O += P V, column n of n-tile nt is
+// physical dimension n * D/8 + nt (the epilogue writes O back in order); it
+// runs in fp16 whatever T is (P in [0, 1] and every FP8 value are exact or
+// finer in fp16 than in bf16), so that V's bytes take the hardware's E4M3
+// conversion on sm_89+. K's scale is folded into the logit transform, V's
+// into the output factor.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -30,17 +44,28 @@
 namespace attnserve {
 namespace decode {
 
-template <int D, int MT, typename T>
-__global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelArgs args) {
-  using Tr = DecodeTraits<D, MT>;
+// Resident CTAs per SM the kernel is compiled for: 3 for FP8 pools with one
+// m-tile at head_dim 64 / 128 (their registers fit), else 2.
+template <int D, int MT, int F8>
+constexpr int DecodeMinBlocks() {
+  return F8 != 0 && MT == 1 && D <= 128 ? 3 : 2;
+}
+
+template <int D, int MT, typename T, int F8>
+__global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDecodeKernel(const DecodeKernelArgs args) {
+  using Tr = DecodeTraits<D, MT, F8 != 0>;
   constexpr int kM = Tr::kM;
+  constexpr bool kFp8 = F8 != 0;
+  constexpr int kStages = kFp8 ? Tr::kStages8 : Tr::kStages;
+  constexpr int kStageBytes = kFp8 ? Tr::kStageBytes8 : Tr::kStageBytes;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
   uint8_t* s_q = smem;
   const uint32_t a_q = mma::SmemAddr(s_q);
-  const uint32_t a_ring = mma::SmemAddr(smem + Tr::kQBytes + warp * Tr::kWarpRingBytes);
+  uint8_t* const ring = smem + Tr::kQBytes + warp * Tr::kWarpRingBytes;
+  const uint32_t a_ring = mma::SmemAddr(ring);
   float* s_m = reinterpret_cast<float*>(smem + Tr::kMainBytes);  // (warps, M)
   float* s_l = s_m + Tr::kWarps * kM;                             // (warps, M)
   float* s_row_m = s_l + Tr::kWarps * kM;                         // (M)
@@ -74,6 +99,12 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
   const int64_t kv_base = static_cast<int64_t>(seq.layer) * args.slots_per_layer * row_stride + kvh * D + kv_c * 8;
   const T* k_base = static_cast<const T*>(args.p.k_cache) + kv_base;
   const T* v_base = static_cast<const T*>(args.p.v_cache) + kv_base;
+  // FP8: lane loads 16-byte chunk kv_c8 of rows kv_r8 + p * kRowsPerPass8.
+  const int kv_c8 = lane % Tr::kChunks8;
+  const int kv_r8 = lane / Tr::kChunks8;
+  const int64_t kv_base8 = static_cast<int64_t>(seq.layer) * args.slots_per_layer * row_stride + kvh * D + kv_c8 * 16;
+  const uint8_t* k_base8 = static_cast<const uint8_t*>(args.p.k_cache) + kv_base8;
+  const uint8_t* v_base8 = static_cast<const uint8_t*>(args.p.v_cache) + kv_base8;
   const int32_t* pages = args.p.kv_indices + seq.kv_start;
   const int ps = args.p.geo.page_size;
 
@@ -86,31 +117,43 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
   auto issue = [&](int i, int page) {
     const int pos = step_pos(i);
     const int64_t off = page >= 0 ? (static_cast<int64_t>(page) * ps + pos % ps) * row_stride : -1;
-    const uint32_t k_st = a_ring + (i % Tr::kStages) * 2 * Tr::kStageBytes;
-    const uint32_t v_st = k_st + Tr::kStageBytes;
+    const uint32_t k_st = a_ring + (i % kStages) * 2 * kStageBytes;
+    const uint32_t v_st = k_st + kStageBytes;
+    if constexpr (kFp8) {
 #pragma unroll
-    for (int p = 0; p < Tr::kPasses; ++p) {
-      const int r = p * Tr::kRowsPerPass + kv_r0;
-      const long long o = __shfl_sync(0xffffffffu, static_cast<long long>(off), r);
-      const bool valid = o >= 0;
-      const int64_t src = valid ? o : 0;
-      mma::CpAsync16(k_st + Swz<Tr::kRowBytes>(r, kv_c), k_base + src, valid);
-      mma::CpAsync16(v_st + Swz<Tr::kRowBytes>(r, kv_c), v_base + src, valid);
+      for (int p = 0; p < Tr::kPasses8; ++p) {
+        const int r = p * Tr::kRowsPerPass8 + kv_r8;
+        const long long o = __shfl_sync(0xffffffffu, static_cast<long long>(off), r);
+        const bool valid = o >= 0;
+        const int64_t src = valid ? o : 0;
+        mma::CpAsync16(k_st + SwzK8<D>(r, kv_c8), k_base8 + src, valid);
+        mma::CpAsync16(v_st + SwzV8<D>(r, kv_c8), v_base8 + src, valid);
+      }
+    } else {
+#pragma unroll
+      for (int p = 0; p < Tr::kPasses; ++p) {
+        const int r = p * Tr::kRowsPerPass + kv_r0;
+        const long long o = __shfl_sync(0xffffffffu, static_cast<long long>(off), r);
+        const bool valid = o >= 0;
+        const int64_t src = valid ? o : 0;
+        mma::CpAsync16(k_st + Swz<Tr::kRowBytes>(r, kv_c), k_base + src, valid);
+        mma::CpAsync16(v_st + Swz<Tr::kRowBytes>(r, kv_c), v_base + src, valid);
+      }
     }
   };
 
   // ---- Prologue: the first kStages - 1 steps in flight, then Q. The page
   // entries of all of them are loaded at once (independent loads: one memory
   // round trip before the first K/V request, not one per step).
-  int pages_ahead[Tr::kStages];
+  int pages_ahead[kStages];
 #pragma unroll
-  for (int s = 0; s < Tr::kStages; ++s) pages_ahead[s] = load_page(s);
+  for (int s = 0; s < kStages; ++s) pages_ahead[s] = load_page(s);
 #pragma unroll
-  for (int s = 0; s < Tr::kStages - 1; ++s) {
+  for (int s = 0; s < kStages - 1; ++s) {
     if (s < my_steps) issue(s, pages_ahead[s]);
     mma::CpAsyncCommit();
   }
-  int page_next = pages_ahead[Tr::kStages - 1];
+  int page_next = pages_ahead[kStages - 1];
 
   // Q tile: packed row r -> token r / group, head kvh * group + r % group.
   {
@@ -123,7 +166,14 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
       uint4 v = make_uint4(0, 0, 0, 0);
       if (t < q_len) {
         const int head = kvh * group + (pr - t * group);
-        v = __ldg(reinterpret_cast<const uint4*>(q + (static_cast<int64_t>(seq.q_start + t) * H + head) * D + c * 8));
+        const T* q_row = q + (static_cast<int64_t>(seq.q_start + t) * H + head) * D;
+        if constexpr (kFp8) {  // logical chunk c: pairs at (c / 2) * 4 + (c % 2) * 2 + j * D/4
+          const uint32_t* w = reinterpret_cast<const uint32_t*>(q_row + (c >> 1) * 4 + (c & 1) * 2);
+          constexpr int kQuarter = D / 8;  // D/4 elements in uint32 pairs
+          v = make_uint4(__ldg(w), __ldg(w + kQuarter), __ldg(w + 2 * kQuarter), __ldg(w + 3 * kQuarter));
+        } else {
+          v = __ldg(reinterpret_cast<const uint4*>(q_row + c * 8));
+        }
       }
       *reinterpret_cast<uint4*>(s_q + Swz<Tr::kRowBytes>(r, c)) = v;
     }
@@ -143,7 +193,14 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
     }
   }
   // The scale keeps its sign here (it is applied before the row maximum).
-  const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/false);
+  // FP8: K's and V's scales of this layer and KV head (1 when none are set).
+  float k_scale = 1.f, v_scale = 1.f;
+  if (kFp8) {
+    const int64_t si = static_cast<int64_t>(seq.layer) * KVH + kvh;
+    if (args.p.k_scales != nullptr) k_scale = __ldg(args.p.k_scales + si);
+    if (args.p.v_scales != nullptr) v_scale = __ldg(args.p.v_scales + si);
+  }
+  const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/false, k_scale);
   float o_acc[MT][D / 8][4];
   float m_run[MT][2];
   float l_run[MT][2];
@@ -160,14 +217,16 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
 
   // ---- Main loop over this warp's steps.
   for (int i = 0; i < my_steps; ++i) {
-    const int ahead = i + Tr::kStages - 1;
+    const int ahead = i + kStages - 1;
     if (ahead < my_steps) issue(ahead, page_next);
     mma::CpAsyncCommit();
     page_next = load_page(ahead + 1);  // used next iteration: latency hidden
-    mma::CpAsyncWait<Tr::kStages - 1>();
+    mma::CpAsyncWait<kStages - 1>();
     __syncwarp();
-    const uint32_t k_st = a_ring + (i % Tr::kStages) * 2 * Tr::kStageBytes;
-    const uint32_t v_st = k_st + Tr::kStageBytes;
+    const uint32_t k_st = a_ring + (i % kStages) * 2 * kStageBytes;
+    const uint32_t v_st = k_st + kStageBytes;
+    const uint8_t* const k_st8 = ring + (i % kStages) * 2 * kStageBytes;
+    const uint8_t* const v_st8 = k_st8 + kStageBytes;
 
     // S = Q K^T: s[mt][n] covers tokens n * 8 .. n * 8 + 7 of the step.
     float s[MT][2][4];
@@ -179,8 +238,40 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
         for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
       }
     }
+    if constexpr (kFp8) {
+      // Thread (g, c) holds tokens g and g + 8 of the step, physical
+      // dimensions c * D/4 + kk * 4 + 0..3 for block kk (b0: 0, 1; b1: 2, 3).
+      constexpr int kJ = D / 64;  // 16-byte chunks of a K row per thread
+      const int g = lane >> 2, c = lane & 3;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+      for (int j = 0; j < kJ; ++j) {
+        const uint4 k0 = *reinterpret_cast<const uint4*>(k_st8 + SwzK8<D>(g, c * kJ + j));
+        const uint4 k1 = *reinterpret_cast<const uint4*>(k_st8 + SwzK8<D>(g + 8, c * kJ + j));
+        const uint32_t w0[4] = {k0.x, k0.y, k0.z, k0.w};
+        const uint32_t w1[4] = {k1.x, k1.y, k1.z, k1.w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const int kk = j * 4 + w;
+          uint32_t b0[2], b1[2];
+          if constexpr (std::is_same<T, __half>::value) {
+            Fp8x4ToHalf<F8>(w0[w], b0[0], b0[1]);
+            Fp8x4ToHalf<F8>(w1[w], b1[0], b1[1]);
+          } else {
+            Fp8x4ToT<F8, T>(w0[w], b0[0], b0[1]);
+            Fp8x4ToT<F8, T>(w1[w], b1[0], b1[1]);
+          }
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            uint32_t qa[4];
+            mma::LdMatrixX4(qa, a_q + Swz<Tr::kRowBytes>(mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+            mma::Mma16816<T>(s[mt][0], qa, b0[0], b0[1]);
+            mma::Mma16816<T>(s[mt][1], qa, b1[0], b1[1]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < (kFp8 ? 0 : D / 16); ++kk) {
       uint32_t kb[4];
       mma::LdMatrixX4(kb, k_st + Swz<Tr::kRowBytes>(((lane >> 4) << 3) + (lane & 7), kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
@@ -235,17 +326,60 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
       }
     }
 
-    // O += P V: P is one 16x16 A fragment per m-tile.
+    // O += P V: P is one 16x16 A fragment per m-tile (fp16 for FP8 pools).
+    using TP = typename std::conditional<kFp8, __half, T>::type;
     uint32_t pa[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      pa[mt][0] = Pack2<T>(s[mt][0][0], s[mt][0][1]);
-      pa[mt][1] = Pack2<T>(s[mt][0][2], s[mt][0][3]);
-      pa[mt][2] = Pack2<T>(s[mt][1][0], s[mt][1][1]);
-      pa[mt][3] = Pack2<T>(s[mt][1][2], s[mt][1][3]);
+      pa[mt][0] = Pack2<TP>(s[mt][0][0], s[mt][0][1]);
+      pa[mt][1] = Pack2<TP>(s[mt][0][2], s[mt][0][3]);
+      pa[mt][2] = Pack2<TP>(s[mt][1][0], s[mt][1][1]);
+      pa[mt][3] = Pack2<TP>(s[mt][1][2], s[mt][1][3]);
+    }
+    if constexpr (kFp8) {
+      // Thread (g, c) reads bytes g * D/8 .. of tokens 2c, 2c + 1 (b0) and
+      // 2c + 8, 2c + 9 (b1); byte nt of them is n-tile nt's column g.
+      constexpr int kVB = D / 8;
+      const int g = lane >> 2, c = lane & 3;
+      auto pv4 = [&](int nt0, uint32_t x0, uint32_t x1, uint32_t x8, uint32_t x9) {
+        uint32_t lo[4], hi[4];  // n-tiles nt0 .. nt0 + 3: (lo[k], hi[k]) their b0, b1
+        Fp8x4ToHalf<F8>(__byte_perm(x0, x1, 0x5140), lo[0], lo[1]);
+        Fp8x4ToHalf<F8>(__byte_perm(x0, x1, 0x7362), lo[2], lo[3]);
+        Fp8x4ToHalf<F8>(__byte_perm(x8, x9, 0x5140), hi[0], hi[1]);
+        Fp8x4ToHalf<F8>(__byte_perm(x8, x9, 0x7362), hi[2], hi[3]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma::Mma16816<__half>(o_acc[mt][nt0 + k], pa[mt], lo[k], hi[k]);
+        }
+      };
+      if constexpr (kVB == 8) {  // head_dim 64: half a chunk per row
+        uint2 x[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int r = 2 * c + (q & 1) + (q >> 1) * 8;
+          x[q] = *reinterpret_cast<const uint2*>(v_st8 + SwzV8<D>(r, g >> 1) + (g & 1) * 8);
+        }
+        pv4(0, x[0].x, x[1].x, x[2].x, x[3].x);
+        pv4(4, x[0].y, x[1].y, x[2].y, x[3].y);
+      } else {
+#pragma unroll
+        for (int h = 0; h < kVB / 16; ++h) {
+          uint4 x[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int r = 2 * c + (q & 1) + (q >> 1) * 8;
+            x[q] = *reinterpret_cast<const uint4*>(v_st8 + SwzV8<D>(r, g * (kVB / 16) + h));
+          }
+          pv4(h * 16 + 0, x[0].x, x[1].x, x[2].x, x[3].x);
+          pv4(h * 16 + 4, x[0].y, x[1].y, x[2].y, x[3].y);
+          pv4(h * 16 + 8, x[0].z, x[1].z, x[2].z, x[3].z);
+          pv4(h * 16 + 12, x[0].w, x[1].w, x[2].w, x[3].w);
+        }
+      }
     }
 #pragma unroll
-    for (int dp = 0; dp < D / 16; ++dp) {
+    for (int dp = 0; dp < (kFp8 ? 0 : D / 16); ++dp) {
       uint32_t vb[4];
       mma::LdMatrixX4Trans(vb, v_st + Swz<Tr::kRowBytes>(((lane >> 3) & 1) * 8 + (lane & 7), dp * 2 + (lane >> 4)));
 #pragma unroll
@@ -307,11 +441,21 @@ __global__ void __launch_bounds__(128, 2) PagedDecodeKernel(const DecodeKernelAr
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = mt * 16 + (lane >> 2) + h * 8;
-      const float f = m_run[mt][h] != -INFINITY ? Exp2(m_run[mt][h] - s_row_m[r]) * s_row_l[r] : 0.f;
-      float* dst = s_o + (warp * kM + r) * Tr::kOStride + (lane & 3) * 2;
+      const float f =
+          m_run[mt][h] != -INFINITY ? Exp2(m_run[mt][h] - s_row_m[r]) * s_row_l[r] * v_scale : 0.f;
+      if constexpr (kFp8) {  // column e of n-tile n is dimension e * D/8 + n
+        float* dst = s_o + (warp * kM + r) * Tr::kOStride + (lane & 3) * 2 * (D / 8);
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o_acc[mt][n][2 * h] * f, o_acc[mt][n][2 * h + 1] * f);
+        for (int n = 0; n < D / 8; ++n) {
+          dst[n] = o_acc[mt][n][2 * h] * f;
+          dst[D / 8 + n] = o_acc[mt][n][2 * h + 1] * f;
+        }
+      } else {
+        float* dst = s_o + (warp * kM + r) * Tr::kOStride + (lane & 3) * 2;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o_acc[mt][n][2 * h] * f, o_acc[mt][n][2 * h + 1] * f);
+        }
       }
     }
   }

@@ -96,6 +96,22 @@ int32_t SeqsForPrefillFamily(const PrefillSeq* seqs, int32_t num_seqs, const KvG
   return decode;
 }
 
+void CutForDecode(const PrefillSeq* seqs, int32_t num_seqs, std::vector<PrefillSeq>* pieces) {
+  pieces->clear();
+  for (int32_t i = 0; i < num_seqs; ++i) {
+    const PrefillSeq& s = seqs[i];
+    for (int32_t b = 0; b < s.q_len; b += kMaxDecodeQueryRows) {
+      PrefillSeq p = s;
+      p.q_start = s.q_start + b;
+      p.q_len = std::min(kMaxDecodeQueryRows, s.q_len - b);
+      // QueryPos(p, t) = t + kv_len - p.q_len + p.causal_shift must equal
+      // QueryPos(s, t + b).
+      p.causal_shift = s.causal_shift + b + p.q_len - s.q_len;
+      pieces->push_back(p);
+    }
+  }
+}
+
 int32_t DecodeTileRows(int32_t head_dim, int32_t max_rows) {
   const int32_t cap = head_dim == 256 ? 16 : 32;
   int32_t m = 16;
@@ -142,9 +158,13 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   const int64_t slots = int64_t{std::max(options.num_sms, 1)} * std::max(options.ctas_per_sm, 1);
   const int64_t quantum = kDecodeChunkQuantum;
   const int64_t min_chunk = std::max<int64_t>(quantum, CeilDiv(std::max(options.min_chunk, 1), quantum) * quantum);
-  const double token_bytes = 2.0 * geo.head_dim * KvDTypeBytes(geo.dtype);  // K + V of one KV head
+  const double token_bytes = 2.0 * geo.head_dim * geo.KvElemBytes();  // K + V of one KV head
   const double hbm = std::max(options.hbm_bytes_per_ns, 1e-3);
-  const double cta_rate = std::max(options.cta_bytes_per_ns, 1e-3);
+  // A CTA on an FP8 pool streams tokens no faster than on a 16-bit one
+  // (its dequantization costs what the halved bytes save; H200,
+  // bench/results/2026-12-02-fp8-h200.md): the same tokens per ns, half the
+  // bytes.
+  const double cta_rate = std::max(options.cta_bytes_per_ns, 1e-3) * geo.KvElemBytes() / 2.0;
   int64_t v_max = 0;
   for (int32_t i : planned) v_max = std::max<int64_t>(v_max, VisibleKeys(seqs[i]).size());
 

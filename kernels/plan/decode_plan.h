@@ -95,7 +95,9 @@ struct DecodePlanOptions {
   // CTA's merge (fence, atomic, one pass over the LSEs, then 8 KiB of
   // partials per chunk and 16-row tile); merge_ns_per_chunk = 150 puts the
   // 1 x 4096 plan at the best of the second run's chunk sweep (16 chunks of
-  // 256 per tile: 0.0203 ms; 8 chunks 0.0226, 32 chunks 0.0208).
+  // 256 per tile: 0.0203 ms; 8 chunks 0.0226, 32 chunks 0.0208). An FP8
+  // pool's CTA is taken to stream half these bytes (the same tokens): its
+  // dequantization costs what the halved bytes save.
   double hbm_bytes_per_ns = 4300;
   double cta_bytes_per_ns = 36;
   double merge_ns = 1000;
@@ -161,6 +163,14 @@ bool DecodeBatchQualifies(const PrefillSeq* seqs, int32_t num_seqs,
 // Returns the number of sequences left to the decode family.
 int32_t SeqsForPrefillFamily(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
                              std::vector<PrefillSeq>* prefill_seqs);
+
+// FP8 pools on the CUDA backend, where only the decode family reads FP8:
+// every sequence as pieces of at most kMaxDecodeQueryRows rows, each row
+// seeing exactly the keys it saw (q_start and causal_shift move so that its
+// QueryPos, kernels/variant.h, is unchanged); the rest of each PrefillSeq is
+// copied. Sequences without rows are dropped. A long prefill so reads its
+// keys once per 8 rows: a correct path, not a fast one.
+void CutForDecode(const PrefillSeq* seqs, int32_t num_seqs, std::vector<PrefillSeq>* pieces);
 
 // Packed rows per tile for the decode kernel: 16 or 32, the smaller that
 // holds max_rows (q_len * group of the largest sequence); 16 for head_dim 256

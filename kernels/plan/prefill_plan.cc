@@ -143,7 +143,7 @@ void BuildPrefillPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry
   std::vector<int32_t> group_begin;
   std::vector<int32_t> group_max;    // longest item of the group (tokens)
   std::vector<int64_t> group_bytes;  // K + V bytes the group reads
-  const int64_t token_bytes = int64_t{2} * geo.head_dim * KvDTypeBytes(geo.dtype);  // K and V
+  const int64_t token_bytes = int64_t{2} * geo.head_dim * geo.KvElemBytes();  // K and V
   int32_t group_lo = 0, group_hi = 0;  // keys the current group's items read
   for (size_t i = 0; i < n; ++i) {
     const PrefillWorkItem& it = plan->items[i];

@@ -70,6 +70,8 @@ cudaError_t PagedPrefillSm80(const PagedPrefillParams& params, const PrefillWork
                              int32_t num_items, float* part_o, float* part_lse, bool rows64,
                              cudaStream_t stream) {
   const KvGeometry& geo = params.geo;
+  // 16-bit pools only: FP8 pools run on the decode family (CutForDecode).
+  if (geo.KvIsFp8()) return cudaErrorInvalidValue;
   if (!IsSupportedHeadDim(geo.head_dim)) return cudaErrorInvalidValue;
   if (geo.num_kv_heads <= 0 || geo.num_qo_heads % geo.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (num_items == 0) return cudaSuccess;

@@ -228,6 +228,7 @@ void SetTmaMaps(const PagedPrefillParams& params, PrefillKernelArgs* args) {
 cudaError_t MakeArgs(const PagedPrefillParams& params, const PrefillWorkItem* items, int32_t num_items,
                      float* part_o, float* part_lse, PrefillKernelArgs* args) {
   const KvGeometry& geo = params.geo;
+  if (geo.KvIsFp8()) return cudaErrorInvalidValue;  // 16-bit pools only (CutForDecode)
   if (geo.head_dim != 64 && geo.head_dim != 128) return cudaErrorInvalidValue;
   if (geo.num_kv_heads <= 0 || geo.num_qo_heads % geo.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (!Sm90PrefillSupported()) return cudaErrorNotSupported;

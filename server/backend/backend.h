@@ -70,6 +70,10 @@ struct PrefillTask {
   int64_t num_append = 0;
   const void* append_k = nullptr;         // (num_append, num_kv_heads, head_dim)
   const void* append_v = nullptr;         // (num_append, num_kv_heads, head_dim)
+  // FP8 pools: append_k / append_v hold FP8 bytes as the pools store them
+  // (1 byte an element); false: geo.dtype values, quantized on the way in
+  // (kernels/append_kv.h).
+  bool append_fp8 = false;
   ScatterList append_k_scattered;         // or these pieces
   ScatterList append_v_scattered;
   bool append_k_on_device = false;
@@ -134,12 +138,18 @@ struct BatchStats {
 // for k / v when *_on_device (a CUDA region, as in PrefillTask). A WriteKV's
 // inline k / v may be pieces instead (*_scattered not empty, the pointer
 // null), as PrefillTask's inputs.
+//
+// On an FP8 pool, rows_fp8 says what k and v hold: FP8 bytes as the pools
+// store them (a WriteKV of FP8 rows, a ReadKV of the stored bytes), or
+// geo.dtype values (a WriteKV quantized on the way in, a ReadKV dequantized
+// on the way out; kernels/append_kv.h). Always false on a 16-bit pool.
 struct KvRows {
   int32_t layer = 0;
   const int64_t* slots = nullptr;  // (n) validated slots, host
   int64_t n = 0;
   void* k = nullptr;               // (n, num_kv_heads, head_dim)
   void* v = nullptr;               // (n, num_kv_heads, head_dim)
+  bool rows_fp8 = false;
   ScatterList k_scattered;         // WriteKV: or these pieces
   ScatterList v_scattered;
   bool k_on_device = false;
@@ -206,6 +216,13 @@ class Backend {
   // Sets every KV row of `pages` to zero in every layer (freed pages, before
   // anyone may allocate them again). Same threading as WriteKv.
   virtual absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) = 0;
+
+  // FP8 pools: the scales of `layer` (num_kv_heads entries each, validated:
+  // finite and positive) that later writes quantize with and later reads
+  // and attention dequantize with (kernels/fp8.h). Every layer starts at
+  // 1.0. Same threading as WriteKv. FAILED_PRECONDITION on a 16-bit pool.
+  virtual absl::Status SetKvScales(int32_t layer, absl::Span<const float> k_scales,
+                                   absl::Span<const float> v_scales) = 0;
 
   // N-way merge of states. Default: the CPU reference, host memory only
   // (FAILED_PRECONDITION for a tensor on a device).

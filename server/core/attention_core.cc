@@ -117,6 +117,14 @@ class AttentionCore::RegionUse {
 
 namespace {
 
+// The alignment a K or V row tensor in a region needs: its declared dtype's
+// element (FP8: 1 byte), or 2 for a dtype no field takes (validation then
+// names it).
+int64_t RowElemBytes(const TensorView& t) {
+  const int64_t bytes = TensorDTypeBytes(t.dtype);
+  return bytes > 0 ? bytes : 2;
+}
+
 // A request naming a lease may use only a plan made under it.
 absl::Status CheckPlanLease(const Plan& plan, uint64_t lease) {
   if (lease == 0 || plan.lease == lease) return absl::OkStatus();
@@ -128,7 +136,7 @@ absl::Status CheckPlanLease(const Plan& plan, uint64_t lease) {
 }  // namespace
 
 int32_t MaxRequestRows(const CoreOptions& options, const KvGeometry& geo) {
-  const int64_t q_row_bytes = int64_t{geo.num_qo_heads} * geo.head_dim * KvDTypeBytes(geo.dtype);
+  const int64_t q_row_bytes = int64_t{geo.num_qo_heads} * geo.head_dim * geo.QElemBytes();
   const int64_t rows = options.max_message_bytes / std::max<int64_t>(q_row_bytes, 1);
   return static_cast<int32_t>(
       std::clamp<int64_t>(std::max<int64_t>(rows, options.max_batch_tokens), 1, 1 << 30));
@@ -149,6 +157,14 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
     for (const std::string& tenant : channels_.CloseRegion(region)) UpdateChannelGauge(tenant);
   });
   if (options.check_kv_written) written_ = std::make_unique<WrittenRows>(backend_->Geometry());
+  {
+    const KvGeometry& g = backend_->Geometry();
+    absl::MutexLock lock(&scales_mu_);
+    if (g.KvIsFp8()) {
+      k_scales_.assign(static_cast<size_t>(g.num_layers) * g.num_kv_heads, 1.f);
+      v_scales_ = k_scales_;
+    }
+  }
   limits_.max_message_bytes = options.max_message_bytes;
   limits_.max_request_rows = MaxRequestRows(options, backend_->Geometry());
   limits_.max_request_kv_indices = options.max_request_kv_indices;
@@ -208,6 +224,9 @@ ServerInfoData AttentionCore::Info() const {
   info.num_kv_heads = g.num_kv_heads;
   info.head_dim = g.head_dim;
   info.kv_dtype = g.dtype;
+  info.kv_fp8 = g.kv_fp8;
+  info.page_bytes = BytesPerPage(g);
+  info.kv_cache_bytes = info.page_bytes * g.num_pages;
   info.free_pages = pages_.FreeCount();
   info.max_batch_tokens = options_.max_batch_tokens;
   info.max_message_bytes = options_.max_message_bytes;
@@ -573,10 +592,15 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
                           request.lse_region.set;
   if (any_region) {
     resolved = request;
-    const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
+    const int64_t elem = backend_->Geometry().QElemBytes();
     absl::Status status = regions.Input(&resolved.q, elem, "q");
-    if (status.ok()) status = regions.Input(&resolved.append_k, elem, "append_k");
-    if (status.ok()) status = regions.Input(&resolved.append_v, elem, "append_v");
+    // The alignment of K and V rows is their declared dtype's (FP8: 1 byte).
+    if (status.ok()) {
+      status = regions.Input(&resolved.append_k, RowElemBytes(resolved.append_k), "append_k");
+    }
+    if (status.ok()) {
+      status = regions.Input(&resolved.append_v, RowElemBytes(resolved.append_v), "append_v");
+    }
     if (status.ok() && resolved.out_region.set != resolved.lse_region.set) {
       status = absl::InvalidArgumentError(
           "output_region and lse_region go together: set both or neither");
@@ -633,7 +657,7 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
   out->num_qo_heads = g.num_qo_heads;
   out->head_dim = g.head_dim;
   if (call.out_region.set) {
-    const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
+    const int64_t elem = g.QElemBytes();
     auto o = regions.Output(call.out_region, validated->out_bytes, elem, "output_region");
     if (!o.ok()) {
       done(o.status());
@@ -698,17 +722,17 @@ void AttentionCore::WriteKv(const WriteKvCall& request, DoneCallback done) {
   const bool any_region = request.k.region.set || request.v.region.set;
   if (any_region) {
     resolved = request;
-    const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
-    absl::Status status = regions.Input(&resolved.k, elem, "k");
-    if (status.ok()) status = regions.Input(&resolved.v, elem, "v");
+    absl::Status status = regions.Input(&resolved.k, RowElemBytes(resolved.k), "k");
+    if (status.ok()) status = regions.Input(&resolved.v, RowElemBytes(resolved.v), "v");
     if (!status.ok()) {
       done(status);
       return;
     }
   }
   const WriteKvCall& call = any_region ? resolved : request;
+  bool rows_fp8 = false;
   auto pages = ValidateKvRows(call.layer, call.slots, &call.k, &call.v, backend_->Geometry(),
-                              limits_);
+                              limits_, &rows_fp8);
   if (!pages.ok()) {
     done(pages.status());
     return;
@@ -730,6 +754,7 @@ void AttentionCore::WriteKv(const WriteKvCall& request, DoneCallback done) {
   job->rows.v_scattered = call.v.scattered;
   job->rows.k_on_device = call.k.on_device;
   job->rows.v_on_device = call.v.on_device;
+  job->rows.rows_fp8 = rows_fp8;
   job->done = regions.Wrap(std::move(done), metrics_);
   Submit(call, *std::move(pages), "slots", std::move(job));
 }
@@ -740,21 +765,26 @@ void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
     done(stale);
     return;
   }
-  auto pages =
-      ValidateKvRows(call.layer, call.slots, nullptr, nullptr, backend_->Geometry(), limits_);
+  const KvGeometry& g = backend_->Geometry();
+  // An FP8 cache's stored bytes, unless the caller asks for its values.
+  bool rows_fp8 = g.KvIsFp8() && !call.dequantize;
+  auto pages = ValidateKvRows(call.layer, call.slots, nullptr, nullptr, g, limits_, &rows_fp8);
   if (!pages.ok()) {
     done(pages.status());
     return;
   }
-  const KvGeometry& g = backend_->Geometry();
   const int64_t n = static_cast<int64_t>(call.slots.size());
-  const int64_t elem = KvDTypeBytes(g.dtype);
+  const int64_t elem = rows_fp8 ? g.KvElemBytes() : g.QElemBytes();
   const int64_t bytes = n * g.RowElems() * elem;
+  if (call.out_dtype != nullptr) {
+    *call.out_dtype = rows_fp8 ? TensorDTypeOf(g.kv_fp8) : TensorDTypeOf(g.dtype);
+  }
   auto job = std::make_unique<Job>();
   job->kind = Job::Kind::kReadKv;
   job->rows.layer = call.layer;
   job->rows.slots = call.slots.data();
   job->rows.n = n;
+  job->rows.rows_fp8 = rows_fp8;
   RegionUse regions(&regions_, call.tenant);
   if (call.k_region.set != call.v_region.set) {
     done(absl::InvalidArgumentError("k_region and v_region go together: set both or neither"));
@@ -794,7 +824,7 @@ void AttentionCore::MergeStates(const MergeStatesCall& request, DoneCallback don
   }
   if (any_region) {
     resolved = request;
-    const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
+    const int64_t elem = backend_->Geometry().QElemBytes();
     absl::Status status;
     for (size_t i = 0; i < resolved.v.size() && status.ok(); ++i) {
       status = regions.Input(&resolved.v[i], elem, absl::StrCat("states[", i, "].v"));
@@ -818,7 +848,7 @@ void AttentionCore::MergeStates(const MergeStatesCall& request, DoneCallback don
     return;
   }
   const int64_t rows = shape->n * shape->h;
-  const int64_t elem = KvDTypeBytes(backend_->Geometry().dtype);
+  const int64_t elem = backend_->Geometry().QElemBytes();
   char* v_out = nullptr;
   char* lse_out = nullptr;
   auto job = std::make_unique<Job>();
@@ -863,6 +893,81 @@ void AttentionCore::MergeStates(const MergeStatesCall& request, DoneCallback don
   m.lse_base_e = static_cast<uint8_t>(call.lse_base);
   job->done = regions.Wrap(std::move(done), metrics_);
   Submit(call, {}, "", std::move(job));
+}
+
+void AttentionCore::SetKvScales(const SetKvScalesCall& call, DoneCallback done) {
+  if (absl::Status stale = CheckIncarnation(call.expected_incarnation, incarnation_);
+      !stale.ok()) {
+    done(stale);
+    return;
+  }
+  const KvGeometry& g = backend_->Geometry();
+  if (absl::Status bad = ValidateKvScales(call.layers, g); !bad.ok()) {
+    done(bad);
+    return;
+  }
+  // Each layer's scales per KV head (one value repeated over the heads).
+  struct Update {
+    int32_t layer;
+    std::vector<float> k, v;
+  };
+  auto updates = std::make_shared<std::vector<Update>>();
+  const size_t heads = static_cast<size_t>(g.num_kv_heads);
+  for (const LayerScalesView& l : call.layers) {
+    Update u{l.layer, std::vector<float>(heads), std::vector<float>(heads)};
+    for (size_t h = 0; h < heads; ++h) {
+      u.k[h] = l.k_scale.size() == 1 ? l.k_scale[0] : l.k_scale[h];
+      u.v[h] = l.v_scale.size() == 1 ? l.v_scale[0] : l.v_scale[h];
+    }
+    updates->push_back(std::move(u));
+  }
+  auto job = std::make_unique<Job>();
+  job->kind = Job::Kind::kRun;
+  // On the worker, between batches: ordered with the writes and reads around
+  // it. A change is refused while another tenant holds pages, whose KV was
+  // quantized with the scales in force; setting the values already in force
+  // changes nothing and is always allowed.
+  job->run = [this, updates, tenant = call.tenant](Backend* backend) -> absl::Status {
+    absl::MutexLock lock(&scales_mu_);
+    const size_t heads = static_cast<size_t>(backend->Geometry().num_kv_heads);
+    bool changes = false;
+    for (const Update& u : *updates) {
+      changes = changes ||
+                !std::equal(u.k.begin(), u.k.end(), k_scales_.begin() + u.layer * heads) ||
+                !std::equal(u.v.begin(), u.v.end(), v_scales_.begin() + u.layer * heads);
+    }
+    if (!changes) return absl::OkStatus();
+    if (const int32_t others = pages_.OtherTenantsPages(tenant); others > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "SetKvScales would change the scales of KV that other tenants hold (", others,
+          " pages): a layer's scales are the server's, and their FP8 rows were quantized with "
+          "the scales in force; change them while no other tenant holds pages"));
+    }
+    for (const Update& u : *updates) {
+      ATTN_RETURN_IF_ERROR(backend->SetKvScales(u.layer, u.k, u.v));
+      std::copy(u.k.begin(), u.k.end(), k_scales_.begin() + u.layer * heads);
+      std::copy(u.v.begin(), u.v.end(), v_scales_.begin() + u.layer * heads);
+    }
+    return absl::OkStatus();
+  };
+  job->done = std::move(done);
+  Submit(call, {}, "", std::move(job));
+}
+
+std::vector<LayerScales> AttentionCore::KvScales() const {
+  const KvGeometry& g = backend_->Geometry();
+  std::vector<LayerScales> out;
+  if (!g.KvIsFp8()) return out;
+  const size_t heads = static_cast<size_t>(g.num_kv_heads);
+  absl::MutexLock lock(&scales_mu_);
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    LayerScales l;
+    l.layer = layer;
+    l.k_scale.assign(k_scales_.begin() + layer * heads, k_scales_.begin() + (layer + 1) * heads);
+    l.v_scale.assign(v_scales_.begin() + layer * heads, v_scales_.begin() + (layer + 1) * heads);
+    out.push_back(std::move(l));
+  }
+  return out;
 }
 
 }  // namespace attnserve

@@ -128,6 +128,15 @@ class AttentionCore {
   void ReadKv(const ReadKvCall& call, DoneCallback done);
   void MergeStates(const MergeStatesCall& call, DoneCallback done);
 
+  // FP8 caches: sets the KV scales of the call's layers (validated first;
+  // all or nothing), ordered with the WriteKV, ReadKV and Prefill jobs of
+  // the caller's tenant around it. FAILED_PRECONDITION when it would change
+  // a scale while another tenant holds pages. `done` runs once.
+  void SetKvScales(const SetKvScalesCall& call, DoneCallback done);
+  // Every layer's scales (num_kv_heads each) as the last SetKvScales left
+  // them, 1.0 from the start; empty for a 16-bit cache.
+  std::vector<LayerScales> KvScales() const;
+
   // The caller of request `request_id` (CallContext) gave up: if the request
   // is still queued it leaves the queue now, its pages are unpinned and its
   // done runs with CANCELLED. A request already running, or unknown, is
@@ -174,6 +183,11 @@ class AttentionCore {
   Metrics* const metrics_;
   const uint64_t incarnation_;
   RequestLimits limits_;
+  // FP8 caches: (num_layers, num_kv_heads) KV scales as the backend has
+  // them (SetKvScales updates both on the worker).
+  mutable absl::Mutex scales_mu_;
+  std::vector<float> k_scales_ ABSL_GUARDED_BY(scales_mu_);
+  std::vector<float> v_scales_ ABSL_GUARDED_BY(scales_mu_);
   PageTable pages_;
   std::unique_ptr<WrittenRows> written_;  // null: --check_kv_written=false
   std::unique_ptr<Scheduler> scheduler_;

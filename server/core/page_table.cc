@@ -204,4 +204,14 @@ int32_t PageTable::TenantPages(absl::string_view tenant) const {
   return it == tenant_ids_.end() ? 0 : tenant_pages_[it->second];
 }
 
+int32_t PageTable::OtherTenantsPages(absl::string_view tenant) const {
+  absl::MutexLock lock(&mu_);
+  auto it = tenant_ids_.find(tenant);
+  int32_t total = 0;
+  for (size_t id = 0; id < tenant_pages_.size(); ++id) {
+    if (it == tenant_ids_.end() || id != static_cast<size_t>(it->second)) total += tenant_pages_[id];
+  }
+  return total;
+}
+
 }  // namespace attnserve

@@ -93,6 +93,8 @@ class PageTable {
   int32_t num_pages() const { return static_cast<int32_t>(owner_.size()); }
   int32_t FreeCount() const;
   int32_t TenantPages(absl::string_view tenant) const;
+  // Pages every tenant but `tenant` holds.
+  int32_t OtherTenantsPages(absl::string_view tenant) const;
 
  private:
   static constexpr int32_t kFree = -1;

@@ -32,11 +32,40 @@ namespace attnserve {
 // attnserve.v1.DType at all). The edge maps attnserve.v1.DType onto it in
 // one place (server/grpc/convert.h); validation compares it with what each
 // field needs.
-enum class TensorDType : int32_t { kUnspecified, kBf16, kFp16, kFp32, kUnknown };
+enum class TensorDType : int32_t {
+  kUnspecified,
+  kBf16,
+  kFp16,
+  kFp32,
+  kFp8E4m3,
+  kFp8E5m2,
+  kUnknown
+};
 
-// The tensor dtype of the KV element type.
+// The tensor dtype of a 16-bit element type.
 inline TensorDType TensorDTypeOf(KvDType dtype) {
   return dtype == KvDType::kBf16 ? TensorDType::kBf16 : TensorDType::kFp16;
+}
+
+// The tensor dtype of an FP8 format (kUnknown for kNone).
+inline TensorDType TensorDTypeOf(Fp8Format format) {
+  return format == Fp8Format::kE4m3   ? TensorDType::kFp8E4m3
+         : format == Fp8Format::kE5m2 ? TensorDType::kFp8E5m2
+                                      : TensorDType::kUnknown;
+}
+
+// Bytes of one element (0 for kUnspecified and kUnknown).
+inline int64_t TensorDTypeBytes(TensorDType dtype) {
+  switch (dtype) {
+    case TensorDType::kBf16:
+    case TensorDType::kFp16: return 2;
+    case TensorDType::kFp32: return 4;
+    case TensorDType::kFp8E4m3:
+    case TensorDType::kFp8E5m2: return 1;
+    case TensorDType::kUnspecified:
+    case TensorDType::kUnknown: break;
+  }
+  return 0;
 }
 
 // Its name in error messages: the API's ("DTYPE_BF16", ...) or "unknown".
@@ -46,6 +75,8 @@ inline const char* TensorDTypeName(TensorDType dtype) {
     case TensorDType::kBf16: return "DTYPE_BF16";
     case TensorDType::kFp16: return "DTYPE_FP16";
     case TensorDType::kFp32: return "DTYPE_FP32";
+    case TensorDType::kFp8E4m3: return "DTYPE_FP8_E4M3";
+    case TensorDType::kFp8E5m2: return "DTYPE_FP8_E5M2";
     case TensorDType::kUnknown: break;
   }
   return "unknown";
@@ -159,6 +190,11 @@ struct WriteKvCall : CallContext {
 struct ReadKvCall : CallContext {
   int32_t layer = 0;
   absl::Span<const int64_t> slots;  // (n)
+  // FP8 caches: the rows in the query dtype (stored values times their
+  // scales) instead of the stored FP8 bytes; no effect on a 16-bit cache.
+  bool dequantize = false;
+  // Set by the core once validated: the dtype of the rows it writes.
+  TensorDType* out_dtype = nullptr;
   std::string* out_k = nullptr;     // (n, num_kv_heads, head_dim), sized by the core
   std::string* out_v = nullptr;
   // Both set: the rows are written there and out_k / out_v stay empty.
@@ -177,6 +213,25 @@ struct MergeStatesCall : CallContext {
   RegionRefView lse_region;
 };
 
+// One layer's KV scales (SetKvScales, GetKvScales): 1 entry (the whole
+// layer) or num_kv_heads entries each; real = fp8 value x scale.
+struct LayerScalesView {
+  int32_t layer = 0;
+  absl::Span<const float> k_scale;
+  absl::Span<const float> v_scale;
+};
+
+struct SetKvScalesCall : CallContext {
+  std::vector<LayerScalesView> layers;
+};
+
+// Every layer's scales, num_kv_heads entries each (empty on a 16-bit cache).
+struct LayerScales {
+  int32_t layer = 0;
+  std::vector<float> k_scale;
+  std::vector<float> v_scale;
+};
+
 // Snapshot for GetServerInfo.
 struct ServerInfoData {
   std::string version;
@@ -188,7 +243,10 @@ struct ServerInfoData {
   int32_t num_qo_heads = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
-  KvDType kv_dtype = KvDType::kBf16;
+  KvDType kv_dtype = KvDType::kBf16;  // queries and outputs (q_dtype); the KV too unless kv_fp8
+  Fp8Format kv_fp8 = Fp8Format::kNone;
+  int64_t kv_cache_bytes = 0;  // K and V of every layer and page
+  int64_t page_bytes = 0;      // K and V of one page in every layer
   int32_t free_pages = 0;
   int32_t max_batch_tokens = 0;
   int64_t max_message_bytes = 0;

@@ -410,6 +410,9 @@ void Scheduler::RunJob(std::unique_ptr<Job> job) {
                       job->scrub.size(), status.ToString());
       }
       break;
+    case Job::Kind::kRun:
+      status = job->run(backend_);
+      break;
     case Job::Kind::kPrefill:
       status = absl::InternalError("a prefill job reached RunJob");
       break;

@@ -5,8 +5,8 @@
 // round-robin across tenants, one job per tenant per turn (up to
 // max_batch_tokens query rows; a larger job runs alone), so one tenant's
 // flood cannot hold the device; each batch goes to the backend in one call.
-// WriteKV, ReadKV and MergeStates jobs run one at a time, in their tenant's
-// queue order. A job whose deadline has passed or whose caller cancelled is
+// WriteKV, ReadKV, MergeStates and kRun jobs (SetKvScales) run one at a
+// time, in their tenant's queue order. A job whose deadline has passed or whose caller cancelled is
 // dropped before launch (DEADLINE_EXCEEDED / CANCELLED); a cancelled one
 // leaves at once when the edge calls CancelQueued. Every job's pinned
 // pages are unpinned and its done callback runs after the backend returns.
@@ -46,8 +46,11 @@
 namespace attnserve {
 
 struct Job {
-  enum class Kind { kPrefill, kWriteKv, kReadKv, kMerge, kScrub };
+  enum class Kind { kPrefill, kWriteKv, kReadKv, kMerge, kScrub, kRun };
   Kind kind = Kind::kPrefill;
+  // kRun: called on the worker with the backend, ordered as WriteKV jobs
+  // are (no batch in flight); its status finishes the job.
+  std::function<absl::Status(Backend*)> run;
   PrefillTask task;                    // kPrefill
   KvRows rows;                         // kWriteKv, kReadKv
   MergeStatesParams merge;             // kMerge (pointers into the two vectors below)

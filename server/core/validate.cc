@@ -13,16 +13,7 @@ namespace attnserve {
 namespace {
 
 // Bytes per element of the dtypes a field may require.
-int64_t DTypeBytes(TensorDType dtype) {
-  switch (dtype) {
-    case TensorDType::kBf16: return KvDTypeBytes(KvDType::kBf16);
-    case TensorDType::kFp16: return KvDTypeBytes(KvDType::kFp16);
-    case TensorDType::kFp32: return int64_t{sizeof(float)};
-    case TensorDType::kUnspecified:
-    case TensorDType::kUnknown: break;
-  }
-  return 0;  // no field requires these
-}
+int64_t DTypeBytes(TensorDType dtype) { return TensorDTypeBytes(dtype); }
 
 absl::Status CheckLayer(int32_t layer, const KvGeometry& geo) {
   if (layer < 0 || layer >= geo.num_layers) {
@@ -120,6 +111,76 @@ absl::Status ValidateTensor(const TensorView& t, absl::string_view field, Tensor
     return absl::InvalidArgumentError(absl::StrCat(field, ".data has ", t.byte_size(),
                                                    " bytes, shape [", absl::StrJoin(shape, ", "),
                                                    "] needs ", bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> KvRowsAreFp8(const TensorView& k, const TensorView& v,
+                                  absl::string_view k_field, absl::string_view v_field,
+                                  const KvGeometry& geo) {
+  const TensorDType half = TensorDTypeOf(geo.dtype);
+  if (!geo.KvIsFp8()) {
+    for (auto [field, t] : {std::pair{k_field, &k}, std::pair{v_field, &v}}) {
+      if (t->dtype == TensorDType::kFp8E4m3 || t->dtype == TensorDType::kFp8E5m2) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".dtype=", TensorDTypeName(t->dtype), ": this server's KV cache is ",
+            TensorDTypeName(half), " (--kv_dtype), which takes ", TensorDTypeName(half),
+            " rows only; FP8 rows need a server started with --kv_dtype=fp8_e4m3 or fp8_e5m2"));
+      }
+    }
+    return false;  // ValidateTensor names any other dtype
+  }
+  const TensorDType fp8 = TensorDTypeOf(geo.kv_fp8);
+  if (k.dtype != half && k.dtype != fp8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        k_field, ".dtype=", TensorDTypeName(k.dtype), " must be ", TensorDTypeName(half),
+        " (quantized by the server) or ", TensorDTypeName(fp8),
+        " (stored as it is): this server's KV cache is ", Fp8FormatName(geo.kv_fp8)));
+  }
+  if (v.dtype != k.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(v_field, ".dtype=", TensorDTypeName(v.dtype),
+                                                   " must equal ", k_field, ".dtype=",
+                                                   TensorDTypeName(k.dtype)));
+  }
+  return k.dtype == fp8;
+}
+
+absl::Status ValidateKvScales(absl::Span<const LayerScalesView> layers, const KvGeometry& geo) {
+  if (!geo.KvIsFp8()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layers: KV scales apply to an FP8 KV cache, and this server's is ",
+        TensorDTypeName(TensorDTypeOf(geo.dtype)),
+        " (start it with --kv_dtype=fp8_e4m3 or fp8_e5m2 for scales)"));
+  }
+  if (layers.empty()) return absl::InvalidArgumentError("layers is empty: needs at least 1 entry");
+  std::vector<bool> seen(static_cast<size_t>(geo.num_layers), false);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LayerScalesView& l = layers[i];
+    const std::string at = absl::StrCat("layers[", i, "]");
+    if (l.layer < 0 || l.layer >= geo.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(at, ".layer=", l.layer, " out of range [0, ",
+                                                     geo.num_layers, ") (num_layers)"));
+    }
+    if (seen[l.layer]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, ".layer=", l.layer, " is repeated: one entry per layer"));
+    }
+    seen[l.layer] = true;
+    for (auto [name, scales] : {std::pair{"k_scale", l.k_scale}, std::pair{"v_scale", l.v_scale}}) {
+      if (scales.size() != 1 && static_cast<int64_t>(scales.size()) != geo.num_kv_heads) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            at, ".", name, " has ", scales.size(), " entries, must have 1 (the whole layer) or "
+            "num_kv_heads=", geo.num_kv_heads, " (one per KV head)"));
+      }
+      for (size_t h = 0; h < scales.size(); ++h) {
+        const float x = scales[h];
+        if (!(x > 0.f && x <= kMaxKvScale)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              at, ".", name, "[", h, "]=", x, " must be finite and in (0, ", kMaxKvScale,
+              "] (real value = fp8 value x scale)"));
+        }
+      }
+    }
   }
   return absl::OkStatus();
 }
@@ -429,9 +490,13 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
   const int64_t n_append = layout.num_append;
   if (n_append > 0 || call.append_k.byte_size() != 0 || call.append_v.byte_size() != 0) {
     const int64_t kv_shape[] = {n_append, geo.num_kv_heads, geo.head_dim};
-    ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_k, "append_k", TensorDTypeOf(geo.dtype), kv_shape));
-    ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_v, "append_v", TensorDTypeOf(geo.dtype), kv_shape));
+    ATTN_ASSIGN_OR_RETURN(const bool fp8, KvRowsAreFp8(call.append_k, call.append_v, "append_k",
+                                                       "append_v", geo));
+    const TensorDType rows = fp8 ? TensorDTypeOf(geo.kv_fp8) : TensorDTypeOf(geo.dtype);
+    ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_k, "append_k", rows, kv_shape));
+    ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_v, "append_v", rows, kv_shape));
     task.num_append = n_append;
+    task.append_fp8 = fp8;
     task.append_k = call.append_k.data.data();
     task.append_v = call.append_v.data.data();
     task.append_k_scattered = call.append_k.scattered;
@@ -441,7 +506,7 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
     task.append_k_pinned = call.append_k.pinned;
     task.append_v_pinned = call.append_v.pinned;
   }
-  out.out_bytes = layout.total_q * geo.num_qo_heads * geo.head_dim * KvDTypeBytes(geo.dtype);
+  out.out_bytes = layout.total_q * geo.num_qo_heads * geo.head_dim * geo.QElemBytes();
   out.lse_bytes = layout.total_q * geo.num_qo_heads * static_cast<int64_t>(sizeof(float));
   ATTN_RETURN_IF_ERROR(CheckResponseSize(out.out_bytes + out.lse_bytes, limits));
   return out;
@@ -521,7 +586,7 @@ absl::StatusOr<std::vector<int32_t>> ValidateKvRows(int32_t layer,
                                                     absl::Span<const int64_t> slots,
                                                     const TensorView* k, const TensorView* v,
                                                     const KvGeometry& geo,
-                                                    const RequestLimits& limits) {
+                                                    const RequestLimits& limits, bool* rows_fp8) {
   ATTN_RETURN_IF_ERROR(CheckLayer(layer, geo));
   const int64_t n = static_cast<int64_t>(slots.size());
   if (n > limits.max_request_rows) {
@@ -530,11 +595,15 @@ absl::StatusOr<std::vector<int32_t>> ValidateKvRows(int32_t layer,
   }
   if (k != nullptr) {
     const int64_t shape[] = {n, geo.num_kv_heads, geo.head_dim};
-    ATTN_RETURN_IF_ERROR(ValidateTensor(*k, "k", TensorDTypeOf(geo.dtype), shape));
-    ATTN_RETURN_IF_ERROR(ValidateTensor(*v, "v", TensorDTypeOf(geo.dtype), shape));
+    ATTN_ASSIGN_OR_RETURN(const bool fp8, KvRowsAreFp8(*k, *v, "k", "v", geo));
+    const TensorDType rows = fp8 ? TensorDTypeOf(geo.kv_fp8) : TensorDTypeOf(geo.dtype);
+    ATTN_RETURN_IF_ERROR(ValidateTensor(*k, "k", rows, shape));
+    ATTN_RETURN_IF_ERROR(ValidateTensor(*v, "v", rows, shape));
+    if (rows_fp8 != nullptr) *rows_fp8 = fp8;
   } else {
-    ATTN_RETURN_IF_ERROR(
-        CheckResponseSize(2 * n * geo.RowElems() * KvDTypeBytes(geo.dtype), limits));
+    const bool fp8 = rows_fp8 != nullptr && *rows_fp8;
+    const int64_t elem = fp8 ? geo.KvElemBytes() : geo.QElemBytes();
+    ATTN_RETURN_IF_ERROR(CheckResponseSize(2 * n * geo.RowElems() * elem, limits));
   }
   return CheckSlots(slots, "slots", geo);
 }
@@ -572,7 +641,7 @@ absl::StatusOr<MergeShape> ValidateMerge(const MergeStatesCall& call, const KvGe
   shape.h = static_cast<int32_t>(first.shape[1]);
   shape.d = static_cast<int32_t>(first.shape[2]);
   const int64_t rows = shape.n * shape.h;
-  const int64_t v_bytes = rows * shape.d * KvDTypeBytes(geo.dtype);
+  const int64_t v_bytes = rows * shape.d * geo.QElemBytes();
   ATTN_RETURN_IF_ERROR(CheckResponseSize(v_bytes + rows * 4, limits));
   const int64_t v_shape[] = {shape.n, shape.h, shape.d};
   const int64_t lse_shape[] = {shape.n, shape.h};

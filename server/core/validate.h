@@ -123,12 +123,33 @@ absl::StatusOr<ValidatedPrefill> ValidatePlannedPrefill(const PrefillCall& call,
                                                         uint64_t incarnation);
 
 // WriteKV / ReadKV: layer and slots; for WriteKV also k and v (pass nullptr
-// for ReadKV). Returns the page of each slot (repeats allowed).
+// for ReadKV). Returns the page of each slot (repeats allowed). rows_fp8
+// (may be null): a WriteKV's k and v are FP8 rows as stored (set here, from
+// their dtype); for a ReadKV, whether the rows read are the stored FP8
+// bytes (given: it sizes the response).
 absl::StatusOr<std::vector<int32_t>> ValidateKvRows(int32_t layer,
                                                     absl::Span<const int64_t> slots,
                                                     const TensorView* k, const TensorView* v,
                                                     const KvGeometry& geo,
-                                                    const RequestLimits& limits);
+                                                    const RequestLimits& limits,
+                                                    bool* rows_fp8 = nullptr);
+
+// The dtype of K and V rows a write carries (WriteKV's k and v, a Prefill's
+// append_k and append_v; named k_field and v_field in errors): the query
+// dtype, or on an FP8 cache its FP8 format (true: stored as they are). FP8
+// rows to a 16-bit cache, another FP8 format, and k and v of different
+// dtypes are INVALID_ARGUMENT naming the field. The shapes are checked
+// apart (ValidateTensor).
+absl::StatusOr<bool> KvRowsAreFp8(const TensorView& k, const TensorView& v,
+                                  absl::string_view k_field, absl::string_view v_field,
+                                  const KvGeometry& geo);
+
+// SetKvScales: an FP8 cache; layers in [0, num_layers), each at most once;
+// k_scale and v_scale of 1 or num_kv_heads entries, each finite and in (0,
+// kMaxKvScale] (so that every FP8 value times its scale stays finite in
+// float32). INVALID_ARGUMENT naming the field and the bound.
+inline constexpr float kMaxKvScale = 1e30f;
+absl::Status ValidateKvScales(absl::Span<const LayerScalesView> layers, const KvGeometry& geo);
 
 // States one MergeStates request may merge.
 inline constexpr int64_t kMaxMergeStates = 256;

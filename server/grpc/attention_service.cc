@@ -333,7 +333,8 @@ void AttentionServiceImpl::RegisterMethods() {
       {R::kOpenChannel, &S::OpenChannel},     {R::kCloseChannel, &S::CloseChannel},
       {R::kGrantLease, &S::GrantLease},       {R::kKeepAlive, &S::KeepAlive},
       {R::kRevokeLease, &S::RevokeLease},     {R::kListHoldings, &S::ListHoldings},
-      {R::kReleaseHoldings, &S::ReleaseHoldings},
+      {R::kReleaseHoldings, &S::ReleaseHoldings}, {R::kSetKvScales, &S::SetKvScales},
+      {R::kGetKvScales, &S::GetKvScales},
   };
   static_assert(sizeof(methods) / sizeof(methods[0]) == static_cast<size_t>(R::kCount));
   method_names_.reserve(std::size(methods));  // gRPC keeps pointers into them
@@ -423,7 +424,11 @@ void AttentionServiceImpl::GetServerInfo(Call* call) {
   out.set_num_qo_heads(info.num_qo_heads);
   out.set_num_kv_heads(info.num_kv_heads);
   out.set_head_dim(info.head_dim);
-  out.set_kv_dtype(ToProto(info.kv_dtype));
+  out.set_kv_dtype(info.kv_fp8 != Fp8Format::kNone ? ToProto(TensorDTypeOf(info.kv_fp8))
+                                                   : ToProto(info.kv_dtype));
+  out.set_q_dtype(ToProto(info.kv_dtype));
+  out.set_kv_cache_bytes(info.kv_cache_bytes);
+  out.set_page_bytes(info.page_bytes);
   out.set_free_pages(info.free_pages);
   out.set_max_batch_tokens(info.max_batch_tokens);
   out.set_max_message_bytes(info.max_message_bytes);
@@ -499,20 +504,22 @@ void AttentionServiceImpl::ReadKV(Call* call) {
     v1::ReadKVRequest request;
     // The backend writes the rows into its k and v data; sent from there.
     std::unique_ptr<v1::ReadKVResponse> response = std::make_unique<v1::ReadKVResponse>();
+    TensorDType dtype = TensorDType::kUnspecified;  // of the rows, set by the core
   };
   auto state = std::make_shared<State>();
   ReadKvCall c;
   if (!call->Open(limits_.read_kv, &state->request, &c)) return;
   ToCall(state->request, state->response.get(), &c);
+  c.out_dtype = &state->dtype;
   const KvGeometry& g = core_->geometry();
-  const v1::DType dtype = ToProto(g.dtype);
   call->Ref();
   const uint64_t incarnation = core_->incarnation();
-  core_->ReadKv(c, [call, state, dtype, g, incarnation](absl::Status status) {
+  core_->ReadKv(c, [call, state, g, incarnation](absl::Status status) {
     if (call->Claim()) {
       grpc::ByteBuffer bytes;
       if (status.ok()) {
         v1::ReadKVResponse& out = *state->response;
+        const v1::DType dtype = ToProto(state->dtype);
         const int64_t n = state->request.slots_size();
         SetTensorHeader(out.mutable_k(), dtype, {n, g.num_kv_heads, g.head_dim});
         SetTensorHeader(out.mutable_v(), dtype, {n, g.num_kv_heads, g.head_dim});
@@ -785,6 +792,38 @@ void AttentionServiceImpl::ReleaseHoldings(Call* call) {
     }
     call->Unref();
   });
+}
+
+void AttentionServiceImpl::SetKvScales(Call* call) {
+  auto parsed = std::make_shared<v1::SetKvScalesRequest>();
+  CallContext context;
+  if (!call->Open(limits_.set_kv_scales, parsed.get(), &context)) return;
+  SetKvScalesCall c = ToCall(*parsed);  // views `parsed`, which the callback keeps
+  static_cast<CallContext&>(c) = context;
+  call->Ref();
+  const uint64_t incarnation = core_->incarnation();
+  core_->SetKvScales(c, [call, parsed, incarnation](absl::Status status) {
+    if (call->Claim()) {
+      v1::SetKvScalesResponse out;
+      out.set_incarnation(incarnation);
+      call->Finish(status, &out);
+    }
+    call->Unref();
+  });
+}
+
+void AttentionServiceImpl::GetKvScales(Call* call) {
+  v1::GetKvScalesRequest parsed;
+  if (!call->Open(limits_.get_kv_scales, &parsed, nullptr)) return;
+  v1::GetKvScalesResponse out;
+  for (const LayerScales& l : core_->KvScales()) {
+    v1::LayerKvScales* m = out.add_layers();
+    m->set_layer(l.layer);
+    m->mutable_k_scale()->Assign(l.k_scale.begin(), l.k_scale.end());
+    m->mutable_v_scale()->Assign(l.v_scale.begin(), l.v_scale.end());
+  }
+  out.set_incarnation(core_->incarnation());
+  if (call->Claim()) call->Finish(absl::OkStatus(), &out);
 }
 
 }  // namespace attnserve

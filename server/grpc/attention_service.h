@@ -125,6 +125,8 @@ class AttentionServiceImpl final : public grpc::Service {
   void RevokeLease(Call* call);
   void ListHoldings(Call* call);
   void ReleaseHoldings(Call* call);
+  void SetKvScales(Call* call);
+  void GetKvScales(Call* call);
 
   AttentionCore* const core_;
   const TokenAuth* const auth_;

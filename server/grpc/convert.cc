@@ -189,6 +189,8 @@ TensorDType FromProto(v1::DType dtype) {
     case v1::DTYPE_BF16: return TensorDType::kBf16;
     case v1::DTYPE_FP16: return TensorDType::kFp16;
     case v1::DTYPE_FP32: return TensorDType::kFp32;
+    case v1::DTYPE_FP8_E4M3: return TensorDType::kFp8E4m3;
+    case v1::DTYPE_FP8_E5M2: return TensorDType::kFp8E5m2;
     default: return TensorDType::kUnknown;  // any other value a client may send
   }
 }
@@ -199,6 +201,32 @@ v1::DType ToProto(KvDType dtype) {
     case KvDType::kFp16: return v1::DTYPE_FP16;
   }
   return v1::DTYPE_UNSPECIFIED;
+}
+
+v1::DType ToProto(TensorDType dtype) {
+  switch (dtype) {
+    case TensorDType::kBf16: return v1::DTYPE_BF16;
+    case TensorDType::kFp16: return v1::DTYPE_FP16;
+    case TensorDType::kFp32: return v1::DTYPE_FP32;
+    case TensorDType::kFp8E4m3: return v1::DTYPE_FP8_E4M3;
+    case TensorDType::kFp8E5m2: return v1::DTYPE_FP8_E5M2;
+    case TensorDType::kUnspecified:
+    case TensorDType::kUnknown: break;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+v1::DType KvDTypeProto(const KvGeometry& geo) {
+  return geo.KvIsFp8() ? ToProto(TensorDTypeOf(geo.kv_fp8)) : ToProto(geo.dtype);
+}
+
+SetKvScalesCall ToCall(const v1::SetKvScalesRequest& r) {
+  SetKvScalesCall call;
+  call.layers.reserve(r.layers_size());
+  for (const v1::LayerKvScales& l : r.layers()) {
+    call.layers.push_back({l.layer(), Span(l.k_scale()), Span(l.v_scale())});
+  }
+  return call;
 }
 
 bool InPlaceTensors::View(uint32_t field, TensorView* view) const {
@@ -290,6 +318,7 @@ void ToCall(const v1::WriteKVRequest& r, const InPlaceTensors& tensors, WriteKvC
 void ToCall(const v1::ReadKVRequest& r, v1::ReadKVResponse* response, ReadKvCall* c) {
   c->layer = r.layer();
   c->slots = Span(r.slots());
+  c->dequantize = r.dequantize();
   c->out_k = response->mutable_k()->mutable_data();
   c->out_v = response->mutable_v()->mutable_data();
   c->k_region = RefView(r.has_k_region(), r.k_region());

@@ -35,6 +35,10 @@ namespace attnserve {
 // and the dtype of the tensors the server sends (the KV element type).
 TensorDType FromProto(v1::DType dtype);
 v1::DType ToProto(KvDType dtype);
+v1::DType ToProto(TensorDType dtype);
+// What a server's KV pools hold (ServerInfo.kv_dtype): the 16-bit dtype, or
+// the FP8 format.
+v1::DType KvDTypeProto(const KvGeometry& geo);
 
 // The data of a request's tensor fields that ParseInto read in place: it
 // holds references to the slices the request arrived in (so that they
@@ -101,6 +105,8 @@ void ToCall(const v1::WriteKVRequest& request, WriteKvCall* call);
 void ToCall(const v1::ReadKVRequest& request, v1::ReadKVResponse* response, ReadKvCall* call);
 void ToCall(const v1::MergeStatesRequest& request, v1::MergeStatesResponse* response,
             MergeStatesCall* call);
+// The layers' scales, viewing the request (the CallContext left unset).
+SetKvScalesCall ToCall(const v1::SetKvScalesRequest& request);
 
 // An OpenChannel's ring (unset when the request names none: the core then
 // finds no region of that name).

@@ -284,6 +284,14 @@ RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, i
   revoke_lease = {"attnserve.v1.RevokeLeaseRequest", {}};
   list_holdings = {"attnserve.v1.ListHoldingsRequest", {}};
   release_holdings = {"attnserve.v1.ReleaseHoldingsRequest", {}};
+  // Scales per KV head: at most num_qo_heads (>= num_kv_heads; validation
+  // checks the count).
+  layer_kv_scales = {"attnserve.v1.LayerKvScales",
+                     {{2, "k_scale", F::kRepeatedFixed32, num_qo_heads, nullptr, "num_qo_heads"},
+                      {3, "v_scale", F::kRepeatedFixed32, num_qo_heads, nullptr, "num_qo_heads"}}};
+  set_kv_scales = {"attnserve.v1.SetKvScalesRequest",
+                   {{1, "layers", F::kRepeatedMessage, num_layers, &layer_kv_scales, "num_layers"}}};
+  get_kv_scales = {"attnserve.v1.GetKvScalesRequest", {}};
 }
 
 }  // namespace attnserve

@@ -90,6 +90,9 @@ struct RequestWireLimits {
   WireMessage revoke_lease;
   WireMessage list_holdings;
   WireMessage release_holdings;
+  WireMessage layer_kv_scales;
+  WireMessage set_kv_scales;
+  WireMessage get_kv_scales;
 };
 
 }  // namespace attnserve

@@ -15,8 +15,8 @@ class SequenceRows final : public reference::KvRows {
  public:
   SequenceRows(const uint16_t* k, const uint16_t* v, int64_t row_elems)
       : k_(k), v_(v), row_elems_(row_elems) {}
-  const uint16_t* K(int32_t, int64_t slot) const override { return k_ + slot * row_elems_; }
-  const uint16_t* V(int32_t, int64_t slot) const override { return v_ + slot * row_elems_; }
+  const void* K(int32_t, int64_t slot) const override { return k_ + slot * row_elems_; }
+  const void* V(int32_t, int64_t slot) const override { return v_ + slot * row_elems_; }
 
  private:
   const uint16_t* k_;

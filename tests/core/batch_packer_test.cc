@@ -400,6 +400,35 @@ TEST(BatchPacker, DecodeOffRoutesEverythingToPrefill) {
   for (size_t i = 0; i < p.seqs.size(); ++i) EXPECT_GT(pre[i], 0) << "seq " << i;
 }
 
+// FP8 pools: only the decode family reads them, so every sequence runs there
+// (whatever the limits say about the decode kernel), longer ones as pieces of
+// at most 8 rows, and every query row is covered by exactly one tile.
+TEST(BatchPacker, Fp8PoolsRunEverySequenceOnTheDecodeFamily) {
+  KvGeometry g = Geo(16, 2, 128, 16);
+  g.kv_fp8 = Fp8Format::kE4m3;
+  const int group = 8;
+  for (bool decode : {true, false}) {
+    std::vector<Request> reqs(2);
+    MakeRequest(g, {{1, 700}, {300, 900}, {8, 50}}, 0, &reqs[0]);
+    MakeRequest(g, {{17, 17}, {2, 5000}, {0, 10}}, 1, &reqs[1]);
+    const Packed p = Pack(g, Limits(decode), reqs);
+    ASSERT_EQ(p.b.num_seqs, 5);
+    EXPECT_EQ(p.b.num_items, 0);
+    EXPECT_EQ(p.b.num_merges, 0);
+    EXPECT_GT(p.b.num_decode_items, 0);
+    std::vector<int> covered(p.b.total_q, 0);
+    for (const DecodeWorkItem& it : p.decode_items) {
+      const PrefillSeq& s = it.seq_info;
+      EXPECT_LE(s.q_len, kMaxDecodeQueryRows);
+      if (it.kv_head != 0 || it.chunk != 0) continue;
+      for (int r = it.row_begin; r < it.row_begin + p.b.decode_tile_rows && r < s.q_len * group; r += group) {
+        covered[s.q_start + r / group]++;
+      }
+    }
+    for (int r = 0; r < p.b.total_q; ++r) EXPECT_EQ(covered[r], 1) << "row " << r << " decode " << decode;
+  }
+}
+
 TEST(BatchPacker, UnsupportedGeometryFallsBackToPrefill) {
   KvGeometry g = Geo(8, 2, 96, 16);  // head_dim 96: no decode kernel
   std::vector<Request> reqs(1);

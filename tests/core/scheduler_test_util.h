@@ -95,6 +95,17 @@ class FakeBackend final : public Backend {
     return absl::OkStatus();
   }
   // Zeroing is recorded as writes of zero rows, every slot of every layer.
+  absl::Status SetKvScales(int32_t, absl::Span<const float>, absl::Span<const float>) override {
+    absl::MutexLock lock(&mu_);
+    EXPECT_TRUE(pending_.empty()) << "SetKvScales while a batch is in flight";
+    ++scale_sets_;
+    return absl::OkStatus();
+  }
+  int scale_sets() {
+    absl::MutexLock lock(&mu_);
+    return scale_sets_;
+  }
+
   absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats*) override {
     absl::MutexLock lock(&mu_);
     EXPECT_TRUE(pending_.empty()) << "ZeroPages while a batch is in flight";
@@ -165,6 +176,7 @@ class FakeBackend final : public Backend {
   absl::Status status_;
   absl::Notification entered_, release_;
   mutable absl::Mutex mu_;
+  int scale_sets_ ABSL_GUARDED_BY(mu_) = 0;
   bool blocked_once_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::vector<int32_t>> batches_ ABSL_GUARDED_BY(mu_);
   std::vector<std::vector<int32_t>> batch_rows_ ABSL_GUARDED_BY(mu_);

@@ -67,16 +67,24 @@ struct RunResult {
 // the outputs; Params() the kernels' view of it.
 struct DeviceBatch {
   DeviceBuffer<uint16_t> k, v, q, o;
+  DeviceBuffer<uint8_t> k8, v8;  // FP8 batches' pools
+  DeviceBuffer<float> k_scales, v_scales;
   DeviceBuffer<float> lse, sinks;
   DeviceBuffer<int32_t> idx;
   DeviceBuffer<PrefillSeq> seqs;
   const HostBatch& b;
   DeviceBatch(const HostBatch& hb, std::string* err)
       : k(hb.k_pool.size(), err), v(hb.v_pool.size(), err), q(hb.q.size(), err), o(hb.q.size(), err),
+        k8(hb.k8.size(), err), v8(hb.v8.size(), err), k_scales(hb.k_scales.size(), err),
+        v_scales(hb.v_scales.size(), err),
         lse(size_t(hb.total_q) * hb.geo.num_qo_heads, err), sinks(hb.sinks.size(), err),
         idx(hb.kv_indices.size(), err), seqs(hb.seqs.size(), err), b(hb) {
     k.Upload(hb.k_pool);
     v.Upload(hb.v_pool);
+    k8.Upload(hb.k8);
+    v8.Upload(hb.v8);
+    k_scales.Upload(hb.k_scales);
+    v_scales.Upload(hb.v_scales);
     q.Upload(hb.q);
     idx.Upload(hb.kv_indices);
     seqs.Upload(hb.seqs);
@@ -87,8 +95,11 @@ struct DeviceBatch {
     p.q = q.ptr;
     p.o = o.ptr;
     p.lse = lse.ptr;
-    p.k_cache = k.ptr;
-    p.v_cache = v.ptr;
+    const bool fp8 = b.geo.KvIsFp8();
+    p.k_cache = fp8 ? static_cast<const void*>(k8.ptr) : k.ptr;
+    p.v_cache = fp8 ? static_cast<const void*>(v8.ptr) : v.ptr;
+    p.k_scales = fp8 ? k_scales.ptr : nullptr;
+    p.v_scales = fp8 ? v_scales.ptr : nullptr;
     p.kv_indices = idx.ptr;
     p.seqs = seqs.ptr;
     p.sinks = b.sinks.empty() ? nullptr : sinks.ptr;
@@ -172,17 +183,25 @@ inline RunResult RunPrefill(const HostBatch& b, PrefillKernel kernel, const Pref
 // per tile (sm_90; force_chunk ignored). Runs the batch twice on the same
 // split counters, which the kernel must leave at zero.
 constexpr int kNoSplit = -1;
-inline RunResult RunDecode(const HostBatch& b, int force_chunk, int force_cluster = 0) {
+// FP8 batches may hold sequences of more than 8 rows: they run cut into
+// pieces (CutForDecode), as the CUDA backend runs them; the reference sees
+// the sequences whole. drop_scales: the kernel gets no scales (1.0), for
+// tests that show the comparison fails without them.
+inline RunResult RunDecode(const HostBatch& b, int force_chunk, int force_cluster = 0,
+                           bool drop_scales = false) {
   RunResult res;
   std::string& err = res.error;
   const KvGeometry& g = b.geo;
   DecodePlanOptions opt;
   opt.num_sms = NumSms();
+  std::vector<PrefillSeq> pieces;
+  if (g.KvIsFp8()) CutForDecode(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), &pieces);
+  const std::vector<PrefillSeq>& seqs = g.KvIsFp8() ? pieces : b.seqs;
   int max_rows = 1;
-  for (const auto& s : b.seqs) max_rows = std::max(max_rows, s.q_len * (g.num_qo_heads / g.num_kv_heads));
-  opt.ctas_per_sm = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows));
+  for (const auto& s : seqs) max_rows = std::max(max_rows, s.q_len * (g.num_qo_heads / g.num_kv_heads));
+  opt.ctas_per_sm = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows), g.kv_fp8);
   if (force_chunk == 0 || force_cluster > 1) {
-    opt.max_cluster = DecodeMaxCluster(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows));
+    opt.max_cluster = DecodeMaxCluster(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows), g.kv_fp8);
   }
   if (force_cluster > 1) {
     opt.force_cluster = force_cluster;
@@ -191,7 +210,7 @@ inline RunResult RunDecode(const HostBatch& b, int force_chunk, int force_cluste
     opt.no_split = force_chunk == kNoSplit;
   }
   DecodePlan plan;
-  BuildDecodePlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
+  BuildDecodePlan(seqs.data(), static_cast<int32_t>(seqs.size()), g, opt, &plan);
   res.split = plan.split_tiles > 0;
   res.cluster = plan.cluster;
 
@@ -203,7 +222,8 @@ inline RunResult RunDecode(const HostBatch& b, int force_chunk, int force_cluste
   items.Upload(plan.items);
   counters.Zero();
   if (!err.empty()) return res;
-  const PagedPrefillParams p = d.Params();
+  PagedPrefillParams p = d.Params();
+  if (drop_scales) p.k_scales = p.v_scales = nullptr;
   const auto ref = CachedReference(b);
   for (int run = 0; run < 2; ++run) {
     d.o.Poison();
@@ -238,7 +258,9 @@ inline RunResult RunDecode(const HostBatch& b, int force_chunk, int force_cluste
 inline std::string Describe(const HostBatch& b) {
   std::string s = "D=" + std::to_string(b.geo.head_dim) + " H=" + std::to_string(b.geo.num_qo_heads) +
                   " KVH=" + std::to_string(b.geo.num_kv_heads) + " ps=" + std::to_string(b.geo.page_size) +
-                  (b.geo.dtype == KvDType::kBf16 ? " bf16" : " fp16") + " seqs:";
+                  (b.geo.dtype == KvDType::kBf16 ? " bf16" : " fp16") +
+                  (b.geo.KvIsFp8() ? std::string(" kv=") + Fp8FormatName(b.geo.kv_fp8) : std::string()) +
+                  " seqs:";
   for (const auto& q : b.seqs) {
     s += " (" + std::to_string(q.q_len) + "/" + std::to_string(q.kv_len) + (q.causal ? " c" : " nc") +
          (q.causal_shift != 0 ? " shift" + std::to_string(q.causal_shift) : "") +

@@ -22,6 +22,7 @@
 #include "common/kv_geometry.h"
 #include "common/reference.h"
 #include "gtest/gtest.h"
+#include "kernels/fp8.h"
 #include "kernels/paged_prefill.h"
 
 namespace attnserve {
@@ -78,7 +79,45 @@ struct HostBatch {
   // names its set (PagedPrefillParams::sinks).
   std::vector<float> sinks;
   int32_t total_q = 0;
+  // FP8 batches (geo.kv_fp8, QuantizePools): the pools as stored, and their
+  // (num_layers, num_kv_heads) scales; k_pool / v_pool are then unused.
+  std::vector<uint8_t> k8, v8;
+  std::vector<float> k_scales, v_scales;
 };
+
+// Makes b an FP8 batch of `format`: draws scales (per layer, or per KV head
+// when per_head; around 2^-4 .. 2^2, so that they matter) and quantizes the
+// 16-bit pools with them by kernels/fp8.h's quantizer (the reference decodes
+// the stored bytes on its own). Elements are N(0, 1) and stored as x /
+// scale: the larger scales put small values among E4M3's subnormals.
+inline void QuantizePools(HostBatch* b, Fp8Format format, bool per_head, std::mt19937_64* rng) {
+  KvGeometry& g = b->geo;
+  g.kv_fp8 = format;
+  const int64_t n = int64_t{g.num_layers} * g.num_kv_heads;
+  std::uniform_real_distribution<float> u(-4.f, 2.f);
+  b->k_scales.assign(n, 1.f);
+  b->v_scales.assign(n, 1.f);
+  for (int64_t i = 0; i < n; ++i) {
+    if (per_head || i % g.num_kv_heads == 0) {
+      b->k_scales[i] = std::exp2(u(*rng));
+      b->v_scales[i] = std::exp2(u(*rng));
+    } else {
+      b->k_scales[i] = b->k_scales[i - 1];
+      b->v_scales[i] = b->v_scales[i - 1];
+    }
+  }
+  const int64_t row = g.RowElems();
+  b->k8.resize(b->k_pool.size());
+  b->v8.resize(b->v_pool.size());
+  for (size_t e = 0; e < b->k_pool.size(); ++e) {
+    const int64_t layer = int64_t(e / row) / g.SlotsPerLayer();
+    const int64_t si = layer * g.num_kv_heads + int64_t(e % row) / g.head_dim;
+    b->k8[e] = Fp8Quantize(format, float(FromHalfBits(g.dtype, b->k_pool[e])), b->k_scales[si]);
+    b->v8[e] = Fp8Quantize(format, float(FromHalfBits(g.dtype, b->v_pool[e])), b->v_scales[si]);
+  }
+  b->k_pool.clear();
+  b->v_pool.clear();
+}
 
 // Adds a set of random sink logits (natural units, around the rows' own
 // LSEs, so that the sink moves both O and the LSE) and returns its index.
@@ -188,7 +227,11 @@ inline void Reference(const HostBatch& b, std::vector<double>* o, std::vector<do
   }
   const int threads =
       static_cast<int>(std::max(1u, std::min(32u, std::thread::hardware_concurrency())));
-  reference::Prefill(b.geo, reference::HostPools(b.geo, b.k_pool.data(), b.v_pool.data()),
+  const bool fp8 = b.geo.KvIsFp8();
+  reference::Prefill(b.geo,
+                     fp8 ? reference::HostPools(b.geo, b.k8.data(), b.v8.data(), b.k_scales.data(),
+                                                b.v_scales.data())
+                         : reference::HostPools(b.geo, b.k_pool.data(), b.v_pool.data()),
                      b.q.data(), b.total_q, b.kv_indices, seqs, o, lse, threads);
 }
 
@@ -230,7 +273,8 @@ inline std::shared_ptr<const ReferenceResult> CachedReference(const HostBatch& b
     h2 ^= bytes * 31;
   };
   const int64_t geo[] = {b.geo.num_layers, b.geo.num_pages, b.geo.page_size, b.geo.num_qo_heads,
-                         b.geo.num_kv_heads, b.geo.head_dim, static_cast<int64_t>(b.geo.dtype), b.total_q};
+                         b.geo.num_kv_heads, b.geo.head_dim, static_cast<int64_t>(b.geo.dtype), b.total_q,
+                         static_cast<int64_t>(b.geo.kv_fp8)};
   mix(geo, sizeof(geo));
   for (const PrefillSeq& s : b.seqs) {
     const double f[] = {double(s.q_start), double(s.q_len), double(s.kv_start), double(s.kv_len),
@@ -244,6 +288,10 @@ inline std::shared_ptr<const ReferenceResult> CachedReference(const HostBatch& b
   mix(b.q.data(), b.q.size() * 2);
   mix(b.k_pool.data(), b.k_pool.size() * 2);
   mix(b.v_pool.data(), b.v_pool.size() * 2);
+  mix(b.k8.data(), b.k8.size());
+  mix(b.v8.data(), b.v8.size());
+  mix(b.k_scales.data(), b.k_scales.size() * 4);
+  mix(b.v_scales.data(), b.v_scales.size() * 4);
   for (const Entry& e : cache) {
     if (e.key[0] == h1 && e.key[1] == h2 && e.q == b.q) return e.result;
   }

@@ -160,7 +160,10 @@ struct Snapshot {
   bool operator==(const Snapshot& o) const {
     if (layers.size() != o.layers.size()) return false;
     for (size_t i = 0; i < layers.size(); ++i) {
-      if (layers[i].k != o.layers[i].k || layers[i].v != o.layers[i].v) return false;
+      if (layers[i].k != o.layers[i].k || layers[i].v != o.layers[i].v ||
+          layers[i].k_fp8 != o.layers[i].k_fp8 || layers[i].v_fp8 != o.layers[i].v_fp8) {
+        return false;
+      }
     }
     return true;
   }

@@ -47,6 +47,12 @@ exits 2 "--prefill_kernel=sm90 on the cpu backend" \
   "--prefill_kernel=sm90 selects a CUDA kernel family, but the backend is cpu" \
   "${small[@]}" --prefill_kernel=sm90
 exits 2 "--flagfile missing" "flagfile" "${small[@]}" --flagfile="$WORK/none.flags"
+exits 2 "--kv_dtype=int8" "--kv_dtype=int8 must be bf16, fp16, fp8_e4m3 or fp8_e5m2" \
+  "${small[@]}" --kv_dtype=int8
+exits 2 "--q_dtype=fp16 with --kv_dtype=bf16" "--q_dtype=fp16 contradicts --kv_dtype=bf16" \
+  "${small[@]}" --kv_dtype=bf16 --q_dtype=fp16
+exits 2 "--q_dtype=fp32" "--q_dtype=fp32 must be bf16 or fp16" \
+  "${small[@]}" --kv_dtype=fp8_e4m3 --q_dtype=fp32
 
 start_server || { echo "0 passed, 1 failed"; exit 1; }
 port=${GRPC_ADDR##*:}

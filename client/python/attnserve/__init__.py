@@ -14,7 +14,8 @@ from attnserve.client import (AttentionOptions, Client, Holdings, HoldingsList, 
                               LeaseInfo, PrefillLayout, PrefillResult, RegionInfo, ServerInfo,
                               retain_freed_memory)
 from attnserve.aio import AsyncClient
-from attnserve.dtypes import RawBits, bf16_bits_to_float32, float32_to_bf16_bits
+from attnserve.dtypes import (RawBits, bf16_bits_to_float32, float32_to_bf16_bits,
+                              float_to_fp8_bits, fp8_bits_to_float32)
 from attnserve.errors import (Aborted, AlreadyExists, AttnserveError, Cancelled, DataLoss,
                               DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
                               LeaseExpired, NotFound, OutOfRange, PermissionDenied,
@@ -35,7 +36,8 @@ __all__ = [
     "register_cuda_tensor", "retain_freed_memory",
     "Lease", "AsyncLease", "LeaseGrant", "LeaseInfo", "Holdings", "HoldingsList", "LeaseExpired",
     "Cluster", "ClusterStep", "ClusterServer", "Shard", "SequencesLost", "merge_states",
-    "float32_to_bf16_bits", "bf16_bits_to_float32", "RawBits",
+    "float32_to_bf16_bits", "bf16_bits_to_float32", "RawBits", "float_to_fp8_bits",
+    "fp8_bits_to_float32",
     "AttnserveError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound",
     "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition",
     "StaleIncarnation", "Aborted", "OutOfRange", "Unimplemented", "Internal", "Unavailable",

@@ -131,9 +131,18 @@ class AsyncClient(_Core):
         return await self._call(self._req_write_kv(layer, slots, k, v), timeout)
 
     async def read_kv(self, layer: int, slots, *, out: Optional[str] = None, device=None,
-                      into=None, timeout: Optional[float] = None):
+                      into=None, dequantize: bool = False, timeout: Optional[float] = None):
         await self._ensure_info()
-        return await self._call(self._req_read_kv(layer, slots, out, device, into), timeout)
+        return await self._call(self._req_read_kv(layer, slots, out, device, into, dequantize),
+                                timeout)
+
+    async def set_kv_scales(self, scales, *, timeout: Optional[float] = None) -> None:
+        """As Client.set_kv_scales."""
+        return await self._call(self._req_set_kv_scales(scales), timeout)
+
+    async def kv_scales(self, *, timeout: Optional[float] = None) -> dict:
+        """As Client.kv_scales."""
+        return await self._call(self._req_get_kv_scales(), timeout)
 
     async def prefill(self, layer: int, q, qo_indptr, kv_indptr, kv_indices,
                       kv_last_page_len=None, *, sm_scale: Optional[float] = None,

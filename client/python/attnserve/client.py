@@ -48,7 +48,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 _METHODS = ("GetServerInfo", "AllocatePages", "FreePages", "WriteKV", "ReadKV", "Prefill",
             "MergeStates", "CreatePlan", "ReleasePlan", "RegisterRegion", "UnregisterRegion",
             "ListRegions", "GrantLease", "KeepAlive", "RevokeLease", "ListHoldings",
-            "ReleaseHoldings", "OpenChannel", "CloseChannel")
+            "ReleaseHoldings", "OpenChannel", "CloseChannel", "SetKvScales",
+            "GetKvScales")
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,10 @@ class HoldingsList:
 
 @dataclass(frozen=True)
 class ServerInfo:
-    """GetServerInfo's answer; kv_dtype is "bf16" or "fp16"."""
+    """GetServerInfo's answer. kv_dtype: what the KV cache holds, "bf16",
+    "fp16", "fp8_e4m3" or "fp8_e5m2"; q_dtype: queries and outputs, "bf16"
+    or "fp16" (kv_dtype's unless that is FP8); kv_cache_bytes and page_bytes:
+    the cache's bytes and one page's (K and V in every layer)."""
 
     version: str
     backend: str
@@ -114,10 +118,28 @@ class ServerInfo:
     region_socket: str = ""  # where memfds of system regions go ("" with regions off)
     lease_default_ttl_ms: int = 0
     lease_max_ttl_ms: int = 0
+    q_dtype: str = ""
+    kv_cache_bytes: int = 0
+    page_bytes: int = 0
 
     @property
     def wire_dtype(self) -> int:
-        return _dt.DTYPE_FP16 if self.kv_dtype == "fp16" else _dt.DTYPE_BF16
+        """The wire dtype of queries, outputs and 16-bit K/V rows."""
+        q = self.q_dtype or self.kv_dtype
+        return _dt.DTYPE_FP16 if q == "fp16" else _dt.DTYPE_BF16
+
+    @property
+    def kv_fp8(self) -> bool:
+        """The KV cache holds FP8 (kv_dtype "fp8_e4m3" or "fp8_e5m2")."""
+        return self.kv_dtype in ("fp8_e4m3", "fp8_e5m2")
+
+    @property
+    def kv_wire_dtype(self) -> int:
+        """The wire dtype of rows as the cache stores them."""
+        for wire, name in _dt.DTYPE_NAMES.items():
+            if name == self.kv_dtype:
+                return wire
+        return self.wire_dtype
 
 
 @dataclass
@@ -293,6 +315,21 @@ def _tensor_field(field_number: int, x, wire_dtype: int, name: str) -> list:
         return [_region_field(field_number, x, wire_dtype, name)]
     shape, data = _dt.to_wire(x, wire_dtype, name)
     return [_wire.tensor_head(field_number, wire_dtype, shape, data.nbytes), data]
+
+
+def _kv_wire(info: "ServerInfo", k, v) -> int:
+    """The wire dtype of K and V rows: the q dtype, or the cache's FP8 dtype
+    for rows already in FP8 (torch float8, RawBits of FP8 bits), which are
+    stored as they are. Both of one kind."""
+    fp8 = [_dt.fp8_wire_of(x) for x in (k, v)]
+    if (fp8[0] is None) != (fp8[1] is None):
+        raise TypeError("k and v: both FP8 rows or neither")
+    if fp8[0] is None:
+        return info.wire_dtype
+    if not info.kv_fp8:
+        raise TypeError(f"FP8 K and V rows: the server's kv_dtype is {info.kv_dtype}, which "
+                        "takes 16-bit rows only")
+    return info.kv_wire_dtype
 
 
 def _pair(into, names: str):
@@ -545,7 +582,9 @@ class _Core:
                 kv_dtype=_dt.DTYPE_NAMES.get(m.kv_dtype, str(m.kv_dtype)), free_pages=m.free_pages,
                 max_batch_tokens=m.max_batch_tokens, max_message_bytes=m.max_message_bytes,
                 incarnation=m.incarnation, region_socket=m.region_socket,
-                lease_default_ttl_ms=m.lease_default_ttl_ms, lease_max_ttl_ms=m.lease_max_ttl_ms)
+                lease_default_ttl_ms=m.lease_default_ttl_ms, lease_max_ttl_ms=m.lease_max_ttl_ms,
+                q_dtype=_dt.DTYPE_NAMES.get(m.q_dtype or m.kv_dtype, str(m.q_dtype)),
+                kv_cache_bytes=m.kv_cache_bytes, page_bytes=m.page_bytes)
             self._info = info
             if not self._incarnation:
                 self._incarnation = info.incarnation
@@ -572,7 +611,7 @@ class _Core:
         return "FreePages", req.SerializeToString(), parse
 
     def _req_write_kv(self, layer: int, slots, k, v) -> _Request:
-        wire = self.server_info.wire_dtype
+        wire = _kv_wire(self.server_info, k, v)
         req = pb.WriteKVRequest(layer=_int32(layer, "layer"),
                                 expected_incarnation=self._incarnation, lease_id=self._lease_id)
         _extend(req.slots, slots, "slots")
@@ -583,9 +622,10 @@ class _Core:
             self._observe(pb.WriteKVResponse.FromString(raw).incarnation, "WriteKV")
         return "WriteKV", body, parse
 
-    def _req_read_kv(self, layer: int, slots, out, device, into=None) -> _Request:
+    def _req_read_kv(self, layer: int, slots, out, device, into=None,
+                     dequantize: bool = False) -> _Request:
         req = pb.ReadKVRequest(layer=_int32(layer, "layer"), expected_incarnation=self._incarnation,
-                               lease_id=self._lease_id)
+                               lease_id=self._lease_id, dequantize=bool(dequantize))
         _extend(req.slots, slots, "slots")
         into = _pair(into, "into (k, v)")
         if into is not None:
@@ -621,8 +661,9 @@ class _Core:
         if append_k is not None or append_v is not None:
             if append_k is None or append_v is None:
                 raise ValueError("append_k and append_v go together")
-            pieces += [*_tensor_field(11, append_k, wire, "append_k"),
-                       *_tensor_field(12, append_v, wire, "append_v")]
+            kv_wire = _kv_wire(self.server_info, append_k, append_v)
+            pieces += [*_tensor_field(11, append_k, kv_wire, "append_k"),
+                       *_tensor_field(12, append_v, kv_wire, "append_v")]
         like = None if isinstance(q, RegionTensor) else q
         out_kind = self._out(out, like)
         out_device = self._device(device, like)
@@ -669,6 +710,25 @@ class _Core:
             self._observe(resp.incarnation, "CreatePlan")
             return resp.plan_id
         return "CreatePlan", req.SerializeToString(), parse
+
+    def _req_set_kv_scales(self, scales) -> _Request:
+        req = pb.SetKvScalesRequest(expected_incarnation=self._incarnation)
+        for layer, (k_scale, v_scale) in dict(scales).items():
+            m = req.layers.add(layer=_int32(layer, "layer"))
+            m.k_scale.extend(_floats(k_scale, f"scales[{layer}] k_scale"))
+            m.v_scale.extend(_floats(v_scale, f"scales[{layer}] v_scale"))
+
+        def parse(raw):
+            self._observe(pb.SetKvScalesResponse.FromString(raw).incarnation, "SetKvScales")
+        return "SetKvScales", req.SerializeToString(), parse
+
+    def _req_get_kv_scales(self) -> _Request:
+        def parse(raw):
+            resp = pb.GetKvScalesResponse.FromString(raw)
+            self._observe(resp.incarnation, "GetKvScales")
+            return {m.layer: (np.asarray(m.k_scale, dtype=np.float32),
+                              np.asarray(m.v_scale, dtype=np.float32)) for m in resp.layers}
+        return "GetKvScales", pb.GetKvScalesRequest().SerializeToString(), parse
 
     def _req_release_plan(self, plan_id: int) -> _Request:
         req = pb.ReleasePlanRequest(plan_id=int(plan_id), expected_incarnation=self._incarnation,
@@ -997,17 +1057,37 @@ class Client(_Core):
     def write_kv(self, layer: int, slots, k, v, *, timeout: Optional[float] = None) -> None:
         """Scatters rows: k, v [n, num_kv_heads, head_dim] into slots [n] of layer.
 
-        A slot is page_id * page_size + offset.
+        A slot is page_id * page_size + offset. On an FP8 server, 16-bit
+        (or float) rows are quantized by the server with the layer's scales;
+        FP8 rows (torch float8, RawBits of FP8 bits) are stored as they are.
         """
         return self._call(self._req_write_kv(layer, slots, k, v), timeout)
 
     def read_kv(self, layer: int, slots, *, out: Optional[str] = None, device=None,
-                into=None, timeout: Optional[float] = None):
+                into=None, dequantize: bool = False, timeout: Optional[float] = None):
         """(k, v), each [n, num_kv_heads, head_dim], of slots [n] in layer.
 
+        An FP8 server's rows come as stored: uint8 bit patterns (torch float8
+        with out="torch"); dequantize=True returns their values (stored value
+        x scale) in the q dtype instead.
         into=(k, v) RegionTensors: the rows are written there; returns None.
         """
-        return self._call(self._req_read_kv(layer, slots, out, device, into), timeout)
+        return self._call(self._req_read_kv(layer, slots, out, device, into, dequantize),
+                          timeout)
+
+    def set_kv_scales(self, scales, *, timeout: Optional[float] = None) -> None:
+        """An FP8 server's KV scales (real = fp8 value x scale): {layer: (k_scale,
+        v_scale)}, each a number (the whole layer) or [num_kv_heads] values,
+        finite and in (0, 1e30]. All layers given or none change; layers not
+        given keep theirs (1.0 from the start). Writes after this quantize
+        with them and reads dequantize with them (docs/design.md, "FP8 KV
+        cache")."""
+        return self._call(self._req_set_kv_scales(scales), timeout)
+
+    def kv_scales(self, *, timeout: Optional[float] = None) -> dict:
+        """{layer: (k_scale, v_scale)}, each [num_kv_heads] float32, of every
+        layer of an FP8 server; {} for a 16-bit one."""
+        return self._call(self._req_get_kv_scales(), timeout)
 
     def prefill(self, layer: int, q, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None, *,
                 sm_scale: Optional[float] = None, causal: Optional[bool] = None,

@@ -126,6 +126,8 @@ class _Server:
         self.epoch = 0
         self.free_base = client.server_info.free_pages
         self.held_base = 0
+        # The incarnation the cluster's KV scales were last given to (FP8).
+        self.scales_incarnation: Optional[int] = None
         # time.monotonic() of the first of the calls failing with UNAVAILABLE
         # or DEADLINE_EXCEEDED since the last success; None while it answers.
         self.unreachable_since: Optional[float] = None
@@ -151,7 +153,8 @@ class _Sequence:
 def _geometry(info) -> dict:
     return dict(num_layers=info.num_layers, page_size=info.page_size,
                 num_qo_heads=info.num_qo_heads, num_kv_heads=info.num_kv_heads,
-                head_dim=info.head_dim, kv_dtype=info.kv_dtype)
+                head_dim=info.head_dim, kv_dtype=info.kv_dtype,
+                q_dtype=info.q_dtype or info.kv_dtype)
 
 
 def getaddrinfo_resolver(host: str, port: str) -> list:
@@ -270,6 +273,9 @@ class Cluster:
         self._refreshed_at = time.monotonic()
         self._servers: list = []
         self._geometry: Optional[dict] = None
+        # FP8 servers: the KV scales set through set_kv_scales, given again to
+        # a server that joins or restarts (its scales start at 1.0).
+        self._kv_scales: dict = {}
         self._seqs: dict = {}
         self._step = 0
         self._latest: Optional[ClusterStep] = None
@@ -313,8 +319,35 @@ class Cluster:
                 raise ValueError(f"server {address} has another geometry: {', '.join(diff)}; "
                                  "every server of a cluster must have the same layers, page "
                                  "size, heads, head_dim and dtype")
+        if self._kv_scales:
+            try:
+                client.set_kv_scales(self._kv_scales)
+            except BaseException:
+                client.close()
+                raise
         self._servers.append(_Server(address, client, KvManager(client, **self._kv_options)))
+        self._servers[-1].scales_incarnation = client.incarnation
         return len(self._servers) - 1
+
+    def set_kv_scales(self, scales) -> None:
+        """Every server's KV scales (FP8 servers; as Client.set_kv_scales:
+        {layer: (k_scale, v_scale)}), kept and given again to servers that
+        join or restart. Raises the first server's error; servers that took
+        them keep them."""
+        for s in self._servers:
+            if not s.gone:
+                s.client.set_kv_scales(scales)
+                s.scales_incarnation = s.client.incarnation
+        for layer, pair in dict(scales).items():
+            self._kv_scales[int(layer)] = pair
+
+    def _apply_scales(self, i: int, incarnation: int) -> None:
+        """The cluster's KV scales to server i when it has not had them since
+        it started (incarnation): a restarted server starts at 1.0."""
+        s = self._servers[i]
+        if self._kv_scales and s.scales_incarnation != incarnation:
+            s.client.set_kv_scales(self._kv_scales)
+            s.scales_incarnation = incarnation
 
     @property
     def server_info(self):
@@ -393,9 +426,11 @@ class Cluster:
                 # new sequences, its free pages read here or at the next refresh.
                 s.reachable = True
                 try:
-                    self._read_info(i, s.client.info())  # learns the new incarnation
+                    info = s.client.info()  # learns the new incarnation
+                    self._read_info(i, info)
+                    self._apply_scales(i, info.incarnation)
                 except AttnserveError:
-                    pass
+                    s.reachable = False  # no new sequences before it has the scales
         return lost
 
     def _observe(self, i: int, error: Optional[AttnserveError], lost: list) -> bool:
@@ -486,6 +521,11 @@ class Cluster:
                 lost += self._lose_server(i, "restarted")
             else:
                 self._read_info(i, info)
+                try:
+                    self._apply_scales(i, info.incarnation)
+                except AttnserveError as e:
+                    s.reachable = False  # takes no new sequences without the scales
+                    error = error or e
         if lost:
             raise SequencesLost(lost, "their server restarted or left", method="refresh")
         if error is not None:
@@ -767,7 +807,7 @@ class Cluster:
         hq, d = g["num_qo_heads"], g["head_dim"]
         if out == "torch":
             import torch
-            wire = torch.float16 if g["kv_dtype"] == "fp16" else torch.bfloat16
+            wire = torch.float16 if g["q_dtype"] == "fp16" else torch.bfloat16
             o_all = torch.zeros((total, hq, d), dtype=wire, device=device)
             lse = torch.full((total, hq), float("-inf"), dtype=torch.float32, device=device)
         else:

@@ -21,6 +21,18 @@ not bf16 bits, unless wrapped in RawBits) raises TypeError.
 
 Results (result_like): a query of numpy or torch floating values gets its
 output back in its own dtype (and torch device); RawBits get bit patterns.
+
+FP8 KV caches (docs/design.md, "FP8 KV cache"): K and V rows for a server
+whose kv_dtype is "fp8_e4m3" or "fp8_e5m2" may also go as the FP8 bytes the
+cache stores, stored as they are: torch float8_e4m3fn / float8_e5m2 tensors,
+or RawBits(uint8 bits, "fp8_e4m3" / "fp8_e5m2"). numpy has no FP8 dtype:
+
+    bits = float_to_fp8_bits(x, "fp8_e4m3", scale)   # x / scale, nearest even, saturating
+    y = fp8_bits_to_float32(bits, "fp8_e4m3") * scale
+
+the same rounding as the server's quantizer (written apart from it, from the
+formats' definitions). Note that torch's own .to(torch.float8_e4m3fn) does
+not saturate: values beyond 448 become NaN.
 """
 
 from __future__ import annotations
@@ -38,7 +50,78 @@ except ImportError:  # pragma: no cover - exercised only where torch is absent
 DTYPE_BF16 = 1
 DTYPE_FP16 = 2
 DTYPE_FP32 = 3
-DTYPE_NAMES = {0: "unspecified", DTYPE_BF16: "bf16", DTYPE_FP16: "fp16", DTYPE_FP32: "fp32"}
+DTYPE_FP8_E4M3 = 4
+DTYPE_FP8_E5M2 = 5
+DTYPE_NAMES = {0: "unspecified", DTYPE_BF16: "bf16", DTYPE_FP16: "fp16", DTYPE_FP32: "fp32",
+               DTYPE_FP8_E4M3: "fp8_e4m3", DTYPE_FP8_E5M2: "fp8_e5m2"}
+FP8_DTYPES = (DTYPE_FP8_E4M3, DTYPE_FP8_E5M2)
+
+# (exponent bits, mantissa bits, largest finite bit pattern) of each format.
+_FP8_FORMATS = {DTYPE_FP8_E4M3: (4, 3, 0x7E), DTYPE_FP8_E5M2: (5, 2, 0x7B)}
+
+
+def _fp8_wire(fmt) -> int:
+    """A format given as "fp8_e4m3" / "fp8_e5m2" or its wire dtype."""
+    if fmt in _FP8_FORMATS:
+        return fmt
+    for wire, name in DTYPE_NAMES.items():
+        if name == fmt and wire in _FP8_FORMATS:
+            return wire
+    raise ValueError(f"FP8 format must be 'fp8_e4m3' or 'fp8_e5m2', not {fmt!r}")
+
+
+def _fp8_table(wire: int) -> np.ndarray:
+    """float32 value of each of the 256 bit patterns (NaN, and E5M2's +-inf)."""
+    exp_bits, man_bits, _ = _FP8_FORMATS[wire]
+    bias = (1 << (exp_bits - 1)) - 1
+    bits = np.arange(256)
+    e = (bits >> man_bits) & ((1 << exp_bits) - 1)
+    m = bits & ((1 << man_bits) - 1)
+    frac = m / float(1 << man_bits)
+    mag = np.where(e == 0, np.ldexp(frac, 1 - bias), np.ldexp(1.0 + frac, e - bias))
+    top = (1 << exp_bits) - 1
+    if wire == DTYPE_FP8_E5M2:
+        mag = np.where(e == top, np.where(m == 0, np.inf, np.nan), mag)
+    else:
+        mag = np.where((e == top) & (m == (1 << man_bits) - 1), np.nan, mag)
+    return np.where(bits & 0x80, -mag, mag).astype(np.float32)
+
+
+def fp8_bits_to_float32(bits, fmt) -> np.ndarray:
+    """float32 values of FP8 bit patterns (uint8) of fmt ("fp8_e4m3" or
+    "fp8_e5m2"); exact. The real value of a stored element is this times its
+    scale."""
+    b = np.asarray(bits)
+    if b.dtype not in (np.uint8, np.int8):
+        raise TypeError(f"fp8 bits must be a uint8 array, not {b.dtype}")
+    return _fp8_table(_fp8_wire(fmt))[b.view(np.uint8)]
+
+
+def float_to_fp8_bits(x, fmt, scale=1.0) -> np.ndarray:
+    """FP8 bit patterns (uint8) of x / scale in fmt ("fp8_e4m3" or "fp8_e5m2"),
+    as the server quantizes: the quotient in float64, rounded to the nearest
+    FP8 value, ties to even; magnitudes at or beyond the largest finite value
+    (448 for E4M3, 57344 for E5M2), infinities included, saturate to it; NaN
+    becomes 0x7F; zero keeps its sign. scale: a number, or an array that
+    broadcasts against x (e.g. [num_kv_heads, 1] per KV head); pass the
+    scales as the server holds them (float32, e.g. from Client.kv_scales())."""
+    wire = _fp8_wire(fmt)
+    exp_bits, man_bits, max_bits = _FP8_FORMATS[wire]
+    emin = 2 - (1 << (exp_bits - 1))  # exponent of the smallest normal
+    q = np.asarray(x, dtype=np.float64) / np.asarray(scale, dtype=np.float64)
+    sign = np.where(np.signbit(q), 0x80, 0).astype(np.uint8)
+    a = np.abs(q)
+    max_value = float(_fp8_table(wire)[max_bits])
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite = np.isfinite(a) & (a < max_value)
+        safe = np.where(finite, a, 0.0)
+        _, ex = np.frexp(safe)                     # safe = m * 2^ex, m in [0.5, 1)
+        e_eff = np.where(safe > 0, np.maximum(ex - 1, emin), emin)
+        quanta = np.rint(np.ldexp(safe, man_bits - e_eff))  # rint: ties to even
+        mag = ((e_eff - emin) << man_bits) + quanta.astype(np.int64)
+        mag = np.minimum(mag, max_bits)
+    out = np.where(finite, mag, max_bits).astype(np.uint8) | sign
+    return np.where(np.isnan(q), np.uint8(0x7F), out).astype(np.uint8)
 
 
 def float32_to_bf16_bits(x) -> np.ndarray:
@@ -70,21 +153,31 @@ def is_torch(x) -> bool:
 
 
 class RawBits:
-    """16-bit patterns of a tensor's values, sent to the server as they are.
+    """Bit patterns of a tensor's values, sent to the server as they are.
 
         q = attnserve.RawBits(attnserve.float32_to_bf16_bits(x), "bf16")
+        k = attnserve.RawBits(attnserve.float_to_fp8_bits(x, "fp8_e4m3", scale), "fp8_e4m3")
 
-    bits: a numpy uint16 or int16 array (any shape); dtype: "bf16" or "fp16",
-    the values' type, which must be the server's kv_dtype. numpy has no
-    bfloat16, so bf16 values otherwise travel as float32 and are rounded.
+    bits: a numpy uint16 or int16 array (any shape) for dtype "bf16" or
+    "fp16", the server's q_dtype; a uint8 array for "fp8_e4m3" or "fp8_e5m2",
+    K and V rows as an FP8 server's cache stores them. numpy has no bfloat16
+    nor FP8, so such values otherwise travel as float32 and are rounded.
     """
 
     def __init__(self, bits, dtype: str):
         arr = np.asarray(bits)
+        if dtype in ("fp8_e4m3", "fp8_e5m2"):
+            if arr.dtype not in (np.uint8, np.int8):
+                raise TypeError(f"RawBits: {dtype} bits must be a uint8 array, not {arr.dtype}")
+            self.bits = arr.view(np.uint8)
+            self.dtype = dtype
+            self.wire_dtype = _fp8_wire(dtype)
+            return
         if arr.dtype not in (np.uint16, np.int16):
             raise TypeError(f"RawBits: bits must be a uint16 or int16 array, not {arr.dtype}")
         if dtype not in ("bf16", "fp16"):
-            raise ValueError(f"RawBits: dtype must be 'bf16' or 'fp16', not {dtype!r}")
+            raise ValueError(f"RawBits: dtype must be 'bf16', 'fp16', 'fp8_e4m3' or 'fp8_e5m2', "
+                             f"not {dtype!r}")
         self.bits = arr
         self.dtype = dtype
         self.wire_dtype = DTYPE_BF16 if dtype == "bf16" else DTYPE_FP16
@@ -104,14 +197,47 @@ def _torch_dtype(wire_dtype: int):
     return torch.bfloat16 if wire_dtype == DTYPE_BF16 else torch.float16
 
 
+def _torch_fp8(wire_dtype: int):
+    """torch's dtype of an FP8 format, or None where this torch has none."""
+    name = "float8_e4m3fn" if wire_dtype == DTYPE_FP8_E4M3 else "float8_e5m2"
+    return getattr(torch, name, None) if torch is not None else None
+
+
+def fp8_wire_of(x):
+    """The FP8 wire dtype x holds (a torch float8 tensor, or RawBits of FP8
+    bits), or None: how a K or V row tensor says it is already FP8."""
+    if isinstance(x, RawBits):
+        return x.wire_dtype if x.wire_dtype in FP8_DTYPES else None
+    if is_torch(x):
+        for wire in FP8_DTYPES:
+            if _torch_fp8(wire) is not None and x.dtype == _torch_fp8(wire):
+                return wire
+    return None
+
+
 def to_wire(x, wire_dtype: int, name: str):
     """(shape, memoryview of the raw bytes) of x as wire_dtype values.
 
     The memoryview views x's own memory whenever x already holds wire_dtype
     values contiguously on the host; otherwise it views one converted copy.
     """
+    if wire_dtype in FP8_DTYPES:
+        # FP8 rows as an FP8 cache stores them: sent as they are.
+        have = fp8_wire_of(x)
+        if have != wire_dtype:
+            raise TypeError(f"{name}: FP8 rows of {DTYPE_NAMES[wire_dtype]} expected (a torch "
+                            f"float8 tensor or RawBits), not {DTYPE_NAMES.get(have, type(x).__name__)}")
+        if isinstance(x, RawBits):
+            raw = np.ascontiguousarray(x.bits)
+            return raw.shape, memoryview(raw).cast("B") if raw.size else memoryview(b"")
+        x = x.detach().to("cpu").contiguous()
+        raw = x.view(torch.uint8).numpy()
+        return tuple(x.shape), memoryview(raw).cast("B") if raw.size else memoryview(b"")
     if wire_dtype not in (DTYPE_BF16, DTYPE_FP16):
-        raise ValueError(f"{name}: unsupported server kv_dtype {DTYPE_NAMES.get(wire_dtype, wire_dtype)}")
+        raise ValueError(f"{name}: unsupported server dtype {DTYPE_NAMES.get(wire_dtype, wire_dtype)}")
+    if fp8_wire_of(x) is not None:
+        raise TypeError(f"{name}: FP8 values where {DTYPE_NAMES[wire_dtype]} values go (FP8 rows "
+                        "are taken only as K and V rows, by a server with an FP8 kv_dtype)")
     if is_torch(x):
         if not x.is_floating_point():
             raise TypeError(f"{name}: torch dtype {x.dtype} is not a floating type")
@@ -199,7 +325,7 @@ def from_wire(buf, start: int, nbytes: int, shape, wire_dtype: int, out: str, de
     instead (the caller's; float32 stays float32).
     """
     t = _from_wire(buf, start, nbytes, shape, wire_dtype, out, device)
-    if dtype is None or out == "raw" or wire_dtype == DTYPE_FP32:
+    if dtype is None or out == "raw" or wire_dtype in (DTYPE_FP32, *FP8_DTYPES):
         return t
     if out == "torch":
         want = dtype if is_torch_dtype(dtype) else torch.from_numpy(
@@ -215,6 +341,8 @@ def _from_wire(buf, start: int, nbytes: int, shape, wire_dtype: int, out: str, d
         np_dtype = np.float32
     elif wire_dtype in (DTYPE_BF16, DTYPE_FP16):
         np_dtype = np.uint16
+    elif wire_dtype in FP8_DTYPES:
+        np_dtype = np.uint8
     else:
         raise ValueError(f"response tensor has dtype {DTYPE_NAMES.get(wire_dtype, wire_dtype)}")
     itemsize = np.dtype(np_dtype).itemsize
@@ -223,6 +351,18 @@ def _from_wire(buf, start: int, nbytes: int, shape, wire_dtype: int, out: str, d
         raise ValueError(f"response tensor of shape {list(shape)} holds {nbytes} bytes, "
                          f"expected {count * itemsize}")
     raw = _np_view(buf, start, nbytes, np_dtype).reshape(shape)
+    if wire_dtype in FP8_DTYPES:
+        # An FP8 cache's stored bytes: uint8 bit patterns (fp8_bits_to_float32
+        # decodes them), or a torch float8 tensor.
+        if out != "torch":
+            return raw.copy()
+        if torch is None:
+            raise RuntimeError("out='torch' needs torch, which is not importable")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        t = torch.from_numpy(raw.copy())  # uint8 where this torch has no float8 dtype
+        if _torch_fp8(wire_dtype) is not None:
+            t = t.view(_torch_fp8(wire_dtype))
+        return t.to(device) if device.type != "cpu" else t
     if out == "raw":
         return raw
     if out == "numpy":

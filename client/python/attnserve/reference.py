@@ -37,26 +37,73 @@ def as_float64(x, wire_dtype: int = _dt.DTYPE_BF16) -> np.ndarray:
 
 
 class KvMirror:
-    """The client's copy of K/V rows by (layer, slot); unwritten slots read as 0."""
+    """The client's copy of K/V rows by (layer, slot); unwritten slots read as 0.
 
-    def __init__(self, num_kv_heads: int, head_dim: int, wire_dtype: int = _dt.DTYPE_BF16):
+    kv_dtype "fp8_e4m3" or "fp8_e5m2" (an FP8 server's): rows written are
+    kept as the server stores them, quantized with the layer's scales
+    (set_scales, as given to Client.set_kv_scales; 1.0 until then), and read
+    back dequantized with the scales in force.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, wire_dtype: int = _dt.DTYPE_BF16, *,
+                 kv_dtype: str | None = None):
         self.row_shape = (num_kv_heads, head_dim)
         self.wire_dtype = wire_dtype
+        self.kv_dtype = kv_dtype if kv_dtype in ("fp8_e4m3", "fp8_e5m2") else None
         self._k: dict = {}
         self._v: dict = {}
+        self._scales: dict = {}  # layer -> (k [Hkv, 1], v [Hkv, 1])
+
+    def set_scales(self, layer: int, k_scale, v_scale) -> None:
+        """An FP8 layer's scales: numbers or [num_kv_heads] values."""
+        hkv = self.row_shape[0]
+        self._scales[layer] = tuple(
+            np.broadcast_to(np.asarray(s, dtype=np.float32).reshape(-1), (hkv,))
+            .astype(np.float64).reshape(hkv, 1) for s in (k_scale, v_scale))
+
+    def _layer_scales(self, layer: int) -> tuple:
+        ones = np.ones((self.row_shape[0], 1))
+        return self._scales.get(layer, (ones, ones))
 
     def write(self, layer: int, slots, k, v) -> None:
-        """k, v [n, num_kv_heads, head_dim] as sent to the server."""
-        k64, v64 = as_float64(k, self.wire_dtype), as_float64(v, self.wire_dtype)
+        """k, v [n, num_kv_heads, head_dim] as sent to the server (16-bit
+        values, or on an FP8 mirror also FP8 rows: RawBits or torch float8)."""
+        if self.kv_dtype is not None:
+            k_s, v_s = self._layer_scales(layer)
+            k = self._stored(k, k_s)
+            v = self._stored(v, v_s)
+        else:
+            k, v = as_float64(k, self.wire_dtype), as_float64(v, self.wire_dtype)
         for i, slot in enumerate(np.asarray(slots).reshape(-1).tolist()):
-            self._k[(layer, slot)] = k64[i]
-            self._v[(layer, slot)] = v64[i]
+            self._k[(layer, slot)] = (layer, k[i])
+            self._v[(layer, slot)] = (layer, v[i])
+
+    def _stored(self, x, scale) -> np.ndarray:
+        """The FP8 bits the server stores for rows x."""
+        if _dt.fp8_wire_of(x) is not None:
+            if _dt.is_torch(x):
+                return x.detach().to("cpu").contiguous().view(_dt.torch.uint8).numpy()
+            return np.asarray(x.bits, dtype=np.uint8)
+        return _dt.float_to_fp8_bits(as_float64(x, self.wire_dtype), self.kv_dtype, scale)
+
+    def _value(self, layer: int, row, which: int) -> np.ndarray:
+        if self.kv_dtype is None:
+            return row
+        scale = self._layer_scales(layer)[which]
+        return _dt.fp8_bits_to_float32(row, self.kv_dtype).astype(np.float64) * scale
 
     def rows(self, layer: int, slots) -> tuple:
-        """(k, v) [n, num_kv_heads, head_dim] float64 of slots."""
+        """(k, v) [n, num_kv_heads, head_dim] float64 of slots (an FP8
+        mirror's dequantized with the scales in force)."""
         zero = np.zeros(self.row_shape)
-        ks = [self._k.get((layer, s), zero) for s in slots]
-        vs = [self._v.get((layer, s), zero) for s in slots]
+
+        def get(rows, key, which):
+            if key not in rows:
+                return zero
+            lay, row = rows[key]
+            return self._value(lay, row, which)
+        ks = [get(self._k, (layer, s), 0) for s in slots]
+        vs = [get(self._v, (layer, s), 1) for s in slots]
         if not ks:
             return np.zeros((0, *self.row_shape)), np.zeros((0, *self.row_shape))
         return np.stack(ks), np.stack(vs)

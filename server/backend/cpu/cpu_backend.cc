@@ -46,12 +46,14 @@ const void* Rows(const void* data, const ScatterList& scattered, int64_t row_byt
 absl::StatusOr<std::unique_ptr<Backend>> CpuBackend::Create(const KvGeometry& geometry) {
   std::unique_ptr<CpuBackend> backend(new CpuBackend(geometry));
   try {
-    backend->k_pool_.assign(geometry.PoolElems(), 0);
-    backend->v_pool_.assign(geometry.PoolElems(), 0);
+    backend->k_pool_.assign(geometry.PoolBytes(), 0);
+    backend->v_pool_.assign(geometry.PoolBytes(), 0);
+    const size_t scales = static_cast<size_t>(geometry.num_layers) * geometry.num_kv_heads;
+    backend->k_scales_.assign(scales, 1.f);
+    backend->v_scales_.assign(scales, 1.f);
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot allocate the KV cache in host memory: ",
-        2 * geometry.PoolElems() * KvDTypeBytes(geometry.dtype), " bytes"));
+        "cannot allocate the KV cache in host memory: ", 2 * geometry.PoolBytes(), " bytes"));
   }
   return std::unique_ptr<Backend>(std::move(backend));
 }
@@ -62,8 +64,8 @@ std::string CpuBackend::Device() const {
 
 void CpuBackend::Append(int32_t layer, const int64_t* slots, int64_t n, const void* k,
                         const ScatterList& k_scattered, const void* v,
-                        const ScatterList& v_scattered) {
-  const int64_t row_bytes = geo_.RowElems() * KvDTypeBytes(geo_.dtype);
+                        const ScatterList& v_scattered, bool rows_fp8) {
+  const int64_t row_bytes = rows_fp8 ? geo_.KvRowBytes() : geo_.RowElems() * geo_.QElemBytes();
   // In chunks of rows when an input needs flattening; in order, so that a
   // later row written to the same slot still wins.
   const int64_t chunk = NeedsFlat(k, k_scattered) || NeedsFlat(v, v_scattered)
@@ -81,6 +83,9 @@ void CpuBackend::Append(int32_t layer, const int64_t* slots, int64_t n, const vo
     a.n = rows;
     a.layer = layer;
     a.geo = geo_;
+    a.rows_fp8 = rows_fp8;
+    a.k_scales = k_scales_.data();
+    a.v_scales = v_scales_.data();
     AppendKvCpu(a);
   }
 }
@@ -91,6 +96,8 @@ void CpuBackend::Attend(const PrefillTask& t) {
   p.v_cache = v_pool_.data();
   p.kv_indices = t.kv_indices;
   p.sinks = t.sinks;  // the task's one set: its seqs' sink_index is 0 or -1
+  p.k_scales = k_scales_.data();
+  p.v_scales = v_scales_.data();
   p.geo = geo_;
   if (!NeedsFlat(t.q, t.q_scattered)) {
     p.q = t.q;
@@ -107,7 +114,7 @@ void CpuBackend::Attend(const PrefillTask& t) {
   // (kernels/variant.h's QueryPos: row i of q_len is at i + kv_len - q_len +
   // causal_shift), so the causal diagonal and the window stay where they
   // were; every row is computed on its own, so the results are the same bits.
-  const int64_t row_bytes = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
+  const int64_t row_bytes = int64_t{geo_.num_qo_heads} * geo_.head_dim * geo_.QElemBytes();
   const int32_t chunk = static_cast<int32_t>(std::max<int64_t>(1, kFlatChunkBytes / row_bytes));
   std::vector<uint16_t> q_flat;
   for (const PrefillSeq& seq : t.seqs) {
@@ -135,7 +142,7 @@ absl::Status CpuBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats*
   for (const PrefillTask& t : tasks) {
     if (t.num_append == 0) continue;
     Append(t.layer, t.append_slots, t.num_append, t.append_k, t.append_k_scattered, t.append_v,
-           t.append_v_scattered);
+           t.append_v_scattered, t.append_fp8);
     ++s.append_launches;
   }
   const absl::Time appended = absl::Now();
@@ -163,7 +170,8 @@ absl::Status CpuBackend::Complete(BatchStats* stats) {
 
 absl::Status CpuBackend::WriteKv(const KvRows& rows, BatchStats* stats) {
   const absl::Time start = absl::Now();
-  Append(rows.layer, rows.slots, rows.n, rows.k, rows.k_scattered, rows.v, rows.v_scattered);
+  Append(rows.layer, rows.slots, rows.n, rows.k, rows.k_scattered, rows.v, rows.v_scattered,
+         rows.rows_fp8);
   if (stats != nullptr) {
     stats->kv_rows_launches += 1;
     stats->kv_rows_seconds += absl::ToDoubleSeconds(absl::Now() - start);
@@ -174,12 +182,12 @@ absl::Status CpuBackend::WriteKv(const KvRows& rows, BatchStats* stats) {
 absl::Status CpuBackend::ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) {
   const absl::Time start = absl::Now();
   // Pool layout (layer, page, slot in page, KV head, dim).
-  const int64_t page_elems = int64_t{geo_.page_size} * geo_.RowElems();
+  const int64_t page_bytes = int64_t{geo_.page_size} * geo_.KvRowBytes();
   for (int32_t layer = 0; layer < geo_.num_layers; ++layer) {
     for (int32_t page : pages) {
-      const int64_t at = (int64_t{layer} * geo_.num_pages + page) * page_elems;
-      std::fill_n(k_pool_.begin() + at, page_elems, uint16_t{0});
-      std::fill_n(v_pool_.begin() + at, page_elems, uint16_t{0});
+      const int64_t at = (int64_t{layer} * geo_.num_pages + page) * page_bytes;
+      std::fill_n(k_pool_.begin() + at, page_bytes, uint8_t{0});
+      std::fill_n(v_pool_.begin() + at, page_bytes, uint8_t{0});
     }
   }
   if (stats != nullptr) {
@@ -200,11 +208,29 @@ absl::Status CpuBackend::ReadKv(const KvRows& rows, BatchStats* stats) {
   g.n = rows.n;
   g.layer = rows.layer;
   g.geo = geo_;
+  g.dequantize = geo_.KvIsFp8() && !rows.rows_fp8;
+  g.k_scales = k_scales_.data();
+  g.v_scales = v_scales_.data();
   GatherKvCpu(g);
   if (stats != nullptr) {
     stats->kv_rows_launches += 1;
     stats->kv_rows_seconds += absl::ToDoubleSeconds(absl::Now() - start);
   }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::SetKvScales(int32_t layer, absl::Span<const float> k_scales,
+                                     absl::Span<const float> v_scales) {
+  if (!geo_.KvIsFp8()) {
+    return absl::FailedPreconditionError("KV scales apply to an FP8 KV cache only");
+  }
+  const size_t heads = static_cast<size_t>(geo_.num_kv_heads);
+  if (layer < 0 || layer >= geo_.num_layers || k_scales.size() != heads ||
+      v_scales.size() != heads) {
+    return absl::InvalidArgumentError("SetKvScales: a layer out of range or not num_kv_heads scales");
+  }
+  std::copy(k_scales.begin(), k_scales.end(), k_scales_.begin() + int64_t{layer} * heads);
+  std::copy(v_scales.begin(), v_scales.end(), v_scales_.begin() + int64_t{layer} * heads);
   return absl::OkStatus();
 }
 

@@ -12,7 +12,7 @@ namespace attnserve {
 
 class CpuBackend final : public Backend {
  public:
-  // Allocates and zeroes the K and V pools (geometry.PoolElems() each).
+  // Allocates and zeroes the K and V pools (geometry.PoolBytes() each).
   static absl::StatusOr<std::unique_ptr<Backend>> Create(const KvGeometry& geometry);
 
   std::string Name() const override { return "cpu"; }
@@ -26,6 +26,8 @@ class CpuBackend final : public Backend {
   absl::Status ReadKv(const KvRows& rows, BatchStats* stats) override;
   // A memset of each page's rows in each layer.
   absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) override;
+  absl::Status SetKvScales(int32_t layer, absl::Span<const float> k_scales,
+                           absl::Span<const float> v_scales) override;
   // System regions are used as they are; CUDA regions are refused
   // (FAILED_PRECONDITION naming this backend).
   RegionDevice* region_device() override { return &region_device_; }
@@ -42,17 +44,22 @@ class CpuBackend final : public Backend {
 
   explicit CpuBackend(const KvGeometry& geometry) : geo_(geometry) {}
   // Scatters n rows (k, v: (n, num_kv_heads, head_dim), each contiguous or
-  // in pieces) into `layer` by slot.
+  // in pieces; FP8 bytes when rows_fp8, else geo.dtype values) into `layer`
+  // by slot.
   void Append(int32_t layer, const int64_t* slots, int64_t n, const void* k,
-              const ScatterList& k_scattered, const void* v, const ScatterList& v_scattered);
+              const ScatterList& k_scattered, const void* v, const ScatterList& v_scattered,
+              bool rows_fp8);
   // Attention of one task into its o and lse.
   void Attend(const PrefillTask& t);
 
   KvGeometry geo_;
   bool pending_ = false;     // a batch was submitted and not completed
   BatchStats pending_stats_;
-  std::vector<uint16_t> k_pool_;
-  std::vector<uint16_t> v_pool_;
+  std::vector<uint8_t> k_pool_;  // geo_.PoolBytes() each
+  std::vector<uint8_t> v_pool_;
+  // FP8 pools: (num_layers, num_kv_heads) scales, 1.0 until SetKvScales.
+  std::vector<float> k_scales_;
+  std::vector<float> v_scales_;
   CpuRegionDevice region_device_;
 };
 

@@ -34,8 +34,10 @@ void AddDeviceCopy(std::vector<PackedBatch::DeviceCopy>* copies, int64_t dst, co
 }  // namespace
 
 int64_t BatchPacker::InputCapacity() const {
-  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
-  const int64_t kv_row = geo_.RowElems() * KvDTypeBytes(geo_.dtype);
+  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * geo_.QElemBytes();
+  // Appended rows: geo.dtype rows, or FP8 rows (no larger) in sections of
+  // their own (two more alignments).
+  const int64_t kv_row = geo_.RowElems() * geo_.QElemBytes();
   // A sink set per task, and a task has at least one row.
   const int64_t sink_sets = limits_.max_rows * geo_.num_qo_heads * 4;
   return AlignUp(limits_.max_rows * q_row) + AlignUp(limits_.max_indices * 4) +
@@ -43,11 +45,11 @@ int64_t BatchPacker::InputCapacity() const {
          AlignUp(limits_.max_items * int64_t{sizeof(PrefillWorkItem)}) +
          AlignUp(limits_.max_decode_items * int64_t{sizeof(DecodeWorkItem)}) +
          AlignUp(limits_.max_rows * int64_t{sizeof(SplitMergeSeq)}) + AlignUp(limits_.max_append * 8) +
-         2 * AlignUp(limits_.max_append * kv_row) + kStagingAlign;
+         2 * AlignUp(limits_.max_append * kv_row) + 3 * kStagingAlign;
 }
 
 int64_t BatchPacker::OutputCapacity() const {
-  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
+  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * geo_.QElemBytes();
   return AlignUp(limits_.max_rows * q_row) + AlignUp(limits_.max_rows * geo_.num_qo_heads * 4) + kStagingAlign;
 }
 
@@ -94,11 +96,11 @@ absl::Status BatchPacker::Flatten(absl::Span<const PrefillTask> tasks, PackedBat
   return absl::OkStatus();
 }
 
-absl::Status BatchPacker::PlanDecode(PackedBatch* out) {
-  const int32_t n = static_cast<int32_t>(seqs_.size());
+absl::Status BatchPacker::PlanDecode(const std::vector<PrefillSeq>& seqs, PackedBatch* out) {
+  const int32_t n = static_cast<int32_t>(seqs.size());
   const int32_t group = geo_.num_qo_heads / geo_.num_kv_heads;
   int32_t max_rows = 1;
-  for (const PrefillSeq& s : seqs_) {
+  for (const PrefillSeq& s : seqs) {
     if (DecodeSeqQualifies(s, geo_)) max_rows = std::max(max_rows, s.q_len * group);
   }
   const int32_t tile_rows = DecodeTileRows(geo_.head_dim, max_rows);
@@ -108,7 +110,7 @@ absl::Status BatchPacker::PlanDecode(PackedBatch* out) {
   dopt.max_partial_slots = std::max<int64_t>(DecodePartialSlots(limits_, geo_.head_dim), 1);
   dopt.max_cluster = limits_.decode_max_cluster[tile_rows == 32 ? 1 : 0];
   dopt.max_items = limits_.max_decode_items;
-  BuildDecodePlan(seqs_.data(), n, geo_, dopt, &decode_plan_);
+  BuildDecodePlan(seqs.data(), n, geo_, dopt, &decode_plan_);
   const int64_t items = static_cast<int64_t>(decode_plan_.items.size());
   if (items > limits_.max_decode_items || decode_plan_.partial_slots > dopt.max_partial_slots) {
     return absl::InternalError(absl::StrCat("decode plan has ", items, " work items and ",
@@ -127,18 +129,28 @@ absl::Status BatchPacker::Plan(PackedBatch* out) {
   decode_plan_.items.clear();
   int32_t num_decode = 0;
   const int32_t n = static_cast<int32_t>(seqs_.size());
+  plan_.items.clear();
+  plan_.merges.clear();
+  plan_.merge_pairs = 0;
+  if (geo_.KvIsFp8()) {
+    // Only the decode family reads FP8 pools: every sequence runs there, in
+    // pieces of at most 8 rows (CutForDecode; --decode_kernel=off does not
+    // apply).
+    CutForDecode(seqs_.data(), n, &decode_pieces_);
+    out->num_items = out->num_merges = 0;
+    out->merge_pairs = 0;
+    if (decode_pieces_.empty()) return absl::OkStatus();
+    return PlanDecode(decode_pieces_, out);
+  }
   if (limits_.decode && DecodeGeometrySupported(geo_)) {
     num_decode = SeqsForPrefillFamily(seqs_.data(), n, geo_, &prefill_seqs_);
   }
   if (num_decode > 0) {
-    if (absl::Status st = PlanDecode(out); !st.ok()) return st;
+    if (absl::Status st = PlanDecode(seqs_, out); !st.ok()) return st;
   }
   // The prefill family plans the rest (decode sequences have q_len 0 in the
   // copy: no items; its items index the same device seqs array).
   const std::vector<PrefillSeq>& rest = num_decode > 0 ? prefill_seqs_ : seqs_;
-  plan_.items.clear();
-  plan_.merges.clear();
-  plan_.merge_pairs = 0;
   if (num_decode < n) {
     const int64_t group = geo_.num_qo_heads / geo_.num_kv_heads;
     int64_t max_packed_rows = 0, rows = 0, row_keys = 0;
@@ -169,7 +181,7 @@ absl::Status BatchPacker::Plan(PackedBatch* out) {
   return absl::OkStatus();
 }
 
-void BatchPacker::DedupAppends(absl::Span<const PrefillTask> tasks) {
+int64_t BatchPacker::DedupAppends(absl::Span<const PrefillTask> tasks) {
   append_rows_.clear();
   append_slots_.clear();
   last_append_.clear();
@@ -186,6 +198,25 @@ void BatchPacker::DedupAppends(absl::Span<const PrefillTask> tasks) {
       }
     }
   }
+  // The FP8 rows last, each group in its order (a stable partition of rows
+  // and slots together).
+  int64_t n_fp8 = 0;
+  for (const auto& [task, row] : append_rows_) n_fp8 += tasks[task].append_fp8 ? 1 : 0;
+  if (n_fp8 == 0 || n_fp8 == static_cast<int64_t>(append_rows_.size())) return n_fp8;
+  std::vector<std::pair<int32_t, int64_t>> rows;
+  std::vector<int64_t> slots;
+  rows.reserve(append_rows_.size());
+  slots.reserve(append_slots_.size());
+  for (bool fp8 : {false, true}) {
+    for (size_t i = 0; i < append_rows_.size(); ++i) {
+      if (tasks[append_rows_[i].first].append_fp8 != fp8) continue;
+      rows.push_back(append_rows_[i]);
+      slots.push_back(append_slots_[i]);
+    }
+  }
+  append_rows_.swap(rows);
+  append_slots_.swap(slots);
+  return n_fp8;
 }
 
 absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* staging, int64_t in_capacity,
@@ -194,12 +225,15 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
   int64_t total_idx = 0;
   if (absl::Status st = Flatten(tasks, out, &total_idx); !st.ok()) return st;
   if (absl::Status st = Plan(out); !st.ok()) return st;
-  DedupAppends(tasks);
+  const int64_t n_fp8 = DedupAppends(tasks);
   const int64_t n_append = static_cast<int64_t>(append_slots_.size());
+  const int64_t n_half = n_append - n_fp8;
   out->num_append = n_append;
+  out->num_append_fp8 = n_fp8;
 
-  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
-  const int64_t kv_row = geo_.RowElems() * KvDTypeBytes(geo_.dtype);
+  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * geo_.QElemBytes();
+  const int64_t kv_row = geo_.RowElems() * geo_.QElemBytes();  // geo.dtype rows
+  const int64_t kv_row8 = geo_.RowElems();                     // FP8 rows
   StagingPacker in(staging, in_capacity);
   out->off_q = in.Take(out->total_q * q_row);
   out->off_idx = in.Take(total_idx * 4);
@@ -209,10 +243,13 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
   out->off_merges = in.Take(static_cast<int64_t>(plan_.merges.size() * sizeof(SplitMergeSeq)));
   out->off_decode_items = in.Take(int64_t{out->num_decode_items} * int64_t{sizeof(DecodeWorkItem)});
   out->off_slots = in.Take(n_append * 8);
-  out->off_k = in.Take(n_append * kv_row);
-  out->off_v = in.Take(n_append * kv_row);
+  out->off_k = in.Take(n_half * kv_row);
+  out->off_v = in.Take(n_half * kv_row);
+  out->off_k8 = in.Take(n_fp8 * kv_row8);
+  out->off_v8 = in.Take(n_fp8 * kv_row8);
   for (int64_t off : {out->off_q, out->off_idx, out->off_seqs, out->off_sinks, out->off_items, out->off_merges,
-                      out->off_decode_items, out->off_slots, out->off_k, out->off_v}) {
+                      out->off_decode_items, out->off_slots, out->off_k, out->off_v, out->off_k8,
+                      out->off_v8}) {
     if (off < 0) return absl::InternalError("input staging overflow");
   }
   int64_t row = 0, idx = 0;
@@ -249,31 +286,38 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
   bool kv_all_direct = true;
   if (n_append > 0) {
     std::memcpy(in.At(out->off_slots), append_slots_.data(), n_append * 8);
-    // K rows, then V rows, so that consecutive device rows coalesce. Kept
-    // rows are copied in runs: consecutive rows of one task (all of them,
-    // unless a later write to the same slot dropped some).
-    for (int kv = 0; kv < 2; ++kv) {
-      const int64_t off = kv == 0 ? out->off_k : out->off_v;
-      for (int64_t i = 0; i < n_append;) {
+    // K rows, then V rows (of the geo.dtype rows, then of the FP8 ones), so
+    // that consecutive device rows coalesce. Kept rows are copied in runs:
+    // consecutive rows of one task (all of them, unless a later write to the
+    // same slot dropped some).
+    for (int section = 0; section < 4; ++section) {
+      const bool fp8 = section >= 2;
+      const bool is_k = section % 2 == 0;
+      const int64_t off = fp8 ? (is_k ? out->off_k8 : out->off_v8) : (is_k ? out->off_k : out->off_v);
+      const int64_t row_bytes = fp8 ? kv_row8 : kv_row;
+      const int64_t begin = fp8 ? n_half : 0;
+      const int64_t end = fp8 ? n_append : n_half;
+      for (int64_t i = begin; i < end;) {
         const auto [task, first] = append_rows_[i];
         int64_t run = 1;
-        while (i + run < n_append && append_rows_[i + run].first == task &&
+        while (i + run < end && append_rows_[i + run].first == task &&
                append_rows_[i + run].second == first + run) {
           ++run;
         }
         const PrefillTask& t = tasks[task];
-        const ScatterList& scattered = kv == 0 ? t.append_k_scattered : t.append_v_scattered;
-        const auto* base = static_cast<const uint8_t*>(kv == 0 ? t.append_k : t.append_v);
-        const bool pinned = (kv == 0 ? t.append_k_pinned : t.append_v_pinned) &&
-                            t.num_append * kv_row >= kMinDirectCopyBytes;
-        uint8_t* const dst = in.At(off) + i * kv_row;
+        const ScatterList& scattered = is_k ? t.append_k_scattered : t.append_v_scattered;
+        const auto* base = static_cast<const uint8_t*>(is_k ? t.append_k : t.append_v);
+        const bool pinned = (is_k ? t.append_k_pinned : t.append_v_pinned) &&
+                            t.num_append * row_bytes >= kMinDirectCopyBytes;
+        uint8_t* const dst = in.At(off) + (i - begin) * row_bytes;
         if (!scattered.empty()) {  // inline, in pieces (base is null)
-          CopyOut(scattered, first * kv_row, run * kv_row, dst);
+          CopyOut(scattered, first * row_bytes, run * row_bytes, dst);
           kv_all_direct = false;
-        } else if ((kv == 0 ? t.append_k_on_device : t.append_v_on_device) || pinned) {
-          AddDeviceCopy(&out->device_in, off + i * kv_row, base + first * kv_row, run * kv_row);
+        } else if ((is_k ? t.append_k_on_device : t.append_v_on_device) || pinned) {
+          AddDeviceCopy(&out->device_in, off + (i - begin) * row_bytes, base + first * row_bytes,
+                        run * row_bytes);
         } else {
-          CopyBytes(dst, base + first * kv_row, run * kv_row);
+          CopyBytes(dst, base + first * row_bytes, run * row_bytes);
           kv_all_direct = false;
         }
         i += run;

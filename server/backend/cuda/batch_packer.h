@@ -78,7 +78,14 @@ struct PackedBatch {
   int32_t decode_split_tiles = 0;
   int32_t decode_cluster = 0;  // > 1: the decode plan runs in cluster mode
   int64_t off_decode_items = 0;
-  int64_t num_append = 0;  // after dropping overwritten slots
+  // Appended rows after dropping overwritten slots: the first num_append -
+  // num_append_fp8 are geo.dtype rows (at off_k, off_v; quantized on the
+  // way into an FP8 pool), the last num_append_fp8 FP8 rows as stored (at
+  // off_k8, off_v8; PrefillTask::append_fp8). Their slots are one array at
+  // off_slots in that order; distinct, so the two launches never race.
+  int64_t num_append = 0;
+  int64_t num_append_fp8 = 0;
+  int64_t off_k8 = 0, off_v8 = 0;
   // The tasks' sink sets, one per task with sinks (PrefillTask::sinks), at
   // off_sinks (num_sink_sets * num_qo_heads floats); the sequences'
   // sink_index rebased to them. any_soft_cap: some sequence has a soft-cap
@@ -128,10 +135,11 @@ class BatchPacker {
   // Routes the sequences: the decode family's plan into decode_plan_, the
   // prefill kernel and its work items for the rest into plan_.
   absl::Status Plan(PackedBatch* out);
-  absl::Status PlanDecode(PackedBatch* out);
+  absl::Status PlanDecode(const std::vector<PrefillSeq>& seqs, PackedBatch* out);
   // Appends in task order; a later write to the same (layer, slot) wins, so
-  // only the last is kept (one launch, no races).
-  void DedupAppends(absl::Span<const PrefillTask> tasks);
+  // only the last is kept (no races). The kept geo.dtype rows go first, the
+  // FP8 rows last; returns how many are FP8.
+  int64_t DedupAppends(absl::Span<const PrefillTask> tasks);
 
   KvGeometry geo_;
   PackerLimits limits_;
@@ -141,7 +149,8 @@ class BatchPacker {
   std::vector<PrefillSeq> seqs_;
   std::vector<float> sinks_;  // the sink sets, (sets, num_qo_heads)
   std::vector<PrefillSeq> prefill_seqs_;  // seqs_ with decode sequences' q_len 0
-  std::vector<std::pair<int32_t, int64_t>> append_rows_;  // (task, row)
+  std::vector<PrefillSeq> decode_pieces_;  // FP8 pools: seqs_ cut by CutForDecode
+  std::vector<std::pair<int32_t, int64_t>> append_rows_;  // (task, row); 16-bit rows first
   std::vector<int64_t> append_slots_;                     // layer-global
   absl::flat_hash_map<int64_t, int64_t> last_append_;
 };

@@ -210,7 +210,8 @@ class CudaBackend final : public Backend {
     for (cudaStream_t st : {copy_in_, compute_, copy_out_}) {
       if (st != nullptr) cudaStreamDestroy(st);
     }
-    const void* device_ptrs[] = {k_pool_, v_pool_, d_part_o_, d_part_lse_, d_counters_};
+    const void* device_ptrs[] = {k_pool_, v_pool_, d_part_o_, d_part_lse_, d_counters_, d_k_scales_,
+                                 d_v_scales_};
     for (const void* p : device_ptrs) cudaFree(const_cast<void*>(p));
   }
 
@@ -238,6 +239,9 @@ class CudaBackend final : public Backend {
   absl::Status ReadKv(const KvRows& rows, BatchStats* stats) override { return CopyRows(rows, false, stats); }
   // On the device: only the page ids cross PCIe, not the zeros.
   absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats* stats) override;
+  // One layer's scales copied to the device arrays the kernels read.
+  absl::Status SetKvScales(int32_t layer, absl::Span<const float> k_scales,
+                           absl::Span<const float> v_scales) override;
   // MergeStates of host tensors stays on the CPU: a GPU pass would move every
   // byte over PCIe (tens of GB/s, after a copy into pinned staging) where the
   // CPU reads it once at memory speed. States in CUDA regions merge on the
@@ -281,6 +285,9 @@ class CudaBackend final : public Backend {
   float* d_part_o_ = nullptr;
   float* d_part_lse_ = nullptr;
   int32_t* d_counters_ = nullptr;  // decode split tiles; zero between launches
+  // FP8 pools: (num_layers, num_kv_heads) K and V scales (null otherwise).
+  float* d_k_scales_ = nullptr;
+  float* d_v_scales_ = nullptr;
 
   std::optional<BatchPacker> packer_;  // used by Submit's thread only
   std::unique_ptr<StagingRing> ring_;
@@ -347,18 +354,32 @@ absl::Status CudaBackend::Init() {
   // head, 16-row tile) plus one per sequence; split ones add a partial slot
   // each.
   lim.decode = options_.decode_kernel && DecodeGeometrySupported(g);
-  lim.decode_ctas_per_sm[0] = DecodeCtasPerSm(g.head_dim, g.dtype, 16);
-  lim.decode_ctas_per_sm[1] = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim));
-  lim.decode_max_cluster[0] = DecodeMaxCluster(g.head_dim, g.dtype, 16);
-  lim.decode_max_cluster[1] = DecodeMaxCluster(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim));
+  lim.decode_ctas_per_sm[0] = DecodeCtasPerSm(g.head_dim, g.dtype, 16, g.kv_fp8);
+  lim.decode_ctas_per_sm[1] = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim), g.kv_fp8);
+  lim.decode_max_cluster[0] = DecodeMaxCluster(g.head_dim, g.dtype, 16, g.kv_fp8);
+  lim.decode_max_cluster[1] = DecodeMaxCluster(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim), g.kv_fp8);
   cudaGetLastError();
   const int64_t decode_slots = DecodePartialSlots(lim, g.head_dim);
   lim.max_decode_items = g.num_kv_heads * (lim.max_rows * group / 16 + lim.max_rows + 1) + decode_slots;
+  // FP8 pools cut sequences into pieces of 8 rows (CutForDecode): one more
+  // tile per piece at most.
+  if (g.KvIsFp8()) lim.max_decode_items += g.num_kv_heads * (lim.max_rows / kMaxDecodeQueryRows + 1);
   packer_.emplace(g, lim);
 
-  const int64_t pool_bytes = g.PoolElems() * KvDTypeBytes(g.dtype);
+  const int64_t pool_bytes = g.PoolBytes();
   ATTN_RETURN_IF_ERROR(DeviceAlloc(&k_pool_, pool_bytes, "the K pool", options_.device));
   ATTN_RETURN_IF_ERROR(DeviceAlloc(&v_pool_, pool_bytes, "the V pool", options_.device));
+  // FP8 pools' scales, (num_layers, num_kv_heads) each, 1.0 until
+  // SetKvScales (which copies one layer's at a time).
+  if (g.KvIsFp8()) {
+    const int64_t n = int64_t{g.num_layers} * g.num_kv_heads;
+    const std::vector<float> ones(static_cast<size_t>(n), 1.f);
+    for (float** scales : {&d_k_scales_, &d_v_scales_}) {
+      ATTN_RETURN_IF_ERROR(DeviceAlloc(reinterpret_cast<void**>(scales), n * 4, "the KV scales",
+                                       options_.device));
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpy(*scales, ones.data(), n * 4, cudaMemcpyHostToDevice));
+    }
+  }
   // Poison-proof: a fresh page reads zeros, never stale data.
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemset(k_pool_, 0, pool_bytes));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemset(v_pool_, 0, pool_bytes));
@@ -437,7 +458,7 @@ absl::Status CudaBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats
 absl::Status CudaBackend::Launch(absl::Span<const PrefillTask> tasks, const PackedBatch& b,
                                  StagingRing::Slot& slot) {
   const KvGeometry& g = geo_;
-  const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim * KvDTypeBytes(g.dtype);
+  const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim * g.QElemBytes();
   const int64_t lse_row = int64_t{g.num_qo_heads} * 4;
   uint8_t* const d_in = slot.d_in;
   cudaEvent_t* const ev = slot.events;
@@ -457,17 +478,27 @@ absl::Status CudaBackend::Launch(absl::Span<const PrefillTask> tasks, const Pack
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kUploaded], copy_in_));
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_, ev[Ev::kUploaded], 0));
   if (b.num_append > 0) {
-    AppendKvParams ap;
-    ap.k_cache = k_pool_;
-    ap.v_cache = v_pool_;
-    ap.k = d_in + b.off_k;
-    ap.v = d_in + b.off_v;
-    ap.slots = reinterpret_cast<const int64_t*>(d_in + b.off_slots);
-    ap.n = b.num_append;
-    ap.layer = 0;  // slots are layer-global
-    ap.geo = g;
+    // The geo.dtype rows (quantized into an FP8 pool), then the FP8 rows as
+    // stored: distinct slots, so the two launches never touch one row.
     ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kAppendBegin], compute_));
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(AppendKvCuda(ap, compute_));
+    const int64_t n_half = b.num_append - b.num_append_fp8;
+    for (const bool fp8 : {false, true}) {
+      const int64_t n = fp8 ? b.num_append_fp8 : n_half;
+      if (n == 0) continue;
+      AppendKvParams ap;
+      ap.k_cache = k_pool_;
+      ap.v_cache = v_pool_;
+      ap.k = d_in + (fp8 ? b.off_k8 : b.off_k);
+      ap.v = d_in + (fp8 ? b.off_v8 : b.off_v);
+      ap.slots = reinterpret_cast<const int64_t*>(d_in + b.off_slots) + (fp8 ? n_half : 0);
+      ap.n = n;
+      ap.layer = 0;  // slots are layer-global
+      ap.geo = g;
+      ap.rows_fp8 = fp8;
+      ap.k_scales = d_k_scales_;
+      ap.v_scales = d_v_scales_;
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(AppendKvCuda(ap, compute_));
+    }
     ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kAppendEnd], compute_));
   }
   PagedPrefillParams pp;
@@ -476,6 +507,8 @@ absl::Status CudaBackend::Launch(absl::Span<const PrefillTask> tasks, const Pack
   pp.lse = reinterpret_cast<float*>(slot.d_out + b.off_lse);
   pp.k_cache = k_pool_;
   pp.v_cache = v_pool_;
+  pp.k_scales = d_k_scales_;
+  pp.v_scales = d_v_scales_;
   pp.kv_indices = reinterpret_cast<const int32_t*>(d_in + b.off_idx);
   pp.seqs = reinterpret_cast<const PrefillSeq*>(d_in + b.off_seqs);
   pp.sinks = b.num_sink_sets > 0 ? reinterpret_cast<const float*>(d_in + b.off_sinks) : nullptr;
@@ -531,7 +564,7 @@ absl::Status CudaBackend::Complete(BatchStats* stats) {
   const absl::Time downloaded = absl::Now();
 
   // Outputs back to each task.
-  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * KvDTypeBytes(geo_.dtype);
+  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * geo_.QElemBytes();
   const int64_t lse_row = int64_t{geo_.num_qo_heads} * 4;
   int64_t row = 0;
   for (const StagingRing::Slot::Output& out : slot->outputs) {
@@ -579,7 +612,10 @@ absl::Status CudaBackend::Complete(BatchStats* stats) {
 
 absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64_t n, bool scatter,
                                         float* seconds) {
-  const int64_t rb = geo_.RowElems() * KvDTypeBytes(geo_.dtype);
+  // Bytes of a row as the request carries it: stored (a 16-bit pool, FP8
+  // rows), or geo.dtype values quantized or dequantized on the device.
+  const int64_t rb = !geo_.KvIsFp8() || rows.rows_fp8 ? geo_.KvRowBytes()
+                                                      : geo_.RowElems() * geo_.QElemBytes();
   StagingRing::Slot& slot = ring_->IdleSlot();
   StagingPacker in(slot.h_in, ring_->in_capacity());
   const int64_t off_slots = in.Take(n * 8);
@@ -626,6 +662,9 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
     ap.n = n;
     ap.layer = rows.layer;
     ap.geo = geo_;
+    ap.rows_fp8 = rows.rows_fp8;
+    ap.k_scales = d_k_scales_;
+    ap.v_scales = d_v_scales_;
     ATTNSERVE_CUDA_RETURN_IF_ERROR(AppendKvCuda(ap, compute_));
   } else {
     GatherKvParams gp;
@@ -637,6 +676,9 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
     gp.n = n;
     gp.layer = rows.layer;
     gp.geo = geo_;
+    gp.dequantize = geo_.KvIsFp8() && !rows.rows_fp8;
+    gp.k_scales = d_k_scales_;
+    gp.v_scales = d_v_scales_;
     ATTNSERVE_CUDA_RETURN_IF_ERROR(GatherKvCuda(gp, compute_));
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(slot.events[StagingRing::kAppendEnd], compute_));
@@ -707,7 +749,7 @@ absl::Status CudaBackend::MergeOnGpu(const MergeStatesParams& params) {
 
 absl::Status CudaBackend::MergeThroughHost(const MergeStatesParams& params, const MergeOnDevice& on_device) {
   const int64_t rows = params.n * params.h;
-  const size_t v_bytes = size_t(rows) * params.d * KvDTypeBytes(params.dtype);
+  const size_t v_bytes = size_t(rows) * params.d * KvDTypeBytes(params.dtype);  // 16-bit states
   const size_t lse_bytes = size_t(rows) * sizeof(float);
   auto is_device = [](const std::vector<bool>& flags, int32_t i) { return size_t(i) < flags.size() && flags[i]; };
   std::vector<std::vector<uint8_t>> copies;  // host copies of device tensors
@@ -776,6 +818,31 @@ absl::Status CudaBackend::ZeroPages(absl::Span<const int32_t> pages, BatchStats*
     stats->zero_launches += launches;
     stats->zero_seconds += seconds;
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SetKvScales(int32_t layer, absl::Span<const float> k_scales,
+                                      absl::Span<const float> v_scales) {
+  if (!geo_.KvIsFp8()) {
+    return absl::FailedPreconditionError("KV scales apply to an FP8 KV cache only");
+  }
+  const size_t heads = static_cast<size_t>(geo_.num_kv_heads);
+  if (layer < 0 || layer >= geo_.num_layers || k_scales.size() != heads || v_scales.size() != heads) {
+    return absl::InvalidArgumentError("SetKvScales: a layer out of range or not num_kv_heads scales");
+  }
+  if (absl::Status st = CheckIdle(); !st.ok()) return st;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device));
+  // Through the idle slot's pinned staging, on the compute stream: ordered
+  // after every batch and write before it.
+  StagingRing::Slot& slot = ring_->IdleSlot();
+  std::memcpy(slot.h_in, k_scales.data(), heads * 4);
+  std::memcpy(slot.h_in + heads * 4, v_scales.data(), heads * 4);
+  const int64_t at = int64_t{layer} * geo_.num_kv_heads;
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_k_scales_ + at, slot.h_in, heads * 4,
+                                                 cudaMemcpyHostToDevice, compute_));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_v_scales_ + at, slot.h_in + heads * 4,
+                                                 heads * 4, cudaMemcpyHostToDevice, compute_));
+  ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
   return absl::OkStatus();
 }
 

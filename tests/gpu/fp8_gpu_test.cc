@@ -1,0 +1,312 @@
+// FP8 KV caches on the GPU (docs/design.md section 3, "FP8 KV cache"),
+// against the float64 reference over the dequantized stored values:
+//  - the decode family reading FP8 pools (both formats, both query dtypes,
+//    head_dim 64/128/256, page sizes 1..128, GQA, per-layer and per-head
+//    scales, variants, split / unsplit / cluster plans), sequences of more
+//    than 8 rows cut into pieces as the CUDA backend runs them, and the same
+//    batch without its scales failing the comparison;
+//  - the prefill families refusing FP8 pools (they read 16-bit pools only);
+//  - CudaBackend on an FP8 cache: the device quantizer bit for bit against
+//    kernels/fp8.h's on the host, ReadKv of the stored bytes and dequantized,
+//    FP8 rows stored as they are, SetKvScales, and batches of decode and
+//    prefill rows with fused 16-bit and FP8 appends.
+// Outputs are poisoned before each run.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "gtest/gtest.h"
+#include "kernels/fp8.h"
+#include "kernels/plan/kernel_select.h"
+#include "server/backend/backend.h"
+#include "server/backend/cuda/cuda_backend.h"
+#include "tests/gpu/family_run.h"
+
+namespace attnserve {
+namespace {
+
+using gpu_test::HostBatch;
+
+// A random decode-family batch on an FP8 pool (round picks the geometry).
+HostBatch MakeFp8Batch(int round, std::mt19937_64* rng) {
+  HostBatch b;
+  const int dims[] = {128, 64, 256};
+  const int page_sizes[] = {16, 1, 128, 64, 7};
+  b.geo.head_dim = dims[round % 3];
+  b.geo.page_size = page_sizes[round % 5];
+  b.geo.num_kv_heads = 1 + round % 3;
+  const int groups[] = {4, 1, 8, 2};
+  b.geo.num_qo_heads = b.geo.num_kv_heads * groups[round % 4];
+  b.geo.dtype = (round / 2) % 2 == 0 ? KvDType::kBf16 : KvDType::kFp16;
+  b.geo.num_layers = 2;
+  b.geo.num_pages = 9000 / b.geo.page_size + 4;
+  gpu_test::MakePools(&b, rng);
+  gpu_test::QuantizePools(&b, round % 2 == 0 ? Fp8Format::kE4m3 : Fp8Format::kE5m2,
+                          /*per_head=*/round % 3 != 1, rng);
+  if ((*rng)() % 2 == 0) gpu_test::AddSinkSet(&b, rng);
+  const int nseq = 1 + static_cast<int>((*rng)() % 6);
+  for (int s = 0; s < nseq; ++s) {
+    // Mostly decode rows; some sequences of 9..40 rows (pieces of 8).
+    const int q_len = (*rng)() % 4 == 0 ? 9 + static_cast<int>((*rng)() % 32)
+                                        : 1 + static_cast<int>((*rng)() % 8);
+    int kv_len = (*rng)() % 3 == 0 ? 3000 + static_cast<int>((*rng)() % 5000)
+                                   : 1 + static_cast<int>((*rng)() % 1500);
+    kv_len = std::max(kv_len, q_len);
+    gpu_test::AddSeq(&b, q_len, kv_len, static_cast<int>((*rng)() % 2), (*rng)() % 4 != 0,
+                     (*rng)() % 3 == 0, 1 / std::sqrt(float(b.geo.head_dim)), rng);
+    PrefillSeq& q = b.seqs.back();
+    if ((*rng)() % 4 == 0) q.causal_shift = static_cast<int>((*rng)() % 11);
+    if ((*rng)() % 4 == 0) q.window_left = static_cast<int>((*rng)() % 600);
+    if ((*rng)() % 4 == 0) q.soft_cap = 20.f;
+    if (!b.sinks.empty() && (*rng)() % 2 == 0) q.sink_index = 0;
+  }
+  gpu_test::FinishBatch(&b, 1.f, rng);
+  return b;
+}
+
+TEST(Fp8Cuda, DecodeFamilyMatchesReferenceOverDequantizedValues) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(8008);
+  int split = 0, cluster = 0, pieces = 0;
+  const bool clusters = DecodeMaxCluster(128, KvDType::kBf16, 16, Fp8Format::kE4m3) >= 2;
+  for (int round = 0; round < 30; ++round) {
+    const HostBatch b = MakeFp8Batch(round, &rng);
+    for (const PrefillSeq& s : b.seqs) pieces += s.q_len > kMaxDecodeQueryRows;
+    const int chunks[] = {0, gpu_test::kNoSplit, 256};
+    const int force_cluster = clusters && round % 5 == 4 ? 2 + round % 3 : 0;
+    const gpu_test::RunResult r = gpu_test::RunDecode(b, chunks[round % 3], force_cluster);
+    EXPECT_EQ(r.error, "") << "round " << round << ": " << gpu_test::Describe(b);
+    split += r.split;
+    cluster += r.cluster > 1;
+    // The same batch read without its scales must fail the comparison (the
+    // scales are drawn away from 1): the test can fail.
+    if (round % 6 == 0) {
+      const gpu_test::RunResult no_scales = gpu_test::RunDecode(b, chunks[round % 3], force_cluster, true);
+      EXPECT_NE(no_scales.error, "") << "round " << round << " matched without its scales";
+    }
+  }
+  EXPECT_GT(split, 3);
+  EXPECT_GT(pieces, 3);
+  if (clusters) EXPECT_GT(cluster, 1);
+}
+
+TEST(Fp8Cuda, PrefillFamiliesRefuseFp8Pools) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(81);
+  HostBatch b = MakeFp8Batch(0, &rng);
+  std::string err;
+  gpu_test::DeviceBatch d(b, &err);
+  ASSERT_EQ(err, "");
+  for (PrefillKernel k : {PrefillKernel::kSm80, PrefillKernel::kSm80Rows64, PrefillKernel::kSm90,
+                          PrefillKernel::kSm90Overlap, PrefillKernel::kSm90OverlapNoPp}) {
+    PrefillWorkItem* items = nullptr;
+    EXPECT_EQ(PagedPrefillCuda(d.Params(), items, 1, nullptr, nullptr, k, nullptr), cudaErrorInvalidValue)
+        << "kernel " << static_cast<int>(k);
+  }
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// ---- CudaBackend on an FP8 cache.
+
+BackendOptions Fp8Options(const KvGeometry& g) {
+  BackendOptions o;
+  o.kind = "cuda";
+  o.geometry = g;
+  o.max_batch_rows = 4096;
+  o.max_batch_kv_indices = 1 << 16;
+  o.max_batch_append_rows = 1024;
+  return o;
+}
+
+absl::Status RunBatch(Backend& backend, absl::Span<const PrefillTask> tasks) {
+  BatchStats stats;
+  absl::Status st = backend.Submit(tasks, &stats);
+  if (!st.ok()) return st;
+  return backend.Complete(&stats);
+}
+
+// Quantizes 16-bit rows of `layer` into host FP8 rows with the batch's
+// scales (what the backend must store).
+std::vector<uint8_t> HostQuantize(const HostBatch& b, int layer, const std::vector<uint16_t>& rows,
+                                  const std::vector<float>& scales) {
+  const KvGeometry& g = b.geo;
+  std::vector<uint8_t> out(rows.size());
+  for (size_t e = 0; e < rows.size(); ++e) {
+    const float s = scales[int64_t{layer} * g.num_kv_heads + int64_t(e % g.RowElems()) / g.head_dim];
+    out[e] = Fp8Quantize(g.kv_fp8, float(gpu_test::FromHalfBits(g.dtype, rows[e])), s);
+  }
+  return out;
+}
+
+TEST(Fp8CudaBackend, WriteReadScalesAndBatchesMatchReference) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(3232);
+  for (int round = 0; round < 4; ++round) {
+    HostBatch pools;
+    KvGeometry& g = pools.geo;
+    g.head_dim = round % 2 == 0 ? 128 : 64;
+    g.page_size = round < 2 ? 16 : 1;
+    g.num_kv_heads = 2;
+    g.num_qo_heads = 8;
+    g.num_layers = 2;
+    g.num_pages = 3000 / g.page_size;
+    g.dtype = round % 3 == 0 ? KvDType::kBf16 : KvDType::kFp16;
+    gpu_test::MakePools(&pools, &rng);
+    const std::vector<uint16_t> k16 = pools.k_pool, v16 = pools.v_pool;
+    gpu_test::QuantizePools(&pools, round < 2 ? Fp8Format::kE4m3 : Fp8Format::kE5m2, round % 2 == 0, &rng);
+    const std::string what = std::string(Fp8FormatName(g.kv_fp8)) + " D=" + std::to_string(g.head_dim) +
+                             " ps=" + std::to_string(g.page_size) + " round " + std::to_string(round);
+
+    auto made = MakeCudaBackend(Fp8Options(g));
+    ASSERT_TRUE(made.ok()) << made.status();
+    std::unique_ptr<Backend> backend = std::move(made).value();
+    const int64_t spl = g.SlotsPerLayer(), re = g.RowElems();
+    for (int layer = 0; layer < g.num_layers; ++layer) {
+      const auto at = pools.k_scales.begin() + int64_t{layer} * g.num_kv_heads;
+      const auto vt = pools.v_scales.begin() + int64_t{layer} * g.num_kv_heads;
+      ASSERT_TRUE(backend
+                      ->SetKvScales(layer, std::vector<float>(at, at + g.num_kv_heads),
+                                    std::vector<float>(vt, vt + g.num_kv_heads))
+                      .ok());
+    }
+    // 16-bit rows, quantized on the device: the stored bytes equal the host
+    // quantizer's (pools.k8 / v8), read back raw and dequantized.
+    std::vector<int64_t> slots(spl);
+    for (int64_t i = 0; i < spl; ++i) slots[i] = i;
+    for (int layer = 0; layer < g.num_layers; ++layer) {
+      KvRows w;
+      w.layer = layer;
+      w.slots = slots.data();
+      w.n = spl;
+      w.k = const_cast<uint16_t*>(k16.data()) + layer * spl * re;
+      w.v = const_cast<uint16_t*>(v16.data()) + layer * spl * re;
+      ASSERT_TRUE(backend->WriteKv(w, nullptr).ok()) << what;
+      std::vector<uint8_t> rk(spl * re, 0xAB), rv(spl * re, 0xAB);
+      KvRows r = w;
+      r.k = rk.data();
+      r.v = rv.data();
+      r.rows_fp8 = true;
+      ASSERT_TRUE(backend->ReadKv(r, nullptr).ok()) << what;
+      int64_t k_diff = 0, v_diff = 0;
+      for (int64_t e = 0; e < spl * re; ++e) {
+        k_diff += rk[e] != pools.k8[layer * spl * re + e];
+        v_diff += rv[e] != pools.v8[layer * spl * re + e];
+      }
+      EXPECT_EQ(k_diff, 0) << what << " layer " << layer << ": stored K bytes differ from the host quantizer";
+      EXPECT_EQ(v_diff, 0) << what << " layer " << layer;
+      std::vector<uint16_t> dk(spl * re, 0xFFFF), dv(spl * re, 0xFFFF);
+      r.k = dk.data();
+      r.v = dv.data();
+      r.rows_fp8 = false;
+      ASSERT_TRUE(backend->ReadKv(r, nullptr).ok()) << what;
+      int64_t dk_diff = 0, dv_diff = 0;
+      for (int64_t e = 0; e < spl * re; ++e) {
+        const int64_t si = int64_t{layer} * g.num_kv_heads + (e % re) / g.head_dim;
+        const int64_t pe = layer * spl * re + e;
+        dk_diff += dk[e] != FloatToHalf(g.dtype, Fp8ToFloat(g.kv_fp8, pools.k8[pe]) * pools.k_scales[si]);
+        dv_diff += dv[e] != FloatToHalf(g.dtype, Fp8ToFloat(g.kv_fp8, pools.v8[pe]) * pools.v_scales[si]);
+      }
+      EXPECT_EQ(dk_diff, 0) << what << " layer " << layer << ": dequantized K rows differ";
+      EXPECT_EQ(dv_diff, 0) << what << " layer " << layer;
+    }
+
+    // A batch: one task per layer, decode rows and prefill rows, fused
+    // appends of 16-bit rows (task 0) and of FP8 rows as stored (task 1).
+    std::vector<HostBatch> parts(2);
+    std::vector<PrefillTask> tasks(2);
+    std::vector<std::vector<uint16_t>> outs(2), app16(2);
+    std::vector<std::vector<uint8_t>> app8(2);
+    std::vector<std::vector<float>> lses(2);
+    std::vector<std::vector<int64_t>> app_slots(2);
+    for (int t = 0; t < 2; ++t) {
+      HostBatch& p = parts[t];
+      p.geo = g;
+      const int nseq = 2 + static_cast<int>(rng() % 4);
+      for (int s = 0; s < nseq; ++s) {
+        const int q_len = s == 0 ? 9 + static_cast<int>(rng() % 60) : 1 + static_cast<int>(rng() % 8);
+        const int kv_len = q_len + static_cast<int>(rng() % 2500);
+        gpu_test::AddSeq(&p, q_len, kv_len, t, rng() % 4 != 0, rng() % 2 == 0,
+                         1 / std::sqrt(float(g.head_dim)), &rng);
+      }
+      gpu_test::FinishBatch(&p, 1.f, &rng);
+      // Appends: the last rows' slots of the first sequence (its own pages).
+      const PrefillSeq& s0 = p.seqs[0];
+      const int n_app = std::min(s0.q_len, 16);
+      for (int i = 0; i < n_app; ++i) {
+        const int pos = s0.kv_len - n_app + i;
+        app_slots[t].push_back(int64_t{p.kv_indices[s0.kv_start + pos / g.page_size]} * g.page_size +
+                               pos % g.page_size);
+      }
+      std::sort(app_slots[t].begin(), app_slots[t].end());
+      app_slots[t].erase(std::unique(app_slots[t].begin(), app_slots[t].end()), app_slots[t].end());
+      const int64_t n = static_cast<int64_t>(app_slots[t].size());
+      PrefillTask& task = tasks[t];
+      task.layer = t;
+      task.q = p.q.data();
+      task.total_q = p.total_q;
+      task.seqs = p.seqs;
+      task.kv_indices = p.kv_indices.data();
+      task.num_kv_indices = static_cast<int32_t>(p.kv_indices.size());
+      task.append_slots = app_slots[t].data();
+      task.num_append = n;
+      if (t == 0) {
+        app16[t].resize(2 * n * re);
+        gpu_test::FillRandom(&app16[t], g.dtype, 1.f, &rng);
+        task.append_k = app16[t].data();
+        task.append_v = app16[t].data() + n * re;
+      } else {
+        app8[t].resize(2 * n * re);
+        // Random bytes with the exponent's top bit clear: |value| < 2, never
+        // NaN or infinite, subnormals included.
+        for (auto& x : app8[t]) x = static_cast<uint8_t>(rng() & 0xBF);
+        task.append_k = app8[t].data();
+        task.append_v = app8[t].data() + n * re;
+        task.append_fp8 = true;
+      }
+      outs[t].assign(size_t(p.total_q) * g.num_qo_heads * g.head_dim, 0xFFFF);
+      lses[t].assign(size_t(p.total_q) * g.num_qo_heads, NAN);
+      task.o = outs[t].data();
+      task.lse = lses[t].data();
+      // The host pools after the append.
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t e = 0; e < re; ++e) {
+          const int64_t pe = (t * spl + app_slots[t][i]) * re + e;
+          const int64_t si = int64_t{t} * g.num_kv_heads + e / g.head_dim;
+          if (t == 0) {
+            pools.k8[pe] = Fp8Quantize(g.kv_fp8, float(gpu_test::FromHalfBits(g.dtype, app16[t][i * re + e])),
+                                       pools.k_scales[si]);
+            pools.v8[pe] = Fp8Quantize(g.kv_fp8,
+                                       float(gpu_test::FromHalfBits(g.dtype, app16[t][(n + i) * re + e])),
+                                       pools.v_scales[si]);
+          } else {
+            pools.k8[pe] = app8[t][i * re + e];
+            pools.v8[pe] = app8[t][(n + i) * re + e];
+          }
+        }
+      }
+    }
+    ASSERT_TRUE(RunBatch(*backend, tasks).ok()) << what;
+    for (int t = 0; t < 2; ++t) {
+      HostBatch& p = parts[t];
+      p.k8 = pools.k8;
+      p.v8 = pools.v8;
+      p.k_scales = pools.k_scales;
+      p.v_scales = pools.v_scales;
+      std::vector<double> o_ref, lse_ref;
+      gpu_test::Reference(p, &o_ref, &lse_ref);
+      EXPECT_EQ(gpu_test::Compare(g.dtype, outs[t], lses[t], o_ref, lse_ref), "") << what << " task " << t;
+      p.k8.clear();
+      p.v8.clear();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
