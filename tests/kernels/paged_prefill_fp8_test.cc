@@ -168,7 +168,7 @@ Result RunKernel(const Fp8Problem& p, const float* k_scales, const float* v_scal
   params.kv_indices = p.kv_indices.data();
   params.seqs = p.seqs.data();
   params.sinks = p.sinks.empty() ? nullptr : p.sinks.data();
-  params.logit_variants = LogitVariants(p.seqs.data(), static_cast<int32_t>(p.seqs.size()));
+  params.any_soft_cap = AnySoftCap(p.seqs.data(), static_cast<int32_t>(p.seqs.size()));
   params.num_seqs = static_cast<int32_t>(p.seqs.size());
   params.total_q = p.total_q;
   params.geo = p.geo;
