@@ -237,3 +237,55 @@ def test_async_manager_two_micro_batches(server):
             assert mgr.num_pages == 0
             assert (await c.info()).free_pages == start_free
     asyncio.run(body())
+
+
+def test_async_plan_waiting_while_a_run_loses_the_lease_never_restarts_a_sequence(server):
+    """An AsyncKvManager's run() does not wait for the manager's lock: a run
+    that finds the lease gone loses every sequence while a plan() of one of
+    them waits on the server. That plan raises SequencesLost naming it; it
+    never lays the sequence out again, empty, under its old id (whose next run
+    would attend over the new rows alone), and finish() forgets it."""
+    async def body():
+        async with AsyncClient(server.address, timeout=60) as c:
+            g = c.server_info
+            mgr = attnserve.AsyncKvManager(c)
+            rng = np.random.default_rng(5)
+
+            def data(n):
+                return (rng.standard_normal((n, 8, 64)).astype(np.float32),
+                        rng.standard_normal((n, 2, 64)).astype(np.float32),
+                        rng.standard_normal((n, 2, 64)).astype(np.float32))
+
+            first = await mgr.plan(["a"], [3])
+            for layer in range(g.num_layers):
+                await mgr.run(layer, *data(3), plan=first)
+            # The next plan of "a" needs a page; its AllocatePages answers only
+            # once a run has been told that the lease is gone.
+            rpc = mgr._rpc
+            allocate, prefill = rpc.allocate_pages, rpc.prefill_layout
+            entered, gate = asyncio.Event(), asyncio.Event()
+
+            async def held_allocate(*args, **kwargs):
+                entered.set()
+                await gate.wait()
+                return await allocate(*args, **kwargs)
+
+            async def lease_gone(*args, **kwargs):
+                raise attnserve.LeaseExpired("lease 1 expired", method="Prefill")
+
+            rpc.allocate_pages, rpc.prefill_layout = held_allocate, lease_gone
+            planning = asyncio.ensure_future(mgr.plan(["a"], [g.page_size]))
+            await entered.wait()
+            with pytest.raises(attnserve.SequencesLost) as by_run:
+                await mgr.run(0, *data(3), plan=first)
+            assert by_run.value.seq_ids == ["a"]
+            rpc.prefill_layout = prefill
+            gate.set()
+            with pytest.raises(attnserve.SequencesLost) as by_plan:
+                await planning
+            assert by_plan.value.seq_ids == ["a"]
+            assert mgr.has("a") and mgr.lost == ["a"]
+            await mgr.finish("a")
+            assert not mgr.has("a") and mgr.num_pages == 0
+            await mgr.release()
+    asyncio.run(body())

@@ -649,6 +649,8 @@ class _Bookkeeping:
             raise SequencesLost(lost, _LEASE_GONE, method="plan")
         self.check_written(*seq_ids)
         yield from self._prepare()
+        lease = self._lease
+        self._check_unchanged(seq_ids, lease)
         needs = self._pages_needed(page_size, seq_ids, lens)
         total = sum(needs)
         new_pages = []
@@ -657,6 +659,7 @@ class _Bookkeeping:
                 new_pages = yield _call("allocate_pages", total)
             except AttnserveError as e:
                 raise self._failed(e, leak=total) from None
+            self._check_unchanged(seq_ids, lease)
         plan, grown = self._lay_out(page_size, seq_ids, lens, needs, new_pages, rows,
                                     kv_keys_after, apply_sinks)
         registered = False
@@ -680,6 +683,7 @@ class _Bookkeeping:
                     except AttnserveError:
                         pass  # the first error is the one to report
                 raise
+        self._check_unchanged(seq_ids, lease)
         if not registered:
             plan.layout = self._layout_bytes(plan)
         self._apply(plan, grown)
@@ -690,6 +694,23 @@ class _Bookkeeping:
         except AttnserveError:
             pass
         return plan
+
+    def _check_unchanged(self, seq_ids, lease) -> None:
+        """A flow that waited on the server checks, before it lays out or
+        applies anything, that the lease it started under is still the
+        manager's: an AsyncKvManager's run() does not wait for the lock, and
+        one whose lease expired loses every sequence (and ends the lease)
+        while a plan() waits. Laying out a lost sequence again would start it
+        afresh, empty, under its old id: its next run would attend over the
+        new rows alone, with no error. The pages just allocated went with the
+        old lease."""
+        if self._lease is lease:
+            return
+        lost = [sid for sid in seq_ids if sid in self._lost]
+        if lost:
+            raise SequencesLost(lost, _LEASE_GONE, method="plan")
+        raise LeaseExpired("the lease ended while the plan waited on the server",
+                           method="plan")  # plan() tries once more, under a new lease
 
     def _undo_flow(self, plan: Plan):
         yield from self._free_unowned(self._undo(plan))
