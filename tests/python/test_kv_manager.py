@@ -289,3 +289,58 @@ def test_async_plan_waiting_while_a_run_loses_the_lease_never_restarts_a_sequenc
             assert not mgr.has("a") and mgr.num_pages == 0
             await mgr.release()
     asyncio.run(body())
+
+
+def test_async_plan_whose_new_lease_starts_while_a_run_loses_the_old_one(server):
+    """The same while the plan waits for its reconciliation (ListHoldings,
+    after a call whose outcome was unknown): the run loses the sequence and
+    ends the lease, the plan's preparation starts a new lease, and the plan
+    still raises SequencesLost rather than starting the sequence afresh."""
+    async def body():
+        async with AsyncClient(server.address, timeout=60) as c:
+            g = c.server_info
+            mgr = attnserve.AsyncKvManager(c)
+            rng = np.random.default_rng(6)
+
+            def data(n):
+                return (rng.standard_normal((n, 8, 64)).astype(np.float32),
+                        rng.standard_normal((n, 2, 64)).astype(np.float32),
+                        rng.standard_normal((n, 2, 64)).astype(np.float32))
+
+            first = await mgr.plan(["b"], [2])
+            for layer in range(g.num_layers):
+                await mgr.run(layer, *data(2), plan=first)
+            rpc = mgr._rpc
+            create, listing, prefill = rpc.create_plan, rpc.list_holdings, rpc.prefill_layout
+            entered, gate = asyncio.Event(), asyncio.Event()
+
+            async def unknown_outcome(*args, **kwargs):
+                raise attnserve.Unavailable("connection reset", method="CreatePlan")
+
+            async def held_listing(*args, **kwargs):
+                entered.set()
+                await gate.wait()
+                return await listing(*args, **kwargs)
+
+            async def lease_gone(*args, **kwargs):
+                raise attnserve.LeaseExpired("lease expired", method="Prefill")
+
+            # A CreatePlan whose outcome is unknown: the next plan reconciles.
+            rpc.create_plan = unknown_outcome
+            with pytest.raises(attnserve.Unavailable):
+                await mgr.plan(["b"], [1])
+            rpc.create_plan = create
+            rpc.list_holdings, rpc.prefill_layout = held_listing, lease_gone
+            planning = asyncio.ensure_future(mgr.plan(["b"], [1]))
+            await asyncio.wait_for(entered.wait(), 30)
+            with pytest.raises(attnserve.SequencesLost):
+                await mgr.run(0, *data(2), plan=first)
+            rpc.prefill_layout = prefill
+            gate.set()
+            with pytest.raises(attnserve.SequencesLost) as by_plan:
+                await asyncio.wait_for(planning, 30)
+            assert by_plan.value.seq_ids == ["b"]
+            await mgr.finish("b")
+            assert not mgr.has("b")
+            await mgr.release()
+    asyncio.run(body())

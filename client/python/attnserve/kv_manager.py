@@ -649,8 +649,13 @@ class _Bookkeeping:
             raise SequencesLost(lost, _LEASE_GONE, method="plan")
         self.check_written(*seq_ids)
         yield from self._prepare()
+        # _prepare may have waited on the server (a reconciliation, a new
+        # lease) while a run() lost the sequences: they stay lost until
+        # finish(), which waits for the lock this flow holds.
+        lost = [sid for sid in seq_ids if sid in self._lost]
+        if lost:
+            raise SequencesLost(lost, _LEASE_GONE, method="plan")
         lease = self._lease
-        self._check_unchanged(seq_ids, lease)
         needs = self._pages_needed(page_size, seq_ids, lens)
         total = sum(needs)
         new_pages = []
