@@ -408,31 +408,20 @@ absl::Status Client::FreePages(absl::Span<const int32_t> page_ids) {
 
 absl::Status Client::WriteKV(int32_t layer, absl::Span<const int64_t> slots,
                              absl::Span<const uint16_t> k, absl::Span<const uint16_t> v) {
-  v1::WriteKVRequest req;  // k and v follow inline
-  req.set_layer(layer);
-  req.mutable_slots()->Assign(slots.begin(), slots.end());
-  req.set_expected_incarnation(incarnation());
-  req.set_lease_id(lease_id());
-  const int64_t n = static_cast<int64_t>(slots.size());
-  const std::vector<int64_t> shape = {n, info_.num_kv_heads(), info_.head_dim()};
-  const InlineTensor tensors[] = {
-      {3, WireDType(info_), shape, k.data(), k.size() * sizeof(uint16_t)},
-      {4, WireDType(info_), shape, v.data(), v.size() * sizeof(uint16_t)}};
-  BorrowedMemory borrowed;
-  grpc::ByteBuffer bytes;
-  grpc::Status s = CallRaw(raw_->write_kv, EncodeRequest(req, tensors, &borrowed), &bytes);
-  borrowed.WaitReleased();
-  if (!s.ok()) return FromGrpc(s);
-  v1::WriteKVResponse resp;
-  if (!grpc::SerializationTraits<v1::WriteKVResponse>::Deserialize(&bytes, &resp).ok()) {
-    return absl::InternalError("response does not parse as attnserve.v1.WriteKVResponse");
-  }
-  Learn(resp.incarnation());
-  return absl::OkStatus();
+  return WriteKvInline(layer, slots, WireDType(info_), k.data(), k.size() * sizeof(uint16_t),
+                       v.data(), v.size() * sizeof(uint16_t));
 }
 
 absl::Status Client::WriteKVFp8(int32_t layer, absl::Span<const int64_t> slots,
                                 absl::Span<const uint8_t> k, absl::Span<const uint8_t> v) {
+  const v1::DType dtype =
+      info_.kv_dtype() == v1::DTYPE_FP8_E5M2 ? v1::DTYPE_FP8_E5M2 : v1::DTYPE_FP8_E4M3;
+  return WriteKvInline(layer, slots, dtype, k.data(), k.size(), v.data(), v.size());
+}
+
+absl::Status Client::WriteKvInline(int32_t layer, absl::Span<const int64_t> slots,
+                                   v1::DType dtype, const void* k, size_t k_bytes,
+                                   const void* v, size_t v_bytes) {
   v1::WriteKVRequest req;  // k and v follow inline
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
@@ -440,9 +429,7 @@ absl::Status Client::WriteKVFp8(int32_t layer, absl::Span<const int64_t> slots,
   req.set_lease_id(lease_id());
   const int64_t n = static_cast<int64_t>(slots.size());
   const std::vector<int64_t> shape = {n, info_.num_kv_heads(), info_.head_dim()};
-  const v1::DType dtype = info_.kv_dtype() == v1::DTYPE_FP8_E5M2 ? v1::DTYPE_FP8_E5M2 : v1::DTYPE_FP8_E4M3;
-  const InlineTensor tensors[] = {{3, dtype, shape, k.data(), k.size()},
-                                  {4, dtype, shape, v.data(), v.size()}};
+  const InlineTensor tensors[] = {{3, dtype, shape, k, k_bytes}, {4, dtype, shape, v, v_bytes}};
   BorrowedMemory borrowed;
   grpc::ByteBuffer bytes;
   grpc::Status s = CallRaw(raw_->write_kv, EncodeRequest(req, tensors, &borrowed), &bytes);

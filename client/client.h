@@ -367,6 +367,11 @@ class Client {
   // Remembers `seen` when nothing was remembered yet.
   void Learn(uint64_t seen);
 
+  // WriteKV whose K and V (`dtype` on the wire) follow the request inline:
+  // WriteKV and WriteKVFp8.
+  absl::Status WriteKvInline(int32_t layer, absl::Span<const int64_t> slots, v1::DType dtype,
+                             const void* k, size_t k_bytes, const void* v, size_t v_bytes);
+
   // A Prefill's wire bytes (its large inline tensors borrowed from the
   // caller's memory), and its response parsed into *result: shared by
   // Prefill and RequestChannel.
