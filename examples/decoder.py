@@ -74,6 +74,16 @@ except ImportError:  # run from the source tree without PYTHONPATH
 from attnserve.aio import AsyncClient
 
 
+def rope(x, positions, inv_freq, dtype):
+    """Rotary embedding as Llama, Gemma and gpt-oss define it: the two halves
+    of each head rotated by position * frequency, in float32. x [T, H, D],
+    inv_freq [D/2] on x's device; returns dtype."""
+    angles = positions.to(inv_freq.device, torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]      # [T, 1, D/2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(dtype)
+
+
 def plain_causal_probs(head_dim: int):
     """Softmax(q . k / sqrt(head_dim)) under the causal mask: Llama's attention."""
     scale = 1.0 / math.sqrt(head_dim)

@@ -133,11 +133,7 @@ class Model:
         return (out * (1.0 + weight.float())).to(self.dtype)
 
     def rope(self, x, positions):
-        """Rotates the two halves of each head by position * frequency. x [T, H, D]."""
-        angles = positions.to(self.device, torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]      # [T, 1, D/2]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(self.dtype)
+        return decoder.rope(x, positions, self.inv_freq, self.dtype)
 
     def pre_attention(self, layer: int, x, positions):
         """q [T, qo_heads, head_dim], k, v [T, kv_heads, head_dim] of x [T, hidden]."""
