@@ -225,6 +225,11 @@ KvGeometry GeometryOf(const v1::ServerInfo& info) {
   g.num_qo_heads = info.num_qo_heads();
   g.num_kv_heads = info.num_kv_heads();
   g.head_dim = info.head_dim();
+  if (info.attention() == v1::ATTENTION_MLA) {
+    g.attention = AttentionKind::kMla;
+    g.kv_lora_rank = info.kv_lora_rank();
+    g.qk_rope_head_dim = info.qk_rope_head_dim();
+  }
   g.dtype = QueryDType(info) == v1::DTYPE_FP16 ? KvDType::kFp16 : KvDType::kBf16;
   g.kv_fp8 = info.kv_dtype() == v1::DTYPE_FP8_E4M3   ? Fp8Format::kE4m3
              : info.kv_dtype() == v1::DTYPE_FP8_E5M2 ? Fp8Format::kE5m2
@@ -430,9 +435,13 @@ absl::Status Client::WriteKvInline(int32_t layer, absl::Span<const int64_t> slot
   const int64_t n = static_cast<int64_t>(slots.size());
   const std::vector<int64_t> shape = {n, info_.num_kv_heads(), info_.head_dim()};
   const InlineTensor tensors[] = {{3, dtype, shape, k, k_bytes}, {4, dtype, shape, v, v_bytes}};
+  // An MLA server's rows are k alone: an empty v is not sent.
+  const size_t count = SendsV(v_bytes) ? 2 : 1;
   BorrowedMemory borrowed;
   grpc::ByteBuffer bytes;
-  grpc::Status s = CallRaw(raw_->write_kv, EncodeRequest(req, tensors, &borrowed), &bytes);
+  grpc::Status s = CallRaw(raw_->write_kv,
+                           EncodeRequest(req, absl::MakeConstSpan(tensors, count), &borrowed),
+                           &bytes);
   borrowed.WaitReleased();
   if (!s.ok()) return FromGrpc(s);
   v1::WriteKVResponse resp;
@@ -545,8 +554,10 @@ grpc::ByteBuffer Client::EncodePrefill(const PrefillArgs& a, BorrowedMemory* bor
     req.mutable_append_slots()->Assign(a.append_slots.begin(), a.append_slots.end());
     tensors.push_back({11, info_.kv_dtype(), {n, info_.num_kv_heads(), info_.head_dim()},
                        a.append_k_fp8.data(), a.append_k_fp8.size()});
-    tensors.push_back({12, info_.kv_dtype(), {n, info_.num_kv_heads(), info_.head_dim()},
-                       a.append_v_fp8.data(), a.append_v_fp8.size()});
+    if (SendsV(a.append_v_fp8.size())) {
+      tensors.push_back({12, info_.kv_dtype(), {n, info_.num_kv_heads(), info_.head_dim()},
+                         a.append_v_fp8.data(), a.append_v_fp8.size()});
+    }
   } else if (!append_in_region && (!a.append_slots.empty() || !a.append_k.empty())) {
     // With a plan the slots are the plan's: the rows come from append_k.
     const int64_t row = int64_t{info_.num_kv_heads()} * info_.head_dim();
@@ -556,8 +567,10 @@ grpc::ByteBuffer Client::EncodePrefill(const PrefillArgs& a, BorrowedMemory* bor
     req.mutable_append_slots()->Assign(a.append_slots.begin(), a.append_slots.end());
     tensors.push_back({11, WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
                        a.append_k.data(), a.append_k.size() * sizeof(uint16_t)});
-    tensors.push_back({12, WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
-                       a.append_v.data(), a.append_v.size() * sizeof(uint16_t)});
+    if (SendsV(a.append_v.size())) {
+      tensors.push_back({12, WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
+                         a.append_v.data(), a.append_v.size() * sizeof(uint16_t)});
+    }
   } else if (append_in_region) {
     const int64_t n = !a.append_slots.empty() ? static_cast<int64_t>(a.append_slots.size())
                                               : a.append_rows;
@@ -761,8 +774,10 @@ absl::Status Client::WriteKVFromRegions(int32_t layer, absl::Span<const int64_t>
   const int64_t n = static_cast<int64_t>(slots.size());
   SetRegionTensor(req.mutable_k(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
                   k);
-  SetRegionTensor(req.mutable_v(), WireDType(info_), {n, info_.num_kv_heads(), info_.head_dim()},
-                  v);
+  if (SendsV(v.name.size())) {
+    SetRegionTensor(req.mutable_v(), WireDType(info_),
+                    {n, info_.num_kv_heads(), info_.head_dim()}, v);
+  }
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   v1::WriteKVResponse resp;
@@ -781,7 +796,7 @@ absl::Status Client::ReadKVToRegions(int32_t layer, absl::Span<const int64_t> sl
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   SetRef(req.mutable_k_region(), k);
-  SetRef(req.mutable_v_region(), v);
+  if (SendsV(v.name.size())) SetRef(req.mutable_v_region(), v);
   v1::ReadKVResponse resp;
   grpc::Status s = stub_->ReadKV(&ctx, req, &resp);
   if (s.ok()) Learn(resp.incarnation());

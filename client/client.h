@@ -248,7 +248,10 @@ class Client {
   absl::StatusOr<std::vector<int32_t>> AllocatePages(int32_t count);
   absl::Status FreePages(absl::Span<const int32_t> page_ids);
   // k, v: (n, num_kv_heads, head_dim) 16-bit rows of the server's q_dtype
-  // (an FP8 server quantizes them with the layer's scales).
+  // (an FP8 server quantizes them with the layer's scales). An MLA server
+  // (info().attention() == ATTENTION_MLA): k holds the latent rows (n, 1,
+  // kv_lora_rank + qk_rope_head_dim) and v is empty (so are every call's V
+  // inputs and regions below: an empty one is not sent to an MLA server).
   absl::Status WriteKV(int32_t layer, absl::Span<const int64_t> slots,
                        absl::Span<const uint16_t> k, absl::Span<const uint16_t> v);
   // An FP8 server: rows as its cache stores them (bytes of its kv_dtype).
@@ -366,6 +369,13 @@ class Client {
 
   // Remembers `seen` when nothing was remembered yet.
   void Learn(uint64_t seen);
+
+  // Whether a call's V input of v_size bytes (or a V region's name of that
+  // length) goes on the wire: always to a GQA server; to an MLA server only
+  // when not empty (which it refuses, naming the field).
+  bool SendsV(size_t v_size) const {
+    return info_.attention() != v1::ATTENTION_MLA || v_size > 0;
+  }
 
   // WriteKV whose K and V (`dtype` on the wire) follow the request inline:
   // WriteKV and WriteKVFp8.

@@ -35,6 +35,7 @@ void KvMirror::Write(int32_t layer, absl::Span<const int64_t> slots,
     const int64_t key = layer * geo_.SlotsPerLayer() + slots[i];
     for (auto [rows, in, scales] : {std::tuple{&k_, &k_rows, &k_scales_},
                                     std::tuple{&v_, &v_rows, &v_scales_}}) {
+      if (rows == &v_ && !geo_.HasVPool()) continue;  // MLA: the latent rows alone
       std::vector<uint8_t>& stored = (*rows)[key];
       stored.resize(static_cast<size_t>(geo_.KvRowBytes()));
       const uint16_t* src = in->data() + i * row;
@@ -56,7 +57,7 @@ void KvMirror::WriteStored(int32_t layer, absl::Span<const int64_t> slots,
   for (size_t i = 0; i < slots.size(); ++i) {
     const int64_t key = layer * geo_.SlotsPerLayer() + slots[i];
     k_[key].assign(k_rows.begin() + i * row, k_rows.begin() + (i + 1) * row);
-    v_[key].assign(v_rows.begin() + i * row, v_rows.begin() + (i + 1) * row);
+    if (geo_.HasVPool()) v_[key].assign(v_rows.begin() + i * row, v_rows.begin() + (i + 1) * row);
   }
 }
 
@@ -75,7 +76,9 @@ const void* KvMirror::Row(const absl::flat_hash_map<int64_t, std::vector<uint8_t
 }
 
 const void* KvMirror::StoredK(int32_t layer, int64_t slot) const { return Row(k_, layer, slot); }
-const void* KvMirror::StoredV(int32_t layer, int64_t slot) const { return Row(v_, layer, slot); }
+const void* KvMirror::StoredV(int32_t layer, int64_t slot) const {
+  return Row(geo_.HasVPool() ? v_ : k_, layer, slot);  // MLA: V is in the latent row
+}
 const uint16_t* KvMirror::K(int32_t layer, int64_t slot) const {
   return static_cast<const uint16_t*>(StoredK(layer, slot));
 }
@@ -223,7 +226,10 @@ PrefillInputs RandomPrefill(std::mt19937_64& gen, const KvGeometry& geo, const W
     const int32_t q_len = q_dist(gen);
     const int32_t kv_len = kv_dist(gen);
     const int32_t num_pages = (kv_len + geo.page_size - 1) / geo.page_size;
-    for (int32_t p = 0; p < num_pages; ++p) in.kv_indices.push_back(shuffled[next_page++]);
+    // Past the last page the ids start over (a page may appear twice).
+    for (int32_t p = 0; p < num_pages && !shuffled.empty(); ++p) {
+      in.kv_indices.push_back(shuffled[next_page++ % shuffled.size()]);
+    }
     in.qo_indptr.push_back(in.qo_indptr.back() + q_len);
     in.kv_indptr.push_back(in.kv_indptr.back() + num_pages);
     in.kv_last_page_len.push_back(num_pages == 0 ? 0 : kv_len - (num_pages - 1) * geo.page_size);

@@ -31,7 +31,10 @@ std::vector<uint16_t> RandomHalves(std::mt19937_64& gen, KvDType dtype, int64_t 
 class KvMirror {
  public:
   explicit KvMirror(const KvGeometry& geo);
-  // k_rows, v_rows: (slots.size(), num_kv_heads, head_dim) in geo.dtype.
+  // k_rows, v_rows: (slots.size(), num_kv_heads, head_dim) in geo.dtype; an
+  // MLA geometry takes the latent rows in k_rows (v_rows unused), and V()
+  // and StoredV() answer them too (the reference reads V's first VDim()
+  // values).
   void Write(int32_t layer, absl::Span<const int64_t> slots, absl::Span<const uint16_t> k_rows,
              absl::Span<const uint16_t> v_rows);
   // FP8 rows as stored (an FP8 geometry only): (slots.size(), num_kv_heads,
@@ -125,8 +128,9 @@ struct WorkloadSpec {
   bool variants = false;
 };
 
-// Draws sequence lengths and q; assigns pages (shuffled) from `pages`, which
-// must hold enough. Rows that see nothing (q_len > kv_len) and empty
+// Draws sequence lengths and q; assigns pages (shuffled) from `pages`
+// (non-empty; when it holds fewer than the sequences need, the ids start
+// over and repeat, which the API allows). Rows that see nothing (q_len > kv_len) and empty
 // sequences arise naturally from the random lengths.
 PrefillInputs RandomPrefill(std::mt19937_64& gen, const KvGeometry& geo, const WorkloadSpec& spec,
                             absl::Span<const int32_t> pages);

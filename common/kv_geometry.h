@@ -27,6 +27,24 @@ inline constexpr const char* Fp8FormatName(Fp8Format f) {
   return f == Fp8Format::kE4m3 ? "fp8_e4m3" : f == Fp8Format::kE5m2 ? "fp8_e5m2" : "none";
 }
 
+// What attention the server computes (docs/design.md, "Multi-head latent
+// attention"). kGqa: K and V pools of num_kv_heads x head_dim rows. kMla:
+// one pool of latent rows (num_kv_heads 1, head_dim = kv_lora_rank +
+// qk_rope_head_dim) shared by every query head; a row's first kv_lora_rank
+// values are its V. Queries are head_dim wide, outputs VDim() wide.
+enum class AttentionKind : int32_t { kGqa = 0, kMla = 1 };
+
+inline constexpr const char* AttentionKindName(AttentionKind a) {
+  return a == AttentionKind::kMla ? "mla" : "gqa";
+}
+
+// MLA's latent sizes: kv_lora_rank a multiple of 16 in [16, 1024],
+// qk_rope_head_dim a multiple of 16 in [0, 256].
+inline constexpr bool IsSupportedKvLoraRank(int32_t r) {
+  return r >= 16 && r <= 1024 && r % 16 == 0;
+}
+inline constexpr bool IsSupportedRopeDim(int32_t r) { return r >= 0 && r <= 256 && r % 16 == 0; }
+
 // The head_dims attnserve serves (every backend; the CUDA kernels are
 // specialised for exactly these).
 inline constexpr bool IsSupportedHeadDim(int32_t head_dim) {
@@ -38,7 +56,8 @@ inline constexpr const char kSupportedHeadDims[] = "64, 128 or 256";
 // Geometry of the paged KV cache. For each layer, K and V are each shaped
 // [num_pages, page_size, num_kv_heads, head_dim]; the pools hold all layers
 // back to back: [num_layers, num_pages, page_size, num_kv_heads, head_dim],
-// KvElemBytes() bytes an element (1 for FP8, 2 otherwise).
+// KvElemBytes() bytes an element (1 for FP8, 2 otherwise). MLA has the K
+// pool alone (HasVPool() false): V is the first VDim() values of K's rows.
 struct KvGeometry {
   int32_t num_layers = 0;
   int32_t num_pages = 0;
@@ -51,6 +70,23 @@ struct KvGeometry {
   // The pools' FP8 format; kNone: they hold `dtype`. Every combination is
   // valid (an FP8 pool with bf16 or fp16 queries).
   Fp8Format kv_fp8 = Fp8Format::kNone;
+  AttentionKind attention = AttentionKind::kGqa;
+  // MLA only (0 for GQA): head_dim = kv_lora_rank + qk_rope_head_dim.
+  int32_t kv_lora_rank = 0;
+  int32_t qk_rope_head_dim = 0;
+
+  bool IsMla() const { return attention == AttentionKind::kMla; }
+  // Width of a value row, an output row and a merged state: head_dim, or
+  // kv_lora_rank for MLA.
+  int32_t VDim() const { return IsMla() ? kv_lora_rank : head_dim; }
+  // Whether V has a pool (and writes a V tensor) of its own.
+  bool HasVPool() const { return !IsMla(); }
+  // Pools a page spans in every layer: K and V, or the latent pool alone.
+  int32_t NumPools() const { return HasVPool() ? 2 : 1; }
+  // Elements of one query row (num_qo_heads * head_dim) and of one output
+  // row (num_qo_heads * VDim()).
+  int64_t QRowElems() const { return int64_t{num_qo_heads} * head_dim; }
+  int64_t ORowElems() const { return int64_t{num_qo_heads} * VDim(); }
 
   // Elements in one token row of K (or V): num_kv_heads * head_dim.
   int64_t RowElems() const { return int64_t{num_kv_heads} * head_dim; }

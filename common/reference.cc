@@ -18,7 +18,8 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
                     const std::vector<int32_t>& kv_indices, const Seq& s, int64_t h,
                     std::vector<double>* o, std::vector<double>* lse) {
-  const int64_t hq = g.num_qo_heads, d = g.head_dim, ps = g.page_size;
+  // MLA: one KV head; a latent row's first VDim() values are its V.
+  const int64_t hq = g.num_qo_heads, d = g.head_dim, dv = g.VDim(), ps = g.page_size;
   const int64_t kv_head = h / (g.num_qo_heads / g.num_kv_heads);
   auto half = [&](uint16_t x) { return static_cast<double>(HalfToFloat(g.dtype, x)); };
   // Element c of a stored K or V row of this head, as its real value.
@@ -46,15 +47,13 @@ void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
       hi = std::max(hi, last(i));
     }
   }
-  std::vector<double> k(std::max<int64_t>(0, hi - lo) * d), v(k.size());
+  std::vector<double> k(std::max<int64_t>(0, hi - lo) * d), v(std::max<int64_t>(0, hi - lo) * dv);
   for (int64_t j = lo; j < hi; ++j) {
     const int64_t slot = int64_t{kv_indices[s.kv_start + j / ps]} * ps + j % ps;
     const void* kr = kv.K(s.layer, slot);
     const void* vr = kv.V(s.layer, slot);
-    for (int64_t c = 0; c < d; ++c) {
-      k[(j - lo) * d + c] = stored(kr, c, k_scale);
-      v[(j - lo) * d + c] = stored(vr, c, v_scale);
-    }
+    for (int64_t c = 0; c < d; ++c) k[(j - lo) * d + c] = stored(kr, c, k_scale);
+    for (int64_t c = 0; c < dv; ++c) v[(j - lo) * dv + c] = stored(vr, c, v_scale);
   }
   // The head's sink, natural units (-inf: none).
   const double sink = s.sinks != nullptr ? static_cast<double>(s.sinks[h]) : kNegInf;
@@ -85,13 +84,13 @@ void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
     }
     // The denominator: every visible key's e^x and the sink's e^sink.
     double sum = sink == kNegInf ? 0 : std::exp(sink - m);
-    double* out = o->data() + (row * hq + h) * d;
+    double* out = o->data() + (row * hq + h) * dv;
     for (int64_t j = begin; j < end; ++j) {
       const double w = std::exp(logits[j] - m);
       sum += w;
-      for (int64_t c = 0; c < d; ++c) out[c] += w * v[(j - lo) * d + c];
+      for (int64_t c = 0; c < dv; ++c) out[c] += w * v[(j - lo) * dv + c];
     }
-    for (int64_t c = 0; c < d; ++c) out[c] /= sum;
+    for (int64_t c = 0; c < dv; ++c) out[c] /= sum;
     const double lse_e = m + std::log(sum);
     (*lse)[row * hq + h] = s.lse_base_e ? lse_e : lse_e / std::log(2.0);
   }
@@ -125,7 +124,7 @@ void Prefill(const KvGeometry& geo, const KvRows& kv, const uint16_t* q, int64_t
              const std::vector<int32_t>& kv_indices, const std::vector<Seq>& seqs,
              std::vector<double>* o, std::vector<double>* lse, int threads) {
   const int64_t hq = geo.num_qo_heads;
-  o->assign(total_q * hq * geo.head_dim, 0.0);
+  o->assign(total_q * hq * geo.VDim(), 0.0);
   lse->assign(total_q * hq, kNegInf);
   std::vector<std::pair<size_t, int64_t>> work;  // (sequence, head)
   for (size_t s = 0; s < seqs.size(); ++s) {

@@ -36,14 +36,16 @@ class KvRows {
 
 // Host pools laid out as the server's: [num_layers, num_pages, page_size,
 // num_kv_heads, head_dim] each, and for FP8 pools their (num_layers,
-// num_kv_heads) scales (null: 1.0). The pointers must outlive this.
+// num_kv_heads) scales (null: 1.0). MLA has no V pool (v_pool is ignored):
+// a row's values are the first VDim() values of its latent (K) row. The
+// pointers must outlive this.
 class HostPools final : public KvRows {
  public:
   HostPools(const KvGeometry& geo, const void* k_pool, const void* v_pool,
             const float* k_scales = nullptr, const float* v_scales = nullptr)
       : geo_(geo),
         k_(static_cast<const char*>(k_pool)),
-        v_(static_cast<const char*>(v_pool)),
+        v_(geo.HasVPool() ? static_cast<const char*>(v_pool) : k_),
         k_scales_(k_scales),
         v_scales_(v_scales) {}
   const void* K(int32_t layer, int64_t slot) const override { return k_ + Offset(layer, slot); }
@@ -101,8 +103,10 @@ struct Seq {
 
 // Paged prefill attention in float64, over K and V as their real values
 // (an FP8 pool's dequantized: its stored values times their scales). q:
-// (total_q, num_qo_heads, head_dim) in geo.dtype. Query head h reads KV head h / (num_qo_heads / num_kv_heads).
-// Fills o (total_q, num_qo_heads, head_dim) and lse (total_q, num_qo_heads),
+// (total_q, num_qo_heads, head_dim) in geo.dtype. Query head h reads KV head
+// h / (num_qo_heads / num_kv_heads); values are the first geo.VDim()
+// elements of kv.V()'s rows (MLA: of the latent rows, all of them for GQA).
+// Fills o (total_q, num_qo_heads, VDim()) and lse (total_q, num_qo_heads),
 // each in its sequence's base; a row that sees nothing (and a row of no
 // sequence) gets o = 0 and lse = -inf, or the sink's logit when it has one. `threads` > 1 splits the (sequence,
 // head) pairs over that many threads.

@@ -17,9 +17,9 @@ namespace attnserve {
 
 struct AppendKvParams {
   void* k_cache = nullptr;          // (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-  void* v_cache = nullptr;          // same shape
+  void* v_cache = nullptr;          // same shape; MLA (no V pool): unused
   const void* k = nullptr;          // (n, num_kv_heads, head_dim)
-  const void* v = nullptr;          // (n, num_kv_heads, head_dim)
+  const void* v = nullptr;          // (n, num_kv_heads, head_dim); MLA: unused
   const int64_t* slots = nullptr;   // (n), each in [0, num_pages * page_size)
   int64_t n = 0;
   int32_t layer = 0;
@@ -36,7 +36,8 @@ struct AppendKvParams {
 void AppendKvCpu(const AppendKvParams& params);
 
 // Gathers n rows of K and V out of the pools by slot (the inverse of
-// AppendKv; used by ReadKV). k and v are written (n, num_kv_heads, head_dim).
+// AppendKv; used by ReadKV). k and v are written (n, num_kv_heads, head_dim);
+// MLA (no V pool): k alone.
 struct GatherKvParams {
   const void* k_cache = nullptr;
   const void* v_cache = nullptr;

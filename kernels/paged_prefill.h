@@ -13,6 +13,9 @@
 //  - A row that sees nothing gets output 0 and LSE -inf (the sink with one);
 //    never NaN.
 //  - fp32 accumulation.
+//  - MLA (geo.IsMla(), docs/design.md "Multi-head latent attention"): one
+//    KV head of head_dim-wide latent rows; the values are each row's first
+//    geo.VDim() elements (v_cache is k_cache), outputs are VDim() wide.
 //  - An FP8 pool (geo.kv_fp8, kernels/fp8.h) holds K and V as FP8 bytes:
 //    the real value of an element of layer l and KV head h is its FP8 value
 //    times k_scales[l * num_kv_heads + h] (v_scales for V). Queries and
@@ -53,12 +56,14 @@ struct PrefillSeq {
 
 struct PagedPrefillParams {
   const void* q = nullptr;      // (total_q, num_qo_heads, head_dim), dtype
-  void* o = nullptr;            // (total_q, num_qo_heads, head_dim), dtype
+  void* o = nullptr;            // (total_q, num_qo_heads, geo.VDim()), dtype
   float* lse = nullptr;         // (total_q, num_qo_heads), float32
   // (num_layers, num_pages, page_size, num_kv_heads, head_dim), elements of
   // geo.KvElemBytes(): geo.dtype, or FP8 bytes of geo.kv_fp8.
   const void* k_cache = nullptr;
-  const void* v_cache = nullptr;  // same shape as k_cache
+  // Same shape as k_cache; MLA: k_cache itself (V is the first VDim()
+  // values of each row).
+  const void* v_cache = nullptr;
   // FP8 pools only: (num_layers, num_kv_heads) float32 dequantization
   // scales of K and V (real = fp8 value x scale), on the kernel's side of
   // the bus (device memory for the CUDA families). Per-layer scales are

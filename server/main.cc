@@ -22,6 +22,7 @@
 #endif
 
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -57,6 +58,16 @@ ABSL_FLAG(int32_t, page_size, 16, "tokens per page (1..128)");
 ABSL_FLAG(int32_t, num_qo_heads, 32, "query heads");
 ABSL_FLAG(int32_t, num_kv_heads, 4, "KV heads (must divide num_qo_heads)");
 ABSL_FLAG(int32_t, head_dim, 128, "head dimension (64, 128 or 256)");
+ABSL_FLAG(std::string, attention, "gqa",
+          "gqa (K and V rows of --num_kv_heads x --head_dim) or mla (multi-head latent attention: "
+          "one latent row of --kv_lora_rank + --qk_rope_head_dim values per token, shared by every "
+          "query head; --num_kv_heads and --head_dim do not apply; CPU backend only so far)");
+ABSL_FLAG(int32_t, kv_lora_rank, 512,
+          "--attention=mla: the latent width, which is also the value and output width "
+          "(a multiple of 16 in [16, 1024])");
+ABSL_FLAG(int32_t, qk_rope_head_dim, 64,
+          "--attention=mla: the rope part of each latent row and query "
+          "(a multiple of 16 in [0, 256])");
 ABSL_FLAG(std::string, kv_dtype, "bf16",
           "what the KV cache holds: bf16 or fp16 (also the queries' dtype), or fp8_e4m3 or "
           "fp8_e5m2 (one byte an element: twice the pages in the same --kv_cache_bytes; "
@@ -147,6 +158,56 @@ ABSL_FLAG(int32_t, max_tenant_queue_requests, 0,
 namespace attnserve {
 namespace {
 
+// A flag the command line gave a value other than its default.
+bool FlagChanged(absl::string_view name) {
+  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+  return flag != nullptr && flag->CurrentValue() != flag->DefaultValue();
+}
+
+// --attention and, for MLA, its latent sizes: num_kv_heads 1 and head_dim
+// kv_lora_rank + qk_rope_head_dim.
+absl::Status ApplyAttentionFlags(KvGeometry* g) {
+  const std::string attention = absl::GetFlag(FLAGS_attention);
+  if (attention == "gqa") {
+    for (const char* name : {"kv_lora_rank", "qk_rope_head_dim"}) {
+      if (FlagChanged(name)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", name, " applies to --attention=mla only"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  if (attention != "mla") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--attention=", attention, " must be gqa or mla"));
+  }
+  g->attention = AttentionKind::kMla;
+  g->kv_lora_rank = absl::GetFlag(FLAGS_kv_lora_rank);
+  g->qk_rope_head_dim = absl::GetFlag(FLAGS_qk_rope_head_dim);
+  if (!IsSupportedKvLoraRank(g->kv_lora_rank)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_lora_rank=", g->kv_lora_rank, " must be a multiple of 16 in [16, 1024]"));
+  }
+  if (!IsSupportedRopeDim(g->qk_rope_head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--qk_rope_head_dim=", g->qk_rope_head_dim, " must be a multiple of 16 in [0, 256]"));
+  }
+  const int32_t width = g->kv_lora_rank + g->qk_rope_head_dim;
+  if (FlagChanged("num_kv_heads") && g->num_kv_heads != 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--num_kv_heads=", g->num_kv_heads,
+        " with --attention=mla: MLA has one latent KV head (leave the flag out)"));
+  }
+  if (FlagChanged("head_dim") && g->head_dim != width) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--head_dim=", g->head_dim, " with --attention=mla: the query and key width is "
+        "--kv_lora_rank + --qk_rope_head_dim = ", width, " (leave the flag out)"));
+  }
+  g->num_kv_heads = 1;
+  g->head_dim = width;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<KvGeometry> GeometryFromFlags() {
   KvGeometry g;
   g.num_layers = absl::GetFlag(FLAGS_num_layers);
@@ -154,6 +215,7 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
   g.num_qo_heads = absl::GetFlag(FLAGS_num_qo_heads);
   g.num_kv_heads = absl::GetFlag(FLAGS_num_kv_heads);
   g.head_dim = absl::GetFlag(FLAGS_head_dim);
+  if (absl::Status s = ApplyAttentionFlags(&g); !s.ok()) return s;
   const std::string dtype = absl::GetFlag(FLAGS_kv_dtype);
   const std::string q_dtype = absl::GetFlag(FLAGS_q_dtype);
   if (dtype == "bf16" || dtype == "fp16") {
@@ -184,9 +246,13 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
   if (g.page_size < 1 || g.page_size > 128) {
     return absl::InvalidArgumentError(absl::StrCat("--page_size=", g.page_size, " out of range [1, 128]"));
   }
-  if (!IsSupportedHeadDim(g.head_dim)) {
+  if (!g.IsMla() && !IsSupportedHeadDim(g.head_dim)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--head_dim=", g.head_dim, " must be ", kSupportedHeadDims));
+  }
+  if (g.IsMla() && g.KvIsFp8()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_dtype=", dtype, " with --attention=mla: an MLA cache is bf16 or fp16 so far"));
   }
   if (g.num_kv_heads < 1 || g.num_qo_heads < 1 || g.num_qo_heads > 256 ||
       g.num_qo_heads % g.num_kv_heads != 0) {
@@ -503,12 +569,12 @@ int Run() {
   const int64_t kv_cache_bytes = info.kv_cache_bytes;
   spdlog::info(
       "attnserve {} (commit {}) started: pid={} backend={} device=\"{}\" layers={} pages={} "
-      "page_size={} qo_heads={} kv_heads={} head_dim={} kv_dtype={} q_dtype={} kv_cache_bytes={} "
-      "({:.1f} MiB) page_bytes={} prefill_kernel={} auth={} tls={} shared_memory={} "
-      "check_kv_written={}",
+      "page_size={} attention={} qo_heads={} kv_heads={} head_dim={} v_head_dim={} kv_dtype={} "
+      "q_dtype={} kv_cache_bytes={} ({:.1f} MiB) page_bytes={} prefill_kernel={} auth={} tls={} "
+      "shared_memory={} check_kv_written={}",
       info.version, kGitCommit, getpid(), info.backend, info.device, info.num_layers,
-      info.num_pages, info.page_size, info.num_qo_heads, info.num_kv_heads, info.head_dim,
-      kv_name, q_name, kv_cache_bytes, kv_cache_bytes / 1048576.0, info.page_bytes, family,
+      info.num_pages, info.page_size, AttentionKindName(info.attention), info.num_qo_heads,
+      info.num_kv_heads, info.head_dim, info.v_head_dim, kv_name, q_name, kv_cache_bytes, kv_cache_bytes / 1048576.0, info.page_bytes, family,
       (*auth)->enabled() ? "on" : "off", server_options.tls_cert.empty() ? "off" : "on",
       core_options.regions.enabled ? "on" : "off", core_options.check_kv_written ? "on" : "off");
   // Tests and scripts read this line to find the ports.

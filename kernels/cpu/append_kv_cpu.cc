@@ -46,7 +46,10 @@ void AppendKvCpu(const AppendKvParams& p) {
   const KvGeometry& g = p.geo;
   const int64_t stored_row = g.KvRowBytes();
   auto* k_cache = static_cast<uint8_t*>(p.k_cache) + int64_t{p.layer} * g.LayerBytes();
-  auto* v_cache = static_cast<uint8_t*>(p.v_cache) + int64_t{p.layer} * g.LayerBytes();
+  // MLA: the latent pool alone (no v_cache, no v).
+  const bool has_v = g.HasVPool();
+  auto* v_cache = has_v ? static_cast<uint8_t*>(p.v_cache) + int64_t{p.layer} * g.LayerBytes()
+                        : nullptr;
   const auto* k = static_cast<const uint8_t*>(p.k);
   const auto* v = static_cast<const uint8_t*>(p.v);
   const bool quantize = g.KvIsFp8() && !p.rows_fp8;
@@ -54,16 +57,20 @@ void AppendKvCpu(const AppendKvParams& p) {
   // Serial order: when a slot repeats (the core rejects that), the last row wins.
   for (int64_t i = 0; i < p.n; ++i) {
     uint8_t* k_dst = k_cache + p.slots[i] * stored_row;
-    uint8_t* v_dst = v_cache + p.slots[i] * stored_row;
     if (quantize) {
       // The rows come from the backend's aligned scratch or the request's
       // own 16-bit-aligned bytes (CpuBackend flattens the others).
       QuantizeRow(g, reinterpret_cast<const uint16_t*>(k + i * in_row), k_dst, p.k_scales,
                   p.layer);
+    } else {
+      std::memcpy(k_dst, k + i * in_row, static_cast<size_t>(stored_row));
+    }
+    if (!has_v) continue;
+    uint8_t* v_dst = v_cache + p.slots[i] * stored_row;
+    if (quantize) {
       QuantizeRow(g, reinterpret_cast<const uint16_t*>(v + i * in_row), v_dst, p.v_scales,
                   p.layer);
     } else {
-      std::memcpy(k_dst, k + i * in_row, static_cast<size_t>(stored_row));
       std::memcpy(v_dst, v + i * in_row, static_cast<size_t>(stored_row));
     }
   }
@@ -73,7 +80,9 @@ void GatherKvCpu(const GatherKvParams& p) {
   const KvGeometry& g = p.geo;
   const int64_t stored_row = g.KvRowBytes();
   const auto* k_cache = static_cast<const uint8_t*>(p.k_cache) + int64_t{p.layer} * g.LayerBytes();
-  const auto* v_cache = static_cast<const uint8_t*>(p.v_cache) + int64_t{p.layer} * g.LayerBytes();
+  const bool has_v = g.HasVPool();
+  const auto* v_cache =
+      has_v ? static_cast<const uint8_t*>(p.v_cache) + int64_t{p.layer} * g.LayerBytes() : nullptr;
   auto* k = static_cast<uint8_t*>(p.k);
   auto* v = static_cast<uint8_t*>(p.v);
   const bool dequantize = g.KvIsFp8() && p.dequantize;
@@ -81,12 +90,16 @@ void GatherKvCpu(const GatherKvParams& p) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < p.n; ++i) {
     const uint8_t* k_src = k_cache + p.slots[i] * stored_row;
-    const uint8_t* v_src = v_cache + p.slots[i] * stored_row;
     if (dequantize) {
       DequantizeRow(g, k_src, reinterpret_cast<uint16_t*>(k + i * out_row), p.k_scales, p.layer);
-      DequantizeRow(g, v_src, reinterpret_cast<uint16_t*>(v + i * out_row), p.v_scales, p.layer);
     } else {
       std::memcpy(k + i * out_row, k_src, static_cast<size_t>(stored_row));
+    }
+    if (!has_v) continue;
+    const uint8_t* v_src = v_cache + p.slots[i] * stored_row;
+    if (dequantize) {
+      DequantizeRow(g, v_src, reinterpret_cast<uint16_t*>(v + i * out_row), p.v_scales, p.layer);
+    } else {
       std::memcpy(v + i * out_row, v_src, static_cast<size_t>(stored_row));
     }
   }

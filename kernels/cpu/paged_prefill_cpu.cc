@@ -16,17 +16,20 @@ namespace attnserve {
 namespace {
 
 // Gathers the K and V rows [keys.begin, keys.end) of one KV head of one
-// sequence into float buffers (keys.size(), head_dim), following the page
-// table: only the keys some row of the sequence sees, so a 128-key window
-// over a 128k sequence reads 128 keys per row, not 128k. An FP8 pool's
-// values come out as they are stored (its scales are applied by the caller).
+// sequence into float buffers (keys.size(), head_dim) and (keys.size(),
+// VDim()), following the page table: only the keys some row of the sequence
+// sees, so a 128-key window over a 128k sequence reads 128 keys per row, not
+// 128k. MLA's V is the first VDim() values of the same latent row. An FP8
+// pool's values come out as they are stored (its scales are applied by the
+// caller).
 void GatherHead(const PagedPrefillParams& p, const PrefillSeq& seq, int kv_head, KeyRange keys,
                 std::vector<float>& k, std::vector<float>& v) {
   const KvGeometry& g = p.geo;
   const int64_t d = g.head_dim;
+  const int64_t dv = g.VDim();
   const int32_t n = keys.size();
   k.resize(static_cast<size_t>(n) * d);
-  v.resize(static_cast<size_t>(n) * d);
+  v.resize(static_cast<size_t>(n) * dv);
 #pragma omp parallel for schedule(static)
   for (int32_t i = 0; i < n; ++i) {
     const int32_t j = keys.begin + i;
@@ -35,17 +38,15 @@ void GatherHead(const PagedPrefillParams& p, const PrefillSeq& seq, int kv_head,
     const int64_t offset =
         (seq.layer * g.SlotsPerLayer() + slot) * g.RowElems() + int64_t{kv_head} * d;
     float* kf = k.data() + int64_t{i} * d;
-    float* vf = v.data() + int64_t{i} * d;
+    float* vf = v.data() + int64_t{i} * dv;
     if (g.KvIsFp8()) {
       const auto* kb = static_cast<const uint8_t*>(p.k_cache) + offset;
       const auto* vb = static_cast<const uint8_t*>(p.v_cache) + offset;
-      for (int64_t c = 0; c < d; ++c) {
-        kf[c] = Fp8ToFloat(g.kv_fp8, kb[c]);
-        vf[c] = Fp8ToFloat(g.kv_fp8, vb[c]);
-      }
+      for (int64_t c = 0; c < d; ++c) kf[c] = Fp8ToFloat(g.kv_fp8, kb[c]);
+      for (int64_t c = 0; c < dv; ++c) vf[c] = Fp8ToFloat(g.kv_fp8, vb[c]);
     } else {
       HalfToFloatN(g.dtype, static_cast<const uint16_t*>(p.k_cache) + offset, kf, d);
-      HalfToFloatN(g.dtype, static_cast<const uint16_t*>(p.v_cache) + offset, vf, d);
+      HalfToFloatN(g.dtype, static_cast<const uint16_t*>(p.v_cache) + offset, vf, dv);
     }
   }
 }
@@ -61,6 +62,7 @@ float KvScale(const PagedPrefillParams& p, const float* scales, int32_t layer, i
 void PagedPrefillCpu(const PagedPrefillParams& p) {
   const KvGeometry& g = p.geo;
   const int d = g.head_dim;
+  const int dv = g.VDim();
   const int group = g.num_qo_heads / g.num_kv_heads;
   const auto* q = static_cast<const uint16_t*>(p.q);
   auto* o = static_cast<uint16_t*>(p.o);
@@ -83,13 +85,14 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
       const int64_t items = int64_t{seq.q_len} * group;
 #pragma omp parallel
       {
-        std::vector<float> qf(d), logits, acc(d);
+        std::vector<float> qf(d), logits, acc(dv);
 #pragma omp for schedule(dynamic, 4)
         for (int64_t item = 0; item < items; ++item) {
           const int32_t i = static_cast<int32_t>(item / group);
           const int head = kv_head * group + static_cast<int>(item % group);
           const int64_t row = seq.q_start + i;
           const int64_t q_off = (row * g.num_qo_heads + head) * d;
+          const int64_t o_off = (row * g.num_qo_heads + head) * dv;
           const KeyRange keys = RowKeys(seq, i);
           // Base-2 units throughout: logits x * log2(e), the sink likewise.
           const float sink2 = sinks != nullptr ? sinks[head] * kLog2e : -INFINITY;
@@ -110,13 +113,13 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
             for (int32_t j = keys.begin; j < keys.end; ++j) {
               const float w = std::exp2(logits[j - keys.begin] - m2);
               l += w;
-              const float* vj = v.data() + int64_t{j - read.begin} * d;
-              for (int c = 0; c < d; ++c) acc[c] += w * vj[c];
+              const float* vj = v.data() + int64_t{j - read.begin} * dv;
+              for (int c = 0; c < dv; ++c) acc[c] += w * vj[c];
             }
           }
           const RowEnd end = EndRow(m2, l, sink2);
           const float o_scale = end.o_scale * v_scale;
-          for (int c = 0; c < d; ++c) o[q_off + c] = FloatToHalf(g.dtype, acc[c] * o_scale);
+          for (int c = 0; c < dv; ++c) o[o_off + c] = FloatToHalf(g.dtype, acc[c] * o_scale);
           p.lse[row * g.num_qo_heads + head] = seq.lse_base_e ? end.lse2 * kLn2 : end.lse2;
         }
       }

@@ -69,7 +69,7 @@ struct PrefillTask {
   const int64_t* append_slots = nullptr;  // (num_append) validated slots
   int64_t num_append = 0;
   const void* append_k = nullptr;         // (num_append, num_kv_heads, head_dim)
-  const void* append_v = nullptr;         // (num_append, num_kv_heads, head_dim)
+  const void* append_v = nullptr;         // (num_append, num_kv_heads, head_dim); MLA: null
   // FP8 pools: append_k / append_v hold FP8 bytes as the pools store them
   // (1 byte an element); false: geo.dtype values, quantized on the way in
   // (kernels/append_kv.h).
@@ -81,7 +81,7 @@ struct PrefillTask {
   bool append_k_pinned = false;
   bool append_v_pinned = false;
   // Outputs. Every byte of both is written when the batch completes.
-  void* o = nullptr;                      // (total_q, num_qo_heads, head_dim)
+  void* o = nullptr;                      // (total_q, num_qo_heads, VDim())
   float* lse = nullptr;                   // (total_q, num_qo_heads)
   bool o_on_device = false;
   bool lse_on_device = false;
@@ -148,7 +148,7 @@ struct KvRows {
   const int64_t* slots = nullptr;  // (n) validated slots, host
   int64_t n = 0;
   void* k = nullptr;               // (n, num_kv_heads, head_dim)
-  void* v = nullptr;               // (n, num_kv_heads, head_dim)
+  void* v = nullptr;               // (n, num_kv_heads, head_dim); MLA: null
   bool rows_fp8 = false;
   ScatterList k_scattered;         // WriteKV: or these pieces
   ScatterList v_scattered;

@@ -17,7 +17,7 @@ bool CudaDevicePresent() {
 }
 
 int64_t BytesPerPage(const KvGeometry& geo) {
-  return 2 * int64_t{geo.num_layers} * geo.page_size * geo.KvRowBytes();
+  return int64_t{geo.NumPools()} * geo.num_layers * geo.page_size * geo.KvRowBytes();
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options) {

@@ -136,7 +136,7 @@ absl::Status CheckPlanLease(const Plan& plan, uint64_t lease) {
 }  // namespace
 
 int32_t MaxRequestRows(const CoreOptions& options, const KvGeometry& geo) {
-  const int64_t q_row_bytes = int64_t{geo.num_qo_heads} * geo.head_dim * geo.QElemBytes();
+  const int64_t q_row_bytes = geo.QRowElems() * geo.QElemBytes();
   const int64_t rows = options.max_message_bytes / std::max<int64_t>(q_row_bytes, 1);
   return static_cast<int32_t>(
       std::clamp<int64_t>(std::max<int64_t>(rows, options.max_batch_tokens), 1, 1 << 30));
@@ -223,6 +223,10 @@ ServerInfoData AttentionCore::Info() const {
   info.num_qo_heads = g.num_qo_heads;
   info.num_kv_heads = g.num_kv_heads;
   info.head_dim = g.head_dim;
+  info.attention = g.attention;
+  info.v_head_dim = g.VDim();
+  info.kv_lora_rank = g.kv_lora_rank;
+  info.qk_rope_head_dim = g.qk_rope_head_dim;
   info.kv_dtype = g.dtype;
   info.kv_fp8 = g.kv_fp8;
   info.page_bytes = BytesPerPage(g);
@@ -655,7 +659,7 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
   out->dtype = g.dtype;
   out->total_q = validated->task.total_q;
   out->num_qo_heads = g.num_qo_heads;
-  out->head_dim = g.head_dim;
+  out->v_head_dim = g.VDim();
   if (call.out_region.set) {
     const int64_t elem = g.QElemBytes();
     auto o = regions.Output(call.out_region, validated->out_bytes, elem, "output_region");
@@ -775,7 +779,7 @@ void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
   }
   const int64_t n = static_cast<int64_t>(call.slots.size());
   const int64_t elem = rows_fp8 ? g.KvElemBytes() : g.QElemBytes();
-  const int64_t bytes = n * g.RowElems() * elem;
+  const int64_t bytes = n * g.RowElems() * elem;  // of K, and of V (none for MLA)
   if (call.out_dtype != nullptr) {
     *call.out_dtype = rows_fp8 ? TensorDTypeOf(g.kv_fp8) : TensorDTypeOf(g.dtype);
   }
@@ -786,7 +790,13 @@ void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
   job->rows.n = n;
   job->rows.rows_fp8 = rows_fp8;
   RegionUse regions(&regions_, call.tenant);
-  if (call.k_region.set != call.v_region.set) {
+  if (!g.HasVPool() && call.v_region.set) {
+    done(absl::InvalidArgumentError(
+        "v_region must be unset: an MLA server (--attention=mla) has no V rows; k_region "
+        "receives the latent rows"));
+    return;
+  }
+  if (g.HasVPool() && call.k_region.set != call.v_region.set) {
     done(absl::InvalidArgumentError("k_region and v_region go together: set both or neither"));
     return;
   }
@@ -796,20 +806,24 @@ void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
       done(k.status());
       return;
     }
-    auto v = regions.Output(call.v_region, bytes, elem, "v_region");
-    if (!v.ok()) {
-      done(v.status());
-      return;
-    }
     job->rows.k = k->data;
-    job->rows.v = v->data;
     job->rows.k_on_device = k->on_device;
-    job->rows.v_on_device = v->on_device;
+    if (g.HasVPool()) {
+      auto v = regions.Output(call.v_region, bytes, elem, "v_region");
+      if (!v.ok()) {
+        done(v.status());
+        return;
+      }
+      job->rows.v = v->data;
+      job->rows.v_on_device = v->on_device;
+    }
   } else {
     call.out_k->resize(bytes);
-    call.out_v->resize(bytes);
     job->rows.k = call.out_k->data();
-    job->rows.v = call.out_v->data();
+    if (g.HasVPool()) {
+      call.out_v->resize(bytes);
+      job->rows.v = call.out_v->data();
+    }
   }
   job->done = regions.Wrap(std::move(done), metrics_);
   Submit(call, *std::move(pages), "slots", std::move(job));

@@ -126,7 +126,7 @@ struct CallContext {
 };
 
 // Prefill's outputs, filled by the core with their shapes: o (total_q,
-// num_qo_heads, head_dim) in dtype at offset 0, then lse (total_q,
+// num_qo_heads, v_head_dim) in dtype at offset 0, then lse (total_q,
 // num_qo_heads) float32 at lse_offset, both in `buffer` (empty when total_q
 // is 0). The edge encodes the response from this alone.
 struct PrefillOutput {
@@ -135,7 +135,7 @@ struct PrefillOutput {
   KvDType dtype = KvDType::kBf16;
   int64_t total_q = 0;
   int32_t num_qo_heads = 0;
-  int32_t head_dim = 0;
+  int32_t v_head_dim = 0;  // the geometry's VDim(): head_dim, or MLA's kv_lora_rank
   int64_t o_bytes = 0;
   int64_t lse_offset = 0;
   int64_t lse_bytes = 0;
@@ -243,6 +243,10 @@ struct ServerInfoData {
   int32_t num_qo_heads = 0;
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
+  AttentionKind attention = AttentionKind::kGqa;
+  int32_t v_head_dim = 0;        // head_dim, or MLA's kv_lora_rank
+  int32_t kv_lora_rank = 0;      // MLA only
+  int32_t qk_rope_head_dim = 0;  // MLA only
   KvDType kv_dtype = KvDType::kBf16;  // queries and outputs (q_dtype); the KV too unless kv_fp8
   Fp8Format kv_fp8 = Fp8Format::kNone;
   int64_t kv_cache_bytes = 0;  // K and V of every layer and page

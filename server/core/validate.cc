@@ -115,6 +115,18 @@ absl::Status ValidateTensor(const TensorView& t, absl::string_view field, Tensor
   return absl::OkStatus();
 }
 
+// An MLA server's writes carry one latent row per slot, in k: the V field
+// (v, append_v) must be unset.
+absl::Status CheckNoV(const TensorView& v, absl::string_view v_field, absl::string_view k_field) {
+  if (v.dtype == TensorDType::kUnspecified && v.shape.empty() && v.byte_size() == 0 &&
+      !v.region.set) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      v_field, " must be unset: an MLA server (--attention=mla) takes one latent row per slot in ",
+      k_field, " (kv_lora_rank + qk_rope_head_dim values; the first kv_lora_rank are its V)"));
+}
+
 absl::StatusOr<bool> KvRowsAreFp8(const TensorView& k, const TensorView& v,
                                   absl::string_view k_field, absl::string_view v_field,
                                   const KvGeometry& geo) {
@@ -490,15 +502,18 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
   const int64_t n_append = layout.num_append;
   if (n_append > 0 || call.append_k.byte_size() != 0 || call.append_v.byte_size() != 0) {
     const int64_t kv_shape[] = {n_append, geo.num_kv_heads, geo.head_dim};
-    ATTN_ASSIGN_OR_RETURN(const bool fp8, KvRowsAreFp8(call.append_k, call.append_v, "append_k",
-                                                       "append_v", geo));
+    const bool has_v = geo.HasVPool();
+    if (!has_v) ATTN_RETURN_IF_ERROR(CheckNoV(call.append_v, "append_v", "append_k"));
+    const TensorView& v = has_v ? call.append_v : call.append_k;
+    ATTN_ASSIGN_OR_RETURN(const bool fp8,
+                          KvRowsAreFp8(call.append_k, v, "append_k", "append_v", geo));
     const TensorDType rows = fp8 ? TensorDTypeOf(geo.kv_fp8) : TensorDTypeOf(geo.dtype);
     ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_k, "append_k", rows, kv_shape));
-    ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_v, "append_v", rows, kv_shape));
+    if (has_v) ATTN_RETURN_IF_ERROR(ValidateTensor(call.append_v, "append_v", rows, kv_shape));
     task.num_append = n_append;
     task.append_fp8 = fp8;
     task.append_k = call.append_k.data.data();
-    task.append_v = call.append_v.data.data();
+    task.append_v = has_v ? call.append_v.data.data() : nullptr;
     task.append_k_scattered = call.append_k.scattered;
     task.append_v_scattered = call.append_v.scattered;
     task.append_k_on_device = call.append_k.on_device;
@@ -506,7 +521,7 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
     task.append_k_pinned = call.append_k.pinned;
     task.append_v_pinned = call.append_v.pinned;
   }
-  out.out_bytes = layout.total_q * geo.num_qo_heads * geo.head_dim * geo.QElemBytes();
+  out.out_bytes = layout.total_q * geo.ORowElems() * geo.QElemBytes();
   out.lse_bytes = layout.total_q * geo.num_qo_heads * static_cast<int64_t>(sizeof(float));
   ATTN_RETURN_IF_ERROR(CheckResponseSize(out.out_bytes + out.lse_bytes, limits));
   return out;
@@ -595,15 +610,17 @@ absl::StatusOr<std::vector<int32_t>> ValidateKvRows(int32_t layer,
   }
   if (k != nullptr) {
     const int64_t shape[] = {n, geo.num_kv_heads, geo.head_dim};
-    ATTN_ASSIGN_OR_RETURN(const bool fp8, KvRowsAreFp8(*k, *v, "k", "v", geo));
+    const bool has_v = geo.HasVPool();
+    if (!has_v) ATTN_RETURN_IF_ERROR(CheckNoV(*v, "v", "k"));
+    ATTN_ASSIGN_OR_RETURN(const bool fp8, KvRowsAreFp8(*k, has_v ? *v : *k, "k", "v", geo));
     const TensorDType rows = fp8 ? TensorDTypeOf(geo.kv_fp8) : TensorDTypeOf(geo.dtype);
     ATTN_RETURN_IF_ERROR(ValidateTensor(*k, "k", rows, shape));
-    ATTN_RETURN_IF_ERROR(ValidateTensor(*v, "v", rows, shape));
+    if (has_v) ATTN_RETURN_IF_ERROR(ValidateTensor(*v, "v", rows, shape));
     if (rows_fp8 != nullptr) *rows_fp8 = fp8;
   } else {
     const bool fp8 = rows_fp8 != nullptr && *rows_fp8;
     const int64_t elem = fp8 ? geo.KvElemBytes() : geo.QElemBytes();
-    ATTN_RETURN_IF_ERROR(CheckResponseSize(2 * n * geo.RowElems() * elem, limits));
+    ATTN_RETURN_IF_ERROR(CheckResponseSize(geo.NumPools() * n * geo.RowElems() * elem, limits));
   }
   return CheckSlots(slots, "slots", geo);
 }

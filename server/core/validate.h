@@ -123,7 +123,7 @@ absl::StatusOr<ValidatedPrefill> ValidatePlannedPrefill(const PrefillCall& call,
                                                         uint64_t incarnation);
 
 // WriteKV / ReadKV: layer and slots; for WriteKV also k and v (pass nullptr
-// for ReadKV). Returns the page of each slot (repeats allowed). rows_fp8
+// for ReadKV; on an MLA server v must be unset: k holds the latent rows). Returns the page of each slot (repeats allowed). rows_fp8
 // (may be null): a WriteKV's k and v are FP8 rows as stored (set here, from
 // their dtype); for a ReadKV, whether the rows read are the stored FP8
 // bytes (given: it sizes the response).

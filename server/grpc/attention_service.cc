@@ -424,6 +424,11 @@ void AttentionServiceImpl::GetServerInfo(Call* call) {
   out.set_num_qo_heads(info.num_qo_heads);
   out.set_num_kv_heads(info.num_kv_heads);
   out.set_head_dim(info.head_dim);
+  out.set_attention(info.attention == AttentionKind::kMla ? v1::ATTENTION_MLA : v1::ATTENTION_GQA);
+  out.set_qk_head_dim(info.head_dim);
+  out.set_v_head_dim(info.v_head_dim);
+  out.set_kv_lora_rank(info.kv_lora_rank);
+  out.set_qk_rope_head_dim(info.qk_rope_head_dim);
   out.set_kv_dtype(info.kv_fp8 != Fp8Format::kNone ? ToProto(TensorDTypeOf(info.kv_fp8))
                                                    : ToProto(info.kv_dtype));
   out.set_q_dtype(ToProto(info.kv_dtype));
@@ -522,7 +527,7 @@ void AttentionServiceImpl::ReadKV(Call* call) {
         const v1::DType dtype = ToProto(state->dtype);
         const int64_t n = state->request.slots_size();
         SetTensorHeader(out.mutable_k(), dtype, {n, g.num_kv_heads, g.head_dim});
-        SetTensorHeader(out.mutable_v(), dtype, {n, g.num_kv_heads, g.head_dim});
+        if (g.HasVPool()) SetTensorHeader(out.mutable_v(), dtype, {n, g.num_kv_heads, g.head_dim});
         out.set_incarnation(incarnation);
         bytes = EncodeTensorResponse(std::move(state->response));
       }

@@ -560,6 +560,10 @@ grpc::ByteBuffer EncodeTwoTensors(const OutTensor& first, const OutTensor& secon
   WireWriter w;
   uint32_t field = 1;
   for (const OutTensor* t : {&first, &second}) {
+    if (t->dtype == v1::DTYPE_UNSPECIFIED && t->shape.empty() && t->bytes == 0) {
+      ++field;  // unset (ReadKV's v on an MLA server)
+      continue;
+    }
     if (t->bytes > 0) {
       w.AppendTensor(field, t->dtype, t->shape,
                      grpc::Slice(t->data, t->bytes, &SharedOwner<Owner>::Unref, shared), t->bytes);
@@ -591,7 +595,7 @@ OutTensor Out(v1::Tensor* t) {
 }  // namespace
 
 grpc::ByteBuffer EncodePrefillResponse(PrefillOutput out, uint64_t incarnation) {
-  const OutTensor o{ToProto(out.dtype), {out.total_q, out.num_qo_heads, out.head_dim},
+  const OutTensor o{ToProto(out.dtype), {out.total_q, out.num_qo_heads, out.v_head_dim},
                     out.buffer.data(), static_cast<size_t>(out.o_bytes)};
   const OutTensor lse{v1::DTYPE_FP32, {out.total_q, out.num_qo_heads},
                       out.buffer.data() + out.lse_offset, static_cast<size_t>(out.lse_bytes)};

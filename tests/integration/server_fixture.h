@@ -80,7 +80,9 @@ inline void FillPages(Client& client, KvMirror& mirror, std::mt19937_64& gen, in
   const KvGeometry& g = mirror.geometry();
   const std::vector<int64_t> slots = SlotsOfPages(g, pages);
   const int64_t n = static_cast<int64_t>(slots.size()) * g.RowElems();
-  const std::vector<uint16_t> k = RandomHalves(gen, g.dtype, n), v = RandomHalves(gen, g.dtype, n);
+  // MLA: the latent rows in k, no v.
+  const std::vector<uint16_t> k = RandomHalves(gen, g.dtype, n),
+                              v = RandomHalves(gen, g.dtype, g.HasVPool() ? n : 0);
   absl::Status s = client.WriteKV(layer, slots, k, v);
   ASSERT_TRUE(s.ok()) << s;
   mirror.Write(layer, slots, k, v);
@@ -144,8 +146,8 @@ inline int64_t ExpectMatchesReference(const KvMirror& mirror, const PrefillInput
     if (!std::isinf(lse_ref[r])) continue;
     ++blind;
     EXPECT_EQ(out.lse[r], kNegInfF) << "row " << r / g.num_qo_heads;
-    for (int32_t c2 = 0; c2 < g.head_dim; ++c2) {
-      if (HalfToFloat(g.dtype, out.o[r * g.head_dim + c2]) != 0.f) {
+    for (int32_t c2 = 0; c2 < g.VDim(); ++c2) {
+      if (HalfToFloat(g.dtype, out.o[r * g.VDim() + c2]) != 0.f) {
         ADD_FAILURE() << "row " << r / g.num_qo_heads << " sees nothing but o != 0";
         break;
       }

@@ -80,11 +80,17 @@ absl::StatusOr<std::unique_ptr<TestServer>> TestServer::Start(const TestServerOp
       absl::StrCat("--num_pages=", options.num_pages),
       absl::StrCat("--page_size=", options.page_size),
       absl::StrCat("--num_qo_heads=", options.num_qo_heads),
-      absl::StrCat("--num_kv_heads=", options.num_kv_heads),
-      absl::StrCat("--head_dim=", options.head_dim),
       absl::StrCat("--kv_dtype=", options.kv_dtype),
       "--drain_timeout_s=10",
   };
+  if (options.kv_lora_rank > 0) {
+    args.push_back("--attention=mla");
+    args.push_back(absl::StrCat("--kv_lora_rank=", options.kv_lora_rank));
+    args.push_back(absl::StrCat("--qk_rope_head_dim=", options.qk_rope_head_dim));
+  } else {
+    args.push_back(absl::StrCat("--num_kv_heads=", options.num_kv_heads));
+    args.push_back(absl::StrCat("--head_dim=", options.head_dim));
+  }
   args.insert(args.end(), options.extra_flags.begin(), options.extra_flags.end());
   // $ATTNSERVE_TEST_SERVER_FLAGS (space-separated) come last, so a run can
   // repeat a suite with another server setting (bench/run_server_gpu.sh runs

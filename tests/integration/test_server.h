@@ -36,6 +36,10 @@ struct TestServerOptions {
   int32_t num_kv_heads = 2;
   int32_t head_dim = 64;
   std::string kv_dtype = "bf16";
+  // > 0: an MLA server (--attention=mla with these latent sizes; num_kv_heads
+  // and head_dim are not passed).
+  int32_t kv_lora_rank = 0;
+  int32_t qk_rope_head_dim = 0;
   std::vector<std::string> extra_flags;  // e.g. "--auth_tokens_file=/tmp/x"
   double start_timeout_s = 60;
 };

@@ -46,14 +46,16 @@ const void* Rows(const void* data, const ScatterList& scattered, int64_t row_byt
 absl::StatusOr<std::unique_ptr<Backend>> CpuBackend::Create(const KvGeometry& geometry) {
   std::unique_ptr<CpuBackend> backend(new CpuBackend(geometry));
   try {
+    // MLA: the latent pool alone.
     backend->k_pool_.assign(geometry.PoolBytes(), 0);
-    backend->v_pool_.assign(geometry.PoolBytes(), 0);
+    if (geometry.HasVPool()) backend->v_pool_.assign(geometry.PoolBytes(), 0);
     const size_t scales = static_cast<size_t>(geometry.num_layers) * geometry.num_kv_heads;
     backend->k_scales_.assign(scales, 1.f);
     backend->v_scales_.assign(scales, 1.f);
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot allocate the KV cache in host memory: ", 2 * geometry.PoolBytes(), " bytes"));
+        "cannot allocate the KV cache in host memory: ", geometry.NumPools() * geometry.PoolBytes(),
+        " bytes"));
   }
   return std::unique_ptr<Backend>(std::move(backend));
 }
@@ -78,7 +80,7 @@ void CpuBackend::Append(int32_t layer, const int64_t* slots, int64_t n, const vo
     a.k_cache = k_pool_.data();
     a.v_cache = v_pool_.data();
     a.k = Rows(k, k_scattered, row_bytes, first, rows, &k_flat);
-    a.v = Rows(v, v_scattered, row_bytes, first, rows, &v_flat);
+    a.v = geo_.HasVPool() ? Rows(v, v_scattered, row_bytes, first, rows, &v_flat) : nullptr;
     a.slots = slots + first;
     a.n = rows;
     a.layer = layer;
@@ -93,7 +95,7 @@ void CpuBackend::Append(int32_t layer, const int64_t* slots, int64_t n, const vo
 void CpuBackend::Attend(const PrefillTask& t) {
   PagedPrefillParams p;
   p.k_cache = k_pool_.data();
-  p.v_cache = v_pool_.data();
+  p.v_cache = geo_.HasVPool() ? v_pool_.data() : k_pool_.data();  // MLA: V is in K's rows
   p.kv_indices = t.kv_indices;
   p.sinks = t.sinks;  // the task's one set: its seqs' sink_index is 0 or -1
   p.k_scales = k_scales_.data();
@@ -114,7 +116,8 @@ void CpuBackend::Attend(const PrefillTask& t) {
   // (kernels/variant.h's QueryPos: row i of q_len is at i + kv_len - q_len +
   // causal_shift), so the causal diagonal and the window stay where they
   // were; every row is computed on its own, so the results are the same bits.
-  const int64_t row_bytes = int64_t{geo_.num_qo_heads} * geo_.head_dim * geo_.QElemBytes();
+  const int64_t row_bytes = geo_.QRowElems() * geo_.QElemBytes();
+  const int64_t o_row_bytes = geo_.ORowElems() * geo_.QElemBytes();
   const int32_t chunk = static_cast<int32_t>(std::max<int64_t>(1, kFlatChunkBytes / row_bytes));
   std::vector<uint16_t> q_flat;
   for (const PrefillSeq& seq : t.seqs) {
@@ -125,7 +128,7 @@ void CpuBackend::Attend(const PrefillTask& t) {
       part.causal_shift = seq.causal_shift + first + part.q_len - seq.q_len;
       const int64_t row = int64_t{seq.q_start} + first;
       p.q = Rows(t.q, t.q_scattered, row_bytes, row, part.q_len, &q_flat);
-      p.o = static_cast<char*>(t.o) + row * row_bytes;
+      p.o = static_cast<char*>(t.o) + row * o_row_bytes;
       p.lse = t.lse + row * geo_.num_qo_heads;
       p.seqs = &part;
       p.num_seqs = 1;
@@ -187,7 +190,7 @@ absl::Status CpuBackend::ZeroPages(absl::Span<const int32_t> pages, BatchStats* 
     for (int32_t page : pages) {
       const int64_t at = (int64_t{layer} * geo_.num_pages + page) * page_bytes;
       std::fill_n(k_pool_.begin() + at, page_bytes, uint8_t{0});
-      std::fill_n(v_pool_.begin() + at, page_bytes, uint8_t{0});
+      if (geo_.HasVPool()) std::fill_n(v_pool_.begin() + at, page_bytes, uint8_t{0});
     }
   }
   if (stats != nullptr) {

@@ -297,6 +297,11 @@ class CudaBackend final : public Backend {
 };
 
 absl::Status CudaBackend::Init() {
+  if (geo_.IsMla()) {
+    return absl::InvalidArgumentError(
+        "--attention=mla: the CUDA backend has no MLA kernel family yet; start the server with "
+        "--backend=cpu (docs/design.md, \"Multi-head latent attention\")");
+  }
   const int count = CudaDeviceCount();
   if (count == 0) return absl::FailedPreconditionError("no CUDA device is visible");
   if (options_.device < 0 || options_.device >= count) {
