@@ -133,7 +133,7 @@ struct Shape {
   PrefillInputs in;
   std::vector<double> o_ref, lse_ref;  // with --verify
   int64_t rows = 0;                    // query rows
-  double flops = 0;                    // 4 * head_dim * num_qo_heads * visible pairs
+  double flops = 0;  // 2 * (head_dim + VDim) * num_qo_heads * visible pairs
 };
 
 // Sequences of (q_len, kv_len) each over consecutive pages taken from `pages`
@@ -167,7 +167,9 @@ Shape MakeShape(std::mt19937_64& gen, const KvGeometry& g, const std::string& na
   }
   in.q = RandomHalves(gen, g.dtype, in.total_q() * g.num_qo_heads * g.head_dim);
   s.rows = in.total_q();
-  s.flops = 4.0 * g.head_dim * g.num_qo_heads * static_cast<double>(visible);
+  // 2 x (QK width + PV width) per visible (query, key) pair and head: 4 x
+  // head_dim for GQA, 2 x (576 + 512) for DeepSeek's MLA.
+  s.flops = 2.0 * (g.head_dim + g.VDim()) * g.num_qo_heads * static_cast<double>(visible);
   return s;
 }
 
@@ -237,12 +239,13 @@ class Worker {
     const bool fp8_rows = g.KvIsFp8() && absl::GetFlag(FLAGS_fp8_rows);
     const std::vector<int64_t> slots = SlotsOfPages(g, pages_);
     // Written in pieces so that no WriteKV approaches the message limit.
-    const size_t chunk = std::max<int64_t>(1, (16ll << 20) / (2 * g.RowElems()));
+    const size_t chunk = std::max<int64_t>(1, (16ll << 20) / (g.NumPools() * g.RowElems()));
     for (size_t at = 0; at < slots.size(); at += chunk) {
       const size_t n = std::min(chunk, slots.size() - at);
       absl::Span<const int64_t> part = absl::MakeConstSpan(slots).subspan(at, n);
       auto k = RandomHalves(gen, g.dtype, static_cast<int64_t>(n) * g.RowElems());
-      auto v = RandomHalves(gen, g.dtype, static_cast<int64_t>(n) * g.RowElems());
+      // MLA: the latent rows in k alone.
+      auto v = RandomHalves(gen, g.dtype, g.HasVPool() ? static_cast<int64_t>(n) * g.RowElems() : 0);
       if (fp8_rows) {
         // Quantized here as the server would (the mirror's copy is exactly
         // that), and sent as stored.
@@ -362,6 +365,9 @@ class Worker {
     }
     const int64_t q_bytes = static_cast<int64_t>(shape.in.q.size()) * 2;
     const int64_t lse_bytes = q_bytes / (2 * GeometryOf(client_->info()).head_dim) * 4;
+    // An MLA server's outputs are v_head_dim wide: o_bytes of the region.
+    const KvGeometry geo = GeometryOf(client_->info());
+    const int64_t o_bytes = q_bytes / geo.head_dim * geo.VDim();
     const bool in_region = !tensor_region_.empty();
     if (in_region) {
       // Not timed: the query is where an engine would compute it.
@@ -369,7 +375,7 @@ class Worker {
       absl::Status put = PutQuery(shape.in.q.data(), q_bytes);
       // Poisoned before a checked request: an output byte the server does
       // not write is a NaN the comparison counts.
-      if (put.ok() && verify) put = PoisonOutputs(q_bytes, lse_bytes);
+      if (put.ok() && verify) put = PoisonOutputs(o_bytes, lse_bytes);
       start += Clock::now() - copy_start;
       if (!put.ok()) {
         stats->Record(0, put, false, shape.rows, shape.flops);
@@ -378,14 +384,14 @@ class Worker {
       args.q = {};
       args.q_region = RegionRef{tensor_region_, q_at_, q_bytes};
       args.q_rows = shape.in.total_q();
-      args.output_region = RegionRef{tensor_region_, o_at_, q_bytes};
+      args.output_region = RegionRef{tensor_region_, o_at_, o_bytes};
       args.lse_region = RegionRef{tensor_region_, lse_at_, lse_bytes};
     }
     // Into the same result every time, as an engine reuses its buffers.
     absl::Status status = channel_ != nullptr ? channel_->PrefillInto(args, &result_)
                                               : client_->PrefillInto(args, &result_);
     const double latency = Seconds(Clock::now() - start);
-    if (status.ok() && in_region && verify) status = GetResult(q_bytes, lse_bytes);
+    if (status.ok() && in_region && verify) status = GetResult(o_bytes, lse_bytes);
     bool wrong = false;
     if (status.ok() && verify) {
       const KvDType dtype = GeometryOf(client_->info()).dtype;
@@ -761,13 +767,18 @@ int Main() {
                : absl::StrFormat("closed loop, %d clients", concurrency);
   std::cout << absl::StrFormat(
       "attnbench: %s workload, %s, %s\n"
-      "server:     %s backend, %d qo heads, %d kv heads, head_dim %d, page_size %d, %s\n"
+      "server:     %s backend, %s, %d qo heads, %d kv heads, head_dim %d, page_size %d, %s\n"
       "requests:   %d in %.2f s (%d OK, %d dropped by the open loop)%s\n"
       "throughput: %.1f requests/s, %.1f query rows/s%s\n"
       "latency ms: p50 %s  p90 %s  p99 %s  max %s\n"
       "errors:     %s\n"
       "requests per launch: %s\n",
-      workload, ShapeText(workload), mode, info.backend(), info.num_qo_heads(), info.num_kv_heads(), info.head_dim(),
+      workload, ShapeText(workload), mode, info.backend(),
+      info.attention() == v1::ATTENTION_MLA
+          ? absl::StrFormat("MLA (kv_lora_rank %d, qk_rope_head_dim %d)", info.kv_lora_rank(),
+                            info.qk_rope_head_dim())
+          : std::string("GQA"),
+      info.num_qo_heads(), info.num_kv_heads(), info.head_dim(),
       info.page_size(), v1::DType_Name(info.kv_dtype()), s.done, elapsed, s.ok, s.dropped,
       verify ? ", every response verified" : "", rps, rows_ps, tflops_text, FormatMs(s.Percentile(50)),
       FormatMs(s.Percentile(90)), FormatMs(s.Percentile(99)), FormatMs(s.Percentile(100)),

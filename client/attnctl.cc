@@ -99,8 +99,10 @@ int Prefill(Client& client) {
   // An FP8 server quantizes the rows with its scales: the mirror does too.
   if (absl::Status s = MirrorServerScales(client, &mirror); !s.ok()) return Fail(s);
   std::vector<int64_t> slots = SlotsOfPages(g, *pages);
-  auto k = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
-  auto v = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
+  // An MLA server takes the latent rows in k alone.
+  const int64_t rows = static_cast<int64_t>(slots.size());
+  auto k = RandomHalves(gen, g.dtype, rows * g.RowElems());
+  auto v = RandomHalves(gen, g.dtype, g.HasVPool() ? rows * g.RowElems() : 0);
   absl::Status status = client.WriteKV(spec.layer, slots, k, v);
   int rc = 0;
   if (status.ok()) {
@@ -133,7 +135,7 @@ int Merge(Client& client) {
   const KvGeometry g = GeometryOf(client.info());
   std::mt19937_64 gen(absl::GetFlag(FLAGS_seed));
   const int64_t n = absl::GetFlag(FLAGS_n);
-  const int32_t h = g.num_qo_heads, d = g.head_dim;
+  const int32_t h = g.num_qo_heads, d = g.VDim();  // MLA: kv_lora_rank wide
   const int num_states = absl::GetFlag(FLAGS_states);
   std::vector<State> states(num_states);
   std::normal_distribution<float> lse_dist(0.f, 4.f);
@@ -230,12 +232,14 @@ int Main(std::vector<char*> args) {
     const KvGeometry g = GeometryOf(c.info());
     if (cmd == "write") {
       std::mt19937_64 gen(absl::GetFlag(FLAGS_seed));
-      auto k = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots->size()) * g.RowElems());
-      auto v = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots->size()) * g.RowElems());
+      const int64_t rows = static_cast<int64_t>(slots->size());
+      auto k = RandomHalves(gen, g.dtype, rows * g.RowElems());
+      auto v = RandomHalves(gen, g.dtype, g.HasVPool() ? rows * g.RowElems() : 0);
       absl::Status s = c.WriteKV(absl::GetFlag(FLAGS_layer), *slots, k, v);
       if (!s.ok()) return Fail(s);
-      std::cout << "wrote " << slots->size() << " rows, k checksum " << Checksum(k)
-                << ", v checksum " << Checksum(v) << "\n";
+      std::cout << "wrote " << slots->size() << " rows, k checksum " << Checksum(k);
+      if (g.HasVPool()) std::cout << ", v checksum " << Checksum(v);
+      std::cout << "\n";
     } else {
       auto kv = c.ReadKV(absl::GetFlag(FLAGS_layer), *slots, absl::GetFlag(FLAGS_dequantize));
       if (!kv.ok()) return Fail(kv.status());
@@ -244,8 +248,9 @@ int Main(std::vector<char*> args) {
                   << v1::DType_Name(c.info().kv_dtype()) << "), k checksum "
                   << Checksum(kv->k_fp8) << ", v checksum " << Checksum(kv->v_fp8) << "\n";
       } else {
-        std::cout << "read " << slots->size() << " rows, k checksum " << Checksum(kv->k)
-                  << ", v checksum " << Checksum(kv->v) << "\n";
+        std::cout << "read " << slots->size() << " rows, k checksum " << Checksum(kv->k);
+        if (g.HasVPool()) std::cout << ", v checksum " << Checksum(kv->v);
+        std::cout << "\n";
       }
     }
     return 0;

@@ -71,7 +71,8 @@ Problem MakeProblem(std::mt19937_64& gen, const KvGeometry& geo,
   Problem p;
   p.geo = geo;
   p.k_cache = RandomNonzeroHalves(gen, geo.dtype, geo.PoolElems());
-  p.v_cache = RandomNonzeroHalves(gen, geo.dtype, geo.PoolElems());
+  // MLA: the latent pool alone.
+  if (geo.HasVPool()) p.v_cache = RandomNonzeroHalves(gen, geo.dtype, geo.PoolElems());
   std::uniform_int_distribution<int32_t> page_dist(0, geo.num_pages - 1);
   for (const SeqSpec& s : specs) {
     PrefillSeq seq;
@@ -139,7 +140,7 @@ struct Output {
 Output RunKernel(const Problem& p) {
   const KvGeometry& g = p.geo;
   Output out;
-  out.o.resize(int64_t{p.total_q + 1} * g.num_qo_heads * g.head_dim);
+  out.o.resize(int64_t{p.total_q + 1} * g.ORowElems());
   out.lse.resize(int64_t{p.total_q + 1} * g.num_qo_heads);
   Poison(out.o);
   Poison(out.lse);
@@ -148,7 +149,7 @@ Output RunKernel(const Problem& p) {
   params.o = out.o.data();
   params.lse = out.lse.data();
   params.k_cache = p.k_cache.data();
-  params.v_cache = p.v_cache.data();
+  params.v_cache = g.HasVPool() ? p.v_cache.data() : p.k_cache.data();
   params.kv_indices = p.kv_indices.data();
   params.seqs = p.seqs.data();
   params.sinks = p.sinks.empty() ? nullptr : p.sinks.data();
@@ -171,7 +172,7 @@ struct Coverage {
 // what was covered.
 Coverage CheckAgainstReference(const Problem& p, const Output& out) {
   const KvGeometry& g = p.geo;
-  const int64_t hq = g.num_qo_heads, d = g.head_dim;
+  const int64_t hq = g.num_qo_heads, d = g.VDim();  // the output's width
   std::vector<double> o_ref, lse_ref;
   Reference(p, &o_ref, &lse_ref);
   Coverage cov;
@@ -248,6 +249,9 @@ struct Config {
   int32_t random_seqs;  // besides the forced edge cases
   int32_t max_q_len;
   int32_t max_kv_len;
+  // > 0: MLA (num_kv_heads 1; head_dim is kv_lora_rank + qk_rope_head_dim).
+  int32_t kv_lora_rank = 0;
+  int32_t qk_rope_head_dim = 0;
 };
 
 std::string ConfigName(const ::testing::TestParamInfo<Config>& info) { return info.param.name; }
@@ -312,6 +316,13 @@ TEST_P(PagedPrefillRandomTest, MatchesFloat64Reference) {
   geo.num_kv_heads = c.num_kv_heads;
   geo.head_dim = c.head_dim;
   geo.dtype = c.dtype;
+  if (c.kv_lora_rank > 0) {
+    geo.attention = AttentionKind::kMla;
+    geo.kv_lora_rank = c.kv_lora_rank;
+    geo.qk_rope_head_dim = c.qk_rope_head_dim;
+    ASSERT_EQ(c.head_dim, c.kv_lora_rank + c.qk_rope_head_dim);
+    ASSERT_EQ(c.num_kv_heads, 1);
+  }
   const Problem p = MakeProblem(gen, geo, specs);
   const Output out = RunKernel(p);
   const Coverage cov = CheckAgainstReference(p, out);
@@ -356,7 +367,16 @@ INSTANTIATE_TEST_SUITE_P(
         Config{"Ps16MixedEverything", 16, 128, 8, 2, KvDType::kBf16, Mode::kMixed, Mode::kMixed,
                4, 10, 48, 250},
         Config{"Ps1MixedEverythingFp16", 1, 64, 8, 1, KvDType::kFp16, Mode::kMixed,
-               Mode::kMixed, 4, 10, 32, 120}),
+               Mode::kMixed, 4, 10, 32, 120},
+        // MLA: DeepSeek V3's latent rows (512 + 64; 16 heads, as under
+        // tensor parallelism) at FlashMLA's page size, and small ones at
+        // page_size 1 with every per-sequence setting mixed.
+        Config{"MlaPs64H16R512P64Bf16", 64, 576, 16, 1, KvDType::kBf16, Mode::kOn, Mode::kOff, 2,
+               3, 24, 300, 512, 64},
+        Config{"MlaPs1H8R64P16Fp16Mixed", 1, 80, 8, 1, KvDType::kFp16, Mode::kMixed, Mode::kMixed,
+               3, 6, 32, 120, 64, 16},
+        Config{"MlaPs16H4R128P0Bf16", 16, 128, 4, 1, KvDType::kBf16, Mode::kOn, Mode::kOn, 2, 4,
+               32, 160, 128, 0}),
     ConfigName);
 
 // ------------------------------------------------------------ hand-made cases
@@ -506,6 +526,8 @@ struct VariantConfig {
   int32_t page_size;
   int32_t head_dim;
   KvDType dtype;
+  // > 0: MLA with this latent width (the rest of head_dim is the rope part).
+  int32_t kv_lora_rank = 0;
 };
 
 std::string VariantName(const ::testing::TestParamInfo<VariantConfig>& info) {
@@ -611,6 +633,12 @@ TEST_P(PagedPrefillVariantTest, MatchesFloat64Reference) {
   geo.num_kv_heads = 2;
   geo.head_dim = c.head_dim;
   geo.dtype = c.dtype;
+  if (c.kv_lora_rank > 0) {
+    geo.attention = AttentionKind::kMla;
+    geo.num_kv_heads = 1;
+    geo.kv_lora_rank = c.kv_lora_rank;
+    geo.qk_rope_head_dim = c.head_dim - c.kv_lora_rank;
+  }
   const std::vector<SeqSpec> specs = VariantCases(gen, geo);
   int64_t pages_needed = 0;
   for (const SeqSpec& s : specs) pages_needed += PagesFor(s.kv_len, c.page_size);
@@ -641,7 +669,11 @@ INSTANTIATE_TEST_SUITE_P(
                       VariantConfig{"Ps64D64Fp16", 64, 64, KvDType::kFp16},
                       VariantConfig{"Ps1D256Fp16", 1, 256, KvDType::kFp16},
                       VariantConfig{"Ps16D64Bf16", 16, 64, KvDType::kBf16},
-                      VariantConfig{"Ps64D128Bf16", 64, 128, KvDType::kBf16}),
+                      VariantConfig{"Ps64D128Bf16", 64, 128, KvDType::kBf16},
+                      // MLA (latent 64 + rope 16, and DeepSeek's 512 + 64).
+                      VariantConfig{"MlaPs1R64P16Bf16", 1, 80, KvDType::kBf16, 64},
+                      VariantConfig{"MlaPs16R64P16Fp16", 16, 80, KvDType::kFp16, 64},
+                      VariantConfig{"MlaPs64R512P64Bf16", 64, 576, KvDType::kBf16, 512}),
     VariantName);
 
 // A window costs its keys, not the sequence's: a decode row with a 128-key

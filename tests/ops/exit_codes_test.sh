@@ -53,6 +53,21 @@ exits 2 "--q_dtype=fp16 with --kv_dtype=bf16" "--q_dtype=fp16 contradicts --kv_d
   "${small[@]}" --kv_dtype=bf16 --q_dtype=fp16
 exits 2 "--q_dtype=fp32" "--q_dtype=fp32 must be bf16 or fp16" \
   "${small[@]}" --kv_dtype=fp8_e4m3 --q_dtype=fp32
+mla=(--backend=cpu --num_layers=1 --num_pages=16 --attention=mla --listen=127.0.0.1:0
+     --metrics_listen=127.0.0.1:0)
+exits 2 "--attention=mha" "--attention=mha must be gqa or mla" "${small[@]}" --attention=mha
+exits 2 "--kv_lora_rank=100" "--kv_lora_rank=100 must be a multiple of 16 in \[16, 1024\]" \
+  "${mla[@]}" --kv_lora_rank=100
+exits 2 "--qk_rope_head_dim=300" "--qk_rope_head_dim=300 must be a multiple of 16 in \[0, 256\]" \
+  "${mla[@]}" --qk_rope_head_dim=300
+exits 2 "--kv_lora_rank without --attention=mla" "--kv_lora_rank applies to --attention=mla only" \
+  "${small[@]}" --kv_lora_rank=256
+exits 2 "--num_kv_heads=2 with --attention=mla" "MLA has one latent KV head" \
+  "${mla[@]}" --num_kv_heads=2
+exits 2 "--head_dim=256 with --attention=mla" "--kv_lora_rank + --qk_rope_head_dim = 576" \
+  "${mla[@]}" --head_dim=256
+exits 2 "--kv_dtype=fp8_e4m3 with --attention=mla" "an MLA cache is bf16 or fp16 so far" \
+  "${mla[@]}" --kv_dtype=fp8_e4m3
 
 start_server || { echo "0 passed, 1 failed"; exit 1; }
 port=${GRPC_ADDR##*:}
