@@ -142,7 +142,8 @@ class KvManager {
   // Finish()).
   absl::Status Undo(const std::shared_ptr<const StepPlan>& plan);
 
-  // One layer of a step: appends k_new, v_new (total_q, kv_heads, head_dim)
+  // One layer of a step: appends k_new, v_new (total_q, kv_heads, head_dim;
+  // on an MLA server k_new holds the latent rows and v_new is empty)
   // at the plan's slots, then attends with q (total_q, qo_heads, head_dim).
   // `plan` defaults to the latest; a plan whose sequences a later Plan() or
   // Finish() touched is stale (FAILED_PRECONDITION). A Run() that fails may

@@ -66,8 +66,9 @@ void ExpectLayout(const KvManager& mgr, const StepPlan& plan,
 // every layer.
 class KvManagerStepsTest : public ::testing::TestWithParam<bool> {};
 
-TEST_P(KvManagerStepsTest, ManyStepsWithSequencesFinishingAndStarting) {
-  TestServerOptions options;  // 2 layers, 256 pages of 16, 8 / 2 heads of 64, bf16
+// Many steps on a server started with `options`: sequences start, decode and
+// finish; every layer is checked against the reference.
+void RunManySteps(const TestServerOptions& options, bool server_plans) {
   auto server = TestServer::Start(options);
   ASSERT_TRUE(server.ok()) << server.status();
   auto client = Connect(**server);
@@ -75,7 +76,7 @@ TEST_P(KvManagerStepsTest, ManyStepsWithSequencesFinishingAndStarting) {
   const KvGeometry g = GeometryOf(client->info());
   const int32_t start_free = FreePages(*client);
   KvManagerOptions manager_options;
-  manager_options.server_plans = GetParam();
+  manager_options.server_plans = server_plans;
   KvManager mgr(client.get(), manager_options);
   KvMirror mirror(g);
   std::mt19937_64 gen(30);
@@ -108,13 +109,15 @@ TEST_P(KvManagerStepsTest, ManyStepsWithSequencesFinishingAndStarting) {
     auto plan = mgr.Plan(active, q_lens);
     ASSERT_TRUE(plan.ok()) << plan.status();
     ExpectLayout(mgr, **plan, before);
-    EXPECT_EQ((*plan)->plan_id != 0, GetParam());
+    EXPECT_EQ((*plan)->plan_id != 0, server_plans);
     EXPECT_EQ(FreePages(*client), start_free - mgr.NumPages());
     const int64_t total_q = (*plan)->total_q();
     for (int32_t layer = 0; layer < g.num_layers; ++layer) {
       const std::vector<uint16_t> q = RandomHalves(gen, g.dtype, total_q * g.num_qo_heads * g.head_dim);
       const std::vector<uint16_t> k = RandomHalves(gen, g.dtype, total_q * g.RowElems());
-      const std::vector<uint16_t> v = RandomHalves(gen, g.dtype, total_q * g.RowElems());
+      // MLA: the latent rows in k, no v.
+      const std::vector<uint16_t> v =
+          RandomHalves(gen, g.dtype, g.HasVPool() ? total_q * g.RowElems() : 0);
       auto out = mgr.Run(layer, q, k, v);
       ASSERT_TRUE(out.ok()) << out.status();
       mirror.Write(layer, (*plan)->append_slots, k, v);
@@ -140,6 +143,18 @@ TEST_P(KvManagerStepsTest, ManyStepsWithSequencesFinishingAndStarting) {
   EXPECT_EQ(mgr.NumPages(), 0);
   EXPECT_TRUE(mgr.Sequences().empty());
   EXPECT_EQ(FreePages(*client), start_free);  // plans released, pages freed
+}
+
+TEST_P(KvManagerStepsTest, ManyStepsWithSequencesFinishingAndStarting) {
+  RunManySteps(TestServerOptions{}, GetParam());  // 2 layers, 256 pages of 16, 8 / 2 heads of 64
+}
+
+// The same on an MLA server: k_new holds the latent rows, v_new is empty.
+TEST_P(KvManagerStepsTest, ManyStepsOnAnMlaServer) {
+  TestServerOptions options;
+  options.kv_lora_rank = 64;
+  options.qk_rope_head_dim = 16;
+  RunManySteps(options, GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(Plans, KvManagerStepsTest, ::testing::Bool(),
