@@ -67,6 +67,11 @@ std::string GeometryDifference(const KvGeometry& a, const KvGeometry& b) {
   cmp("num_qo_heads", a.num_qo_heads, b.num_qo_heads);
   cmp("num_kv_heads", a.num_kv_heads, b.num_kv_heads);
   cmp("head_dim", a.head_dim, b.head_dim);
+  if (a.attention != b.attention) {
+    diffs.push_back(absl::StrCat("attention=", AttentionKindName(b.attention), " (the others have ",
+                                 AttentionKindName(a.attention), ")"));
+  }
+  cmp("kv_lora_rank", a.kv_lora_rank, b.kv_lora_rank);
   auto q_name = [](const KvGeometry& g) { return g.dtype == KvDType::kBf16 ? "bf16" : "fp16"; };
   auto kv_name = [&](const KvGeometry& g) {
     return g.KvIsFp8() ? Fp8FormatName(g.kv_fp8) : q_name(g);
@@ -673,8 +678,10 @@ absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint1
         absl::StrCat("the step ", step->step,
                      " is stale: a later Plan() or Finish() changed one of its sequences"));
   }
-  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim;
-  const int64_t kv_row = int64_t{geo_.num_kv_heads} * geo_.head_dim;
+  const int64_t q_row = geo_.QRowElems();
+  const int64_t o_row = geo_.ORowElems();  // MLA: kv_lora_rank wide
+  const int64_t kv_row = geo_.RowElems();
+  const int64_t v_row = geo_.HasVPool() ? kv_row : 0;  // MLA: no V rows
   const int64_t total_q = step->total_q();
   if (static_cast<int64_t>(q.size()) != total_q * q_row) {
     return absl::InvalidArgumentError(absl::StrCat("q has ", q.size(), " values, the step needs ",
@@ -682,10 +689,11 @@ absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint1
                                                    geo_.head_dim));
   }
   if (static_cast<int64_t>(k_new.size()) != total_q * kv_row ||
-      static_cast<int64_t>(v_new.size()) != total_q * kv_row) {
+      static_cast<int64_t>(v_new.size()) != total_q * v_row) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "k_new and v_new have ", k_new.size(), " and ", v_new.size(),
-        " values, the step needs ", total_q, " x ", geo_.num_kv_heads, " x ", geo_.head_dim));
+        "k_new and v_new have ", k_new.size(), " and ", v_new.size(), " values, the step needs ",
+        total_q, " x ", geo_.num_kv_heads, " x ", geo_.head_dim, " each",
+        geo_.HasVPool() ? "" : " in k_new and none in v_new (an MLA server's latent rows)"));
   }
 
   // One Prefill per server, all in flight at once.
@@ -700,12 +708,12 @@ absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint1
       std::copy_n(q.begin() + part.q_rows[r] * q_row, q_row, q_sub.begin() + r * q_row);
     }
     std::vector<uint16_t> k_sub(part.append_rows.size() * kv_row);
-    std::vector<uint16_t> v_sub(part.append_rows.size() * kv_row);
+    std::vector<uint16_t> v_sub(part.append_rows.size() * v_row);
     for (size_t r = 0; r < part.append_rows.size(); ++r) {
       std::copy_n(k_new.begin() + part.append_rows[r] * kv_row, kv_row,
                   k_sub.begin() + r * kv_row);
-      std::copy_n(v_new.begin() + part.append_rows[r] * kv_row, kv_row,
-                  v_sub.begin() + r * kv_row);
+      std::copy_n(v_new.begin() + part.append_rows[r] * v_row, v_row,
+                  v_sub.begin() + r * v_row);
     }
     results[pi] = servers_[part.server]->kv->Run(layer, q_sub, k_sub, v_sub, part.plan.get());
   };
@@ -743,7 +751,7 @@ absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint1
 
   // Assemble in the caller's order: copy, or merge the servers' states.
   PrefillResult out;
-  out.o.assign(total_q * q_row, 0);
+  out.o.assign(total_q * o_row, 0);
   out.lse.assign(total_q * geo_.num_qo_heads, -std::numeric_limits<float>::infinity());
   std::vector<int64_t> lost;
   const int32_t hq = geo_.num_qo_heads;
@@ -772,14 +780,14 @@ absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint1
         if (src.skip > lo) continue;
         const PrefillResult& r = *results[src.part];
         const int64_t at = src.row + (lo - src.skip);  // row lo of the sequence
-        vs.push_back(r.o.data() + at * q_row);
+        vs.push_back(r.o.data() + at * o_row);
         lses.push_back(r.lse.data() + at * hq);
       }
       if (vs.empty()) continue;  // no causal row is without its own key: not reached
-      uint16_t* o_at = out.o.data() + (row0 + lo) * q_row;
+      uint16_t* o_at = out.o.data() + (row0 + lo) * o_row;
       float* lse_at = out.lse.data() + (row0 + lo) * hq;
       if (vs.size() == 1) {
-        std::copy_n(static_cast<const uint16_t*>(vs[0]), (hi - lo) * q_row, o_at);
+        std::copy_n(static_cast<const uint16_t*>(vs[0]), (hi - lo) * o_row, o_at);
         std::copy_n(lses[0], (hi - lo) * hq, lse_at);
         continue;
       }
@@ -791,7 +799,7 @@ absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint1
       m.lse_out = lse_at;
       m.n = hi - lo;
       m.h = hq;
-      m.d = geo_.head_dim;
+      m.d = geo_.VDim();
       m.dtype = geo_.dtype;
       m.lse_base_e = options_.kv.lse_base_e ? 1 : 0;
       MergeStatesCpu(m);

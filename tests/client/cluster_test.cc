@@ -105,12 +105,12 @@ class Reference {
       in.qo_indptr.push_back(in.qo_indptr.back() + step.q_lens[b]);
       for (int32_t r = step.qo_indptr[b]; r < step.qo_indptr[b + 1]; ++r) keep_rows.push_back(r);
     }
-    const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim;
+    const int64_t q_row = geo_.QRowElems(), o_row = geo_.ORowElems();
     std::vector<uint16_t> o;
     std::vector<float> lse;
     for (int64_t r : keep_rows) {
       in.q.insert(in.q.end(), q.begin() + r * q_row, q.begin() + (r + 1) * q_row);
-      o.insert(o.end(), got.o.begin() + r * q_row, got.o.begin() + (r + 1) * q_row);
+      o.insert(o.end(), got.o.begin() + r * o_row, got.o.begin() + (r + 1) * o_row);
       lse.insert(lse.end(), got.lse.begin() + r * geo_.num_qo_heads,
                  got.lse.begin() + (r + 1) * geo_.num_qo_heads);
     }
@@ -139,7 +139,7 @@ void RunAndCheck(Cluster& cluster, Reference& ref, const ClusterStep& step, std:
     const int64_t n = step.total_q();
     auto q = RandomHalves(gen, g.dtype, n * g.num_qo_heads * g.head_dim);
     auto k = RandomHalves(gen, g.dtype, n * g.RowElems());
-    auto v = RandomHalves(gen, g.dtype, n * g.RowElems());
+    auto v = RandomHalves(gen, g.dtype, g.HasVPool() ? n * g.RowElems() : 0);  // MLA: none
     ref.Append(layer, step, k, v);
     auto out = cluster.Run(layer, q, k, v, &step);
     ASSERT_TRUE(out.ok()) << out.status();
@@ -331,6 +331,45 @@ TEST(ClusterTest, SpreadSequencesTakeTheirSinksOnce) {
     }
     ASSERT_TRUE(c.Release().ok());
   }
+}
+
+// MLA servers (docs/design.md, "Multi-head latent attention"): latent rows
+// in k_new alone, a spread sequence's kv_lora_rank-wide states merged by LSE.
+TEST(ClusterTest, SpreadSequencesOnMlaServersMatchTheReference) {
+  std::vector<TestServerOptions> opts(2);
+  for (auto& o : opts) {
+    o.kv_lora_rank = 64;
+    o.qk_rope_head_dim = 16;
+  }
+  auto servers = StartServers(opts);
+  ASSERT_EQ(servers.size(), 2u);
+  ClusterOptions options = OptionsFor(servers);
+  options.split_min_tokens = 24;
+  auto cluster = Cluster::Connect(options);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  Cluster& c = **cluster;
+  EXPECT_TRUE(c.geometry().IsMla());
+  Reference ref(c.geometry());
+  std::mt19937_64 gen(43);
+  auto step = c.Plan({1, 2}, {50, 5});
+  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_EQ(c.ShardsOf(1).size(), 2u);
+  RunAndCheck(c, ref, **step, gen);
+  for (int round = 0; round < 3; ++round) {
+    auto decode = c.Plan({1, 2}, {1, 1});
+    ASSERT_TRUE(decode.ok()) << decode.status();
+    RunAndCheck(c, ref, **decode, gen);
+  }
+  // A V input is refused before anything is sent.
+  auto bad = c.Plan({2}, {1});
+  ASSERT_TRUE(bad.ok());
+  const KvGeometry& g = c.geometry();
+  auto row = RandomHalves(gen, g.dtype, g.RowElems());
+  auto q = RandomHalves(gen, g.dtype, g.QRowElems());
+  auto refused = c.Run(0, q, row, row, bad->get());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("none in v_new"));
+  ASSERT_TRUE(c.Release().ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(PageSizesAndServers, ClusterSplitTest,
