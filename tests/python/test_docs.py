@@ -69,14 +69,22 @@ def shm_server():
         yield s
 
 
+# docs/flashinfer.md, "Multi-head latent attention": its MLA server.
+FI_MLA_ADDRESS = "127.0.0.1:50057"
+
+
 def test_flashinfer_doc_has_blocks():
-    assert len(FI_BLOCKS) == 3
+    assert len(FI_BLOCKS) == 4
+    assert sum(FI_MLA_ADDRESS in b for b in FI_BLOCKS) == 1
 
 
 @pytest.mark.parametrize("index", range(len(FI_BLOCKS)))
-def test_flashinfer_block(shm_server, index, capsys):
+def test_flashinfer_block(request, index, capsys):
     code = FI_BLOCKS[index]
     expected = [m.group(1).strip() for m in map(EXPECTED.match, code.splitlines()) if m]
+    if FI_MLA_ADDRESS in code:
+        code = code.replace(FI_MLA_ADDRESS, request.getfixturevalue("mla_server").address)
+    shm_server = request.getfixturevalue("shm_server")
     for address in ("127.0.0.1:50051", "127.0.0.1:50054"):
         code = code.replace(address, shm_server.address)
     exec(compile(code, f"docs/flashinfer.md block {index}", "exec"), {"__name__": "__main__"})

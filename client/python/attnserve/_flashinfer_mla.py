@@ -14,15 +14,11 @@ multiplied by W_UK), as FlashInfer's wrapper takes them.
 
 from __future__ import annotations
 
-import math
-from typing import Optional
-
 import numpy as np
 import torch
 
-from attnserve.flashinfer import (AttentionFuture, LayerCache, _check_geometry, _check_layout,
-                                  _ints, _layer_of, _torch_dtype, _unsupported, _Wrapper,
-                                  _append_slots)
+from attnserve.flashinfer import (AttentionFuture, LayerCache, _append_slots, _check_geometry,
+                                  _check_layout, _ints, _layer_of, _unsupported, _Wrapper)
 
 
 class BatchMLAPagedAttentionWrapper(_Wrapper):

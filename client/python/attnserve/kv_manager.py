@@ -879,6 +879,8 @@ class KvManager(_Bookkeeping):
             **kwargs) -> PrefillResult:
         """One layer of the step: appends k_new, v_new [total_q, kv_heads, head_dim]
         at the plan's slots, then attends with q [total_q, qo_heads, head_dim].
+        An MLA server (server_info.mla): k_new the latent rows [total_q, 1,
+        qk_head_dim], v_new None; the output is v_head_dim wide.
 
         plan defaults to the latest; any plan whose sequences no later plan or
         finish() touched may run (e.g. two micro-batches). kwargs go to
