@@ -19,14 +19,19 @@ Attention runs two ways, with the same weights:
   local     in PyTorch, the plain (non-absorbed) form: c_kv is up-projected
             to per-head K_nope and V, and every head attends over
             [K_nope | k_pe] keys with its [q_nope | q_pe] query;
-  kvmanager on attnserve (--attention=mla) in the absorbed form, through
-            attnserve.KvManager: the server caches one latent row per token,
-            [c_kv | k_pe] (kv_lora_rank + qk_rope_head_dim values), and gets
-            the query [q_nope @ W_UK | q_pe] per head (W_UK: the K half of
-            kv_b_proj); its output is each head's latent (kv_lora_rank
-            values), which the model multiplies by W_UV (the V half) here;
-  pingpong  the same through the asyncio client, the batch in two
-            micro-batches.
+  server    on attnserve (--attention=mla) in the absorbed form, through
+            attnserve.flashinfer's BatchMLAPagedAttentionWrapper (FlashInfer's
+            MLA plan/run and append_paged_mla_kv_cache, docs/flashinfer.md)
+            over --transport grpc, shm or channel: the server caches one
+            latent row per token, [c_kv | k_pe] (kv_lora_rank +
+            qk_rope_head_dim values), and gets the query [q_nope @ W_UK |
+            q_pe] per head (W_UK: the K half of kv_b_proj); its output is each
+            head's latent (kv_lora_rank values), which the model multiplies
+            by W_UV (the V half) here;
+  kvmanager the same through attnserve.KvManager (one Prefill per layer with
+            the new latent rows appended);
+  pingpong  the same through the asyncio client's AsyncKvManager, the batch
+            in two micro-batches.
 
 examples/decoder.py runs generation (a prompt's prefill, then greedy decode
 steps) and checks that the modes' logits agree within bf16 tolerance and
@@ -47,8 +52,10 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -255,7 +262,69 @@ def check_geometry(cfg: Config, info: attnserve.ServerInfo, wire: str) -> None:
             f"the server at {info.device!r} does not fit the model:\n" + "\n".join(diffs))
 
 
-MODES = ("local", "kvmanager", "pingpong")
+class FlashInferMLAAttention:
+    """Attention on attnserve through attnserve.flashinfer's MLA wrapper, as a
+    FlashInfer engine runs it: its own page table over the cache's page
+    indices, one plan per step, and per layer append_paged_mla_kv_cache of
+    the new latent rows, then run(q_nope, q_pe, ...)."""
+
+    def __init__(self, client, max_num_pages: int, model: Model, transport: str = "grpc"):
+        import attnserve.flashinfer as flashinfer
+        self.fi, self.model, self.info = flashinfer, model, client.server_info
+        self.cache = flashinfer.PagedKVCache(client, max_num_pages, transport=transport)
+        self.wrapper = flashinfer.BatchMLAPagedAttentionWrapper(self.cache)
+        self.free = list(range(max_num_pages - 1, -1, -1))
+        self.pages: dict = {}
+        self.lens: dict = {}
+        self.round_trips: list = []
+        self.step = None
+
+    def begin_step(self, seq_ids, q_lens):
+        ps, g = self.info.page_size, self.info
+        for sid, n in zip(seq_ids, q_lens):
+            self.lens[sid] = self.lens.get(sid, 0) + n
+            pages = self.pages.setdefault(sid, [])
+            while len(pages) * ps < self.lens[sid]:
+                pages.append(self.free.pop())
+        i32 = dict(dtype=torch.int32)
+        kv_indptr = torch.tensor([0] + np.cumsum([len(self.pages[s]) for s in seq_ids]).tolist(),
+                                 **i32)
+        kv_indices = torch.tensor([p for s in seq_ids for p in self.pages[s]], **i32)
+        kv_lens = torch.tensor([self.lens[s] for s in seq_ids], **i32)
+        kv_last = torch.tensor([self.lens[s] - (len(self.pages[s]) - 1) * ps for s in seq_ids],
+                               **i32)
+        qo_indptr = torch.tensor([0] + np.cumsum(q_lens).tolist(), **i32)
+        self.wrapper.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, g.num_qo_heads,
+                          g.kv_lora_rank, g.qk_rope_head_dim, ps, True,
+                          self.model.softmax_scale, self.cache.dtype, self.cache.dtype)
+        batch_indices, positions = self.fi.get_batch_indices_positions(
+            qo_indptr, kv_lens, int(qo_indptr[-1]))
+        self.step = dict(kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last=kv_last,
+                         batch_indices=batch_indices, positions=positions)
+        return positions.to(torch.int64)
+
+    def attention(self, layer, q, latent, v):
+        s, rank = self.step, self.info.kv_lora_rank
+        t0 = time.perf_counter()
+        self.fi.append_paged_mla_kv_cache(latent[:, 0, :rank], latent[:, 0, rank:],
+                                          s["batch_indices"], s["positions"], self.cache[layer],
+                                          self.cache[layer], s["kv_indices"], s["kv_indptr"],
+                                          s["kv_last"])
+        out = self.wrapper.run(q[..., :rank].contiguous(), q[..., rank:].contiguous(),
+                               self.cache[layer], self.cache[layer])
+        self.round_trips.append(time.perf_counter() - t0)
+        return out
+
+    def finish(self, seq_ids):
+        for sid in seq_ids:
+            self.free.extend(reversed(self.pages.pop(sid, [])))
+            self.lens.pop(sid, None)
+        if not self.pages:
+            self.wrapper.close()
+            self.cache.close()
+
+
+MODES = ("local", "server", "kvmanager", "pingpong")
 
 
 def main(argv=None) -> int:
@@ -264,8 +333,11 @@ def main(argv=None) -> int:
     p.add_argument("--token", default=None, help="bearer token (--auth_tokens_file servers)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
     p.add_argument("--attention", default="all",
-                   help="local, kvmanager, pingpong, several comma-separated (run in that "
-                        "order, each compared with the first), or all")
+                   help="local, server, kvmanager, pingpong, several comma-separated (run in "
+                        "that order, each compared with the first), or all (every one)")
+    p.add_argument("--transport", choices=["grpc", "shm", "channel"], default="grpc",
+                   help="how --attention server reaches the server (shm and channel: on this "
+                        "host, with --allow_shared_memory)")
     p.add_argument("--attn_dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="decode steps after the prefill")
@@ -308,6 +380,12 @@ def main(argv=None) -> int:
         if mode == "local":
             local = decoder.LocalAttention(cfg, args.device, wire_dtype, model.attention_probs)
             runs[mode] = decoder.generate(model, local, prompts, steps, wire_dtype, mode, follow)
+        elif mode == "server":
+            remote = FlashInferMLAAttention(
+                client, decoder.pages_for(prompts, steps, client.server_info.page_size), model,
+                args.transport)
+            runs[mode] = decoder.generate(model.absorbed_view(), remote, prompts, steps,
+                                          wire_dtype, mode, follow)
         elif mode == "kvmanager":
             remote = decoder.ServerAttention(client, not args.no_server_plans, model)
             runs[mode] = decoder.generate(model.absorbed_view(), remote, prompts, steps,

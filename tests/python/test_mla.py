@@ -474,12 +474,17 @@ def test_server_refuses_a_v_and_a_gqa_shaped_query(client):
     q = dt.float32_to_bf16_bits(np.ones((2, HEADS, 64), np.float32))
     with pytest.raises(attnserve.InvalidArgument, match="q"):
         client.prefill(0, attnserve.RawBits(q, "bf16"), [0, 2], [0, 1], pages, [2])
-    # ReadKV with a v_region on an MLA server.
-    with pytest.raises(grpc.RpcError) as e:
-        _raw(client, "ReadKV", pb.ReadKVRequest(
-            layer=0, slots=slots, k_region=pb.RegionRef(name="x", offset=0, byte_size=320),
-            v_region=pb.RegionRef(name="y", offset=0, byte_size=320)))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "v_region" in e.value.details()
+    # ReadKV with a v_region on an MLA server (both in a registered region).
+    with attnserve.SharedMemoryRegion(1 << 16) as region:
+        region.register(client, "mla-read")
+        with pytest.raises(grpc.RpcError) as e:
+            _raw(client, "ReadKV", pb.ReadKVRequest(
+                layer=0, slots=slots,
+                k_region=pb.RegionRef(name="mla-read", offset=0, byte_size=2 * QK * 2),
+                v_region=pb.RegionRef(name="mla-read", offset=4096, byte_size=2 * QK * 2)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "v_region" in e.value.details()
+        region.close(client)
     assert client.health() == "SERVING"
     client.free_pages(pages)
 

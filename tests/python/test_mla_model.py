@@ -1,7 +1,8 @@
 """examples/deepseek_mla.py: a DeepSeek-V2/V3-style decoder whose attention
 runs locally in the plain form (c_kv up-projected to every head's K and V)
 and on a real CPU MLA server in the absorbed form (q_nope @ W_UK, the output
-latent @ W_UV), through KvManager and in ping-pong micro-batches; logits
+latent @ W_UV), through attnserve.flashinfer's MLA wrapper (gRPC and a
+request channel), KvManager and ping-pong micro-batches; logits
 agree within bf16 tolerance at every step (prefill and decode) and the
 greedy tokens are identical. The absorbed form itself is checked against the
 plain one in float64 without a server, and the rope part of the latent is
@@ -24,8 +25,8 @@ CFG = deepseek_mla.PRESETS["small"]["config"]
 @pytest.fixture(scope="module")
 def server():
     with TestServer(attention="mla", num_layers=CFG.layers, num_qo_heads=CFG.qo_heads,
-                    kv_lora_rank=CFG.kv_lora_rank,
-                    qk_rope_head_dim=CFG.qk_rope_head_dim) as s:
+                    kv_lora_rank=CFG.kv_lora_rank, qk_rope_head_dim=CFG.qk_rope_head_dim,
+                    extra_flags=["--allow_shared_memory"]) as s:
         yield s
 
 
@@ -64,11 +65,20 @@ def test_server_matches_local(server, tmp_path):
                               str(out)])
     assert code == 0
     report = json.loads(out.read_text())
-    assert [r["mode"] for r in report["runs"]] == ["local", "kvmanager", "pingpong"]
-    assert len(report["comparisons"]) == 2
+    assert [r["mode"] for r in report["runs"]] == ["local", "server", "kvmanager", "pingpong"]
+    assert len(report["comparisons"]) == 3
     for c in report["comparisons"].values():
         assert c["ok"] and c["tokens_identical"] and c["max_logits_rel_error"] < 2e-2, c
         assert c["tokens_compared"] == report["batch"] * (STEPS + 1)
+
+
+def test_flashinfer_wrapper_over_a_channel(server, tmp_path):
+    out = tmp_path / "report.json"
+    code = deepseek_mla.main(["--target", server.address, "--steps", "4", "--attention",
+                              "local,server", "--transport", "channel", "--json", str(out)])
+    assert code == 0
+    c = json.loads(out.read_text())["comparisons"]["server_vs_local"]
+    assert c["ok"] and c["tokens_identical"], c
 
 
 def test_without_server_plans(server):
