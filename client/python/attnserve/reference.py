@@ -200,7 +200,9 @@ def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     if d != mirror.row_shape[1]:
         raise ValueError(f"q: rows of {d} values, the mirror's K rows have {mirror.row_shape[1]}")
-    o = np.zeros((total_q, hq, mirror.v_head_dim))
+    # A mirror without v_head_dim (any object with row_shape and rows()) has
+    # values as wide as its keys.
+    o = np.zeros((total_q, hq, getattr(mirror, "v_head_dim", mirror.row_shape[1])))
     lse = np.full((total_q, hq), -np.inf)
     qo = np.asarray(qo_indptr).tolist()
     kvp = np.asarray(kv_indptr).tolist()
