@@ -8,13 +8,16 @@ Written from DeepSeek-V2's published model definition (the paper's section
 (qk_nope_head_dim) and q_pe (qk_rope_head_dim); the keys and values through
 one compressed latent c_kv (kv_lora_rank values per token, RMSNorm'd) plus a
 rope key k_pe (qk_rope_head_dim values per token, shared by every head); rope
-on q_pe and k_pe alone (decoupled rope); kv_b_proj up-projects c_kv to each
+on q_pe and k_pe alone (decoupled rope; here examples/decoder.py's half-split
+rotation, where DeepSeek's released checkpoints keep those dimensions
+interleaved: a fixed permutation of the weights); kv_b_proj up-projects c_kv to each
 head's k_nope and value (v_head_dim); the softmax scale
 1/sqrt(qk_nope_head_dim + qk_rope_head_dim). A dense SwiGLU MLP stands in for
 DeepSeek's mixture of experts (attention never sees it). Random weights from
 a fixed seed (nothing is downloaded); small widths so that it runs on a CPU.
 
-Attention runs two ways, with the same weights:
+Attention runs in these modes, with the same weights (local in the plain
+form, the others in the absorbed form):
 
   local     in PyTorch, the plain (non-absorbed) form: c_kv is up-projected
             to per-head K_nope and V, and every head attends over

@@ -339,7 +339,7 @@ def _tensor_field(field_number: int, x, wire_dtype: int, name: str) -> list:
     return [_wire.tensor_head(field_number, wire_dtype, shape, data.nbytes), data]
 
 
-def check_kv_args(info: "ServerInfo", k, v, k_name: str = "k", v_name: str = "v") -> None:
+def _check_kv_args(info: "ServerInfo", k, v, k_name: str = "k", v_name: str = "v") -> None:
     """A GQA server takes K and V rows, an MLA server K (latent) rows alone:
     ValueError naming the argument otherwise."""
     if k is None:
@@ -668,7 +668,7 @@ class _Core:
 
     def _req_write_kv(self, layer: int, slots, k, v) -> _Request:
         info = self.server_info
-        check_kv_args(info, k, v)
+        _check_kv_args(info, k, v)
         wire = _kv_wire(info, k, v)
         req = pb.WriteKVRequest(layer=_int32(layer, "layer"),
                                 expected_incarnation=self._incarnation, lease_id=self._lease_id)
@@ -725,7 +725,7 @@ class _Core:
             info = self.server_info
             if not info.mla and (append_k is None or append_v is None):
                 raise ValueError("append_k and append_v go together")
-            check_kv_args(info, append_k, append_v, "append_k", "append_v")
+            _check_kv_args(info, append_k, append_v, "append_k", "append_v")
             kv_wire = _kv_wire(info, append_k, append_v)
             pieces += _tensor_field(11, append_k, kv_wire, "append_k")
             if append_v is not None:
