@@ -7,6 +7,8 @@ class with random weights that provides
   cfg                         layers, qo_heads, kv_heads, head_dim (and its own)
   embed_tokens(ids)           [T] token ids -> [T, hidden]
   pre_attention(layer, x, positions) -> q [T, qo_heads, head_dim], k, v [T, kv_heads, head_dim]
+                              (v None where the server takes K rows alone: an
+                              MLA model's latent rows, examples/deepseek_mla.py)
   attention_probs(layer, dots, visible, distance)
                               its softmax as its published definition writes it:
                               dots [B, Hq, Tq, Tk] = q . k (float32), visible
@@ -106,7 +108,9 @@ class LocalAttention:
         self.probs = probs or plain_causal_probs(cfg.head_dim)
         self.slot_of: dict = {}
         self.lens: dict = {}
-        self.cache: dict = {}      # layer -> (k, v) [slots, capacity, kv_heads, head_dim]
+        # layer -> (k, v) [slots, capacity, kv_heads, head_dim] (v's last
+        # dimension may differ from k's: MLA's v_head_dim)
+        self.cache: dict = {}
         self.step = None
 
     def begin_step(self, seq_ids, q_lens):
@@ -128,8 +132,9 @@ class LocalAttention:
                          positions=positions)
         return positions
 
-    def _grow(self, layer, slots_needed, length):
-        c = self.cfg
+    def _grow(self, layer, slots_needed, length, k_row, v_row):
+        """The layer's cache with room for slots_needed sequences of length
+        rows of k_row and v_row ([kv_heads, dim] each)."""
         k, v = self.cache.get(layer, (None, None))
         cap = 0 if k is None else k.shape[1]
         n = 0 if k is None else k.shape[0]
@@ -138,9 +143,8 @@ class LocalAttention:
         new_cap, new_n = max(cap, 16), max(n, slots_needed, 4)
         while new_cap < length:
             new_cap *= 2
-        shape = (new_n, new_cap, c.kv_heads, c.head_dim)
-        nk = torch.zeros(shape, dtype=self.wire_dtype, device=self.device)
-        nv = torch.zeros(shape, dtype=self.wire_dtype, device=self.device)
+        nk = torch.zeros((new_n, new_cap, *k_row), dtype=self.wire_dtype, device=self.device)
+        nv = torch.zeros((new_n, new_cap, *v_row), dtype=self.wire_dtype, device=self.device)
         if k is not None:
             nk[:n, :cap], nv[:n, :cap] = k, v
         self.cache[layer] = (nk, nv)
@@ -150,16 +154,17 @@ class LocalAttention:
         s, c = self.step, self.cfg
         dev = self.device
         kv_lens = s["kv_lens"].to(dev)
-        k_cache, v_cache = self._grow(layer, len(self.slot_of), int(s["kv_lens"].max()))
+        k_cache, v_cache = self._grow(layer, len(self.slot_of), int(s["kv_lens"].max()),
+                                      tuple(k.shape[1:]), tuple(v.shape[1:]))
         slots = s["slots"].to(dev)
         tok_slot = slots[s["batch_of"].to(dev)]
         tok_pos = s["positions"].to(dev)
         k_cache[tok_slot, tok_pos] = k.to(self.wire_dtype)
         v_cache[tok_slot, tok_pos] = v.to(self.wire_dtype)
         b, tq, tk = len(slots), int(s["q_lens"].max()), int(s["kv_lens"].max())
-        q_pad = torch.zeros(b, tq, c.qo_heads, c.head_dim, dtype=torch.float32, device=dev)
+        q_pad = torch.zeros(b, tq, c.qo_heads, q.shape[-1], dtype=torch.float32, device=dev)
         q_pad[s["batch_of"].to(dev), s["col"].to(dev)] = q.to(self.wire_dtype).float()
-        group = c.qo_heads // c.kv_heads
+        group = c.qo_heads // k.shape[1]
         keys = k_cache[slots, :tk].float().repeat_interleave(group, dim=2)    # [B, tk, Hq, D]
         vals = v_cache[slots, :tk].float().repeat_interleave(group, dim=2)
         dots = torch.einsum("bihd,bjhd->bhij", q_pad, keys)
@@ -346,13 +351,17 @@ def _step_inputs(model, tokens):
     return q_lens, model.embed_tokens(flat)
 
 
+def _to(x, dtype):
+    return None if x is None else x.to(dtype)
+
+
 def forward(model, attn, seq_ids, tokens, wire_dtype):
     """One step for every sequence: logits [batch, vocab] of each one's last token."""
     q_lens, x = _step_inputs(model, tokens)
     positions = attn.begin_step(seq_ids, q_lens)
     for layer in range(model.cfg.layers):
         q, k, v = model.pre_attention(layer, x, positions)
-        o = attn.attention(layer, q.to(wire_dtype), k.to(wire_dtype), v.to(wire_dtype))
+        o = attn.attention(layer, q.to(wire_dtype), k.to(wire_dtype), _to(v, wire_dtype))
         x = model.post_attention(layer, x, o)
     return model.logits(x[_last_rows(q_lens).to(model.device)])
 
@@ -363,7 +372,7 @@ async def forward_async(model, attn, seq_ids, tokens, wire_dtype):
     positions = await attn.begin_step(seq_ids, q_lens)
     for layer in range(model.cfg.layers):
         q, k, v = model.pre_attention(layer, x, positions)
-        o = await attn.attention(layer, q.to(wire_dtype), k.to(wire_dtype), v.to(wire_dtype))
+        o = await attn.attention(layer, q.to(wire_dtype), k.to(wire_dtype), _to(v, wire_dtype))
         x = model.post_attention(layer, x, o)
     return model.logits(x[_last_rows(q_lens).to(model.device)])
 

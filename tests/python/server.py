@@ -44,10 +44,17 @@ class TestServer:
                  num_qo_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 64,
                  kv_dtype: str = "bf16", extra_flags=(), start_timeout_s: float = 60,
                  probe_credentials: grpc.ChannelCredentials | None = None,
-                 backend: str = "cpu"):
+                 backend: str = "cpu", attention: str = "gqa", kv_lora_rank: int = 0,
+                 qk_rope_head_dim: int = 0):
+        """attention="mla": a multi-head latent attention server of kv_lora_rank
+        and qk_rope_head_dim (num_kv_heads and head_dim are not passed)."""
         self.geometry = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
                              num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, kv_dtype=kv_dtype)
+        if attention == "mla":
+            del self.geometry["num_kv_heads"], self.geometry["head_dim"]
+            self.geometry.update(attention="mla", kv_lora_rank=kv_lora_rank,
+                                 qk_rope_head_dim=qk_rope_head_dim)
         args = [attnserve_bin(), "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
                 "--backend=" + backend, "--drain_timeout_s=10"]
         args += [f"--{k}={v}" for k, v in self.geometry.items()]

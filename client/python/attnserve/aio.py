@@ -126,7 +126,8 @@ class AsyncClient(_Core):
         await self._ensure_info()
         return await self._call(self._req_free(page_ids), timeout)
 
-    async def write_kv(self, layer: int, slots, k, v, *, timeout: Optional[float] = None) -> None:
+    async def write_kv(self, layer: int, slots, k, v=None, *,
+                       timeout: Optional[float] = None) -> None:
         await self._ensure_info()
         return await self._call(self._req_write_kv(layer, slots, k, v), timeout)
 

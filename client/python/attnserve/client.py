@@ -121,6 +121,28 @@ class ServerInfo:
     q_dtype: str = ""
     kv_cache_bytes: int = 0
     page_bytes: int = 0
+    # "gqa" or "mla" (docs/design.md, "Multi-head latent attention"). MLA:
+    # one latent row per token slot, [kv_lora_rank | qk_rope_head_dim]
+    # values, num_kv_heads 1 and no V; queries and K rows are qk_head_dim
+    # wide, outputs and merged states v_head_dim (= kv_lora_rank). GQA:
+    # qk_head_dim = v_head_dim = head_dim, the MLA fields 0.
+    attention: str = "gqa"
+    qk_head_dim: int = 0
+    v_head_dim: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    def __post_init__(self):
+        # A server older than the MLA fields leaves them 0: head_dim.
+        if not self.qk_head_dim:
+            object.__setattr__(self, "qk_head_dim", self.head_dim)
+        if not self.v_head_dim:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention: K rows are latent rows and there is no V."""
+        return self.attention == "mla"
 
     @property
     def wire_dtype(self) -> int:
@@ -144,7 +166,7 @@ class ServerInfo:
 
 @dataclass
 class PrefillResult:
-    """output [total_q, num_qo_heads, head_dim]; lse [total_q, num_qo_heads] float32."""
+    """output [total_q, num_qo_heads, v_head_dim]; lse [total_q, num_qo_heads] float32."""
 
     output: Any
     lse: Any
@@ -317,11 +339,27 @@ def _tensor_field(field_number: int, x, wire_dtype: int, name: str) -> list:
     return [_wire.tensor_head(field_number, wire_dtype, shape, data.nbytes), data]
 
 
+def _check_kv_args(info: "ServerInfo", k, v, k_name: str = "k", v_name: str = "v") -> None:
+    """A GQA server takes K and V rows, an MLA server K (latent) rows alone:
+    ValueError naming the argument otherwise."""
+    if k is None:
+        raise ValueError(f"{k_name}: the rows to write are missing")
+    if info.mla and v is not None:
+        raise ValueError(
+            f"{v_name}: the server computes multi-head latent attention (attention=mla), whose "
+            f"cache holds one latent row per slot in {k_name} [n, 1, qk_head_dim="
+            f"{info.qk_head_dim}] and no V; pass {v_name}=None")
+    if not info.mla and v is None:
+        raise ValueError(f"{v_name}: missing; the server computes grouped-query attention "
+                         f"(attention=gqa), which stores K and V rows [n, {info.num_kv_heads}, "
+                         f"{info.head_dim}] each")
+
+
 def _kv_wire(info: "ServerInfo", k, v) -> int:
-    """The wire dtype of K and V rows: the q dtype, or the cache's FP8 dtype
-    for rows already in FP8 (torch float8, RawBits of FP8 bits), which are
-    stored as they are. Both of one kind."""
-    fp8 = [_dt.fp8_wire_of(x) for x in (k, v)]
+    """The wire dtype of K and V rows (K alone: v None): the q dtype, or the
+    cache's FP8 dtype for rows already in FP8 (torch float8, RawBits of FP8
+    bits), which are stored as they are. Both of one kind."""
+    fp8 = [_dt.fp8_wire_of(x) for x in ((k, v) if v is not None else (k, k))]
     if (fp8[0] is None) != (fp8[1] is None):
         raise TypeError("k and v: both FP8 rows or neither")
     if fp8[0] is None:
@@ -330,6 +368,21 @@ def _kv_wire(info: "ServerInfo", k, v) -> int:
         raise TypeError(f"FP8 K and V rows: the server's kv_dtype is {info.kv_dtype}, which "
                         "takes 16-bit rows only")
     return info.kv_wire_dtype
+
+
+def _read_into(into, mla: bool):
+    """read_kv's into: (k, v) RegionTensors; on an MLA server k alone (a
+    RegionTensor, or (k, None))."""
+    if into is None:
+        return None
+    if mla:
+        if isinstance(into, RegionTensor):
+            return (into, None)
+        if isinstance(into, (tuple, list)) and len(into) == 2 and \
+                isinstance(into[0], RegionTensor) and into[1] is None:
+            return (into[0], None)
+        raise ValueError("into: a RegionTensor for the latent rows (an MLA server has no V)")
+    return _pair(into, "into (k, v)")
 
 
 def _pair(into, names: str):
@@ -584,7 +637,10 @@ class _Core:
                 incarnation=m.incarnation, region_socket=m.region_socket,
                 lease_default_ttl_ms=m.lease_default_ttl_ms, lease_max_ttl_ms=m.lease_max_ttl_ms,
                 q_dtype=_dt.DTYPE_NAMES.get(m.q_dtype or m.kv_dtype, str(m.q_dtype)),
-                kv_cache_bytes=m.kv_cache_bytes, page_bytes=m.page_bytes)
+                kv_cache_bytes=m.kv_cache_bytes, page_bytes=m.page_bytes,
+                attention="mla" if m.attention == pb.ATTENTION_MLA else "gqa",
+                qk_head_dim=m.qk_head_dim, v_head_dim=m.v_head_dim,
+                kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim)
             self._info = info
             if not self._incarnation:
                 self._incarnation = info.incarnation
@@ -611,12 +667,16 @@ class _Core:
         return "FreePages", req.SerializeToString(), parse
 
     def _req_write_kv(self, layer: int, slots, k, v) -> _Request:
-        wire = _kv_wire(self.server_info, k, v)
+        info = self.server_info
+        _check_kv_args(info, k, v)
+        wire = _kv_wire(info, k, v)
         req = pb.WriteKVRequest(layer=_int32(layer, "layer"),
                                 expected_incarnation=self._incarnation, lease_id=self._lease_id)
         _extend(req.slots, slots, "slots")
-        body = b"".join([req.SerializeToString(), *_tensor_field(3, k, wire, "k"),
-                         *_tensor_field(4, v, wire, "v")])
+        pieces = [req.SerializeToString(), *_tensor_field(3, k, wire, "k")]
+        if v is not None:
+            pieces += _tensor_field(4, v, wire, "v")
+        body = b"".join(pieces)
 
         def parse(raw):
             self._observe(pb.WriteKVResponse.FromString(raw).incarnation, "WriteKV")
@@ -627,10 +687,12 @@ class _Core:
         req = pb.ReadKVRequest(layer=_int32(layer, "layer"), expected_incarnation=self._incarnation,
                                lease_id=self._lease_id, dequantize=bool(dequantize))
         _extend(req.slots, slots, "slots")
-        into = _pair(into, "into (k, v)")
+        mla = self._info is not None and self._info.mla
+        into = _read_into(into, mla)
         if into is not None:
             req.k_region.CopyFrom(_region_ref(into[0]))
-            req.v_region.CopyFrom(_region_ref(into[1]))
+            if into[1] is not None:
+                req.v_region.CopyFrom(_region_ref(into[1]))
         out = self._out(out, None)
 
         def parse(raw):
@@ -638,7 +700,8 @@ class _Core:
             self._observe(incarnation, "ReadKV")
             if into is not None:
                 return None
-            return tuple(_dt.from_wire(raw, t.data_start, t.nbytes, t.shape, t.dtype, out, device)
+            return tuple(None if not t.shape and not t.nbytes else
+                         _dt.from_wire(raw, t.data_start, t.nbytes, t.shape, t.dtype, out, device)
                          for t in (tensors[1], tensors[2]))
         return "ReadKV", req.SerializeToString(), parse
 
@@ -659,11 +722,14 @@ class _Core:
             small.lse_region.CopyFrom(_region_ref(output_to[1]))
         pieces = [small.SerializeToString(), layout.encoded, *_tensor_field(2, q, wire, "q")]
         if append_k is not None or append_v is not None:
-            if append_k is None or append_v is None:
+            info = self.server_info
+            if not info.mla and (append_k is None or append_v is None):
                 raise ValueError("append_k and append_v go together")
-            kv_wire = _kv_wire(self.server_info, append_k, append_v)
-            pieces += [*_tensor_field(11, append_k, kv_wire, "append_k"),
-                       *_tensor_field(12, append_v, kv_wire, "append_v")]
+            _check_kv_args(info, append_k, append_v, "append_k", "append_v")
+            kv_wire = _kv_wire(info, append_k, append_v)
+            pieces += _tensor_field(11, append_k, kv_wire, "append_k")
+            if append_v is not None:
+                pieces += _tensor_field(12, append_v, kv_wire, "append_v")
         like = None if isinstance(q, RegionTensor) else q
         out_kind = self._out(out, like)
         out_device = self._device(device, like)
@@ -1054,8 +1120,11 @@ class Client(_Core):
         """Returns pages to the server (only their owner may)."""
         return self._call(self._req_free(page_ids), timeout)
 
-    def write_kv(self, layer: int, slots, k, v, *, timeout: Optional[float] = None) -> None:
+    def write_kv(self, layer: int, slots, k, v=None, *,
+                 timeout: Optional[float] = None) -> None:
         """Scatters rows: k, v [n, num_kv_heads, head_dim] into slots [n] of layer.
+        An MLA server (server_info.mla) takes the latent rows alone: k
+        [n, 1, qk_head_dim] ([c_kv after its RMSNorm | k_pe after rope]), v None.
 
         A slot is page_id * page_size + offset. On an FP8 server, 16-bit
         (or float) rows are quantized by the server with the layer's scales;
@@ -1065,12 +1134,14 @@ class Client(_Core):
 
     def read_kv(self, layer: int, slots, *, out: Optional[str] = None, device=None,
                 into=None, dequantize: bool = False, timeout: Optional[float] = None):
-        """(k, v), each [n, num_kv_heads, head_dim], of slots [n] in layer.
+        """(k, v), each [n, num_kv_heads, head_dim], of slots [n] in layer; on an
+        MLA server (k [n, 1, qk_head_dim], None): the latent rows, no V.
 
         An FP8 server's rows come as stored: uint8 bit patterns (torch float8
         with out="torch"); dequantize=True returns their values (stored value
         x scale) in the q dtype instead.
-        into=(k, v) RegionTensors: the rows are written there; returns None.
+        into=(k, v) RegionTensors (MLA: k alone): the rows are written there;
+        returns None.
         """
         return self._call(self._req_read_kv(layer, slots, out, device, into, dequantize),
                           timeout)
@@ -1101,6 +1172,10 @@ class Client(_Core):
         sm_scale defaults to 1/sqrt(head_dim), causal to True (bottom-right),
         lse_base to "2" ("e": natural log). append_slots [n] with append_k,
         append_v [n, num_kv_heads, head_dim] are written before attention.
+        An MLA server (server_info.mla): q [total_q, num_qo_heads, qk_head_dim]
+        in the absorbed form (q_nope @ W_UK per head | q_pe), append_k
+        [n, 1, qk_head_dim] latent rows with append_v None, output
+        [total_q, num_qo_heads, v_head_dim]; pass the model's sm_scale.
         kv_keys_after [batch]: keys of each sequence held after this range
         (a sequence spread over servers; default none).
         options: attnserve.AttentionOptions (sliding window, soft-cap,

@@ -154,7 +154,8 @@ def _geometry(info) -> dict:
     return dict(num_layers=info.num_layers, page_size=info.page_size,
                 num_qo_heads=info.num_qo_heads, num_kv_heads=info.num_kv_heads,
                 head_dim=info.head_dim, kv_dtype=info.kv_dtype,
-                q_dtype=info.q_dtype or info.kv_dtype)
+                q_dtype=info.q_dtype or info.kv_dtype, attention=info.attention,
+                qk_head_dim=info.qk_head_dim, v_head_dim=info.v_head_dim)
 
 
 def getaddrinfo_resolver(host: str, port: str) -> list:
@@ -318,7 +319,7 @@ class Cluster:
                 client.close()
                 raise ValueError(f"server {address} has another geometry: {', '.join(diff)}; "
                                  "every server of a cluster must have the same layers, page "
-                                 "size, heads, head_dim and dtype")
+                                 "size, attention, heads, head dims and dtype")
         if self._kv_scales:
             try:
                 client.set_kv_scales(self._kv_scales)
@@ -745,11 +746,13 @@ class Cluster:
                                             thread_name_prefix="attnserve-cluster")
         return self._pool
 
-    def run(self, layer: int, q, k_new, v_new, *, step: Optional[ClusterStep] = None,
+    def run(self, layer: int, q, k_new, v_new=None, *, step: Optional[ClusterStep] = None,
             timeout: Optional[float] = None, out: str = "numpy",
             device=None) -> PrefillResult:
         """One layer: q [total_q, qo_heads, head_dim] and k_new, v_new
-        [total_q, kv_heads, head_dim] (numpy or torch) in the caller's order;
+        [total_q, kv_heads, head_dim] (numpy or torch) in the caller's order
+        (MLA servers: q [total_q, qo_heads, qk_head_dim], k_new the latent rows
+        [total_q, 1, qk_head_dim], v_new None, output v_head_dim wide);
         one Prefill per server touched, all in flight at once. Returns output
         [total_q, qo_heads, head_dim] and lse [total_q, qo_heads] in the
         caller's order: out="numpy" (default), float32; out="torch", tensors
@@ -767,7 +770,7 @@ class Cluster:
         g = self._geometry
         total = step.total_q
         for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new)):
-            if _count(x) != total:
+            if x is not None and _count(x) != total:
                 raise ValueError(f"run: {name} has {_count(x)} rows, the step has {total}")
 
         if out not in ("numpy", "torch"):
@@ -776,7 +779,8 @@ class Cluster:
         def run_part(part: _Part) -> PrefillResult:
             s = self._servers[part.server]
             return s.kv.run(layer, _rows(q, part.q_rows), _rows(k_new, part.append_rows),
-                            _rows(v_new, part.append_rows), plan=part.plan, out=out,
+                            None if v_new is None else _rows(v_new, part.append_rows),
+                            plan=part.plan, out=out,
                             device=device, timeout=timeout)
 
         live = [pi for pi, p in enumerate(step.parts)
@@ -804,7 +808,7 @@ class Cluster:
         if failure is not None:
             raise failure
 
-        hq, d = g["num_qo_heads"], g["head_dim"]
+        hq, d = g["num_qo_heads"], g["v_head_dim"]
         if out == "torch":
             import torch
             wire = torch.float16 if g["q_dtype"] == "fp16" else torch.bfloat16

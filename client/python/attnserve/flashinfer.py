@@ -77,7 +77,8 @@ from attnserve.regions import RegionTensor, SharedMemoryRegion
 
 __all__ = ["PagedKVCache", "LayerCache", "AttentionFuture",
            "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
-           "append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens",
+           "BatchMLAPagedAttentionWrapper", "append_paged_kv_cache",
+           "append_paged_mla_kv_cache", "get_batch_indices_positions", "get_seq_lens",
            "TRANSPORTS"]
 
 TRANSPORTS = ("grpc", "shm", "channel", "cuda")
@@ -305,15 +306,18 @@ class _Area:
     the offsets a RegionTensor names."""
 
     def __init__(self, region_name: str, view, at: int, rows: int, cache: "PagedKVCache"):
-        hq, hk, d = cache.num_qo_heads, cache.num_kv_heads, cache.head_dim
+        hq, hk, d, dv = cache.num_qo_heads, cache.num_kv_heads, cache.head_dim, cache.v_head_dim
         esize = torch.tensor([], dtype=cache.dtype).element_size()
         self.region = region_name
         self.dtype = _REGION_DTYPES[cache.dtype]
         self.offsets = {}
         self.tensors = {}
-        for key, shape, dtype in (("q", (rows, hq, d), cache.dtype), ("o", (rows, hq, d), cache.dtype),
-                                  ("k", (rows, hk, d), cache.dtype), ("v", (rows, hk, d), cache.dtype),
-                                  ("lse", (rows, hq), torch.float32)):
+        areas = [("q", (rows, hq, d), cache.dtype), ("o", (rows, hq, dv), cache.dtype),
+                 ("k", (rows, hk, d), cache.dtype), ("v", (rows, hk, d), cache.dtype),
+                 ("lse", (rows, hq), torch.float32)]
+        if cache.mla:   # latent rows only: no V
+            areas = [a for a in areas if a[0] != "v"]
+        for key, shape, dtype in areas:
             size = math.prod(shape) * (4 if dtype == torch.float32 else esize)
             self.offsets[key] = at
             self.tensors[key] = view(at, size, dtype).view(shape)
@@ -437,17 +441,19 @@ class _RegionTransport:
             k_ref = v_ref = None
             if na:
                 t["k"][:na].copy_(r.k)
-                t["v"][:na].copy_(r.v)
                 k_ref = area.ref("k", r.k.shape)
-                v_ref = area.ref("v", r.v.shape)
+                if r.v is not None:
+                    t["v"][:na].copy_(r.v)
+                    v_ref = area.ref("v", r.v.shape)
             if self.name == "cuda":
                 # The server reads q, k, v on its own stream: the caller's
                 # stream must have written them first.
                 torch.cuda.current_stream(self.cuda_buffer.device).synchronize()
             rpc = self.cache.rpc
+            o_shape = (n, r.q.shape[1], self.cache.v_head_dim)
             request = rpc._req_prefill(r.layer, area.ref("q", r.q.shape), r.layout, k_ref, v_ref,
                                        None, None,
-                                       (area.ref("o", r.q.shape), area.ref("lse", r.q.shape[:2])),
+                                       (area.ref("o", o_shape), area.ref("lse", r.q.shape[:2])),
                                        r.options)
             call = (self.channel.submit(request) if self.channel is not None
                     else rpc._call_future(request, None))
@@ -593,6 +599,12 @@ class PagedKVCache:
         self.num_layers, self.page_size = info.num_layers, info.page_size
         self.num_qo_heads, self.num_kv_heads = info.num_qo_heads, info.num_kv_heads
         self.head_dim = info.head_dim
+        # Multi-head latent attention (BatchMLAPagedAttentionWrapper): one
+        # latent row of head_dim = kv_lora_rank + qk_rope_head_dim values per
+        # slot, outputs v_head_dim (= kv_lora_rank) wide.
+        self.mla = info.mla
+        self.v_head_dim = info.v_head_dim
+        self.kv_lora_rank, self.qk_rope_head_dim = info.kv_lora_rank, info.qk_rope_head_dim
         self.dtype = _SERVER_DTYPES[info.kv_dtype]
         self.max_num_pages = int(max_num_pages)
         self.device = torch.device(device) if device is not None else (
@@ -667,7 +679,7 @@ class PagedKVCache:
         if len(queued) == 1:
             return queued[0]
         return (np.concatenate([s for s, _, _ in queued]), torch.cat([k for _, k, _ in queued]),
-                torch.cat([v for _, _, v in queued]))
+                None if queued[0][2] is None else torch.cat([v for _, _, v in queued]))
 
     def flush(self, layer: Optional[int] = None) -> None:
         """Writes the queued appends of `layer` (None: every layer) now (WriteKV)."""
@@ -716,6 +728,7 @@ class _Wrapper:
     and run()."""
 
     _kind = ""
+    _mla = False   # BatchMLAPagedAttentionWrapper: the cache of an MLA server
 
     def __init__(self, float_workspace_buffer, kv_layout: str):
         if not isinstance(float_workspace_buffer, PagedKVCache):
@@ -723,6 +736,13 @@ class _Wrapper:
                 "float_workspace_buffer: an attnserve.flashinfer.PagedKVCache expected (the "
                 "server owns the KV cache and the workspace), not "
                 f"{type(float_workspace_buffer).__name__}")
+        if float_workspace_buffer.mla != self._mla:
+            if float_workspace_buffer.mla:
+                raise ValueError("float_workspace_buffer: the server computes multi-head latent "
+                                 "attention (attention=mla): use BatchMLAPagedAttentionWrapper")
+            raise ValueError("float_workspace_buffer: the server computes grouped-query "
+                             "attention (attention=gqa): use BatchDecodeWithPagedKVCacheWrapper "
+                             "or BatchPrefillWithPagedKVCacheWrapper")
         _check_kv_layout(kv_layout)
         self._cache = float_workspace_buffer
         self._kv_layout = kv_layout
@@ -824,7 +844,7 @@ class _Wrapper:
 
     # ------------------------------------------------------------ run
     def _run(self, q, paged_kv_cache, args, *, q_scale, k_scale, v_scale, out, lse,
-             return_lse, window_left, sinks, causal) -> AttentionFuture:
+             return_lse, window_left, sinks, causal, lse_base: str = "2") -> AttentionFuture:
         cache = self._cache
         cache._check_open()
         if not self._planned:
@@ -843,7 +863,7 @@ class _Wrapper:
             raise ValueError(f"q has dtype {q.dtype}, which does not match the q_data_type "
                              f"{self._q_dtype} given to plan()")
         if out is not None:
-            _check_tensor(out, "out", q.shape, self._q_dtype, q.device)
+            _check_tensor(out, "out", (*q.shape[:2], cache.v_head_dim), self._q_dtype, q.device)
         if lse is not None:
             _check_tensor(lse, "lse", q.shape[:2], torch.float32, q.device)
         scale = self._sm_scale if self._sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)
@@ -877,12 +897,12 @@ class _Wrapper:
                 cache.rpc.write_kv(layer, slots, k, v)
                 appended = slots = k = v = None
                 plan_id = self._server_plan(None)
-            key = (plan_id, scale)
+            key = (plan_id, scale, lse_base)
             layout = self._layouts.get(key)
             if layout is None:
                 layout = PrefillLayout.for_plan(plan_id, self._total_q,
                                                 0 if slots is None else len(slots),
-                                                sm_scale=scale, causal=causal)
+                                                sm_scale=scale, causal=causal, lse_base=lse_base)
                 self._layouts[key] = layout
             request = _Request(layer=layer, q=q, layout=layout, k=k, v=v, options=options,
                                out=out, lse=lse, want_lse=bool(return_lse), v_scale=v_scale)
@@ -1194,6 +1214,10 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     cache = paged_kv_cache.cache
     cache._check_open()
     _check_kv_layout(kv_layout)
+    if cache.mla:
+        raise ValueError("paged_kv_cache: the server computes multi-head latent attention "
+                         "(attention=mla), whose cache holds latent rows and no V: use "
+                         "append_paged_mla_kv_cache")
     shape = None
     for name, t in (("append_key", append_key), ("append_value", append_value)):
         if not torch.is_tensor(t):
@@ -1209,6 +1233,16 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
             raise ValueError(f"append_value has shape {list(t.shape)}, append_key "
                              f"{list(shape)}: they must match")
     nnz = shape[0]
+    slots = _append_slots(cache, batch_indices, positions, kv_indices, kv_indptr,
+                          kv_last_page_len, nnz)
+    cache._queue(paged_kv_cache.layer, slots, append_key.detach().clone(),
+                 append_value.detach().clone())
+
+
+def _append_slots(cache: "PagedKVCache", batch_indices, positions, kv_indices, kv_indptr,
+                  kv_last_page_len, nnz: int) -> np.ndarray:
+    """The server slots of nnz appended rows: row i at position positions[i]
+    of request batch_indices[i] of a FlashInfer paged layout."""
     bi = _ints(batch_indices, "batch_indices")
     pos = _ints(positions, "positions")
     for name, a in (("batch_indices", bi), ("positions", pos)):
@@ -1228,9 +1262,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
                          f"[0, {int(lens[bi[i]])}) (the layout must already include the "
                          "appended rows, as in FlashInfer)")
     ps = cache.page_size
-    slots = pages[indptr[bi] + pos // ps] * ps + pos % ps
-    cache._queue(paged_kv_cache.layer, slots, append_key.detach().clone(),
-                 append_value.detach().clone())
+    return pages[indptr[bi] + pos // ps] * ps + pos % ps
 
 
 def get_seq_lens(kv_indptr, kv_last_page_len, page_size: int):
@@ -1282,3 +1314,9 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices
     else:
         positions = pos_out.to(device)
     return batch_indices, positions
+
+
+# Multi-head latent attention (an MLA server): its wrapper and append, in a
+# module of their own over the pieces above.
+from attnserve._flashinfer_mla import (BatchMLAPagedAttentionWrapper,  # noqa: E402
+                                       append_paged_mla_kv_cache)

@@ -875,10 +875,12 @@ class KvManager(_Bookkeeping):
             return self._drive(self._plan_flow(self.page_size, seq_ids, append_lens, q_rows,
                                                kv_keys_after, apply_sinks))
 
-    def run(self, layer: int, q, k_new, v_new, *, plan: Optional[Plan] = None,
+    def run(self, layer: int, q, k_new, v_new=None, *, plan: Optional[Plan] = None,
             **kwargs) -> PrefillResult:
         """One layer of the step: appends k_new, v_new [total_q, kv_heads, head_dim]
         at the plan's slots, then attends with q [total_q, qo_heads, head_dim].
+        An MLA server (server_info.mla): k_new the latent rows [total_q, 1,
+        qk_head_dim], v_new None; the output is v_head_dim wide.
 
         plan defaults to the latest; any plan whose sequences no later plan or
         finish() touched may run (e.g. two micro-batches). kwargs go to
@@ -991,7 +993,7 @@ class AsyncKvManager(_Bookkeeping):
             except LeaseExpired:
                 return await self._drive(self._plan_flow(self.page_size, seq_ids, q_lens))
 
-    async def run(self, layer: int, q, k_new, v_new, *, plan: Optional[Plan] = None,
+    async def run(self, layer: int, q, k_new, v_new=None, *, plan: Optional[Plan] = None,
                   **kwargs) -> PrefillResult:
         p = self._plan_for_run(plan)
         lease = self._lease

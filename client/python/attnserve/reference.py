@@ -9,6 +9,15 @@ what the server computes in fp32, for checking results:
     o, lse = reference_prefill(mirror, layer, q, qo_indptr, kv_indptr, kv_indices,
                                kv_last_page_len, page_size=16)
     o_err, lse_err, inf_ok = compare(o, lse, result.output, result.lse)
+
+Multi-head latent attention (an MLA server): the mirror holds latent rows,
+[kv_lora_rank | qk_rope_head_dim] values per slot (one KV head, no V); a
+query of qk_head_dim values scores against the whole row and the value is the
+row's first kv_lora_rank values:
+
+    mirror = KvMirror.for_server(client.server_info)   # or KvMirror.latent(512, 64)
+    mirror.write(layer, slots, latent)                 # latent [n, 1, 576]
+    o, lse = reference_prefill(mirror, layer, q, ...)  # o [total_q, Hq, 512]
 """
 
 from __future__ import annotations
@@ -46,13 +55,35 @@ class KvMirror:
     """
 
     def __init__(self, num_kv_heads: int, head_dim: int, wire_dtype: int = _dt.DTYPE_BF16, *,
-                 kv_dtype: str | None = None):
+                 kv_dtype: str | None = None, v_head_dim: int | None = None):
+        """v_head_dim: a latent (MLA) mirror, whose rows are written as K alone
+        and whose values are each row's first v_head_dim entries (KvMirror.latent)."""
         self.row_shape = (num_kv_heads, head_dim)
+        self.v_head_dim = head_dim if v_head_dim is None else int(v_head_dim)
+        self.mla = v_head_dim is not None
+        if self.mla and (num_kv_heads != 1 or not 0 < self.v_head_dim <= head_dim):
+            raise ValueError(f"a latent mirror has one KV head and 0 < v_head_dim <= head_dim, "
+                             f"not {num_kv_heads} heads, v_head_dim {v_head_dim}")
         self.wire_dtype = wire_dtype
         self.kv_dtype = kv_dtype if kv_dtype in ("fp8_e4m3", "fp8_e5m2") else None
         self._k: dict = {}
         self._v: dict = {}
         self._scales: dict = {}  # layer -> (k [Hkv, 1], v [Hkv, 1])
+
+    @staticmethod
+    def latent(kv_lora_rank: int, qk_rope_head_dim: int,
+               wire_dtype: int = _dt.DTYPE_BF16) -> "KvMirror":
+        """A mirror of an MLA server's latent rows: [kv_lora_rank (c_kv) |
+        qk_rope_head_dim (k_pe)] values per slot; values are the c_kv part."""
+        return KvMirror(1, kv_lora_rank + qk_rope_head_dim, wire_dtype, v_head_dim=kv_lora_rank)
+
+    @staticmethod
+    def for_server(info) -> "KvMirror":
+        """A mirror of the geometry and dtypes of a ServerInfo (GQA or MLA)."""
+        if getattr(info, "mla", False):
+            return KvMirror.latent(info.kv_lora_rank, info.qk_rope_head_dim, info.wire_dtype)
+        return KvMirror(info.num_kv_heads, info.head_dim, info.wire_dtype,
+                        kv_dtype=info.kv_dtype)
 
     def set_scales(self, layer: int, k_scale, v_scale) -> None:
         """An FP8 layer's scales: numbers or [num_kv_heads] values."""
@@ -65,9 +96,21 @@ class KvMirror:
         ones = np.ones((self.row_shape[0], 1))
         return self._scales.get(layer, (ones, ones))
 
-    def write(self, layer: int, slots, k, v) -> None:
+    def write(self, layer: int, slots, k, v=None) -> None:
         """k, v [n, num_kv_heads, head_dim] as sent to the server (16-bit
-        values, or on an FP8 mirror also FP8 rows: RawBits or torch float8)."""
+        values, or on an FP8 mirror also FP8 rows: RawBits or torch float8);
+        a latent mirror takes k alone (v None)."""
+        if self.mla != (v is None):
+            raise ValueError("v: a latent (MLA) mirror takes k alone" if self.mla else
+                             "v: missing (K and V rows go together)")
+        if self.mla:
+            k = as_float64(k, self.wire_dtype)
+            if k.shape[1:] != self.row_shape:
+                raise ValueError(f"k: rows of {list(k.shape[1:])}, the mirror's are "
+                                 f"{list(self.row_shape)}")
+            for i, slot in enumerate(np.asarray(slots).reshape(-1).tolist()):
+                self._k[(layer, slot)] = (layer, k[i])
+            return
         if self.kv_dtype is not None:
             k_s, v_s = self._layer_scales(layer)
             k = self._stored(k, k_s)
@@ -94,8 +137,13 @@ class KvMirror:
 
     def rows(self, layer: int, slots) -> tuple:
         """(k, v) [n, num_kv_heads, head_dim] float64 of slots (an FP8
-        mirror's dequantized with the scales in force)."""
+        mirror's dequantized with the scales in force); a latent mirror's v
+        is each row's first v_head_dim values, [n, 1, v_head_dim]."""
         zero = np.zeros(self.row_shape)
+        if self.mla:
+            ks = [self._k[(layer, s)][1] if (layer, s) in self._k else zero for s in slots]
+            k = np.stack(ks) if ks else np.zeros((0, *self.row_shape))
+            return k, k[..., :self.v_head_dim].copy()
 
         def get(rows, key, which):
             if key not in rows:
@@ -125,7 +173,7 @@ def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_
                       kv_last_page_len, *, page_size: int, causal: bool = True,
                       sm_scale: float | None = None, lse_base: str = "2",
                       kv_keys_after=None, options=None, apply_sinks=None) -> tuple:
-    """(o [total_q, Hq, D], lse [total_q, Hq]) in float64; -inf LSE and 0 output
+    """(o [total_q, Hq, Dv], lse [total_q, Hq]) in float64; -inf LSE and 0 output
     where a row sees nothing (the sink's logit with a sink). Row i of
     sequence b is at position p = i + kv_len - q_len + kv_keys_after[b]
     (default 0: bottom-right); causal, it sees positions j <= p.
@@ -134,7 +182,11 @@ def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_
     drops positions j < p - window_left; a soft-cap c turns a scaled logit
     x into c * tanh(x / c); sinks [Hq] add e^sink to each row's
     denominator (and LSE) in the sequences apply_sinks [batch] allows
-    (default all)."""
+    (default all).
+
+    A latent (MLA) mirror: q [total_q, Hq, qk_head_dim] scores against the
+    whole latent row, the output is v_head_dim wide (the rows' first values),
+    sm_scale defaults to 1/sqrt(qk_head_dim) as on the server."""
     o_window = o_cap = o_sinks = None
     if options is not None:
         get = options.get if isinstance(options, dict) else (lambda k: getattr(options, k))
@@ -146,7 +198,11 @@ def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_
     hkv = mirror.row_shape[0]
     group = hq // hkv
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    o = np.zeros((total_q, hq, d))
+    if d != mirror.row_shape[1]:
+        raise ValueError(f"q: rows of {d} values, the mirror's K rows have {mirror.row_shape[1]}")
+    # A mirror without v_head_dim (any object with row_shape and rows()) has
+    # values as wide as its keys.
+    o = np.zeros((total_q, hq, getattr(mirror, "v_head_dim", mirror.row_shape[1])))
     lse = np.full((total_q, hq), -np.inf)
     qo = np.asarray(qo_indptr).tolist()
     kvp = np.asarray(kv_indptr).tolist()
