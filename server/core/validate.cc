@@ -127,6 +127,20 @@ absl::Status CheckNoV(const TensorView& v, absl::string_view v_field, absl::stri
       k_field, " (kv_lora_rank + qk_rope_head_dim values; the first kv_lora_rank are its V)"));
 }
 
+// A GQA server's writes carry V rows beside K's: a V field left unset
+// entirely is named as such (an MLA client talking to a GQA server).
+absl::Status CheckHasV(const TensorView& v, absl::string_view v_field, absl::string_view k_field,
+                       const KvGeometry& geo) {
+  if (v.dtype != TensorDType::kUnspecified || !v.shape.empty() || v.byte_size() != 0 ||
+      v.region.set) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      v_field, " is unset: this GQA server takes K rows in ", k_field, " and V rows in ", v_field,
+      ", [n, ", geo.num_kv_heads, ", ", geo.head_dim,
+      "] each (latent rows in k alone are for an --attention=mla server)"));
+}
+
 absl::StatusOr<bool> KvRowsAreFp8(const TensorView& k, const TensorView& v,
                                   absl::string_view k_field, absl::string_view v_field,
                                   const KvGeometry& geo) {
@@ -504,6 +518,7 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
     const int64_t kv_shape[] = {n_append, geo.num_kv_heads, geo.head_dim};
     const bool has_v = geo.HasVPool();
     if (!has_v) ATTN_RETURN_IF_ERROR(CheckNoV(call.append_v, "append_v", "append_k"));
+    if (has_v) ATTN_RETURN_IF_ERROR(CheckHasV(call.append_v, "append_v", "append_k", geo));
     const TensorView& v = has_v ? call.append_v : call.append_k;
     ATTN_ASSIGN_OR_RETURN(const bool fp8,
                           KvRowsAreFp8(call.append_k, v, "append_k", "append_v", geo));
@@ -612,6 +627,7 @@ absl::StatusOr<std::vector<int32_t>> ValidateKvRows(int32_t layer,
     const int64_t shape[] = {n, geo.num_kv_heads, geo.head_dim};
     const bool has_v = geo.HasVPool();
     if (!has_v) ATTN_RETURN_IF_ERROR(CheckNoV(*v, "v", "k"));
+    if (has_v) ATTN_RETURN_IF_ERROR(CheckHasV(*v, "v", "k", geo));
     ATTN_ASSIGN_OR_RETURN(const bool fp8, KvRowsAreFp8(*k, has_v ? *v : *k, "k", "v", geo));
     const TensorDType rows = fp8 ? TensorDTypeOf(geo.kv_fp8) : TensorDTypeOf(geo.dtype);
     ATTN_RETURN_IF_ERROR(ValidateTensor(*k, "k", rows, shape));

@@ -93,6 +93,8 @@ INSTANTIATE_TEST_SUITE_P(
                kInvalid, "k.data"},
         KvCase{"WriteVHeadDim", [](KvFixture& f) { f.v.shape[2] = 32; }, false, kInvalid,
                "v.shape[2]"},
+        KvCase{"WriteVUnset", [](KvFixture& f) { f.v = TensorView{}; }, false, kInvalid,
+               "v is unset: this GQA server takes K rows in k and V rows in v"},
         KvCase{"WriteVData", [](KvFixture& f) { f.v.data = f.v.data.substr(0, 10); }, false,
                kInvalid, "v.data"},
         KvCase{"ReadLayer", [](KvFixture& f) { f.layer = 7; }, true, kInvalid, "layer=7"},
@@ -103,6 +105,33 @@ INSTANTIATE_TEST_SUITE_P(
         KvCase{"ReadResponseTooLarge", [](KvFixture& f) { f.limits.max_message_bytes = 1000; },
                true, absl::StatusCode::kResourceExhausted, "max_message_bytes"}),
     [](const ::testing::TestParamInfo<KvCase>& info) { return info.param.name; });
+
+// An MLA geometry (one latent pool): the rows are k alone, v must be unset,
+// and a GQA-shaped k is refused naming k.shape.
+TEST(ValidateKvTest, MlaWritesTakeTheLatentRowsAlone) {
+  KvFixture f;
+  f.geo.attention = AttentionKind::kMla;
+  f.geo.num_kv_heads = 1;
+  f.geo.kv_lora_rank = 64;
+  f.geo.qk_rope_head_dim = 16;
+  f.geo.head_dim = 80;
+  const std::string latent = Bytes(4 * 80 * 2);
+  f.k = TensorView{TensorDType::kBf16, {4, 1, 80}, latent};
+  auto with_v = f.Write();
+  ASSERT_FALSE(with_v.ok());
+  EXPECT_EQ(with_v.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(with_v.status().message()), HasSubstr("v must be unset"));
+  f.v = TensorView{};
+  auto ok = f.Write();
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(*ok, (std::vector<int32_t>{0, 1, 9, 1}));
+  f.k = TensorView{TensorDType::kBf16, {4, 2, 64}, f.k_bytes};
+  auto gqa_rows = f.Write();
+  ASSERT_FALSE(gqa_rows.ok());
+  EXPECT_THAT(std::string(gqa_rows.status().message()), HasSubstr("k.shape"));
+  auto read = f.Read();
+  ASSERT_TRUE(read.ok()) << read.status();
+}
 
 // ------------------------------------------------------------ MergeStates
 
