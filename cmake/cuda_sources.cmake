@@ -6,7 +6,8 @@ set(ATTNSERVE_CUDA_SOURCES
   kernels/sm90/prefill.cu
   kernels/merge/merge.cu
   kernels/kv/kv_rows.cu
-  kernels/decode/decode_cuda.cu)
+  kernels/decode/decode_cuda.cu
+  kernels/mla/mla.cu)
 set(ATTNSERVE_CUDA_BACKEND_SOURCES
   server/backend/cuda/cuda_backend.cc
   server/backend/cuda/attention_launch.cc

@@ -1,0 +1,58 @@
+// The MLA kernel family (docs/design.md section 3, "Multi-head latent
+// attention"): paged attention of absorbed MLA queries (kv_lora_rank +
+// qk_rope_head_dim = 576 wide) over one pool of latent rows whose first
+// kv_lora_rank (512) values are the values, for decode (1..8 query rows) and
+// prefill alike. Semantics are the prefill family's (kernels/paged_prefill.h,
+// kernels/variant.h): ragged batches mixing layers, scales, masks, windows,
+// soft-caps, sinks and LSE bases; rows that see nothing get 0 and LSE -inf
+// (or the sink); fp32 accumulation; bf16 or fp16.
+//
+// Design (v1, mma.sync, sm_80 and up): a CTA of 8 warps takes a tile of
+// tile_rows packed (query row, head) pairs of one sequence (kernels/plan/
+// mla_plan.h) and one KV chunk; Q's tile stays in shared memory, K blocks of
+// key_block latent rows stream through two cp.async stages, each read once
+// for every head of the tile. Each warp owns 16 rows and a slice of the 512
+// output columns; the warps sharing rows each compute S = Q K^T for them
+// (the QK product is repeated 2x at tile_rows 64, 4x at 32: correct and
+// simple, not yet the fastest), then O += P V on their columns, V being the
+// first 512 columns of the same K block. Split chunks write fp32 partial
+// states that MergeMlaCuda combines by LSE.
+//
+// Usage (device pointers except the plan):
+//   MlaPlanOptions opt = MlaPlanOptionsForDevice();  // tile shape, SMs
+//   MlaPlan plan;
+//   BuildMlaPlan(host_seqs, num_seqs, geo, opt, &plan);
+//   // upload plan.items and plan.merges; part_o (plan.partial_slots *
+//   // plan.tile_rows, 512) and part_lse (plan.partial_slots * tile_rows) fp32
+//   PagedMlaCuda(params, plan.tile_rows, d_items, plan.items.size(), d_part_o, d_part_lse, s);
+//   MergeMlaCuda(params, plan.tile_rows, d_merges, plan.merges.size(), d_part_o, d_part_lse, s);
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/paged_prefill.h"
+#include "kernels/plan/mla_plan.h"
+
+namespace attnserve {
+
+// The plan options of the current device: the tile shape its shared memory
+// allows (tile_rows 64 x key_block 32 where a block may take 144 KiB, else
+// 32 x 16) and its SM count.
+MlaPlanOptions MlaPlanOptionsForDevice();
+
+// Runs every work item. params: q, o, lse, k_cache, kv_indices, seqs (the
+// batch's PrefillSeq array) and sinks are device pointers; params.geo must
+// satisfy MlaCudaSupports (else cudaErrorInvalidValue). part_o / part_lse
+// may be null when no item is split.
+cudaError_t PagedMlaCuda(const PagedPrefillParams& params, int32_t tile_rows,
+                         const MlaWorkItem* items, int32_t num_items, float* part_o,
+                         float* part_lse, cudaStream_t stream);
+
+// Merges the split tiles' partial states into params.o / params.lse.
+cudaError_t MergeMlaCuda(const PagedPrefillParams& params, int32_t tile_rows,
+                         const MlaMergeTile* merges, int32_t num_merges, const float* part_o,
+                         const float* part_lse, cudaStream_t stream);
+
+}  // namespace attnserve

@@ -1,0 +1,83 @@
+#include "kernels/plan/mla_plan.h"
+
+#include <algorithm>
+
+#include "kernels/variant.h"
+
+namespace attnserve {
+namespace {
+
+struct Tile {
+  int32_t seq;
+  int32_t row_begin;
+  KeyRange keys;
+};
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+void BuildMlaPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
+                  const MlaPlanOptions& options, MlaPlan* plan) {
+  plan->tile_rows = options.tile_rows;
+  plan->items.clear();
+  plan->merges.clear();
+  plan->partial_slots = 0;
+  const int32_t heads = geo.num_qo_heads;
+  const int32_t block = std::max(1, options.key_block);
+  std::vector<Tile> tiles;
+  int64_t total_blocks = 0;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    const PrefillSeq& seq = seqs[s];
+    if (seq.q_len <= 0) continue;
+    const int64_t rows = int64_t{seq.q_len} * heads;
+    for (int64_t r0 = 0; r0 < rows; r0 += options.tile_rows) {
+      const int64_t r1 = std::min(rows, r0 + options.tile_rows) - 1;
+      const KeyRange keys =
+          RowsKeys(seq, static_cast<int32_t>(r0 / heads), static_cast<int32_t>(r1 / heads)).read;
+      tiles.push_back(Tile{s, static_cast<int32_t>(r0), keys});
+      total_blocks += CeilDiv(keys.size(), block);
+    }
+  }
+  // Split only when the tiles alone leave CTAs of one wave idle: chunks of
+  // about total_blocks / wave blocks, at least min_chunk_blocks.
+  const int64_t wave = int64_t{std::max(1, options.num_sms)} * std::max(1, options.ctas_per_sm);
+  const bool split = static_cast<int64_t>(tiles.size()) < wave && total_blocks > 0;
+  const int64_t chunk_blocks =
+      split ? std::max<int64_t>(options.min_chunk_blocks, CeilDiv(total_blocks, wave)) : 0;
+  for (const Tile& t : tiles) {
+    const int64_t blocks = CeilDiv(t.keys.size(), block);
+    int64_t chunks = split ? CeilDiv(blocks, chunk_blocks) : 1;
+    chunks = std::clamp<int64_t>(chunks, 1, std::max(1, options.max_chunks));
+    if (chunks == 1) {
+      MlaWorkItem item;
+      item.seq = t.seq;
+      item.row_begin = t.row_begin;
+      item.kv_begin = t.keys.begin;
+      item.kv_end = t.keys.end > t.keys.begin ? t.keys.end : t.keys.begin;
+      plan->items.push_back(item);
+      continue;
+    }
+    // Chunks of whole key blocks (the last takes the rest).
+    const int64_t per = CeilDiv(blocks, chunks) * block;
+    chunks = CeilDiv(t.keys.size(), per);
+    MlaMergeTile merge;
+    merge.seq = t.seq;
+    merge.row_begin = t.row_begin;
+    merge.first_slot = plan->partial_slots;
+    merge.num_chunks = static_cast<int32_t>(chunks);
+    for (int64_t c = 0; c < chunks; ++c) {
+      MlaWorkItem item;
+      item.seq = t.seq;
+      item.row_begin = t.row_begin;
+      item.kv_begin = static_cast<int32_t>(t.keys.begin + c * per);
+      item.kv_end = static_cast<int32_t>(std::min<int64_t>(t.keys.end, t.keys.begin + (c + 1) * per));
+      item.part_slot = plan->partial_slots++;
+      item.chunk = static_cast<int32_t>(c);
+      plan->items.push_back(item);
+    }
+    plan->merges.push_back(merge);
+  }
+}
+
+}  // namespace attnserve

@@ -1,0 +1,78 @@
+// Host plan for the MLA kernel family (kernels/mla/mla_cuda.h): how a batch
+// of sequences over a latent cache (docs/design.md section 3, "Multi-head
+// latent attention") is cut into work items, one CTA each, and where split
+// items keep their partial states. Plain C++ (no CUDA), unit-tested without
+// a GPU (tests/kernels/mla_plan_test.cc).
+//
+// Every query head of MLA reads the same latent rows, so a sequence's
+// (query row, head) pairs are its GEMM rows: packed row m of a sequence is
+// query row m / num_qo_heads, head m % num_qo_heads, q_len * num_qo_heads of
+// them. A tile is tile_rows consecutive packed rows; it reads the keys any
+// of its query rows sees (kernels/variant.h's RowsKeys) and nothing else.
+// A tile's keys may be cut into chunks (split KV) when the batch has too
+// few tiles to fill the device: each chunk writes an fp32 partial state
+// (normalized output and base-2 LSE; only chunk 0 carries the sinks) and a
+// second launch merges a tile's chunks by LSE into o / lse.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "common/kv_geometry.h"
+#include "kernels/paged_prefill.h"
+
+namespace attnserve {
+
+// The latent widths the CUDA family is compiled for (DeepSeek V2/V3, Kimi
+// K2, GLM): kv_lora_rank 512, qk_rope_head_dim 64.
+inline constexpr int32_t kMlaKvLoraRank = 512;
+inline constexpr int32_t kMlaRopeDim = 64;
+inline bool MlaCudaSupports(const KvGeometry& g) {
+  return g.IsMla() && g.kv_lora_rank == kMlaKvLoraRank && g.qk_rope_head_dim == kMlaRopeDim &&
+         !g.KvIsFp8();
+}
+
+// One CTA of the MLA kernel.
+struct MlaWorkItem {
+  int32_t seq = 0;        // index into the batch's seqs
+  int32_t row_begin = 0;  // first packed row of the tile
+  int32_t kv_begin = 0;   // keys [kv_begin, kv_end) of this chunk
+  int32_t kv_end = 0;
+  // -1: unsplit (writes o / lse). Otherwise the partial slot of this chunk:
+  // part_o[(slot * tile_rows + r) * kv_lora_rank + c], part_lse[slot *
+  // tile_rows + r] (base 2), r the packed row within the tile.
+  int32_t part_slot = -1;
+  int32_t chunk = 0;  // 0 carries the sinks
+};
+
+// One split tile for the merge launch: its chunks' slots are consecutive.
+struct MlaMergeTile {
+  int32_t seq = 0;
+  int32_t row_begin = 0;
+  int32_t first_slot = 0;
+  int32_t num_chunks = 0;
+};
+
+struct MlaPlanOptions {
+  int32_t tile_rows = 64;        // packed rows per CTA (the kernel's)
+  int32_t key_block = 32;        // keys per main-loop step (the kernel's); chunks are multiples
+  int32_t num_sms = 132;
+  int32_t ctas_per_sm = 1;
+  int32_t min_chunk_blocks = 4;  // smallest chunk of a split tile, in key blocks
+  int32_t max_chunks = 64;       // most chunks of one tile
+};
+
+struct MlaPlan {
+  int32_t tile_rows = 0;
+  std::vector<MlaWorkItem> items;
+  std::vector<MlaMergeTile> merges;
+  int32_t partial_slots = 0;  // part_o holds partial_slots * tile_rows rows
+};
+
+// Plans seqs[0, num_seqs) (validated: kv_len consistent with the indices)
+// on geometry geo (an MLA geometry). Tiles whose rows see no key still get
+// one item (it writes o = 0 and the LSE: -inf, or the sink).
+void BuildMlaPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
+                  const MlaPlanOptions& options, MlaPlan* plan);
+
+}  // namespace attnserve

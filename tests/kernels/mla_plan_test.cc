@@ -1,0 +1,181 @@
+// The MLA family's host plan (kernels/plan/mla_plan.h): every visible
+// (packed row, key) pair of every sequence falls in exactly one work item of
+// the row's tile, no item reads a key outside its tile's rows' reach, chunks
+// split only when the tiles leave a wave idle, and the merges name each split
+// tile's consecutive partial slots.
+#include "kernels/plan/mla_plan.h"
+
+#include <map>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/variant.h"
+
+namespace attnserve {
+namespace {
+
+KvGeometry MlaGeo(int32_t heads, int32_t page_size) {
+  KvGeometry g;
+  g.num_layers = 1;
+  g.num_pages = 4096;
+  g.page_size = page_size;
+  g.num_qo_heads = heads;
+  g.num_kv_heads = 1;
+  g.attention = AttentionKind::kMla;
+  g.kv_lora_rank = kMlaKvLoraRank;
+  g.qk_rope_head_dim = kMlaRopeDim;
+  g.head_dim = kMlaKvLoraRank + kMlaRopeDim;
+  return g;
+}
+
+std::vector<PrefillSeq> RandomSeqs(std::mt19937_64& gen, int n, int max_q, int max_kv) {
+  std::vector<PrefillSeq> seqs;
+  int32_t q_start = 0;
+  for (int i = 0; i < n; ++i) {
+    PrefillSeq s;
+    s.q_start = q_start;
+    s.q_len = static_cast<int32_t>(gen() % (max_q + 1));
+    s.kv_len = static_cast<int32_t>(gen() % (max_kv + 1));
+    s.causal = gen() % 4 != 0;
+    s.window_left = gen() % 3 == 0 ? static_cast<int32_t>(gen() % 200) : -1;
+    s.causal_shift = gen() % 5 == 0 ? static_cast<int32_t>(gen() % 50) : 0;
+    q_start += s.q_len;
+    seqs.push_back(s);
+  }
+  return seqs;
+}
+
+void CheckPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const MlaPlan& plan) {
+  const int32_t heads = g.num_qo_heads;
+  // (seq, row_begin) -> covered key counts per packed row and key.
+  std::map<std::tuple<int32_t, int32_t>, std::vector<const MlaWorkItem*>> by_tile;
+  for (const MlaWorkItem& item : plan.items) {
+    by_tile[{item.seq, item.row_begin}].push_back(&item);
+    EXPECT_LE(item.kv_begin, item.kv_end);
+  }
+  int64_t tiles = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const PrefillSeq& seq = seqs[s];
+    const int32_t rows = seq.q_len * heads;
+    for (int32_t r0 = 0; r0 < rows; r0 += plan.tile_rows) {
+      ++tiles;
+      auto it = by_tile.find({static_cast<int32_t>(s), r0});
+      ASSERT_NE(it, by_tile.end()) << "sequence " << s << " tile " << r0 << " has no item";
+      const std::vector<const MlaWorkItem*>& items = it->second;
+      // Each row's visible keys are covered exactly once.
+      for (int32_t r = r0; r < std::min(rows, r0 + plan.tile_rows); ++r) {
+        const KeyRange want = RowKeys(seq, r / heads);
+        for (int32_t j = 0; j < seq.kv_len; ++j) {
+          int covered = 0;
+          for (const MlaWorkItem* item : items) covered += j >= item->kv_begin && j < item->kv_end;
+          const bool visible = j >= want.begin && j < want.end;
+          if (visible) {
+            ASSERT_EQ(covered, 1) << "seq " << s << " row " << r << " key " << j;
+          } else {
+            ASSERT_LE(covered, 1);
+          }
+        }
+      }
+      // Split tiles: chunks in order, slots consecutive, one merge entry.
+      if (items.size() > 1) {
+        for (size_t c = 0; c < items.size(); ++c) {
+          EXPECT_EQ(items[c]->chunk, static_cast<int32_t>(c));
+          EXPECT_EQ(items[c]->part_slot, items[0]->part_slot + static_cast<int32_t>(c));
+          if (c > 0) {
+            EXPECT_EQ(items[c]->kv_begin, items[c - 1]->kv_end);
+          }
+        }
+        int found = 0;
+        for (const MlaMergeTile& m : plan.merges) {
+          if (m.seq == static_cast<int32_t>(s) && m.row_begin == r0) {
+            ++found;
+            EXPECT_EQ(m.first_slot, items[0]->part_slot);
+            EXPECT_EQ(m.num_chunks, static_cast<int32_t>(items.size()));
+          }
+        }
+        EXPECT_EQ(found, 1);
+      } else {
+        EXPECT_EQ(items[0]->part_slot, -1);
+      }
+    }
+  }
+  EXPECT_EQ(static_cast<int64_t>(by_tile.size()), tiles);
+}
+
+TEST(MlaPlanTest, CoversEveryVisiblePairOnceWithAndWithoutSplits) {
+  std::mt19937_64 gen(5);
+  for (int heads : {16, 128}) {
+    for (int32_t page_size : {1, 64}) {
+      for (int round = 0; round < 6; ++round) {
+        const KvGeometry g = MlaGeo(heads, page_size);
+        const auto seqs = RandomSeqs(gen, 1 + round * 3, round % 2 == 0 ? 8 : 40, 700);
+        for (int32_t tile_rows : {32, 64}) {
+          MlaPlanOptions opt;
+          opt.tile_rows = tile_rows;
+          opt.key_block = tile_rows == 64 ? 32 : 16;
+          opt.num_sms = round % 3 == 0 ? 132 : 4;
+          MlaPlan plan;
+          BuildMlaPlan(seqs.data(), static_cast<int32_t>(seqs.size()), g, opt, &plan);
+          CheckPlan(seqs, g, plan);
+        }
+      }
+    }
+  }
+}
+
+TEST(MlaPlanTest, SplitsOnlyWhenTheTilesLeaveTheWaveIdle) {
+  const KvGeometry g = MlaGeo(16, 64);
+  // 2 decode sequences of 4096 keys: 2 tiles on 132 SMs, so they split.
+  std::vector<PrefillSeq> seqs(2);
+  for (int i = 0; i < 2; ++i) {
+    seqs[i].q_start = i;
+    seqs[i].q_len = 1;
+    seqs[i].kv_len = 4096;
+  }
+  MlaPlanOptions opt;
+  MlaPlan plan;
+  BuildMlaPlan(seqs.data(), 2, g, opt, &plan);
+  EXPECT_GT(plan.items.size(), 2u);
+  EXPECT_EQ(plan.merges.size(), 2u);
+  EXPECT_EQ(plan.partial_slots, static_cast<int32_t>(plan.items.size()));
+  CheckPlan(seqs, g, plan);
+  // 200 decode sequences: 200 tiles fill 132 SMs, nothing splits.
+  seqs.resize(200);
+  for (int i = 0; i < 200; ++i) {
+    seqs[i].q_start = i;
+    seqs[i].q_len = 1;
+    seqs[i].kv_len = 4096;
+  }
+  BuildMlaPlan(seqs.data(), 200, g, opt, &plan);
+  EXPECT_EQ(plan.items.size(), 200u);
+  EXPECT_TRUE(plan.merges.empty());
+  EXPECT_EQ(plan.partial_slots, 0);
+  // 128 heads, 2 rows: 4 tiles per sequence.
+  const KvGeometry g128 = MlaGeo(128, 64);
+  seqs.resize(1);
+  seqs[0].q_len = 2;
+  BuildMlaPlan(seqs.data(), 1, g128, opt, &plan);
+  CheckPlan(seqs, g128, plan);
+  EXPECT_EQ(plan.merges.size(), 4u);
+}
+
+TEST(MlaPlanTest, SequencesWithoutRowsOrKeys) {
+  const KvGeometry g = MlaGeo(16, 16);
+  std::vector<PrefillSeq> seqs(3);
+  seqs[0].q_len = 0;
+  seqs[0].kv_len = 100;
+  seqs[1].q_len = 3;  // no keys: one item per tile, nothing to read
+  seqs[1].kv_len = 0;
+  seqs[2].q_start = 3;
+  seqs[2].q_len = 5;  // causal rows before the keys see nothing
+  seqs[2].kv_len = 2;
+  MlaPlan plan;
+  BuildMlaPlan(seqs.data(), 3, g, MlaPlanOptions{}, &plan);
+  CheckPlan(seqs, g, plan);
+  for (const MlaWorkItem& item : plan.items) EXPECT_NE(item.seq, 0);
+}
+
+}  // namespace
+}  // namespace attnserve
