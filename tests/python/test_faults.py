@@ -121,6 +121,15 @@ class Workload:
               f"sequences lost {self.lost}, wrong results {self.wrong}")
 
 
+def _rounds(rounds: int, more):
+    """Round numbers 0 .. rounds - 1, then rounds, rounds + 1, ... while more()
+    holds, at most `rounds` of them."""
+    round_ = 0
+    while round_ < rounds or (round_ < 2 * rounds and more()):
+        yield round_
+        round_ += 1
+
+
 class ManagerWorkload(Workload):
     def __init__(self, lease: bool, server_plans: bool, seed: int):
         self.server = TestServer(num_pages=1024, **GEOMETRY)
@@ -227,10 +236,14 @@ class ManagerWorkload(Workload):
                 return
             self.disturb()
 
-    def run(self, rounds: int):
+    def run(self, rounds: int, min_injected: int = 0):
+        """rounds rounds with the restarts spread over them, then more rounds
+        (no restarts, at most `rounds` more) until min_injected faults were
+        injected: how many calls a round makes, and so how many faults it
+        draws, depends on the machine's timing."""
         self.faults.set_rates(unreachable=0.2, reply_lost=0.2)
-        for round_ in range(rounds):
-            if round_ and round_ % (rounds // 3 + 1) == 0:
+        for round_ in _rounds(rounds, lambda: self.faults.injected < min_injected):
+            if round_ < rounds and round_ and round_ % (rounds // 3 + 1) == 0:
                 if self.restart_due:
                     self.restart()
                 self.restart_due = True
@@ -281,7 +294,7 @@ def test_manager_no_wrong_result_under_injected_failures(lease, server_plans, ro
                                                          min_injected):
     w = ManagerWorkload(lease, server_plans, seed=rounds + lease)
     try:
-        w.run(rounds)
+        w.run(rounds, min_injected)
         w.check_nothing_held()
     finally:
         w.report(f"KvManager lease={lease} server_plans={server_plans} rounds={rounds}", w.faults)
@@ -501,10 +514,11 @@ class ClusterWorkload(Workload):
                 return
             self.disturb()
 
-    def run(self, rounds: int):
+    def run(self, rounds: int, min_injected: int = 0):
+        """As ManagerWorkload.run."""
         self.faults.set_rates(unreachable=0.1, reply_lost=0.1)
-        for round_ in range(rounds):
-            if round_ and round_ % (rounds // 4 + 1) == 0:
+        for round_ in _rounds(rounds, lambda: self.faults.injected < min_injected):
+            if round_ < rounds and round_ and round_ % (rounds // 4 + 1) == 0:
                 if self.restart_due:
                     self.restart(self.pick.randrange(self.SERVERS))
                 self.restart_due = True
@@ -556,7 +570,7 @@ class ClusterWorkload(Workload):
 def test_cluster_no_wrong_result_under_injected_failures(lease, rounds, min_injected):
     w = ClusterWorkload(lease, seed=rounds + 7 * lease)
     try:
-        w.run(rounds)
+        w.run(rounds, min_injected)
         w.check_nothing_held()
     finally:
         w.report(f"Cluster lease={lease} rounds={rounds}", w.faults)
