@@ -483,6 +483,15 @@ def check_geometry(cfg, info: attnserve.ServerInfo, wire: str) -> None:
             f"the server at {info.device!r} does not fit the model:\n" + "\n".join(diffs))
 
 
+def describe_comparison(label: str, c: dict) -> str:
+    """One line of a compare_runs() result: the logits' error and the tokens."""
+    return (f"{label}: max logits rel error {c['max_logits_rel_error']:.2e}, "
+            f"greedy tokens identical: {c['tokens_identical']}"
+            + ("" if c["tokens_identical"] else
+               f" ({c['greedy_differences']} of {c['tokens_compared']} differ, "
+               f"{c['greedy_differences_at_near_ties']} of them at near-ties)"))
+
+
 def compare_runs(a: Run, b: Run, rel_tol: float) -> dict:
     """a against the reference b, which a followed (the same inputs at every step).
 
@@ -658,11 +667,7 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
             c["ok"] = c["ok"] and c["tokens_identical"]
         label = (f"{other} ({kv_dtype} KV) vs {names[0]} ({args.attn_dtype})" if crossed
                  else f"{other} vs {names[0]}")
-        print(f"{label}: max logits rel error {c['max_logits_rel_error']:.2e}, "
-              f"greedy tokens identical: {c['tokens_identical']}"
-              + ("" if c["tokens_identical"] else
-                 f" ({c['greedy_differences']} of {c['tokens_compared']} differ, "
-                 f"{c['greedy_differences_at_near_ties']} of them at near-ties)"), flush=True)
+        print(describe_comparison(label, c), flush=True)
         ok &= c["ok"]
     if args.json:
         with open(args.json, "w") as f:

@@ -416,11 +416,7 @@ def main(argv=None) -> int:
         if args.strict:
             c["ok"] = c["ok"] and c["tokens_identical"]
         report["comparisons"][f"{other}_vs_{names[0]}"] = c
-        print(f"{other} vs {names[0]}: max logits rel error {c['max_logits_rel_error']:.2e}, "
-              f"greedy tokens identical: {c['tokens_identical']}"
-              + ("" if c["tokens_identical"] else
-                 f" ({c['greedy_differences']} of {c['tokens_compared']} differ, "
-                 f"{c['greedy_differences_at_near_ties']} of them at near-ties)"), flush=True)
+        print(decoder.describe_comparison(f"{other} vs {names[0]}", c), flush=True)
         ok &= c["ok"]
     if args.json:
         with open(args.json, "w") as f:
