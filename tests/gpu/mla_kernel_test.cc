@@ -8,6 +8,7 @@
 // CUDA call is checked. Skips without a GPU.
 #include <cuda_runtime.h>
 
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -29,6 +30,8 @@ struct MlaConfig {
   bool decode;    // 1..8 rows per sequence (else prefill up to 40)
   bool variants;  // windows, soft-caps, sinks, causal shifts
 };
+
+void PrintTo(const MlaConfig& c, std::ostream* os) { *os << c.name; }
 
 HostBatch MlaBatch(const MlaConfig& c, std::mt19937_64* rng) {
   HostBatch b;

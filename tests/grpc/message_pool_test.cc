@@ -183,7 +183,7 @@ TEST(PrefillWireTest, EncodedResponseEqualsTheGeneratedSerialization) {
     out.dtype = KvDType::kFp16;
     out.total_q = total_q;
     out.num_qo_heads = heads;
-    out.head_dim = dim;
+    out.v_head_dim = dim;
     out.o_bytes = total_q * heads * dim * KvDTypeBytes(out.dtype);
     out.lse_offset = (out.o_bytes + 63) / 64 * 64;
     out.lse_bytes = total_q * heads * 4;
@@ -219,7 +219,7 @@ TEST(PrefillWireTest, EmptyOutputsEncodeAsTheGeneratedSerialization) {
   PrefillOutput out;  // total_q 0: no buffer, no data fields
   out.dtype = KvDType::kBf16;
   out.num_qo_heads = 8;
-  out.head_dim = 128;
+  out.v_head_dim = 128;
   grpc::ByteBuffer wire = EncodePrefillResponse(std::move(out), 3);
   v1::PrefillResponse expected;
   expected.mutable_output()->set_dtype(v1::DTYPE_BF16);
@@ -245,7 +245,7 @@ TEST(PrefillWireTest, OutputBufferIsReleasedWithTheLastSlice) {
   PrefillOutput out;
   out.total_q = 1;
   out.num_qo_heads = 4;
-  out.head_dim = 128;
+  out.v_head_dim = 128;
   out.o_bytes = 1024;
   out.lse_offset = 1024;
   out.lse_bytes = 64;

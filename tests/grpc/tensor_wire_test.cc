@@ -235,7 +235,7 @@ TEST(TensorWireTest, PrefillResponseEqualsTheGeneratedSerialization) {
   out.dtype = KvDType::kBf16;
   out.total_q = 300;
   out.num_qo_heads = 4;
-  out.head_dim = 64;
+  out.v_head_dim = 64;
   out.o_bytes = 300 * 4 * 64 * 2;
   out.lse_offset = out.o_bytes;
   out.lse_bytes = 300 * 4 * 4;
