@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/check_cuda.h"
 #include "kernels/merge/merge_cuda.h"
 #include "kernels/plan/kernel_select.h"
 #include "kernels/prefill_cuda.h"
@@ -45,15 +46,6 @@
 
 namespace attnserve {
 namespace {
-
-#define CHECK_CUDA(expr)                                                             \
-  do {                                                                               \
-    cudaError_t e_ = (expr);                                                         \
-    if (e_ != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                  \
-    }                                                                                \
-  } while (0)
 
 constexpr int kH = 32, kKvh = 4, kD = 128;
 

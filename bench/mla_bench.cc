@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/check_cuda.h"
 #include "bench/gpu_spin.h"
 #include "kernels/mla/mla_cuda.h"
 #include "kernels/plan/mla_plan.h"
@@ -30,15 +31,6 @@
 
 namespace attnserve {
 namespace {
-
-#define CHECK_CUDA(expr)                                                                          \
-  do {                                                                                            \
-    cudaError_t e_ = (expr);                                                                      \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
 
 struct Workload {
   const char* name;

@@ -364,9 +364,9 @@ class Worker {
       args.q_rows = shape.in.total_q();
     }
     const int64_t q_bytes = static_cast<int64_t>(shape.in.q.size()) * 2;
-    const int64_t lse_bytes = q_bytes / (2 * GeometryOf(client_->info()).head_dim) * 4;
-    // An MLA server's outputs are v_head_dim wide: o_bytes of the region.
     const KvGeometry geo = GeometryOf(client_->info());
+    const int64_t lse_bytes = q_bytes / (2 * geo.head_dim) * 4;
+    // An MLA server's outputs are v_head_dim wide: o_bytes of the region.
     const int64_t o_bytes = q_bytes / geo.head_dim * geo.VDim();
     const bool in_region = !tensor_region_.empty();
     if (in_region) {

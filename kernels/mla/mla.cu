@@ -2,6 +2,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -314,9 +315,19 @@ template <int kM, int kN, typename T>
 cudaError_t Launch(const Args& a, int32_t num_items, cudaStream_t stream) {
   using Sh = Shape<kM, kN>;
   auto kernel = MlaKernel<kM, kN, T>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh::kSmemBytes);
+  // The shared-memory attribute is per device: set once per device, not on
+  // every launch (a host call that adds to each step's latency).
+  static std::atomic<uint64_t> configured{0};
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
+  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
+  if (bit == 0 || (configured.load(std::memory_order_acquire) & bit) == 0) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               Sh::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    configured.fetch_or(bit, std::memory_order_acq_rel);
+  }
   kernel<<<num_items, kThreads, Sh::kSmemBytes, stream>>>(a);
   return cudaGetLastError();
 }

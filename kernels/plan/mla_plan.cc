@@ -54,7 +54,7 @@ void BuildMlaPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& ge
       item.seq = t.seq;
       item.row_begin = t.row_begin;
       item.kv_begin = t.keys.begin;
-      item.kv_end = t.keys.end > t.keys.begin ? t.keys.end : t.keys.begin;
+      item.kv_end = t.keys.end;  // RowsKeys' read range: end >= begin
       plan->items.push_back(item);
       continue;
     }

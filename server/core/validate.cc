@@ -115,25 +115,20 @@ absl::Status ValidateTensor(const TensorView& t, absl::string_view field, Tensor
   return absl::OkStatus();
 }
 
-// An MLA server's writes carry one latent row per slot, in k: the V field
-// (v, append_v) must be unset.
-absl::Status CheckNoV(const TensorView& v, absl::string_view v_field, absl::string_view k_field) {
-  if (v.dtype == TensorDType::kUnspecified && v.shape.empty() && v.byte_size() == 0 &&
-      !v.region.set) {
-    return absl::OkStatus();
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      v_field, " must be unset: an MLA server (--attention=mla) takes one latent row per slot in ",
-      k_field, " (kv_lora_rank + qk_rope_head_dim values; the first kv_lora_rank are its V)"));
-}
-
-// A GQA server's writes carry V rows beside K's: a V field left unset
-// entirely is named as such (an MLA client talking to a GQA server).
-absl::Status CheckHasV(const TensorView& v, absl::string_view v_field, absl::string_view k_field,
-                       const KvGeometry& geo) {
-  if (v.dtype != TensorDType::kUnspecified || !v.shape.empty() || v.byte_size() != 0 ||
-      v.region.set) {
-    return absl::OkStatus();
+// Whether a write's V field (v, append_v) is present as the geometry wants:
+// an MLA server's writes carry one latent row per slot in k and no V; a GQA
+// server's carry V rows beside K's (one left unset entirely is named as
+// such: an MLA client talking to a GQA server).
+absl::Status CheckVPresence(const TensorView& v, absl::string_view v_field,
+                            absl::string_view k_field, const KvGeometry& geo) {
+  const bool unset = v.dtype == TensorDType::kUnspecified && v.shape.empty() &&
+                     v.byte_size() == 0 && !v.region.set;
+  if (unset == !geo.HasVPool()) return absl::OkStatus();
+  if (!geo.HasVPool()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        v_field, " must be unset: an MLA server (--attention=mla) takes one latent row per slot "
+        "in ", k_field, " (kv_lora_rank + qk_rope_head_dim values; the first kv_lora_rank are "
+        "its V)"));
   }
   return absl::InvalidArgumentError(absl::StrCat(
       v_field, " is unset: this GQA server takes K rows in ", k_field, " and V rows in ", v_field,
@@ -517,8 +512,7 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
   if (n_append > 0 || call.append_k.byte_size() != 0 || call.append_v.byte_size() != 0) {
     const int64_t kv_shape[] = {n_append, geo.num_kv_heads, geo.head_dim};
     const bool has_v = geo.HasVPool();
-    if (!has_v) ATTN_RETURN_IF_ERROR(CheckNoV(call.append_v, "append_v", "append_k"));
-    if (has_v) ATTN_RETURN_IF_ERROR(CheckHasV(call.append_v, "append_v", "append_k", geo));
+    ATTN_RETURN_IF_ERROR(CheckVPresence(call.append_v, "append_v", "append_k", geo));
     const TensorView& v = has_v ? call.append_v : call.append_k;
     ATTN_ASSIGN_OR_RETURN(const bool fp8,
                           KvRowsAreFp8(call.append_k, v, "append_k", "append_v", geo));
@@ -626,8 +620,7 @@ absl::StatusOr<std::vector<int32_t>> ValidateKvRows(int32_t layer,
   if (k != nullptr) {
     const int64_t shape[] = {n, geo.num_kv_heads, geo.head_dim};
     const bool has_v = geo.HasVPool();
-    if (!has_v) ATTN_RETURN_IF_ERROR(CheckNoV(*v, "v", "k"));
-    if (has_v) ATTN_RETURN_IF_ERROR(CheckHasV(*v, "v", "k", geo));
+    ATTN_RETURN_IF_ERROR(CheckVPresence(*v, "v", "k", geo));
     ATTN_ASSIGN_OR_RETURN(const bool fp8, KvRowsAreFp8(*k, has_v ? *v : *k, "k", "v", geo));
     const TensorDType rows = fp8 ? TensorDTypeOf(geo.kv_fp8) : TensorDTypeOf(geo.dtype);
     ATTN_RETURN_IF_ERROR(ValidateTensor(*k, "k", rows, shape));
