@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Runs the MLA kernel family on this machine's GPU: its GPU tests against the
 # float64 reference (kernels/plan + kernels/mla), a compute-sanitizer pass
-# over two of them, attnserve_mla_bench and the PyTorch baselines
-# (bench/mla_torch.py), one after the other, and prints a summary last.
-# Steps are capped at 240 + 120 + 90 + 90 s.
+# over two of them, the server's MLA tests (tests/integration/mla_test.cc)
+# against a CUDA server at DeepSeek's widths (512 + 64), attnserve_mla_bench
+# and the PyTorch baselines (bench/mla_torch.py), one after the other, and
+# prints a summary last. Steps are capped at 240 + 120 + 240 + 90 + 90 s.
 #
 # Usage: bench/run_mla_gpu.sh INSTALL_DIR OUT_DIR
 #   INSTALL_DIR: cmake --install build --prefix INSTALL_DIR --component mla_gpu
-#     (bin/attnserve_gpu_mla_tests, bin/attnserve_mla_bench, lib/)
-#   OUT_DIR receives device.txt, mla_tests.log, sanitizer.log, mla_bench.log,
-#     mla_torch.log and summary.txt.
+#     (bin/attnserve_gpu_mla_tests, bin/attnserve_mla_bench, lib/), and for
+#     the server step bin/attnserve and bin/integration_test (skipped when
+#     absent).
+#   OUT_DIR receives device.txt, mla_tests.log, sanitizer.log,
+#     mla_server.log, mla_bench.log, mla_torch.log and summary.txt.
 set -u
 if [[ $# -ne 2 ]]; then
   echo "usage: $0 INSTALL_DIR OUT_DIR" >&2
@@ -39,10 +42,19 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
     "$inst/bin/attnserve_gpu_mla_tests" \
     --gtest_filter='*H16Ps16DecodeBf16*:*H128Ps1PrefillFp16Variants*'
 fi
+if [[ -x "$inst/bin/integration_test" && -x "$inst/bin/attnserve" ]]; then
+  # The CUDA backend refuses MLA until this step has passed on a GPU;
+  # ATTNSERVE_MLA_CUDA_UNVALIDATED=1 lets these tests' servers offer it.
+  step "MLA through a CUDA server" mla_server.log 240 env ATTNSERVE_BIN="$inst/bin/attnserve" \
+    ATTNSERVE_TEST_SERVER_FLAGS=--backend=cuda ATTNSERVE_TEST_MLA_WIDTHS=512,64 \
+    ATTNSERVE_MLA_CUDA_UNVALIDATED=1 "$inst/bin/integration_test" \
+    --gtest_filter='MlaServerTest.*:PageSizes/MlaPrefillTest.*'
+fi
 step "attnserve_mla_bench" mla_bench.log 90 "$inst/bin/attnserve_mla_bench"
 step "PyTorch baselines" mla_torch.log 90 python3 "$here/mla_torch.py"
 {
   grep -E "^\[  (PASSED|FAILED) |tests? ran" "$out/mla_tests.log"
+  [[ -f "$out/mla_server.log" ]] && grep -E "^\[  (PASSED|FAILED) |tests? ran" "$out/mla_server.log"
   grep -E "^RESULT" "$out/mla_bench.log"
   grep -E "^TORCH" "$out/mla_torch.log"
 } | tee -a "$out/summary.txt"

@@ -10,6 +10,8 @@ set(ATTNSERVE_CUDA_SOURCES
   kernels/mla/mla.cu)
 set(ATTNSERVE_CUDA_BACKEND_SOURCES
   server/backend/cuda/cuda_backend.cc
+  server/backend/cuda/cuda_backend_kv.cc
+  server/backend/cuda/cuda_region_device.cc
   server/backend/cuda/attention_launch.cc
   server/backend/cuda/staging_ring.cc
   server/backend/cuda/cuda_util.cc)

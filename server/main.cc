@@ -482,9 +482,12 @@ int Run() {
   auto backend = MakeBackend(backend_options);
   if (!backend.ok()) {
     spdlog::error("backend: {}", backend.status().ToString());
-    // This build has no CUDA backend: the flag's value is at fault, not the
-    // machine.
-    return absl::IsUnimplemented(backend.status()) ? kExitUsage : kExitRuntime;
+    // This build has no CUDA backend, or the backend does not take the
+    // geometry the flags give (INVALID_ARGUMENT): the flags are at fault,
+    // not the machine.
+    return absl::IsUnimplemented(backend.status()) || absl::IsInvalidArgument(backend.status())
+               ? kExitUsage
+               : kExitRuntime;
   }
   // The CPU backend runs its reference kernels: a CUDA kernel family asked
   // for is not silently ignored.

@@ -1,5 +1,6 @@
 // KV append and gather: one thread per 16-byte chunk of a row of K and of V
-// (rows of num_kv_heads * head_dim elements), and on FP8 pools one thread
+// (rows of num_kv_heads * head_dim elements; K's alone on an MLA pool, whose
+// V cache pointer is null), and on FP8 pools one thread
 // per 8 elements where a 16-bit row is quantized on the way in or
 // dequantized on the way out, through kernels/fp8.h's conversions, the same
 // functions the CPU backend calls.
@@ -31,12 +32,17 @@ __global__ void __launch_bounds__(256)
   const int64_t c = idx - i * chunks;
   const int64_t cache_off = (layer_slot0 + slots[i]) * row_bytes + c * CHUNK;
   const int64_t row_off = i * row_bytes + c * CHUNK;
+  // cache_v null: an MLA pool, whose rows hold their values (K's only).
   if (SCATTER) {
     *reinterpret_cast<V*>(cache_k + cache_off) = *reinterpret_cast<const V*>(rows_k + row_off);
-    *reinterpret_cast<V*>(cache_v + cache_off) = *reinterpret_cast<const V*>(rows_v + row_off);
+    if (cache_v != nullptr) {
+      *reinterpret_cast<V*>(cache_v + cache_off) = *reinterpret_cast<const V*>(rows_v + row_off);
+    }
   } else {
     *reinterpret_cast<V*>(rows_k + row_off) = *reinterpret_cast<const V*>(cache_k + cache_off);
-    *reinterpret_cast<V*>(rows_v + row_off) = *reinterpret_cast<const V*>(cache_v + cache_off);
+    if (cache_v != nullptr) {
+      *reinterpret_cast<V*>(rows_v + row_off) = *reinterpret_cast<const V*>(cache_v + cache_off);
+    }
   }
 }
 
@@ -130,7 +136,7 @@ cudaError_t Copy(void* cache_k, void* cache_v, void* k, void* v, const int64_t* 
   if (n == 0 || row_bytes == 0) return cudaSuccess;
   const int64_t layer_slot0 = int64_t{layer} * geo.SlotsPerLayer();
   auto* ck = static_cast<uint8_t*>(cache_k);
-  auto* cv = static_cast<uint8_t*>(cache_v);
+  auto* cv = geo.HasVPool() ? static_cast<uint8_t*>(cache_v) : nullptr;
   auto* rk = static_cast<uint8_t*>(k);
   auto* rv = static_cast<uint8_t*>(v);
   if (row_bytes % 16 == 0) {
@@ -153,7 +159,7 @@ __global__ void __launch_bounds__(256)
     const int64_t base = layer * layer_chunks + int64_t{pages[i]} * page_chunks;
     for (int64_t c = threadIdx.x; c < page_chunks; c += blockDim.x) {
       cache_k[base + c] = make_uint4(0, 0, 0, 0);
-      cache_v[base + c] = make_uint4(0, 0, 0, 0);
+      if (cache_v != nullptr) cache_v[base + c] = make_uint4(0, 0, 0, 0);  // null: MLA
     }
   }
 }
@@ -169,7 +175,8 @@ cudaError_t ZeroPagesCuda(const ZeroPagesParams& p, cudaStream_t stream) {
   const int64_t layer_chunks = int64_t{g.num_pages} * page_chunks;
   const unsigned blocks_x = static_cast<unsigned>(std::min<int64_t>(p.num_pages_listed, 1 << 16));
   ZeroPagesKernel<<<dim3(blocks_x, static_cast<unsigned>(g.num_layers)), 256, 0, stream>>>(
-      static_cast<uint4*>(p.k_cache), static_cast<uint4*>(p.v_cache), p.pages, p.num_pages_listed,
+      static_cast<uint4*>(p.k_cache), g.HasVPool() ? static_cast<uint4*>(p.v_cache) : nullptr,
+      p.pages, p.num_pages_listed,
       page_chunks, layer_chunks);
   return cudaGetLastError();
 }
@@ -182,7 +189,7 @@ cudaError_t AppendKvCuda(const AppendKvParams& p, cudaStream_t stream) {
   }
   const int64_t row_elems = g.RowElems();
   if (p.n == 0 || row_elems == 0) return cudaSuccess;
-  if (row_elems % 8 != 0) return cudaErrorInvalidValue;
+  if (row_elems % 8 != 0 || !g.HasVPool()) return cudaErrorInvalidValue;  // no FP8 MLA pool here
   const int64_t layer_slot0 = int64_t{p.layer} * g.SlotsPerLayer();
   auto* ck = static_cast<uint8_t*>(p.k_cache);
   auto* cv = static_cast<uint8_t*>(p.v_cache);
@@ -209,7 +216,7 @@ cudaError_t GatherKvCuda(const GatherKvParams& p, cudaStream_t stream) {
   }
   const int64_t row_elems = g.RowElems();
   if (p.n == 0 || row_elems == 0) return cudaSuccess;
-  if (row_elems % 8 != 0) return cudaErrorInvalidValue;
+  if (row_elems % 8 != 0 || !g.HasVPool()) return cudaErrorInvalidValue;  // no FP8 MLA pool here
   const int64_t layer_slot0 = int64_t{p.layer} * g.SlotsPerLayer();
   const auto* ck = static_cast<const uint8_t*>(p.k_cache);
   const auto* cv = static_cast<const uint8_t*>(p.v_cache);

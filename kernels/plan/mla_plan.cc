@@ -41,7 +41,7 @@ void BuildMlaPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& ge
   }
   // Split only when the tiles alone leave CTAs of one wave idle: chunks of
   // about total_blocks / wave blocks, at least min_chunk_blocks.
-  const int64_t wave = int64_t{std::max(1, options.num_sms)} * std::max(1, options.ctas_per_sm);
+  const int64_t wave = MlaWave(options);
   const bool split = static_cast<int64_t>(tiles.size()) < wave && total_blocks > 0;
   const int64_t chunk_blocks =
       split ? std::max<int64_t>(options.min_chunk_blocks, CeilDiv(total_blocks, wave)) : 0;

@@ -69,6 +69,21 @@ struct MlaPlan {
   int32_t partial_slots = 0;  // part_o holds partial_slots * tile_rows rows
 };
 
+// What a plan of at most max_rows query rows in at most max_rows sequences
+// may need, so that a server sizes its staging and workspace once: tiles
+// are at most max_rows * num_qo_heads / tile_rows + max_rows; a plan splits
+// only when its tiles are fewer than a wave (num_sms * ctas_per_sm), and
+// then its chunks number at most the wave plus its tiles, so its partial
+// slots and merges stay below two waves and one wave.
+inline int64_t MlaWave(const MlaPlanOptions& o) {
+  return int64_t{o.num_sms > 0 ? o.num_sms : 1} * (o.ctas_per_sm > 0 ? o.ctas_per_sm : 1);
+}
+inline int64_t MlaMaxPartialSlots(const MlaPlanOptions& o) { return 2 * MlaWave(o); }
+inline int64_t MlaMaxMerges(const MlaPlanOptions& o) { return MlaWave(o); }
+inline int64_t MlaMaxItems(const MlaPlanOptions& o, int64_t max_rows, int32_t num_qo_heads) {
+  return max_rows * num_qo_heads / o.tile_rows + max_rows + MlaMaxPartialSlots(o);
+}
+
 // Plans seqs[0, num_seqs) (validated: kv_len consistent with the indices)
 // on geometry geo (an MLA geometry). Tiles whose rows see no key still get
 // one item (it writes o = 0 and the LSE: -inf, or the sink).

@@ -12,7 +12,9 @@
 
 #include "gtest/gtest.h"
 #include "kernels/plan/decode_plan.h"
+#include "kernels/plan/mla_plan.h"
 #include "kernels/plan/prefill_plan.h"
+#include "server/backend/cuda/staging_packer.h"
 #include "tests/core/scatter_test_util.h"
 
 namespace attnserve {
@@ -436,6 +438,72 @@ TEST(BatchPacker, UnsupportedGeometryFallsBackToPrefill) {
   const Packed p = Pack(g, Limits(true), reqs);
   EXPECT_EQ(p.b.num_decode_items, 0);
   EXPECT_GT(p.b.num_items, 0);
+}
+
+// An MLA geometry: every sequence runs on the MLA family, whose items and
+// merges are the staging's; appended rows are K's alone (no V pool); the
+// outputs are kv_lora_rank wide.
+TEST(BatchPacker, MlaBatchesRunTheMlaFamilyAndAppendKAlone) {
+  KvGeometry g = Geo(16, 1, kMlaKvLoraRank + kMlaRopeDim, 64);
+  g.attention = AttentionKind::kMla;
+  g.kv_lora_rank = kMlaKvLoraRank;
+  g.qk_rope_head_dim = kMlaRopeDim;
+  PackerLimits lim = Limits(true);
+  lim.mla.num_sms = 132;
+  lim.max_items = MlaMaxItems(lim.mla, lim.max_rows, g.num_qo_heads);
+  lim.max_partial_pairs = MlaMaxPartialSlots(lim.mla) * lim.mla.tile_rows;
+  for (const bool long_batch : {false, true}) {
+    std::vector<Request> reqs(2);
+    if (long_batch) {  // few tiles: they split and merge
+      MakeRequest(g, {{1, 4000}, {2, 3000}}, 0, &reqs[0]);
+      MakeRequest(g, {{1, 5000}}, 1, &reqs[1]);
+    } else {  // many tiles: no split
+      std::vector<std::pair<int, int>> shapes;
+      for (int i = 0; i < 200; ++i) shapes.push_back({1 + i % 3, 50 + i});
+      MakeRequest(g, shapes, 0, &reqs[0]);
+      MakeRequest(g, {{40, 40}}, 1, &reqs[1]);
+    }
+    const int64_t kv_row = g.RowElems() * 2;
+    std::vector<int64_t> slots = {3, 9, 700};
+    std::vector<uint16_t> k(3 * g.RowElems());
+    for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<uint16_t>(i * 7 + 1);
+    reqs[1].task.append_slots = slots.data();
+    reqs[1].task.num_append = 3;
+    reqs[1].task.append_k = k.data();
+    const Packed p = Pack(g, lim, reqs);
+    EXPECT_TRUE(p.b.mla);
+    EXPECT_EQ(p.b.mla_tile_rows, lim.mla.tile_rows);
+    EXPECT_EQ(p.b.num_decode_items, 0);
+    // The staging's items and merges are the MLA plan of the batch.
+    MlaPlan want;
+    BuildMlaPlan(p.seqs.data(), p.b.num_seqs, g, lim.mla, &want);
+    ASSERT_EQ(p.b.num_items, static_cast<int32_t>(want.items.size()));
+    ASSERT_EQ(p.b.num_merges, static_cast<int32_t>(want.merges.size()));
+    EXPECT_EQ(p.b.num_merges > 0, long_batch);
+    EXPECT_EQ(std::memcmp(p.staging.get() + p.b.off_items, want.items.data(),
+                          want.items.size() * sizeof(MlaWorkItem)),
+              0);
+    if (!want.merges.empty()) {
+      EXPECT_EQ(std::memcmp(p.staging.get() + p.b.off_merges, want.merges.data(),
+                            want.merges.size() * sizeof(MlaMergeTile)),
+                0);
+    }
+    EXPECT_LE(int64_t{want.partial_slots} * want.tile_rows, lim.max_partial_pairs);
+    // K rows appended, no V section.
+    EXPECT_EQ(p.b.num_append, 3);
+    EXPECT_EQ(std::memcmp(p.staging.get() + p.b.off_k, k.data(), 3 * kv_row), 0);
+    EXPECT_EQ(p.b.off_v, AlignUp(p.b.off_k + 3 * kv_row));
+    EXPECT_EQ(p.b.off_k8, p.b.off_v);
+    std::vector<int64_t> global(3);  // layer-global slots
+    std::memcpy(global.data(), p.staging.get() + p.b.off_slots, 3 * 8);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(global[i], g.SlotsPerLayer() + slots[i]);
+    // Outputs: kv_lora_rank wide.
+    EXPECT_EQ(p.b.off_lse, AlignUp(p.b.total_q * g.num_qo_heads * kMlaKvLoraRank * 2));
+    EXPECT_EQ(p.b.out_bytes, p.b.off_lse + p.b.total_q * g.num_qo_heads * 4);
+  }
+  BatchPacker packer(g, lim);
+  EXPECT_EQ(packer.OutputCapacity(), AlignUp(lim.max_rows * g.num_qo_heads * kMlaKvLoraRank * 2) +
+                                         AlignUp(lim.max_rows * g.num_qo_heads * 4) + kStagingAlign);
 }
 
 // Random mixed batches: every sequence is covered by exactly the family its

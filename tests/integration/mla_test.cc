@@ -7,11 +7,14 @@
 // merged by MergeStates on v_head_dim-wide states, and the errors: a GQA
 // request to an MLA server and the reverse get INVALID_ARGUMENT naming the
 // field, and nothing stored changes.
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "tests/integration/server_fixture.h"
 
 namespace attnserve {
@@ -20,8 +23,22 @@ namespace {
 
 // Small latent sizes keep the CPU fast; the shapes are DeepSeek's in form
 // (qk_head_dim = kv_lora_rank + qk_rope_head_dim, v_head_dim = kv_lora_rank).
-constexpr int32_t kLoraRank = 64;
-constexpr int32_t kRopeDim = 16;
+// $ATTNSERVE_TEST_MLA_WIDTHS="RANK,ROPE" sets others: bench/run_mla_gpu.sh
+// runs these tests against a CUDA server (ATTNSERVE_TEST_SERVER_FLAGS=
+// --backend=cuda) at DeepSeek's 512,64, the widths its kernels take.
+int32_t Width(int which, int32_t fallback) {
+  const char* env = std::getenv("ATTNSERVE_TEST_MLA_WIDTHS");
+  if (env == nullptr || *env == '\0') return fallback;
+  const std::vector<std::string> parts = absl::StrSplit(env, ',');
+  int32_t v = 0;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[which], &v)) {
+    ADD_FAILURE() << "ATTNSERVE_TEST_MLA_WIDTHS=" << env << ": want RANK,ROPE";
+    return fallback;
+  }
+  return v;
+}
+const int32_t kLoraRank = Width(0, 64);
+const int32_t kRopeDim = Width(1, 16);
 
 struct MlaServer {
   std::unique_ptr<TestServer> server;
@@ -68,7 +85,7 @@ TEST(MlaServerTest, InfoReportsTheLatentGeometryAndOnePool) {
   EXPECT_EQ(info.page_bytes(), 2 * 16 * (kLoraRank + kRopeDim) * 2);
   EXPECT_EQ(info.num_pages(), 4194304 / info.page_bytes());
   EXPECT_THAT(s.server->Output(), HasSubstr("attention=mla"));
-  EXPECT_THAT(s.server->Output(), HasSubstr("v_head_dim=64"));
+  EXPECT_THAT(s.server->Output(), HasSubstr(absl::StrCat("v_head_dim=", kLoraRank)));
   const KvGeometry& g = s.geo;
   EXPECT_TRUE(g.IsMla());
   EXPECT_EQ(g.VDim(), kLoraRank);

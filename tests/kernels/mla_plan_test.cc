@@ -47,8 +47,16 @@ std::vector<PrefillSeq> RandomSeqs(std::mt19937_64& gen, int n, int max_q, int m
   return seqs;
 }
 
-void CheckPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const MlaPlan& plan) {
+void CheckPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const MlaPlan& plan,
+               const MlaPlanOptions& opt) {
   const int32_t heads = g.num_qo_heads;
+  // Within the bounds a server sizes its staging and workspace by.
+  int64_t rows = 0;
+  for (const PrefillSeq& s : seqs) rows += s.q_len;
+  rows = std::max<int64_t>({rows, static_cast<int64_t>(seqs.size()), 1});
+  EXPECT_LE(static_cast<int64_t>(plan.items.size()), MlaMaxItems(opt, rows, heads));
+  EXPECT_LE(plan.partial_slots, MlaMaxPartialSlots(opt));
+  EXPECT_LE(static_cast<int64_t>(plan.merges.size()), MlaMaxMerges(opt));
   // (seq, row_begin) -> covered key counts per packed row and key.
   std::map<std::tuple<int32_t, int32_t>, std::vector<const MlaWorkItem*>> by_tile;
   for (const MlaWorkItem& item : plan.items) {
@@ -118,7 +126,7 @@ TEST(MlaPlanTest, CoversEveryVisiblePairOnceWithAndWithoutSplits) {
           opt.num_sms = round % 3 == 0 ? 132 : 4;
           MlaPlan plan;
           BuildMlaPlan(seqs.data(), static_cast<int32_t>(seqs.size()), g, opt, &plan);
-          CheckPlan(seqs, g, plan);
+          CheckPlan(seqs, g, plan, opt);
         }
       }
     }
@@ -140,7 +148,7 @@ TEST(MlaPlanTest, SplitsOnlyWhenTheTilesLeaveTheWaveIdle) {
   EXPECT_GT(plan.items.size(), 2u);
   EXPECT_EQ(plan.merges.size(), 2u);
   EXPECT_EQ(plan.partial_slots, static_cast<int32_t>(plan.items.size()));
-  CheckPlan(seqs, g, plan);
+  CheckPlan(seqs, g, plan, opt);
   // 200 decode sequences: 200 tiles fill 132 SMs, nothing splits.
   seqs.resize(200);
   for (int i = 0; i < 200; ++i) {
@@ -157,8 +165,25 @@ TEST(MlaPlanTest, SplitsOnlyWhenTheTilesLeaveTheWaveIdle) {
   seqs.resize(1);
   seqs[0].q_len = 2;
   BuildMlaPlan(seqs.data(), 1, g128, opt, &plan);
-  CheckPlan(seqs, g128, plan);
+  CheckPlan(seqs, g128, plan, opt);
   EXPECT_EQ(plan.merges.size(), 4u);
+}
+
+TEST(MlaPlanTest, StaysWithinTheBoundsTheServerSizesItsWorkspaceBy) {
+  // Few long sequences on many SMs split most; many short ones on few SMs
+  // not at all; CheckPlan asserts the bounds either way.
+  std::mt19937_64 gen(17);
+  for (int round = 0; round < 40; ++round) {
+    const KvGeometry g = MlaGeo(round % 2 == 0 ? 16 : 128, round % 3 == 0 ? 1 : 64);
+    const auto seqs = RandomSeqs(gen, 1 + static_cast<int>(gen() % 30), 1 + round % 9, 9000);
+    MlaPlanOptions opt;
+    opt.num_sms = 1 + static_cast<int32_t>(gen() % 140);
+    opt.ctas_per_sm = 1 + round % 2;
+    opt.min_chunk_blocks = 1 + round % 4;
+    MlaPlan plan;
+    BuildMlaPlan(seqs.data(), static_cast<int32_t>(seqs.size()), g, opt, &plan);
+    CheckPlan(seqs, g, plan, opt);
+  }
 }
 
 TEST(MlaPlanTest, SequencesWithoutRowsOrKeys) {
@@ -172,8 +197,9 @@ TEST(MlaPlanTest, SequencesWithoutRowsOrKeys) {
   seqs[2].q_len = 5;  // causal rows before the keys see nothing
   seqs[2].kv_len = 2;
   MlaPlan plan;
-  BuildMlaPlan(seqs.data(), 3, g, MlaPlanOptions{}, &plan);
-  CheckPlan(seqs, g, plan);
+  const MlaPlanOptions opt;
+  BuildMlaPlan(seqs.data(), 3, g, opt, &plan);
+  CheckPlan(seqs, g, plan, opt);
   for (const MlaWorkItem& item : plan.items) EXPECT_NE(item.seq, 0);
 }
 

@@ -23,7 +23,8 @@ struct AttentionWorkspace {
 };
 
 // Queues the decode launch (b.num_decode_items), the prefill launch
-// (b.num_items) and the merge (b.num_merges) on `stream`. params: q, o, lse,
+// (b.num_items) and the merge (b.num_merges) on `stream`; for an MLA batch
+// (b.mla) the MLA family's launch and its merge instead. params: q, o, lse,
 // pools, kv_indices, seqs of the batch (device). d_in: the device staging
 // holding the work items at b's offsets. Events (StagingRing::Event):
 // kAttnBegin before the first attention launch, kDecodeEnd after the decode

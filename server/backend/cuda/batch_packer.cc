@@ -34,23 +34,26 @@ void AddDeviceCopy(std::vector<PackedBatch::DeviceCopy>* copies, int64_t dst, co
 }  // namespace
 
 int64_t BatchPacker::InputCapacity() const {
-  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * geo_.QElemBytes();
+  const int64_t q_row = geo_.QRowElems() * geo_.QElemBytes();
   // Appended rows: geo.dtype rows, or FP8 rows (no larger) in sections of
-  // their own (two more alignments).
+  // their own (two more alignments); K's alone without a V pool (MLA).
   const int64_t kv_row = geo_.RowElems() * geo_.QElemBytes();
   // A sink set per task, and a task has at least one row.
   const int64_t sink_sets = limits_.max_rows * geo_.num_qo_heads * 4;
+  const int64_t items = geo_.IsMla() ? limits_.max_items * int64_t{sizeof(MlaWorkItem)}
+                                     : limits_.max_items * int64_t{sizeof(PrefillWorkItem)};
+  const int64_t merges = geo_.IsMla() ? MlaMaxMerges(limits_.mla) * int64_t{sizeof(MlaMergeTile)}
+                                      : limits_.max_rows * int64_t{sizeof(SplitMergeSeq)};
   return AlignUp(limits_.max_rows * q_row) + AlignUp(limits_.max_indices * 4) +
-         AlignUp(limits_.max_rows * int64_t{sizeof(PrefillSeq)}) + AlignUp(sink_sets) +
-         AlignUp(limits_.max_items * int64_t{sizeof(PrefillWorkItem)}) +
-         AlignUp(limits_.max_decode_items * int64_t{sizeof(DecodeWorkItem)}) +
-         AlignUp(limits_.max_rows * int64_t{sizeof(SplitMergeSeq)}) + AlignUp(limits_.max_append * 8) +
-         2 * AlignUp(limits_.max_append * kv_row) + 3 * kStagingAlign;
+         AlignUp(limits_.max_rows * int64_t{sizeof(PrefillSeq)}) + AlignUp(sink_sets) + AlignUp(items) +
+         AlignUp(limits_.max_decode_items * int64_t{sizeof(DecodeWorkItem)}) + AlignUp(merges) +
+         AlignUp(limits_.max_append * 8) + geo_.NumPools() * AlignUp(limits_.max_append * kv_row) +
+         3 * kStagingAlign;
 }
 
 int64_t BatchPacker::OutputCapacity() const {
-  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * geo_.QElemBytes();
-  return AlignUp(limits_.max_rows * q_row) + AlignUp(limits_.max_rows * geo_.num_qo_heads * 4) + kStagingAlign;
+  const int64_t o_row = geo_.ORowElems() * geo_.QElemBytes();
+  return AlignUp(limits_.max_rows * o_row) + AlignUp(limits_.max_rows * geo_.num_qo_heads * 4) + kStagingAlign;
 }
 
 absl::Status BatchPacker::Flatten(absl::Span<const PrefillTask> tasks, PackedBatch* out, int64_t* total_idx) {
@@ -125,13 +128,34 @@ absl::Status BatchPacker::PlanDecode(const std::vector<PrefillSeq>& seqs, Packed
   return absl::OkStatus();
 }
 
+absl::Status BatchPacker::PlanMla(PackedBatch* out) {
+  BuildMlaPlan(seqs_.data(), static_cast<int32_t>(seqs_.size()), geo_, limits_.mla, &mla_plan_);
+  const int64_t items = static_cast<int64_t>(mla_plan_.items.size());
+  const int64_t pairs = int64_t{mla_plan_.partial_slots} * mla_plan_.tile_rows;
+  if (items > limits_.max_items || pairs > limits_.max_partial_pairs ||
+      static_cast<int64_t>(mla_plan_.merges.size()) > MlaMaxMerges(limits_.mla)) {
+    return absl::InternalError(absl::StrCat("MLA plan has ", items, " work items, ", mla_plan_.merges.size(),
+                                            " merges and ", pairs, " partial rows; workspace holds ",
+                                            limits_.max_items, ", ", MlaMaxMerges(limits_.mla), " and ",
+                                            limits_.max_partial_pairs));
+  }
+  out->mla = true;
+  out->mla_tile_rows = mla_plan_.tile_rows;
+  out->num_items = static_cast<int32_t>(items);
+  out->num_merges = static_cast<int32_t>(mla_plan_.merges.size());
+  return absl::OkStatus();
+}
+
 absl::Status BatchPacker::Plan(PackedBatch* out) {
   decode_plan_.items.clear();
+  mla_plan_.items.clear();
+  mla_plan_.merges.clear();
   int32_t num_decode = 0;
   const int32_t n = static_cast<int32_t>(seqs_.size());
   plan_.items.clear();
   plan_.merges.clear();
   plan_.merge_pairs = 0;
+  if (geo_.IsMla()) return PlanMla(out);
   if (geo_.KvIsFp8()) {
     // Only the decode family reads FP8 pools: every sequence runs there, in
     // pieces of at most 8 rows (CutForDecode; --decode_kernel=off does not
@@ -231,22 +255,32 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
   out->num_append = n_append;
   out->num_append_fp8 = n_fp8;
 
-  const int64_t q_row = int64_t{geo_.num_qo_heads} * geo_.head_dim * geo_.QElemBytes();
+  const int64_t q_row = geo_.QRowElems() * geo_.QElemBytes();
+  const int64_t o_row = geo_.ORowElems() * geo_.QElemBytes();
   const int64_t kv_row = geo_.RowElems() * geo_.QElemBytes();  // geo.dtype rows
   const int64_t kv_row8 = geo_.RowElems();                     // FP8 rows
+  const int64_t pools = geo_.NumPools();                       // no V rows without a V pool
+  // The work items and merges of the family that runs: the prefill
+  // family's, or the MLA family's.
+  const void* items = out->mla ? static_cast<const void*>(mla_plan_.items.data()) : plan_.items.data();
+  const int64_t items_bytes = out->mla ? int64_t{out->num_items} * int64_t{sizeof(MlaWorkItem)}
+                                       : int64_t{out->num_items} * int64_t{sizeof(PrefillWorkItem)};
+  const void* merges = out->mla ? static_cast<const void*>(mla_plan_.merges.data()) : plan_.merges.data();
+  const int64_t merges_bytes = out->mla ? int64_t{out->num_merges} * int64_t{sizeof(MlaMergeTile)}
+                                        : int64_t{out->num_merges} * int64_t{sizeof(SplitMergeSeq)};
   StagingPacker in(staging, in_capacity);
   out->off_q = in.Take(out->total_q * q_row);
   out->off_idx = in.Take(total_idx * 4);
   out->off_seqs = in.Take(static_cast<int64_t>(seqs_.size() * sizeof(PrefillSeq)));
   out->off_sinks = in.Take(static_cast<int64_t>(sinks_.size() * sizeof(float)));
-  out->off_items = in.Take(static_cast<int64_t>(plan_.items.size() * sizeof(PrefillWorkItem)));
-  out->off_merges = in.Take(static_cast<int64_t>(plan_.merges.size() * sizeof(SplitMergeSeq)));
+  out->off_items = in.Take(items_bytes);
+  out->off_merges = in.Take(merges_bytes);
   out->off_decode_items = in.Take(int64_t{out->num_decode_items} * int64_t{sizeof(DecodeWorkItem)});
   out->off_slots = in.Take(n_append * 8);
   out->off_k = in.Take(n_half * kv_row);
-  out->off_v = in.Take(n_half * kv_row);
+  out->off_v = in.Take((pools - 1) * n_half * kv_row);
   out->off_k8 = in.Take(n_fp8 * kv_row8);
-  out->off_v8 = in.Take(n_fp8 * kv_row8);
+  out->off_v8 = in.Take((pools - 1) * n_fp8 * kv_row8);
   for (int64_t off : {out->off_q, out->off_idx, out->off_seqs, out->off_sinks, out->off_items, out->off_merges,
                       out->off_decode_items, out->off_slots, out->off_k, out->off_v, out->off_k8,
                       out->off_v8}) {
@@ -273,12 +307,8 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
   }
   if (!seqs_.empty()) std::memcpy(in.At(out->off_seqs), seqs_.data(), seqs_.size() * sizeof(PrefillSeq));
   if (!sinks_.empty()) std::memcpy(in.At(out->off_sinks), sinks_.data(), sinks_.size() * sizeof(float));
-  if (!plan_.items.empty()) {
-    std::memcpy(in.At(out->off_items), plan_.items.data(), plan_.items.size() * sizeof(PrefillWorkItem));
-  }
-  if (!plan_.merges.empty()) {
-    std::memcpy(in.At(out->off_merges), plan_.merges.data(), plan_.merges.size() * sizeof(SplitMergeSeq));
-  }
+  if (items_bytes > 0) std::memcpy(in.At(out->off_items), items, size_t(items_bytes));
+  if (merges_bytes > 0) std::memcpy(in.At(out->off_merges), merges, size_t(merges_bytes));
   if (out->num_decode_items > 0) {
     std::memcpy(in.At(out->off_decode_items), decode_plan_.items.data(),
                 decode_plan_.items.size() * sizeof(DecodeWorkItem));
@@ -293,6 +323,7 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
     for (int section = 0; section < 4; ++section) {
       const bool fp8 = section >= 2;
       const bool is_k = section % 2 == 0;
+      if (!is_k && pools == 1) continue;  // MLA: V is in K's rows
       const int64_t off = fp8 ? (is_k ? out->off_k8 : out->off_v8) : (is_k ? out->off_k : out->off_v);
       const int64_t row_bytes = fp8 ? kv_row8 : kv_row;
       const int64_t begin = fp8 ? n_half : 0;
@@ -327,7 +358,7 @@ absl::Status BatchPacker::Pack(absl::Span<const PrefillTask> tasks, uint8_t* sta
   out->in_bytes = in.used();
   out->upload_begin = q_all_direct ? out->off_idx : 0;
   out->upload_end = n_append > 0 && kv_all_direct ? out->off_k : out->in_bytes;
-  out->off_lse = AlignUp(out->total_q * q_row);
+  out->off_lse = AlignUp(out->total_q * o_row);
   out->out_bytes = out->off_lse + out->total_q * geo_.num_qo_heads * 4;
   return absl::OkStatus();
 }

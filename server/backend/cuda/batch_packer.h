@@ -1,7 +1,8 @@
 // Turns one batch of validated PrefillTasks into what the device runs: the
 // batch-global sequences, routed to two kernel families (decode: sequences
 // of 1..kMaxDecodeQueryRows rows, kernels/plan/decode_plan.h; prefill: the
-// rest, with the kernel kernel_select picks), their plans, the appends with
+// rest, with the kernel kernel_select picks; on an MLA geometry every
+// sequence goes to the MLA family, kernels/plan/mla_plan.h), their plans, the appends with
 // only the last write of each slot kept, and all of their bytes packed into
 // a pinned staging buffer at offsets its device mirror shares (inline inputs
 // that arrived in pieces, PrefillTask::*_scattered, gathered in that one
@@ -25,6 +26,7 @@
 #include "kernels/paged_prefill.h"
 #include "kernels/plan/decode_plan.h"
 #include "kernels/plan/kernel_select.h"
+#include "kernels/plan/mla_plan.h"
 #include "kernels/plan/prefill_plan.h"
 #include "server/backend/backend.h"
 
@@ -51,6 +53,10 @@ struct PackerLimits {
   int32_t decode_ctas_per_sm[2] = {1, 1};  // by tile rows 16, 32
   int32_t decode_max_cluster[2] = {0, 0};  // by tile rows 16, 32 (0: no cluster mode)
   int64_t max_decode_items = 0;
+  // MLA geometries: the MLA family's tile shape and wave (its items and
+  // merges take max_items and the merge section; its partial slots
+  // MlaMaxPartialSlots(mla) * mla.tile_rows pairs of max_partial_pairs).
+  MlaPlanOptions mla;
 };
 
 // Packed rows of the largest decode tile for head_dim (32, 16 for 256).
@@ -64,7 +70,11 @@ inline int64_t DecodePartialSlots(const PackerLimits& limits, int32_t head_dim) 
 // staging (and, for outputs, the output staging: o at 0, lse at off_lse).
 struct PackedBatch {
   // Prefill family (num_items work items; none when every sequence decodes).
+  // MLA geometries (mla): the MLA family's MlaWorkItems and MlaMergeTiles
+  // (num_items, num_merges at off_items, off_merges) of mla_tile_rows rows.
   PrefillKernel kernel = PrefillKernel::kSm80;
+  bool mla = false;
+  int32_t mla_tile_rows = 0;
   int64_t total_q = 0;
   int32_t num_seqs = 0;
   int32_t num_items = 0;
@@ -136,6 +146,7 @@ class BatchPacker {
   // prefill kernel and its work items for the rest into plan_.
   absl::Status Plan(PackedBatch* out);
   absl::Status PlanDecode(const std::vector<PrefillSeq>& seqs, PackedBatch* out);
+  absl::Status PlanMla(PackedBatch* out);
   // Appends in task order; a later write to the same (layer, slot) wins, so
   // only the last is kept (no races). The kept geo.dtype rows go first, the
   // FP8 rows last; returns how many are FP8.
@@ -146,6 +157,7 @@ class BatchPacker {
   // Scratch reused between batches (Pack runs on one thread).
   PrefillPlan plan_;
   DecodePlan decode_plan_;
+  MlaPlan mla_plan_;
   std::vector<PrefillSeq> seqs_;
   std::vector<float> sinks_;  // the sink sets, (sets, num_qo_heads)
   std::vector<PrefillSeq> prefill_seqs_;  // seqs_ with decode sequences' q_len 0
