@@ -447,7 +447,9 @@ def test_gqa_server_python_side_errors():
         with pytest.raises(ValueError, match=r"^v: missing; the server computes grouped-query "
                                              r"attention \(attention=gqa\)"):
             c.write_kv(0, [pages[0] * 16, pages[0] * 16 + 1], k)
-        with pytest.raises(ValueError, match="append_k and append_v go together"):
+        with pytest.raises(ValueError, match=r"^append_v: missing; the server computes grouped-"
+                                             r"query attention \(attention=gqa\): append_k and "
+                                             r"append_v go together"):
             c.prefill(0, np.ones((2, 8, 64), np.float32), [0, 2], [0, 1], pages, [2],
                       append_slots=[pages[0] * 16, pages[0] * 16 + 1], append_k=k)
         c.write_kv(0, [pages[0] * 16, pages[0] * 16 + 1], k, k)   # GQA as before

@@ -724,7 +724,9 @@ class _Core:
         if append_k is not None or append_v is not None:
             info = self.server_info
             if not info.mla and (append_k is None or append_v is None):
-                raise ValueError("append_k and append_v go together")
+                missing = "append_v" if append_v is None else "append_k"
+                raise ValueError(f"{missing}: missing; the server computes grouped-query "
+                                 "attention (attention=gqa): append_k and append_v go together")
             _check_kv_args(info, append_k, append_v, "append_k", "append_v")
             kv_wire = _kv_wire(info, append_k, append_v)
             pieces += _tensor_field(11, append_k, kv_wire, "append_k")
