@@ -1,6 +1,6 @@
 // attnserve_cpu_kernel_bench: times the CPU backend's attention kernel
-// (PagedPrefillCpu, kernels/cpu/paged_prefill_cpu.cc) on a decode, a prefill
-// and an MLA decode of random bf16 data, each repeated for 2 s; prints the
+// (PagedPrefillCpu, kernels/cpu/paged_prefill_cpu.cc) on decodes, a prefill
+// and MLA decodes of random bf16 data, each repeated for 2 s; prints the
 // mean time per call and a checksum of the output. Threads: OMP_NUM_THREADS.
 //
 //   OMP_NUM_THREADS=1 build/bin/attnserve_cpu_kernel_bench
@@ -16,8 +16,10 @@ int main() {
   Shape shapes[] = {
     {"decode 64x4096 32/4x128", 32, 4, 128, 0, 0, 64, 1, 4096, true},
     {"decode 2x4096 32/4x128", 32, 4, 128, 0, 0, 2, 1, 4096, true},
+    {"decode 64x16 32/4x128", 32, 4, 128, 0, 0, 64, 1, 16, true},
     {"prefill 2x512 over 1024 32/4x128", 32, 4, 128, 0, 0, 2, 512, 1024, true},
     {"mla decode 16 heads 8x4096", 16, 1, 576, 512, 64, 8, 1, 4096, true},
+    {"mla decode 128 heads 1x16384", 128, 1, 576, 512, 64, 1, 1, 16384, true},
   };
   std::mt19937 gen(1);
   for (const Shape& sh : shapes) {

@@ -12,6 +12,8 @@
 // all rows of the block. Dot products keep kLanes independent partial sums,
 // which the compiler turns into vector instructions; on x86-64 the item's
 // code is also built for AVX2 + FMA and picked at run time.
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -40,6 +42,7 @@ constexpr int32_t kMaxPairs = 128;  // (row, head) pairs per work item, at least
 constexpr int32_t kKeyChunk = 128;  // keys gathered and attended at a time
 constexpr int kLanes = 16;          // partial sums of a dot product
 constexpr int32_t kPrefetchRows = 8;  // key rows prefetched ahead of the gather
+constexpr int32_t kMinSplitKeys = 256;  // the fewest keys of one part of a split item
 
 struct Item {
   int32_t seq = 0;
@@ -89,8 +92,8 @@ ATTN_CPU_INLINE void ScaleAdd(float* acc, float scale, float w, const float* x, 
 // latent row: only K is gathered, and V is read from it. An FP8 pool's
 // values come out as they are stored (its scales are applied by the
 // caller).
-void Gather(const PagedPrefillParams& p, const PrefillSeq& seq, int kv_head, KeyRange keys,
-            Scratch& s) {
+ATTN_CPU_INLINE void Gather(const PagedPrefillParams& p, const PrefillSeq& seq, int kv_head,
+                            KeyRange keys, Scratch& s) {
   const KvGeometry& g = p.geo;
   const int64_t d = g.head_dim;
   const int64_t dv = g.VDim();
@@ -125,6 +128,13 @@ void Gather(const PagedPrefillParams& p, const PrefillSeq& seq, int kv_head, Key
         const auto* vb = static_cast<const uint8_t*>(p.v_cache) + offset;
         for (int64_t c = 0; c < dv; ++c) vf[c] = Fp8ToFloat(g.kv_fp8, vb[c]);
       }
+    } else if (g.dtype == KvDType::kBf16) {  // inline: vectorized in each build of the item
+      const auto* kh = static_cast<const uint16_t*>(p.k_cache) + offset;
+      for (int64_t c = 0; c < d; ++c) kf[c] = Bf16ToFloat(kh[c]);
+      if (has_v) {
+        const auto* vh = static_cast<const uint16_t*>(p.v_cache) + offset;
+        for (int64_t c = 0; c < dv; ++c) vf[c] = Bf16ToFloat(vh[c]);
+      }
     } else {
       HalfToFloatN(g.dtype, static_cast<const uint16_t*>(p.k_cache) + offset, kf, d);
       if (has_v) HalfToFloatN(g.dtype, static_cast<const uint16_t*>(p.v_cache) + offset, vf, dv);
@@ -138,10 +148,19 @@ float KvScale(const PagedPrefillParams& p, const float* scales, int32_t layer, i
   return scales[int64_t{layer} * p.geo.num_kv_heads + kv_head];
 }
 
+// A softmax state of an item's pairs: per pair its running maximum (base
+// 2), its sum of weights relative to it, and its unnormalized output.
+struct State {
+  float* acc = nullptr;  // (pairs, dv)
+  float* m2 = nullptr;   // (pairs)
+  float* l = nullptr;    // (pairs)
+};
+
 // Rows [it.row_begin, it.row_end) of one sequence, every head of KV head
-// it.kv_head's group, over the keys they see (`read`), a chunk at a time.
-ATTN_CPU_CLONES void AttendItem(const PagedPrefillParams& p, const Item& it, KeyRange read,
-                                Scratch& s) {
+// it.kv_head's group, over keys `part` of those they see (all of them, or
+// one split's share), a chunk at a time, into `st` (initialized here).
+ATTN_CPU_CLONES void Accumulate(const PagedPrefillParams& p, const Item& it, KeyRange part,
+                                State st, Scratch& s) {
   const KvGeometry& g = p.geo;
   const PrefillSeq& seq = p.seqs[it.seq];
   const int d = g.head_dim;
@@ -150,21 +169,17 @@ ATTN_CPU_CLONES void AttendItem(const PagedPrefillParams& p, const Item& it, Key
   const int head0 = it.kv_head * group;
   const int rows = it.row_end - it.row_begin;
   const int64_t pairs = int64_t{rows} * group;
-  // K's dequantization scale folds into the logit scale, V's into the output.
+  // K's dequantization scale folds into the logit scale (V's into the
+  // output, in Finish).
   const LogitTransform transform =
       LogitTransform::Of(seq, /*positive_scale=*/false, KvScale(p, p.k_scales, seq.layer, it.kv_head));
-  const float v_scale = KvScale(p, p.v_scales, seq.layer, it.kv_head);
-  const float* sinks = seq.sink_index >= 0 && p.sinks != nullptr
-                           ? p.sinks + int64_t{seq.sink_index} * g.num_qo_heads + head0
-                           : nullptr;
   const auto* q = static_cast<const uint16_t*>(p.q);
-  auto* o = static_cast<uint16_t*>(p.o);
   s.k.resize(static_cast<size_t>(kKeyChunk) * d);
   if (g.HasVPool()) s.v.resize(static_cast<size_t>(kKeyChunk) * dv);
   s.q.resize(static_cast<size_t>(pairs) * d);
-  s.acc.assign(static_cast<size_t>(pairs) * dv, 0.f);
-  s.m2.assign(pairs, -std::numeric_limits<float>::infinity());
-  s.l.assign(pairs, 0.f);
+  std::fill(st.acc, st.acc + pairs * dv, 0.f);
+  std::fill(st.m2, st.m2 + pairs, -std::numeric_limits<float>::infinity());
+  std::fill(st.l, st.l + pairs, 0.f);
   s.logits.resize(static_cast<size_t>(group) * kKeyChunk);
   s.rescale.resize(group);
   s.keys.resize(rows);
@@ -180,8 +195,8 @@ ATTN_CPU_CLONES void AttendItem(const PagedPrefillParams& p, const Item& it, Key
   float* const logits = s.logits.data();
   float* const scale = s.rescale.data();
 
-  for (int32_t c0 = read.begin; c0 < read.end; c0 += kKeyChunk) {
-    const KeyRange chunk{c0, std::min(read.end, c0 + kKeyChunk)};
+  for (int32_t c0 = part.begin; c0 < part.end; c0 += kKeyChunk) {
+    const KeyRange chunk{c0, std::min(part.end, c0 + kKeyChunk)};
     Gather(p, seq, it.kv_head, chunk, s);
     for (int r = 0; r < rows; ++r) {
       // The part of the chunk this row sees.
@@ -189,9 +204,9 @@ ATTN_CPU_CLONES void AttendItem(const PagedPrefillParams& p, const Item& it, Key
       const int32_t j1 = std::min(chunk.end, s.keys[r].end);
       if (j1 <= j0) continue;
       const float* qr = s.q.data() + int64_t{r} * group * d;
-      float* const m2 = s.m2.data() + int64_t{r} * group;
-      float* const l = s.l.data() + int64_t{r} * group;
-      float* const acc = s.acc.data() + int64_t{r} * group * dv;
+      float* const m2 = st.m2 + int64_t{r} * group;
+      float* const l = st.l + int64_t{r} * group;
+      float* const acc = st.acc + int64_t{r} * group * dv;
       for (int32_t j = j0; j < j1; ++j) {
         const float* kj = s.k.data() + int64_t{j - c0} * d;
         for (int h = 0; h < group; ++h) {
@@ -217,16 +232,46 @@ ATTN_CPU_CLONES void AttendItem(const PagedPrefillParams& p, const Item& it, Key
       }
     }
   }
-  for (int r = 0; r < rows; ++r) {
+}
+
+// Rescales state `b` into `a` (pair by pair: the larger maximum wins).
+void MergeInto(State a, State b, int64_t pairs, int dv) {
+  for (int64_t i = 0; i < pairs; ++i) {
+    const float m = std::max(a.m2[i], b.m2[i]);
+    if (!(m > -INFINITY)) continue;  // neither saw a key
+    const float sa = a.m2[i] > -INFINITY ? std::exp2(a.m2[i] - m) : 0.f;
+    const float sb = b.m2[i] > -INFINITY ? std::exp2(b.m2[i] - m) : 0.f;
+    a.m2[i] = m;
+    a.l[i] = a.l[i] * sa + b.l[i] * sb;
+    float* x = a.acc + i * dv;
+    const float* y = b.acc + i * dv;
+    for (int c = 0; c < dv; ++c) x[c] = x[c] * sa + y[c] * sb;
+  }
+}
+
+// Writes an item's outputs and LSEs from its state (the sinks, V's scale
+// and EndRow applied).
+void Finish(const PagedPrefillParams& p, const Item& it, State st) {
+  const KvGeometry& g = p.geo;
+  const PrefillSeq& seq = p.seqs[it.seq];
+  const int dv = g.VDim();
+  const int group = g.num_qo_heads / g.num_kv_heads;
+  const int head0 = it.kv_head * group;
+  const float v_scale = KvScale(p, p.v_scales, seq.layer, it.kv_head);
+  const float* sinks = seq.sink_index >= 0 && p.sinks != nullptr
+                           ? p.sinks + int64_t{seq.sink_index} * g.num_qo_heads + head0
+                           : nullptr;
+  auto* o = static_cast<uint16_t*>(p.o);
+  for (int r = 0; r < it.row_end - it.row_begin; ++r) {
     const int64_t row = seq.q_start + it.row_begin + r;
     for (int h = 0; h < group; ++h) {
       const int64_t pair = int64_t{r} * group + h;
       // Base-2 units throughout: the sink likewise.
       const float sink2 = sinks != nullptr ? sinks[h] * kLog2e : -INFINITY;
-      const RowEnd end = EndRow(s.m2[pair], s.l[pair], sink2);
+      const RowEnd end = EndRow(st.m2[pair], st.l[pair], sink2);
       const float o_scale = end.o_scale * v_scale;
       const int64_t at = row * g.num_qo_heads + head0 + h;
-      const float* a = s.acc.data() + pair * dv;
+      const float* a = st.acc + pair * dv;
       uint16_t* out = o + at * dv;
       for (int c = 0; c < dv; ++c) out[c] = FloatToHalf(g.dtype, a[c] * o_scale);
       p.lse[at] = seq.lse_base_e ? end.lse2 * kLn2 : end.lse2;
@@ -240,25 +285,85 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
   const KvGeometry& g = p.geo;
   const int32_t group = g.num_qo_heads / g.num_kv_heads;
   const int32_t block = std::clamp(kMaxPairs / std::max(group, 1), 1, kMaxRows);
+  const int dv = g.VDim();
   std::vector<Item> items;
+  std::vector<KeyRange> reads;  // the keys any row of an item sees: the only ones read
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     const PrefillSeq& seq = p.seqs[s];
     for (int32_t r = 0; r < seq.q_len; r += block) {
+      const int32_t r1 = std::min(seq.q_len, r + block);
       for (int32_t h = 0; h < g.num_kv_heads; ++h) {
-        items.push_back(Item{s, h, r, std::min(seq.q_len, r + block)});
+        items.push_back(Item{s, h, r, r1});
+        reads.push_back(RowsKeys(seq, r, r1 - 1).read);
       }
     }
   }
+  // Fewer items than a few per thread (a small batch's decode over a long
+  // KV): each item's keys are split into parts of at least kMinSplitKeys,
+  // whose states merge by their maxima before the item's outputs are
+  // written.
   const int64_t n = static_cast<int64_t>(items.size());
-#pragma omp parallel if (n > 1)
+  const int threads = omp_get_max_threads();
+  const int64_t want = n < 2 * threads ? (2 * threads + n - 1) / std::max<int64_t>(n, 1) : 1;
+  struct Part {
+    int32_t item;
+    KeyRange keys;
+    int64_t state;  // offset of its state in `states`; -1: unsplit
+  };
+  std::vector<Part> parts;
+  std::vector<int32_t> first_part(n + 1, 0);
+  int64_t state_floats = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    first_part[i] = static_cast<int32_t>(parts.size());
+    const KeyRange read = reads[i];
+    const int64_t k = std::clamp<int64_t>(read.size() / kMinSplitKeys, 1, want);
+    if (k == 1) {
+      parts.push_back(Part{i, read, -1});
+      continue;
+    }
+    const int64_t pairs = int64_t{items[i].row_end - items[i].row_begin} * group;
+    const int32_t per = static_cast<int32_t>((read.size() + k - 1) / k);
+    for (int32_t b = read.begin; b < read.end; b += per) {
+      parts.push_back(Part{i, KeyRange{b, std::min(read.end, b + per)}, state_floats});
+      state_floats += pairs * (dv + 2);
+    }
+  }
+  first_part[n] = static_cast<int32_t>(parts.size());
+  std::vector<float> states(static_cast<size_t>(state_floats));
+  auto state_at = [&](int64_t off, int64_t pairs) {
+    float* base = states.data() + off;
+    return State{base, base + pairs * dv, base + pairs * (dv + 1)};
+  };
+  const int64_t num_parts = static_cast<int64_t>(parts.size());
+#pragma omp parallel if (num_parts > 1)
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_parts; ++i) {
+      const Part& part = parts[i];
+      const Item& it = items[part.item];
+      const int64_t pairs = int64_t{it.row_end - it.row_begin} * group;
+      if (part.state >= 0) {
+        Accumulate(p, it, part.keys, state_at(part.state, pairs), scratch);
+        continue;
+      }
+      scratch.acc.resize(static_cast<size_t>(pairs) * dv);
+      scratch.m2.resize(pairs);
+      scratch.l.resize(pairs);
+      const State st{scratch.acc.data(), scratch.m2.data(), scratch.l.data()};
+      Accumulate(p, it, part.keys, st, scratch);
+      Finish(p, it, st);
+    }
+    // The split items: their parts' states merged into the first's.
+#pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
-      const Item& it = items[i];
-      // The keys any row of the item sees: the only ones read.
-      const KeyRange read = RowsKeys(p.seqs[it.seq], it.row_begin, it.row_end - 1).read;
-      AttendItem(p, it, read, scratch);
+      if (parts[first_part[i]].state < 0) continue;
+      const int64_t pairs = int64_t{items[i].row_end - items[i].row_begin} * group;
+      const State st = state_at(parts[first_part[i]].state, pairs);
+      for (int32_t k = first_part[i] + 1; k < first_part[i + 1]; ++k) {
+        MergeInto(st, state_at(parts[k].state, pairs), pairs, dv);
+      }
+      Finish(p, items[i], st);
     }
   }
 }

@@ -4,6 +4,7 @@
 // nothing; and the conformance suite of the variants (docs/design.md,
 // "Variants": sliding windows, soft-caps, sinks) over page sizes, head
 // dimensions and dtypes.
+#include <omp.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -820,6 +821,65 @@ TEST(AppendKvTest, PrefillSeesAppendedRows) {
   const Output after = RunKernel(p);
   CheckAgainstReference(p, after);
   EXPECT_FALSE(before.o == after.o) << "the appended rows changed nothing";
+}
+
+// A batch of fewer work items than a few per thread splits each item's keys
+// into parts whose states merge before the outputs are written (and one with
+// as many threads as items does not): at 1, 2, 3 and 8 threads the same long
+// decodes and short prefills, GQA and MLA, with windows, soft-caps, sinks and
+// rows that see nothing, match the reference, and each other to the last
+// rounding.
+TEST(PagedPrefillTest, SplitKeysMergeToTheSameResultAtEveryThreadCount) {
+  std::mt19937_64 gen(404);
+  for (const bool mla : {false, true}) {
+    KvGeometry geo;
+    geo.num_layers = 1;
+    geo.page_size = 16;
+    geo.num_pages = 600;
+    geo.dtype = KvDType::kBf16;
+    if (mla) {
+      geo.attention = AttentionKind::kMla;
+      geo.kv_lora_rank = 64;
+      geo.qk_rope_head_dim = 16;
+      geo.head_dim = 80;
+      geo.num_qo_heads = 16;
+      geo.num_kv_heads = 1;
+    } else {
+      geo.head_dim = 64;
+      geo.num_qo_heads = 4;
+      geo.num_kv_heads = 2;
+    }
+    std::vector<float> sinks(geo.num_qo_heads);
+    for (float& x : sinks) x = std::uniform_real_distribution<float>(-2.f, 4.f)(gen);
+    std::vector<SeqSpec> specs(2);
+    specs[0].q_len = 1;  // a decode over 3000 keys: parts of at least 256
+    specs[0].kv_len = 3000;
+    specs[0].sm_scale = 0.11f;
+    specs[0].soft_cap = 30.f;
+    specs[0].sinks = sinks;
+    specs[1].q_len = 3;  // a window of 700: the first part sees none of it
+    specs[1].kv_len = 2900;
+    specs[1].sm_scale = 0.09f;
+    specs[1].window_left = 700;
+    specs[1].causal_shift = -40;
+    const Problem p = MakeProblem(gen, geo, specs);
+    const int threads_before = omp_get_max_threads();
+    const int64_t n_o = int64_t{p.total_q} * geo.ORowElems();
+    std::vector<double> first;  // the 1-thread run's output
+    for (const int threads : {1, 2, 3, 8}) {
+      omp_set_num_threads(threads);
+      const Output out = RunKernel(p);
+      CheckAgainstReference(p, out);
+      if (threads == 1) {
+        for (int64_t i = 0; i < n_o; ++i) first.push_back(HalfToFloat(geo.dtype, out.o[i]));
+      } else {
+        // Different splits sum in different orders: equal up to rounding.
+        EXPECT_LT(RelNormError(geo.dtype, out.o.data(), first.data(), n_o), 5e-3)
+            << "threads " << threads << (mla ? " mla" : " gqa");
+      }
+    }
+    omp_set_num_threads(threads_before);
+  }
 }
 
 }  // namespace
