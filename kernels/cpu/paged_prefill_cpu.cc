@@ -49,6 +49,8 @@ struct Item {
   int32_t kv_head = 0;
   int32_t row_begin = 0;
   int32_t row_end = 0;
+  KeyRange read;  // the keys any of its rows sees: the only ones read
+  int64_t Pairs(int32_t group) const { return int64_t{row_end - row_begin} * group; }
 };
 
 // A thread's scratch, reused across its items. Pairs are (row of the item,
@@ -103,7 +105,25 @@ ATTN_CPU_INLINE void Gather(const PagedPrefillParams& p, const PrefillSeq& seq, 
     const int64_t slot = page * g.page_size + j % g.page_size;
     return (seq.layer * g.SlotsPerLayer() + slot) * g.RowElems() + int64_t{kv_head} * d;
   };
-  const int64_t elem_bytes = g.KvIsFp8() ? 1 : 2;
+  const int64_t elem_bytes = g.KvElemBytes();
+  // n values at element `offset` of a pool, as floats: bf16 inline (so
+  // vectorized in each build of the item), fp16 through HalfToFloatN.
+  auto to_float = [&](const void* cache, int64_t offset, float* out, int64_t n) {
+    if (g.KvIsFp8()) {
+      const auto* b = static_cast<const uint8_t*>(cache) + offset;
+      for (int64_t c = 0; c < n; ++c) out[c] = Fp8ToFloat(g.kv_fp8, b[c]);
+    } else if (g.dtype == KvDType::kBf16) {
+      const auto* h = static_cast<const uint16_t*>(cache) + offset;
+      for (int64_t c = 0; c < n; ++c) out[c] = Bf16ToFloat(h[c]);
+    } else {
+      HalfToFloatN(g.dtype, static_cast<const uint16_t*>(cache) + offset, out, n);
+    }
+  };
+  auto prefetch = [](const void* cache, int64_t byte_offset, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) {
+      __builtin_prefetch(static_cast<const char*>(cache) + byte_offset + b);
+    }
+  };
   for (int32_t i = 0; i < keys.size(); ++i) {
     const int32_t j = keys.begin + i;
     // A KV head's values are a piece of each row, rows are spread over
@@ -111,34 +131,12 @@ ATTN_CPU_INLINE void Gather(const PagedPrefillParams& p, const PrefillSeq& seq, 
     // kPrefetchRows ahead (a third of the time of a long decode otherwise).
     if (i + kPrefetchRows < keys.size()) {
       const int64_t ahead = offset_of(j + kPrefetchRows) * elem_bytes;
-      for (int64_t b = 0; b < d * elem_bytes; b += 64) {
-        __builtin_prefetch(static_cast<const char*>(p.k_cache) + ahead + b);
-      }
-      for (int64_t b = 0; has_v && b < dv * elem_bytes; b += 64) {
-        __builtin_prefetch(static_cast<const char*>(p.v_cache) + ahead + b);
-      }
+      prefetch(p.k_cache, ahead, d * elem_bytes);
+      if (has_v) prefetch(p.v_cache, ahead, dv * elem_bytes);
     }
     const int64_t offset = offset_of(j);
-    float* kf = s.k.data() + int64_t{i} * d;
-    float* vf = has_v ? s.v.data() + int64_t{i} * dv : nullptr;
-    if (g.KvIsFp8()) {
-      const auto* kb = static_cast<const uint8_t*>(p.k_cache) + offset;
-      for (int64_t c = 0; c < d; ++c) kf[c] = Fp8ToFloat(g.kv_fp8, kb[c]);
-      if (has_v) {
-        const auto* vb = static_cast<const uint8_t*>(p.v_cache) + offset;
-        for (int64_t c = 0; c < dv; ++c) vf[c] = Fp8ToFloat(g.kv_fp8, vb[c]);
-      }
-    } else if (g.dtype == KvDType::kBf16) {  // inline: vectorized in each build of the item
-      const auto* kh = static_cast<const uint16_t*>(p.k_cache) + offset;
-      for (int64_t c = 0; c < d; ++c) kf[c] = Bf16ToFloat(kh[c]);
-      if (has_v) {
-        const auto* vh = static_cast<const uint16_t*>(p.v_cache) + offset;
-        for (int64_t c = 0; c < dv; ++c) vf[c] = Bf16ToFloat(vh[c]);
-      }
-    } else {
-      HalfToFloatN(g.dtype, static_cast<const uint16_t*>(p.k_cache) + offset, kf, d);
-      if (has_v) HalfToFloatN(g.dtype, static_cast<const uint16_t*>(p.v_cache) + offset, vf, dv);
-    }
+    to_float(p.k_cache, offset, s.k.data() + int64_t{i} * d, d);
+    if (has_v) to_float(p.v_cache, offset, s.v.data() + int64_t{i} * dv, dv);
   }
 }
 
@@ -168,7 +166,7 @@ ATTN_CPU_CLONES void Accumulate(const PagedPrefillParams& p, const Item& it, Key
   const int group = g.num_qo_heads / g.num_kv_heads;
   const int head0 = it.kv_head * group;
   const int rows = it.row_end - it.row_begin;
-  const int64_t pairs = int64_t{rows} * group;
+  const int64_t pairs = it.Pairs(group);
   // K's dequantization scale folds into the logit scale (V's into the
   // output, in Finish).
   const LogitTransform transform =
@@ -287,18 +285,15 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
   const int32_t block = std::clamp(kMaxPairs / std::max(group, 1), 1, kMaxRows);
   const int dv = g.VDim();
   std::vector<Item> items;
-  std::vector<KeyRange> reads;  // the keys any row of an item sees: the only ones read
   for (int32_t s = 0; s < p.num_seqs; ++s) {
     const PrefillSeq& seq = p.seqs[s];
     for (int32_t r = 0; r < seq.q_len; r += block) {
       const int32_t r1 = std::min(seq.q_len, r + block);
-      for (int32_t h = 0; h < g.num_kv_heads; ++h) {
-        items.push_back(Item{s, h, r, r1});
-        reads.push_back(RowsKeys(seq, r, r1 - 1).read);
-      }
+      const KeyRange read = RowsKeys(seq, r, r1 - 1).read;
+      for (int32_t h = 0; h < g.num_kv_heads; ++h) items.push_back(Item{s, h, r, r1, read});
     }
   }
-  // Fewer items than a few per thread (a small batch's decode over a long
+  // Fewer items than two per thread (a small batch's decode over a long
   // KV): each item's keys are split into parts of at least kMinSplitKeys,
   // whose states merge by their maxima before the item's outputs are
   // written.
@@ -315,13 +310,13 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
   int64_t state_floats = 0;
   for (int32_t i = 0; i < n; ++i) {
     first_part[i] = static_cast<int32_t>(parts.size());
-    const KeyRange read = reads[i];
+    const KeyRange& read = items[i].read;
     const int64_t k = std::clamp<int64_t>(read.size() / kMinSplitKeys, 1, want);
     if (k == 1) {
       parts.push_back(Part{i, read, -1});
       continue;
     }
-    const int64_t pairs = int64_t{items[i].row_end - items[i].row_begin} * group;
+    const int64_t pairs = items[i].Pairs(group);
     const int32_t per = static_cast<int32_t>((read.size() + k - 1) / k);
     for (int32_t b = read.begin; b < read.end; b += per) {
       parts.push_back(Part{i, KeyRange{b, std::min(read.end, b + per)}, state_floats});
@@ -342,7 +337,7 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
     for (int64_t i = 0; i < num_parts; ++i) {
       const Part& part = parts[i];
       const Item& it = items[part.item];
-      const int64_t pairs = int64_t{it.row_end - it.row_begin} * group;
+      const int64_t pairs = it.Pairs(group);
       if (part.state >= 0) {
         Accumulate(p, it, part.keys, state_at(part.state, pairs), scratch);
         continue;
@@ -358,7 +353,7 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       if (parts[first_part[i]].state < 0) continue;
-      const int64_t pairs = int64_t{items[i].row_end - items[i].row_begin} * group;
+      const int64_t pairs = items[i].Pairs(group);
       const State st = state_at(parts[first_part[i]].state, pairs);
       for (int32_t k = first_part[i] + 1; k < first_part[i + 1]; ++k) {
         MergeInto(st, state_at(parts[k].state, pairs), pairs, dv);

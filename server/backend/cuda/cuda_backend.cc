@@ -123,21 +123,11 @@ absl::Status CudaBackend::Init() {
   lim.num_sms = prop.multiProcessorCount;
   lim.device = PrefillDevice{prop.major, prop.minor};
   lim.family = options_.prefill_family;
-  int32_t max_ctas = 1, min_tile = INT32_MAX, max_tile = 0;
-  for (int k = 0; k < kNumPrefillKernels && !g.IsMla(); ++k) {
-    const auto kernel = static_cast<PrefillKernel>(k);
-    lim.ctas_per_sm[k] = PrefillCtasPerSm(kernel, g.head_dim, g.dtype);
-    max_ctas = std::max(max_ctas, lim.ctas_per_sm[k]);
-    min_tile = std::min(min_tile, PrefillTileRows(kernel, g.head_dim));
-    max_tile = std::max(max_tile, PrefillTileRows(kernel, g.head_dim));
-  }
-  cudaGetLastError();
   const int64_t group = g.num_qo_heads / g.num_kv_heads;
   lim.max_rows = std::max<int64_t>(options_.max_batch_rows, 1);
   lim.max_indices = std::max<int64_t>(options_.max_batch_kv_indices, 1);
   lim.max_append = max_append_ = std::max<int64_t>(options_.max_batch_append_rows, 1024);
-  lim.max_partial_pairs = std::max<int64_t>(int64_t{4} * lim.num_sms * max_ctas * max_tile, 1 << 16);
-  lim.max_items = g.num_kv_heads * (lim.max_rows * group / min_tile + lim.max_rows + 1) + 2 * lim.max_partial_pairs;
+  int64_t decode_slots = 1;  // the decode family's split counters
   if (g.IsMla()) {
     // Every sequence runs on the MLA family (kernels/plan/mla_plan.h's
     // bounds): its items, and its partial slots of tile_rows rows.
@@ -145,24 +135,34 @@ absl::Status CudaBackend::Init() {
     ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     lim.max_items = MlaMaxItems(lim.mla, lim.max_rows, g.num_qo_heads);
     lim.max_partial_pairs = MlaMaxPartialSlots(lim.mla) * lim.mla.tile_rows;
-  }
-  // Decode family (--decode_kernel): unsplit items are at most one per (KV
-  // head, 16-row tile) plus one per sequence; split ones add a partial slot
-  // each.
-  lim.decode = options_.decode_kernel && !g.IsMla() && DecodeGeometrySupported(g);
-  if (lim.decode) {
+  } else {
+    int32_t max_ctas = 1, min_tile = INT32_MAX, max_tile = 0;
+    for (int k = 0; k < kNumPrefillKernels; ++k) {
+      const auto kernel = static_cast<PrefillKernel>(k);
+      lim.ctas_per_sm[k] = PrefillCtasPerSm(kernel, g.head_dim, g.dtype);
+      max_ctas = std::max(max_ctas, lim.ctas_per_sm[k]);
+      min_tile = std::min(min_tile, PrefillTileRows(kernel, g.head_dim));
+      max_tile = std::max(max_tile, PrefillTileRows(kernel, g.head_dim));
+    }
+    cudaGetLastError();
+    lim.max_partial_pairs = std::max<int64_t>(int64_t{4} * lim.num_sms * max_ctas * max_tile, 1 << 16);
+    lim.max_items =
+        g.num_kv_heads * (lim.max_rows * group / min_tile + lim.max_rows + 1) + 2 * lim.max_partial_pairs;
+    // Decode family (--decode_kernel; FP8 pools use it whatever the flag):
+    // unsplit items are at most one per (KV head, 16-row tile) plus one per
+    // sequence; split ones add a partial slot each.
+    lim.decode = options_.decode_kernel && DecodeGeometrySupported(g);
     lim.decode_ctas_per_sm[0] = DecodeCtasPerSm(g.head_dim, g.dtype, 16, g.kv_fp8);
     lim.decode_ctas_per_sm[1] = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim), g.kv_fp8);
     lim.decode_max_cluster[0] = DecodeMaxCluster(g.head_dim, g.dtype, 16, g.kv_fp8);
     lim.decode_max_cluster[1] = DecodeMaxCluster(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim), g.kv_fp8);
     cudaGetLastError();
+    decode_slots = DecodePartialSlots(lim, g.head_dim);
+    lim.max_decode_items = g.num_kv_heads * (lim.max_rows * group / 16 + lim.max_rows + 1) + decode_slots;
+    // FP8 pools cut sequences into pieces of 8 rows (CutForDecode): one more
+    // tile per piece at most.
+    if (g.KvIsFp8()) lim.max_decode_items += g.num_kv_heads * (lim.max_rows / kMaxDecodeQueryRows + 1);
   }
-  const int64_t decode_slots = lim.decode ? DecodePartialSlots(lim, g.head_dim) : 1;
-  lim.max_decode_items =
-      lim.decode ? g.num_kv_heads * (lim.max_rows * group / 16 + lim.max_rows + 1) + decode_slots : 0;
-  // FP8 pools cut sequences into pieces of 8 rows (CutForDecode): one more
-  // tile per piece at most.
-  if (g.KvIsFp8()) lim.max_decode_items += g.num_kv_heads * (lim.max_rows / kMaxDecodeQueryRows + 1);
   packer_.emplace(g, lim);
 
   const int64_t pool_bytes = g.PoolBytes();

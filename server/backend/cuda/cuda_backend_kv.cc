@@ -6,11 +6,11 @@
 
 #include <algorithm>
 #include <cstring>
-#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "kernels/append_kv.h"
 #include "kernels/kv/kv_rows_cuda.h"
 #include "kernels/merge/merge_cuda.h"
@@ -55,29 +55,38 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
   // slots when both are host), device rows (CUDA regions) device to device.
   // A WriteKV's inline rows that arrived in pieces are gathered into the
   // staging (their one host copy; the pointer is null then).
-  uint8_t* const k_at = rows.k == nullptr ? nullptr : static_cast<uint8_t*>(rows.k) + begin * rb;
-  uint8_t* const v_at = rows.v == nullptr ? nullptr : static_cast<uint8_t*>(rows.v) + begin * rb;
-  const bool any_device = rows.k_on_device || (has_v && rows.v_on_device);
+  // K's rows, then V's (none without a V pool: MLA).
+  struct Stream {
+    int64_t off;  // in the staging
+    uint8_t* at;  // the request's rows [begin, begin + n)
+    bool on_device;
+    const ScatterList* scattered;
+  };
+  const Stream streams[2] = {
+      {off_k, rows.k == nullptr ? nullptr : static_cast<uint8_t*>(rows.k) + begin * rb, rows.k_on_device,
+       &rows.k_scattered},
+      {off_v, rows.v == nullptr ? nullptr : static_cast<uint8_t*>(rows.v) + begin * rb, rows.v_on_device,
+       &rows.v_scattered}};
+  const auto used = absl::MakeConstSpan(streams, has_v ? 2 : 1);
+  bool any_device = false;
+  for (const Stream& st : used) any_device |= st.on_device;
   if (scatter) {
-    for (auto [is_v, off, at, on_device, scattered] :
-         {std::tuple{false, off_k, k_at, rows.k_on_device, &rows.k_scattered},
-          std::tuple{true, off_v, v_at, rows.v_on_device, &rows.v_scattered}}) {
-      if (on_device || (is_v && !has_v)) continue;
-      if (!scattered->empty()) {
-        CopyOut(*scattered, begin * rb, n * rb, in.At(off));
+    for (const Stream& st : used) {
+      if (st.on_device) continue;
+      if (!st.scattered->empty()) {
+        CopyOut(*st.scattered, begin * rb, n * rb, in.At(st.off));
       } else {
-        CopyBytes(in.At(off), at, n * rb);
+        CopyBytes(in.At(st.off), st.at, n * rb);
       }
     }
   }
   const int64_t upload = scatter && !any_device ? in.used() : n * 8;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_in, slot.h_in, upload, cudaMemcpyHostToDevice, compute_));
   if (scatter && any_device) {
-    for (auto [is_v, off, at, on_device] :
-         {std::tuple{false, off_k, k_at, rows.k_on_device}, std::tuple{true, off_v, v_at, rows.v_on_device}}) {
-      if (is_v && !has_v) continue;
-      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_in + off, on_device ? at : in.At(off), n * rb,
-                                                     on_device ? cudaMemcpyDefault : cudaMemcpyHostToDevice,
+    for (const Stream& st : used) {
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot.d_in + st.off, st.on_device ? st.at : in.At(st.off),
+                                                     n * rb,
+                                                     st.on_device ? cudaMemcpyDefault : cudaMemcpyHostToDevice,
                                                      compute_));
     }
   }
@@ -117,18 +126,18 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
                                                    off_v + (has_v ? n * rb : 0) - off_k,
                                                    cudaMemcpyDeviceToHost, compute_));
   } else if (!scatter) {
-    for (auto [is_v, off, at, on_device] :
-         {std::tuple{false, off_k, k_at, rows.k_on_device}, std::tuple{true, off_v, v_at, rows.v_on_device}}) {
-      if (is_v && !has_v) continue;
-      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(on_device ? at : in.At(off), slot.d_in + off, n * rb,
-                                                     on_device ? cudaMemcpyDefault : cudaMemcpyDeviceToHost,
+    for (const Stream& st : used) {
+      ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(st.on_device ? st.at : in.At(st.off), slot.d_in + st.off,
+                                                     n * rb,
+                                                     st.on_device ? cudaMemcpyDefault : cudaMemcpyDeviceToHost,
                                                      compute_));
     }
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
   if (!scatter) {
-    if (!rows.k_on_device) CopyBytes(k_at, in.At(off_k), n * rb);
-    if (has_v && !rows.v_on_device) CopyBytes(v_at, in.At(off_v), n * rb);
+    for (const Stream& st : used) {
+      if (!st.on_device) CopyBytes(st.at, in.At(st.off), n * rb);
+    }
   }
   float ms = 0;
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, slot.events[StagingRing::kAppendBegin], slot.events[StagingRing::kAppendEnd]));
