@@ -145,7 +145,7 @@ void Run(const Workload& w) {
     return MedianMs(ms);
   };
   const double mla_ms = time([&] {
-    CHECK_CUDA(PagedMlaCuda(p, plan.tile_rows, d_items, static_cast<int32_t>(plan.items.size()),
+    CHECK_CUDA(PagedMlaCuda(p, plan.tile_rows, plan.key_block, d_items, static_cast<int32_t>(plan.items.size()),
                             part_o, part_lse, nullptr));
     CHECK_CUDA(MergeMlaCuda(p, plan.tile_rows, d_merges, static_cast<int32_t>(plan.merges.size()),
                             part_o, part_lse, nullptr));

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Runs the MLA kernel family on this machine's GPU: its GPU tests against the
-# float64 reference (kernels/plan + kernels/mla), a compute-sanitizer pass
-# over two of them, the server's MLA tests (tests/integration/mla_test.cc)
+# float64 reference (kernels/plan + kernels/mla), compute-sanitizer's memcheck
+# and racecheck over two of them each, the server's MLA tests (tests/integration/mla_test.cc)
 # against a CUDA server at DeepSeek's widths (512 + 64), attnserve_mla_bench
 # and the PyTorch baselines (bench/mla_torch.py), one after the other, and
-# prints a summary last. Steps are capped at 240 + 120 + 240 + 90 + 90 s.
+# prints a summary last. Steps are capped at 240 + 120 + 150 + 240 + 90 + 90 s.
 #
 # Usage: bench/run_mla_gpu.sh INSTALL_DIR OUT_DIR
 #   INSTALL_DIR: cmake --install build --prefix INSTALL_DIR --component mla_gpu
 #     (bin/attnserve_gpu_mla_tests, bin/attnserve_mla_bench, lib/), and for
 #     the server step bin/attnserve and bin/integration_test (skipped when
 #     absent).
-#   OUT_DIR receives device.txt, mla_tests.log, sanitizer.log,
+#   OUT_DIR receives device.txt, mla_tests.log, sanitizer.log, racecheck.log,
 #     mla_server.log, mla_bench.log, mla_torch.log and summary.txt.
 set -u
 if [[ $# -ne 2 ]]; then
@@ -41,13 +41,16 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
   step "compute-sanitizer (memcheck)" sanitizer.log 120 compute-sanitizer --error-exitcode=1 \
     "$inst/bin/attnserve_gpu_mla_tests" \
     --gtest_filter='*H16Ps16DecodeBf16*:*H128Ps1PrefillFp16Variants*'
+  # The kernel shares S's row maxima and P between warps through shared
+  # memory: racecheck over one decode and one prefill configuration.
+  step "compute-sanitizer (racecheck)" racecheck.log 150 compute-sanitizer --tool racecheck \
+    --error-exitcode=1 "$inst/bin/attnserve_gpu_mla_tests" \
+    --gtest_filter='*H16Ps16DecodeBf16*:*H128Ps64PrefillBf16Variants*'
 fi
 if [[ -x "$inst/bin/integration_test" && -x "$inst/bin/attnserve" ]]; then
-  # The CUDA backend refuses MLA until this step has passed on a GPU;
-  # ATTNSERVE_MLA_CUDA_UNVALIDATED=1 lets these tests' servers offer it.
   step "MLA through a CUDA server" mla_server.log 240 env ATTNSERVE_BIN="$inst/bin/attnserve" \
     ATTNSERVE_TEST_SERVER_FLAGS=--backend=cuda ATTNSERVE_TEST_MLA_WIDTHS=512,64 \
-    ATTNSERVE_MLA_CUDA_UNVALIDATED=1 "$inst/bin/integration_test" \
+    "$inst/bin/integration_test" \
     --gtest_filter='MlaServerTest.*:PageSizes/MlaPrefillTest.*'
 fi
 step "attnserve_mla_bench" mla_bench.log 90 "$inst/bin/attnserve_mla_bench"

@@ -64,7 +64,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   auto& kernel_launches = prometheus::BuildCounter()
                           .Name("attnserve_kernel_launches_total")
                           .Help("Kernel launches by kernel (attention_prefill, attention_decode, "
-                                "merge, append, kv_rows, zero_pages; disjoint)")
+                                "attention_mla, merge, append, kv_rows, zero_pages; disjoint)")
                           .Register(*registry_);
   auto& kernel_duration = prometheus::BuildHistogram()
                           .Name("attnserve_kernel_duration_seconds")
@@ -135,7 +135,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   // The kernel and stage series exist from the start (dashboards see them at
   // zero), in the order of the Kernel and Stage enums.
   const char* kernels[] = {"attention_prefill", "attention_decode", "merge", "append", "kv_rows",
-                           "zero_pages"};
+                           "zero_pages", "attention_mla"};
   static_assert(sizeof(kernels) / sizeof(kernels[0]) == kNumKernels);
   for (int i = 0; i < kNumKernels; ++i) {
     kernel_launches_[i] = &kernel_launches.Add({{"kernel", kernels[i]}});

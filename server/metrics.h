@@ -69,9 +69,19 @@ class Metrics {
   // attention launch on the CPU backend); attention_decode: the decode
   // family's; merge: the split-KV merge; append: a Prefill batch's fused
   // appends; kv_rows: WriteKV scatters and ReadKV gathers; zero_pages: freed
-  // pages zeroed before reuse.
-  enum class Kernel { kAttentionPrefill, kAttentionDecode, kMerge, kAppend, kKvRows, kZeroPages };
-  static constexpr int kNumKernels = 6;
+  // pages zeroed before reuse; attention_mla: every attention launch of an
+  // MLA server (--attention=mla: the MLA family on CUDA, the CPU backend's
+  // MLA attention), where attention_prefill and attention_decode stay 0.
+  enum class Kernel {
+    kAttentionPrefill,
+    kAttentionDecode,
+    kMerge,
+    kAppend,
+    kKvRows,
+    kZeroPages,
+    kAttentionMla
+  };
+  static constexpr int kNumKernels = 7;
   // Launches of one kernel in a batch and their device (or CPU) seconds.
   void ObserveKernel(Kernel kernel, int launches, double seconds);
   // Host time of one batch stage: submit (plan, pack, queue), wait (for the

@@ -53,11 +53,21 @@ struct Shape {
   static constexpr int kColSplit = kWarps / kRowGroups;  // warps along O's columns
   static constexpr int kCols = kDv / kColSplit;          // O columns a warp owns
   static constexpr int kOTiles = kCols / 8;
-  static constexpr int kSTiles = kN / 8;
+  // S = Q K^T is computed once: warp w takes rows of row group w % kRowGroups
+  // (its O rows) and key piece w / kRowGroups, kKeyPieces pieces of kPn keys;
+  // warps past the pieces compute no S.
+  static constexpr int kKeyPieces = kColSplit < kN / 8 ? kColSplit : kN / 8;
+  static constexpr int kPn = kN / kKeyPieces;
+  static constexpr int kPTiles = kPn / 8;
   static constexpr int kThreadsPerKey = kThreads / kN;  // threads loading one K row
-  static constexpr int kSmemBytes = (kM + 2 * kN) * kRowBytes;
+  static constexpr int kPStride = (kN + 8) * 2;         // P's row bytes (16 of padding)
+  static constexpr int kOffK = kM * kRowBytes;
+  static constexpr int kOffP = kOffK + 2 * kN * kRowBytes;
+  static constexpr int kOffRed = kOffP + kM * kPStride;
+  static constexpr int kSmemBytes = kOffRed + kKeyPieces * kM * 4;
   static_assert(kM % 16 == 0 && kWarps % kRowGroups == 0, "tile rows");
   static_assert(kN % 16 == 0 && kThreads % kN == 0, "key block");
+  static_assert(kPn % 8 == 0 && (kPn == 8 || kPn % 16 == 0), "key pieces");
   static_assert(kCols % 16 == 0, "columns");
 };
 
@@ -66,7 +76,9 @@ __global__ void __launch_bounds__(kThreads, 1) MlaKernel(Args a) {
   using S = Shape<kM, kN>;
   extern __shared__ __align__(128) char smem[];
   char* const sq = smem;
-  char* const sk = smem + kM * kRowBytes;
+  char* const sk = smem + S::kOffK;
+  char* const sp = smem + S::kOffP;                         // P, kM x kN
+  float* const red = reinterpret_cast<float*>(smem + S::kOffRed);  // [piece][row]
   const MlaWorkItem item = a.items[blockIdx.x];
   const PrefillSeq seq = a.seqs[item.seq];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -106,8 +118,10 @@ __global__ void __launch_bounds__(kThreads, 1) MlaKernel(Args a) {
   CpAsyncCommit();
 
   const int row_group = warp % S::kRowGroups;
-  const int col_slice = warp / S::kRowGroups;
+  const int col_slice = warp / S::kRowGroups;  // O's columns; the S piece too
+  const bool has_s = col_slice < S::kKeyPieces;
   const int row0 = row_group * 16;
+  const int piece0 = col_slice * S::kPn;  // the S piece's first key in the block
   // This thread's two rows (r = row0 + lane / 4 and r + 8): their keys,
   // clipped to the chunk.
   KeyRange keys[2];
@@ -124,6 +138,8 @@ __global__ void __launch_bounds__(kThreads, 1) MlaKernel(Args a) {
   float o[S::kOTiles][4];
 #pragma unroll
   for (int t = 0; t < S::kOTiles; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  // Every warp of a row group keeps the same running maximum (each derives
+  // it from the same shared piece maxima); l is this warp's piece's share.
   float m2[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.f, 0.f};
 
@@ -135,70 +151,96 @@ __global__ void __launch_bounds__(kThreads, 1) MlaKernel(Args a) {
     const char* kt = sk + (b & 1) * kN * kRowBytes;
     const int key0 = item.kv_begin + b * kN;
 
-    // S = Q K^T for this warp's 16 rows and the block's kN keys.
-    float s[S::kSTiles][4];
+    // S = Q K^T for this warp's 16 rows and its piece's kPn keys.
+    float s[S::kPTiles][4];
 #pragma unroll
-    for (int t = 0; t < S::kSTiles; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
-#pragma unroll 4
-    for (int ks = 0; ks < kDqk / 16; ++ks) {
-      uint32_t af[4];
-      LdMatrixX4(af, SmemAddr(sq + Swz<kRowBytes>(row0 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                    ks * 2 + lane / 16)));
+    for (int t = 0; t < S::kPTiles; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+    if (has_s) {
+#pragma unroll 2
+      for (int ks = 0; ks < kDqk / 16; ks += 2) {
+        uint32_t af[2][4];
 #pragma unroll
-      for (int np = 0; np < S::kSTiles / 2; ++np) {
-        uint32_t bf[4];
-        LdMatrixX4(bf, SmemAddr(kt + Swz<kRowBytes>(np * 16 + (lane % 8) + (lane / 16) * 8,
-                                                     ks * 2 + (lane / 8) % 2)));
-        Mma16816<T>(s[2 * np], af, bf[0], bf[1]);
-        Mma16816<T>(s[2 * np + 1], af, bf[2], bf[3]);
-      }
-    }
-    // Logits (base 2) and the mask, then the online softmax of each row.
+        for (int u = 0; u < 2; ++u) {
+          LdMatrixX4(af[u], SmemAddr(sq + Swz<kRowBytes>(row0 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                         (ks + u) * 2 + lane / 16)));
+        }
+        if constexpr (S::kPn == 8) {
+          // One n-tile of 8 keys over 32 dims: matrices (keys, dims 8i..8i+7).
+          uint32_t bf[4];
+          LdMatrixX4(bf, SmemAddr(kt + Swz<kRowBytes>(piece0 + (lane % 8), ks * 2 + lane / 8)));
+          Mma16816<T>(s[0], af[0], bf[0], bf[1]);
+          Mma16816<T>(s[0], af[1], bf[2], bf[3]);
+        } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
+          for (int u = 0; u < 2; ++u) {
 #pragma unroll
-      for (int t = 0; t < S::kSTiles; ++t) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = key0 + t * 8 + 2 * (lane % 4) + e;
-          const bool seen = j >= keys[h].begin && j < keys[h].end;
-          const float x = seen ? transform.Log2(s[t][2 * h + e]) : -INFINITY;
-          s[t][2 * h + e] = x;
-          mx = fmaxf(mx, x);
+            for (int np = 0; np < S::kPTiles / 2; ++np) {
+              uint32_t bf[4];
+              LdMatrixX4(bf, SmemAddr(kt + Swz<kRowBytes>(piece0 + np * 16 + (lane % 8) + (lane / 16) * 8,
+                                                           (ks + u) * 2 + (lane / 8) % 2)));
+              Mma16816<T>(s[2 * np], af[u], bf[0], bf[1]);
+              Mma16816<T>(s[2 * np + 1], af[u], bf[2], bf[3]);
+            }
+          }
         }
       }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // Logits (base 2) and the mask; the piece's row maxima to shared memory.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int t = 0; t < S::kPTiles; ++t) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = key0 + piece0 + t * 8 + 2 * (lane % 4) + e;
+            const bool seen = j >= keys[h].begin && j < keys[h].end;
+            const float x = seen ? transform.Log2(s[t][2 * h + e]) : -INFINITY;
+            s[t][2 * h + e] = x;
+            mx = fmaxf(mx, x);
+          }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        if (lane % 4 == 0) red[col_slice * kM + row0 + lane / 4 + 8 * h] = mx;
+      }
+    }
+    __syncthreads();
+    // The block's row maxima, the online softmax's rescale, and P (16-bit)
+    // of this warp's piece to shared memory.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + lane / 4 + 8 * h;
+      float mx = red[r];
+#pragma unroll
+      for (int pc = 1; pc < S::kKeyPieces; ++pc) mx = fmaxf(mx, red[pc * kM + r]);
       const float m_new = fmaxf(m2[h], mx);
       const bool none = !(m_new > -INFINITY);
       const float scale = none ? 1.f : Exp2(m2[h] - m_new);
-      float sum = 0.f;
-#pragma unroll
-      for (int t = 0; t < S::kSTiles; ++t) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = none ? 0.f : Exp2(s[t][2 * h + e] - m_new);
-          s[t][2 * h + e] = p;
-          sum += p;
-        }
-      }
-      l[h] = l[h] * scale + sum;  // this thread's columns; summed over the quad at the end
       m2[h] = m_new;
 #pragma unroll
       for (int t = 0; t < S::kOTiles; ++t) {
         o[t][2 * h] *= scale;
         o[t][2 * h + 1] *= scale;
       }
+      if (has_s) {
+        float sum = 0.f;
+#pragma unroll
+        for (int t = 0; t < S::kPTiles; ++t) {
+          const float p0 = none ? 0.f : Exp2(s[t][2 * h] - m_new);
+          const float p1 = none ? 0.f : Exp2(s[t][2 * h + 1] - m_new);
+          sum += p0 + p1;
+          *reinterpret_cast<uint32_t*>(sp + r * S::kPStride +
+                                       (piece0 + t * 8 + 2 * (lane % 4)) * 2) = Pack2<T>(p0, p1);
+        }
+        l[h] = l[h] * scale + sum;  // this thread's columns; summed over the quad at the end
+      }
     }
+    __syncthreads();
     // O += P V on this warp's columns; V is the block's first kDv columns.
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) {
       uint32_t pa[4];
-      pa[0] = Pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = Pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = Pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = Pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      LdMatrixX4(pa, SmemAddr(sp + (row0 + (lane % 16)) * S::kPStride + (kk * 16 + (lane / 16) * 8) * 2));
 #pragma unroll
       for (int np = 0; np < S::kOTiles / 2; ++np) {
         const int d0 = col_slice * S::kCols + np * 16;
@@ -209,19 +251,28 @@ __global__ void __launch_bounds__(kThreads, 1) MlaKernel(Args a) {
         Mma16816<T>(o[2 * np + 1], pa, vb[2], vb[3]);
       }
     }
-    __syncthreads();  // the stage is loaded again two blocks on
+    __syncthreads();  // the stage is loaded again two blocks on; P and the maxima rewritten
   }
   CpAsyncWait<0>();
 
-  // The rows' ends: o and the LSE, or the chunk's partial state.
+  // Each row's l: the pieces' shares, summed through shared memory.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float lt = l[h];
     lt += __shfl_xor_sync(0xffffffffu, lt, 1);
     lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    if (has_s && lane % 4 == 0) red[col_slice * kM + row0 + lane / 4 + 8 * h] = lt;
+  }
+  __syncthreads();
+  // The rows' ends: o and the LSE, or the chunk's partial state.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
     const int r = row0 + lane / 4 + 8 * h;
+    float lt = 0.f;
+#pragma unroll
+    for (int pc = 0; pc < S::kKeyPieces; ++pc) lt += red[pc * kM + r];
     const int m = item.row_begin + r;
-    if (m >= rows_total || r >= kM) continue;
+    if (m >= rows_total) continue;
     const bool sinks = item.chunk == 0 && seq.sink_index >= 0 && a.sinks != nullptr;
     const float sink2 = sinks ? a.sinks[int64_t{seq.sink_index} * heads + m % heads] * kLog2e
                               : -INFINITY;
@@ -333,9 +384,11 @@ cudaError_t Launch(const Args& a, int32_t num_items, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t LaunchFor(const Args& a, int32_t tile_rows, int32_t num_items, cudaStream_t stream) {
-  if (tile_rows == 64) return Launch<64, 32, T>(a, num_items, stream);
-  if (tile_rows == 32) return Launch<32, 16, T>(a, num_items, stream);
+cudaError_t LaunchFor(const Args& a, int32_t tile_rows, int32_t key_block, int32_t num_items,
+                      cudaStream_t stream) {
+  if (tile_rows == 64 && key_block == 32) return Launch<64, 32, T>(a, num_items, stream);
+  if (tile_rows == 16 && key_block == 64) return Launch<16, 64, T>(a, num_items, stream);
+  if (tile_rows == 16 && key_block == 32) return Launch<16, 32, T>(a, num_items, stream);
   return cudaErrorInvalidValue;
 }
 
@@ -350,24 +403,30 @@ MlaPlanOptions MlaPlanOptionsForDevice() {
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
     cudaGetLastError();
   }
+  // The largest tile the device's shared memory takes, and for batches of
+  // at most 16 packed rows a sequence (decode at up to 16 heads) a 16-row
+  // tile with the longest key block that fits.
   const bool large = smem >= mla::Shape<64, 32>::kSmemBytes;
-  options.tile_rows = large ? 64 : 32;
-  options.key_block = large ? 32 : 16;
+  const bool long_block = smem >= mla::Shape<16, 64>::kSmemBytes;
+  options.tile_rows = large ? 64 : 16;
+  options.key_block = large || !long_block ? 32 : 64;
+  options.small_tile_rows = large ? 16 : 0;
+  options.small_key_block = long_block ? 64 : 32;
   options.num_sms = sms > 0 ? sms : 1;
   options.ctas_per_sm = 1;
   return options;
 }
 
-cudaError_t PagedMlaCuda(const PagedPrefillParams& params, int32_t tile_rows,
+cudaError_t PagedMlaCuda(const PagedPrefillParams& params, int32_t tile_rows, int32_t key_block,
                          const MlaWorkItem* items, int32_t num_items, float* part_o,
                          float* part_lse, cudaStream_t stream) {
   if (!MlaCudaSupports(params.geo)) return cudaErrorInvalidValue;
   if (num_items == 0) return cudaSuccess;
   const mla::Args a = mla::ArgsOf(params, items, part_o, part_lse);
   if (params.geo.dtype == KvDType::kBf16) {
-    return mla::LaunchFor<__nv_bfloat16>(a, tile_rows, num_items, stream);
+    return mla::LaunchFor<__nv_bfloat16>(a, tile_rows, key_block, num_items, stream);
   }
-  return mla::LaunchFor<__half>(a, tile_rows, num_items, stream);
+  return mla::LaunchFor<__half>(a, tile_rows, key_block, num_items, stream);
 }
 
 cudaError_t MergeMlaCuda(const PagedPrefillParams& params, int32_t tile_rows,

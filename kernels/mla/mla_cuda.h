@@ -7,16 +7,20 @@
 // soft-caps, sinks and LSE bases; rows that see nothing get 0 and LSE -inf
 // (or the sink); fp32 accumulation; bf16 or fp16.
 //
-// Design (v1, mma.sync, sm_80 and up): a CTA of 8 warps takes a tile of
+// Design (v2, mma.sync, sm_80 and up): a CTA of 8 warps takes a tile of
 // tile_rows packed (query row, head) pairs of one sequence (kernels/plan/
 // mla_plan.h) and one KV chunk; Q's tile stays in shared memory, K blocks of
 // key_block latent rows stream through two cp.async stages, each read once
 // for every head of the tile. Each warp owns 16 rows and a slice of the 512
-// output columns; the warps sharing rows each compute S = Q K^T for them
-// (the QK product is repeated 2x at tile_rows 64, 4x at 32: correct and
-// simple, not yet the fastest), then O += P V on their columns, V being the
-// first 512 columns of the same K block. Split chunks write fp32 partial
-// states that MergeMlaCuda combines by LSE.
+// output columns. S = Q K^T is computed once: the warps of a row group
+// split the block's keys into pieces, put their pieces' row maxima in shared
+// memory, take the block's maxima from there (so every warp of a row group
+// keeps the same running maximum), and write P (16-bit) to shared memory;
+// then each warp runs O += P V on its columns, V being the first 512
+// columns of the same K block. Shapes (rows x key block): 64 x 32; 16 x 64
+// for decode at up to 16 heads (the plan's small tile); 16 x 32 where a
+// block cannot take 165 KiB of shared memory. Split chunks write fp32
+// partial states that MergeMlaCuda combines by LSE.
 //
 // Usage (device pointers except the plan):
 //   MlaPlanOptions opt = MlaPlanOptionsForDevice();  // tile shape, SMs
@@ -24,7 +28,7 @@
 //   BuildMlaPlan(host_seqs, num_seqs, geo, opt, &plan);
 //   // upload plan.items and plan.merges; part_o (plan.partial_slots *
 //   // plan.tile_rows, 512) and part_lse (plan.partial_slots * tile_rows) fp32
-//   PagedMlaCuda(params, plan.tile_rows, d_items, plan.items.size(), d_part_o, d_part_lse, s);
+//   PagedMlaCuda(params, plan.tile_rows, plan.key_block, d_items, plan.items.size(), d_part_o, d_part_lse, s);
 //   MergeMlaCuda(params, plan.tile_rows, d_merges, plan.merges.size(), d_part_o, d_part_lse, s);
 #pragma once
 
@@ -37,16 +41,18 @@
 
 namespace attnserve {
 
-// The plan options of the current device: the tile shape its shared memory
-// allows (tile_rows 64 x key_block 32 where a block may take 144 KiB, else
-// 32 x 16) and its SM count.
+// The plan options of the current device: the tile shapes its shared memory
+// allows (64 x 32 with the small tile 16 x 64 on the H100 and H200; 64 x 32
+// with 16 x 32 where a block may take 150 KiB but not 165; else 16 x 32
+// alone) and its SM count.
 MlaPlanOptions MlaPlanOptionsForDevice();
 
-// Runs every work item. params: q, o, lse, k_cache, kv_indices, seqs (the
-// batch's PrefillSeq array) and sinks are device pointers; params.geo must
-// satisfy MlaCudaSupports (else cudaErrorInvalidValue). part_o / part_lse
-// may be null when no item is split.
-cudaError_t PagedMlaCuda(const PagedPrefillParams& params, int32_t tile_rows,
+// Runs every work item of a plan of tile_rows x key_block (one of the
+// shapes above, else cudaErrorInvalidValue). params: q, o, lse, k_cache,
+// kv_indices, seqs (the batch's PrefillSeq array) and sinks are device
+// pointers; params.geo must satisfy MlaCudaSupports (else
+// cudaErrorInvalidValue). part_o / part_lse may be null when no item is split.
+cudaError_t PagedMlaCuda(const PagedPrefillParams& params, int32_t tile_rows, int32_t key_block,
                          const MlaWorkItem* items, int32_t num_items, float* part_o,
                          float* part_lse, cudaStream_t stream);
 

@@ -19,20 +19,27 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 void BuildMlaPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
                   const MlaPlanOptions& options, MlaPlan* plan) {
-  plan->tile_rows = options.tile_rows;
   plan->items.clear();
   plan->merges.clear();
   plan->partial_slots = 0;
   const int32_t heads = geo.num_qo_heads;
-  const int32_t block = std::max(1, options.key_block);
+  int64_t max_seq_rows = 0;
+  for (int32_t s = 0; s < num_seqs; ++s) {
+    max_seq_rows = std::max<int64_t>(max_seq_rows, int64_t{seqs[s].q_len} * heads);
+  }
+  const bool small = options.small_tile_rows > 0 && max_seq_rows <= options.small_tile_rows;
+  plan->tile_rows = small ? options.small_tile_rows : options.tile_rows;
+  plan->key_block = small ? options.small_key_block : options.key_block;
+  const int32_t tile_rows = plan->tile_rows;
+  const int32_t block = std::max(1, plan->key_block);
   std::vector<Tile> tiles;
   int64_t total_blocks = 0;
   for (int32_t s = 0; s < num_seqs; ++s) {
     const PrefillSeq& seq = seqs[s];
     if (seq.q_len <= 0) continue;
     const int64_t rows = int64_t{seq.q_len} * heads;
-    for (int64_t r0 = 0; r0 < rows; r0 += options.tile_rows) {
-      const int64_t r1 = std::min(rows, r0 + options.tile_rows) - 1;
+    for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+      const int64_t r1 = std::min(rows, r0 + tile_rows) - 1;
       const KeyRange keys =
           RowsKeys(seq, static_cast<int32_t>(r0 / heads), static_cast<int32_t>(r1 / heads)).read;
       tiles.push_back(Tile{s, static_cast<int32_t>(r0), keys});

@@ -56,6 +56,10 @@ struct MlaMergeTile {
 struct MlaPlanOptions {
   int32_t tile_rows = 64;        // packed rows per CTA (the kernel's)
   int32_t key_block = 32;        // keys per main-loop step (the kernel's); chunks are multiples
+  // A smaller tile (0: none) for batches whose every sequence has at most
+  // small_tile_rows packed rows (decode at up to 16 heads), with its key block.
+  int32_t small_tile_rows = 0;
+  int32_t small_key_block = 0;
   int32_t num_sms = 132;
   int32_t ctas_per_sm = 1;
   int32_t min_chunk_blocks = 4;  // smallest chunk of a split tile, in key blocks
@@ -63,7 +67,8 @@ struct MlaPlanOptions {
 };
 
 struct MlaPlan {
-  int32_t tile_rows = 0;
+  int32_t tile_rows = 0;  // the tile shape the plan chose (MlaPlanOptions')
+  int32_t key_block = 0;
   std::vector<MlaWorkItem> items;
   std::vector<MlaMergeTile> merges;
   int32_t partial_slots = 0;  // part_o holds partial_slots * tile_rows rows
@@ -71,7 +76,8 @@ struct MlaPlan {
 
 // What a plan of at most max_rows query rows in at most max_rows sequences
 // may need, so that a server sizes its staging and workspace once: tiles
-// are at most max_rows * num_qo_heads / tile_rows + max_rows; a plan splits
+// are at most max_rows * num_qo_heads / MlaMinTileRows + max_rows (partial
+// states are at most MlaMaxTileRows rows a slot); a plan splits
 // only when its tiles are fewer than a wave (num_sms * ctas_per_sm), and
 // then its chunks number at most the wave plus its tiles, so its partial
 // slots and merges stay below two waves and one wave.
@@ -80,13 +86,21 @@ inline int64_t MlaWave(const MlaPlanOptions& o) {
 }
 inline int64_t MlaMaxPartialSlots(const MlaPlanOptions& o) { return 2 * MlaWave(o); }
 inline int64_t MlaMaxMerges(const MlaPlanOptions& o) { return MlaWave(o); }
+inline int32_t MlaMinTileRows(const MlaPlanOptions& o) {
+  return o.small_tile_rows > 0 && o.small_tile_rows < o.tile_rows ? o.small_tile_rows : o.tile_rows;
+}
+inline int32_t MlaMaxTileRows(const MlaPlanOptions& o) {
+  return o.small_tile_rows > o.tile_rows ? o.small_tile_rows : o.tile_rows;
+}
 inline int64_t MlaMaxItems(const MlaPlanOptions& o, int64_t max_rows, int32_t num_qo_heads) {
-  return max_rows * num_qo_heads / o.tile_rows + max_rows + MlaMaxPartialSlots(o);
+  return max_rows * num_qo_heads / MlaMinTileRows(o) + max_rows + MlaMaxPartialSlots(o);
 }
 
 // Plans seqs[0, num_seqs) (validated: kv_len consistent with the indices)
-// on geometry geo (an MLA geometry). Tiles whose rows see no key still get
-// one item (it writes o = 0 and the LSE: -inf, or the sink).
+// on geometry geo (an MLA geometry), in the small tile where every
+// sequence's packed rows fit it, else in the large one. Tiles whose rows
+// see no key still get one item (it writes o = 0 and the LSE: -inf, or the
+// sink).
 void BuildMlaPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
                   const MlaPlanOptions& options, MlaPlan* plan);
 

@@ -425,7 +425,9 @@ void Scheduler::RunJob(std::unique_ptr<Job> job) {
 void Scheduler::ObserveStats(const BatchStats& stats) {
   // The batch's attention splits into the decode family's launch and the
   // rest (the prefill family's, or the CPU backend's): disjoint label values.
-  metrics_->ObserveKernel(Metrics::Kernel::kAttentionPrefill,
+  // An MLA server's attention is all the MLA family's.
+  const bool mla = backend_->Geometry().attention == AttentionKind::kMla;
+  metrics_->ObserveKernel(mla ? Metrics::Kernel::kAttentionMla : Metrics::Kernel::kAttentionPrefill,
                           stats.attention_launches - stats.attention_decode_launches,
                           std::max(0.0, stats.attention_seconds - stats.attention_decode_seconds));
   metrics_->ObserveKernel(Metrics::Kernel::kAttentionDecode, stats.attention_decode_launches,

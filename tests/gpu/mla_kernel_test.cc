@@ -115,7 +115,7 @@ std::string RunMla(const HostBatch& b, const MlaPlanOptions& options, bool* spli
   p.num_seqs = static_cast<int32_t>(b.seqs.size());
   p.total_q = b.total_q;
   p.geo = g;
-  cudaError_t e = PagedMlaCuda(p, plan.tile_rows, items.ptr,
+  cudaError_t e = PagedMlaCuda(p, plan.tile_rows, plan.key_block, items.ptr,
                                static_cast<int32_t>(plan.items.size()), part_o.ptr, part_lse.ptr,
                                nullptr);
   if (e != cudaSuccess) return std::string("PagedMlaCuda: ") + cudaGetErrorString(e);
@@ -140,21 +140,40 @@ TEST_P(MlaKernelTest, MatchesTheReferenceWithAndWithoutSplits) {
   std::mt19937_64 rng(std::hash<std::string>()(c.name));
   const HostBatch b = MlaBatch(c, &rng);
   const MlaPlanOptions device = MlaPlanOptionsForDevice();
-  // The device's tile shape, and the smaller one; the split forced (a
-  // "device" of 1000 SMs) and not (one of 1 SM).
-  for (int32_t tile_rows : {device.tile_rows, 32}) {
+  // Every tile shape the kernel is built for that the device takes (the
+  // plan picks the small one only where the rows fit it, so each is forced
+  // here as the plan's only tile); the split forced (a "device" of 1000
+  // SMs) and not (one of 1 SM).
+  struct TileShape {
+    int32_t rows, key_block, smem_needed;
+  };
+  int smem = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), cudaSuccess);
+  for (const TileShape& shape : {TileShape{64, 32, 153088}, TileShape{16, 64, 168704},
+                                 TileShape{16, 32, 93696}}) {
+    if (smem < shape.smem_needed) continue;
     for (int32_t sms : {1, 1000}) {
       MlaPlanOptions options = device;
-      options.tile_rows = tile_rows;
-      options.key_block = tile_rows == 64 ? 32 : 16;
+      options.tile_rows = shape.rows;
+      options.key_block = shape.key_block;
+      options.small_tile_rows = 0;
+      const int32_t tile_rows = shape.rows;
       options.num_sms = sms;
       options.min_chunk_blocks = 1;
       bool split = false;
       const std::string error = RunMla(b, options, &split);
       EXPECT_EQ(error, "") << c.name << " tile_rows " << tile_rows << " sms " << sms;
-      EXPECT_EQ(split, sms == 1000) << "the plan did not split as asked";
+      // A "device" of 1000 SMs splits unless the batch has a wave of tiles
+      // (128 heads of prefill in 16-row tiles).
+      int64_t tiles = 0;
+      for (const PrefillSeq& s : b.seqs) tiles += (int64_t{s.q_len} * c.heads + tile_rows - 1) / tile_rows;
+      EXPECT_EQ(split, sms == 1000 && tiles < 1000) << "the plan did not split as asked";
     }
   }
+  // The device's own options: the plan picks the tile (16 rows for decode
+  // at 16 heads where the device has the small tile).
+  bool split = false;
+  EXPECT_EQ(RunMla(b, device, &split), "") << c.name << " with the device's options";
 }
 
 std::vector<MlaConfig> Configs() {
@@ -178,13 +197,17 @@ std::vector<MlaConfig> Configs() {
 INSTANTIATE_TEST_SUITE_P(Configs, MlaKernelTest, ::testing::ValuesIn(Configs()),
                          [](const auto& info) { return info.param.name; });
 
-TEST(MlaKernelTest, RefusesGeometriesItIsNotBuiltFor) {
+TEST(MlaKernelTest, RefusesGeometriesAndTilesItIsNotBuiltFor) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
   PagedPrefillParams p;
   p.geo.attention = AttentionKind::kMla;
+  p.geo.kv_lora_rank = kMlaKvLoraRank;
+  p.geo.qk_rope_head_dim = kMlaRopeDim;
+  p.geo.dtype = KvDType::kBf16;
+  EXPECT_EQ(PagedMlaCuda(p, 32, 16, nullptr, 1, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(PagedMlaCuda(p, 64, 64, nullptr, 1, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
   p.geo.kv_lora_rank = 256;
-  p.geo.qk_rope_head_dim = 64;
-  EXPECT_EQ(PagedMlaCuda(p, 64, nullptr, 1, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(PagedMlaCuda(p, 64, 32, nullptr, 1, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
   p.geo.attention = AttentionKind::kGqa;
   EXPECT_EQ(MergeMlaCuda(p, 64, nullptr, 1, nullptr, nullptr, nullptr), cudaErrorInvalidValue);
 }

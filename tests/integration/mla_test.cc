@@ -146,6 +146,19 @@ TEST_P(MlaPrefillTest, RaggedPrefillAndDecodeMatchTheReference) {
     ASSERT_TRUE(d.ok()) << d.status();
     ExpectMatchesReference(mirror, dec, *d);
   }
+  // The kernel label names the MLA family: its requests' launches, none
+  // under the GQA families' labels.
+  auto metrics = HttpGet(s.server->metrics_address(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  auto launches = [&](const char* kernel) {
+    auto v = MetricValue(*metrics, "attnserve_kernel_launches_total",
+                         absl::StrCat("kernel=\"", kernel, "\""));
+    EXPECT_TRUE(v.ok()) << kernel << ": " << v.status();
+    return v.ok() ? *v : -1.0;
+  };
+  EXPECT_GT(launches("attention_mla"), 0);
+  EXPECT_EQ(launches("attention_prefill"), 0);
+  EXPECT_EQ(launches("attention_decode"), 0);
   EXPECT_EQ(s.server->Stop(), 0);
 }
 

@@ -119,10 +119,14 @@ TEST(MlaPlanTest, CoversEveryVisiblePairOnceWithAndWithoutSplits) {
       for (int round = 0; round < 6; ++round) {
         const KvGeometry g = MlaGeo(heads, page_size);
         const auto seqs = RandomSeqs(gen, 1 + round * 3, round % 2 == 0 ? 8 : 40, 700);
-        for (int32_t tile_rows : {32, 64}) {
+        // The device shapes (kernels/mla/mla.cu): 64 x 32 with a 16 x 64
+        // small tile, 16 x 32 alone, and 64 x 32 alone.
+        for (int shape = 0; shape < 3; ++shape) {
           MlaPlanOptions opt;
-          opt.tile_rows = tile_rows;
-          opt.key_block = tile_rows == 64 ? 32 : 16;
+          opt.tile_rows = shape == 1 ? 16 : 64;
+          opt.key_block = 32;
+          opt.small_tile_rows = shape == 0 ? 16 : 0;
+          opt.small_key_block = shape == 0 ? 64 : 0;
           opt.num_sms = round % 3 == 0 ? 132 : 4;
           MlaPlan plan;
           BuildMlaPlan(seqs.data(), static_cast<int32_t>(seqs.size()), g, opt, &plan);
@@ -169,6 +173,41 @@ TEST(MlaPlanTest, SplitsOnlyWhenTheTilesLeaveTheWaveIdle) {
   EXPECT_EQ(plan.merges.size(), 4u);
 }
 
+TEST(MlaPlanTest, TakesTheSmallTileWhenEverySequenceFitsIt) {
+  MlaPlanOptions opt;
+  opt.small_tile_rows = 16;
+  opt.small_key_block = 64;
+  std::vector<PrefillSeq> seqs(3);
+  for (int i = 0; i < 3; ++i) {
+    seqs[i].q_start = i;
+    seqs[i].q_len = 1;
+    seqs[i].kv_len = 300;
+  }
+  MlaPlan plan;
+  // 16 heads, one row each: 16 packed rows a sequence.
+  const KvGeometry g16 = MlaGeo(16, 16);
+  BuildMlaPlan(seqs.data(), 3, g16, opt, &plan);
+  EXPECT_EQ(plan.tile_rows, 16);
+  EXPECT_EQ(plan.key_block, 64);
+  CheckPlan(seqs, g16, plan, opt);
+  // One sequence of 2 rows (32 packed rows): the whole batch takes 64 x 32.
+  seqs[2].q_len = 2;
+  BuildMlaPlan(seqs.data(), 3, g16, opt, &plan);
+  EXPECT_EQ(plan.tile_rows, 64);
+  EXPECT_EQ(plan.key_block, 32);
+  CheckPlan(seqs, g16, plan, opt);
+  // 8 heads, 2 rows: still 16 packed rows.
+  const KvGeometry g8 = MlaGeo(8, 16);
+  BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
+  EXPECT_EQ(plan.tile_rows, 16);
+  CheckPlan(seqs, g8, plan, opt);
+  // Without a small tile, the large one.
+  opt.small_tile_rows = 0;
+  BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
+  EXPECT_EQ(plan.tile_rows, 64);
+  CheckPlan(seqs, g8, plan, opt);
+}
+
 TEST(MlaPlanTest, StaysWithinTheBoundsTheServerSizesItsWorkspaceBy) {
   // Few long sequences on many SMs split most; many short ones on few SMs
   // not at all; CheckPlan asserts the bounds either way.
@@ -180,6 +219,10 @@ TEST(MlaPlanTest, StaysWithinTheBoundsTheServerSizesItsWorkspaceBy) {
     opt.num_sms = 1 + static_cast<int32_t>(gen() % 140);
     opt.ctas_per_sm = 1 + round % 2;
     opt.min_chunk_blocks = 1 + round % 4;
+    if (round % 4 < 2) {  // the H200's small tile
+      opt.small_tile_rows = 16;
+      opt.small_key_block = 64;
+    }
     MlaPlan plan;
     BuildMlaPlan(seqs.data(), static_cast<int32_t>(seqs.size()), g, opt, &plan);
     CheckPlan(seqs, g, plan, opt);

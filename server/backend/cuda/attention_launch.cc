@@ -15,7 +15,7 @@ absl::Status LaunchAttention(const PagedPrefillParams& pp, const PackedBatch& b,
   if (b.num_decode_items == 0 && b.num_items == 0) return absl::OkStatus();
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kAttnBegin], stream));
   if (b.mla) {
-    ATTNSERVE_CUDA_RETURN_IF_ERROR(PagedMlaCuda(pp, b.mla_tile_rows,
+    ATTNSERVE_CUDA_RETURN_IF_ERROR(PagedMlaCuda(pp, b.mla_tile_rows, b.mla_key_block,
                                                 reinterpret_cast<const MlaWorkItem*>(d_in + b.off_items),
                                                 b.num_items, ws.part_o, ws.part_lse, stream));
     ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[Ev::kAttnEnd], stream));

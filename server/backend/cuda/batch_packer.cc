@@ -141,6 +141,7 @@ absl::Status BatchPacker::PlanMla(PackedBatch* out) {
   }
   out->mla = true;
   out->mla_tile_rows = mla_plan_.tile_rows;
+  out->mla_key_block = mla_plan_.key_block;
   out->num_items = static_cast<int32_t>(items);
   out->num_merges = static_cast<int32_t>(mla_plan_.merges.size());
   return absl::OkStatus();

@@ -55,7 +55,7 @@ struct PackerLimits {
   int64_t max_decode_items = 0;
   // MLA geometries: the MLA family's tile shape and wave (its items and
   // merges take max_items and the merge section; its partial slots
-  // MlaMaxPartialSlots(mla) * mla.tile_rows pairs of max_partial_pairs).
+  // MlaMaxPartialSlots(mla) * MlaMaxTileRows(mla) pairs of max_partial_pairs).
   MlaPlanOptions mla;
 };
 
@@ -75,6 +75,7 @@ struct PackedBatch {
   PrefillKernel kernel = PrefillKernel::kSm80;
   bool mla = false;
   int32_t mla_tile_rows = 0;
+  int32_t mla_key_block = 0;
   int64_t total_q = 0;
   int32_t num_seqs = 0;
   int32_t num_items = 0;

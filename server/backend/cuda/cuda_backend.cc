@@ -54,9 +54,7 @@ namespace {
 using Ev = StagingRing::Event;
 
 // The MLA geometries the CUDA family runs (kernels/plan/mla_plan.h,
-// MlaCudaSupports). Until the family has passed its tests on a GPU
-// (bench/run_mla_gpu.sh), a server refuses MLA on this backend unless
-// $ATTNSERVE_MLA_CUDA_UNVALIDATED is 1, which only those tests set.
+// MlaCudaSupports).
 absl::Status CheckMlaGeometry(const KvGeometry& g) {
   if (g.kv_lora_rank != kMlaKvLoraRank || g.qk_rope_head_dim != kMlaRopeDim) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -68,13 +66,6 @@ absl::Status CheckMlaGeometry(const KvGeometry& g) {
     return absl::InvalidArgumentError(
         "--attention=mla with --backend=cuda needs --kv_dtype=bf16 or fp16; an FP8 latent cache runs on "
         "--backend=cpu");
-  }
-  const char* unvalidated = std::getenv("ATTNSERVE_MLA_CUDA_UNVALIDATED");
-  if (unvalidated == nullptr || std::string(unvalidated) != "1") {
-    return absl::InvalidArgumentError(
-        "--attention=mla: the CUDA backend's MLA kernel family has not passed its tests on a GPU yet, so "
-        "this server does not offer it; start the server with --backend=cpu (docs/design.md, "
-        "\"Multi-head latent attention\")");
   }
   return absl::OkStatus();
 }
@@ -134,7 +125,7 @@ absl::Status CudaBackend::Init() {
     lim.mla = MlaPlanOptionsForDevice();
     ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     lim.max_items = MlaMaxItems(lim.mla, lim.max_rows, g.num_qo_heads);
-    lim.max_partial_pairs = MlaMaxPartialSlots(lim.mla) * lim.mla.tile_rows;
+    lim.max_partial_pairs = MlaMaxPartialSlots(lim.mla) * MlaMaxTileRows(lim.mla);
   } else {
     int32_t max_ctas = 1, min_tile = INT32_MAX, max_tile = 0;
     for (int k = 0; k < kNumPrefillKernels; ++k) {

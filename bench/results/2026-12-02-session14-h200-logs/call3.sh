@@ -1,0 +1,17 @@
+source .gpu/common.sh
+st mla_tests 150 $I/bin/attnserve_gpu_mla_tests
+grep -E "^\[  (PASSED|FAILED) |Failure|tests? ran|error" $O/l/mla_tests.log | head -30
+st mla_memcheck 100 compute-sanitizer --error-exitcode=1 $I/bin/attnserve_gpu_mla_tests --gtest_filter='*H16Ps16DecodeBf16*:*H128Ps1PrefillFp16Variants*'
+tail -2 $O/l/mla_memcheck.log
+st mla_racecheck 100 compute-sanitizer --tool racecheck --error-exitcode=1 $I/bin/attnserve_gpu_mla_tests --gtest_filter='*H16Ps16DecodeBf16*'
+tail -3 $O/l/mla_racecheck.log
+st mla_bench 60 $I/bin/attnserve_mla_bench
+grep -E "RESULT" $O/l/mla_bench.log
+st mla_torch 60 python3 bench/mla_torch.py
+grep TORCH $O/l/mla_torch.log
+st mla_server 150 env ATTNSERVE_BIN=$I/bin/attnserve ATTNSERVE_TEST_SERVER_FLAGS=--backend=cuda ATTNSERVE_TEST_MLA_WIDTHS=512,64 ATTNSERVE_MLA_CUDA_UNVALIDATED=1 $I/bin/integration_test --gtest_filter='MlaServerTest.*:PageSizes/MlaPrefillTest.*'
+grep -E "^\[  (PASSED|FAILED) |Failure|tests? ran" $O/l/mla_server.log | head -20
+mkdir -p /work/main/build-h200/bin && ln -sf $I/bin/attnserve /work/main/build-h200/bin/attnserve
+st server_tests 200 $I/bin/attnserve_gpu_server_tests
+grep -E "^\[  (PASSED|FAILED) |Failure|tests? ran" $O/l/server_tests.log | head -20
+fin
