@@ -5,6 +5,8 @@
 //   decode_h128_ps1 the same at page_size 1
 //   decode_h16      64 x 4096, 16 heads, page_size 64 (memory-bound)
 //   prefill_h128    8 x 4096 causal, 128 heads, page_size 64
+//   decode_h16_16x64, decode_h16_16x32_1cta: decode_h16 in the small tiles
+//                   the device does not pick (A/B)
 // FLOPs count 2 x (576 + 512) x heads per visible (query, key) pair; bytes
 // count each latent row read once per sequence (1152 bytes). Timing: CUDA
 // events around the kernel and its merge, a 50 us spin kernel ahead of the
@@ -36,6 +38,9 @@ struct Workload {
   const char* name;
   int32_t batch, q_len, kv_len, heads, page_size;
   const char* target;  // the "must reach"
+  // Plan overrides (0: the device's): the small tile's key block and CTAs an SM.
+  int32_t small_key_block = 0;
+  int32_t small_ctas_per_sm = 0;
 };
 
 const Workload kWorkloads[] = {
@@ -43,6 +48,10 @@ const Workload kWorkloads[] = {
     {"decode_h128_ps1", 64, 1, 4096, 128, 1, "within 10% of page_size 64"},
     {"decode_h16", 64, 1, 4096, 16, 64, ">= 3.2 TB/s"},
     {"prefill_h128", 8, 4096, 4096, 128, 64, ">= 400 TFLOP/s"},
+    // The other small tiles at 16 heads (the H200 takes 16 x 32 at two CTAs
+    // an SM): 16 x 64 and 16 x 32 at one.
+    {"decode_h16_16x64", 64, 1, 4096, 16, 64, ">= 3.2 TB/s", 64, 1},
+    {"decode_h16_16x32_1cta", 64, 1, 4096, 16, 64, ">= 3.2 TB/s", 32, 1},
 };
 
 double MedianMs(std::vector<double> v) {
@@ -81,7 +90,10 @@ void Run(const Workload& w) {
   }
   const int64_t total_q = int64_t{w.batch} * w.q_len;
   MlaPlan plan;
-  BuildMlaPlan(seqs.data(), w.batch, g, MlaPlanOptionsForDevice(), &plan);
+  MlaPlanOptions options = MlaPlanOptionsForDevice();
+  if (w.small_key_block > 0) options.small_key_block = w.small_key_block;
+  if (w.small_ctas_per_sm > 0) options.small_ctas_per_sm = w.small_ctas_per_sm;
+  BuildMlaPlan(seqs.data(), w.batch, g, options, &plan);
 
   const size_t pool_bytes = size_t(g.PoolElems()) * 2;
   const size_t q_bytes = size_t(total_q) * g.QRowElems() * 2;
@@ -156,10 +168,10 @@ void Run(const Workload& w) {
   const double bytes = double(w.batch) * w.kv_len * 1152;
   std::printf(
       "RESULT workload=%s ms=%.4f tflops=%.1f latent_tbps=%.3f copy_tbps=%.3f items=%zu "
-      "splits=%zu tile_rows=%d target=\"%s\"\n",
+      "splits=%zu tile_rows=%d key_block=%d target=\"%s\"\n",
       w.name, mla_ms, flops / mla_ms / 1e9, bytes / mla_ms / 1e9,
       2.0 * pool_bytes / copy_ms / 1e9, plan.items.size(), plan.merges.size(), plan.tile_rows,
-      w.target);
+      plan.key_block, w.target);
   for (void* ptr : {k, q, o, copy_dst}) cudaFree(ptr);
   cudaFree(lse);
   cudaFree(d_indices);

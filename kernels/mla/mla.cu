@@ -71,8 +71,12 @@ struct Shape {
   static_assert(kCols % 16 == 0, "columns");
 };
 
+// 16 x 32 runs two CTAs an SM (kernels/mla/mla_cuda.h): at most 128 registers.
+template <int kM, int kN>
+constexpr int kMinCtas = kM == 16 && kN == 32 ? 2 : 1;
+
 template <int kM, int kN, typename T>
-__global__ void __launch_bounds__(kThreads, 1) MlaKernel(Args a) {
+__global__ void __launch_bounds__(kThreads, (kMinCtas<kM, kN>)) MlaKernel(Args a) {
   using S = Shape<kM, kN>;
   extern __shared__ __align__(128) char smem[];
   char* const sq = smem;
@@ -397,21 +401,27 @@ cudaError_t LaunchFor(const Args& a, int32_t tile_rows, int32_t key_block, int32
 
 MlaPlanOptions MlaPlanOptionsForDevice() {
   MlaPlanOptions options;
-  int dev = 0, smem = 0, sms = 0;
+  int dev = 0, smem = 0, smem_sm = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
     cudaGetLastError();
   }
   // The largest tile the device's shared memory takes, and for batches of
-  // at most 16 packed rows a sequence (decode at up to 16 heads) a 16-row
-  // tile with the longest key block that fits.
+  // at most 16 packed rows a sequence (decode at up to 16 heads, memory-bound)
+  // a 16-row tile: 16 x 32 at two CTAs an SM where two fit (more bytes in
+  // flight: 3.17 TB/s against 2.87 for 16 x 64 at one on the H200,
+  // bench/results/2026-12-02-session14-h200.md), else 16 x 64 where it fits,
+  // else 16 x 32 at one.
   const bool large = smem >= mla::Shape<64, 32>::kSmemBytes;
   const bool long_block = smem >= mla::Shape<16, 64>::kSmemBytes;
+  const bool two_small = smem_sm >= 2 * (mla::Shape<16, 32>::kSmemBytes + 1024);
   options.tile_rows = large ? 64 : 16;
   options.key_block = large || !long_block ? 32 : 64;
   options.small_tile_rows = large ? 16 : 0;
-  options.small_key_block = long_block ? 64 : 32;
+  options.small_key_block = !two_small && long_block ? 64 : 32;
+  options.small_ctas_per_sm = two_small ? 2 : 1;
   options.num_sms = sms > 0 ? sms : 1;
   options.ctas_per_sm = 1;
   return options;

@@ -17,10 +17,11 @@
 // memory, take the block's maxima from there (so every warp of a row group
 // keeps the same running maximum), and write P (16-bit) to shared memory;
 // then each warp runs O += P V on its columns, V being the first 512
-// columns of the same K block. Shapes (rows x key block): 64 x 32; 16 x 64
-// for decode at up to 16 heads (the plan's small tile); 16 x 32 where a
-// block cannot take 165 KiB of shared memory. Split chunks write fp32
-// partial states that MergeMlaCuda combines by LSE.
+// columns of the same K block. Shapes (rows x key block): 64 x 32; for
+// decode at up to 16 heads (the plan's small tile) 16 x 32 at two CTAs an
+// SM where two fit (H100, H200), else 16 x 64 where a block takes 165 KiB,
+// else 16 x 32 at one; 16 x 32 alone where a block cannot take 150 KiB.
+// Split chunks write fp32 partial states that MergeMlaCuda combines by LSE.
 //
 // Usage (device pointers except the plan):
 //   MlaPlanOptions opt = MlaPlanOptionsForDevice();  // tile shape, SMs
@@ -42,9 +43,8 @@
 namespace attnserve {
 
 // The plan options of the current device: the tile shapes its shared memory
-// allows (64 x 32 with the small tile 16 x 64 on the H100 and H200; 64 x 32
-// with 16 x 32 where a block may take 150 KiB but not 165; else 16 x 32
-// alone) and its SM count.
+// allows (above; on the H100 and H200 64 x 32 with the small tile 16 x 32 at
+// two CTAs an SM) and its SM count.
 MlaPlanOptions MlaPlanOptionsForDevice();
 
 // Runs every work item of a plan of tile_rows x key_block (one of the

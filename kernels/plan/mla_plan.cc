@@ -48,7 +48,8 @@ void BuildMlaPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& ge
   }
   // Split only when the tiles alone leave CTAs of one wave idle: chunks of
   // about total_blocks / wave blocks, at least min_chunk_blocks.
-  const int64_t wave = MlaWave(options);
+  const int32_t ctas = std::max(1, small ? options.small_ctas_per_sm : options.ctas_per_sm);
+  const int64_t wave = int64_t{std::max(1, options.num_sms)} * ctas;
   const bool split = static_cast<int64_t>(tiles.size()) < wave && total_blocks > 0;
   const int64_t chunk_blocks =
       split ? std::max<int64_t>(options.min_chunk_blocks, CeilDiv(total_blocks, wave)) : 0;

@@ -60,6 +60,7 @@ struct MlaPlanOptions {
   // small_tile_rows packed rows (decode at up to 16 heads), with its key block.
   int32_t small_tile_rows = 0;
   int32_t small_key_block = 0;
+  int32_t small_ctas_per_sm = 1;  // the small tile's CTAs an SM (its wave)
   int32_t num_sms = 132;
   int32_t ctas_per_sm = 1;
   int32_t min_chunk_blocks = 4;  // smallest chunk of a split tile, in key blocks
@@ -81,8 +82,11 @@ struct MlaPlan {
 // only when its tiles are fewer than a wave (num_sms * ctas_per_sm), and
 // then its chunks number at most the wave plus its tiles, so its partial
 // slots and merges stay below two waves and one wave.
+// A plan's wave is num_sms times its tile's CTAs an SM; MlaWave, the bounds'
+// wave, takes the larger of the two tiles'.
 inline int64_t MlaWave(const MlaPlanOptions& o) {
-  return int64_t{o.num_sms > 0 ? o.num_sms : 1} * (o.ctas_per_sm > 0 ? o.ctas_per_sm : 1);
+  const int32_t ctas = o.ctas_per_sm > o.small_ctas_per_sm ? o.ctas_per_sm : o.small_ctas_per_sm;
+  return int64_t{o.num_sms > 0 ? o.num_sms : 1} * (ctas > 0 ? ctas : 1);
 }
 inline int64_t MlaMaxPartialSlots(const MlaPlanOptions& o) { return 2 * MlaWave(o); }
 inline int64_t MlaMaxMerges(const MlaPlanOptions& o) { return MlaWave(o); }

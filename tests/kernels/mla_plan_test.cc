@@ -201,6 +201,23 @@ TEST(MlaPlanTest, TakesTheSmallTileWhenEverySequenceFitsIt) {
   BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
   EXPECT_EQ(plan.tile_rows, 16);
   CheckPlan(seqs, g8, plan, opt);
+  // The small tile's wave is num_sms x small_ctas_per_sm: its 3 tiles split
+  // on a wave of 4 (4 SMs at one CTA, 2 at two), not on one of 2.
+  opt.num_sms = 2;
+  opt.small_ctas_per_sm = 1;
+  BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
+  EXPECT_TRUE(plan.merges.empty());
+  opt.num_sms = 4;
+  BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
+  EXPECT_FALSE(plan.merges.empty());
+  opt.small_ctas_per_sm = 2;
+  opt.num_sms = 1;
+  BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
+  EXPECT_TRUE(plan.merges.empty());
+  opt.num_sms = 2;
+  BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
+  EXPECT_FALSE(plan.merges.empty());
+  CheckPlan(seqs, g8, plan, opt);
   // Without a small tile, the large one.
   opt.small_tile_rows = 0;
   BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
@@ -219,9 +236,10 @@ TEST(MlaPlanTest, StaysWithinTheBoundsTheServerSizesItsWorkspaceBy) {
     opt.num_sms = 1 + static_cast<int32_t>(gen() % 140);
     opt.ctas_per_sm = 1 + round % 2;
     opt.min_chunk_blocks = 1 + round % 4;
-    if (round % 4 < 2) {  // the H200's small tile
+    if (round % 4 < 2) {  // the H200's small tile: 16 x 32, two CTAs an SM
       opt.small_tile_rows = 16;
-      opt.small_key_block = 64;
+      opt.small_key_block = 32;
+      opt.small_ctas_per_sm = 2 + round % 2;
     }
     MlaPlan plan;
     BuildMlaPlan(seqs.data(), static_cast<int32_t>(seqs.size()), g, opt, &plan);
