@@ -4,31 +4,6 @@
 
 namespace attnserve {
 
-// IEEE binary16 by bit manipulation (clang 14 has no _Float16 on x86-64).
-float Fp16ToFloat(uint16_t h) {
-  const uint32_t sign = uint32_t{h & 0x8000u} << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (mant << 13);  // inf or NaN
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);  // 112 = 127 - 15
-  } else if (mant == 0) {
-    bits = sign;  // signed zero
-  } else {  // subnormal: normalise
-    exp = 113;
-    while ((mant & 0x400u) == 0) {
-      mant <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
 uint16_t FloatToFp16(float value) {
   uint32_t x;
   std::memcpy(&x, &value, sizeof(x));

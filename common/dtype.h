@@ -25,7 +25,29 @@ inline uint16_t FloatToBf16(float value) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-float Fp16ToFloat(uint16_t bits);
+// IEEE binary16 -> float, exactly (subnormals, signed zeros, infinities and
+// NaN payloads included), without branches so that loops over it vectorize:
+// the 15 magnitude bits shifted into a float's place are the value times
+// 2^-112 (exponent bias 15 against 127; a half subnormal becomes a float
+// subnormal), so one multiply by 2^112 rebiases them; an all-ones exponent
+// takes the float's all-ones exponent instead. Needs subnormal arithmetic
+// (no flush-to-zero or denormals-are-zero mode).
+inline float Fp16ToFloat(uint16_t bits) {
+  const uint32_t shifted = uint32_t{bits & 0x7fffu} << 13;
+  float magnitude;
+  std::memcpy(&magnitude, &shifted, sizeof(magnitude));
+  magnitude *= 0x1p112f;
+  uint32_t out;
+  std::memcpy(&out, &magnitude, sizeof(out));
+  // All ones where the exponent is all ones (0x7c00 + 0x400 carries into
+  // bit 15 only then), as arithmetic: a select the vectorizer takes.
+  const uint32_t special = 0u - ((uint32_t{bits & 0x7c00u} + 0x400u) >> 15);
+  out = (out & ~special) | ((shifted | 0x7f800000u) & special);
+  out |= uint32_t{bits & 0x8000u} << 16;
+  float f;
+  std::memcpy(&f, &out, sizeof(f));
+  return f;
+}
 uint16_t FloatToFp16(float value);
 
 inline float HalfToFloat(KvDType dtype, uint16_t bits) {

@@ -106,8 +106,8 @@ ATTN_CPU_INLINE void Gather(const PagedPrefillParams& p, const PrefillSeq& seq, 
     return (seq.layer * g.SlotsPerLayer() + slot) * g.RowElems() + int64_t{kv_head} * d;
   };
   const int64_t elem_bytes = g.KvElemBytes();
-  // n values at element `offset` of a pool, as floats: bf16 inline (so
-  // vectorized in each build of the item), fp16 through HalfToFloatN.
+  // n values at element `offset` of a pool, as floats: 16-bit ones inline
+  // (so vectorized in each build of the item).
   auto to_float = [&](const void* cache, int64_t offset, float* out, int64_t n) {
     if (g.KvIsFp8()) {
       const auto* b = static_cast<const uint8_t*>(cache) + offset;
@@ -116,7 +116,8 @@ ATTN_CPU_INLINE void Gather(const PagedPrefillParams& p, const PrefillSeq& seq, 
       const auto* h = static_cast<const uint16_t*>(cache) + offset;
       for (int64_t c = 0; c < n; ++c) out[c] = Bf16ToFloat(h[c]);
     } else {
-      HalfToFloatN(g.dtype, static_cast<const uint16_t*>(cache) + offset, out, n);
+      const auto* h = static_cast<const uint16_t*>(cache) + offset;
+      for (int64_t c = 0; c < n; ++c) out[c] = Fp16ToFloat(h[c]);
     }
   };
   auto prefetch = [](const void* cache, int64_t byte_offset, int64_t bytes) {

@@ -118,6 +118,28 @@ TEST_P(QuantizerTest, EveryFp16PatternMatchesTheDefinition) {
   }
 }
 
+// common/dtype.h's branch-free Fp16ToFloat against the format's definition,
+// bit for bit (NaN payloads, signed zeros and subnormals included).
+TEST(Fp16ToFloatTest, EveryPatternIsExact) {
+  for (uint32_t bits = 0; bits < 65536; ++bits) {
+    const uint32_t sign = (bits & 0x8000u) << 16, exp = (bits >> 10) & 0x1fu, mant = bits & 0x3ffu;
+    uint32_t want;
+    if (exp == 0x1f) {
+      want = sign | 0x7f800000u | (mant << 13);
+    } else {
+      // (implicit one + mantissa) x 2^(exp - 25), or mantissa x 2^-24 below.
+      const float magnitude = exp == 0 ? std::ldexp(static_cast<float>(mant), -24)
+                                       : std::ldexp(static_cast<float>(1024 + mant), int(exp) - 25);
+      std::memcpy(&want, &magnitude, sizeof(want));
+      want |= sign;
+    }
+    const float got = Fp16ToFloat(static_cast<uint16_t>(bits));
+    uint32_t got_bits;
+    std::memcpy(&got_bits, &got, sizeof(got_bits));
+    ASSERT_EQ(got_bits, want) << "fp16 bits 0x" << std::hex << bits;
+  }
+}
+
 TEST_P(QuantizerTest, SpecialValues) {
   const Format f = Format::Of(GetParam());
   const float inf = std::numeric_limits<float>::infinity();
