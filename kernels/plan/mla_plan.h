@@ -77,7 +77,8 @@ struct MlaPlan {
 
 // What a plan of at most max_rows query rows in at most max_rows sequences
 // may need, so that a server sizes its staging and workspace once: tiles
-// are at most max_rows * num_qo_heads / MlaMinTileRows + max_rows (partial
+// are at most max_rows * num_qo_heads / (the smallest tile the heads can
+// take: the small one only at up to small_tile_rows heads) + max_rows (partial
 // states are at most MlaMaxTileRows rows a slot); a plan splits
 // only when its tiles are fewer than a wave (num_sms * ctas_per_sm), and
 // then its chunks number at most the wave plus its tiles, so its partial
@@ -97,7 +98,9 @@ inline int32_t MlaMaxTileRows(const MlaPlanOptions& o) {
   return o.small_tile_rows > o.tile_rows ? o.small_tile_rows : o.tile_rows;
 }
 inline int64_t MlaMaxItems(const MlaPlanOptions& o, int64_t max_rows, int32_t num_qo_heads) {
-  return max_rows * num_qo_heads / MlaMinTileRows(o) + max_rows + MlaMaxPartialSlots(o);
+  // The small tile holds a sequence's rows only at up to small_tile_rows heads.
+  const int32_t tile = num_qo_heads <= o.small_tile_rows ? MlaMinTileRows(o) : o.tile_rows;
+  return max_rows * num_qo_heads / tile + max_rows + MlaMaxPartialSlots(o);
 }
 
 // Plans seqs[0, num_seqs) (validated: kv_len consistent with the indices)
