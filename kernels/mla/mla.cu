@@ -401,10 +401,11 @@ cudaError_t LaunchFor(const Args& a, int32_t tile_rows, int32_t key_block, int32
 
 MlaPlanOptions MlaPlanOptionsForDevice() {
   MlaPlanOptions options;
-  int dev = 0, smem = 0, smem_sm = 0, sms = 0;
+  int dev = 0, smem = 0, smem_sm = 0, reserved = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
     cudaGetLastError();
   }
@@ -416,7 +417,7 @@ MlaPlanOptions MlaPlanOptionsForDevice() {
   // else 16 x 32 at one.
   const bool large = smem >= mla::Shape<64, 32>::kSmemBytes;
   const bool long_block = smem >= mla::Shape<16, 64>::kSmemBytes;
-  const bool two_small = smem_sm >= 2 * (mla::Shape<16, 32>::kSmemBytes + 1024);
+  const bool two_small = smem_sm >= 2 * (mla::Shape<16, 32>::kSmemBytes + reserved);
   options.tile_rows = large ? 64 : 16;
   options.key_block = large || !long_block ? 32 : 64;
   options.small_tile_rows = large ? 16 : 0;
@@ -425,6 +426,13 @@ MlaPlanOptions MlaPlanOptionsForDevice() {
   options.num_sms = sms > 0 ? sms : 1;
   options.ctas_per_sm = 1;
   return options;
+}
+
+int MlaTileSmemBytes(int32_t tile_rows, int32_t key_block) {
+  if (tile_rows == 64 && key_block == 32) return mla::Shape<64, 32>::kSmemBytes;
+  if (tile_rows == 16 && key_block == 64) return mla::Shape<16, 64>::kSmemBytes;
+  if (tile_rows == 16 && key_block == 32) return mla::Shape<16, 32>::kSmemBytes;
+  return -1;
 }
 
 cudaError_t PagedMlaCuda(const PagedPrefillParams& params, int32_t tile_rows, int32_t key_block,

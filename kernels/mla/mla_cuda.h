@@ -47,6 +47,10 @@ namespace attnserve {
 // two CTAs an SM) and its SM count.
 MlaPlanOptions MlaPlanOptionsForDevice();
 
+// Shared memory a block of the tile_rows x key_block shape takes, in bytes
+// (-1: not a shape above).
+int MlaTileSmemBytes(int32_t tile_rows, int32_t key_block);
+
 // Runs every work item of a plan of tile_rows x key_block (one of the
 // shapes above, else cudaErrorInvalidValue). params: q, o, lse, k_cache,
 // kv_indices, seqs (the batch's PrefillSeq array) and sinks are device

@@ -145,13 +145,13 @@ TEST_P(MlaKernelTest, MatchesTheReferenceWithAndWithoutSplits) {
   // here as the plan's only tile); the split forced (a "device" of 1000
   // SMs) and not (one of 1 SM).
   struct TileShape {
-    int32_t rows, key_block, smem_needed;
+    int32_t rows, key_block;
   };
   int smem = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0), cudaSuccess);
-  for (const TileShape& shape : {TileShape{64, 32, 153088}, TileShape{16, 64, 168704},
-                                 TileShape{16, 32, 93696}}) {
-    if (smem < shape.smem_needed) continue;
+  for (const TileShape& shape : {TileShape{64, 32}, TileShape{16, 64}, TileShape{16, 32}}) {
+    ASSERT_GT(MlaTileSmemBytes(shape.rows, shape.key_block), 0);
+    if (smem < MlaTileSmemBytes(shape.rows, shape.key_block)) continue;
     for (int32_t sms : {1, 1000}) {
       MlaPlanOptions options = device;
       options.tile_rows = shape.rows;

@@ -47,6 +47,17 @@ std::vector<PrefillSeq> RandomSeqs(std::mt19937_64& gen, int n, int max_q, int m
   return seqs;
 }
 
+// n decode sequences (one row each) of kv_len keys.
+std::vector<PrefillSeq> DecodeSeqs(int n, int32_t kv_len) {
+  std::vector<PrefillSeq> seqs(n);
+  for (int i = 0; i < n; ++i) {
+    seqs[i].q_start = i;
+    seqs[i].q_len = 1;
+    seqs[i].kv_len = kv_len;
+  }
+  return seqs;
+}
+
 void CheckPlan(const std::vector<PrefillSeq>& seqs, const KvGeometry& g, const MlaPlan& plan,
                const MlaPlanOptions& opt) {
   const int32_t heads = g.num_qo_heads;
@@ -140,12 +151,7 @@ TEST(MlaPlanTest, CoversEveryVisiblePairOnceWithAndWithoutSplits) {
 TEST(MlaPlanTest, SplitsOnlyWhenTheTilesLeaveTheWaveIdle) {
   const KvGeometry g = MlaGeo(16, 64);
   // 2 decode sequences of 4096 keys: 2 tiles on 132 SMs, so they split.
-  std::vector<PrefillSeq> seqs(2);
-  for (int i = 0; i < 2; ++i) {
-    seqs[i].q_start = i;
-    seqs[i].q_len = 1;
-    seqs[i].kv_len = 4096;
-  }
+  std::vector<PrefillSeq> seqs = DecodeSeqs(2, 4096);
   MlaPlanOptions opt;
   MlaPlan plan;
   BuildMlaPlan(seqs.data(), 2, g, opt, &plan);
@@ -154,12 +160,7 @@ TEST(MlaPlanTest, SplitsOnlyWhenTheTilesLeaveTheWaveIdle) {
   EXPECT_EQ(plan.partial_slots, static_cast<int32_t>(plan.items.size()));
   CheckPlan(seqs, g, plan, opt);
   // 200 decode sequences: 200 tiles fill 132 SMs, nothing splits.
-  seqs.resize(200);
-  for (int i = 0; i < 200; ++i) {
-    seqs[i].q_start = i;
-    seqs[i].q_len = 1;
-    seqs[i].kv_len = 4096;
-  }
+  seqs = DecodeSeqs(200, 4096);
   BuildMlaPlan(seqs.data(), 200, g, opt, &plan);
   EXPECT_EQ(plan.items.size(), 200u);
   EXPECT_TRUE(plan.merges.empty());
@@ -177,12 +178,7 @@ TEST(MlaPlanTest, TakesTheSmallTileWhenEverySequenceFitsIt) {
   MlaPlanOptions opt;
   opt.small_tile_rows = 16;
   opt.small_key_block = 64;
-  std::vector<PrefillSeq> seqs(3);
-  for (int i = 0; i < 3; ++i) {
-    seqs[i].q_start = i;
-    seqs[i].q_len = 1;
-    seqs[i].kv_len = 300;
-  }
+  std::vector<PrefillSeq> seqs = DecodeSeqs(3, 300);
   MlaPlan plan;
   // 16 heads, one row each: 16 packed rows a sequence.
   const KvGeometry g16 = MlaGeo(16, 16);
