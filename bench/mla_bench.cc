@@ -7,6 +7,9 @@
 //   prefill_h128    8 x 4096 causal, 128 heads, page_size 64
 //   decode_h16_16x64, decode_h16_16x32_1cta: decode_h16 in the small tiles
 //                   the device does not pick (A/B)
+//   decode_h128_64x32, prefill_h128_64x32: the large tile in the mma.sync
+//                   kernel's 64 x 32 (on sm_90 the device picks the wgmma
+//                   kernel's 64 x 64; A/B)
 // FLOPs count 2 x (576 + 512) x heads per visible (query, key) pair; bytes
 // count each latent row read once per sequence (1152 bytes). Timing: CUDA
 // events around the kernel and its merge, a 50 us spin kernel ahead of the
@@ -41,6 +44,7 @@ struct Workload {
   // Plan overrides (0: the device's): the small tile's key block and CTAs an SM.
   int32_t small_key_block = 0;
   int32_t small_ctas_per_sm = 0;
+  int32_t key_block = 0;  // the large tile's (32: the mma.sync kernel on sm_90)
 };
 
 const Workload kWorkloads[] = {
@@ -52,6 +56,10 @@ const Workload kWorkloads[] = {
     // an SM): 16 x 64 and 16 x 32 at one.
     {"decode_h16_16x64", 64, 1, 4096, 16, 64, ">= 3.2 TB/s", 64, 1},
     {"decode_h16_16x32_1cta", 64, 1, 4096, 16, 64, ">= 3.2 TB/s", 32, 1},
+    // The mma.sync kernel's 64 x 32 beside the wgmma kernel's 64 x 64 (the
+    // large tile on sm_90).
+    {"decode_h128_64x32", 64, 1, 4096, 128, 64, ">= 450 TFLOP/s", 0, 0, 32},
+    {"prefill_h128_64x32", 8, 4096, 4096, 128, 64, ">= 400 TFLOP/s", 0, 0, 32},
 };
 
 double MedianMs(std::vector<double> v) {
@@ -93,6 +101,7 @@ void Run(const Workload& w) {
   MlaPlanOptions options = MlaPlanOptionsForDevice();
   if (w.small_key_block > 0) options.small_key_block = w.small_key_block;
   if (w.small_ctas_per_sm > 0) options.small_ctas_per_sm = w.small_ctas_per_sm;
+  if (w.key_block > 0) options.key_block = w.key_block;
   BuildMlaPlan(seqs.data(), w.batch, g, options, &plan);
 
   const size_t pool_bytes = size_t(g.PoolElems()) * 2;

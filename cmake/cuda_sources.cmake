@@ -7,7 +7,8 @@ set(ATTNSERVE_CUDA_SOURCES
   kernels/merge/merge.cu
   kernels/kv/kv_rows.cu
   kernels/decode/decode_cuda.cu
-  kernels/mla/mla.cu)
+  kernels/mla/mla.cu
+  kernels/mla/mla_sm90.cu)
 set(ATTNSERVE_CUDA_BACKEND_SOURCES
   server/backend/cuda/cuda_backend.cc
   server/backend/cuda/cuda_backend_kv.cc

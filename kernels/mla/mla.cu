@@ -8,6 +8,7 @@
 
 #include "kernels/math.h"
 #include "kernels/mla/mla_cuda.h"
+#include "kernels/mla/mla_sm90.h"
 #include "kernels/numerics.cuh"
 #include "kernels/sm80/mma.cuh"
 #include "kernels/variant.h"
@@ -415,11 +416,14 @@ MlaPlanOptions MlaPlanOptionsForDevice() {
   // flight: 3.17 TB/s against 2.87 for 16 x 64 at one on the H200,
   // bench/results/2026-12-02-session14-h200.md), else 16 x 64 where it fits,
   // else 16 x 32 at one.
+  // On sm_90 (H100, H200) the large tile is the wgmma kernel's 64 x 64
+  // (kernels/mla/mla_sm90.h).
+  const bool sm90 = MlaSm90Runs();
   const bool large = smem >= mla::Shape<64, 32>::kSmemBytes;
   const bool long_block = smem >= mla::Shape<16, 64>::kSmemBytes;
   const bool two_small = smem_sm >= 2 * (mla::Shape<16, 32>::kSmemBytes + reserved);
   options.tile_rows = large ? 64 : 16;
-  options.key_block = large || !long_block ? 32 : 64;
+  options.key_block = sm90 ? kMlaSm90KeyBlock : large || !long_block ? 32 : 64;
   options.small_tile_rows = large ? 16 : 0;
   options.small_key_block = !two_small && long_block ? 64 : 32;
   options.small_ctas_per_sm = two_small ? 2 : 1;
@@ -429,16 +433,32 @@ MlaPlanOptions MlaPlanOptionsForDevice() {
 }
 
 int MlaTileSmemBytes(int32_t tile_rows, int32_t key_block) {
+  if (tile_rows == kMlaSm90TileRows && key_block == kMlaSm90KeyBlock) return MlaSm90SmemBytes();
   if (tile_rows == 64 && key_block == 32) return mla::Shape<64, 32>::kSmemBytes;
   if (tile_rows == 16 && key_block == 64) return mla::Shape<16, 64>::kSmemBytes;
   if (tile_rows == 16 && key_block == 32) return mla::Shape<16, 32>::kSmemBytes;
   return -1;
 }
 
+bool MlaTileRuns(int32_t tile_rows, int32_t key_block) {
+  if (tile_rows == kMlaSm90TileRows && key_block == kMlaSm90KeyBlock) return MlaSm90Runs();
+  const int bytes = MlaTileSmemBytes(tile_rows, key_block);
+  int dev = 0, smem = 0;
+  if (bytes < 0 || cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return smem >= bytes;
+}
+
 cudaError_t PagedMlaCuda(const PagedPrefillParams& params, int32_t tile_rows, int32_t key_block,
                          const MlaWorkItem* items, int32_t num_items, float* part_o,
                          float* part_lse, cudaStream_t stream) {
   if (!MlaCudaSupports(params.geo)) return cudaErrorInvalidValue;
+  if (tile_rows == kMlaSm90TileRows && key_block == kMlaSm90KeyBlock) {
+    return PagedMlaSm90(params, items, num_items, part_o, part_lse, stream);
+  }
   if (num_items == 0) return cudaSuccess;
   const mla::Args a = mla::ArgsOf(params, items, part_o, part_lse);
   if (params.geo.dtype == KvDType::kBf16) {

@@ -21,6 +21,10 @@
 // decode at up to 16 heads (the plan's small tile) 16 x 32 at two CTAs an
 // SM where two fit (H100, H200), else 16 x 64 where a block takes 165 KiB,
 // else 16 x 32 at one; 16 x 32 alone where a block cannot take 150 KiB.
+// On sm_90 (H100, H200) the large tile is instead 64 x 64 in the wgmma
+// kernel (kernels/mla/mla_sm90.h): one warpgroup computes S (Q's first 384
+// columns held in its registers) and the softmax, two hold O's halves, run
+// P V beside the next block's S and load the key blocks.
 // Split chunks write fp32 partial states that MergeMlaCuda combines by LSE.
 //
 // Usage (device pointers except the plan):
@@ -43,16 +47,20 @@
 namespace attnserve {
 
 // The plan options of the current device: the tile shapes its shared memory
-// allows (above; on the H100 and H200 64 x 32 with the small tile 16 x 32 at
-// two CTAs an SM) and its SM count.
+// and architecture allow (above; on the H100 and H200 64 x 64 with the small
+// tile 16 x 32 at two CTAs an SM) and its SM count.
 MlaPlanOptions MlaPlanOptionsForDevice();
 
 // Shared memory a block of the tile_rows x key_block shape takes, in bytes
 // (-1: not a shape above).
 int MlaTileSmemBytes(int32_t tile_rows, int32_t key_block);
 
+// Whether the current device runs the tile_rows x key_block shape (its
+// shared memory; 64 x 64 also needs sm_90).
+bool MlaTileRuns(int32_t tile_rows, int32_t key_block);
+
 // Runs every work item of a plan of tile_rows x key_block (one of the
-// shapes above, else cudaErrorInvalidValue). params: q, o, lse, k_cache,
+// shapes above that the device runs, else cudaErrorInvalidValue). params: q, o, lse, k_cache,
 // kv_indices, seqs (the batch's PrefillSeq array) and sinks are device
 // pointers; params.geo must satisfy MlaCudaSupports (else
 // cudaErrorInvalidValue). part_o / part_lse may be null when no item is split.

@@ -47,16 +47,40 @@ void BuildMlaPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& ge
     }
   }
   // Split only when the tiles alone leave CTAs of one wave idle: chunks of
-  // about total_blocks / wave blocks, at least min_chunk_blocks.
+  // about total_blocks / wave blocks, at least min_chunk_blocks; and only
+  // when that shortens the launch: its waves of chunks times the longest
+  // chunk must come under nine tenths of the longest tile (the tenth pays
+  // for the partial states' writes and the merge). 128 tiles of 64 blocks on
+  // 132 SMs stay whole: two waves of 32-block halves take as long, and the
+  // merge on top.
   const int32_t ctas = std::max(1, small ? options.small_ctas_per_sm : options.ctas_per_sm);
   const int64_t wave = int64_t{std::max(1, options.num_sms)} * ctas;
-  const bool split = static_cast<int64_t>(tiles.size()) < wave && total_blocks > 0;
+  bool split = static_cast<int64_t>(tiles.size()) < wave && total_blocks > 0;
   const int64_t chunk_blocks =
       split ? std::max<int64_t>(options.min_chunk_blocks, CeilDiv(total_blocks, wave)) : 0;
+  // A tile of `keys` keys: its chunks' key count (the last takes the rest)
+  // and number.
+  auto chunking = [&](int64_t keys, int64_t* per_keys, int64_t* chunks) {
+    const int64_t blocks = CeilDiv(keys, block);
+    const int64_t wanted = std::clamp<int64_t>(split ? CeilDiv(blocks, chunk_blocks) : 1, 1,
+                                               std::max(1, options.max_chunks));
+    *per_keys = CeilDiv(blocks, wanted) * block;
+    *chunks = wanted == 1 ? 1 : CeilDiv(keys, *per_keys);
+  };
+  if (split) {
+    int64_t longest = 0, longest_chunk = 0, items = 0;
+    for (const Tile& t : tiles) {
+      int64_t per = 0, chunks = 0;
+      chunking(t.keys.size(), &per, &chunks);
+      longest = std::max(longest, CeilDiv(t.keys.size(), block));
+      longest_chunk = std::max(longest_chunk, chunks == 1 ? CeilDiv(t.keys.size(), block) : per / block);
+      items += chunks;
+    }
+    split = 10 * CeilDiv(items, wave) * longest_chunk < 9 * longest;
+  }
   for (const Tile& t : tiles) {
-    const int64_t blocks = CeilDiv(t.keys.size(), block);
-    int64_t chunks = split ? CeilDiv(blocks, chunk_blocks) : 1;
-    chunks = std::clamp<int64_t>(chunks, 1, std::max(1, options.max_chunks));
+    int64_t per = 0, chunks = 1;
+    if (split) chunking(t.keys.size(), &per, &chunks);
     if (chunks == 1) {
       MlaWorkItem item;
       item.seq = t.seq;
@@ -67,8 +91,6 @@ void BuildMlaPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& ge
       continue;
     }
     // Chunks of whole key blocks (the last takes the rest).
-    const int64_t per = CeilDiv(blocks, chunks) * block;
-    chunks = CeilDiv(t.keys.size(), per);
     MlaMergeTile merge;
     merge.seq = t.seq;
     merge.row_begin = t.row_begin;

@@ -80,9 +80,10 @@ struct MlaPlan {
 // are at most max_rows * num_qo_heads / (the smallest tile the heads can
 // take: the small one only at up to small_tile_rows heads) + max_rows (partial
 // states are at most MlaMaxTileRows rows a slot); a plan splits
-// only when its tiles are fewer than a wave (num_sms * ctas_per_sm), and
-// then its chunks number at most the wave plus its tiles, so its partial
-// slots and merges stay below two waves and one wave.
+// only when its tiles are fewer than a wave (num_sms * ctas_per_sm) and the
+// split shortens the launch (BuildMlaPlan), and then its chunks number at
+// most the wave plus its tiles, so its partial slots and merges stay below
+// two waves and one wave.
 // A plan's wave is num_sms times its tile's CTAs an SM; MlaWave, the bounds'
 // wave, takes the larger of the two tiles'.
 inline int64_t MlaWave(const MlaPlanOptions& o) {

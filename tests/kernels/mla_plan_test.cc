@@ -1,8 +1,8 @@
 // The MLA family's host plan (kernels/plan/mla_plan.h): every visible
 // (packed row, key) pair of every sequence falls in exactly one work item of
 // the row's tile, no item reads a key outside its tile's rows' reach, chunks
-// split only when the tiles leave a wave idle, and the merges name each split
-// tile's consecutive partial slots.
+// split only when the tiles leave a wave idle and the split shortens the
+// launch, and the merges name each split tile's consecutive partial slots.
 #include "kernels/plan/mla_plan.h"
 
 #include <map>
@@ -174,6 +174,35 @@ TEST(MlaPlanTest, SplitsOnlyWhenTheTilesLeaveTheWaveIdle) {
   EXPECT_EQ(plan.merges.size(), 4u);
 }
 
+TEST(MlaPlanTest, SplitsOnlyWhenThatShortensTheLaunch) {
+  // Decode at 128 heads, 64 sequences of 4096 keys in 64 x 64 tiles: 128
+  // tiles on 132 SMs. Halves would take two waves of 32 blocks, as long as
+  // one wave of whole tiles, and the merge on top: no split.
+  const KvGeometry g128 = MlaGeo(128, 64);
+  MlaPlanOptions opt;
+  opt.key_block = 64;
+  std::vector<PrefillSeq> seqs = DecodeSeqs(64, 4096);
+  MlaPlan plan;
+  BuildMlaPlan(seqs.data(), 64, g128, opt, &plan);
+  EXPECT_EQ(plan.items.size(), 128u);
+  EXPECT_TRUE(plan.merges.empty());
+  CheckPlan(seqs, g128, plan, opt);
+  // 32 sequences (64 tiles): halves fit one wave, so they split.
+  seqs.resize(32);
+  BuildMlaPlan(seqs.data(), 32, g128, opt, &plan);
+  EXPECT_EQ(plan.items.size(), 128u);
+  EXPECT_EQ(plan.merges.size(), 64u);
+  CheckPlan(seqs, g128, plan, opt);
+  // Ragged: one long sequence among short ones splits, although the short
+  // ones' tiles alone would take most of the wave.
+  seqs = DecodeSeqs(60, 256);
+  seqs.push_back(DecodeSeqs(1, 16384)[0]);
+  seqs.back().q_start = 60;
+  BuildMlaPlan(seqs.data(), 61, g128, opt, &plan);
+  EXPECT_FALSE(plan.merges.empty());
+  CheckPlan(seqs, g128, plan, opt);
+}
+
 TEST(MlaPlanTest, TakesTheSmallTileWhenEverySequenceFitsIt) {
   MlaPlanOptions opt;
   opt.small_tile_rows = 16;
@@ -197,20 +226,21 @@ TEST(MlaPlanTest, TakesTheSmallTileWhenEverySequenceFitsIt) {
   BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
   EXPECT_EQ(plan.tile_rows, 16);
   CheckPlan(seqs, g8, plan, opt);
-  // The small tile's wave is num_sms x small_ctas_per_sm: its 3 tiles split
-  // on a wave of 4 (4 SMs at one CTA, 2 at two), not on one of 2.
+  // The small tile's wave is num_sms x small_ctas_per_sm: its 3 tiles of 5
+  // blocks split on a wave of 6 (6 SMs at one CTA, 3 at two: two chunks of
+  // 3 blocks each, one wave), not on one of 2.
   opt.num_sms = 2;
   opt.small_ctas_per_sm = 1;
   BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
   EXPECT_TRUE(plan.merges.empty());
-  opt.num_sms = 4;
+  opt.num_sms = 6;
   BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
   EXPECT_FALSE(plan.merges.empty());
   opt.small_ctas_per_sm = 2;
   opt.num_sms = 1;
   BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
   EXPECT_TRUE(plan.merges.empty());
-  opt.num_sms = 2;
+  opt.num_sms = 3;
   BuildMlaPlan(seqs.data(), 3, g8, opt, &plan);
   EXPECT_FALSE(plan.merges.empty());
   CheckPlan(seqs, g8, plan, opt);
