@@ -5,10 +5,11 @@
 //
 // 3 warpgroups:
 //  - warpgroup 0 computes S = Q K^T (64 x 64 over 576, m64n64k16; Q's first
-//    384 columns from registers, the rest and K from shared memory), the mask, the logit transform and the
-//    online softmax in base 2 (lazy rescale), and writes P (16-bit, 64 x 64,
-//    K-major) and each row's rescale factor to shared memory. It holds no
-//    part of O and loads nothing: it is the critical path.
+//    384 columns from registers, the rest and K from shared memory), the
+//    mask, the logit transform and the online softmax in base 2 (lazy
+//    rescale), and writes P (16-bit, 64 x 64, K-major) and each row's
+//    rescale factor to shared memory. It holds no part of O and loads
+//    nothing: it is the critical path.
 //  - warpgroups 1 and 2 each hold half of O (64 x 256 fp32): they rescale it
 //    by the factors and run O += P V on their columns (m64n256k16, V being
 //    the first 512 columns of the same key block, MN-major), release the
@@ -21,14 +22,16 @@
 //    blocks of 64 columns (sm90::TileOff), the wgmma canonical layout. (A
 //    fourth, producer warpgroup would cap every thread at 128 registers,
 //    below what an m64n256k16 needs.)
-// So P V of block b (tensor-bound) runs beside S of block b + 1 (bound by
-// shared-memory reads) and its softmax. Named barriers over the three
+// So P V of block b runs beside S of block b + 1 and its softmax (they share
+// the tensor pipe; the softmax and the P write leave it idle, and a third
+// stage that would let the next S run there does not fit: bench/results/
+// 2026-12-02-session15-h200.md). Named barriers over the three
 // warpgroups pass P: "P ready" (warpgroup 0 wrote P and the
 // factors), "P free" (the P V of the block before have read them); every
 // one is a sync on all sides. One P buffer suffices: warpgroup 0 writes
 // P_{b+1} only after S_{b+1} and its softmax, by when P V_b has long ended.
 // Shared memory: Q 72 KiB, two stages 144 KiB, P 8 KiB, 768 bytes of row
-// factors, the barriers (224.8 KiB with the alignment slack).
+// factors, the barriers (225.8 KiB with the alignment slack).
 #include "kernels/mla/mla_sm90.h"
 
 #include <cuda_bf16.h>
@@ -116,7 +119,7 @@ constexpr int kBarEnd = 3;
 constexpr int kLoaders = 256;  // the threads of warpgroups 1 and 2
 // Q's first column blocks stay in warpgroup 0's registers as wgmma A
 // fragments (16 registers a column block): S's first k-steps then read
-// only K from shared memory, which S = Q K^T's reads otherwise bound.
+// only K from shared memory (decode at 128 heads 2% faster on the H200).
 constexpr int kQRegBlocks = 6;
 constexpr int kQRegSteps = kQRegBlocks * 4;  // k-steps of 16 with A from registers
 
