@@ -4,10 +4,10 @@
 #include "kernels/decode/decode_cuda.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #include "kernels/decode/decode_kernel.cuh"
+#include "kernels/per_device.h"
 
 namespace attnserve {
 namespace {
@@ -35,17 +35,10 @@ template <int D, int MT, typename T, int F8>
 cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream) {
   using Tr = DecodeTraits<D, MT, F8 != 0>;
   auto kernel = PagedDecodeKernel<D, MT, T, F8>;
-  // The attributes are per device; set them once per device (a host call
-  // per launch adds to the latency of small decode batches).
-  static std::atomic<uint64_t> configured{0};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
+  // The attributes are per device (kernels/per_device.h).
+  static PerDeviceOnce configured;
+  const cudaError_t err = configured.Run(ConfigureDecode<D, MT, T, F8>);
   if (err != cudaSuccess) return err;
-  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
-  if (bit == 0 || (configured.load(std::memory_order_acquire) & bit) == 0) {
-    if ((err = ConfigureDecode<D, MT, T, F8>()) != cudaSuccess) return err;
-    configured.fetch_or(bit, std::memory_order_acq_rel);
-  }
   if (args.cluster <= 1) {
     kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
     return cudaGetLastError();

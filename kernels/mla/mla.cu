@@ -2,14 +2,15 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 
 #include "kernels/math.h"
+#include "kernels/mla/mla_args.cuh"
 #include "kernels/mla/mla_cuda.h"
 #include "kernels/mla/mla_sm90.h"
 #include "kernels/numerics.cuh"
+#include "kernels/per_device.h"
 #include "kernels/sm80/mma.cuh"
 #include "kernels/variant.h"
 
@@ -32,21 +33,6 @@ constexpr int kChunks = kRowBytes / 16;              // 72 16-byte chunks a row
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 
-struct Args {
-  const void* q;
-  void* o;
-  float* lse;
-  const char* k_cache;
-  const int32_t* kv_indices;
-  const PrefillSeq* seqs;
-  const float* sinks;
-  const MlaWorkItem* items;
-  float* part_o;
-  float* part_lse;
-  int64_t slots_per_layer;
-  int32_t page_size;
-  int32_t heads;
-};
 
 template <int kM, int kN>
 struct Shape {
@@ -109,8 +95,8 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<kM, kN>)) MlaKernel(Args a
     const bool valid = j < item.kv_end;
     const char* row = a.k_cache;
     if (valid) {
-      const int64_t page = a.kv_indices[seq.kv_start + j / a.page_size];
-      const int64_t slot = page * a.page_size + j % a.page_size;
+      const int page_at = a.page.Div(j);
+      const int64_t slot = int64_t{a.kv_indices[seq.kv_start + page_at]} * a.page.d + (j - page_at * a.page.d);
       row += (int64_t{seq.layer} * a.slots_per_layer + slot) * kRowBytes;
     }
     for (int c = first_chunk; c < kChunks; c += S::kThreadsPerKey) {
@@ -278,10 +264,8 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<kM, kN>)) MlaKernel(Args a
     for (int pc = 0; pc < S::kKeyPieces; ++pc) lt += red[pc * kM + r];
     const int m = item.row_begin + r;
     if (m >= rows_total) continue;
-    const bool sinks = item.chunk == 0 && seq.sink_index >= 0 && a.sinks != nullptr;
-    const float sink2 = sinks ? a.sinks[int64_t{seq.sink_index} * heads + m % heads] * kLog2e
-                              : -INFINITY;
-    const RowEnd end = EndRow(m2[h], lt, sink2);
+    const RowEnd end = EndMlaRow(a, seq, item, m, m2[h], lt);
+    if (col_slice == 0 && lane % 4 == 0) WriteMlaLse(a, seq, item, m, r, kM, end);
     const int64_t out_row = int64_t{seq.q_start} * heads + m;
     if (item.part_slot < 0) {
       T* out = static_cast<T*>(a.o) + out_row * kDv;
@@ -291,9 +275,6 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<kM, kN>)) MlaKernel(Args a
         *reinterpret_cast<uint32_t*>(out + col) =
             Pack2<T>(o[t][2 * h] * end.o_scale, o[t][2 * h + 1] * end.o_scale);
       }
-      if (col_slice == 0 && lane % 4 == 0) {
-        a.lse[out_row] = seq.lse_base_e ? end.lse2 * kLn2 : end.lse2;
-      }
     } else {
       float* part = a.part_o + (int64_t{item.part_slot} * kM + r) * kDv;
 #pragma unroll
@@ -301,9 +282,6 @@ __global__ void __launch_bounds__(kThreads, (kMinCtas<kM, kN>)) MlaKernel(Args a
         const int col = col_slice * S::kCols + t * 8 + 2 * (lane % 4);
         *reinterpret_cast<float2*>(part + col) =
             make_float2(o[t][2 * h] * end.o_scale, o[t][2 * h + 1] * end.o_scale);
-      }
-      if (col_slice == 0 && lane % 4 == 0) {
-        a.part_lse[int64_t{item.part_slot} * kM + r] = end.lse2;
       }
     }
   }
@@ -348,42 +326,17 @@ __global__ void __launch_bounds__(128) MlaMergeKernel(Args a, const MlaMergeTile
   }
 }
 
-Args ArgsOf(const PagedPrefillParams& p, const MlaWorkItem* items, float* part_o,
-            float* part_lse) {
-  Args a;
-  a.q = p.q;
-  a.o = p.o;
-  a.lse = p.lse;
-  a.k_cache = static_cast<const char*>(p.k_cache);
-  a.kv_indices = p.kv_indices;
-  a.seqs = p.seqs;
-  a.sinks = p.sinks;
-  a.items = items;
-  a.part_o = part_o;
-  a.part_lse = part_lse;
-  a.slots_per_layer = p.geo.SlotsPerLayer();
-  a.page_size = p.geo.page_size;
-  a.heads = p.geo.num_qo_heads;
-  return a;
-}
 
 template <int kM, int kN, typename T>
 cudaError_t Launch(const Args& a, int32_t num_items, cudaStream_t stream) {
   using Sh = Shape<kM, kN>;
   auto kernel = MlaKernel<kM, kN, T>;
-  // The shared-memory attribute is per device: set once per device, not on
-  // every launch (a host call that adds to each step's latency).
-  static std::atomic<uint64_t> configured{0};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
+  // The shared-memory attribute is per device (kernels/per_device.h).
+  static PerDeviceOnce configured;
+  const cudaError_t err = configured.Run([&] {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Sh::kSmemBytes);
+  });
   if (err != cudaSuccess) return err;
-  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
-  if (bit == 0 || (configured.load(std::memory_order_acquire) & bit) == 0) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               Sh::kSmemBytes);
-    if (err != cudaSuccess) return err;
-    configured.fetch_or(bit, std::memory_order_acq_rel);
-  }
   kernel<<<num_items, kThreads, Sh::kSmemBytes, stream>>>(a);
   return cudaGetLastError();
 }

@@ -37,13 +37,14 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 
 #include "kernels/fast_div.h"
 #include "kernels/math.h"
+#include "kernels/mla/mla_args.cuh"
 #include "kernels/numerics.cuh"
+#include "kernels/per_device.h"
 #include "kernels/sm90/ptx.cuh"
 #include "kernels/sm90/traits.cuh"
 #include "kernels/variant.h"
@@ -123,21 +124,7 @@ constexpr int kLoaders = 256;  // the threads of warpgroups 1 and 2
 constexpr int kQRegBlocks = 6;
 constexpr int kQRegSteps = kQRegBlocks * 4;  // k-steps of 16 with A from registers
 
-struct Args {
-  const void* q;
-  void* o;
-  float* lse;
-  const char* k_cache;
-  const int32_t* kv_indices;
-  const PrefillSeq* seqs;
-  const float* sinks;
-  const MlaWorkItem* items;
-  float* part_o;
-  float* part_lse;
-  int64_t slots_per_layer;
-  FastDiv page;
-  int32_t heads;
-};
+using mla::Args;
 
 template <typename T>
 __device__ __forceinline__ void MlaCta(const Args& a) {
@@ -325,18 +312,11 @@ __device__ __forceinline__ void MlaCta(const Args& a) {
       const int r = r0 + 8 * h;
       const int m = item.row_begin + r;
       const bool row = m < rows_total;
-      const bool sinks = row && item.chunk == 0 && seq.sink_index >= 0 && a.sinks != nullptr;
-      const float sink2 = sinks ? a.sinks[int64_t{seq.sink_index} * heads + m % heads] * kLog2e : -INFINITY;
-      const RowEnd end = EndRow(m2[h], lt, sink2);
+      // (A row past the sequence's writes nothing: its scale is never read.)
+      const RowEnd end = mla::EndMlaRow(a, seq, item, m, m2[h], lt);
       if ((lane & 3) == 0) {
         s_scale[r] = end.o_scale;
-        if (row) {
-          if (item.part_slot < 0) {
-            a.lse[int64_t{seq.q_start} * heads + m] = seq.lse_base_e ? end.lse2 * kLn2 : end.lse2;
-          } else {
-            a.part_lse[int64_t{item.part_slot} * kM + r] = end.lse2;
-          }
-        }
+        if (row) mla::WriteMlaLse(a, seq, item, m, r, kM, end);
       }
     }
     NamedBarSync(kBarEnd, kThreads);
@@ -488,17 +468,11 @@ __global__ void __launch_bounds__(kThreads, 1) MlaSm90Kernel(const __grid_consta
 template <typename T>
 cudaError_t Launch(const Args& a, int32_t num_items, cudaStream_t stream) {
   auto kernel = MlaSm90Kernel<T>;
-  // The shared-memory attribute is per device: set once per device.
-  static std::atomic<uint64_t> configured{0};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
+  // The shared-memory attribute is per device (kernels/per_device.h).
+  static PerDeviceOnce configured;
+  const cudaError_t err = configured.Run(
+      [&] { return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes); });
   if (err != cudaSuccess) return err;
-  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
-  if (bit == 0 || (configured.load(std::memory_order_acquire) & bit) == 0) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (err != cudaSuccess) return err;
-    configured.fetch_or(bit, std::memory_order_acq_rel);
-  }
   kernel<<<num_items, kThreads, kSmemBytes, stream>>>(a);
   return cudaGetLastError();
 }
@@ -511,51 +485,26 @@ cudaError_t Launch(const Args& a, int32_t num_items, cudaStream_t stream) {
 int MlaSm90SmemBytes() { return mla_sm90::kSmemBytes; }
 
 bool MlaSm90Runs() {
-  // Asked at every launch: the answer is kept per device (bit d of `known`:
-  // asked; of `runs`: the answer).
-  static std::atomic<uint64_t> known{0}, runs{0};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
-  if (bit != 0 && (known.load(std::memory_order_acquire) & bit) != 0) {
-    return (runs.load(std::memory_order_acquire) & bit) != 0;
-  }
-  int major = 0, minor = 0, smem = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  const bool ok = major == 9 && minor == 0 && smem >= mla_sm90::kSmemBytes;
-  if (bit != 0) {
-    if (ok) runs.fetch_or(bit, std::memory_order_acq_rel);
-    known.fetch_or(bit, std::memory_order_acq_rel);
-  }
-  return ok;
+  // Asked at every launch: the answer is kept per device.
+  static PerDeviceFlag runs;
+  return runs.Get([] {
+    int dev = 0, major = 0, minor = 0, smem = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return major == 9 && minor == 0 && smem >= mla_sm90::kSmemBytes;
+  });
 }
 
 cudaError_t PagedMlaSm90(const PagedPrefillParams& p, const MlaWorkItem* items, int32_t num_items,
                          float* part_o, float* part_lse, cudaStream_t stream) {
   if (!MlaCudaSupports(p.geo) || !MlaSm90Runs()) return cudaErrorInvalidValue;
   if (num_items == 0) return cudaSuccess;
-  mla_sm90::Args a;
-  a.q = p.q;
-  a.o = p.o;
-  a.lse = p.lse;
-  a.k_cache = static_cast<const char*>(p.k_cache);
-  a.kv_indices = p.kv_indices;
-  a.seqs = p.seqs;
-  a.sinks = p.sinks;
-  a.items = items;
-  a.part_o = part_o;
-  a.part_lse = part_lse;
-  a.slots_per_layer = p.geo.SlotsPerLayer();
-  a.page = FastDiv(p.geo.page_size);
-  a.heads = p.geo.num_qo_heads;
+  const mla::Args a = mla::ArgsOf(p, items, part_o, part_lse);
   if (p.geo.dtype == KvDType::kBf16) return mla_sm90::Launch<__nv_bfloat16>(a, num_items, stream);
   return mla_sm90::Launch<__half>(a, num_items, stream);
 }

@@ -58,8 +58,8 @@ void BuildMlaPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& ge
   bool split = static_cast<int64_t>(tiles.size()) < wave && total_blocks > 0;
   const int64_t chunk_blocks =
       split ? std::max<int64_t>(options.min_chunk_blocks, CeilDiv(total_blocks, wave)) : 0;
-  // A tile of `keys` keys: its chunks' key count (the last takes the rest)
-  // and number.
+  // A tile of `keys` keys: its chunks' key count (the last takes the rest;
+  // one chunk: the whole tile's blocks) and number.
   auto chunking = [&](int64_t keys, int64_t* per_keys, int64_t* chunks) {
     const int64_t blocks = CeilDiv(keys, block);
     const int64_t wanted = std::clamp<int64_t>(split ? CeilDiv(blocks, chunk_blocks) : 1, 1,
@@ -73,7 +73,7 @@ void BuildMlaPlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& ge
       int64_t per = 0, chunks = 0;
       chunking(t.keys.size(), &per, &chunks);
       longest = std::max(longest, CeilDiv(t.keys.size(), block));
-      longest_chunk = std::max(longest_chunk, chunks == 1 ? CeilDiv(t.keys.size(), block) : per / block);
+      longest_chunk = std::max(longest_chunk, per / block);
       items += chunks;
     }
     split = 10 * CeilDiv(items, wave) * longest_chunk < 9 * longest;
