@@ -303,8 +303,8 @@ Row RunWorkload(const Workload& w, int repeats) {
 
   // ---- Chunk sweep (page_size 1 only): forced chunk lengths, to refit the
   // plan's cost model (DecodePlanOptions) from one run.
-  if (!fp8 && w.page_size == 1 && w.q_len == 1 && w.batch != 128 && w.batch != 256) {
-    for (int k : {2, 4, 8, 16, 32}) {
+  if (w.page_size == 1 && w.q_len == 1 && w.batch != 128 && (fp8 || w.batch != 256)) {
+    for (int k : {2, 3, 4, 6, 8, 16, 32}) {
       DecodePlanOptions fopt = dopt;
       fopt.force_chunk = (w.kv_len + k - 1) / k;
       DecodePlan fplan;
@@ -332,7 +332,7 @@ Row RunWorkload(const Workload& w, int repeats) {
     }
     // Cluster mode with forced cluster sizes (sm_90): the merge in
     // distributed shared memory instead of the last CTA's pass.
-    for (int c : {4, 8, 16}) {
+    for (int c : {2, 3, 4, 8, 16}) {
       if (c > dopt.max_cluster) continue;
       DecodePlanOptions copt = dopt;
       copt.force_cluster = c;

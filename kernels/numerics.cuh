@@ -26,6 +26,19 @@ __device__ __forceinline__ uint32_t Pack2<__half>(float x, float y) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// One register of two 16-bit values -> two floats (x = lo), exactly.
+template <typename T>
+__device__ __forceinline__ float2 Unpack2(uint32_t w);
+template <>
+__device__ __forceinline__ float2 Unpack2<__nv_bfloat16>(uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+template <>
+__device__ __forceinline__ float2 Unpack2<__half>(uint32_t w) {
+  __half2 v = *reinterpret_cast<__half2*>(&w);
+  return __half22float2(v);
+}
+
 template <typename T>
 __device__ __forceinline__ float ToFloat(T x);
 template <>

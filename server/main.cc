@@ -61,7 +61,8 @@ ABSL_FLAG(int32_t, head_dim, 128, "head dimension (64, 128 or 256)");
 ABSL_FLAG(std::string, attention, "gqa",
           "gqa (K and V rows of --num_kv_heads x --head_dim) or mla (multi-head latent attention: "
           "one latent row of --kv_lora_rank + --qk_rope_head_dim values per token, shared by every "
-          "query head; --num_kv_heads and --head_dim do not apply; CPU backend only so far)");
+          "query head; --num_kv_heads and --head_dim do not apply; the CUDA backend takes 512 + 64, "
+          "16-bit; other widths run on --backend=cpu)");
 ABSL_FLAG(int32_t, kv_lora_rank, 512,
           "--attention=mla: the latent width, which is also the value and output width "
           "(a multiple of 16 in [16, 1024])");

@@ -4,6 +4,7 @@
 #include "kernels/decode/decode_cuda.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "kernels/decode/decode_kernel.cuh"
@@ -156,6 +157,7 @@ cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows,
   if (tile_rows != DecodeTileRows(geo.head_dim, tile_rows)) return cudaErrorInvalidValue;
   if (num_items < 0) return cudaErrorInvalidValue;
   if (num_items == 0) return cudaSuccess;
+  if (geo.SlotsPerLayer() > INT32_MAX) return cudaErrorInvalidValue;  // the kernel's slots are 31-bit
   if (options.cluster > kMaxDecodeCluster || (options.cluster > 1 && num_items % options.cluster != 0)) {
     return cudaErrorInvalidValue;
   }
@@ -168,6 +170,7 @@ cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows,
   args.skip_merge = options.skip_merge ? 1 : 0;
   args.cluster = options.cluster;
   args.slots_per_layer = geo.SlotsPerLayer();
+  args.page = FastDiv(geo.page_size);
   return ATTNSERVE_DISPATCH_DECODE(geo.head_dim, tile_rows, geo.dtype, geo.kv_fp8, cudaErrorInvalidValue,
                                    LaunchDecode, args, num_items, stream);
 }

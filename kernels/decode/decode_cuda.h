@@ -57,7 +57,10 @@ struct DecodeLaunchOptions {
 // head_dim) and part_lse (plan.partial_slots * tile_rows) are fp32
 // workspace; counters (plan.split_tiles) int32, zero on entry and left zero
 // on exit. All three may be null when the plan split nothing or ran in
-// cluster mode.
+// cluster mode. cudaErrorInvalidValue for a geometry the family does not
+// take, and for a pool whose layer holds 2^31 slots or more (num_pages x
+// page_size; the kernel's slot arithmetic is 31-bit, and such a pool would
+// need 128 GiB a layer at the smallest row).
 cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows,
                             const DecodeWorkItem* items, int32_t num_items,
                             float* part_o, float* part_lse, int32_t* counters,

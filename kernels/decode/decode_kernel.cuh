@@ -16,17 +16,20 @@
 //
 // FP8 pools (F8: an Fp8Format; 0 for a 16-bit pool): the ring holds FP8
 // rows (twice the steps in flight in the same bytes) and the fragments are
-// read from it with plain shared loads and dequantized in registers
-// (Fp8x4ToT: exact). The head dimension is permuted so that each thread's K
+// read from it with plain shared loads and dequantized in registers to
+// fp16 (Fp8x4ToHalf: exact; one instruction a pair for E4M3 on sm_89+). Both
+// MMAs run in fp16 whatever T is: bf16 queries are stored in shared memory
+// as fp16 times a power of two chosen per row (QHalfExponent: exact but for
+// elements below 2^-28 of the row's largest), which the row's logit scale
+// takes back. The head dimension is permuted so that each thread's K
 // bytes are contiguous: logical element p of 16-element block kk of the
 // S = Q K^T MMA is physical dimension ((p & 7) >> 1) * D/4 + kk * 4 +
 // (p >> 3) * 2 + (p & 1), Q is stored in shared memory in that order, and
 // the dot product does not change. For O += P V, column n of n-tile nt is
-// physical dimension n * D/8 + nt (the epilogue writes O back in order); it
-// runs in fp16 whatever T is (P in [0, 1] and every FP8 value are exact or
-// finer in fp16 than in bf16), so that V's bytes take the hardware's E4M3
-// conversion on sm_89+. K's scale is folded into the logit transform, V's
-// into the output factor.
+// physical dimension n * D/8 + nt (the epilogue writes O back in order)
+// (P in [0, 1] and every FP8 value are exact or finer in fp16 than in
+// bf16). K's scale is folded into the logit transform, V's into the output
+// factor.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -58,6 +61,9 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
   constexpr bool kFp8 = F8 != 0;
   constexpr int kStages = kFp8 ? Tr::kStages8 : Tr::kStages;
   constexpr int kStageBytes = kFp8 ? Tr::kStageBytes8 : Tr::kStageBytes;
+  // FP8 pools with bf16 queries: S = Q K^T in fp16 (QHalfExponent).
+  constexpr bool kQHalf = kFp8 && std::is_same<T, __nv_bfloat16>::value;
+  using TS = typename std::conditional<kFp8, __half, T>::type;  // S's operands
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -106,26 +112,30 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
   const uint8_t* k_base8 = static_cast<const uint8_t*>(args.p.k_cache) + kv_base8;
   const uint8_t* v_base8 = static_cast<const uint8_t*>(args.p.v_cache) + kv_base8;
   const int32_t* pages = args.p.kv_indices + seq.kv_start;
-  const int ps = args.p.geo.page_size;
+  const FastDiv page_div = args.page;
 
   // Lane l holds the page of token (l & 15) of a step (-1: past the range).
   auto step_pos = [&](int i) { return kv_begin + (i * Tr::kWarps + warp) * Tr::kTok + (lane & 15); };
   auto load_page = [&](int i) -> int {
     const int pos = step_pos(i);
-    return (i < my_steps && pos < kv_end) ? __ldg(pages + pos / ps) : -1;
+    return (i < my_steps && pos < kv_end) ? __ldg(pages + page_div.Div(pos)) : -1;
   };
+  // The step's 16 rows: lane l < 16 computes the slot of token l (its row in
+  // the layer, -1 past the range; PagedDecodeCuda checks that a layer's
+  // slots fit 31 bits), and each lane takes the slots of the rows it copies
+  // from their lanes.
   auto issue = [&](int i, int page) {
     const int pos = step_pos(i);
-    const int64_t off = page >= 0 ? (static_cast<int64_t>(page) * ps + pos % ps) * row_stride : -1;
+    const int slot = page >= 0 ? page * page_div.d + page_div.Mod(pos) : -1;
     const uint32_t k_st = a_ring + (i % kStages) * 2 * kStageBytes;
     const uint32_t v_st = k_st + kStageBytes;
     if constexpr (kFp8) {
 #pragma unroll
       for (int p = 0; p < Tr::kPasses8; ++p) {
         const int r = p * Tr::kRowsPerPass8 + kv_r8;
-        const long long o = __shfl_sync(0xffffffffu, static_cast<long long>(off), r);
-        const bool valid = o >= 0;
-        const int64_t src = valid ? o : 0;
+        const int sl = __shfl_sync(0xffffffffu, slot, r);
+        const bool valid = sl >= 0;
+        const int64_t src = static_cast<int64_t>(valid ? sl : 0) * row_stride;
         mma::CpAsync16(k_st + SwzK8<D>(r, kv_c8), k_base8 + src, valid);
         mma::CpAsync16(v_st + SwzV8<D>(r, kv_c8), v_base8 + src, valid);
       }
@@ -133,9 +143,9 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
 #pragma unroll
       for (int p = 0; p < Tr::kPasses; ++p) {
         const int r = p * Tr::kRowsPerPass + kv_r0;
-        const long long o = __shfl_sync(0xffffffffu, static_cast<long long>(off), r);
-        const bool valid = o >= 0;
-        const int64_t src = valid ? o : 0;
+        const int sl = __shfl_sync(0xffffffffu, slot, r);
+        const bool valid = sl >= 0;
+        const int64_t src = static_cast<int64_t>(valid ? sl : 0) * row_stride;
         mma::CpAsync16(k_st + Swz<Tr::kRowBytes>(r, kv_c), k_base + src, valid);
         mma::CpAsync16(v_st + Swz<Tr::kRowBytes>(r, kv_c), v_base + src, valid);
       }
@@ -156,27 +166,63 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
   int page_next = pages_ahead[kStages - 1];
 
   // Q tile: packed row r -> token r / group, head kvh * group + r % group.
-  {
-    const T* q = static_cast<const T*>(args.p.q);
-    for (int idx = tid; idx < kM * Tr::kChunks; idx += Tr::kThreads) {
-      const int r = idx / Tr::kChunks;
-      const int c = idx % Tr::kChunks;
-      const int pr = item.row_begin + r;
-      const int t = pr / group;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (t < q_len) {
-        const int head = kvh * group + (pr - t * group);
-        const T* q_row = q + (static_cast<int64_t>(seq.q_start + t) * H + head) * D;
-        if constexpr (kFp8) {  // logical chunk c: pairs at (c / 2) * 4 + (c % 2) * 2 + j * D/4
-          const uint32_t* w = reinterpret_cast<const uint32_t*>(q_row + (c >> 1) * 4 + (c & 1) * 2);
-          constexpr int kQuarter = D / 8;  // D/4 elements in uint32 pairs
-          v = make_uint4(__ldg(w), __ldg(w + kQuarter), __ldg(w + 2 * kQuarter), __ldg(w + 3 * kQuarter));
-        } else {
-          v = __ldg(reinterpret_cast<const uint4*>(q_row + c * 8));
-        }
+  // bf16 queries over an FP8 pool are stored as fp16 times 2^q_exp (kQHalf:
+  // S = Q K^T then runs in fp16, where K takes the hardware's conversion).
+  constexpr int kQPer = kM * Tr::kChunks / Tr::kThreads;  // 16-byte chunks per thread
+  static_assert(kQPer * Tr::kThreads == kM * Tr::kChunks, "Q chunks");
+  uint4 qv[kQPer];
+#pragma unroll
+  for (int k = 0; k < kQPer; ++k) {
+    const int idx = tid + k * Tr::kThreads;
+    const int r = idx / Tr::kChunks;
+    const int c = idx % Tr::kChunks;
+    const int pr = item.row_begin + r;
+    const int t = pr / group;
+    qv[k] = make_uint4(0, 0, 0, 0);
+    if (t < q_len) {
+      const int head = kvh * group + (pr - t * group);
+      const T* q_row = static_cast<const T*>(args.p.q) + (static_cast<int64_t>(seq.q_start + t) * H + head) * D;
+      if constexpr (kFp8) {  // logical chunk c: pairs at (c / 2) * 4 + (c % 2) * 2 + j * D/4
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(q_row + (c >> 1) * 4 + (c & 1) * 2);
+        constexpr int kQuarter = D / 8;  // D/4 elements in uint32 pairs
+        qv[k] = make_uint4(__ldg(w), __ldg(w + kQuarter), __ldg(w + 2 * kQuarter), __ldg(w + 3 * kQuarter));
+      } else {
+        qv[k] = __ldg(reinterpret_cast<const uint4*>(q_row + c * 8));
       }
-      *reinterpret_cast<uint4*>(s_q + Swz<Tr::kRowBytes>(r, c)) = v;
     }
+  }
+  // kQHalf: each row's exponent (QHalfExponent of its largest finite |q|;
+  // the kChunks lanes of a row are consecutive lanes of one warp), kept in
+  // s_row_m (free until the epilogue) for the rows' logit transforms.
+  int* const s_q_exp = reinterpret_cast<int*>(s_row_m);
+  if constexpr (kQHalf) {
+#pragma unroll
+    for (int k = 0; k < kQPer; ++k) {
+      uint32_t w[4] = {qv[k].x, qv[k].y, qv[k].z, qv[k].w};
+      float amax = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = Unpack2<T>(w[j]);
+        amax = fmaxf(amax, fmaxf(FiniteAbs(f.x), FiniteAbs(f.y)));
+      }
+#pragma unroll
+      for (int o = Tr::kChunks / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const int e = QHalfExponent(amax);
+      const float q_mul = ldexpf(1.f, e);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = Unpack2<T>(w[j]);
+        w[j] = Pack2<__half>(f.x * q_mul, f.y * q_mul);
+      }
+      qv[k] = make_uint4(w[0], w[1], w[2], w[3]);
+      const int idx = tid + k * Tr::kThreads;
+      if (idx % Tr::kChunks == 0) s_q_exp[idx / Tr::kChunks] = e;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kQPer; ++k) {
+    const int idx = tid + k * Tr::kThreads;
+    *reinterpret_cast<uint4*>(s_q + Swz<Tr::kRowBytes>(idx / Tr::kChunks, idx % Tr::kChunks)) = qv[k];
   }
   __syncthreads();
 
@@ -200,7 +246,17 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
     if (args.p.k_scales != nullptr) k_scale = __ldg(args.p.k_scales + si);
     if (args.p.v_scales != nullptr) v_scale = __ldg(args.p.v_scales + si);
   }
-  const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/false, k_scale);
+  // Each row's logit transform, with K's scale and, kQHalf, 2^-(the row's
+  // exponent) that its fp16 Q carries.
+  LogitTransform logit[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float q_scale = kQHalf ? ldexpf(1.f, -s_q_exp[mt * 16 + (lane >> 2) + h * 8]) : 1.f;
+      logit[mt][h] = LogitTransform::Of(seq, /*positive_scale=*/false, k_scale * q_scale);
+    }
+  }
   float o_acc[MT][D / 8][4];
   float m_run[MT][2];
   float l_run[MT][2];
@@ -253,19 +309,14 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
         for (int w = 0; w < 4; ++w) {
           const int kk = j * 4 + w;
           uint32_t b0[2], b1[2];
-          if constexpr (std::is_same<T, __half>::value) {
-            Fp8x4ToHalf<F8>(w0[w], b0[0], b0[1]);
-            Fp8x4ToHalf<F8>(w1[w], b1[0], b1[1]);
-          } else {
-            Fp8x4ToT<F8, T>(w0[w], b0[0], b0[1]);
-            Fp8x4ToT<F8, T>(w1[w], b1[0], b1[1]);
-          }
+          Fp8x4ToHalf<F8>(w0[w], b0[0], b0[1]);
+          Fp8x4ToHalf<F8>(w1[w], b1[0], b1[1]);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             uint32_t qa[4];
             mma::LdMatrixX4(qa, a_q + Swz<Tr::kRowBytes>(mt * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-            mma::Mma16816<T>(s[mt][0], qa, b0[0], b0[1]);
-            mma::Mma16816<T>(s[mt][1], qa, b1[0], b1[1]);
+            mma::Mma16816<TS>(s[mt][0], qa, b0[0], b0[1]);
+            mma::Mma16816<TS>(s[mt][1], qa, b1[0], b1[1]);
           }
         }
       }
@@ -283,30 +334,85 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
       }
     }
 
-    // Scale, mask (boundary steps only), online softmax in base 2.
+    // Scale (soft-capped or not), mask (boundary steps only): whether a step
+    // caps and masks is decided once for the warp, not per logit.
     const int step_start = kv_begin + (i * Tr::kWarps + warp) * Tr::kTok;
     const bool need_mask = step_start < full_begin || step_start + Tr::kTok > full_end;
+    auto to_log2 = [&](auto capped, auto masked) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float d = s[mt][n][2 * h + e];
+              float x;
+              if constexpr (decltype(capped)::value) {
+                x = logit[mt][h].cap * SoftCapTanh(d * logit[mt][h].mul);
+              } else {
+                x = d * logit[mt][h].mul;
+              }
+              if constexpr (decltype(masked)::value) {
+                const int pos = step_start + n * 8 + (lane & 3) * 2 + e;
+                x = (pos < lo[mt][h] || pos >= hi[mt][h]) ? -INFINITY : x;
+              }
+              s[mt][n][2 * h + e] = x;
+            }
+          }
+        }
+      }
+    };
+    if (logit[0][0].capped()) {
+      if (need_mask) {
+        to_log2(std::true_type{}, std::true_type{});
+      } else {
+        to_log2(std::true_type{}, std::false_type{});
+      }
+    } else if (need_mask) {
+      to_log2(std::false_type{}, std::true_type{});
+    } else {
+      to_log2(std::false_type{}, std::false_type{});
+    }
+
+    // Online softmax in base 2, with a lazy maximum: a row's running
+    // maximum m_run moves only when some row of the warp sees a logit more
+    // than kLazyMax above its own (then every row of the warp takes its new
+    // maximum and O is rescaled); otherwise the rows keep theirs, P stays
+    // below 2^kLazyMax, and O is not touched. The result is the same: O and l
+    // are always relative to the same m_run.
+    constexpr float kLazyMax = 8.f;
+    float mx[MT][2];
+    bool grow = false;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        float x = fmaxf(fmaxf(s[mt][0][2 * h], s[mt][0][2 * h + 1]), fmaxf(s[mt][1][2 * h], s[mt][1][2 * h + 1]));
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+        mx[mt][h] = x;
+        grow |= x > m_run[mt][h] + kLazyMax;  // -inf + 8: any finite logit
+      }
+    }
+    grow = __any_sync(0xffffffffu, grow);
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float x = logit.Log2(s[mt][n][2 * h + e]);
-            const int pos = step_start + n * 8 + (lane & 3) * 2 + e;
-            if (need_mask && (pos < lo[mt][h] || pos >= hi[mt][h])) x = -INFINITY;
-            s[mt][n][2 * h + e] = x;
+      for (int h = 0; h < 2; ++h) {
+        float alpha = 1.f;
+        if (grow) {
+          const float m_new = fmaxf(m_run[mt][h], mx[mt][h]);
+          alpha = m_new == m_run[mt][h] ? 1.f : Exp2(m_run[mt][h] - m_new);  // 0 from -inf
+          m_run[mt][h] = m_new;
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            o_acc[mt][n][2 * h] *= alpha;
+            o_acc[mt][n][2 * h + 1] *= alpha;
           }
         }
-        float mx = fmaxf(fmaxf(s[mt][0][2 * h], s[mt][0][2 * h + 1]), fmaxf(s[mt][1][2 * h], s[mt][1][2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_run[mt][h], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        const float alpha = Exp2(m_run[mt][h] - m_use);
-        m_run[mt][h] = m_new;
+        const float m_use = m_run[mt][h] == -INFINITY ? 0.f : m_run[mt][h];
         float sum = 0.f;
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
@@ -318,11 +424,6 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
           }
         }
         l_run[mt][h] = l_run[mt][h] * alpha + sum;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          o_acc[mt][n][2 * h] *= alpha;
-          o_acc[mt][n][2 * h + 1] *= alpha;
-        }
       }
     }
 

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "common/kv_geometry.h"
+#include "kernels/fast_div.h"
 #include "kernels/numerics.cuh"
 #include "kernels/paged_prefill.h"
 #include "kernels/plan/decode_plan.h"
@@ -28,6 +29,7 @@ struct DecodeKernelArgs {
   int32_t skip_merge;
   int32_t cluster;  // > 1: cluster mode (grid = tiles x cluster, sm_90)
   int64_t slots_per_layer;    // p.geo.SlotsPerLayer()
+  FastDiv page;               // p.geo.page_size, as a divider of key positions
 };
 
 constexpr int ConstMax(int a, int b) { return a > b ? a : b; }
@@ -142,6 +144,22 @@ __device__ __forceinline__ void Fp8x4ToHalf(uint32_t w, uint32_t& lo, uint32_t& 
   }
 #endif
   Fp8x4ToT<F8, __half>(w, lo, hi);
+}
+
+// bf16 queries over an FP8 pool are multiplied by 2^e and stored as fp16,
+// so that S = Q K^T runs in fp16 with K in the hardware's conversion; e is
+// chosen per query row (and head) and the row's logit scale takes 2^-e
+// back. amax is the row's largest finite |q|; e puts it in [2^14, 2^15):
+// then every element of at least 2^-28 amax converts exactly (fp16's 11
+// significant bits hold bf16's 8) and a smaller one rounds to fp16's
+// subnormal grid with an error below 2^-39 amax. e is clamped to +-100 (2^-e
+// times the logit scale stays a normal float), so rows whose largest |q| is
+// 2^116 or more overflow fp16; zero amax gives e = 0; a NaN or an infinity
+// stays one.
+__device__ __forceinline__ float FiniteAbs(float x) { return fabsf(x) <= 3.4028235e38f ? fabsf(x) : 0.f; }
+__device__ __forceinline__ int QHalfExponent(float amax) {
+  if (!(amax > 0.f) || !(amax <= 3.0e38f)) return 0;
+  return max(-100, min(100, 14 - ilogbf(amax)));
 }
 
 template <typename T>

@@ -150,11 +150,13 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   // longest visible range into k = 2, 3, ... pieces (rounded to the quantum,
   // at least min_chunk). Each is priced by the cost model of
   // DecodePlanOptions (ns): a batch streams at the HBM rate when enough CTAs
-  // are in flight, never faster than its longest CTA alone; a split adds
-  // the merge and the partials' traffic. The cheapest wins; a split must save
-  // 2%. On an H200 (132 SMs x 2): 64..256 x 4096 stay unsplit (256 CTAs
-  // already stream at the HBM rate: a split only adds the merge), 8 x 128k
-  // goes to 4 chunks of 32k (128 CTAs), 1 x 4096 to 11 chunks of 384.
+  // are in flight, and every wave of resident CTAs costs at least its
+  // longest item; a split adds the merge and the partials' traffic. The
+  // cheapest wins; a split must save 2%. On an H200, bf16 (132 SMs x 2):
+  // 64..256 x 4096 stay unsplit (256 CTAs already stream at the HBM rate),
+  // 8 x 128k goes to 8 chunks of 16k (256 CTAs), 1 x 4096 to a cluster of
+  // 16 chunks of 256; FP8 (x 3): 64..256 x 4096 unsplit, 8 x 128k 12 chunks
+  // (384 CTAs, one wave).
   const int64_t slots = int64_t{std::max(options.num_sms, 1)} * std::max(options.ctas_per_sm, 1);
   const int64_t quantum = kDecodeChunkQuantum;
   const int64_t min_chunk = std::max<int64_t>(quantum, CeilDiv(std::max(options.min_chunk, 1), quantum) * quantum);
@@ -177,7 +179,12 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   auto stream_ns = [&](double items, double tokens, double longest) {
     const double x = items * cta_rate / hbm;
     const double rate = hbm * x / std::pow(1.0 + x * x * x * x, 0.25);
-    return std::max(tokens * token_bytes / rate, longest * token_bytes / cta_rate);
+    // Waves: every one costs its longest item at a CTA's share of the HBM
+    // rate, and its start.
+    const double share = std::min(cta_rate, hbm / std::max(std::min(items, double(slots)), 1.0));
+    const double waves = std::ceil(items / double(slots));
+    const double waves_ns = waves * (longest * token_bytes / share + options.wave_start_ns);
+    return std::max(tokens * token_bytes / rate, waves_ns);
   };
   auto evaluate = [&](int64_t len) {  // len 0: no split
     Eval e;

@@ -79,8 +79,10 @@ struct DecodePlanOptions {
   // the H200 run of issue #14 (bench/NOTES.md, "v1"):
   //   x      = items * cta_bytes_per_ns / hbm_bytes_per_ns
   //   rate   = hbm_bytes_per_ns * x / (1 + x^4)^(1/4)   (aggregate, B/ns)
+  //   share  = min(cta_bytes_per_ns, hbm_bytes_per_ns / min(items, slots))
+  //   waves  = ceil(items / slots)      (slots = num_sms * ctas_per_sm)
   //   stream = max(all items' K/V bytes / rate,
-  //                longest item's bytes / cta_bytes_per_ns)
+  //                waves * (longest item's bytes / share + wave_start_ns))
   //   cost   = stream + (split: merge_ns + merge_ns_per_chunk * max chunks
   //                      + partial bytes written and read / hbm_bytes_per_ns)
   // hbm_bytes_per_ns: the marginal rate of decode 64 -> 128 -> 256 x 4096
@@ -96,10 +98,19 @@ struct DecodePlanOptions {
   // partials per chunk and 16-row tile); merge_ns_per_chunk = 150 puts the
   // 1 x 4096 plan at the best of the second run's chunk sweep (16 chunks of
   // 256 per tile: 0.0203 ms; 8 chunks 0.0226, 32 chunks 0.0208). An FP8
-  // pool's CTA is taken to stream half these bytes (the same tokens): its
-  // dequantization costs what the halved bytes save.
+  // pool's CTA is taken to stream half these bytes (the same tokens): one
+  // CTA alone on an SM streams about 18.5 B/ns of FP8 on the H200 (8 x 128k
+  // in 128 chunks, bench/results/2026-12-03-session16-h200.md). The waves
+  // term: items beyond the resident slots wait for one, and a launch of
+  // more items than slots pays a whole wave for its last, partly filled one
+  // (FP8 8 x 128k on 396 slots: 256 items 0.299 ms, 512 items 0.345 ms,
+  // 1024 items 0.311 ms; 64 x 4096: 256 items 0.085 ms, 512 0.105, 768
+  // 0.090); wave_start_ns is each wave's start and end (the page table and
+  // the first K/V, the epilogue), which makes more, shorter items dearer:
+  // fitted to the same sweeps (4.7-12 us a wave for split FP8 plans).
   double hbm_bytes_per_ns = 4300;
   double cta_bytes_per_ns = 36;
+  double wave_start_ns = 6000;
   double merge_ns = 1000;
   double merge_ns_per_chunk = 150;
   // Largest cluster the device runs for the decode kernel (0 or 1: no

@@ -97,6 +97,53 @@ TEST(Fp8Cuda, DecodeFamilyMatchesReferenceOverDequantizedValues) {
   if (clusters) EXPECT_GT(cluster, 1);
 }
 
+// The decode kernel stores bf16 queries over an FP8 pool as fp16 times a
+// power of two chosen per row (QHalfExponent in kernels/decode/traits.cuh).
+// Each tile mixes heads of very different magnitudes: head 3 of every group
+// is 2^40 in dimension 0 and 0 elsewhere, and dimension 0 of every stored
+// key is 0 (so its logits are 0, exactly); the other heads are N(0, 1)
+// times 2^-12 .. 2^2. One exponent for the whole tile would flush the other
+// heads to zero (the test can fail); one per row keeps them exact.
+TEST(Fp8Cuda, Bf16QueriesOfEveryMagnitudeMatchReference) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(4040);
+  for (int round = 0; round < 6; ++round) {
+    HostBatch b;
+    const int dims[] = {128, 64, 256};
+    b.geo.head_dim = dims[round % 3];
+    b.geo.page_size = round % 2 == 0 ? 16 : 1;
+    b.geo.num_kv_heads = 2;
+    b.geo.num_qo_heads = 16;
+    b.geo.dtype = KvDType::kBf16;
+    b.geo.num_layers = 2;
+    b.geo.num_pages = 9000 / b.geo.page_size + 4;
+    gpu_test::MakePools(&b, &rng);
+    gpu_test::QuantizePools(&b, round % 2 == 0 ? Fp8Format::kE4m3 : Fp8Format::kE5m2, /*per_head=*/true, &rng);
+    const int D = b.geo.head_dim;
+    for (size_t r = 0; r < b.k8.size(); r += D) b.k8[r] = 0;
+    for (int s = 0; s < 3; ++s) {
+      gpu_test::AddSeq(&b, 1 + static_cast<int>(rng() % 4), 100 + static_cast<int>(rng() % 3000), s % 2, true,
+                       false, 1 / std::sqrt(float(D)), &rng);
+    }
+    gpu_test::FinishBatch(&b, 1.f, &rng);
+    const int H = b.geo.num_qo_heads;
+    for (int t = 0; t < b.total_q; ++t) {
+      for (int h = 0; h < H; ++h) {
+        uint16_t* row = &b.q[(size_t(t) * H + h) * D];
+        const int g = h % 8;
+        for (int j = 0; j < D; ++j) {
+          const double x = gpu_test::FromHalfBits(b.geo.dtype, row[j]);
+          const float y = g == 3 ? (j == 0 ? std::ldexp(1.f, 40) : 0.f) : static_cast<float>(std::ldexp(x, 2 * g - 12));
+          row[j] = gpu_test::ToHalfBits(b.geo.dtype, y);
+        }
+      }
+    }
+    const int chunks[] = {0, gpu_test::kNoSplit, 256};
+    const gpu_test::RunResult r = gpu_test::RunDecode(b, chunks[round % 3], 0);
+    EXPECT_EQ(r.error, "") << "round " << round << ": " << gpu_test::Describe(b);
+  }
+}
+
 TEST(Fp8Cuda, PrefillFamiliesRefuseFp8Pools) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(81);

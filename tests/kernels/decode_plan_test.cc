@@ -341,6 +341,54 @@ TEST(DecodePlan, HeuristicOnIssueShapes) {
   }
 }
 
+// FP8 pools on an H200 (3 CTAs an SM: 396 slots), the shapes of issue #32,
+// against the chunk sweep of bench/results/2026-12-03-session16-h200.md: a
+// launch of more items than slots pays a whole wave for its last one.
+TEST(DecodePlan, Fp8PlansKeepToOneWaveWhereTheSweepDid) {
+  KvGeometry g = Geo(32, 4, 128, 1);
+  g.kv_fp8 = Fp8Format::kE4m3;
+  DecodePlanOptions opt;
+  opt.num_sms = 132;
+  opt.ctas_per_sm = 3;
+  opt.max_cluster = 16;
+  const int64_t slots = 396;
+  // 64 x 4096: unsplit (256 items: 0.085 ms; 512 in 2 chunks or a cluster
+  // of 2, the plan's earlier choice, 0.103-0.105; 768: 0.090).
+  {
+    const auto seqs = Uniform(64, 1, 4096);
+    const DecodePlan p = Plan(seqs, g, opt);
+    EXPECT_EQ(p.split_tiles, 0);
+    EXPECT_LE(p.cluster, 1);
+    EXPECT_EQ(p.items.size(), 256u);
+    CheckPlan(seqs, g, p);
+  }
+  // 256 x 4096: unsplit (1024 items 0.285 ms; 2048 0.318).
+  {
+    const auto seqs = Uniform(256, 1, 4096);
+    const DecodePlan p = Plan(seqs, g, opt);
+    EXPECT_EQ(p.split_tiles, 0);
+    EXPECT_LE(p.cluster, 1);
+    CheckPlan(seqs, g, p);
+  }
+  // 8 x 131072: split into one wave of at least 256 items (256: 0.299 ms;
+  // 576, the earlier choice, 0.310; 512: 0.345; 192: 0.373).
+  {
+    const auto seqs = Uniform(8, 1, 131072);
+    const DecodePlan p = Plan(seqs, g, opt);
+    EXPECT_GE(p.items.size(), 256u);
+    EXPECT_LE(static_cast<int64_t>(p.items.size()), slots);
+    if (p.cluster > 1) CheckClusterPlan(seqs, g, p); else CheckPlan(seqs, g, p);
+  }
+  // 1 x 4096: still cut into many short items (a cluster of 16: 0.015 ms;
+  // unsplit 0.059).
+  {
+    const auto seqs = Uniform(1, 1, 4096);
+    const DecodePlan p = Plan(seqs, g, opt);
+    EXPECT_GE(p.items.size(), 32u);
+    if (p.cluster > 1) CheckClusterPlan(seqs, g, p); else CheckPlan(seqs, g, p);
+  }
+}
+
 TEST(DecodePlan, ForcedAndDisabledSplit) {
   const KvGeometry g = Geo(8, 2, 64, 16);
   const std::vector<PrefillSeq> seqs = {Seq(1, 1000), Seq(3, 64), Seq(2, 65), Seq(1, 1), Seq(1, 0)};
