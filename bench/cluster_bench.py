@@ -510,7 +510,9 @@ def decode_bench(a, servers, label, log):
 
 def _decode_run(targets, ids, kv_len, warmup, duration, start_value, queue):
     """One client process: its sequences' prompts, then decode steps from the
-    common start time: `warmup` seconds untimed, `duration` seconds timed."""
+    common start time: `warmup` seconds untimed, `duration` seconds timed, or
+    until the sequences reach 4 x kv_len keys (the room --num_pages gives them
+    by default; a fast server could otherwise outgrow the cache)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 32 clients share the host's cores
     try:
         import attnserve
@@ -541,7 +543,7 @@ def _decode_run(targets, ids, kv_len, warmup, duration, start_value, queue):
         end = timed_from + duration
         while True:
             now = time.time()
-            if now >= end:
+            if now >= end or c.kv_len(ids[0]) + 1 >= 4 * kv_len:
                 break
             c0, t0 = time.process_time(), time.perf_counter()
             s = c.plan(ids, [1] * len(ids))

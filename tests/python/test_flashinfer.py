@@ -633,6 +633,35 @@ def test_future_errors_and_timeouts(grpc_cache):
         fake.result()
 
 
+def test_run_over_grpc_is_one_blocking_call(grpc_cache):
+    # run() waits at once, so it makes the blocking call (no gRPC future and
+    # its helper thread); run_async() starts a future. Both deliver a
+    # server's refusal typed.
+    c = grpc_cache
+    b = Batch(c, [20, 9], seed=16)
+    b.fill()
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(c)
+    plan_decode(w, b)
+    q = _q(b, 2)
+    real_future, real_now = c.rpc._call_future, c.rpc._call_now
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the other kind of call was made")
+    c.rpc._call_future = refuse
+    try:
+        matches(w.run(q, c[1], return_lse=True), b.reference(1, q, decode_qo(2), causal=False))
+        with pytest.raises(attnserve.InvalidArgument, match="options.sinks"):
+            w.run(q, c[0], sinks=torch.full((8,), float("nan")))
+    finally:
+        c.rpc._call_future = real_future
+    c.rpc._call_now = refuse
+    try:
+        f = w.run_async(q, c[0], return_lse=True)
+        matches(f.result(), b.reference(0, q, decode_qo(2), causal=False))
+    finally:
+        c.rpc._call_now = real_now
+
+
 def test_large_calls_fall_back_to_grpc(client):
     with fi.PagedKVCache(client, 16, transport="channel", max_rows=4) as c:
         b = Batch(c, [40, 33], seed=11)

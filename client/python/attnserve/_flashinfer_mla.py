@@ -108,9 +108,9 @@ class BatchMLAPagedAttentionWrapper(_Wrapper):
         [rows, num_heads, head_dim_ckv] (each head's latent, to multiply by
         W_UV), or (output, lse [rows, num_heads]) with return_lse (base 2;
         base e with return_lse_base_on_e)."""
-        return self.run_async(q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse,
-                              profiler_buffer, kv_len, page_table,
-                              return_lse_base_on_e).result()
+        return self._now(lambda: self.run_async(q_nope, q_pe, ckv_cache, kpe_cache, out, lse,
+                                                return_lse, profiler_buffer, kv_len, page_table,
+                                                return_lse_base_on_e))
 
     def run_async(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None,
                   return_lse: bool = False, profiler_buffer=None, kv_len=None,

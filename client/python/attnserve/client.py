@@ -990,6 +990,22 @@ class CallFuture:
         return self._parse(raw)
 
 
+class DoneCall:
+    """A call already made blocking (Client._call_now), behind CallFuture's
+    interface: result() returns its answer or raises its error."""
+
+    def __init__(self, value=None, error: Optional[BaseException] = None):
+        self._value, self._error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: Optional[float] = None):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def _method_path(name: str) -> str:
     return f"/{SERVICE}/{name}"
 
@@ -1108,6 +1124,16 @@ class Client(_Core):
         except grpc.RpcError as e:
             raise from_rpc_error(e, method) from None
         return CallFuture(future, method, parse)
+
+    def _call_now(self, request: _Request, timeout) -> DoneCall:
+        """The call made blocking, its outcome kept for result(): for a caller
+        that would wait for a future at once. (A gRPC future's answer passes
+        through a helper thread that grpcio starts for it; with a large
+        answer that costs more than the call itself.)"""
+        try:
+            return DoneCall(self._call(request, timeout))
+        except BaseException as e:  # delivered by result(), as a future's would be
+            return DoneCall(error=e)
 
     # ------------------------------------------------------------ the API
     def info(self, *, timeout: Optional[float] = None) -> ServerInfo:

@@ -254,7 +254,7 @@ class _Request:
     fused appends, the options, and where the results go."""
 
     __slots__ = ("layer", "q", "layout", "k", "v", "options", "out", "lse", "want_lse",
-                 "v_scale")
+                 "v_scale", "blocking")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -288,8 +288,9 @@ class _GrpcTransport:
 
     def submit(self, r: _Request) -> AttentionFuture:
         rpc = self.cache.rpc
-        call = rpc._call_future(rpc._req_prefill(r.layer, r.q, r.layout, r.k, r.v, "torch",
-                                                 r.q.device, None, r.options), None)
+        request = rpc._req_prefill(r.layer, r.q, r.layout, r.k, r.v, "torch", r.q.device, None,
+                                   r.options)
+        call = rpc._call_now(request, None) if r.blocking else rpc._call_future(request, None)
 
         def wait(timeout):
             res = call.result(timeout)
@@ -456,6 +457,7 @@ class _RegionTransport:
                                        (area.ref("o", o_shape), area.ref("lse", r.q.shape[:2])),
                                        r.options)
             call = (self.channel.submit(request) if self.channel is not None
+                    else rpc._call_now(request, None) if r.blocking
                     else rpc._call_future(request, None))
         except BaseException:
             self._release(index, None)   # nothing was sent
@@ -750,6 +752,18 @@ class _Wrapper:
         self._plans: dict = {}           # append slots (bytes) -> server plan id
         self._releases: list = []        # ReleasePlan calls in flight
         self._layouts: dict = {}
+        self._tls = threading.local()    # .blocking: inside run() (see _now)
+
+    def _now(self, start):
+        """run(): run_async() started by start(), its call made blocking where
+        it goes over gRPC (a blocking call costs less than a future waited for
+        at once: Client._call_now), and its result."""
+        self._tls.blocking = True
+        try:
+            future = start()
+        finally:
+            self._tls.blocking = False
+        return future.result()
 
     @property
     def kv_cache(self) -> PagedKVCache:
@@ -905,7 +919,8 @@ class _Wrapper:
                                                 sm_scale=scale, causal=causal, lse_base=lse_base)
                 self._layouts[key] = layout
             request = _Request(layer=layer, q=q, layout=layout, k=k, v=v, options=options,
-                               out=out, lse=lse, want_lse=bool(return_lse), v_scale=v_scale)
+                               out=out, lse=lse, want_lse=bool(return_lse), v_scale=v_scale,
+                               blocking=getattr(self._tls, "blocking", False))
             return cache._transport.submit(request)
         except BaseException:
             if appended is not None:            # not sent: queued again, first
@@ -1033,13 +1048,12 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         shape], or (output, lse [rows, num_qo_heads], base 2) with
         return_lse. enable_pdl is a CUDA launch detail and changes nothing.
         window_left must be None or the plan's (FlashInfer's rule)."""
-        return self.run_async(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale,
-                              v_scale=v_scale, out=out, lse=lse, return_lse=return_lse,
-                              enable_pdl=enable_pdl, window_left=window_left, sinks=sinks,
-                              q_len_per_req=q_len_per_req,
-                              skip_softmax_threshold_scale_factor=
-                              skip_softmax_threshold_scale_factor,
-                              kv_cache_sf=kv_cache_sf).result()
+        return self._now(lambda: self.run_async(
+            q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+            lse=lse, return_lse=return_lse, enable_pdl=enable_pdl, window_left=window_left,
+            sinks=sinks, q_len_per_req=q_len_per_req,
+            skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+            kv_cache_sf=kv_cache_sf))
 
     def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
@@ -1166,14 +1180,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         paged_kv_cache (kv_cache[layer]): the output, or (output, lse base 2)
         with return_lse. window_left overrides the plan's for this call (-1:
         none); enable_pdl is a CUDA launch detail and changes nothing."""
-        return self.run_async(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale,
-                              v_scale=v_scale, out=out, lse=lse, return_lse=return_lse,
-                              enable_pdl=enable_pdl, window_left=window_left, sinks=sinks,
-                              kv_cache_sf=kv_cache_sf,
-                              skip_softmax_threshold_scale_factor=
-                              skip_softmax_threshold_scale_factor,
-                              use_fp16_softmax=use_fp16_softmax,
-                              uses_spcompress=uses_spcompress).result()
+        return self._now(lambda: self.run_async(
+            q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+            lse=lse, return_lse=return_lse, enable_pdl=enable_pdl, window_left=window_left,
+            sinks=sinks, kv_cache_sf=kv_cache_sf,
+            skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+            use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress))
 
     def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
