@@ -662,6 +662,25 @@ def test_run_over_grpc_is_one_blocking_call(grpc_cache):
         c.rpc._call_now = real_now
 
 
+def test_a_refused_blocking_run_over_a_region_frees_its_area(client):
+    # run() over a system region without a channel makes its call blocking;
+    # a refusal (a known outcome) must give its area back, as a future's
+    # does, so more refusals than areas leave every area free and usable.
+    with fi.PagedKVCache(client, 16, transport="shm") as c:
+        b = Batch(c, [12, 7], seed=17)
+        b.fill()
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(c)
+        plan_decode(w, b)
+        q = _q(b, 2)
+        t = c._transport
+        for _ in range(len(t.areas) + 3):
+            with pytest.raises(attnserve.InvalidArgument, match="options.sinks"):
+                w.run(q, c[0], sinks=torch.full((8,), float("nan")))
+        assert sorted(t._free) == list(range(len(t.areas)))
+        assert not t._in_flight
+        matches(w.run(q, c[0], return_lse=True), b.reference(0, q, decode_qo(2), causal=False))
+
+
 def test_large_calls_fall_back_to_grpc(client):
     with fi.PagedKVCache(client, 16, transport="channel", max_rows=4) as c:
         b = Batch(c, [40, 33], seed=11)
