@@ -11,6 +11,7 @@
 // Usage: attnserve_kernel_bench [--quick]
 //          [--kernel=auto|sm80|sm80_rows64|sm90|sm90_overlap|sm90_overlap_nopp]
 //          [--merge-only] [--workload=NAME[,NAME...]] [--page_sizes=1,16,64]
+//          [--kv_dtype=bf16|fp8_e4m3|fp8_e5m2]
 // --kernel=auto (the default) times what the server picks per workload
 // (ChoosePrefillKernel); a name forces that kernel (sm90*: sm_90 devices
 // only).
@@ -24,6 +25,9 @@
 // --trace=N (with --kernel=sm90_overlap --workload=...): after timing, runs
 // the workload once more through the traced kernel (PagedPrefillSm90Traced)
 // and prints where the first N CTAs' cycles went, phase by phase.
+// --kv_dtype: the prefill workloads' KV pools in FP8 (N(0, 1) values, scales
+// 1.0; queries stay bf16): only kernels reading FP8 pools take them
+// (ChoosePrefillKernel picks sm90_overlap).
 // Prints one "RESULT key=value ..." line per measurement, then a table.
 #include <cuda_runtime.h>
 
@@ -38,6 +42,7 @@
 #include <vector>
 
 #include "bench/check_cuda.h"
+#include "kernels/fp8.h"
 #include "kernels/merge/merge_cuda.h"
 #include "kernels/plan/kernel_select.h"
 #include "kernels/prefill_cuda.h"
@@ -93,6 +98,28 @@ void FillRandomBf16(void* dst, size_t n, uint64_t seed) {
     const size_t c = std::min(chunk, n - off);
     CHECK_CUDA(cudaMemcpy(static_cast<uint16_t*>(dst) + off, table.data() + start, c * 2,
                           cudaMemcpyHostToDevice));
+  }
+}
+
+// --kv_dtype: the prefill workloads' pools (kNone: bf16, as the queries).
+Fp8Format g_kv_fp8 = Fp8Format::kNone;
+
+// Fills n FP8 bytes of format f with N(0, 1) values quantized by
+// kernels/fp8.h (never NaN), as FillRandomBf16.
+void FillRandomFp8(void* dst, size_t n, Fp8Format f, uint64_t seed) {
+  static std::vector<uint8_t> table[3];
+  std::vector<uint8_t>& t = table[static_cast<int>(f)];
+  if (t.empty()) {
+    t.resize((size_t{1} << 24) + (size_t{1} << 20));
+    std::mt19937_64 rng(54321);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& x : t) x = Fp8Quantize(f, nd(rng), 1.f);
+  }
+  const size_t chunk = size_t{1} << 24;
+  const size_t start = (seed * 104729) % (size_t{1} << 20);
+  for (size_t off = 0; off < n; off += chunk) {
+    const size_t c = std::min(chunk, n - off);
+    CHECK_CUDA(cudaMemcpy(static_cast<uint8_t*>(dst) + off, t.data() + start, c, cudaMemcpyHostToDevice));
   }
 }
 
@@ -243,6 +270,8 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
   g.num_kv_heads = kKvh;
   g.head_dim = kD;
   g.dtype = KvDType::kBf16;
+  g.kv_fp8 = g_kv_fp8;
+  const bool fp8 = g.KvIsFp8();
   const int pages_per_seq = (w.kv_len + page_size - 1) / page_size;
   g.num_pages = pages_per_seq * w.batch;
 
@@ -266,7 +295,7 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     for (int i = 0; i < w.q_len; ++i) pairs += RowKeys(s, i).size();  // visible pairs
   }
   const double flops = 4.0 * kD * kH * pairs;
-  const double kv_bytes = 2.0 * w.batch * double(w.kv_len) * kKvh * kD * 2;
+  const double kv_bytes = 2.0 * w.batch * double(w.kv_len) * kKvh * kD * (fp8 ? 1 : 2);
 
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -290,16 +319,22 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
 
   const size_t q_elems = size_t(w.batch) * w.q_len * kH * kD;
   const size_t pool_elems = g.PoolElems();
-  const size_t set_bytes = (q_elems + 2 * pool_elems) * 2;
+  const size_t pool_bytes = pool_elems * (fp8 ? 1 : 2);
+  const size_t set_bytes = q_elems * 2 + 2 * pool_bytes;
   const int sets = set_bytes * 2 < size_t(L2Bytes()) * 4 ? 4 : 1;
   std::vector<void*> qs(sets), ks(sets), vs(sets);
   for (int i = 0; i < sets; ++i) {
     CHECK_CUDA(cudaMalloc(&qs[i], q_elems * 2));
-    CHECK_CUDA(cudaMalloc(&ks[i], pool_elems * 2));
-    CHECK_CUDA(cudaMalloc(&vs[i], pool_elems * 2));
+    CHECK_CUDA(cudaMalloc(&ks[i], pool_bytes));
+    CHECK_CUDA(cudaMalloc(&vs[i], pool_bytes));
     FillRandomBf16(qs[i], q_elems, 1 + i);
-    FillRandomBf16(ks[i], pool_elems, 100 + i);
-    FillRandomBf16(vs[i], pool_elems, 200 + i);
+    if (fp8) {  // scales left null: 1.0
+      FillRandomFp8(ks[i], pool_bytes, g.kv_fp8, 100 + i);
+      FillRandomFp8(vs[i], pool_bytes, g.kv_fp8, 200 + i);
+    } else {
+      FillRandomBf16(ks[i], pool_elems, 100 + i);
+      FillRandomBf16(vs[i], pool_elems, 200 + i);
+    }
   }
   void *o, *lse, *d_idx, *d_seqs, *d_items, *d_merges, *part_o, *part_lse, *d_sinks;
   CHECK_CUDA(cudaMalloc(&d_sinks, kH * sizeof(float)));
@@ -396,9 +431,9 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
   for (void* p : {o, lse, d_idx, d_seqs, d_items, d_merges, part_o, part_lse, d_sinks}) cudaFree(p);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
-  std::printf("RESULT kernel=prefill workload=%s batch=%d q=%d kv=%d page_size=%d family=%s section_mb=%d ms=%.4f "
-              "tflops=%.1f kv_tbs=%.2f items=%zu split=%d\n",
-              w.name.c_str(), w.batch, w.q_len, w.kv_len, page_size, res.kernel.c_str(), res.section_mb, res.ms, res.tflops,
+  std::printf("RESULT kernel=prefill workload=%s kv_dtype=%s batch=%d q=%d kv=%d page_size=%d family=%s section_mb=%d "
+              "ms=%.4f tflops=%.1f kv_tbs=%.2f items=%zu split=%d\n",
+              w.name.c_str(), fp8 ? Fp8FormatName(g.kv_fp8) : "bf16", w.batch, w.q_len, w.kv_len, page_size, res.kernel.c_str(), res.section_mb, res.ms, res.tflops,
               res.kv_tbs, res.items, res.split ? 1 : 0);
   std::fflush(stdout);
   return res;
@@ -494,6 +529,17 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--merge-only") == 0) merge_only = true;
     if (std::strncmp(argv[i], "--kernel=", 9) == 0) only_kernel = argv[i] + 9;
     if (std::strncmp(argv[i], "--workload=", 11) == 0) only_workload = argv[i] + 11;
+    if (std::strncmp(argv[i], "--kv_dtype=", 11) == 0) {
+      const std::string v = argv[i] + 11;
+      if (v == "fp8_e4m3") {
+        g_kv_fp8 = Fp8Format::kE4m3;
+      } else if (v == "fp8_e5m2") {
+        g_kv_fp8 = Fp8Format::kE5m2;
+      } else if (v != "bf16") {
+        std::fprintf(stderr, "--kv_dtype=%s: expected bf16, fp8_e4m3 or fp8_e5m2\n", v.c_str());
+        return 2;
+      }
+    }
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));

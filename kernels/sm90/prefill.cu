@@ -11,73 +11,23 @@
 #include <algorithm>
 #include <cstring>
 
-#include "kernels/sm90/prefill_kernel.cuh"
+#include "kernels/sm90/launch.cuh"
 
 namespace attnserve {
 namespace {
 
-using sm90::PagedPrefillSm90Kernel;
+using sm90::GridSize;
+using sm90::Kernel;
+using sm90::LaunchKernel;
+using sm90::LaunchOverlap;
 using sm90::PagedPrefillSm90OverlapKernel;
 using sm90::PrefillKernelArgs;
 using sm90::Schedule;
 using sm90::Traits;
 
-// Variant V (Sm90Variant's value) -> the kernel and its Traits; kTma: the
-// overlapped schedule with tensor-copy-engine loads (Traits::kTma); kCap,
-// kSinks: with soft-caps, sinks (Traits; only kOverlap, the serving kernel,
-// has instantiations without them, the others always carry both).
-template <int D, typename T, int V, bool kTma = false, bool kCap = true, bool kSinks = true>
-struct Kernel {
-  static_assert((kCap && kSinks) || V == 1, "only kOverlap has kernels without soft-caps or sinks");
-  using Tr = Traits<D, V == 0 ? Schedule::kSerial : Schedule::kOverlap, V != 2, kTma, kCap, kSinks>;
-  static auto Get() {
-    if constexpr (V == 0) {
-      return PagedPrefillSm90Kernel<D, T>;
-    } else {
-      return PagedPrefillSm90OverlapKernel<D, T, V == 1, false, kTma, kCap, kSinks>;
-    }
-  }
-};
 static_assert(static_cast<int>(Sm90Variant::kSerial) == 0 && static_cast<int>(Sm90Variant::kOverlap) == 1 &&
                   static_cast<int>(Sm90Variant::kOverlapNoPingPong) == 2,
               "Kernel<D, T, V> numbers the variants");
-
-// CTAs of a launch over num_items items: one per item, or for a persistent
-// kernel (Traits::kPersistent, one CTA per SM) at most one per SM and at
-// most max_ctas (PagedPrefillParams).
-int32_t GridSize(bool persistent, int32_t num_items, int32_t max_ctas) {
-  if (!persistent) return num_items;
-  int dev = 0, sms = 0;
-  int32_t grid = num_items;
-  if (cudaGetDevice(&dev) == cudaSuccess &&
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && sms > 0) {
-    grid = std::min(grid, sms);
-  }
-  if (max_ctas > 0) grid = std::min(grid, max_ctas);
-  return grid;
-}
-
-template <int D, typename T, int V, bool kTma, bool kCap = true, bool kSinks = true>
-cudaError_t LaunchKernel(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
-  using Tr = typename Kernel<D, T, V, kTma, kCap, kSinks>::Tr;
-  auto kernel = Kernel<D, T, V, kTma, kCap, kSinks>::Get();
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<GridSize(Tr::kPersistent, args.num_items, max_ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
-  return cudaGetLastError();
-}
-
-// kOverlap loads K and V by the tensor copy engine when the caches' tensor
-// maps could be made (args.tma_run > 0), the other variants by cp.async;
-// kOverlap runs the leanest of its kernels the batch allows: without the
-// soft-cap's code when no sequence has one, without the sinks' too when the
-// batch has no sink set.
-template <int D, typename T, bool kTma>
-cudaError_t LaunchOverlap(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
-  if (args.p.any_soft_cap) return LaunchKernel<D, T, 1, kTma, true, true>(args, max_ctas, stream);
-  if (args.p.sinks != nullptr) return LaunchKernel<D, T, 1, kTma, false, true>(args, max_ctas, stream);
-  return LaunchKernel<D, T, 1, kTma, false, false>(args, max_ctas, stream);
-}
 
 template <int D, typename T, int V>
 cudaError_t Launch(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
@@ -169,20 +119,27 @@ EncodeTiled GetEncodeTiled() {
 
 // A cache's tensor map: (head_dim, KV heads, slots of every layer), boxes of
 // 64 elements x 1 head x `rows` rows, 128-byte swizzled as the kernel's tiles
-// (TileOff), zeros outside.
+// (TileOff), zeros outside. An FP8 cache's boxes are whole rows of
+// head_dim bytes, 128-byte swizzled at head_dim 128 and dense at 64, as the
+// kernel's FP8 staging (Fp8Off), which it converts in place.
 bool EncodeCacheMap(const void* cache, const KvGeometry& geo, int rows, CUtensorMap* map) {
   const EncodeTiled encode = GetEncodeTiled();
   if (encode == nullptr) return false;
+  const bool fp8 = geo.KvIsFp8();
+  const cuuint64_t elem = fp8 ? 1 : 2;
   const cuuint64_t dims[3] = {cuuint64_t(geo.head_dim), cuuint64_t(geo.num_kv_heads),
                               cuuint64_t(geo.SlotsPerLayer() * geo.num_layers)};
-  const cuuint64_t strides[2] = {cuuint64_t(geo.head_dim) * 2, cuuint64_t(geo.num_kv_heads) * geo.head_dim * 2};
-  const cuuint32_t box[3] = {64, 1, cuuint32_t(rows)};
+  const cuuint64_t strides[2] = {cuuint64_t(geo.head_dim) * elem,
+                                 cuuint64_t(geo.num_kv_heads) * geo.head_dim * elem};
+  const cuuint32_t box[3] = {fp8 ? cuuint32_t(geo.head_dim) : 64u, 1, cuuint32_t(rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUtensorMapDataType type =
-      geo.dtype == KvDType::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUtensorMapDataType type = fp8                           ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : geo.dtype == KvDType::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   return encode(map, type, 3, const_cast<void*>(cache), dims, strides, box, elem_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+                CU_TENSOR_MAP_INTERLEAVE_NONE,
+                fp8 && geo.head_dim == 64 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // The K and V tensor maps for Traits::kTma, kept per thread for the last
@@ -225,10 +182,11 @@ void SetTmaMaps(const PagedPrefillParams& params, PrefillKernelArgs* args) {
 }
 
 // The kernel's arguments, or an error for a geometry the family does not run.
+// FP8 pools run on kOverlap only (fp8_overlap).
 cudaError_t MakeArgs(const PagedPrefillParams& params, const PrefillWorkItem* items, int32_t num_items,
-                     float* part_o, float* part_lse, PrefillKernelArgs* args) {
+                     float* part_o, float* part_lse, bool fp8_overlap, PrefillKernelArgs* args) {
   const KvGeometry& geo = params.geo;
-  if (geo.KvIsFp8()) return cudaErrorInvalidValue;  // 16-bit pools only (CutForDecode)
+  if (geo.KvIsFp8() && !fp8_overlap) return cudaErrorInvalidValue;
   if (geo.head_dim != 64 && geo.head_dim != 128) return cudaErrorInvalidValue;
   if (geo.num_kv_heads <= 0 || geo.num_qo_heads % geo.num_kv_heads != 0) return cudaErrorInvalidValue;
   if (!Sm90PrefillSupported()) return cudaErrorNotSupported;
@@ -250,10 +208,12 @@ cudaError_t PagedPrefillSm90(const PagedPrefillParams& params, const PrefillWork
                              int32_t num_items, float* part_o, float* part_lse, Sm90Variant variant,
                              cudaStream_t stream) {
   PrefillKernelArgs args;
-  const cudaError_t err = MakeArgs(params, items, num_items, part_o, part_lse, &args);
+  const cudaError_t err =
+      MakeArgs(params, items, num_items, part_o, part_lse, variant == Sm90Variant::kOverlap, &args);
   if (err != cudaSuccess || num_items == 0) return err;
   if (variant == Sm90Variant::kOverlap) SetTmaMaps(params, &args);
   const KvGeometry& geo = params.geo;
+  if (geo.KvIsFp8()) return sm90::LaunchOverlapFp8(args, params.max_ctas, stream);
   return ATTNSERVE_SM90_DISPATCH(geo.head_dim, geo.dtype, variant, Launch, args, params.max_ctas, stream);
 }
 
@@ -262,7 +222,7 @@ cudaError_t PagedPrefillSm90Traced(const PagedPrefillParams& params, const Prefi
                                    int32_t trace_ctas, cudaStream_t stream) {
   if (params.geo.head_dim != 128 || params.geo.dtype != KvDType::kBf16) return cudaErrorInvalidValue;
   PrefillKernelArgs args;
-  cudaError_t err = MakeArgs(params, items, num_items, part_o, part_lse, &args);
+  cudaError_t err = MakeArgs(params, items, num_items, part_o, part_lse, /*fp8_overlap=*/false, &args);
   if (err != cudaSuccess || num_items == 0) return err;
   args.trace = trace;
   args.trace_ctas = trace_ctas;

@@ -36,6 +36,11 @@
 // The epilogue normalises and writes either the final o / lse (16-byte
 // chunks after a transpose within each quad) or, for a split item, an fp32
 // partial state for the merge family, as kernels/sm80.
+// Traits::kFp8 (PagedPrefillSm90OverlapKernel's kFp8, kernels/sm90/
+// prefill_fp8.cu): on FP8 pools the producer lands each block's FP8 rows in
+// the upper half of its stage and converts the stage in place to fp16
+// (kernels/sm90/fp8_tiles.cuh) before it completes the full barrier; bf16 Q
+// tiles are carried into fp16 per row; both GEMMs run in fp16.
 // kTrace (PagedPrefillSm90Traced) adds clock64 stamps of each phase
 // (Sm90Trace); the server's kernels have none.
 //
@@ -49,8 +54,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
+#include "kernels/fp8_device.cuh"
 #include "kernels/math.h"
+#include "kernels/sm90/fp8_tiles.cuh"
 #include "kernels/sm90/ptx.cuh"
 #include "kernels/sm90/traits.cuh"
 #include "kernels/variant.h"
@@ -170,6 +178,10 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
   constexpr int SK = Tr::kKStages;
   constexpr int SV = Tr::kVStages;
   constexpr int QB = Tr::kQBufs;
+  // FP8 pools (Tr::kFp8): both GEMMs in fp16; bf16 queries are carried
+  // into it per row (kQToHalf).
+  using TC = std::conditional_t<Tr::kFp8, __half, T>;
+  constexpr bool kQToHalf = Tr::kFp8 && std::is_same<T, __nv_bfloat16>::value;
   extern __shared__ uint8_t smem_raw[];
   // Align to the 1024-byte swizzle atom (descriptors assume base offset 0).
   const uint32_t raw_addr = SmemAddr(smem_raw);
@@ -193,6 +205,14 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
   // last S = Q K^T of a tile has completed; the producer then loads the
   // Q of the tile QB after it into the buffer.
   auto bar_q_empty = [&](int qb) { return bars + 8 * (Tr::kBarQEmpty + qb); };
+  // Tr::kFp8: a Q buffer's bf16 rows, a stage's FP8 bytes have landed
+  // (128 arrivals, plus the tensor copies' bytes); the producer then
+  // converts them and completes the full barrier.
+  auto bar_q_land = [&](int qb) { return bars + 8 * (Tr::kBarQLand + qb); };
+  auto bar_k_land = [&](int s) { return bars + 8 * (Tr::kBarKLand + s); };
+  auto bar_v_land = [&](int s) { return bars + 8 * (Tr::kBarVLand + s); };
+  // Tr::kFp8: each Q buffer's rows' exponents (kQToHalf; 0 otherwise).
+  int8_t* s_qexp = reinterpret_cast<int8_t*>(smem + Tr::kQExpOff);
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;  // 0 producer, 1..2 consumers
@@ -209,6 +229,11 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     for (int s = 0; s < SV; ++s) {
       MbarInit(bar_v(s), 128);
       if (Tr::kSplitEmpty) MbarInit(bar_v_empty(s), 256);
+    }
+    if constexpr (Tr::kFp8) {
+      for (int qb = 0; qb < QB; ++qb) MbarInit(bar_q_land(qb), 128);
+      for (int s = 0; s < SK; ++s) MbarInit(bar_k_land(s), 128);
+      for (int s = 0; s < SV; ++s) MbarInit(bar_v_land(s), 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -303,8 +328,8 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       const uint32_t row_bytes = static_cast<uint32_t>(args.p.geo.num_kv_heads) * D * sizeof(T);
       const int64_t kv_base =
           ((int64_t)seq.layer * args.slots_per_layer * args.p.geo.num_kv_heads + kvh) * D * sizeof(T) + (tid & 7) * 16;
-      const char* k_base = static_cast<const char*>(args.p.k_cache) + kv_base;
-      const char* v_base = static_cast<const char*>(args.p.v_cache) + kv_base;
+      [[maybe_unused]] const char* k_base = static_cast<const char*>(args.p.k_cache) + kv_base;
+      [[maybe_unused]] const char* v_base = static_cast<const char*>(args.p.v_cache) + kv_base;
       const int32_t* pages = args.p.kv_indices + seq.kv_start;
       // Slot of row `tid` of block `block` within the layer (-1: past the
       // end).
@@ -381,6 +406,68 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         return true;
       };
 
+      // ---- Tr::kFp8: a block's FP8 rows land in the upper half of their
+      // stage (Tr::kFp8At), D bytes a row, 16-byte chunk c of row r at
+      // Fp8Off(r, c) (at head_dim 128 XOR-swizzled as the tensor copy
+      // engine's 128-byte mode lays it out), by whole-row tensor copies
+      // (one box per run of rows) or cp.async (lane i of the producer copies
+      // chunks i, i + 128, ... of the block's KB * D / 16, so that a warp
+      // reads whole rows); convert8 then rewrites the stage as the fp16
+      // tile the GEMMs read.
+      const uint32_t row_bytes8 = static_cast<uint32_t>(args.p.geo.num_kv_heads) * D;
+      const int64_t kv_base8 = ((int64_t)seq.layer * args.slots_per_layer * args.p.geo.num_kv_heads + kvh) * D;
+      auto issue8 = [&](const void* cache, uint32_t dst, const int32_t* slots) {
+        const char* src_base = static_cast<const char*>(cache) + kv_base8;
+        constexpr int kCh = D / 16;  // 16-byte chunks of an FP8 row
+        // (Tr::kTma: only a range's partial blocks come this way; a rolled
+        // loop leaves the producer registers for its boxes.)
+#pragma unroll(Tr::kTma ? 1 : 4)
+        for (int i = 0; i < kCh; ++i) {
+          const int idx = i * 128 + tid;
+          const int r = idx / kCh;
+          const int c = idx % kCh;
+          const int32_t slot = slots[r];
+          const char* src = src_base + static_cast<uint64_t>(static_cast<uint32_t>(max(slot, 0))) * row_bytes8 + c * 16;
+          CpAsync16(dst + Fp8Off<D>(r, c), src, slot >= 0);
+        }
+        CpAsyncCommit();
+      };
+      // Whole blocks whose rows come in runs (as issue_tma): one box of
+      // D bytes x run rows per run.
+      auto issue_tma8 = [&](const CUtensorMap* map, int offset, const int32_t* slots, uint32_t bar, int block) {
+        if (!block_runs || kv_begin + (block + 1) * KB > kv_end) return false;
+        uint64_t* bar_ptr = reinterpret_cast<uint64_t*>(smem + (bar - base));
+        const int box = (tid & 31) * 4 + (tid >> 5);
+        if (box < KB / run) {
+          const int row = box * run;
+          MbarArriveExpectTx(bar_ptr, static_cast<uint32_t>(run) * D);
+          TmaLoad3d(smem + offset + row * D, map, 0, kvh, layer_slot0 + slots[row], bar_ptr);
+        } else {
+          MbarArrive(bar);
+        }
+        return true;
+      };
+      // The stage at byte `stage` of the tile memory, once its FP8 bytes
+      // have landed (land, phase), rewritten in place as fp16
+      // (ConvertFp8Stage, kernels/sm90/fp8_tiles.cuh), then a fence to the
+      // async proxy and the full barrier.
+      const bool e5m2 = args.p.geo.kv_fp8 == Fp8Format::kE5m2;
+      auto convert8 = [&](int stage, uint32_t land, uint32_t phase, uint32_t full) {
+        MbarWait(land, phase);
+        ConvertFp8Stage<D, KB>(base + stage, Tr::kFp8At, tid, e5m2);
+        FenceProxyAsync();
+        MbarArrive(full);
+      };
+      // kQToHalf: the Q tile of Q phase qp, once landed (q_land), as fp16
+      // times 2^e per row (QTileToHalf); e goes to s_qexp for the consumers.
+      auto finish_q = [&](int qp, bool negative) {
+        const int qb = qp % QB;
+        MbarWait(bar_q_land(qb), (qp / QB) & 1);
+        QTileToHalf<Tr>(smem + (a_q(qb) - base), s_qexp + qb * Tr::kM, r0, c, negative);
+        FenceProxyAsync();
+        MbarArrive(bar_q(qb));
+      };
+
       int32_t my_slot = num_blocks > 0 ? row_slot(0) : 0;
       if constexpr (Tr::kOverlap) {
         // kTrace: the producer's stamps of this tile (Sm90Trace::kTileAt).
@@ -394,7 +481,9 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           const int qb = qp % QB;
           if (qp >= QB) MbarWait(bar_q_empty(qb), ((qp / QB) - 1) & 1);
           issue_q(qtile, qb);
-          if (qtile.seq.sm_scale < 0.f) {
+          if constexpr (kQToHalf) {
+            CpAsyncArriveNoinc(bar_q_land(qb));  // finish_q converts it later
+          } else if (qtile.seq.sm_scale < 0.f) {
             CpAsyncWait<0>();
             complete_q(qtile, qb);
           } else {
@@ -418,7 +507,13 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           if (b + 1 < num_blocks) my_slot = row_slot(b + 1);  // in flight during the copies
           if (g >= SK) MbarWait(bar_k_empty(stage), ((g / SK) & 1) ^ 1);
           if (pt >= 0) st.Now(pt + 2);
-          if (!Tr::kTma || !issue_tma(&args.k_map, Tr::kKOff + stage * Tr::kKvBytes, slots, bar_k(stage), b)) {
+          if constexpr (Tr::kFp8) {
+            const int at = Tr::kKOff + stage * Tr::kKvBytes + Tr::kFp8At;
+            if (!Tr::kTma || !issue_tma8(&args.k_map, at, slots, bar_k_land(stage), b)) {
+              issue8(args.p.k_cache, base + at, slots);
+              CpAsyncArriveNoinc(bar_k_land(stage));
+            }
+          } else if (!Tr::kTma || !issue_tma(&args.k_map, Tr::kKOff + stage * Tr::kKvBytes, slots, bar_k(stage), b)) {
             issue(k_base, a_k + stage * Tr::kKvBytes, slots, b);
             CpAsyncArriveNoinc(bar_k(stage));
           }
@@ -431,7 +526,13 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           const int32_t* slots = s_slot + (g & 1) * KB;
           if (g >= SV) MbarWait(bar_v_empty(stage), ((g / SV) & 1) ^ 1);
           if (pt >= 0) st.Now(pt + 4);
-          if (!Tr::kTma || !issue_tma(&args.v_map, Tr::kVOff + stage * Tr::kKvBytes, slots, bar_v(stage), b)) {
+          if constexpr (Tr::kFp8) {
+            const int at = Tr::kVOff + stage * Tr::kKvBytes + Tr::kFp8At;
+            if (!Tr::kTma || !issue_tma8(&args.v_map, at, slots, bar_v_land(stage), b)) {
+              issue8(args.p.v_cache, base + at, slots);
+              CpAsyncArriveNoinc(bar_v_land(stage));
+            }
+          } else if (!Tr::kTma || !issue_tma(&args.v_map, Tr::kVOff + stage * Tr::kKvBytes, slots, bar_v(stage), b)) {
             issue(v_base, a_v + stage * Tr::kKvBytes, slots, b);
             CpAsyncArriveNoinc(bar_v(stage));
           }
@@ -444,15 +545,39 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         // not after it: a Q load takes longer than the last turn and the
         // epilogue.
         static_assert(QB == 2, "a persistent CTA loads Q a tile ahead");
+        // Tr::kFp8: K_b is converted as soon as V_b is issued (the K ring
+        // is the short one: K_b's stage frees once S_{b-2} has completed and
+        // turn b needs it), V_b once K_{b+1} and V_{b+1} are (its bytes have
+        // then had a block's time to land; turn b + 1 needs it). Block 0's
+        // K goes before the next tile's Q, whose load waits for the
+        // consumers to finish the last tile: they need K_0 right after. The
+        // next tile's Q (kQToHalf) is converted once block 1 is, or at the
+        // end of a shorter tile: it has landed by then.
+        auto convert_k = [&](int b) {
+          const int g = g0 + b;
+          convert8(Tr::kKOff + (g % SK) * Tr::kKvBytes, bar_k_land(g % SK), (g / SK) & 1, bar_k(g % SK));
+        };
+        auto convert_v = [&](int b) {
+          const int g = g0 + b;
+          convert8(Tr::kVOff + (g % SV) * Tr::kKvBytes, bar_v_land(g % SV), (g / SV) & 1, bar_v(g % SV));
+        };
         if (num_blocks > 0) issue_k_block(0);
         pst.Now(8);
         if (!tile.q_ahead) load_q(tile, qt);
         if (num_blocks > 0) issue_v_block(0);
+        if constexpr (kQToHalf) {
+          if (!tile.q_ahead) finish_q(qt, tile.seq.sm_scale < 0.f);
+        }
+        if constexpr (Tr::kFp8) {
+          if (num_blocks > 0) convert_k(0);
+        }
         const int next_idx = tile.idx + static_cast<int>(gridDim.x);
+        int next_q = 0;  // kQToHalf: 1 the next tile's Q is loaded and not converted, 2 with a negative scale
         if (next_idx < args.num_items) {
           const Tile next = MakeTile<Tr>(args, next_idx);
           if (next.item.seq >= 0) {
             load_q(next, qt + 1);
+            next_q = next.seq.sm_scale < 0.f ? 2 : 1;
             // Its first page-table line, for its first block's slots.
             PrefetchL1(args.p.kv_indices + next.seq.kv_start + args.page.Div(next.item.kv_begin));
           }
@@ -461,6 +586,22 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         for (int b = 1; b < num_blocks; ++b) {
           issue_k_block(b);
           issue_v_block(b);
+          if constexpr (Tr::kFp8) {
+            convert_k(b);
+            convert_v(b - 1);
+          }
+          if constexpr (kQToHalf) {
+            if (b == 1 && next_q > 0) {
+              finish_q(qt + 1, next_q == 2);
+              next_q = 0;
+            }
+          }
+        }
+        if constexpr (Tr::kFp8) {
+          if (num_blocks > 0) convert_v(num_blocks - 1);
+        }
+        if constexpr (kQToHalf) {
+          if (next_q > 0) finish_q(qt + 1, next_q == 2);
         }
       } else {
         // One tile per CTA (Tr::kPersistent is false): ring positions are
@@ -558,7 +699,17 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     const int wg_full_end = min(item_kv_end, wg_keys.full.end);
     // Positive scale (Q's sign flipped for a negative one); a soft-capped
     // sequence takes the transform's other branch, uniform over the CTA.
-    const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/true);
+    // Tr::kFp8: K's scale joins the logit scale (V's the output's, in the
+    // epilogue).
+    float k_scale = 1.f;
+    if constexpr (Tr::kFp8) {
+      if (args.p.k_scales != nullptr) k_scale = __ldg(args.p.k_scales + seq.layer * args.p.geo.num_kv_heads + kvh);
+    }
+    const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/true, k_scale);
+    // kQToHalf: the logit multipliers of the thread's rows h = 0, 1,
+    // logit.mul times 2^-e (the producer stored Q times 2^e), read once Q has
+    // landed.
+    [[maybe_unused]] float row_mul[2] = {logit.mul, logit.mul};
 
     float o_acc[D / 2];
 #pragma unroll
@@ -587,7 +738,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t qa = a_qt + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
         const uint32_t kb = k_at + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
-        WgmmaSS<KB, T>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
+        WgmmaSS<KB, TC>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
       }
       WgmmaCommit();
     };
@@ -595,7 +746,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       const uint32_t v_at = a_v + v_stage(b) * Tr::kKvBytes;
 #pragma unroll
       for (int j = 0; j < KB / 16; ++j) {
-        WgmmaRS<D, T>(o_acc, p[j], MakeDesc(v_at + j * 16 * 128, KB * 128, 1024));
+        WgmmaRS<D, TC>(o_acc, p[j], MakeDesc(v_at + j * 16 * 128, KB * 128, 1024));
       }
       WgmmaCommit();
     };
@@ -613,12 +764,18 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       // exponent's multiplier becomes c * log2(e): beyond the plain path the
       // soft-cap costs one multiply and one MUFU tanh per logit, and one copy
       // of the softmax serves both.
-      float mul = logit.mul;
+      float mul[2];
+      if constexpr (kQToHalf) {
+        mul[0] = row_mul[0];
+        mul[1] = row_mul[1];
+      } else {
+        mul[0] = mul[1] = logit.mul;
+      }
       if constexpr (Tr::kSoftCap) {
         if (logit.capped()) {
 #pragma unroll
-          for (int i = 0; i < KB / 2; ++i) s[i] = logit.Unit(s[i]);
-          mul = logit.cap;
+          for (int i = 0; i < KB / 2; ++i) s[i] = SoftCapTanh(s[i] * mul[(i >> 1) & 1]);
+          mul[0] = mul[1] = logit.cap;
         }
       }
       if (block_start < wg_full_begin || block_start + KB > wg_full_end) {
@@ -643,7 +800,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         for (int n = 0; n < KB / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        mx2[h] = mx * mul;
+        mx2[h] = mx * mul[h];
         grow |= mx2[h] > m_run[h] + kLazyRescale;
       }
       const bool rescale = __any_sync(0xffffffffu, grow);
@@ -660,8 +817,8 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         float sum = 0.f;
 #pragma unroll
         for (int n = 0; n < KB / 8; ++n) {
-          const float p0 = Exp2(fmaf(s[4 * n + 2 * h], mul, neg_m));
-          const float p1 = Exp2(fmaf(s[4 * n + 2 * h + 1], mul, neg_m));
+          const float p0 = Exp2(fmaf(s[4 * n + 2 * h], mul[h], neg_m));
+          const float p1 = Exp2(fmaf(s[4 * n + 2 * h + 1], mul[h], neg_m));
           s[4 * n + 2 * h] = p0;
           s[4 * n + 2 * h + 1] = p1;
           sum += p0 + p1;
@@ -685,10 +842,10 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       }
 #pragma unroll
       for (int j = 0; j < KB / 16; ++j) {
-        p[j][0] = Pack2<T>(s[8 * j + 0], s[8 * j + 1]);
-        p[j][1] = Pack2<T>(s[8 * j + 2], s[8 * j + 3]);
-        p[j][2] = Pack2<T>(s[8 * j + 4], s[8 * j + 5]);
-        p[j][3] = Pack2<T>(s[8 * j + 6], s[8 * j + 7]);
+        p[j][0] = Pack2<TC>(s[8 * j + 0], s[8 * j + 1]);
+        p[j][1] = Pack2<TC>(s[8 * j + 2], s[8 * j + 3]);
+        p[j][2] = Pack2<TC>(s[8 * j + 4], s[8 * j + 5]);
+        p[j][3] = Pack2<TC>(s[8 * j + 6], s[8 * j + 7]);
       }
     };
 
@@ -780,6 +937,13 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       // too: the producer loads Q a tile ahead, before it knows).
       if (Tr::kPersistent || turns > 0) {
         MbarWait(bar_q(qb), (qt / QB) & 1);
+        if constexpr (kQToHalf) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int e = s_qexp[qb * Tr::kM + wg_row0 + warp * 16 + (lane >> 2) + 8 * h];
+            row_mul[h] = logit.mul * __int_as_float((127 - e) << 23);
+          }
+        }
         tst.Now(1);
         // Tr::kPersistent: Q is free once this warpgroup's last S has
         // completed (here, for a warpgroup without blocks).
@@ -883,6 +1047,9 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       // reciprocal and log2 (MUFU, a few ulp) are exact enough.
       const RowEnd end = EndRow(m_run[h], l, sink2);
       inv[h] = end.o_scale;
+      if constexpr (Tr::kFp8) {
+        if (args.p.v_scales != nullptr) inv[h] *= __ldg(args.p.v_scales + seq.layer * args.p.geo.num_kv_heads + kvh);
+      }
       lse2[h] = end.lse2;
     }
     tst.Now(10);
@@ -957,10 +1124,11 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const __grid_co
 // kTma: K and V by the tensor copy engine (Traits); the tensor maps are read
 // from the kernel's parameter space (__grid_constant__).
 // kSoftCap, kSinks: with soft-caps, sinks (Traits).
+// kFp8: on FP8 pools (Traits::kFp8; T is the queries' and outputs' type).
 template <int D, typename T, bool kPingPong, bool kTrace = false, bool kTma = false, bool kSoftCap = true,
-          bool kSinks = true>
+          bool kSinks = true, bool kFp8 = false>
 __global__ void __launch_bounds__(384, 1) PagedPrefillSm90OverlapKernel(const __grid_constant__ PrefillKernelArgs args) {
-  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong, kTma, kSoftCap, kSinks>, T, kTrace);
+  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong, kTma, kSoftCap, kSinks, kFp8>, T, kTrace);
 }
 
 #undef ATTNSERVE_SM90_BODY

@@ -64,8 +64,17 @@ enum class Schedule : int { kSerial, kOverlap };
 // costs the head_dim 128 consumers registers, and a few bytes of spill). The
 // launch picks the leanest kernel the batch allows
 // (PagedPrefillParams::any_soft_cap, sinks).
+// kFp8Kv (kOverlap only): the caches hold FP8 bytes (PagedPrefillParams,
+// geo.kv_fp8). The producer lands each K or V block's bytes in the upper
+// half of its stage (tensor copies of whole rows, or cp.async), waits for
+// them on the stage's land barrier, and rewrites the stage in place as fp16
+// (exact for both formats) before it completes the full barrier; both GEMMs
+// then run in fp16. bf16 queries become fp16 times a power of two per row
+// (the decode family's QHalfExponent), converted in place by the producer
+// once they land; the row's exponent goes to the consumers beside the tile
+// (kQExpOff) and K's scale joins the logit scale, V's the output's.
 template <int D, Schedule kSchedule = Schedule::kSerial, bool kTurns = true, bool kTmaLoads = false,
-          bool kSoftCaps = true, bool kSinkSets = true>
+          bool kSoftCaps = true, bool kSinkSets = true, bool kFp8Kv = false>
 struct Traits {
   static_assert(D == 64 || D == 128, "the sm90 family runs head_dim 64 and 128");
   static constexpr int kD = D;
@@ -76,6 +85,11 @@ struct Traits {
   static constexpr bool kTma = kTmaLoads && kOverlap;
   static constexpr bool kSoftCap = kSoftCaps;
   static constexpr bool kSinks = kSinkSets;
+  static constexpr bool kFp8 = kFp8Kv;
+  static_assert(!kFp8 || kSchedule == Schedule::kOverlap, "FP8 pools run on the overlapped schedule");
+  // FP8 bytes of a block's K (or V) rows: the upper half of the stage.
+  static constexpr int kFp8Bytes = 128 * D;
+  static constexpr int kFp8At = 128 * D;  // offset within the stage
   // A persistent grid (kOverlap): each CTA loops over the plan's items with
   // a stride of the grid, so that the producer loads the next tile's K, V
   // and Q while the consumers finish the last one; kSerial runs one item
@@ -157,13 +171,20 @@ struct Traits {
   static constexpr int kBarKEmpty = kBarVFull + kVStages;
   static constexpr int kBarVEmpty = kSplitEmpty ? kBarKEmpty + kKStages : kBarKEmpty;
   static constexpr int kBarQEmpty = kBarVEmpty + kVStages;
-  static constexpr int kNumBars = kBarQEmpty + (kPersistent ? kQBufs : 0);
+  static constexpr int kBarQLand = kBarQEmpty + (kPersistent ? kQBufs : 0);
+  // kFp8: q_land[kQBufs] (bf16 queries land before their conversion),
+  // k_land[kKStages], v_land[kVStages] (a block's FP8 bytes have landed).
+  static constexpr int kBarKLand = kBarQLand + (kFp8 ? kQBufs : 0);
+  static constexpr int kBarVLand = kBarKLand + (kFp8 ? kKStages : 0);
+  static constexpr int kNumBars = kBarVLand + (kFp8 ? kVStages : 0);
   // One word the overlapped consumers store their row sums to before they
   // wait for P V (OrderBeforeWait in ptx.cuh); never read.
   static constexpr int kSinkOff = kBarOff + kNumBars * 8;
+  // kFp8: each Q buffer's rows' exponents (int8, QHalfExponent).
+  static constexpr int kQExpOff = kSinkOff + 16;
   // + 1024: the dynamic shared memory base is aligned up to 1024 bytes (the
   // swizzle atom) in the kernel.
-  static constexpr int kSmemBytes = kSinkOff + 16 + 1024;
+  static constexpr int kSmemBytes = kQExpOff + (kFp8 ? kQBufs * kM : 0) + 1024;
   static constexpr int kRowsPerPass = 128 / kChunks;  // Q rows per producer pass
   static constexpr int kQPasses = kM / kRowsPerPass;
   static_assert(kKB == 128, "one producer thread per KV row of a block");

@@ -402,10 +402,11 @@ TEST(BatchPacker, DecodeOffRoutesEverythingToPrefill) {
   for (size_t i = 0; i < p.seqs.size(); ++i) EXPECT_GT(pre[i], 0) << "seq " << i;
 }
 
-// FP8 pools: only the decode family reads them, so every sequence runs there
-// (whatever the limits say about the decode kernel), longer ones as pieces of
-// at most 8 rows, and every query row is covered by exactly one tile.
-TEST(BatchPacker, Fp8PoolsRunEverySequenceOnTheDecodeFamily) {
+// FP8 pools off Hopper: only the decode family reads them, so every
+// sequence runs there (whatever the limits say about the decode kernel),
+// longer ones as pieces of at most 8 rows, and every query row is covered
+// by exactly one tile.
+TEST(BatchPacker, Fp8PoolsOffHopperRunEverySequenceOnTheDecodeFamily) {
   KvGeometry g = Geo(16, 2, 128, 16);
   g.kv_fp8 = Fp8Format::kE4m3;
   const int group = 8;
@@ -413,7 +414,9 @@ TEST(BatchPacker, Fp8PoolsRunEverySequenceOnTheDecodeFamily) {
     std::vector<Request> reqs(2);
     MakeRequest(g, {{1, 700}, {300, 900}, {8, 50}}, 0, &reqs[0]);
     MakeRequest(g, {{17, 17}, {2, 5000}, {0, 10}}, 1, &reqs[1]);
-    const Packed p = Pack(g, Limits(decode), reqs);
+    PackerLimits lim = Limits(decode);
+    lim.device = PrefillDevice{8, 9};
+    const Packed p = Pack(g, lim, reqs);
     ASSERT_EQ(p.b.num_seqs, 5);
     EXPECT_EQ(p.b.num_items, 0);
     EXPECT_EQ(p.b.num_merges, 0);
@@ -429,6 +432,39 @@ TEST(BatchPacker, Fp8PoolsRunEverySequenceOnTheDecodeFamily) {
     }
     for (int r = 0; r < p.b.total_q; ++r) EXPECT_EQ(covered[r], 1) << "row " << r << " decode " << decode;
   }
+}
+
+// FP8 pools on Hopper (head_dim 64 / 128): the sm90 family reads them, so
+// they route as 16-bit pools do (decode rows to the decode family when it is
+// on, the rest to the prefill family), always on kSm90Overlap whatever
+// --prefill_kernel says. head_dim 256 stays on the decode family.
+TEST(BatchPacker, Fp8PoolsOnHopperRunPrefillRowsOnTheSm90Family) {
+  for (const int d : {128, 64}) {
+    KvGeometry g = Geo(16, 2, d, 16);
+    g.kv_fp8 = Fp8Format::kE5m2;
+    for (bool decode : {true, false}) {
+      std::vector<Request> reqs(1);
+      MakeRequest(g, {{1, 700}, {300, 900}, {8, 50}, {40, 40}}, 0, &reqs[0]);
+      PackerLimits lim = Limits(decode);
+      lim.family = PrefillFamily::kSm80;
+      const Packed p = Pack(g, lim, reqs);
+      EXPECT_EQ(p.b.kernel, PrefillKernel::kSm90Overlap);
+      std::vector<int> dec, pre;
+      Coverage(p, &dec, &pre);
+      for (int i : {1, 3}) {
+        EXPECT_GT(pre[i], 0) << "seq " << i;
+        EXPECT_EQ(dec[i], 0) << "seq " << i;
+      }
+      for (int i : {0, 2}) EXPECT_EQ(decode ? dec[i] > 0 : pre[i] > 0, true) << "seq " << i << " decode " << decode;
+    }
+  }
+  KvGeometry g = Geo(16, 2, 256, 16);
+  g.kv_fp8 = Fp8Format::kE4m3;
+  std::vector<Request> reqs(1);
+  MakeRequest(g, {{1, 700}, {300, 900}}, 0, &reqs[0]);
+  const Packed p = Pack(g, Limits(true), reqs);
+  EXPECT_EQ(p.b.num_items, 0);
+  EXPECT_GT(p.b.num_decode_items, 0);
 }
 
 TEST(BatchPacker, UnsupportedGeometryFallsBackToPrefill) {

@@ -128,6 +128,7 @@ struct PrefillRun {
   int min_chunk = 512;
   int32_t max_ctas = 0;
   int32_t plan_ctas = -1;
+  bool drop_scales = false;  // FP8 batches: the kernel gets no scales (1.0), as RunDecode's
 };
 
 // Plan + prefill kernel (+ split merge), once, against the reference.
@@ -162,6 +163,7 @@ inline RunResult RunPrefill(const HostBatch& b, PrefillKernel kernel, const Pref
   if (!err.empty()) return res;
   PagedPrefillParams p = d.Params();
   p.max_ctas = run.max_ctas;
+  if (run.drop_scales) p.k_scales = p.v_scales = nullptr;
   cudaError_t e = PagedPrefillCuda(p, items.ptr, static_cast<int32_t>(plan.items.size()), part_o.ptr,
                                    part_lse.ptr, kernel, nullptr);
   if (e == cudaSuccess && !plan.merges.empty()) {

@@ -5,7 +5,8 @@
 //    scales, variants, split / unsplit / cluster plans), sequences of more
 //    than 8 rows cut into pieces as the CUDA backend runs them, and the same
 //    batch without its scales failing the comparison;
-//  - the prefill families refusing FP8 pools (they read 16-bit pools only);
+//  - the sm90 prefill family's FP8 kernels (kSm90Overlap) over the same
+//    range of batches, and every other prefill kernel refusing FP8 pools;
 //  - CudaBackend on an FP8 cache: the device quantizer bit for bit against
 //    kernels/fp8.h's on the host, ReadKv of the stored bytes and dequantized,
 //    FP8 rows stored as they are, SetKvScales, and batches of decode and
@@ -25,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "kernels/fp8.h"
 #include "kernels/plan/kernel_select.h"
+#include "kernels/sm90/prefill_sm90.h"
 #include "server/backend/backend.h"
 #include "server/backend/cuda/cuda_backend.h"
 #include "tests/gpu/family_run.h"
@@ -141,10 +143,87 @@ TEST(Fp8Cuda, Bf16QueriesOfEveryMagnitudeMatchReference) {
     const int chunks[] = {0, gpu_test::kNoSplit, 256};
     const gpu_test::RunResult r = gpu_test::RunDecode(b, chunks[round % 3], 0);
     EXPECT_EQ(r.error, "") << "round " << round << ": " << gpu_test::Describe(b);
+    // The sm90 prefill family converts its Q tiles the same way
+    // (prefill_kernel.cuh, finish_q).
+    if (D != 256 && Sm90PrefillSupported()) {
+      const gpu_test::RunResult p = gpu_test::RunPrefill(b, PrefillKernel::kSm90Overlap);
+      EXPECT_EQ(p.error, "") << "sm90 round " << round << ": " << gpu_test::Describe(b);
+    }
   }
 }
 
-TEST(Fp8Cuda, PrefillFamiliesRefuseFp8Pools) {
+// A random prefill batch on an FP8 pool for the sm90 family (head_dim 64
+// and 128; round picks the geometry): sequences of 1 .. 300 rows over up to
+// 6,000 keys, with every variant, negative scales and base-e LSEs.
+HostBatch MakeFp8PrefillBatch(int round, std::mt19937_64* rng) {
+  HostBatch b;
+  const int page_sizes[] = {16, 1, 128, 7, 64, 8};
+  b.geo.head_dim = round % 2 == 0 ? 128 : 64;
+  b.geo.page_size = page_sizes[round % 6];
+  b.geo.num_kv_heads = 1 + round % 3;
+  const int groups[] = {4, 1, 8, 2, 5};
+  b.geo.num_qo_heads = b.geo.num_kv_heads * groups[round % 5];
+  b.geo.dtype = (round / 2) % 2 == 0 ? KvDType::kBf16 : KvDType::kFp16;
+  b.geo.num_layers = 2;
+  b.geo.num_pages = 14000 / b.geo.page_size + 4;
+  gpu_test::MakePools(&b, rng);
+  gpu_test::QuantizePools(&b, (round / 4) % 2 == 0 ? Fp8Format::kE4m3 : Fp8Format::kE5m2,
+                          /*per_head=*/round % 3 != 1, rng);
+  if ((*rng)() % 2 == 0) gpu_test::AddSinkSet(&b, rng);
+  const int nseq = 1 + static_cast<int>((*rng)() % 4);
+  for (int s = 0; s < nseq; ++s) {
+    const int q_len = 1 + static_cast<int>((*rng)() % 300);
+    int kv_len = (*rng)() % 3 == 0 ? 2000 + static_cast<int>((*rng)() % 4000)
+                                   : 1 + static_cast<int>((*rng)() % 1500);
+    kv_len = std::max(kv_len, q_len);
+    gpu_test::AddSeq(&b, q_len, kv_len, static_cast<int>((*rng)() % 2), (*rng)() % 4 != 0,
+                     (*rng)() % 3 == 0, 1 / std::sqrt(float(b.geo.head_dim)), rng);
+    PrefillSeq& q = b.seqs.back();
+    if ((*rng)() % 4 == 0) q.causal_shift = static_cast<int>((*rng)() % 11);
+    if ((*rng)() % 4 == 0) q.window_left = static_cast<int>((*rng)() % 600);
+    if ((*rng)() % 4 == 0) q.soft_cap = 20.f;
+    if ((*rng)() % 6 == 0) q.sm_scale = -q.sm_scale;
+    if (!b.sinks.empty() && (*rng)() % 2 == 0) q.sink_index = 0;
+  }
+  gpu_test::FinishBatch(&b, 1.f, rng);
+  return b;
+}
+
+// The sm90 family's FP8 kernels (kSm90Overlap, Traits::kFp8) against the
+// float64 reference over the dequantized values: both formats and query
+// dtypes, head_dim 64 / 128, page sizes 1 .. 128 (tensor copies from 8 on,
+// cp.async below and for partial blocks), GQA, per-layer and per-head
+// scales, every variant; the heuristic's plan, plans split to min_chunk
+// (the merge family), and a grid of 3 CTAs (many tiles a CTA: the Q tile a
+// tile ahead and its conversion). A batch read without its scales fails.
+TEST(Fp8Cuda, Sm90PrefillMatchesReferenceOverDequantizedValues) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  if (!Sm90PrefillSupported()) GTEST_SKIP() << "needs an sm_90 device";
+  std::mt19937_64 rng(9090);
+  int split = 0;
+  for (int round = 0; round < 24; ++round) {
+    const HostBatch b = MakeFp8PrefillBatch(round, &rng);
+    gpu_test::PrefillRun run;
+    if (round % 3 == 1) {
+      run.force_split = true;
+      run.min_chunk = 256;
+    }
+    if (round % 3 == 2) run.max_ctas = 3;
+    const gpu_test::RunResult r = gpu_test::RunPrefill(b, PrefillKernel::kSm90Overlap, run);
+    EXPECT_EQ(r.error, "") << "round " << round << ": " << gpu_test::Describe(b);
+    split += r.split;
+    if (round % 6 == 0) {
+      run.drop_scales = true;
+      const gpu_test::RunResult no_scales = gpu_test::RunPrefill(b, PrefillKernel::kSm90Overlap, run);
+      EXPECT_NE(no_scales.error, "") << "round " << round << " matched without its scales";
+    }
+  }
+  EXPECT_GT(split, 3);
+}
+
+// Every prefill kernel but kSm90Overlap refuses FP8 pools (the backend runs
+// them on the decode family where kSm90Overlap does not run).
+TEST(Fp8Cuda, OtherPrefillKernelsRefuseFp8Pools) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(81);
   HostBatch b = MakeFp8Batch(0, &rng);
@@ -152,7 +231,7 @@ TEST(Fp8Cuda, PrefillFamiliesRefuseFp8Pools) {
   gpu_test::DeviceBatch d(b, &err);
   ASSERT_EQ(err, "");
   for (PrefillKernel k : {PrefillKernel::kSm80, PrefillKernel::kSm80Rows64, PrefillKernel::kSm90,
-                          PrefillKernel::kSm90Overlap, PrefillKernel::kSm90OverlapNoPp}) {
+                          PrefillKernel::kSm90OverlapNoPp}) {
     PrefillWorkItem* items = nullptr;
     EXPECT_EQ(PagedPrefillCuda(d.Params(), items, 1, nullptr, nullptr, k, nullptr), cudaErrorInvalidValue)
         << "kernel " << static_cast<int>(k);

@@ -108,5 +108,28 @@ TEST(KernelSelect, FamilyFlagValues) {
   EXPECT_TRUE(PrefillFamilyRunsOn(PrefillFamily::kAuto, PrefillDevice{8, 0}));
 }
 
+// FP8 pools: only kSm90Overlap reads them, on Hopper at head_dim 64 / 128;
+// any family asked for gets it there.
+TEST(KernelSelect, Fp8PoolsReadOnlyByTheSm90OverlapKernelOnHopper) {
+  for (const int d : {64, 128, 256}) {
+    KvGeometry g = Geo(32, 4, d);
+    EXPECT_TRUE(PrefillFamilyReadsPools(g, PrefillDevice{8, 0})) << d;
+    EXPECT_TRUE(PrefillFamilyReadsPools(g, PrefillDevice{9, 0})) << d;
+    for (Fp8Format f : {Fp8Format::kE4m3, Fp8Format::kE5m2}) {
+      g.kv_fp8 = f;
+      EXPECT_EQ(PrefillFamilyReadsPools(g, PrefillDevice{9, 0}), d != 256) << d;
+      EXPECT_FALSE(PrefillFamilyReadsPools(g, PrefillDevice{8, 9})) << d;
+      EXPECT_FALSE(PrefillFamilyReadsPools(g, PrefillDevice{10, 0})) << d;
+      if (d == 256) continue;
+      for (PrefillFamily fam : {PrefillFamily::kAuto, PrefillFamily::kSm80, PrefillFamily::kSm90}) {
+        for (int64_t rows : {8, 64, 4096}) {
+          EXPECT_EQ(ChoosePrefillKernel(g, PrefillDevice{9, 0}, rows, fam, 100), PrefillKernel::kSm90Overlap)
+              << d << " " << PrefillFamilyName(fam) << " " << rows;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attnserve

@@ -157,10 +157,10 @@ absl::Status BatchPacker::Plan(PackedBatch* out) {
   plan_.merges.clear();
   plan_.merge_pairs = 0;
   if (geo_.IsMla()) return PlanMla(out);
-  if (geo_.KvIsFp8()) {
-    // Only the decode family reads FP8 pools: every sequence runs there, in
-    // pieces of at most 8 rows (CutForDecode; --decode_kernel=off does not
-    // apply).
+  if (!PrefillFamilyReadsPools(geo_, limits_.device)) {
+    // FP8 pools off Hopper (or at head_dim 256): only the decode family
+    // reads them, so every sequence runs there, in pieces of at most 8 rows
+    // (CutForDecode; --decode_kernel=off does not apply).
     CutForDecode(seqs_.data(), n, &decode_pieces_);
     out->num_items = out->num_merges = 0;
     out->merge_pairs = 0;
