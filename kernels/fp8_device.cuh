@@ -63,9 +63,9 @@ __device__ __forceinline__ void Fp8x4ToHalf(uint32_t w, uint32_t& lo, uint32_t& 
 
 // The same, E4M3 written as the conversion instruction on the word's two
 // 16-bit halves (the sm90 prefill family's in-place stage conversion,
-// kernels/sm90/fp8_tiles.cuh, measured 3-5% faster with it on the H200; the
-// decode family keeps Fp8x4ToHalf, whose code ptxas schedules better
-// there).
+// kernels/sm90/fp8_tiles.cuh, measured 4-6% faster with it on the H200,
+// bench/results/2026-12-03-session17-h200.md; the decode family keeps
+// Fp8x4ToHalf: one run with this form there was inconclusive).
 template <int F8>
 __device__ __forceinline__ void Fp8x4ToHalfRegs(uint32_t w, uint32_t& lo, uint32_t& hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
