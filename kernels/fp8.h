@@ -161,4 +161,17 @@ ATTN_FP8_HD float HalfBitsToFloat(KvDType dtype, uint16_t bits) {
   return dtype == KvDType::kBf16 ? Bf16BitsToFloat(bits) : Fp16BitsToFloat(bits);
 }
 
+// The dequantization scale of (layer, KV head) in a (num_layers,
+// num_kv_heads) array of scales (PagedPrefillParams::k_scales, v_scales);
+// 1 when there is none. Every family reads its scales through this.
+ATTN_FP8_HD float KvScaleAt(const float* scales, int32_t layer, int32_t num_kv_heads, int32_t kv_head) {
+  if (scales == nullptr) return 1.f;
+  const float* at = scales + static_cast<int64_t>(layer) * num_kv_heads + kv_head;
+#if defined(__CUDA_ARCH__)
+  return __ldg(at);
+#else
+  return *at;
+#endif
+}
+
 }  // namespace attnserve

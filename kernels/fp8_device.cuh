@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "common/kv_geometry.h"
+#include "kernels/fp8.h"
 
 namespace attnserve {
 

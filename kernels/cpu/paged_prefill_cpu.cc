@@ -143,8 +143,7 @@ ATTN_CPU_INLINE void Gather(const PagedPrefillParams& p, const PrefillSeq& seq, 
 
 // An FP8 pool's scale of (layer, KV head); 1 for a 16-bit pool.
 float KvScale(const PagedPrefillParams& p, const float* scales, int32_t layer, int kv_head) {
-  if (!p.geo.KvIsFp8() || scales == nullptr) return 1.f;
-  return scales[int64_t{layer} * p.geo.num_kv_heads + kv_head];
+  return p.geo.KvIsFp8() ? KvScaleAt(scales, layer, p.geo.num_kv_heads, kv_head) : 1.f;
 }
 
 // A softmax state of an item's pairs: per pair its running maximum (base

@@ -242,9 +242,8 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
   // FP8: K's and V's scales of this layer and KV head (1 when none are set).
   float k_scale = 1.f, v_scale = 1.f;
   if (kFp8) {
-    const int64_t si = static_cast<int64_t>(seq.layer) * KVH + kvh;
-    if (args.p.k_scales != nullptr) k_scale = __ldg(args.p.k_scales + si);
-    if (args.p.v_scales != nullptr) v_scale = __ldg(args.p.v_scales + si);
+    k_scale = KvScaleAt(args.p.k_scales, seq.layer, KVH, kvh);
+    v_scale = KvScaleAt(args.p.v_scales, seq.layer, KVH, kvh);
   }
   // Each row's logit transform, with K's scale and, kQHalf, 2^-(the row's
   // exponent) that its fp16 Q carries.

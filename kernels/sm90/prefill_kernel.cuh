@@ -447,6 +447,16 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
         }
         return true;
       };
+      // Block b's FP8 rows of one cache into the stage's upper half at byte
+      // `at`, by tensor copies where issue_tma8 takes the block, else by
+      // cp.async; tracked by `land`.
+      auto land8 = [&](const CUtensorMap* map, const void* cache, int at, uint32_t land, const int32_t* slots,
+                       int b) {
+        if (!Tr::kTma || !issue_tma8(map, at, slots, land, b)) {
+          issue8(cache, base + at, slots);
+          CpAsyncArriveNoinc(land);
+        }
+      };
       // The stage at byte `stage` of the tile memory, once its FP8 bytes
       // have landed (land, phase), rewritten in place as fp16
       // (ConvertFp8Stage, kernels/sm90/fp8_tiles.cuh), then a fence to the
@@ -508,11 +518,8 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           if (g >= SK) MbarWait(bar_k_empty(stage), ((g / SK) & 1) ^ 1);
           if (pt >= 0) st.Now(pt + 2);
           if constexpr (Tr::kFp8) {
-            const int at = Tr::kKOff + stage * Tr::kKvBytes + Tr::kFp8At;
-            if (!Tr::kTma || !issue_tma8(&args.k_map, at, slots, bar_k_land(stage), b)) {
-              issue8(args.p.k_cache, base + at, slots);
-              CpAsyncArriveNoinc(bar_k_land(stage));
-            }
+            land8(&args.k_map, args.p.k_cache, Tr::kKOff + stage * Tr::kKvBytes + Tr::kFp8At, bar_k_land(stage), slots,
+                  b);
           } else if (!Tr::kTma || !issue_tma(&args.k_map, Tr::kKOff + stage * Tr::kKvBytes, slots, bar_k(stage), b)) {
             issue(k_base, a_k + stage * Tr::kKvBytes, slots, b);
             CpAsyncArriveNoinc(bar_k(stage));
@@ -527,11 +534,8 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
           if (g >= SV) MbarWait(bar_v_empty(stage), ((g / SV) & 1) ^ 1);
           if (pt >= 0) st.Now(pt + 4);
           if constexpr (Tr::kFp8) {
-            const int at = Tr::kVOff + stage * Tr::kKvBytes + Tr::kFp8At;
-            if (!Tr::kTma || !issue_tma8(&args.v_map, at, slots, bar_v_land(stage), b)) {
-              issue8(args.p.v_cache, base + at, slots);
-              CpAsyncArriveNoinc(bar_v_land(stage));
-            }
+            land8(&args.v_map, args.p.v_cache, Tr::kVOff + stage * Tr::kKvBytes + Tr::kFp8At, bar_v_land(stage), slots,
+                  b);
           } else if (!Tr::kTma || !issue_tma(&args.v_map, Tr::kVOff + stage * Tr::kKvBytes, slots, bar_v(stage), b)) {
             issue(v_base, a_v + stage * Tr::kKvBytes, slots, b);
             CpAsyncArriveNoinc(bar_v(stage));
@@ -702,9 +706,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     // Tr::kFp8: K's scale joins the logit scale (V's the output's, in the
     // epilogue).
     float k_scale = 1.f;
-    if constexpr (Tr::kFp8) {
-      if (args.p.k_scales != nullptr) k_scale = __ldg(args.p.k_scales + seq.layer * args.p.geo.num_kv_heads + kvh);
-    }
+    if constexpr (Tr::kFp8) k_scale = KvScaleAt(args.p.k_scales, seq.layer, args.p.geo.num_kv_heads, kvh);
     const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/true, k_scale);
     // kQToHalf: the logit multipliers of the thread's rows h = 0, 1,
     // logit.mul times 2^-e (the producer stored Q times 2^e), read once Q has
@@ -1047,9 +1049,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       // reciprocal and log2 (MUFU, a few ulp) are exact enough.
       const RowEnd end = EndRow(m_run[h], l, sink2);
       inv[h] = end.o_scale;
-      if constexpr (Tr::kFp8) {
-        if (args.p.v_scales != nullptr) inv[h] *= __ldg(args.p.v_scales + seq.layer * args.p.geo.num_kv_heads + kvh);
-      }
+      if constexpr (Tr::kFp8) inv[h] *= KvScaleAt(args.p.v_scales, seq.layer, args.p.geo.num_kv_heads, kvh);
       lse2[h] = end.lse2;
     }
     tst.Now(10);

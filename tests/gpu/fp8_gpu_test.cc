@@ -36,6 +36,20 @@ namespace {
 
 using gpu_test::HostBatch;
 
+// A sequence of q_len rows over kv_len keys on a random layer, causal or not,
+// with a random LSE base, causal shift, window, soft-cap, sink (when the batch
+// has a set) and, negative_scales, sometimes a negative scale.
+void AddVariedSeq(HostBatch* b, int q_len, int kv_len, bool negative_scales, std::mt19937_64* rng) {
+  gpu_test::AddSeq(b, q_len, kv_len, static_cast<int>((*rng)() % 2), (*rng)() % 4 != 0, (*rng)() % 3 == 0,
+                   1 / std::sqrt(float(b->geo.head_dim)), rng);
+  PrefillSeq& q = b->seqs.back();
+  if ((*rng)() % 4 == 0) q.causal_shift = static_cast<int>((*rng)() % 11);
+  if ((*rng)() % 4 == 0) q.window_left = static_cast<int>((*rng)() % 600);
+  if ((*rng)() % 4 == 0) q.soft_cap = 20.f;
+  if (negative_scales && (*rng)() % 6 == 0) q.sm_scale = -q.sm_scale;
+  if (!b->sinks.empty() && (*rng)() % 2 == 0) q.sink_index = 0;
+}
+
 // A random decode-family batch on an FP8 pool (round picks the geometry).
 HostBatch MakeFp8Batch(int round, std::mt19937_64* rng) {
   HostBatch b;
@@ -61,13 +75,7 @@ HostBatch MakeFp8Batch(int round, std::mt19937_64* rng) {
     int kv_len = (*rng)() % 3 == 0 ? 3000 + static_cast<int>((*rng)() % 5000)
                                    : 1 + static_cast<int>((*rng)() % 1500);
     kv_len = std::max(kv_len, q_len);
-    gpu_test::AddSeq(&b, q_len, kv_len, static_cast<int>((*rng)() % 2), (*rng)() % 4 != 0,
-                     (*rng)() % 3 == 0, 1 / std::sqrt(float(b.geo.head_dim)), rng);
-    PrefillSeq& q = b.seqs.back();
-    if ((*rng)() % 4 == 0) q.causal_shift = static_cast<int>((*rng)() % 11);
-    if ((*rng)() % 4 == 0) q.window_left = static_cast<int>((*rng)() % 600);
-    if ((*rng)() % 4 == 0) q.soft_cap = 20.f;
-    if (!b.sinks.empty() && (*rng)() % 2 == 0) q.sink_index = 0;
+    AddVariedSeq(&b, q_len, kv_len, /*negative_scales=*/false, rng);
   }
   gpu_test::FinishBatch(&b, 1.f, rng);
   return b;
@@ -176,14 +184,7 @@ HostBatch MakeFp8PrefillBatch(int round, std::mt19937_64* rng) {
     int kv_len = (*rng)() % 3 == 0 ? 2000 + static_cast<int>((*rng)() % 4000)
                                    : 1 + static_cast<int>((*rng)() % 1500);
     kv_len = std::max(kv_len, q_len);
-    gpu_test::AddSeq(&b, q_len, kv_len, static_cast<int>((*rng)() % 2), (*rng)() % 4 != 0,
-                     (*rng)() % 3 == 0, 1 / std::sqrt(float(b.geo.head_dim)), rng);
-    PrefillSeq& q = b.seqs.back();
-    if ((*rng)() % 4 == 0) q.causal_shift = static_cast<int>((*rng)() % 11);
-    if ((*rng)() % 4 == 0) q.window_left = static_cast<int>((*rng)() % 600);
-    if ((*rng)() % 4 == 0) q.soft_cap = 20.f;
-    if ((*rng)() % 6 == 0) q.sm_scale = -q.sm_scale;
-    if (!b.sinks.empty() && (*rng)() % 2 == 0) q.sink_index = 0;
+    AddVariedSeq(&b, q_len, kv_len, /*negative_scales=*/true, rng);
   }
   gpu_test::FinishBatch(&b, 1.f, rng);
   return b;
