@@ -46,6 +46,7 @@ from typing import Optional
 import grpc
 
 from attnserve.errors import AttnserveError, DeadlineExceeded, Unavailable, error_for
+from attnserve.layout import PrefillLayout
 
 MAGIC = 0x4e484341          # "ACHN"
 VERSION = 1
@@ -269,7 +270,6 @@ class RequestChannel:
     def prefill(self, layer: int, q, qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None,
                 **kwargs):
         """Client.prefill through the channel (same arguments and result)."""
-        from attnserve.client import PrefillLayout  # noqa: cyclic import
         timeout = kwargs.pop("timeout", None)
         out, device, output_to = (kwargs.pop(k, None) for k in ("out", "device", "output_to"))
         append_k, append_v = kwargs.pop("append_k", None), kwargs.pop("append_v", None)

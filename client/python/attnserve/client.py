@@ -37,8 +37,11 @@ import numpy as np
 from attnserve import _wire
 from attnserve import dtypes as _dt
 from attnserve import regions as _regions
+from attnserve.channel import RequestChannel
 from attnserve.errors import (AttnserveError, DeadlineExceeded, NotFound, StaleIncarnation,
                               Unavailable, connect_cause, from_rpc_error)
+from attnserve.layout import (AttentionOptions, PrefillLayout, _bools, _extend, _floats,  # noqa: F401
+                              _int32, _ints, _lse_base, _options)
 from attnserve.regions import RegionTensor
 from attnserve.v1 import attention_pb2 as pb
 
@@ -173,150 +176,6 @@ class PrefillResult:
     incarnation: int
 
 
-def _floats(values, name: str) -> list:
-    """values (a sequence, numpy array or torch tensor of numbers) as a flat
-    list of float."""
-    if _dt.is_torch(values):
-        values = values.detach().to("cpu").float().numpy()
-    try:
-        arr = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{name}: {e}") from None
-    return arr.reshape(-1).tolist()
-
-
-@dataclass(frozen=True)
-class AttentionOptions:
-    """Attention variants (docs/design.md, "Variants"), FlashInfer's names.
-
-    window_left: sliding window; a query row at position p sees no key
-      before p - window_left (with the causal mask p - window_left .. p);
-      -1: none.
-    logits_soft_cap: c > 0 turns a scaled logit x into c * tanh(x / c)
-      (Gemma 2's); 0: none.
-    sinks: [num_qo_heads] logits in natural units (a list, numpy array or
-      torch tensor) that enter the softmax denominator only (gpt-oss's); the
-      LSE includes them; -inf is no sink for that head.
-
-    None leaves a field unset: a Prefill naming a plan then takes the plan's
-    value for its layer (and a set one must equal it), else the default.
-    """
-
-    window_left: Optional[int] = None
-    logits_soft_cap: Optional[float] = None
-    sinks: Any = None
-
-    def to_proto(self) -> "pb.AttentionOptions":
-        o = pb.AttentionOptions()
-        if self.window_left is not None:
-            o.window_left = _int32(self.window_left, "options.window_left")
-        if self.logits_soft_cap is not None:
-            o.logits_soft_cap = float(self.logits_soft_cap)
-        if self.sinks is not None:
-            o.sinks.extend(_floats(self.sinks, "options.sinks"))
-        return o
-
-    @property
-    def empty(self) -> bool:
-        return self.window_left is None and self.logits_soft_cap is None and self.sinks is None
-
-
-def _options(options) -> Optional[AttentionOptions]:
-    """options as AttentionOptions (also from a dict of its fields), or None."""
-    if options is None or isinstance(options, AttentionOptions):
-        return options
-    if isinstance(options, dict):
-        return AttentionOptions(**options)
-    raise TypeError(f"options: attnserve.AttentionOptions expected, not {type(options).__name__}")
-
-
-def _bools(values, name: str) -> list:
-    try:
-        return [bool(x) for x in np.asarray(values).reshape(-1).tolist()]
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{name}: {e}") from None
-
-
-@dataclass(frozen=True)
-class PrefillLayout:
-    """A ragged batch's layout, encoded once and reused for every layer.
-
-    It holds the Prefill fields that do not change from layer to layer
-    (indptrs, page ids, last-page lengths, append slots, sm_scale, causal,
-    lse_base, and the attention options when given here) as serialized
-    protobuf bytes. KvManager.plan() makes one per step; run() sends it with
-    each layer's tensors (and that layer's options).
-    """
-
-    encoded: bytes
-    total_q: int
-    num_append: int
-    plan_id: int = 0  # a server plan (CreatePlan) stands for the layout fields
-    has_options: bool = False  # the encoded bytes carry AttentionOptions
-
-    @staticmethod
-    def for_plan(plan_id: int, total_q: int, num_append: int, *, sm_scale=None, causal=None,
-                 lse_base: str = "2") -> "PrefillLayout":
-        """The layout of a plan registered with create_plan(): the plan id and
-        the options; the indptrs, page ids and append slots stay on the server."""
-        req = pb.PrefillRequest(plan_id=int(plan_id), lse_base=_lse_base(lse_base))
-        if sm_scale is not None:
-            req.sm_scale = float(sm_scale)
-        if causal is not None:
-            req.causal = bool(causal)
-        return PrefillLayout(req.SerializeToString(), int(total_q), int(num_append), int(plan_id))
-
-    @staticmethod
-    def encode(qo_indptr, kv_indptr, kv_indices, kv_last_page_len=None, *, sm_scale=None,
-               causal=None, lse_base: str = "2", append_slots=None,
-               kv_keys_after=None, options=None, apply_sinks=None) -> "PrefillLayout":
-        req = pb.PrefillRequest()
-        if kv_keys_after is not None:
-            _extend(req.kv_keys_after, kv_keys_after, "kv_keys_after")
-        if apply_sinks is not None:
-            req.apply_sinks.extend(_bools(apply_sinks, "apply_sinks"))
-        options = _options(options)
-        if options is not None:
-            req.options.CopyFrom(options.to_proto())
-        _extend(req.qo_indptr, qo_indptr, "qo_indptr")
-        _extend(req.kv_indptr, kv_indptr, "kv_indptr")
-        _extend(req.kv_indices, kv_indices, "kv_indices")
-        if kv_last_page_len is not None:
-            _extend(req.kv_last_page_len, kv_last_page_len, "kv_last_page_len")
-        if sm_scale is not None:
-            req.sm_scale = float(sm_scale)
-        if causal is not None:
-            req.causal = bool(causal)
-        req.lse_base = _lse_base(lse_base)
-        slots = _extend(req.append_slots, append_slots, "append_slots") \
-            if append_slots is not None else []
-        total_q = req.qo_indptr[-1] if len(req.qo_indptr) else 0
-        return PrefillLayout(req.SerializeToString(), int(total_q), len(slots),
-                             has_options=options is not None)
-
-
-def _ints(values, name: str) -> list:
-    """values (a sequence or array of integers) as a flat list of int."""
-    try:
-        arr = np.asarray(values)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{name}: {e}") from None
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"{name}: integers expected, got {arr.dtype}")
-    return arr.astype(np.int64, copy=False).reshape(-1).tolist()
-
-
-def _extend(repeated, values, name: str) -> list:
-    """Appends integer values to a repeated field; ValueError names the field
-    when one does not fit its type (int32 or int64)."""
-    ints = _ints(values, name)
-    try:
-        repeated.extend(ints)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{name}: {e}") from None
-    return ints
-
-
 def _region_ref(t: RegionTensor) -> "pb.RegionRef":
     return pb.RegionRef(name=t.region, offset=t.offset, byte_size=t.nbytes)
 
@@ -409,21 +268,6 @@ class RegionInfo:
     # system: its holder connection is open (the registering client holds
     # it); once closed, the idle region is reclaimed
     key_exists: bool
-
-
-def _int32(value, name: str) -> int:
-    v = int(value)
-    if not -(1 << 31) <= v < (1 << 31):
-        raise ValueError(f"{name}={v} does not fit in int32")
-    return v
-
-
-def _lse_base(base) -> int:
-    if base in ("2", 2, pb.LSE_BASE_2):
-        return pb.LSE_BASE_2
-    if base in ("e", pb.LSE_BASE_E):
-        return pb.LSE_BASE_E
-    raise ValueError(f"lse_base must be '2' or 'e', not {base!r}")
 
 
 def _read(path: Optional[str]) -> Optional[bytes]:
@@ -1319,7 +1163,6 @@ class Client(_Core):
         instead of a gRPC call each. Returns an attnserve.channel.RequestChannel
         (its prefill() and prefill_layout() are this client's). Needs a
         server on this host with --allow_shared_memory."""
-        from attnserve.channel import RequestChannel  # noqa: cyclic import
         return RequestChannel._open(self, region, offset, slot_count=slot_count,
                                     slot_bytes=slot_bytes, spin_us=spin_us, timeout=timeout)
 

@@ -70,7 +70,7 @@ except ImportError as e:  # pragma: no cover - the module is torch's API
     raise ImportError("attnserve.flashinfer needs torch (FlashInfer's API takes torch "
                       "tensors): install python3-torch") from e
 
-from attnserve.client import AttentionOptions, PrefillLayout
+from attnserve.layout import AttentionOptions, PrefillLayout
 from attnserve.errors import AttnserveError, NotFound, Unimplemented
 from attnserve.lease import Lease
 from attnserve.regions import RegionTensor, SharedMemoryRegion
