@@ -17,8 +17,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnserve.flashinfer import (AttentionFuture, LayerCache, _append_slots, _check_geometry,
-                                  _check_layout, _ints, _layer_of, _unsupported, _Wrapper)
+from attnserve._flashinfer_cache import (AttentionFuture, LayerCache, _append_slots, _check_geometry,
+                                         _check_layout, _ints, _layer_of, _unsupported)
+from attnserve._flashinfer_wrapper import _Wrapper
 
 
 class BatchMLAPagedAttentionWrapper(_Wrapper):

@@ -1,0 +1,694 @@
+"""attnserve.flashinfer's KV cache (PagedKVCache, LayerCache), its
+transports (gRPC, shared-memory regions, request channels, CUDA regions),
+the futures run() returns and the checks of FlashInfer's paged layouts, which
+the wrappers (attnserve.flashinfer, attnserve._flashinfer_mla) share."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+from typing import Optional
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - the module is torch's API
+    raise ImportError("attnserve.flashinfer needs torch (FlashInfer's API takes torch "
+                      "tensors): install python3-torch") from e
+
+from attnserve.errors import AttnserveError
+from attnserve.lease import Lease
+from attnserve.regions import RegionTensor, SharedMemoryRegion
+
+TRANSPORTS = ("grpc", "shm", "channel", "cuda")
+_SERVER_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_REGION_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+# ---------------------------------------------------------------- helpers
+def _unsupported(**given) -> None:
+    """NotImplementedError naming every argument given a value attnserve
+    does not support; each value is (value, default, why)."""
+    bad = [f"{name}={value!r} ({why})" for name, (value, default, why) in given.items()
+           if not _same(value, default)]
+    if bad:
+        raise NotImplementedError("attnserve does not support " + "; ".join(bad))
+
+
+def _same(value, default) -> bool:
+    if value is None or default is None:
+        return value is default
+    if torch.is_tensor(value):
+        return False
+    return value == default
+
+
+def _ints(x, name: str) -> np.ndarray:
+    """x (torch tensor on any device, numpy array or sequence of integers) as
+    a 1-D int64 numpy array; TypeError names the argument."""
+    if torch.is_tensor(x):
+        if x.is_floating_point() or x.is_complex():
+            raise TypeError(f"{name}: an integer tensor expected, got {x.dtype}")
+        x = x.detach().to("cpu").numpy()
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: {e}") from None
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: integers expected, got {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: a 1-D array expected, got shape {list(arr.shape)}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _torch_dtype(value, name: str):
+    """A dtype given as FlashInfer takes it (a torch.dtype or its name)."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        dt = getattr(torch, value, None)
+        if isinstance(dt, torch.dtype):
+            return dt
+        raise ValueError(f"{name}={value!r} is not a torch dtype name")
+    raise TypeError(f"{name}: a torch.dtype or its name expected, not {type(value).__name__}")
+
+
+def _check_kv_layout(kv_layout) -> None:
+    if kv_layout == "HND":
+        raise NotImplementedError(
+            "attnserve does not support kv_layout='HND': the server's cache is NHD "
+            "([pages, page_size, num_kv_heads, head_dim]) and there is no cache tensor here "
+            "whose layout the caller picks; pass kv_layout='NHD'")
+    if kv_layout != "NHD":
+        raise ValueError(f"kv_layout={kv_layout!r} must be 'NHD' or 'HND'")
+
+
+def _check_geometry(cache: "PagedKVCache", **given) -> None:
+    for name, (value, server_name) in given.items():
+        want = getattr(cache, server_name)
+        if int(value) != want:
+            raise ValueError(f"{name}={int(value)}, but the server's KV cache has {want} "
+                             f"(attnserve serves the geometry it was started with: "
+                             f"--{server_name})")
+
+
+def _layer_of(cache: "PagedKVCache", paged_kv_cache, name: str = "paged_kv_cache") -> int:
+    if not isinstance(paged_kv_cache, LayerCache):
+        raise TypeError(f"{name}: an attnserve.flashinfer.LayerCache (kv_cache[layer] of a "
+                        f"PagedKVCache) expected, not {type(paged_kv_cache).__name__}: the "
+                        "server holds the KV cache")
+    if paged_kv_cache.cache is not cache:
+        raise ValueError(f"{name}: a layer of another PagedKVCache than the wrapper's "
+                         "(float_workspace_buffer)")
+    return paged_kv_cache.layer
+
+
+def _seq_lens(kv_indptr: np.ndarray, kv_last_page_len: np.ndarray, page_size: int):
+    return np.maximum(np.diff(kv_indptr) - 1, 0) * page_size + kv_last_page_len
+
+
+def _check_layout(cache: "PagedKVCache", indptr, indices, last_page_len, names):
+    """(indptr rebased to 0, the server's page ids, last_page_len) of a
+    FlashInfer paged layout, checked; errors name FlashInfer's arguments."""
+    n_indptr, n_indices, n_last = names
+    indptr = _ints(indptr, n_indptr)
+    indices = _ints(indices, n_indices)
+    last = _ints(last_page_len, n_last)
+    batch = len(last)
+    if len(indptr) != batch + 1:
+        raise ValueError(f"{n_indptr} has {len(indptr)} entries, must have len({n_last}) + 1 "
+                         f"= {batch + 1}")
+    if batch and np.any(np.diff(indptr) < 0):
+        raise ValueError(f"{n_indptr} must be non-decreasing")
+    if indptr[0] < 0 or indptr[-1] > len(indices):
+        raise ValueError(f"{n_indptr} spans [{indptr[0]}, {indptr[-1]}), outside "
+                         f"{n_indices}' {len(indices)} entries")
+    used = indices[indptr[0]:indptr[-1]]
+    if used.size and (used.min() < 0 or used.max() >= cache.max_num_pages):
+        bad = int(used[(used < 0) | (used >= cache.max_num_pages)][0])
+        raise ValueError(f"{n_indices} holds page {bad}, outside [0, {cache.max_num_pages}) "
+                         "(the PagedKVCache's max_num_pages)")
+    pages = np.diff(indptr)
+    ps = cache.page_size
+    wrong = ((pages > 0) & ((last < 1) | (last > ps))) | ((pages == 0) & (last != 0))
+    if np.any(wrong):
+        b = int(np.nonzero(wrong)[0][0])
+        raise ValueError(f"{n_last}[{b}]={int(last[b])} must be in [1, page_size={ps}] for a "
+                         f"sequence with pages ({int(pages[b])} here), 0 for one without")
+    return indptr - indptr[0], cache.page_ids[used], last
+
+
+# ---------------------------------------------------------------- futures
+class AttentionFuture:
+    """A run() in flight (run_async): result() waits and returns what run()
+    returns; out= and lse= are filled when it completes. done() asks without
+    waiting. `await future` waits in the event loop's default executor.
+
+    Calls in flight at once are independent requests: the server may run
+    them in any order, so a call that reads rows another call appends must be
+    made after that call's result."""
+
+    def __init__(self, wait, return_lse: bool, poll=None):
+        self._wait = wait            # wait(timeout) -> (out, lse)
+        self._poll = poll            # poll() -> True once the answer is there
+        self._return_lse = return_lse
+        self._lock = threading.Lock()
+        self._done = False
+        self._value = None
+        self._error: Optional[BaseException] = None
+
+    def done(self) -> bool:
+        return self._done or (self._poll is not None and self._poll())
+
+    def _complete(self, timeout: Optional[float] = None) -> None:
+        with self._lock:
+            if self._done:
+                return
+            try:
+                self._value = self._wait(timeout)
+            except TimeoutError:
+                raise
+            except BaseException as e:
+                self._error = e
+            self._done = True
+            self._wait = self._poll = None   # what they hold (an area's tensors) goes now
+
+    def result(self, timeout: Optional[float] = None):
+        """out, or (out, lse) with return_lse. timeout: seconds to wait here
+        (TimeoutError when they pass; the call goes on)."""
+        self._complete(timeout)
+        if self._error is not None:
+            raise self._error
+        out, lse = self._value
+        return (out, lse) if self._return_lse else out
+
+    def __await__(self):
+        import asyncio
+        return asyncio.get_running_loop().run_in_executor(None, self.result).__await__()
+
+
+# ---------------------------------------------------------------- transports
+class _Request:
+    """What a run() sends, once checked: the layer, q, the layout, the
+    fused appends, the options, and where the results go."""
+
+    __slots__ = ("layer", "q", "layout", "k", "v", "options", "out", "lse", "want_lse",
+                 "v_scale", "blocking")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def _finish(r: _Request, o, lse):
+    """The results of r from the tensors the server gave (o [n, h, d] in q's
+    dtype, lse [n, h] float32), written into out= / lse= when given."""
+    if r.out is not None:
+        r.out.copy_(o)
+        o = r.out
+    if r.lse is not None:
+        r.lse.copy_(lse)
+        lse = r.lse
+    if r.v_scale is not None and r.v_scale != 1.0:
+        if r.out is not None:
+            o.mul_(r.v_scale)
+        else:
+            o = o * r.v_scale
+    return o, lse
+
+
+class _GrpcTransport:
+    """Inline tensors over gRPC."""
+
+    name = "grpc"
+
+    def __init__(self, cache: "PagedKVCache"):
+        self.cache = cache
+
+    def submit(self, r: _Request) -> AttentionFuture:
+        rpc = self.cache.rpc
+        request = rpc._req_prefill(r.layer, r.q, r.layout, r.k, r.v, "torch", r.q.device, None,
+                                   r.options)
+        call = rpc._call_now(request, None) if r.blocking else rpc._call_future(request, None)
+
+        def wait(timeout):
+            res = call.result(timeout)
+            return _finish(r, res.output, res.lse)
+        return AttentionFuture(wait, r.want_lse, call.done)
+
+    def close(self) -> None:
+        pass
+
+
+class _Area:
+    """One call's tensors in the region: q, k, v, o [rows, heads, dim] and
+    lse [rows, qo_heads], as torch tensors over the region's memory and as
+    the offsets a RegionTensor names."""
+
+    def __init__(self, region_name: str, view, at: int, rows: int, cache: "PagedKVCache"):
+        hq, hk, d, dv = cache.num_qo_heads, cache.num_kv_heads, cache.head_dim, cache.v_head_dim
+        esize = torch.tensor([], dtype=cache.dtype).element_size()
+        self.region = region_name
+        self.dtype = _REGION_DTYPES[cache.dtype]
+        self.offsets = {}
+        self.tensors = {}
+        areas = [("q", (rows, hq, d), cache.dtype), ("o", (rows, hq, dv), cache.dtype),
+                 ("k", (rows, hk, d), cache.dtype), ("v", (rows, hk, d), cache.dtype),
+                 ("lse", (rows, hq), torch.float32)]
+        if cache.mla:   # latent rows only: no V
+            areas = [a for a in areas if a[0] != "v"]
+        for key, shape, dtype in areas:
+            size = math.prod(shape) * (4 if dtype == torch.float32 else esize)
+            self.offsets[key] = at
+            self.tensors[key] = view(at, size, dtype).view(shape)
+            at += (size + 63) // 64 * 64
+        self.end = at
+
+    def ref(self, key: str, shape) -> RegionTensor:
+        return RegionTensor(self.region, self.offsets[key], tuple(int(s) for s in shape),
+                            "fp32" if key == "lse" else self.dtype)
+
+
+class _RegionTransport:
+    """The tensors of each call in flight in an area of a region; the call
+    over gRPC ("shm"), through a request channel ("channel"), or, with CUDA
+    areas, through a channel ("cuda"). A call larger
+    than an area (more than max_rows rows) goes over gRPC with its tensors
+    inline. An area whose call failed with an unknown outcome (the server may
+    still write its output there) is never used again."""
+
+    def __init__(self, cache: "PagedKVCache", name: str, max_rows: int, slots: int,
+                 spin_us: float, slot_bytes: int = 64 << 10):
+        self.cache, self.name, self.max_rows = cache, name, max_rows
+        rpc = cache.rpc
+        tag = secrets.token_hex(4)
+        self.region = None
+        self.cuda_region = None
+        self.cuda_buffer = None
+        self.channel = None
+        self.areas: list = []
+        self._np = None
+        self._lock = threading.Condition()
+        self._free: list = []
+        self._retired = 0
+        self._in_flight: list = []      # futures holding an area, oldest first
+        self._events: dict = {}         # cuda: area index -> event of its last copy out
+        try:
+            ring = 0
+            if name in ("channel", "cuda"):
+                from attnserve.channel import channel_bytes
+                ring = channel_bytes(slots, slot_bytes)
+            if name == "cuda":
+                self.region = SharedMemoryRegion(ring).register(rpc, f"attnserve-fi-ring-{tag}")
+                size = self._areas(None, 0, max_rows, slots)[-1].end   # a multiple of 64
+                # float32 elements: register_cuda_tensor takes bf16, fp16 or float32.
+                self.cuda_buffer = torch.empty(size // 4, dtype=torch.float32,
+                                               device=cache.device)
+                from attnserve.regions import register_cuda_tensor
+                self.cuda_region = f"attnserve-fi-cuda-{tag}"
+                ref = register_cuda_tensor(rpc, self.cuda_region, self.cuda_buffer)
+                base = ref.offset      # the buffer's offset in its registered allocation
+                buf = self.cuda_buffer.view(torch.uint8)
+
+                def view(at, size, dtype):
+                    return buf[at - base:at - base + size].view(dtype)
+                self.areas = self._areas(view, base, max_rows, slots, self.cuda_region)
+            else:
+                size = self._areas(None, ring, max_rows, slots)[-1].end
+                self.region = SharedMemoryRegion(size).register(rpc, f"attnserve-fi-{tag}")
+                self._np = np.frombuffer(self.region.buf, dtype=np.uint8)
+                u8 = self._np
+
+                def view(at, size, dtype):
+                    return torch.from_numpy(u8[at:at + size]).view(dtype)
+                self.areas = self._areas(view, ring, max_rows, slots, self.region.name)
+            if name in ("channel", "cuda"):
+                self.channel = rpc.open_channel(self.region, 0, slot_count=slots,
+                                                slot_bytes=slot_bytes, spin_us=spin_us)
+        except BaseException:
+            self.close()
+            raise
+        self._free = list(range(len(self.areas) - 1, -1, -1))
+
+    def _areas(self, view, at: int, rows: int, count: int, region_name: str = ""):
+        areas = []
+        for _ in range(count):
+            areas.append(_Area(region_name, view or (lambda a, s, d: _Null()), at, rows,
+                               self.cache))
+            at = areas[-1].end
+        return areas
+
+    def _acquire(self) -> Optional[int]:
+        """A free area's index; None when every area is retired."""
+        while True:
+            with self._lock:
+                if self._free:
+                    return self._free.pop()
+                if self._retired == len(self.areas):
+                    return None
+                oldest = self._in_flight[0] if self._in_flight else None
+                if oldest is None:
+                    self._lock.wait(0.01)
+                    continue
+            try:
+                oldest._complete(None)  # every area is held: the oldest call's answer frees one
+            except TimeoutError:
+                pass
+
+    def _release(self, index: int, future, retire: bool = False) -> None:
+        with self._lock:
+            if future in self._in_flight:
+                self._in_flight.remove(future)
+            if retire:
+                self._retired += 1
+            else:
+                self._free.append(index)
+            self._lock.notify_all()
+
+    def submit(self, r: _Request) -> AttentionFuture:
+        n = r.q.shape[0]
+        na = 0 if r.k is None else r.k.shape[0]
+        index = None if n > self.max_rows or na > self.max_rows else self._acquire()
+        if index is None:
+            return self.cache._grpc.submit(r)  # larger than an area (or none left): inline
+        area = self.areas[index]
+        t = area.tensors
+        holder: list = []
+        try:
+            if index in self._events:
+                self._events.pop(index).synchronize()  # cuda: the last copy out is done
+            t["q"][:n].copy_(r.q)
+            k_ref = v_ref = None
+            if na:
+                t["k"][:na].copy_(r.k)
+                k_ref = area.ref("k", r.k.shape)
+                if r.v is not None:
+                    t["v"][:na].copy_(r.v)
+                    v_ref = area.ref("v", r.v.shape)
+            if self.name == "cuda":
+                # The server reads q, k, v on its own stream: the caller's
+                # stream must have written them first.
+                torch.cuda.current_stream(self.cuda_buffer.device).synchronize()
+            rpc = self.cache.rpc
+            o_shape = (n, r.q.shape[1], self.cache.v_head_dim)
+            request = rpc._req_prefill(r.layer, area.ref("q", r.q.shape), r.layout, k_ref, v_ref,
+                                       None, None,
+                                       (area.ref("o", o_shape), area.ref("lse", r.q.shape[:2])),
+                                       r.options)
+            call = (self.channel.submit(request) if self.channel is not None
+                    else rpc._call_now(request, None) if r.blocking
+                    else rpc._call_future(request, None))
+        except BaseException:
+            self._release(index, None)   # nothing was sent
+            raise
+
+        def wait(timeout):
+            try:
+                call.result(timeout)
+            except TimeoutError:
+                raise
+            except BaseException as e:
+                self._release(index, holder[0], retire=_unknown(e))
+                raise
+            o = t["o"][:n]
+            lse = t["lse"][:n]
+            if r.out is None:
+                o = torch.empty(o.shape, dtype=o.dtype, device=r.q.device).copy_(o)
+            if r.lse is None:
+                lse = torch.empty(lse.shape, dtype=lse.dtype, device=r.q.device).copy_(lse)
+            result = _finish(r, o, lse)
+            if self.name == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+                self._events[index] = event
+            self._release(index, holder[0])
+            return result
+        future = AttentionFuture(wait, r.want_lse, call.done)
+        holder.append(future)
+        with self._lock:
+            self._in_flight.append(future)
+        return future
+
+    def close(self) -> None:
+        with self._lock:
+            pending = list(self._in_flight)
+        for f in pending:
+            try:
+                f._complete(None)
+            except TimeoutError:
+                pass
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        self.areas = []
+        self._np = None
+        rpc = self.cache.rpc
+        if self.region is not None:
+            try:
+                self.region.close(rpc)
+            except AttnserveError:
+                self._let_go()        # the server reclaims it once its holder is gone
+            except BufferError:
+                self._let_go()
+            self.region = None
+        if self.cuda_region is not None:
+            try:
+                rpc.unregister_region(self.cuda_region)
+            except AttnserveError:
+                pass  # the lease ends it
+            self.cuda_region = None
+            self.cuda_buffer = None
+
+
+    def _let_go(self) -> None:
+        """Closes the region without the server; a view of it that a caller
+        still holds (a future never completed) keeps the mapping alive until
+        it goes, and the server reclaims the region once its holder closes."""
+        import gc
+        gc.collect()
+        try:
+            self.region.close()
+        except BufferError:
+            self.region._client = None
+
+
+def _unknown(e: BaseException) -> bool:
+    """Whether a failed call may have reached the server (so that it may
+    still write into the call's area)."""
+    from attnserve.errors import outcome_unknown
+    return not isinstance(e, AttnserveError) or outcome_unknown(e)
+
+
+class _Null:
+    """Stands for a tensor while areas are only being sized."""
+
+    def view(self, *shape):
+        return self
+
+
+# ---------------------------------------------------------------- the cache
+class LayerCache:
+    """One layer of a PagedKVCache: what run() and append_paged_kv_cache()
+    take where FlashInfer takes that layer's cache tensor."""
+
+    __slots__ = ("cache", "layer")
+
+    def __init__(self, cache: "PagedKVCache", layer: int):
+        self.cache, self.layer = cache, layer
+
+    def __repr__(self) -> str:
+        return f"LayerCache(layer={self.layer}, max_num_pages={self.cache.max_num_pages})"
+
+
+class PagedKVCache:
+    """max_num_pages pages of the server's KV cache, in every layer: what a
+    FlashInfer caller allocates as its cache tensors (and its workspace).
+
+    client: an attnserve.Client of the server (the cache forks it: a lease of
+      its own on the same connection).
+    max_num_pages: pages to allocate (one AllocatePages); page index i of the
+      FlashInfer layout is the server's page page_ids[i].
+    transport: "grpc", "shm", "channel" or "cuda" (module docstring); "shm"
+      and "channel" need the server on this host with --allow_shared_memory,
+      "cuda" a CUDA-backend server on this host and a GPU here.
+    max_rows: the most query rows (and appended rows) of a call that travel
+      through the region; larger calls go over gRPC inline ("shm",
+      "channel", "cuda").
+    slots: calls in flight at once through the region (the channel's slots).
+    lease_ttl: seconds the server keeps the pages after this process stops
+      renewing (None: the server's default, 30 s); close() frees them at once.
+    device: where outputs of "cuda" stay (default: the current CUDA device).
+
+    kv_cache[layer] (a LayerCache), len(kv_cache) == num_layers.
+    close() (or the end of a `with` block) releases everything.
+    """
+
+    def __init__(self, client, max_num_pages: int, *, transport: str = "grpc",
+                 max_rows: int = 256, slots: int = 4, lease_ttl: Optional[float] = None,
+                 spin_us: float = 50, device=None):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r} must be one of {', '.join(TRANSPORTS)}")
+        if int(max_num_pages) < 1:
+            raise ValueError(f"max_num_pages={max_num_pages} must be >= 1")
+        if int(max_rows) < 1:
+            raise ValueError(f"max_rows={max_rows} must be >= 1")
+        info = client.server_info if client._info is not None else client.info()
+        self.info = info
+        if transport == "cuda":
+            self._check_cuda(info)
+        self.transport_name = transport
+        self.num_layers, self.page_size = info.num_layers, info.page_size
+        self.num_qo_heads, self.num_kv_heads = info.num_qo_heads, info.num_kv_heads
+        self.head_dim = info.head_dim
+        # Multi-head latent attention (BatchMLAPagedAttentionWrapper): one
+        # latent row of head_dim = kv_lora_rank + qk_rope_head_dim values per
+        # slot, outputs v_head_dim (= kv_lora_rank) wide.
+        self.mla = info.mla
+        self.v_head_dim = info.v_head_dim
+        self.kv_lora_rank, self.qk_rope_head_dim = info.kv_lora_rank, info.qk_rope_head_dim
+        self.dtype = _SERVER_DTYPES[info.kv_dtype]
+        self.max_num_pages = int(max_num_pages)
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if transport == "cuda"
+            else torch.device("cpu"))
+        self.rpc = client.fork()
+        self._lease = Lease(self.rpc, lease_ttl)
+        self._pending: dict = {}       # layer -> [(slots, k, v), ...] queued appends
+        self._pending_lock = threading.Lock()
+        self._closed = False
+        self._transport = None
+        try:
+            self.page_ids = np.asarray(self.rpc.allocate_pages(self.max_num_pages),
+                                       dtype=np.int64)
+            self._grpc = _GrpcTransport(self)
+            if transport == "grpc":
+                self._transport = self._grpc
+            else:
+                self._transport = _RegionTransport(self, transport, int(max_rows), int(slots),
+                                                   spin_us)
+        except BaseException:
+            self._lease.close()
+            raise
+        self.layers = [LayerCache(self, i) for i in range(self.num_layers)]
+
+    @staticmethod
+    def _check_cuda(info) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("transport='cuda' needs a GPU here (torch.cuda.is_available() "
+                               "is False): use transport='channel' (or 'shm', 'grpc')")
+        if info.backend != "cuda":
+            raise RuntimeError(f"transport='cuda' needs a CUDA-backend server on this host; "
+                               f"this one runs the {info.backend} backend: use "
+                               "transport='channel'")
+
+    def __getitem__(self, layer: int) -> LayerCache:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    @property
+    def transport(self) -> str:
+        return self.transport_name
+
+    @property
+    def lease_id(self) -> int:
+        return self._lease.lease_id
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the PagedKVCache is closed")
+
+    # ------------------------------------------------------------ appends
+    def _queue(self, layer: int, slots: np.ndarray, k, v) -> None:
+        with self._pending_lock:
+            self._pending.setdefault(layer, []).append((slots, k, v))
+
+    def _requeue(self, layer: int, taken) -> None:
+        with self._pending_lock:
+            self._pending.setdefault(layer, []).insert(0, taken)
+
+    def _take(self, layer: int):
+        """The appends queued for `layer`, as one (slots, k, v), or None."""
+        with self._pending_lock:
+            queued = self._pending.pop(layer, None)
+        if not queued:
+            return None
+        if len(queued) == 1:
+            return queued[0]
+        return (np.concatenate([s for s, _, _ in queued]), torch.cat([k for _, k, _ in queued]),
+                None if queued[0][2] is None else torch.cat([v for _, _, v in queued]))
+
+    def flush(self, layer: Optional[int] = None) -> None:
+        """Writes the queued appends of `layer` (None: every layer) now (WriteKV)."""
+        self._check_open()
+        for l in ([layer] if layer is not None else list(self._pending)):
+            taken = self._take(l)
+            if taken is not None:
+                slots, k, v = taken
+                try:
+                    self.rpc.write_kv(l, slots, k, v)
+                except BaseException:
+                    self._requeue(l, taken)     # WriteKV is idempotent: flush() again
+                    raise
+
+    def pending_rows(self, layer: int) -> int:
+        """Appended rows of `layer` that have not reached the server yet."""
+        with self._pending_lock:
+            return sum(len(s) for s, _, _ in self._pending.get(layer, ()))
+
+    # ------------------------------------------------------------ closing
+    def close(self) -> None:
+        """Releases everything: the region and channel, then the lease (its
+        pages are freed and zeroed, the wrappers' plans released). Queued
+        appends are dropped. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._transport is not None and self._transport is not self._grpc:
+                self._transport.close()
+        finally:
+            self._lease.close()
+            with self._pending_lock:
+                self._pending.clear()
+
+    def __enter__(self) -> "PagedKVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- wrappers
+
+
+def _append_slots(cache: "PagedKVCache", batch_indices, positions, kv_indices, kv_indptr,
+                  kv_last_page_len, nnz: int) -> np.ndarray:
+    """The server slots of nnz appended rows: row i at position positions[i]
+    of request batch_indices[i] of a FlashInfer paged layout."""
+    bi = _ints(batch_indices, "batch_indices")
+    pos = _ints(positions, "positions")
+    for name, a in (("batch_indices", bi), ("positions", pos)):
+        if len(a) < nnz:
+            raise ValueError(f"{name} has {len(a)} entries, fewer than the {nnz} rows appended")
+    bi, pos = bi[:nnz], pos[:nnz]
+    indptr, pages, last = _check_layout(cache, kv_indptr, kv_indices, kv_last_page_len,
+                                        ("kv_indptr", "kv_indices", "kv_last_page_len"))
+    batch = len(last)
+    if nnz and (bi.min() < 0 or bi.max() >= batch):
+        raise ValueError(f"batch_indices must be in [0, {batch}) (batch_size = "
+                         f"len(kv_last_page_len))")
+    lens = _seq_lens(indptr, last, cache.page_size)
+    if nnz and (pos.min() < 0 or np.any(pos >= lens[bi])):
+        i = int(np.nonzero((pos < 0) | (pos >= lens[bi]))[0][0])
+        raise ValueError(f"positions[{i}]={int(pos[i])} is outside request {int(bi[i])}'s "
+                         f"[0, {int(lens[bi[i]])}) (the layout must already include the "
+                         "appended rows, as in FlashInfer)")
+    ps = cache.page_size
+    return pages[indptr[bi] + pos // ps] * ps + pos % ps

@@ -1,0 +1,247 @@
+"""The base of attnserve.flashinfer's wrappers (plan once, run per layer):
+the plan's checks and server plan, and run()'s request."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Optional
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - the module is torch's API
+    raise ImportError("attnserve.flashinfer needs torch (FlashInfer's API takes torch "
+                      "tensors): install python3-torch") from e
+
+from attnserve.layout import AttentionOptions, PrefillLayout
+from attnserve.errors import AttnserveError, NotFound
+from attnserve._flashinfer_cache import (AttentionFuture, PagedKVCache, _Request, _check_kv_layout,
+                                         _layer_of, _torch_dtype)
+
+
+class _Wrapper:
+    """What the two wrappers share: the step's layout, its server plans,
+    and run()."""
+
+    _kind = ""
+    _mla = False   # BatchMLAPagedAttentionWrapper: the cache of an MLA server
+
+    def __init__(self, float_workspace_buffer, kv_layout: str):
+        if not isinstance(float_workspace_buffer, PagedKVCache):
+            raise TypeError(
+                "float_workspace_buffer: an attnserve.flashinfer.PagedKVCache expected (the "
+                "server owns the KV cache and the workspace), not "
+                f"{type(float_workspace_buffer).__name__}")
+        if float_workspace_buffer.mla != self._mla:
+            if float_workspace_buffer.mla:
+                raise ValueError("float_workspace_buffer: the server computes multi-head latent "
+                                 "attention (attention=mla): use BatchMLAPagedAttentionWrapper")
+            raise ValueError("float_workspace_buffer: the server computes grouped-query "
+                             "attention (attention=gqa): use BatchDecodeWithPagedKVCacheWrapper "
+                             "or BatchPrefillWithPagedKVCacheWrapper")
+        _check_kv_layout(kv_layout)
+        self._cache = float_workspace_buffer
+        self._kv_layout = kv_layout
+        self._planned = False
+        self._plans: dict = {}           # append slots (bytes) -> server plan id
+        self._releases: list = []        # ReleasePlan calls in flight
+        self._layouts: dict = {}
+        self._tls = threading.local()    # .blocking: inside run() (see _now)
+
+    def _now(self, start):
+        """run(): run_async() started by start(), its call made blocking where
+        it goes over gRPC (a blocking call costs less than a future waited for
+        at once: Client._call_now), and its result."""
+        self._tls.blocking = True
+        try:
+            future = start()
+        finally:
+            self._tls.blocking = False
+        return future.result()
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        return self._cache
+
+    def _set_plan(self, qo_indptr: np.ndarray, kv_indptr, kv_indices, kv_last, *,
+                  causal: bool, sm_scale, window_left, logits_soft_cap, q_data_type,
+                  kv_data_type, o_data_type) -> None:
+        cache = self._cache
+        cache._check_open()
+        q_dt = _torch_dtype(q_data_type, "q_data_type")
+        kv_dt = _torch_dtype(kv_data_type if kv_data_type is not None else q_dt, "kv_data_type")
+        o_dt = _torch_dtype(o_data_type if o_data_type is not None else q_dt, "o_data_type")
+        if kv_dt != cache.dtype:
+            raise ValueError(f"kv_data_type={kv_dt}, but the server's KV cache holds "
+                             f"{cache.dtype} (its --kv_dtype); FlashInfer's q_data_type "
+                             f"defaults to float16: pass q_data_type={cache.dtype}")
+        if q_dt != kv_dt:
+            raise NotImplementedError(f"attnserve does not support q_data_type={q_dt} with "
+                                      f"kv_data_type={kv_dt}: q travels in the cache's dtype")
+        if o_dt != q_dt:
+            raise NotImplementedError(f"attnserve does not support o_data_type={o_dt}: the "
+                                      f"output has q's dtype ({q_dt})")
+        if int(window_left) < -1:
+            raise ValueError(f"window_left={window_left} must be >= -1 (-1: no window)")
+        cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+        if not math.isfinite(cap) or cap < 0:
+            raise ValueError(f"logits_soft_cap={logits_soft_cap} must be finite and >= 0 "
+                             "(None or 0: none)")
+        if sm_scale is not None and not math.isfinite(float(sm_scale)):
+            raise ValueError(f"sm_scale={sm_scale} must be finite")
+        if len(qo_indptr) != len(kv_last) + 1:
+            raise ValueError(f"qo_indptr has {len(qo_indptr)} entries, must have batch_size + 1 "
+                             f"= {len(kv_last) + 1}")
+        if qo_indptr[0] != 0 or np.any(np.diff(qo_indptr) < 0):
+            raise ValueError("qo_indptr must start at 0 and be non-decreasing")
+        self._release_plans()
+        self._qo_indptr, self._kv_indptr = qo_indptr, kv_indptr
+        self._kv_indices, self._kv_last = kv_indices, kv_last
+        self._total_q = int(qo_indptr[-1])
+        self._causal = bool(causal)
+        self._sm_scale = None if sm_scale is None else float(sm_scale)
+        self._window_left = int(window_left)
+        self._soft_cap = cap
+        self._q_dtype = q_dt
+        self._planned = True
+
+    # ------------------------------------------------------------ server plans
+    def _release_plans(self) -> None:
+        """Releases the last step's server plans (their answers are read at
+        the next plan(), or at close())."""
+        self._settle_releases()
+        rpc = self._cache.rpc
+        for plan_id in self._plans.values():
+            try:
+                self._releases.append(rpc._call_future(rpc._req_release_plan(plan_id), None))
+            except AttnserveError:
+                pass  # the lease holds the plan: it goes when the cache closes
+        self._plans = {}
+        self._layouts = {}
+
+    def _settle_releases(self) -> None:
+        for call in self._releases:
+            try:
+                call.result()
+            except (NotFound, AttnserveError):
+                pass  # gone already (idle timeout, lease ended): released either way
+        self._releases = []
+
+    def _server_plan(self, slots: Optional[np.ndarray]):
+        """The plan id of this step's layout with `slots` appended, made at
+        its first use; None when the appends must go apart (a third kind of
+        append in one step)."""
+        key = b"" if slots is None else slots.tobytes()
+        plan_id = self._plans.get(key)
+        if plan_id is None:
+            if key and len(self._plans) >= 2:
+                return None
+            plan_id = self._cache.rpc.create_plan(self._qo_indptr, self._kv_indptr,
+                                                  self._kv_indices, self._kv_last,
+                                                  slots if slots is not None else [])
+            self._plans[key] = plan_id
+        return plan_id
+
+    def close(self) -> None:
+        """Releases this wrapper's server plans now (the cache's close() does too)."""
+        if self._cache._closed:
+            self._plans, self._releases = {}, []
+            return
+        self._release_plans()
+        self._settle_releases()
+
+    # ------------------------------------------------------------ run
+    def _run(self, q, paged_kv_cache, args, *, q_scale, k_scale, v_scale, out, lse,
+             return_lse, window_left, sinks, causal, lse_base: str = "2") -> AttentionFuture:
+        cache = self._cache
+        cache._check_open()
+        if not self._planned:
+            raise RuntimeError(f"{type(self).__name__}.run() before plan()")
+        if args:
+            raise NotImplementedError(f"attnserve does not support run()'s *args ({len(args)} "
+                                      "given): they are a custom JIT kernel's arguments")
+        layer = _layer_of(cache, paged_kv_cache)
+        if not torch.is_tensor(q):
+            raise TypeError(f"q: a torch tensor expected, not {type(q).__name__}")
+        want = (self._total_q, cache.num_qo_heads, cache.head_dim)
+        if tuple(q.shape) != want:
+            raise ValueError(f"q has shape {list(q.shape)}, the plan needs {list(want)} "
+                             "(total query rows, num_qo_heads, head_dim)")
+        if q.dtype != self._q_dtype:
+            raise ValueError(f"q has dtype {q.dtype}, which does not match the q_data_type "
+                             f"{self._q_dtype} given to plan()")
+        if out is not None:
+            _check_tensor(out, "out", (*q.shape[:2], cache.v_head_dim), self._q_dtype, q.device)
+        if lse is not None:
+            _check_tensor(lse, "lse", q.shape[:2], torch.float32, q.device)
+        scale = self._sm_scale if self._sm_scale is not None else 1.0 / math.sqrt(cache.head_dim)
+        for name, s in (("q_scale", q_scale), ("k_scale", k_scale)):
+            if s is not None:
+                scale *= _scalar(s, name)
+        v_scale = None if v_scale is None else _scalar(v_scale, "v_scale")
+        window = self._window_left if window_left is None else int(window_left)
+        if window < -1:
+            raise ValueError(f"window_left={window_left} must be >= -1 (-1: no window)")
+        sink_values = None
+        if sinks is not None:
+            sink_values = (sinks.detach().to("cpu", torch.float32).reshape(-1).numpy()
+                           if torch.is_tensor(sinks) else np.asarray(sinks, np.float32).reshape(-1))
+            if len(sink_values) != cache.num_qo_heads:
+                raise ValueError(f"sinks has {len(sink_values)} entries, must have num_qo_heads "
+                                 f"= {cache.num_qo_heads}")
+        options = None
+        if window != -1 or self._soft_cap != 0 or sink_values is not None:
+            options = AttentionOptions(window_left=window if window != -1 else None,
+                                       logits_soft_cap=self._soft_cap or None,
+                                       sinks=sink_values)
+        appended = cache._take(layer)
+        k = v = None
+        slots = None
+        if appended is not None:
+            slots, k, v = appended
+        try:
+            plan_id = self._server_plan(slots)
+            if plan_id is None:                 # a third kind of append this step: apart
+                cache.rpc.write_kv(layer, slots, k, v)
+                appended = slots = k = v = None
+                plan_id = self._server_plan(None)
+            key = (plan_id, scale, lse_base)
+            layout = self._layouts.get(key)
+            if layout is None:
+                layout = PrefillLayout.for_plan(plan_id, self._total_q,
+                                                0 if slots is None else len(slots),
+                                                sm_scale=scale, causal=causal, lse_base=lse_base)
+                self._layouts[key] = layout
+            request = _Request(layer=layer, q=q, layout=layout, k=k, v=v, options=options,
+                               out=out, lse=lse, want_lse=bool(return_lse), v_scale=v_scale,
+                               blocking=getattr(self._tls, "blocking", False))
+            return cache._transport.submit(request)
+        except BaseException:
+            if appended is not None:            # not sent: queued again, first
+                cache._requeue(layer, appended)
+            raise
+
+
+def _scalar(x, name: str) -> float:
+    if torch.is_tensor(x):
+        if x.numel() != 1:
+            raise NotImplementedError(f"attnserve does not support a {name} of {x.numel()} "
+                                      "values (per-head scales): one scale only")
+        x = x.item()
+    value = float(x)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={x} must be finite")
+    return value
+
+
+def _check_tensor(t, name: str, shape, dtype, device) -> None:
+    if not torch.is_tensor(t):
+        raise TypeError(f"{name}: a torch tensor expected, not {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {list(t.shape)}, must be {list(shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} has dtype {t.dtype}, must be {dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, must be on q's device {device}")
