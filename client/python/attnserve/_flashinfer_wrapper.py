@@ -9,11 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-try:
-    import torch
-except ImportError as e:  # pragma: no cover - the module is torch's API
-    raise ImportError("attnserve.flashinfer needs torch (FlashInfer's API takes torch "
-                      "tensors): install python3-torch") from e
+import torch  # attnserve.flashinfer, which imports this module, says when it is missing
 
 from attnserve.layout import AttentionOptions, PrefillLayout
 from attnserve.errors import AttnserveError, NotFound

@@ -40,8 +40,9 @@ from attnserve import regions as _regions
 from attnserve.channel import RequestChannel
 from attnserve.errors import (AttnserveError, DeadlineExceeded, NotFound, StaleIncarnation,
                               Unavailable, connect_cause, from_rpc_error)
-from attnserve.layout import (AttentionOptions, PrefillLayout, _bools, _extend, _floats,  # noqa: F401
-                              _int32, _ints, _lse_base, _options)
+# AttentionOptions and PrefillLayout are this module's names too.
+from attnserve.layout import (AttentionOptions, PrefillLayout, _extend, _floats,  # noqa: F401
+                              _int32, _lse_base, _options, fill_layout)
 from attnserve.regions import RegionTensor
 from attnserve.v1 import attention_pb2 as pb
 
@@ -598,24 +599,12 @@ class _Core:
                          append_slots, kv_keys_after=None, options=None, layer_options=None,
                          apply_sinks=None) -> _Request:
         req = pb.CreatePlanRequest(expected_incarnation=self._incarnation, lease_id=self._lease_id)
-        if kv_keys_after is not None:
-            _extend(req.kv_keys_after, kv_keys_after, "kv_keys_after")
-        if apply_sinks is not None:
-            req.apply_sinks.extend(_bools(apply_sinks, "apply_sinks"))
-        options = _options(options)
-        if options is not None:
-            req.options.CopyFrom(options.to_proto())
+        fill_layout(req, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, append_slots,
+                    kv_keys_after, options, apply_sinks)
         for layer, o in (layer_options or {}).items():
             o = _options(o)
             if o is not None:
                 req.layer_options[_int32(layer, "layer_options key")].CopyFrom(o.to_proto())
-        _extend(req.qo_indptr, qo_indptr, "qo_indptr")
-        _extend(req.kv_indptr, kv_indptr, "kv_indptr")
-        _extend(req.kv_indices, kv_indices, "kv_indices")
-        if kv_last_page_len is not None:
-            _extend(req.kv_last_page_len, kv_last_page_len, "kv_last_page_len")
-        if append_slots is not None:
-            _extend(req.append_slots, append_slots, "append_slots")
 
         def parse(raw):
             resp = pb.CreatePlanResponse.FromString(raw)

@@ -112,28 +112,38 @@ class PrefillLayout:
                causal=None, lse_base: str = "2", append_slots=None,
                kv_keys_after=None, options=None, apply_sinks=None) -> "PrefillLayout":
         req = pb.PrefillRequest()
-        if kv_keys_after is not None:
-            _extend(req.kv_keys_after, kv_keys_after, "kv_keys_after")
-        if apply_sinks is not None:
-            req.apply_sinks.extend(_bools(apply_sinks, "apply_sinks"))
-        options = _options(options)
-        if options is not None:
-            req.options.CopyFrom(options.to_proto())
-        _extend(req.qo_indptr, qo_indptr, "qo_indptr")
-        _extend(req.kv_indptr, kv_indptr, "kv_indptr")
-        _extend(req.kv_indices, kv_indices, "kv_indices")
-        if kv_last_page_len is not None:
-            _extend(req.kv_last_page_len, kv_last_page_len, "kv_last_page_len")
+        options, slots = fill_layout(req, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                     append_slots, kv_keys_after, options, apply_sinks)
         if sm_scale is not None:
             req.sm_scale = float(sm_scale)
         if causal is not None:
             req.causal = bool(causal)
         req.lse_base = _lse_base(lse_base)
-        slots = _extend(req.append_slots, append_slots, "append_slots") \
-            if append_slots is not None else []
         total_q = req.qo_indptr[-1] if len(req.qo_indptr) else 0
         return PrefillLayout(req.SerializeToString(), int(total_q), len(slots),
                              has_options=options is not None)
+
+
+def fill_layout(req, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, append_slots,
+                kv_keys_after, options, apply_sinks):
+    """Sets the layout fields that PrefillRequest and CreatePlanRequest share
+    (each checked, the error naming the field); returns (options as
+    AttentionOptions or None, the append slots as a list)."""
+    if kv_keys_after is not None:
+        _extend(req.kv_keys_after, kv_keys_after, "kv_keys_after")
+    if apply_sinks is not None:
+        req.apply_sinks.extend(_bools(apply_sinks, "apply_sinks"))
+    options = _options(options)
+    if options is not None:
+        req.options.CopyFrom(options.to_proto())
+    _extend(req.qo_indptr, qo_indptr, "qo_indptr")
+    _extend(req.kv_indptr, kv_indptr, "kv_indptr")
+    _extend(req.kv_indices, kv_indices, "kv_indices")
+    if kv_last_page_len is not None:
+        _extend(req.kv_last_page_len, kv_last_page_len, "kv_last_page_len")
+    slots = _extend(req.append_slots, append_slots, "append_slots") \
+        if append_slots is not None else []
+    return options, slots
 
 
 def _ints(values, name: str) -> list:
