@@ -16,6 +16,12 @@ namespace sm90 {
 
 // Largest growth (base 2) of a row's running max that leaves O unrescaled.
 constexpr float kLazyRescale = 8.f;
+// Soft-capped bf16 rows whose cap c log2(e) is at most this run at a fixed
+// maximum of c log2(e) - kLazyRescale instead of a running one (no row
+// maxima): their exponents then span at most 2 * 55 - 8 = 102 below
+// kLazyRescale, so the best key of any row keeps 24 bits of fp32's range
+// above the flush to 0 (c <= 38.1; Gemma 2's c = 50 takes the running max).
+constexpr float kFixedCapMaxBound = 55.f;
 
 struct PrefillKernelArgs {
   PagedPrefillParams p;     // the batch: q, o, lse, caches, indices, seqs, sinks, geometry

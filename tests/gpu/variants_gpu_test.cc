@@ -231,6 +231,35 @@ TEST_P(VariantsCuda, SoftCapOnLargeLogitsAndTheLeanKernel) {
   }
 }
 
+// Soft-capped rows whose every logit sits near -cap: K's values all
+// positive, Q's all negative and large, so that each scaled logit is below
+// -3 c and its soft-capped value within 1% of -c. The sm90 family runs
+// bf16 rows with c <= 38 at a fixed maximum of c log2(e) - 8 (no row
+// maxima), which puts these rows' exponents near their lowest, -2 c log2(e)
+// + 8; the caps around that bound (30, 38, 39, 50) and both dtypes, causal
+// and not, split and not.
+TEST_P(VariantsCuda, SoftCapRowsAtTheFloor) {
+  std::mt19937_64 rng(2026120319);
+  for (int d : Dims()) {
+    for (KvDType dt : {KvDType::kBf16, KvDType::kFp16}) {
+      for (int split = 0; split < 2; ++split) {
+        HostBatch b = NewBatch(d, 16, 4, 16, dt, 1, 200, &rng);
+        const float caps[] = {30.f, 38.f, 39.f, 50.f, 5.f};
+        for (int i = 0; i < 5; ++i) {
+          gpu_test::AddSeq(&b, QLen(rng, 150), 300 + static_cast<int>(rng() % 1200), 0, i % 2 == 0, i == 3,
+                           1 / std::sqrt(float(d)), &rng);
+          b.seqs.back().soft_cap = caps[i];
+        }
+        gpu_test::FinishBatch(&b, 40.f, &rng);
+        for (uint16_t& x : b.k_pool) x &= 0x7fff;  // every K value >= 0
+        for (uint16_t& x : b.q) x |= 0x8000;       // every Q value <= 0
+        const RunResult r = Run(b, split != 0, 128);
+        ASSERT_EQ(r.error, "") << Describe(b, r);
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, VariantsCuda, ::testing::ValuesIn(kFamilies),
                          [](const ::testing::TestParamInfo<Family>& info) { return std::string(info.param.name); });
 
