@@ -81,7 +81,7 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
     const int num_blocks = tile.num_blocks;
     const int g0 = tile.g0;
     const int qt = tile.n;  // Q phase
-    const bool first = tile.first;
+    [[maybe_unused]] const bool first = tile.first;  // kTrace only
     // kTrace: consumer warpgroup 0's stamps of this tile (Sm90Trace::kTileAt;
     // warpgroup 1 stamps the end of its epilogue).
     Stamps<kTrace> tst(args, Sm90Trace::kTileAt + tile.n * Sm90Trace::kTilePoints,

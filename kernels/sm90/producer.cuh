@@ -41,9 +41,10 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
     const int kv_begin = item.kv_begin;
     const int kv_end = tile.kv_end;
     const int num_blocks = tile.num_blocks;
-    const int g0 = tile.g0;
-    const int qt = tile.n;  // Q phase
-    const bool first = tile.first;
+    // Unused by the serial schedule (one tile a CTA, no ring across tiles).
+    [[maybe_unused]] const int g0 = tile.g0;
+    [[maybe_unused]] const int qt = tile.n;  // Q phase
+    [[maybe_unused]] const bool first = tile.first;
     if constexpr (kTrace) {
       Stamps<kTrace> header(args, 0, tid == 0 && first);
       unsigned smid;
