@@ -140,7 +140,7 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
     // A soft-capped row's base-2 logits lie in [-cap, cap] (cap = c log2(e)),
     // so a fixed maximum of cap - kLazyRescale keeps every exponent at most
     // kLazyRescale, as the running maximum does, and spares the softmax its
-    // maxima and their shuffles (3-4% of a soft-capped prefill). Only where
+    // maxima and their shuffles (2-4% of a soft-capped prefill). Only where
     // P is bf16 (fp32's range; fp16's would flush the low exponents) and
     // cap <= kFixedCapMaxBound (traits.cuh).
     constexpr bool kFixedCapMax = Tr::kSoftCap && std::is_same_v<TC, __nv_bfloat16>;
