@@ -27,25 +27,29 @@ __device__ __forceinline__ uint32_t Fp8Off(int r, int c) {
 
 // Rewrites a stage of KB rows in place as the fp16 tile the GEMMs read
 // (TileOff): its FP8 bytes (format F8) lie at tile + fp8_at, the upper half
-// of the stage, laid out by Fp8Off; tid is the producer thread (0 .. 127),
-// all of which take part. Each 16-byte chunk of FP8 becomes two 16-byte
-// chunks of fp16 (exact); a chunk is read before anything overwrites it:
+// of the stage, laid out by Fp8Off; t is the converting thread (0 .. N - 1,
+// N a multiple of 32), all N of which take part. Each 16-byte chunk of FP8
+// becomes two 16-byte chunks of fp16 (exact); a chunk is read before
+// anything overwrites it:
 //  - head_dim 128: row r's fp16 column block 1 overwrites exactly FP8 row
-//    r, so the quad that owns the row (r = i * 32 + tid / 4, step i of 4)
-//    reads all of it (chunks c = tid % 4 and c + 4), syncs the warp, then
-//    writes fp16 chunks 2c, 2c + 1 of column block 0 and the same of block 1;
+//    r, so the quad that owns the row (r = i * N / 4 + t / 4, step i of
+//    512 / N) reads all of it (chunks c = t % 4 and c + 4), syncs the warp,
+//    then writes fp16 chunks 2c, 2c + 1 of column block 0 and the same of
+//    block 1;
 //  - head_dim 64: rows 0 .. 63's fp16 rows lie below the FP8 bytes, rows
 //    64 .. 127's overwrite other rows' bytes: those are read first, then the
-//    producer syncs (named barrier 1, 128 threads), then writes.
+//    N threads sync (named barrier `bar`), then write.
 // A warp's reads and writes touch every bank position equally. The caller
 // fences to the async proxy before the GEMMs may read the tile.
-template <int D, int KB, int F8>
-__device__ __forceinline__ void ConvertFp8Stage(uint32_t tile, uint32_t fp8_at, int tid) {
-  static_assert(KB == 128 && (D == 64 || D == 128), "one producer thread per row of a 128-row block");
-  // The thread's first read and write (shared window); step i adds 32 rows.
-  const int k7 = (tid >> 2) & 7;
-  const uint32_t rd = tile + fp8_at + (D == 128 ? (tid >> 2) * 128 + (((tid & 3) ^ k7) << 4) : tid * 16);
-  const uint32_t wr = tile + (tid >> 2) * 128 + ((((tid & 3) * 2) ^ k7) << 4);
+template <int D, int KB, int F8, int N>
+__device__ __forceinline__ void ConvertFp8Stage(uint32_t tile, uint32_t fp8_at, int t, int bar) {
+  static_assert(KB == 128 && (D == 64 || D == 128), "128-row blocks");
+  static_assert(N % 32 == 0 && N <= 128, "whole warps, at most a row a thread");
+  constexpr int kStep = N * 32;  // bytes of the N / 4 fp16 (or D == 128: FP8) rows a step covers
+  // The thread's first read and write (shared window); step i adds N / 4 rows.
+  const int k7 = (t >> 2) & 7;
+  const uint32_t rd = tile + fp8_at + (D == 128 ? (t >> 2) * 128 + (((t & 3) ^ k7) << 4) : t * 16);
+  const uint32_t wr = tile + (t >> 2) * 128 + ((((t & 3) * 2) ^ k7) << 4);
   // Four FP8 words -> eight fp16 words, stored as fp16 chunks at and at ^ 16.
   auto put = [](uint32_t at, const uint4& v) {
     uint32_t h[8];
@@ -57,40 +61,51 @@ __device__ __forceinline__ void ConvertFp8Stage(uint32_t tile, uint32_t fp8_at, 
     StShared128(at ^ 16, make_uint4(h[4], h[5], h[6], h[7]));
   };
   if constexpr (D == 128) {
+    // The two rows of a quarter-warp (r even, r + 1) would read the same
+    // four chunk positions (c ^ k7, k7 and k7 ^ 1 permute 0 .. 3 alike):
+    // odd rows read their upper half first, so that each read instruction
+    // touches eight distinct positions. `par` is the row's parity.
+    const uint32_t par = (t >> 2) & 1;
 #pragma unroll 2
-    for (int i = 0; i < 4; ++i) {
-      const uint4 lo = LdShared128(rd + i * 4096);
-      const uint4 hi = LdShared128((rd + i * 4096) ^ 64);
+    for (int i = 0; i < 512 / N; ++i) {
+      const uint32_t at = rd + i * kStep;
+      const uint4 first = LdShared128(at ^ (par << 6));         // FP8 chunks 4 par .. 4 par + 3
+      const uint4 second = LdShared128(at ^ ((par ^ 1) << 6));  // the other half
       __syncwarp();
-      put(wr + i * 4096, lo);
-      put(wr + i * 4096 + KB * 128, hi);
+      put(wr + i * kStep + par * (KB * 128), first);
+      put(wr + i * kStep + (par ^ 1) * (KB * 128), second);
     }
   } else {
-    put(wr, LdShared128(rd));
-    put(wr + 4096, LdShared128(rd + 2048));
-    const uint4 in2 = LdShared128(rd + 4096);
-    const uint4 in3 = LdShared128(rd + 6144);
-    NamedBarSync(1, 128);
-    put(wr + 8192, in2);
-    put(wr + 12288, in3);
+    // FP8 chunk t + k N (row t / 4 + k N / 4) -> fp16 row t / 4 + k N / 4:
+    // the first kLow steps write below the FP8 bytes.
+    constexpr int kSteps = 512 / N;
+    constexpr int kLow = kSteps / 2;
+#pragma unroll
+    for (int k = 0; k < kLow; ++k) put(wr + k * kStep, LdShared128(rd + k * (N * 16)));
+    uint4 in[kSteps - kLow];
+#pragma unroll
+    for (int k = kLow; k < kSteps; ++k) in[k - kLow] = LdShared128(rd + k * (N * 16));
+    NamedBarSync(bar, N);
+#pragma unroll
+    for (int k = kLow; k < kSteps; ++k) put(wr + k * kStep, in[k - kLow]);
   }
 }
 
-template <int D, int KB>
-__device__ __forceinline__ void ConvertFp8Stage(uint32_t tile, uint32_t fp8_at, int tid, bool e5m2) {
+template <int D, int KB, int N>
+__device__ __forceinline__ void ConvertFp8Stage(uint32_t tile, uint32_t fp8_at, int t, int bar, bool e5m2) {
   if (e5m2) {
-    ConvertFp8Stage<D, KB, static_cast<int>(Fp8Format::kE5m2)>(tile, fp8_at, tid);
+    ConvertFp8Stage<D, KB, static_cast<int>(Fp8Format::kE5m2), N>(tile, fp8_at, t, bar);
   } else {
-    ConvertFp8Stage<D, KB, static_cast<int>(Fp8Format::kE4m3)>(tile, fp8_at, tid);
+    ConvertFp8Stage<D, KB, static_cast<int>(Fp8Format::kE4m3), N>(tile, fp8_at, t, bar);
   }
 }
 
 // A landed bf16 Q tile (Tr::kM rows, TileOff) in place as fp16 times 2^e
 // per row (QHalfExponent of the row's largest finite |q|, reduced over the
 // Tr::kChunks consecutive lanes that hold the row; a negative scale's sign
-// joins the factor); e goes to exps[row] for the consumers. The producer
-// thread with chunk c of rows r0 + p * Tr::kRowsPerPass (as it copied them)
-// rewrites only those chunks.
+// joins the factor); e goes to exps[row] for the consumers. Each of the
+// Tr::kLoadThreads converting threads rewrites chunk c of rows
+// r0 + p * Tr::kRowsPerPass (r0 = t / Tr::kChunks, c = t % Tr::kChunks).
 template <typename Tr>
 __device__ __forceinline__ void QTileToHalf(uint8_t* q_tile, int8_t* exps, int r0, int c, bool negative) {
 #pragma unroll 4

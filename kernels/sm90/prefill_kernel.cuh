@@ -111,6 +111,12 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
     ProducerRole<Tr, T, kTrace>(args, cs, tid);
     return;
   }
+  if constexpr (Tr::kFp8) {
+    if (wg == 3) {
+      ConverterRole<Tr, T>(args, cs, tid - 384);
+      return;
+    }
+  }
   ConsumerRole<Tr, T, kTrace>(args, cs, tid, wg);
 }
 
@@ -137,7 +143,8 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const __grid_co
 // kFp8: on FP8 pools (Traits::kFp8; T is the queries' and outputs' type).
 template <int D, typename T, bool kPingPong, bool kTrace = false, bool kTma = false, bool kSoftCap = true,
           bool kSinks = true, bool kFp8 = false>
-__global__ void __launch_bounds__(384, 1) PagedPrefillSm90OverlapKernel(const __grid_constant__ PrefillKernelArgs args) {
+__global__ void __launch_bounds__(kFp8 ? 512 : 384, 1)
+    PagedPrefillSm90OverlapKernel(const __grid_constant__ PrefillKernelArgs args) {
   ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong, kTma, kSoftCap, kSinks, kFp8>, T, kTrace);
 }
 

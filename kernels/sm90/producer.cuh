@@ -1,8 +1,9 @@
 // The sm90 paged prefill kernel's producer (warpgroup 0; kernels/sm90/
 // prefill_kernel.cuh says how the roles meet): for each of the CTA's
 // tiles, the Q tile and the K / V blocks into their buffers and rings, by
-// cp.async or the tensor copy engine, and on FP8 pools their conversion to
-// fp16 in place.
+// cp.async or the tensor copy engine; and on FP8 pools (Tr::kFp8) the
+// converters' role (warpgroup 3), which rewrites each landed block as fp16
+// in place.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -19,6 +20,92 @@
 namespace attnserve {
 namespace sm90 {
 
+// Tr::kFp8: the converters (warpgroup 3; t is the thread, 0 .. 127). For
+// each of the CTA's tiles, in the order the consumers read them: a landed
+// stage's FP8 bytes (the producer's land barrier) rewritten in place as
+// fp16 (ConvertFp8Stage), then a fence to the async proxy and the stage's
+// full barrier; with bf16 queries (kQToHalf) also each landed Q tile as
+// fp16 times 2^e per row (QTileToHalf), e to the consumers beside it.
+// Order: K_0 (the producer issues it first), this tile's Q unless the
+// previous tile's converters took it, then K_b before V_{b-1} (turn b's S
+// reads K_b, its P V V_{b-1}); the next tile's Q (loaded at this tile's
+// start) once block 1 is done, or at the end of a shorter tile. No
+// deadlock: each wait is for bytes the producer issues without waiting on
+// anything but stages the consumers release after reading earlier
+// conversions.
+template <typename Tr, typename T>
+__device__ __forceinline__ void ConverterRole(const PrefillKernelArgs& args, const CtaSmem<Tr>& cs, int t) {
+  constexpr int D = Tr::kD;
+  constexpr int KB = Tr::kKB;
+  constexpr int SK = Tr::kKStages;
+  constexpr int SV = Tr::kVStages;
+  constexpr int QB = Tr::kQBufs;
+  constexpr int N = Tr::kConvertThreads;
+  constexpr bool kQToHalf = GemmTypes<Tr, T>::kQToHalf;
+  constexpr int kConvertBar = 4;  // named barrier of the N converters (head_dim 64)
+  static_assert(N == 128, "QTileToHalf's passes are the producer's");
+  RegDealloc<Tr::kConverterRegs>();
+  const bool e5m2 = args.p.geo.kv_fp8 == Fp8Format::kE5m2;
+  const int c = t % Tr::kChunks;
+  const int r0 = t / Tr::kChunks;
+  // The stage at byte `stage` of the tile memory, once its FP8 bytes have
+  // landed (land, phase), as fp16; then the full barrier.
+  auto convert8 = [&](int stage, uint32_t land, uint32_t phase, uint32_t full) {
+    MbarWait(land, phase);
+    ConvertFp8Stage<D, KB, N>(cs.base + stage, Tr::kFp8At, t, kConvertBar, e5m2);
+    FenceProxyAsync();
+    MbarArrive(full);
+  };
+  // The Q tile of Q phase qp, once landed (q_land).
+  auto finish_q = [&](int qp, bool negative) {
+    const int qb = qp % QB;
+    MbarWait(cs.bar_q_land(qb), (qp / QB) & 1);
+    QTileToHalf<Tr>(cs.smem + (cs.a_q(qb) - cs.base), cs.s_qexp + qb * Tr::kM, r0, c, negative);
+    FenceProxyAsync();
+    MbarArrive(cs.bar_q(qb));
+  };
+  ForEachTile<Tr>(args, [&](const Tile& tile, auto&&) {
+    const int num_blocks = tile.num_blocks;
+    const int g0 = tile.g0;
+    [[maybe_unused]] const int qt = tile.n;  // Q phase (kQToHalf)
+    auto convert_k = [&](int b) {
+      const int g = g0 + b;
+      convert8(Tr::kKOff + (g % SK) * Tr::kKvBytes, cs.bar_k_land(g % SK), (g / SK) & 1, cs.bar_k(g % SK));
+    };
+    auto convert_v = [&](int b) {
+      const int g = g0 + b;
+      convert8(Tr::kVOff + (g % SV) * Tr::kKvBytes, cs.bar_v_land(g % SV), (g / SV) & 1, cs.bar_v(g % SV));
+    };
+    // kQToHalf: 1 the next tile's Q is loaded and not converted, 2 with a
+    // negative scale (the producer loads it when the next item is not
+    // padding).
+    [[maybe_unused]] int next_q = 0;
+    if (num_blocks > 0) convert_k(0);  // issued before the tile's Q
+    if constexpr (kQToHalf) {
+      if (!tile.q_ahead) finish_q(qt, tile.seq.sm_scale < 0.f);
+      const int next_idx = tile.idx + static_cast<int>(gridDim.x);
+      if (next_idx < args.num_items) {
+        const int next_seq = args.items[next_idx].seq;
+        if (next_seq >= 0) next_q = args.p.seqs[next_seq].sm_scale < 0.f ? 2 : 1;
+      }
+    }
+    for (int b = 1; b < num_blocks; ++b) {
+      convert_k(b);
+      convert_v(b - 1);
+      if constexpr (kQToHalf) {
+        if (b == 1 && next_q > 0) {
+          finish_q(qt + 1, next_q == 2);
+          next_q = 0;
+        }
+      }
+    }
+    if (num_blocks > 0) convert_v(num_blocks - 1);
+    if constexpr (kQToHalf) {
+      if (next_q > 0) finish_q(qt + 1, next_q == 2);
+    }
+  });
+}
+
 template <typename Tr, typename T, bool kTrace>
 __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, const CtaSmem<Tr>& cs, int tid) {
   constexpr int D = Tr::kD;
@@ -30,7 +117,6 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
   uint8_t* const smem = cs.smem;
   const uint32_t base = cs.base;
   int32_t* const s_slot = cs.s_slot;
-  int8_t* const s_qexp = cs.s_qexp;
   RegDealloc<Tr::kProducerRegs>();
   ForEachTile<Tr>(args, [&](const Tile& tile, auto&&) {
     const PrefillWorkItem& item = tile.item;
@@ -68,16 +154,21 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
       const int dt = args.group.Div(Tr::kRowsPerPass);
       const int dg = Tr::kRowsPerPass - dt * group;
       const T* head0 = q + (static_cast<int64_t>(qtile.seq.q_start) * H + qtile.item.kv_head * group) * D + c * 8;
+      // (Tr::kFp8: unrolled by 4; unrolled whole, the passes' addresses
+      // would take the producer more than its 40 registers.)
+#pragma unroll(Tr::kFp8 ? 4 : 1)
+      for (int p0 = 0; p0 < Tr::kQPasses; p0 += Tr::kQUnroll) {
 #pragma unroll
-      for (int p = 0; p < Tr::kQPasses; ++p) {
-        const bool valid = t < qtile.seq.q_len;
-        const T* src = valid ? head0 + (static_cast<int64_t>(t) * H + g) * D : q;
-        CpAsync16(cs.a_q(qb) + TileOff<Tr::kM>(p * Tr::kRowsPerPass + r0, c), src, valid);
-        t += dt;
-        g += dg;
-        if (g >= group) {
-          g -= group;
-          ++t;
+        for (int p = p0; p < p0 + Tr::kQUnroll; ++p) {
+          const bool valid = t < qtile.seq.q_len;
+          const T* src = valid ? head0 + (static_cast<int64_t>(t) * H + g) * D : q;
+          CpAsync16(cs.a_q(qb) + TileOff<Tr::kM>(p * Tr::kRowsPerPass + r0, c), src, valid);
+          t += dt;
+          g += dg;
+          if (g >= group) {
+            g -= group;
+            ++t;
+          }
         }
       }
       CpAsyncCommit();
@@ -203,8 +294,8 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
     // engine's 128-byte mode lays it out), by whole-row tensor copies
     // (one box per run of rows) or cp.async (lane i of the producer copies
     // chunks i, i + 128, ... of the block's KB * D / 16, so that a warp
-    // reads whole rows); convert8 then rewrites the stage as the fp16
-    // tile the GEMMs read.
+    // reads whole rows); the converters (ConverterRole) then rewrite the
+    // stage as the fp16 tile the GEMMs read.
     const uint32_t row_bytes8 = static_cast<uint32_t>(args.p.geo.num_kv_heads) * D;
     const int64_t kv_base8 = ((int64_t)seq.layer * args.slots_per_layer * args.p.geo.num_kv_heads + kvh) * D;
     auto issue8 = [&](const void* cache, uint32_t dst, const int32_t* slots) {
@@ -248,27 +339,6 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
         CpAsyncArriveNoinc(land);
       }
     };
-    // The stage at byte `stage` of the tile memory, once its FP8 bytes
-    // have landed (land, phase), rewritten in place as fp16
-    // (ConvertFp8Stage, kernels/sm90/fp8_tiles.cuh), then a fence to the
-    // async proxy and the full barrier.
-    const bool e5m2 = args.p.geo.kv_fp8 == Fp8Format::kE5m2;
-    auto convert8 = [&](int stage, uint32_t land, uint32_t phase, uint32_t full) {
-      MbarWait(land, phase);
-      ConvertFp8Stage<D, KB>(base + stage, Tr::kFp8At, tid, e5m2);
-      FenceProxyAsync();
-      MbarArrive(full);
-    };
-    // kQToHalf: the Q tile of Q phase qp, once landed (q_land), as fp16
-    // times 2^e per row (QTileToHalf); e goes to s_qexp for the consumers.
-    auto finish_q = [&](int qp, bool negative) {
-      const int qb = qp % QB;
-      MbarWait(cs.bar_q_land(qb), (qp / QB) & 1);
-      QTileToHalf<Tr>(smem + (cs.a_q(qb) - base), s_qexp + qb * Tr::kM, r0, c, negative);
-      FenceProxyAsync();
-      MbarArrive(cs.bar_q(qb));
-    };
-
     int32_t my_slot = num_blocks > 0 ? row_slot(0) : 0;
     if constexpr (Tr::kOverlap) {
       // kTrace: the producer's stamps of this tile (Sm90Trace::kTileAt).
@@ -340,39 +410,15 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
       // not after it: a Q load takes longer than the last turn and the
       // epilogue.
       static_assert(QB == 2, "a persistent CTA loads Q a tile ahead");
-      // Tr::kFp8: K_b is converted as soon as V_b is issued (the K ring
-      // is the short one: K_b's stage frees once S_{b-2} has completed and
-      // turn b needs it), V_b once K_{b+1} and V_{b+1} are (its bytes have
-      // then had a block's time to land; turn b + 1 needs it). Block 0's
-      // K goes before the next tile's Q, whose load waits for the
-      // consumers to finish the last tile: they need K_0 right after. The
-      // next tile's Q (kQToHalf) is converted once block 1 is, or at the
-      // end of a shorter tile: it has landed by then.
-      auto convert_k = [&](int b) {
-        const int g = g0 + b;
-        convert8(Tr::kKOff + (g % SK) * Tr::kKvBytes, cs.bar_k_land(g % SK), (g / SK) & 1, cs.bar_k(g % SK));
-      };
-      auto convert_v = [&](int b) {
-        const int g = g0 + b;
-        convert8(Tr::kVOff + (g % SV) * Tr::kKvBytes, cs.bar_v_land(g % SV), (g / SV) & 1, cs.bar_v(g % SV));
-      };
       if (num_blocks > 0) issue_k_block(0);
       pst.Now(8);
       if (!tile.q_ahead) load_q(tile, qt);
       if (num_blocks > 0) issue_v_block(0);
-      if constexpr (kQToHalf) {
-        if (!tile.q_ahead) finish_q(qt, tile.seq.sm_scale < 0.f);
-      }
-      if constexpr (Tr::kFp8) {
-        if (num_blocks > 0) convert_k(0);
-      }
       const int next_idx = tile.idx + static_cast<int>(gridDim.x);
-      int next_q = 0;  // kQToHalf: 1 the next tile's Q is loaded and not converted, 2 with a negative scale
       if (next_idx < args.num_items) {
         const Tile next = MakeTile<Tr>(args, next_idx);
         if (next.item.seq >= 0) {
           load_q(next, qt + 1);
-          next_q = next.seq.sm_scale < 0.f ? 2 : 1;
           // Its first page-table line, for its first block's slots.
           PrefetchL1(args.p.kv_indices + next.seq.kv_start + args.page.Div(next.item.kv_begin));
         }
@@ -381,22 +427,6 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
       for (int b = 1; b < num_blocks; ++b) {
         issue_k_block(b);
         issue_v_block(b);
-        if constexpr (Tr::kFp8) {
-          convert_k(b);
-          convert_v(b - 1);
-        }
-        if constexpr (kQToHalf) {
-          if (b == 1 && next_q > 0) {
-            finish_q(qt + 1, next_q == 2);
-            next_q = 0;
-          }
-        }
-      }
-      if constexpr (Tr::kFp8) {
-        if (num_blocks > 0) convert_v(num_blocks - 1);
-      }
-      if constexpr (kQToHalf) {
-        if (next_q > 0) finish_q(qt + 1, next_q == 2);
       }
     } else {
       // One tile per CTA (Tr::kPersistent is false): ring positions are

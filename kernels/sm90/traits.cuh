@@ -142,7 +142,13 @@ struct Traits {
   // V_{b - kVStages} were issued before V_b; q_empty of tile i - 2 needs only
   // tile i - 2's blocks. (kSerial keeps the waiting producer: kInFlight
   // above.)
-  static constexpr int kThreads = 384;
+  // kFp8: a fourth warpgroup converts each landed FP8 block to fp16
+  // (ConverterRole, producer.cuh). The producer converting them itself
+  // between its copies was the bound (FP8 at 0.63-0.82 of bf16), and
+  // halving either role to make room for the other ran slower still
+  // (bench/results/2026-12-03-session20-h200.md).
+  static constexpr int kConvertThreads = kFp8 ? 128 : 0;
+  static constexpr int kThreads = 384 + kConvertThreads;
   // setmaxnreg after the split: the sum (128 x producer + 256 x consumer)
   // must not exceed the 168 x 384 = 64,512 the kernel starts with, or the
   // consumers' increase waits for registers that never come (64 / 224 hung
@@ -153,9 +159,14 @@ struct Traits {
   // row's address waiting for the copy before it to read its registers;
   // with 72 and the whole-block copies (prefill_kernel.cuh) page_size 1 ran
   // 4-7% faster (bench/results/2026-12-01-session8-h200.md, r30).
-  static constexpr int kProducerRegs = 72;
+  // kFp8: the producer and the converters share what the consumers leave
+  // of 128 x 512: 40 each.
+  static constexpr int kProducerRegs = kFp8 ? 40 : 72;
+  static constexpr int kConverterRegs = 40;
   static constexpr int kConsumerRegs = 216;
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 168 * 384, "register split");
+  static constexpr int kStartRegs = (65536 / kThreads) & ~7;  // a thread's at launch (168; kFp8 128)
+  static_assert(128 * kProducerRegs + kConvertThreads * kConverterRegs + 256 * kConsumerRegs <= kStartRegs * kThreads,
+                "register split");
   static constexpr int kChunks = D / 8;     // 16-byte chunks per row
   // Tiles are stored as D / 64 column blocks of (rows x 128 bytes), 128-byte
   // swizzled (TileOff); a column block of R rows spans R * 128 bytes.
@@ -193,6 +204,7 @@ struct Traits {
   static constexpr int kSmemBytes = kQExpOff + (kFp8 ? kQBufs * kM : 0) + 1024;
   static constexpr int kRowsPerPass = 128 / kChunks;  // Q rows per producer pass
   static constexpr int kQPasses = kM / kRowsPerPass;
+  static constexpr int kQUnroll = kFp8 ? 1 : kQPasses;  // Q passes unrolled together (ProducerRole)
   static_assert(kKB == 128, "one producer thread per KV row of a block");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
   static_assert((kQBytes % 1024) == 0 && (kKOff % 1024) == 0 && (kVOff % 1024) == 0 && (kKvBytes % 1024) == 0,

@@ -166,7 +166,8 @@ TEST(Fp8Cuda, Bf16QueriesOfEveryMagnitudeMatchReference) {
 HostBatch MakeFp8PrefillBatch(int round, std::mt19937_64* rng) {
   HostBatch b;
   const int page_sizes[] = {16, 1, 128, 7, 64, 8};
-  b.geo.head_dim = round % 2 == 0 ? 128 : 64;
+  // Each page size with both head_dims (rounds 0-5 and 12-17 head_dim 128).
+  b.geo.head_dim = (round / 6) % 2 == 0 ? 128 : 64;
   b.geo.page_size = page_sizes[round % 6];
   b.geo.num_kv_heads = 1 + round % 3;
   const int groups[] = {4, 1, 8, 2, 5};
