@@ -11,7 +11,7 @@
 // Usage: attnserve_kernel_bench [--quick]
 //          [--kernel=auto|sm80|sm80_rows64|sm90|sm90_overlap|sm90_overlap_nopp]
 //          [--merge-only] [--workload=NAME[,NAME...]] [--page_sizes=1,16,64]
-//          [--kv_dtype=bf16|fp8_e4m3|fp8_e5m2]
+//          [--kv_dtype=bf16|fp8_e4m3|fp8_e5m2] [--q_dtype=bf16|fp16]
 // --kernel=auto (the default) times what the server picks per workload
 // (ChoosePrefillKernel); a name forces that kernel (sm90*: sm_90 devices
 // only).
@@ -28,6 +28,10 @@
 // --kv_dtype: the prefill workloads' KV pools in FP8 (N(0, 1) values, scales
 // 1.0; queries stay bf16): only kernels reading FP8 pools take them
 // (ChoosePrefillKernel picks sm90_overlap).
+// --q_dtype=fp16: the queries (and a 16-bit pool) in fp16, filled with the
+// bf16 generator's bit patterns read as fp16 (finite, magnitudes about 0.9
+// to 4): for timing only, e.g. FP8 pools without the bf16 queries'
+// conversion to fp16.
 // Prints one "RESULT key=value ..." line per measurement, then a table.
 #include <cuda_runtime.h>
 
@@ -103,6 +107,8 @@ void FillRandomBf16(void* dst, size_t n, uint64_t seed) {
 
 // --kv_dtype: the prefill workloads' pools (kNone: bf16, as the queries).
 Fp8Format g_kv_fp8 = Fp8Format::kNone;
+// --q_dtype: the queries' dtype (bf16 or fp16).
+KvDType g_q_dtype = KvDType::kBf16;
 
 // Fills n FP8 bytes of format f with N(0, 1) values quantized by
 // kernels/fp8.h (never NaN), as FillRandomBf16.
@@ -269,7 +275,7 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
   g.num_qo_heads = kH;
   g.num_kv_heads = kKvh;
   g.head_dim = kD;
-  g.dtype = KvDType::kBf16;
+  g.dtype = g_q_dtype;
   g.kv_fp8 = g_kv_fp8;
   const bool fp8 = g.KvIsFp8();
   const int pages_per_seq = (w.kv_len + page_size - 1) / page_size;
@@ -431,9 +437,10 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
   for (void* p : {o, lse, d_idx, d_seqs, d_items, d_merges, part_o, part_lse, d_sinks}) cudaFree(p);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
-  std::printf("RESULT kernel=prefill workload=%s kv_dtype=%s batch=%d q=%d kv=%d page_size=%d family=%s section_mb=%d "
+  const char* q_name = g.dtype == KvDType::kFp16 ? "fp16" : "bf16";
+  std::printf("RESULT kernel=prefill workload=%s kv_dtype=%s q_dtype=%s batch=%d q=%d kv=%d page_size=%d family=%s section_mb=%d "
               "ms=%.4f tflops=%.1f kv_tbs=%.2f items=%zu split=%d\n",
-              w.name.c_str(), fp8 ? Fp8FormatName(g.kv_fp8) : "bf16", w.batch, w.q_len, w.kv_len, page_size, res.kernel.c_str(), res.section_mb, res.ms, res.tflops,
+              w.name.c_str(), fp8 ? Fp8FormatName(g.kv_fp8) : q_name, q_name, w.batch, w.q_len, w.kv_len, page_size, res.kernel.c_str(), res.section_mb, res.ms, res.tflops,
               res.kv_tbs, res.items, res.split ? 1 : 0);
   std::fflush(stdout);
   return res;
@@ -529,6 +536,15 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--merge-only") == 0) merge_only = true;
     if (std::strncmp(argv[i], "--kernel=", 9) == 0) only_kernel = argv[i] + 9;
     if (std::strncmp(argv[i], "--workload=", 11) == 0) only_workload = argv[i] + 11;
+    if (std::strncmp(argv[i], "--q_dtype=", 10) == 0) {
+      const std::string v = argv[i] + 10;
+      if (v == "fp16") {
+        g_q_dtype = KvDType::kFp16;
+      } else if (v != "bf16") {
+        std::fprintf(stderr, "--q_dtype=%s: expected bf16 or fp16\n", v.c_str());
+        return 2;
+      }
+    }
     if (std::strncmp(argv[i], "--kv_dtype=", 11) == 0) {
       const std::string v = argv[i] + 11;
       if (v == "fp8_e4m3") {
