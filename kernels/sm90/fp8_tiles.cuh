@@ -27,26 +27,22 @@ __device__ __forceinline__ uint32_t Fp8Off(int r, int c) {
 
 // Rewrites a stage of KB rows in place as the fp16 tile the GEMMs read
 // (TileOff): its FP8 bytes (format F8) lie at tile + fp8_at, the upper half
-// of the stage, laid out by Fp8Off; t is the converting thread (0 .. N - 1,
-// N a multiple of 32), all N of which take part. Each 16-byte chunk of FP8
-// becomes two 16-byte chunks of fp16 (exact); a chunk is read before
-// anything overwrites it:
+// of the stage, laid out by Fp8Off; t is the converting thread (0 .. 127),
+// all of which take part. Each 16-byte chunk of FP8 becomes two 16-byte
+// chunks of fp16 (exact); a chunk is read before anything overwrites it:
 //  - head_dim 128: row r's fp16 column block 1 overwrites exactly FP8 row
-//    r, so the quad that owns the row (r = i * N / 4 + t / 4, step i of
-//    512 / N) reads all of it (chunks c = t % 4 and c + 4), syncs the warp,
-//    then writes fp16 chunks 2c, 2c + 1 of column block 0 and the same of
-//    block 1;
+//    r, so the quad that owns the row (r = i * 32 + t / 4, step i of 4)
+//    reads all of it (chunks c = t % 4 and c + 4), syncs the warp, then
+//    writes fp16 chunks 2c, 2c + 1 of column block 0 and the same of block 1;
 //  - head_dim 64: rows 0 .. 63's fp16 rows lie below the FP8 bytes, rows
 //    64 .. 127's overwrite other rows' bytes: those are read first, then the
-//    N threads sync (named barrier `bar`), then write.
+//    128 threads sync (named barrier `bar`), then write.
 // A warp's reads and writes touch every bank position equally. The caller
 // fences to the async proxy before the GEMMs may read the tile.
-template <int D, int KB, int F8, int N>
+template <int D, int KB, int F8>
 __device__ __forceinline__ void ConvertFp8Stage(uint32_t tile, uint32_t fp8_at, int t, int bar) {
-  static_assert(KB == 128 && (D == 64 || D == 128), "128-row blocks");
-  static_assert(N % 32 == 0 && N <= 128, "whole warps, at most a row a thread");
-  constexpr int kStep = N * 32;  // bytes of the N / 4 fp16 (or D == 128: FP8) rows a step covers
-  // The thread's first read and write (shared window); step i adds N / 4 rows.
+  static_assert(KB == 128 && (D == 64 || D == 128), "one converting thread per row of a 128-row block");
+  // The thread's first read and write (shared window); step i adds 32 rows.
   const int k7 = (t >> 2) & 7;
   const uint32_t rd = tile + fp8_at + (D == 128 ? (t >> 2) * 128 + (((t & 3) ^ k7) << 4) : t * 16);
   const uint32_t wr = tile + (t >> 2) * 128 + ((((t & 3) * 2) ^ k7) << 4);
@@ -67,45 +63,43 @@ __device__ __forceinline__ void ConvertFp8Stage(uint32_t tile, uint32_t fp8_at, 
     // touches eight distinct positions. `par` is the row's parity.
     const uint32_t par = (t >> 2) & 1;
 #pragma unroll 2
-    for (int i = 0; i < 512 / N; ++i) {
-      const uint32_t at = rd + i * kStep;
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t at = rd + i * 4096;
       const uint4 first = LdShared128(at ^ (par << 6));         // FP8 chunks 4 par .. 4 par + 3
       const uint4 second = LdShared128(at ^ ((par ^ 1) << 6));  // the other half
       __syncwarp();
-      put(wr + i * kStep + par * (KB * 128), first);
-      put(wr + i * kStep + (par ^ 1) * (KB * 128), second);
+      put(wr + i * 4096 + par * (KB * 128), first);
+      put(wr + i * 4096 + (par ^ 1) * (KB * 128), second);
     }
   } else {
-    // FP8 chunk t + k N (row t / 4 + k N / 4) -> fp16 row t / 4 + k N / 4:
-    // the first kLow steps write below the FP8 bytes.
-    constexpr int kSteps = 512 / N;
-    constexpr int kLow = kSteps / 2;
+    // FP8 chunk t + 128 k (row t / 4 + 32 k) -> fp16 row t / 4 + 32 k:
+    // steps 0 and 1 write below the FP8 bytes.
 #pragma unroll
-    for (int k = 0; k < kLow; ++k) put(wr + k * kStep, LdShared128(rd + k * (N * 16)));
-    uint4 in[kSteps - kLow];
+    for (int k = 0; k < 2; ++k) put(wr + k * 4096, LdShared128(rd + k * 2048));
+    uint4 in[2];
 #pragma unroll
-    for (int k = kLow; k < kSteps; ++k) in[k - kLow] = LdShared128(rd + k * (N * 16));
-    NamedBarSync(bar, N);
+    for (int k = 2; k < 4; ++k) in[k - 2] = LdShared128(rd + k * 2048);
+    NamedBarSync(bar, 128);
 #pragma unroll
-    for (int k = kLow; k < kSteps; ++k) put(wr + k * kStep, in[k - kLow]);
+    for (int k = 2; k < 4; ++k) put(wr + k * 4096, in[k - 2]);
   }
 }
 
-template <int D, int KB, int N>
+template <int D, int KB>
 __device__ __forceinline__ void ConvertFp8Stage(uint32_t tile, uint32_t fp8_at, int t, int bar, bool e5m2) {
   if (e5m2) {
-    ConvertFp8Stage<D, KB, static_cast<int>(Fp8Format::kE5m2), N>(tile, fp8_at, t, bar);
+    ConvertFp8Stage<D, KB, static_cast<int>(Fp8Format::kE5m2)>(tile, fp8_at, t, bar);
   } else {
-    ConvertFp8Stage<D, KB, static_cast<int>(Fp8Format::kE4m3), N>(tile, fp8_at, t, bar);
+    ConvertFp8Stage<D, KB, static_cast<int>(Fp8Format::kE4m3)>(tile, fp8_at, t, bar);
   }
 }
 
 // A landed bf16 Q tile (Tr::kM rows, TileOff) in place as fp16 times 2^e
 // per row (QHalfExponent of the row's largest finite |q|, reduced over the
 // Tr::kChunks consecutive lanes that hold the row; a negative scale's sign
-// joins the factor); e goes to exps[row] for the consumers. Each of the
-// Tr::kLoadThreads converting threads rewrites chunk c of rows
-// r0 + p * Tr::kRowsPerPass (r0 = t / Tr::kChunks, c = t % Tr::kChunks).
+// joins the factor); e goes to exps[row] for the consumers. Each of the 128
+// converting threads rewrites chunk c of rows r0 + p * Tr::kRowsPerPass
+// (r0 = t / Tr::kChunks, c = t % Tr::kChunks).
 template <typename Tr>
 __device__ __forceinline__ void QTileToHalf(uint8_t* q_tile, int8_t* exps, int r0, int c, bool negative) {
 #pragma unroll 4

@@ -40,10 +40,9 @@ __device__ __forceinline__ void ConverterRole(const PrefillKernelArgs& args, con
   constexpr int SK = Tr::kKStages;
   constexpr int SV = Tr::kVStages;
   constexpr int QB = Tr::kQBufs;
-  constexpr int N = Tr::kConvertThreads;
   constexpr bool kQToHalf = GemmTypes<Tr, T>::kQToHalf;
-  constexpr int kConvertBar = 4;  // named barrier of the N converters (head_dim 64)
-  static_assert(N == 128, "QTileToHalf's passes are the producer's");
+  constexpr int kConvertBar = 4;  // named barrier of the 128 converters (head_dim 64)
+  static_assert(Tr::kConvertThreads == 128, "ConvertFp8Stage and QTileToHalf take 128 threads");
   RegDealloc<Tr::kConverterRegs>();
   const bool e5m2 = args.p.geo.kv_fp8 == Fp8Format::kE5m2;
   const int c = t % Tr::kChunks;
@@ -52,7 +51,7 @@ __device__ __forceinline__ void ConverterRole(const PrefillKernelArgs& args, con
   // landed (land, phase), as fp16; then the full barrier.
   auto convert8 = [&](int stage, uint32_t land, uint32_t phase, uint32_t full) {
     MbarWait(land, phase);
-    ConvertFp8Stage<D, KB, N>(cs.base + stage, Tr::kFp8At, t, kConvertBar, e5m2);
+    ConvertFp8Stage<D, KB>(cs.base + stage, Tr::kFp8At, t, kConvertBar, e5m2);
     FenceProxyAsync();
     MbarArrive(full);
   };
