@@ -14,6 +14,7 @@
 #include "kernels/fp8_device.cuh"
 #include "kernels/math.h"
 #include "kernels/sm90/cta.cuh"
+#include "kernels/sm90/fp8_tiles.cuh"
 #include "kernels/sm90/ptx.cuh"
 #include "kernels/sm90/traits.cuh"
 #include "kernels/variant.h"
@@ -129,8 +130,8 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
     if constexpr (Tr::kFp8) k_scale = KvScaleAt(args.p.k_scales, seq.layer, args.p.geo.num_kv_heads, kvh);
     const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/true, k_scale);
     // kQToHalf: the logit multipliers of the thread's rows h = 0, 1,
-    // logit.mul times 2^-e (the producer stored Q times 2^e), read once Q has
-    // landed.
+    // logit.mul times 2^-e (Q is stored times 2^e), read once the
+    // warpgroup has converted its rows.
     [[maybe_unused]] float row_mul[2] = {logit.mul, logit.mul};
 
     float o_acc[D / 2];
@@ -373,10 +374,20 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
       if (Tr::kPersistent || turns > 0) {
         MbarWait(cs.bar_q(qb), (qt / QB) & 1);
         if constexpr (kQToHalf) {
+          // This warpgroup's rows of the landed bf16 tile as fp16 times 2^e
+          // (a negative scale's sign folded in), for its GEMMs once the
+          // warpgroup has synced (named barrier 5 + cw); the rows'
+          // exponents beside the tile.
+          if (wg_blocks > 0) {
+            QRowsToHalf<Tr, Tr::kWgRows>(cs.smem + (a_qt - base), s_qexp + qb * Tr::kM, wg_row0, ctid / Tr::kChunks,
+                                         ctid % Tr::kChunks, seq.sm_scale < 0.f);
+            FenceProxyAsync();
+            NamedBarSync(5 + cw, 128);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int e = s_qexp[qb * Tr::kM + wg_row0 + warp * 16 + (lane >> 2) + 8 * h];
-            row_mul[h] = logit.mul * __int_as_float((127 - e) << 23);
+            for (int h = 0; h < 2; ++h) {
+              const int e = s_qexp[qb * Tr::kM + wg_row0 + warp * 16 + (lane >> 2) + 8 * h];
+              row_mul[h] = logit.mul * __int_as_float((127 - e) << 23);
+            }
           }
         }
         tst.Now(1);

@@ -128,16 +128,16 @@ struct CtaSmem {
   // last S = Q K^T of a tile has completed; the producer then loads the Q
   // of the tile kQBufs after it into the buffer.
   __device__ __forceinline__ uint32_t bar_q_empty(int qb) const { return bars + 8 * (Tr::kBarQEmpty + qb); }
-  // Tr::kFp8: a Q buffer's bf16 rows, a stage's FP8 bytes have landed (128
-  // arrivals, plus the tensor copies' bytes); the producer then converts
-  // them and completes the full barrier.
-  __device__ __forceinline__ uint32_t bar_q_land(int qb) const { return bars + 8 * (Tr::kBarQLand + qb); }
+  // Tr::kFp8: a stage's FP8 bytes have landed (128 arrivals, plus the
+  // tensor copies' bytes); the converters then rewrite them and complete
+  // the full barrier.
   __device__ __forceinline__ uint32_t bar_k_land(int s) const { return bars + 8 * (Tr::kBarKLand + s); }
   __device__ __forceinline__ uint32_t bar_v_land(int s) const { return bars + 8 * (Tr::kBarVLand + s); }
 };
 
 // The GEMMs' 16-bit type: on FP8 pools (Tr::kFp8) both run in fp16, and
-// bf16 queries are carried into fp16 per row (kQToHalf).
+// bf16 queries are carried into fp16 per row (kQToHalf: each consumer
+// warpgroup its own rows of a landed Q tile, QRowsToHalf).
 template <typename Tr, typename T>
 struct GemmTypes {
   using TC = std::conditional_t<Tr::kFp8, __half, T>;

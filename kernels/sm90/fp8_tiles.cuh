@@ -1,6 +1,7 @@
 // The sm90 family on FP8 pools (Traits::kFp8, kernels/sm90/traits.cuh):
-// the producer's conversions of a landed K or V block and of a bf16 Q tile
-// to fp16, in place in shared memory.
+// the conversions to fp16, in place in shared memory, of a landed K or V
+// block (the converters') and of a warpgroup's rows of a bf16 Q tile (the
+// consumers').
 #pragma once
 
 #include <cuda_bf16.h>
@@ -94,36 +95,86 @@ __device__ __forceinline__ void ConvertFp8Stage(uint32_t tile, uint32_t fp8_at, 
   }
 }
 
-// A landed bf16 Q tile (Tr::kM rows, TileOff) in place as fp16 times 2^e
-// per row (QHalfExponent of the row's largest finite |q|, reduced over the
-// Tr::kChunks consecutive lanes that hold the row; a negative scale's sign
-// joins the factor); e goes to exps[row] for the consumers. Each of the 128
-// converting threads rewrites chunk c of rows r0 + p * Tr::kRowsPerPass
-// (r0 = t / Tr::kChunks, c = t % Tr::kChunks).
-template <typename Tr>
-__device__ __forceinline__ void QTileToHalf(uint8_t* q_tile, int8_t* exps, int r0, int c, bool negative) {
-#pragma unroll 4
-  for (int p = 0; p < Tr::kQPasses; ++p) {
-    const int row = p * Tr::kRowsPerPass + r0;
-    uint4* ptr = reinterpret_cast<uint4*>(q_tile + TileOff<Tr::kM>(row, c));
-    const uint4 v = *ptr;
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    float f[8];
-    float amax = 0.f;
+// A warpgroup's rows of a landed bf16 Q tile (kRows rows from row0, in
+// TileOff's layout of Tr::kM rows) in place as fp16 times 2^e per row
+// (QHalfExponent of the row's largest finite |q|; a negative scale's sign
+// joins the factor); e goes to exps[row]. Each of the warpgroup's 128
+// threads rewrites chunk c of rows row0 + r0 + p * Tr::kRowsPerPass (r0 =
+// t / Tr::kChunks, c = t % Tr::kChunks, p < kRows / kRowsPerPass); the
+// Tr::kChunks consecutive lanes that hold a row reduce its maximum. All
+// passes go together (their loads, then their shuffles interleaved, then
+// their products), so that each step's latency is paid once.
+//
+// On the bits: a finite bf16 magnitude orders as its 15-bit integer, so the
+// row maximum is an integer maximum of 16-bit pairs, and its exponent field
+// E gives QHalfExponent's 14 - ilogb = 141 - E (a subnormal and E = 1 both
+// clamp to 100; 0 and magnitudes above 3.0e38, bits 0x7f62 and up, give 0).
+// The factor 2^e (|e| <= 100) is a normal bf16, so the product in bf16 is
+// exact but where it falls below 2^-126, which fp16 rounds to 0 either way;
+// it is then widened and rounded once to fp16. A warp with an infinity or a
+// NaN in any of its rows takes the float path (FiniteAbs).
+template <typename Tr, int kRows>
+__device__ __forceinline__ void QRowsToHalf(uint8_t* q_tile, int8_t* exps, int row0, int r0, int c, bool negative) {
+  constexpr int kPasses = kRows / Tr::kRowsPerPass;
+  static_assert(kRows % Tr::kRowsPerPass == 0, "whole passes");
+  auto umax2 = [](uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+  };
+  auto at = [&](int p) { return q_tile + TileOff<Tr::kM>(row0 + p * Tr::kRowsPerPass + r0, c); };
+  uint4 v[kPasses];
+  uint32_t m[kPasses];
+  bool special = false;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 x = Unpack2<__nv_bfloat16>(w[j]);
-      f[2 * j] = x.x;
-      f[2 * j + 1] = x.y;
-      amax = fmaxf(amax, fmaxf(FiniteAbs(x.x), FiniteAbs(x.y)));
+  for (int p = 0; p < kPasses; ++p) {
+    v[p] = *reinterpret_cast<const uint4*>(at(p));
+    constexpr uint32_t kMag = 0x7fff7fffu;
+    m[p] = umax2(umax2(v[p].x & kMag, v[p].y & kMag), umax2(v[p].z & kMag, v[p].w & kMag));
+  }
+#pragma unroll
+  for (int o = 1; o < Tr::kChunks; o <<= 1) {
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) m[p] = umax2(m[p], __shfl_xor_sync(0xffffffffu, m[p], o));
+  }
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    m[p] = max(m[p] & 0xffffu, m[p] >> 16);  // the row's largest |q|, bf16 bits
+    special |= m[p] >= 0x7f80u;
+  }
+  int e[kPasses];
+  if (!__any_sync(0xffffffffu, special)) {
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      e[p] = (m[p] == 0u || m[p] >= 0x7f62u) ? 0 : max(-100, min(100, 141 - static_cast<int>(m[p] >> 7)));
     }
+  } else {
 #pragma unroll
-    for (int o = 1; o < Tr::kChunks; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const int e = QHalfExponent(amax);
-    const float mul = __int_as_float((127 + e) << 23) * (negative ? -1.f : 1.f);
-    *ptr = make_uint4(Pack2<__half>(f[0] * mul, f[1] * mul), Pack2<__half>(f[2] * mul, f[3] * mul),
-                      Pack2<__half>(f[4] * mul, f[5] * mul), Pack2<__half>(f[6] * mul, f[7] * mul));
-    if (c == 0) exps[row] = static_cast<int8_t>(e);
+    for (int p = 0; p < kPasses; ++p) {
+      float amax = 0.f;
+      const uint32_t w[4] = {v[p].x, v[p].y, v[p].z, v[p].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 x = Unpack2<__nv_bfloat16>(w[j]);
+        amax = fmaxf(amax, fmaxf(FiniteAbs(x.x), FiniteAbs(x.y)));
+      }
+#pragma unroll
+      for (int o = 1; o < Tr::kChunks; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      e[p] = QHalfExponent(amax);
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const uint32_t f16 = (static_cast<uint32_t>(127 + e[p]) << 7) | (negative ? 0x8000u : 0u);  // +-2^e, bf16
+    const uint32_t f = f16 | (f16 << 16);
+    auto conv = [&](uint32_t w) {
+      uint32_t x;
+      asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(x) : "r"(w), "r"(f));
+      const float2 y = Unpack2<__nv_bfloat16>(x);
+      return Pack2<__half>(y.x, y.y);
+    };
+    *reinterpret_cast<uint4*>(at(p)) = make_uint4(conv(v[p].x), conv(v[p].y), conv(v[p].z), conv(v[p].w));
+    if (c == 0) exps[row0 + p * Tr::kRowsPerPass + r0] = static_cast<int8_t>(e[p]);
   }
 }
 

@@ -98,7 +98,6 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
       if (Tr::kSplitEmpty) MbarInit(cs.bar_v_empty(s), 256);
     }
     if constexpr (Tr::kFp8) {
-      for (int qb = 0; qb < QB; ++qb) MbarInit(cs.bar_q_land(qb), 128);
       for (int s = 0; s < SK; ++s) MbarInit(cs.bar_k_land(s), 128);
       for (int s = 0; s < SV; ++s) MbarInit(cs.bar_v_land(s), 128);
     }
@@ -113,7 +112,7 @@ __device__ __forceinline__ void PrefillCta(const PrefillKernelArgs& args) {
   }
   if constexpr (Tr::kFp8) {
     if (wg == 3) {
-      ConverterRole<Tr, T>(args, cs, tid - 384);
+      ConverterRole<Tr>(args, cs, tid - 384);
       return;
     }
   }

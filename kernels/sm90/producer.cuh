@@ -24,29 +24,21 @@ namespace sm90 {
 // each of the CTA's tiles, in the order the consumers read them: a landed
 // stage's FP8 bytes (the producer's land barrier) rewritten in place as
 // fp16 (ConvertFp8Stage), then a fence to the async proxy and the stage's
-// full barrier; with bf16 queries (kQToHalf) also each landed Q tile as
-// fp16 times 2^e per row (QTileToHalf), e to the consumers beside it.
-// Order: K_0 (the producer issues it first), this tile's Q unless the
-// previous tile's converters took it, then K_b before V_{b-1} (turn b's S
-// reads K_b, its P V V_{b-1}); the next tile's Q (loaded at this tile's
-// start) once block 1 is done, or at the end of a shorter tile. No
-// deadlock: each wait is for bytes the producer issues without waiting on
-// anything but stages the consumers release after reading earlier
-// conversions.
-template <typename Tr, typename T>
+// full barrier. Order: K_0, then K_b before V_{b-1} (turn b's S reads K_b,
+// its P V V_{b-1}). (bf16 Q tiles are the consumers' to convert: each
+// warpgroup its own rows, QRowsToHalf.) No deadlock: each wait is for bytes
+// the producer issues without waiting on anything but stages the consumers
+// release after reading earlier conversions.
+template <typename Tr>
 __device__ __forceinline__ void ConverterRole(const PrefillKernelArgs& args, const CtaSmem<Tr>& cs, int t) {
   constexpr int D = Tr::kD;
   constexpr int KB = Tr::kKB;
   constexpr int SK = Tr::kKStages;
   constexpr int SV = Tr::kVStages;
-  constexpr int QB = Tr::kQBufs;
-  constexpr bool kQToHalf = GemmTypes<Tr, T>::kQToHalf;
   constexpr int kConvertBar = 4;  // named barrier of the 128 converters (head_dim 64)
-  static_assert(Tr::kConvertThreads == 128, "ConvertFp8Stage and QTileToHalf take 128 threads");
+  static_assert(Tr::kConvertThreads == 128, "ConvertFp8Stage takes 128 threads");
   RegDealloc<Tr::kConverterRegs>();
   const bool e5m2 = args.p.geo.kv_fp8 == Fp8Format::kE5m2;
-  const int c = t % Tr::kChunks;
-  const int r0 = t / Tr::kChunks;
   // The stage at byte `stage` of the tile memory, once its FP8 bytes have
   // landed (land, phase), as fp16; then the full barrier.
   auto convert8 = [&](int stage, uint32_t land, uint32_t phase, uint32_t full) {
@@ -55,18 +47,9 @@ __device__ __forceinline__ void ConverterRole(const PrefillKernelArgs& args, con
     FenceProxyAsync();
     MbarArrive(full);
   };
-  // The Q tile of Q phase qp, once landed (q_land).
-  auto finish_q = [&](int qp, bool negative) {
-    const int qb = qp % QB;
-    MbarWait(cs.bar_q_land(qb), (qp / QB) & 1);
-    QTileToHalf<Tr>(cs.smem + (cs.a_q(qb) - cs.base), cs.s_qexp + qb * Tr::kM, r0, c, negative);
-    FenceProxyAsync();
-    MbarArrive(cs.bar_q(qb));
-  };
   ForEachTile<Tr>(args, [&](const Tile& tile, auto&&) {
     const int num_blocks = tile.num_blocks;
     const int g0 = tile.g0;
-    [[maybe_unused]] const int qt = tile.n;  // Q phase (kQToHalf)
     auto convert_k = [&](int b) {
       const int g = g0 + b;
       convert8(Tr::kKOff + (g % SK) * Tr::kKvBytes, cs.bar_k_land(g % SK), (g / SK) & 1, cs.bar_k(g % SK));
@@ -75,33 +58,12 @@ __device__ __forceinline__ void ConverterRole(const PrefillKernelArgs& args, con
       const int g = g0 + b;
       convert8(Tr::kVOff + (g % SV) * Tr::kKvBytes, cs.bar_v_land(g % SV), (g / SV) & 1, cs.bar_v(g % SV));
     };
-    // kQToHalf: 1 the next tile's Q is loaded and not converted, 2 with a
-    // negative scale (the producer loads it when the next item is not
-    // padding).
-    [[maybe_unused]] int next_q = 0;
-    if (num_blocks > 0) convert_k(0);  // issued before the tile's Q
-    if constexpr (kQToHalf) {
-      if (!tile.q_ahead) finish_q(qt, tile.seq.sm_scale < 0.f);
-      const int next_idx = tile.idx + static_cast<int>(gridDim.x);
-      if (next_idx < args.num_items) {
-        const int next_seq = args.items[next_idx].seq;
-        if (next_seq >= 0) next_q = args.p.seqs[next_seq].sm_scale < 0.f ? 2 : 1;
-      }
-    }
+    if (num_blocks > 0) convert_k(0);
     for (int b = 1; b < num_blocks; ++b) {
       convert_k(b);
       convert_v(b - 1);
-      if constexpr (kQToHalf) {
-        if (b == 1 && next_q > 0) {
-          finish_q(qt + 1, next_q == 2);
-          next_q = 0;
-        }
-      }
     }
     if (num_blocks > 0) convert_v(num_blocks - 1);
-    if constexpr (kQToHalf) {
-      if (next_q > 0) finish_q(qt + 1, next_q == 2);
-    }
   });
 }
 
@@ -346,14 +308,13 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
       pst.Now(6);
       // The Q tile of Q phase qp (tile qtile) once the consumers have
       // released the buffer's previous tile (after its last S): tracked by
-      // q_full like K and V, or waited for and flipped for a negative scale.
+      // q_full like K and V, or waited for and flipped for a negative scale
+      // (kQToHalf: the consumers flip it as they convert it).
       auto load_q = [&](const Tile& qtile, int qp) {
         const int qb = qp % QB;
         if (qp >= QB) MbarWait(cs.bar_q_empty(qb), ((qp / QB) - 1) & 1);
         issue_q(qtile, qb);
-        if constexpr (kQToHalf) {
-          CpAsyncArriveNoinc(cs.bar_q_land(qb));  // finish_q converts it later
-        } else if (qtile.seq.sm_scale < 0.f) {
+        if (!kQToHalf && qtile.seq.sm_scale < 0.f) {
           CpAsyncWait<0>();
           complete_q(qtile, qb);
         } else {

@@ -76,9 +76,9 @@ enum class Schedule : int { kSerial, kOverlap };
 // them on the stage's land barrier, and rewrites the stage in place as fp16
 // (exact for both formats) before it completes the full barrier; both GEMMs
 // then run in fp16. bf16 queries become fp16 times a power of two per row
-// (the decode family's QHalfExponent), converted in place by the producer
-// once they land; the row's exponent goes to the consumers beside the tile
-// (kQExpOff) and K's scale joins the logit scale, V's the output's.
+// (the decode family's QHalfExponent), converted in place by each consumer
+// warpgroup, its own rows, once the tile lands (the rows' exponents beside
+// the tile, kQExpOff); K's scale joins the logit scale, V's the output's.
 template <int D, Schedule kSchedule = Schedule::kSerial, bool kTurns = true, bool kTmaLoads = false,
           bool kSoftCaps = true, bool kSinkSets = true, bool kFp8Kv = false>
 struct Traits {
@@ -146,7 +146,9 @@ struct Traits {
   // (ConverterRole, producer.cuh). The producer converting them itself
   // between its copies was the bound (FP8 at 0.63-0.82 of bf16), and
   // halving either role to make room for the other ran slower still
-  // (bench/results/2026-12-03-session20-h200.md).
+  // (bench/results/2026-12-03-session20-h200.md). bf16 Q tiles are the
+  // consumers' (QRowsToHalf): on the converters, after every block, they
+  // were the bound on short tiles (bench/results/2026-12-03-session21-h200.md).
   static constexpr int kConvertThreads = kFp8 ? 128 : 0;
   static constexpr int kThreads = 384 + kConvertThreads;
   // setmaxnreg after the split: the sum (128 x producer + 256 x consumer)
@@ -188,10 +190,9 @@ struct Traits {
   static constexpr int kBarKEmpty = kBarVFull + kVStages;
   static constexpr int kBarVEmpty = kSplitEmpty ? kBarKEmpty + kKStages : kBarKEmpty;
   static constexpr int kBarQEmpty = kBarVEmpty + kVStages;
-  static constexpr int kBarQLand = kBarQEmpty + (kPersistent ? kQBufs : 0);
-  // kFp8: q_land[kQBufs] (bf16 queries land before their conversion),
-  // k_land[kKStages], v_land[kVStages] (a block's FP8 bytes have landed).
-  static constexpr int kBarKLand = kBarQLand + (kFp8 ? kQBufs : 0);
+  // kFp8: k_land[kKStages], v_land[kVStages] (a block's FP8 bytes have
+  // landed).
+  static constexpr int kBarKLand = kBarQEmpty + (kPersistent ? kQBufs : 0);
   static constexpr int kBarVLand = kBarKLand + (kFp8 ? kKStages : 0);
   static constexpr int kNumBars = kBarVLand + (kFp8 ? kVStages : 0);
   // One word the overlapped consumers store their row sums to before they

@@ -7,6 +7,7 @@
 //    batch without its scales failing the comparison;
 //  - the sm90 prefill family's FP8 kernels (kSm90Overlap) over the same
 //    range of batches, and every other prefill kernel refusing FP8 pools;
+//    its conversion of bf16 Q rows to fp16 alone, bit for bit;
 //  - CudaBackend on an FP8 cache: the device quantizer bit for bit against
 //    kernels/fp8.h's on the host, ReadKv of the stored bytes and dequantized,
 //    FP8 rows stored as they are, SetKvScales, and batches of decode and
@@ -30,6 +31,7 @@
 #include "server/backend/backend.h"
 #include "server/backend/cuda/cuda_backend.h"
 #include "tests/gpu/family_run.h"
+#include "tests/gpu/q_rows_probe.h"
 
 namespace attnserve {
 namespace {
@@ -156,6 +158,98 @@ TEST(Fp8Cuda, Bf16QueriesOfEveryMagnitudeMatchReference) {
     if (D != 256 && Sm90PrefillSupported()) {
       const gpu_test::RunResult p = gpu_test::RunPrefill(b, PrefillKernel::kSm90Overlap);
       EXPECT_EQ(p.error, "") << "sm90 round " << round << ": " << gpu_test::Describe(b);
+    }
+  }
+}
+
+// The sm90 consumers' conversion of bf16 Q rows to fp16 times 2^e
+// (QRowsToHalf, kernels/sm90/fp8_tiles.cuh, which finds each row's largest
+// magnitude on the bits) bit for bit against its definition: e is
+// QHalfExponent of the row's largest finite |q| (kernels/fp8_device.cuh),
+// each element q * 2^e (times -1 for a negative scale) rounded once to
+// fp16. Rows span magnitudes 2^-140 (bf16 subnormals) to 3.2e38 (above
+// 3.0e38, e = 0), zero rows, and, in the second tile of each case, rows
+// holding an infinity or a NaN (the warps that hold them take the float
+// path; their other rows must come out the same).
+int HostQHalfExponent(float amax) {
+  if (!(amax > 0.f) || !(amax <= 3.0e38f)) return 0;
+  return std::max(-100, std::min(100, 14 - std::ilogb(amax)));
+}
+
+TEST(Fp8Cuda, Sm90QRowConversionMatchesDefinitionBitForBit) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  if (!Sm90PrefillSupported()) GTEST_SKIP() << "needs an sm_90 device";
+  constexpr int kRows = 128;
+  std::mt19937_64 rng(5150);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (int D : {64, 128}) {
+    for (int special = 0; special < 2; ++special) {
+      for (bool negative : {false, true}) {
+        std::vector<uint16_t> q(size_t(kRows) * D);
+        for (int r = 0; r < kRows; ++r) {
+          // Row r's scale 2^k: -140 .. 127 over rows 0 .. 99; rows 100 .. 103
+          // zero; the rest mix one large element with small ones.
+          const int k = -140 + (r * 267) / 99;
+          for (int j = 0; j < D; ++j) {
+            float x = std::max(-1.9f, std::min(1.9f, normal(rng)));
+            if (r < 100) {
+              x = std::ldexp(x, std::min(k, 127));
+            } else if (r < 104) {
+              x = (j % 2 == 0) ? 0.f : -0.f;
+            } else {
+              x = j == r % D ? std::ldexp(1.f, r - 60) : std::ldexp(x, -20);
+            }
+            q[size_t(r) * D + j] = gpu_test::ToHalfBits(KvDType::kBf16, x);
+          }
+        }
+        if (special == 1) {
+          q[size_t(5) * D + 3] = 0x7f80;   // +inf
+          q[size_t(77) * D + 0] = 0xff80;  // -inf
+          q[size_t(90) * D + 9] = 0x7fc1;  // NaN
+        }
+        uint16_t* d_in = nullptr;
+        uint16_t* d_out = nullptr;
+        int8_t* d_exps = nullptr;
+        ASSERT_CUDA(cudaMalloc(&d_in, q.size() * 2));
+        ASSERT_CUDA(cudaMalloc(&d_out, q.size() * 2));
+        ASSERT_CUDA(cudaMalloc(&d_exps, kRows));
+        ASSERT_CUDA(cudaMemcpy(d_in, q.data(), q.size() * 2, cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemset(d_out, 0xff, q.size() * 2));
+        ASSERT_CUDA(cudaMemset(d_exps, 0x7f, kRows));
+        const cudaError_t run = gpu_test::RunQRowsProbe(D, d_in, d_out, d_exps, negative);
+        std::vector<uint16_t> out(q.size());
+        std::vector<int8_t> exps(kRows);
+        ASSERT_CUDA(cudaMemcpy(out.data(), d_out, out.size() * 2, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaMemcpy(exps.data(), d_exps, kRows, cudaMemcpyDeviceToHost));
+        ASSERT_CUDA(cudaFree(d_in));
+        ASSERT_CUDA(cudaFree(d_out));
+        ASSERT_CUDA(cudaFree(d_exps));
+        ASSERT_EQ(run, cudaSuccess) << cudaGetErrorString(run);
+        int mismatches = 0;
+        for (int r = 0; r < kRows; ++r) {
+          float amax = 0.f;
+          for (int j = 0; j < D; ++j) {
+            const float a = std::fabs(static_cast<float>(gpu_test::FromHalfBits(KvDType::kBf16, q[size_t(r) * D + j])));
+            if (std::isfinite(a)) amax = std::max(amax, a);
+          }
+          const int e = HostQHalfExponent(amax);
+          EXPECT_EQ(exps[r], e) << "D " << D << " special " << special << " negative " << negative << " row " << r
+                                << " amax " << amax;
+          for (int j = 0; j < D && mismatches < 10; ++j) {
+            const double x = gpu_test::FromHalfBits(KvDType::kBf16, q[size_t(r) * D + j]);
+            const float y = static_cast<float>(std::ldexp(x, e) * (negative ? -1.0 : 1.0));
+            const uint16_t want = gpu_test::ToHalfBits(KvDType::kFp16, y);
+            const uint16_t got = out[size_t(r) * D + j];
+            const bool both_nan = std::isnan(y) && std::isnan(gpu_test::FromHalfBits(KvDType::kFp16, got));
+            if (got != want && !both_nan) {
+              ++mismatches;
+              ADD_FAILURE() << "D " << D << " special " << special << " negative " << negative << " row " << r
+                            << " col " << j << ": q bits " << q[size_t(r) * D + j] << ", e " << e << ", fp16 bits "
+                            << got << " want " << want;
+            }
+          }
+        }
+      }
     }
   }
 }
