@@ -23,8 +23,9 @@
 // 1 x 16384, causal); no merge. sweep_lenN is one point of the sweep, run
 // like the anchors (--page_sizes, --trace).
 // --trace=N (with --kernel=sm90_overlap --workload=...): after timing, runs
-// the workload once more through the traced kernel (PagedPrefillSm90Traced)
-// and prints where the first N CTAs' cycles went, phase by phase.
+// the workload once more through the traced kernel (PagedPrefillSm90Traced;
+// bf16 or FP8 pools) and prints where the first N CTAs' cycles went, phase by
+// phase.
 // --kv_dtype: the prefill workloads' KV pools in FP8 (N(0, 1) values, scales
 // 1.0; queries stay bf16): only kernels reading FP8 pools take them
 // (ChoosePrefillKernel picks sm90_overlap).
@@ -212,7 +213,7 @@ void PrintTrace(const std::string& name, const std::vector<long long>& tr, int c
   // Tiles after each CTA's first (consumer warpgroup 0): from the last
   // tile's epilogue to this one's start, the waits for Q and for K_0 and the
   // first turn, the turns per block, the epilogue; and all of it per block.
-  std::vector<long long> gap, q_wait, k0_wait, turns_per_block, epilogue, tile_per_block_all, blocks;
+  std::vector<long long> gap, q_wait, q_land, q_convert, k0_wait, turns_per_block, epilogue, tile_per_block_all, blocks;
   // Relative to the previous tile's last turn of consumer warpgroup 0: its
   // epilogue's row sums done and epilogue end, warpgroup 1's last turn and
   // epilogue end, the producer's start of this tile and its K_0 and Q
@@ -227,6 +228,10 @@ void PrintTrace(const std::string& name, const std::vector<long long>& tr, int c
       if (a[0] == 0 || a[4] == 0 || nb <= 0 || a[1] == 0 || a[2] == 0) break;
       gap.push_back(a[0] - prev[4]);
       q_wait.push_back(a[1] - a[0]);
+      if (a[12] != 0) {
+        q_land.push_back(a[12] - a[0]);
+        q_convert.push_back(a[1] - a[12]);
+      }
       k0_wait.push_back(a[2] - a[1]);
       turns_per_block.push_back((a[3] - a[2]) / nb);
       epilogue.push_back(a[4] - a[3]);
@@ -245,6 +250,8 @@ void PrintTrace(const std::string& name, const std::vector<long long>& tr, int c
   }
   line("tile_gap_after_epilogue", gap);
   line("tile_wait_q", q_wait);
+  line("tile_wait_q_land", q_land);
+  line("tile_q_convert", q_convert);
   line("tile_wait_k0_and_turn", k0_wait);
   line("tile_turns_per_block", turns_per_block);
   line("tile_epilogue", epilogue);

@@ -373,6 +373,7 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
       // too: the producer loads Q a tile ahead, before it knows).
       if (Tr::kPersistent || turns > 0) {
         MbarWait(cs.bar_q(qb), (qt / QB) & 1);
+        tst.Now(12);
         if constexpr (kQToHalf) {
           // This warpgroup's rows of the landed bf16 tile as fp16 times 2^e
           // (a negative scale's sign folded in), for its GEMMs once the

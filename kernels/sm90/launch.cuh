@@ -76,6 +76,9 @@ cudaError_t LaunchOverlap(const PrefillKernelArgs& args, int32_t max_ctas, cudaS
 // soft-cap's code (the sinks' costs nothing measurable there: their code is
 // the epilogue's).
 cudaError_t LaunchOverlapFp8(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream);
+// Its traced kernel (PagedPrefillSm90Traced; head_dim 128, bf16 queries, no
+// soft-cap or sinks).
+cudaError_t LaunchTracedFp8(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace attnserve

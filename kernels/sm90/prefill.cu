@@ -221,15 +221,16 @@ cudaError_t PagedPrefillSm90Traced(const PagedPrefillParams& params, const Prefi
                                    int32_t num_items, float* part_o, float* part_lse, long long* trace,
                                    int32_t trace_ctas, cudaStream_t stream) {
   if (params.geo.head_dim != 128 || params.geo.dtype != KvDType::kBf16) return cudaErrorInvalidValue;
+  // The traced kernel is the lean one.
+  if (params.any_soft_cap || params.sinks != nullptr) return cudaErrorInvalidValue;
   PrefillKernelArgs args;
-  cudaError_t err = MakeArgs(params, items, num_items, part_o, part_lse, /*fp8_overlap=*/false, &args);
+  cudaError_t err = MakeArgs(params, items, num_items, part_o, part_lse, /*fp8_overlap=*/true, &args);
   if (err != cudaSuccess || num_items == 0) return err;
   args.trace = trace;
   args.trace_ctas = trace_ctas;
   SetTmaMaps(params, &args);
+  if (params.geo.KvIsFp8()) return sm90::LaunchTracedFp8(args, params.max_ctas, stream);
   using Tr = Traits<128, Schedule::kOverlap, true, true, false, false>;
-  // The traced kernel is the lean one.
-  if (params.any_soft_cap || params.sinks != nullptr) return cudaErrorInvalidValue;
   auto kernel = PagedPrefillSm90OverlapKernel<128, __nv_bfloat16, true, true, true, false, false>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;

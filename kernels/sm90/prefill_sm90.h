@@ -36,7 +36,8 @@ int32_t Sm90PrefillCtasPerSm(int32_t head_dim, KvDType dtype, Sm90Variant varian
 bool Sm90PrefillSupported();
 
 // Diagnostics: where a CTA's time goes. PagedPrefillSm90Traced runs
-// Sm90Variant::kOverlap (bf16, head_dim 128 only) with clock64() stamps (SM
+// Sm90Variant::kOverlap (bf16 queries, head_dim 128, without soft-caps and
+// sinks; bf16 or FP8 pools) with clock64() stamps (SM
 // cycles) of the first tile of the first `trace_ctas` CTAs (at most one per
 // SM: the kernel is persistent) written to `trace` (device
 // memory, trace_ctas * kLongsPerCta values, zeroed by the caller): per CTA a
@@ -65,9 +66,10 @@ struct Sm90Trace {
   // 4 epilogue done, 5 the tile's KV blocks (a count, not a stamp), 10 the
   // epilogue's row sums and LSE done (before the stores); the producer: 6
   // start, 7 Q issued, 8 K_0 issued; consumer warpgroup 1: 11 last turn
-  // done, 9 epilogue done.
+  // done, 9 epilogue done; consumer warpgroup 0: 12 Q landed, before its
+  // rows' conversion (FP8 pools with bf16 queries; 1 is after it).
   static constexpr int kTiles = 96;
-  static constexpr int kTilePoints = 12;
+  static constexpr int kTilePoints = 13;
   static constexpr int kTileAt = kProducerAt + kTurns * kProducerPoints + 2 * (kTurns + 1) * kConsumerPoints;
   static constexpr int kLongsPerCta = kTileAt + kTiles * kTilePoints;
 };
