@@ -110,7 +110,7 @@ TEST(Fp8Cuda, DecodeFamilyMatchesReferenceOverDequantizedValues) {
 }
 
 // The decode kernel stores bf16 queries over an FP8 pool as fp16 times a
-// power of two chosen per row (QHalfExponent in kernels/decode/traits.cuh).
+// power of two chosen per row (QHalfExponent in kernels/fp8_device.cuh).
 // Each tile mixes heads of very different magnitudes: head 3 of every group
 // is 2^40 in dimension 0 and 0 elsewhere, and dimension 0 of every stored
 // key is 0 (so its logits are 0, exactly); the other heads are N(0, 1)
@@ -154,7 +154,7 @@ TEST(Fp8Cuda, Bf16QueriesOfEveryMagnitudeMatchReference) {
     const gpu_test::RunResult r = gpu_test::RunDecode(b, chunks[round % 3], 0);
     EXPECT_EQ(r.error, "") << "round " << round << ": " << gpu_test::Describe(b);
     // The sm90 prefill family converts its Q tiles the same way
-    // (prefill_kernel.cuh, finish_q).
+    // (QRowsToHalf in kernels/sm90/fp8_tiles.cuh).
     if (D != 256 && Sm90PrefillSupported()) {
       const gpu_test::RunResult p = gpu_test::RunPrefill(b, PrefillKernel::kSm90Overlap);
       EXPECT_EQ(p.error, "") << "sm90 round " << round << ": " << gpu_test::Describe(b);
