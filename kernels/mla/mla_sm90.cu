@@ -76,14 +76,16 @@ using sm90::WgmmaCommit;
 using sm90::WgmmaFence;
 using sm90::WgmmaWait;
 
+// (Constants only the sm_90a bodies read are [[maybe_unused]]: the other
+// architectures compile trap stubs.)
 constexpr int kM = kMlaSm90TileRows;  // packed rows a tile
 constexpr int kN = kMlaSm90KeyBlock;  // keys a block
 constexpr int kDqk = kMlaKvLoraRank + kMlaRopeDim;  // 576
 constexpr int kDv = kMlaKvLoraRank;                  // 512
 constexpr int kRowBytes = kDqk * 2;                  // 1152
-constexpr int kChunks = kRowBytes / 16;              // 72
+[[maybe_unused]] constexpr int kChunks = kRowBytes / 16;              // 72
 constexpr int kColBlocks = kDqk / 64;                // 9 column blocks of 128 bytes
-constexpr int kHalf = kDv / 2;                       // O columns a consumer warpgroup owns
+[[maybe_unused]] constexpr int kHalf = kDv / 2;                       // O columns a consumer warpgroup owns
 constexpr int kStages = 2;
 constexpr int kThreads = 384;
 static_assert(kM == 64 && kN == 64, "one wgmma M of rows, N of keys");
@@ -98,7 +100,7 @@ constexpr int kOffAlpha = kOffP + kColBlockBytes;  // float[2][64]: blocks' resc
 constexpr int kOffScale = kOffAlpha + 2 * kM * 4;  // float[64]: the rows' final o scales
 constexpr int kOffBar = kOffScale + kM * 4;
 // Barriers: q_full, full[kStages], empty[kStages].
-constexpr int kBarQ = 0;
+[[maybe_unused]] constexpr int kBarQ = 0;
 constexpr int kBarFull = 1;
 constexpr int kBarEmpty = kBarFull + kStages;
 constexpr int kNumBars = kBarEmpty + kStages;
@@ -114,15 +116,15 @@ constexpr int kOutRegs = 160;
 static_assert(128 * (kSoftmaxRegs + 2 * kOutRegs) <= 168 * 384, "register split");
 
 // Named barrier ids (0 is __syncthreads).
-constexpr int kBarPReady = 1;
-constexpr int kBarPFree = 2;
-constexpr int kBarEnd = 3;
-constexpr int kLoaders = 256;  // the threads of warpgroups 1 and 2
+[[maybe_unused]] constexpr int kBarPReady = 1;
+[[maybe_unused]] constexpr int kBarPFree = 2;
+[[maybe_unused]] constexpr int kBarEnd = 3;
+[[maybe_unused]] constexpr int kLoaders = 256;  // the threads of warpgroups 1 and 2
 // Q's first column blocks stay in warpgroup 0's registers as wgmma A
 // fragments (16 registers a column block): S's first k-steps then read
 // only K from shared memory (decode at 128 heads 2% faster on the H200).
 constexpr int kQRegBlocks = 6;
-constexpr int kQRegSteps = kQRegBlocks * 4;  // k-steps of 16 with A from registers
+[[maybe_unused]] constexpr int kQRegSteps = kQRegBlocks * 4;  // k-steps of 16 with A from registers
 
 using mla::Args;
 
