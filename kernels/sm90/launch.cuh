@@ -20,7 +20,8 @@ namespace sm90 {
 // kSinks: with soft-caps, sinks (Traits; only kOverlap, the serving kernel,
 // has instantiations without them, the others always carry both); kFp8: on
 // FP8 pools (Traits::kFp8, kOverlap only).
-template <int D, typename T, int V, bool kTma = false, bool kCap = true, bool kSinks = true, bool kFp8 = false>
+template <int D, typename T, int V, bool kTma = false, bool kCap = true, bool kSinks = true, bool kFp8 = false,
+          bool kTrace = false>
 struct Kernel {
   static_assert((kCap && kSinks) || V == 1, "only kOverlap has kernels without soft-caps or sinks");
   static_assert(!kFp8 || V == 1, "FP8 pools run on kOverlap");
@@ -29,7 +30,7 @@ struct Kernel {
     if constexpr (V == 0) {
       return PagedPrefillSm90Kernel<D, T>;
     } else {
-      return PagedPrefillSm90OverlapKernel<D, T, V == 1, false, kTma, kCap, kSinks, kFp8>;
+      return PagedPrefillSm90OverlapKernel<D, T, V == 1, kTrace, kTma, kCap, kSinks, kFp8>;
     }
   }
 };
@@ -49,9 +50,10 @@ inline int32_t GridSize(bool persistent, int32_t num_items, int32_t max_ctas) {
   return grid;
 }
 
-template <int D, typename T, int V, bool kTma, bool kCap = true, bool kSinks = true, bool kFp8 = false>
+template <int D, typename T, int V, bool kTma, bool kCap = true, bool kSinks = true, bool kFp8 = false,
+          bool kTrace = false>
 cudaError_t LaunchKernel(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
-  using K = Kernel<D, T, V, kTma, kCap, kSinks, kFp8>;
+  using K = Kernel<D, T, V, kTma, kCap, kSinks, kFp8, kTrace>;
   using Tr = typename K::Tr;
   auto kernel = K::Get();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);

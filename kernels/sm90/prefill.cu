@@ -230,12 +230,7 @@ cudaError_t PagedPrefillSm90Traced(const PagedPrefillParams& params, const Prefi
   args.trace_ctas = trace_ctas;
   SetTmaMaps(params, &args);
   if (params.geo.KvIsFp8()) return sm90::LaunchTracedFp8(args, params.max_ctas, stream);
-  using Tr = Traits<128, Schedule::kOverlap, true, true, false, false>;
-  auto kernel = PagedPrefillSm90OverlapKernel<128, __nv_bfloat16, true, true, true, false, false>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<GridSize(Tr::kPersistent, num_items, params.max_ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
-  return cudaGetLastError();
+  return LaunchKernel<128, __nv_bfloat16, 1, true, false, false, false, /*kTrace=*/true>(args, params.max_ctas, stream);
 }
 
 }  // namespace attnserve

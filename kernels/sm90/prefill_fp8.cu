@@ -37,12 +37,7 @@ cudaError_t LaunchOverlapFp8(const PrefillKernelArgs& args, int32_t max_ctas, cu
 }
 
 cudaError_t LaunchTracedFp8(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
-  using Tr = Traits<128, Schedule::kOverlap, true, true, false, false, true>;
-  auto kernel = PagedPrefillSm90OverlapKernel<128, __nv_bfloat16, true, true, true, false, false, true>;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<GridSize(Tr::kPersistent, args.num_items, max_ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
-  return cudaGetLastError();
+  return LaunchKernel<128, __nv_bfloat16, 1, true, false, false, true, /*kTrace=*/true>(args, max_ctas, stream);
 }
 
 }  // namespace sm90
