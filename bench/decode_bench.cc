@@ -496,6 +496,12 @@ int main(int argc, char** argv) {
       {"decode_b64_e4m3", 64, 1, 4096, 1, 0.075, 0, -1, 0.f, false, Fp8Format::kE4m3},
       {"decode_b64_e4m3", 64, 1, 4096, 16, 0.075, 0, -1, 0.f, false, Fp8Format::kE4m3},
       {"decode_b64_e5m2", 64, 1, 4096, 16, 0.075, 0, -1, 0.f, false, Fp8Format::kE5m2},
+      // decode_b64 at 2k and 8k keys, both pool types: the launch's fixed
+      // cost and its streaming rate (a line through the three lengths).
+      {"decode_b64_2k_e4m3", 64, 1, 2048, 16, 0, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      {"decode_b64_8k_e4m3", 64, 1, 8192, 16, 0, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      {"decode_b64_2k", 64, 1, 2048, 16, 0, 0},
+      {"decode_b64_8k", 64, 1, 8192, 16, 0, 0},
       {"decode_b256_e4m3", 256, 1, 4096, 1, 0.28, 0, -1, 0.f, false, Fp8Format::kE4m3},
       {"decode_b256_e4m3", 256, 1, 4096, 16, 0.28, 0, -1, 0.f, false, Fp8Format::kE4m3},
       {"decode_b8_128k_e4m3", 8, 1, 131072, 1, 0.28, 0, -1, 0.f, false, Fp8Format::kE4m3},

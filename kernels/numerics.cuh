@@ -65,7 +65,7 @@ __device__ __forceinline__ __half FromFloat<__half>(float x) {
 // swizzled so that eight consecutive rows' chunk c fall in different banks
 // (the sm80 and decode families' cp.async / ldmatrix tiles).
 template <int ROW_BYTES>
-__device__ __forceinline__ uint32_t Swz(int r, int c) {
+__host__ __device__ __forceinline__ constexpr uint32_t Swz(int r, int c) {
   return r * ROW_BYTES + ((c ^ (r & 7)) << 4);
 }
 

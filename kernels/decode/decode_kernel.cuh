@@ -98,57 +98,93 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
   const int num_steps = kv_end > kv_begin ? (kv_end - kv_begin + Tr::kTok - 1) / Tr::kTok : 0;
   const int my_steps = num_steps > warp ? (num_steps - warp + Tr::kWarps - 1) / Tr::kWarps : 0;
 
-  // ---- K/V addressing: lane loads chunk kv_c of rows kv_r0 + p * kRowsPerPass.
-  const int kv_c = lane % Tr::kChunks;
-  const int kv_r0 = lane / Tr::kChunks;
-  const int64_t row_stride = static_cast<int64_t>(KVH) * D;
-  const int64_t kv_base = static_cast<int64_t>(seq.layer) * args.slots_per_layer * row_stride + kvh * D + kv_c * 8;
-  const T* k_base = static_cast<const T*>(args.p.k_cache) + kv_base;
-  const T* v_base = static_cast<const T*>(args.p.v_cache) + kv_base;
-  // FP8: lane loads 16-byte chunk kv_c8 of rows kv_r8 + p * kRowsPerPass8.
-  const int kv_c8 = lane % Tr::kChunks8;
-  const int kv_r8 = lane / Tr::kChunks8;
-  const int64_t kv_base8 = static_cast<int64_t>(seq.layer) * args.slots_per_layer * row_stride + kvh * D + kv_c8 * 16;
-  const uint8_t* k_base8 = static_cast<const uint8_t*>(args.p.k_cache) + kv_base8;
-  const uint8_t* v_base8 = static_cast<const uint8_t*>(args.p.v_cache) + kv_base8;
+  // ---- K/V addressing. A row of the pool (one slot, all KV heads) is
+  // row_bytes long; kv_base is the item's layer and KV head plus the lane's
+  // 16-byte chunk kv_c. In pass p of a step the lane copies that chunk of
+  // row kv_r0 + p * kRowsPerPass (16-bit pools: kChunks chunks a row, FP8
+  // pools kChunks8).
+  constexpr int kElem = kFp8 ? 1 : static_cast<int>(sizeof(T));
+  const int kv_c = kFp8 ? lane % Tr::kChunks8 : lane % Tr::kChunks;
+  const int kv_r0 = kFp8 ? lane / Tr::kChunks8 : lane / Tr::kChunks;
+  const uint32_t row_bytes = static_cast<uint32_t>(KVH) * D * kElem;
+  const int64_t kv_base = static_cast<int64_t>(seq.layer) * args.slots_per_layer * row_bytes +
+                          static_cast<int64_t>(kvh) * D * kElem + kv_c * 16;
+  const uint8_t* const k_base = static_cast<const uint8_t*>(args.p.k_cache) + kv_base;
+  const uint8_t* const v_base = static_cast<const uint8_t*>(args.p.v_cache) + kv_base;
+  // Shared-memory offsets of the lane's chunk in pass p of a K and a V stage.
+  // The swizzles repeat every kPeriod passes (SwzRepeats, traits.cuh), so
+  // the lane keeps the first period's offsets and adds whole periods of rows
+  // (immediates in the copies).
+  constexpr int kPasses = kFp8 ? Tr::kPasses8 : Tr::kPasses;
+  constexpr int kRowsPerPass = kFp8 ? Tr::kRowsPerPass8 : Tr::kRowsPerPass;
+  constexpr int kPeriod = kFp8 ? SwzPeriod8<D>() : SwzPeriod16<Tr::kRowBytes>();
+  constexpr int kPeriodBytes = kPeriod * kRowsPerPass * (kFp8 ? D : Tr::kRowBytes);
+  static_assert(kFp8 ? SwzRepeats([](int r, int c) { return SwzK8<D>(r, c); }, kPeriod, kRowsPerPass, D, D / 16) &&
+                           SwzRepeats([](int r, int c) { return SwzV8<D>(r, c); }, kPeriod, kRowsPerPass, D, D / 16)
+                     : SwzRepeats([](int r, int c) { return Swz<Tr::kRowBytes>(r, c); }, kPeriod, kRowsPerPass,
+                                  Tr::kRowBytes, Tr::kChunks),
+                "the copies' swizzled offsets repeat every kPeriod passes");
+  uint32_t k_off[kPeriod], v_off[kPeriod];
+#pragma unroll
+  for (int p = 0; p < kPeriod; ++p) {
+    const int r = p * kRowsPerPass + kv_r0;
+    k_off[p] = kFp8 ? SwzK8<D>(r, kv_c) : Swz<Tr::kRowBytes>(r, kv_c);
+    v_off[p] = kFp8 ? SwzV8<D>(r, kv_c) : Swz<Tr::kRowBytes>(r, kv_c);
+  }
   const int32_t* pages = args.p.kv_indices + seq.kv_start;
   const FastDiv page_div = args.page;
+  const int page_size = page_div.d;
 
-  // Lane l holds the page of token (l & 15) of a step (-1: past the range).
+  // Lane l holds token (l & 15) of each step: position step_pos(i). Its
+  // page-table index and row in the page are walked from step to step (a
+  // step moves kAdv positions: adv_pages pages and adv_rows rows) instead
+  // of divided by the page size at every step.
   auto step_pos = [&](int i) { return kv_begin + (i * Tr::kWarps + warp) * Tr::kTok + (lane & 15); };
-  auto load_page = [&](int i) -> int {
+  constexpr int kAdv = Tr::kWarps * Tr::kTok;
+  const int adv_pages = page_div.Div(kAdv);
+  const int adv_rows = kAdv - adv_pages * page_size;
+  struct Walk {
+    int index;  // into pages
+    int row;    // in the page
+  };
+  auto walk_from = [&](int i) {
     const int pos = step_pos(i);
-    return (i < my_steps && pos < kv_end) ? __ldg(pages + page_div.Div(pos)) : -1;
+    const int q = page_div.Div(pos);
+    return Walk{q, pos - q * page_size};
+  };
+  auto advance = [&](Walk& w) {
+    w.index += adv_pages;
+    w.row += adv_rows;
+    if (w.row >= page_size) {
+      w.row -= page_size;
+      ++w.index;
+    }
+  };
+  // The page of step i's token (-1: past the range); calls come in step
+  // order, load_walk at step i.
+  Walk load_walk = walk_from(0), issue_walk = load_walk;
+  auto load_page = [&](int i) -> int {
+    const int page = (i < my_steps && step_pos(i) < kv_end) ? __ldg(pages + load_walk.index) : -1;
+    advance(load_walk);
+    return page;
   };
   // The step's 16 rows: lane l < 16 computes the slot of token l (its row in
   // the layer, -1 past the range; PagedDecodeCuda checks that a layer's
   // slots fit 31 bits), and each lane takes the slots of the rows it copies
-  // from their lanes.
+  // from their lanes. Rows past the range are zero-filled. Calls come in
+  // step order (issue_walk at step i).
   auto issue = [&](int i, int page) {
-    const int pos = step_pos(i);
-    const int slot = page >= 0 ? page * page_div.d + page_div.Mod(pos) : -1;
+    const int slot = page >= 0 ? page * page_size + issue_walk.row : -1;
+    advance(issue_walk);
     const uint32_t k_st = a_ring + (i % kStages) * 2 * kStageBytes;
     const uint32_t v_st = k_st + kStageBytes;
-    if constexpr (kFp8) {
 #pragma unroll
-      for (int p = 0; p < Tr::kPasses8; ++p) {
-        const int r = p * Tr::kRowsPerPass8 + kv_r8;
-        const int sl = __shfl_sync(0xffffffffu, slot, r);
-        const bool valid = sl >= 0;
-        const int64_t src = static_cast<int64_t>(valid ? sl : 0) * row_stride;
-        mma::CpAsync16(k_st + SwzK8<D>(r, kv_c8), k_base8 + src, valid);
-        mma::CpAsync16(v_st + SwzV8<D>(r, kv_c8), v_base8 + src, valid);
-      }
-    } else {
-#pragma unroll
-      for (int p = 0; p < Tr::kPasses; ++p) {
-        const int r = p * Tr::kRowsPerPass + kv_r0;
-        const int sl = __shfl_sync(0xffffffffu, slot, r);
-        const bool valid = sl >= 0;
-        const int64_t src = static_cast<int64_t>(valid ? sl : 0) * row_stride;
-        mma::CpAsync16(k_st + Swz<Tr::kRowBytes>(r, kv_c), k_base + src, valid);
-        mma::CpAsync16(v_st + Swz<Tr::kRowBytes>(r, kv_c), v_base + src, valid);
-      }
+    for (int p = 0; p < kPasses; ++p) {
+      const int sl = __shfl_sync(0xffffffffu, slot, p * kRowsPerPass + kv_r0);
+      const uint64_t src = static_cast<uint64_t>(static_cast<uint32_t>(max(sl, 0))) * row_bytes;
+      const uint32_t period = (p / kPeriod) * kPeriodBytes;
+      mma::CpAsync16UnlessNegative(k_st + k_off[p % kPeriod] + period, k_base + src, sl);
+      mma::CpAsync16UnlessNegative(v_st + v_off[p % kPeriod] + period, v_base + src, sl);
     }
   };
 

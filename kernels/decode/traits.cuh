@@ -91,14 +91,40 @@ struct DecodeTraits {
 // g * D/8 .. of rows 2c, 2c + 1, 2c + 8, 2c + 9) hit distinct banks
 // (head_dim 64's V loads keep a 2-way conflict: a row is 64 bytes).
 template <int D>
-__device__ __forceinline__ uint32_t SwzK8(int r, int c) {
+__host__ __device__ __forceinline__ constexpr uint32_t SwzK8(int r, int c) {
   const int x = D == 64 ? 0 : D == 128 ? (r & 1) : ((r & 1) | ((c >> 2) & 2));
   return r * D + ((c ^ x) << 4);
 }
 template <int D>
-__device__ __forceinline__ uint32_t SwzV8(int r, int c) {
+__host__ __device__ __forceinline__ constexpr uint32_t SwzV8(int r, int c) {
   const int x = D == 64 ? 0 : D == 128 ? (((r >> 1) & 3) << 1) : (((r >> 1) & 1) | (((r >> 2) & 1) << 2));
   return r * D + ((c ^ x) << 4);
+}
+
+// The copies' passes (PagedDecodeKernel's issue): pass p of a step copies
+// rows p * rows_per_pass + r0, so a lane's swizzled offsets repeat every
+// period passes, shifted by whole rows, when the swizzle of row r + period *
+// rows_per_pass is that of row r. SwzPeriod8 / SwzPeriod16: the period of the
+// FP8 (K and V) and 16-bit tiles, checked by SwzRepeats.
+template <int D>
+constexpr int SwzPeriod8() {
+  return D == 64 ? 1 : D == 128 ? 2 : 4;
+}
+template <int ROW_BYTES>
+constexpr int SwzPeriod16() {
+  return ROW_BYTES == 128 ? 2 : ROW_BYTES == 256 ? 4 : 8;
+}
+// Whether swz(r + period * rows_per_pass, c) == swz(r, c) + period *
+// rows_per_pass * row_bytes for every row r of a 16-row stage and chunk c.
+template <typename Swz>
+constexpr bool SwzRepeats(Swz swz, int period, int rows_per_pass, int row_bytes, int chunks) {
+  const int shift = period * rows_per_pass;
+  for (int r = 0; r + shift < 16; ++r) {
+    for (int c = 0; c < chunks; ++c) {
+      if (swz(r + shift, c) != swz(r, c) + static_cast<uint32_t>(shift * row_bytes)) return false;
+    }
+  }
+  return true;
 }
 
 // FP8 -> 16-bit conversions and QHalfExponent: kernels/fp8_device.cuh.

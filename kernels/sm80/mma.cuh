@@ -21,6 +21,14 @@ __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src,
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
                "l"(src), "r"(src_bytes));
 }
+// As CpAsync16, zero-filling dst (nothing read) when flag < 0: one
+// comparison feeds the copy's ignore-src predicate.
+__device__ __forceinline__ void CpAsync16UnlessNegative(uint32_t dst, const void* src, int flag) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.lt.s32 p, %2, 0;\n"
+      " cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(dst),
+      "l"(src), "r"(flag));
+}
 __device__ __forceinline__ void CpAsyncCommit() {
   asm volatile("cp.async.commit_group;\n" ::);
 }
