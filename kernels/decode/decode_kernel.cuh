@@ -112,18 +112,16 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
   const uint8_t* const k_base = static_cast<const uint8_t*>(args.p.k_cache) + kv_base;
   const uint8_t* const v_base = static_cast<const uint8_t*>(args.p.v_cache) + kv_base;
   // Shared-memory offsets of the lane's chunk in pass p of a K and a V stage.
-  // The swizzles repeat every kPeriod passes (SwzRepeats, traits.cuh), so
+  // The swizzles repeat every kPeriod passes (SwzPeriod, traits.cuh), so
   // the lane keeps the first period's offsets and adds whole periods of rows
   // (immediates in the copies).
   constexpr int kPasses = kFp8 ? Tr::kPasses8 : Tr::kPasses;
   constexpr int kRowsPerPass = kFp8 ? Tr::kRowsPerPass8 : Tr::kRowsPerPass;
-  constexpr int kPeriod = kFp8 ? SwzPeriod8<D>() : SwzPeriod16<Tr::kRowBytes>();
+  constexpr int kPeriod =
+      kFp8 ? SwzPeriod(kRowsPerPass, D, Tr::kChunks8, [](int r, int c) { return SwzK8<D>(r, c); },
+                       [](int r, int c) { return SwzV8<D>(r, c); })
+           : SwzPeriod(kRowsPerPass, Tr::kRowBytes, Tr::kChunks, [](int r, int c) { return Swz<Tr::kRowBytes>(r, c); });
   constexpr int kPeriodBytes = kPeriod * kRowsPerPass * (kFp8 ? D : Tr::kRowBytes);
-  static_assert(kFp8 ? SwzRepeats([](int r, int c) { return SwzK8<D>(r, c); }, kPeriod, kRowsPerPass, D, D / 16) &&
-                           SwzRepeats([](int r, int c) { return SwzV8<D>(r, c); }, kPeriod, kRowsPerPass, D, D / 16)
-                     : SwzRepeats([](int r, int c) { return Swz<Tr::kRowBytes>(r, c); }, kPeriod, kRowsPerPass,
-                                  Tr::kRowBytes, Tr::kChunks),
-                "the copies' swizzled offsets repeat every kPeriod passes");
   uint32_t k_off[kPeriod], v_off[kPeriod];
 #pragma unroll
   for (int p = 0; p < kPeriod; ++p) {
@@ -147,11 +145,6 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
     int index;  // into pages
     int row;    // in the page
   };
-  auto walk_from = [&](int i) {
-    const int pos = step_pos(i);
-    const int q = page_div.Div(pos);
-    return Walk{q, pos - q * page_size};
-  };
   auto advance = [&](Walk& w) {
     w.index += adv_pages;
     w.row += adv_rows;
@@ -162,6 +155,11 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
   };
   // The page of step i's token (-1: past the range); calls come in step
   // order, load_walk at step i.
+  auto walk_from = [&](int i) {
+    const int pos = step_pos(i);
+    const int q = page_div.Div(pos);
+    return Walk{q, pos - q * page_size};
+  };
   Walk load_walk = walk_from(0), issue_walk = load_walk;
   auto load_page = [&](int i) -> int {
     const int page = (i < my_steps && step_pos(i) < kv_end) ? __ldg(pages + load_walk.index) : -1;

@@ -102,20 +102,12 @@ __host__ __device__ __forceinline__ constexpr uint32_t SwzV8(int r, int c) {
 }
 
 // The copies' passes (PagedDecodeKernel's issue): pass p of a step copies
-// rows p * rows_per_pass + r0, so a lane's swizzled offsets repeat every
-// period passes, shifted by whole rows, when the swizzle of row r + period *
-// rows_per_pass is that of row r. SwzPeriod8 / SwzPeriod16: the period of the
-// FP8 (K and V) and 16-bit tiles, checked by SwzRepeats.
-template <int D>
-constexpr int SwzPeriod8() {
-  return D == 64 ? 1 : D == 128 ? 2 : 4;
-}
-template <int ROW_BYTES>
-constexpr int SwzPeriod16() {
-  return ROW_BYTES == 128 ? 2 : ROW_BYTES == 256 ? 4 : 8;
-}
-// Whether swz(r + period * rows_per_pass, c) == swz(r, c) + period *
-// rows_per_pass * row_bytes for every row r of a 16-row stage and chunk c.
+// rows p * rows_per_pass + r0 of a 16-row stage. SwzRepeats: whether
+// swz(r + period * rows_per_pass, c) == swz(r, c) + period * rows_per_pass *
+// row_bytes for every row r of the stage and chunk c, so that a lane's
+// offsets in every pass are those of the first `period` passes plus whole
+// rows. SwzPeriod: the smallest such power of two for all of swzs (it ends:
+// once period * rows_per_pass reaches 16, every pass has offsets of its own).
 template <typename Swz>
 constexpr bool SwzRepeats(Swz swz, int period, int rows_per_pass, int row_bytes, int chunks) {
   const int shift = period * rows_per_pass;
@@ -125,6 +117,12 @@ constexpr bool SwzRepeats(Swz swz, int period, int rows_per_pass, int row_bytes,
     }
   }
   return true;
+}
+template <typename... Swz>
+constexpr int SwzPeriod(int rows_per_pass, int row_bytes, int chunks, Swz... swzs) {
+  int period = 1;
+  while (!(SwzRepeats(swzs, period, rows_per_pass, row_bytes, chunks) && ...)) period *= 2;
+  return period;
 }
 
 // FP8 -> 16-bit conversions and QHalfExponent: kernels/fp8_device.cuh.
