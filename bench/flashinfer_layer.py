@@ -58,7 +58,7 @@ def one(client, metrics, transport, args):
     ps = client.info().page_size
     pages = batch * -(-kv_len // ps)
     device = torch.device(args.device)
-    with fi.PagedKVCache(client, pages, transport=transport) as cache:
+    with fi.PagedKVCache(client, pages, transport=transport, spin_us=args.spin_us) as cache:
         indptr, indices, last = fill(cache, batch, kv_len, device, args.seed)
         w = fi.BatchDecodeWithPagedKVCacheWrapper(cache)
         w.plan(indptr, indices, last, cache.num_qo_heads, cache.num_kv_heads, cache.head_dim,
@@ -70,16 +70,31 @@ def one(client, metrics, transport, args):
             w.run(q, cache[0])
         sync()
         before = scrape(metrics)
+        profile = None
+        if args.profile:
+            import cProfile
+            profile = cProfile.Profile()
+            profile.enable()
         times = []
         for _ in range(args.iters):
             t0 = time.perf_counter()
             w.run(q, cache[0])
             sync()
             times.append(time.perf_counter() - t0)
+        if profile is not None:
+            profile.disable()
         after = scrape(metrics)
         w.close()
     rt = np.array(times) * 1e3
-    out = {"transport": transport, "batch": batch, "kv_len": kv_len, "iters": args.iters,
+    if profile is not None:
+        import io
+        import pstats
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+        with open(f"{args.profile}.{transport}.txt", "w") as f:
+            f.write(text.getvalue())
+    out = {"transport": transport, "spin_us": args.spin_us, "batch": batch, "kv_len": kv_len,
+           "iters": args.iters,
            "round_trip_ms": {"p50": float(np.percentile(rt, 50)), "mean": float(rt.mean()),
                              "p99": float(np.percentile(rt, 99))}}
     server = delta(before, after, *SERVER)   # channel requests count as Prefills too
@@ -108,6 +123,11 @@ def main():
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--spin_us", type=float, default=50,
+                    help="PagedKVCache's spin_us: how long a call polls for its answer before "
+                         "it sleeps (channel and cuda transports)")
+    ap.add_argument("--profile", help="cProfile the timed calls into PROFILE.TRANSPORT.txt "
+                                      "(the 30 functions with the most own time)")
     ap.add_argument("--json")
     args = ap.parse_args()
     client = attnserve.Client(args.target, timeout=120)

@@ -270,6 +270,9 @@ void ChannelServer::Poller::Take(int32_t slot, uint64_t seq) {
     server->taken_.insert(r);
   }
   const uint64_t incarnation = server->core_->incarnation();
+  // The admit stage (validation, regions, pages, queueing) is timed apart
+  // from r, which the done callback may delete before Prefill returns.
+  const absl::Time admit_start = absl::Now();
   server->core_->Prefill(c, [server, r, incarnation](absl::Status status) {
     {
       absl::MutexLock lock(&server->mu_);
@@ -285,6 +288,8 @@ void ChannelServer::Poller::Take(int32_t slot, uint64_t seq) {
     }
     delete r;
   });
+  server->metrics_->ObserveRequestStage(Metrics::RequestStage::kAdmit,
+                                        absl::ToDoubleSeconds(absl::Now() - admit_start));
 }
 
 ChannelServer::ChannelServer(AttentionCore* core, Metrics* metrics,

@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
@@ -246,6 +247,13 @@ TEST_F(ChannelTest, PrefillAndDecodeThroughAChannelMatchTheReference) {
   const int64_t lse_bytes = dec.total_q() * geo_.num_qo_heads * 4;
   const int64_t q_at = kRingBytes, o_at = q_at + q_bytes + 4096, lse_at = o_at + q_bytes + 4096;
   std::memcpy(shm_->data() + q_at, dec.q.data(), q_bytes);
+  // A channel request reports the request stages of the gRPC path but
+  // `send` (nothing goes through gRPC): each of the 3 rounds adds one.
+  const std::string stages = "attnserve_request_stage_seconds_count";
+  std::map<std::string, double> stage_before;
+  for (const char* stage : {"parse", "admit", "respond", "send"}) {
+    stage_before[stage] = Metric(*server_, stages, absl::StrCat("stage=\"", stage, "\""));
+  }
   for (int round = 0; round < 3; ++round) {
     std::memset(shm_->data() + o_at, 0xff, lse_at + lse_bytes - o_at);  // NaN everywhere
     PrefillArgs args;
@@ -267,6 +275,13 @@ TEST_F(ChannelTest, PrefillAndDecodeThroughAChannelMatchTheReference) {
                            reinterpret_cast<const float*>(shm_->data() + lse_at + lse_bytes));
     ExpectMatchesReference(mirror, dec, from_region);
   }
+  // admit is observed once the request is queued, which may be after its
+  // answer arrived: awaited.
+  for (const char* stage : {"parse", "admit", "respond"}) {
+    const std::string label = absl::StrCat("stage=\"", stage, "\"");
+    EXPECT_EQ(AwaitMetric(*server_, stages, label, stage_before[stage] + 3), stage_before[stage] + 3) << stage;
+  }
+  EXPECT_EQ(Metric(*server_, stages, "stage=\"send\""), stage_before["send"]);
   EXPECT_TRUE(alice_->ReleasePlan(*plan).ok());
   EXPECT_GE(Metric(*server_, "attnserve_transfer_bytes_total", "direction=\"in\",path=\"system\""),
             3 * q_bytes);

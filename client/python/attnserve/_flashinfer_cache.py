@@ -291,6 +291,10 @@ class _RegionTransport:
         self._retired = 0
         self._in_flight: list = []      # futures holding an area, oldest first
         self._events: dict = {}         # cuda: area index -> event of its last copy out
+        # Built requests by what they depend on (area, layer, rows, layout,
+        # the client's incarnation and lease): a step's requests repeat them
+        # layer after layer, and building one costs as much as sending it.
+        self._requests: dict = {}
         try:
             ring = 0
             if name in ("channel", "cuda"):
@@ -388,11 +392,20 @@ class _RegionTransport:
                 # stream must have written them first.
                 torch.cuda.current_stream(self.cuda_buffer.device).synchronize()
             rpc = self.cache.rpc
-            o_shape = (n, r.q.shape[1], self.cache.v_head_dim)
-            request = rpc._req_prefill(r.layer, area.ref("q", r.q.shape), r.layout, k_ref, v_ref,
-                                       None, None,
-                                       (area.ref("o", o_shape), area.ref("lse", r.q.shape[:2])),
-                                       r.options)
+            key = None if r.options is not None else (
+                index, r.layer, tuple(r.q.shape), na, r.v is not None, r.layout, rpc._incarnation,
+                rpc._lease_id)
+            request = None if key is None else self._requests.get(key)
+            if request is None:
+                o_shape = (n, r.q.shape[1], self.cache.v_head_dim)
+                request = rpc._req_prefill(r.layer, area.ref("q", r.q.shape), r.layout, k_ref,
+                                           v_ref, None, None,
+                                           (area.ref("o", o_shape), area.ref("lse", r.q.shape[:2])),
+                                           r.options)
+                if key is not None:
+                    if len(self._requests) >= 4096:
+                        self._requests.clear()
+                    self._requests[key] = request
             call = (self.channel.submit(request) if self.channel is not None
                     else rpc._call_now(request, None) if r.blocking
                     else rpc._call_future(request, None))

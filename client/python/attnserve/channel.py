@@ -89,6 +89,10 @@ def channel_bytes(slot_count: int, slot_bytes: int) -> int:
     return 64 + int(slot_count) * (64 + int(slot_bytes))
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
 class _Sys:
     """The futex syscall and a full fence, through the C library."""
 
@@ -112,8 +116,6 @@ class _Sys:
         self._spin_unlock(self._lock_ref)
 
     def wait(self, address: int, expected: int, timeout_ns: int) -> None:
-        class _Timespec(ctypes.Structure):
-            _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
         ts = _Timespec(timeout_ns // 1_000_000_000, timeout_ns % 1_000_000_000)
         self.syscall(ctypes.c_long(self.SYS_FUTEX), ctypes.c_void_p(address),
                      ctypes.c_int(self.FUTEX_WAIT), ctypes.c_uint32(expected),
