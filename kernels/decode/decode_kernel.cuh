@@ -145,6 +145,12 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
     int index;  // into pages
     int row;    // in the page
   };
+  // The walk at step i, from its position (the one division).
+  auto walk_from = [&](int i) {
+    const int pos = step_pos(i);
+    const int q = page_div.Div(pos);
+    return Walk{q, pos - q * page_size};
+  };
   auto advance = [&](Walk& w) {
     w.index += adv_pages;
     w.row += adv_rows;
@@ -155,11 +161,6 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDeco
   };
   // The page of step i's token (-1: past the range); calls come in step
   // order, load_walk at step i.
-  auto walk_from = [&](int i) {
-    const int pos = step_pos(i);
-    const int q = page_div.Div(pos);
-    return Walk{q, pos - q * page_size};
-  };
   Walk load_walk = walk_from(0), issue_walk = load_walk;
   auto load_page = [&](int i) -> int {
     const int page = (i < my_steps && step_pos(i) < kv_end) ? __ldg(pages + load_walk.index) : -1;
