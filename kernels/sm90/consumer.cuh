@@ -351,14 +351,22 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
         Stamps<kTrace> header(args, 0, ctid == 0 && first);
         header.Put(5 + cw, wg_blocks);
       }
+      // Rows written through the generic proxy (the producer's cp.async
+      // copies, completed on the barriers) are seen by wgmma, which reads
+      // through the async proxy, only after a proxy fence (traits.cuh). On
+      // FP8 pools the converters fence their own writes before they
+      // complete a stage, and converted bf16 queries are fenced where they
+      // are converted: there a turn fences only for fp16 queries (cp.async
+      // rows) at turn 0 (+0.6-1.3% on FP8 prefill; on 16-bit pools, fencing
+      // only for cp.async blocks, not tensor copies, was 1-3% slower at
+      // page_size 16 and 64: bench/results/2026-12-04-session25-h200.md).
+      auto fences = [&](int t) { return Tr::kFp8 ? (t == 0 && !kQToHalf) : true; };
       // Waits for K_t (t < num_blocks) and V_{t-1} (t > 0), then for the turn.
-      // The producer's copies completed on the barriers (cp.async writes,
-      // generic proxy): fence before wgmma reads them (traits.cuh).
       auto turn_begin = [&](int t) {
         stamp(t, 0);
         if (t < num_blocks) MbarWait(cs.bar_k(k_stage(t)), k_phase(t));
         if (t >= 1) MbarWait(cs.bar_v(v_stage(t - 1)), v_phase(t - 1));
-        FenceProxyAsync();
+        if (fences(t)) FenceProxyAsync();
         stamp(t, 1);
         if (Tr::kPingPong) NamedBarSync(kTurnBar + cw, 256);
         stamp(t, 2);

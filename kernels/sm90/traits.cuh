@@ -135,7 +135,8 @@ struct Traits {
   // on k_empty(b - kKStages) before K_b and v_empty(b - kVStages) before V_b
   // (and on q_empty of the tile two back before a tile's Q) and so keeps
   // every free stage in flight. The consumers fence to the async proxy after
-  // each k_full / v_full wait, before wgmma reads the stage. No deadlock:
+  // each k_full / v_full wait, before wgmma reads the stage (on FP8 pools
+  // the converters fence instead, ConsumerRole's `fences`). No deadlock:
   // k_empty(b - kKStages) needs turn b - kKStages, whose K and
   // V_{b - kKStages - 1} were issued before K_b; v_empty(b - kVStages) needs
   // turn b - kVStages + 1, whose K_{b - kVStages + 1} (kVStages >= 2) and
