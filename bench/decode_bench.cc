@@ -21,7 +21,11 @@
 // prefill families read 16-bit pools only).
 //
 // Usage: attnserve_decode_bench [--quick] [--only=WORKLOAD[,WORKLOAD...]]
+//                               [--four_ctas=-1|0|1]
 //   --only: run the workloads of those names alone (e.g. decode_b1, for ncu)
+//   --four_ctas: DecodeLaunchOptions::four_ctas of every decode launch (FP8,
+//     head_dim 128: the kernel compiled for four CTAs an SM; -1, the
+//     default, lets the launch choose)
 // Prints one "RESULT key=value ..." line per measurement, then a table with
 // the targets.
 #include <cuda_runtime.h>
@@ -46,6 +50,9 @@
 
 namespace attnserve {
 namespace {
+
+// --four_ctas (DecodeLaunchOptions::four_ctas).
+int g_four_ctas = -1;
 
 constexpr int kH = 32, kKvh = 4, kD = 128;
 
@@ -258,7 +265,8 @@ Row RunWorkload(const Workload& w, int repeats) {
   const int n_items = static_cast<int>(dplan.items.size());
   auto run_decode = [&](int r) {
     CHECK_CUDA(PagedDecodeCuda(params(r, o_dec), dplan.tile_rows, static_cast<DecodeWorkItem*>(d_items), n_items,
-                               part_o, part_lse, counters, nullptr, DecodeLaunchOptions{dplan.cluster, false}));
+                               part_o, part_lse, counters, nullptr,
+                               DecodeLaunchOptions{dplan.cluster, false, g_four_ctas}));
   };
   const double ms_queued = TimeMs(repeats, run_decode, /*queued=*/true);
   const double ms = TimeMs(repeats, run_decode);
@@ -278,18 +286,20 @@ Row RunWorkload(const Workload& w, int repeats) {
   if (dplan.split_tiles > 0) {
     ms_nomerge = TimeMs(repeats, [&](int r) {
       CHECK_CUDA(PagedDecodeCuda(params(r, o_dec), dplan.tile_rows, static_cast<DecodeWorkItem*>(d_items), n_items,
-                                 part_o, part_lse, counters, nullptr, DecodeLaunchOptions{0, /*skip_merge=*/true}));
+                                 part_o, part_lse, counters, nullptr,
+                                 DecodeLaunchOptions{0, /*skip_merge=*/true, g_four_ctas}));
     });
   }
   const double merge_share = std::max(0.0, (ms - ms_nomerge) / ms);
   std::printf("RESULT kernel=decode workload=%s kv_dtype=%s batch=%d q=%d kv=%d page_size=%d ms=%.4f kv_tbs=%.3f "
               "ms_queued=%.4f kv_tbs_queued=%.3f items=%d "
-              "tile_rows=%d chunk=%d split_tiles=%d cluster=%d ctas_per_sm=%d ms_without_merge=%.4f merge_share=%.3f\n",
+              "tile_rows=%d chunk=%d split_tiles=%d cluster=%d ctas_per_sm=%d four_ctas=%d ms_without_merge=%.4f "
+              "merge_share=%.3f\n",
               w.name.c_str(), fp8 ? Fp8FormatName(g.kv_fp8) : "bf16", w.batch, w.q_len, w.kv_len, w.page_size, ms,
               kv_bytes / (ms * 1e-3) / 1e12, ms_queued,
               kv_bytes / (ms_queued * 1e-3) / 1e12, n_items,
-              dplan.tile_rows, dplan.chunk_len, dplan.split_tiles, dplan.cluster, dopt.ctas_per_sm, ms_nomerge,
-              merge_share);
+              dplan.tile_rows, dplan.chunk_len, dplan.split_tiles, dplan.cluster, dopt.ctas_per_sm, g_four_ctas,
+              ms_nomerge, merge_share);
   std::fflush(stdout);
   if (dplan.split_tiles > 0 || dplan.cluster > 1) {
     const double ms_n = TimeMs(repeats, [&](int r) {
@@ -468,8 +478,11 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (std::strncmp(argv[i], "--only=", 7) == 0) {
       only = argv[i] + 7;
+    } else if (std::strcmp(argv[i], "--four_ctas=-1") == 0 || std::strcmp(argv[i], "--four_ctas=0") == 0 ||
+               std::strcmp(argv[i], "--four_ctas=1") == 0) {
+      g_four_ctas = std::atoi(argv[i] + 12);
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--only=WORKLOAD]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--only=WORKLOAD] [--four_ctas=-1|0|1]\n", argv[0]);
       return 2;
     }
   }
@@ -508,6 +521,11 @@ int main(int argc, char** argv) {
       {"decode_b8_128k_e4m3", 8, 1, 131072, 16, 0.28, 0, -1, 0.f, false, Fp8Format::kE4m3},
       {"decode_b1_e4m3", 1, 1, 4096, 16, 0, 0, -1, 0.f, false, Fp8Format::kE4m3},
       {"spec_b64_q4_e4m3", 64, 4, 4096, 16, 0, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      // Around the three-CTA kernel's slots (396 on an H200): 400, 512 and
+      // 2,048 items (DecodeLaunchOptions::four_ctas).
+      {"decode_b100_e4m3", 100, 1, 4096, 16, 0, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      {"decode_b128_e4m3", 128, 1, 4096, 16, 0, 0, -1, 0.f, false, Fp8Format::kE4m3},
+      {"decode_b512_e4m3", 512, 1, 4096, 16, 0, 0, -1, 0.f, false, Fp8Format::kE4m3},
   };
   std::vector<Row> rows;
   for (const auto& w : workloads) {

@@ -14,15 +14,16 @@ namespace attnserve {
 namespace {
 
 using decode::DecodeKernelArgs;
+using decode::DecodeMinBlocks;
 using decode::DecodeTraits;
 using decode::PagedDecodeKernel;
 
 // The kernel's attributes: its shared memory, and non-portable cluster
 // sizes (up to 16 CTAs; sm_90+, where cluster mode runs).
-template <int D, int MT, typename T, int F8>
+template <int D, int MT, typename T, int F8, bool kFour = false>
 cudaError_t ConfigureDecode() {
-  using Tr = DecodeTraits<D, MT, F8 != 0>;
-  auto kernel = PagedDecodeKernel<D, MT, T, F8>;
+  using Tr = DecodeTraits<D, MT, F8 != 0, kFour>;
+  auto kernel = PagedDecodeKernel<D, MT, T, F8, kFour>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   int dev = 0, major = 0;
@@ -32,13 +33,13 @@ cudaError_t ConfigureDecode() {
   return cudaSuccess;
 }
 
-template <int D, int MT, typename T, int F8>
-cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream) {
-  using Tr = DecodeTraits<D, MT, F8 != 0>;
-  auto kernel = PagedDecodeKernel<D, MT, T, F8>;
+template <int D, int MT, typename T, int F8, bool kFour>
+cudaError_t LaunchDecodeKernel(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream) {
+  using Tr = DecodeTraits<D, MT, F8 != 0, kFour>;
+  auto kernel = PagedDecodeKernel<D, MT, T, F8, kFour>;
   // The attributes are per device (kernels/per_device.h).
   static PerDeviceOnce configured;
-  const cudaError_t err = configured.Run(ConfigureDecode<D, MT, T, F8>);
+  const cudaError_t err = configured.Run(ConfigureDecode<D, MT, T, F8, kFour>);
   if (err != cudaSuccess) return err;
   if (args.cluster <= 1) {
     kernel<<<num_items, Tr::kThreads, Tr::kSmemBytes, stream>>>(args);
@@ -57,6 +58,30 @@ cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaSt
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, kernel, args);
+}
+
+// FP8 pools at head_dim 128 with one m-tile have a second kernel, compiled
+// for four CTAs an SM with one ring stage fewer (DecodeTraits' kFour). It
+// streams less per CTA: on the H200 it lost 6-7% where the three-CTA
+// kernel's slots hold every item (64 x 2k / 4k / 8k, 256 items) and won
+// 3-7% at 256 x 4k (1,024 items: 2.6 waves of three CTAs an SM, 1.9 of
+// four; bench/results/2026-12-04-session25-h200.md). So it runs when the
+// launch has more items than the three-CTA kernel's slots (four: -1), or
+// as `four` forces it (0 / 1); never in cluster mode.
+template <int D, int MT, typename T, int F8>
+cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream, int32_t four) {
+  if constexpr (F8 != 0 && D == 128 && MT == 1) {
+    bool use = four > 0;
+    if (four < 0) {
+      int dev = 0, sms = 0;
+      if (cudaGetDevice(&dev) == cudaSuccess &&
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess) {
+        use = int64_t{num_items} > int64_t{DecodeMinBlocks<D, MT, F8>()} * sms;
+      }
+    }
+    if (use && args.cluster <= 1) return LaunchDecodeKernel<D, MT, T, F8, true>(args, num_items, stream);
+  }
+  return LaunchDecodeKernel<D, MT, T, F8, false>(args, num_items, stream);
 }
 
 // Largest cluster (<= kMaxDecodeCluster) the device co-schedules for this
@@ -172,7 +197,7 @@ cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows,
   args.slots_per_layer = geo.SlotsPerLayer();
   args.page = FastDiv(geo.page_size);
   return ATTNSERVE_DISPATCH_DECODE(geo.head_dim, tile_rows, geo.dtype, geo.kv_fp8, cudaErrorInvalidValue,
-                                   LaunchDecode, args, num_items, stream);
+                                   LaunchDecode, args, num_items, stream, options.four_ctas);
 }
 
 }  // namespace attnserve

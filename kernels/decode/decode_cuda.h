@@ -48,6 +48,12 @@ struct DecodeLaunchOptions {
   // Benchmark only: split tiles leave their partials unmerged (o / lse of
   // split sequences are then not written). No effect in cluster mode.
   bool skip_merge = false;
+  // FP8 pools, head_dim 128, 16-row tiles: the kernel compiled for four
+  // CTAs an SM instead of three. -1: when the launch has more items than
+  // the three-CTA kernel's resident slots (DecodeCtasPerSm still reports
+  // three: the plan is made for that kernel); 0 / 1: never / always (tests
+  // and benchmarks). Ignored elsewhere and in cluster mode.
+  int32_t four_ctas = -1;
 };
 
 // Runs every work item (one CTA of 128 threads each). params: q, o, lse,

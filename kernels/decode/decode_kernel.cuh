@@ -48,15 +48,17 @@ namespace attnserve {
 namespace decode {
 
 // Resident CTAs per SM the kernel is compiled for: 3 for FP8 pools with one
-// m-tile at head_dim 64 / 128 (their registers fit), else 2.
-template <int D, int MT, int F8>
+// m-tile at head_dim 64 / 128 (their registers fit), 4 for the kFour kernel
+// (128 registers, DecodeTraits), else 2.
+template <int D, int MT, int F8, bool kFour = false>
 constexpr int DecodeMinBlocks() {
-  return F8 != 0 && MT == 1 && D <= 128 ? 3 : 2;
+  return kFour ? 4 : F8 != 0 && MT == 1 && D <= 128 ? 3 : 2;
 }
 
-template <int D, int MT, typename T, int F8>
-__global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8>())) PagedDecodeKernel(const DecodeKernelArgs args) {
-  using Tr = DecodeTraits<D, MT, F8 != 0>;
+template <int D, int MT, typename T, int F8, bool kFour = false>
+__global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8, kFour>()))
+    PagedDecodeKernel(const DecodeKernelArgs args) {
+  using Tr = DecodeTraits<D, MT, F8 != 0, kFour>;
   constexpr int kM = Tr::kM;
   constexpr bool kFp8 = F8 != 0;
   constexpr int kStages = kFp8 ? Tr::kStages8 : Tr::kStages;

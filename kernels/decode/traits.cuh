@@ -35,9 +35,12 @@ struct DecodeKernelArgs {
 
 constexpr int ConstMax(int a, int b) { return a > b ? a : b; }
 
-// F8: the pools are FP8 (a smaller ring: see kStages8).
-template <int D, int MT, bool F8 = false>
+// F8: the pools are FP8 (a smaller ring: see kStages8). kFour: the FP8
+// kernel at head_dim 128 with one m-tile compiled for four CTAs an SM
+// (DecodeMinBlocks) instead of three, with one ring stage fewer.
+template <int D, int MT, bool F8 = false, bool kFour = false>
 struct DecodeTraits {
+  static_assert(!kFour || (F8 && D == 128 && MT == 1), "four CTAs an SM: FP8, head_dim 128, one m-tile");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kM = 16 * MT;             // packed rows per tile
@@ -50,12 +53,13 @@ struct DecodeTraits {
   static constexpr int kStageBytes = kTok * kRowBytes;  // K (or V) of a step
   // FP8 pools: rows of D bytes; 8 / 4 / 4 stages for head_dim 64 / 128 /
   // 256, so that three CTAs fit an SM at head_dim 64 and 128 (about the bytes
-  // in flight per SM of the 16-bit ring, over 12 warps instead of 8).
+  // in flight per SM of the 16-bit ring, over 12 warps instead of 8); kFour:
+  // 3 stages, four CTAs an SM (the same bytes in flight over 16 warps).
   static constexpr int kChunks8 = D / 16;
   static constexpr int kRowsPerPass8 = 32 / kChunks8;
   static constexpr int kPasses8 = kTok / kRowsPerPass8;
   static constexpr int kStageBytes8 = kTok * D;
-  static constexpr int kStages8 = D == 64 ? 8 : 4;
+  static constexpr int kStages8 = D == 64 ? 8 : kFour ? 3 : 4;
   static constexpr int kWarpRingBytes = F8 ? kStages8 * 2 * kStageBytes8 : kStages * 2 * kStageBytes;
   static constexpr int kQBytes = kM * kRowBytes;
   static constexpr int kLoopBytes = kQBytes + kWarps * kWarpRingBytes;

@@ -234,7 +234,8 @@ inline RunResult RunDecode(const HostBatch& b, int force_chunk, int force_cluste
     part_lse.Poison();
     cudaError_t e = PagedDecodeCuda(p, plan.tile_rows, items.ptr, static_cast<int32_t>(plan.items.size()),
                                     part_o.ptr, part_lse.ptr, counters.ptr, nullptr,
-                                    DecodeLaunchOptions{plan.cluster, false});
+                                    // run 1: the four-CTA FP8 kernel where one exists
+                                    DecodeLaunchOptions{plan.cluster, false, run == 1 ? 1 : -1});
     if (e == cudaSuccess) e = cudaDeviceSynchronize();
     if (e != cudaSuccess) {
       err = "run " + std::to_string(run) + ": CUDA: " + cudaGetErrorString(e);
