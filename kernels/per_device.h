@@ -62,4 +62,33 @@ class PerDeviceFlag {
   std::atomic<uint64_t> known_{0}, yes_{0};
 };
 
+// A non-negative integer fact about a device, asked once per device
+// (devices 0..63; on a higher ordinal, on every call). ask() -> int32_t
+// (>= 0) runs on the current device; a failed cudaGetDevice answers 0.
+class PerDeviceInt {
+ public:
+  PerDeviceInt() {
+    for (auto& v : values_) v.store(-1, std::memory_order_relaxed);
+  }
+  template <typename F>
+  int32_t Get(F&& ask) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    if (dev < 0 || dev >= kDevices) return ask();
+    int32_t v = values_[dev].load(std::memory_order_acquire);
+    if (v < 0) {
+      v = ask();
+      values_[dev].store(v, std::memory_order_release);
+    }
+    return v;
+  }
+
+ private:
+  static constexpr int kDevices = 64;
+  std::atomic<int32_t> values_[kDevices];
+};
+
 }  // namespace attnserve

@@ -14,7 +14,6 @@ namespace attnserve {
 namespace {
 
 using decode::DecodeKernelArgs;
-using decode::DecodeMinBlocks;
 using decode::DecodeTraits;
 using decode::PagedDecodeKernel;
 
@@ -60,24 +59,49 @@ cudaError_t LaunchDecodeKernel(const DecodeKernelArgs& args, int32_t num_items, 
   return cudaLaunchKernelEx(&cfg, kernel, args);
 }
 
+// Resident CTAs per SM of the kernel on the current device.
+template <int D, int MT, typename T, int F8, bool kFour = false>
+int32_t CtasPerSm() {
+  using Tr = DecodeTraits<D, MT, F8 != 0, kFour>;
+  auto kernel = PagedDecodeKernel<D, MT, T, F8, kFour>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Tr::kThreads, Tr::kSmemBytes) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return std::max(n, 1);
+}
+
 // FP8 pools at head_dim 128 with one m-tile have a second kernel, compiled
 // for four CTAs an SM with one ring stage fewer (DecodeTraits' kFour). It
 // streams less per CTA: on the H200 it lost 6-7% where the three-CTA
 // kernel's slots hold every item (64 x 2k / 4k / 8k, 256 items) and won
 // 3-7% at 256 x 4k (1,024 items: 2.6 waves of three CTAs an SM, 1.9 of
 // four; bench/results/2026-12-04-session25-h200.md). So it runs when the
-// launch has more items than the three-CTA kernel's slots (four: -1), or
-// as `four` forces it (0 / 1); never in cluster mode.
+// launch has more items than the three-CTA kernel's resident slots and the
+// device holds more of its CTAs an SM (four: -1; both asked once per
+// device), or as `four` forces it (0 / 1); never in cluster mode.
 template <int D, int MT, typename T, int F8>
 cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream, int32_t four) {
   if constexpr (F8 != 0 && D == 128 && MT == 1) {
+    // Items above which the four-CTA kernel runs (INT32_MAX: never).
+    static PerDeviceInt four_above;
     bool use = four > 0;
     if (four < 0) {
-      int dev = 0, sms = 0;
-      if (cudaGetDevice(&dev) == cudaSuccess &&
-          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess) {
-        use = int64_t{num_items} > int64_t{DecodeMinBlocks<D, MT, F8>()} * sms;
-      }
+      use = num_items > four_above.Get([] {
+        const int32_t three = CtasPerSm<D, MT, T, F8, false>();
+        int dev = 0, sms = 0;
+        if (CtasPerSm<D, MT, T, F8, true>() <= three || cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+          cudaGetLastError();
+          return int32_t{INT32_MAX};
+        }
+        return three * sms;
+      });
     }
     if (use && args.cluster <= 1) return LaunchDecodeKernel<D, MT, T, F8, true>(args, num_items, stream);
   }
@@ -115,21 +139,6 @@ int32_t MaxCluster() {
   return std::min<int32_t>(n, kMaxDecodeCluster);
 }
 
-template <int D, int MT, typename T, int F8>
-int32_t CtasPerSm() {
-  using Tr = DecodeTraits<D, MT, F8 != 0>;
-  auto kernel = PagedDecodeKernel<D, MT, T, F8>;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Tr::kThreads, Tr::kSmemBytes) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
-  return std::max(n, 1);
-}
 
 // (head_dim, tile_rows, dtype) -> the kernel's constants. Invalid pairs
 // return cudaErrorInvalidValue (for CtasPerSm: 1) through FALLBACK.

@@ -50,9 +50,10 @@ struct DecodeLaunchOptions {
   bool skip_merge = false;
   // FP8 pools, head_dim 128, 16-row tiles: the kernel compiled for four
   // CTAs an SM instead of three. -1: when the launch has more items than
-  // the three-CTA kernel's resident slots (DecodeCtasPerSm still reports
-  // three: the plan is made for that kernel); 0 / 1: never / always (tests
-  // and benchmarks). Ignored elsewhere and in cluster mode.
+  // the three-CTA kernel's resident slots and the device holds more CTAs
+  // an SM of the four-CTA kernel (DecodeCtasPerSm still reports the
+  // three-CTA kernel's: the plan is made for it); 0 / 1: never / always
+  // (tests and benchmarks). Ignored elsewhere and in cluster mode.
   int32_t four_ctas = -1;
 };
 
