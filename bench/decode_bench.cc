@@ -25,7 +25,8 @@
 //   --only: run the workloads of those names alone (e.g. decode_b1, for ncu)
 //   --four_ctas: DecodeLaunchOptions::four_ctas of every decode launch (FP8,
 //     head_dim 128: the kernel compiled for four CTAs an SM; -1, the
-//     default, lets the launch choose)
+//     default, lets the launch choose; 0 also plans for the three-CTA
+//     kernel alone, DecodePlanOptions::wide_ctas_per_sm 0)
 // Prints one "RESULT key=value ..." line per measurement, then a table with
 // the targets.
 #include <cuda_runtime.h>
@@ -183,6 +184,8 @@ Row RunWorkload(const Workload& w, int repeats) {
   dopt.num_sms = sms;
   const int tile_rows = DecodeTileRows(kD, w.q_len * (kH / kKvh));
   dopt.ctas_per_sm = DecodeCtasPerSm(kD, g.dtype, tile_rows, g.kv_fp8);
+  // --four_ctas=0: the plan made for the three-CTA kernel alone.
+  dopt.wide_ctas_per_sm = g_four_ctas == 0 ? 0 : DecodeWideCtasPerSm(kD, g.dtype, tile_rows, g.kv_fp8);
   dopt.max_cluster = DecodeMaxCluster(kD, g.dtype, tile_rows, g.kv_fp8);
   DecodePlan dplan;
   BuildDecodePlan(seqs.data(), w.batch, g, dopt, &dplan);
@@ -293,12 +296,12 @@ Row RunWorkload(const Workload& w, int repeats) {
   const double merge_share = std::max(0.0, (ms - ms_nomerge) / ms);
   std::printf("RESULT kernel=decode workload=%s kv_dtype=%s batch=%d q=%d kv=%d page_size=%d ms=%.4f kv_tbs=%.3f "
               "ms_queued=%.4f kv_tbs_queued=%.3f items=%d "
-              "tile_rows=%d chunk=%d split_tiles=%d cluster=%d ctas_per_sm=%d four_ctas=%d ms_without_merge=%.4f "
+              "tile_rows=%d chunk=%d split_tiles=%d cluster=%d ctas_per_sm=%d wide_ctas_per_sm=%d four_ctas=%d ms_without_merge=%.4f "
               "merge_share=%.3f\n",
               w.name.c_str(), fp8 ? Fp8FormatName(g.kv_fp8) : "bf16", w.batch, w.q_len, w.kv_len, w.page_size, ms,
               kv_bytes / (ms * 1e-3) / 1e12, ms_queued,
               kv_bytes / (ms_queued * 1e-3) / 1e12, n_items,
-              dplan.tile_rows, dplan.chunk_len, dplan.split_tiles, dplan.cluster, dopt.ctas_per_sm, g_four_ctas,
+              dplan.tile_rows, dplan.chunk_len, dplan.split_tiles, dplan.cluster, dopt.ctas_per_sm, dopt.wide_ctas_per_sm, g_four_ctas,
               ms_nomerge, merge_share);
   std::fflush(stdout);
   if (dplan.split_tiles > 0 || dplan.cluster > 1) {

@@ -81,10 +81,27 @@ int32_t CtasPerSm() {
 // streams less per CTA: on the H200 it lost 6-7% where the three-CTA
 // kernel's slots hold every item (64 x 2k / 4k / 8k, 256 items) and won
 // 3-7% at 256 x 4k (1,024 items: 2.6 waves of three CTAs an SM, 1.9 of
-// four; bench/results/2026-12-04-session25-h200.md). So it runs when the
-// launch has more items than the three-CTA kernel's resident slots and the
-// device holds more of its CTAs an SM (four: -1; both asked once per
-// device), or as `four` forces it (0 / 1); never in cluster mode.
+// four; bench/results/2026-12-04-session25-h200.md). So it is the family's
+// wide kernel: it runs when the launch has more items than the three-CTA
+// kernel's resident slots and the device holds more of its CTAs an SM
+// (four: -1; both asked once per device), or as `four` forces it (0 / 1);
+// never in cluster mode. The plan prices it the same way
+// (DecodePlanOptions::wide_ctas_per_sm).
+//
+// WideCtasPerSm: the wide kernel's resident CTAs an SM where the device
+// holds more of them than of the other's; 0 where there is none.
+template <int D, int MT, typename T, int F8>
+int32_t WideCtasPerSm() {
+  if constexpr (F8 != 0 && D == 128 && MT == 1) {
+    static PerDeviceInt wide;
+    return wide.Get([] {
+      const int32_t four = CtasPerSm<D, MT, T, F8, true>();
+      return four > CtasPerSm<D, MT, T, F8, false>() ? four : int32_t{0};
+    });
+  }
+  return 0;
+}
+
 template <int D, int MT, typename T, int F8>
 cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream, int32_t four) {
   if constexpr (F8 != 0 && D == 128 && MT == 1) {
@@ -93,14 +110,13 @@ cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaSt
     bool use = four > 0;
     if (four < 0) {
       use = num_items > four_above.Get([] {
-        const int32_t three = CtasPerSm<D, MT, T, F8, false>();
         int dev = 0, sms = 0;
-        if (CtasPerSm<D, MT, T, F8, true>() <= three || cudaGetDevice(&dev) != cudaSuccess ||
+        if (WideCtasPerSm<D, MT, T, F8>() == 0 || cudaGetDevice(&dev) != cudaSuccess ||
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
           cudaGetLastError();
           return int32_t{INT32_MAX};
         }
-        return three * sms;
+        return CtasPerSm<D, MT, T, F8, false>() * sms;
       });
     }
     if (use && args.cluster <= 1) return LaunchDecodeKernel<D, MT, T, F8, true>(args, num_items, stream);
@@ -177,6 +193,10 @@ int32_t MaxCluster() {
 
 int32_t DecodeCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows, Fp8Format kv_fp8) {
   return ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, kv_fp8, int32_t{1}, CtasPerSm);
+}
+
+int32_t DecodeWideCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows, Fp8Format kv_fp8) {
+  return ATTNSERVE_DISPATCH_DECODE(head_dim, tile_rows, dtype, kv_fp8, int32_t{0}, WideCtasPerSm);
 }
 
 int32_t DecodeMaxCluster(int32_t head_dim, KvDType dtype, int32_t tile_rows, Fp8Format kv_fp8) {

@@ -13,7 +13,8 @@
 // Usage (all device pointers except the plan):
 //   DecodePlanOptions opt;
 //   opt.num_sms = <SM count>;
-//   opt.ctas_per_sm = DecodeCtasPerSm(geo.head_dim, geo.dtype, tile_rows);
+//   opt.ctas_per_sm = DecodeCtasPerSm(geo.head_dim, geo.dtype, tile_rows, geo.kv_fp8);
+//   opt.wide_ctas_per_sm = DecodeWideCtasPerSm(geo.head_dim, geo.dtype, tile_rows, geo.kv_fp8);
 //   BuildDecodePlan(seqs, num_seqs, geo, opt, &plan);
 //   // upload plan.items; part_o / part_lse / counters sized by the plan
 //   // (counters zeroed once when allocated: the kernel leaves them zero)
@@ -36,6 +37,14 @@ namespace attnserve {
 int32_t DecodeCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows,
                         Fp8Format kv_fp8 = Fp8Format::kNone);
 
+// Resident CTAs per SM of the family's wide kernel for this configuration,
+// which a launch with more items than ctas_per_sm * SMs runs (FP8 pools at
+// head_dim 128 with 16-row tiles, where the device holds four of its CTAs an
+// SM against three); 0 where there is none. For
+// DecodePlanOptions::wide_ctas_per_sm.
+int32_t DecodeWideCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows,
+                            Fp8Format kv_fp8 = Fp8Format::kNone);
+
 // Largest thread-block cluster the device co-schedules for this
 // configuration (for DecodePlanOptions::max_cluster): up to
 // kMaxDecodeCluster on sm_90+, 0 on older GPUs (no cluster mode).
@@ -51,9 +60,10 @@ struct DecodeLaunchOptions {
   // FP8 pools, head_dim 128, 16-row tiles: the kernel compiled for four
   // CTAs an SM instead of three. -1: when the launch has more items than
   // the three-CTA kernel's resident slots and the device holds more CTAs
-  // an SM of the four-CTA kernel (DecodeCtasPerSm still reports the
-  // three-CTA kernel's: the plan is made for it); 0 / 1: never / always
-  // (tests and benchmarks). Ignored elsewhere and in cluster mode.
+  // an SM of the four-CTA kernel (DecodeCtasPerSm reports the three-CTA
+  // kernel's, DecodeWideCtasPerSm the four-CTA one's: the plan prices
+  // both); 0 / 1: never / always (tests and benchmarks). Ignored elsewhere
+  // and in cluster mode.
   int32_t four_ctas = -1;
 };
 

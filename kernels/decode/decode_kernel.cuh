@@ -3,10 +3,11 @@
 // One CTA per DecodeWorkItem: 4 warps share one packed Q tile (every query
 // head of the KV group x every query row of the sequence, 16 * MT rows) and
 // split the item's KV range between them in steps of 16 tokens (warp w takes
-// steps w, w + 4, ...). Each warp streams its own K/V through a private
+// steps w, w + 4, ...; a main-loop iteration takes kStepsPerIter of them,
+// traits.cuh). Each warp streams its own K/V through a private
 // kStages-deep cp.async ring (16-byte copies, no CTA barrier in the main
-// loop), with the page-table entry of the step after next loaded one
-// iteration ahead. S = Q K^T and O += P V are m16n8k16 MMAs with the packed
+// loop), with the page-table entries of the next iteration's copies loaded
+// one iteration ahead. S = Q K^T and O += P V are m16n8k16 MMAs with the packed
 // rows as M; online softmax in base 2. At the end the 4 warps' states are
 // combined through shared memory. Split items write an fp32 partial and
 // count themselves done on the tile's counter; the last one merges the
@@ -63,6 +64,8 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8, kFour>()))
   constexpr bool kFp8 = F8 != 0;
   constexpr int kStages = kFp8 ? Tr::kStages8 : Tr::kStages;
   constexpr int kStageBytes = kFp8 ? Tr::kStageBytes8 : Tr::kStageBytes;
+  constexpr int kNs = Tr::kStepsPerIter;  // steps a main-loop iteration takes
+  static_assert(kStages > kNs, "a step in flight while an iteration computes");
   // FP8 pools with bf16 queries: S = Q K^T in fp16 (QHalfExponent).
   constexpr bool kQHalf = kFp8 && std::is_same<T, __nv_bfloat16>::value;
   using TS = typename std::conditional<kFp8, __half, T>::type;  // S's operands
@@ -189,18 +192,21 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8, kFour>()))
     }
   };
 
-  // ---- Prologue: the first kStages - 1 steps in flight, then Q. The page
-  // entries of all of them are loaded at once (independent loads: one memory
-  // round trip before the first K/V request, not one per step).
+  // ---- Prologue: the first kStages - kNs steps in flight, then Q. The
+  // page entries of all of them and of the first iteration's issues are
+  // loaded at once (independent loads: one memory round trip before the
+  // first K/V request, not one per step).
   int pages_ahead[kStages];
 #pragma unroll
   for (int s = 0; s < kStages; ++s) pages_ahead[s] = load_page(s);
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < kStages - kNs; ++s) {
     if (s < my_steps) issue(s, pages_ahead[s]);
     mma::CpAsyncCommit();
   }
-  int page_next = pages_ahead[kStages - 1];
+  int page_next[kNs];
+#pragma unroll
+  for (int k = 0; k < kNs; ++k) page_next[k] = pages_ahead[kStages - kNs + k];
 
   // Q tile: packed row r -> token r / group, head kvh * group + r % group.
   // bf16 queries over an FP8 pool are stored as fp16 times 2^q_exp (kQHalf:
@@ -307,21 +313,14 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8, kFour>()))
     l_run[mt][0] = l_run[mt][1] = 0.f;
   }
 
-  // ---- Main loop over this warp's steps.
-  for (int i = 0; i < my_steps; ++i) {
-    const int ahead = i + kStages - 1;
-    if (ahead < my_steps) issue(ahead, page_next);
-    mma::CpAsyncCommit();
-    page_next = load_page(ahead + 1);  // used next iteration: latency hidden
-    mma::CpAsyncWait<kStages - 1>();
-    __syncwarp();
-    const uint32_t k_st = a_ring + (i % kStages) * 2 * kStageBytes;
-    const uint32_t v_st = k_st + kStageBytes;
-    const uint8_t* const k_st8 = ring + (i % kStages) * 2 * kStageBytes;
-    const uint8_t* const v_st8 = k_st8 + kStageBytes;
-
-    // S = Q K^T: s[mt][n] covers tokens n * 8 .. n * 8 + 7 of the step.
-    float s[MT][2][4];
+  // ---- Main loop over this warp's steps, kNs at a time. A step's work:
+  // score (S = Q K^T of its stage, scaled or soft-capped, masked on
+  // boundary steps, into s), then the online softmax over the iteration's
+  // steps, then pv (O += P V of its stage).
+  // S = Q K^T: s[mt][n] covers tokens n * 8 .. n * 8 + 7 of step i.
+  auto score = [&](int i, float (&s)[MT][2][4]) {
+    [[maybe_unused]] const uint32_t k_st = a_ring + (i % kStages) * 2 * kStageBytes;  // 16-bit pools
+    [[maybe_unused]] const uint8_t* const k_st8 = ring + (i % kStages) * 2 * kStageBytes;  // FP8 pools
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -411,68 +410,13 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8, kFour>()))
     } else {
       to_log2(std::false_type{}, std::false_type{});
     }
+  };
 
-    // Online softmax in base 2, with a lazy maximum: a row's running
-    // maximum m_run moves only when some row of the warp sees a logit more
-    // than kLazyMax above its own (then every row of the warp takes its new
-    // maximum and O is rescaled); otherwise the rows keep theirs, P stays
-    // below 2^kLazyMax, and O is not touched. The result is the same: O and l
-    // are always relative to the same m_run.
-    constexpr float kLazyMax = 8.f;
-    float mx[MT][2];
-    bool grow = false;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float x = fmaxf(fmaxf(s[mt][0][2 * h], s[mt][0][2 * h + 1]), fmaxf(s[mt][1][2 * h], s[mt][1][2 * h + 1]));
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-        mx[mt][h] = x;
-        grow |= x > m_run[mt][h] + kLazyMax;  // -inf + 8: any finite logit
-      }
-    }
-    grow = __any_sync(0xffffffffu, grow);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float alpha = 1.f;
-        if (grow) {
-          const float m_new = fmaxf(m_run[mt][h], mx[mt][h]);
-          alpha = m_new == m_run[mt][h] ? 1.f : Exp2(m_run[mt][h] - m_new);  // 0 from -inf
-          m_run[mt][h] = m_new;
-#pragma unroll
-          for (int n = 0; n < D / 8; ++n) {
-            o_acc[mt][n][2 * h] *= alpha;
-            o_acc[mt][n][2 * h + 1] *= alpha;
-          }
-        }
-        const float m_use = m_run[mt][h] == -INFINITY ? 0.f : m_run[mt][h];
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = Exp2(s[mt][n][2 * h + e] - m_use);
-            s[mt][n][2 * h + e] = p;
-            sum += p;
-          }
-        }
-        l_run[mt][h] = l_run[mt][h] * alpha + sum;
-      }
-    }
-
-    // O += P V: P is one 16x16 A fragment per m-tile (fp16 for FP8 pools).
-    using TP = typename std::conditional<kFp8, __half, T>::type;
-    uint32_t pa[MT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      pa[mt][0] = Pack2<TP>(s[mt][0][0], s[mt][0][1]);
-      pa[mt][1] = Pack2<TP>(s[mt][0][2], s[mt][0][3]);
-      pa[mt][2] = Pack2<TP>(s[mt][1][0], s[mt][1][1]);
-      pa[mt][3] = Pack2<TP>(s[mt][1][2], s[mt][1][3]);
-    }
+  // O += P V: P is one 16x16 A fragment per m-tile (fp16 for FP8 pools).
+  using TP = typename std::conditional<kFp8, __half, T>::type;
+  auto pv = [&](int i, const uint32_t (&pa)[MT][4]) {
+    [[maybe_unused]] const uint32_t v_st = a_ring + (i % kStages) * 2 * kStageBytes + kStageBytes;
+    [[maybe_unused]] const uint8_t* const v_st8 = ring + (i % kStages) * 2 * kStageBytes + kStageBytes;
     if constexpr (kFp8) {
       // Thread (g, c) reads bytes g * D/8 .. of tokens 2c, 2c + 1 (b0) and
       // 2c + 8, 2c + 9 (b1); byte nt of them is n-tile nt's column g.
@@ -525,7 +469,115 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8, kFour>()))
         mma::Mma16816<T>(o_acc[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
       }
     }
-    __syncwarp();  // the next iteration refills the stage before this one
+  };
+
+  for (int i = 0; i < my_steps; i += kNs) {
+#pragma unroll
+    for (int k = 0; k < kNs; ++k) {
+      const int ahead = i + kStages - kNs + k;
+      if (ahead < my_steps) issue(ahead, page_next[k]);
+      mma::CpAsyncCommit();
+    }
+#pragma unroll
+    for (int k = 0; k < kNs; ++k) page_next[k] = load_page(i + kStages + k);  // used next iteration
+    mma::CpAsyncWait<kStages - kNs>();
+    __syncwarp();
+    // The iteration's steps (k > 0: none past the warp's last step; uniform
+    // over the warp).
+    bool has[kNs];
+#pragma unroll
+    for (int k = 0; k < kNs; ++k) has[k] = k == 0 || i + k < my_steps;
+    float s[kNs][MT][2][4];
+#pragma unroll
+    for (int k = 0; k < kNs; ++k) {
+      if (has[k]) {
+        score(i + k, s[k]);
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[k][mt][n][e] = -INFINITY;
+          }
+        }
+      }
+    }
+
+    // Online softmax in base 2, with a lazy maximum: a row's running
+    // maximum m_run moves only when some row of the warp sees a logit more
+    // than kLazyMax above its own (then every row of the warp takes its new
+    // maximum and O is rescaled); otherwise the rows keep theirs, P stays
+    // below 2^kLazyMax, and O is not touched. The result is the same: O and l
+    // are always relative to the same m_run.
+    constexpr float kLazyMax = 8.f;
+    float mx[MT][2];
+    bool grow = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        auto max4 = [&](int k) {
+          return fmaxf(fmaxf(s[k][mt][0][2 * h], s[k][mt][0][2 * h + 1]),
+                       fmaxf(s[k][mt][1][2 * h], s[k][mt][1][2 * h + 1]));
+        };
+        float x = max4(0);
+#pragma unroll
+        for (int k = 1; k < kNs; ++k) x = fmaxf(x, max4(k));
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+        mx[mt][h] = x;
+        grow |= x > m_run[mt][h] + kLazyMax;  // -inf + 8: any finite logit
+      }
+    }
+    grow = __any_sync(0xffffffffu, grow);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float alpha = 1.f;
+        if (grow) {
+          const float m_new = fmaxf(m_run[mt][h], mx[mt][h]);
+          alpha = m_new == m_run[mt][h] ? 1.f : Exp2(m_run[mt][h] - m_new);  // 0 from -inf
+          m_run[mt][h] = m_new;
+#pragma unroll
+          for (int n = 0; n < D / 8; ++n) {
+            o_acc[mt][n][2 * h] *= alpha;
+            o_acc[mt][n][2 * h + 1] *= alpha;
+          }
+        }
+        const float m_use = m_run[mt][h] == -INFINITY ? 0.f : m_run[mt][h];
+        float sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < kNs; ++k) {
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float p = Exp2(s[k][mt][n][2 * h + e] - m_use);
+              s[k][mt][n][2 * h + e] = p;
+              sum += p;
+            }
+          }
+        }
+        l_run[mt][h] = l_run[mt][h] * alpha + sum;
+      }
+    }
+
+#pragma unroll
+    for (int k = 0; k < kNs; ++k) {
+      if (!has[k]) continue;
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = Pack2<TP>(s[k][mt][0][0], s[k][mt][0][1]);
+        pa[mt][1] = Pack2<TP>(s[k][mt][0][2], s[k][mt][0][3]);
+        pa[mt][2] = Pack2<TP>(s[k][mt][1][0], s[k][mt][1][1]);
+        pa[mt][3] = Pack2<TP>(s[k][mt][1][2], s[k][mt][1][3]);
+      }
+      pv(i + k, pa);
+    }
+    __syncwarp();  // the next iteration refills the stages before these
   }
   mma::CpAsyncWait<0>();
 

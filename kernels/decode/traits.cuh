@@ -60,6 +60,12 @@ struct DecodeTraits {
   static constexpr int kPasses8 = kTok / kRowsPerPass8;
   static constexpr int kStageBytes8 = kTok * D;
   static constexpr int kStages8 = D == 64 ? 8 : kFour ? 3 : 4;
+  // Steps (of kTok tokens) a warp's main-loop iteration takes: two for the
+  // three-CTA FP8 kernel at head_dim 128 with one m-tile (two independent
+  // S = Q K^T chains and one softmax reduction a pair: it is bound by its
+  // warps' dependent latency, not by memory; while a pair computes, the two
+  // steps after it are in flight), else one.
+  static constexpr int kStepsPerIter = DecodeStepsPerIter(D, kM, F8, kFour);
   static constexpr int kWarpRingBytes = F8 ? kStages8 * 2 * kStageBytes8 : kStages * 2 * kStageBytes;
   static constexpr int kQBytes = kM * kRowBytes;
   static constexpr int kLoopBytes = kQBytes + kWarps * kWarpRingBytes;

@@ -157,7 +157,6 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   // 8 x 128k goes to 8 chunks of 16k (256 CTAs), 1 x 4096 to a cluster of
   // 16 chunks of 256; FP8 (x 3): 64..256 x 4096 unsplit, 8 x 128k 12 chunks
   // (384 CTAs, one wave).
-  const int64_t slots = int64_t{std::max(options.num_sms, 1)} * std::max(options.ctas_per_sm, 1);
   const int64_t quantum = kDecodeChunkQuantum;
   const int64_t min_chunk = std::max<int64_t>(quantum, CeilDiv(std::max(options.min_chunk, 1), quantum) * quantum);
   const double token_bytes = 2.0 * geo.head_dim * geo.KvElemBytes();  // K + V of one KV head
@@ -165,8 +164,22 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   // A CTA on an FP8 pool streams tokens no faster than on a 16-bit one
   // (its dequantization costs what the halved bytes save; H200,
   // bench/results/2026-12-02-fp8-h200.md): the same tokens per ns, half the
-  // bytes.
-  const double cta_rate = std::max(options.cta_bytes_per_ns, 1e-3) * geo.KvElemBytes() / 2.0;
+  // bytes; one whose warps take two steps an iteration
+  // (DecodeStepsPerIter) pair_token_rate times those tokens.
+  const bool fp8 = geo.KvIsFp8();
+  const double token_rate = std::max(options.cta_bytes_per_ns, 1e-3) * geo.KvElemBytes() / 2.0;
+  auto cta_rate_of = [&](bool wide) {
+    return token_rate * (DecodeStepsPerIter(geo.head_dim, m, fp8, wide) == 2 ? options.pair_token_rate : 1.0);
+  };
+  // The kernel a launch of `items` runs: the wide one past the other's
+  // resident slots (DecodePlanOptions::wide_ctas_per_sm), not in cluster
+  // mode; its slots and a CTA's rate. Cluster mode is priced at the
+  // unpaired rate: its CTAs did not stream faster with the pairs (H200, FP8
+  // 8 x 128k in clusters of 8, 256 items: 0.327 ms, against 0.266 for the
+  // same items split; bench/results/2026-12-04-session26-h200.md).
+  const int64_t sms = std::max(options.num_sms, 1);
+  const int64_t narrow_slots = sms * std::max(options.ctas_per_sm, 1);
+  const int64_t wide_slots = sms * std::max(options.wide_ctas_per_sm, 0);
   int64_t v_max = 0;
   for (int32_t i : planned) v_max = std::max<int64_t>(v_max, VisibleKeys(seqs[i]).size());
 
@@ -175,14 +188,18 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
     double cost = 0;
   };
   // Streaming time (ns) of `tokens` K/V tokens over `items` CTAs whose
-  // longest reads `longest` tokens (the model of DecodePlanOptions).
-  auto stream_ns = [&](double items, double tokens, double longest) {
+  // longest reads `longest` tokens (the model of DecodePlanOptions);
+  // cluster: cluster mode (never the wide kernel, the unpaired rate).
+  auto stream_ns = [&](double items, double tokens, double longest, bool cluster) {
+    const bool wide = !cluster && items > double(narrow_slots) && wide_slots > narrow_slots;
+    const double cta_rate = cluster ? token_rate : cta_rate_of(wide);
+    const double slots = double(wide ? wide_slots : narrow_slots);
     const double x = items * cta_rate / hbm;
     const double rate = hbm * x / std::pow(1.0 + x * x * x * x, 0.25);
     // Waves: every one costs its longest item at a CTA's share of the HBM
     // rate, and its start.
-    const double share = std::min(cta_rate, hbm / std::max(std::min(items, double(slots)), 1.0));
-    const double waves = std::ceil(items / double(slots));
+    const double share = std::min(cta_rate, hbm / std::max(std::min(items, slots), 1.0));
+    const double waves = std::ceil(items / slots);
     const double waves_ns = waves * (longest * token_bytes / share + options.wave_start_ns);
     return std::max(tokens * token_bytes / rate, waves_ns);
   };
@@ -204,7 +221,7 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
       max_chunks = std::max(max_chunks, chunks);
     }
     if (options.max_partial_slots > 0 && partial_slots > double(options.max_partial_slots)) return e;
-    e.cost = stream_ns(items, tokens, double(longest));
+    e.cost = stream_ns(items, tokens, double(longest), /*cluster=*/false);
     if (max_chunks > 1) {
       const double partial_bytes = partial_slots * m * (geo.head_dim + 1) * 4.0;
       e.cost += options.merge_ns + options.merge_ns_per_chunk * double(max_chunks) + 2.0 * partial_bytes / hbm;
@@ -230,7 +247,7 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
       items += tiles * double(c);
     }
     if (options.max_items > 0 && items > double(options.max_items)) return e;
-    e.cost = stream_ns(items, tokens, double(std::min(longest, v_max))) + options.cluster_merge_ns;
+    e.cost = stream_ns(items, tokens, double(std::min(longest, v_max)), /*cluster=*/true) + options.cluster_merge_ns;
     e.ok = true;
     return e;
   };

@@ -46,6 +46,15 @@ inline constexpr int32_t kMaxDecodeCluster = 16;
 // KV tokens a CTA consumes per round (4 warps x 16); chunks are multiples.
 inline constexpr int32_t kDecodeChunkQuantum = 64;
 
+// KV steps (of 16 tokens) a warp of the decode kernel takes a main-loop
+// iteration (kernels/decode/traits.cuh): two on FP8 pools at head_dim 128
+// with 16-row tiles, except in the wide kernel (decode_cuda.h,
+// DecodeWideCtasPerSm), else one. The plan prices such CTAs faster
+// (DecodePlanOptions::pair_token_rate).
+constexpr int32_t DecodeStepsPerIter(int32_t head_dim, int32_t tile_rows, bool fp8, bool wide) {
+  return fp8 && head_dim == 128 && tile_rows == 16 && !wide ? 2 : 1;
+}
+
 // One CTA of the decode kernel.
 struct DecodeWorkItem {
   int32_t seq = 0;        // index into the batch's seqs
@@ -72,6 +81,13 @@ struct DecodePlanOptions {
   int32_t num_sms = 132;
   // Resident CTAs per SM of the kernel (DecodeCtasPerSm on the device).
   int32_t ctas_per_sm = 2;
+  // Resident CTAs per SM of the family's wide kernel, which the launch runs
+  // for more items than num_sms * ctas_per_sm (DecodeWideCtasPerSm on the
+  // device; 0: none). A candidate with more items is priced with
+  // num_sms * wide_ctas_per_sm slots (FP8 128 x 4096 on an H200: 512 items
+  // in one wave of four CTAs an SM, 0.137 ms, against 1,536 split items on
+  // three, 0.160; bench/results/2026-12-04-session26-h200.md).
+  int32_t wide_ctas_per_sm = 0;
   // Smallest KV chunk (tokens) of a split item; rounded up to
   // kDecodeChunkQuantum.
   int32_t min_chunk = 128;
@@ -80,7 +96,8 @@ struct DecodePlanOptions {
   //   x      = items * cta_bytes_per_ns / hbm_bytes_per_ns
   //   rate   = hbm_bytes_per_ns * x / (1 + x^4)^(1/4)   (aggregate, B/ns)
   //   share  = min(cta_bytes_per_ns, hbm_bytes_per_ns / min(items, slots))
-  //   waves  = ceil(items / slots)      (slots = num_sms * ctas_per_sm)
+  //   waves  = ceil(items / slots)      (slots = num_sms * ctas_per_sm, or
+  //                                      num_sms * wide_ctas_per_sm past it)
   //   stream = max(all items' K/V bytes / rate,
   //                waves * (longest item's bytes / share + wave_start_ns))
   //   cost   = stream + (split: merge_ns + merge_ns_per_chunk * max chunks
@@ -113,6 +130,13 @@ struct DecodePlanOptions {
   double wave_start_ns = 6000;
   double merge_ns = 1000;
   double merge_ns_per_chunk = 150;
+  // FP8 pools, on a kernel whose warps take two steps an iteration
+  // (DecodeStepsPerIter: head_dim 128, 16-row tiles, not the wide kernel):
+  // its CTA's tokens per ns against a 16-bit CTA's. H200,
+  // bench/results/2026-12-04-session26-h200.md: FP8 8 x 128k in 32 and 128
+  // unsplit items streams 25.5 and 24.4 B/ns a CTA (0.5 x 36 before the
+  // pairs, 18.5 measured).
+  double pair_token_rate = 1.4;
   // Largest cluster the device runs for the decode kernel (0 or 1: no
   // cluster mode; DecodeMaxCluster() on the device).
   int32_t max_cluster = 0;

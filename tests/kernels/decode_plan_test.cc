@@ -389,6 +389,62 @@ TEST(DecodePlan, Fp8PlansKeepToOneWaveWhereTheSweepDid) {
   }
 }
 
+// The same with the wide kernel priced (four CTAs an SM past the three-CTA
+// kernel's 396 slots, DecodePlanOptions::wide_ctas_per_sm) and the
+// three-CTA kernel's step pairs (pair_token_rate): batches of 397..528
+// tiles stay unsplit in one wave of it (128 x 4096: 512 items
+// 0.137 ms against 1,536 split items 0.160 on the H200,
+// bench/results/2026-12-04-session26-h200.md); what fits three CTAs an SM
+// plans as before; cluster plans never count on it (the launch does not
+// run it in cluster mode).
+TEST(DecodePlan, Fp8PlansPriceTheWideKernelPastTheNarrowSlots) {
+  KvGeometry g = Geo(32, 4, 128, 1);
+  g.kv_fp8 = Fp8Format::kE4m3;
+  DecodePlanOptions narrow;
+  narrow.num_sms = 132;
+  narrow.ctas_per_sm = 3;
+  narrow.max_cluster = 16;
+  DecodePlanOptions wide = narrow;
+  wide.wide_ctas_per_sm = 4;
+  for (int batch : {100, 128}) {
+    const auto seqs = Uniform(batch, 1, 4096);
+    const DecodePlan p = Plan(seqs, g, wide);
+    EXPECT_EQ(p.split_tiles, 0) << batch;
+    EXPECT_LE(p.cluster, 1) << batch;
+    EXPECT_EQ(p.items.size(), static_cast<size_t>(batch) * 4) << batch;
+    CheckPlan(seqs, g, p);
+    // Without it, the same batch is cut (into clusters) for more waves of
+    // three.
+    const DecodePlan q = Plan(seqs, g, narrow);
+    EXPECT_GT(q.items.size(), p.items.size()) << batch;
+  }
+  for (int batch : {1, 8, 64, 256}) {
+    const auto seqs = Uniform(batch, 1, batch == 8 ? 131072 : 4096);
+    const DecodePlan p = Plan(seqs, g, wide);
+    const DecodePlan q = Plan(seqs, g, narrow);
+    if (batch != 8) {  // 8 x 128k: one wave either way (below)
+      EXPECT_EQ(p.items.size(), q.items.size()) << batch;
+      EXPECT_EQ(p.chunk_len, q.chunk_len) << batch;
+      EXPECT_EQ(p.cluster, q.cluster) << batch;
+    }
+    if (p.cluster > 1) CheckClusterPlan(seqs, g, p); else CheckPlan(seqs, g, p);
+  }
+  // 8 x 131072: 256 split items, the best of the chunk sweep with the
+  // paired kernel (0.266 ms; 384 items 0.272, 512 0.268; clusters of 8
+  // 0.327).
+  {
+    const auto seqs = Uniform(8, 1, 131072);
+    const DecodePlan p = Plan(seqs, g, wide);
+    EXPECT_EQ(p.items.size(), 256u);
+    EXPECT_LE(p.cluster, 1);
+  }
+  // A wide kernel no wider than the narrow one changes nothing.
+  DecodePlanOptions same = narrow;
+  same.wide_ctas_per_sm = 3;
+  const auto seqs = Uniform(128, 1, 4096);
+  EXPECT_EQ(Plan(seqs, g, same).items.size(), Plan(seqs, g, narrow).items.size());
+}
+
 TEST(DecodePlan, ForcedAndDisabledSplit) {
   const KvGeometry g = Geo(8, 2, 64, 16);
   const std::vector<PrefillSeq> seqs = {Seq(1, 1000), Seq(3, 64), Seq(2, 65), Seq(1, 1), Seq(1, 0)};

@@ -77,7 +77,24 @@ def check(name, ok, detail=""):
         failed += 1
         print(f"FAIL: {name}", flush=True)
         if detail:
-            print("\n".join("    " + line for line in detail.rstrip().splitlines()[-60:]), flush=True)
+            print("\n".join("    " + line for line in failure_lines(detail)), flush=True)
+
+
+# A test runner's output (ctest --output-on-failure) ends with the list of
+# failed tests; the assertions that failed come far earlier. Both are shown.
+FAILURE_MARK = re.compile(r": Failure$|^\[  FAILED  \]|^\s*(Expected|Which is|Value of)[: ]")
+
+
+def failure_lines(detail, tail=60, context=40):
+    """The detail's last `tail` lines, preceded by the `context` lines from
+    the first gtest failure mark before them (if any)."""
+    lines = detail.rstrip().splitlines()
+    start = max(0, len(lines) - tail)
+    first = next((i for i, line in enumerate(lines[:start]) if FAILURE_MARK.search(line)), None)
+    if first is None:
+        return lines[start:]
+    head = lines[max(0, first - 5):min(start, first + context)]
+    return head + [f"... ({start - min(start, first + context)} lines left out)"] + lines[start:]
 
 
 def code_blocks(text):

@@ -110,6 +110,7 @@ absl::Status BatchPacker::PlanDecode(const std::vector<PrefillSeq>& seqs, Packed
   DecodePlanOptions dopt;
   dopt.num_sms = limits_.num_sms;
   dopt.ctas_per_sm = limits_.decode_ctas_per_sm[tile_rows == 32 ? 1 : 0];
+  dopt.wide_ctas_per_sm = limits_.decode_wide_ctas_per_sm[tile_rows == 32 ? 1 : 0];
   dopt.max_partial_slots = std::max<int64_t>(DecodePartialSlots(limits_, geo_.head_dim), 1);
   dopt.max_cluster = limits_.decode_max_cluster[tile_rows == 32 ? 1 : 0];
   dopt.max_items = limits_.max_decode_items;

@@ -51,6 +51,7 @@ struct PackerLimits {
   // split counters.
   bool decode = true;
   int32_t decode_ctas_per_sm[2] = {1, 1};  // by tile rows 16, 32
+  int32_t decode_wide_ctas_per_sm[2] = {0, 0};  // by tile rows 16, 32 (0: no wide kernel)
   int32_t decode_max_cluster[2] = {0, 0};  // by tile rows 16, 32 (0: no cluster mode)
   int64_t max_decode_items = 0;
   // MLA geometries: the MLA family's tile shape and wave (its items and

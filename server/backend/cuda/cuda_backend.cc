@@ -145,6 +145,8 @@ absl::Status CudaBackend::Init() {
     lim.decode = options_.decode_kernel && DecodeGeometrySupported(g);
     lim.decode_ctas_per_sm[0] = DecodeCtasPerSm(g.head_dim, g.dtype, 16, g.kv_fp8);
     lim.decode_ctas_per_sm[1] = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim), g.kv_fp8);
+    lim.decode_wide_ctas_per_sm[0] = DecodeWideCtasPerSm(g.head_dim, g.dtype, 16, g.kv_fp8);
+    lim.decode_wide_ctas_per_sm[1] = DecodeWideCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim), g.kv_fp8);
     lim.decode_max_cluster[0] = DecodeMaxCluster(g.head_dim, g.dtype, 16, g.kv_fp8);
     lim.decode_max_cluster[1] = DecodeMaxCluster(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim), g.kv_fp8);
     cudaGetLastError();
