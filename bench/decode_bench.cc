@@ -21,12 +21,14 @@
 // prefill families read 16-bit pools only).
 //
 // Usage: attnserve_decode_bench [--quick] [--only=WORKLOAD[,WORKLOAD...]]
-//                               [--four_ctas=-1|0|1]
+//                               [--four_ctas=-1|0|1] [--kv_heads=N]
 //   --only: run the workloads of those names alone (e.g. decode_b1, for ncu)
 //   --four_ctas: DecodeLaunchOptions::four_ctas of every decode launch (FP8,
 //     head_dim 128: the kernel compiled for four CTAs an SM; -1, the
 //     default, lets the launch choose; 0 also plans for the three-CTA
 //     kernel alone, DecodePlanOptions::wide_ctas_per_sm 0)
+//   --kv_heads: KV heads of every workload (default 4; 8 query heads each):
+//     the same bytes a KV head, the pool's rows N heads wide
 // Prints one "RESULT key=value ..." line per measurement, then a table with
 // the targets.
 #include <cuda_runtime.h>
@@ -55,7 +57,10 @@ namespace {
 // --four_ctas (DecodeLaunchOptions::four_ctas).
 int g_four_ctas = -1;
 
-constexpr int kH = 32, kKvh = 4, kD = 128;
+// --kv_heads: KV heads of every workload (8 query heads each).
+int g_kv_heads = 4;
+
+constexpr int kD = 128;
 
 struct Workload {
   std::string name;
@@ -146,6 +151,7 @@ struct Row {
 };
 
 Row RunWorkload(const Workload& w, int repeats) {
+  const int kKvh = g_kv_heads, kH = 8 * g_kv_heads;
   KvGeometry g;
   g.num_layers = 1;
   g.page_size = w.page_size;
@@ -294,11 +300,11 @@ Row RunWorkload(const Workload& w, int repeats) {
     });
   }
   const double merge_share = std::max(0.0, (ms - ms_nomerge) / ms);
-  std::printf("RESULT kernel=decode workload=%s kv_dtype=%s batch=%d q=%d kv=%d page_size=%d ms=%.4f kv_tbs=%.3f "
+  std::printf("RESULT kernel=decode workload=%s kv_dtype=%s kv_heads=%d batch=%d q=%d kv=%d page_size=%d ms=%.4f kv_tbs=%.3f "
               "ms_queued=%.4f kv_tbs_queued=%.3f items=%d "
               "tile_rows=%d chunk=%d split_tiles=%d cluster=%d ctas_per_sm=%d wide_ctas_per_sm=%d four_ctas=%d ms_without_merge=%.4f "
               "merge_share=%.3f\n",
-              w.name.c_str(), fp8 ? Fp8FormatName(g.kv_fp8) : "bf16", w.batch, w.q_len, w.kv_len, w.page_size, ms,
+              w.name.c_str(), fp8 ? Fp8FormatName(g.kv_fp8) : "bf16", kKvh, w.batch, w.q_len, w.kv_len, w.page_size, ms,
               kv_bytes / (ms * 1e-3) / 1e12, ms_queued,
               kv_bytes / (ms_queued * 1e-3) / 1e12, n_items,
               dplan.tile_rows, dplan.chunk_len, dplan.split_tiles, dplan.cluster, dopt.ctas_per_sm, dopt.wide_ctas_per_sm, g_four_ctas,
@@ -484,8 +490,11 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--four_ctas=-1") == 0 || std::strcmp(argv[i], "--four_ctas=0") == 0 ||
                std::strcmp(argv[i], "--four_ctas=1") == 0) {
       g_four_ctas = std::atoi(argv[i] + 12);
+    } else if (std::strncmp(argv[i], "--kv_heads=", 11) == 0 && std::atoi(argv[i] + 11) >= 1 &&
+               std::atoi(argv[i] + 11) <= 64) {
+      g_kv_heads = std::atoi(argv[i] + 11);
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--only=WORKLOAD] [--four_ctas=-1|0|1]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--only=WORKLOAD] [--four_ctas=-1|0|1] [--kv_heads=1..64]\n", argv[0]);
       return 2;
     }
   }
