@@ -155,8 +155,8 @@ void BuildDecodePlan(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry&
   // cheapest wins; a split must save 2%. On an H200, bf16 (132 SMs x 2):
   // 64..256 x 4096 stay unsplit (256 CTAs already stream at the HBM rate),
   // 8 x 128k goes to 8 chunks of 16k (256 CTAs), 1 x 4096 to a cluster of
-  // 16 chunks of 256; FP8 (x 3): 64..256 x 4096 unsplit, 8 x 128k 12 chunks
-  // (384 CTAs, one wave).
+  // 16 chunks of 256; FP8 (x 3, paired; x 4 past 396 items): 64..512 x
+  // 4096 unsplit, 8 x 128k 8 chunks (256 CTAs, one wave).
   const int64_t quantum = kDecodeChunkQuantum;
   const int64_t min_chunk = std::max<int64_t>(quantum, CeilDiv(std::max(options.min_chunk, 1), quantum) * quantum);
   const double token_bytes = 2.0 * geo.head_dim * geo.KvElemBytes();  // K + V of one KV head
