@@ -92,7 +92,7 @@ int32_t CtasPerSm() {
 // holds more of them than of the other's; 0 where there is none.
 template <int D, int MT, typename T, int F8>
 int32_t WideCtasPerSm() {
-  if constexpr (F8 != 0 && D == 128 && MT == 1) {
+  if constexpr (decode::DecodeHasWideKernel(D, MT, F8 != 0)) {
     static PerDeviceInt wide;
     return wide.Get([] {
       const int32_t four = CtasPerSm<D, MT, T, F8, true>();
@@ -104,7 +104,7 @@ int32_t WideCtasPerSm() {
 
 template <int D, int MT, typename T, int F8>
 cudaError_t LaunchDecode(const DecodeKernelArgs& args, int32_t num_items, cudaStream_t stream, int32_t four) {
-  if constexpr (F8 != 0 && D == 128 && MT == 1) {
+  if constexpr (decode::DecodeHasWideKernel(D, MT, F8 != 0)) {
     // Items above which the four-CTA kernel runs (INT32_MAX: never).
     static PerDeviceInt four_above;
     bool use = four > 0;

@@ -35,12 +35,17 @@ struct DecodeKernelArgs {
 
 constexpr int ConstMax(int a, int b) { return a > b ? a : b; }
 
-// F8: the pools are FP8 (a smaller ring: see kStages8). kFour: the FP8
-// kernel at head_dim 128 with one m-tile compiled for four CTAs an SM
+// Whether a configuration has the family's four-CTA (wide) kernel beside
+// its three-CTA one: FP8 pools at head_dim 128 with one m-tile
+// (decode_cuda.cu, DecodeWideCtasPerSm).
+constexpr bool DecodeHasWideKernel(int D, int MT, bool F8) { return F8 && D == 128 && MT == 1; }
+
+// F8: the pools are FP8 (a smaller ring: see kStages8). kFour: the wide
+// kernel (DecodeHasWideKernel), compiled for four CTAs an SM
 // (DecodeMinBlocks) instead of three, with one ring stage fewer.
 template <int D, int MT, bool F8 = false, bool kFour = false>
 struct DecodeTraits {
-  static_assert(!kFour || (F8 && D == 128 && MT == 1), "four CTAs an SM: FP8, head_dim 128, one m-tile");
+  static_assert(!kFour || DecodeHasWideKernel(D, MT, F8), "four CTAs an SM: FP8, head_dim 128, one m-tile");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kM = 16 * MT;             // packed rows per tile

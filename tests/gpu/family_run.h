@@ -201,11 +201,10 @@ inline RunResult RunDecode(const HostBatch& b, int force_chunk, int force_cluste
   const std::vector<PrefillSeq>& seqs = g.KvIsFp8() ? pieces : b.seqs;
   int max_rows = 1;
   for (const auto& s : seqs) max_rows = std::max(max_rows, s.q_len * (g.num_qo_heads / g.num_kv_heads));
-  opt.ctas_per_sm = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows), g.kv_fp8);
-  opt.wide_ctas_per_sm = DecodeWideCtasPerSm(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows), g.kv_fp8);
-  if (force_chunk == 0 || force_cluster > 1) {
-    opt.max_cluster = DecodeMaxCluster(g.head_dim, g.dtype, DecodeTileRows(g.head_dim, max_rows), g.kv_fp8);
-  }
+  const int32_t tile_rows = DecodeTileRows(g.head_dim, max_rows);
+  opt.ctas_per_sm = DecodeCtasPerSm(g.head_dim, g.dtype, tile_rows, g.kv_fp8);
+  opt.wide_ctas_per_sm = DecodeWideCtasPerSm(g.head_dim, g.dtype, tile_rows, g.kv_fp8);
+  if (force_chunk == 0 || force_cluster > 1) opt.max_cluster = DecodeMaxCluster(g.head_dim, g.dtype, tile_rows, g.kv_fp8);
   if (force_cluster > 1) {
     opt.force_cluster = force_cluster;
   } else {
