@@ -27,8 +27,8 @@
 // bf16 or FP8 pools) and prints where the first N CTAs' cycles went, phase by
 // phase.
 // --kv_dtype: the prefill workloads' KV pools in FP8 (N(0, 1) values, scales
-// 1.0; queries stay bf16): only kernels reading FP8 pools take them
-// (ChoosePrefillKernel picks sm90_overlap).
+// 1.0; queries stay bf16): sm90_overlap and the sm80 kernels read them
+// (ChoosePrefillKernel picks as for 16-bit pools).
 // --q_dtype=fp16: the queries (and a 16-bit pool) in fp16, filled with the
 // bf16 generator's bit patterns read as fp16 (finite, magnitudes about 0.9
 // to 4): for timing only, e.g. FP8 pools without the bf16 queries'
@@ -319,7 +319,7 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
   res.kernel = PrefillKernelName(kernel);
   PrefillPlanOptions opt;
   opt.num_sms = NumSms();
-  opt.ctas_per_sm = PrefillCtasPerSm(kernel, kD, KvDType::kBf16);
+  opt.ctas_per_sm = PrefillCtasPerSm(kernel, kD, g.dtype, g.kv_fp8);
   opt.tile_rows = PrefillTileRows(kernel, kD);
   opt.max_partial_pairs = int64_t{4} * opt.num_sms * opt.ctas_per_sm * opt.tile_rows;
   opt.persistent_ctas = PrefillPersistentCtas(kernel, opt.num_sms, opt.ctas_per_sm);

@@ -3,6 +3,7 @@
 set(ATTNSERVE_CUDA_SOURCES
   kernels/prefill_cuda.cu
   kernels/sm80/prefill.cu
+  kernels/sm80/prefill_fp8.cu
   kernels/sm90/prefill.cu
   kernels/sm90/prefill_fp8.cu
   kernels/merge/merge.cu

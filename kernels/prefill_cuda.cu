@@ -25,11 +25,11 @@ cudaError_t PagedPrefillCuda(const PagedPrefillParams& params, const PrefillWork
   return cudaErrorInvalidValue;
 }
 
-int32_t PrefillCtasPerSm(PrefillKernel kernel, int32_t head_dim, KvDType dtype) {
+int32_t PrefillCtasPerSm(PrefillKernel kernel, int32_t head_dim, KvDType dtype, Fp8Format kv_fp8) {
   switch (kernel) {
     case PrefillKernel::kSm80:
     case PrefillKernel::kSm80Rows64:
-      return Sm80PrefillCtasPerSm(head_dim, dtype, kernel == PrefillKernel::kSm80Rows64);
+      return Sm80PrefillCtasPerSm(head_dim, dtype, kernel == PrefillKernel::kSm80Rows64, kv_fp8);
     case PrefillKernel::kSm90:
       return Sm90PrefillCtasPerSm(head_dim, dtype, Sm90Variant::kSerial);
     case PrefillKernel::kSm90Overlap:

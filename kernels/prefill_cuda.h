@@ -34,8 +34,9 @@ cudaError_t PagedPrefillCuda(const PagedPrefillParams& params, const PrefillWork
                              int32_t num_items, float* part_o, float* part_lse,
                              PrefillKernel kernel, cudaStream_t stream);
 
-// Resident CTAs per SM of the kernel for this head_dim and dtype, on the
-// current device (the plan's ctas_per_sm).
-int32_t PrefillCtasPerSm(PrefillKernel kernel, int32_t head_dim, KvDType dtype);
+// Resident CTAs per SM of the kernel for this head_dim, dtype and pool
+// format (kv_fp8), on the current device (the plan's ctas_per_sm).
+int32_t PrefillCtasPerSm(PrefillKernel kernel, int32_t head_dim, KvDType dtype,
+                         Fp8Format kv_fp8 = Fp8Format::kNone);
 
 }  // namespace attnserve

@@ -96,22 +96,6 @@ int32_t SeqsForPrefillFamily(const PrefillSeq* seqs, int32_t num_seqs, const KvG
   return decode;
 }
 
-void CutForDecode(const PrefillSeq* seqs, int32_t num_seqs, std::vector<PrefillSeq>* pieces) {
-  pieces->clear();
-  for (int32_t i = 0; i < num_seqs; ++i) {
-    const PrefillSeq& s = seqs[i];
-    for (int32_t b = 0; b < s.q_len; b += kMaxDecodeQueryRows) {
-      PrefillSeq p = s;
-      p.q_start = s.q_start + b;
-      p.q_len = std::min(kMaxDecodeQueryRows, s.q_len - b);
-      // QueryPos(p, t) = t + kv_len - p.q_len + p.causal_shift must equal
-      // QueryPos(s, t + b).
-      p.causal_shift = s.causal_shift + b + p.q_len - s.q_len;
-      pieces->push_back(p);
-    }
-  }
-}
-
 int32_t DecodeTileRows(int32_t head_dim, int32_t max_rows) {
   const int32_t cap = head_dim == 256 ? 16 : 32;
   int32_t m = 16;

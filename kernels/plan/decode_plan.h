@@ -199,14 +199,6 @@ bool DecodeBatchQualifies(const PrefillSeq* seqs, int32_t num_seqs,
 int32_t SeqsForPrefillFamily(const PrefillSeq* seqs, int32_t num_seqs, const KvGeometry& geo,
                              std::vector<PrefillSeq>* prefill_seqs);
 
-// FP8 pools on the CUDA backend, where only the decode family reads FP8:
-// every sequence as pieces of at most kMaxDecodeQueryRows rows, each row
-// seeing exactly the keys it saw (q_start and causal_shift move so that its
-// QueryPos, kernels/variant.h, is unchanged); the rest of each PrefillSeq is
-// copied. Sequences without rows are dropped. A long prefill so reads its
-// keys once per 8 rows: a correct path, not a fast one.
-void CutForDecode(const PrefillSeq* seqs, int32_t num_seqs, std::vector<PrefillSeq>* pieces);
-
 // Packed rows per tile for the decode kernel: 16 or 32, the smaller that
 // holds max_rows (q_len * group of the largest sequence); 16 for head_dim 256
 // so the fp32 output accumulators stay in registers (no spills). Sequences

@@ -58,16 +58,14 @@ bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device) {
   return family != PrefillFamily::kSm90 || device.sm_major == 9;
 }
 
-bool PrefillFamilyReadsPools(const KvGeometry& geo, const PrefillDevice& device) {
-  if (!geo.KvIsFp8()) return true;
-  return device.sm_major == 9 && (geo.head_dim == 64 || geo.head_dim == 128);
-}
-
 PrefillKernel ChoosePrefillKernel(const KvGeometry& geo, const PrefillDevice& device,
                                   int64_t max_packed_rows, PrefillFamily family, int64_t mean_kv_per_row) {
   const bool sm90_shape = geo.head_dim == 64 || geo.head_dim == 128;
-  if (geo.KvIsFp8()) return PrefillKernel::kSm90Overlap;
   if (family == PrefillFamily::kSm90 && sm90_shape) return PrefillKernel::kSm90Overlap;
+  // FP8 pools on Hopper: kSm90Overlap at every length (kernel_select.h).
+  if (family == PrefillFamily::kAuto && geo.KvIsFp8() && device.sm_major == 9 && sm90_shape) {
+    return PrefillKernel::kSm90Overlap;
+  }
   // 64-row tiles when no sequence fills more (decode): half the CTA's rows
   // would be idle in a 128-row tile, and twice the CTAs share the batch.
   if (geo.head_dim == 128 && max_packed_rows <= PrefillTileRows(PrefillKernel::kSm80Rows64, 128)) {

@@ -93,18 +93,18 @@ bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device);
 // were not measured and stay on sm80.
 inline constexpr int64_t kAutoSm90MinMeanKv = 512;
 
-// Whether a prefill family reads the pools of geo on the device: every
-// 16-bit pool; an FP8 pool only on Hopper (compute capability 9.x) at
-// head_dim 64 or 128, through kSm90Overlap (kernels/sm90, Traits::kFp8).
-// Elsewhere the CUDA backend runs FP8 batches on the decode family in
-// pieces of at most 8 rows (CutForDecode).
-bool PrefillFamilyReadsPools(const KvGeometry& geo, const PrefillDevice& device);
-
 // The kernel for a batch whose longest sequence packs max_packed_rows rows
 // (q_len * num_qo_heads / num_kv_heads) and whose query rows see
 // mean_kv_per_row keys on average (as for kAutoSm90MinMeanKv), among the
-// family's kernels. FP8 pools (PrefillFamilyReadsPools) always get
-// kSm90Overlap, whatever the family: no other kernel reads them.
+// family's kernels. Every kernel it picks (kSm80, kSm80Rows64,
+// kSm90Overlap) reads FP8 pools too (kSm90 and kSm90OverlapNoPp, which only
+// the kernel bench and the GPU tests run, read 16-bit pools alone); FP8
+// pools choose as 16-bit pools do, but on Hopper under kAuto they take
+// kSm90Overlap whatever the lengths (at head_dim 64 and 128): on the H200
+// its FP8 kernel ran 1.3-1.4x the sm80 family's on sequences of 128 and
+// 256 keys, 1.5x at 512 and 1.65-1.9x at 2k-16k (bench/results/
+// 2026-12-04-session27-h200.md; the sm80 family converts each K and V
+// block, and bf16 Q tiles, with the threads that run the MMAs).
 PrefillKernel ChoosePrefillKernel(const KvGeometry& geo, const PrefillDevice& device,
                                   int64_t max_packed_rows,
                                   PrefillFamily family = PrefillFamily::kAuto, int64_t mean_kv_per_row = 0);

@@ -402,69 +402,55 @@ TEST(BatchPacker, DecodeOffRoutesEverythingToPrefill) {
   for (size_t i = 0; i < p.seqs.size(); ++i) EXPECT_GT(pre[i], 0) << "seq " << i;
 }
 
-// FP8 pools off Hopper: only the decode family reads them, so every
-// sequence runs there (whatever the limits say about the decode kernel),
-// longer ones as pieces of at most 8 rows, and every query row is covered
-// by exactly one tile.
-TEST(BatchPacker, Fp8PoolsOffHopperRunEverySequenceOnTheDecodeFamily) {
-  KvGeometry g = Geo(16, 2, 128, 16);
-  g.kv_fp8 = Fp8Format::kE4m3;
-  const int group = 8;
-  for (bool decode : {true, false}) {
-    std::vector<Request> reqs(2);
-    MakeRequest(g, {{1, 700}, {300, 900}, {8, 50}}, 0, &reqs[0]);
-    MakeRequest(g, {{17, 17}, {2, 5000}, {0, 10}}, 1, &reqs[1]);
-    PackerLimits lim = Limits(decode);
-    lim.device = PrefillDevice{8, 9};
-    const Packed p = Pack(g, lim, reqs);
-    ASSERT_EQ(p.b.num_seqs, 5);
-    EXPECT_EQ(p.b.num_items, 0);
-    EXPECT_EQ(p.b.num_merges, 0);
-    EXPECT_GT(p.b.num_decode_items, 0);
-    std::vector<int> covered(p.b.total_q, 0);
-    for (const DecodeWorkItem& it : p.decode_items) {
-      const PrefillSeq& s = it.seq_info;
-      EXPECT_LE(s.q_len, kMaxDecodeQueryRows);
-      if (it.kv_head != 0 || it.chunk != 0) continue;
-      for (int r = it.row_begin; r < it.row_begin + p.b.decode_tile_rows && r < s.q_len * group; r += group) {
-        covered[s.q_start + r / group]++;
+// FP8 pools route as 16-bit pools do, on every device and head_dim: decode
+// rows to the decode family when it is on, the rest to the prefill kernel
+// ChoosePrefillKernel picks for the family asked for (the sm80 family and
+// kSm90Overlap read FP8 pools), with the same items; but auto on Hopper
+// at head_dim 64 and 128 runs kSm90Overlap whatever the lengths.
+TEST(BatchPacker, Fp8PoolsRouteAsSixteenBitPools) {
+  int sm80 = 0, sm90 = 0;
+  for (const int d : {128, 64, 256}) {
+    for (const PrefillDevice dev : {PrefillDevice{8, 9}, PrefillDevice{9, 0}}) {
+      for (const PrefillFamily fam : {PrefillFamily::kAuto, PrefillFamily::kSm80, PrefillFamily::kSm90}) {
+        if (!PrefillFamilyRunsOn(fam, dev)) continue;
+        for (const bool decode : {true, false}) {
+          const KvGeometry g16 = Geo(16, 2, d, 16);
+          KvGeometry g8 = g16;
+          g8.kv_fp8 = d == 64 ? Fp8Format::kE5m2 : Fp8Format::kE4m3;
+          PackerLimits lim = Limits(decode);
+          lim.device = dev;
+          lim.family = fam;
+          const std::vector<std::pair<int, int>> shapes = {{1, 700}, {300, 900}, {8, 50}, {40, 40}};
+          std::vector<Request> r16(1), r8(1);
+          MakeRequest(g16, shapes, 0, &r16[0]);
+          MakeRequest(g8, shapes, 0, &r8[0]);
+          const Packed p16 = Pack(g16, lim, r16);
+          const Packed p8 = Pack(g8, lim, r8);
+          const std::string at = std::to_string(d) + " " + PrefillFamilyName(fam) + " sm" +
+                                 std::to_string(dev.sm_major) + std::to_string(dev.sm_minor) + " decode " +
+                                 std::to_string(decode);
+          if (fam == PrefillFamily::kAuto && dev.sm_major == 9 && d != 256) {
+            EXPECT_EQ(p8.b.kernel, PrefillKernel::kSm90Overlap) << at;
+            continue;
+          }
+          EXPECT_EQ(p8.b.kernel, p16.b.kernel) << at;
+          EXPECT_EQ(p8.b.num_items, p16.b.num_items) << at;
+          EXPECT_EQ(p8.b.num_decode_items, p16.b.num_decode_items) << at;
+          std::vector<int> dec8, pre8, dec16, pre16;
+          Coverage(p8, &dec8, &pre8);
+          Coverage(p16, &dec16, &pre16);
+          EXPECT_EQ(dec8, dec16) << at;
+          EXPECT_EQ(pre8, pre16) << at;
+          for (int i : {1, 3}) EXPECT_GT(pre8[i], 0) << at << " seq " << i;
+          for (int i : {0, 2}) EXPECT_EQ(decode ? dec8[i] > 0 : pre8[i] > 0, true) << at << " seq " << i;
+          sm90 += p8.b.kernel == PrefillKernel::kSm90Overlap;
+          sm80 += p8.b.kernel == PrefillKernel::kSm80 || p8.b.kernel == PrefillKernel::kSm80Rows64;
+        }
       }
     }
-    for (int r = 0; r < p.b.total_q; ++r) EXPECT_EQ(covered[r], 1) << "row " << r << " decode " << decode;
   }
-}
-
-// FP8 pools on Hopper (head_dim 64 / 128): the sm90 family reads them, so
-// they route as 16-bit pools do (decode rows to the decode family when it is
-// on, the rest to the prefill family), always on kSm90Overlap whatever
-// --prefill_kernel says. head_dim 256 stays on the decode family.
-TEST(BatchPacker, Fp8PoolsOnHopperRunPrefillRowsOnTheSm90Family) {
-  for (const int d : {128, 64}) {
-    KvGeometry g = Geo(16, 2, d, 16);
-    g.kv_fp8 = Fp8Format::kE5m2;
-    for (bool decode : {true, false}) {
-      std::vector<Request> reqs(1);
-      MakeRequest(g, {{1, 700}, {300, 900}, {8, 50}, {40, 40}}, 0, &reqs[0]);
-      PackerLimits lim = Limits(decode);
-      lim.family = PrefillFamily::kSm80;
-      const Packed p = Pack(g, lim, reqs);
-      EXPECT_EQ(p.b.kernel, PrefillKernel::kSm90Overlap);
-      std::vector<int> dec, pre;
-      Coverage(p, &dec, &pre);
-      for (int i : {1, 3}) {
-        EXPECT_GT(pre[i], 0) << "seq " << i;
-        EXPECT_EQ(dec[i], 0) << "seq " << i;
-      }
-      for (int i : {0, 2}) EXPECT_EQ(decode ? dec[i] > 0 : pre[i] > 0, true) << "seq " << i << " decode " << decode;
-    }
-  }
-  KvGeometry g = Geo(16, 2, 256, 16);
-  g.kv_fp8 = Fp8Format::kE4m3;
-  std::vector<Request> reqs(1);
-  MakeRequest(g, {{1, 700}, {300, 900}}, 0, &reqs[0]);
-  const Packed p = Pack(g, Limits(true), reqs);
-  EXPECT_EQ(p.b.num_items, 0);
-  EXPECT_GT(p.b.num_decode_items, 0);
+  EXPECT_GT(sm80, 0);
+  EXPECT_GT(sm90, 0);
 }
 
 TEST(BatchPacker, UnsupportedGeometryFallsBackToPrefill) {

@@ -138,7 +138,7 @@ inline RunResult RunPrefill(const HostBatch& b, PrefillKernel kernel, const Pref
   const KvGeometry& g = b.geo;
   PrefillPlanOptions opt;
   opt.num_sms = run.force_split ? 1 << 20 : NumSms();
-  opt.ctas_per_sm = PrefillCtasPerSm(kernel, g.head_dim, g.dtype);
+  opt.ctas_per_sm = PrefillCtasPerSm(kernel, g.head_dim, g.dtype, g.kv_fp8);
   opt.min_chunk = run.min_chunk;
   opt.tile_rows = PrefillTileRows(kernel, g.head_dim);
   opt.max_partial_pairs = int64_t{1} << 24;
@@ -185,10 +185,8 @@ inline RunResult RunPrefill(const HostBatch& b, PrefillKernel kernel, const Pref
 // per tile (sm_90; force_chunk ignored). Runs the batch twice on the same
 // split counters, which the kernel must leave at zero.
 constexpr int kNoSplit = -1;
-// FP8 batches may hold sequences of more than 8 rows: they run cut into
-// pieces (CutForDecode), as the CUDA backend runs them; the reference sees
-// the sequences whole. drop_scales: the kernel gets no scales (1.0), for
-// tests that show the comparison fails without them.
+// drop_scales (FP8 batches): the kernel gets no scales (1.0), for tests
+// that show the comparison fails without them.
 inline RunResult RunDecode(const HostBatch& b, int force_chunk, int force_cluster = 0,
                            bool drop_scales = false) {
   RunResult res;
@@ -196,9 +194,7 @@ inline RunResult RunDecode(const HostBatch& b, int force_chunk, int force_cluste
   const KvGeometry& g = b.geo;
   DecodePlanOptions opt;
   opt.num_sms = NumSms();
-  std::vector<PrefillSeq> pieces;
-  if (g.KvIsFp8()) CutForDecode(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), &pieces);
-  const std::vector<PrefillSeq>& seqs = g.KvIsFp8() ? pieces : b.seqs;
+  const std::vector<PrefillSeq>& seqs = b.seqs;
   int max_rows = 1;
   for (const auto& s : seqs) max_rows = std::max(max_rows, s.q_len * (g.num_qo_heads / g.num_kv_heads));
   const int32_t tile_rows = DecodeTileRows(g.head_dim, max_rows);

@@ -2,12 +2,12 @@
 // against the float64 reference over the dequantized stored values:
 //  - the decode family reading FP8 pools (both formats, both query dtypes,
 //    head_dim 64/128/256, page sizes 1..128, GQA, per-layer and per-head
-//    scales, variants, split / unsplit / cluster plans), sequences of more
-//    than 8 rows cut into pieces as the CUDA backend runs them, and the same
-//    batch without its scales failing the comparison;
-//  - the sm90 prefill family's FP8 kernels (kSm90Overlap) over the same
-//    range of batches, and every other prefill kernel refusing FP8 pools;
-//    its conversion of bf16 Q rows to fp16 alone, bit for bit;
+//    scales, variants, split / unsplit / cluster plans), and the same batch
+//    without its scales failing the comparison;
+//  - the prefill families' FP8 kernels (sm80 and sm80_rows64 at head_dim
+//    64/128/256, kSm90Overlap at 64/128) over the same range of batches,
+//    and kSm90 / kSm90OverlapNoPp refusing FP8 pools; the sm90 family's
+//    conversion of bf16 Q rows to fp16 alone, bit for bit;
 //  - CudaBackend on an FP8 cache: the device quantizer bit for bit against
 //    kernels/fp8.h's on the host, ReadKv of the stored bytes and dequantized,
 //    FP8 rows stored as they are, SetKvScales, and batches of decode and
@@ -71,9 +71,7 @@ HostBatch MakeFp8Batch(int round, std::mt19937_64* rng) {
   if ((*rng)() % 2 == 0) gpu_test::AddSinkSet(&b, rng);
   const int nseq = 1 + static_cast<int>((*rng)() % 6);
   for (int s = 0; s < nseq; ++s) {
-    // Mostly decode rows; some sequences of 9..40 rows (pieces of 8).
-    const int q_len = (*rng)() % 4 == 0 ? 9 + static_cast<int>((*rng)() % 32)
-                                        : 1 + static_cast<int>((*rng)() % 8);
+    const int q_len = 1 + static_cast<int>((*rng)() % kMaxDecodeQueryRows);
     int kv_len = (*rng)() % 3 == 0 ? 3000 + static_cast<int>((*rng)() % 5000)
                                    : 1 + static_cast<int>((*rng)() % 1500);
     kv_len = std::max(kv_len, q_len);
@@ -86,11 +84,10 @@ HostBatch MakeFp8Batch(int round, std::mt19937_64* rng) {
 TEST(Fp8Cuda, DecodeFamilyMatchesReferenceOverDequantizedValues) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(8008);
-  int split = 0, cluster = 0, pieces = 0;
+  int split = 0, cluster = 0;
   const bool clusters = DecodeMaxCluster(128, KvDType::kBf16, 16, Fp8Format::kE4m3) >= 2;
   for (int round = 0; round < 30; ++round) {
     const HostBatch b = MakeFp8Batch(round, &rng);
-    for (const PrefillSeq& s : b.seqs) pieces += s.q_len > kMaxDecodeQueryRows;
     const int chunks[] = {0, gpu_test::kNoSplit, 256};
     const int force_cluster = clusters && round % 5 == 4 ? 2 + round % 3 : 0;
     const gpu_test::RunResult r = gpu_test::RunDecode(b, chunks[round % 3], force_cluster);
@@ -105,7 +102,6 @@ TEST(Fp8Cuda, DecodeFamilyMatchesReferenceOverDequantizedValues) {
     }
   }
   EXPECT_GT(split, 3);
-  EXPECT_GT(pieces, 3);
   if (clusters) EXPECT_GT(cluster, 1);
 }
 
@@ -153,11 +149,15 @@ TEST(Fp8Cuda, Bf16QueriesOfEveryMagnitudeMatchReference) {
     const int chunks[] = {0, gpu_test::kNoSplit, 256};
     const gpu_test::RunResult r = gpu_test::RunDecode(b, chunks[round % 3], 0);
     EXPECT_EQ(r.error, "") << "round " << round << ": " << gpu_test::Describe(b);
-    // The sm90 prefill family converts its Q tiles the same way
-    // (QRowsToHalf in kernels/sm90/fp8_tiles.cuh).
+    // The prefill families convert their Q tiles the same way (QRowsToHalf
+    // in kernels/sm90/fp8_tiles.cuh; the sm80 kernel's Q tile conversion).
     if (D != 256 && Sm90PrefillSupported()) {
       const gpu_test::RunResult p = gpu_test::RunPrefill(b, PrefillKernel::kSm90Overlap);
       EXPECT_EQ(p.error, "") << "sm90 round " << round << ": " << gpu_test::Describe(b);
+    }
+    for (const PrefillKernel k : {PrefillKernel::kSm80, PrefillKernel::kSm80Rows64}) {
+      const gpu_test::RunResult p = gpu_test::RunPrefill(b, k);
+      EXPECT_EQ(p.error, "") << PrefillKernelName(k) << " round " << round << ": " << gpu_test::Describe(b);
     }
   }
 }
@@ -254,14 +254,16 @@ TEST(Fp8Cuda, Sm90QRowConversionMatchesDefinitionBitForBit) {
   }
 }
 
-// A random prefill batch on an FP8 pool for the sm90 family (head_dim 64
-// and 128; round picks the geometry): sequences of 1 .. 300 rows over up to
+// A random prefill batch on an FP8 pool (round picks the geometry; head_dim
+// 64 and 128, and 256 with_256): sequences of 1 .. 300 rows over up to
 // 6,000 keys, with every variant, negative scales and base-e LSEs.
-HostBatch MakeFp8PrefillBatch(int round, std::mt19937_64* rng) {
+HostBatch MakeFp8PrefillBatch(int round, std::mt19937_64* rng, bool with_256 = false) {
   HostBatch b;
   const int page_sizes[] = {16, 1, 128, 7, 64, 8};
-  // Each page size with both head_dims (rounds 0-5 and 12-17 head_dim 128).
-  b.geo.head_dim = (round / 6) % 2 == 0 ? 128 : 64;
+  // Each page size with every head_dim (rounds 0-5 head_dim 128, 6-11 64,
+  // then 256 or 128 again, ...).
+  const int dims[] = {128, 64, with_256 ? 256 : 128};
+  b.geo.head_dim = dims[(round / 6) % 3];
   b.geo.page_size = page_sizes[round % 6];
   b.geo.num_kv_heads = 1 + round % 3;
   const int groups[] = {4, 1, 8, 2, 5};
@@ -317,8 +319,39 @@ TEST(Fp8Cuda, Sm90PrefillMatchesReferenceOverDequantizedValues) {
   EXPECT_GT(split, 3);
 }
 
-// Every prefill kernel but kSm90Overlap refuses FP8 pools (the backend runs
-// them on the decode family where kSm90Overlap does not run).
+// The sm80 family's FP8 kernels (Traits::kFp8: raw FP8 stages converted to
+// fp16 tiles a block at a time) against the float64 reference over the
+// dequantized values, both tile shapes: both formats and query dtypes,
+// head_dim 64 / 128 / 256, page sizes 1 .. 128, GQA, per-layer and per-head
+// scales, every variant, negative scales; the heuristic's plan and plans
+// split to min_chunk (the merge family). A batch read without its scales
+// fails.
+TEST(Fp8Cuda, Sm80PrefillMatchesReferenceOverDequantizedValues) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(8080);
+  int split = 0;
+  for (int round = 0; round < 36; ++round) {
+    const HostBatch b = MakeFp8PrefillBatch(round, &rng, /*with_256=*/true);
+    const PrefillKernel k = round % 2 == 0 ? PrefillKernel::kSm80 : PrefillKernel::kSm80Rows64;
+    gpu_test::PrefillRun run;
+    if (round % 3 == 1) {
+      run.force_split = true;
+      run.min_chunk = 256;
+    }
+    const gpu_test::RunResult r = gpu_test::RunPrefill(b, k, run);
+    EXPECT_EQ(r.error, "") << PrefillKernelName(k) << " round " << round << ": " << gpu_test::Describe(b);
+    split += r.split;
+    if (round % 6 == 0) {
+      run.drop_scales = true;
+      const gpu_test::RunResult no_scales = gpu_test::RunPrefill(b, k, run);
+      EXPECT_NE(no_scales.error, "") << "round " << round << " matched without its scales";
+    }
+  }
+  EXPECT_GT(split, 3);
+}
+
+// The wgmma family's other kernels (kSm90, kSm90OverlapNoPp, which only the
+// kernel bench and the tests run) refuse FP8 pools.
 TEST(Fp8Cuda, OtherPrefillKernelsRefuseFp8Pools) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(81);
@@ -326,8 +359,7 @@ TEST(Fp8Cuda, OtherPrefillKernelsRefuseFp8Pools) {
   std::string err;
   gpu_test::DeviceBatch d(b, &err);
   ASSERT_EQ(err, "");
-  for (PrefillKernel k : {PrefillKernel::kSm80, PrefillKernel::kSm80Rows64, PrefillKernel::kSm90,
-                          PrefillKernel::kSm90OverlapNoPp}) {
+  for (PrefillKernel k : {PrefillKernel::kSm90, PrefillKernel::kSm90OverlapNoPp}) {
     PrefillWorkItem* items = nullptr;
     EXPECT_EQ(PagedPrefillCuda(d.Params(), items, 1, nullptr, nullptr, k, nullptr), cudaErrorInvalidValue)
         << "kernel " << static_cast<int>(k);

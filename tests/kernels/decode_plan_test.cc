@@ -192,47 +192,6 @@ std::vector<PrefillSeq> Uniform(int batch, int q_len, int kv_len) {
   return seqs;
 }
 
-// FP8 pools cut sequences into pieces of at most 8 rows: every row of a
-// piece sees exactly the keys it saw in its sequence.
-TEST(DecodePlan, CutForDecodeKeepsEveryRowsKeys) {
-  std::mt19937_64 rng(77);
-  for (int round = 0; round < 200; ++round) {
-    std::vector<PrefillSeq> seqs;
-    int32_t rows = 0;
-    for (int i = 0; i < 1 + static_cast<int>(rng() % 4); ++i) {
-      const int q_len = static_cast<int>(rng() % 40);
-      PrefillSeq s = Seq(q_len, q_len + static_cast<int>(rng() % 300), rng() % 3 != 0,
-                         static_cast<int>(rng() % 20));
-      s.q_start = rows;
-      s.window_left = rng() % 3 == 0 ? static_cast<int>(rng() % 50) : -1;
-      s.layer = static_cast<int>(rng() % 2);
-      rows += q_len;
-      seqs.push_back(s);
-    }
-    std::vector<PrefillSeq> pieces;
-    CutForDecode(seqs.data(), static_cast<int32_t>(seqs.size()), &pieces);
-    std::vector<int> seen(rows, 0);
-    for (const PrefillSeq& p : pieces) {
-      ASSERT_GE(p.q_len, 1);
-      ASSERT_LE(p.q_len, kMaxDecodeQueryRows);
-      const PrefillSeq* from = nullptr;
-      for (const PrefillSeq& s : seqs) {
-        if (p.q_start >= s.q_start && p.q_start + p.q_len <= s.q_start + s.q_len) from = &s;
-      }
-      ASSERT_NE(from, nullptr);
-      EXPECT_EQ(p.kv_len, from->kv_len);
-      EXPECT_EQ(p.layer, from->layer);
-      for (int t = 0; t < p.q_len; ++t) {
-        const KeyRange a = RowKeys(p, t), b = RowKeys(*from, p.q_start - from->q_start + t);
-        EXPECT_EQ(a.begin, b.begin) << "round " << round;
-        EXPECT_EQ(a.end, b.end) << "round " << round;
-        seen[p.q_start + t]++;
-      }
-    }
-    for (int r = 0; r < rows; ++r) EXPECT_EQ(seen[r], 1) << "round " << round << " row " << r;
-  }
-}
-
 TEST(DecodePlan, Qualification) {
   const KvGeometry g = Geo(32, 4, 128);
   EXPECT_TRUE(DecodeSeqQualifies(Seq(1, 10), g));

@@ -108,27 +108,38 @@ TEST(KernelSelect, FamilyFlagValues) {
   EXPECT_TRUE(PrefillFamilyRunsOn(PrefillFamily::kAuto, PrefillDevice{8, 0}));
 }
 
-// FP8 pools: only kSm90Overlap reads them, on Hopper at head_dim 64 / 128;
-// any family asked for gets it there.
-TEST(KernelSelect, Fp8PoolsReadOnlyByTheSm90OverlapKernelOnHopper) {
+// FP8 pools choose the kernel a 16-bit pool of the same shape gets, on
+// every device and for every family (each kernel the heuristic picks, sm80,
+// sm80_rows64, sm90_overlap, reads them), but for auto on Hopper at
+// head_dim 64 and 128: sm90_overlap at every length.
+TEST(KernelSelect, Fp8PoolsChooseAsSixteenBitPools) {
+  int sm90 = 0, sm80 = 0;
   for (const int d : {64, 128, 256}) {
-    KvGeometry g = Geo(32, 4, d);
-    EXPECT_TRUE(PrefillFamilyReadsPools(g, PrefillDevice{8, 0})) << d;
-    EXPECT_TRUE(PrefillFamilyReadsPools(g, PrefillDevice{9, 0})) << d;
     for (Fp8Format f : {Fp8Format::kE4m3, Fp8Format::kE5m2}) {
-      g.kv_fp8 = f;
-      EXPECT_EQ(PrefillFamilyReadsPools(g, PrefillDevice{9, 0}), d != 256) << d;
-      EXPECT_FALSE(PrefillFamilyReadsPools(g, PrefillDevice{8, 9})) << d;
-      EXPECT_FALSE(PrefillFamilyReadsPools(g, PrefillDevice{10, 0})) << d;
-      if (d == 256) continue;
-      for (PrefillFamily fam : {PrefillFamily::kAuto, PrefillFamily::kSm80, PrefillFamily::kSm90}) {
-        for (int64_t rows : {8, 64, 4096}) {
-          EXPECT_EQ(ChoosePrefillKernel(g, PrefillDevice{9, 0}, rows, fam, 100), PrefillKernel::kSm90Overlap)
-              << d << " " << PrefillFamilyName(fam) << " " << rows;
+      KvGeometry g16 = Geo(32, 4, d);
+      KvGeometry g8 = g16;
+      g8.kv_fp8 = f;
+      for (const PrefillDevice dev : {PrefillDevice{8, 0}, PrefillDevice{8, 9}, PrefillDevice{9, 0}}) {
+        for (PrefillFamily fam : {PrefillFamily::kAuto, PrefillFamily::kSm80, PrefillFamily::kSm90}) {
+          if (!PrefillFamilyRunsOn(fam, dev)) continue;
+          for (int64_t rows : {8, 64, 4096}) {
+            for (int64_t mean_kv : {100, 4096}) {
+              const PrefillKernel k = ChoosePrefillKernel(g8, dev, rows, fam, mean_kv);
+              const bool hopper_auto = fam == PrefillFamily::kAuto && dev.sm_major == 9 && d != 256;
+              EXPECT_EQ(k, hopper_auto ? PrefillKernel::kSm90Overlap : ChoosePrefillKernel(g16, dev, rows, fam, mean_kv))
+                  << d << " " << PrefillFamilyName(fam) << " " << rows << " " << mean_kv;
+              EXPECT_NE(k, PrefillKernel::kSm90);
+              EXPECT_NE(k, PrefillKernel::kSm90OverlapNoPp);
+              sm90 += k == PrefillKernel::kSm90Overlap;
+              sm80 += k == PrefillKernel::kSm80 || k == PrefillKernel::kSm80Rows64;
+            }
+          }
         }
       }
     }
   }
+  EXPECT_GT(sm90, 0);
+  EXPECT_GT(sm80, 0);
 }
 
 }  // namespace

@@ -158,16 +158,6 @@ absl::Status BatchPacker::Plan(PackedBatch* out) {
   plan_.merges.clear();
   plan_.merge_pairs = 0;
   if (geo_.IsMla()) return PlanMla(out);
-  if (!PrefillFamilyReadsPools(geo_, limits_.device)) {
-    // FP8 pools off Hopper (or at head_dim 256): only the decode family
-    // reads them, so every sequence runs there, in pieces of at most 8 rows
-    // (CutForDecode; --decode_kernel=off does not apply).
-    CutForDecode(seqs_.data(), n, &decode_pieces_);
-    out->num_items = out->num_merges = 0;
-    out->merge_pairs = 0;
-    if (decode_pieces_.empty()) return absl::OkStatus();
-    return PlanDecode(decode_pieces_, out);
-  }
   if (limits_.decode && DecodeGeometrySupported(geo_)) {
     num_decode = SeqsForPrefillFamily(seqs_.data(), n, geo_, &prefill_seqs_);
   }

@@ -163,7 +163,6 @@ class BatchPacker {
   std::vector<PrefillSeq> seqs_;
   std::vector<float> sinks_;  // the sink sets, (sets, num_qo_heads)
   std::vector<PrefillSeq> prefill_seqs_;  // seqs_ with decode sequences' q_len 0
-  std::vector<PrefillSeq> decode_pieces_;  // FP8 pools: seqs_ cut by CutForDecode
   std::vector<std::pair<int32_t, int64_t>> append_rows_;  // (task, row); 16-bit rows first
   std::vector<int64_t> append_slots_;                     // layer-global
   absl::flat_hash_map<int64_t, int64_t> last_append_;

@@ -130,7 +130,7 @@ absl::Status CudaBackend::Init() {
     int32_t max_ctas = 1, min_tile = INT32_MAX, max_tile = 0;
     for (int k = 0; k < kNumPrefillKernels; ++k) {
       const auto kernel = static_cast<PrefillKernel>(k);
-      lim.ctas_per_sm[k] = PrefillCtasPerSm(kernel, g.head_dim, g.dtype);
+      lim.ctas_per_sm[k] = PrefillCtasPerSm(kernel, g.head_dim, g.dtype, g.kv_fp8);
       max_ctas = std::max(max_ctas, lim.ctas_per_sm[k]);
       min_tile = std::min(min_tile, PrefillTileRows(kernel, g.head_dim));
       max_tile = std::max(max_tile, PrefillTileRows(kernel, g.head_dim));
@@ -139,7 +139,7 @@ absl::Status CudaBackend::Init() {
     lim.max_partial_pairs = std::max<int64_t>(int64_t{4} * lim.num_sms * max_ctas * max_tile, 1 << 16);
     lim.max_items =
         g.num_kv_heads * (lim.max_rows * group / min_tile + lim.max_rows + 1) + 2 * lim.max_partial_pairs;
-    // Decode family (--decode_kernel; FP8 pools use it whatever the flag):
+    // Decode family (--decode_kernel):
     // unsplit items are at most one per (KV head, 16-row tile) plus one per
     // sequence; split ones add a partial slot each.
     lim.decode = options_.decode_kernel && DecodeGeometrySupported(g);
@@ -152,9 +152,6 @@ absl::Status CudaBackend::Init() {
     cudaGetLastError();
     decode_slots = DecodePartialSlots(lim, g.head_dim);
     lim.max_decode_items = g.num_kv_heads * (lim.max_rows * group / 16 + lim.max_rows + 1) + decode_slots;
-    // FP8 pools cut sequences into pieces of 8 rows (CutForDecode): one more
-    // tile per piece at most.
-    if (g.KvIsFp8()) lim.max_decode_items += g.num_kv_heads * (lim.max_rows / kMaxDecodeQueryRows + 1);
   }
   packer_.emplace(g, lim);
 
