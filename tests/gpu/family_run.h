@@ -194,9 +194,8 @@ inline RunResult RunDecode(const HostBatch& b, int force_chunk, int force_cluste
   const KvGeometry& g = b.geo;
   DecodePlanOptions opt;
   opt.num_sms = NumSms();
-  const std::vector<PrefillSeq>& seqs = b.seqs;
   int max_rows = 1;
-  for (const auto& s : seqs) max_rows = std::max(max_rows, s.q_len * (g.num_qo_heads / g.num_kv_heads));
+  for (const auto& s : b.seqs) max_rows = std::max(max_rows, s.q_len * (g.num_qo_heads / g.num_kv_heads));
   const int32_t tile_rows = DecodeTileRows(g.head_dim, max_rows);
   opt.ctas_per_sm = DecodeCtasPerSm(g.head_dim, g.dtype, tile_rows, g.kv_fp8);
   opt.wide_ctas_per_sm = DecodeWideCtasPerSm(g.head_dim, g.dtype, tile_rows, g.kv_fp8);
@@ -208,7 +207,7 @@ inline RunResult RunDecode(const HostBatch& b, int force_chunk, int force_cluste
     opt.no_split = force_chunk == kNoSplit;
   }
   DecodePlan plan;
-  BuildDecodePlan(seqs.data(), static_cast<int32_t>(seqs.size()), g, opt, &plan);
+  BuildDecodePlan(b.seqs.data(), static_cast<int32_t>(b.seqs.size()), g, opt, &plan);
   res.split = plan.split_tiles > 0;
   res.cluster = plan.cluster;
 

@@ -139,9 +139,9 @@ absl::Status CudaBackend::Init() {
     lim.max_partial_pairs = std::max<int64_t>(int64_t{4} * lim.num_sms * max_ctas * max_tile, 1 << 16);
     lim.max_items =
         g.num_kv_heads * (lim.max_rows * group / min_tile + lim.max_rows + 1) + 2 * lim.max_partial_pairs;
-    // Decode family (--decode_kernel):
-    // unsplit items are at most one per (KV head, 16-row tile) plus one per
-    // sequence; split ones add a partial slot each.
+    // Decode family (--decode_kernel): unsplit items are at most one per
+    // (KV head, 16-row tile) plus one per sequence; split ones add a partial
+    // slot each.
     lim.decode = options_.decode_kernel && DecodeGeometrySupported(g);
     lim.decode_ctas_per_sm[0] = DecodeCtasPerSm(g.head_dim, g.dtype, 16, g.kv_fp8);
     lim.decode_ctas_per_sm[1] = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim), g.kv_fp8);
