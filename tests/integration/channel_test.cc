@@ -223,8 +223,14 @@ TEST_F(ChannelTest, PrefillAndDecodeThroughAChannelMatchTheReference) {
   absl::Status s = channel->PrefillInto(ArgsOf(in), &got);
   ASSERT_TRUE(s.ok()) << s;
   ExpectMatchesReference(mirror, in, got);
+  const std::string stages = "attnserve_request_stage_seconds_count";
+  const double sends_before_grpc = Metric(*server_, stages, "stage=\"send\"");
   auto over_grpc = alice_->Prefill(ArgsOf(in));
   ASSERT_TRUE(over_grpc.ok()) << over_grpc.status();
+  // The gRPC call's send stage is observed when the server learns the
+  // answer went out, which may be after the client has it: awaited, so the
+  // channel rounds below start from a settled count.
+  EXPECT_EQ(AwaitMetric(*server_, stages, "stage=\"send\"", sends_before_grpc + 1), sends_before_grpc + 1);
   EXPECT_EQ(got.o, over_grpc->o);
   EXPECT_EQ(got.lse, over_grpc->lse);
   EXPECT_EQ(got.incarnation, alice_->incarnation());
@@ -249,7 +255,6 @@ TEST_F(ChannelTest, PrefillAndDecodeThroughAChannelMatchTheReference) {
   std::memcpy(shm_->data() + q_at, dec.q.data(), q_bytes);
   // A channel request reports the request stages of the gRPC path but
   // `send` (nothing goes through gRPC): each of the 3 rounds adds one.
-  const std::string stages = "attnserve_request_stage_seconds_count";
   std::map<std::string, double> stage_before;
   for (const char* stage : {"parse", "admit", "respond", "send"}) {
     stage_before[stage] = Metric(*server_, stages, absl::StrCat("stage=\"", stage, "\""));
