@@ -85,8 +85,8 @@ inline std::vector<TransportArg> ParseTransportArgs(const std::string& spec,
 // The clients' gRPC service config (GRPC_ARG_SERVICE_CONFIG; the Python
 // client's RETRY_SERVICE_CONFIG is the same JSON): a call that fails with
 // UNAVAILABLE (no connection, or a draining server) is tried again up to 3
-// more times, each after a random wait in [0, 0.1 s x 2^(n-1)] (gRPC's
-// retry backoff is jittered so). Only the idempotent methods: running one of
+// more times, after waits of about 0.05, 0.1 and 0.2 s (gRPC's backoff from
+// initialBackoff, doubling, each wait jittered by +-20%). Only the idempotent methods: running one of
 // them twice leaves what once does (Prefill's fused appends write the same
 // rows again). AllocatePages, FreePages, CreatePlan, ReleasePlan,
 // RegisterRegion, UnregisterRegion, OpenChannel and CloseChannel are never

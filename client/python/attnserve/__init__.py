@@ -10,9 +10,11 @@ docs/python.md is the guide; proto/attnserve/v1/attention.proto and
 docs/design.md are the contract.
 """
 
-from attnserve.client import (AttentionOptions, Client, Holdings, HoldingsList, LeaseGrant,
-                              LeaseInfo, PrefillLayout, PrefillResult, RegionInfo, ServerInfo,
-                              retain_freed_memory)
+from attnserve.client import Client
+from attnserve.layout import AttentionOptions, PrefillLayout
+from attnserve.results import (Holdings, HoldingsList, LeaseGrant, LeaseInfo, PrefillResult,
+                               RegionInfo, ServerInfo)
+from attnserve._settings import retain_freed_memory
 from attnserve.aio import AsyncClient
 from attnserve.dtypes import (RawBits, bf16_bits_to_float32, float32_to_bf16_bits,
                               float_to_fp8_bits, fp8_bits_to_float32)

@@ -20,9 +20,10 @@ import grpc
 import grpc.aio
 
 from attnserve import _wire
-from attnserve.client import (DEFAULT_MAX_MESSAGE_BYTES, HEALTH_CHECK, _METHODS, Holdings,
-                              HoldingsList, LeaseGrant, PrefillLayout, PrefillResult, ServerInfo,
-                              _Core, _method_path)
+from attnserve._core import _Core
+from attnserve._settings import DEFAULT_MAX_MESSAGE_BYTES, HEALTH_CHECK, METHODS, method_path
+from attnserve.layout import PrefillLayout
+from attnserve.results import Holdings, HoldingsList, LeaseGrant, PrefillResult, ServerInfo
 from attnserve.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_error
 
 
@@ -59,7 +60,7 @@ class AsyncClient(_Core):
         else:
             self._channel = grpc.aio.insecure_channel(self.target, options=self._channel_options,
                                                       interceptors=self._interceptors)
-        self._stubs = {name: self._channel.unary_unary(_method_path(name)) for name in _METHODS}
+        self._stubs = {name: self._channel.unary_unary(method_path(name)) for name in METHODS}
         self._health = self._channel.unary_unary(HEALTH_CHECK)
 
     async def close(self) -> None:

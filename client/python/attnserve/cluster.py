@@ -45,11 +45,12 @@ import grpc
 import numpy as np
 
 from attnserve import dtypes as _dt
-from attnserve.client import Client, PrefillResult
+from attnserve.client import Client
 from attnserve.errors import (AttnserveError, DataLoss, DeadlineExceeded, ResourceExhausted,
                               SequencesLost, StaleIncarnation, Unavailable)
 from attnserve.kv_manager import KvManager, Plan, _explained
 from attnserve.merge import merge_states
+from attnserve.results import PrefillResult
 
 _DNS = "dns:///"
 _LOST_WHY = "a server holding them restarted, lost their pages or could not be reached"

@@ -41,12 +41,12 @@ from typing import Hashable, Optional, Sequence
 
 import numpy as np
 
-from attnserve.client import PrefillResult
 from attnserve.layout import PrefillLayout
 from attnserve.layout import _options as _as_options
 from attnserve.errors import (AttnserveError, FailedPrecondition, LeaseExpired, NotFound,
                               SequencesLost, StaleIncarnation, Unimplemented, outcome_unknown)
 from attnserve.lease import AsyncLease, Lease
+from attnserve.results import PrefillResult
 
 
 @dataclass
