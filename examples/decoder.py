@@ -284,12 +284,13 @@ class FlashInferAttention:
             if decode:
                 dec.plan(kv_indptr, kv_indices, kv_last, g.num_qo_heads, g.num_kv_heads,
                          g.head_dim, ps, window_left=window, logits_soft_cap=cap,
-                         q_data_type=self.cache.dtype, sm_scale=self.sm_scale)
+                         q_data_type=self.cache.dtype, kv_data_type=self.cache.kv_dtype,
+                         sm_scale=self.sm_scale)
             else:
                 prefill.plan(qo_indptr, kv_indptr, kv_indices, kv_last, g.num_qo_heads,
                              g.num_kv_heads, g.head_dim, ps, causal=True, window_left=window,
                              logits_soft_cap=cap, q_data_type=self.cache.dtype,
-                             sm_scale=self.sm_scale)
+                             kv_data_type=self.cache.kv_dtype, sm_scale=self.sm_scale)
         self.step = dict(kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last=kv_last,
                          batch_indices=batch_indices, positions=positions, decode=decode)
         return positions.to(torch.int64)

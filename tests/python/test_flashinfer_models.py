@@ -108,3 +108,24 @@ def test_main_refuses_cuda_without_a_gpu(server, capsys):
                        "cuda", "--steps", "1"])
     assert code == 2
     assert "--transport=cuda: transport='cuda' needs a GPU here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("transport", ["grpc", "channel"])
+def test_main_against_an_fp8_server(tmp_path, transport):
+    """examples/llama.py's server modes on an FP8 cache (the wrappers planned
+    with the cache's FP8 kv_data_type, 16-bit rows quantized by the server
+    with --kv_scale): its logits move from local bf16 attention by more than
+    bf16's tolerance and less than --fp8_rel_tol, and it says so."""
+    out = tmp_path / "report.json"
+    with TestServer(kv_dtype="fp8_e4m3", extra_flags=["--allow_shared_memory"]) as fp8:
+        code = llama.main(["--target", fp8.address, "--attention", "all", "--transport",
+                           transport, "--kv_scale", "0.05", "--batch", "2", "--steps", "3",
+                           "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["server_kv_dtype"] == "fp8_e4m3"
+    assert [r["mode"] for r in report["runs"]] == ["local", "server", "pingpong"]
+    for name in ("server_vs_local", "pingpong_vs_local"):
+        c = report["comparisons"][name]
+        assert c["ok"] and c["kv_dtypes"] == ["fp8_e4m3", "bf16"], c
+        assert 2e-3 < c["max_logits_rel_error"] < 0.1, c

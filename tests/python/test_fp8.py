@@ -243,3 +243,47 @@ def test_fp8_rows_and_scales_to_a_bf16_server(server):
         with pytest.raises(attnserve.InvalidArgument, match="KV scales apply to an FP8 KV cache"):
             c.set_kv_scales({0: (0.5, 0.5)})
         c.free_pages(pages)
+
+
+def test_fp8_rows_travel_through_a_region():
+    """FP8 rows as RegionTensors ("fp8_e4m3"): WriteKV's and a Prefill's
+    fused append read them from the region and store them as they are; the
+    attention matches the reference over them; a region tensor of FP8 where
+    the server takes 16-bit values is refused by the client, naming it."""
+    rng = np.random.default_rng(5)
+    with TestServer(kv_dtype="fp8_e4m3", extra_flags=["--allow_shared_memory"]) as s, \
+            attnserve.Client(s.address) as c, attnserve.SharedMemoryRegion(1 << 16) as region:
+        c.set_kv_scales({0: (0.05, 0.02)})
+        region.register(c, "fp8-rows")
+        pages = c.allocate_pages(4)
+        slots = [p * 16 + i for p in pages for i in range(16)]
+        row = 2 * 64                                            # bytes of one FP8 row
+        k_bits = dt.float_to_fp8_bits(_rows(rng, 64, 0.3), "fp8_e4m3", 0.05)
+        v_bits = dt.float_to_fp8_bits(_rows(rng, 64, 0.1), "fp8_e4m3", 0.02)
+        region.array(0, (64, 2, 64), "fp8_e4m3")[:] = k_bits
+        region.array(64 * row, (64, 2, 64), "fp8_e4m3")[:] = v_bits
+        c.write_kv(0, slots[:32], region.tensor(0, (32, 2, 64), "fp8_e4m3"),
+                   region.tensor(64 * row, (32, 2, 64), "fp8_e4m3"))
+        q = rng.standard_normal((3, 8, 64)).astype(np.float32)
+        args = dict(qo_indptr=[0, 1, 3], kv_indptr=[0, 2, 4], kv_indices=pages,
+                    kv_last_page_len=[16, 16])
+        r = c.prefill(0, q, **args, append_slots=slots[32:],
+                      append_k=region.tensor(32 * row, (32, 2, 64), "fp8_e4m3"),
+                      append_v=region.tensor(96 * row, (32, 2, 64), "fp8_e4m3"))
+        k8, v8 = c.read_kv(0, slots)
+        np.testing.assert_array_equal(k8, k_bits)
+        np.testing.assert_array_equal(v8, v_bits)
+        mirror = KvMirror(2, 64, kv_dtype="fp8_e4m3")
+        mirror.set_scales(0, 0.05, 0.02)
+        mirror.write(0, slots, attnserve.RawBits(k_bits, "fp8_e4m3"),
+                     attnserve.RawBits(v_bits, "fp8_e4m3"))
+        o, lse = reference_prefill(mirror, 0, q, page_size=16, **args)
+        cmp = compare(o, lse, r.output, r.lse)
+        assert within_tolerance(cmp), cmp
+        with pytest.raises(ValueError, match="q: a region tensor of fp8_e4m3 where the server "
+                                             "takes bf16 values"):
+            c.prefill(0, region.tensor(0, (3, 8, 64), "fp8_e4m3"), **args)
+        with pytest.raises(TypeError, match="k and v: both FP8 rows or neither"):
+            c.write_kv(0, slots[:4], region.tensor(0, (4, 2, 64), "fp8_e4m3"),
+                       region.tensor(0, (4, 2, 64), "bf16"))
+        c.free_pages(pages)

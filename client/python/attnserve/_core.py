@@ -46,8 +46,8 @@ def _region_ref(t: RegionTensor) -> "pb.RegionRef":
 def _region_field(field_number: int, t: RegionTensor, wire_dtype: int, name: str) -> bytes:
     """A Tensor field naming a region: dtype, shape and the region reference."""
     if t.dtype != "fp32" and t.wire_dtype != wire_dtype:
-        raise ValueError(f"{name}: region tensor of {t.dtype}, the server's kv_dtype is "
-                         f"{_dt.DTYPE_NAMES[wire_dtype]}")
+        raise ValueError(f"{name}: a region tensor of {t.dtype} where the server takes "
+                         f"{_dt.DTYPE_NAMES[wire_dtype]} values")
     body = pb.Tensor(dtype=t.wire_dtype, shape=list(t.shape),
                      region=_region_ref(t)).SerializeToString()
     return _wire.tag(field_number, 2) + _wire.varint(len(body)) + body
@@ -77,11 +77,19 @@ def _check_kv_args(info: "ServerInfo", k, v, k_name: str = "k", v_name: str = "v
                          f"{info.head_dim}] each")
 
 
+def _fp8_wire_of(x):
+    """The FP8 wire dtype of K or V rows x (a torch float8 tensor, RawBits of
+    FP8 bits, or an FP8 RegionTensor), or None."""
+    if isinstance(x, RegionTensor):
+        return x.wire_dtype if x.wire_dtype in _dt.FP8_DTYPES else None
+    return _dt.fp8_wire_of(x)
+
+
 def _kv_wire(info: "ServerInfo", k, v) -> int:
     """The wire dtype of K and V rows (K alone: v None): the q dtype, or the
     cache's FP8 dtype for rows already in FP8 (torch float8, RawBits of FP8
-    bits), which are stored as they are. Both of one kind."""
-    fp8 = [_dt.fp8_wire_of(x) for x in ((k, v) if v is not None else (k, k))]
+    bits, FP8 RegionTensors), which are stored as they are. Both of one kind."""
+    fp8 = [_fp8_wire_of(x) for x in ((k, v) if v is not None else (k, k))]
     if (fp8[0] is None) != (fp8[1] is None):
         raise TypeError("k and v: both FP8 rows or neither")
     if fp8[0] is None:

@@ -20,6 +20,8 @@ from attnserve.regions import RegionTensor, SharedMemoryRegion
 
 TRANSPORTS = ("grpc", "shm", "channel", "cuda")
 _SERVER_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# An FP8 cache's formats and torch's names for them (torch has the dtypes from 2.1).
+_FP8_TORCH_NAMES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _REGION_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -69,6 +71,27 @@ def _torch_dtype(value, name: str):
             return dt
         raise ValueError(f"{name}={value!r} is not a torch dtype name")
     raise TypeError(f"{name}: a torch.dtype or its name expected, not {type(value).__name__}")
+
+
+def _kv_format(value, name: str) -> str:
+    """The cache format a kv_data_type names: "bf16", "fp16", "fp8_e4m3" or
+    "fp8_e5m2", from a torch.dtype, its name ("float8_e4m3fn"), or attnserve's
+    name of an FP8 format (for a torch without FP8 dtypes); str() of any other
+    dtype."""
+    if isinstance(value, str):
+        if value in _FP8_TORCH_NAMES:
+            return value
+        for fmt, torch_name in _FP8_TORCH_NAMES.items():
+            if value == torch_name:
+                return fmt
+    dt = _torch_dtype(value, name)
+    for fmt, torch_dt in _SERVER_DTYPES.items():
+        if dt == torch_dt:
+            return fmt
+    for fmt, torch_name in _FP8_TORCH_NAMES.items():
+        if dt == getattr(torch, torch_name, None):
+            return fmt
+    return str(dt)
 
 
 def _check_kv_layout(kv_layout) -> None:
@@ -248,6 +271,7 @@ class _Area:
         esize = torch.tensor([], dtype=cache.dtype).element_size()
         self.region = region_name
         self.dtype = _REGION_DTYPES[cache.dtype]
+        self.kv_format = cache.kv_format
         self.offsets = {}
         self.tensors = {}
         areas = [("q", (rows, hq, d), cache.dtype), ("o", (rows, hq, dv), cache.dtype),
@@ -261,10 +285,17 @@ class _Area:
             self.tensors[key] = view(at, size, dtype).view(shape)
             at += (size + 63) // 64 * 64
         self.end = at
+        # An FP8 cache's rows as stored ("k8", "v8": one byte an element, in
+        # the bytes of "k" and "v"), where torch has the FP8 dtype.
+        if cache.kv_fp8 and isinstance(cache.kv_dtype, torch.dtype):
+            for key in [k for k in ("k", "v") if k in self.offsets]:
+                self.offsets[key + "8"] = self.offsets[key]
+                self.tensors[key + "8"] = view(self.offsets[key], rows * hk * d,
+                                               cache.kv_dtype).view((rows, hk, d))
 
     def ref(self, key: str, shape) -> RegionTensor:
-        return RegionTensor(self.region, self.offsets[key], tuple(int(s) for s in shape),
-                            "fp32" if key == "lse" else self.dtype)
+        dtype = "fp32" if key == "lse" else self.kv_format if key in ("k8", "v8") else self.dtype
+        return RegionTensor(self.region, self.offsets[key], tuple(int(s) for s in shape), dtype)
 
 
 class _RegionTransport:
@@ -381,20 +412,23 @@ class _RegionTransport:
                 self._events.pop(index).synchronize()  # cuda: the last copy out is done
             t["q"][:n].copy_(r.q)
             k_ref = v_ref = None
+            # FP8 rows (an FP8 cache's, stored as they are) or q-dtype rows.
+            fp8 = bool(na) and r.k.dtype != self.cache.dtype
+            k_key, v_key = ("k8", "v8") if fp8 else ("k", "v")
             if na:
-                t["k"][:na].copy_(r.k)
-                k_ref = area.ref("k", r.k.shape)
+                t[k_key][:na].copy_(r.k)
+                k_ref = area.ref(k_key, r.k.shape)
                 if r.v is not None:
-                    t["v"][:na].copy_(r.v)
-                    v_ref = area.ref("v", r.v.shape)
+                    t[v_key][:na].copy_(r.v)
+                    v_ref = area.ref(v_key, r.v.shape)
             if self.name == "cuda":
                 # The server reads q, k, v on its own stream: the caller's
                 # stream must have written them first.
                 torch.cuda.current_stream(self.cuda_buffer.device).synchronize()
             rpc = self.cache.rpc
             key = None if r.options is not None else (
-                index, r.layer, tuple(r.q.shape), na, r.v is not None, r.layout, rpc._incarnation,
-                rpc._lease_id)
+                index, r.layer, tuple(r.q.shape), na, fp8, r.v is not None, r.layout,
+                rpc._incarnation, rpc._lease_id)
             request = None if key is None else self._requests.get(key)
             if request is None:
                 o_shape = (n, r.q.shape[1], self.cache.v_head_dim)
@@ -532,6 +566,11 @@ class PagedKVCache:
 
     kv_cache[layer] (a LayerCache), len(kv_cache) == num_layers.
     close() (or the end of a `with` block) releases everything.
+
+    dtype: the queries' and outputs' torch dtype (the server's q_dtype);
+    kv_dtype: what the cache holds, plan()'s kv_data_type: dtype, or on an FP8
+    server (kv_fp8; kv_format "fp8_e4m3" or "fp8_e5m2") torch.float8_e4m3fn /
+    float8_e5m2, or the format's name where torch has no FP8 dtypes.
     """
 
     def __init__(self, client, max_num_pages: int, *, transport: str = "grpc",
@@ -557,7 +596,14 @@ class PagedKVCache:
         self.mla = info.mla
         self.v_head_dim = info.v_head_dim
         self.kv_lora_rank, self.qk_rope_head_dim = info.kv_lora_rank, info.qk_rope_head_dim
-        self.dtype = _SERVER_DTYPES[info.kv_dtype]
+        # Queries and outputs are the server's q_dtype; its cache holds
+        # kv_format: the same, or FP8 (kv_dtype: torch's FP8 dtype, or the
+        # format's name where torch has none; plan()'s kv_data_type).
+        self.dtype = _SERVER_DTYPES[info.q_dtype]
+        self.kv_format = info.kv_dtype
+        self.kv_fp8 = info.kv_fp8
+        self.kv_dtype = (getattr(torch, _FP8_TORCH_NAMES[info.kv_dtype], info.kv_dtype)
+                         if info.kv_fp8 else self.dtype)
         self.max_num_pages = int(max_num_pages)
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if transport == "cuda"
@@ -618,33 +664,44 @@ class PagedKVCache:
         with self._pending_lock:
             self._pending.setdefault(layer, []).append((slots, k, v))
 
-    def _requeue(self, layer: int, taken) -> None:
+    def _requeue(self, layer: int, runs: list) -> None:
+        """Puts runs _take() returned back in front of the layer's queue."""
         with self._pending_lock:
-            self._pending.setdefault(layer, []).insert(0, taken)
+            self._pending[layer] = list(runs) + self._pending.get(layer, [])
 
-    def _take(self, layer: int):
-        """The appends queued for `layer`, as one (slots, k, v), or None."""
+    def _take(self, layer: int) -> list:
+        """The appends queued for `layer`, in order, as runs of rows of one
+        dtype each (an FP8 cache takes q-dtype rows and FP8 rows), each run one
+        (slots, k, v); [] when none."""
         with self._pending_lock:
             queued = self._pending.pop(layer, None)
-        if not queued:
-            return None
-        if len(queued) == 1:
-            return queued[0]
-        return (np.concatenate([s for s, _, _ in queued]), torch.cat([k for _, k, _ in queued]),
-                None if queued[0][2] is None else torch.cat([v for _, _, v in queued]))
+        runs: list = []
+        for entry in queued or ():
+            if runs and runs[-1][-1][1].dtype == entry[1].dtype:
+                runs[-1].append(entry)
+            else:
+                runs.append([entry])
+        return [run[0] if len(run) == 1 else
+                (np.concatenate([s for s, _, _ in run]), torch.cat([k for _, k, _ in run]),
+                 None if run[0][2] is None else torch.cat([v for _, _, v in run]))
+                for run in runs]
+
+    def _write(self, layer: int, runs: list, after: list = ()) -> None:
+        """WriteKV of each run in order; on a failure every run, and the runs
+        `after` them that the caller took too, go back in the queue (WriteKV is
+        idempotent: a later flush() or run() writes them again)."""
+        try:
+            for slots, k, v in runs:
+                self.rpc.write_kv(layer, slots, k, v)
+        except BaseException:
+            self._requeue(layer, list(runs) + list(after))
+            raise
 
     def flush(self, layer: Optional[int] = None) -> None:
         """Writes the queued appends of `layer` (None: every layer) now (WriteKV)."""
         self._check_open()
         for l in ([layer] if layer is not None else list(self._pending)):
-            taken = self._take(l)
-            if taken is not None:
-                slots, k, v = taken
-                try:
-                    self.rpc.write_kv(l, slots, k, v)
-                except BaseException:
-                    self._requeue(l, taken)     # WriteKV is idempotent: flush() again
-                    raise
+            self._write(l, self._take(l))
 
     def pending_rows(self, layer: int) -> int:
         """Appended rows of `layer` that have not reached the server yet."""

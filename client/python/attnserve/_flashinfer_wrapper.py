@@ -14,7 +14,7 @@ import torch  # attnserve.flashinfer, which imports this module, says when it is
 from attnserve.layout import AttentionOptions, PrefillLayout
 from attnserve.errors import AttnserveError, NotFound
 from attnserve._flashinfer_cache import (AttentionFuture, PagedKVCache, _Request, _check_kv_layout,
-                                         _layer_of, _torch_dtype)
+                                         _kv_format, _layer_of, _torch_dtype)
 
 
 class _Wrapper:
@@ -67,15 +67,25 @@ class _Wrapper:
         cache = self._cache
         cache._check_open()
         q_dt = _torch_dtype(q_data_type, "q_data_type")
-        kv_dt = _torch_dtype(kv_data_type if kv_data_type is not None else q_dt, "kv_data_type")
+        kv_given = kv_data_type if kv_data_type is not None else q_dt
+        kv_format = _kv_format(kv_given, "kv_data_type")
         o_dt = _torch_dtype(o_data_type if o_data_type is not None else q_dt, "o_data_type")
-        if kv_dt != cache.dtype:
-            raise ValueError(f"kv_data_type={kv_dt}, but the server's KV cache holds "
-                             f"{cache.dtype} (its --kv_dtype); FlashInfer's q_data_type "
-                             f"defaults to float16: pass q_data_type={cache.dtype}")
-        if q_dt != kv_dt:
-            raise NotImplementedError(f"attnserve does not support q_data_type={q_dt} with "
-                                      f"kv_data_type={kv_dt}: q travels in the cache's dtype")
+        if kv_format != cache.kv_format:
+            if not cache.kv_fp8:
+                raise ValueError(f"kv_data_type={kv_given}, but the server's KV cache holds "
+                                 f"{cache.dtype} (its --kv_dtype); FlashInfer's q_data_type "
+                                 f"defaults to float16: pass q_data_type={cache.dtype}")
+            raise ValueError(f"kv_data_type={kv_given}, but the server's KV cache holds "
+                             f"{cache.kv_format} (its --kv_dtype): pass kv_data_type="
+                             f"{cache.kv_dtype}, and q_data_type={cache.dtype} (its --q_dtype)")
+        if q_dt != cache.dtype:
+            if not cache.kv_fp8:
+                raise NotImplementedError(f"attnserve does not support q_data_type={q_dt} with "
+                                          f"kv_data_type={kv_given}: q travels in the cache's "
+                                          "dtype")
+            raise NotImplementedError(f"attnserve does not support q_data_type={q_dt} here: "
+                                      f"the server takes queries in {cache.dtype} (its "
+                                      "--q_dtype)")
         if o_dt != q_dt:
             raise NotImplementedError(f"attnserve does not support o_data_type={o_dt}: the "
                                       f"output has q's dtype ({q_dt})")
@@ -192,7 +202,10 @@ class _Wrapper:
             options = AttentionOptions(window_left=window if window != -1 else None,
                                        logits_soft_cap=self._soft_cap or None,
                                        sinks=sink_values)
-        appended = cache._take(layer)
+        runs = cache._take(layer)
+        if len(runs) > 1:       # rows of both kinds (q dtype, FP8): the earlier ones apart
+            cache._write(layer, runs[:-1], after=runs[-1:])
+        appended = runs[-1] if runs else None
         k = v = None
         slots = None
         if appended is not None:
@@ -216,7 +229,7 @@ class _Wrapper:
             return cache._transport.submit(request)
         except BaseException:
             if appended is not None:            # not sent: queued again, first
-                cache._requeue(layer, appended)
+                cache._requeue(layer, [appended])
             raise
 
 

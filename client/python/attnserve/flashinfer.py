@@ -28,6 +28,15 @@ the server owns what a FlashInfer caller owns:
   * the workspace: the wrappers' first argument, float_workspace_buffer, is
     the PagedKVCache (the server plans in its own workspace).
 
+An FP8 server (--kv_dtype=fp8_e4m3 or fp8_e5m2) is planned as FlashInfer's
+FP8 cache is: q_data_type the queries' dtype (kv_cache.dtype), kv_data_type
+the cache's (kv_cache.kv_dtype: torch.float8_e4m3fn or float8_e5m2).
+append_paged_kv_cache takes rows in either: FP8 rows are stored as they are,
+16-bit rows quantized by the server with its KV scales (set_kv_scales; 1.0
+unless set). run()'s k_scale and v_scale multiply the logits and the output,
+as FlashInfer's do, on top of the server's scales: an engine that quantizes
+its rows itself and passes its scales to run() leaves the server's at 1.0.
+
 Options attnserve does not support raise NotImplementedError naming them
 (docs/flashinfer.md has the table); none is silently ignored.
 
@@ -346,7 +355,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
                           kv_layout: str = "NHD") -> None:
     """FlashInfer's append_paged_kv_cache into the server's cache:
     append_key, append_value [nnz, num_kv_heads, head_dim] in the cache's
-    dtype; row i goes to position positions[i] of request batch_indices[i],
+    dtype (an FP8 cache: kv_cache.dtype rows, which the server quantizes
+    with its KV scales, or kv_cache.kv_dtype rows, stored as they are); row i goes to position positions[i] of request batch_indices[i],
     whose pages are kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (which, as in
     FlashInfer, already include the appended rows). paged_kv_cache is
     kv_cache[layer]. The rows are queued and reach the server with that
@@ -368,13 +378,21 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         if t.dim() != 3 or t.shape[1:] != (cache.num_kv_heads, cache.head_dim):
             raise ValueError(f"{name} has shape {list(t.shape)}, must be [nnz, "
                              f"num_kv_heads={cache.num_kv_heads}, head_dim={cache.head_dim}]")
-        if t.dtype != cache.dtype:
+        if t.dtype != cache.dtype and t.dtype != cache.kv_dtype:
+            if cache.kv_fp8:
+                raise ValueError(f"{name} has dtype {t.dtype}; the server's KV cache holds "
+                                 f"{cache.kv_format} and takes {cache.dtype} rows (quantized "
+                                 f"by the server with its KV scales) or {cache.kv_dtype} rows "
+                                 "(stored as they are)")
             raise ValueError(f"{name} has dtype {t.dtype}; the server's KV cache holds "
                              f"{cache.dtype}")
         shape = shape or tuple(t.shape)
         if tuple(t.shape) != shape:
             raise ValueError(f"append_value has shape {list(t.shape)}, append_key "
                              f"{list(shape)}: they must match")
+    if append_key.dtype != append_value.dtype:
+        raise ValueError(f"append_key has dtype {append_key.dtype}, append_value "
+                         f"{append_value.dtype}: they must match")
     nnz = shape[0]
     slots = _append_slots(cache, batch_indices, positions, kv_indices, kv_indptr,
                           kv_last_page_len, nnz)

@@ -61,8 +61,12 @@ import numpy as np
 from attnserve import dtypes as _dt
 from attnserve.errors import error_for
 
+# Each dtype's element bytes, numpy view type and wire dtype. FP8 (K and V
+# rows as an FP8 cache stores them) is viewed as uint8 bit patterns.
 _ELEM = {"bf16": (2, np.uint16, _dt.DTYPE_BF16), "fp16": (2, np.float16, _dt.DTYPE_FP16),
-         "fp32": (4, np.float32, _dt.DTYPE_FP32)}
+         "fp32": (4, np.float32, _dt.DTYPE_FP32),
+         "fp8_e4m3": (1, np.uint8, _dt.DTYPE_FP8_E4M3),
+         "fp8_e5m2": (1, np.uint8, _dt.DTYPE_FP8_E5M2)}
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ class RegionTensor:
     region: str
     offset: int
     shape: tuple
-    dtype: str  # "bf16", "fp16" or "fp32"
+    dtype: str  # "bf16", "fp16", "fp32", or "fp8_e4m3" / "fp8_e5m2" (FP8 K and V rows)
 
     @property
     def nbytes(self) -> int:
@@ -220,7 +224,8 @@ class SharedMemoryRegion:
         return self
 
     def array(self, offset: int, shape, dtype: str) -> np.ndarray:
-        """A numpy view of [offset, offset + nbytes) (bf16 as uint16 bits)."""
+        """A numpy view of [offset, offset + nbytes) (bf16 as uint16 bits, FP8
+        as uint8 bits)."""
         _check_dtype(dtype)
         t = RegionTensor("", int(offset), tuple(int(s) for s in shape), dtype)
         if offset < 0 or offset + t.nbytes > self.size:
