@@ -654,12 +654,13 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
     if client is not None:
         report["server_kv_dtype"] = kv_dtype
     ok = True
+    failed_tolerances = set()
     names = list(runs)
     for other in names[1:]:
         # FP8 attention (a server mode) against bf16 (local): its own tolerance.
         crossed = fp8 and (other == "local") != (names[0] == "local")
-        c = compare_runs(runs[other], runs[names[0]],
-                         args.fp8_rel_tol if crossed else args.rel_tol)
+        tolerance = args.fp8_rel_tol if crossed else args.rel_tol
+        c = compare_runs(runs[other], runs[names[0]], tolerance)
         if crossed:
             c["kv_dtypes"] = [kv_dtype if other != "local" else args.attn_dtype,
                               kv_dtype if names[0] != "local" else args.attn_dtype]
@@ -670,11 +671,14 @@ def main(argv, *, description: str, presets: dict, make_model) -> int:
                  else f"{other} vs {names[0]}")
         print(describe_comparison(label, c), flush=True)
         ok &= c["ok"]
+        if not c["ok"]:
+            failed_tolerances.add(tolerance)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     if client is not None:
         client.close()
     if not ok:
-        print(f"FAILED: the modes disagree (tolerance {args.rel_tol})", file=sys.stderr)
+        print(f"FAILED: the modes disagree (tolerance "
+              f"{', '.join(str(t) for t in sorted(failed_tolerances))})", file=sys.stderr)
     return 0 if ok else 1
