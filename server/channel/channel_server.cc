@@ -110,12 +110,12 @@ class ChannelServer::Poller final : public ChannelEndpoint,
     for (int32_t i = 0; i < ring_.slot_count; ++i) WakeClient(Slot(i));
   }
 
-  // Writes the answer to request `seq` of slot `slot` and publishes it.
-  // `status` OK: `response` is the serialized response, which must fit the
-  // slot (else RESOURCE_EXHAUSTED is written instead). Returns the code and
-  // the payload bytes written.
-  std::pair<absl::StatusCode, int64_t> Answer(int32_t slot, uint64_t seq, absl::Status status,
-                                              grpc::ByteBuffer* response) {
+  // Writes the answer to slot `slot`'s request into the slot, where the
+  // client does not look until Publish. `status` OK: `response` is the
+  // serialized response, which must fit the slot (else RESOURCE_EXHAUSTED is
+  // written instead). Returns the code and the payload bytes written.
+  std::pair<absl::StatusCode, int64_t> Write(int32_t slot, absl::Status status,
+                                             grpc::ByteBuffer* response) {
     SlotControl* control = Slot(slot);
     char* payload = ChannelPayload(ring_.base, ring_.slot_bytes, slot);
     size_t n = 0;
@@ -144,10 +144,16 @@ class ChannelServer::Poller final : public ChannelEndpoint,
     }
     control->response_bytes.store(static_cast<uint32_t>(n), std::memory_order_relaxed);
     control->status_code.store(static_cast<int32_t>(status.code()), std::memory_order_relaxed);
+    return {status.code(), static_cast<int64_t>(n)};
+  }
+
+  // Publishes the answer Write put in slot `slot` as request `seq`'s: the
+  // client may read it from now on.
+  void Publish(int32_t slot, uint64_t seq) {
+    SlotControl* control = Slot(slot);
     busy_[slot].store(false, std::memory_order_release);
     control->response_seq.store(seq, std::memory_order_seq_cst);
     WakeClient(control);
-    return {status.code(), static_cast<int64_t>(n)};
   }
 
   // A request of this poller was answered (the last thing Finish does).
@@ -352,11 +358,15 @@ void ChannelServer::ThreadDone() {
 
 bool ChannelServer::Finish(Request* r, const absl::Status& status, grpc::ByteBuffer* response) {
   if (r->answered.exchange(true, std::memory_order_acq_rel)) return false;
-  const auto [code, bytes_out] = r->poller->Answer(r->slot, r->seq, status, response);
+  const auto [code, bytes_out] = r->poller->Write(r->slot, status, response);
+  // The request's metrics are recorded before its answer is published, as
+  // the gRPC path records them before the response is written: a client
+  // that has its answer finds the request counted.
   const double seconds = absl::ToDoubleSeconds(absl::Now() - r->start);
   metrics_->ObserveRequest(Metrics::Rpc::kPrefill, code, r->shape, seconds);
   metrics_->AddTransferBytes(r->bytes_in, bytes_out, Metrics::Path::kSystem);
   metrics_->inflight().Decrement();
+  r->poller->Publish(r->slot, r->seq);
   if (options_.access_log) {
     spdlog::info(
         "access method=Prefill tenant={} peer=channel:{} request_id={} code={} seconds={:.6f} "
