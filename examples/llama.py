@@ -29,12 +29,15 @@ examples/decoder.py holds what this and the other example decoders
   scripts/run.sh        # the server's default geometry (--preset default); in another shell:
   PYTHONPATH=client/python python3 examples/llama.py --preset default
 
-Against a server with an FP8 KV cache (attnserve --kv_dtype=fp8_e4m3) the
-server modes attend over FP8 keys and values: the example sets the KV scales
-(--kv_scale) and reports how far the logits and greedy tokens move from local
-bf16 attention ("server (fp8_e4m3 KV) vs local (bf16)"), within --fp8_rel_tol.
   # on a GPU machine, against a server there (same geometry):
   PYTHONPATH=client/python python3 examples/llama.py --preset realistic --device cuda
+
+Against a server with an FP8 KV cache (attnserve --kv_dtype=fp8_e4m3) the
+server modes attend over FP8 keys and values: the example sets the KV scales
+(--kv_scale), checks the server modes against local attention over the same
+FP8 rows ("server vs local_fp8", within --rel_tol) and reports how far the
+logits and greedy tokens move from local bf16 attention ("server (fp8_e4m3
+KV) vs local (bf16)"; a check too with --fp8_rel_tol).
 """
 
 from __future__ import annotations
