@@ -259,6 +259,7 @@ TEST_F(ChannelTest, PrefillAndDecodeThroughAChannelMatchTheReference) {
   for (const char* stage : {"parse", "admit", "respond", "send"}) {
     stage_before[stage] = Metric(*server_, stages, absl::StrCat("stage=\"", stage, "\""));
   }
+  const double ok_before = server_test::OkPrefills(*HttpGet(server_->metrics_address(), "/metrics"));
   for (int round = 0; round < 3; ++round) {
     std::memset(shm_->data() + o_at, 0xff, lse_at + lse_bytes - o_at);  // NaN everywhere
     PrefillArgs args;
@@ -279,6 +280,9 @@ TEST_F(ChannelTest, PrefillAndDecodeThroughAChannelMatchTheReference) {
     from_region.lse.assign(reinterpret_cast<const float*>(shm_->data() + lse_at),
                            reinterpret_cast<const float*>(shm_->data() + lse_at + lse_bytes));
     ExpectMatchesReference(mirror, dec, from_region);
+    // Counted before its answer was published: no waiting.
+    EXPECT_EQ(server_test::OkPrefills(*HttpGet(server_->metrics_address(), "/metrics")),
+              ok_before + round + 1);
   }
   // admit is observed once the request is queued, which may be after its
   // answer arrived: awaited.
