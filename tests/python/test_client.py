@@ -333,7 +333,7 @@ def test_results_come_back_in_the_callers_dtype(client):
     assert raw.dtype == np.uint16 and np.array_equal(raw, attnserve.float32_to_bf16_bits(ref))
     with pytest.raises(TypeError, match=r"q: numpy uint16 holds integers.*RawBits"):
         client.prefill(0, bits, *lay)
-    with pytest.raises(TypeError, match="RawBits of fp16, but the server's kv_dtype is bf16"):
+    with pytest.raises(TypeError, match="RawBits of fp16, but the server takes bf16 values here"):
         client.prefill(0, attnserve.RawBits(bits, "fp16"), *lay)
     v, _ = client.merge_states([(q.astype(np.float16), np.zeros((3, g.num_qo_heads), np.float32))])
     assert v.dtype == np.float16

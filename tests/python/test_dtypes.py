@@ -118,7 +118,7 @@ def test_numpy_inputs_and_raw_bits():
     with pytest.raises(TypeError, match="k: numpy int16 holds integers, not fp16"):
         dt.to_wire(bits.view(np.int16), dt.DTYPE_FP16, "k")
     # RawBits of the other 16-bit type would be read as other values.
-    with pytest.raises(TypeError, match="k: RawBits of fp16, but the server's kv_dtype is bf16"):
+    with pytest.raises(TypeError, match="k: RawBits of fp16, but the server takes bf16 values here"):
         dt.to_wire(dt.RawBits(bits, "fp16"), dt.DTYPE_BF16, "k")
     with pytest.raises(TypeError, match="RawBits: bits must be a uint16 or int16 array"):
         dt.RawBits(x, "bf16")

@@ -253,8 +253,9 @@ def to_wire(x, wire_dtype: int, name: str):
         return shape, memoryview(arr).cast("B") if arr.size else memoryview(b"")
     if isinstance(x, RawBits):
         if x.wire_dtype != wire_dtype:
-            raise TypeError(f"{name}: RawBits of {x.dtype}, but the server's kv_dtype is "
-                            f"{DTYPE_NAMES[wire_dtype]}: the bits would be read as other values")
+            raise TypeError(f"{name}: RawBits of {x.dtype}, but the server takes "
+                            f"{DTYPE_NAMES[wire_dtype]} values here: the bits would be read as "
+                            "other values")
         raw = np.ascontiguousarray(x.bits)
         return raw.shape, memoryview(raw).cast("B") if raw.size else memoryview(b"")
     arr = np.asarray(x)
