@@ -62,7 +62,7 @@ def one(client, metrics, transport, args):
         indptr, indices, last = fill(cache, batch, kv_len, device, args.seed)
         w = fi.BatchDecodeWithPagedKVCacheWrapper(cache)
         w.plan(indptr, indices, last, cache.num_qo_heads, cache.num_kv_heads, cache.head_dim,
-               ps, q_data_type=cache.dtype)
+               ps, q_data_type=cache.dtype, kv_data_type=cache.kv_dtype)
         q = (torch.randn(batch, cache.num_qo_heads, cache.head_dim) * 2).to(cache.dtype).to(device)
         sync = (lambda: torch.cuda.current_stream(device).synchronize()) \
             if device.type == "cuda" else (lambda: None)

@@ -75,7 +75,7 @@ def main():
         indptr, indices, last = fill(cache, args.batch, args.kv_len, device, args.seed)
         w = fi.BatchDecodeWithPagedKVCacheWrapper(cache)
         w.plan(indptr, indices, last, cache.num_qo_heads, cache.num_kv_heads, cache.head_dim,
-               ps, q_data_type=cache.dtype)
+               ps, q_data_type=cache.dtype, kv_data_type=cache.kv_dtype)
         q = (torch.randn(args.batch, cache.num_qo_heads, cache.head_dim) * 2).to(
             cache.dtype).to(device)
         grpc_t = cache._grpc
