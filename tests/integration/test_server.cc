@@ -15,6 +15,9 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -303,6 +306,32 @@ int RunProgram(const std::vector<std::string>& argv, std::string* output) {
   return ExitCodeOf(status);
 }
 
+namespace {
+
+// Tokens files not yet removed, unlinked when the test program exits (a
+// caller that stops at a failed assertion leaves its file to this).
+class TokensFiles {
+ public:
+  ~TokensFiles() {
+    for (const std::string& path : paths_) unlink(path.c_str());
+  }
+  void Add(const std::string& path) {
+    std::lock_guard<std::mutex> lock(mu_);
+    paths_.push_back(path);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> paths_;
+};
+
+TokensFiles& TokensFilesToRemove() {
+  static TokensFiles files;
+  return files;
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> WriteTokensFile(const std::string& contents) {
   const char* dir = std::getenv("TEST_TMPDIR");
   std::string path = absl::StrCat(dir != nullptr && *dir != '\0' ? dir : "/tmp", "/attnserve_tokens_XXXXXX");
@@ -314,6 +343,7 @@ absl::StatusOr<std::string> WriteTokensFile(const std::string& contents) {
     unlink(path.c_str());
     return absl::InternalError(absl::StrCat("writing ", path, ": ", std::strerror(errno)));
   }
+  TokensFilesToRemove().Add(path);
   return path;
 }
 

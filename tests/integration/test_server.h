@@ -92,7 +92,7 @@ absl::StatusOr<double> MetricValue(const std::string& text, const std::string& n
 
 // A new --auth_tokens_file (TOKEN TENANT lines) in the test's temporary
 // directory ($TEST_TMPDIR, else /tmp) holding `contents`; returns its path.
-// The caller unlinks it.
+// It is unlinked when the test program exits, if the caller has not done so.
 absl::StatusOr<std::string> WriteTokensFile(const std::string& contents);
 
 // Runs a program with arguments, waits, and returns its exit code (128 +
