@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "client/cluster_placement.h"
 #include "kernels/merge_states.h"
 
 #define ATTN_CLUSTER_RETURN_IF_ERROR(expr)     \
@@ -91,28 +92,61 @@ bool IsUnreachable(const absl::Status& s) {
          s.code() == absl::StatusCode::kDeadlineExceeded;
 }
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// The arguments of Plan(), before anything is read or changed.
+absl::Status CheckStepArgs(absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens) {
+  if (seq_ids.empty()) return absl::InvalidArgumentError("seq_ids is empty");
+  if (seq_ids.size() != q_lens.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(seq_ids.size(), " seq_ids but ", q_lens.size(), " q_lens"));
+  }
+  absl::flat_hash_set<int64_t> seen;
+  int64_t total_q = 0;
+  for (size_t b = 0; b < seq_ids.size(); ++b) {
+    if (!seen.insert(seq_ids[b]).second) {
+      return absl::InvalidArgumentError(absl::StrCat("seq_ids has ", seq_ids[b], " twice"));
+    }
+    if (q_lens[b] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("q_lens[", b, "]=", q_lens[b], " is negative"));
+    }
+    total_q += q_lens[b];
+  }
+  if (total_q > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError("the step has more than 2^31 - 1 tokens");
+  }
+  return absl::OkStatus();
+}
+
+// The step in the caller's terms, and each part's rows (step->parts planned,
+// in server order, one for each server with a share).
+void FillStep(absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens,
+              const StepShares& shares, ClusterStep* step) {
+  step->seq_ids.assign(seq_ids.begin(), seq_ids.end());
+  step->q_lens.assign(q_lens.begin(), q_lens.end());
+  step->qo_indptr = {0};
+  for (size_t b = 0; b < seq_ids.size(); ++b) {
+    const int64_t length = shares.length_after[b];
+    step->kv_lens.push_back(length);
+    step->qo_indptr.push_back(step->qo_indptr.back() + q_lens[b]);
+    for (int64_t p = length - q_lens[b]; p < length; ++p) step->positions.push_back(p);
+  }
+  step->sources.resize(seq_ids.size());
+  for (size_t pi = 0; pi < step->parts.size(); ++pi) {
+    ClusterStep::Part& part = step->parts[pi];
+    const std::vector<ShareEntry>& entries = shares.per_server[part.server];
+    for (size_t j = 0; j < entries.size(); ++j) {
+      const ShareEntry& e = entries[j];
+      const int32_t first = step->qo_indptr[e.b];
+      step->sources[e.b].push_back({static_cast<int32_t>(pi), part.plan->qo_indptr[j], e.skip});
+      for (int32_t r = e.skip; r < q_lens[e.b]; ++r) part.q_rows.push_back(first + r);
+      for (int32_t r = 0; r < e.append; ++r) {
+        part.append_rows.push_back(first + static_cast<int32_t>(e.offset) + r);
+      }
+    }
+  }
+}
 
 }  // namespace
-
-std::vector<int64_t> CausalSpread(int64_t n, int64_t k) {
-  // Every new token's query attends to the new keys before it: a triangle of
-  // n^2 / 2. The keys [a, n) take (n - a)^2 / 2 of it, so the last m of k
-  // shards start at n (1 - sqrt(m / k)).
-  std::vector<int64_t> sizes(std::max<int64_t>(k, 1), 0);
-  int64_t prev = 0;
-  for (int64_t j = 1; j <= k; ++j) {
-    const int64_t bound =
-        j == k ? n
-               : static_cast<int64_t>(std::floor(
-                     static_cast<double>(n) *
-                         (1.0 - std::sqrt(static_cast<double>(k - j) / static_cast<double>(k))) +
-                     0.5));
-    sizes[j - 1] = std::max<int64_t>(0, bound - prev);
-    prev = std::max(prev, bound);
-  }
-  return sizes;
-}
 
 absl::Status Cluster::LostError(absl::Span<const int64_t> ids, absl::string_view why) {
   return SequencesLostError(ids, why);
@@ -235,7 +269,7 @@ std::vector<ClusterServer> Cluster::Servers() const {
   for (const auto& s : servers_) {
     ClusterServer cs;
     cs.address = s->address;
-    cs.active = s->listed && s->reachable && !s->gone;
+    cs.active = Usable(*s);
     cs.incarnation = s->client->incarnation();
     cs.restarts = s->epoch;
     cs.free_pages = FreeEstimate(*s);
@@ -389,32 +423,12 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::Plan(
 absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::PlanOnce(
     absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens, bool* again) {
   *again = false;
-  if (seq_ids.empty()) return absl::InvalidArgumentError("seq_ids is empty");
-  if (seq_ids.size() != q_lens.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(seq_ids.size(), " seq_ids but ", q_lens.size(), " q_lens"));
-  }
-  absl::flat_hash_set<int64_t> seen;
-  int64_t total_q = 0;
-  for (size_t b = 0; b < seq_ids.size(); ++b) {
-    if (!seen.insert(seq_ids[b]).second) {
-      return absl::InvalidArgumentError(absl::StrCat("seq_ids has ", seq_ids[b], " twice"));
-    }
-    if (q_lens[b] < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("q_lens[", b, "]=", q_lens[b], " is negative"));
-    }
-    total_q += q_lens[b];
-  }
-  if (total_q > std::numeric_limits<int32_t>::max()) {
-    return absl::InvalidArgumentError("the step has more than 2^31 - 1 tokens");
-  }
+  ATTN_CLUSTER_RETURN_IF_ERROR(CheckStepArgs(seq_ids, q_lens));
   // Now and then: new servers join, free pages and restarts are read (the
   // sequences a restart lost are reported when they are named).
   // Also when no server takes new sequences: one that failed a call may answer now.
-  const bool none_usable = std::none_of(servers_.begin(), servers_.end(), [](const auto& s) {
-    return s->listed && s->reachable && !s->gone;
-  });
+  const bool none_usable = std::none_of(servers_.begin(), servers_.end(),
+                                        [](const auto& s) { return Usable(*s); });
   if (none_usable || absl::Now() - refreshed_at_ >= absl::Seconds(options_.refresh_interval_s)) {
     Refresh().IgnoreError();
   }
@@ -424,8 +438,48 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::PlanOnce(
     if (it != seqs_.end() && it->second.lost) lost.push_back(id);
   }
   if (!lost.empty()) return LostError(lost, "a server holding them restarted or left");
-  // A sequence whose last Run() of some layer failed on a server is refused
-  // until that layer has run again (KvManager::CheckWritten).
+  ATTN_CLUSTER_RETURN_IF_ERROR(CheckWritten(seq_ids));
+
+  // The sequences as they are, and each server's free pages.
+  std::vector<std::vector<Shard>> shards(seq_ids.size());
+  std::vector<int64_t> lengths(seq_ids.size(), 0);
+  for (size_t b = 0; b < seq_ids.size(); ++b) {
+    auto it = seqs_.find(seq_ids[b]);
+    if (it == seqs_.end()) continue;
+    shards[b] = it->second.shards;
+    lengths[b] = it->second.length;
+  }
+  std::vector<int64_t> free(servers_.size());
+  for (size_t i = 0; i < servers_.size(); ++i) {
+    free[i] = Usable(*servers_[i]) ? FreeEstimate(*servers_[i]) : -1;
+  }
+  PlacementRules rules;
+  rules.page_size = geo_.page_size;
+  rules.split_min_tokens = options_.split_min_tokens;
+  rules.max_servers_per_sequence = options_.max_servers_per_sequence;
+  auto chunks = PlaceTokens(seq_ids, q_lens, shards, rules, &free);
+  if (!chunks.ok()) return chunks.status();
+  StepShares shares = ShareStep(q_lens, shards, lengths, *chunks, num_servers(), options_.kv.causal);
+
+  auto step = std::make_shared<ClusterStep>();
+  ATTN_CLUSTER_RETURN_IF_ERROR(PlanParts(seq_ids, q_lens, shares, step.get(), again));
+  step->step = ++step_;
+  FillStep(seq_ids, q_lens, shares, step.get());
+
+  // Commit.
+  for (size_t b = 0; b < seq_ids.size(); ++b) {
+    Sequence& s = seqs_[seq_ids[b]];
+    s.shards = std::move(shares.shards_after[b]);
+    s.length = shares.length_after[b];
+    if (s.step != nullptr) live_steps_.erase(s.step->step);
+    s.step = step;
+  }
+  live_steps_.insert(step->step);
+  latest_ = step;
+  return std::shared_ptr<const ClusterStep>(step);
+}
+
+absl::Status Cluster::CheckWritten(absl::Span<const int64_t> seq_ids) {
   for (int32_t srv = 0; srv < num_servers(); ++srv) {
     std::vector<int64_t> here;
     for (int64_t id : seq_ids) {
@@ -442,150 +496,27 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::PlanOnce(
                                                        written.message()));
     }
   }
+  return absl::OkStatus();
+}
 
-  // Free pages per server, as this step uses them up.
-  const int64_t ps = geo_.page_size;
-  std::vector<int64_t> free(servers_.size());
-  for (size_t i = 0; i < servers_.size(); ++i) {
-    const Server& s = *servers_[i];
-    free[i] = s.listed && s.reachable && !s.gone ? FreeEstimate(s) : -1;
-  }
-  // Where each sequence's new tokens go: (server, count) in position order.
-  std::vector<std::vector<std::pair<int32_t, int64_t>>> chunks(seq_ids.size());
-  for (size_t b = 0; b < seq_ids.size(); ++b) {
-    auto it = seqs_.find(seq_ids[b]);
-    const Sequence* seq = it == seqs_.end() ? nullptr : &it->second;
-    const int64_t n = q_lens[b];
-    // Candidates: the last server holding the sequence, then servers not
-    // holding it, most free pages first.
-    std::vector<int32_t> order;
-    std::vector<int32_t> others;
-    int64_t tail_len = 0;
-    if (seq != nullptr && !seq->shards.empty()) {
-      order.push_back(seq->shards.back().server);
-      tail_len = seq->shards.back().length;
-    }
-    for (int32_t i = 0; i < num_servers(); ++i) {
-      if (free[i] < 0) continue;
-      const bool holds = seq != nullptr && std::any_of(seq->shards.begin(), seq->shards.end(),
-                                                      [&](const Shard& sh) {
-                                                        return sh.server == i;
-                                                      });
-      if (!holds) others.push_back(i);
-    }
-    std::stable_sort(others.begin(), others.end(),
-                     [&](int32_t x, int32_t y) { return free[x] > free[y]; });
-    const int64_t held = seq == nullptr ? 0 : static_cast<int64_t>(seq->shards.size());
-    int64_t room = options_.max_servers_per_sequence > 0
-                       ? options_.max_servers_per_sequence - held
-                       : static_cast<int64_t>(others.size());
-    for (int32_t i : others) {
-      if (room-- <= 0) break;
-      order.push_back(i);
-    }
-    if (order.empty()) {
-      return absl::UnavailableError("no server of the cluster is reachable");
-    }
-    // Desired counts: all on the first candidate, or spread over k.
-    std::vector<int64_t> want(order.size(), 0);
-    const bool spread = options_.split_min_tokens > 0 && n >= options_.split_min_tokens;
-    const std::vector<int64_t> sizes =
-        CausalSpread(n, spread ? static_cast<int64_t>(order.size()) : 1);
-    std::copy(sizes.begin(), sizes.end(), want.begin());
-    // Each server takes what fits in its free pages; the rest moves on.
-    int64_t carry = 0;
-    for (size_t j = 0; j < order.size(); ++j) {
-      const int32_t srv = order[j];
-      const bool tail = j == 0 && seq != nullptr && !seq->shards.empty();
-      const int64_t base = tail ? tail_len : 0;
-      const int64_t cap = std::max<int64_t>(0, free[srv]) * ps + (CeilDiv(base, ps) * ps - base);
-      const int64_t desired = want[j] + carry;
-      const int64_t take = std::min(desired, cap);
-      carry = desired - take;
-      // A new sequence with no tokens yet still lives on one server.
-      if (take > 0 || (j == 0 && n == 0 && !tail && (seq == nullptr || seq->shards.empty()))) {
-        chunks[b].push_back({srv, take});
-        free[srv] -= CeilDiv(base + take, ps) - CeilDiv(base, ps);
-      }
-    }
-    if (carry > 0) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "sequence ", seq_ids[b], ": ", carry, " of its ", n,
-          " new tokens fit on no server (too few free pages",
-          options_.max_servers_per_sequence > 0
-              ? absl::StrCat(", or max_servers_per_sequence=",
-                             options_.max_servers_per_sequence)
-              : "",
-          ")"));
-    }
-  }
-
-  // Each server's share: every shard of a sequence (old and new) attends
-  // with the step's rows of that sequence that can see some of it.
-  struct Entry {
-    size_t b;
-    int32_t append;
-    int64_t offset;  // first new token appended here, within the step
-    int64_t end;     // the shard's end position after the step
-    int32_t skip;    // the step's first rows that see nothing here (causal)
-    bool first;      // the shard holds the sequence's first keys: it carries the sinks
-  };
-  std::vector<std::vector<Entry>> per_server(servers_.size());
-  std::vector<std::vector<Shard>> shards_after(seq_ids.size());
-  std::vector<int64_t> length_after(seq_ids.size());
-  for (size_t b = 0; b < seq_ids.size(); ++b) {
-    auto it = seqs_.find(seq_ids[b]);
-    std::vector<Shard>& shards = shards_after[b];
-    int64_t length = 0;
-    if (it != seqs_.end()) {
-      shards = it->second.shards;
-      length = it->second.length;
-    }
-    const int64_t start = length;
-    int64_t offset = 0;
-    std::vector<int64_t> appended(shards.size() + chunks[b].size(), 0);
-    for (const auto& [srv, count] : chunks[b]) {
-      if (!shards.empty() && shards.back().server == srv) {
-        shards.back().length += count;
-        appended[shards.size() - 1] = count;
-      } else {
-        shards.push_back(Shard{srv, start + offset, count});
-        appended[shards.size() - 1] = count;
-      }
-      offset += count;
-    }
-    length_after[b] = start + q_lens[b];
-    for (size_t j = 0; j < shards.size(); ++j) {
-      const Shard& sh = shards[j];
-      const int64_t end = sh.start + sh.length;
-      // The step's row r is position start + r: it sees this shard from
-      // position sh.start on (causal), so the rows before do not go there.
-      const int64_t skip =
-          options_.kv.causal ? std::clamp<int64_t>(sh.start - start, 0, q_lens[b]) : 0;
-      per_server[sh.server].push_back(Entry{b, static_cast<int32_t>(appended[j]),
-                                            std::max<int64_t>(0, end - appended[j] - start),
-                                            end, static_cast<int32_t>(skip), sh.start == 0});
-    }
-  }
-
-  // Plan on every server in turn; a failure takes back the ones before.
-  auto step = std::make_shared<ClusterStep>();
+absl::Status Cluster::PlanParts(absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens,
+                                const StepShares& shares, ClusterStep* step, bool* again) {
   std::vector<std::pair<int32_t, std::shared_ptr<const StepPlan>>> done;
   absl::Status failed;
   int32_t failed_server = -1;
   for (int32_t srv = 0; srv < num_servers(); ++srv) {
-    const std::vector<Entry>& entries = per_server[srv];
+    const std::vector<ShareEntry>& entries = shares.per_server[srv];
     if (entries.empty()) continue;
     std::vector<int64_t> ids;
     std::vector<int32_t> appends, rows, after;
     // The sinks enter a sequence's softmax on one server only, so that the
     // merge by LSE counts them once: the one holding its first keys.
     std::vector<uint8_t> sinks;
-    for (const Entry& e : entries) {
+    for (const ShareEntry& e : entries) {
       ids.push_back(seq_ids[e.b]);
       appends.push_back(e.append);
       rows.push_back(q_lens[e.b] - e.skip);
-      after.push_back(static_cast<int32_t>(length_after[e.b] - e.end));
+      after.push_back(static_cast<int32_t>(shares.length_after[e.b] - e.end));
       sinks.push_back(e.first ? 1 : 0);
     }
     auto planned = servers_[srv]->kv->PlanRows(ids, appends, rows, after, sinks);
@@ -601,70 +532,33 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::PlanOnce(
     part.plan = *planned;
     step->parts.push_back(std::move(part));
   }
-  if (!failed.ok()) {
-    std::vector<int64_t> l;
-    for (auto it = done.rbegin(); it != done.rend(); ++it) {
-      // Undo takes the bookkeeping back whatever happens; a free it could
-      // not confirm is its manager's to settle. A loss is the cluster's.
-      absl::Status undone = servers_[it->first]->kv->Undo(it->second);
-      if (undone.code() == absl::StatusCode::kDataLoss || IsStaleIncarnation(undone)) {
-        Observe(it->first, undone, &l);
-      }
-    }
-    const std::string address = servers_[failed_server]->address;
-    if (failed.code() == absl::StatusCode::kResourceExhausted) {
-      // Its free pages were fewer than the estimate (others took them, or a
-      // failed free left some held): read them again for the next placement.
-      auto info = servers_[failed_server]->client->GetServerInfo();
-      if (info.ok()) ReadInfo(failed_server, *info);
-    }
-    if (Observe(failed_server, failed, &l)) {
-      if (!l.empty()) return LostError(l, absl::StrCat("server ", address, ": ", failed.message()));
-      *again = !IsUnreachable(failed);
-    }
-    if (!l.empty()) return LostError(l, "a server holding them restarted or lost their pages");
-    return absl::Status(failed.code(), absl::StrCat("server ", address, ": ", failed.message()));
+  if (failed.ok()) {
+    for (const auto& [srv, plan] : done) Observe(srv, absl::OkStatus(), nullptr);
+    return absl::OkStatus();
   }
-  for (const auto& [srv, plan] : done) Observe(srv, absl::OkStatus(), nullptr);
-
-  // The step in the caller's terms, and each part's rows.
-  step->step = ++step_;
-  step->seq_ids.assign(seq_ids.begin(), seq_ids.end());
-  step->q_lens.assign(q_lens.begin(), q_lens.end());
-  step->qo_indptr = {0};
-  for (size_t b = 0; b < seq_ids.size(); ++b) {
-    step->kv_lens.push_back(length_after[b]);
-    step->qo_indptr.push_back(step->qo_indptr.back() + q_lens[b]);
-    for (int64_t p = length_after[b] - q_lens[b]; p < length_after[b]; ++p) {
-      step->positions.push_back(p);
+  // A failure takes back the plans before it.
+  std::vector<int64_t> l;
+  for (auto it = done.rbegin(); it != done.rend(); ++it) {
+    // Undo takes the bookkeeping back whatever happens; a free it could
+    // not confirm is its manager's to settle. A loss is the cluster's.
+    absl::Status undone = servers_[it->first]->kv->Undo(it->second);
+    if (undone.code() == absl::StatusCode::kDataLoss || IsStaleIncarnation(undone)) {
+      Observe(it->first, undone, &l);
     }
   }
-  step->sources.resize(seq_ids.size());
-  for (size_t pi = 0; pi < step->parts.size(); ++pi) {
-    ClusterStep::Part& part = step->parts[pi];
-    const std::vector<Entry>& entries = per_server[part.server];
-    for (size_t j = 0; j < entries.size(); ++j) {
-      const Entry& e = entries[j];
-      const int32_t first = step->qo_indptr[e.b];
-      step->sources[e.b].push_back({static_cast<int32_t>(pi), part.plan->qo_indptr[j], e.skip});
-      for (int32_t r = e.skip; r < q_lens[e.b]; ++r) part.q_rows.push_back(first + r);
-      for (int32_t r = 0; r < e.append; ++r) {
-        part.append_rows.push_back(first + static_cast<int32_t>(e.offset) + r);
-      }
-    }
+  const std::string address = servers_[failed_server]->address;
+  if (failed.code() == absl::StatusCode::kResourceExhausted) {
+    // Its free pages were fewer than the estimate (others took them, or a
+    // failed free left some held): read them again for the next placement.
+    auto info = servers_[failed_server]->client->GetServerInfo();
+    if (info.ok()) ReadInfo(failed_server, *info);
   }
-
-  // Commit.
-  for (size_t b = 0; b < seq_ids.size(); ++b) {
-    Sequence& s = seqs_[seq_ids[b]];
-    s.shards = std::move(shards_after[b]);
-    s.length = length_after[b];
-    if (s.step != nullptr) live_steps_.erase(s.step->step);
-    s.step = step;
+  if (Observe(failed_server, failed, &l)) {
+    if (!l.empty()) return LostError(l, absl::StrCat("server ", address, ": ", failed.message()));
+    *again = !IsUnreachable(failed);
   }
-  live_steps_.insert(step->step);
-  latest_ = step;
-  return std::shared_ptr<const ClusterStep>(step);
+  if (!l.empty()) return LostError(l, "a server holding them restarted or lost their pages");
+  return absl::Status(failed.code(), absl::StrCat("server ", address, ": ", failed.message()));
 }
 
 absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint16_t> q,

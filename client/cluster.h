@@ -157,6 +157,8 @@ struct ClusterServer {
 // later query reads it). Sums to n.
 std::vector<int64_t> CausalSpread(int64_t n, int64_t k);
 
+struct StepShares;  // client/cluster_placement.h
+
 // LostSequences(status) (client/kv_manager.h) reads back the sequences a
 // DATA_LOSS status of Cluster names.
 
@@ -262,6 +264,16 @@ class Cluster {
   absl::StatusOr<std::shared_ptr<const ClusterStep>> PlanOnce(absl::Span<const int64_t> seq_ids,
                                                               absl::Span<const int32_t> q_lens,
                                                               bool* again);
+  // The sequences' shards on each server hold every layer of the last
+  // Run() (KvManager::CheckWritten), naming the server where one does not.
+  absl::Status CheckWritten(absl::Span<const int64_t> seq_ids);
+  // Plans each server's share (PlanRows) into step->parts, in server order;
+  // a failure takes back the plans before it and says what it found (*again
+  // as PlanOnce).
+  absl::Status PlanParts(absl::Span<const int64_t> seq_ids, absl::Span<const int32_t> q_lens,
+                         const StepShares& shares, ClusterStep* step, bool* again);
+  // Takes new sequences: listed, reachable and not gone.
+  static bool Usable(const Server& s) { return s.listed && s.reachable && !s.gone; }
   absl::StatusOr<int32_t> AddServer(const std::string& address);
   // kv_scales_ to the server unless its incarnation has them already.
   absl::Status ApplyScales(int32_t server);
