@@ -284,7 +284,8 @@ void ToCall(const v1::PrefillRequest& r, const InPlaceTensors& tensors, PrefillC
 Metrics::Shape PrefillShape(const v1::PrefillRequest& r) {
   constexpr int32_t kDecodeMaxRows = 8;
   for (int i = 1; i < r.qo_indptr_size(); ++i) {
-    if (r.qo_indptr(i) - r.qo_indptr(i - 1) > kDecodeMaxRows) return Metrics::Shape::kPrefill;
+    // In 64 bits: the request is not validated yet (any two int32s).
+    if (int64_t{r.qo_indptr(i)} - r.qo_indptr(i - 1) > kDecodeMaxRows) return Metrics::Shape::kPrefill;
   }
   return Metrics::Shape::kDecode;
 }

@@ -7,6 +7,7 @@
 // viewed data is put back. Truncated, overlong and garbled messages are
 // rejected with INVALID_ARGUMENT, never a crash.
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -509,6 +510,27 @@ TEST(InPlaceParseTest, DamagedRequestsParseOrFailAsByTheCopyingParse) {
   // Damage to the tensors' data leaves a request valid: both outcomes occur.
   EXPECT_GT(accepted, 100);
   EXPECT_LT(accepted, 2900);
+}
+
+// The metrics label of a Prefill is read before the request is validated:
+// any qo_indptr, its differences taken in 64 bits (INT32_MAX - INT32_MIN
+// overflowed int32 before, undefined behaviour, read as a decode).
+TEST(PrefillShapeTest, AnyQoIndptrIsLabelledWithoutOverflow) {
+  v1::PrefillRequest r;
+  EXPECT_EQ(PrefillShape(r), Metrics::Shape::kDecode);
+  for (int32_t v : {0, 1, 10}) r.add_qo_indptr(v);  // a sequence of 9 rows: more than decode's 8
+  EXPECT_EQ(PrefillShape(r), Metrics::Shape::kPrefill);
+  r.clear_qo_indptr();
+  for (int32_t v : {0, 8, 16}) r.add_qo_indptr(v);
+  EXPECT_EQ(PrefillShape(r), Metrics::Shape::kDecode);
+  r.clear_qo_indptr();
+  r.add_qo_indptr(std::numeric_limits<int32_t>::min());
+  r.add_qo_indptr(std::numeric_limits<int32_t>::max());
+  EXPECT_EQ(PrefillShape(r), Metrics::Shape::kPrefill);
+  r.clear_qo_indptr();
+  r.add_qo_indptr(std::numeric_limits<int32_t>::max());
+  r.add_qo_indptr(std::numeric_limits<int32_t>::min());
+  EXPECT_EQ(PrefillShape(r), Metrics::Shape::kDecode);
 }
 
 }  // namespace
