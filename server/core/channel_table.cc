@@ -122,6 +122,13 @@ absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const Reg
           "tenant has ", per_tenant_[tenant], " open channels: at most ",
           limits_.max_channels_per_tenant, " (--max_channels_per_tenant); CloseChannel one"));
     }
+    // A region dropped since Resolve: its release listener (CloseRegion)
+    // may have run before this channel was listed, and would not close it.
+    // (Dropped after this check, the listener finds it listed.)
+    if (r.region->released.load()) {
+      return absl::NotFoundError(absl::StrCat("ring.name: region '", ring.name,
+                                              "' was unregistered while the channel opened"));
+    }
     per_tenant_[tenant] += 1;
     channels_[r.id] = Entry{tenant, lease, r.region.get(), nullptr};
   }

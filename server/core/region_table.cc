@@ -129,6 +129,7 @@ class DroppedRegions {
   explicit DroppedRegions(const std::function<void(const Region*)>& listener)
       : listener_(listener) {}
   ~DroppedRegions() {
+    for (const auto& r : regions) r->released.store(true);
     if (listener_) {
       for (const auto& r : regions) listener_(r.get());
     }

@@ -100,6 +100,10 @@ struct Region {
   // References held by open request channels (channel_table.h), which do not
   // keep a region from being reclaimed or count as in use.
   mutable std::atomic<int32_t> channel_holds{0};
+  // Dropped from the table (unregistered, reclaimed, its lease ended): set
+  // before the release listener runs, so that a channel opened on it
+  // meanwhile (channel_table.h) finds it gone.
+  mutable std::atomic<bool> released{false};
 };
 
 // A range of a region, resolved for one request. Holding it keeps the

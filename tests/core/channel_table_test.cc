@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -245,6 +246,51 @@ TEST_F(ChannelTableTest, ARegionThatGoesClosesItsChannelsAndStaysMappedForThem) 
   EXPECT_EQ(channels.TenantChannels("alice"), 0);
   EXPECT_EQ(reinterpret_cast<const ChannelHeader*>(rings_[2].base)->magic, kChannelMagic);
   rings_.clear();  // the endpoints' holds go: the regions unmap
+}
+
+// A region unregistered while a channel opens on it: the open fails
+// (NOT_FOUND) or the channel closes with the region; never a channel left
+// open on a region that is gone (it would keep the mapping outside the
+// tenant's byte cap). The unregistration comes at delays that sweep the
+// open's window, between its Resolve and its listing of the channel.
+TEST_F(ChannelTableTest, ARegionUnregisteredWhileAChannelOpensLeavesNoChannelOpen) {
+  RegionTable regions(On(), nullptr);
+  ChannelTable channels(ChannelLimits{4});
+  regions.SetReleaseListener([&](const Region* r) { channels.CloseRegion(r); });
+  auto make = [](const ChannelRing&) -> absl::StatusOr<std::shared_ptr<ChannelEndpoint>> {
+    static std::atomic<int> closed{0};
+    return std::shared_ptr<ChannelEndpoint>(std::make_shared<FakeEndpoint>(&closed));
+  };
+  int opened = 0, refused = 0;
+  for (int i = 0; i < 3000; ++i) {
+    Shm shm(1 << 16);
+    const std::string name = absl::StrCat("r", i);
+    ASSERT_TRUE(regions.Register("alice", System(name, shm.Deposit(regions), 1 << 16)).ok());
+    WriteHeader(shm.data(), 2, 4096);
+    std::atomic<bool> ready{false}, go{false};
+    absl::StatusOr<uint64_t> id;
+    std::thread opener([&] {
+      ready.store(true);
+      while (!go.load()) {
+      }
+      id = channels.Open("alice", regions, Ref(name, 0, kRing), make);
+    });
+    while (!ready.load()) {
+    }
+    go.store(true);
+    for (volatile int spin = 0; spin < (i % 150) * 10; spin = spin + 1) {
+    }
+    ASSERT_TRUE(regions.Unregister("alice", name).ok());
+    opener.join();
+    ASSERT_EQ(channels.TenantChannels("alice"), 0) << "round " << i << ": " << id.status();
+    if (id.ok()) {
+      ++opened;
+    } else {
+      EXPECT_EQ(id.status().code(), absl::StatusCode::kNotFound) << id.status();
+      ++refused;
+    }
+  }
+  EXPECT_EQ(opened + refused, 3000);
 }
 
 }  // namespace
