@@ -553,11 +553,19 @@ absl::Status Cluster::PlanParts(absl::Span<const int64_t> seq_ids, absl::Span<co
     auto info = servers_[failed_server]->client->GetServerInfo();
     if (info.ok()) ReadInfo(failed_server, *info);
   }
-  if (Observe(failed_server, failed, &l)) {
-    if (!l.empty()) return LostError(l, absl::StrCat("server ", address, ": ", failed.message()));
-    *again = !IsUnreachable(failed);
+  const bool accounted = Observe(failed_server, failed, &l);
+  // Lost sequences of the step fail it; others lost now are reported when a
+  // call names them, and the step can be planned again at once.
+  const absl::flat_hash_set<int64_t> wanted(seq_ids.begin(), seq_ids.end());
+  std::vector<int64_t> named;
+  for (int64_t id : l) {
+    if (wanted.contains(id)) named.push_back(id);
   }
-  if (!l.empty()) return LostError(l, "a server holding them restarted or lost their pages");
+  if (!named.empty()) {
+    return LostError(named, accounted ? absl::StrCat("server ", address, ": ", failed.message())
+                                      : "a server holding them restarted or lost their pages");
+  }
+  if (accounted) *again = !IsUnreachable(failed);
   return absl::Status(failed.code(), absl::StrCat("server ", address, ": ", failed.message()));
 }
 

@@ -303,26 +303,43 @@ absl::Status KvManager::FreeUnowned(std::vector<int32_t> pages) {
 }
 
 absl::Status KvManager::CheckWritten(absl::Span<const int64_t> seq_ids) const {
-  // (step, layers) -> sequences
-  std::map<std::pair<int64_t, std::vector<int32_t>>, std::vector<int64_t>> groups;
+  // (step, layers) -> sequences; apart, those whose plan went stale (Finish()
+  // of another of its sequences), which no Run() can write again.
+  std::map<std::pair<int64_t, std::vector<int32_t>>, std::vector<int64_t>> groups, stale;
   for (int64_t id : seq_ids) {
     auto it = seqs_.find(id);
     if (it == seqs_.end() || it->second.unwritten.empty()) continue;
-    const int64_t step = it->second.plan == nullptr ? 0 : it->second.plan->step;
-    groups[{step, it->second.unwritten}].push_back(id);
+    const StepPlan* plan = it->second.plan.get();
+    const int64_t step = plan == nullptr ? 0 : plan->step;
+    const bool live = plan != nullptr && live_steps_.contains(step);
+    (live ? groups : stale)[{step, it->second.unwritten}].push_back(id);
   }
-  if (groups.empty()) return absl::OkStatus();
-  std::vector<std::string> parts;
-  for (const auto& [key, ids] : groups) {
-    parts.push_back(absl::StrCat("sequences ", absl::StrJoin(ids, ", "), ": layer",
-                                 key.second.size() > 1 ? "s " : " ",
-                                 absl::StrJoin(key.second, ", "), " of step ", key.first));
+  if (groups.empty() && stale.empty()) return absl::OkStatus();
+  auto describe = [](const auto& of) {
+    std::vector<std::string> parts;
+    for (const auto& [key, ids] : of) {
+      parts.push_back(absl::StrCat("sequences ", absl::StrJoin(ids, ", "), ": layer",
+                                   key.second.size() > 1 ? "s " : " ",
+                                   absl::StrJoin(key.second, ", "), " of step ", key.first));
+    }
+    return absl::StrJoin(parts, "; ");
+  };
+  std::vector<std::string> says;
+  if (!groups.empty()) {
+    says.push_back(absl::StrCat(
+        describe(groups),
+        ": a Run() of that layer failed, and it may or may not have appended the step's K/V "
+        "rows; run that layer of that plan again (with the same q, k_new, v_new) or Finish() "
+        "the sequences"));
   }
-  return absl::FailedPreconditionError(absl::StrCat(
-      absl::StrJoin(parts, "; "),
-      ": a Run() of that layer failed, and it may or may not have appended the step's K/V "
-      "rows; run that layer of that plan again (with the same q, k_new, v_new) or Finish() "
-      "the sequences"));
+  if (!stale.empty()) {
+    says.push_back(absl::StrCat(
+        describe(stale),
+        ": a Run() of that layer failed, and that plan can no longer run (Finish() of another "
+        "of its sequences made it stale), so their K/V of that step may never be written: "
+        "Finish() the sequences"));
+  }
+  return absl::FailedPreconditionError(absl::StrJoin(says, "; and "));
 }
 
 absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::Plan(
@@ -533,6 +550,14 @@ absl::StatusOr<PrefillResult> KvManager::Run(int32_t layer, absl::Span<const uin
     return absl::FailedPreconditionError(
         absl::StrCat("the plan of step ", plan->step,
                      " is stale: a later Plan() or Finish() changed one of its sequences"));
+  }
+  // A layer the server does not have is refused here, before anything is
+  // sent: the server's refusal would mark it unwritten, and a layer that can
+  // never run would keep plan() refusing the sequences.
+  const int32_t num_layers = client_->info().num_layers();
+  if (layer < 0 || layer >= num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer=", layer, " is outside [0, ", num_layers,
+                                                   ") (the server's num_layers)"));
   }
   PrefillArgs args;
   args.layer = layer;

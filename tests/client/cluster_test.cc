@@ -490,6 +490,37 @@ TEST(ClusterTest, ARestartLosesExactlyThatServersSequences) {
   for (const auto& s : c.Servers()) EXPECT_EQ(s.pages_held, 0);
 }
 
+// A step of other sequences that needs a server found restarted now is
+// planned at once (docs/cluster.md, "When a call fails"): the sequences the
+// restart lost are reported when a call names them.
+TEST(ClusterTest, AStepOfOtherSequencesIsPlannedAtOnceOnARestartedServer) {
+  auto servers = StartServers(std::vector<TestServerOptions>(1));
+  ASSERT_EQ(servers.size(), 1u);
+  auto cluster = Cluster::Connect(OptionsFor(servers));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  Cluster& c = **cluster;
+  ASSERT_TRUE(c.Plan({1}, {16}).ok());
+  const std::string address = servers[0]->grpc_address();
+  ASSERT_EQ(servers[0]->Stop(), 0);
+  TestServerOptions again;
+  again.extra_flags = {absl::StrCat("--listen=", address)};
+  auto restarted = TestServer::Start(again);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  servers[0] = *std::move(restarted);
+  auto step = RetryWhileUnavailable([&] { return c.Plan({5}, {4}); });
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(c.KvLen(5), 4);
+  EXPECT_THAT(c.Lost(), ElementsAre(1));
+  auto refused = c.Plan({1}, {1});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << refused.status();
+  EXPECT_THAT(LostSequences(refused.status()), ElementsAre(1));
+  Reference ref(c.geometry());
+  std::mt19937_64 gen(12);
+  RunAndCheck(c, ref, **step, gen);
+  ASSERT_TRUE(c.Finish({1, 5}).ok());
+  ASSERT_TRUE(c.Release().ok());
+}
+
 TEST(ClusterTest, RefreshSeesARestartBeforeAnyCall) {
   auto servers = StartServers(std::vector<TestServerOptions>(2));
   ASSERT_EQ(servers.size(), 2u);

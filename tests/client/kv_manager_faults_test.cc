@@ -596,6 +596,45 @@ TEST_F(KvManagerFailureTest, AFailedRunRefusesThePlanUntilTheLayerRunsAgain) {
   EXPECT_TRUE(mgr.Plan({9, 7}, {1, 1}).ok());
 }
 
+TEST_F(KvManagerFailureTest, FinishingPartOfAPlanWhoseRunFailedSaysTheRestCanOnlyBeFinished) {
+  KvManager mgr(client_.get());
+  auto plan = mgr.Plan({7, 9}, {3, 2});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const auto q = RandomHalves(gen_, geo_.dtype, 5 * geo_.num_qo_heads * geo_.head_dim);
+  const auto k = RandomHalves(gen_, geo_.dtype, 5 * geo_.RowElems());
+  ASSERT_TRUE(mgr.Run(0, q, k, k, plan->get()).ok());
+  faults_->FailNext("Prefill", Fault::kReplyLost);
+  EXPECT_EQ(mgr.Run(1, q, k, k, plan->get()).status().code(), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(mgr.Finish({7}).ok());  // the plan goes stale
+  auto refused = mgr.Plan({9}, {1});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("sequences 9: layer 1 of step 1: a Run() of that layer failed, and that "
+                        "plan can no longer run (Finish() of another of its sequences made it "
+                        "stale), so their K/V of that step may never be written: Finish() the "
+                        "sequences"));
+  EXPECT_EQ(mgr.Run(1, q, k, k, plan->get()).status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(mgr.Finish({9}).ok());
+  EXPECT_TRUE(mgr.Plan({9}, {2}).ok());  // a new sequence under the same id
+}
+
+TEST_F(KvManagerFailureTest, RunRefusesALayerTheServerLacksWithoutHoldingUpTheSequences) {
+  KvManager mgr(client_.get());
+  ASSERT_TRUE(mgr.Plan({7}, {3}).ok());
+  const auto q = RandomHalves(gen_, geo_.dtype, 3 * geo_.num_qo_heads * geo_.head_dim);
+  const auto k = RandomHalves(gen_, geo_.dtype, 3 * geo_.RowElems());
+  for (int32_t layer : {geo_.num_layers, -1}) {
+    auto out = mgr.Run(layer, q, k, k);
+    EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+    EXPECT_THAT(out.status().message(),
+                HasSubstr(absl::StrCat("layer=", layer, " is outside [0, ", geo_.num_layers,
+                                       ") (the server's num_layers)")));
+  }
+  EXPECT_TRUE(mgr.CheckWritten({7}).ok());
+  EXPECT_TRUE(RunAll(mgr, 3).ok());
+  EXPECT_TRUE(mgr.Plan({7}, {1}).ok());
+}
+
 TEST_F(KvManagerFailureTest, AReleaseThatReachesNoServerLeavesNothingPastTheTtl) {
   KvManagerOptions options;
   options.lease_ttl_ms = 1000;

@@ -860,3 +860,230 @@ def test_a_failed_run_refuses_the_plan_until_the_layer_runs_again():
         mgr.plan([9, 7], [1, 1])
         mgr.close()
         client.close()
+
+
+def test_finishing_part_of_a_plan_whose_run_failed_says_the_rest_can_only_be_finished():
+    faults = FaultInjector(8)
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        client = attnserve.Client(server.address, timeout=30, interceptors=faults.interceptors)
+        g = client.server_info
+        with attnserve.KvManager(client) as mgr:
+            plan = mgr.plan([7, 9], [3, 2])
+            rng = np.random.default_rng(8)
+            q = rng.standard_normal((5, g.num_qo_heads, g.head_dim), np.float32)
+            k = rng.standard_normal((5, g.num_kv_heads, g.head_dim), np.float32)
+            mgr.run(0, q, k, k, plan=plan)
+            faults.fail_next("Prefill", REPLY_LOST)
+            with pytest.raises(attnserve.DeadlineExceeded):
+                mgr.run(1, q, k, k, plan=plan)
+            mgr.finish(7)                                 # the plan goes stale
+            with pytest.raises(attnserve.FailedPrecondition,
+                               match=r"sequences 9: layer 1 of step 1: .*that plan can no longer "
+                                     r"run .*finish\(\) the sequences"):
+                mgr.plan([9], [1])
+            with pytest.raises(RuntimeError, match="stale"):
+                mgr.run(1, q, k, k, plan=plan)
+            mgr.finish(9)
+            mgr.plan([9], [2])                            # a new sequence under the same id
+        client.close()
+
+
+class _Interrupt(BaseException):
+    """What a cancelled task or KeyboardInterrupt looks like to the manager:
+    not an AttnserveError."""
+
+
+def _interrupt_after(obj, method, when=lambda n: True):
+    """Makes obj.method run on the server, then raise _Interrupt (the
+    caller's task cancelled while the reply was on its way) on the calls
+    `when` picks (1, 2, ...); returns a function that restores it."""
+    real, count = getattr(obj, method), [0]
+
+    def call(*args, **kwargs):
+        count[0] += 1
+        result = real(*args, **kwargs)
+        if when(count[0]):
+            raise _Interrupt()
+        return result
+    setattr(obj, method, call)
+    return lambda: setattr(obj, method, real)
+
+
+def test_an_interrupted_run_is_a_run_that_may_have_appended():
+    """A run() interrupted while its Prefill was in flight (here after the
+    server appended) is refused by plan() until that layer runs again, as a
+    failed one: never a step over rows the manager cannot vouch for."""
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        client = attnserve.Client(server.address, timeout=30)
+        g = client.server_info
+        with attnserve.KvManager(client) as mgr:
+            plan = mgr.plan([7], [4])
+            rng = np.random.default_rng(9)
+            q = rng.standard_normal((4, g.num_qo_heads, g.head_dim), np.float32)
+            k = rng.standard_normal((4, g.num_kv_heads, g.head_dim), np.float32)
+            mgr.run(0, q, k, k)
+            restore = _interrupt_after(mgr._rpc, "prefill_layout")
+            with pytest.raises(_Interrupt):
+                mgr.run(1, q, k, k)
+            restore()
+            with pytest.raises(attnserve.FailedPrecondition, match="sequences 7: layer 1 of step "
+                                                                  "1: .*failed or was interrupted"):
+                mgr.plan([7], [1])
+            mgr.run(1, q, k, k, plan=plan)
+            mgr.plan([7], [1])
+        client.close()
+
+
+def test_an_interrupted_async_run_is_a_run_that_may_have_appended():
+    async def main(address):
+        client = AsyncClient(address, timeout=30)
+        await client.info()
+        g = client.server_info
+        mgr = attnserve.AsyncKvManager(client)
+        plan = await mgr.plan([7], [64])
+        rng = np.random.default_rng(10)
+        q = rng.standard_normal((64, g.num_qo_heads, g.head_dim), np.float32)
+        k = rng.standard_normal((64, g.num_kv_heads, g.head_dim), np.float32)
+        await mgr.run(0, q, k, k)
+        task = asyncio.ensure_future(mgr.run(1, q, k, k))
+        await asyncio.sleep(0)                            # the Prefill is on its way
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(attnserve.FailedPrecondition, match="sequences 7: layer 1 of step 1"):
+            await mgr.plan([7], [1])
+        await mgr.run(1, q, k, k, plan=plan)
+        await mgr.plan([7], [1])
+        await mgr.close()
+        await client.close()
+
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        asyncio.run(main(server.address))
+
+
+@pytest.mark.parametrize("lease", [True, False])
+def test_an_interrupted_plan_leaves_nothing_held_past_the_next_call(lease):
+    """plan() interrupted once its CreatePlan was done on the server (the
+    pages allocated, the plan made): the manager makes no further call then;
+    the next call releases the plan and frees the pages (with the lease by
+    its reconciliation, without from the pages it meant to free)."""
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        client = attnserve.Client(server.address, timeout=30)
+        admin = attnserve.Client(server.address, timeout=30)
+        mgr = attnserve.KvManager(client, lease=lease)
+        mgr.plan([1], [4])
+        under = mgr.lease_id if lease else None
+        restore = _interrupt_after(mgr._rpc, "create_plan")
+        for sid in (100, 101, 102):
+            with pytest.raises(_Interrupt):
+                mgr.plan([sid], [16])
+        restore()
+        assert mgr.sequences == [1]
+        mgr.plan([2], [4])
+        if not lease:
+            # The plans whose CreatePlan replies were cut short are nobody's
+            # (the server drops them after --plan_idle_timeout_s) and pin
+            # the pages the manager frees at its next calls.
+            known = {s.plan.plan_id for s in mgr._seqs.values()}
+            for plan_id in set(held(admin)[1]) - known:
+                admin.release_plan(plan_id)
+        mgr.finish(2)
+        pages, plans = held(admin, under)
+        assert sorted(pages) == sorted(mgr.pages_of(1)) and mgr.leaked_pages == 0
+        assert len(plans) == 1                            # sequence 1's
+        mgr.close()
+        client.close()
+        admin.close()
+
+
+def test_an_interrupted_async_plan_is_reconciled_by_the_next_call():
+    async def main(address, admin):
+        client = AsyncClient(address, timeout=30)
+        await client.info()
+        mgr = attnserve.AsyncKvManager(client)
+        await mgr.plan([1], [4])
+        real = mgr._rpc.create_plan
+
+        async def cancelled(*args, **kwargs):
+            await real(*args, **kwargs)                   # done on the server, then
+            raise asyncio.CancelledError()                # the caller's task is cancelled
+        mgr._rpc.create_plan = cancelled
+        for sid in (100, 101, 102):
+            with pytest.raises(asyncio.CancelledError):
+                await mgr.plan([sid], [16])
+        mgr._rpc.create_plan = real
+        await mgr.plan([2], [4])
+        await mgr.finish(2)
+        pages, plans = held(admin, mgr.lease_id)
+        assert sorted(pages) == sorted(mgr.pages_of(1)) and len(plans) == 1
+        await mgr.close()
+        await client.close()
+
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        admin = attnserve.Client(server.address, timeout=30)
+        asyncio.run(main(server.address, admin))
+        admin.close()
+
+
+def test_run_refuses_a_layer_the_server_lacks_without_holding_up_the_sequences():
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        client = attnserve.Client(server.address, timeout=30)
+        g = client.server_info
+        with attnserve.KvManager(client) as mgr:
+            mgr.plan([7], [3])
+            q = np.ones((3, g.num_qo_heads, g.head_dim), np.float32)
+            k = np.ones((3, g.num_kv_heads, g.head_dim), np.float32)
+            for layer in (g.num_layers, -1):
+                with pytest.raises(ValueError, match=rf"run: layer={layer} is outside \[0, 2\) "
+                                                     r"\(the server's num_layers\)"):
+                    mgr.run(layer, q, k, k)
+            with pytest.raises(TypeError, match="layer must be an int, not float"):
+                mgr.run(1.0, q, k, k)
+            for layer in range(g.num_layers):
+                mgr.run(layer, q, k, k)
+            mgr.plan([7], [1])                            # nothing was marked
+            for bad, text in (([[3]], r"q_lens must be one integer per sequence \(1-D\)"),
+                              (3, r"q_lens must be one integer per sequence"),
+                              ([2**33], r"q_lens add up to 8589934592 tokens, more than a "
+                                        r"step's 2147483647")):
+                with pytest.raises(ValueError, match=text):
+                    mgr.plan([8], bad)
+            assert not mgr.has(8)
+        client.close()
+
+
+def test_a_cluster_step_of_other_sequences_is_planned_at_once_on_a_restarted_server():
+    """docs/cluster.md: a server found restarted holding none of the step's
+    sequences is planned again at once; the sequences the restart lost are
+    reported when a call names them."""
+    server = TestServer(num_pages=64, **GEOMETRY)
+    cluster = attnserve.Cluster([server.address], timeout=30, channel_options=RECONNECT)
+    try:
+        g = cluster.server_info
+        cluster.plan([3], [4])
+        rng = np.random.default_rng(12)
+        q = rng.standard_normal((4, g.num_qo_heads, g.head_dim), np.float32)
+        k = rng.standard_normal((4, g.num_kv_heads, g.head_dim), np.float32)
+        for layer in range(g.num_layers):
+            cluster.run(layer, q, k, k)
+        address = server.address
+        assert server.stop() == 0
+        server = TestServer(num_pages=64, extra_flags=[f"--listen={address}"], **GEOMETRY)
+        for _ in range(100):                          # while its channel reconnects
+            try:
+                cluster.plan([5], [2])
+                break
+            except attnserve.Unavailable:
+                time.sleep(0.05)
+        assert cluster.kv_len(5) == 2 and cluster.lost == [3]
+        with pytest.raises(attnserve.SequencesLost) as lost:
+            cluster.plan([3], [1])
+        assert lost.value.seq_ids == [3]
+        with pytest.raises(ValueError, match=r"run: layer=2 is outside \[0, 2\)"):
+            cluster.run(2, q[:2], k[:2], k[:2])
+        with pytest.raises(ValueError, match="run: k_new is None"):
+            cluster.run(0, q[:2], None, None)
+        cluster.finish(3, 5)
+    finally:
+        cluster.close()
+        server.stop()

@@ -669,6 +669,7 @@ class Cluster:
                                [np.arange(e - n, e, dtype=np.int64)
                                 for e, n in zip(length_after, lens.tolist())]))
         done = []
+        wanted = set(seq_ids)
         for srv, entries in enumerate(per_server):
             if not entries:
                 continue
@@ -697,14 +698,16 @@ class Cluster:
                         self._read_info(srv, s.client.info())
                     except AttnserveError:
                         pass
-                if isinstance(e, AttnserveError) and self._observe(srv, e, lost):
-                    if lost:
-                        raise SequencesLost(lost, f"server {s.address}: {e.details}",
-                                            method="plan") from None
-                    if not isinstance(e, (Unavailable, DeadlineExceeded)):
-                        again.append(srv)
-                if lost:
-                    raise SequencesLost(lost, _LOST_WHY, method="plan") from None
+                accounted = isinstance(e, AttnserveError) and self._observe(srv, e, lost)
+                # Lost sequences of the step fail it; others lost now are
+                # reported when a call names them, and the step can be planned
+                # again at once.
+                named = [sid for sid in lost if sid in wanted]
+                if named:
+                    raise SequencesLost(named, f"server {s.address}: {e.details}" if accounted
+                                        else _LOST_WHY, method="plan") from None
+                if accounted and not isinstance(e, (Unavailable, DeadlineExceeded)):
+                    again.append(srv)
                 if isinstance(e, AttnserveError):
                     raise _explained(e, f"server {s.address}: ") from None
                 raise
@@ -769,6 +772,14 @@ class Cluster:
             raise RuntimeError(f"run: the step {step.step} is stale (a later plan or finish() "
                                "changed one of its sequences)")
         g = self._geometry
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"run: layer must be an int, not {type(layer).__name__}")
+        if not 0 <= layer < g["num_layers"]:
+            raise ValueError(f"run: layer={int(layer)} is outside [0, {g['num_layers']}) "
+                             "(the servers' num_layers)")
+        if k_new is None:
+            raise ValueError("run: k_new is None: every step appends its new tokens' keys "
+                             "(MLA: their latent rows)")
         total = step.total_q
         for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new)):
             if x is not None and _count(x) != total:

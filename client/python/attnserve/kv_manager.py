@@ -43,10 +43,13 @@ import numpy as np
 
 from attnserve.layout import PrefillLayout
 from attnserve.layout import _options as _as_options
-from attnserve.errors import (AttnserveError, FailedPrecondition, LeaseExpired, NotFound,
-                              SequencesLost, StaleIncarnation, Unimplemented, outcome_unknown)
+from attnserve.errors import (AttnserveError, Cancelled, FailedPrecondition, LeaseExpired,
+                              NotFound, SequencesLost, StaleIncarnation, Unimplemented,
+                              outcome_unknown)
 from attnserve.lease import AsyncLease, Lease
 from attnserve.results import PrefillResult
+
+_MAX_STEP_TOKENS = 2**31 - 1  # a step's rows: the server's qo_indptr is int32
 
 
 @dataclass
@@ -158,6 +161,7 @@ class _Bookkeeping:
         self._dirty = False             # lease: holdings may differ from the bookkeeping
         self._to_free: list = []        # no lease: pages surely held, owned by no sequence
         self._leaked = 0
+        self._interrupting = False      # _interrupted() is settling a flow: no more calls
 
     # ------------------------------------------------------------ queries
     @property
@@ -200,20 +204,33 @@ class _Bookkeeping:
         """Raises FailedPrecondition naming the sequences among seq_ids whose
         last run() of some layer failed (plan() refuses them until that layer
         of that plan runs again)."""
-        groups: dict = {}
+        groups: dict = {}  # (step, layers) -> sequences
+        stale: dict = {}   # the same, for plans gone stale: no run() writes them again
         for sid in seq_ids:
             s = self._seqs.get(sid)
             if s is not None and s.unwritten:
                 key = (s.plan.step if s.plan is not None else 0, tuple(sorted(s.unwritten)))
-                groups.setdefault(key, []).append(sid)
+                live = s.plan is not None and s.plan.valid
+                (groups if live else stale).setdefault(key, []).append(sid)
+
+        def describe(of: dict) -> str:
+            return "; ".join(f"sequences {', '.join(map(repr, ids))}: "
+                             f"layer{'s' if len(layers) > 1 else ''} "
+                             f"{', '.join(map(str, layers))} of step {step}"
+                             for (step, layers), ids in of.items())
+        says = []
         if groups:
-            parts = [f"sequences {', '.join(map(repr, ids))}: layer{'s' if len(layers) > 1 else ''} "
-                     f"{', '.join(map(str, layers))} of step {step}"
-                     for (step, layers), ids in groups.items()]
-            raise FailedPrecondition(
-                "; ".join(parts) + ": a run() of that layer failed, and it may or may not have "
-                "appended the step's K/V rows; run that layer of that plan again (with the same "
-                "q, k_new, v_new) or finish() the sequences", method="plan")
+            says.append(describe(groups) + ": a run() of that layer failed or was interrupted, "
+                        "and it may or may not have appended the step's K/V rows; run that "
+                        "layer of that plan again (with the same q, k_new, v_new) or finish() "
+                        "the sequences")
+        if stale:
+            says.append(describe(stale) + ": a run() of that layer failed or was interrupted, "
+                        "and that plan can no longer run (finish() of another of its sequences "
+                        "made it stale), so their K/V of that step may never be written: "
+                        "finish() the sequences")
+        if says:
+            raise FailedPrecondition("; and ".join(says), method="plan")
 
     def _clear(self) -> None:
         for s in self._seqs.values():
@@ -284,15 +301,21 @@ class _Bookkeeping:
     def _validate(self, seq_ids: Sequence, q_lens) -> np.ndarray:
         if len(seq_ids) == 0:
             raise ValueError("plan: seq_ids is empty")
-        if len(seq_ids) != len(q_lens):
-            raise ValueError(f"plan: {len(seq_ids)} seq_ids but {len(q_lens)} q_lens")
+        lens = np.asarray(q_lens)
+        if lens.ndim != 1:
+            raise ValueError(f"plan: q_lens must be one integer per sequence (1-D), not of "
+                             f"shape {lens.shape}")
+        if len(seq_ids) != len(lens):
+            raise ValueError(f"plan: {len(seq_ids)} seq_ids but {len(lens)} q_lens")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("plan: seq_ids has duplicates")
-        lens = np.asarray(q_lens)
         if lens.dtype.kind not in "iu":
             raise TypeError(f"plan: q_lens must be integers, not {lens.dtype}")
         if (lens < 0).any():
             raise ValueError(f"plan: q_lens[{int(np.argmax(lens < 0))}] is negative")
+        if lens.sum(dtype=np.float64) > _MAX_STEP_TOKENS:
+            raise ValueError(f"plan: q_lens add up to {int(lens.sum(dtype=np.float64))} tokens, "
+                             f"more than a step's {_MAX_STEP_TOKENS} (2^31 - 1)")
         return lens.astype(np.int64)
 
     def _pages_needed(self, page_size: int, seq_ids: Sequence, lens: np.ndarray) -> list:
@@ -420,12 +443,45 @@ class _Bookkeeping:
                 return self._failed(e)
             lost = [sid for sid in plan.seq_ids if sid in self._lost]
             return SequencesLost(lost, _LEASE_GONE, method="run") if lost else e
+        self._mark_unwritten(plan, layer)
+        return e
+
+    def _mark_unwritten(self, plan: Plan, layer: int) -> None:
+        """A run() of `plan` failed or was interrupted: it may or may not have
+        appended this layer's rows."""
         if plan.valid:  # the latest plan of each of its sequences
             appended = plan.append_lens if plan.append_lens is not None else plan.q_lens
             for sid, n in zip(plan.seq_ids, appended.tolist()):
-                if n:  # it may or may not have appended this layer's rows
+                if n:
                     self._seqs[sid].unwritten.add(layer)
-        return e
+
+    def _check_layer(self, layer) -> int:
+        """run()'s layer, before anything is sent: a layer the server does not
+        have is refused here, without marking the plan's sequences."""
+        num_layers = self.client.server_info.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"run: layer must be an int, not {type(layer).__name__}")
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"run: layer={int(layer)} is outside [0, {num_layers}) "
+                             "(the server's num_layers)")
+        return int(layer)
+
+    def _interrupted(self, flow) -> None:
+        """A call of `flow` was interrupted (a cancelled task, KeyboardInterrupt):
+        its outcome is unknown. The flow settles its bookkeeping as for a call
+        whose reply was lost, but makes no further call: what it would have
+        freed is left to the next call (the lease's reconciliation; without a
+        lease, _to_free)."""
+        self._interrupting = True
+        try:
+            flow.throw(Cancelled("the call was interrupted; its outcome is unknown"))
+        except BaseException:  # noqa: B036 - the interruption is what the caller sees
+            pass
+        finally:
+            flow.close()
+            self._interrupting = False
+            if self._lease is not None:
+                self._dirty = True
 
     def _run_ok(self, plan: Plan, layer: int) -> None:
         if plan.valid:
@@ -580,6 +636,14 @@ class _Bookkeeping:
         """Frees pages no sequence owns any more (and the stale plans first)."""
         if self.leases and self._lease is None:
             return  # what a lease-mode manager held went with its lease
+        if self._interrupting:
+            # No call now: the lease's next reconciliation frees them, or
+            # (without a lease) the next call's _free_pending.
+            if self._lease is not None:
+                self._dirty = True
+            else:
+                self._to_free.extend(pages)
+            return
         if self._lease is not None:
             # With the lease every failure is settled by the next
             # reconciliation: what the lease still holds and no sequence
@@ -842,6 +906,9 @@ class KvManager(_Bookkeeping):
                     result = getattr(self._rpc, method)(*args, **kwargs)
             except AttnserveError as e:
                 error = e
+            except BaseException:
+                self._interrupted(flow)
+                raise
 
     def plan(self, seq_ids: Sequence, q_lens) -> Plan:
         """Grows seq_ids[b] by q_lens[b] tokens and lays the step out.
@@ -890,12 +957,16 @@ class KvManager(_Bookkeeping):
         plan has run again successfully, plan() refuses its sequences.
         """
         p = self._plan_for_run(plan)
+        layer = self._check_layer(layer)
         lease = self._lease
         try:
             r = self._rpc.prefill_layout(layer, q, p.layout, k_new, v_new,
                                          options=self._layer_options(p, layer), **kwargs)
         except AttnserveError as e:
             raise self._run_failed(p, layer, e, lease) from None
+        except BaseException:  # interrupted (KeyboardInterrupt, ...): it may have appended
+            self._mark_unwritten(p, layer)
+            raise
         self._run_ok(p, layer)
         return r
 
@@ -984,6 +1055,9 @@ class AsyncKvManager(_Bookkeeping):
                     result = await getattr(self._rpc, method)(*args, **kwargs)
             except AttnserveError as e:
                 error = e
+            except BaseException:
+                self._interrupted(flow)
+                raise
 
     async def plan(self, seq_ids: Sequence, q_lens) -> Plan:
         seq_ids = list(seq_ids)
@@ -997,12 +1071,16 @@ class AsyncKvManager(_Bookkeeping):
     async def run(self, layer: int, q, k_new, v_new=None, *, plan: Optional[Plan] = None,
                   **kwargs) -> PrefillResult:
         p = self._plan_for_run(plan)
+        layer = self._check_layer(layer)
         lease = self._lease
         try:
             r = await self._rpc.prefill_layout(layer, q, p.layout, k_new, v_new,
                                                options=self._layer_options(p, layer), **kwargs)
         except AttnserveError as e:
             raise self._run_failed(p, layer, e, lease) from None
+        except BaseException:  # cancelled (asyncio.wait_for, task.cancel()): it may have appended
+            self._mark_unwritten(p, layer)
+            raise
         self._run_ok(p, layer)
         return r
 
