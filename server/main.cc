@@ -118,6 +118,9 @@ ABSL_FLAG(std::string, log_level, "info",
 ABSL_FLAG(bool, access_log, false, "log one line per RPC (method, tenant, code, seconds)");
 ABSL_FLAG(int32_t, max_plans_per_tenant, 64,
           "step plans (CreatePlan) one tenant may hold at once");
+ABSL_FLAG(int64_t, max_plan_bytes_per_tenant, int64_t{1} << 30,
+          "bytes of server memory one tenant's step plans may hold in all (a plan keeps its "
+          "layout's arrays: about 16 bytes a kv index)");
 ABSL_FLAG(int64_t, plan_idle_timeout_s, 300,
           "seconds after which an unused plan is released (its pages unpinned)");
 ABSL_FLAG(int64_t, lease_default_ttl_s, 30,
@@ -374,6 +377,7 @@ int Run() {
   core_options.tenant_max_pages = absl::GetFlag(FLAGS_tenant_max_pages);
   core_options.max_tenant_queue_requests = absl::GetFlag(FLAGS_max_tenant_queue_requests);
   core_options.max_plans_per_tenant = absl::GetFlag(FLAGS_max_plans_per_tenant);
+  core_options.max_plan_bytes_per_tenant = absl::GetFlag(FLAGS_max_plan_bytes_per_tenant);
   core_options.plan_idle_timeout_s = absl::GetFlag(FLAGS_plan_idle_timeout_s);
   core_options.regions.enabled = absl::GetFlag(FLAGS_allow_shared_memory);
   if (core_options.regions.enabled) {
@@ -425,6 +429,11 @@ int Run() {
   core_options.leases.max_ttl = absl::Seconds(lease_max_ttl_s);
   if (core_options.max_plans_per_tenant < 1 || core_options.plan_idle_timeout_s < 1) {
     spdlog::error("--max_plans_per_tenant and --plan_idle_timeout_s must be at least 1");
+    return kExitUsage;
+  }
+  if (core_options.max_plan_bytes_per_tenant < (int64_t{1} << 20)) {
+    spdlog::error("--max_plan_bytes_per_tenant={} must be at least 1048576 (1 MiB)",
+                  core_options.max_plan_bytes_per_tenant);
     return kExitUsage;
   }
   if (core_options.max_batch_tokens < 1 || core_options.max_message_bytes < 1024 ||

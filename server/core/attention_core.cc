@@ -148,7 +148,8 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
       metrics_(metrics),
       incarnation_(MakeIncarnation()),
       pages_(backend_->Geometry().num_pages, options.tenant_max_pages, options.scrub_freed_pages),
-      plans_(options.max_plans_per_tenant, absl::Seconds(options.plan_idle_timeout_s)),
+      plans_(options.max_plans_per_tenant, options.max_plan_bytes_per_tenant,
+             absl::Seconds(options.plan_idle_timeout_s)),
       regions_(options.regions, backend_->region_device()),
       channels_(options.channels),
       leases_(options.leases) {

@@ -47,6 +47,7 @@ struct CoreOptions {
   int64_t max_request_kv_indices = 1 << 22;
   int32_t tenant_max_pages = 0;  // 0: no cap
   int32_t max_plans_per_tenant = 64;
+  int64_t max_plan_bytes_per_tenant = int64_t{1} << 30;  // PlanBytes of a tenant's plans
   int64_t plan_idle_timeout_s = 300;  // a plan unused this long is released
   // Refuse a Prefill that reads KV rows never written since their page was
   // allocated (server/core/written_rows.h).

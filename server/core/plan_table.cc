@@ -1,6 +1,7 @@
 #include "server/core/plan_table.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -8,20 +9,56 @@
 
 namespace attnserve {
 
+int64_t PlanBytes(const Plan& plan) {
+  auto bytes = [](const auto& v) {
+    return static_cast<int64_t>(v.capacity() * sizeof(typename std::decay_t<decltype(v)>::value_type));
+  };
+  int64_t n = static_cast<int64_t>(sizeof(Plan)) + bytes(plan.kv_indices) + bytes(plan.append_slots) +
+              bytes(plan.layout.seqs) + bytes(plan.layout.pages) + bytes(plan.unsettled) +
+              bytes(plan.options.all.sinks);
+  for (const auto& [layer, options] : plan.options.layers) {
+    n += static_cast<int64_t>(sizeof(layer) + sizeof(options)) + bytes(options.sinks);
+  }
+  return n;
+}
+
 absl::StatusOr<uint64_t> PlanTable::Add(std::shared_ptr<Plan> plan) {
+  const int64_t bytes = PlanBytes(*plan);
   absl::MutexLock lock(&mu_);
-  int32_t& count = per_tenant_[plan->tenant];
-  if (count >= max_per_tenant_) {
+  Held& held = per_tenant_[plan->tenant];
+  if (held.plans >= max_per_tenant_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "the tenant holds ", count, " plans, at most ", max_per_tenant_,
+        "the tenant holds ", held.plans, " plans, at most ", max_per_tenant_,
         " (--max_plans_per_tenant): release plans no longer used (ReleasePlan)"));
+  }
+  if (bytes > max_bytes_per_tenant_ - held.bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the plan takes ", bytes, " bytes of server memory and the tenant's ", held.plans,
+        " plans hold ", held.bytes, ", at most ", max_bytes_per_tenant_,
+        " in all (--max_plan_bytes_per_tenant): release plans no longer used (ReleasePlan)"));
   }
   uint64_t id = 0;
   while (id == 0 || plans_.contains(id)) id = absl::Uniform<uint64_t>(gen_);
   plan->id = id;
-  ++count;
-  plans_[id] = Entry{std::move(plan), absl::Now()};
+  ++held.plans;
+  held.bytes += bytes;
+  plans_[id] = Entry{std::move(plan), bytes, absl::Now()};
   return id;
+}
+
+std::shared_ptr<const Plan> PlanTable::Take(absl::flat_hash_map<uint64_t, Entry>::iterator it) {
+  Held& held = per_tenant_[it->second.plan->tenant];
+  --held.plans;
+  held.bytes -= it->second.bytes;
+  std::shared_ptr<const Plan> plan = std::move(it->second.plan);
+  plans_.erase(it);
+  return plan;
+}
+
+int64_t PlanTable::TenantBytes(absl::string_view tenant) {
+  absl::MutexLock lock(&mu_);
+  auto it = per_tenant_.find(tenant);
+  return it == per_tenant_.end() ? 0 : it->second.bytes;
 }
 
 absl::StatusOr<PlanTable::Entry*> PlanTable::Lookup(absl::string_view tenant, uint64_t id) {
@@ -54,9 +91,7 @@ absl::Status PlanTable::Remove(absl::string_view tenant, uint64_t id) {
     absl::MutexLock lock(&mu_);
     auto entry = Lookup(tenant, id);
     if (!entry.ok()) return entry.status();
-    removed = std::move((*entry)->plan);
-    --per_tenant_[removed->tenant];
-    plans_.erase(id);
+    removed = Take(plans_.find(id));
   }
   return absl::OkStatus();
 }
@@ -67,9 +102,7 @@ int PlanTable::TakeExpired(absl::Time now) {
     absl::MutexLock lock(&mu_);
     for (auto it = plans_.begin(); it != plans_.end();) {
       if (now - it->second.last_used >= idle_timeout_) {
-        --per_tenant_[it->second.plan->tenant];
-        expired.push_back(std::move(it->second.plan));
-        plans_.erase(it++);
+        expired.push_back(Take(it++));
       } else {
         ++it;
       }
@@ -87,10 +120,8 @@ std::vector<uint64_t> PlanTable::TakeIf(absl::string_view tenant,
     for (auto it = plans_.begin(); it != plans_.end();) {
       const Plan& plan = *it->second.plan;
       if (plan.tenant == tenant && take(plan)) {
-        --per_tenant_[plan.tenant];
         ids.push_back(it->first);
-        taken.push_back(std::move(it->second.plan));
-        plans_.erase(it++);
+        taken.push_back(Take(it++));
       } else {
         ++it;
       }

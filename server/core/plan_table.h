@@ -8,8 +8,9 @@
 // neither re-validates nor re-pins it. A plan's pages stay pinned (and
 // cannot be freed) until the plan is released, expires, or the server stops.
 //
-//   PlanTable plans(/*max_per_tenant=*/64, absl::Seconds(300));
-//   auto id = plans.Add(std::move(plan));          // RESOURCE_EXHAUSTED past the cap
+//   PlanTable plans(/*max_per_tenant=*/64, /*max_bytes_per_tenant=*/1 << 30,
+//                   absl::Seconds(300));
+//   auto id = plans.Add(std::move(plan));          // RESOURCE_EXHAUSTED past a cap
 //   auto found = plans.Find("default", *id);       // shared: in-flight jobs keep it alive
 //   plans.Remove("default", *id);
 #pragma once
@@ -44,14 +45,21 @@ struct Plan {
   std::vector<WrittenRows::Position> unsettled;
 };
 
+// The memory a plan holds while it lives (its arrays and itself), counted
+// against the tenant's --max_plan_bytes_per_tenant.
+int64_t PlanBytes(const Plan& plan);
+
 class PlanTable {
  public:
-  PlanTable(int32_t max_per_tenant, absl::Duration idle_timeout)
-      : max_per_tenant_(max_per_tenant), idle_timeout_(idle_timeout) {}
+  PlanTable(int32_t max_per_tenant, int64_t max_bytes_per_tenant, absl::Duration idle_timeout)
+      : max_per_tenant_(max_per_tenant),
+        max_bytes_per_tenant_(max_bytes_per_tenant),
+        idle_timeout_(idle_timeout) {}
 
   // Registers `plan` under a new random non-zero id (set in the plan) and
   // returns it. RESOURCE_EXHAUSTED when the tenant already holds
-  // max_per_tenant plans.
+  // max_per_tenant plans, or its plans and this one would hold more than
+  // max_bytes_per_tenant bytes (PlanBytes).
   absl::StatusOr<uint64_t> Add(std::shared_ptr<Plan> plan);
   // The tenant's plan, marked used now. NOT_FOUND for an id it does not
   // know (never made, released, expired, or made before a restart),
@@ -71,21 +79,33 @@ class PlanTable {
                                                   uint64_t lease = 0);
 
   int32_t max_per_tenant() const { return max_per_tenant_; }
+  // The bytes the tenant's plans hold (PlanBytes of each).
+  int64_t TenantBytes(absl::string_view tenant);
   absl::Duration idle_timeout() const { return idle_timeout_; }
 
  private:
   struct Entry {
     std::shared_ptr<const Plan> plan;
+    int64_t bytes = 0;  // PlanBytes at Add
     absl::Time last_used;
+  };
+  // What a tenant's plans hold.
+  struct Held {
+    int32_t plans = 0;
+    int64_t bytes = 0;
   };
   absl::StatusOr<Entry*> Lookup(absl::string_view tenant, uint64_t id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the entry's plan out of the table and the tenant's count.
+  std::shared_ptr<const Plan> Take(absl::flat_hash_map<uint64_t, Entry>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int32_t max_per_tenant_;
+  const int64_t max_bytes_per_tenant_;
   const absl::Duration idle_timeout_;
   absl::Mutex mu_;
   absl::flat_hash_map<uint64_t, Entry> plans_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, int32_t> per_tenant_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Held> per_tenant_ ABSL_GUARDED_BY(mu_);
   absl::BitGen gen_ ABSL_GUARDED_BY(mu_);
 };
 

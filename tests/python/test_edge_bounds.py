@@ -111,3 +111,30 @@ def test_an_unknown_method_is_unimplemented_without_reading_its_body(tokens):
         ready = flood.ready()
         flood.done()
         assert ready["rejected"] == 4 and ready["sent"] < 8 * MIB, ready
+
+
+def test_a_tenants_plans_hold_at_most_their_bytes():
+    """--max_plan_bytes_per_tenant bounds what CreatePlan keeps (a plan holds
+    its layout's arrays, about 16 bytes a kv index, for up to
+    --plan_idle_timeout_s): a layout of one page repeated 30,000 times takes
+    about 480 KB, so the third of them passes 1 MiB."""
+    with TestServer(num_pages=16, extra_flags=["--max_plan_bytes_per_tenant=1048576"]) as server:
+        client = attnserve.Client(server.address, timeout=30)
+        page = client.allocate_pages(1)[0]
+        n = 30000
+        layout = dict(qo_indptr=[0, 1], kv_indptr=[0, n], kv_indices=[page] * n,
+                      kv_last_page_len=[1])
+        plans = [client.create_plan(**layout) for _ in range(2)]
+        with pytest.raises(attnserve.ResourceExhausted,
+                           match=r"the plan takes \d+ bytes of server memory and the tenant's 2 "
+                                 r"plans hold \d+, at most 1048576 in all "
+                                 r"\(--max_plan_bytes_per_tenant\)"):
+            client.create_plan(**layout)
+        client.release_plan(plans[0])
+        plans[0] = client.create_plan(**layout)           # released bytes come back
+        for plan_id in plans:
+            client.release_plan(plan_id)
+        client.close()
+    for bad in ("--max_plan_bytes_per_tenant=1048575", "--max_plan_bytes_per_tenant=-1"):
+        with pytest.raises(RuntimeError, match="must be at least 1048576"):
+            TestServer(extra_flags=[bad]).stop()
