@@ -478,9 +478,10 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
                         ResolveOptions(call, plan_options, geo));
   float sm_scale = 1.0f / std::sqrt(static_cast<float>(geo.head_dim));
   if (call.sm_scale.has_value()) {
-    if (!std::isfinite(*call.sm_scale)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sm_scale=", *call.sm_scale, " must be finite"));
+    if (!std::isfinite(*call.sm_scale) || std::fabs(*call.sm_scale) > kMaxSmScaleMagnitude) {
+      return absl::InvalidArgumentError(absl::StrCat("sm_scale=", *call.sm_scale,
+                                                     " must be finite with |sm_scale| <= ",
+                                                     kMaxSmScaleMagnitude));
     }
     sm_scale = *call.sm_scale;
   }

@@ -92,6 +92,10 @@ absl::StatusOr<ValidatedLayout> ValidatePlanLayout(const PrefillLayout& layout,
 // each -inf or finite of magnitude at most kMaxSinkMagnitude. `field` names
 // the message in errors ("options", "layer_options[3]").
 inline constexpr float kMaxSinkMagnitude = 1e30f;
+// The largest |sm_scale| a Prefill may ask for: a model's scale is near
+// 1/sqrt(head_dim); a larger one would only push ordinary logits past
+// float32's range.
+inline constexpr float kMaxSmScaleMagnitude = 1e30f;
 absl::Status ValidateOptions(const AttentionOptionsView& options, absl::string_view field,
                              const KvGeometry& geo);
 // A CreatePlan's options: each valid, layer keys in [0, num_layers); copied.

@@ -435,6 +435,8 @@ INSTANTIATE_TEST_SUITE_P(
         PrefillCase{"SmScaleInf",
                     [](F& f) { f.call.sm_scale = std::numeric_limits<float>::infinity(); },
                     kInvalid, "sm_scale"},
+        PrefillCase{"SmScaleHuge", [](F& f) { f.call.sm_scale = -3.4e38f; }, kInvalid,
+                    "sm_scale=-3.4e+38 must be finite with |sm_scale| <= 1e+30"},
         PrefillCase{"LseBase", [](F& f) { f.call.lse_base = 2; }, kInvalid, "lse_base"},
         PrefillCase{"KvKeysAfterSize", [](F& f) { f.kv_keys_after = {3}; f.Rebind(); },
                     kInvalid, "kv_keys_after has 1 entries, must have batch = 2"},

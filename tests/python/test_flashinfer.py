@@ -491,6 +491,8 @@ def test_bad_inputs_name_the_argument(filled, client):
         (dict(indptr=torch.tensor([0, 3, 1, 8], dtype=torch.int32)), "must be non-decreasing"),
         (dict(window_left=-2), "window_left=-2 must be >= -1"),
         (dict(logits_soft_cap=-1.0), "logits_soft_cap=-1.0 must be finite and >= 0"),
+        (dict(sm_scale=float("nan")), r"sm_scale=nan must be finite with \|sm_scale\| <= 1e30"),
+        (dict(sm_scale=-3e38), r"sm_scale=-3e\+38 must be finite with \|sm_scale\| <= 1e30"),
         (dict(indices=torch.zeros(8)), "indices: an integer tensor expected"),
     ]
     for change, message in bad:

@@ -95,8 +95,10 @@ class _Wrapper:
         if not math.isfinite(cap) or cap < 0:
             raise ValueError(f"logits_soft_cap={logits_soft_cap} must be finite and >= 0 "
                              "(None or 0: none)")
-        if sm_scale is not None and not math.isfinite(float(sm_scale)):
-            raise ValueError(f"sm_scale={sm_scale} must be finite")
+        if sm_scale is not None and not (math.isfinite(float(sm_scale))
+                                         and abs(float(sm_scale)) <= 1e30):
+            raise ValueError(f"sm_scale={sm_scale} must be finite with |sm_scale| <= 1e30 "
+                             "(the server's bound)")
         if len(qo_indptr) != len(kv_last) + 1:
             raise ValueError(f"qo_indptr has {len(qo_indptr)} entries, must have batch_size + 1 "
                              f"= {len(kv_last) + 1}")
