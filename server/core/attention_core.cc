@@ -66,12 +66,16 @@ class AttentionCore::RegionUse {
                                                      ", the output needs exactly ", bytes));
     }
     for (const Use& u : uses_) {
-      if (u.slice.region == slice.region && slice.bytes > 0 && u.slice.bytes > 0 &&
-          slice.data < u.slice.data + u.slice.bytes && u.slice.data < slice.data + slice.bytes) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, " [", ref.offset, ", ", ref.offset + bytes, ") overlaps ", u.field,
-            " in region '", ref.name, "': an output may not share bytes with another tensor"));
-      }
+      if (!SlicesOverlap(u.slice, slice)) continue;
+      const std::string where =
+          u.slice.region == slice.region
+              ? absl::StrCat(" in region '", ref.name, "'")
+              : absl::StrCat(" of region '", u.slice.region->name, "', the same memory as region '",
+                             ref.name, "'");
+      return absl::InvalidArgumentError(absl::StrCat(field, " [", ref.offset, ", ", ref.offset + bytes,
+                                                     ") overlaps ", u.field, where,
+                                                     ": an output may not share bytes with another "
+                                                     "tensor"));
     }
     OutputSlot out;
     out.data = slice.data;

@@ -154,6 +154,25 @@ Region::~Region() {
 RegionTable::RegionTable(RegionLimits limits, RegionDevice* device)
     : limits_(limits), device_(device) {}
 
+bool SlicesOverlap(const RegionSlice& a, const RegionSlice& b) {
+  if (a.bytes <= 0 || b.bytes <= 0) return false;
+  const Region& ra = *a.region;
+  const Region& rb = *b.region;
+  if (ra.kind != rb.kind) return false;
+  // Where each slice starts, in one address space: the process's (one
+  // region; CUDA regions, whose device addresses are unique) or the memfd's.
+  int64_t a0 = 0, b0 = 0;
+  if (&ra == &rb || ra.kind == RegionKind::kCuda) {
+    a0 = static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.data));
+    b0 = static_cast<int64_t>(reinterpret_cast<uintptr_t>(b.data));
+  } else {
+    if (ra.file_ino == 0 || ra.file_ino != rb.file_ino || ra.file_dev != rb.file_dev) return false;
+    a0 = ra.offset + (a.data - ra.data);
+    b0 = rb.offset + (b.data - rb.data);
+  }
+  return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
+}
+
 absl::StatusOr<std::shared_ptr<Region>> RegionTable::MapSystem(const RegionSpec& spec,
                                                                RegionDeposit deposit) const {
   struct stat st {};
@@ -187,6 +206,8 @@ absl::StatusOr<std::shared_ptr<Region>> RegionTable::MapSystem(const RegionSpec&
   region->byte_size = spec.byte_size;
   region->key = MemfdName(deposit.memfd.get());
   region->offset = spec.offset;
+  region->file_dev = static_cast<uint64_t>(st.st_dev);
+  region->file_ino = static_cast<uint64_t>(st.st_ino);
   region->holder = std::move(deposit.holder);
   region->device = device_;
   if (device_ != nullptr) region->registered = device_->RegisterHost(base, map_bytes);

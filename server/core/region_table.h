@@ -90,7 +90,9 @@ struct Region {
   bool registered = false;     // system: page-locked by RegionDevice::RegisterHost
   // system
   std::string key;             // the memfd's name (memfd_create's), for ListRegions
-  int64_t offset = 0;
+  int64_t offset = 0;          // of byte 0 in the memfd
+  uint64_t file_dev = 0;       // the memfd's identity (fstat): one memfd deposited
+  uint64_t file_ino = 0;       // twice maps the same memory under two names
   void* map_base = nullptr;    // what mmap returned (data - in-page offset)
   int64_t map_bytes = 0;
   UniqueFd holder;             // the depositor's connection (see the banner)
@@ -115,6 +117,11 @@ struct RegionSlice {
   bool on_device() const { return region->kind == RegionKind::kCuda; }
   bool registered() const { return region->registered; }
 };
+
+// Whether two slices share bytes of memory: within one region, or across
+// regions over the same memory (one memfd registered under two names, or
+// two ranges of it that overlap; CUDA regions by their device addresses).
+bool SlicesOverlap(const RegionSlice& a, const RegionSlice& b);
 
 // A tensor's region reference as the edge received it (views the request).
 struct RegionRefView {

@@ -94,6 +94,32 @@ TEST(RegionTableTest, ResolvesRangesOfTheMappedObject) {
   EXPECT_TRUE(list[0].key_exists);  // its holder is open
 }
 
+// One memfd under two names (or two ranges of it) is the same memory: an
+// output's overlap with an input is found across the names, by the memfd's
+// offsets; different memfds never overlap.
+TEST(RegionTableTest, SlicesOverlapAcrossNamesForTheSameMemfd) {
+  Shm shm(3 * 4096), other(3 * 4096, 2);
+  RegionTable table(On(/*count=*/4, /*bytes=*/1 << 20), nullptr);
+  ASSERT_TRUE(table.Register("alice", System("a", shm.Deposit(table), 0, 8192)).ok());
+  ASSERT_TRUE(table.Register("alice", System("b", shm.Deposit(table), 4096, 8192)).ok());
+  ASSERT_TRUE(table.Register("alice", System("c", other.Deposit(table), 0, 8192)).ok());
+  auto slice = [&](const char* name, int64_t offset, int64_t bytes) {
+    auto s = table.Resolve("alice", Ref(name, offset, bytes), 1, "x");
+    EXPECT_TRUE(s.ok()) << s.status();
+    return *s;
+  };
+  // a's bytes [4096, 8192) are b's [0, 4096), mapped twice.
+  EXPECT_NE(slice("a", 4096, 16).data, slice("b", 0, 16).data);
+  EXPECT_TRUE(SlicesOverlap(slice("a", 4100, 8), slice("b", 0, 16)));
+  EXPECT_TRUE(SlicesOverlap(slice("b", 8, 8), slice("a", 4096, 9)));
+  EXPECT_FALSE(SlicesOverlap(slice("b", 8, 8), slice("a", 4096, 8)));   // touching only
+  EXPECT_FALSE(SlicesOverlap(slice("a", 0, 4096), slice("b", 0, 4096)));
+  EXPECT_TRUE(SlicesOverlap(slice("a", 0, 100), slice("a", 99, 10)));    // one region
+  EXPECT_FALSE(SlicesOverlap(slice("a", 0, 100), slice("a", 100, 10)));
+  EXPECT_FALSE(SlicesOverlap(slice("a", 0, 8192), slice("c", 0, 8192)));  // another memfd
+  EXPECT_FALSE(SlicesOverlap(slice("a", 0, 0), slice("b", 0, 8192)));     // empty
+}
+
 TEST(RegionTableTest, BadRangesNameTheFieldAndTheBound) {
   Shm shm(8192);
   RegionTable table(On(), nullptr);

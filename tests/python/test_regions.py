@@ -144,6 +144,16 @@ def test_bad_references_raise_typed_errors_and_change_nothing(client, server):
         with pytest.raises(attnserve.InvalidArgument, match="overlaps"):
             client.read_kv(0, slots, into=(region.tensor(0, shape, "bf16"),
                                            region.tensor(2, shape, "bf16")))
+        # The same memfd under a second name is the same memory: an output
+        # there that overlaps an input named through the first is refused.
+        client.register_system_region("py-bad-alias", region.fd, region.size)
+        with pytest.raises(attnserve.InvalidArgument,
+                           match=r"v_region \[2, 258\) overlaps k_region of region 'py-bad', "
+                                 r"the same memory as region 'py-bad-alias'"):
+            client.read_kv(0, slots, into=(region.tensor(0, shape, "bf16"),
+                                           attnserve.RegionTensor("py-bad-alias", 2, shape,
+                                                                  "bf16")))
+        client.unregister_region("py-bad-alias")
         with pytest.raises(attnserve.AlreadyExists):
             region.register(client, "py-bad")
         with pytest.raises(ValueError, match="both or neither"):
