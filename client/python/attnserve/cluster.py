@@ -48,7 +48,8 @@ from attnserve import dtypes as _dt
 from attnserve.client import Client
 from attnserve.errors import (AttnserveError, DataLoss, DeadlineExceeded, ResourceExhausted,
                               SequencesLost, StaleIncarnation, Unavailable)
-from attnserve.kv_manager import KvManager, Plan, _explained
+from attnserve._kv_state import _explained
+from attnserve.kv_manager import KvManager, Plan
 from attnserve.merge import merge_states
 from attnserve.results import PrefillResult
 
