@@ -870,3 +870,120 @@ def test_signatures_are_flashinfers(name):
         asynchronous = getattr(getattr(fi, name.split(".")[0]), "run_async")
         assert list(inspect.signature(asynchronous).parameters) == \
             list(inspect.signature(obj).parameters)
+
+
+# ---------------------------------------------------------------- queued appends
+def test_appends_to_one_position_keep_the_last_as_flashinfer_does(cache):
+    """Two appends to the same position before a run: FlashInfer's later write
+    wins. The queue sends one row a slot (the server refuses a request that
+    writes a slot twice; before, the layer's runs failed for good)."""
+    b = Batch(cache, [5, 9], seed=40)
+    b.fill([4, 9])
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(cache)
+    plan_decode(w, b)
+    bi, pos = torch.tensor([0], dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
+    for k in (b.randn(1, 2, 64), b.randn(1, 2, 64)):
+        fi.append_paged_kv_cache(k, k, bi, pos, cache[0], b.indices, b.indptr, b.last)
+    b.mirror.write(0, b.slots(bi, pos), k, k)             # the second
+    q = b.randn(2, 8, 64)
+    matches(w.run(q, cache[0], return_lse=True), b.reference(0, q, decode_qo(2), causal=False))
+    assert cache.pending_rows(0) == 0
+    w.close()
+
+
+def test_a_run_that_fails_keeps_its_rows_queued_for_the_next(cache, client):
+    """A run() the server refuses (or whose outcome is unknown) queues its
+    appended rows again, in front: the next run() of the layer writes them.
+    Appending them again as well is harmless (one row a slot)."""
+    kv_lens, q_lens = [10, 25], [2, 5]
+    b = Batch(cache, kv_lens, seed=41)
+    b.fill([n - q for n, q in zip(kv_lens, q_lens)])
+    qo = [0, 2, 7]
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(cache)
+    plan_prefill(w, b, qo, causal=True)
+    k, v, slots = b.append(0, q_lens)
+    q = b.randn(7, 8, 64)
+    for run in (lambda **kw: w.run(q, cache[0], **kw),
+                lambda **kw: w.run_async(q, cache[0], **kw).result()):
+        with pytest.raises(attnserve.InvalidArgument, match=r"options.sinks\[0\]=nan"):
+            run(sinks=torch.full((8,), float("nan")))
+        assert cache.pending_rows(0) == 7
+    fi.append_paged_kv_cache(k, v, *fi.get_batch_indices_positions(
+        torch.tensor(qo, dtype=torch.int32), torch.tensor(kv_lens), 7), cache[0], b.indices,
+        b.indptr, b.last)                                 # as the docs once advised
+    assert cache.pending_rows(0) == 14
+    matches(w.run(q, cache[0], return_lse=True), b.reference(0, q, qo, causal=True))
+    assert cache.pending_rows(0) == 0
+    k_back, v_back = client.read_kv(0, slots.tolist(), out="torch")
+    assert torch.equal(k_back, k) and torch.equal(v_back, v)
+    w.close()
+
+
+def test_each_wrapper_of_a_layer_takes_its_own_rows(client):
+    """A mixed step: a prefill wrapper and a decode wrapper on one layer, each
+    batch with its own appends, run at once (run_async). Each run writes the
+    rows of the pages it reads; the others wait for their own run. Before, the
+    prefill took the decode rows too, and the decode could read them first."""
+    with fi.PagedKVCache(client, 64, transport="channel") as c:
+        pre = Batch(c, [120], seed=42)
+        dec = Batch(c, [30, 30], seed=43)
+        free = [p for p in range(64) if p not in set(pre.indices.tolist())]
+        dec.indices = torch.tensor(free[:len(dec.indices)], dtype=torch.int32)
+        dec.server_pages = c.page_ids[dec.indices.numpy()]
+        dec.fill([29, 29])
+        pw = fi.BatchPrefillWithPagedKVCacheWrapper(c)
+        dw = fi.BatchDecodeWithPagedKVCacheWrapper(c)
+        plan_prefill(pw, pre, [0, 120], causal=True)
+        plan_decode(dw, dec)
+        for layer in range(c.num_layers):
+            pre.append(layer)
+            dec.append(layer, [1, 1], [30, 30])
+            qp, qd = pre.randn(120, 8, 64), dec.randn(2, 8, 64)
+            fp = pw.run_async(qp, c[layer], return_lse=True)
+            assert c.pending_rows(layer) == 2                 # the decode rows
+            fd = dw.run_async(qd, c[layer], return_lse=True)
+            assert c.pending_rows(layer) == 0
+            matches(fd.result(), dec.reference(layer, qd, decode_qo(2), causal=False))
+            matches(fp.result(), pre.reference(layer, qp, [0, 120], causal=True))
+        # Rows no run reads wait for flush(), or are dropped by discard_pending().
+        dec.append(0, [1, 1], [30, 30])
+        pre_only = pw.run(pre.randn(120, 8, 64), c[0])
+        assert pre_only.shape == (120, 8, 64) and c.pending_rows(0) == 2
+        assert c.discard_pending(0) == 2 and c.pending_rows(0) == 0
+        pw.close()
+        dw.close()
+
+
+def test_a_refused_plan_changes_nothing_and_requests_without_pages_are_empty(grpc_cache):
+    c = grpc_cache
+    b = Batch(c, [20, 9], seed=44)
+    b.fill()
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(c, use_tensor_cores=True)
+    plan_decode(w, b, q_len_per_req=3)
+    qo = [0, 3, 6]
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        plan_decode(w, b, q_len_per_req=1, logits_soft_cap=-1.0)
+    q = b.randn(6, 8, 64)
+    matches(w.run(q, c[1], return_lse=True), b.reference(1, q, qo, causal=True),
+            b.reference(1, q, qo, causal=False))       # still the 3-row plan's causal mask
+    # A request without pages has no keys, whatever its last_page_len (as in
+    # FlashInfer, where engines pass ones).
+    e = Batch(c, [20, 0], seed=45)
+    e.fill()
+    e.last = torch.tensor([int(e.last[0]), 1], dtype=torch.int32)
+    plan_decode(w, e)
+    q = e.randn(2, 8, 64)
+    out, lse = w.run(q, c[0], return_lse=True)
+    e.last = torch.tensor([int(e.last[0]), 0], dtype=torch.int32)
+    matches((out, lse), e.reference(0, q, decode_qo(2), causal=False))
+    assert torch.all(out[1] == 0) and torch.all(torch.isinf(lse[1]))
+    for kw, text in ((dict(window_left=None), r"window_left=None: an integer expected"),
+                     (dict(sm_scale="x"), r"sm_scale='x': a number expected"),
+                     (dict(logits_soft_cap="x"), r"logits_soft_cap='x': a number expected")):
+        with pytest.raises(TypeError, match=text):
+            plan_decode(w, b, **kw)
+    with pytest.raises(TypeError, match=r"num_qo_heads=None: an integer expected"):
+        w.plan(b.indptr, b.indices, b.last, None, 2, 64, 16, q_data_type=BF16)
+    with pytest.raises(IndexError, match=r"layer 2 is outside \[0, 2\)"):
+        c[2]
+    w.close()

@@ -104,10 +104,29 @@ def _check_kv_layout(kv_layout) -> None:
         raise ValueError(f"kv_layout={kv_layout!r} must be 'NHD' or 'HND'")
 
 
+def _int_arg(value, name: str) -> int:
+    """An integer argument (a Python or numpy int, or a one-element integer
+    tensor), or TypeError naming it."""
+    if torch.is_tensor(value) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}={value!r}: an integer expected")
+    return int(value)
+
+
+def _float_arg(value, name: str) -> float:
+    """A real-number argument, or TypeError naming it."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}={value!r}: a number expected")
+    return float(value)
+
+
 def _check_geometry(cache: "PagedKVCache", **given) -> None:
     for name, (value, server_name) in given.items():
         want = getattr(cache, server_name)
-        if int(value) != want:
+        if _int_arg(value, name) != want:
             raise ValueError(f"{name}={int(value)}, but the server's KV cache has {want} "
                              f"(attnserve serves the geometry it was started with: "
                              f"--{server_name})")
@@ -151,12 +170,50 @@ def _check_layout(cache: "PagedKVCache", indptr, indices, last_page_len, names):
                          "(the PagedKVCache's max_num_pages)")
     pages = np.diff(indptr)
     ps = cache.page_size
-    wrong = ((pages > 0) & ((last < 1) | (last > ps))) | ((pages == 0) & (last != 0))
+    # A request without pages has no keys whatever its last_page_len says
+    # (FlashInfer's rule; engines pass ones there): taken as 0.
+    wrong = ((pages > 0) & ((last < 1) | (last > ps))) | ((pages == 0) & ((last < 0) | (last > ps)))
     if np.any(wrong):
         b = int(np.nonzero(wrong)[0][0])
         raise ValueError(f"{n_last}[{b}]={int(last[b])} must be in [1, page_size={ps}] for a "
-                         f"sequence with pages ({int(pages[b])} here), 0 for one without")
-    return indptr - indptr[0], cache.page_ids[used], last
+                         f"sequence with pages ({int(pages[b])} here), in [0, {ps}] for one "
+                         "without")
+    return indptr - indptr[0], cache.page_ids[used], np.where(pages > 0, last, 0)
+
+
+# ---------------------------------------------------------------- appended rows
+def _select(t, idx: np.ndarray):
+    """t's rows idx (a one-byte dtype, FP8, through its bytes: torch indexes
+    uint8 everywhere)."""
+    index = torch.as_tensor(idx, dtype=torch.long, device=t.device)
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8).index_select(0, index).view(t.dtype)
+    return t.index_select(0, index)
+
+
+def _cat(ts: list):
+    """torch.cat of rows of one dtype (FP8 through its bytes)."""
+    if ts[0].element_size() == 1 and ts[0].dtype != torch.uint8:
+        return torch.cat([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)
+    return torch.cat(ts)
+
+
+def _rows_of(entry: tuple, idx: np.ndarray) -> tuple:
+    """Rows idx of a queued append (slots, k, v)."""
+    slots, k, v = entry
+    return slots[idx], _select(k, idx), None if v is None else _select(v, idx)
+
+
+def _last_per_slot(entry: tuple) -> tuple:
+    """A queued run (slots, k, v) with one row a slot, the last appended
+    there (the server refuses a request that writes a slot twice)."""
+    slots = entry[0]
+    if len(slots) < 2:
+        return entry
+    unique, last_from_end = np.unique(slots[::-1], return_index=True)
+    if len(unique) == len(slots):
+        return entry
+    return _rows_of(entry, np.sort(len(slots) - 1 - last_from_end))
 
 
 # ---------------------------------------------------------------- futures
@@ -177,6 +234,7 @@ class AttentionFuture:
         self._done = False
         self._value = None
         self._error: Optional[BaseException] = None
+        self._on_error = None         # called once with the error, when the call failed
 
     def done(self) -> bool:
         return self._done or (self._poll is not None and self._poll())
@@ -191,8 +249,10 @@ class AttentionFuture:
                 raise
             except BaseException as e:
                 self._error = e
+                if self._on_error is not None:
+                    self._on_error(e)
             self._done = True
-            self._wait = self._poll = None   # what they hold (an area's tensors) goes now
+            self._wait = self._poll = self._on_error = None  # what they hold goes now
 
     def result(self, timeout: Optional[float] = None):
         """out, or (out, lse) with return_lse. timeout: seconds to wait here
@@ -639,6 +699,9 @@ class PagedKVCache:
                                "transport='channel'")
 
     def __getitem__(self, layer: int) -> LayerCache:
+        if not -self.num_layers <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} is outside [0, {self.num_layers}) (the server's "
+                             "num_layers)")
         return self.layers[layer]
 
     def __len__(self) -> int:
@@ -669,22 +732,49 @@ class PagedKVCache:
         with self._pending_lock:
             self._pending[layer] = list(runs) + self._pending.get(layer, [])
 
-    def _take(self, layer: int) -> list:
+    def _take(self, layer: int, pages: Optional[np.ndarray] = None) -> list:
         """The appends queued for `layer`, in order, as runs of rows of one
         dtype each (an FP8 cache takes q-dtype rows and FP8 rows), each run one
-        (slots, k, v); [] when none."""
+        (slots, k, v) with one row a slot (the last appended there, as
+        FlashInfer's appends overwrite); [] when none. With `pages` (the
+        server page ids a run's plan reads), only the rows of those pages:
+        the others stay queued, for the run that reads them (another wrapper's
+        of the same layer) or flush()."""
         with self._pending_lock:
-            queued = self._pending.pop(layer, None)
+            queued = self._pending.pop(layer, None) or []
+            if pages is not None and queued:
+                taken, rest = [], []
+                for entry in queued:
+                    inside = np.isin(entry[0] // self.page_size, pages)
+                    if inside.all():
+                        taken.append(entry)
+                    elif not inside.any():
+                        rest.append(entry)
+                    else:
+                        taken.append(_rows_of(entry, np.nonzero(inside)[0]))
+                        rest.append(_rows_of(entry, np.nonzero(~inside)[0]))
+                if rest:
+                    self._pending[layer] = rest
+                queued = taken
         runs: list = []
-        for entry in queued or ():
+        for entry in queued:
             if runs and runs[-1][-1][1].dtype == entry[1].dtype:
                 runs[-1].append(entry)
             else:
                 runs.append([entry])
-        return [run[0] if len(run) == 1 else
-                (np.concatenate([s for s, _, _ in run]), torch.cat([k for _, k, _ in run]),
-                 None if run[0][2] is None else torch.cat([v for _, _, v in run]))
+        return [_last_per_slot(run[0] if len(run) == 1 else
+                               (np.concatenate([s for s, _, _ in run]),
+                                _cat([k for _, k, _ in run]),
+                                None if run[0][2] is None else _cat([v for _, _, v in run])))
                 for run in runs]
+
+    def discard_pending(self, layer: Optional[int] = None) -> int:
+        """Drops the queued appends of `layer` (None: every layer) without
+        writing them; returns how many rows. For rows the server refuses
+        (a run() that failed keeps its rows queued)."""
+        with self._pending_lock:
+            layers = [layer] if layer is not None else list(self._pending)
+            return sum(len(s) for l in layers for s, _, _ in self._pending.pop(l, ()))
 
     def _write(self, layer: int, runs: list, after: list = ()) -> None:
         """WriteKV of each run in order; on a failure every run, and the runs

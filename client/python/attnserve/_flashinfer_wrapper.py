@@ -14,7 +14,8 @@ import torch  # attnserve.flashinfer, which imports this module, says when it is
 from attnserve.layout import AttentionOptions, PrefillLayout
 from attnserve.errors import AttnserveError, NotFound
 from attnserve._flashinfer_cache import (AttentionFuture, PagedKVCache, _Request, _check_kv_layout,
-                                         _kv_format, _layer_of, _torch_dtype)
+                                         _float_arg, _int_arg, _kv_format, _layer_of,
+                                         _torch_dtype)
 
 
 class _Wrapper:
@@ -89,16 +90,18 @@ class _Wrapper:
         if o_dt != q_dt:
             raise NotImplementedError(f"attnserve does not support o_data_type={o_dt}: the "
                                       f"output has q's dtype ({q_dt})")
-        if int(window_left) < -1:
+        window_left = _int_arg(window_left, "window_left")
+        if window_left < -1:
             raise ValueError(f"window_left={window_left} must be >= -1 (-1: no window)")
-        cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
+        cap = 0.0 if logits_soft_cap is None else _float_arg(logits_soft_cap, "logits_soft_cap")
         if not math.isfinite(cap) or cap < 0:
             raise ValueError(f"logits_soft_cap={logits_soft_cap} must be finite and >= 0 "
                              "(None or 0: none)")
-        if sm_scale is not None and not (math.isfinite(float(sm_scale))
-                                         and abs(float(sm_scale)) <= 1e30):
-            raise ValueError(f"sm_scale={sm_scale} must be finite with |sm_scale| <= 1e30 "
-                             "(the server's bound)")
+        if sm_scale is not None:
+            sm_scale = _float_arg(sm_scale, "sm_scale")
+            if not (math.isfinite(sm_scale) and abs(sm_scale) <= 1e30):
+                raise ValueError(f"sm_scale={sm_scale} must be finite with |sm_scale| <= 1e30 "
+                                 "(the server's bound)")
         if len(qo_indptr) != len(kv_last) + 1:
             raise ValueError(f"qo_indptr has {len(qo_indptr)} entries, must have batch_size + 1 "
                              f"= {len(kv_last) + 1}")
@@ -189,7 +192,8 @@ class _Wrapper:
             if s is not None:
                 scale *= _scalar(s, name)
         v_scale = None if v_scale is None else _scalar(v_scale, "v_scale")
-        window = self._window_left if window_left is None else int(window_left)
+        window = self._window_left if window_left is None else _int_arg(window_left,
+                                                                         "window_left")
         if window < -1:
             raise ValueError(f"window_left={window_left} must be >= -1 (-1: no window)")
         sink_values = None
@@ -204,7 +208,7 @@ class _Wrapper:
             options = AttentionOptions(window_left=window if window != -1 else None,
                                        logits_soft_cap=self._soft_cap or None,
                                        sinks=sink_values)
-        runs = cache._take(layer)
+        runs = cache._take(layer, self._kv_indices)
         if len(runs) > 1:       # rows of both kinds (q dtype, FP8): the earlier ones apart
             cache._write(layer, runs[:-1], after=runs[-1:])
         appended = runs[-1] if runs else None
@@ -228,11 +232,17 @@ class _Wrapper:
             request = _Request(layer=layer, q=q, layout=layout, k=k, v=v, options=options,
                                out=out, lse=lse, want_lse=bool(return_lse), v_scale=v_scale,
                                blocking=getattr(self._tls, "blocking", False))
-            return cache._transport.submit(request)
+            future = cache._transport.submit(request)
         except BaseException:
             if appended is not None:            # not sent: queued again, first
                 cache._requeue(layer, [appended])
             raise
+        if appended is not None:
+            # A call that failed (refused, or its outcome unknown: writing the
+            # rows again is harmless) queues its rows again, first, once its
+            # failure is read: the next run() of the layer or flush() writes them.
+            future._on_error = lambda e: cache._requeue(layer, [appended])
+        return future
 
 
 def _scalar(x, name: str) -> float:

@@ -79,7 +79,7 @@ except ImportError as e:  # pragma: no cover - the module is torch's API
 # The cache and its transports, and the wrappers' base, in modules of their
 # own; their public names are this module's.
 from attnserve._flashinfer_cache import (TRANSPORTS, AttentionFuture, LayerCache, PagedKVCache,
-                                         _append_slots, _check_geometry, _check_kv_layout,
+                                         _append_slots, _check_geometry, _check_kv_layout, _int_arg,
                                          _check_layout, _ints, _seq_lens, _unsupported)
 from attnserve._flashinfer_wrapper import _check_tensor, _Wrapper
 # Multi-head latent attention (an MLA server): its wrapper and append.
@@ -150,7 +150,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             seq_lens=(seq_lens, None, "the trtllm-gen layout: use indptr / last_page_len"),
             fixed_split_size=(fixed_split_size, None, "the server splits KV its own way"),
             disable_split_kv=(disable_split_kv, False, "the server splits KV its own way"))
-        if int(q_len_per_req) < 1:
+        if _int_arg(q_len_per_req, "q_len_per_req") < 1:
             raise ValueError(f"q_len_per_req must be >= 1, got {q_len_per_req}")
         cache = self._cache
         _check_geometry(cache, num_qo_heads=(num_qo_heads, "num_qo_heads"),
@@ -173,11 +173,11 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
                                  f"every request (the rows must already be appended), but a "
                                  f"request has kv_len={int(kv_lens.min())}")
         qo_indptr = np.arange(len(kv_last) + 1, dtype=np.int64) * q_len
-        self._q_len_per_req = q_len
         self._set_plan(qo_indptr, kv_indptr, kv_indices, kv_last, causal=q_len > 1,
                        sm_scale=sm_scale, window_left=window_left,
                        logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                        kv_data_type=kv_data_type, o_data_type=o_data_type)
+        self._q_len_per_req = q_len  # once the plan is taken: a refused one changes nothing
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
             out=None, lse=None, return_lse: bool = False, enable_pdl=None,
