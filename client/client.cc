@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -110,6 +111,31 @@ bool SizesOf(absl::string_view message, int64_t* bytes, int64_t* limit) {
 // The cause of a failed connection that gRPC's status names, said in terms
 // of attnserve's options; empty when the status names none a client can act
 // on (then the address may still become ready).
+// now + `seconds` as a deadline: a non-finite or huge value is capped (at
+// about three years), so that no conversion overflows.
+std::chrono::system_clock::time_point DeadlineIn(double seconds) {
+  constexpr double kMaxSeconds = 1e8;
+  const double s = std::isfinite(seconds) ? std::min(std::max(seconds, 0.0), kMaxSeconds) : kMaxSeconds;
+  return std::chrono::system_clock::now() + std::chrono::microseconds(static_cast<int64_t>(s * 1e6));
+}
+
+// The options Connect refuses, naming the field and its bound.
+absl::Status CheckOptions(const ClientOptions& o) {
+  if (o.max_message_bytes < 1 || o.max_message_bytes > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes=", o.max_message_bytes,
+                                                   " must be in [1, 2147483647]"));
+  }
+  if (!std::isfinite(o.timeout_s) || o.timeout_s < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout_s=", o.timeout_s, " must be finite and >= 0 (0: no deadline)"));
+  }
+  if (!std::isfinite(o.connect_timeout_s) || o.connect_timeout_s <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("connect_timeout_s=", o.connect_timeout_s, " must be finite and > 0"));
+  }
+  return absl::OkStatus();
+}
+
 std::string ConnectCause(const grpc::Status& s, const ClientOptions& o) {
   if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return "";
   const std::string& m = s.error_message();
@@ -272,6 +298,7 @@ absl::Status Client::FromGrpc(const grpc::Status& status) {
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  if (absl::Status bad = CheckOptions(options); !bad.ok()) return bad;
   std::unique_ptr<Client> c(new Client());
   c->options_ = options;
   std::shared_ptr<grpc::ChannelCredentials> creds;
@@ -295,8 +322,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     creds = grpc::InsecureChannelCredentials();
   }
   grpc::ChannelArguments args;
-  const int max_bytes = static_cast<int>(
-      std::min<int64_t>(options.max_message_bytes + (1 << 20), INT32_MAX));
+  const int max_bytes =
+      static_cast<int>(std::min<int64_t>(options.max_message_bytes + (1 << 20), INT32_MAX));
   args.SetMaxReceiveMessageSize(max_bytes);
   args.SetMaxSendMessageSize(max_bytes);
   // Each Client gets its own connection (gRPC would otherwise share one TCP
@@ -329,8 +356,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   // connect_timeout_s.
   const double wait_s = options.timeout_s > 0 ? std::min(options.timeout_s, options.connect_timeout_s)
                                               : options.connect_timeout_s;
-  const auto deadline = std::chrono::system_clock::now() +
-                        std::chrono::microseconds(static_cast<int64_t>(wait_s * 1e6));
+  const auto deadline = DeadlineIn(wait_s);
   v1::ServerInfo info;
   for (;;) {
     grpc::ClientContext ctx;
@@ -368,10 +394,7 @@ void Client::Learn(uint64_t seen) {
 
 void Client::PrepareContext(grpc::ClientContext* ctx) const {
   if (!options_.token.empty()) ctx->AddMetadata("authorization", "Bearer " + options_.token);
-  if (options_.timeout_s > 0) {
-    ctx->set_deadline(std::chrono::system_clock::now() +
-                      std::chrono::microseconds(static_cast<int64_t>(options_.timeout_s * 1e6)));
-  }
+  if (options_.timeout_s > 0) ctx->set_deadline(DeadlineIn(options_.timeout_s));
 }
 
 absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
@@ -852,13 +875,12 @@ absl::StatusOr<LeaseGrant> Client::GrantLease(int64_t ttl_ms) {
   return LeaseGrant{resp.lease_id(), resp.ttl_ms()};
 }
 
-absl::StatusOr<int64_t> Client::KeepAlive(uint64_t lease_id, double timeout_s) {
-  grpc::ClientContext ctx;
+absl::StatusOr<int64_t> Client::KeepAlive(uint64_t lease_id, double timeout_s,
+                                          grpc::ClientContext* context) {
+  grpc::ClientContext own;
+  grpc::ClientContext& ctx = context != nullptr ? *context : own;
   PrepareContext(&ctx);
-  if (timeout_s > 0) {
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)));
-  }
+  if (timeout_s > 0) ctx.set_deadline(DeadlineIn(timeout_s));
   v1::KeepAliveRequest req;
   req.set_lease_id(lease_id);
   req.set_expected_incarnation(incarnation());

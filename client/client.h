@@ -57,14 +57,14 @@ struct ClientOptions {
   std::string tls_ca;           // PEM file of the server's CA (TLS)
   std::string tls_cert;         // PEM client certificate (mTLS)
   std::string tls_key;          // PEM client key (mTLS)
-  int64_t max_message_bytes = 512ll << 20;
-  double timeout_s = 0;         // per-call deadline; 0: none
+  int64_t max_message_bytes = 512ll << 20;  // 1 .. 2^31 - 1
+  double timeout_s = 0;         // per-call deadline; 0: none (finite, >= 0)
   // Connect waits at most this long for the server to answer. A cause gRPC
   // names (connection refused, a host that does not resolve, a TLS mismatch,
   // an HTTP/1 port such as the metrics one) fails at once with UNAVAILABLE
   // saying so; only an address whose connection is still in progress, or
   // failed for no named cause, is waited for.
-  double connect_timeout_s = 10;
+  double connect_timeout_s = 10;  // finite, > 0 (Connect refuses others, naming them)
   // gRPC's HTTP/2 and TCP settings for large tensors (common/transport.h);
   // false: gRPC's defaults. grpc_args: "NAME=INT,..." applied after them.
   bool transport_tuning = true;
@@ -242,7 +242,8 @@ class Client {
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
 
   const v1::ServerInfo& info() const { return info_; }
-  // Per-call deadline from now on (0: none).
+  // Per-call deadline from now on (0 or less: none; an infinite or huge one
+  // is capped at about three years).
   void set_timeout_s(double seconds) { options_.timeout_s = seconds; }
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
   absl::StatusOr<std::vector<int32_t>> AllocatePages(int32_t count);
@@ -321,12 +322,14 @@ class Client {
 
   // Leases. GrantLease(0) gives the server's default ttl. KeepAlive returns
   // the ttl the lease lives from now (timeout_s > 0: the call's own
-  // deadline). RevokeLease ends it and returns what it released (nothing
+  // deadline; `context`, when given, is the call's, which another thread may
+  // cancel). RevokeLease ends it and returns what it released (nothing
   // when it was gone already). ListHoldings: everything this tenant holds
   // (lease_id 0) or one lease's. ReleaseHoldings: releases everything this
   // tenant holds, its leases included.
   absl::StatusOr<LeaseGrant> GrantLease(int64_t ttl_ms = 0);
-  absl::StatusOr<int64_t> KeepAlive(uint64_t lease_id, double timeout_s = 0);
+  absl::StatusOr<int64_t> KeepAlive(uint64_t lease_id, double timeout_s = 0,
+                                    grpc::ClientContext* context = nullptr);
   absl::StatusOr<v1::Holdings> RevokeLease(uint64_t lease_id);
   absl::StatusOr<v1::ListHoldingsResponse> ListHoldings(uint64_t lease_id = 0);
   absl::StatusOr<v1::Holdings> ReleaseHoldings();

@@ -580,6 +580,13 @@ absl::StatusOr<PrefillResult> Cluster::Run(int32_t layer, absl::Span<const uint1
         absl::StrCat("the step ", step->step,
                      " is stale: a later Plan() or Finish() changed one of its sequences"));
   }
+  // Its number is live here; the step itself must be this cluster's (another
+  // cluster's names other servers).
+  auto first = step->seq_ids.empty() ? seqs_.end() : seqs_.find(step->seq_ids[0]);
+  if (first == seqs_.end() || first->second.step.get() != step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the step ", step->step, " was planned by another Cluster: run it there"));
+  }
   const int64_t q_row = geo_.QRowElems();
   const int64_t o_row = geo_.ORowElems();  // MLA: kv_lora_rank wide
   const int64_t kv_row = geo_.RowElems();

@@ -302,6 +302,12 @@ absl::Status KvManager::FreeUnowned(std::vector<int32_t> pages) {
   return absl::OkStatus();
 }
 
+bool KvManager::IsLatestPlan(const StepPlan* plan) const {
+  if (plan->seq_ids.empty()) return false;
+  auto it = seqs_.find(plan->seq_ids[0]);
+  return it != seqs_.end() && it->second.plan.get() == plan;
+}
+
 absl::Status KvManager::CheckWritten(absl::Span<const int64_t> seq_ids) const {
   // (step, layers) -> sequences; apart, those whose plan went stale (Finish()
   // of another of its sequences), which no Run() can write again.
@@ -541,6 +547,11 @@ absl::StatusOr<PrefillResult> KvManager::Run(int32_t layer, absl::Span<const uin
                                              const StepPlan* plan) {
   if (plan == nullptr) plan = latest_.get();
   if (plan == nullptr) return absl::FailedPreconditionError("Run before any Plan");
+  if (live_steps_.contains(plan->step) && !IsLatestPlan(plan)) {
+    // Its step number is live here, but the plan is another manager's.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the plan of step ", plan->step, " was made by another KvManager: run it there"));
+  }
   if (!live_steps_.contains(plan->step)) {
     std::vector<int64_t> lost;
     for (int64_t id : plan->seq_ids) {
@@ -584,7 +595,9 @@ absl::StatusOr<PrefillResult> KvManager::Run(int32_t layer, absl::Span<const uin
   // The plan is live, so it is the latest plan of each of its sequences.
   for (size_t b = 0; b < plan->seq_ids.size(); ++b) {
     if (plan->append_lens[b] == 0) continue;  // nothing appended here
-    std::vector<int32_t>& unwritten = seqs_[plan->seq_ids[b]].unwritten;
+    auto seq = seqs_.find(plan->seq_ids[b]);
+    if (seq == seqs_.end()) continue;
+    std::vector<int32_t>& unwritten = seq->second.unwritten;
     auto at = std::lower_bound(unwritten.begin(), unwritten.end(), layer);
     const bool listed = at != unwritten.end() && *at == layer;
     if (out.ok() && listed) {

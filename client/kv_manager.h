@@ -212,6 +212,9 @@ class KvManager {
   };
 
   Client* rpc() const { return own_ != nullptr ? own_.get() : client_; }
+  // Whether `plan` is the latest plan of its first sequence here (a plan of
+  // another manager may carry a step number live here).
+  bool IsLatestPlan(const StepPlan* plan) const;
   // PlanRows() once.
   absl::StatusOr<std::shared_ptr<const StepPlan>> PlanOnce(absl::Span<const int64_t> seq_ids,
                                                            absl::Span<const int32_t> append_lens,

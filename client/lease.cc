@@ -19,8 +19,7 @@ LeaseKeeper::LeaseKeeper(Client* client, uint64_t id, int64_t ttl_ms)
     : client_(client), id_(id), ttl_ms_(ttl_ms) {}
 
 LeaseKeeper::~LeaseKeeper() {
-  if (!stop_.HasBeenNotified()) stop_.Notify();
-  if (thread_.joinable()) thread_.join();
+  Stop();
   bool revoked;
   {
     absl::MutexLock lock(&mu_);
@@ -38,8 +37,18 @@ void LeaseKeeper::Run() {
   absl::Duration wait = period;
   while (!stop_.WaitForNotificationWithTimeout(wait)) {
     // A renewal may take up to the whole ttl: one that takes longer could
-    // not have kept the lease anyway.
-    auto renewed = client_->KeepAlive(id_, ttl_ms_ / 1000.0);
+    // not have kept the lease anyway. Stop() cancels it.
+    grpc::ClientContext ctx;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_.HasBeenNotified()) return;
+      renewal_ = &ctx;
+    }
+    auto renewed = client_->KeepAlive(id_, ttl_ms_ / 1000.0, &ctx);
+    {
+      absl::MutexLock lock(&mu_);
+      renewal_ = nullptr;
+    }
     if (renewed.ok()) {
       wait = period;
       continue;
@@ -63,16 +72,23 @@ absl::Status LeaseKeeper::status() const {
   return status_;
 }
 
-void LeaseKeeper::Abandon() {
+void LeaseKeeper::Stop() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
+  {
+    absl::MutexLock lock(&mu_);
+    if (renewal_ != nullptr) renewal_->TryCancel();
+  }
   if (thread_.joinable()) thread_.join();
+}
+
+void LeaseKeeper::Abandon() {
+  Stop();
   absl::MutexLock lock(&mu_);
   revoked_ = true;  // nothing left for the destructor to revoke
 }
 
 absl::StatusOr<v1::Holdings> LeaseKeeper::Revoke() {
-  if (!stop_.HasBeenNotified()) stop_.Notify();
-  if (thread_.joinable()) thread_.join();
+  Stop();
   auto released = client_->RevokeLease(id_);
   if (released.ok()) {
     absl::MutexLock lock(&mu_);

@@ -59,6 +59,9 @@ class LeaseKeeper {
  private:
   LeaseKeeper(Client* client, uint64_t id, int64_t ttl_ms);
   void Run();
+  // Stops renewing: a renewal in flight is cancelled (it could wait up to
+  // the ttl on an unreachable server), and the thread joined.
+  void Stop();
 
   Client* const client_;
   const uint64_t id_;
@@ -67,6 +70,7 @@ class LeaseKeeper {
   mutable absl::Mutex mu_;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   bool revoked_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* renewal_ ABSL_GUARDED_BY(mu_) = nullptr;  // the KeepAlive in flight
   std::thread thread_;
 };
 

@@ -8,6 +8,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -94,7 +95,8 @@ absl::StatusOr<RegionClaim> DepositRegionFd(const std::string& socket, int fd,
   }
   UniqueFd conn(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (!conn.valid()) return SocketError(socket, "socket", errno);
-  const double seconds = timeout_s > 0 ? timeout_s : 10;
+  // (The socket's own timeouts: a non-finite or huge one capped at a day.)
+  const double seconds = timeout_s > 0 ? std::min(timeout_s, 86400.0) : 10;
   timeval tv{};
   tv.tv_sec = static_cast<time_t>(seconds);
   tv.tv_usec = static_cast<suseconds_t>((seconds - std::floor(seconds)) * 1e6);

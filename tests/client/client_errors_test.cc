@@ -3,6 +3,8 @@
 // attempts per method: gRPC's retry policy (common/transport.h) tries the
 // idempotent methods again and never the others; and a request larger than
 // the client's max_message_bytes fails naming it and the ways around it.
+#include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -135,6 +137,41 @@ TEST_F(ClientErrorsTest, ARequestOverMaxMessageBytesNamesItAndTheWaysAround) {
   EXPECT_THAT(s.message(), HasSubstr("--max_message_bytes"));
   EXPECT_THAT(s.message(), ::testing::Not(HasSubstr("Sent message larger than max")));
   EXPECT_EQ(service_.Calls("WriteKV"), 0) << "refused before it was sent";
+}
+
+// Options that would overflow a conversion (a deadline, the message limit)
+// are refused by Connect, naming the field and its bound; an infinite
+// set_timeout_s() is capped, and the calls run.
+TEST_F(ClientErrorsTest, BadOptionsNameTheFieldAndTheBound) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const struct {
+    std::function<void(ClientOptions&)> set;
+    std::string text;
+  } cases[] = {
+      {[](ClientOptions& o) { o.max_message_bytes = INT64_MAX; },
+       "max_message_bytes=9223372036854775807 must be in [1, 2147483647]"},
+      {[](ClientOptions& o) { o.max_message_bytes = -1; }, "max_message_bytes=-1 must be in"},
+      {[&](ClientOptions& o) { o.timeout_s = inf; }, "timeout_s=inf must be finite and >= 0"},
+      {[&](ClientOptions& o) { o.timeout_s = nan; }, "timeout_s=nan must be finite"},
+      {[](ClientOptions& o) { o.timeout_s = -1; }, "timeout_s=-1 must be finite and >= 0"},
+      {[&](ClientOptions& o) { o.connect_timeout_s = inf; },
+       "connect_timeout_s=inf must be finite and > 0"},
+      {[](ClientOptions& o) { o.connect_timeout_s = 0; }, "connect_timeout_s=0 must be finite"},
+  };
+  for (const auto& c : cases) {
+    ClientOptions options;
+    options.target = "127.0.0.1:" + std::to_string(port_);
+    options.fetch_info = false;
+    c.set(options);
+    auto client = Client::Connect(options);
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << c.text;
+    EXPECT_THAT(std::string(client.status().message()), HasSubstr(c.text));
+  }
+  client_->set_timeout_s(inf);
+  EXPECT_EQ(client_->FreePages({1}).code(), absl::StatusCode::kUnavailable);  // the stand-in's answer
+  client_->set_timeout_s(1e300);
+  EXPECT_EQ(client_->FreePages({1}).code(), absl::StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -521,6 +521,37 @@ TEST(ClusterTest, AStepOfOtherSequencesIsPlannedAtOnceOnARestartedServer) {
   ASSERT_TRUE(c.Release().ok());
 }
 
+// A step runs only on the cluster that planned it: another cluster's step
+// may carry a step number live here, and names its own servers (before, a
+// step of a two-server cluster run on a one-server cluster read past its
+// servers and crashed).
+TEST(ClusterTest, AnotherClustersStepIsRefused) {
+  auto servers = StartServers(std::vector<TestServerOptions>(2));
+  ASSERT_EQ(servers.size(), 2u);
+  ClusterOptions both = OptionsFor(servers);
+  both.split_min_tokens = 2;
+  ClusterOptions one = OptionsFor(servers);
+  one.targets.resize(1);
+  auto y = Cluster::Connect(both);
+  auto x = Cluster::Connect(one);
+  ASSERT_TRUE(x.ok() && y.ok());
+  auto mine = (*x)->Plan({1}, {4});
+  auto theirs = (*y)->Plan({2}, {8});
+  ASSERT_TRUE(mine.ok() && theirs.ok());
+  ASSERT_EQ((*theirs)->parts.size(), 2u);
+  const KvGeometry& g = (*x)->geometry();
+  std::mt19937_64 gen(13);
+  const auto q = RandomHalves(gen, g.dtype, 8 * g.num_qo_heads * g.head_dim);
+  const auto kv = RandomHalves(gen, g.dtype, 8 * g.RowElems());
+  auto refused = (*x)->Run(0, q, kv, kv, theirs->get());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("was planned by another Cluster"));
+  Reference ref(g);
+  RunAndCheck(**x, ref, **mine, gen);
+  ASSERT_TRUE((*x)->Release().ok());
+  ASSERT_TRUE((*y)->Release().ok());
+}
+
 TEST(ClusterTest, RefreshSeesARestartBeforeAnyCall) {
   auto servers = StartServers(std::vector<TestServerOptions>(2));
   ASSERT_EQ(servers.size(), 2u);

@@ -304,6 +304,41 @@ TEST(KvManagerTest, StalePlansBadArgumentsAndMicroBatches) {
   ASSERT_TRUE(mgr.Release().ok());
 }
 
+// A plan runs only on the manager that made it: another manager's plan may
+// carry a step number live here (both count 1, 2, ...), and would write and
+// read the other manager's pages (without leases and server plans nothing on
+// the server tells them apart).
+TEST(KvManagerTest, AnotherManagersPlanIsRefusedAndChangesNothing) {
+  TestServerOptions options;
+  auto server = TestServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = Connect(**server);
+  ASSERT_NE(client, nullptr);
+  const KvGeometry g = GeometryOf(client->info());
+  KvManagerOptions plain;
+  plain.lease = false;
+  plain.server_plans = false;
+  KvManager a(client.get(), plain), b(client.get(), plain);
+  std::mt19937_64 gen(32);
+  const std::vector<uint16_t> q = RandomHalves(gen, g.dtype, g.num_qo_heads * g.head_dim);
+  const std::vector<uint16_t> kv = RandomHalves(gen, g.dtype, g.RowElems());
+  ASSERT_TRUE(a.Plan({1}, {1}).ok());
+  auto theirs = b.Plan({2}, {1});
+  ASSERT_TRUE(theirs.ok());
+  ASSERT_EQ((*theirs)->step, 1);
+  auto refused = a.Run(0, q, kv, kv, theirs->get());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("was made by another KvManager"));
+  EXPECT_THAT(a.Sequences(), ::testing::ElementsAre(1));
+  EXPECT_TRUE(a.CheckWritten({2}).ok());
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    EXPECT_TRUE(a.Run(layer, q, kv, kv).ok());
+    EXPECT_TRUE(b.Run(layer, q, kv, kv).ok());
+  }
+  ASSERT_TRUE(a.Release().ok());
+  ASSERT_TRUE(b.Release().ok());
+}
+
 TEST(KvManagerTest, ServerRestartGivesFailedPrecondition) {
   TestServerOptions options;
   options.num_pages = 16;

@@ -9,16 +9,21 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/lease.h"
 #include "client/workload.h"
 #include "gmock/gmock.h"
+#include "grpcpp/support/client_interceptor.h"
 #include "gtest/gtest.h"
 #include "tests/integration/test_server.h"
 
@@ -369,6 +374,89 @@ TEST(LeaseTenantsTest, ATenantListsAndReleasesEverythingItHoldsAndNothingElse) {
 
 // An idle plan is released by the server's timer, without waiting for the
 // next CreatePlan (before, FreePages of its pages kept failing until one).
+// Counts the KeepAlive calls a client starts and records how each ended.
+class KeepAliveCalls {
+ public:
+  std::function<std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>>(
+      const std::string&)>
+  Interceptors() {
+    return [this](const std::string&) {
+      std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> out;
+      out.push_back(std::make_unique<Factory>(this));
+      return out;
+    };
+  }
+  int started() {
+    absl::MutexLock lock(&mu_);
+    return started_;
+  }
+  std::vector<grpc::StatusCode> ended() {
+    absl::MutexLock lock(&mu_);
+    return ended_;
+  }
+
+ private:
+  class Interceptor final : public grpc::experimental::Interceptor {
+   public:
+    explicit Interceptor(KeepAliveCalls* calls) : calls_(calls) {}
+    void Intercept(grpc::experimental::InterceptorBatchMethods* m) override {
+      using grpc::experimental::InterceptionHookPoints;
+      if (m->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+        absl::MutexLock lock(&calls_->mu_);
+        ++calls_->started_;
+      }
+      if (m->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_STATUS)) {
+        absl::MutexLock lock(&calls_->mu_);
+        calls_->ended_.push_back(m->GetRecvStatus()->error_code());
+      }
+      m->Proceed();
+    }
+
+   private:
+    KeepAliveCalls* calls_;
+  };
+  class Factory final : public grpc::experimental::ClientInterceptorFactoryInterface {
+   public:
+    explicit Factory(KeepAliveCalls* calls) : calls_(calls) {}
+    grpc::experimental::Interceptor* CreateClientInterceptor(
+        grpc::experimental::ClientRpcInfo* info) override {
+      return absl::EndsWith(info->method(), "/KeepAlive") ? new Interceptor(calls_) : nullptr;
+    }
+
+   private:
+    KeepAliveCalls* calls_;
+  };
+  absl::Mutex mu_;
+  int started_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<grpc::StatusCode> ended_ ABSL_GUARDED_BY(mu_);
+};
+
+// A keeper abandoned while its renewal waits on a server that does not
+// answer (stopped here; unreachable in a cluster) cancels that renewal: it
+// could wait up to the lease's ttl, and a cluster abandons the lease of a
+// server it found unreachable from its own calls.
+TEST(LeaseKeeperTest, AbandonCancelsARenewalInFlight) {
+  TestServerOptions options;
+  auto server = TestServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  KeepAliveCalls calls;
+  ClientOptions co;
+  co.target = (*server)->grpc_address();
+  co.timeout_s = 60;
+  co.interceptors = calls.Interceptors();
+  auto client = Client::Connect(co);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto keeper = LeaseKeeper::Start(client->get(), /*ttl_ms=*/6000);  // renewed every 2 s
+  ASSERT_TRUE(keeper.ok()) << keeper.status();
+  ASSERT_EQ(kill((*server)->pid(), SIGSTOP), 0);
+  for (int i = 0; i < 400 && calls.started() == 0; ++i) absl::SleepFor(absl::Milliseconds(25));
+  ASSERT_EQ(calls.started(), 1) << "no renewal began";
+  absl::SleepFor(absl::Milliseconds(200));  // on its way, unanswered
+  (*keeper)->Abandon();
+  ASSERT_EQ(kill((*server)->pid(), SIGCONT), 0);
+  EXPECT_THAT(calls.ended(), ::testing::ElementsAre(grpc::StatusCode::CANCELLED));
+}
+
 TEST(PlanIdleTimeoutTest, AnIdlePlanIsReleasedWithoutAnotherCreatePlan) {
   TestServerOptions options;
   options.extra_flags = {"--plan_idle_timeout_s=1"};

@@ -513,3 +513,27 @@ def test_docs_cluster_md_python_blocks(capsys):
             assert printed == expected
     finally:
         stop(servers)
+
+
+def test_a_step_runs_only_on_the_cluster_that_planned_it():
+    """Two clusters number their steps alike: another cluster's step names its
+    own servers and is refused before anything is sent."""
+    servers = start(2)
+    try:
+        with attnserve.Cluster([servers[0].address], timeout=120) as x, \
+                attnserve.Cluster([s.address for s in servers], timeout=120,
+                                  split_min_tokens=2) as y:
+            ref, rng = Reference(x.server_info), np.random.default_rng(8)
+            mine = x.plan([1], [4])
+            theirs = y.plan([2], [8])
+            assert theirs.step == mine.step == 1 and len(theirs.parts) == 2
+            g = x.server_info
+            q = rng.standard_normal((8, g.num_qo_heads, g.head_dim), np.float32)
+            kv = rng.standard_normal((8, g.num_kv_heads, g.head_dim), np.float32)
+            with pytest.raises(RuntimeError, match="the step 1 was planned by another Cluster"):
+                x.run(0, q, kv, kv, step=theirs)
+            run_and_check(x, ref, mine, rng)
+            x.release()
+            y.release()
+    finally:
+        stop(servers)

@@ -344,3 +344,25 @@ def test_async_plan_whose_new_lease_starts_while_a_run_loses_the_old_one(server)
             assert not mgr.has("b")
             await mgr.release()
     asyncio.run(body())
+
+
+def test_a_plan_runs_only_on_the_manager_that_made_it(client):
+    """Two managers number their steps alike: another manager's plan is
+    refused before anything is sent (without leases and server plans it would
+    write and read that manager's pages), and leaves nothing behind."""
+    g = client.server_info
+    a = attnserve.KvManager(client, lease=False, server_plans=False)
+    b = attnserve.KvManager(client, lease=False, server_plans=False)
+    a.plan([1], [1])
+    theirs = b.plan([2], [1])
+    assert theirs.step == 1
+    q = np.ones((1, g.num_qo_heads, g.head_dim), np.float32)
+    kv = np.ones((1, g.num_kv_heads, g.head_dim), np.float32)
+    with pytest.raises(RuntimeError, match="the plan of step 1 was made by another KvManager"):
+        a.run(0, q, kv, kv, plan=theirs)
+    assert a.sequences == [1] and not a.has(2)
+    for layer in range(g.num_layers):
+        a.run(layer, q, kv, kv)
+        b.run(layer, q, kv, kv)
+    a.release()
+    b.release()

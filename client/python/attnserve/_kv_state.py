@@ -400,6 +400,10 @@ class _State:
                 raise SequencesLost(lost, _LEASE_GONE, method="run")
             raise RuntimeError(f"run: the plan of step {plan.step} is stale (a later plan or "
                                "finish() changed one of its sequences)")
+        first = self._seqs.get(plan.seq_ids[0]) if plan.seq_ids else None
+        if first is None or first.plan is not plan:
+            raise RuntimeError(f"run: the plan of step {plan.step} was made by another "
+                               "KvManager: run it there")
         return plan
 
     def _run_failed(self, plan: Plan, layer: int, e: AttnserveError, lease) -> AttnserveError:

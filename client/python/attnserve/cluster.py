@@ -772,6 +772,10 @@ class Cluster:
         if not step.valid:
             raise RuntimeError(f"run: the step {step.step} is stale (a later plan or finish() "
                                "changed one of its sequences)")
+        first = self._seqs.get(step.seq_ids[0]) if step.seq_ids else None
+        if first is None or first.step is not step:
+            raise RuntimeError(f"run: the step {step.step} was planned by another Cluster: run "
+                               "it there")
         g = self._geometry
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
             raise TypeError(f"run: layer must be an int, not {type(layer).__name__}")
