@@ -165,3 +165,27 @@ def test_async_lease(server):
             assert (await client.list_holdings()).leases == ()
 
     asyncio.run(run())
+
+
+def test_abandon_cancels_a_renewal_in_flight():
+    """A lease abandoned while its renewal waits on a server that does not
+    answer (stopped here) cancels that renewal instead of waiting up to the
+    ttl: a cluster abandons the leases of servers it found unreachable."""
+    with TestServer() as server:
+        client = attnserve.Client(server.address, timeout=60)
+        lease = attnserve.Lease(client, ttl=6.0)              # renewed every 2 s
+        os.kill(server._proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(400):
+                if lease._renewal is not None:
+                    break
+                time.sleep(0.025)
+            call = lease._renewal
+            assert call is not None, "no renewal began"
+            time.sleep(0.2)                                     # on its way, unanswered
+            lease.abandon()
+            assert call._future.cancelled()
+            assert not lease._thread.is_alive() and client.lease_id == 0
+        finally:
+            os.kill(server._proc.pid, signal.SIGCONT)
+        client.close()

@@ -40,7 +40,7 @@ from attnserve._settings import (DEFAULT_MAX_MESSAGE_BYTES, HEALTH_CHECK,  # noq
                                  TRANSPORT_OPTIONS, method_path as _method_path,
                                  retain_freed_memory)
 from attnserve.channel import RequestChannel
-from attnserve.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_error
+from attnserve.errors import Cancelled, DeadlineExceeded, NotFound, Unavailable, from_rpc_error
 from attnserve.layout import AttentionOptions, PrefillLayout  # noqa: F401
 from attnserve.results import (Holdings, HoldingsList, LeaseGrant, LeaseInfo,  # noqa: F401
                                PrefillResult, RegionInfo, ServerInfo)
@@ -56,12 +56,20 @@ class CallFuture:
     def done(self) -> bool:
         return self._future.done()
 
+    def cancel(self) -> bool:
+        """Cancels the call if it has not finished; result() then raises
+        Cancelled."""
+        return self._future.cancel()
+
     def result(self, timeout: Optional[float] = None):
         try:
             raw = self._future.result(timeout=timeout)
         except grpc.FutureTimeoutError:
             raise TimeoutError(f"{self._method}: no answer within {timeout} s of waiting (the "
                                "call goes on; result() again waits for it)") from None
+        except grpc.FutureCancelledError:
+            raise Cancelled("cancelled by the client", grpc.StatusCode.CANCELLED,
+                            self._method) from None
         except grpc.RpcError as e:
             raise from_rpc_error(e, self._method) from None
         return self._parse(raw)

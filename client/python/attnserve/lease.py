@@ -36,6 +36,8 @@ class Lease:
         self.ttl = grant.ttl
         self.error: Optional[AttnserveError] = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._renewal = None  # the KeepAlive in flight, which _halt() cancels
         client.use_lease(self.lease_id)
         self._thread = threading.Thread(target=self._run, name=f"attnserve-lease-{self.lease_id:x}",
                                         daemon=True)
@@ -51,8 +53,18 @@ class Lease:
         wait = period
         while not self._stop.wait(wait):
             try:
-                # A renewal may take up to the whole ttl.
-                self._client.keep_alive(self.lease_id, timeout=self.ttl)
+                # A renewal may take up to the whole ttl; _halt() cancels it.
+                call = self._client._call_future(self._client._req_keep_alive(self.lease_id),
+                                                 self.ttl)
+                with self._lock:
+                    self._renewal = call
+                if self._stop.is_set():
+                    call.cancel()
+                try:
+                    call.result()
+                finally:
+                    with self._lock:
+                        self._renewal = None
                 wait = period
             except LeaseExpired as e:
                 self.error = e
@@ -60,13 +72,21 @@ class Lease:
             except AttnserveError:
                 wait = max(period / 4.0, 0.05)
 
+    def _halt(self) -> None:
+        """Stops renewing: a renewal in flight is cancelled (on a server that
+        does not answer it would wait up to the ttl), the thread joined."""
+        self._stop.set()
+        with self._lock:
+            if self._renewal is not None:
+                self._renewal.cancel()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
     def abandon(self) -> None:
         """Stops renewing without an RPC: the server releases everything under
         the lease within its ttl (for a server that restarted or cannot be
         reached, where a revocation would fail or wait). Idempotent."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        self._halt()
         if self._client.lease_id == self.lease_id:
             self._client.use_lease(0)
 
@@ -75,9 +95,7 @@ class Lease:
         server lets it expire). Idempotent."""
         if self._stop.is_set():
             return
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        self._halt()
         if not self.expired:
             try:
                 self._client.revoke_lease(self.lease_id)
