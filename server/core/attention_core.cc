@@ -539,8 +539,8 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
   Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
 }
 
-void AttentionCore::Cancel(const std::string& tenant, uint64_t request_id) {
-  scheduler_->CancelQueued(tenant, request_id);
+void AttentionCore::Cancel(const std::string& tenant, uint64_t request_id, absl::Status why) {
+  scheduler_->CancelQueued(tenant, request_id, std::move(why));
 }
 
 void AttentionCore::WriteKv(const WriteKvCall& request, DoneCallback done) {

@@ -140,9 +140,9 @@ class AttentionCore {
 
   // The caller of request `request_id` (CallContext) gave up: if the request
   // is still queued it leaves the queue now, its pages are unpinned and its
-  // done runs with CANCELLED. A request already running, or unknown, is
-  // left alone.
-  void Cancel(const std::string& tenant, uint64_t request_id);
+  // done runs with `why` (CANCELLED, or DEADLINE_EXCEEDED when its deadline
+  // passed). A request already running, or unknown, is left alone.
+  void Cancel(const std::string& tenant, uint64_t request_id, absl::Status why);
 
   // Closes every channel, finishes every queued request and stops the
   // worker; later calls get UNAVAILABLE.

@@ -69,7 +69,7 @@ void Scheduler::Push(std::deque<std::unique_ptr<Job>>& queue, std::unique_ptr<Jo
   metrics_->SetQueueDepth(queued_);
 }
 
-bool Scheduler::CancelQueued(const std::string& tenant, uint64_t request_id) {
+bool Scheduler::CancelQueued(const std::string& tenant, uint64_t request_id, absl::Status why) {
   if (request_id == 0) return false;
   std::unique_ptr<Job> job;
   {
@@ -84,7 +84,7 @@ bool Scheduler::CancelQueued(const std::string& tenant, uint64_t request_id) {
     std::rotate(queue.begin(), pos, pos + 1);  // to the front, the rest in order
     job = PopFront(queue);
   }
-  Finish(std::move(job), absl::CancelledError("request cancelled by the client while queued"));
+  Finish(std::move(job), std::move(why));
   return true;
 }
 

@@ -93,10 +93,11 @@ class Scheduler {
   absl::Status Enqueue(std::unique_ptr<Job>& job);
 
   // Takes the tenant's queued job with this request id (non-zero) off the
-  // queue and finishes it with CANCELLED: its pages are unpinned and its
-  // buffers released now, not when the worker would have reached it. False
-  // when no such job is queued (already running, finished or unknown).
-  bool CancelQueued(const std::string& tenant, uint64_t request_id);
+  // queue and finishes it with `why` (CANCELLED, or DEADLINE_EXCEEDED when
+  // its deadline passed): its pages are unpinned and its buffers released
+  // now, not when the worker would have reached it. False when no such job
+  // is queued (already running, finished or unknown).
+  bool CancelQueued(const std::string& tenant, uint64_t request_id, absl::Status why);
 
   // Refuses new jobs, finishes every queued one, joins the worker.
   void Stop();

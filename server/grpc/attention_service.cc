@@ -235,6 +235,12 @@ class AttentionServiceImpl::Call final
       }
       bytes_out = status.ok() ? static_cast<int64_t>(response_.Length()) : 0;
     }
+    // A call the client has given up on (its deadline passed, or it
+    // cancelled) gets no response: it counts as what the client saw.
+    if (ctx_->IsCancelled()) {
+      status = Abandoned("before its answer was ready");
+      bytes_out = 0;
+    }
     grpc::Status grpc_status = ToGrpcStatus(status);
     const double seconds = absl::ToDoubleSeconds(absl::Now() - start_);
     Metrics* metrics = service_->metrics_;
@@ -283,8 +289,18 @@ class AttentionServiceImpl::Call final
   bool finished() const { return claimed_.load(std::memory_order_acquire); }
 
   void OnCancel() override {
-    // Queued work leaves the queue now; the core then finishes the call.
-    if (!finished() && !tenant_.empty()) service_->core_->Cancel(tenant_, request_id_);
+    // Queued work leaves the queue now, answered as the client saw it end;
+    // the core then finishes the call.
+    if (!finished() && !tenant_.empty()) {
+      service_->core_->Cancel(tenant_, request_id_, Abandoned("while queued"));
+    }
+  }
+
+  // Why a cancelled call ended: its deadline passed, or the client cancelled.
+  absl::Status Abandoned(absl::string_view when) const {
+    return ctx_->deadline() <= std::chrono::system_clock::now()
+               ? absl::DeadlineExceededError(absl::StrCat("the call's deadline passed ", when))
+               : absl::CancelledError(absl::StrCat("request cancelled by the client ", when));
   }
 
   void OnDone() override {

@@ -254,6 +254,74 @@ TEST(HostileInputTest, CancelledRequestsLeaveTheQueueAndGiveTheirMemoryBack) {
   EXPECT_TRUE((*client)->Health().ok());
 }
 
+// A call that outlives its deadline counts as what its client saw,
+// DEADLINE_EXCEEDED, whether it was still queued (it leaves the queue then)
+// or already running (its answer is not sent, nor counted as sent); before,
+// the queued one counted CANCELLED and the running one OK, with its bytes.
+TEST(HostileInputTest, CallsPastTheirDeadlineCountAsDeadlineExceeded) {
+  TestServerOptions options;
+  options.num_pages = 64;
+  options.extra_flags = {"--check_kv_written=false"};  // the pages' zeros are data enough
+  auto server = TestServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ClientOptions copts;
+  copts.target = (*server)->grpc_address();
+  auto client = Client::Connect(copts);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const KvGeometry g = GeometryOf((*client)->info());
+  auto pages = (*client)->AllocatePages(64);
+  ASSERT_TRUE(pages.ok());
+  std::mt19937_64 gen(12);
+  // Seconds of work for the CPU backend: it runs past a 200 ms deadline.
+  const std::string slow = SlowPrefill(g, *pages, 16384, gen).SerializeAsString();
+  const std::string quick = SlowPrefill(g, {(*pages)[0]}, 1, gen).SerializeAsString();
+  const double out_before = Metric(**server, "attnserve_transfer_bytes_total",
+                                   "direction=\"out\",path=\"inline\"");
+  auto channel = Channel((*server)->grpc_address());
+  auto call = [&](const std::string& bytes, int deadline_ms) {
+    return std::thread([&, deadline_ms] {
+      grpc::GenericStub stub(channel);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
+      grpc::Slice slice(bytes.data(), bytes.size());
+      grpc::ByteBuffer request(&slice, 1), response;
+      absl::Notification done;
+      grpc::Status status;
+      stub.UnaryCall(&ctx, absl::StrCat(kService, "Prefill"), grpc::StubOptions(), &request,
+                     &response, [&](grpc::Status s) {
+                       status = std::move(s);
+                       done.Notify();
+                     });
+      done.WaitForNotification();
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+    });
+  };
+  std::thread running = call(slow, 200);
+  absl::SleepFor(absl::Milliseconds(50));  // it runs; the next waits behind it
+  std::thread queued = call(quick, 200);
+  running.join();
+  queued.join();
+  const absl::Time until = absl::Now() + absl::Seconds(120);
+  while (Metric(**server, "attnserve_inflight_requests", "") > 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(Metric(**server, "attnserve_requests_total",
+                   "code=\"DEADLINE_EXCEEDED\",method=\"Prefill\",shape=\"prefill\""),
+            1);
+  EXPECT_EQ(Metric(**server, "attnserve_requests_total",
+                   "code=\"DEADLINE_EXCEEDED\",method=\"Prefill\",shape=\"decode\""),
+            1);
+  EXPECT_EQ(Metric(**server, "attnserve_requests_total",
+                   "code=\"OK\",method=\"Prefill\",shape=\"prefill\""),
+            0);
+  EXPECT_EQ(Metric(**server, "attnserve_requests_total",
+                   "code=\"CANCELLED\",method=\"Prefill\",shape=\"decode\""),
+            0);
+  EXPECT_EQ(Metric(**server, "attnserve_transfer_bytes_total",
+                   "direction=\"out\",path=\"inline\""),
+            out_before);
+}
+
 // ------------------------------------------------------------ shutdown
 
 TEST(ShutdownTest, ExitsWithinTheDrainTimeoutWhateverIsRunning) {
