@@ -34,9 +34,10 @@ Scheduler::~Scheduler() { Stop(); }
 absl::Status Scheduler::Enqueue(std::unique_ptr<Job>& job) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("server is shutting down");
-  if (queued_ >= options_.max_queue_requests) {
+  const int64_t requests = queued_ - queued_internal_;  // internal work is not a request
+  if (requests >= options_.max_queue_requests) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "queue full: ", queued_, " requests queued, max_queue_requests=",
+        "queue full: ", requests, " requests queued, max_queue_requests=",
         options_.max_queue_requests));
   }
   std::deque<std::unique_ptr<Job>>& queue = QueueOf(job->tenant);
@@ -63,10 +64,11 @@ std::deque<std::unique_ptr<Job>>& Scheduler::QueueOf(const std::string& tenant) 
 void Scheduler::Push(std::deque<std::unique_ptr<Job>>& queue, std::unique_ptr<Job> job) {
   job->enqueued = absl::Now();
   if (job->kind == Job::Kind::kPrefill) queued_prefill_rows_ += job->task.total_q;
+  if (job->kind == Job::Kind::kScrub) ++queued_internal_;
   queue.push_back(std::move(job));
   ++queued_;
   pushes_.fetch_add(1, std::memory_order_release);
-  metrics_->SetQueueDepth(queued_);
+  metrics_->SetQueueDepth(queued_ - queued_internal_);
 }
 
 bool Scheduler::CancelQueued(const std::string& tenant, uint64_t request_id, absl::Status why) {
@@ -157,7 +159,8 @@ std::unique_ptr<Job> Scheduler::PopFront(std::deque<std::unique_ptr<Job>>& queue
   std::unique_ptr<Job> job = std::move(queue.front());
   queue.pop_front();
   --queued_;
-  metrics_->SetQueueDepth(queued_);
+  if (job->kind == Job::Kind::kScrub) --queued_internal_;
+  metrics_->SetQueueDepth(queued_ - queued_internal_);
   if (job->kind == Job::Kind::kPrefill) queued_prefill_rows_ -= job->task.total_q;
   return job;
 }
@@ -302,6 +305,7 @@ void Scheduler::Loop() {
     if (work.empty()) continue;
     const absl::Time start = absl::Now();
     for (const auto& job : work) {
+      if (job->kind == Job::Kind::kScrub) continue;  // page scrubs: not a client's wait
       metrics_->ObserveQueueWait(absl::ToDoubleSeconds(start - job->enqueued));
     }
     if (work[0]->kind == Job::Kind::kPrefill) {

@@ -171,7 +171,8 @@ class Scheduler {
   std::deque<std::pair<std::string, std::deque<std::unique_ptr<Job>>>> queues_
       ABSL_GUARDED_BY(mu_);
   size_t next_tenant_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;           // every job, internal ones too
+  int64_t queued_internal_ ABSL_GUARDED_BY(mu_) = 0;  // page scrubs (not requests)
   int64_t queued_prefill_rows_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);  // submitted, awaiting the completer
   int32_t busy_ ABSL_GUARDED_BY(mu_) = 0;  // submitted and not yet completed

@@ -128,6 +128,43 @@ TEST_F(SchedulerTest, FullQueueIsResourceExhaustedAndKeepsTheJob) {
   EXPECT_NE(late, nullptr);
 }
 
+// Internal work (zeroing freed pages) is not a request: it never fills the
+// queue for the clients (before, a FreePages' scrub made a Prefill behind a
+// running batch RESOURCE_EXHAUSTED at max_queue_requests=1).
+TEST_F(SchedulerTest, PageScrubsDoNotCountAgainstTheQueueLimit) {
+  PageTable scrubbing(16, 0, /*scrub_freed=*/true);
+  SchedulerOptions options;
+  options.max_queue_requests = 1;
+  Scheduler scheduler(&backend_, &scrubbing, &metrics_, options);
+  auto alices = [&](int id) {
+    std::unique_ptr<Job> job = Prefill(id, 1);
+    job->tenant = "alice";
+    return job;
+  };
+  std::unique_ptr<Job> first = alices(0);
+  ASSERT_TRUE(scheduler.Enqueue(first).ok());
+  backend_.WaitEntered();  // job 0 runs (blocked): the queue is empty
+  auto mine = scrubbing.Allocate("alice", 16);
+  ASSERT_TRUE(mine.ok());
+  ASSERT_TRUE(scrubbing.Free("alice", *mine).ok());
+  absl::Notification scrubbed;
+  scheduler.ScrubReleased([&](absl::Status s) {
+    EXPECT_TRUE(s.ok()) << s;
+    scrubbed.Notify();
+  });
+  std::unique_ptr<Job> second = alices(1);
+  const absl::Status s = scheduler.Enqueue(second);
+  EXPECT_TRUE(s.ok()) << s;
+  std::unique_ptr<Job> third = alices(2);
+  EXPECT_EQ(scheduler.Enqueue(third).code(), absl::StatusCode::kResourceExhausted)
+      << "one request queued: the limit still holds";
+  backend_.Release();
+  log_.WaitFor(2);
+  ASSERT_TRUE(scrubbed.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  scheduler.Stop();
+  EXPECT_EQ(scrubbing.FreeCount(), 16);
+}
+
 TEST_F(SchedulerTest, StopFinishesEveryQueuedJob) {
   Start(SchedulerOptions{});
   MustEnqueue(Prefill(0, 1));
