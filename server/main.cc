@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -339,12 +340,17 @@ int Run() {
   // gRPC's at debug level: the server's own message says what failed.
   RouteLibraryLogs();
   const std::string log_level = absl::GetFlag(FLAGS_log_level);
-  const spdlog::level::level_enum level = spdlog::level::from_str(log_level);
-  if (level == spdlog::level::off && log_level != "off") {
+  // The five documented names only (spdlog also takes "off", which would hide
+  // the "listening" line that scripts read, and "critical").
+  if (log_level != "trace" && log_level != "debug" && log_level != "info" && log_level != "warn" &&
+      log_level != "error") {
     spdlog::error("--log_level={} must be trace, debug, info, warn or error", log_level);
     return kExitUsage;
   }
-  spdlog::set_level(level);
+  const spdlog::level::level_enum level = spdlog::level::from_str(log_level);
+  // Until the "listening" line, info too: the start and listening lines are
+  // printed at every level (docs/operations.md, "Life cycle").
+  spdlog::set_level(std::min(level, spdlog::level::info));
   if (absl::GetFlag(FLAGS_retain_freed_memory) && !RetainFreedMemory()) {
     spdlog::info("--retain_freed_memory: the allocator did not take the setting (not glibc's "
                  "malloc); freed memory goes back as the allocator decides");
@@ -594,6 +600,7 @@ int Run() {
   spdlog::info("listening grpc={} metrics={} region_socket={}", (*server)->grpc_address(),
                (*server)->metrics_address().empty() ? "off" : (*server)->metrics_address(),
                (*server)->region_socket().empty() ? "off" : (*server)->region_socket());
+  spdlog::set_level(level);
 
   absl::Notification drained;
   int abandoned = 0;

@@ -1,6 +1,7 @@
 #include "server/metrics.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace attnserve {
 namespace {
@@ -28,6 +29,21 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                            .Name("attnserve_request_duration_seconds")
                            .Help("Server-side RPC latency in seconds, by method and request shape")
                            .Register(*registry_);
+  // Both request families exist from the start: each method's OK series at
+  // 0 (a Prefill's for both its shapes), the others as they occur.
+  {
+    absl::MutexLock lock(&series_mu_);
+    for (int r = 0; r < kRpcs; ++r) {
+      const bool prefill = static_cast<Rpc>(r) == Rpc::kPrefill;
+      for (Shape sh : prefill ? std::vector<Shape>{Shape::kDecode, Shape::kPrefill}
+                              : std::vector<Shape>{Shape::kNone}) {
+        prometheus::Counter* counter = nullptr;
+        prometheus::Histogram* duration = nullptr;
+        AddRequestSeries(r, static_cast<int>(absl::StatusCode::kOk), static_cast<int>(sh),
+                         &counter, &duration);
+      }
+    }
+  }
   queue_depth_ = &prometheus::BuildGauge()
                       .Name("attnserve_queue_depth")
                       .Help("Requests queued in the scheduler, all tenants")
@@ -178,7 +194,6 @@ const char* Metrics::RpcName(Rpc rpc) {
 }
 
 void Metrics::ObserveRequest(Rpc rpc, absl::StatusCode code, Shape shape, double seconds) {
-  static const char* const kShapeNames[] = {"none", "decode", "prefill"};
   const int r = static_cast<int>(rpc);
   const int c = std::clamp(static_cast<int>(code), 0, kCodes - 1);
   const int sh = static_cast<int>(shape);
@@ -186,16 +201,22 @@ void Metrics::ObserveRequest(Rpc rpc, absl::StatusCode code, Shape shape, double
   prometheus::Histogram* duration = durations_[r][sh].load(std::memory_order_acquire);
   if (counter == nullptr || duration == nullptr) {
     absl::MutexLock lock(&series_mu_);
-    const std::string method = RpcName(rpc);
-    counter = &requests_total_->Add({{"method", method},
-                                     {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(c))},
-                                     {"shape", kShapeNames[sh]}});
-    duration = &request_duration_->Add({{"method", method}, {"shape", kShapeNames[sh]}}, Seconds());
-    requests_[r][c][sh].store(counter, std::memory_order_release);
-    durations_[r][sh].store(duration, std::memory_order_release);
+    AddRequestSeries(r, c, sh, &counter, &duration);
   }
   counter->Increment();
   duration->Observe(seconds);
+}
+
+void Metrics::AddRequestSeries(int r, int c, int sh, prometheus::Counter** counter,
+                               prometheus::Histogram** duration) {
+  static const char* const kShapeNames[] = {"none", "decode", "prefill"};
+  const std::string method = RpcName(static_cast<Rpc>(r));
+  *counter = &requests_total_->Add({{"method", method},
+                                    {"code", absl::StatusCodeToString(static_cast<absl::StatusCode>(c))},
+                                    {"shape", kShapeNames[sh]}});
+  *duration = &request_duration_->Add({{"method", method}, {"shape", kShapeNames[sh]}}, Seconds());
+  requests_[r][c][sh].store(*counter, std::memory_order_release);
+  durations_[r][sh].store(*duration, std::memory_order_release);
 }
 
 void Metrics::SetTenantPages(const std::string& tenant, int64_t pages) {

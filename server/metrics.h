@@ -132,6 +132,9 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* open_channels_;
   prometheus::Family<prometheus::Gauge>* build_info_;
   absl::Mutex series_mu_;  // creates the lazily made series below
+  // The (method rpc, code c, shape sh) series of both request families.
+  void AddRequestSeries(int r, int c, int sh, prometheus::Counter** counter,
+                        prometheus::Histogram** duration) ABSL_EXCLUSIVE_LOCKS_REQUIRED(series_mu_);
   std::atomic<prometheus::Counter*> requests_[kRpcs][kCodes][kShapes] = {};
   std::atomic<prometheus::Histogram*> durations_[kRpcs][kShapes] = {};
   prometheus::Gauge* queue_depth_;
