@@ -117,8 +117,11 @@ class PageTable {
   mutable absl::Mutex mu_;
   std::vector<int32_t> owner_ ABSL_GUARDED_BY(mu_);  // tenant id, kFree, kReleasing or kScrubbing
   std::vector<uint64_t> lease_ ABSL_GUARDED_BY(mu_);  // of an owned page; 0: none
-  std::vector<int32_t> pins_ ABSL_GUARDED_BY(mu_);       // all holders
-  std::vector<int32_t> plan_pins_ ABSL_GUARDED_BY(mu_);  // the plans' share of pins_
+  // 64-bit: a request may list one page 4M times, and thousands of them may
+  // be queued at once (in 32 bits the count could wrap to 0 and let the page
+  // be freed and given to another tenant while requests still use it).
+  std::vector<int64_t> pins_ ABSL_GUARDED_BY(mu_);       // all holders
+  std::vector<int64_t> plan_pins_ ABSL_GUARDED_BY(mu_);  // the plans' share of pins_
   std::vector<int32_t> free_list_ ABSL_GUARDED_BY(mu_);  // a stack
   std::vector<int32_t> released_ ABSL_GUARDED_BY(mu_);   // awaiting TakeReleased
   absl::flat_hash_map<std::string, int32_t> tenant_ids_ ABSL_GUARDED_BY(mu_);
