@@ -828,7 +828,8 @@ int main(int argc, char** argv) {
        "attnbench [flags]: closed-loop (--concurrency) or open-loop (--rate) load on a running\n"
        "attnserve. Each client holds --batch x ceil(--kv_len / page_size) KV pages per request\n"
        "shape for the run; --verify checks every response against a float64 reference.",
-       {{"client/attnbench.cc", "Flags"}, {"client/cli_flags.cc", "Connection flags"}}});
+       {{"client/attnbench.cc", "Flags"}, {"client/cli_flags.cc", "Connection flags"},
+        {"client/variant_flags.cc", "Attention option flags"}}});
   attnserve::HideGrpcLogs();
   return attnserve::Main();
 }

@@ -372,7 +372,8 @@ int main(int argc, char** argv) {
        "  scales               an FP8 server's KV scales of every layer\n"
        "  set-scales           set --layer's --k_scale and --v_scale on an FP8 server\n"
        "  health [SERVICE]     exit 0 only when SERVING",
-       {{"client/attnctl.cc", "Flags"}, {"client/cli_flags.cc", "Connection flags"}}});
+       {{"client/attnctl.cc", "Flags"}, {"client/cli_flags.cc", "Connection flags"},
+        {"client/variant_flags.cc", "Attention option flags"}}});
   attnserve::HideGrpcLogs();
   return attnserve::Main(args);
 }

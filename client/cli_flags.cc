@@ -2,12 +2,8 @@
 
 #include <cstdlib>
 #include <string>
-#include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "grpc/support/log.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
@@ -27,13 +23,6 @@ ABSL_FLAG(std::string, grpc_args, "", "extra gRPC channel arguments NAME=INT,...
 ABSL_FLAG(bool, busy_poll, false,
           "poll for tensor-carrying responses instead of sleeping (lower latency, one busy core "
           "per waiting call)");
-
-ABSL_FLAG(int32_t, window_left, -1,
-          "prefill: sliding window, a row at position p sees keys p - window_left .. p; -1: none");
-ABSL_FLAG(float, soft_cap, 0, "prefill: logit soft-cap c, logits become c * tanh(x / c); 0: none");
-ABSL_FLAG(std::string, sinks, "",
-          "prefill: attention sinks, one logit per query head: 'random', one number for every "
-          "head, or num_qo_heads comma-separated numbers; empty: none");
 
 namespace attnserve {
 namespace {
@@ -66,34 +55,6 @@ ClientOptions ClientOptionsFromFlags() {
   options.grpc_args = absl::GetFlag(FLAGS_grpc_args);
   options.busy_poll = absl::GetFlag(FLAGS_busy_poll);
   return options;
-}
-
-}  // namespace attnserve
-
-namespace attnserve {
-
-absl::StatusOr<AttentionOptions> AttentionOptionsFromFlags(int32_t num_qo_heads,
-                                                           std::mt19937_64& gen) {
-  AttentionOptions o;
-  if (const int32_t w = absl::GetFlag(FLAGS_window_left); w != -1) o.window_left = w;
-  if (const float c = absl::GetFlag(FLAGS_soft_cap); c != 0.f) o.logits_soft_cap = c;
-  const std::string sinks = absl::GetFlag(FLAGS_sinks);
-  if (sinks.empty()) return o;
-  if (sinks == "random") {
-    std::normal_distribution<float> dist(0.f, 1.f);
-    for (int32_t h = 0; h < num_qo_heads; ++h) o.sinks.push_back(dist(gen));
-    return o;
-  }
-  for (absl::string_view part : absl::StrSplit(sinks, ',')) {
-    float x = 0;
-    if (!absl::SimpleAtof(part, &x)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--sinks=", sinks, ": '", part, "' is not a number"));
-    }
-    o.sinks.push_back(x);
-  }
-  if (o.sinks.size() == 1) o.sinks.assign(num_qo_heads, o.sinks[0]);
-  return o;
 }
 
 }  // namespace attnserve

@@ -1,8 +1,9 @@
 // Flags shared by the command-line clients (attnctl, attnbench): the
-// connection's (--target, --token (or $ATTNSERVE_TOKEN), --tls, --tls_ca,
-// --tls_cert, --tls_key, --timeout_s, --connect_timeout_s) and the
-// attention options of their Prefills (--window_left, --soft_cap, --sinks;
-// docs/design.md, "Variants").
+// connection's (client/cli_flags.cc: --target, --token (or
+// $ATTNSERVE_TOKEN), --tls, --tls_ca, --tls_cert, --tls_key, --timeout_s,
+// --connect_timeout_s, --transport_tuning, --grpc_args, --busy_poll) and the
+// attention options of their Prefills (client/variant_flags.cc:
+// --window_left, --soft_cap, --sinks; docs/design.md, "Variants").
 #pragma once
 
 #include <cstdint>

@@ -76,8 +76,8 @@ run() {  # run NAME BINARY SOURCES...
 }
 
 run attnserve "$ATTNSERVE" server/main.cc
-run attnctl "$ATTNCTL" client/attnctl.cc client/cli_flags.cc
-run attnbench "$ATTNBENCH" client/attnbench.cc client/cli_flags.cc
+run attnctl "$ATTNCTL" client/attnctl.cc client/cli_flags.cc client/variant_flags.cc
+run attnbench "$ATTNBENCH" client/attnbench.cc client/cli_flags.cc client/variant_flags.cc
 run attnecho "$ATTNECHO" bench/attnecho.cc
 run tcp_echo "$TCP_ECHO" bench/tcp_echo.cc
 run cluster_decode_bench "$CLUSTER_DECODE_BENCH" bench/cluster_decode_bench.cc

@@ -28,7 +28,9 @@ from attnserve.errors import DeadlineExceeded, NotFound, Unavailable, from_rpc_e
 
 
 class AsyncClient(_Core):
-    """asyncio twin of attnserve.Client (same arguments, same results).
+    """asyncio twin of attnserve.Client (same arguments and results, but for
+    the blocking client's request channels, open_channel / close_channel, and
+    its fetch_info argument).
 
     Make it inside the event loop that will use it. `async with` reads the
     server's info on entry and closes the channel on exit.
