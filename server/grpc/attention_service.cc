@@ -132,12 +132,9 @@ class AttentionServiceImpl::Call final
       // No message: the client gave up (or its deadline passed) while
       // sending, or half-closed without one, or sent more than
       // --max_message_bytes (gRPC then ends the call itself).
-      absl::Status status =
-          ctx_->IsCancelled()
-              ? (ctx_->deadline() <= std::chrono::system_clock::now()
-                     ? absl::DeadlineExceededError("deadline passed while the request arrived")
-                     : absl::CancelledError("cancelled while the request arrived"))
-              : absl::InvalidArgumentError("the call carried no request message");
+      absl::Status status = ctx_->IsCancelled()
+                                ? Abandoned("while the request arrived")
+                                : absl::InvalidArgumentError("the call carried no request message");
       FinishNow(status);
       return;
     }
@@ -297,8 +294,13 @@ class AttentionServiceImpl::Call final
   }
 
   // Why a cancelled call ended: its deadline passed, or the client cancelled.
+  // A client whose deadline passes cancels the call itself, and the server's
+  // copy of the deadline (the client's timeout from the call's arrival) is
+  // later by the request's travel: a cancel within kDeadlineSlack of it is
+  // the deadline's.
   absl::Status Abandoned(absl::string_view when) const {
-    return ctx_->deadline() <= std::chrono::system_clock::now()
+    constexpr auto kDeadlineSlack = std::chrono::milliseconds(100);
+    return ctx_->deadline() <= std::chrono::system_clock::now() + kDeadlineSlack
                ? absl::DeadlineExceededError(absl::StrCat("the call's deadline passed ", when))
                : absl::CancelledError(absl::StrCat("request cancelled by the client ", when));
   }
