@@ -50,6 +50,16 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
   const int64_t off_k = in.Take(n * rb);
   const int64_t off_v = in.Take(has_v ? n * rb : 0);
   if (off_slots < 0 || off_k < 0 || off_v < 0) return absl::InternalError("KV staging overflow");
+  // A failure part-way returns before the synchronize below: what was queued
+  // already (copies into device regions the caller may release next) is
+  // waited for first.
+  struct SyncOnReturn {
+    cudaStream_t stream;
+    bool armed = true;
+    ~SyncOnReturn() {
+      if (armed) cudaStreamSynchronize(stream);
+    }
+  } sync_on_error{compute_};
   std::memcpy(in.At(off_slots), rows.slots + begin, n * 8);
   // k and v: host rows through the pinned staging (one upload with the
   // slots when both are host), device rows (CUDA regions) device to device.
@@ -134,6 +144,7 @@ absl::Status CudaBackend::CopyRowsChunk(const KvRows& rows, int64_t begin, int64
     }
   }
   ATTNSERVE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
+  sync_on_error.armed = false;
   if (!scatter) {
     for (const Stream& st : used) {
       if (!st.on_device) CopyBytes(st.at, in.At(st.off), n * rb);
