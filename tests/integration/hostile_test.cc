@@ -272,7 +272,14 @@ TEST(HostileInputTest, CallsPastTheirDeadlineCountAsDeadlineExceeded) {
   auto pages = (*client)->AllocatePages(64);
   ASSERT_TRUE(pages.ok());
   std::mt19937_64 gen(12);
-  // Seconds of work for the CPU backend: it runs past a 200 ms deadline.
+  // Seconds of work for the CPU backend (tens of seconds under the
+  // sanitizers): it runs past its deadline, which leaves it time to arrive
+  // and be taken by the worker.
+#ifdef ATTNSERVE_SANITIZED
+  constexpr int kSlowDeadlineMs = 3000;
+#else
+  constexpr int kSlowDeadlineMs = 400;
+#endif
   const std::string slow = SlowPrefill(g, *pages, 16384, gen).SerializeAsString();
   const std::string quick = SlowPrefill(g, {(*pages)[0]}, 1, gen).SerializeAsString();
   const double out_before = Metric(**server, "attnserve_transfer_bytes_total",
@@ -296,8 +303,15 @@ TEST(HostileInputTest, CallsPastTheirDeadlineCountAsDeadlineExceeded) {
       EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
     });
   };
-  std::thread running = call(slow, 200);
-  absl::SleepFor(absl::Milliseconds(50));  // it runs; the next waits behind it
+  std::thread running = call(slow, kSlowDeadlineMs);
+  // Once the worker has taken it (its queue wait observed), the next waits
+  // behind it.
+  const absl::Time taken_by = absl::Now() + absl::Seconds(60);
+  while (Metric(**server, "attnserve_queue_wait_seconds_count", "") < 1 && absl::Now() < taken_by) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_GE(Metric(**server, "attnserve_queue_wait_seconds_count", ""), 1)
+      << "the slow Prefill never ran";
   std::thread queued = call(quick, 200);
   running.join();
   queued.join();
