@@ -251,7 +251,7 @@ def _scalar(x, name: str) -> float:
             raise NotImplementedError(f"attnserve does not support a {name} of {x.numel()} "
                                       "values (per-head scales): one scale only")
         x = x.item()
-    value = float(x)
+    value = _float_arg(x, name)
     if not math.isfinite(value):
         raise ValueError(f"{name}={x} must be finite")
     return value

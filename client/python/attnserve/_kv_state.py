@@ -75,6 +75,17 @@ def _call(method: str, *args, **kwargs) -> tuple:
 _START_LEASE = ("<start lease>", (), {})
 
 
+def _checked_layer(layer, num_layers: int, whose: str) -> int:
+    """run()'s layer as an int: TypeError for a non-integer, ValueError for
+    one outside [0, num_layers) (`whose` num_layers: "the server's")."""
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(f"run: layer must be an int, not {type(layer).__name__}")
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"run: layer={int(layer)} is outside [0, {num_layers}) "
+                         f"({whose} num_layers)")
+    return int(layer)
+
+
 def _explained(e: AttnserveError, prefix: str) -> AttnserveError:
     """e's class, code and method, with `prefix` before its details."""
     if isinstance(e, SequencesLost):
@@ -428,13 +439,7 @@ class _State:
     def _check_layer(self, layer) -> int:
         """run()'s layer, before anything is sent: a layer the server does not
         have is refused here, without marking the plan's sequences."""
-        num_layers = self.client.server_info.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise TypeError(f"run: layer must be an int, not {type(layer).__name__}")
-        if not 0 <= layer < num_layers:
-            raise ValueError(f"run: layer={int(layer)} is outside [0, {num_layers}) "
-                             "(the server's num_layers)")
-        return int(layer)
+        return _checked_layer(layer, self.client.server_info.num_layers, "the server's")
 
     def _interrupted(self, flow) -> None:
         """A call of `flow` was interrupted (a cancelled task, KeyboardInterrupt):

@@ -48,7 +48,7 @@ from attnserve import dtypes as _dt
 from attnserve.client import Client
 from attnserve.errors import (AttnserveError, DataLoss, DeadlineExceeded, ResourceExhausted,
                               SequencesLost, StaleIncarnation, Unavailable)
-from attnserve._kv_state import _explained
+from attnserve._kv_state import _checked_layer, _explained
 from attnserve.kv_manager import KvManager, Plan
 from attnserve.merge import merge_states
 from attnserve.results import PrefillResult
@@ -777,11 +777,7 @@ class Cluster:
             raise RuntimeError(f"run: the step {step.step} was planned by another Cluster: run "
                                "it there")
         g = self._geometry
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise TypeError(f"run: layer must be an int, not {type(layer).__name__}")
-        if not 0 <= layer < g["num_layers"]:
-            raise ValueError(f"run: layer={int(layer)} is outside [0, {g['num_layers']}) "
-                             "(the servers' num_layers)")
+        layer = _checked_layer(layer, g["num_layers"], "the servers'")
         if k_new is None:
             raise ValueError("run: k_new is None: every step appends its new tokens' keys "
                              "(MLA: their latent rows)")
