@@ -104,7 +104,7 @@ struct AttentionOptions {
   // p - window_left (with the causal mask: p - window_left .. p). -1: none.
   std::optional<int32_t> window_left;
   // > 0: a scaled logit x becomes logits_soft_cap * tanh(x / logits_soft_cap)
-  // (Gemma 2's). 0: none.
+  // (Gemma 2's). 0: none; otherwise in [1e-30, 1e30].
   std::optional<float> logits_soft_cap;
   // (num_qo_heads) or empty: one logit per query head, natural units, that
   // enters the softmax denominator only (gpt-oss); the LSE includes it. -inf

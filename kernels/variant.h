@@ -138,12 +138,14 @@ struct LogitTransform {
       scale = scale < 0.f ? -scale : scale;
       scale = scale > 1e-30f ? scale : 1e-30f;
     }
-    if (s.soft_cap > 0.f) {
-      t.mul = scale / s.soft_cap;
-      t.cap = s.soft_cap * kLog2e;
-    } else {
-      t.mul = scale * kLog2e;
-    }
+    // The multiplier stays finite, so that a zero dot product gives a zero
+    // logit: scale / c overflows for a tiny cap (every logit is then within
+    // c of 0, and tanh saturates for the others either way), and an FP8 K
+    // scale can push scale * log2(e) past float32 (the other logits of such
+    // a row overflow: no defined result, docs/design.md).
+    const float m = s.soft_cap > 0.f ? scale / s.soft_cap : scale * kLog2e;
+    t.mul = m > 3.4028235e38f ? 3.4028235e38f : (m < -3.4028235e38f ? -3.4028235e38f : m);
+    if (s.soft_cap > 0.f) t.cap = s.soft_cap * kLog2e;
     return t;
   }
   ATTN_HOST_DEVICE bool capped() const { return cap > 0.f; }

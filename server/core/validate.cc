@@ -119,11 +119,14 @@ absl::Status ValidateTensor(const TensorView& t, absl::string_view field, Tensor
 // an MLA server's writes carry one latent row per slot in k and no V; a GQA
 // server's carry V rows beside K's (one left unset entirely is named as
 // such: an MLA client talking to a GQA server).
+// A tensor field the request left out: no dtype, shape, bytes or region.
+static bool TensorUnset(const TensorView& t) {
+  return t.dtype == TensorDType::kUnspecified && t.shape.empty() && t.byte_size() == 0 && !t.region.set;
+}
+
 absl::Status CheckVPresence(const TensorView& v, absl::string_view v_field,
                             absl::string_view k_field, const KvGeometry& geo) {
-  const bool unset = v.dtype == TensorDType::kUnspecified && v.shape.empty() &&
-                     v.byte_size() == 0 && !v.region.set;
-  if (unset == !geo.HasVPool()) return absl::OkStatus();
+  if (TensorUnset(v) == !geo.HasVPool()) return absl::OkStatus();
   if (!geo.HasVPool()) {
     return absl::InvalidArgumentError(absl::StrCat(
         v_field, " must be unset: an MLA server (--attention=mla) takes one latent row per slot "
@@ -214,10 +217,11 @@ absl::Status ValidateOptions(const AttentionOptionsView& o, absl::string_view fi
                      "] (-1: no window)"));
   }
   if (o.logits_soft_cap.has_value() &&
-      !(std::isfinite(*o.logits_soft_cap) && *o.logits_soft_cap >= 0.f)) {
+      !(*o.logits_soft_cap == 0.f ||
+        (*o.logits_soft_cap >= kMinSoftCap && *o.logits_soft_cap <= kMaxSoftCap))) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ".logits_soft_cap=", *o.logits_soft_cap,
-                     " must be finite and at least 0 (0: no soft-cap)"));
+        absl::StrCat(field, ".logits_soft_cap=", *o.logits_soft_cap, " must be 0 (no soft-cap) or in [",
+                     kMinSoftCap, ", ", kMaxSoftCap, "]"));
   }
   if (!o.sinks.empty() && static_cast<int64_t>(o.sinks.size()) != geo.num_qo_heads) {
     return absl::InvalidArgumentError(
@@ -510,7 +514,9 @@ absl::StatusOr<ValidatedPrefill> ValidateAgainstLayout(const PrefillCall& call,
     if (options.sinks == nullptr) seq.sink_index = -1;  // else as the layout says
   }
   const int64_t n_append = layout.num_append;
-  if (n_append > 0 || call.append_k.byte_size() != 0 || call.append_v.byte_size() != 0) {
+  // Append tensors sent without append rows (shape [0, ...]) are checked as
+  // with them: an MLA server refuses any append_v.
+  if (n_append > 0 || !TensorUnset(call.append_k) || !TensorUnset(call.append_v)) {
     const int64_t kv_shape[] = {n_append, geo.num_kv_heads, geo.head_dim};
     const bool has_v = geo.HasVPool();
     ATTN_RETURN_IF_ERROR(CheckVPresence(call.append_v, "append_v", "append_k", geo));

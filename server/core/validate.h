@@ -88,10 +88,14 @@ absl::StatusOr<ValidatedLayout> ValidatePlanLayout(const PrefillLayout& layout,
                                                    const RequestLimits& limits);
 
 // The bounds of AttentionOptions (proto/attnserve/v1/attention.proto): a
-// window of at least -1, a finite soft-cap of at least 0, num_qo_heads sinks
+// window of at least -1, a soft-cap of 0 or in [kMinSoftCap, kMaxSoftCap], num_qo_heads sinks
 // each -inf or finite of magnitude at most kMaxSinkMagnitude. `field` names
 // the message in errors ("options", "layer_options[3]").
 inline constexpr float kMaxSinkMagnitude = 1e30f;
+// A soft-cap's range (models use 20-50): c * log2(e) stays a finite, normal
+// float (the GPU kernels flush subnormals to 0, which would turn the cap off).
+inline constexpr float kMinSoftCap = 1e-30f;
+inline constexpr float kMaxSoftCap = 1e30f;
 // The largest |sm_scale| a Prefill may ask for: a model's scale is near
 // 1/sqrt(head_dim); a larger one would only push ordinary logits past
 // float32's range.

@@ -459,9 +459,13 @@ INSTANTIATE_TEST_SUITE_P(
                     [](F& f) {
                       f.call.options.logits_soft_cap = std::numeric_limits<float>::quiet_NaN();
                     },
-                    kInvalid, "options.logits_soft_cap=nan must be finite and at least 0"},
+                    kInvalid, "options.logits_soft_cap=nan must be 0 (no soft-cap) or in [1e-30, 1e+30]"},
         PrefillCase{"SoftCapNegative", [](F& f) { f.call.options.logits_soft_cap = -1.f; },
-                    kInvalid, "options.logits_soft_cap=-1 must be finite and at least 0"},
+                    kInvalid, "options.logits_soft_cap=-1 must be 0 (no soft-cap) or in [1e-30, 1e+30]"},
+        PrefillCase{"SoftCapSubnormal", [](F& f) { f.call.options.logits_soft_cap = 1e-31f; },
+                    kInvalid, "options.logits_soft_cap=1e-31 must be 0 (no soft-cap) or in [1e-30, 1e+30]"},
+        PrefillCase{"SoftCapPastItsBound", [](F& f) { f.call.options.logits_soft_cap = 2.4e38f; },
+                    kInvalid, "options.logits_soft_cap=2.4e+38 must be 0 (no soft-cap) or in [1e-30, 1e+30]"},
         PrefillCase{"SoftCapInf",
                     [](F& f) {
                       f.call.options.logits_soft_cap = std::numeric_limits<float>::infinity();
@@ -537,6 +541,49 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<PrefillCase>& info) { return info.param.name; });
 
 // A response over max_message_bytes is RESOURCE_EXHAUSTED, one byte under is fine.
+// Append tensors sent with no append rows are checked as with rows: a
+// GQA server takes [0, H, D] K and V of its dtype and refuses another dtype
+// or V missing; an MLA server refuses any append_v, as WriteKV refuses v.
+TEST(ValidatePrefillTest, EmptyAppendTensorsAreCheckedWithoutAppendRows) {
+  PrefillFixture f;
+  f.append_slots.clear();
+  f.k_bytes.clear();
+  f.v_bytes.clear();
+  f.Rebind();
+  f.call.append_k.shape = {0, 2, 64};
+  f.call.append_v.shape = {0, 2, 64};
+  EXPECT_TRUE(f.Validate().ok()) << f.Validate().status();
+  f.call.append_v = {};
+  auto no_v = f.Validate();
+  ASSERT_FALSE(no_v.ok());
+  EXPECT_THAT(std::string(no_v.status().message()), HasSubstr("append_v is unset"));
+  f.call.append_v = {TensorDType::kFp32, {0, 2, 64}, {}};
+  auto fp32 = f.Validate();
+  ASSERT_FALSE(fp32.ok());
+  EXPECT_THAT(std::string(fp32.status().message()), HasSubstr("append_v"));
+
+  PrefillFixture m;
+  m.geo.attention = AttentionKind::kMla;
+  m.geo.num_kv_heads = 1;
+  m.geo.kv_lora_rank = 48;
+  m.geo.qk_rope_head_dim = 16;
+  m.geo.head_dim = 64;
+  m.append_slots.clear();
+  m.k_bytes.clear();
+  m.v_bytes.clear();
+  m.Rebind();
+  m.call.append_k = {};
+  m.call.append_v = {};
+  EXPECT_TRUE(m.Validate().ok()) << m.Validate().status();
+  for (const TensorView& v : {TensorView{TensorDType::kBf16, {0, 1, 64}, {}}, TensorView{TensorDType::kBf16, {}, {}}}) {
+    m.call.append_v = v;
+    auto with_v = m.Validate();
+    ASSERT_FALSE(with_v.ok());
+    EXPECT_EQ(with_v.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(with_v.status().message()), HasSubstr("append_v must be unset"));
+  }
+}
+
 TEST(ValidatePrefillTest, ResponseSizeUsesMaxMessageBytes) {
   PrefillFixture f;
   RequestLimits limits = Limits();

@@ -260,6 +260,33 @@ TEST_P(VariantsCuda, SoftCapRowsAtTheFloor) {
   }
 }
 
+// Soft-caps and scales at the ends of their ranges over keys whose dot
+// product is exactly 0 (row 3 of every page zero in K): scale / c overflows
+// float32 for the tiny cap or the huge scale, which made those logits
+// 0 x inf = NaN; LogitTransform::Of keeps the multiplier finite (as
+// tests/kernels' ExtremeSoftCapsAndScalesOverZeroDotProducts on the CPU).
+TEST_P(VariantsCuda, ExtremeSoftCapsAndScalesOverZeroDotProducts) {
+  std::mt19937_64 rng(20261205);
+  const float cases[][2] = {{0.125f, 1e-30f}, {-0.125f, 1e-30f}, {1e30f, 1e-9f},
+                            {-1e30f, 1e-9f},  {0.125f, 1e30f},   {1e-30f, 1e30f}};
+  for (int d : Dims()) {
+    for (int split = 0; split < 2; ++split) {
+      HostBatch b = NewBatch(d, 16, 4, 16, KvDType::kBf16, 1, 100, &rng);
+      for (const auto& c : cases) {
+        gpu_test::AddSeq(&b, QLen(rng, 100), 200 + static_cast<int>(rng() % 400), 0, true, false, c[0], &rng);
+        b.seqs.back().soft_cap = c[1];
+      }
+      gpu_test::FinishBatch(&b, 1.f, &rng);
+      const size_t row = size_t{4} * d;
+      for (int page = 0; page < b.geo.num_pages; ++page) {
+        std::fill_n(b.k_pool.begin() + (size_t{16} * page + 3) * row, row, uint16_t{0});
+      }
+      const RunResult r = Run(b, split != 0);
+      ASSERT_EQ(r.error, "") << Describe(b, r);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, VariantsCuda, ::testing::ValuesIn(kFamilies),
                          [](const ::testing::TestParamInfo<Family>& info) { return std::string(info.param.name); });
 

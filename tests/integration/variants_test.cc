@@ -320,9 +320,10 @@ TEST(VariantsTest, BadValuesAreRefusedNamingTheField) {
     return cases.back().options;
   };
   add(".window_left=-2 out of range [-1, 2147483647]").window_left = -2;
-  add(".logits_soft_cap=nan must be finite and at least 0").logits_soft_cap = std::nanf("");
-  add(".logits_soft_cap=-0.5 must be finite and at least 0").logits_soft_cap = -0.5f;
-  add(".logits_soft_cap=inf must be finite").logits_soft_cap = kInf;
+  add(".logits_soft_cap=nan must be 0 (no soft-cap) or in [1e-30, 1e+30]").logits_soft_cap = std::nanf("");
+  add(".logits_soft_cap=-0.5 must be 0 (no soft-cap) or in [1e-30, 1e+30]").logits_soft_cap = -0.5f;
+  add(".logits_soft_cap=inf must be 0 (no soft-cap) or in [1e-30, 1e+30]").logits_soft_cap = kInf;
+  add(".logits_soft_cap=2.4e+38 must be 0 (no soft-cap) or in [1e-30, 1e+30]").logits_soft_cap = 2.4e38f;
   add(".sinks has 7 entries, must have num_qo_heads = 8").sinks.assign(7, 0.f);
   {
     AttentionOptions& o = add(".sinks[3]=nan must be -inf (none) or finite");

@@ -512,6 +512,35 @@ TEST(PagedPrefillTest, LargeLogitsStayFinite) {
   CheckAgainstReference(p, RunKernel(p));
 }
 
+// Soft-caps and scales at the ends of their ranges over keys whose dot
+// product is exactly 0 (a zero K row in every page): scale / c overflows
+// float32 for a tiny cap or a huge scale, which made those logits 0 x inf =
+// NaN and the whole row NaN. The multiplier is now kept finite, and the
+// rows match the reference (a uniform softmax for the tiny caps, where every
+// logit is within c of 0).
+TEST(PagedPrefillTest, ExtremeSoftCapsAndScalesOverZeroDotProducts) {
+  std::mt19937_64 gen(20261205);
+  const KvGeometry geo = SmallGeometry(16);
+  const struct {
+    float sm_scale, soft_cap;
+  } cases[] = {{0.125f, 1e-30f}, {-0.125f, 1e-30f}, {1e30f, 1e-9f}, {-1e30f, 1e-9f}, {0.125f, 1e30f},
+               {1e-30f, 1e30f}};
+  std::vector<SeqSpec> specs;
+  for (const auto& c : cases) {
+    specs.push_back(Seq(5, 40, {0, 1, 2}));
+    specs.back().sm_scale = c.sm_scale;
+    specs.back().soft_cap = c.soft_cap;
+  }
+  Problem p = MakeProblem(gen, geo, specs);
+  // Row 3 of every page of layer 0 is zero in K: its dot products are 0.
+  const int64_t row = int64_t{geo.num_kv_heads} * geo.head_dim;
+  for (int32_t page = 0; page < geo.num_pages; ++page) {
+    const int64_t at = (int64_t{page} * geo.page_size + 3) * row;
+    std::fill(p.k_cache.begin() + at, p.k_cache.begin() + at + row, uint16_t{0});
+  }
+  CheckAgainstReference(p, RunKernel(p));
+}
+
 // ------------------------------------------------------------ variants
 
 // The variant conformance suite (docs/design.md, "Variants"): for each page

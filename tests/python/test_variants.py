@@ -148,8 +148,10 @@ def test_plans_carry_options_per_layer(client):
 
 @pytest.mark.parametrize("options,field", [
     (dict(window_left=-2), r"options.window_left=-2 out of range \[-1, 2147483647\]"),
-    (dict(logits_soft_cap=float("nan")), r"options.logits_soft_cap=nan must be finite"),
-    (dict(logits_soft_cap=-1.0), r"options.logits_soft_cap=-1 must be finite and at least 0"),
+    (dict(logits_soft_cap=float("nan")), r"options.logits_soft_cap=nan must be 0 \(no soft-cap\) or in \[1e-30, 1e\+30\]"),
+    (dict(logits_soft_cap=-1.0), r"options.logits_soft_cap=-1 must be 0 \(no soft-cap\) or in \[1e-30, 1e\+30\]"),
+    (dict(logits_soft_cap=1e-31), r"options.logits_soft_cap=1e-31 must be 0 \(no soft-cap\) or in"),
+    (dict(logits_soft_cap=2.4e38), r"options.logits_soft_cap=2.4e\+38 must be 0 \(no soft-cap\) or in \[1e-30, 1e\+30\]"),
     (dict(logits_soft_cap=float("inf")), r"options.logits_soft_cap=inf"),
     (dict(sinks=[0.0] * 7), r"options.sinks has 7 entries, must have num_qo_heads = 8"),
     (dict(sinks=[0.0] * 9), r"options.sinks has more than 8 entries \(num_qo_heads=8\)"),

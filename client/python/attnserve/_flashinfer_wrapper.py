@@ -94,9 +94,9 @@ class _Wrapper:
         if window_left < -1:
             raise ValueError(f"window_left={window_left} must be >= -1 (-1: no window)")
         cap = 0.0 if logits_soft_cap is None else _float_arg(logits_soft_cap, "logits_soft_cap")
-        if not math.isfinite(cap) or cap < 0:
-            raise ValueError(f"logits_soft_cap={logits_soft_cap} must be finite and >= 0 "
-                             "(None or 0: none)")
+        if not (cap == 0 or 1e-30 <= cap <= 1e30):
+            raise ValueError(f"logits_soft_cap={logits_soft_cap} must be None or 0 (no "
+                             "soft-cap) or in [1e-30, 1e30]")
         if sm_scale is not None:
             sm_scale = _float_arg(sm_scale, "sm_scale")
             if not (math.isfinite(sm_scale) and abs(sm_scale) <= 1e30):

@@ -34,7 +34,7 @@ class AttentionOptions:
       before p - window_left (with the causal mask p - window_left .. p);
       -1: none.
     logits_soft_cap: c > 0 turns a scaled logit x into c * tanh(x / c)
-      (Gemma 2's); 0: none.
+      (Gemma 2's); 0: none; otherwise in [1e-30, 1e30].
     sinks: [num_qo_heads] logits in natural units (a list, numpy array or
       torch tensor) that enter the softmax denominator only (gpt-oss's); the
       LSE includes them; -inf is no sink for that head.
