@@ -89,9 +89,11 @@ bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device);
 // persistent overlapped kernel (bench/results/2026-12-01-session7-h200.md,
 // page_size 1): causal 16k / n sequences of n keys, sm90_overlap / sm80
 // TFLOP/s: n = 512 232 / 207, 1024 327 / 259, 2048 424 / 298, 4096 502 /
-// 323, 16k 571 / 349; prefix 32 x 512 over 4096: 521 / 334. Shorter ranges
-// were not measured and stay on sm80.
-inline constexpr int64_t kAutoSm90MinMeanKv = 512;
+// 323, 16k 571 / 349; prefix 32 x 512 over 4096: 521 / 334. Shorter
+// ranges, in the same call (bench/results/2026-12-05-session30-h200.md,
+// page_size 1 / 16): n = 256 191 / 180 against 138 / 139, n = 128 110 / 101
+// against 87 / 88. Below 128 keys it was not measured and stays on sm80.
+inline constexpr int64_t kAutoSm90MinMeanKv = 128;
 
 // The kernel for a batch whose longest sequence packs max_packed_rows rows
 // (q_len * num_qo_heads / num_kv_heads) and whose query rows see

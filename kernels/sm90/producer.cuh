@@ -259,9 +259,26 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
     // stage as the fp16 tile the GEMMs read.
     const uint32_t row_bytes8 = static_cast<uint32_t>(args.p.geo.num_kv_heads) * D;
     const int64_t kv_base8 = ((int64_t)seq.layer * args.slots_per_layer * args.p.geo.num_kv_heads + kvh) * D;
-    auto issue8 = [&](const void* cache, uint32_t dst, const int32_t* slots) {
+    auto issue8 = [&](const void* cache, uint32_t dst, const int32_t* slots, int block) {
       const char* src_base = static_cast<const char*>(cache) + kv_base8;
       constexpr int kCh = D / 16;  // 16-byte chunks of an FP8 row
+      // A whole block's rows are all valid (as in `issue`): the addresses
+      // first, then the copies back to back without the zero-fill operand.
+      // Chunk i * 128 + tid is row i * (128 / kCh) + tid / kCh, chunk tid % kCh.
+      if (!Tr::kTma && kv_begin + (block + 1) * KB <= kv_end) {
+        constexpr int kRowsPerStep = 128 / kCh;
+        const int c = tid % kCh;
+        const char* src[kCh];
+#pragma unroll
+        for (int i = 0; i < kCh; ++i) {
+          const int r = i * kRowsPerStep + tid / kCh;
+          src[i] = src_base + static_cast<uint64_t>(static_cast<uint32_t>(slots[r])) * row_bytes8 + c * 16;
+        }
+#pragma unroll
+        for (int i = 0; i < kCh; ++i) CpAsync16(dst + Fp8Off<D>(i * kRowsPerStep + tid / kCh, c), src[i]);
+        CpAsyncCommit();
+        return;
+      }
       // (Tr::kTma: only a range's partial blocks come this way; a rolled
       // loop leaves the producer registers for its boxes.)
 #pragma unroll(Tr::kTma ? 1 : 4)
@@ -296,7 +313,7 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
     auto land8 = [&](const CUtensorMap* map, const void* cache, int at, uint32_t land, const int32_t* slots,
                      int b) {
       if (!Tr::kTma || !issue_tma8(map, at, slots, land, b)) {
-        issue8(cache, base + at, slots);
+        issue8(cache, base + at, slots, b);
         CpAsyncArriveNoinc(land);
       }
     };
