@@ -58,6 +58,11 @@ struct PrefillTask {
   // request's options; sink_index is 0 for those the sinks enter, -1 for the
   // rest (all of them when sinks is null).
   std::vector<PrefillSeq> seqs;
+  // The request's index of each of seqs, where sequences without query rows
+  // were left out (they read nothing; a Prefill of many such sequences would
+  // otherwise hold about 50 bytes of memory for each 2 bytes of request).
+  // Empty: seqs are the request's sequences, in order.
+  std::vector<int32_t> seq_numbers;
   // (num_qo_heads) sink logits, natural units, or null: the one sink set of
   // this task (PagedPrefillParams::sinks[0 * num_qo_heads + head] as the
   // task's own seqs see it; a backend that packs several tasks rebases

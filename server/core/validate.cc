@@ -281,7 +281,8 @@ absl::Status CheckIncarnation(uint64_t expected, uint64_t incarnation) {
 absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int64_t total_q,
                                                absl::string_view total_name,
                                                const KvGeometry& geo,
-                                               const RequestLimits& limits) {
+                                               const RequestLimits& limits,
+                                               bool keep_empty) {
   // Sequences are bounded like rows, before anything is sized by their count.
   if (static_cast<int64_t>(layout.qo_indptr.size()) > int64_t{limits.max_request_rows} + 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -338,7 +339,11 @@ absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int6
                                                    " entries, must have batch = ", batch,
                                                    " (or none)"));
   }
-  out.seqs.reserve(batch);
+  // Sequences without query rows read nothing; where they are not kept, a
+  // request of many of them (2 bytes each on the wire) holds no memory for
+  // them while it waits.
+  out.seqs.reserve(keep_empty ? batch : std::min(batch, total_q));
+  bool dropped = false;
   for (int64_t b = 0; b < batch; ++b) {
     const int32_t num_pages = layout.kv_indptr[b + 1] - layout.kv_indptr[b];
     int32_t last =
@@ -378,6 +383,14 @@ absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int6
     // The request's one sink set, where it may enter (ValidateAgainstLayout
     // takes it out again when there are no sinks).
     seq.sink_index = !has_apply || layout.apply_sinks[b] ? 0 : -1;
+    if (!keep_empty && seq.q_len == 0) {
+      if (!dropped) {
+        for (size_t k = 0; k < out.seqs.size(); ++k) out.seq_numbers.push_back(static_cast<int32_t>(k));
+        dropped = true;
+      }
+      continue;
+    }
+    if (dropped) out.seq_numbers.push_back(static_cast<int32_t>(b));
     out.seqs.push_back(seq);
   }
   out.num_append = static_cast<int64_t>(layout.append_slots.size());
@@ -576,10 +589,13 @@ absl::StatusOr<ValidatedPrefill> ValidatePrefill(const PrefillCall& call, const 
   const PrefillLayout fields{call.qo_indptr,        call.kv_indptr,    call.kv_indices,
                              call.kv_last_page_len, call.append_slots, call.kv_keys_after,
                              call.apply_sinks};
-  ATTN_ASSIGN_OR_RETURN(ValidatedLayout layout,
-                        ValidateLayout(fields, total_q, "q.shape[0]", geo, limits));
+  // Sequences without query rows are validated and their pages pinned, but
+  // the task leaves them out (PrefillTask::seq_numbers).
+  ATTN_ASSIGN_OR_RETURN(ValidatedLayout layout, ValidateLayout(fields, total_q, "q.shape[0]", geo,
+                                                               limits, /*keep_empty=*/false));
   ATTN_ASSIGN_OR_RETURN(ValidatedPrefill out,
                         ValidateAgainstLayout(call, layout, nullptr, geo, limits));
+  out.task.seq_numbers = std::move(layout.seq_numbers);
   // The task reads the request's own arrays.
   out.task.kv_indices = call.kv_indices.data();
   if (out.task.num_append > 0) out.task.append_slots = call.append_slots.data();

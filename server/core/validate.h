@@ -71,17 +71,23 @@ struct PlanOptions {
 struct ValidatedLayout {
   int64_t total_q = 0;
   std::vector<PrefillSeq> seqs;
+  // Where sequences without query rows were left out (keep_empty false):
+  // the request's index of each of seqs (PrefillTask::seq_numbers); empty
+  // when none was.
+  std::vector<int32_t> seq_numbers;
   std::vector<int32_t> pages;  // kv_indices, then the append slots' pages (repeats allowed)
   int64_t num_append = 0;
 };
 
 // Checks a layout whose qo_indptr must end at total_q (named total_name in
 // errors): indptrs, page ids in range, last-page lengths, kv_keys_after,
-// append slots in range and distinct.
+// append slots in range and distinct. keep_empty false: sequences without
+// query rows are validated (and their pages listed) but not kept in seqs.
 absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int64_t total_q,
                                                absl::string_view total_name,
                                                const KvGeometry& geo,
-                                               const RequestLimits& limits);
+                                               const RequestLimits& limits,
+                                               bool keep_empty = true);
 // A CreatePlan's layout: as ValidateLayout, total_q taken from qo_indptr.
 absl::StatusOr<ValidatedLayout> ValidatePlanLayout(const PrefillLayout& layout,
                                                    const KvGeometry& geo,

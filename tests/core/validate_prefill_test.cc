@@ -301,14 +301,25 @@ TEST(ValidatePrefillTest, EdgeCasesThatAreValid) {
   f.call.append_v = {};
   auto v = f.Validate();
   ASSERT_TRUE(v.ok()) << v.status();
-  ASSERT_EQ(v->task.seqs.size(), 4u);
-  EXPECT_EQ(v->task.seqs[0].q_len, 0);
-  EXPECT_EQ(v->task.seqs[0].kv_len, 16);
+  // Sequences 0 and 2 have no query rows: the task keeps 1 and 3 (their
+  // request numbers in seq_numbers); every page is still pinned.
+  ASSERT_EQ(v->task.seqs.size(), 2u);
+  EXPECT_EQ(v->task.seq_numbers, (std::vector<int32_t>{1, 3}));
+  EXPECT_EQ(v->task.seqs[0].q_start, 0);
+  EXPECT_EQ(v->task.seqs[0].q_len, 4);
+  EXPECT_EQ(v->task.seqs[0].kv_len, 0);
+  EXPECT_EQ(v->task.seqs[1].q_start, 4);
+  EXPECT_EQ(v->task.seqs[1].q_len, 4);
+  EXPECT_EQ(v->task.seqs[1].kv_start, 4);
   EXPECT_EQ(v->task.seqs[1].kv_len, 0);
-  EXPECT_EQ(v->task.seqs[2].kv_len, 2 * 16 + 1);
-  EXPECT_EQ(v->task.seqs[3].kv_len, 0);
   EXPECT_EQ(v->task.num_append, 0);
   EXPECT_EQ(v->pages, (std::vector<int32_t>{3, 3, 0, 3}));
+  // Without empty sequences the task keeps every one, numbered as sent.
+  PrefillFixture full;
+  auto fv = full.Validate();
+  ASSERT_TRUE(fv.ok()) << fv.status();
+  EXPECT_EQ(fv->task.seqs.size(), 2u);
+  EXPECT_TRUE(fv->task.seq_numbers.empty());
   // An empty batch (qo_indptr = {0}) is valid too.
   PrefillFixture e;
   e.qo_indptr = {0};

@@ -59,6 +59,11 @@ TEST(WrittenRowsTest, APrefillMayReadOnlyRowsWrittenInItsLayer) {
   EXPECT_THAT(s.message(), HasSubstr("row 2 was never written"));
   // Layer 1 has none of it.
   EXPECT_FALSE(written.CheckPrefill(Task(1, pages, 1)).ok());
+  // A task that left out sequences without query rows names the sequence by
+  // its number in the request (PrefillTask::seq_numbers).
+  PrefillTask numbered = Task(1, pages, 1);
+  numbered.seq_numbers = {4};
+  EXPECT_THAT(written.CheckPrefill(numbered).message(), HasSubstr("sequence 4 reads rows [0, 1) of page 3"));
 }
 
 TEST(WrittenRowsTest, ARequestsOwnAppendsCount) {

@@ -96,6 +96,26 @@ TEST(KvWrittenTest, APrefillOverUnwrittenRowsIsRefusedNamingThem) {
   EXPECT_TRUE(out.ok()) << out.status();
   // Now written: the same read without the append passes; layer 1 has nothing.
   EXPECT_TRUE(client->Prefill(seq.Args(0)).ok());
+  // Sequences without query rows read nothing: one over an unwritten layer is
+  // not checked, and the error for the one after it names it as the request
+  // numbers it (sequence 2, after an empty sequence 1 the task leaves out).
+  {
+    PrefillArgs a = seq.Args(1);
+    const std::vector<int32_t> qo = {0, 3, 3, 6}, kvp = {0, 0, 2, 4}, idx = {(*pages)[0], (*pages)[1],
+                                                                           (*pages)[0], (*pages)[1]};
+    const std::vector<int32_t> lens = {0, 5, 5};
+    const auto q = RandomHalves(gen, g.dtype, int64_t{6} * g.num_qo_heads * g.head_dim);
+    a.q = q;
+    a.qo_indptr = qo;
+    a.kv_indptr = kvp;
+    a.kv_indices = idx;
+    a.kv_last_page_len = lens;
+    auto refused = client->Prefill(a);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_THAT(refused.status().message(), HasSubstr("sequence 2 reads rows [0, 16) of page "));
+    a.layer = 0;
+    EXPECT_TRUE(client->Prefill(a).ok());
+  }
   EXPECT_EQ(client->Prefill(seq.Args(1)).status().code(), absl::StatusCode::kFailedPrecondition);
 
   // Freed and allocated again, the pages hold nothing of the old owner's.
