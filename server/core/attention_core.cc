@@ -472,9 +472,10 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
   } else {
     validated = ValidatePrefill(call, backend_->Geometry(), limits_, incarnation_);
   }
-  if (validated.ok() && written_ != nullptr) {  // checked in Submit, once owned
-    done = written_->MarkOnSuccess(validated->task.layer, validated->task.append_slots,
-                                   validated->task.num_append, plan, std::move(done));
+  std::function<void()> mark;  // the fused append's rows, once written (checked in Submit, once owned)
+  if (validated.ok() && written_ != nullptr) {
+    mark = written_->Marker(validated->task.layer, validated->task.append_slots,
+                            validated->task.num_append, plan);
   }
   if (!validated.ok()) {
     done(validated.status());
@@ -510,6 +511,7 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
     job->task.o_on_device = o->on_device;
     job->task.lse_on_device = lse->on_device;
     job->task.out_pinned = o->direct && lse->direct;
+    job->on_success = std::move(mark);
     job->done = regions.Wrap(std::move(done), metrics_);
     Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
     return;
@@ -535,6 +537,7 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
     job->task.lse = reinterpret_cast<float*>(out->buffer.data() + out->lse_offset);
     job->task.out_pinned = out->buffer.pinned();
   }
+  job->on_success = std::move(mark);
   job->done = regions.Wrap(std::move(done), metrics_);
   Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
 }
@@ -569,12 +572,11 @@ void AttentionCore::WriteKv(const WriteKvCall& request, DoneCallback done) {
     done(pages.status());
     return;
   }
-  if (written_ != nullptr) {
-    done = written_->MarkOnSuccess(call.layer, call.slots.data(),
-                                   static_cast<int64_t>(call.slots.size()), nullptr,
-                                   std::move(done));
-  }
   auto job = std::make_unique<Job>();
+  if (written_ != nullptr) {
+    job->on_success =
+        written_->Marker(call.layer, call.slots.data(), static_cast<int64_t>(call.slots.size()), nullptr);
+  }
   job->kind = Job::Kind::kWriteKv;
   job->rows.layer = call.layer;
   job->rows.slots = call.slots.data();

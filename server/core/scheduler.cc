@@ -458,6 +458,8 @@ void Scheduler::ReportFault(const absl::Status& status) {
 }
 
 void Scheduler::Finish(std::unique_ptr<Job> job, const absl::Status& status) {
+  // While the job pins its pages, none of them can have another owner.
+  if (status.ok() && job->on_success) job->on_success();
   if (!job->pinned.empty()) {
     // Pages freed while this job was in flight are released now.
     if (pages_->Unpin(job->pinned)) ScrubReleased(nullptr);

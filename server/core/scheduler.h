@@ -65,6 +65,9 @@ struct Job {
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> is_cancelled;  // may be empty
   DoneCallback done;
+  // Run by Finish when the job succeeded, before its pages are unpinned and
+  // before `done` (WrittenRows::Marker); destroyed with the job.
+  std::function<void()> on_success;
   absl::Time enqueued;
 };
 

@@ -151,18 +151,10 @@ absl::Status WrittenRows::CheckPrefill(const PrefillTask& task,
   return absl::OkStatus();
 }
 
-DoneCallback WrittenRows::MarkOnSuccess(int32_t layer, const int64_t* slots, int64_t n,
-                                        std::shared_ptr<const void> keep_alive,
-                                        DoneCallback done) {
-  if (n == 0) return done;
-  return [this, layer, slots, n, keep_alive = std::move(keep_alive),
-          done = std::move(done)](absl::Status status) mutable {
-    if (status.ok()) Mark(layer, slots, n);
-    // Dropped before the answer: a plan held here must not outlive the
-    // request in the client's eyes (its ReleasePlan and FreePages follow).
-    keep_alive.reset();
-    done(std::move(status));
-  };
+std::function<void()> WrittenRows::Marker(int32_t layer, const int64_t* slots, int64_t n,
+                                          std::shared_ptr<const void> keep_alive) {
+  if (n == 0) return nullptr;
+  return [this, layer, slots, n, keep_alive = std::move(keep_alive)] { Mark(layer, slots, n); };
 }
 
 }  // namespace attnserve

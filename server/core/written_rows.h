@@ -13,7 +13,7 @@
 //   WrittenRows written(geometry);
 //   written.Reset(pages);                               // AllocatePages
 //   ATTN_RETURN_IF_ERROR(written.CheckPrefill(task));   // before queueing
-//   done = written.MarkOnSuccess(layer, slots, n, nullptr, std::move(done));
+//   job->on_success = written.Marker(layer, slots, n, nullptr);  // Scheduler::Finish
 //
 // Thread-safe: bits are set from the scheduler's threads while requests are
 // checked on the edge's.
@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -66,11 +67,15 @@ class WrittenRows {
   absl::Status CheckPrefill(const PrefillTask& task,
                             const std::vector<Position>* only = nullptr) const;
 
-  // `done`, which first marks slots[0, n) of `layer` when the request
-  // succeeded. The slots must live until `done` runs; `keep_alive` (e.g. the
-  // plan that holds them) is held until then, and released before `done`.
-  DoneCallback MarkOnSuccess(int32_t layer, const int64_t* slots, int64_t n,
-                             std::shared_ptr<const void> keep_alive, DoneCallback done);
+  // A function that marks slots[0, n) of `layer` (empty for n = 0), for
+  // Job::on_success: the scheduler runs it when the job succeeded, before it
+  // unpins the job's pages, so that a page its owner freed while the job ran
+  // cannot be marked after it was scrubbed and given to another tenant. The
+  // slots must live as long as the function; `keep_alive` (the plan that
+  // holds them) is held by it, and so released with the job, before the
+  // answer.
+  std::function<void()> Marker(int32_t layer, const int64_t* slots, int64_t n,
+                               std::shared_ptr<const void> keep_alive);
 
  private:
   // The first byte of the bits of (layer, page): row r is bit r % 8 of byte

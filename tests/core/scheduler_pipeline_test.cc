@@ -43,6 +43,29 @@ TEST_F(SchedulerTest, PinsAreReleasedBeforeTheDoneCallback) {
   EXPECT_EQ(free_in_callback, 16);
 }
 
+// A job's on_success (the written-rows marks of its appends) runs while its
+// pages are still pinned: a page its owner freed while the job ran is
+// released only after it, so its marks cannot land on the page once it is
+// scrubbed and given to another tenant.
+TEST_F(SchedulerTest, OnSuccessRunsBeforeThePinsAreReleased) {
+  backend_.set_block_first(false);
+  Start(SchedulerOptions{});
+  auto pages = pages_.Allocate("alice", 2);
+  ASSERT_TRUE(pages.ok());
+  ASSERT_TRUE(pages_.PinOwned("alice", *pages, "kv_indices").ok());
+  ASSERT_TRUE(pages_.Free("alice", *pages).ok());
+  absl::Notification done;
+  int free_in_on_success = -1;
+  auto job = Prefill(0, 1);
+  job->pinned = *pages;
+  job->on_success = [&] { free_in_on_success = pages_.FreeCount(); };
+  job->done = [&](absl::Status) { done.Notify(); };
+  MustEnqueue(std::move(job));
+  done.WaitForNotification();
+  EXPECT_EQ(free_in_on_success, 14) << "the pages were released before on_success ran";
+  EXPECT_EQ(pages_.FreeCount(), 16);
+}
+
 // Pipelining (depth 2): while batch 0 runs, the next batch is submitted
 // once its oldest request reaches the delay ceiling, without waiting for
 // batch 0; a third waits for a free slot.

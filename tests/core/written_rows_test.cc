@@ -1,5 +1,7 @@
 #include "server/core/written_rows.h"
 
+#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -161,36 +163,34 @@ TEST(WrittenRowsTest, AllocationForgetsWhatAPageHeld) {
   EXPECT_FALSE(written.CheckPrefill(Task(1, pages, 1)).ok());
 }
 
-TEST(WrittenRowsTest, MarksOnlyWhenTheRequestSucceeded) {
+TEST(WrittenRowsTest, TheMarkerMarksItsSlotsWhenRun) {
+  // The scheduler runs it only for a job that succeeded (Job::on_success;
+  // tests/core/scheduler_pipeline_test.cc).
   WrittenRows written(Geometry());
   const std::vector<int64_t> slots = {0, 1};
   const std::vector<int32_t> pages = {0};
-  int calls = 0;
-  DoneCallback failed = written.MarkOnSuccess(0, slots.data(), 2, nullptr,
-                                              [&](absl::Status) { ++calls; });
-  failed(absl::InternalError("device fault"));
+  std::function<void()> mark = written.Marker(0, slots.data(), 2, nullptr);
+  ASSERT_TRUE(mark);
   EXPECT_FALSE(written.CheckPrefill(Task(0, pages, 2)).ok());
-  DoneCallback ok = written.MarkOnSuccess(0, slots.data(), 2, nullptr,
-                                          [&](absl::Status) { ++calls; });
-  ok(absl::OkStatus());
+  mark();
   EXPECT_TRUE(written.CheckPrefill(Task(0, pages, 2)).ok());
-  EXPECT_EQ(calls, 2);
+  EXPECT_FALSE(written.Marker(0, slots.data(), 0, nullptr));  // nothing to mark
 }
 
-TEST(WrittenRowsTest, WhatTheSlotsLiveInIsReleasedBeforeTheAnswer) {
-  // A plan's slots: its pins must be gone when the client hears back, or its
-  // ReleasePlan and FreePages right after would find the pages still held.
+TEST(WrittenRowsTest, TheMarkerHoldsWhatTheSlotsLiveInAsLongAsItLives) {
+  // A plan's slots: the marker keeps the plan alive, and the job that holds
+  // the marker is destroyed before the client hears back, so that its
+  // ReleasePlan and FreePages right after find the plan's pins gone.
   WrittenRows written(Geometry());
   const std::vector<int64_t> slots = {0};
   auto plan = std::make_shared<std::vector<int64_t>>(slots);
   std::weak_ptr<std::vector<int64_t>> seen = plan;
-  bool released_first = false;
-  DoneCallback done = written.MarkOnSuccess(0, plan->data(), 1, plan, [&](absl::Status) {
-    released_first = seen.expired();
-  });
+  std::function<void()> mark = written.Marker(0, plan->data(), 1, plan);
   plan.reset();
-  done(absl::OkStatus());
-  EXPECT_TRUE(released_first);
+  EXPECT_FALSE(seen.expired());
+  mark();
+  mark = nullptr;
+  EXPECT_TRUE(seen.expired());
 }
 
 }  // namespace
