@@ -472,7 +472,9 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
   } else {
     validated = ValidatePrefill(call, backend_->Geometry(), limits_, incarnation_);
   }
-  std::function<void()> mark;  // the fused append's rows, once written (checked in Submit, once owned)
+  // The fused append's rows, marked once written (they are checked in
+  // Submit, once the pages are known to be the caller's).
+  std::function<void()> mark;
   if (validated.ok() && written_ != nullptr) {
     mark = written_->Marker(validated->task.layer, validated->task.append_slots,
                             validated->task.num_append, plan);

@@ -115,15 +115,15 @@ absl::Status ValidateTensor(const TensorView& t, absl::string_view field, Tensor
   return absl::OkStatus();
 }
 
-// Whether a write's V field (v, append_v) is present as the geometry wants:
-// an MLA server's writes carry one latent row per slot in k and no V; a GQA
-// server's carry V rows beside K's (one left unset entirely is named as
-// such: an MLA client talking to a GQA server).
 // A tensor field the request left out: no dtype, shape, bytes or region.
 static bool TensorUnset(const TensorView& t) {
   return t.dtype == TensorDType::kUnspecified && t.shape.empty() && t.byte_size() == 0 && !t.region.set;
 }
 
+// Whether a write's V field (v, append_v) is present as the geometry wants:
+// an MLA server's writes carry one latent row per slot in k and no V; a GQA
+// server's carry V rows beside K's (one left unset entirely is named as
+// such: an MLA client talking to a GQA server).
 absl::Status CheckVPresence(const TensorView& v, absl::string_view v_field,
                             absl::string_view k_field, const KvGeometry& geo) {
   if (TensorUnset(v) == !geo.HasVPool()) return absl::OkStatus();

@@ -94,9 +94,10 @@ absl::StatusOr<ValidatedLayout> ValidatePlanLayout(const PrefillLayout& layout,
                                                    const RequestLimits& limits);
 
 // The bounds of AttentionOptions (proto/attnserve/v1/attention.proto): a
-// window of at least -1, a soft-cap of 0 or in [kMinSoftCap, kMaxSoftCap], num_qo_heads sinks
-// each -inf or finite of magnitude at most kMaxSinkMagnitude. `field` names
-// the message in errors ("options", "layer_options[3]").
+// window of at least -1, a soft-cap of 0 or in [kMinSoftCap, kMaxSoftCap],
+// num_qo_heads sinks each -inf or finite of magnitude at most
+// kMaxSinkMagnitude. `field` names the message in errors ("options",
+// "layer_options[3]").
 inline constexpr float kMaxSinkMagnitude = 1e30f;
 // A soft-cap's range (models use 20-50): c * log2(e) stays a finite, normal
 // float (the GPU kernels flush subnormals to 0, which would turn the cap off).

@@ -128,7 +128,8 @@ absl::Status WrittenRows::CheckPrefill(const PrefillTask& task,
       if (missing < 0) return absl::OkStatus();
     }
     return absl::FailedPreconditionError(absl::StrCat(
-        "sequence ", task.seq_numbers.empty() ? static_cast<int64_t>(s) : task.seq_numbers[s], " reads rows [0, ", rows, ") of page ", page, " (kv_indices[",
+        "sequence ", task.seq_numbers.empty() ? static_cast<int64_t>(s) : task.seq_numbers[s],
+        " reads rows [0, ", rows, ") of page ", page, " (kv_indices[",
         seq.kv_start + i, "]) in layer ", task.layer, ", but row ", missing,
         " was never written there (by WriteKV, or an append_slots of this or an earlier "
         "Prefill): it would be read as zeros. Write it first, or check kv_last_page_len "
