@@ -13,7 +13,8 @@
 
 ABSL_FLAG(int32_t, window_left, -1,
           "prefill: sliding window, a row at position p sees keys p - window_left .. p; -1: none");
-ABSL_FLAG(float, soft_cap, 0, "prefill: logit soft-cap c, logits become c * tanh(x / c); 0: none");
+ABSL_FLAG(float, soft_cap, 0,
+          "prefill: logit soft-cap c, logits become c * tanh(x / c); 0: none, otherwise in [1e-30, 1e30]");
 ABSL_FLAG(std::string, sinks, "",
           "prefill: attention sinks, one logit per query head: 'random', one number for every "
           "head, or num_qo_heads comma-separated numbers; empty: none");
