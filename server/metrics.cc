@@ -137,6 +137,13 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                            .Help("Leases ended, by reason (expired: not renewed within the ttl; "
                                  "revoked: RevokeLease; release_holdings: ReleaseHoldings)")
                            .Register(*registry_);
+  given_up_ = &prometheus::BuildCounter()
+                   .Name("attnserve_given_up_requests_total")
+                   .Help("Prefill requests whose attention the backend stopped, or never began, "
+                         "because their caller had given up (cancelled, or its deadline passed) "
+                         "while their batch ran (the CPU backend)")
+                   .Register(*registry_)
+                   .Add({});
   auto& released = prometheus::BuildCounter()
                        .Name("attnserve_holdings_released_total")
                        .Help("Pages, plans, regions and channels released with a lease or by "
@@ -277,6 +284,10 @@ void Metrics::ObserveKernel(Kernel kernel, int launches, double seconds) {
   if (launches <= 0) return;
   kernel_launches_[static_cast<int>(kernel)]->Increment(launches);
   kernel_duration_[static_cast<int>(kernel)]->Observe(seconds);
+}
+
+void Metrics::AddGivenUp(int tasks) {
+  if (tasks > 0) given_up_->Increment(tasks);
 }
 
 void Metrics::ObserveStage(Stage stage, double seconds) {

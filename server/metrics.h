@@ -98,6 +98,9 @@ class Metrics {
   enum class RequestStage { kParse, kAdmit, kRespond, kSend };
   void ObserveRequestStage(RequestStage stage, double seconds);
   void SetKvPages(int64_t free_pages, int64_t used_pages);
+  // Prefill requests whose attention the backend stopped because their
+  // caller had given up (a cancelled call, its deadline passed).
+  void AddGivenUp(int tasks);
   // Bytes moved, by path: kInline counts whole requests and responses
   // (tensors and framing); kSystem and kCuda the tensor bytes that
   // successful requests read from and wrote to regions of that kind.
@@ -157,6 +160,7 @@ class Metrics {
   prometheus::Gauge* inflight_;
   prometheus::Family<prometheus::Gauge>* tenant_leases_;
   prometheus::Counter* leases_ended_[3];
+  prometheus::Counter* given_up_;
   prometheus::Counter* released_[3][4];  // [Release][pages, plans, regions, channels]
 };
 

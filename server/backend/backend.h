@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -85,7 +86,8 @@ struct PrefillTask {
   bool append_v_on_device = false;
   bool append_k_pinned = false;
   bool append_v_pinned = false;
-  // Outputs. Every byte of both is written when the batch completes.
+  // Outputs. Every byte of both is written when the batch completes, unless
+  // given_up returned true.
   void* o = nullptr;                      // (total_q, num_qo_heads, VDim())
   float* lse = nullptr;                   // (total_q, num_qo_heads)
   bool o_on_device = false;
@@ -94,6 +96,11 @@ struct PrefillTask {
   // this backend's AllocateOutput, a page-locked system region): the device
   // may copy into them directly instead of through staging.
   bool out_pinned = false;
+  // May be empty. True once the caller has given up on the request (a
+  // cancelled gRPC call, which is never answered after that): a backend
+  // that computes on the host may stop the task's attention there and leave
+  // its outputs unwritten. Its fused append is done either way.
+  std::function<bool()> given_up;
 };
 
 // What one batch cost, for metrics. Kernel durations in seconds: device time
@@ -109,6 +116,9 @@ struct BatchStats {
   int32_t append_launches = 0;   // fused appends of a Prefill batch
   int32_t kv_rows_launches = 0;  // WriteKV scatters and ReadKV gathers
   int32_t zero_launches = 0;     // freed pages zeroed
+  // Tasks whose attention stopped, or never began, because their caller had
+  // given up (PrefillTask::given_up).
+  int32_t given_up_tasks = 0;
   double attention_seconds = 0;
   double attention_decode_seconds = 0;
   double merge_seconds = 0;
@@ -127,6 +137,7 @@ struct BatchStats {
     append_launches += o.append_launches;
     kv_rows_launches += o.kv_rows_launches;
     zero_launches += o.zero_launches;
+    given_up_tasks += o.given_up_tasks;
     attention_seconds += o.attention_seconds;
     attention_decode_seconds += o.attention_decode_seconds;
     merge_seconds += o.merge_seconds;

@@ -323,6 +323,7 @@ void Scheduler::SubmitBatch(std::vector<std::unique_ptr<Job>>& work) {
   submit_tasks_.clear();
   for (auto& job : work) {
     batch.rows += job->task.total_q;
+    job->task.given_up = job->is_cancelled;
     submit_tasks_.push_back(std::move(job->task));
   }
   const absl::Status status = backend_->Submit(submit_tasks_, &batch.stats);
@@ -398,9 +399,17 @@ void Scheduler::RunJob(std::unique_ptr<Job> job) {
     case Job::Kind::kReadKv:
       status = backend_->ReadKv(job->rows, &stats);
       break;
-    case Job::Kind::kMerge:
+    case Job::Kind::kMerge: {
+      // One `merge` launch, timed here: its wall time (the backend merges
+      // on the host, or on the device and waits for it).
+      const absl::Time start = absl::Now();
       status = backend_->MergeStates(job->merge, job->merge_on_device);
+      if (status.ok() && job->merge.n > 0) {
+        stats.merge_launches = 1;
+        stats.merge_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+      }
       break;
+    }
     case Job::Kind::kScrub:
       status = backend_->ZeroPages(job->scrub, &stats);
       if (status.ok()) {
@@ -440,6 +449,7 @@ void Scheduler::ObserveStats(const BatchStats& stats) {
   metrics_->ObserveKernel(Metrics::Kernel::kAppend, stats.append_launches, stats.append_seconds);
   metrics_->ObserveKernel(Metrics::Kernel::kKvRows, stats.kv_rows_launches, stats.kv_rows_seconds);
   metrics_->ObserveKernel(Metrics::Kernel::kZeroPages, stats.zero_launches, stats.zero_seconds);
+  metrics_->AddGivenUp(stats.given_up_tasks);
   if (stats.attention_launches > 0 || stats.submit_seconds > 0) {
     metrics_->ObserveStage(Metrics::Stage::kSubmit, stats.submit_seconds);
     metrics_->ObserveStage(Metrics::Stage::kWait, stats.wait_seconds);

@@ -368,6 +368,15 @@ absl::StatusOr<ValidatedLayout> ValidateLayout(const PrefillLayout& layout, int6
       return absl::InvalidArgumentError(absl::StrCat("sequence ", b, " has ", kv_len,
                                                      " KV tokens, at most ", INT32_MAX));
     }
+    // A sequence's keys are distinct rows of one layer, so no sequence has
+    // more than a layer's slots; past them its pages repeat, and each
+    // repeat would multiply the request's work (docs/security.md).
+    if (kv_len > geo.SlotsPerLayer()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence ", b, " has ", kv_len, " KV tokens (", num_pages,
+          " kv_indices), more than the cache's num_pages x page_size = ", geo.SlotsPerLayer(),
+          " rows a layer: its kv_indices must repeat a page"));
+    }
     seq.kv_len = static_cast<int32_t>(kv_len);
     if (has_after) {
       // The whole sequence's length, kv_len + kv_keys_after, must fit int32.

@@ -199,8 +199,16 @@ class AttentionServiceImpl::Call final
     if (deadline != std::chrono::system_clock::time_point::max()) {
       c->deadline = absl::FromChrono(deadline);
     }
-    grpc::CallbackServerContext* ctx = ctx_;
-    c->is_cancelled = [ctx] { return ctx->IsCancelled(); };
+    // The reactor, not gRPC's context: the core's done callback holds a
+    // reference to the reactor until it has run, while the context may go
+    // once the call is done (a call answered by the drain, say).
+    c->is_cancelled = [this] { return given_up(); };
+  }
+
+  // The call will not be answered with the core's result: its client gave
+  // up (OnCancel), or it was answered already (the drain's abandonment).
+  bool given_up() const {
+    return cancelled_.load(std::memory_order_acquire) || finished();
   }
 
   void set_shape(Metrics::Shape shape) { shape_ = shape; }
@@ -286,6 +294,7 @@ class AttentionServiceImpl::Call final
   bool finished() const { return claimed_.load(std::memory_order_acquire); }
 
   void OnCancel() override {
+    cancelled_.store(true, std::memory_order_release);
     // Queued work leaves the queue now, answered as the client saw it end;
     // the core then finishes the call.
     if (!finished() && !tenant_.empty()) {
@@ -335,6 +344,7 @@ class AttentionServiceImpl::Call final
   std::atomic<bool> reading_{false};  // admitted, its request being read
   std::atomic<bool> read_done_{false};
   std::atomic<bool> claimed_{false};
+  std::atomic<bool> cancelled_{false};  // OnCancel has run
   std::atomic<int> refs_{1};  // gRPC's, until OnDone
 };
 

@@ -1,10 +1,12 @@
 // The CPU backend with inline inputs that arrived in pieces (ScatterList) or
 // at odd addresses, as the edge hands them over, flattened a chunk at a time:
 // every result is bit for bit what the same inputs give as aligned
-// contiguous arrays.
+// contiguous arrays. And a task whose caller may give up: run in groups of
+// bounded work, the same bits, and nothing computed once it has given up.
 #include "server/backend/cpu/cpu_backend.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -206,6 +208,114 @@ TEST(CpuBackendTest, ScatteredAndMisalignedInputsGiveTheContiguousResults) {
   EXPECT_GT(nonzero_after, (total_q - 2100) * q_row / 2);
   EXPECT_EQ(contiguous.lse[2099 * g.num_qo_heads], -std::numeric_limits<float>::infinity());
   EXPECT_TRUE(std::isfinite(contiguous.lse[2100 * g.num_qo_heads]));
+}
+
+// Three sequences (40 rows over 32 keys, causal; 1 row over 20 keys; 30
+// rows over 16 keys, not causal) with give_up_scores 1,024: five groups of 8
+// rows of the first (4 heads x 32 keys x 8 rows = 1,024), the second alone
+// (80 more would pass 1,024), then 16 rows and 14 rows of the third (4 x 16
+// keys x 16 = 1,024): 8 groups in all.
+TEST(CpuBackendTest, ATaskWhoseCallerMayGiveUpRunsInGroupsAndStopsWhenItHas) {
+  const KvGeometry g = Geo();
+  std::mt19937 rng(5);
+  const int64_t rows_kv = int64_t{g.num_pages} * g.page_size;
+  std::vector<int64_t> all(rows_kv);
+  for (int64_t i = 0; i < rows_kv; ++i) all[i] = i;
+  const std::vector<uint16_t> k = RandomBf16(&rng, rows_kv * g.RowElems());
+  const std::vector<uint16_t> v = RandomBf16(&rng, rows_kv * g.RowElems());
+  const int32_t total_q = 71;
+  const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim;
+  const std::vector<uint16_t> q = RandomBf16(&rng, total_q * q_row);
+  const std::vector<int32_t> kv_indices = {7, 2, 5, 0, 1, 3, 6, 4, 3, 6, 0, 7, 2, 5, 1, 4, 0};
+  std::vector<PrefillSeq> seqs(3);
+  seqs[0].q_len = 40;
+  seqs[0].kv_len = 32;
+  seqs[1].q_start = 40;
+  seqs[1].q_len = 1;
+  seqs[1].kv_start = 8;
+  seqs[1].kv_len = 20;
+  seqs[2].q_start = 41;
+  seqs[2].q_len = 30;
+  seqs[2].kv_start = 13;
+  seqs[2].kv_len = 16;
+  seqs[2].causal = 0;
+  for (PrefillSeq& s : seqs) {
+    s.layer = 1;
+    s.sm_scale = 0.125f;
+  }
+  // Runs the task on a fresh backend (give_up_scores 1,024) with outputs
+  // poisoned; given_up, when set, answers true from its `stop_at`th call on.
+  struct Result {
+    std::vector<uint16_t> o;
+    std::vector<float> lse;
+    int calls = 0;
+    BatchStats stats;
+  };
+  auto run = [&](bool may_give_up, int stop_at, bool pieces = false) {
+    auto backend = CpuBackend::Create(g, 1024);
+    EXPECT_TRUE(backend.ok());
+    KvRows rows;
+    rows.layer = 1;
+    rows.slots = all.data();
+    rows.n = rows_kv;
+    rows.k = const_cast<uint16_t*>(k.data());
+    rows.v = const_cast<uint16_t*>(v.data());
+    EXPECT_TRUE((*backend)->WriteKv(rows, nullptr).ok());
+    Result r;
+    r.o.assign(q.size(), 0x7fc1);  // NaN
+    r.lse.assign(size_t{total_q} * g.num_qo_heads, 12345.f);
+    PrefillTask t;
+    t.layer = 1;
+    t.total_q = total_q;
+    t.seqs = seqs;
+    t.kv_indices = kv_indices.data();
+    t.num_kv_indices = static_cast<int32_t>(kv_indices.size());
+    ValuePieces q_pieces(q, 7);
+    if (pieces) {
+      t.q_scattered = q_pieces.list;  // flattened a chunk at a time
+    } else {
+      t.q = q.data();
+    }
+    t.o = r.o.data();
+    t.lse = r.lse.data();
+    if (may_give_up) t.given_up = [&r, stop_at] { return ++r.calls >= stop_at; };
+    EXPECT_TRUE((*backend)->Submit({t}, nullptr).ok());
+    EXPECT_TRUE((*backend)->Complete(&r.stats).ok());
+    return r;
+  };
+  const Result whole = run(false, 0);
+  for (uint16_t h : whole.o) ASSERT_NE(h, 0x7fc1);
+  for (float l : whole.lse) ASSERT_NE(l, 12345.f);
+  // Never giving up: one look before each of the 8 groups, the same bits.
+  const Result grouped = run(true, 1 << 30);
+  EXPECT_EQ(grouped.calls, 8);
+  EXPECT_EQ(grouped.stats.given_up_tasks, 0);
+  EXPECT_TRUE(grouped.o == whole.o);
+  EXPECT_EQ(std::memcmp(grouped.lse.data(), whole.lse.data(), whole.lse.size() * 4), 0);
+  // A query in pieces, flattened a chunk at a time: chunks of the same rows.
+  const Result flat = run(true, 1 << 30, true);
+  EXPECT_EQ(flat.calls, 8);
+  EXPECT_TRUE(flat.o == whole.o);
+  EXPECT_EQ(std::memcmp(flat.lse.data(), whole.lse.data(), whole.lse.size() * 4), 0);
+  // Giving up at the fourth look: the first three groups (24 rows of the
+  // first sequence) are computed, nothing after them is.
+  for (bool pieces : {false, true}) {
+    SCOPED_TRACE(pieces);
+    const Result stopped = run(true, 4, pieces);
+    EXPECT_EQ(stopped.calls, 4);
+    EXPECT_EQ(stopped.stats.given_up_tasks, 1);
+    const int64_t done = 24;
+    for (int64_t i = 0; i < total_q * q_row; ++i) {
+      ASSERT_EQ(stopped.o[i], i < done * q_row ? whole.o[i] : uint16_t{0x7fc1}) << i;
+    }
+    for (int64_t i = 0; i < total_q * g.num_qo_heads; ++i) {
+      ASSERT_EQ(stopped.lse[i], i < done * g.num_qo_heads ? whole.lse[i] : 12345.f) << i;
+    }
+  }
+  // Given up before the first group: nothing at all.
+  const Result none = run(true, 1);
+  EXPECT_EQ(none.calls, 1);
+  for (uint16_t h : none.o) ASSERT_EQ(h, 0x7fc1);
 }
 
 }  // namespace

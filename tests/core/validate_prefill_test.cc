@@ -337,6 +337,20 @@ TEST(ValidatePrefillTest, EdgeCasesThatAreValid) {
   EXPECT_TRUE(ev->task.seqs.empty());
 }
 
+TEST(ValidatePrefillTest, ASequenceMayHoldEveryRowOfALayer) {
+  // 10 pages of 16 rows: a sequence of 10 page ids with a full last page
+  // has 160 keys, the most a layer holds (here with a page repeated, as a
+  // shared prefix may list its pages in several sequences).
+  PrefillFixture f;
+  f.kv_indptr = {0, 2, 12};
+  f.kv_indices = {4, 1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 8};
+  f.kv_last_page_len = {4, 16};
+  f.Rebind();
+  auto v = f.Validate();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->task.seqs[1].kv_len, 160);
+}
+
 TEST(ValidatePrefillTest, LastPageLenMayBeOmittedOnlyAtPageSizeOne) {
   PrefillFixture f;
   f.geo = Geo(1);
@@ -458,6 +472,17 @@ INSTANTIATE_TEST_SUITE_P(
         PrefillCase{"KvKeysAfterPastInt32",
                     [](F& f) { f.kv_keys_after = {INT32_MAX - 19, 0}; f.Rebind(); },
                     kInvalid, "kv_keys_after[0]=2147483628 out of range [0, 2147483627]"},
+        // 10 pages of 16 rows: a sequence of 11 page ids (167 keys) must
+        // repeat one.
+        PrefillCase{"SequencePastTheCache",
+                    [](F& f) {
+                      f.kv_indptr = {0, 2, 13};
+                      f.kv_indices = {4, 1, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7};
+                      f.Rebind();
+                    },
+                    kInvalid,
+                    "sequence 1 has 167 KV tokens (11 kv_indices), more than the cache's "
+                    "num_pages x page_size = 160 rows a layer: its kv_indices must repeat a page"},
         PrefillCase{"ApplySinksSize",
                     [](F& f) {
                       f.num_apply_sinks = 3;

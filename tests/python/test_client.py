@@ -194,7 +194,9 @@ def test_torch_in_torch_out(client):
     client.free_pages(pages)
 
 
-def test_merge_states_matches_reference(client):
+def test_merge_states_matches_reference(server, client):
+    merges = 'attnserve_kernel_launches_total{kernel="merge"}'
+    merges_before = server.metric(merges)
     rng = np.random.default_rng(5)
     n, h, d = 6, 8, 64
     states = []
@@ -215,6 +217,8 @@ def test_merge_states_matches_reference(client):
                                   for v, l in states])
     assert tv.dtype == torch.bfloat16
     assert np.array_equal(tv.float().numpy(), client.merge_states(states)[0])
+    # Each MergeStates is one `merge` launch in the kernel metrics.
+    assert server.metric(merges) == merges_before + 4
 
 
 def heavy_prefill_args(client, pages):

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -115,15 +116,16 @@ def test_an_unknown_method_is_unimplemented_without_reading_its_body(tokens):
 
 def test_a_tenants_plans_hold_at_most_their_bytes():
     """--max_plan_bytes_per_tenant bounds what CreatePlan keeps (a plan holds
-    its layout's arrays, about 16 bytes a kv index, for up to
-    --plan_idle_timeout_s): a layout of one page repeated 30,000 times takes
-    about 480 KB, so the third of them passes 1 MiB."""
+    its layout's arrays, about 16 bytes a kv index and 48 a sequence, for up
+    to --plan_idle_timeout_s): 1,500 sequences that each list one page 16
+    times (a shared prefix; 241 keys, within the cache's 16 x 16 rows a
+    layer) take about 460 KB, so the third such plan passes 1 MiB."""
     with TestServer(num_pages=16, extra_flags=["--max_plan_bytes_per_tenant=1048576"]) as server:
         client = attnserve.Client(server.address, timeout=30)
         page = client.allocate_pages(1)[0]
-        n = 30000
-        layout = dict(qo_indptr=[0, 1], kv_indptr=[0, n], kv_indices=[page] * n,
-                      kv_last_page_len=[1])
+        seqs, per = 1500, 16
+        layout = dict(qo_indptr=[0] + [1] * seqs, kv_indptr=[per * b for b in range(seqs + 1)],
+                      kv_indices=[page] * (seqs * per), kv_last_page_len=[1] * seqs)
         plans = [client.create_plan(**layout) for _ in range(2)]
         with pytest.raises(attnserve.ResourceExhausted,
                            match=r"the plan takes \d+ bytes of server memory and the tenant's 2 "
@@ -138,3 +140,32 @@ def test_a_tenants_plans_hold_at_most_their_bytes():
     for bad in ("--max_plan_bytes_per_tenant=1048575", "--max_plan_bytes_per_tenant=-1"):
         with pytest.raises(RuntimeError, match="must be at least 1048576"):
             TestServer(extra_flags=[bad]).stop()
+
+
+def test_a_prefill_whose_caller_gave_up_stops_on_the_cpu_backend():
+    """The CPU backend runs a request in groups of bounded work and stops
+    once its caller has given up (docs/security.md, "What a request's work
+    costs"): a Prefill of 1,024 rows x 32 heads over 32,768 keys (over ten
+    seconds of two cores) whose deadline passes after 0.5 s stops there,
+    attnserve_given_up_requests_total counts it, and the next request is
+    answered instead of waiting for the rest."""
+    flags = ["--check_kv_written=false"]  # unwritten rows read as zeros: the work is the same
+    with TestServer(num_pages=2048, num_qo_heads=32, num_kv_heads=4, head_dim=128,
+                    extra_flags=flags) as server:
+        client = attnserve.Client(server.address, timeout=60)
+        g = client.server_info
+        pages = client.allocate_pages(2048)
+        rng = np.random.default_rng(11)
+        q = rng.standard_normal((1024, g.num_qo_heads, g.head_dim)).astype(np.float32)
+        with pytest.raises(attnserve.DeadlineExceeded):
+            client.prefill(0, q, [0, 1024], [0, 2048], pages, [16], causal=False, timeout=0.5)
+        given_up = 'attnserve_given_up_requests_total'
+        for _ in range(600):
+            if server.metric(given_up) >= 1:
+                break
+            time.sleep(0.1)
+        assert server.metric(given_up) == 1
+        small = client.prefill(0, q[:2], [0, 2], [0, 1], pages[:1], [16], timeout=30)
+        assert np.isfinite(small.lse).all()
+        client.free_pages(pages)
+        client.close()

@@ -41,10 +41,23 @@ const void* Rows(const void* data, const ScatterList& scattered, int64_t row_byt
   return scratch->data();
 }
 
+// A sequence's query rows [first, first + n) as a sequence of their own
+// that keeps their key positions (kernels/variant.h's QueryPos: row i of
+// q_len is at i + kv_len - q_len + causal_shift), so the causal diagonal and
+// the window stay where they were; q_start moves by `first`.
+PrefillSeq RowsOf(const PrefillSeq& seq, int32_t first, int32_t n) {
+  PrefillSeq part = seq;
+  part.q_start = seq.q_start + first;
+  part.q_len = n;
+  part.causal_shift = seq.causal_shift + first + n - seq.q_len;
+  return part;
+}
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> CpuBackend::Create(const KvGeometry& geometry) {
-  std::unique_ptr<CpuBackend> backend(new CpuBackend(geometry));
+absl::StatusOr<std::unique_ptr<Backend>> CpuBackend::Create(const KvGeometry& geometry,
+                                                            int64_t give_up_scores) {
+  std::unique_ptr<CpuBackend> backend(new CpuBackend(geometry, std::max<int64_t>(1, give_up_scores)));
   try {
     // MLA: the latent pool alone.
     backend->k_pool_.assign(geometry.PoolBytes(), 0);
@@ -92,7 +105,7 @@ void CpuBackend::Append(int32_t layer, const int64_t* slots, int64_t n, const vo
   }
 }
 
-void CpuBackend::Attend(const PrefillTask& t) {
+bool CpuBackend::Attend(const PrefillTask& t) {
   PagedPrefillParams p;
   p.k_cache = k_pool_.data();
   p.v_cache = geo_.HasVPool() ? v_pool_.data() : k_pool_.data();  // MLA: V is in K's rows
@@ -101,41 +114,73 @@ void CpuBackend::Attend(const PrefillTask& t) {
   p.k_scales = k_scales_.data();
   p.v_scales = v_scales_.data();
   p.geo = geo_;
-  if (!NeedsFlat(t.q, t.q_scattered)) {
-    p.q = t.q;
-    p.o = t.o;
-    p.lse = t.lse;
+  const int64_t o_row_bytes = geo_.ORowElems() * geo_.QElemBytes();
+  if (NeedsFlat(t.q, t.q_scattered)) {
+    // The query flattened a chunk of rows at a time, each chunk of a
+    // sequence run as a sequence of its own (RowsOf) over the chunk; where
+    // the caller may give up, a chunk is also at most give_up_scores_ of
+    // work (below).
+    const int64_t row_bytes = geo_.QRowElems() * geo_.QElemBytes();
+    const int64_t flat_rows = std::max<int64_t>(1, kFlatChunkBytes / row_bytes);
+    std::vector<uint16_t> q_flat;
+    for (const PrefillSeq& seq : t.seqs) {
+      const int64_t row_scores = int64_t{geo_.num_qo_heads} * std::max<int32_t>(seq.kv_len, 1);
+      const int32_t chunk = static_cast<int32_t>(
+          t.given_up ? std::clamp<int64_t>(give_up_scores_ / row_scores, 1, flat_rows) : flat_rows);
+      for (int32_t first = 0; first < seq.q_len; first += chunk) {
+        if (t.given_up && t.given_up()) return false;
+        PrefillSeq part = RowsOf(seq, first, std::min(chunk, seq.q_len - first));
+        const int64_t row = part.q_start;
+        part.q_start = 0;
+        p.q = Rows(t.q, t.q_scattered, row_bytes, row, part.q_len, &q_flat);
+        p.o = static_cast<char*>(t.o) + row * o_row_bytes;
+        p.lse = t.lse + row * geo_.num_qo_heads;
+        p.seqs = &part;
+        p.num_seqs = 1;
+        p.total_q = part.q_len;
+        PagedPrefillCpu(p);
+      }
+    }
+    return true;
+  }
+  p.q = t.q;
+  p.o = t.o;
+  p.lse = t.lse;
+  p.total_q = t.total_q;
+  if (!t.given_up) {
     p.seqs = t.seqs.data();
     p.num_seqs = static_cast<int32_t>(t.seqs.size());
-    p.total_q = t.total_q;
     PagedPrefillCpu(p);
-    return;
+    return true;
   }
-  // The query flattened a chunk of rows at a time. Each chunk of a sequence
-  // runs as a sequence of its own whose rows keep their key positions
-  // (kernels/variant.h's QueryPos: row i of q_len is at i + kv_len - q_len +
-  // causal_shift), so the causal diagonal and the window stay where they
-  // were; every row is computed on its own, so the results are the same bits.
-  const int64_t row_bytes = geo_.QRowElems() * geo_.QElemBytes();
-  const int64_t o_row_bytes = geo_.ORowElems() * geo_.QElemBytes();
-  const int32_t chunk = static_cast<int32_t>(std::max<int64_t>(1, kFlatChunkBytes / row_bytes));
-  std::vector<uint16_t> q_flat;
+  // A caller that may give up: the task runs in groups of sequences (or of
+  // a long sequence's rows, RowsOf) of about give_up_scores_ of work (rows
+  // x query heads x keys) each, and stops between two when given_up says so.
+  std::vector<PrefillSeq> group;
+  int64_t group_scores = 0;
+  auto run_group = [&] {
+    p.seqs = group.data();
+    p.num_seqs = static_cast<int32_t>(group.size());
+    PagedPrefillCpu(p);
+    group.clear();
+    group_scores = 0;
+  };
   for (const PrefillSeq& seq : t.seqs) {
-    for (int32_t first = 0; first < seq.q_len; first += chunk) {
-      PrefillSeq part = seq;
-      part.q_start = 0;
-      part.q_len = std::min(chunk, seq.q_len - first);
-      part.causal_shift = seq.causal_shift + first + part.q_len - seq.q_len;
-      const int64_t row = int64_t{seq.q_start} + first;
-      p.q = Rows(t.q, t.q_scattered, row_bytes, row, part.q_len, &q_flat);
-      p.o = static_cast<char*>(t.o) + row * o_row_bytes;
-      p.lse = t.lse + row * geo_.num_qo_heads;
-      p.seqs = &part;
-      p.num_seqs = 1;
-      p.total_q = part.q_len;
-      PagedPrefillCpu(p);
+    const int64_t row_scores = int64_t{geo_.num_qo_heads} * std::max<int32_t>(seq.kv_len, 1);
+    const int32_t rows = static_cast<int32_t>(
+        std::clamp<int64_t>(give_up_scores_ / row_scores, 1, std::max<int32_t>(seq.q_len, 1)));
+    for (int32_t first = 0; first < seq.q_len; first += rows) {
+      const int32_t n = std::min(rows, seq.q_len - first);
+      if (group.empty() || group_scores + n * row_scores > give_up_scores_) {
+        if (!group.empty()) run_group();
+        if (t.given_up()) return false;
+      }
+      group.push_back(RowsOf(seq, first, n));
+      group_scores += n * row_scores;
     }
   }
+  if (!group.empty()) run_group();
+  return true;
 }
 
 absl::Status CpuBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats* stats) {
@@ -150,7 +195,7 @@ absl::Status CpuBackend::Submit(absl::Span<const PrefillTask> tasks, BatchStats*
   }
   const absl::Time appended = absl::Now();
   s.append_seconds = absl::ToDoubleSeconds(appended - start);
-  for (const PrefillTask& t : tasks) Attend(t);
+  for (const PrefillTask& t : tasks) s.given_up_tasks += Attend(t) ? 0 : 1;
   // The CPU backend's "launch" is one pass over the whole batch.
   s.attention_launches = 1;
   s.attention_seconds = absl::ToDoubleSeconds(absl::Now() - appended);
@@ -168,6 +213,7 @@ absl::Status CpuBackend::Complete(BatchStats* stats) {
   stats->append_seconds += pending_stats_.append_seconds;
   stats->attention_launches += pending_stats_.attention_launches;
   stats->attention_seconds += pending_stats_.attention_seconds;
+  stats->given_up_tasks += pending_stats_.given_up_tasks;
   return absl::OkStatus();
 }
 
