@@ -620,6 +620,32 @@ def test_futures_overlap_and_agree(cache):
         assert torch.equal(o, w.run(q, cache[0]))
 
 
+def test_plan_while_runs_are_in_flight(cache, client):
+    """The next step's plan() may come while the last step's runs are still
+    queued (run_async, then plan(), then the results): each run keeps the
+    plan it was made under until it has its answer; then that plan is
+    released. Before, plan() released the server plans at once, and queued
+    runs failed with NOT_FOUND naming their plan_id."""
+    def plans_held():
+        h = client.list_holdings()
+        return len(h.unleased.plans) + sum(len(x.holdings.plans) for x in h.leases)
+    held_before = plans_held()
+    b = Batch(cache, [120, 47, 190, 96, 80, 33, 100, 60], seed=12)   # all 48 pages
+    b.fill()
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(cache)
+    for step in range(10):
+        plan_decode(w, b)
+        qs = [_q(b, 8) for _ in range(8)]
+        futures = [w.run_async(q, cache[i % 2], return_lse=True) for i, q in enumerate(qs)]
+        plan_decode(w, b)                    # the next step's plan, runs still in flight
+        for i, (q, f) in enumerate(zip(qs, futures)):
+            matches(f.result(), b.reference(i % 2, q, decode_qo(8), causal=False))
+    # The earlier steps' plans are released as their runs are answered, and
+    # close() releases the rest: the wrapper holds none.
+    w.close()
+    assert plans_held() == held_before
+
+
 def test_future_errors_and_timeouts(grpc_cache):
     c = grpc_cache
     b = Batch(c, [20], seed=10)

@@ -43,6 +43,11 @@ class _Wrapper:
         self._kv_layout = kv_layout
         self._planned = False
         self._plans: dict = {}           # append slots (bytes) -> server plan id
+        self._runs: list = []            # AttentionFutures of runs under self._plans
+        # Plans of earlier steps, each with the runs made under it: released
+        # once those have their answers (a run may still be queued when the
+        # next plan() comes, and must not find its plan gone).
+        self._retired: list = []         # [(plan ids, futures)]
         self._releases: list = []        # ReleasePlan calls in flight
         self._layouts: dict = {}
         self._tls = threading.local()    # .blocking: inside run() (see _now)
@@ -119,18 +124,33 @@ class _Wrapper:
         self._planned = True
 
     # ------------------------------------------------------------ server plans
-    def _release_plans(self) -> None:
-        """Releases the last step's server plans (their answers are read at
-        the next plan(), or at close())."""
+    # Retired steps whose runs are not all answered, past which plan() waits
+    # for the oldest (so that a caller who never reads run_async's results
+    # still holds a bounded number of server plans).
+    _MAX_RETIRED = 4
+
+    def _release_plans(self, wait: bool = False) -> None:
+        """Retires the last step's server plans; each step's go once its runs
+        have their answers (wait: once they have them, waiting here)."""
         self._settle_releases()
+        if self._plans:
+            self._retired.append((list(self._plans.values()), self._runs))
+        self._plans, self._layouts, self._runs = {}, {}, []
         rpc = self._cache.rpc
-        for plan_id in self._plans.values():
-            try:
-                self._releases.append(rpc._call_future(rpc._req_release_plan(plan_id), None))
-            except AttnserveError:
-                pass  # the lease holds the plan: it goes when the cache closes
-        self._plans = {}
-        self._layouts = {}
+        keep = []
+        for i, (plan_ids, runs) in enumerate(self._retired):
+            if wait or i < len(self._retired) - self._MAX_RETIRED:
+                for f in runs:
+                    f._complete()   # its answer or error kept for its result()
+            elif not all(f.done() for f in runs):
+                keep.append((plan_ids, runs))
+                continue
+            for plan_id in plan_ids:
+                try:
+                    self._releases.append(rpc._call_future(rpc._req_release_plan(plan_id), None))
+                except AttnserveError:
+                    pass  # the lease holds the plan: it goes when the cache closes
+        self._retired = keep
 
     def _settle_releases(self) -> None:
         for call in self._releases:
@@ -158,9 +178,9 @@ class _Wrapper:
     def close(self) -> None:
         """Releases this wrapper's server plans now (the cache's close() does too)."""
         if self._cache._closed:
-            self._plans, self._releases = {}, []
+            self._plans, self._runs, self._retired, self._releases = {}, [], [], []
             return
-        self._release_plans()
+        self._release_plans(wait=True)
         self._settle_releases()
 
     # ------------------------------------------------------------ run
@@ -242,6 +262,9 @@ class _Wrapper:
             # rows again is harmless) queues its rows again, first, once its
             # failure is read: the next run() of the layer or flush() writes them.
             future._on_error = lambda e: cache._requeue(layer, [appended])
+        if len(self._runs) >= 256:              # a plan run for many steps
+            self._runs = [f for f in self._runs if not f.done()]
+        self._runs.append(future)
         return future
 
 
