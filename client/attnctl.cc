@@ -71,6 +71,42 @@ absl::StatusOr<std::vector<int64_t>> ParseInts(const std::vector<char*>& args, s
   return out;
 }
 
+// The numeric flags of prefill and merge, before anything is allocated: an
+// error naming the flag and its bound (exit 2), as attnbench's. Products
+// are bounded so that what attnctl builds fits the server's default message
+// (65,536 rows of 32 heads of 128 in 512 MiB).
+absl::Status CheckCountFlags(const std::string& cmd) {
+  struct Range {
+    const char* name;
+    int64_t value, lo, hi;
+  };
+  constexpr int64_t kMaxRows = 65536;
+  constexpr int64_t kMaxKv = int64_t{1} << 24;
+  std::vector<Range> ranges;
+  if (cmd == "prefill") {
+    const int64_t batch = absl::GetFlag(FLAGS_batch), q = absl::GetFlag(FLAGS_q_len),
+                  kv = absl::GetFlag(FLAGS_kv_len);
+    ranges = {{"batch", batch, 1, kMaxRows},
+              {"q_len", q, 0, kMaxRows},
+              {"kv_len", kv, 0, kMaxKv},
+              {"batch x --q_len (query rows at most)", batch * q, 0, kMaxRows},
+              {"batch x --kv_len (KV tokens at most)", batch * kv, 0, kMaxKv}};
+  } else if (cmd == "merge") {
+    const int64_t states = absl::GetFlag(FLAGS_states), n = absl::GetFlag(FLAGS_n);
+    ranges = {{"states", states, 1, 256},
+              {"n", n, 0, kMaxRows},
+              {"states x --n (rows in all)", states * n, 0, kMaxRows}};
+  }
+  // In order: a product is checked once its factors are in range.
+  for (const Range& r : ranges) {
+    if (r.value < r.lo || r.value > r.hi) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", r.name, " = ", r.value, " out of range [", r.lo, ", ", r.hi, "]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 template <typename T>
 uint64_t Checksum(const std::vector<T>& a) {
   uint64_t h = 1469598103934665603ull;
@@ -182,6 +218,10 @@ int Main(std::vector<char*> args) {
     return 2;
   }
   const std::string cmd = args[1];
+  if (absl::Status s = CheckCountFlags(cmd); !s.ok()) {
+    std::cerr << "error: " << s.message() << "\n";
+    return 2;
+  }
   ClientOptions options = ClientOptionsFromFlags();
   options.fetch_info = cmd != "health";  // probes carry no credentials
   auto client = Client::Connect(options);

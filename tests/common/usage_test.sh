@@ -78,6 +78,23 @@ run() {  # run NAME BINARY SOURCES...
 run attnserve "$ATTNSERVE" server/main.cc
 run attnctl "$ATTNCTL" client/attnctl.cc client/cli_flags.cc client/variant_flags.cc
 run attnbench "$ATTNBENCH" client/attnbench.cc client/cli_flags.cc client/variant_flags.cc
+
+# attnctl's counts out of range exit 2 naming the flag and the bound, before
+# it connects (nothing listens on port 1) or allocates anything.
+counts_refused() {  # counts_refused EXPECTED ARGS...
+  local want=$1 out rc
+  shift
+  out=$("$ATTNCTL" --target=127.0.0.1:1 "$@" 2>&1)
+  rc=$?
+  [[ $rc -eq 2 && "$out" == *"$want"* ]] || { echo "rc=$rc: $out"; return 1; }
+}
+check "attnctl prefill --batch=-1 exits 2" counts_refused "--batch = -1 out of range [1, 65536]" prefill --batch=-1
+check "attnctl prefill --q_len=-5 exits 2" counts_refused "--q_len = -5 out of range [0, 65536]" prefill --q_len=-5
+check "attnctl prefill --kv_len=-5 exits 2" counts_refused "--kv_len = -5 out of range" prefill --kv_len=-5
+check "attnctl prefill --batch x --q_len bounded" counts_refused "--batch x --q_len (query rows at most) = 262144" \
+  prefill --batch=4096 --q_len=64
+check "attnctl merge --states=-2 exits 2" counts_refused "--states = -2 out of range [1, 256]" merge --states=-2
+check "attnctl merge --n=-1 exits 2" counts_refused "--n = -1 out of range [0, 65536]" merge --n=-1
 run attnecho "$ATTNECHO" bench/attnecho.cc
 run tcp_echo "$TCP_ECHO" bench/tcp_echo.cc
 run cluster_decode_bench "$CLUSTER_DECODE_BENCH" bench/cluster_decode_bench.cc
