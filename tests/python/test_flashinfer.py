@@ -24,7 +24,8 @@ import torch
 
 import attnserve
 import attnserve.flashinfer as fi
-from attnserve.reference import KvMirror, compare, reference_prefill, within_tolerance
+from attnserve.reference import (KvMirror, compare, reference_merge, reference_prefill,
+                                 within_tolerance)
 from server import TestServer
 
 TRANSPORTS = ["grpc", "shm", "channel"]
@@ -297,6 +298,75 @@ def test_window_left(filled, kind):
             w.run(q, c[0], window_left=7)
     else:                  # FlashInfer: run's window_left overrides the plan's
         matches(w.run(q, c[0], return_lse=True, window_left=-1), none, windowed)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_the_deprecated_names_engines_still_call(filled, kind):
+    """FlashInfer's begin_forward (plan), forward and forward_return_lse
+    (their plan-time options replace the plan's, for later runs too; the
+    prefill wrapper's causal defaults to False there) and end_forward."""
+    b, c = filled, filled.cache
+    w, qo, _ = _wrapper(kind, b)
+    causal = kind == "prefill"
+    q = _q(b, qo[-1]) * 4
+    plain = b.reference(0, q, qo, causal=causal)
+    varied = b.reference(0, q, qo, causal=causal, sm_scale=0.07,
+                         options=attnserve.AttentionOptions(window_left=6, logits_soft_cap=3.0))
+    geometry = (c.num_qo_heads, c.num_kv_heads, c.head_dim, c.page_size)
+    if kind == "decode":
+        w.begin_forward(b.indptr, b.indices, b.last, *geometry, q_data_type=BF16)
+        extra = {}
+    else:
+        w.begin_forward(torch.tensor(qo, dtype=torch.int32), b.indptr, b.indices, b.last,
+                        *geometry, causal=True, q_data_type=BF16)
+        extra = dict(causal=True)
+    o = w.forward(q, c[0], **extra)
+    matches((o, w.run_return_lse(q, c[0])[1]), plain, varied)
+    matches(w.forward_return_lse(q, c[0], window_left=6, logits_soft_cap=3.0, sm_scale=0.07,
+                                 **extra), varied, plain)
+    matches(w.run(q, c[0], return_lse=True), varied, plain)   # the options stay
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode='ROPE_LLAMA'"):
+        w.forward(q, c[0], pos_encoding_mode="ROPE_LLAMA")
+    with pytest.raises(ValueError, match="window_left=-3 must be >= -1"):
+        w.forward(q, c[0], window_left=-3)
+    assert w.end_forward() is None
+    if kind == "prefill":                                     # forward's causal: False
+        matches(w.forward_return_lse(q, c[0]), b.reference(0, q, qo, causal=False), plain)
+
+
+def test_merges_of_attention_states():
+    """flashinfer.cascade's merge_state, merge_state_in_place and
+    merge_states against the float64 merge of the same states (rows some
+    states never saw included)."""
+    g = torch.Generator().manual_seed(21)
+    n, h, d, k = 7, 4, 32, 3
+    vs = [(torch.randn(n, h, d, generator=g) * 2).to(BF16) for _ in range(k)]
+    ss = [torch.randn(n, h, generator=g) * 5 for _ in range(k)]
+    ss[0][2, :] = float("-inf")                     # state 0 saw nothing of row 2
+    for s in ss:
+        s[5, 1] = float("-inf")                     # no state saw row 5, head 1
+
+    def ref(idx):
+        return reference_merge([(vs[i].float().numpy(), ss[i].numpy()) for i in idx])
+
+    v2, s2 = fi.merge_state(vs[0], ss[0], vs[1], ss[1])
+    assert v2.dtype == BF16 and s2.dtype == torch.float32 and tuple(v2.shape) == (n, h, d)
+    matches((v2, s2), ref([0, 1]))
+    assert torch.all(v2[5, 1] == 0) and s2[5, 1] == float("-inf")
+    v3, s3 = fi.merge_states(torch.stack(vs, 1), torch.stack(ss, 1))
+    matches((v3, s3), ref([0, 1, 2]))
+    v, s = vs[0].clone(), ss[0].clone()
+    fi.merge_state_in_place(v, s, vs[1], ss[1])
+    assert torch.equal(v, v2) and torch.equal(s, s2)
+    v, s = vs[0].clone(), ss[0].clone()
+    mask = torch.tensor([True, False, True, True, False, True, False])
+    fi.merge_state_in_place(v, s, vs[1], ss[1], mask=mask)
+    assert torch.equal(v[mask], v2[mask]) and torch.equal(s[mask], s2[mask])
+    assert torch.equal(v[~mask], vs[0][~mask]) and torch.equal(s[~mask], ss[0][~mask])
+    with pytest.raises(ValueError, match=r"s_b has shape \[7, 3\], must be \[7, 4\]"):
+        fi.merge_state(vs[0], ss[0], vs[1], ss[1][:, :3])
+    with pytest.raises(ValueError, match="mask must be a bool tensor of shape"):
+        fi.merge_state_in_place(v, s, vs[1], ss[1], mask=torch.ones(7))
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])

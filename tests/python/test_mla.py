@@ -557,6 +557,19 @@ def test_flashinfer_mla_wrapper(client, transport):
                                          return_lse_base_on_e=True)
                 assert torch.equal(o_e, o)
                 assert np.allclose(lse_e.numpy(), lse.numpy() * np.log(2.0), atol=1e-5)
+                # FlashInfer's run_return_lse; o_scale multiplies the output.
+                o_r, lse_r = wrapper.run_return_lse(q[..., :RANK], q[..., RANK:],
+                                                    kv_cache[layer], kv_cache[layer])
+                assert torch.equal(o_r, o) and torch.equal(lse_r, lse)
+                o_s = wrapper.run(q[..., :RANK], q[..., RANK:], kv_cache[layer],
+                                  kv_cache[layer], o_scale=0.5, ckv_scale=1.0, kpe_scale=1.0)
+                assert torch.allclose(o_s.float(), o.float() * 0.5, rtol=1e-2, atol=1e-6)
+        with pytest.raises(NotImplementedError, match=r"ckv_scale=0\.5 \(the server applies its "
+                                                      r"cache's own KV scales"):
+            wrapper.run(q[..., :RANK], q[..., RANK:], kv_cache[0], kv_cache[0], ckv_scale=0.5)
+        with pytest.raises(ValueError, match="o_scale=nan must be finite"):
+            wrapper.run(q[..., :RANK], q[..., RANK:], kv_cache[0], kv_cache[0],
+                        o_scale=float("nan"))
         with pytest.raises(ValueError, match="head_dim_ckv=512, but the server's KV cache has "
                                              "64"):
             wrapper.plan(qo, kv_indptr, kv_indices, kv_len_arr, HEADS, 512, ROPE, 16, True,

@@ -19,7 +19,7 @@ import torch
 
 from attnserve._flashinfer_cache import (AttentionFuture, LayerCache, _append_slots, _check_geometry,
                                          _check_layout, _ints, _layer_of, _unsupported)
-from attnserve._flashinfer_wrapper import _Wrapper
+from attnserve._flashinfer_wrapper import _Wrapper, _scalar
 
 
 class BatchMLAPagedAttentionWrapper(_Wrapper):
@@ -102,7 +102,8 @@ class BatchMLAPagedAttentionWrapper(_Wrapper):
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None,
             return_lse: bool = False, profiler_buffer=None, kv_len=None, page_table=None,
-            return_lse_base_on_e: bool = False):
+            return_lse_base_on_e: bool = False, *, o_scale=None, ckv_scale=None,
+            ckv_scale_arr=None, kpe_scale=None):
         """Attention of the absorbed queries q_nope [rows, num_heads,
         head_dim_ckv] and q_pe [rows, num_heads, head_dim_kpe] over the
         latent rows of ckv_cache = kpe_cache = kv_cache[layer]: the output
@@ -111,16 +112,32 @@ class BatchMLAPagedAttentionWrapper(_Wrapper):
         base e with return_lse_base_on_e)."""
         return self._now(lambda: self.run_async(q_nope, q_pe, ckv_cache, kpe_cache, out, lse,
                                                 return_lse, profiler_buffer, kv_len, page_table,
-                                                return_lse_base_on_e))
+                                                return_lse_base_on_e, o_scale=o_scale,
+                                                ckv_scale=ckv_scale, ckv_scale_arr=ckv_scale_arr,
+                                                kpe_scale=kpe_scale))
+
+    def run_return_lse(self, q_nope, q_pe, ckv_cache, kpe_cache, *args, **kwargs):
+        return self.run(q_nope, q_pe, ckv_cache, kpe_cache, *args, return_lse=True, **kwargs)
 
     def run_async(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None,
                   return_lse: bool = False, profiler_buffer=None, kv_len=None,
-                  page_table=None, return_lse_base_on_e: bool = False) -> AttentionFuture:
-        """run(), returning an AttentionFuture as soon as the request is sent."""
+                  page_table=None, return_lse_base_on_e: bool = False, *, o_scale=None,
+                  ckv_scale=None, ckv_scale_arr=None, kpe_scale=None) -> AttentionFuture:
+        """run(), returning an AttentionFuture as soon as the request is sent.
+        o_scale multiplies the output; ckv_scale and kpe_scale (FlashInfer's
+        FP8 dequantization scales) may only be None or 1.0: the server keeps
+        its cache's scales (set_kv_scales)."""
+        fp8_scales = "the server applies its cache's own KV scales (client.set_kv_scales)"
+
+        def unit(x):  # 1.0 (a float) is no scale at all
+            return None if x is None or (not torch.is_tensor(x) and x == 1.0) else x
         _unsupported(profiler_buffer=(profiler_buffer, None, "no kernel profiler"),
                      kv_len=(kv_len, None, "the cutlass backend's layout: plan() has it"),
                      page_table=(page_table, None, "the cutlass backend's layout: plan() "
-                                 "has it"))
+                                 "has it"),
+                     ckv_scale=(unit(ckv_scale), None, fp8_scales),
+                     kpe_scale=(unit(kpe_scale), None, fp8_scales),
+                     ckv_scale_arr=(ckv_scale_arr, None, fp8_scales))
         cache = self._cache
         if not isinstance(kpe_cache, LayerCache) or kpe_cache is not ckv_cache:
             if isinstance(ckv_cache, LayerCache) and isinstance(kpe_cache, LayerCache):
@@ -141,7 +158,8 @@ class BatchMLAPagedAttentionWrapper(_Wrapper):
         if q_pe.device != q_nope.device:
             raise ValueError(f"q_pe is on {q_pe.device}, q_nope on {q_nope.device}")
         q = torch.cat([q_nope, q_pe], dim=-1)
-        return self._run(q, ckv_cache, (), q_scale=None, k_scale=None, v_scale=None, out=out,
+        o_scale = None if o_scale is None else _scalar(o_scale, "o_scale")
+        return self._run(q, ckv_cache, (), q_scale=None, k_scale=None, v_scale=o_scale, out=out,
                          lse=lse, return_lse=return_lse, window_left=None, sinks=None,
                          causal=self._causal, lse_base="e" if return_lse_base_on_e else "2")
 

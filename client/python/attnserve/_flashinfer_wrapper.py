@@ -15,7 +15,7 @@ from attnserve.layout import AttentionOptions, PrefillLayout
 from attnserve.errors import AttnserveError, NotFound
 from attnserve._flashinfer_cache import (AttentionFuture, PagedKVCache, _Request, _check_kv_layout,
                                          _float_arg, _int_arg, _kv_format, _layer_of,
-                                         _torch_dtype)
+                                         _torch_dtype, _unsupported)
 
 
 class _Wrapper:
@@ -95,18 +95,7 @@ class _Wrapper:
         if o_dt != q_dt:
             raise NotImplementedError(f"attnserve does not support o_data_type={o_dt}: the "
                                       f"output has q's dtype ({q_dt})")
-        window_left = _int_arg(window_left, "window_left")
-        if window_left < -1:
-            raise ValueError(f"window_left={window_left} must be >= -1 (-1: no window)")
-        cap = 0.0 if logits_soft_cap is None else _float_arg(logits_soft_cap, "logits_soft_cap")
-        if not (cap == 0 or 1e-30 <= cap <= 1e30):
-            raise ValueError(f"logits_soft_cap={logits_soft_cap} must be None or 0 (no "
-                             "soft-cap) or in [1e-30, 1e30]")
-        if sm_scale is not None:
-            sm_scale = _float_arg(sm_scale, "sm_scale")
-            if not (math.isfinite(sm_scale) and abs(sm_scale) <= 1e30):
-                raise ValueError(f"sm_scale={sm_scale} must be finite with |sm_scale| <= 1e30 "
-                                 "(the server's bound)")
+        window_left, cap, sm_scale = _checked_options(window_left, logits_soft_cap, sm_scale)
         if len(qo_indptr) != len(kv_last) + 1:
             raise ValueError(f"qo_indptr has {len(qo_indptr)} entries, must have batch_size + 1 "
                              f"= {len(kv_last) + 1}")
@@ -122,6 +111,32 @@ class _Wrapper:
         self._soft_cap = cap
         self._q_dtype = q_dt
         self._planned = True
+
+    # ------------------------------------------------------------ FlashInfer's old names
+    def _forward(self, q, paged_kv_cache, return_lse: bool, *, causal=None,
+                 pos_encoding_mode="NONE", use_fp16_qk_reduction=False, q_scale=None,
+                 k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None,
+                 sm_scale=None, rope_scale=None, rope_theta=None):
+        """FlashInfer's deprecated forward(): the plan-time options it is
+        given replace the plan's (for this and later runs, as FlashInfer's
+        do), then run()."""
+        _unsupported(
+            pos_encoding_mode=(pos_encoding_mode, "NONE", "apply RoPE / ALiBi to q and k "
+                               "before the call"),
+            use_fp16_qk_reduction=(use_fp16_qk_reduction, False, "the server accumulates in "
+                                   "fp32"))
+        if not self._planned:
+            raise RuntimeError(f"{type(self).__name__}.forward() before begin_forward() / plan()")
+        window, cap, scale = _checked_options(window_left, logits_soft_cap, sm_scale)
+        self._window_left, self._soft_cap, self._sm_scale = window, cap, scale
+        if causal is not None:
+            self._causal = bool(causal)
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                        return_lse=return_lse)
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated end_forward(): does nothing (plan() and
+        close() release the server plans)."""
 
     # ------------------------------------------------------------ server plans
     # Retired steps whose runs are not all answered, past which plan() waits
@@ -242,7 +257,7 @@ class _Wrapper:
                 cache.rpc.write_kv(layer, slots, k, v)
                 appended = slots = k = v = None
                 plan_id = self._server_plan(None)
-            key = (plan_id, scale, lse_base)
+            key = (plan_id, scale, lse_base, bool(causal))
             layout = self._layouts.get(key)
             if layout is None:
                 layout = PrefillLayout.for_plan(plan_id, self._total_q,
@@ -266,6 +281,24 @@ class _Wrapper:
             self._runs = [f for f in self._runs if not f.done()]
         self._runs.append(future)
         return future
+
+
+def _checked_options(window_left, logits_soft_cap, sm_scale):
+    """plan()'s window_left, logits_soft_cap and sm_scale, checked as the
+    server checks them: (window_left, cap (0: none), sm_scale or None)."""
+    window_left = _int_arg(window_left, "window_left")
+    if window_left < -1:
+        raise ValueError(f"window_left={window_left} must be >= -1 (-1: no window)")
+    cap = 0.0 if logits_soft_cap is None else _float_arg(logits_soft_cap, "logits_soft_cap")
+    if not (cap == 0 or 1e-30 <= cap <= 1e30):
+        raise ValueError(f"logits_soft_cap={logits_soft_cap} must be None or 0 (no "
+                         "soft-cap) or in [1e-30, 1e30]")
+    if sm_scale is not None:
+        sm_scale = _float_arg(sm_scale, "sm_scale")
+        if not (math.isfinite(sm_scale) and abs(sm_scale) <= 1e30):
+            raise ValueError(f"sm_scale={sm_scale} must be finite with |sm_scale| <= 1e30 "
+                             "(the server's bound)")
+    return window_left, cap, sm_scale
 
 
 def _scalar(x, name: str) -> float:

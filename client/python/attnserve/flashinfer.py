@@ -42,8 +42,9 @@ Options attnserve does not support raise NotImplementedError naming them
 
 plan() registers the step's layout with the server (CreatePlan) when the
 first run() needs it, under the cache's lease, so that every layer's run()
-sends only q (and that layer's appended K/V) with the plan's id; the next
-plan() releases it. append_paged_kv_cache() queues the rows: they reach the
+sends only q (and that layer's appended K/V) with the plan's id; a step's
+plans are released once its runs have their answers (at a later plan(), or
+at close()). append_paged_kv_cache() queues the rows: they reach the
 server with the next run() of that layer, fused into its Prefill (the rows
 are written before the attention reads them, as in FlashInfer), or at
 kv_cache.flush().
@@ -84,12 +85,14 @@ from attnserve._flashinfer_cache import (TRANSPORTS, AttentionFuture, LayerCache
 from attnserve._flashinfer_wrapper import _check_tensor, _Wrapper
 # Multi-head latent attention (an MLA server): its wrapper and append.
 from attnserve._flashinfer_mla import BatchMLAPagedAttentionWrapper, append_paged_mla_kv_cache
+# flashinfer.cascade's merges of attention states (computed here, in torch).
+from attnserve._flashinfer_cascade import merge_state, merge_state_in_place, merge_states
 
 __all__ = ["PagedKVCache", "LayerCache", "AttentionFuture",
            "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
            "BatchMLAPagedAttentionWrapper", "append_paged_kv_cache",
            "append_paged_mla_kv_cache", "get_batch_indices_positions", "get_seq_lens",
-           "TRANSPORTS"]
+           "merge_state", "merge_state_in_place", "merge_states", "TRANSPORTS"]
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
     """FlashInfer's BatchDecodeWithPagedKVCacheWrapper on attnserve.
@@ -197,6 +200,30 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
 
     def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+    # FlashInfer's deprecated names (still called by engines): begin_forward
+    # is plan; forward and forward_return_lse set the plan-time options they
+    # are given, for this and later runs, then run; end_forward does nothing.
+    begin_forward = plan
+
+    def forward(self, q, paged_kv_cache, pos_encoding_mode: str = "NONE", q_scale=None,
+                k_scale=None, v_scale=None, window_left: int = -1,
+                logits_soft_cap: Optional[float] = None, sm_scale: Optional[float] = None,
+                rope_scale: Optional[float] = None, rope_theta: Optional[float] = None):
+        return self._forward(q, paged_kv_cache, False, pos_encoding_mode=pos_encoding_mode,
+                             q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                             window_left=window_left, logits_soft_cap=logits_soft_cap,
+                             sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
+
+    def forward_return_lse(self, q, paged_kv_cache, pos_encoding_mode: str = "NONE",
+                           q_scale=None, k_scale=None, v_scale=None, window_left: int = -1,
+                           logits_soft_cap: Optional[float] = None,
+                           sm_scale: Optional[float] = None, rope_scale: Optional[float] = None,
+                           rope_theta: Optional[float] = None):
+        return self._forward(q, paged_kv_cache, True, pos_encoding_mode=pos_encoding_mode,
+                             q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                             window_left=window_left, logits_soft_cap=logits_soft_cap,
+                             sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
 
     def run_async(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
                   out=None, lse=None, return_lse: bool = False, enable_pdl=None,
@@ -329,6 +356,35 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
 
     def run_return_lse(self, q, paged_kv_cache, *args, **kwargs):
         return self.run(q, paged_kv_cache, *args, return_lse=True, **kwargs)
+
+    # FlashInfer's deprecated names, as the decode wrapper's; forward's causal
+    # (default False, as FlashInfer's) replaces the plan's too.
+    begin_forward = plan
+
+    def forward(self, q, paged_kv_cache, causal: bool = False, pos_encoding_mode: str = "NONE",
+                use_fp16_qk_reduction: bool = False, k_scale=None, v_scale=None,
+                window_left: int = -1, logits_soft_cap: Optional[float] = None,
+                sm_scale: Optional[float] = None, rope_scale: Optional[float] = None,
+                rope_theta: Optional[float] = None):
+        return self._forward(q, paged_kv_cache, False, causal=causal,
+                             pos_encoding_mode=pos_encoding_mode,
+                             use_fp16_qk_reduction=use_fp16_qk_reduction, k_scale=k_scale,
+                             v_scale=v_scale, window_left=window_left,
+                             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                             rope_scale=rope_scale, rope_theta=rope_theta)
+
+    def forward_return_lse(self, q, paged_kv_cache, causal: bool = False,
+                           pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+                           k_scale=None, v_scale=None, window_left: int = -1,
+                           logits_soft_cap: Optional[float] = None,
+                           sm_scale: Optional[float] = None, rope_scale: Optional[float] = None,
+                           rope_theta: Optional[float] = None):
+        return self._forward(q, paged_kv_cache, True, causal=causal,
+                             pos_encoding_mode=pos_encoding_mode,
+                             use_fp16_qk_reduction=use_fp16_qk_reduction, k_scale=k_scale,
+                             v_scale=v_scale, window_left=window_left,
+                             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                             rope_scale=rope_scale, rope_theta=rope_theta)
 
     def run_async(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None,
                   out=None, lse=None, return_lse: bool = False, enable_pdl=None,
