@@ -101,6 +101,17 @@ struct Seq {
   bool lse_base_e = false;  // LSE in natural log; base 2 otherwise
 };
 
+// (sm_scale, soft_cap) pairs at the ends of their ranges (the server's
+// bounds: |sm_scale| <= 1e30, a soft-cap of 0 or in [1e-30, 1e30]): over a
+// zero dot product scale / soft_cap overflows float32 for the tiny caps and
+// the huge scales. The conformance tests of every kernel family run them.
+struct ScaleAndCap {
+  float sm_scale;
+  float soft_cap;
+};
+inline constexpr ScaleAndCap kExtremeScalesAndCaps[] = {
+    {0.125f, 1e-30f}, {-0.125f, 1e-30f}, {1e30f, 1e-9f}, {-1e30f, 1e-9f}, {0.125f, 1e30f}, {1e-30f, 1e30f}};
+
 // Paged prefill attention in float64, over K and V as their real values
 // (an FP8 pool's dequantized: its stored values times their scales). q:
 // (total_q, num_qo_heads, head_dim) in geo.dtype. Query head h reads KV head

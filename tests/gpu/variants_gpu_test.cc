@@ -267,14 +267,13 @@ TEST_P(VariantsCuda, SoftCapRowsAtTheFloor) {
 // tests/kernels' ExtremeSoftCapsAndScalesOverZeroDotProducts on the CPU).
 TEST_P(VariantsCuda, ExtremeSoftCapsAndScalesOverZeroDotProducts) {
   std::mt19937_64 rng(20261205);
-  const float cases[][2] = {{0.125f, 1e-30f}, {-0.125f, 1e-30f}, {1e30f, 1e-9f},
-                            {-1e30f, 1e-9f},  {0.125f, 1e30f},   {1e-30f, 1e30f}};
   for (int d : Dims()) {
     for (int split = 0; split < 2; ++split) {
       HostBatch b = NewBatch(d, 16, 4, 16, KvDType::kBf16, 1, 100, &rng);
-      for (const auto& c : cases) {
-        gpu_test::AddSeq(&b, QLen(rng, 100), 200 + static_cast<int>(rng() % 400), 0, true, false, c[0], &rng);
-        b.seqs.back().soft_cap = c[1];
+      for (const reference::ScaleAndCap& c : reference::kExtremeScalesAndCaps) {
+        gpu_test::AddSeq(&b, QLen(rng, 100), 200 + static_cast<int>(rng() % 400), 0, true, false, c.sm_scale,
+                         &rng);
+        b.seqs.back().soft_cap = c.soft_cap;
       }
       gpu_test::FinishBatch(&b, 1.f, &rng);
       const size_t row = size_t{4} * d;

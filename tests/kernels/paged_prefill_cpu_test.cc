@@ -521,12 +521,8 @@ TEST(PagedPrefillTest, LargeLogitsStayFinite) {
 TEST(PagedPrefillTest, ExtremeSoftCapsAndScalesOverZeroDotProducts) {
   std::mt19937_64 gen(20261205);
   const KvGeometry geo = SmallGeometry(16);
-  const struct {
-    float sm_scale, soft_cap;
-  } cases[] = {{0.125f, 1e-30f}, {-0.125f, 1e-30f}, {1e30f, 1e-9f}, {-1e30f, 1e-9f}, {0.125f, 1e30f},
-               {1e-30f, 1e30f}};
   std::vector<SeqSpec> specs;
-  for (const auto& c : cases) {
+  for (const reference::ScaleAndCap& c : reference::kExtremeScalesAndCaps) {
     specs.push_back(Seq(5, 40, {0, 1, 2}));
     specs.back().sm_scale = c.sm_scale;
     specs.back().soft_cap = c.soft_cap;
