@@ -159,6 +159,13 @@ ABSL_FLAG(bool, retain_freed_memory, true,
           "kernel (up to 1 GiB per malloc arena; docs/transport.md); false: glibc's defaults");
 ABSL_FLAG(int32_t, max_tenant_queue_requests, 0,
           "queued requests of one tenant before RESOURCE_EXHAUSTED (0: --max_queue_requests)");
+ABSL_FLAG(int64_t, max_queue_bytes, int64_t{8} << 30,
+          "bytes of server memory queued and running requests may hold (their messages and "
+          "responses) before RESOURCE_EXHAUSTED; a request is taken whatever its size when none "
+          "is held (at least 1 MiB)");
+ABSL_FLAG(int64_t, max_tenant_queue_bytes, 0,
+          "bytes of server memory one tenant's queued and running requests may hold before "
+          "RESOURCE_EXHAUSTED (0: --max_queue_bytes)");
 
 namespace attnserve {
 namespace {
@@ -382,6 +389,8 @@ int Run() {
   core_options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   core_options.tenant_max_pages = absl::GetFlag(FLAGS_tenant_max_pages);
   core_options.max_tenant_queue_requests = absl::GetFlag(FLAGS_max_tenant_queue_requests);
+  core_options.max_queue_bytes = absl::GetFlag(FLAGS_max_queue_bytes);
+  core_options.max_tenant_queue_bytes = absl::GetFlag(FLAGS_max_tenant_queue_bytes);
   core_options.max_plans_per_tenant = absl::GetFlag(FLAGS_max_plans_per_tenant);
   core_options.max_plan_bytes_per_tenant = absl::GetFlag(FLAGS_max_plan_bytes_per_tenant);
   core_options.plan_idle_timeout_s = absl::GetFlag(FLAGS_plan_idle_timeout_s);
@@ -437,6 +446,11 @@ int Run() {
     spdlog::error("--max_plans_per_tenant and --plan_idle_timeout_s must be at least 1");
     return kExitUsage;
   }
+  if (core_options.max_queue_bytes < (int64_t{1} << 20)) {
+    spdlog::error("--max_queue_bytes={} must be at least 1048576 (1 MiB)",
+                  core_options.max_queue_bytes);
+    return kExitUsage;
+  }
   if (core_options.max_plan_bytes_per_tenant < (int64_t{1} << 20)) {
     spdlog::error("--max_plan_bytes_per_tenant={} must be at least 1048576 (1 MiB)",
                   core_options.max_plan_bytes_per_tenant);
@@ -454,6 +468,7 @@ int Run() {
         {"--max_queue_delay_us", core_options.max_queue_delay_us},
         {"--tenant_max_pages", core_options.tenant_max_pages},
         {"--max_tenant_queue_requests", core_options.max_tenant_queue_requests},
+        {"--max_tenant_queue_bytes", core_options.max_tenant_queue_bytes},
         {"--drain_timeout_s", absl::GetFlag(FLAGS_drain_timeout_s)},
         {"--kv_cache_bytes", absl::GetFlag(FLAGS_kv_cache_bytes)}}) {
     if (value < 0) {

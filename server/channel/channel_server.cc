@@ -269,6 +269,7 @@ void ChannelServer::Poller::Take(int32_t slot, uint64_t seq) {
   c.request_id = kChannelRequestIdBit | server->next_request_id_.fetch_add(1);
   c.expected_incarnation = parsed.expected_incarnation();
   c.lease_id = parsed.lease_id();
+  c.message_bytes = request_bytes;  // the slot's copy
   c.out = &r->out;
   server->ObserveStage(r, Metrics::RequestStage::kParse);
   {

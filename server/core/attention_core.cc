@@ -180,6 +180,8 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
   sched.idle_spin_us = options.idle_spin_us;
   sched.max_queue_requests = options.max_queue_requests;
   sched.max_tenant_queue_requests = options.max_tenant_queue_requests;
+  sched.max_queue_bytes = options.max_queue_bytes;
+  sched.max_tenant_queue_bytes = options.max_tenant_queue_bytes;
   scheduler_ = std::make_unique<Scheduler>(backend_.get(), &pages_, metrics_, sched);
   UpdatePageGauges();
   metrics_->SetKvCacheBytes(BytesPerPage(backend_->Geometry()) * backend_->Geometry().num_pages);
@@ -290,6 +292,7 @@ void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
                            absl::string_view field, std::unique_ptr<Job> job) {
   job->tenant = call.tenant;
   job->request_id = call.request_id;
+  job->held_bytes += call.message_bytes;  // beside the response bytes set by the caller
   job->deadline = call.deadline;
   job->is_cancelled = call.is_cancelled;
   absl::Status status = RenewLease(call);
@@ -539,6 +542,7 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
     job->task.lse = reinterpret_cast<float*>(out->buffer.data() + out->lse_offset);
     job->task.out_pinned = out->buffer.pinned();
   }
+  job->held_bytes = out_bytes;
   job->on_success = std::move(mark);
   job->done = regions.Wrap(std::move(done), metrics_);
   Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
@@ -656,6 +660,7 @@ void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
       call.out_v->resize(bytes);
       job->rows.v = call.out_v->data();
     }
+    job->held_bytes = g.HasVPool() ? 2 * bytes : bytes;
   }
   job->done = regions.Wrap(std::move(done), metrics_);
   Submit(call, *std::move(pages), "slots", std::move(job));
@@ -718,6 +723,7 @@ void AttentionCore::MergeStates(const MergeStatesCall& request, DoneCallback don
     call.out_lse->resize(rows * sizeof(float));
     v_out = call.out_v->data();
     lse_out = call.out_lse->data();
+    job->held_bytes = rows * shape->d * elem + rows * static_cast<int64_t>(sizeof(float));
   }
   job->kind = Job::Kind::kMerge;
   for (size_t i = 0; i < call.v.size(); ++i) {

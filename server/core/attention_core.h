@@ -43,6 +43,8 @@ struct CoreOptions {
   bool scrub_freed_pages = true;  // zero a freed page before it can be allocated again
   int32_t max_queue_requests = 4096;
   int32_t max_tenant_queue_requests = 0;  // 0: max_queue_requests
+  int64_t max_queue_bytes = int64_t{8} << 30;  // SchedulerOptions::max_queue_bytes
+  int64_t max_tenant_queue_bytes = 0;          // 0: max_queue_bytes
   int64_t max_message_bytes = 512ll << 20;
   int64_t max_request_kv_indices = 1 << 22;
   int32_t tenant_max_pages = 0;  // 0: no cap

@@ -123,6 +123,10 @@ struct CallContext {
   uint64_t request_id = 0;
   uint64_t expected_incarnation = 0;  // 0: not checked
   uint64_t lease_id = 0;              // 0: none
+  // Bytes of server memory the request's message holds until it is
+  // answered (its inline tensors included); with its response's, the job's
+  // Job::held_bytes (SchedulerOptions::max_queue_bytes). Set by the edge.
+  int64_t message_bytes = 0;
 };
 
 // Prefill's outputs, filled by the core with their shapes: o (total_q,

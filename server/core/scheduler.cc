@@ -49,6 +49,33 @@ absl::Status Scheduler::Enqueue(std::unique_ptr<Job>& job) {
         "queue full for this tenant: ", queue.size(),
         " requests queued, max_tenant_queue_requests=", tenant_cap));
   }
+  if (job->held_bytes > 0) {
+    // Past the budget a job waits for nothing: it is refused, and the
+    // caller retries once memory is back (the total first: that is the
+    // server's memory; then the tenant's share of it).
+    int64_t& tenant_bytes = tenant_held_bytes_[job->tenant];
+    const int64_t tenant_bytes_cap = options_.max_tenant_queue_bytes > 0
+                                         ? options_.max_tenant_queue_bytes
+                                         : options_.max_queue_bytes;
+    absl::Status full;
+    if (held_bytes_ > 0 && held_bytes_ + job->held_bytes > options_.max_queue_bytes) {
+      full = absl::ResourceExhaustedError(absl::StrCat(
+          "queue full: queued and running requests hold ", held_bytes_,
+          " bytes of server memory and this one would add ", job->held_bytes,
+          ", max_queue_bytes=", options_.max_queue_bytes));
+    } else if (tenant_bytes > 0 && tenant_bytes + job->held_bytes > tenant_bytes_cap) {
+      full = absl::ResourceExhaustedError(absl::StrCat(
+          "queue full for this tenant: its queued and running requests hold ", tenant_bytes,
+          " bytes of server memory and this one would add ", job->held_bytes,
+          ", max_tenant_queue_bytes=", tenant_bytes_cap));
+    }
+    if (!full.ok()) {
+      if (tenant_bytes == 0) tenant_held_bytes_.erase(job->tenant);
+      return full;
+    }
+    tenant_bytes += job->held_bytes;
+    held_bytes_ += job->held_bytes;
+  }
   Push(queue, std::move(job));
   return absl::OkStatus();
 }
@@ -467,6 +494,11 @@ void Scheduler::ReportFault(const absl::Status& status) {
   if (on_fault) on_fault(status);
 }
 
+int64_t Scheduler::held_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return held_bytes_;
+}
+
 void Scheduler::Finish(std::unique_ptr<Job> job, const absl::Status& status) {
   // While the job pins its pages, none of them can have another owner.
   if (status.ok() && job->on_success) job->on_success();
@@ -477,8 +509,18 @@ void Scheduler::Finish(std::unique_ptr<Job> job, const absl::Status& status) {
     metrics_->SetKvPages(free_pages, pages_->num_pages() - free_pages);
   }
   DoneCallback done = std::move(job->done);
+  const std::string tenant = job->held_bytes > 0 ? job->tenant : std::string();
+  const int64_t held = job->held_bytes;
   job.reset();
   done(status);
+  // The message and the response are released by `done` (or handed to
+  // gRPC, which sends the response): their bytes are free for others now.
+  if (held > 0) {
+    absl::MutexLock lock(&mu_);
+    held_bytes_ -= held;
+    auto it = tenant_held_bytes_.find(tenant);
+    if (it != tenant_held_bytes_.end() && (it->second -= held) <= 0) tenant_held_bytes_.erase(it);
+  }
 }
 
 }  // namespace attnserve

@@ -33,6 +33,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/base/call_once.h"
 #include "absl/synchronization/mutex.h"
@@ -69,6 +70,10 @@ struct Job {
   // before `done` (WrittenRows::Marker); destroyed with the job.
   std::function<void()> on_success;
   absl::Time enqueued;
+  // Server memory the request holds until it finishes: its message (inline
+  // tensors included) and its response buffer (SchedulerOptions::
+  // max_queue_bytes). 0 for internal jobs.
+  int64_t held_bytes = 0;
 };
 
 struct SchedulerOptions {
@@ -78,6 +83,13 @@ struct SchedulerOptions {
   int64_t max_queue_delay_us = 1000;    // ceiling on holding a batch while the device is busy
   int32_t max_queue_requests = 4096;    // queued jobs (all tenants) before RESOURCE_EXHAUSTED
   int32_t max_tenant_queue_requests = 0;  // queued jobs of one tenant; 0: max_queue_requests
+  // Bytes of server memory queued and running jobs may hold (Job::
+  // held_bytes): past either bound a new job is RESOURCE_EXHAUSTED, in all
+  // and for one tenant (0: max_queue_bytes). A job is taken whatever its
+  // size when nothing (of its tenant) is held, so a request within
+  // max_message_bytes always runs on an otherwise idle server.
+  int64_t max_queue_bytes = int64_t{8} << 30;
+  int64_t max_tenant_queue_bytes = 0;
   // When its queue runs empty, the worker polls for the next job this long
   // before it sleeps: a request that arrives meanwhile is taken without a
   // thread wake-up (tens of microseconds on an idle host) at the cost of one
@@ -120,6 +132,9 @@ class Scheduler {
 
   // Backend batches run so far (prefill batches only).
   int64_t batches_run() const;
+
+  // Job::held_bytes of the jobs queued or running.
+  int64_t held_bytes() const;
 
  private:
   // A submitted batch awaiting Complete.
@@ -177,6 +192,10 @@ class Scheduler {
   int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;           // every job, internal ones too
   int64_t queued_internal_ ABSL_GUARDED_BY(mu_) = 0;  // page scrubs (not requests)
   int64_t queued_prefill_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  // Job::held_bytes of the jobs queued or running, in all and per tenant
+  // (entries of tenants that hold none are erased).
+  int64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<std::string, int64_t> tenant_held_bytes_ ABSL_GUARDED_BY(mu_);
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);  // submitted, awaiting the completer
   int32_t busy_ ABSL_GUARDED_BY(mu_) = 0;  // submitted and not yet completed
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -195,6 +195,7 @@ class AttentionServiceImpl::Call final
   void Bind(CallContext* c) const {
     c->tenant = tenant_;
     c->request_id = request_id_;
+    c->message_bytes = bytes_in_;  // gRPC's slices, held until the call is answered
     const auto deadline = ctx_->deadline();
     if (deadline != std::chrono::system_clock::time_point::max()) {
       c->deadline = absl::FromChrono(deadline);

@@ -128,6 +128,72 @@ TEST_F(SchedulerTest, FullQueueIsResourceExhaustedAndKeepsTheJob) {
   EXPECT_NE(late, nullptr);
 }
 
+// The memory queued and running jobs hold (Job::held_bytes) is bounded in
+// all (max_queue_bytes) and per tenant (max_tenant_queue_bytes): past
+// either a job is RESOURCE_EXHAUSTED and stays with the caller; a job of
+// any size is taken when nothing (of its tenant) is held; finished jobs
+// give their bytes back.
+TEST_F(SchedulerTest, HeldBytesAreBoundedInAllAndPerTenant) {
+  SchedulerOptions options;
+  options.max_queue_bytes = 1000;
+  options.max_tenant_queue_bytes = 600;
+  Start(options);
+  auto job = [&](int id, const char* tenant, int64_t bytes) {
+    std::unique_ptr<Job> j = Prefill(id, 1);
+    j->tenant = tenant;
+    j->held_bytes = bytes;
+    return j;
+  };
+  auto refused = [&](std::unique_ptr<Job> j, const std::string& why) {
+    const absl::Status s = scheduler_->Enqueue(j);
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_NE(s.message().find(why), absl::string_view::npos) << s;
+    EXPECT_NE(j, nullptr) << "a refused job stays with the caller";
+  };
+  // Larger than both bounds, on an idle server: taken.
+  MustEnqueue(job(0, "alice", 1500));
+  backend_.WaitEntered();  // job 0 runs (blocked), holding 1500 bytes
+  refused(job(1, "bob", 10), "hold 1500 bytes of server memory and this one would add 10, "
+                             "max_queue_bytes=1000");
+  EXPECT_EQ(scheduler_->held_bytes(), 1500);
+  backend_.Release();
+  log_.WaitFor(1);
+  scheduler_->Stop();
+  EXPECT_EQ(scheduler_->held_bytes(), 0) << "a finished job gives its bytes back";
+
+  // Bob's 500 and 200 pass his 600; carol's 300 fits the total, her 200
+  // more does not (900 + 200 > 1000); dave's first job is taken whatever
+  // its size only when nothing at all is held.
+  FakeBackend second;
+  Scheduler s2(&second, &pages_, &metrics_, options);
+  auto enqueue = [&](std::unique_ptr<Job> j) {
+    const absl::Status st = s2.Enqueue(j);
+    EXPECT_TRUE(st.ok()) << st;
+  };
+  auto refused2 = [&](std::unique_ptr<Job> j, const std::string& why) {
+    const absl::Status st = s2.Enqueue(j);
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+    EXPECT_NE(st.message().find(why), absl::string_view::npos) << st;
+  };
+  enqueue(job(10, "alice", 100));
+  second.WaitEntered();
+  enqueue(job(11, "bob", 500));
+  refused2(job(12, "bob", 200), "its queued and running requests hold 500 bytes of server memory "
+                                "and this one would add 200, max_tenant_queue_bytes=600");
+  enqueue(job(13, "carol", 300));
+  refused2(job(14, "carol", 200), "hold 900 bytes of server memory and this one would add 200, "
+                                  "max_queue_bytes=1000");
+  refused2(job(15, "dave", 2000), "max_queue_bytes=1000");
+  enqueue(job(16, "carol", 0));  // holds nothing of the server's: never refused for bytes
+  EXPECT_EQ(s2.held_bytes(), 900);
+  second.Release();
+  log_.WaitFor(5);
+  s2.Stop();
+  EXPECT_EQ(s2.held_bytes(), 0);
+  for (int id : {0, 10, 11, 13, 16}) EXPECT_EQ(log_.calls(id), 1) << id;
+  for (int id : {1, 12, 14, 15}) EXPECT_EQ(log_.calls(id), 0) << id;
+}
+
 // Internal work (zeroing freed pages) is not a request: it never fills the
 // queue for the clients (before, a FreePages' scrub made a Prefill behind a
 // running batch RESOURCE_EXHAUSTED at max_queue_requests=1).

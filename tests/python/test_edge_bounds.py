@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -166,6 +167,52 @@ def test_a_prefill_whose_caller_gave_up_stops_on_the_cpu_backend():
             time.sleep(0.1)
         assert server.metric(given_up) == 1
         small = client.prefill(0, q[:2], [0, 2], [0, 1], pages[:1], [16], timeout=30)
+        assert np.isfinite(small.lse).all()
+        client.free_pages(pages)
+        client.close()
+
+
+def test_queued_and_running_requests_hold_at_most_max_queue_bytes():
+    """--max_queue_bytes bounds the memory admitted requests hold (their
+    messages and responses): while an 8 MiB Prefill runs (taken although it
+    is larger than the 1 MiB budget: nothing else was held), a small one is
+    RESOURCE_EXHAUSTED naming the flag; once the large one has ended (its
+    caller gave up), the small one runs."""
+    flags = ["--check_kv_written=false", "--max_queue_bytes=1048576"]
+    with TestServer(num_pages=2048, num_qo_heads=32, num_kv_heads=4, head_dim=128,
+                    extra_flags=flags) as server:
+        client = attnserve.Client(server.address, timeout=60)
+        g = client.server_info
+        pages = client.allocate_pages(2048)
+        q = np.random.default_rng(12).standard_normal(
+            (1024, g.num_qo_heads, g.head_dim)).astype(np.float32)
+        ended = []
+
+        def large():
+            try:
+                client.prefill(0, q, [0, 1024], [0, 2048], pages, [16], causal=False, timeout=3)
+            except attnserve.AttnserveError as e:
+                ended.append(e)
+        t = threading.Thread(target=large)
+        t.start()
+        for _ in range(600):                   # until the large one is running
+            if server.metric("attnserve_inflight_requests") >= 1:
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+        with pytest.raises(attnserve.ResourceExhausted,
+                           match=r"queue full: queued and running requests hold \d+ bytes of "
+                                 r"server memory and this one would add \d+, "
+                                 r"max_queue_bytes=1048576"):
+            client.prefill(0, q[:2], [0, 2], [0, 1], pages[:1], [16])
+        t.join()
+        assert isinstance(ended[0], attnserve.DeadlineExceeded), ended
+        for _ in range(600):                   # the large one's bytes come back
+            try:
+                small = client.prefill(0, q[:2], [0, 2], [0, 1], pages[:1], [16])
+                break
+            except attnserve.ResourceExhausted:
+                time.sleep(0.1)
         assert np.isfinite(small.lse).all()
         client.free_pages(pages)
         client.close()
