@@ -99,7 +99,7 @@ absl::Status CheckDepositFd(int fd) {
 }
 
 // True when the depositor's end of `holder` is closed (or shut down).
-bool HolderGone(const UniqueFd& holder) {
+bool HolderGone(const ClientFd& holder) {
   if (!holder.valid()) return true;
   pollfd p{holder.get(), POLLRDHUP, 0};
   if (poll(&p, 1, 0) < 0) return false;

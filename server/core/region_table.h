@@ -49,7 +49,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "common/unique_fd.h"
+#include "server/core/client_fd.h"
 #include "server/backend/region_device.h"
 
 namespace attnserve {
@@ -95,7 +95,7 @@ struct Region {
   uint64_t file_ino = 0;       // twice maps the same memory under two names
   void* map_base = nullptr;    // what mmap returned (data - in-page offset)
   int64_t map_bytes = 0;
-  UniqueFd holder;             // the depositor's connection (see the banner)
+  ClientFd holder;             // the depositor's connection (see the banner)
   // cuda
   int32_t device_id = 0;
   RegionDevice* device = nullptr;
@@ -145,8 +145,8 @@ struct RegionLimits {
 // RegisterRegion that names its token.
 struct RegionDeposit {
   std::string claim_token;  // kClaimTokenBytes (common/region_socket.h)
-  UniqueFd memfd;
-  UniqueFd holder;          // the depositor's connection
+  ClientFd memfd;           // the client's descriptor, until checked
+  ClientFd holder;          // the depositor's connection
 };
 
 // ListRegions' view of one region.

@@ -17,12 +17,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/region_socket.h"
+#include "server/core/client_fd.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
 namespace {
 
-constexpr int kMaxFdsPerMessage = 8;  // more are refused (and closed) all the same
+// SCM_MAX_FD: room for every descriptor a message can carry, so that the
+// kernel closes none of them on this thread (a close may block: ClientFd).
+// A deposit carries one; more are refused, and closed by the closers.
+constexpr int kMaxFdsPerMessage = 253;
 constexpr absl::Duration kExpireEvery = absl::Seconds(1);
 
 // Sends one reply (code, then the message, cut to kRegionReplyMaxMessage).
@@ -111,7 +115,7 @@ RegionSocket::~RegionSocket() {
 
 void RegionSocket::Run() {
   struct Pending {
-    UniqueFd fd;
+    ClientFd fd;  // the client can queue descriptors on it
     absl::Time deadline;
   };
   std::vector<Pending> pending;
@@ -168,7 +172,7 @@ void RegionSocket::Run() {
         still.push_back(std::move(p));
         continue;
       }
-      std::vector<UniqueFd> fds;
+      std::vector<ClientFd> fds;
       for (cmsghdr* c = n >= 0 ? CMSG_FIRSTHDR(&header) : nullptr; c != nullptr;
            c = CMSG_NXTHDR(&header, c)) {
         if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
@@ -215,13 +219,17 @@ void RegionSocket::Run() {
       // The deposit is in the core before the client reads OK, so that the
       // RegisterRegion it sends next finds it.
       Reply(p.fd.get(), status);
+      // Kept as the holder, the connection is closed with it; this
+      // descriptor is another of the same connection, whose close releases
+      // nothing, so it closes here. Refused, it goes to the closers.
+      if (status.ok()) close(p.fd.release());
     }
     pending = std::move(still);
 
     // One new connection per round, after the hang-ups above: a client that
     // closed a connection and then opens another finds its room.
     if (polled[1].revents != 0) {
-      UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+      ClientFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
       RegionSocketHello hello;
       hello.incarnation = options_.incarnation;
       if (!fd.valid()) {

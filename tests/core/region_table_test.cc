@@ -20,8 +20,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/core/client_fd.h"
 #include "tests/core/test_shm.h"
 
 namespace attnserve {
@@ -65,6 +67,9 @@ RegionLimits On(int32_t count = 4, int64_t bytes = 1 << 20) {
 // True once the server's end of the holder whose client end is `client_end`
 // is closed (the client reads end-of-file).
 bool ServerClosed(const UniqueFd& client_end) {
+  // The server closes a client's descriptors on closer threads
+  // (server/core/client_fd.h): once they are idle, the close has happened.
+  for (int i = 0; i < 10000 && ClientFdsClosing() > 0; ++i) absl::SleepFor(absl::Milliseconds(1));
   pollfd p{client_end.get(), POLLIN, 0};
   return poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLIN)) != 0;
 }

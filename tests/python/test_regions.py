@@ -291,3 +291,109 @@ def test_cuda_ipc_handle_needs_a_contiguous_cuda_tensor():
         cuda_ipc_handle(torch.zeros(4))
     with pytest.raises(ValueError, match="CUDA torch tensor"):
         cuda_ipc_handle(np.zeros(4))
+
+
+# ---------------------------------------------------------------- descriptors that block
+def _lingering_tcp():
+    """A TCP socket whose close() blocks for an hour: SO_LINGER 3600 s and a
+    send queue that cannot drain (its peer, returned to be kept open, never
+    reads)."""
+    import socket
+    import struct
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    sender = socket.socket()
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sender.connect(listener.getsockname())
+    peer, _ = listener.accept()
+    sender.setblocking(False)
+    try:
+        while True:
+            sender.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3600))
+    return sender, (listener, peer)
+
+
+def _send_fd(conn, data: bytes, fd: int) -> None:
+    import array
+    import socket
+    conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+
+
+def test_descriptors_a_client_hands_the_region_socket_never_block_the_server():
+    """A local process can hand the server descriptors whose close() blocks
+    (a TCP socket lingering over data its peer never reads): as a deposit,
+    which is refused; queued, unread, on an accepted deposit's connection,
+    which the server closes when the client hangs up; or on a registered
+    region's connection, closed when the lease holding the region is
+    revoked. The server closes them on closer threads of their own: the
+    region socket, the lease table and every tenant's calls go on (before,
+    each of the three blocked a serving thread, and the lease's under the
+    lock every AllocatePages and RegisterRegion takes)."""
+    import fcntl
+    import socket
+    import struct
+    import time
+    keep = []
+    with TestServer(extra_flags=["--allow_shared_memory"]) as server:
+        c = attnserve.Client(server.address, timeout=20)
+        path = c.server_info.region_socket
+        assert path.startswith("@")
+
+        def connect():
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            conn.settimeout(10)
+            conn.connect("\0" + path[1:])
+            conn.recv(64)                                    # the hello
+            return conn
+
+        def deposit(conn, fd):
+            _send_fd(conn, struct.pack("<II16s", 0x47455241, 1, os.urandom(16)), fd)
+            return struct.unpack_from("<i", conn.recv(2048))[0]
+
+        def poison(conn):
+            sender, peers = _lingering_tcp()
+            keep.append(peers)
+            _send_fd(conn, b"poison", sender.fileno())
+            sender.close()                                   # the queued copy is the only one
+
+        # A deposit whose descriptor is the lingering socket: refused.
+        conn = connect()
+        sender, peers = _lingering_tcp()
+        keep.append(peers)
+        assert deposit(conn, sender.fileno()) != 0
+        sender.close()
+        conn.close()
+        # An accepted deposit whose connection then queues one, and hangs up.
+        conn = connect()
+        memfd = os.memfd_create("bait", os.MFD_ALLOW_SEALING)
+        os.ftruncate(memfd, 4096)
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        assert deposit(conn, memfd) == 0
+        os.close(memfd)
+        poison(conn)
+        conn.close()
+        # A region under a lease, its connection poisoned, the lease revoked.
+        lease = c.grant_lease(60)
+        c.use_lease(lease.lease_id)
+        SharedMemoryRegion(1 << 16).register(c, "leased")
+        poison(c._region_holders["leased"])
+        c.use_lease(0)
+        c.revoke_lease(lease.lease_id, timeout=10)
+        time.sleep(1.5)                                      # the deposit sweep has run
+        other = attnserve.Client(server.address, timeout=10)
+        region = SharedMemoryRegion(1 << 16).register(other, "after", timeout=10)
+        pages = other.allocate_pages(1, timeout=10)
+        other.revoke_lease(other.grant_lease(5, timeout=10).lease_id, timeout=10)
+        assert other.health(timeout=5) == "SERVING"
+        other.free_pages(pages)
+        region.close(other)
+        other.close()
+        c.close()
+    for listener, peer in keep:
+        peer.close()
+        listener.close()
