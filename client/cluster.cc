@@ -545,6 +545,16 @@ absl::Status Cluster::PlanParts(absl::Span<const int64_t> seq_ids, absl::Span<co
     if (undone.code() == absl::StatusCode::kDataLoss || IsStaleIncarnation(undone)) {
       Observe(it->first, undone, &l);
     }
+    // The server's previous plan of these sequences went stale when this
+    // one was made, and undo does not bring it back: the cluster steps that
+    // ran them there cannot run again (they would fail on that server, and
+    // another server's parts of them could still be in flight).
+    for (int64_t id : it->second->seq_ids) {
+      auto seq = seqs_.find(id);
+      if (seq != seqs_.end() && seq->second.step != nullptr) {
+        live_steps_.erase(seq->second.step->step);
+      }
+    }
   }
   const std::string address = servers_[failed_server]->address;
   if (failed.code() == absl::StatusCode::kResourceExhausted) {

@@ -163,6 +163,57 @@ TEST(ClusterPartialFailureTest, AFinishThatFailsOnOneServerForgetsEverySequenceI
   EXPECT_TRUE(c.Sequences().empty());
 }
 
+// A Plan() that fails on the second server planned takes back the first,
+// whose manager's earlier plans of those sequences went stale with the new
+// ones: the cluster's previous step is stale too (before, it stayed live and
+// its run failed part-way on that server), and the step planned again runs.
+TEST(ClusterPartialFailureTest, APlanThatFailsOnOneServerRetiresTheStepBefore) {
+  std::vector<std::unique_ptr<TestServer>> servers;
+  auto faults = std::make_shared<FaultInjector>(3);
+  ClusterOptions options;
+  for (int i = 0; i < 2; ++i) {
+    auto s = TestServer::Start(SmallServer());
+    ASSERT_TRUE(s.ok()) << s.status();
+    options.targets.push_back((*s)->grpc_address());
+    servers.push_back(*std::move(s));
+  }
+  options.client.timeout_s = 30;
+  options.client.interceptors = faults->Interceptors();
+  auto cluster = Cluster::Connect(options);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  Cluster& c = **cluster;
+  const KvGeometry g = c.geometry();
+  std::mt19937_64 gen(293);
+  auto planned = c.Plan({1, 2}, {4, 4});
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  ASSERT_NE(c.ShardsOf(1)[0].server, c.ShardsOf(2)[0].server);
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    LayerData d = RandomLayer(gen, g, 8);
+    ASSERT_TRUE(c.Run(layer, d.q, d.k, d.v).ok());
+  }
+  // The second server of the next step cannot be reached for its pages.
+  faults->FailNext("AllocatePages", Fault::kUnreachable, options.targets[c.ShardsOf(2)[0].server]);
+  EXPECT_FALSE(c.Plan({1, 2}, {1, 1}).ok());
+  LayerData d = RandomLayer(gen, g, 8);
+  auto prefills = [&] {
+    auto calls = faults->calls();
+    auto it = calls.find("Prefill");
+    return it == calls.end() ? int64_t{0} : it->second;
+  };
+  const int64_t before = prefills();
+  absl::StatusOr<PrefillResult> stale = c.Run(0, d.q, d.k, d.v, planned->get());
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition) << stale.status();
+  EXPECT_THAT(stale.status().message(), ::testing::HasSubstr("is stale"));
+  EXPECT_EQ(prefills(), before) << "a stale step sent a Prefill: " << stale.status();
+  auto again = c.Plan({1, 2}, {1, 1});
+  ASSERT_TRUE(again.ok()) << again.status();
+  for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+    LayerData one = RandomLayer(gen, g, 2);
+    EXPECT_TRUE(c.Run(layer, one.q, one.k, one.v).ok());
+  }
+  EXPECT_TRUE(c.Release().ok());
+}
+
 // Issue #29, item 3: a server of a fixed target list that never comes back.
 // The old cluster never declared its sequences lost, and Finish() and
 // Release() failed with UNAVAILABLE for ever.

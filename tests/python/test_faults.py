@@ -1025,6 +1025,185 @@ def test_an_interrupted_async_plan_is_reconciled_by_the_next_call():
         admin.close()
 
 
+def test_an_async_plan_interrupted_at_any_call_changes_nothing():
+    """An AsyncKvManager.plan() bounded by asyncio.wait_for and cut short
+    while a call is slow (the release of a stale plan, the allocation, the
+    CreatePlan) changes nothing: the caller plans the step again and it
+    attends over exactly the rows it wrote. Before, plan() committed the step
+    and then released the plans it made stale: cut short there, the caller
+    saw a timeout for a committed plan, planned again, and left a position
+    unwritten (read as zeros with --check_kv_written=false)."""
+    async def main(address):
+        client = AsyncClient(address, timeout=30)
+        g = await client.info()
+        model = SequenceModel(g.num_layers, g.num_kv_heads, g.head_dim, g.wire_dtype)
+        rng = np.random.default_rng(31)
+        mgr = attnserve.AsyncKvManager(client)
+
+        async def step(n):
+            plan = await mgr.plan([7], [n])
+            start = int(plan.kv_lens[0]) - n
+            assert plan.positions.tolist() == list(range(start, start + n))
+            for layer in range(g.num_layers):
+                q = rng.standard_normal((n, g.num_qo_heads, g.head_dim)).astype(np.float32)
+                k, v = (rng.standard_normal((n, g.num_kv_heads, g.head_dim)).astype(np.float32)
+                        for _ in range(2))
+                r = await mgr.run(layer, q, k, v)
+                model.write(7, layer, start, k, v)
+                assert not model.check(layer, [(7, 0, n, start + n)], q, r.output, r.lse)
+        await step(5)
+        await step(1)                                    # step 1's plan is stale now
+        for method in ("release_plan", "allocate_pages", "create_plan"):
+            real = getattr(mgr._rpc, method)
+
+            async def slow(*args, _real=real, **kwargs):
+                await asyncio.sleep(1.0)
+                return await _real(*args, **kwargs)
+            setattr(mgr._rpc, method, slow)
+            before = mgr.kv_len(7)
+            with pytest.raises(asyncio.TimeoutError):           # 4 rows: a new page
+                await asyncio.wait_for(mgr.plan([7], [4]), 0.3)
+            assert mgr.kv_len(7) == before, method        # nothing changed
+            setattr(mgr._rpc, method, real)
+            await asyncio.sleep(1.0)                     # the slow call ends meanwhile
+            await step(4)
+        await mgr.close()
+        await client.close()
+
+    with TestServer(num_pages=64, extra_flags=["--check_kv_written=false"], **GEOMETRY) as server:
+        asyncio.run(main(server.address))
+
+
+def test_a_lease_that_ends_while_a_flow_waits_frees_nothing_of_the_tenant():
+    """An AsyncKvManager's finish() or reconciling plan() waits on a slow
+    ReleasePlan reply while a run() finds the lease gone (revoked here, as
+    an expiry would) and another client of the tenant, with no lease, is
+    given every page. The flow must not go on with FreePages: without the
+    lease it would name none and act for the whole tenant, freeing the
+    other client's pages (before: freed, then given to the manager's next
+    sequence; and finish() raised IndexError)."""
+    async def main(address, admin, reconcile):
+        client = AsyncClient(address, timeout=30)
+        g = await client.info()
+        rng = np.random.default_rng(41)
+        mgr = attnserve.AsyncKvManager(client)
+
+        def rows(n):
+            return [rng.standard_normal((n, h, g.head_dim)).astype(np.float32)
+                    for h in (g.num_qo_heads, g.num_kv_heads, g.num_kv_heads)]
+        pa = await mgr.plan([1], [4])
+        pb = await mgr.plan([3], [8])
+        for layer in range(g.num_layers):
+            await mgr.run(layer, *rows(4), plan=pa)
+            await mgr.run(layer, *rows(8), plan=pb)
+        if reconcile:                      # a plan() cut short: holdings in doubt
+            real_create = mgr._rpc.create_plan
+
+            async def cancelled(*args, **kwargs):
+                await real_create(*args, **kwargs)
+                raise asyncio.CancelledError()
+            mgr._rpc.create_plan = cancelled
+            with pytest.raises(asyncio.CancelledError):
+                await mgr.plan([100], [8])
+            mgr._rpc.create_plan = real_create
+        real = mgr._rpc.release_plan
+
+        async def late_reply(*args, **kwargs):
+            result = await real(*args, **kwargs)
+            await asyncio.sleep(0.8)
+            return result
+        mgr._rpc.release_plan = late_reply
+        flow = asyncio.ensure_future(mgr.plan([2], [4]) if reconcile else mgr.finish(3))
+        await asyncio.sleep(0.3)
+        admin.revoke_lease(mgr.lease_id)
+        for _ in range(100):               # the lease's pages are zeroed, then free
+            if admin.info().free_pages == 32:
+                break
+            time.sleep(0.05)
+        mine = admin.allocate_pages(32)
+        with pytest.raises(attnserve.SequencesLost):
+            await mgr.run(0, *rows(4), plan=pa)
+        try:
+            await flow
+        except attnserve.AttnserveError:
+            pass                           # a plan with no page left for it: refused
+        mgr._rpc.release_plan = real
+        assert sorted(admin.list_holdings().unleased.pages) == sorted(mine)
+        await mgr.close()
+        await client.close()
+        admin.free_pages(mine)
+
+    for reconcile in (False, True):
+        with TestServer(num_pages=32, **GEOMETRY) as server:
+            admin = attnserve.Client(server.address, timeout=30)
+            asyncio.run(main(server.address, admin, reconcile))
+            admin.close()
+
+
+def test_a_cluster_run_waits_for_every_part_and_a_failed_plan_retires_the_step_it_undid():
+    """Cluster.run() returns or raises only once every server's Prefill has
+    ended, whatever a part raises: a Prefill still in flight could append
+    its rows into pages the caller frees next and another sequence is given
+    (before: a RuntimeError from one part returned at once). And a plan()
+    that fails on one server takes back the others, whose managers' earlier
+    plans of those sequences went stale with the new ones: the cluster's
+    previous step is stale too, and runs nowhere (before: it stayed valid
+    and failed part-way)."""
+    faults = FaultInjector(3)
+    made = []
+
+    def interceptors(target):
+        made.append(f"s{len(made)}")
+        return faults.interceptors(made[-1])
+
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        cl = attnserve.Cluster([server.address, server.address], timeout=30,
+                               interceptors=interceptors)
+        g = cl.server_info
+        rng = np.random.default_rng(51)
+
+        def rows(n):
+            return [rng.standard_normal((n, h, g.head_dim)).astype(np.float32)
+                    for h in (g.num_qo_heads, g.num_kv_heads, g.num_kv_heads)]
+        step = cl.plan(["A", "B"], [4, 4])
+        assert {cl.shards_of("A")[0].server, cl.shards_of("B")[0].server} == {0, 1}
+        for layer in range(g.num_layers):
+            cl.run(layer, *rows(8))
+        # One part raises at once, the other's Prefill is slow.
+        ended = []
+        kv = [cl.kv_manager(0), cl.kv_manager(1)]
+        real = [kv[0].run, kv[1].run]
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a part failed")
+
+        def slow(*args, **kwargs):
+            time.sleep(0.5)
+            r = real[1](*args, **kwargs)
+            ended.append(True)
+            return r
+        first = step.parts[0].server                 # the part run on the caller's thread
+        kv[first].run, kv[1 - first].run = broken, slow
+        with pytest.raises(RuntimeError, match="a part failed"):
+            cl.run(0, *rows(8))
+        assert ended == [True], "run() raised while another part's Prefill was in flight"
+        kv[first].run, kv[1 - first].run = real[first], real[1 - first]
+        # The next step fails on the second server planned: the first is
+        # taken back, and the step before is stale everywhere.
+        calls = faults.calls.get("Prefill", 0)
+        faults.fail_next("AllocatePages", UNREACHABLE, made[1])
+        with pytest.raises(attnserve.AttnserveError):
+            cl.plan(["A", "B"], [1, 1])
+        assert not step.valid
+        with pytest.raises(RuntimeError, match="stale"):
+            cl.run(0, *rows(8), step=step)
+        assert faults.calls.get("Prefill", 0) == calls, "a stale step sent a Prefill"
+        cl.plan(["A", "B"], [1, 1])              # planned again, it runs
+        for layer in range(g.num_layers):
+            cl.run(layer, *rows(2))
+        cl.close()
+
+
 def test_run_refuses_a_layer_the_server_lacks_without_holding_up_the_sequences():
     with TestServer(num_pages=64, **GEOMETRY) as server:
         client = attnserve.Client(server.address, timeout=30)

@@ -105,11 +105,14 @@ class _Bookkeeping(_State):
         NOT_FOUND counts as released; plan ids are random and never reused,
         so a release whose outcome is unknown is simply tried again."""
         while self._unreleased:
+            plan_id = self._unreleased[-1]
             try:
-                yield _call("release_plan", self._unreleased[-1])
+                yield _call("release_plan", plan_id)
             except NotFound:
                 pass
-            self._unreleased.pop()
+            # While the call waited, a lost lease may have cleared the list.
+            if self._unreleased and self._unreleased[-1] == plan_id:
+                self._unreleased.pop()
 
     def _revoke_ended(self):
         while self._unrevoked:
@@ -227,6 +230,17 @@ class _Bookkeeping(_State):
         if lost:
             raise SequencesLost(lost, _LEASE_GONE, method="plan")
         lease = self._lease
+        # The server plans the last plan() or finish() left stale: released
+        # here, before anything changes, so that no call is left after the
+        # commit below (one interrupted there would leave the caller thinking
+        # a committed plan had failed).
+        try:
+            yield from self._release_stale()
+        except (LeaseExpired, StaleIncarnation) as e:
+            raise self._failed(e) from None
+        except AttnserveError:
+            pass  # stays queued for the next plan or finish
+        self._check_unchanged(seq_ids, lease)
         needs = self._pages_needed(page_size, seq_ids, lens)
         total = sum(needs)
         new_pages = []
@@ -262,13 +276,7 @@ class _Bookkeeping(_State):
         self._check_unchanged(seq_ids, lease)
         if not registered:
             plan.layout = self._layout_bytes(plan)
-        self._apply(plan, grown)
-        try:  # a failed release stays queued for the next plan or finish
-            yield from self._release_stale()
-        except LeaseExpired as e:
-            raise self._failed(e) from None  # the plan just made went with the lease
-        except AttnserveError:
-            pass
+        self._apply(plan, grown)  # the plans it makes stale: released by the next call
         return plan
 
     def _check_unchanged(self, seq_ids, lease) -> None:

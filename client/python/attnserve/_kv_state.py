@@ -220,6 +220,22 @@ class _State:
         self._to_free.clear()
         self._dirty = False
 
+    def _lease_still(self, lease, op):
+        """Before each call of a flow (the drivers ask): (the lease the flow
+        works under, an error to throw into the flow instead of the call).
+        When the lease the flow started under, or started since, has ended
+        behind its back (a run() found it gone while the flow waited on the
+        server), the call would go out naming no lease, so for the whole
+        tenant: a FreePages could free pages another client of the tenant
+        has been given since. It is refused with LeaseExpired instead; only
+        starting a new lease and revoking ended ones go on."""
+        if lease is None or self._lease is lease:
+            return self._lease, None
+        if op is _START_LEASE or op[0] == "revoke_lease":
+            return None, None
+        return lease, LeaseExpired("the manager's lease ended while the call waited on the server",
+                                   method=op[0])
+
     def _end_lease(self) -> None:
         if self._lease is not None:
             self._lease.abandon()

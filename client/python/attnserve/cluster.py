@@ -692,6 +692,14 @@ class Cluster:
                         self._observe(i, u, lost)
                     except AttnserveError:
                         pass
+                    # The server's previous plan of these sequences went
+                    # stale when this one was made, and undo does not bring
+                    # it back: the cluster steps that ran them there cannot
+                    # run again.
+                    for sid in p.seq_ids:
+                        prev = self._seqs.get(sid)
+                        if prev is not None and prev.step is not None:
+                            prev.step.valid = False
                 if isinstance(e, ResourceExhausted):
                     # Its free pages were fewer than the estimate (others took
                     # them, or a failed free left some held): read them again.
@@ -802,11 +810,20 @@ class Cluster:
         # All but the first in the pool, the first on this thread.
         futures = {pi: self._executor().submit(run_part, step.parts[pi]) for pi in live[1:]}
         results, errors = {}, {}
+        unexpected = None
         for j, pi in enumerate(live):
+            # Every part is waited for before anything is raised: a Prefill
+            # still in flight when run() returned could append its rows into
+            # pages the caller frees and someone else is given next.
             try:
                 results[pi] = run_part(step.parts[pi]) if j == 0 else futures[pi].result()
             except AttnserveError as e:
                 errors[pi] = e
+            except BaseException as e:
+                if unexpected is None:
+                    unexpected = e
+        if unexpected is not None:
+            raise unexpected
         # Restarts, lost leases and servers unreachable for too long lose
         # their sequences (their rows come back empty, with SequencesLost);
         # any other failure is the answer.

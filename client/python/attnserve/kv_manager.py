@@ -81,12 +81,16 @@ class KvManager(_Bookkeeping):
     def _drive(self, flow):
         """Runs a flow with the blocking client."""
         result, error = None, None
+        lease = self._lease
         while True:
             try:
                 op = flow.send(result) if error is None else flow.throw(error)
             except StopIteration as stop:
                 return stop.value
             result, error = None, None
+            lease, error = self._lease_still(lease, op)
+            if error is not None:
+                continue
             try:
                 if op is _START_LEASE:
                     result = Lease(self._rpc, self.lease_ttl)
@@ -233,12 +237,16 @@ class AsyncKvManager(_Bookkeeping):
     async def _drive(self, flow):
         """Runs a flow with the asyncio client."""
         result, error = None, None
+        lease = self._lease
         while True:
             try:
                 op = flow.send(result) if error is None else flow.throw(error)
             except StopIteration as stop:
                 return stop.value
             result, error = None, None
+            lease, error = self._lease_still(lease, op)
+            if error is not None:
+                continue
             try:
                 if op is _START_LEASE:
                     result = await AsyncLease.start(self._rpc, self.lease_ttl)
