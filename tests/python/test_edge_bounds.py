@@ -195,11 +195,11 @@ def test_queued_and_running_requests_hold_at_most_max_queue_bytes():
                 ended.append(e)
         t = threading.Thread(target=large)
         t.start()
-        for _ in range(600):                   # until the large one is running
-            if server.metric("attnserve_inflight_requests") >= 1:
+        admitted = 'attnserve_request_stage_seconds_count{stage="admit"}'
+        for _ in range(600):                   # until the large one is queued or running
+            if server.metric(admitted) >= 1:
                 break
             time.sleep(0.05)
-        time.sleep(0.5)
         with pytest.raises(attnserve.ResourceExhausted,
                            match=r"queue full: queued and running requests hold \d+ bytes of "
                                  r"server memory and this one would add \d+, "
