@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "common/kv_geometry.h"
 
@@ -104,5 +105,12 @@ inline bool AnySoftCap(const PrefillSeq* seqs, int32_t n) {
 // Multi-threaded (OpenMP). Inputs must already be validated (page ids in
 // range, kv_len consistent with the indices).
 void PagedPrefillCpu(const PagedPrefillParams& params);
+
+// The same, asking `stop` (may be null; called from several threads at
+// once) before each part of the work: once it says true, the rest is not
+// computed and some rows of o and lse are left unwritten; returns false
+// then. How the work is cut does not depend on `stop`, so a run it never
+// stops gives the bits of PagedPrefillCpu.
+bool PagedPrefillCpu(const PagedPrefillParams& params, const std::function<bool()>* stop);
 
 }  // namespace attnserve

@@ -15,6 +15,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -279,7 +280,9 @@ void Finish(const PagedPrefillParams& p, const Item& it, State st) {
 
 }  // namespace
 
-void PagedPrefillCpu(const PagedPrefillParams& p) {
+void PagedPrefillCpu(const PagedPrefillParams& p) { PagedPrefillCpu(p, nullptr); }
+
+bool PagedPrefillCpu(const PagedPrefillParams& p, const std::function<bool()>* stop) {
   const KvGeometry& g = p.geo;
   const int32_t group = g.num_qo_heads / g.num_kv_heads;
   const int32_t block = std::clamp(kMaxPairs / std::max(group, 1), 1, kMaxRows);
@@ -330,11 +333,22 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
     return State{base, base + pairs * dv, base + pairs * (dv + 1)};
   };
   const int64_t num_parts = static_cast<int64_t>(parts.size());
+  // Set once `stop` says true: the parts not begun are skipped, and so are
+  // the merges (their items' rows stay unwritten).
+  std::atomic<bool> stopped{false};
+  auto stopping = [&] {
+    if (stop == nullptr) return false;
+    if (stopped.load(std::memory_order_relaxed)) return true;
+    if (!(*stop)()) return false;
+    stopped.store(true, std::memory_order_relaxed);
+    return true;
+  };
 #pragma omp parallel if (num_parts > 1)
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_parts; ++i) {
+      if (stopping()) continue;
       const Part& part = parts[i];
       const Item& it = items[part.item];
       const int64_t pairs = it.Pairs(group);
@@ -352,7 +366,7 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
     // The split items: their parts' states merged into the first's.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
-      if (parts[first_part[i]].state < 0) continue;
+      if (parts[first_part[i]].state < 0 || stopped.load(std::memory_order_relaxed)) continue;
       const int64_t pairs = items[i].Pairs(group);
       const State st = state_at(parts[first_part[i]].state, pairs);
       for (int32_t k = first_part[i] + 1; k < first_part[i + 1]; ++k) {
@@ -361,6 +375,7 @@ void PagedPrefillCpu(const PagedPrefillParams& p) {
       Finish(p, items[i], st);
     }
   }
+  return !stopped.load();
 }
 
 }  // namespace attnserve

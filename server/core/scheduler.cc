@@ -508,19 +508,20 @@ void Scheduler::Finish(std::unique_ptr<Job> job, const absl::Status& status) {
     const int32_t free_pages = pages_->FreeCount();
     metrics_->SetKvPages(free_pages, pages_->num_pages() - free_pages);
   }
+  // The job's bytes count as free from here: `done` answers the caller
+  // (its message and response then go with the call), and a caller that
+  // sends its next request on the answer must find them back.
+  if (job->held_bytes > 0) {
+    absl::MutexLock lock(&mu_);
+    held_bytes_ -= job->held_bytes;
+    auto it = tenant_held_bytes_.find(job->tenant);
+    if (it != tenant_held_bytes_.end() && (it->second -= job->held_bytes) <= 0) {
+      tenant_held_bytes_.erase(it);
+    }
+  }
   DoneCallback done = std::move(job->done);
-  const std::string tenant = job->held_bytes > 0 ? job->tenant : std::string();
-  const int64_t held = job->held_bytes;
   job.reset();
   done(status);
-  // The message and the response are released by `done` (or handed to
-  // gRPC, which sends the response): their bytes are free for others now.
-  if (held > 0) {
-    absl::MutexLock lock(&mu_);
-    held_bytes_ -= held;
-    auto it = tenant_held_bytes_.find(tenant);
-    if (it != tenant_held_bytes_.end() && (it->second -= held) <= 0) tenant_held_bytes_.erase(it);
-  }
 }
 
 }  // namespace attnserve

@@ -6,6 +6,7 @@
 #include "server/backend/cpu/cpu_backend.h"
 
 #include <cmath>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -210,112 +211,97 @@ TEST(CpuBackendTest, ScatteredAndMisalignedInputsGiveTheContiguousResults) {
   EXPECT_TRUE(std::isfinite(contiguous.lse[2100 * g.num_qo_heads]));
 }
 
-// Three sequences (40 rows over 32 keys, causal; 1 row over 20 keys; 30
-// rows over 16 keys, not causal) with give_up_scores 1,024: five groups of 8
-// rows of the first (4 heads x 32 keys x 8 rows = 1,024), the second alone
-// (80 more would pass 1,024), then 16 rows and 14 rows of the third (4 x 16
-// keys x 16 = 1,024): 8 groups in all.
-TEST(CpuBackendTest, ATaskWhoseCallerMayGiveUpRunsInGroupsAndStopsWhenItHas) {
-  const KvGeometry g = Geo();
+// A task whose caller may give up (PrefillTask::given_up): the kernel asks
+// before each part of its work. Never giving up gives the bits of a task
+// that cannot (however the work is cut: 72 items over 600 keys, so that
+// items are split on a host of many threads); giving up stops the rest,
+// leaving rows unwritten, and the batch counts the task.
+TEST(CpuBackendTest, ATaskWhoseCallerGivesUpStopsAndOtherwiseGivesTheSameBits) {
+  KvGeometry g = Geo();
+  g.num_pages = 160;
   std::mt19937 rng(5);
   const int64_t rows_kv = int64_t{g.num_pages} * g.page_size;
   std::vector<int64_t> all(rows_kv);
   for (int64_t i = 0; i < rows_kv; ++i) all[i] = i;
   const std::vector<uint16_t> k = RandomBf16(&rng, rows_kv * g.RowElems());
   const std::vector<uint16_t> v = RandomBf16(&rng, rows_kv * g.RowElems());
-  const int32_t total_q = 71;
+  // Six sequences of 96 rows over 600 keys (150 pages each, shuffled).
+  const int32_t seqs_n = 6, q_len = 96, kv_len = 600;
+  const int32_t total_q = seqs_n * q_len;
   const int64_t q_row = int64_t{g.num_qo_heads} * g.head_dim;
   const std::vector<uint16_t> q = RandomBf16(&rng, total_q * q_row);
-  const std::vector<int32_t> kv_indices = {7, 2, 5, 0, 1, 3, 6, 4, 3, 6, 0, 7, 2, 5, 1, 4, 0};
-  std::vector<PrefillSeq> seqs(3);
-  seqs[0].q_len = 40;
-  seqs[0].kv_len = 32;
-  seqs[1].q_start = 40;
-  seqs[1].q_len = 1;
-  seqs[1].kv_start = 8;
-  seqs[1].kv_len = 20;
-  seqs[2].q_start = 41;
-  seqs[2].q_len = 30;
-  seqs[2].kv_start = 13;
-  seqs[2].kv_len = 16;
-  seqs[2].causal = 0;
-  for (PrefillSeq& s : seqs) {
-    s.layer = 1;
-    s.sm_scale = 0.125f;
+  std::vector<int32_t> kv_indices;
+  std::vector<PrefillSeq> seqs(seqs_n);
+  for (int32_t b = 0; b < seqs_n; ++b) {
+    std::vector<int32_t> pages(150);
+    for (int32_t i = 0; i < 150; ++i) pages[i] = (i * 7 + b * 13) % g.num_pages;
+    seqs[b].q_start = b * q_len;
+    seqs[b].q_len = q_len;
+    seqs[b].kv_start = static_cast<int32_t>(kv_indices.size());
+    seqs[b].kv_len = kv_len;
+    seqs[b].layer = 1;
+    seqs[b].sm_scale = 0.125f;
+    seqs[b].causal = b % 2;
+    kv_indices.insert(kv_indices.end(), pages.begin(), pages.end());
   }
-  // Runs the task on a fresh backend (give_up_scores 1,024) with outputs
-  // poisoned; given_up, when set, answers true from its `stop_at`th call on.
   struct Result {
     std::vector<uint16_t> o;
     std::vector<float> lse;
-    int calls = 0;
+    std::atomic<int> calls{0};
     BatchStats stats;
   };
-  auto run = [&](bool may_give_up, int stop_at, bool pieces = false) {
-    auto backend = CpuBackend::Create(g, 1024);
-    EXPECT_TRUE(backend.ok());
+  // given_up: absent (mode 0), never true (1), true from its `stop_at`th call (2).
+  auto run = [&](int mode, int stop_at, Result* r) {
+    auto backend = CpuBackend::Create(g);
+    ASSERT_TRUE(backend.ok());
     KvRows rows;
     rows.layer = 1;
     rows.slots = all.data();
     rows.n = rows_kv;
     rows.k = const_cast<uint16_t*>(k.data());
     rows.v = const_cast<uint16_t*>(v.data());
-    EXPECT_TRUE((*backend)->WriteKv(rows, nullptr).ok());
-    Result r;
-    r.o.assign(q.size(), 0x7fc1);  // NaN
-    r.lse.assign(size_t{total_q} * g.num_qo_heads, 12345.f);
+    ASSERT_TRUE((*backend)->WriteKv(rows, nullptr).ok());
+    r->o.assign(q.size(), 0x7fc1);  // NaN
+    r->lse.assign(size_t{total_q} * g.num_qo_heads, 12345.f);
     PrefillTask t;
     t.layer = 1;
     t.total_q = total_q;
     t.seqs = seqs;
     t.kv_indices = kv_indices.data();
     t.num_kv_indices = static_cast<int32_t>(kv_indices.size());
-    ValuePieces q_pieces(q, 7);
-    if (pieces) {
-      t.q_scattered = q_pieces.list;  // flattened a chunk at a time
-    } else {
-      t.q = q.data();
-    }
-    t.o = r.o.data();
-    t.lse = r.lse.data();
-    if (may_give_up) t.given_up = [&r, stop_at] { return ++r.calls >= stop_at; };
-    EXPECT_TRUE((*backend)->Submit({t}, nullptr).ok());
-    EXPECT_TRUE((*backend)->Complete(&r.stats).ok());
-    return r;
+    t.q = q.data();
+    t.o = r->o.data();
+    t.lse = r->lse.data();
+    if (mode == 1) t.given_up = [r] { return ++r->calls < 0; };
+    if (mode == 2) t.given_up = [r, stop_at] { return ++r->calls >= stop_at; };
+    ASSERT_TRUE((*backend)->Submit({t}, nullptr).ok());
+    ASSERT_TRUE((*backend)->Complete(&r->stats).ok());
   };
-  const Result whole = run(false, 0);
+  Result whole, asked, stopped, never_begun;
+  run(0, 0, &whole);
   for (uint16_t h : whole.o) ASSERT_NE(h, 0x7fc1);
-  for (float l : whole.lse) ASSERT_NE(l, 12345.f);
-  // Never giving up: one look before each of the 8 groups, the same bits.
-  const Result grouped = run(true, 1 << 30);
-  EXPECT_EQ(grouped.calls, 8);
-  EXPECT_EQ(grouped.stats.given_up_tasks, 0);
-  EXPECT_TRUE(grouped.o == whole.o);
-  EXPECT_EQ(std::memcmp(grouped.lse.data(), whole.lse.data(), whole.lse.size() * 4), 0);
-  // A query in pieces, flattened a chunk at a time: chunks of the same rows.
-  const Result flat = run(true, 1 << 30, true);
-  EXPECT_EQ(flat.calls, 8);
-  EXPECT_TRUE(flat.o == whole.o);
-  EXPECT_EQ(std::memcmp(flat.lse.data(), whole.lse.data(), whole.lse.size() * 4), 0);
-  // Giving up at the fourth look: the first three groups (24 rows of the
-  // first sequence) are computed, nothing after them is.
-  for (bool pieces : {false, true}) {
-    SCOPED_TRACE(pieces);
-    const Result stopped = run(true, 4, pieces);
-    EXPECT_EQ(stopped.calls, 4);
-    EXPECT_EQ(stopped.stats.given_up_tasks, 1);
-    const int64_t done = 24;
-    for (int64_t i = 0; i < total_q * q_row; ++i) {
-      ASSERT_EQ(stopped.o[i], i < done * q_row ? whole.o[i] : uint16_t{0x7fc1}) << i;
-    }
-    for (int64_t i = 0; i < total_q * g.num_qo_heads; ++i) {
-      ASSERT_EQ(stopped.lse[i], i < done * g.num_qo_heads ? whole.lse[i] : 12345.f) << i;
+  run(1, 0, &asked);
+  EXPECT_GT(asked.calls.load(), 1);
+  EXPECT_EQ(asked.stats.given_up_tasks, 0);
+  EXPECT_TRUE(asked.o == whole.o);
+  EXPECT_EQ(std::memcmp(asked.lse.data(), whole.lse.data(), whole.lse.size() * 4), 0);
+  // Given up at the tenth look: what was computed is the same bits, and
+  // some rows were never computed.
+  run(2, 10, &stopped);
+  EXPECT_EQ(stopped.stats.given_up_tasks, 1);
+  int64_t unwritten = 0;
+  for (size_t i = 0; i < whole.o.size(); ++i) {
+    if (stopped.o[i] == 0x7fc1) {
+      ++unwritten;
+    } else {
+      ASSERT_EQ(stopped.o[i], whole.o[i]) << i;
     }
   }
-  // Given up before the first group: nothing at all.
-  const Result none = run(true, 1);
-  EXPECT_EQ(none.calls, 1);
-  for (uint16_t h : none.o) ASSERT_EQ(h, 0x7fc1);
+  EXPECT_GT(unwritten, 0);
+  // Given up before anything: nothing is written.
+  run(2, 1, &never_begun);
+  EXPECT_EQ(never_begun.stats.given_up_tasks, 1);
+  for (uint16_t h : never_begun.o) ASSERT_EQ(h, 0x7fc1);
 }
 
 }  // namespace

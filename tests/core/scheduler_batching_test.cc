@@ -194,6 +194,34 @@ TEST_F(SchedulerTest, HeldBytesAreBoundedInAllAndPerTenant) {
   for (int id : {1, 12, 14, 15}) EXPECT_EQ(log_.calls(id), 0) << id;
 }
 
+// A caller that sends its next request as soon as it has the answer (from
+// the done callback here) finds the finished request's bytes back: on an
+// otherwise idle server its request is taken (before, the bytes were given
+// back only after the callback, and it was RESOURCE_EXHAUSTED).
+TEST_F(SchedulerTest, HeldBytesComeBackBeforeTheAnswer) {
+  SchedulerOptions options;
+  options.max_queue_bytes = 1000;
+  Start(options);
+  absl::Notification enqueued;
+  absl::Status next_status = absl::UnknownError("not enqueued");
+  std::unique_ptr<Job> first = Prefill(0, 1);
+  first->held_bytes = 700;
+  first->done = [&](absl::Status s) {
+    EXPECT_TRUE(s.ok()) << s;
+    std::unique_ptr<Job> next = Prefill(1, 1);
+    next->held_bytes = 700;
+    next->done = [](absl::Status) {};
+    next_status = scheduler_->Enqueue(next);
+    enqueued.Notify();
+  };
+  backend_.Release();  // nothing blocks
+  MustEnqueue(std::move(first));
+  ASSERT_TRUE(enqueued.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_TRUE(next_status.ok()) << next_status;
+  scheduler_->Stop();
+  EXPECT_EQ(scheduler_->held_bytes(), 0);
+}
+
 // Internal work (zeroing freed pages) is not a request: it never fills the
 // queue for the clients (before, a FreePages' scrub made a Prefill behind a
 // running batch RESOURCE_EXHAUSTED at max_queue_requests=1).

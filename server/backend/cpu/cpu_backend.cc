@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <new>
 #include <thread>
 
@@ -55,9 +56,8 @@ PrefillSeq RowsOf(const PrefillSeq& seq, int32_t first, int32_t n) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> CpuBackend::Create(const KvGeometry& geometry,
-                                                            int64_t give_up_scores) {
-  std::unique_ptr<CpuBackend> backend(new CpuBackend(geometry, std::max<int64_t>(1, give_up_scores)));
+absl::StatusOr<std::unique_ptr<Backend>> CpuBackend::Create(const KvGeometry& geometry) {
+  std::unique_ptr<CpuBackend> backend(new CpuBackend(geometry));
   try {
     // MLA: the latent pool alone.
     backend->k_pool_.assign(geometry.PoolBytes(), 0);
@@ -114,72 +114,38 @@ bool CpuBackend::Attend(const PrefillTask& t) {
   p.k_scales = k_scales_.data();
   p.v_scales = v_scales_.data();
   p.geo = geo_;
-  const int64_t o_row_bytes = geo_.ORowElems() * geo_.QElemBytes();
-  if (NeedsFlat(t.q, t.q_scattered)) {
-    // The query flattened a chunk of rows at a time, each chunk of a
-    // sequence run as a sequence of its own (RowsOf) over the chunk; where
-    // the caller may give up, a chunk is also at most give_up_scores_ of
-    // work (below).
-    const int64_t row_bytes = geo_.QRowElems() * geo_.QElemBytes();
-    const int64_t flat_rows = std::max<int64_t>(1, kFlatChunkBytes / row_bytes);
-    std::vector<uint16_t> q_flat;
-    for (const PrefillSeq& seq : t.seqs) {
-      const int64_t row_scores = int64_t{geo_.num_qo_heads} * std::max<int32_t>(seq.kv_len, 1);
-      const int32_t chunk = static_cast<int32_t>(
-          t.given_up ? std::clamp<int64_t>(give_up_scores_ / row_scores, 1, flat_rows) : flat_rows);
-      for (int32_t first = 0; first < seq.q_len; first += chunk) {
-        if (t.given_up && t.given_up()) return false;
-        PrefillSeq part = RowsOf(seq, first, std::min(chunk, seq.q_len - first));
-        const int64_t row = part.q_start;
-        part.q_start = 0;
-        p.q = Rows(t.q, t.q_scattered, row_bytes, row, part.q_len, &q_flat);
-        p.o = static_cast<char*>(t.o) + row * o_row_bytes;
-        p.lse = t.lse + row * geo_.num_qo_heads;
-        p.seqs = &part;
-        p.num_seqs = 1;
-        p.total_q = part.q_len;
-        PagedPrefillCpu(p);
-      }
-    }
-    return true;
-  }
-  p.q = t.q;
-  p.o = t.o;
-  p.lse = t.lse;
-  p.total_q = t.total_q;
-  if (!t.given_up) {
+  // The kernel asks given_up before each part of its work (a few rows of a
+  // KV head over their keys): a caller that gave up stops it there.
+  const std::function<bool()>* stop = t.given_up ? &t.given_up : nullptr;
+  if (!NeedsFlat(t.q, t.q_scattered)) {
+    p.q = t.q;
+    p.o = t.o;
+    p.lse = t.lse;
     p.seqs = t.seqs.data();
     p.num_seqs = static_cast<int32_t>(t.seqs.size());
-    PagedPrefillCpu(p);
-    return true;
+    p.total_q = t.total_q;
+    return PagedPrefillCpu(p, stop);
   }
-  // A caller that may give up: the task runs in groups of sequences (or of
-  // a long sequence's rows, RowsOf) of about give_up_scores_ of work (rows
-  // x query heads x keys) each, and stops between two when given_up says so.
-  std::vector<PrefillSeq> group;
-  int64_t group_scores = 0;
-  auto run_group = [&] {
-    p.seqs = group.data();
-    p.num_seqs = static_cast<int32_t>(group.size());
-    PagedPrefillCpu(p);
-    group.clear();
-    group_scores = 0;
-  };
+  // The query flattened a chunk of rows at a time, each chunk of a sequence
+  // run as a sequence of its own (RowsOf).
+  const int64_t row_bytes = geo_.QRowElems() * geo_.QElemBytes();
+  const int64_t o_row_bytes = geo_.ORowElems() * geo_.QElemBytes();
+  const int32_t chunk = static_cast<int32_t>(std::max<int64_t>(1, kFlatChunkBytes / row_bytes));
+  std::vector<uint16_t> q_flat;
   for (const PrefillSeq& seq : t.seqs) {
-    const int64_t row_scores = int64_t{geo_.num_qo_heads} * std::max<int32_t>(seq.kv_len, 1);
-    const int32_t rows = static_cast<int32_t>(
-        std::clamp<int64_t>(give_up_scores_ / row_scores, 1, std::max<int32_t>(seq.q_len, 1)));
-    for (int32_t first = 0; first < seq.q_len; first += rows) {
-      const int32_t n = std::min(rows, seq.q_len - first);
-      if (group.empty() || group_scores + n * row_scores > give_up_scores_) {
-        if (!group.empty()) run_group();
-        if (t.given_up()) return false;
-      }
-      group.push_back(RowsOf(seq, first, n));
-      group_scores += n * row_scores;
+    for (int32_t first = 0; first < seq.q_len; first += chunk) {
+      PrefillSeq part = RowsOf(seq, first, std::min(chunk, seq.q_len - first));
+      const int64_t row = part.q_start;
+      part.q_start = 0;
+      p.q = Rows(t.q, t.q_scattered, row_bytes, row, part.q_len, &q_flat);
+      p.o = static_cast<char*>(t.o) + row * o_row_bytes;
+      p.lse = t.lse + row * geo_.num_qo_heads;
+      p.seqs = &part;
+      p.num_seqs = 1;
+      p.total_q = part.q_len;
+      if (!PagedPrefillCpu(p, stop)) return false;
     }
   }
-  if (!group.empty()) run_group();
   return true;
 }
 

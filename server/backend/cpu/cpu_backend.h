@@ -13,16 +13,8 @@ namespace attnserve {
 
 class CpuBackend final : public Backend {
  public:
-  // Work (query rows x query heads x keys) a task whose caller may give up
-  // (PrefillTask::given_up) runs between two looks at it: 0.2-0.4 s of two
-  // cores at attnserve_cpu_kernel_bench's decode and prefill rates
-  // (4.5e7-7.3e7 products a second, head_dim 128).
-  static constexpr int64_t kGiveUpScores = int64_t{1} << 24;
-
   // Allocates and zeroes the K and V pools (geometry.PoolBytes() each).
-  // give_up_scores: kGiveUpScores (tests set less).
-  static absl::StatusOr<std::unique_ptr<Backend>> Create(const KvGeometry& geometry,
-                                                         int64_t give_up_scores = kGiveUpScores);
+  static absl::StatusOr<std::unique_ptr<Backend>> Create(const KvGeometry& geometry);
 
   std::string Name() const override { return "cpu"; }
   std::string Device() const override;
@@ -51,21 +43,18 @@ class CpuBackend final : public Backend {
     }
   };
 
-  CpuBackend(const KvGeometry& geometry, int64_t give_up_scores)
-      : geo_(geometry), give_up_scores_(give_up_scores) {}
+  explicit CpuBackend(const KvGeometry& geometry) : geo_(geometry) {}
   // Scatters n rows (k, v: (n, num_kv_heads, head_dim), each contiguous or
   // in pieces; FP8 bytes when rows_fp8, else geo.dtype values) into `layer`
   // by slot.
   void Append(int32_t layer, const int64_t* slots, int64_t n, const void* k,
               const ScatterList& k_scattered, const void* v, const ScatterList& v_scattered,
               bool rows_fp8);
-  // Attention of one task into its o and lse; where its caller may give
-  // up, in groups of about give_up_scores_ of work, and none after it has.
-  // False: it stopped (or never began) because its caller had given up.
+  // Attention of one task into its o and lse, stopped where its caller
+  // gives up (PrefillTask::given_up). False: it stopped, or never began.
   bool Attend(const PrefillTask& t);
 
   KvGeometry geo_;
-  int64_t give_up_scores_;
   bool pending_ = false;     // a batch was submitted and not completed
   BatchStats pending_stats_;
   std::vector<uint8_t> k_pool_;  // geo_.PoolBytes() each
