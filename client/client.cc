@@ -330,8 +330,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   // connection among channels of the same target), so that N clients in
   // attnbench or the tests really are N concurrent connections.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  // Backoff with jitter on UNAVAILABLE, for the idempotent methods only.
+  // Backoff with jitter on UNAVAILABLE, for the idempotent methods only, and
+  // requests of any size (gRPC retries none larger than its per-call retry
+  // buffer, 256 KiB unless raised).
   args.SetServiceConfigJSON(kClientServiceConfig);
+  args.SetInt(GRPC_ARG_PER_RPC_RETRY_BUFFER_SIZE, max_bytes);
   for (const TransportArg& arg : TransportArgs(options.transport_tuning)) {
     args.SetInt(arg.name, arg.value);
   }

@@ -92,7 +92,8 @@ inline std::vector<TransportArg> ParseTransportArgs(const std::string& spec,
 // RegisterRegion, UnregisterRegion, OpenChannel and CloseChannel are never
 // retried: a repeat of one the server had already run would leave the
 // client's books wrong (pages allocated twice, a "not found" for a free that
-// happened). Requests over gRPC's retry buffer (256 KiB) are not retried.
+// happened). The clients raise gRPC's per-call retry buffer (256 KiB by
+// default, past which nothing is retried) to their largest message.
 inline constexpr char kClientServiceConfig[] = R"json({
   "methodConfig": [{
     "name": [

@@ -121,6 +121,16 @@ TEST_F(ClientErrorsTest, OnlyIdempotentMethodsAreRetriedOnUnavailable) {
   }
 }
 
+// Past gRPC's default per-call retry buffer (256 KiB) nothing was retried:
+// a 2 MiB WriteKV is retried as a small one is.
+TEST_F(ClientErrorsTest, LargeRequestsAreRetriedToo) {
+  std::vector<int64_t> slots(4096);
+  const std::vector<uint16_t> rows(size_t{4096} * 2 * 64 * 2);  // 2 MiB each of K and V
+  const absl::Status s = client_->WriteKV(0, slots, rows, rows);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_EQ(service_.Calls("WriteKV"), 4);
+}
+
 TEST_F(ClientErrorsTest, ARequestOverMaxMessageBytesNamesItAndTheWaysAround) {
   ClientOptions options;
   options.target = "127.0.0.1:" + std::to_string(port_);

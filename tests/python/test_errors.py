@@ -303,11 +303,22 @@ def test_only_idempotent_methods_are_retried_on_unavailable():
         for method, call in attempts:
             with pytest.raises(attnserve.Unavailable, match="server is draining"):
                 call()
+        # Requests past gRPC's default retry buffer (256 KiB): a 2 MiB
+        # Prefill and WriteKV are retried as well (before: tried once).
+        big_q = np.zeros((2048, 8, 64), np.float32)
+        big_kv = np.zeros((4096, 2, 64), np.float32)
+        for call in (lambda: c.prefill(0, big_q, [0, 2048], [0, 0], [], []),
+                     lambda: c.write_kv(0, list(range(4096)), big_kv, big_kv)):
+            with pytest.raises(attnserve.Unavailable, match="server is draining"):
+                call()
         c.close()
     finally:
         server.stop(None)
     retried = {"GetServerInfo", "Prefill", "WriteKV", "ReadKV", "MergeStates", "ListRegions"}
-    assert calls == {m: 4 if m in retried else 1 for m, _ in attempts}
+    expected = {m: 4 if m in retried else 1 for m, _ in attempts}
+    expected["Prefill"] += 4
+    expected["WriteKV"] += 4
+    assert calls == expected
 
 
 def test_the_retry_policy_is_the_cpp_clients():

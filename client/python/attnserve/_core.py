@@ -145,9 +145,12 @@ class _Core:
             ("grpc.max_receive_message_length", limit),
             # Each client its own connection, as the C++ client does.
             ("grpc.use_local_subchannel_pool", 1),
-            # Backoff with jitter on UNAVAILABLE, idempotent methods only.
+            # Backoff with jitter on UNAVAILABLE, idempotent methods only;
+            # requests of any size (gRPC retries none larger than its
+            # per-call retry buffer, 256 KiB unless raised).
             ("grpc.enable_retries", 1),
             ("grpc.service_config", RETRY_SERVICE_CONFIG),
+            ("grpc.per_rpc_retry_buffer_size", limit),
             *(TRANSPORT_OPTIONS if transport_tuning else ()),
             *channel_options,
         ]

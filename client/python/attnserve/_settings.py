@@ -30,7 +30,8 @@ TRANSPORT_OPTIONS = (
 # (gRPC's backoff, each jittered by +-20%), for the idempotent methods only. AllocatePages, FreePages,
 # CreatePlan, ReleasePlan, RegisterRegion and UnregisterRegion are never
 # retried: a repeat of one the server had already run would leave the
-# client's books wrong.
+# client's books wrong. The clients raise gRPC's per-call retry buffer
+# (256 KiB by default, past which nothing is retried) to their largest message.
 RETRY_SERVICE_CONFIG = json.dumps({
     "methodConfig": [{
         "name": [{"service": SERVICE, "method": m} for m in
