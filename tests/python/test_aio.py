@@ -110,3 +110,106 @@ def test_errors_and_lazy_info(server):
             async with AsyncClient("127.0.0.1:1", timeout=5):
                 pass
     run(body())
+
+
+def test_the_first_calls_info_read_keeps_the_calls_timeout():
+    """An AsyncClient reads the server's info on the first call that needs
+    it, within that call's timeout: against a peer that accepts the
+    connection and never answers, write_kv(timeout=0.5) is DeadlineExceeded
+    (before, the info read had no deadline and the call waited for ever);
+    allocate_pages needs no info and keeps its own deadline."""
+    import socket
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    address = "127.0.0.1:%d" % silent.getsockname()[1]
+
+    async def main():
+        client = AsyncClient(address)                  # no default timeout
+        kv = np.zeros((1, 2, 64), np.float32)
+        for call in (lambda: client.write_kv(0, [0], kv, kv, timeout=0.5),
+                     lambda: client.allocate_pages(1, timeout=0.5)):
+            with pytest.raises(attnserve.DeadlineExceeded):
+                await asyncio.wait_for(call(), 30)
+        await client.close()
+    try:
+        asyncio.run(main())
+    finally:
+        silent.close()
+
+
+def test_a_region_registers_and_closes_through_an_async_client():
+    """SharedMemoryRegion.register_async / close_async with an AsyncClient;
+    the blocking register() and close(client) refuse an AsyncClient with a
+    TypeError (before, they made coroutines nobody awaited: nothing was
+    registered or unregistered, and no error said so)."""
+    from server import TestServer
+
+    async def main(address):
+        client = AsyncClient(address, timeout=30)
+        region = attnserve.SharedMemoryRegion(1 << 16)
+        with pytest.raises(TypeError, match="await SharedMemoryRegion.register_async"):
+            region.register(client, "io")
+        await region.register_async(client, "io")
+        assert [r.name for r in await client.list_regions()] == ["io"]
+        with pytest.raises(TypeError, match="await SharedMemoryRegion.close_async"):
+            region.close(client)
+        await region.close_async(client)
+        assert await client.list_regions() == []
+        assert region.fd == -1
+        await client.close()
+
+    with TestServer(extra_flags=["--allow_shared_memory"]) as server:
+        asyncio.run(main(server.address))
+
+
+def test_close_cuts_calls_in_flight_with_cancelled_and_refuses_later_ones():
+    """close() with calls in flight: they raise attnserve.Cancelled saying
+    the client was closed, sync and async (before: a bare
+    asyncio.CancelledError for the async call's task, which nobody had
+    cancelled, and for the sync one Unavailable blaming a server shutdown);
+    a call after close() raises Cancelled too (before: grpc's UsageError or
+    ValueError)."""
+    import threading
+    import time
+    from server import TestServer
+    with TestServer(num_pages=1024, extra_flags=["--check_kv_written=false"]) as server:
+        admin = attnserve.Client(server.address, timeout=60)
+        pages = admin.allocate_pages(1024)
+        q = np.random.default_rng(9).standard_normal(
+            (4096, admin.server_info.num_qo_heads, admin.server_info.head_dim)).astype(np.float32)
+        args = (0, q, [0, 4096], [0, 1024], pages, [16])   # seconds of the CPU server's work
+
+        c = attnserve.Client(server.address, timeout=60)
+        got = []
+
+        def call():
+            try:
+                c.prefill(*args, causal=False)
+                got.append(None)
+            except attnserve.AttnserveError as e:
+                got.append(e)
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.3)
+        c.close()
+        t.join()
+        assert isinstance(got[0], attnserve.Cancelled), got
+        assert "close()" in got[0].details
+        with pytest.raises(attnserve.Cancelled, match="the client is closed"):
+            c.info()
+
+        async def main():
+            ac = AsyncClient(server.address, timeout=60)
+            await ac.info()
+            task = asyncio.ensure_future(ac.prefill(*args, causal=False))
+            await asyncio.sleep(0.3)
+            await ac.close()
+            with pytest.raises(attnserve.Cancelled, match="close"):
+                await task
+            assert not task.cancelled()
+            with pytest.raises(attnserve.Cancelled, match="the client is closed"):
+                await ac.info()
+        asyncio.run(main())
+        admin.free_pages(pages)
+        admin.close()

@@ -144,3 +144,36 @@ def test_a_dead_server_fails_the_call_instead_of_hanging():
         ch.close(timeout=1)
         region.close()
         client.close()
+
+
+def test_an_interrupted_wait_abandons_its_slot_instead_of_wedging_it():
+    """A KeyboardInterrupt while a call waits for its answer (the server is
+    stopped meanwhile) abandons the call's slot: once the answer comes the
+    slot is free again, and the next call runs (before, the slot stayed the
+    interrupted call's for good, and the next call spun until its
+    deadline, or for ever without one)."""
+    import os
+    import signal
+    import threading
+    with TestServer(extra_flags=["--allow_shared_memory"]) as s:
+        client = attnserve.Client(s.address, timeout=60)
+        g = client.server_info
+        region = attnserve.SharedMemoryRegion(1 << 20).register(client, "chan-interrupt")
+        ch = client.open_channel(region, 0, slot_count=1, slot_bytes=16 << 10)
+        pages, rng = _decode_setup(client)
+        q = rng.standard_normal((1, g.num_qo_heads, g.head_dim), np.float32)
+        args = (1, q, [0, 1], [0, 1], pages, [g.page_size])
+        expected = ch.prefill(*args).output
+        os.kill(s.pid, signal.SIGSTOP)                        # no answer for now
+        timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                ch.prefill(*args)
+        finally:
+            os.kill(s.pid, signal.SIGCONT)                    # the answer comes
+        assert np.array_equal(ch.prefill(*args, timeout=20).output, expected)
+        ch.close(timeout=10)
+        region.close(client)
+        client.free_pages(pages)
+        client.close()

@@ -189,3 +189,40 @@ def test_abandon_cancels_a_renewal_in_flight():
         finally:
             os.kill(server._proc.pid, signal.SIGCONT)
         client.close()
+
+
+def test_a_server_restart_stops_the_keeper():
+    """A renewal answered by a restarted server (StaleIncarnation: every
+    lease ended with the old one) stops the keeper, which says why, sync and
+    async (before, both renewed every quarter period for ever)."""
+    import asyncio
+    from attnserve.aio import AsyncClient
+    first = TestServer(num_pages=16)
+    address = first.address
+    client = attnserve.Client(address, timeout=10)
+    lease = attnserve.Lease(client, ttl=1)
+
+    async def start():
+        aclient = AsyncClient(address, timeout=10)
+        await aclient.info()
+        return aclient, await attnserve.AsyncLease.start(aclient, 1)
+    loop = asyncio.new_event_loop()
+    aclient, alease = loop.run_until_complete(start())
+    assert first.stop() == 0
+    with TestServer(num_pages=16, extra_flags=[f"--listen={address}"]):
+        for _ in range(300):
+            loop.run_until_complete(asyncio.sleep(0.05))
+            if (isinstance(lease.error, attnserve.StaleIncarnation)
+                    and isinstance(alease.error, attnserve.StaleIncarnation)):
+                break
+        assert isinstance(lease.error, attnserve.StaleIncarnation), lease.error
+        assert isinstance(alease.error, attnserve.StaleIncarnation), alease.error
+        assert not lease.expired and not alease.expired
+        lease._thread.join(10)
+        assert not lease._thread.is_alive()
+        assert alease._task.done()
+    lease.abandon()
+    alease.abandon()
+    loop.run_until_complete(aclient.close())
+    loop.close()
+    client.close()

@@ -17,8 +17,8 @@ from attnserve import _wire
 from attnserve import dtypes as _dt
 from attnserve import regions as _regions
 from attnserve._settings import RETRY_SERVICE_CONFIG, TRANSPORT_OPTIONS
-from attnserve.errors import (AttnserveError, DeadlineExceeded, StaleIncarnation, Unavailable,
-                              connect_cause)
+from attnserve.errors import (AttnserveError, Cancelled, DeadlineExceeded, StaleIncarnation,
+                              Unavailable, connect_cause)
 from attnserve.layout import (PrefillLayout, _extend, _floats, _int32, _lse_base, _options,
                               fill_layout)
 from attnserve.regions import RegionTensor
@@ -163,9 +163,25 @@ class _Core:
         self._incarnation = 0
         self._lease_id = 0
         self._info: Optional[ServerInfo] = None
+        # Channels this client closed (close(), reconnect()), and whether
+        # close() did: a call cut short by either says so (_closed_error).
+        self._channel_closes = 0
+        self._closed = False
         # The holder connections of the system regions this client
         # registered, by region name (attnserve.regions).
         self._region_holders: dict = {}
+
+    def _closed_error(self, method: str, started: int):
+        """The error of a call that began when the client had closed
+        `started` channels, if the client has closed its channel since (or was
+        closed before it), else None."""
+        if self._closed:
+            return Cancelled("the client is closed (close() was called): make a new Client",
+                             grpc.StatusCode.CANCELLED, method)
+        if self._channel_closes != started:
+            return Cancelled("the call was in flight when reconnect() closed the client's "
+                             "channel", grpc.StatusCode.CANCELLED, method)
+        return None
 
     # ------------------------------------------------------------ incarnation
     @property

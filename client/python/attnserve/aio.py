@@ -66,6 +66,10 @@ class AsyncClient(_Core):
         self._health = self._channel.unary_unary(HEALTH_CHECK)
 
     async def close(self) -> None:
+        """Closes the channel: calls still in flight raise Cancelled, and so
+        does every later call."""
+        self._closed = True
+        self._channel_closes += 1
         self._close_region_holders()
         await self._channel.close()
 
@@ -95,48 +99,77 @@ class AsyncClient(_Core):
     async def reconnect(self) -> ServerInfo:
         """New channel, incarnation forgotten, geometry read again. The
         holders of registered regions stay."""
+        self._channel_closes += 1
         await self._channel.close()
+        self._closed = False
         self.forget_incarnation()
         self._open()
         return await self._connect()
 
     async def _call(self, request, timeout):
         method, body, parse = request
+        started = self._channel_closes
+        closed = self._closed_error(method, started)
+        if closed is not None:
+            raise closed
         try:
             raw = await self._stubs[method](body, timeout=self._timeout(timeout),
                                             metadata=self._metadata)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, method) from None
+            raise (self._closed_error(method, started) or from_rpc_error(e, method)) from None
+        except asyncio.CancelledError:
+            # grpc.aio cancels the calls of a channel it closes: that is this
+            # client's close() or reconnect(), not the caller's task.
+            closed = self._closed_error(method, started)
+            if closed is None:
+                raise
+            raise closed from None
         return parse(raw)
 
-    async def _ensure_info(self) -> None:
-        if self._info is None:
-            if self._info_lock is None:
-                self._info_lock = asyncio.Lock()
+    async def _ensure_info(self, timeout: Optional[float] = None) -> Optional[float]:
+        """Reads the server's info on the first call that needs it, within
+        that call's timeout (the client's when None); returns what is left of
+        the timeout for the call itself."""
+        if self._info is not None:
+            return timeout
+        t = self._timeout(timeout)
+        start = time.monotonic()
+        if self._info_lock is None:
+            self._info_lock = asyncio.Lock()
+
+        async def read():
             async with self._info_lock:
                 if self._info is None:
-                    await self.info()
+                    await self.info(timeout=t)
+        if t is None:
+            await read()
+            return timeout
+        try:
+            await asyncio.wait_for(read(), t)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"the server's info, read on the client's first call, did not "
+                                   f"come within timeout={t} s", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   "GetServerInfo") from None
+        return max(t - (time.monotonic() - start), 1e-3)
 
     # ------------------------------------------------------------ the API
     async def info(self, *, timeout: Optional[float] = None) -> ServerInfo:
         return await self._call(self._req_info(), timeout)
 
     async def allocate_pages(self, count: int, *, timeout: Optional[float] = None) -> list:
-        await self._ensure_info()
         return await self._call(self._req_allocate(count), timeout)
 
     async def free_pages(self, page_ids, *, timeout: Optional[float] = None) -> None:
-        await self._ensure_info()
         return await self._call(self._req_free(page_ids), timeout)
 
     async def write_kv(self, layer: int, slots, k, v=None, *,
                        timeout: Optional[float] = None) -> None:
-        await self._ensure_info()
+        timeout = await self._ensure_info(timeout)
         return await self._call(self._req_write_kv(layer, slots, k, v), timeout)
 
     async def read_kv(self, layer: int, slots, *, out: Optional[str] = None, device=None,
                       into=None, dequantize: bool = False, timeout: Optional[float] = None):
-        await self._ensure_info()
+        timeout = await self._ensure_info(timeout)
         return await self._call(self._req_read_kv(layer, slots, out, device, into, dequantize),
                                 timeout)
 
@@ -165,7 +198,7 @@ class AsyncClient(_Core):
                              append_v=None, *, options=None, out: Optional[str] = None,
                              device=None, output_to=None,
                              timeout: Optional[float] = None) -> PrefillResult:
-        await self._ensure_info()
+        timeout = await self._ensure_info(timeout)
         return await self._call(
             self._req_prefill(layer, q, layout, append_k, append_v, out, device, output_to,
                               options),
@@ -175,19 +208,18 @@ class AsyncClient(_Core):
                           append_slots=None, kv_keys_after=None, *, options=None,
                           layer_options=None, apply_sinks=None,
                           timeout: Optional[float] = None) -> int:
-        await self._ensure_info()
+        timeout = await self._ensure_info(timeout)
         return await self._call(self._req_create_plan(qo_indptr, kv_indptr, kv_indices,
                                                       kv_last_page_len, append_slots,
                                                       kv_keys_after, options, layer_options,
                                                       apply_sinks), timeout)
 
     async def release_plan(self, plan_id: int, *, timeout: Optional[float] = None) -> None:
-        await self._ensure_info()
         return await self._call(self._req_release_plan(plan_id), timeout)
 
     async def merge_states(self, states, *, lse_base: str = "2", out: Optional[str] = None,
                            device=None, into=None, timeout: Optional[float] = None):
-        await self._ensure_info()
+        timeout = await self._ensure_info(timeout)
         return await self._call(self._req_merge(states, lse_base, out, device, into), timeout)
 
     async def register_system_region(self, name: str, fd, byte_size: int, *,

@@ -181,10 +181,18 @@ class ChannelCall:
                 raw = self._channel._wait(self._slot, self._seq, self._deadline, timeout)
             except TimeoutError:
                 raise
-            except BaseException as e:  # the slot was abandoned (an answer that never came)
+            except AttnserveError as e:  # the slot was abandoned (an answer that never came)
                 # Without the frames, which hold views of the ring.
                 self._error, self._collected = e.with_traceback(None), True
                 return
+            except BaseException as e:
+                # Interrupted while it waited (KeyboardInterrupt), or a probe
+                # failed on its own: the slot is abandoned (free again once
+                # its answer comes) so that no call waits on it again, and
+                # the interruption goes on up.
+                self._channel._abandon(self._slot, self)
+                self._error, self._collected = e.with_traceback(None), True
+                raise
             self._collected = True
             code, payload = raw
             if code != 0:
@@ -333,8 +341,10 @@ class RequestChannel:
 
     # ------------------------------------------------------------ slots
     def _acquire(self, deadline) -> int:
+        next_probe = 0.0
         while True:
             oldest = None
+            all_abandoned = False
             with self._lock:
                 if self._closed:
                     raise error_for(grpc.StatusCode.FAILED_PRECONDITION,
@@ -346,13 +356,23 @@ class RequestChannel:
                 if self._free:
                     return self._free.pop()
                 if len(self._abandoned) == self.slot_count:
-                    raise Unavailable(f"every slot of channel {self.id} waits for an answer "
-                                      f"that never came: {_REOPEN}",
-                                      grpc.StatusCode.UNAVAILABLE, "Prefill")
-                if self._in_flight:
+                    all_abandoned = True
+                elif self._in_flight:
                     oldest = min(self._in_flight.values(), key=lambda c: c._order)
                 else:
                     self._lock.wait(0.001)
+            if all_abandoned:
+                # Every slot waits for an answer its caller gave up on (a
+                # deadline, an interruption): while the server is there the
+                # answers come and free the slots; once it is gone, none will.
+                now = time.monotonic()
+                if now >= next_probe:
+                    if not self._server_here():
+                        raise Unavailable(f"every slot of channel {self.id} waits for an "
+                                          f"answer that never came: {_REOPEN}",
+                                          grpc.StatusCode.UNAVAILABLE, "Prefill")
+                    next_probe = time.monotonic() + _PROBE_EVERY_S
+                time.sleep(0.001)
             if oldest is not None:
                 # Every slot holds a call nobody collected yet: wait for the
                 # oldest one's answer, which frees its slot.
@@ -366,6 +386,14 @@ class RequestChannel:
             if deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"no slot of channel {self.id} freed up before the "
                                        "deadline", grpc.StatusCode.DEADLINE_EXCEEDED, "Prefill")
+
+    def _abandon(self, slot: int, call: "ChannelCall") -> None:
+        """Abandons `slot` if `call` still holds it."""
+        with self._lock:
+            if self._in_flight.get(slot) is call:
+                self._in_flight.pop(slot)
+                self._abandoned.add(slot)
+                self._lock.notify_all()
 
     def _release(self, slot: int, abandoned: bool = False) -> None:
         with self._lock:
@@ -432,6 +460,14 @@ class RequestChannel:
     def _give_up(self, slot: int, error: AttnserveError) -> None:
         self._release(slot, abandoned=True)
         raise error
+
+    def _server_here(self) -> bool:
+        """Whether the server that opened the channel still answers."""
+        try:
+            info = self._client.info(timeout=_PROBE_TIMEOUT_S)
+        except AttnserveError as e:
+            return e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        return info.incarnation == self.incarnation
 
     def _probe(self, slot: int) -> None:
         """Gives up on the slot when the server is gone or restarted."""

@@ -50,8 +50,9 @@ class CallFuture:
     """A call in flight (Client._call_future): result() waits for the answer
     and returns what the blocking call would, or raises its error."""
 
-    def __init__(self, future, method: str, parse):
+    def __init__(self, future, method: str, parse, closed=lambda: None):
         self._future, self._method, self._parse = future, method, parse
+        self._closed = closed  # () -> the error when the client closed the call's channel
 
     def done(self) -> bool:
         return self._future.done()
@@ -71,7 +72,7 @@ class CallFuture:
             raise Cancelled("cancelled by the client", grpc.StatusCode.CANCELLED,
                             self._method) from None
         except grpc.RpcError as e:
-            raise from_rpc_error(e, self._method) from None
+            raise (self._closed() or from_rpc_error(e, self._method)) from None
         return self._parse(raw)
 
 
@@ -171,6 +172,10 @@ class Client(_Core):
         self._health = self._channel.unary_unary(HEALTH_CHECK)
 
     def close(self) -> None:
+        """Closes the channel: calls still in flight raise Cancelled, and so
+        does every later call."""
+        self._closed = True
+        self._channel_closes += 1
         self._close_region_holders()
         self._channel.close()
 
@@ -183,28 +188,42 @@ class Client(_Core):
     def reconnect(self) -> ServerInfo:
         """New channel, incarnation forgotten, geometry read again. The
         holders of registered regions stay."""
+        self._channel_closes += 1
         self._channel.close()
+        self._closed = False
         self.forget_incarnation()
         self._open()
         return self._connect()
 
     def _call(self, request: _Request, timeout):
         method, body, parse = request
+        started = self._channel_closes
         try:
             raw = self._stubs[method](body, timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, method) from None
+            raise (self._closed_error(method, started) or from_rpc_error(e, method)) from None
+        except ValueError:  # "Cannot invoke RPC on closed channel!"
+            closed = self._closed_error(method, started)
+            if closed is None:
+                raise
+            raise closed from None
         return parse(raw)
 
     def _call_future(self, request: _Request, timeout) -> "CallFuture":
         """Starts the call and returns at once; CallFuture.result() waits."""
         method, body, parse = request
+        started = self._channel_closes
         try:
             future = self._stubs[method].future(body, timeout=self._timeout(timeout),
                                                 metadata=self._metadata)
         except grpc.RpcError as e:
-            raise from_rpc_error(e, method) from None
-        return CallFuture(future, method, parse)
+            raise (self._closed_error(method, started) or from_rpc_error(e, method)) from None
+        except ValueError:  # "Cannot invoke RPC on closed channel!"
+            closed = self._closed_error(method, started)
+            if closed is None:
+                raise
+            raise closed from None
+        return CallFuture(future, method, parse, lambda: self._closed_error(method, started))
 
     def _call_now(self, request: _Request, timeout) -> DoneCall:
         """The call made blocking, its outcome kept for result(): for a caller

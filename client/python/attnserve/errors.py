@@ -226,10 +226,11 @@ def from_rpc_error(error: grpc.RpcError, method: str = "") -> AttnserveError:
     code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
     if code == grpc.StatusCode.CANCELLED:
-        # The client never cancels a call itself (an asyncio task's
-        # cancellation raises CancelledError, not this): the server's gRPC
-        # cancelled it, as it does to a call that arrives in the last moments
-        # of a shutdown. For the caller that is "go elsewhere".
+        # The client cancels a call itself only when its close() or
+        # reconnect() closes the channel, and says so first (_closed_error);
+        # an asyncio task's cancellation raises CancelledError, not this.
+        # Otherwise the server's gRPC cancelled it, as it does to a call that
+        # arrives in the last moments of a shutdown: "go elsewhere".
         return Unavailable(f"the server cancelled the call (it was shutting down): {details}",
                            grpc.StatusCode.UNAVAILABLE, method)
     return error_for(code or grpc.StatusCode.UNKNOWN, details or "", method)

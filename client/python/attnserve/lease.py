@@ -9,8 +9,10 @@
 
 The server is the authority on what expired: a renewal refused because the
 lease is gone stops the keeper (`expired` turns true, `error` says why), and
-every request naming the lease raises attnserve.LeaseExpired. Other failed
-renewals (server unreachable) are retried every quarter period.
+every request naming the lease raises attnserve.LeaseExpired. A server found
+restarted, which ended every lease, stops it too (`error` is the
+StaleIncarnation; `expired` stays false: the restart is what to act on).
+Other failed renewals (server unreachable) are retried every quarter period.
 
 AsyncLease is the same for an AsyncClient, renewing from an asyncio task.
 """
@@ -21,7 +23,7 @@ import asyncio
 import threading
 from typing import Optional
 
-from attnserve.errors import AttnserveError, LeaseExpired
+from attnserve.errors import AttnserveError, LeaseExpired, StaleIncarnation
 
 
 class Lease:
@@ -66,7 +68,7 @@ class Lease:
                     with self._lock:
                         self._renewal = None
                 wait = period
-            except LeaseExpired as e:
+            except (LeaseExpired, StaleIncarnation) as e:  # a restart ends every lease
                 self.error = e
                 return
             except AttnserveError:
@@ -142,7 +144,7 @@ class AsyncLease:
             try:
                 await self._client.keep_alive(self.lease_id, timeout=self.ttl)
                 wait = period
-            except LeaseExpired as e:
+            except (LeaseExpired, StaleIncarnation) as e:  # a restart ends every lease
                 self.error = e
                 return
             except AttnserveError:

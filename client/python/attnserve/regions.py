@@ -194,6 +194,15 @@ def _raise_reply(reply: bytes, where: str) -> None:
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
+def _not_async(client, method: str, instead: str) -> None:
+    """TypeError for an AsyncClient given to a blocking method (its calls
+    would be coroutines never awaited: nothing would happen)."""
+    import inspect
+    if inspect.iscoroutinefunction(getattr(client, "register_system_region", None)):
+        raise TypeError(f"SharedMemoryRegion.{method}() takes an attnserve.Client; with an "
+                        f"AsyncClient, await SharedMemoryRegion.{instead}()")
+
+
 class SharedMemoryRegion:
     """A memfd this process creates for a system region: `size` zeroed bytes,
     sealed so that it never shrinks or grows (SEALS), mapped read-write.
@@ -218,7 +227,18 @@ class SharedMemoryRegion:
         self._client = None
 
     def register(self, client, name: str, *, timeout: Optional[float] = None) -> "SharedMemoryRegion":
+        """Registers the region as `name` through an attnserve.Client (with an
+        AsyncClient: `await region.register_async(client, name)`)."""
+        _not_async(client, "register", "register_async")
         client.register_system_region(name, self.fd, self.size, timeout=timeout)
+        self.name = name
+        self._client = client
+        return self
+
+    async def register_async(self, client, name: str, *,
+                             timeout: Optional[float] = None) -> "SharedMemoryRegion":
+        """register() through an attnserve.aio.AsyncClient."""
+        await client.register_system_region(name, self.fd, self.size, timeout=timeout)
         self.name = name
         self._client = client
         return self
@@ -250,9 +270,20 @@ class SharedMemoryRegion:
         the region once no request uses it (at the tenant's next
         register_system_region or list_regions)."""
         if client is not None and self.name is not None:
+            _not_async(client, "close", "close_async")
             client.unregister_region(self.name, timeout=timeout)
         elif self._client is not None and self.name is not None:
             self._client._drop_region_holder(self.name)
+        self._unmap()
+
+    async def close_async(self, client, *, timeout: Optional[float] = None) -> None:
+        """close(client) through an attnserve.aio.AsyncClient: unregisters
+        the region, then unmaps and closes it."""
+        if self.name is not None:
+            await client.unregister_region(self.name, timeout=timeout)
+        self._unmap()
+
+    def _unmap(self) -> None:
         self.name = None
         self._client = None
         if self.fd >= 0:
