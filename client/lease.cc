@@ -53,7 +53,9 @@ void LeaseKeeper::Run() {
       wait = period;
       continue;
     }
-    if (IsLeaseExpired(renewed.status())) {
+    // The lease is gone, or the server restarted (which ended every lease):
+    // renewing would only be refused again.
+    if (IsLeaseExpired(renewed.status()) || IsStaleIncarnation(renewed.status())) {
       absl::MutexLock lock(&mu_);
       status_ = renewed.status();
       return;
@@ -64,7 +66,7 @@ void LeaseKeeper::Run() {
 
 bool LeaseKeeper::expired() const {
   absl::MutexLock lock(&mu_);
-  return !status_.ok();
+  return IsLeaseExpired(status_);
 }
 
 absl::Status LeaseKeeper::status() const {

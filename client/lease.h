@@ -12,7 +12,8 @@
 //
 // The server is the authority on what expired. The keeper renews every
 // third of the ttl; a renewal the server refuses because the lease is gone
-// ends the keeper (expired() turns true, status() says why), and every
+// ends the keeper (expired() turns true, status() says why), as does one
+// answered by a restarted server (status() is the stale incarnation), and every
 // request that names the lease fails with IsLeaseExpired(). Failed renewals
 // for other reasons (the server unreachable) are retried until the lease
 // would have expired, and after that too: only the server can say.
@@ -45,7 +46,9 @@ class LeaseKeeper {
   int64_t ttl_ms() const { return ttl_ms_; }
   // True once a renewal was refused because the lease is gone.
   bool expired() const;
-  // OK, or the error of the renewal that found the lease gone.
+  // OK, or the error of the renewal that stopped the keeper: the lease gone
+  // (expired() true), or the server restarted (a stale incarnation; the
+  // restart, not the lease, is what to act on: expired() stays false).
   absl::Status status() const;
   // Revokes now and returns what was released; the keeper then only waits
   // to be destroyed.

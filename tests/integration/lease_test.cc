@@ -457,6 +457,37 @@ TEST(LeaseKeeperTest, AbandonCancelsARenewalInFlight) {
   EXPECT_THAT(calls.ended(), ::testing::ElementsAre(grpc::StatusCode::CANCELLED));
 }
 
+// A renewal answered by a restarted server (a stale incarnation: every lease
+// ended with the old server) stops the keeper, whose status() says why;
+// expired() stays false (the restart is what to act on). Before, it renewed
+// every quarter period for ever.
+TEST(LeaseKeeperTest, AServerRestartStopsTheKeeper) {
+  auto first = TestServer::Start(TestServerOptions{});
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string address = (*first)->grpc_address();
+  KeepAliveCalls calls;
+  ClientOptions co;
+  co.target = address;
+  co.timeout_s = 10;
+  co.interceptors = calls.Interceptors();
+  auto client = Client::Connect(co);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto keeper = LeaseKeeper::Start(client->get(), /*ttl_ms=*/1000);  // renewed every 333 ms
+  ASSERT_TRUE(keeper.ok()) << keeper.status();
+  ASSERT_EQ((*first)->Stop(), 0);
+  TestServerOptions options;
+  options.extra_flags = {absl::StrCat("--listen=", address)};
+  auto second = TestServer::Start(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  for (int i = 0; i < 400 && (*keeper)->status().ok(); ++i) absl::SleepFor(absl::Milliseconds(25));
+  EXPECT_TRUE(IsStaleIncarnation((*keeper)->status())) << (*keeper)->status();
+  EXPECT_FALSE((*keeper)->expired());
+  const int started = calls.started();
+  absl::SleepFor(absl::Milliseconds(1500));  // four and a half periods
+  EXPECT_EQ(calls.started(), started) << "the keeper renewed after the restart was found";
+  (*keeper)->Abandon();
+}
+
 TEST(PlanIdleTimeoutTest, AnIdlePlanIsReleasedWithoutAnotherCreatePlan) {
   TestServerOptions options;
   options.extra_flags = {"--plan_idle_timeout_s=1"};
