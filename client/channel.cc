@@ -115,6 +115,7 @@ absl::Status RequestChannel::Close() {
 
 absl::StatusOr<int32_t> RequestChannel::Acquire(int64_t deadline_ns) {
   absl::MutexLock lock(&mu_);
+  int64_t next_probe = 0;
   for (;;) {
     if (closed_) {
       return absl::FailedPreconditionError(absl::StrCat("channel ", id_, " is closed"));
@@ -134,10 +135,21 @@ absl::StatusOr<int32_t> RequestChannel::Acquire(int64_t deadline_ns) {
       free_.pop_back();
       return slot;
     }
-    if (free_.empty() && abandoned_.size() == static_cast<size_t>(slot_count_)) {
-      return absl::UnavailableError(absl::StrCat("every slot of channel ", id_,
-                                                 " waits for an answer that never came: ",
-                                                 kReopen));
+    if (free_.empty() && abandoned_.size() == static_cast<size_t>(slot_count_) &&
+        absl::GetCurrentTimeNanos() >= next_probe) {
+      // Every slot waits for an answer its caller gave up on: while the
+      // server answers probes those answers come and free the slots (waited
+      // for below, up to the deadline); once it does not, none will.
+      mu_.Unlock();
+      const absl::Status here = Probe();
+      mu_.Lock();
+      if (!here.ok()) {
+        return absl::UnavailableError(absl::StrCat("every slot of channel ", id_,
+                                                   " waits for an answer that never came (",
+                                                   here.message(), ")"));
+      }
+      next_probe = absl::GetCurrentTimeNanos() + kProbeEveryNs;
+      continue;  // the lock was let go: look again
     }
     const int64_t now = absl::GetCurrentTimeNanos();
     if (deadline_ns != 0 && now >= deadline_ns) {

@@ -718,14 +718,20 @@ absl::Status Client::RegisterSystemRegion(const std::string& name, const SharedM
 absl::Status Client::RegisterSystemRegionFd(const std::string& name, int memfd, int64_t offset,
                                             int64_t byte_size) {
   std::string socket = info_.region_socket();
-  if (socket.empty()) {
-    // Not read at connect (fetch_info), or the server has regions off.
+  uint64_t expected = incarnation();
+  if (socket.empty() || expected == 0) {
+    // Not read at connect (fetch_info), the server has regions off, or the
+    // incarnation was forgotten (a restarted server, whose socket and
+    // incarnation are not those read at connect): as the server says now.
     auto fresh = GetServerInfo();
-    if (fresh.ok()) socket = fresh->region_socket();
+    if (fresh.ok()) {
+      socket = fresh->region_socket();
+      expected = fresh->incarnation();
+    }
   }
+  if (expected == 0) expected = info_.incarnation();
   RegionClaim claim;
   if (!socket.empty()) {
-    const uint64_t expected = incarnation() != 0 ? incarnation() : info_.incarnation();
     auto deposited = DepositRegionFd(socket, memfd, expected,
                                      options_.timeout_s > 0 ? options_.timeout_s : 10);
     if (!deposited.ok()) return deposited.status();

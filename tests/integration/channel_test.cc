@@ -786,6 +786,62 @@ TEST(ChannelRestartTest, ACallOnAChannelOfARestartedServerFailsAndTouchesNothing
   EXPECT_EQ((*second)->Stop(), 0);
 }
 
+// A channel whose every slot was given up on (the caller's deadline passed)
+// while the server still works on them: the next call waits for a slot
+// while the server answers probes, instead of failing at once with
+// UNAVAILABLE and "open a new channel" (as it did, for a channel that
+// worked); once the answer has come, the channel serves again.
+TEST(ChannelAbandonedTest, SlotsGivenUpOnAreWaitedForWhileTheServerAnswers) {
+  TestServerOptions options;
+  options.num_pages = 256;
+  options.extra_flags = {"--allow_shared_memory", "--check_kv_written=false"};
+  auto server = TestServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  // The channel's calls have the client's deadline: 0.5 s.
+  auto client = ConnectTo((*server)->grpc_address(), "", /*timeout_s=*/0.5);
+  ASSERT_TRUE(client);
+  const KvGeometry g = GeometryOf(client->info());
+  auto pages = client->AllocatePages(256);
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  ChannelOptions opt;
+  opt.slot_count = 1;
+  opt.slot_bytes = 16 << 20;
+  const int64_t ring = ChannelBytes(opt.slot_count, opt.slot_bytes);
+  auto shm = SharedMemory::Create("abandoned", ring);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  ASSERT_TRUE(client->RegisterSystemRegion("abandoned", **shm, 0, ring).ok());
+  auto channel = client->OpenChannel("abandoned", (*shm)->data(), 0, ring, opt);
+  ASSERT_TRUE(channel.ok()) << channel.status();
+  // Seconds of the CPU server's work: 8,192 rows over 4,096 keys.
+  const int64_t row = int64_t{g.num_qo_heads} * g.head_dim;
+  std::vector<uint16_t> q_big(8192 * row, 0x3f80), q_small(row, 0x3f80);
+  const std::vector<int32_t> qo_big = {0, 8192}, kv_big = {0, 256}, last = {16};
+  const std::vector<int32_t> qo_small = {0, 1}, kv_small = {0, 1}, one_page = {(*pages)[0]};
+  PrefillArgs big;
+  big.q = q_big;
+  big.qo_indptr = qo_big;
+  big.kv_indptr = kv_big;
+  big.kv_indices = *pages;
+  big.kv_last_page_len = last;
+  big.causal = false;
+  PrefillArgs small;
+  small.q = q_small;
+  small.qo_indptr = qo_small;
+  small.kv_indptr = kv_small;
+  small.kv_indices = one_page;
+  small.kv_last_page_len = last;
+  EXPECT_EQ((*channel)->Prefill(big).status().code(), absl::StatusCode::kDeadlineExceeded);
+  const absl::Status waited = (*channel)->Prefill(small).status();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  absl::Status later = waited;  // once the big one is answered, the slot is free
+  for (int i = 0; i < 240 && later.code() == absl::StatusCode::kDeadlineExceeded; ++i) {
+    later = (*channel)->Prefill(small).status();
+  }
+  EXPECT_TRUE(later.ok()) << later;
+  channel->reset();
+  EXPECT_EQ((*server)->Stop(), 0);
+}
+
 // SIGTERM with a channel request in flight: the request completes with the
 // right result, the server drains and exits 0, and the channel's next call
 // fails (never hangs), saying to open a new channel.

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/shared_memory.h"
 #include "client/workload.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -39,6 +40,34 @@ absl::Status RetryWhileUnavailable(F call) {
     absl::SleepFor(absl::Milliseconds(50));
   } while (absl::Now() < deadline);
   return s;
+}
+
+// After a restart, RegisterSystemRegion is refused (a stale incarnation)
+// until the client forgets the old incarnation; then it registers on the
+// new server (before, the deposit kept naming the incarnation read at
+// connect, and was refused for good).
+TEST(RestartSafetyTest, ARegionRegistersOnARestartedServerOnceTheIncarnationIsForgotten) {
+  TestServerOptions options;
+  options.extra_flags = {"--allow_shared_memory"};
+  auto first = TestServer::Start(options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string address = (*first)->grpc_address();
+  auto a = Connect(address);
+  ASSERT_TRUE(a);
+  auto shm = SharedMemory::Create("io", 4096);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  ASSERT_TRUE(a->RegisterSystemRegion("io", **shm, 0, 4096).ok());
+  ASSERT_EQ((*first)->Stop(), 0);
+  options.extra_flags.push_back(absl::StrCat("--listen=", address));
+  auto second = TestServer::Start(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  const absl::Status stale = a->RegisterSystemRegion("io", **shm, 0, 4096);
+  EXPECT_TRUE(IsStaleIncarnation(stale)) << stale;
+  a->ForgetIncarnation();
+  const absl::Status again = a->RegisterSystemRegion("io", **shm, 0, 4096);
+  EXPECT_TRUE(again.ok()) << again;
+  EXPECT_NE(a->incarnation(), 0u);
+  EXPECT_EQ((*second)->Stop(), 0);
 }
 
 TEST(RestartSafetyTest, AStaleClientCannotTouchPagesANewClientOwns) {

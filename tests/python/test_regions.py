@@ -397,3 +397,22 @@ def test_descriptors_a_client_hands_the_region_socket_never_block_the_server():
     for listener, peer in keep:
         peer.close()
         listener.close()
+
+
+def test_a_region_registers_on_a_restarted_server_once_the_incarnation_is_forgotten():
+    """After a restart register_system_region is refused (StaleIncarnation)
+    until forget_incarnation(); then it registers on the new server (before,
+    the deposit kept naming the incarnation read at connect, for good)."""
+    first = TestServer(extra_flags=["--allow_shared_memory"])
+    address = first.address
+    client = attnserve.Client(address, timeout=20)
+    region = SharedMemoryRegion(4096).register(client, "io")
+    assert first.stop() == 0
+    with TestServer(extra_flags=["--allow_shared_memory", f"--listen={address}"]):
+        with pytest.raises(attnserve.StaleIncarnation):
+            client.register_system_region("io", region.fd, 4096)
+        client.forget_incarnation()
+        client.register_system_region("io", region.fd, 4096)
+        assert [r.name for r in client.list_regions()] == ["io"]
+        region.close(client)
+    client.close()

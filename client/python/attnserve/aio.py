@@ -224,8 +224,8 @@ class AsyncClient(_Core):
 
     async def register_system_region(self, name: str, fd, byte_size: int, *,
                                      offset: int = 0, timeout: Optional[float] = None) -> None:
-        if self._info is None or not self._info.region_socket:
-            await self.info(timeout=timeout)
+        if self._info is None or not self._info.region_socket or not self._incarnation:
+            await self.info(timeout=timeout)  # as Client.register_system_region
         # The deposit is a few blocking calls on a local socket: off the loop.
         token, holder = await asyncio.get_running_loop().run_in_executor(None, self._deposit, fd)
         try:

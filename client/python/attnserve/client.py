@@ -375,7 +375,10 @@ class Client(_Core):
         then RegisterRegion names it; the client keeps the region's holder
         connection until unregister_region() or close().
         attnserve.regions.SharedMemoryRegion makes such a memfd."""
-        if self._info is None or not self._info.region_socket:
+        # Its socket and incarnation as the server says now: after
+        # forget_incarnation() (a restarted server) those read at connect
+        # are another server's.
+        if self._info is None or not self._info.region_socket or not self._incarnation:
             self.info(timeout=timeout)
         token, holder = self._deposit(fd)
         try:
