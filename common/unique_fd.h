@@ -13,18 +13,21 @@
 
 namespace attnserve {
 
-class UniqueFd {
+// Owns one file descriptor and closes it with Close when it goes (the
+// server's ClientFd, server/core/client_fd.h, closes off the caller's thread).
+template <void (*Close)(int)>
+class BasicFd {
  public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& other) noexcept : fd_(other.release()) {}
-  UniqueFd& operator=(UniqueFd&& other) noexcept {
+  BasicFd() = default;
+  explicit BasicFd(int fd) : fd_(fd) {}
+  BasicFd(BasicFd&& other) noexcept : fd_(other.release()) {}
+  BasicFd& operator=(BasicFd&& other) noexcept {
     if (this != &other) reset(other.release());
     return *this;
   }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  ~UniqueFd() { reset(); }
+  BasicFd(const BasicFd&) = delete;
+  BasicFd& operator=(const BasicFd&) = delete;
+  ~BasicFd() { reset(); }
 
   bool valid() const { return fd_ >= 0; }
   int get() const { return fd_; }
@@ -32,12 +35,15 @@ class UniqueFd {
   int release() { return std::exchange(fd_, -1); }
   // Closes the descriptor held (if any) and holds `fd` instead.
   void reset(int fd = -1) {
-    if (fd_ >= 0) close(fd_);
+    if (fd_ >= 0) Close(fd_);
     fd_ = fd;
   }
 
  private:
   int fd_ = -1;
 };
+
+inline void CloseFd(int fd) { close(fd); }
+using UniqueFd = BasicFd<CloseFd>;
 
 }  // namespace attnserve

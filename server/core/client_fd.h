@@ -14,7 +14,8 @@
 #pragma once
 
 #include <cstdint>
-#include <utility>
+
+#include "common/unique_fd.h"
 
 namespace attnserve {
 
@@ -28,29 +29,6 @@ void CloseClientFd(int fd);
 int64_t ClientFdsClosing();
 
 // As UniqueFd (common/unique_fd.h), but closed by CloseClientFd.
-class ClientFd {
- public:
-  ClientFd() = default;
-  explicit ClientFd(int fd) : fd_(fd) {}
-  ClientFd(ClientFd&& other) noexcept : fd_(other.release()) {}
-  ClientFd& operator=(ClientFd&& other) noexcept {
-    if (this != &other) reset(other.release());
-    return *this;
-  }
-  ClientFd(const ClientFd&) = delete;
-  ClientFd& operator=(const ClientFd&) = delete;
-  ~ClientFd() { reset(); }
-
-  bool valid() const { return fd_ >= 0; }
-  int get() const { return fd_; }
-  int release() { return std::exchange(fd_, -1); }
-  void reset(int fd = -1) {
-    if (fd_ >= 0) CloseClientFd(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_ = -1;
-};
+using ClientFd = BasicFd<CloseClientFd>;
 
 }  // namespace attnserve

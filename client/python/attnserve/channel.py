@@ -367,9 +367,10 @@ class RequestChannel:
                 # answers come and free the slots; once it is gone, none will.
                 now = time.monotonic()
                 if now >= next_probe:
-                    if not self._server_here():
+                    gone = self._server_gone()
+                    if gone is not None:
                         raise Unavailable(f"every slot of channel {self.id} waits for an "
-                                          f"answer that never came: {_REOPEN}",
+                                          f"answer that never came ({gone.details})",
                                           grpc.StatusCode.UNAVAILABLE, "Prefill")
                     next_probe = time.monotonic() + _PROBE_EVERY_S
                 time.sleep(0.001)
@@ -461,29 +462,30 @@ class RequestChannel:
         self._release(slot, abandoned=True)
         raise error
 
-    def _server_here(self) -> bool:
-        """Whether the server that opened the channel still answers."""
-        try:
-            info = self._client.info(timeout=_PROBE_TIMEOUT_S)
-        except AttnserveError as e:
-            return e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        return info.incarnation == self.incarnation
-
-    def _probe(self, slot: int) -> None:
-        """Gives up on the slot when the server is gone or restarted."""
+    def _server_gone(self) -> Optional[Unavailable]:
+        """Unavailable when the server that opened the channel is gone or
+        restarted (no answer will come), else None (e.g. draining: answers
+        may still come)."""
         try:
             info = self._client.info(timeout=_PROBE_TIMEOUT_S)
         except AttnserveError as e:
             if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self._give_up(slot, Unavailable(
+                return Unavailable(
                     f"channel {self.id}: the server does not answer ({e.details}); {_REOPEN}",
-                    grpc.StatusCode.UNAVAILABLE, "Prefill"))
-            return  # e.g. draining: its answer may still come
+                    grpc.StatusCode.UNAVAILABLE, "Prefill")
+            return None
         if info.incarnation != self.incarnation:
-            self._give_up(slot, Unavailable(
+            return Unavailable(
                 f"channel {self.id} was opened on server incarnation {self.incarnation}, which "
                 f"is gone (the server restarted; it is now {info.incarnation}): {_REOPEN}",
-                grpc.StatusCode.UNAVAILABLE, "Prefill"))
+                grpc.StatusCode.UNAVAILABLE, "Prefill")
+        return None
+
+    def _probe(self, slot: int) -> None:
+        """Gives up on the slot when the server is gone or restarted."""
+        gone = self._server_gone()
+        if gone is not None:
+            self._give_up(slot, gone)
 
     # ------------------------------------------------------------ closing
     @property

@@ -195,34 +195,33 @@ class Client(_Core):
         self._open()
         return self._connect()
 
-    def _call(self, request: _Request, timeout):
-        method, body, parse = request
-        started = self._channel_closes
+    def _invoke(self, start, method: str, started: int):
+        """start() (a stub call) with its failures typed: a call cut short, or
+        refused ("Cannot invoke RPC on closed channel!", a ValueError), by
+        this client's close() or reconnect() raises Cancelled saying so."""
         try:
-            raw = self._stubs[method](body, timeout=self._timeout(timeout), metadata=self._metadata)
+            return start()
         except grpc.RpcError as e:
             raise (self._closed_error(method, started) or from_rpc_error(e, method)) from None
-        except ValueError:  # "Cannot invoke RPC on closed channel!"
+        except ValueError:
             closed = self._closed_error(method, started)
             if closed is None:
                 raise
             raise closed from None
+
+    def _call(self, request: _Request, timeout):
+        method, body, parse = request
+        raw = self._invoke(lambda: self._stubs[method](body, timeout=self._timeout(timeout),
+                                                       metadata=self._metadata),
+                           method, self._channel_closes)
         return parse(raw)
 
     def _call_future(self, request: _Request, timeout) -> "CallFuture":
         """Starts the call and returns at once; CallFuture.result() waits."""
         method, body, parse = request
         started = self._channel_closes
-        try:
-            future = self._stubs[method].future(body, timeout=self._timeout(timeout),
-                                                metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise (self._closed_error(method, started) or from_rpc_error(e, method)) from None
-        except ValueError:  # "Cannot invoke RPC on closed channel!"
-            closed = self._closed_error(method, started)
-            if closed is None:
-                raise
-            raise closed from None
+        future = self._invoke(lambda: self._stubs[method].future(
+            body, timeout=self._timeout(timeout), metadata=self._metadata), method, started)
         return CallFuture(future, method, parse, lambda: self._closed_error(method, started))
 
     def _call_now(self, request: _Request, timeout) -> DoneCall:
