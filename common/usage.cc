@@ -1,5 +1,7 @@
 #include "common/usage.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
@@ -13,6 +15,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
 #include "common/version.h"
@@ -170,6 +173,30 @@ std::vector<char*> ParseCommandLine(int argc, char** argv, const ProgramUsage& p
   for (int i = 1; i < argc; ++i) {
     const absl::string_view arg = absl::StripPrefix(absl::StripPrefix(argv[i], "-"), "-");
     if (absl::StartsWith(arg, "help") || absl::StartsWith(arg, "only_check_args")) usage_flag = true;
+  }
+  // Abseil reads a --flagfile that names a directory as an empty file, so
+  // that a mount path given instead of the file in it would start the
+  // program on its defaults.
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    arg = absl::StripPrefix(absl::StripPrefix(arg, "-"), "-");
+    absl::string_view files;
+    if (absl::ConsumePrefix(&arg, "flagfile=")) {
+      files = arg;
+    } else if (arg == "flagfile" && i + 1 < argc) {
+      files = argv[i + 1];
+    } else {
+      continue;
+    }
+    for (absl::string_view file : absl::StrSplit(files, ',', absl::SkipEmpty())) {
+      struct stat st {};
+      if (stat(std::string(file).c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+        std::cerr << "--flagfile=" << file << ": not a regular file"
+                  << (S_ISDIR(st.st_mode) ? " but a directory (name the file in it)" : "") << "\n";
+        std::exit(kExitUsage);
+      }
+    }
   }
   std::atexit(ExitTwoWhileParsing);
   g_parsing = !usage_flag;

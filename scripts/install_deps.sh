@@ -19,7 +19,7 @@ build_pkgs=(
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev prometheus-cpp-dev libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  openssl curl python3
+  libssl-dev openssl curl python3
 )
 # python3-matplotlib: bench/plot.py (for Debian's /usr/bin/python3).
 # python3-grpcio ... python3-pip: the Python client's tests (tests/python) and

@@ -9,7 +9,10 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
+#include <new>
 #include <thread>
+#include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
 #define ATTNSERVE_LSAN 1
@@ -23,6 +26,7 @@
 #endif
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -170,11 +174,11 @@ ABSL_FLAG(int64_t, max_tenant_queue_bytes, 0,
 namespace attnserve {
 namespace {
 
-// A flag the command line gave a value other than its default.
-bool FlagChanged(absl::string_view name) {
-  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-  return flag != nullptr && flag->CurrentValue() != flag->DefaultValue();
-}
+// A flag the command line (or a --flagfile) gave, whatever its value (a
+// value equal to the default contradicts --attention=mla as much as any).
+// Abseil keeps CommandLineFlag::IsSpecifiedOnCommandLine private in the
+// packaged version; its parser's record of the same is this.
+bool FlagChanged(absl::string_view name) { return absl::flags_internal::WasPresentOnCommandLine(name); }
 
 // --attention and, for MLA, its latent sizes: num_kv_heads 1 and head_dim
 // kv_lora_rank + qk_rope_head_dim.
@@ -230,6 +234,9 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
   if (absl::Status s = ApplyAttentionFlags(&g); !s.ok()) return s;
   const std::string dtype = absl::GetFlag(FLAGS_kv_dtype);
   const std::string q_dtype = absl::GetFlag(FLAGS_q_dtype);
+  if (!q_dtype.empty() && q_dtype != "bf16" && q_dtype != "fp16") {
+    return absl::InvalidArgumentError(absl::StrCat("--q_dtype=", q_dtype, " must be bf16 or fp16"));
+  }
   if (dtype == "bf16" || dtype == "fp16") {
     g.dtype = dtype == "bf16" ? KvDType::kBf16 : KvDType::kFp16;
     if (!q_dtype.empty() && q_dtype != dtype) {
@@ -266,7 +273,10 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
     return absl::InvalidArgumentError(absl::StrCat(
         "--kv_dtype=", dtype, " with --attention=mla: an MLA cache is bf16 or fp16 so far"));
   }
-  if (g.num_kv_heads < 1 || g.num_qo_heads < 1 || g.num_qo_heads > 256 ||
+  if (g.num_kv_heads < 1 || g.num_kv_heads > 256) {
+    return absl::InvalidArgumentError(absl::StrCat("--num_kv_heads=", g.num_kv_heads, " out of range [1, 256]"));
+  }
+  if (g.num_qo_heads < 1 || g.num_qo_heads > 256 ||
       g.num_qo_heads % g.num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--num_qo_heads=", g.num_qo_heads, " must be in [1, 256] and a multiple of --num_kv_heads=",
@@ -279,6 +289,15 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
     return absl::InvalidArgumentError(absl::StrCat(
         "KV pages=", pages, " out of range [1, ", INT32_MAX, "] (--num_pages or --kv_cache_bytes / ",
         BytesPerPage(g), " bytes per page)"));
+  }
+  // Each flag within its range can still multiply past what a byte count
+  // holds: the cache is bounded at 1 PiB, far above any device.
+  constexpr int64_t kMaxCacheBytes = int64_t{1} << 50;
+  if (pages > kMaxCacheBytes / BytesPerPage(g)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--num_pages=", pages, " pages of ", BytesPerPage(g),
+        " bytes (--num_layers x --page_size x --num_kv_heads x --head_dim x K and V) exceed the cache's "
+        "bound of 2^50 bytes: use fewer pages or --kv_cache_bytes"));
   }
   g.num_pages = static_cast<int32_t>(pages);
   return g;
@@ -305,7 +324,11 @@ absl::Status CheckListenAddress(absl::string_view flag, const std::string& addre
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
     host = host.substr(1, host.size() - 2);
   }
-  if (host.empty()) return absl::OkStatus();  // every address
+  if (host.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, "=", address, ": no host (0.0.0.0:", port, " listens on every IPv4 address, [::]:", port,
+        " on every address)"));
+  }
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE;
@@ -316,6 +339,26 @@ absl::Status CheckListenAddress(absl::string_view flag, const std::string& addre
                                                    "' does not resolve (", gai_strerror(rc), ")"));
   }
   freeaddrinfo(found);
+  return absl::OkStatus();
+}
+
+// --listen and --metrics_listen on one port (not 0) of one host, or of
+// every host: the second to bind would fail with no word of why.
+absl::Status CheckDistinctAddresses(const std::string& listen, const std::string& metrics) {
+  auto split = [](const std::string& a) {
+    const size_t colon = a.rfind(':');
+    std::string host = a.substr(0, colon);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    return std::pair<std::string, std::string>(host, a.substr(colon + 1));
+  };
+  const auto [grpc_host, grpc_port] = split(listen);
+  const auto [metrics_host, metrics_port] = split(metrics);
+  auto every = [](const std::string& h) { return h == "0.0.0.0" || h == "::"; };
+  if (grpc_port == metrics_port && grpc_port != "0" &&
+      (grpc_host == metrics_host || every(grpc_host) || every(metrics_host))) {
+    return absl::InvalidArgumentError(absl::StrCat("--metrics_listen=", metrics, " and --listen=", listen,
+                                                   " name the same port: give the metrics endpoint another"));
+  }
   return absl::OkStatus();
 }
 
@@ -481,7 +524,14 @@ int Run() {
   absl::Status address = CheckListenAddress("--listen", listen);
   if (address.ok() && !metrics_listen.empty()) {
     address = CheckListenAddress("--metrics_listen", metrics_listen);
+    // civetweb, which serves /metrics, is built without IPv6 here.
+    if (address.ok() && metrics_listen.find(':') != metrics_listen.rfind(':')) {
+      address = absl::InvalidArgumentError(absl::StrCat(
+          "--metrics_listen=", metrics_listen,
+          ": the metrics endpoint listens on IPv4 only (e.g. 0.0.0.0:9464 or 127.0.0.1:9464)"));
+    }
   }
+  if (address.ok() && !metrics_listen.empty()) address = CheckDistinctAddresses(listen, metrics_listen);
   if (!address.ok()) {
     spdlog::error("{}", std::string(address.message()));
     return kExitUsage;
@@ -537,7 +587,17 @@ int Run() {
 
   Metrics metrics;
   metrics.AddTenants((*auth)->Tenants());
-  AttentionCore core(core_options, *std::move(backend), &metrics);
+  // The page table and the core's other per-page state: the flags may ask
+  // for more than the host has.
+  std::unique_ptr<AttentionCore> core;
+  try {
+    core = std::make_unique<AttentionCore>(core_options, *std::move(backend), &metrics);
+  } catch (const std::bad_alloc&) {
+    spdlog::error("cannot allocate the server's state for {} KV pages (--num_pages or --kv_cache_bytes): "
+                  "out of host memory",
+                  geometry->num_pages);
+    return kExitRuntime;
+  }
   ServerOptions server_options;
   server_options.listen = listen;
   server_options.metrics_listen = metrics_listen;
@@ -576,23 +636,28 @@ int Run() {
     limits.request_read_timeout = absl::Seconds(read);
   }
   server_options.region_socket = absl::GetFlag(FLAGS_region_socket);
+  if (!server_options.region_socket.empty() && !core_options.regions.enabled) {
+    spdlog::error("--region_socket={} needs --allow_shared_memory (without it the server has no region socket)",
+                  server_options.region_socket);
+    return kExitUsage;
+  }
   const std::string reflection = absl::GetFlag(FLAGS_reflection);
   if (reflection != "auto" && reflection != "on" && reflection != "off") {
     spdlog::error("--reflection={} must be auto, on or off", reflection);
     return kExitUsage;
   }
   server_options.reflection = reflection == "on" || (reflection == "auto" && !(*auth)->enabled());
-  auto server = AttnServer::Start(server_options, &core, auth->get(), &metrics);
+  auto server = AttnServer::Start(server_options, core.get(), auth->get(), &metrics);
   if (!server.ok()) {
     spdlog::error("{}", server.status().ToString());
     return StartExitCode(server.status());
   }
   AttnServer* server_ptr = server->get();
-  core.SetFaultHandler([server_ptr](const absl::Status& status) {
+  core->SetFaultHandler([server_ptr](const absl::Status& status) {
     spdlog::error("backend fault, health set to NOT_SERVING: {}", status.ToString());
     server_ptr->SetNotServing();
   });
-  const ServerInfoData info = core.Info();
+  const ServerInfoData info = core->Info();
   // The prefill kernel family the CUDA backend picks from; the CPU backend
   // runs its reference kernels whatever the flag says.
   const std::string family = info.backend == "cuda" ? PrefillFamilyName(backend_options.prefill_family) : "cpu";
@@ -677,11 +742,17 @@ int Run() {
 }  // namespace attnserve
 
 int main(int argc, char** argv) {
-  attnserve::ParseCommandLine(
+  const std::vector<char*> args = attnserve::ParseCommandLine(
       argc, argv,
       {"attnserve",
        "attnserve [flags]: the GPU-resident paged attention server (CUDA backend, or the CPU\n"
        "reference backend). Flags, ports, metrics and signals: docs/operations.md.",
        {{"server/main.cc", "Flags"}}});
+  // The server takes flags only: a stray word is a flag mistyped
+  // ("num_pages=5") or given after "--".
+  if (args.size() > 1) {
+    spdlog::error("unexpected argument '{}': attnserve takes only --flags (see --help)", args[1]);
+    return attnserve::kExitUsage;
+  }
   return attnserve::Run();
 }

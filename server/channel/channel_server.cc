@@ -37,7 +37,7 @@ struct ChannelServer::Request {
   absl::Time start;
   absl::Time last_mark;
   int64_t bytes_in = 0;
-  Metrics::Shape shape = Metrics::Shape::kNone;
+  Metrics::Shape shape = Metrics::Shape::kPrefill;  // until the request is parsed
   // The slot's bytes, copied out once; the parsed request's in-place tensor
   // data points into them.
   std::shared_ptr<std::string> bytes;
@@ -287,6 +287,7 @@ void ChannelServer::Poller::Take(int32_t slot, uint64_t seq) {
     }
     if (!r->answered.load(std::memory_order_acquire)) {
       const absl::Time done_at = absl::Now();
+      if (r->out.max_seq_q_rows >= 0) r->shape = ShapeOfRows(r->out.max_seq_q_rows);
       grpc::ByteBuffer bytes;
       if (status.ok()) bytes = EncodePrefillResponse(std::move(r->out), incarnation);
       server->metrics_->ObserveRequestStage(Metrics::RequestStage::kRespond,

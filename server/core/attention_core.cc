@@ -292,7 +292,9 @@ void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
                            absl::string_view field, std::unique_ptr<Job> job) {
   job->tenant = call.tenant;
   job->request_id = call.request_id;
-  job->held_bytes += call.message_bytes;  // beside the response bytes set by the caller
+  job->response_bytes = job->held_bytes;  // what the caller set: the response buffers
+  job->held_bytes += call.message_bytes;
+  job->hold_response = call.hold_response;
   job->deadline = call.deadline;
   job->is_cancelled = call.is_cancelled;
   absl::Status status = RenewLease(call);
@@ -492,6 +494,10 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
   const KvGeometry& g = backend_->Geometry();
   out->dtype = g.dtype;
   out->total_q = validated->task.total_q;
+  out->max_seq_q_rows = 0;
+  for (const PrefillSeq& s : validated->task.seqs) {
+    out->max_seq_q_rows = std::max<int64_t>(out->max_seq_q_rows, s.q_len);
+  }
   out->num_qo_heads = g.num_qo_heads;
   out->v_head_dim = g.VDim();
   if (call.out_region.set) {

@@ -115,17 +115,21 @@ void AttentionCore::RevokeLease(const CallContext& ctx, uint64_t lease_id, Holdi
   auto pending = std::make_shared<PendingRelease>();
   pending->done = std::move(done);
   HoldingsData released;
+  LeaseTable::Revoked how;
   {
     absl::MutexLock lock(&lease_mu_);
+    how = leases_.Revoke(ctx.tenant, lease_id, absl::Now());
     // Gone already (expired and released, or revoked before): nothing to do.
-    if (!leases_.Revoke(ctx.tenant, lease_id)) {
+    if (how == LeaseTable::Revoked::kGone) {
       pending->Set(HoldingsData(), true);
       return;
     }
     released = ReleaseHeld(ctx.tenant, lease_id, [pending](absl::Status) { pending->Set(std::nullopt, true); });
   }
   metrics_->SetTenantLeases(ctx.tenant, leases_.TenantLeases(ctx.tenant));
-  CountRelease(Metrics::Release::kRevoked, 1, released);
+  // A lease past its deadline ended by expiry, whoever releases it.
+  CountRelease(how == LeaseTable::Revoked::kExpired ? Metrics::Release::kExpired : Metrics::Release::kRevoked, 1,
+               released);
   pending->Set(std::move(released), false);
 }
 

@@ -56,12 +56,13 @@ void LeaseTable::Erase(absl::flat_hash_map<uint64_t, Entry>::iterator it) {
   leases_.erase(it);
 }
 
-bool LeaseTable::Revoke(absl::string_view tenant, uint64_t id) {
+LeaseTable::Revoked LeaseTable::Revoke(absl::string_view tenant, uint64_t id, absl::Time now) {
   absl::MutexLock lock(&mu_);
   auto it = leases_.find(id);
-  if (it == leases_.end() || it->second.tenant != tenant) return false;
+  if (it == leases_.end() || it->second.tenant != tenant) return Revoked::kGone;
+  const bool expired = now > it->second.deadline;
   Erase(it);
-  return true;
+  return expired ? Revoked::kExpired : Revoked::kRevoked;
 }
 
 std::vector<uint64_t> LeaseTable::RevokeAll(absl::string_view tenant) {

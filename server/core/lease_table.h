@@ -57,8 +57,11 @@ class LeaseTable {
   // another tenant's).
   absl::StatusOr<absl::Duration> Renew(absl::string_view tenant, uint64_t id, absl::Time now);
 
-  // Ends the lease now; false when it was gone already.
-  bool Revoke(absl::string_view tenant, uint64_t id);
+  // Ends the lease now: kGone when it was gone already (or another
+  // tenant's), kExpired when its deadline had passed at `now` (the reaper
+  // had not taken it out yet: it ended by expiry, not by this call).
+  enum class Revoked { kGone, kRevoked, kExpired };
+  Revoked Revoke(absl::string_view tenant, uint64_t id, absl::Time now);
   // Ends every lease of the tenant; returns their ids, ascending.
   std::vector<uint64_t> RevokeAll(absl::string_view tenant);
 

@@ -127,6 +127,11 @@ struct CallContext {
   // answered (its inline tensors included); with its response's, the job's
   // Job::held_bytes (SchedulerOptions::max_queue_bytes). Set by the edge.
   int64_t message_bytes = 0;
+  // Where the caller keeps its response after the answer (the gRPC edge,
+  // until gRPC has sent it): the response's bytes stay held until the
+  // caller runs the release (Job::hold_response). Empty: they are free with
+  // the answer (a request channel copies its response into the ring there).
+  std::function<void(std::function<void()> release)> hold_response;
 };
 
 // Prefill's outputs, filled by the core with their shapes: o (total_q,
@@ -138,6 +143,9 @@ struct PrefillOutput {
   HostBuffer buffer;
   KvDType dtype = KvDType::kBf16;
   int64_t total_q = 0;
+  // The largest sequence's query rows, the request's layout or its plan's,
+  // once validated (-1 before): the metrics' shape of a planned Prefill.
+  int64_t max_seq_q_rows = -1;
   int32_t num_qo_heads = 0;
   int32_t v_head_dim = 0;  // the geometry's VDim(): head_dim, or MLA's kv_lora_rank
   int64_t o_bytes = 0;

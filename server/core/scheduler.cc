@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/core/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace attnserve {
@@ -51,33 +52,47 @@ absl::Status Scheduler::Enqueue(std::unique_ptr<Job>& job) {
   }
   if (job->held_bytes > 0) {
     // Past the budget a job waits for nothing: it is refused, and the
-    // caller retries once memory is back (the total first: that is the
-    // server's memory; then the tenant's share of it).
-    int64_t& tenant_bytes = tenant_held_bytes_[job->tenant];
-    const int64_t tenant_bytes_cap = options_.max_tenant_queue_bytes > 0
-                                         ? options_.max_tenant_queue_bytes
-                                         : options_.max_queue_bytes;
-    absl::Status full;
-    if (held_bytes_ > 0 && held_bytes_ + job->held_bytes > options_.max_queue_bytes) {
-      full = absl::ResourceExhaustedError(absl::StrCat(
-          "queue full: queued and running requests hold ", held_bytes_,
-          " bytes of server memory and this one would add ", job->held_bytes,
-          ", max_queue_bytes=", options_.max_queue_bytes));
-    } else if (tenant_bytes > 0 && tenant_bytes + job->held_bytes > tenant_bytes_cap) {
-      full = absl::ResourceExhaustedError(absl::StrCat(
-          "queue full for this tenant: its queued and running requests hold ", tenant_bytes,
-          " bytes of server memory and this one would add ", job->held_bytes,
-          ", max_tenant_queue_bytes=", tenant_bytes_cap));
-    }
-    if (!full.ok()) {
-      if (tenant_bytes == 0) tenant_held_bytes_.erase(job->tenant);
-      return full;
-    }
-    tenant_bytes += job->held_bytes;
-    held_bytes_ += job->held_bytes;
+    // caller retries once memory is back.
+    const int64_t tenant_cap =
+        options_.max_tenant_queue_bytes > 0 ? options_.max_tenant_queue_bytes : options_.max_queue_bytes;
+    ATTN_RETURN_IF_ERROR(held_->Take(job->tenant, job->held_bytes, options_.max_queue_bytes, tenant_cap));
   }
   Push(queue, std::move(job));
   return absl::OkStatus();
+}
+
+absl::Status HeldBytes::Take(const std::string& tenant, int64_t bytes, int64_t max_bytes,
+                             int64_t tenant_max_bytes) {
+  absl::MutexLock lock(&mu_);
+  // The total first: that is the server's memory; then the tenant's share.
+  if (total_ > 0 && total_ + bytes > max_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "queue full: queued and running requests and unsent responses hold ", total_,
+        " bytes of server memory and this one would add ", bytes, ", max_queue_bytes=", max_bytes));
+  }
+  auto it = tenant_.find(tenant);
+  const int64_t held = it == tenant_.end() ? 0 : it->second;
+  if (held > 0 && held + bytes > tenant_max_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "queue full for this tenant: its queued and running requests and unsent responses hold ", held,
+        " bytes of server memory and this one would add ", bytes, ", max_tenant_queue_bytes=", tenant_max_bytes));
+  }
+  tenant_[tenant] += bytes;
+  total_ += bytes;
+  return absl::OkStatus();
+}
+
+void HeldBytes::Release(const std::string& tenant, int64_t bytes) {
+  if (bytes <= 0) return;
+  absl::MutexLock lock(&mu_);
+  total_ -= bytes;
+  auto it = tenant_.find(tenant);
+  if (it != tenant_.end() && (it->second -= bytes) <= 0) tenant_.erase(it);
+}
+
+int64_t HeldBytes::total() const {
+  absl::MutexLock lock(&mu_);
+  return total_;
 }
 
 std::deque<std::unique_ptr<Job>>& Scheduler::QueueOf(const std::string& tenant) {
@@ -494,10 +509,7 @@ void Scheduler::ReportFault(const absl::Status& status) {
   if (on_fault) on_fault(status);
 }
 
-int64_t Scheduler::held_bytes() const {
-  absl::MutexLock lock(&mu_);
-  return held_bytes_;
-}
+int64_t Scheduler::held_bytes() const { return held_->total(); }
 
 void Scheduler::Finish(std::unique_ptr<Job> job, const absl::Status& status) {
   // While the job pins its pages, none of them can have another owner.
@@ -508,15 +520,17 @@ void Scheduler::Finish(std::unique_ptr<Job> job, const absl::Status& status) {
     const int32_t free_pages = pages_->FreeCount();
     metrics_->SetKvPages(free_pages, pages_->num_pages() - free_pages);
   }
-  // The job's bytes count as free from here: `done` answers the caller
-  // (its message and response then go with the call), and a caller that
-  // sends its next request on the answer must find them back.
+  // The message's bytes count as free from here: `done` answers the caller
+  // (the message then goes with the call), and a caller that sends its next
+  // request on the answer must find them back. The response's stay counted
+  // until the caller's release where it holds the response on (the edge,
+  // until gRPC has sent it: a client that reads no responses must not hold
+  // more than max_queue_bytes of them).
   if (job->held_bytes > 0) {
-    absl::MutexLock lock(&mu_);
-    held_bytes_ -= job->held_bytes;
-    auto it = tenant_held_bytes_.find(job->tenant);
-    if (it != tenant_held_bytes_.end() && (it->second -= job->held_bytes) <= 0) {
-      tenant_held_bytes_.erase(it);
+    const int64_t kept = job->hold_response ? std::min(job->response_bytes, job->held_bytes) : 0;
+    held_->Release(job->tenant, job->held_bytes - kept);
+    if (kept > 0) {
+      job->hold_response([held = held_, tenant = job->tenant, kept] { held->Release(tenant, kept); });
     }
   }
   DoneCallback done = std::move(job->done);

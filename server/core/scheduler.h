@@ -74,6 +74,32 @@ struct Job {
   // tensors included) and its response buffer (SchedulerOptions::
   // max_queue_bytes). 0 for internal jobs.
   int64_t held_bytes = 0;
+  // Of held_bytes, the response's: with hold_response set, they stay
+  // counted after the job finishes until the caller runs the release it is
+  // handed (the edge: once gRPC has sent the response, or the call ended
+  // without it), so that responses a client does not read stay within
+  // max_queue_bytes. Finish calls hold_response before `done`.
+  int64_t response_bytes = 0;
+  std::function<void(std::function<void()> release)> hold_response;
+};
+
+// Job::held_bytes of the jobs queued or running, and of the responses not
+// yet sent, in all and per tenant; shared with the releases Finish hands
+// out (which may run after the scheduler is gone).
+class HeldBytes {
+ public:
+  // Adds `bytes` for `tenant` unless that passes a bound (a tenant's or the
+  // total, the total first; either is passed only when something of it is
+  // held already): then RESOURCE_EXHAUSTED naming the flag.
+  absl::Status Take(const std::string& tenant, int64_t bytes, int64_t max_bytes, int64_t tenant_max_bytes);
+  void Release(const std::string& tenant, int64_t bytes);
+  int64_t total() const;
+
+ private:
+  mutable absl::Mutex mu_;
+  int64_t total_ ABSL_GUARDED_BY(mu_) = 0;
+  // Entries of tenants that hold none are erased.
+  absl::flat_hash_map<std::string, int64_t> tenant_ ABSL_GUARDED_BY(mu_);
 };
 
 struct SchedulerOptions {
@@ -133,7 +159,8 @@ class Scheduler {
   // Backend batches run so far (prefill batches only).
   int64_t batches_run() const;
 
-  // Job::held_bytes of the jobs queued or running.
+  // Job::held_bytes of the jobs queued or running, and the response bytes
+  // still held (Job::hold_response).
   int64_t held_bytes() const;
 
  private:
@@ -192,10 +219,7 @@ class Scheduler {
   int64_t queued_ ABSL_GUARDED_BY(mu_) = 0;           // every job, internal ones too
   int64_t queued_internal_ ABSL_GUARDED_BY(mu_) = 0;  // page scrubs (not requests)
   int64_t queued_prefill_rows_ ABSL_GUARDED_BY(mu_) = 0;
-  // Job::held_bytes of the jobs queued or running, in all and per tenant
-  // (entries of tenants that hold none are erased).
-  int64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_map<std::string, int64_t> tenant_held_bytes_ ABSL_GUARDED_BY(mu_);
+  const std::shared_ptr<HeldBytes> held_ = std::make_shared<HeldBytes>();
   std::deque<InFlight> in_flight_ ABSL_GUARDED_BY(mu_);  // submitted, awaiting the completer
   int32_t busy_ ABSL_GUARDED_BY(mu_) = 0;  // submitted and not yet completed
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -81,7 +81,9 @@ class AttentionServiceImpl::Call final
         rpc_(rpc),
         handler_(handler),
         request_id_(service->next_request_id_++),
-        start_(absl::Now()) {
+        start_(absl::Now()),
+        // A Prefill refused before its body is read counts as a prefill.
+        shape_(rpc == Metrics::Rpc::kPrefill ? Metrics::Shape::kPrefill : Metrics::Shape::kNone) {
     service_->metrics_->inflight().Increment();
     absl::MutexLock lock(&service_->calls_mu_);
     service_->calls_.insert(this);
@@ -204,6 +206,9 @@ class AttentionServiceImpl::Call final
     // reference to the reactor until it has run, while the context may go
     // once the call is done (a call answered by the drain, say).
     c->is_cancelled = [this] { return given_up(); };
+    // The response lives in response_ until the call is deleted (after
+    // gRPC's OnDone and the core's answer): its bytes stay held till then.
+    c->hold_response = [this](std::function<void()> release) { release_held_ = std::move(release); };
   }
 
   // The call will not be answered with the core's result: its client gave
@@ -315,6 +320,10 @@ class AttentionServiceImpl::Call final
                : absl::CancelledError(absl::StrCat("request cancelled by the client ", when));
   }
 
+  ~Call() override {
+    if (release_held_) release_held_();
+  }
+
   void OnDone() override {
     if (rpc_ == Metrics::Rpc::kPrefill && finished_at_ != absl::InfinitePast()) {
       service_->metrics_->ObserveRequestStage(Metrics::RequestStage::kSend,
@@ -334,13 +343,17 @@ class AttentionServiceImpl::Call final
   const Handler handler_;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
+  // The scheduler's release of the response's bytes (CallContext::
+  // hold_response), run when the call is deleted. Set on the scheduler's
+  // finisher while the core's done callback holds a reference.
+  mutable std::function<void()> release_held_;
   const uint64_t request_id_;
   int64_t bytes_in_ = 0;
   const absl::Time start_;
   absl::Time last_mark_ = start_;                     // MarkStage's previous mark
   absl::Time finished_at_ = absl::InfinitePast();     // when Finish handed the response to gRPC
   std::string tenant_;
-  Metrics::Shape shape_ = Metrics::Shape::kNone;
+  Metrics::Shape shape_;
   bool accepted_ = false;  // arrived before the drain began
   std::atomic<bool> reading_{false};  // admitted, its request being read
   std::atomic<bool> read_done_{false};
@@ -595,6 +608,7 @@ void AttentionServiceImpl::Prefill(Call* call) {
   core_->Prefill(c, [call, state, incarnation](absl::Status status) {
     if (call->Claim()) {
       const absl::Time done_at = absl::Now();
+      if (state->out.max_seq_q_rows >= 0) call->set_shape(ShapeOfRows(state->out.max_seq_q_rows));
       grpc::ByteBuffer bytes;
       if (status.ok()) bytes = EncodePrefillResponse(std::move(state->out), incarnation);
       call->ObserveRespond(done_at);

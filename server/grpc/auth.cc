@@ -1,19 +1,21 @@
 #include "server/grpc/auth.h"
 
 #include <algorithm>
-#include <fstream>
+#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/flag_file.h"
 
 namespace attnserve {
 
 absl::StatusOr<absl::flat_hash_map<std::string, std::string>> TokenAuth::Parse(
     const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("--auth_tokens_file=", path, ": cannot open"));
+  auto text_or = ReadFlagFile("--auth_tokens_file", path);
+  if (!text_or.ok()) return text_or.status();
+  std::istringstream in(*text_or);
   absl::flat_hash_map<std::string, std::string> tenants;
   std::string line;
   for (int line_no = 1; std::getline(in, line); ++line_no) {
@@ -26,7 +28,13 @@ absl::StatusOr<absl::flat_hash_map<std::string, std::string>> TokenAuth::Parse(
       return absl::InvalidArgumentError(absl::StrCat("--auth_tokens_file=", path, " line ",
                                                      line_no, ": expected 'TOKEN TENANT'"));
     }
-    tenants[std::string(fields[0])] = std::string(fields[1]);
+    // A token listed twice would silently act for the last tenant named.
+    auto [it, added] = tenants.emplace(std::string(fields[0]), std::string(fields[1]));
+    if (!added) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--auth_tokens_file=", path, " line ", line_no, ": the token is listed before (for tenant '",
+          it->second, "'): each token names one tenant"));
+    }
   }
   return tenants;
 }

@@ -281,8 +281,16 @@ void ToCall(const v1::PrefillRequest& r, const InPlaceTensors& tensors, PrefillC
   c->lse_region = RefView(r.has_lse_region(), r.lse_region());
 }
 
+namespace {
+constexpr int32_t kDecodeMaxRows = 8;
+}  // namespace
+
+Metrics::Shape ShapeOfRows(int64_t max_seq_q_rows) {
+  return max_seq_q_rows > kDecodeMaxRows ? Metrics::Shape::kPrefill : Metrics::Shape::kDecode;
+}
+
 Metrics::Shape PrefillShape(const v1::PrefillRequest& r) {
-  constexpr int32_t kDecodeMaxRows = 8;
+  if (r.plan_id() != 0) return Metrics::Shape::kPrefill;  // until the plan is found
   for (int i = 1; i < r.qo_indptr_size(); ++i) {
     // In 64 bits: the request is not validated yet (any two int32s).
     if (int64_t{r.qo_indptr(i)} - r.qo_indptr(i - 1) > kDecodeMaxRows) return Metrics::Shape::kPrefill;

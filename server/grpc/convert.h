@@ -95,7 +95,11 @@ void ToCall(const v1::PrefillRequest& request, const InPlaceTensors& tensors, Pr
 void ToCall(const v1::PrefillRequest& request, PrefillCall* call);  // no tensor in place
 // The metrics' `shape` label of a Prefill: kDecode when every sequence has
 // at most 8 query rows (the speculative-decoding range), else kPrefill.
+// PrefillShape reads the request's own layout; a request naming a plan has
+// none, and is kPrefill until the core has found the plan and reported its
+// largest sequence (PrefillOutput::max_seq_q_rows, ShapeOfRows).
 Metrics::Shape PrefillShape(const v1::PrefillRequest& request);
+Metrics::Shape ShapeOfRows(int64_t max_seq_q_rows);
 // A CreatePlan's layout, viewing the request's arrays.
 PrefillLayout ToLayout(const v1::CreatePlanRequest& request);
 // A CreatePlan's attention options, viewing the request.

@@ -7,8 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -17,7 +16,11 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "CivetServer.h"
+#include "common/flag_file.h"
 #include "common/region_socket.h"
+#include "openssl/err.h"
+#include "openssl/pem.h"
+#include "openssl/x509.h"
 #include "common/transport.h"
 #include "prometheus/text_serializer.h"
 #include "server/core/status_macros.h"
@@ -27,12 +30,58 @@
 namespace attnserve {
 namespace {
 
-absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(flag, "=", path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+// OpenSSL's objects, freed with their own functions.
+struct BioFree {
+  void operator()(BIO* b) const { BIO_free(b); }
+};
+struct X509Free {
+  void operator()(X509* x) const { X509_free(x); }
+};
+struct PkeyFree {
+  void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
+};
+using Bio = std::unique_ptr<BIO, BioFree>;
+
+Bio MemBio(const std::string& pem) { return Bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size()))); }
+
+// The first certificate of a PEM file, or null.
+std::unique_ptr<X509, X509Free> FirstCert(const std::string& pem) {
+  Bio bio = MemBio(pem);
+  return std::unique_ptr<X509, X509Free>(bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr) : nullptr);
+}
+
+// Never asks for a passphrase (OpenSSL's default callback reads the
+// terminal): an encrypted key does not load.
+int NoPassphrase(char*, int, int, void*) { return 0; }
+
+// The TLS files as gRPC would use them, checked before the server starts:
+// gRPC only fails to listen, which the operator would read as a port
+// problem. A certificate that parses, an unencrypted private key that
+// matches it, and client CAs that parse; INVALID_ARGUMENT naming the flag.
+absl::Status CheckTlsFiles(const ServerOptions& o, const std::string& cert_pem, const std::string& key_pem,
+                           const std::string* ca_pem) {
+  auto cert = FirstCert(cert_pem);
+  absl::Status status;
+  if (cert == nullptr) {
+    status = absl::InvalidArgumentError(
+        absl::StrCat("--tls_cert=", o.tls_cert, ": holds no PEM certificate (-----BEGIN CERTIFICATE-----)"));
+  } else {
+    Bio bio = MemBio(key_pem);
+    std::unique_ptr<EVP_PKEY, PkeyFree> key(
+        bio ? PEM_read_bio_PrivateKey(bio.get(), nullptr, NoPassphrase, nullptr) : nullptr);
+    if (key == nullptr) {
+      status = absl::InvalidArgumentError(absl::StrCat(
+          "--tls_key=", o.tls_key, ": holds no unencrypted PEM private key (-----BEGIN PRIVATE KEY-----)"));
+    } else if (X509_check_private_key(cert.get(), key.get()) != 1) {
+      status = absl::InvalidArgumentError(absl::StrCat(
+          "--tls_key=", o.tls_key, ": is not the private key of the certificate in --tls_cert=", o.tls_cert));
+    } else if (ca_pem != nullptr && FirstCert(*ca_pem) == nullptr) {
+      status = absl::InvalidArgumentError(absl::StrCat(
+          "--tls_client_ca=", o.tls_client_ca, ": holds no PEM certificate (-----BEGIN CERTIFICATE-----)"));
+    }
+  }
+  ERR_clear_error();  // gRPC reads OpenSSL's error queue for its own calls
+  return status;
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const ServerOptions& o) {
@@ -45,18 +94,20 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const Serve
   if (o.tls_cert.empty() || o.tls_key.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
-  auto cert = ReadFile(o.tls_cert, "--tls_cert");
+  auto cert = ReadFlagFile("--tls_cert", o.tls_cert);
   if (!cert.ok()) return cert.status();
-  auto key = ReadFile(o.tls_key, "--tls_key");
+  auto key = ReadFlagFile("--tls_key", o.tls_key);
   if (!key.ok()) return key.status();
   grpc::SslServerCredentialsOptions ssl;
   ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  absl::StatusOr<std::string> ca;
   if (!o.tls_client_ca.empty()) {
-    auto ca = ReadFile(o.tls_client_ca, "--tls_client_ca");
+    ca = ReadFlagFile("--tls_client_ca", o.tls_client_ca);
     if (!ca.ok()) return ca.status();
     ssl.pem_root_certs = *ca;
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
+  ATTN_RETURN_IF_ERROR(CheckTlsFiles(o, *cert, *key, o.tls_client_ca.empty() ? nullptr : &*ca));
   return grpc::SslServerCredentials(ssl);
 }
 

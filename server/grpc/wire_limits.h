@@ -12,7 +12,9 @@
 //    entries than its bound;
 //  - a singular message field occurs more than once (protobuf would merge
 //    the occurrences, concatenating their repeated fields);
-//  - a group or a malformed tag appears.
+//  - a group or a malformed tag appears;
+//  - fields not listed (singular scalars, strings and bytes, and fields the
+//    server does not know) occur more than 64 times in one message.
 // What passes parses into at most its own size plus arrays whose lengths the
 // server would accept anyway.
 //

@@ -59,15 +59,30 @@ TEST(LeaseTableTest, RevokeEndsOnlyTheTenantsOwnLeases) {
   auto b1 = leases.Grant("bob", absl::ZeroDuration(), kT0);
   ASSERT_TRUE(a1.ok() && a2.ok() && b1.ok());
   EXPECT_EQ(a1->ttl, LeaseLimits{}.default_ttl);
-  EXPECT_FALSE(leases.Revoke("alice", b1->id)) << "revoked another tenant's lease";
-  EXPECT_TRUE(leases.Revoke("alice", a1->id));
-  EXPECT_FALSE(leases.Revoke("alice", a1->id)) << "revoked twice";
+  using Revoked = LeaseTable::Revoked;
+  EXPECT_EQ(leases.Revoke("alice", b1->id, kT0), Revoked::kGone) << "revoked another tenant's lease";
+  EXPECT_EQ(leases.Revoke("alice", a1->id, kT0), Revoked::kRevoked);
+  EXPECT_EQ(leases.Revoke("alice", a1->id, kT0), Revoked::kGone) << "revoked twice";
   EXPECT_EQ(leases.List("alice").size(), 1u);
   std::vector<uint64_t> all = leases.RevokeAll("alice");
   EXPECT_EQ(all, std::vector<uint64_t>{a2->id});
   EXPECT_EQ(leases.TenantLeases("alice"), 0);
   EXPECT_EQ(leases.TenantLeases("bob"), 1);
   EXPECT_TRUE(leases.Renew("bob", b1->id, kT0).ok());
+}
+
+// A lease revoked after its deadline, before the reaper took it out, ended
+// by expiry: the metrics count it so (RevokeLease's release reason).
+TEST(LeaseTableTest, RevokeOfALeasePastItsDeadlineSaysExpired) {
+  LeaseTable leases(LeaseLimits{});
+  auto a = leases.Grant("alice", absl::Seconds(2), kT0);
+  auto b = leases.Grant("alice", absl::Seconds(2), kT0);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(leases.Revoke("alice", a->id, kT0 + absl::Seconds(2)), LeaseTable::Revoked::kRevoked)
+      << "at its deadline a lease still lives (Renew takes it too)";
+  EXPECT_EQ(leases.Revoke("alice", b->id, kT0 + absl::Seconds(3)), LeaseTable::Revoked::kExpired);
+  EXPECT_EQ(leases.TenantLeases("alice"), 0);
+  EXPECT_TRUE(leases.TakeExpired(kT0 + absl::Seconds(3)).empty());
 }
 
 TEST(LeaseTableTest, TtlBoundsAndThePerTenantCapNameTheirLimits) {

@@ -178,7 +178,7 @@ TEST_F(SchedulerTest, HeldBytesAreBoundedInAllAndPerTenant) {
   enqueue(job(10, "alice", 100));
   second.WaitEntered();
   enqueue(job(11, "bob", 500));
-  refused2(job(12, "bob", 200), "its queued and running requests hold 500 bytes of server memory "
+  refused2(job(12, "bob", 200), "its queued and running requests and unsent responses hold 500 bytes of server memory "
                                 "and this one would add 200, max_tenant_queue_bytes=600");
   enqueue(job(13, "carol", 300));
   refused2(job(14, "carol", 200), "hold 900 bytes of server memory and this one would add 200, "
@@ -220,6 +220,50 @@ TEST_F(SchedulerTest, HeldBytesComeBackBeforeTheAnswer) {
   EXPECT_TRUE(next_status.ok()) << next_status;
   scheduler_->Stop();
   EXPECT_EQ(scheduler_->held_bytes(), 0);
+}
+
+// A response the caller still holds after the answer (the gRPC edge, until
+// the response is sent) keeps its bytes counted: the request's message
+// bytes come back with the answer, the response's only with the release
+// the caller was handed. Without hold_response they all come back.
+TEST_F(SchedulerTest, HeldResponsesCountUntilTheirRelease) {
+  SchedulerOptions options;
+  options.max_queue_bytes = 1000;
+  Start(options);
+  backend_.Release();
+  std::function<void()> release;
+  absl::Notification answered;
+  std::unique_ptr<Job> first = Prefill(0, 1);
+  first->held_bytes = 700;
+  first->response_bytes = 600;
+  first->hold_response = [&](std::function<void()> r) {
+    EXPECT_FALSE(answered.HasBeenNotified()) << "the hold comes before the answer";
+    release = std::move(r);
+  };
+  first->done = [&](absl::Status s) {
+    EXPECT_TRUE(s.ok()) << s;
+    answered.Notify();
+  };
+  MustEnqueue(std::move(first));
+  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(release);
+  EXPECT_EQ(scheduler_->held_bytes(), 600) << "the message's 100 bytes are back, the response's are held";
+  std::unique_ptr<Job> second = Prefill(1, 1);
+  second->held_bytes = 500;
+  const absl::Status refused = scheduler_->Enqueue(second);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("unsent responses hold 600 bytes"), absl::string_view::npos) << refused;
+  release();
+  EXPECT_EQ(scheduler_->held_bytes(), 0);
+  absl::Notification second_done;
+  second->done = [&](absl::Status s) {
+    EXPECT_TRUE(s.ok()) << s;
+    second_done.Notify();
+  };
+  MustEnqueue(std::move(second));
+  ASSERT_TRUE(second_done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  scheduler_->Stop();
+  EXPECT_EQ(scheduler_->held_bytes(), 0) << "no hold_response: everything back with the answer";
 }
 
 // Internal work (zeroing freed pages) is not a request: it never fills the

@@ -677,6 +677,31 @@ async function overlayChecks(name, objs, images) {
       return p;
     },
   );
+  await check(`${name}: the memory limit holds --max_queue_bytes (and a CPU backend's KV cache)`, () => {
+    const limit = quantity(((c.resources || {}).limits || {}).memory);
+    if (typeof limit !== "number") return [`memory limit ${limit} is not a quantity`];
+    // A default as main.cc writes it: a number, or int64_t{N} << S.
+    const bytes = (v) => {
+      const m = String(v).match(/^int64_t\{(\d+)\}\s*<<\s*(\d+)$/);
+      return m ? Number(m[1]) * 2 ** Number(m[2]) : Number(v);
+    };
+    const queue = bytes(flagValue("max_queue_bytes"));
+    let cache = 0;
+    if (flagValue("backend") !== "cuda") {
+      // cpu, or auto on a node without a GPU: the cache is host memory.
+      const n = (f) => Number(flagValue(f));
+      const page = n("num_layers") * n("page_size") * n("num_kv_heads") * n("head_dim") * 2 *
+        (String(flagValue("kv_dtype")).startsWith("fp8") ? 1 : 2);
+      const kvBytes = bytes(flagValue("kv_cache_bytes"));
+      cache = kvBytes > 0 ? kvBytes : n("num_pages") * page;
+    }
+    const margin = 256 * 2 ** 20;  // the process, gRPC's buffers, the page table
+    const need = queue + cache + margin;
+    return need <= limit
+      ? []
+      : [`--max_queue_bytes ${queue} + KV cache ${cache} + 256 MiB = ${need} bytes exceed the memory limit ${limit}: ` +
+         `the server would be OOM-killed before it refuses a request (lower --max_queue_bytes)`];
+  });
   await check(`${name}: image is pinned to a tag or digest and is its backend's image (-cpu: the runtime-cpu target)`, () => {
     const p = [];
     for (const x of pod.spec.containers) {

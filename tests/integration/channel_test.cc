@@ -558,7 +558,7 @@ TEST_F(ChannelTest, BadSlotContentsAreAnsweredInTheSlotAndTheServerKeepsServing)
   EXPECT_THAT(std::string(unknown.message()), HasSubstr("q.region.name"));
   EXPECT_TRUE(alice_->Health().ok());
   EXPECT_GE(Metric(*server_, "attnserve_requests_total",
-                   "code=\"INVALID_ARGUMENT\",method=\"Prefill\",shape=\"none\""),
+                   "code=\"INVALID_ARGUMENT\",method=\"Prefill\",shape=\"prefill\""),
             7);
 }
 

@@ -415,7 +415,7 @@ TEST(EdgeErrorTest, UnparseableRequestsGetInvalidArgumentAndAreCounted) {
     const grpc::Status s = SendRaw(channel, method, garbage);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_THAT(s.error_message(), HasSubstr("does not parse as attnserve.v1."));
-    const std::string shape = std::string(method) == "Prefill" ? "none" : "none";
+    const std::string shape = std::string(method) == "Prefill" ? "prefill" : "none";  // unparsed: prefill
     EXPECT_EQ(Metric(**server, "attnserve_requests_total",
                      absl::StrCat("code=\"INVALID_ARGUMENT\",method=\"", method,
                                   "\",shape=\"", shape, "\"")),
@@ -502,7 +502,7 @@ TEST(EdgeErrorTest, APrefillAbandonedDuringUploadIsNotCountedAsBadInput) {
   }
   absl::SleepFor(absl::Milliseconds(500));  // whatever the server saw has been counted
   const double bad = Metric(**server, "attnserve_requests_total",
-                            "code=\"INVALID_ARGUMENT\",method=\"Prefill\",shape=\"none\"");
+                            "code=\"INVALID_ARGUMENT\",method=\"Prefill\",shape=\"prefill\"");
   EXPECT_EQ(bad, 0) << "a client's own timeout was counted as its bad input";
 }
 
@@ -626,10 +626,10 @@ TEST(EdgeErrorTest, AClientKilledWhileSendingIsCountedCancelled) {
     absl::SleepFor(absl::Milliseconds(20));
   }
   EXPECT_EQ(Metric(**server, "attnserve_requests_total",
-                   "code=\"CANCELLED\",method=\"Prefill\",shape=\"none\""),
+                   "code=\"CANCELLED\",method=\"Prefill\",shape=\"prefill\""),
             4);
   EXPECT_EQ(Metric(**server, "attnserve_requests_total",
-                   "code=\"INVALID_ARGUMENT\",method=\"Prefill\",shape=\"none\""),
+                   "code=\"INVALID_ARGUMENT\",method=\"Prefill\",shape=\"prefill\""),
             0);
 }
 
@@ -695,7 +695,7 @@ TEST(EdgeErrorTest, ARequestOverMaxMessageBytesNamesTheFlag) {
   EXPECT_THAT(s.error_message(), HasSubstr("more than --max_message_bytes=1048576"));
   EXPECT_THAT(s.error_message(), HasSubstr("shared-memory region"));
   EXPECT_EQ(Metric(**server, "attnserve_requests_total",
-                   "code=\"RESOURCE_EXHAUSTED\",method=\"Prefill\",shape=\"none\""),
+                   "code=\"RESOURCE_EXHAUSTED\",method=\"Prefill\",shape=\"prefill\""),
             1);
   EXPECT_TRUE(SendRaw(channel, "GetServerInfo", "").ok());
 }

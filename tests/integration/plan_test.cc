@@ -10,10 +10,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/workload.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/integration/test_server.h"
 
@@ -186,6 +189,66 @@ TEST_F(PlanTest, MisusedPlansGetClearErrors) {
   released.plan_id = *plan;
   EXPECT_EQ(client_->Prefill(released).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->ReleasePlan(*plan).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(client_->FreePages(*pages).ok());
+}
+
+// The metrics' shape of a Prefill naming a plan is its plan's: `decode`
+// when every planned sequence has at most 8 query rows, else `prefill`
+// (the request carries no layout of its own). One whose plan is not found,
+// and one whose body cannot be parsed, count as `prefill`.
+TEST_F(PlanTest, PlannedPrefillsCountUnderTheirPlansShape) {
+  std::mt19937_64 gen(12);
+  auto pages = client_->AllocatePages(4);
+  ASSERT_TRUE(pages.ok());
+  KvMirror mirror(geo_);
+  ASSERT_NO_FATAL_FAILURE(Fill(mirror, *pages, gen));
+  auto count = [&](const std::string& code, const std::string& shape) {
+    auto text = HttpGet(server_->metrics_address(), "/metrics");
+    EXPECT_TRUE(text.ok()) << text.status();
+    if (!text.ok()) return -1.0;
+    auto v = MetricValue(*text, "attnserve_requests_total",
+                         absl::StrCat("code=\"", code, "\",method=\"Prefill\",shape=\"", shape, "\""));
+    return v.ok() ? *v : 0.0;
+  };
+  const std::vector<int32_t> kv = {0, 2}, indices = {(*pages)[0], (*pages)[1]},
+                             last = {geo_.page_size};
+  for (const int32_t rows : {64, 8}) {
+    const std::vector<int32_t> qo = {0, rows};
+    auto plan = client_->CreatePlan(PlanLayout{qo, kv, indices, last, {}});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    const double decode0 = count("OK", "decode"), prefill0 = count("OK", "prefill");
+    const auto q = RandomHalves(gen, geo_.dtype, int64_t{rows} * geo_.num_qo_heads * geo_.head_dim);
+    PrefillArgs planned;
+    planned.q = q;
+    planned.plan_id = *plan;
+    ASSERT_TRUE(client_->Prefill(planned).ok());
+    EXPECT_EQ(count("OK", "prefill") - prefill0, rows > 8 ? 1 : 0) << rows << " rows";
+    EXPECT_EQ(count("OK", "decode") - decode0, rows > 8 ? 0 : 1) << rows << " rows";
+    ASSERT_TRUE(client_->ReleasePlan(*plan).ok());
+    const double missing0 = count("NOT_FOUND", "prefill");
+    EXPECT_EQ(client_->Prefill(planned).status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(count("NOT_FOUND", "prefill") - missing0, 1);
+  }
+  // A body that is not a PrefillRequest.
+  auto channel = grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  const std::string junk = "\xff\xff\xff\xff";
+  grpc::Slice slice(junk.data(), junk.size());
+  grpc::ByteBuffer request(&slice, 1), response;
+  absl::Notification done;
+  grpc::Status status;
+  const double bad0 = count("INVALID_ARGUMENT", "prefill");
+  stub.UnaryCall(&ctx, "/attnserve.v1.AttentionService/Prefill", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status st) {
+                   status = std::move(st);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_EQ(count("INVALID_ARGUMENT", "prefill") - bad0, 1);
+  EXPECT_EQ(count("INVALID_ARGUMENT", "none"), 0);
   EXPECT_TRUE(client_->FreePages(*pages).ok());
 }
 

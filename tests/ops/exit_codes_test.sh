@@ -76,6 +76,45 @@ exits 2 "--attention=mla with --backend=cuda and --kv_lora_rank=256" \
   "needs --kv_lora_rank=512 and --qk_rope_head_dim=64\|this build has no CUDA backend" \
   "${mla_cuda[@]}" --kv_lora_rank=256
 
+# Values each within range whose product overflows, stray words, directories
+# for files, a token listed twice, unusable TLS files, and addresses that
+# would fail only once bound.
+exits 2 "a cache past 2^50 bytes" "exceed the cache's bound of 2^50 bytes" --backend=cpu \
+  --num_pages=536870912 --num_layers=1024 --page_size=128 --num_qo_heads=256 --num_kv_heads=256 \
+  --head_dim=256 --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0
+exits 2 "a word that is not a flag" "unexpected argument 'num_pages=5'" "${small[@]}" num_pages=5
+exits 2 "a directory as --auth_tokens_file" "--auth_tokens_file=$WORK: not a regular file but a directory" \
+  "${small[@]}" --auth_tokens_file="$WORK"
+exits 2 "a directory as --flagfile" "--flagfile=$WORK: not a regular file but a directory" \
+  "${small[@]}" --flagfile="$WORK"
+printf 'tok-a alice\ntok-b bob\ntok-a bob\n' >"$WORK/tokens"
+exits 2 "a token listed twice" "line 3: the token is listed before (for tenant 'alice')" \
+  "${small[@]}" --auth_tokens_file="$WORK/tokens"
+echo junk >"$WORK/junk.pem"
+openssl req -x509 -newkey rsa:2048 -nodes -keyout "$WORK/a.key" -out "$WORK/a.crt" -days 2 -subj /CN=localhost \
+  >/dev/null 2>&1
+openssl req -x509 -newkey rsa:2048 -nodes -keyout "$WORK/b.key" -out "$WORK/b.crt" -days 2 -subj /CN=localhost \
+  >/dev/null 2>&1
+exits 2 "--tls_cert without a certificate" "--tls_cert=$WORK/junk.pem: holds no PEM certificate" \
+  "${small[@]}" --tls_cert="$WORK/junk.pem" --tls_key="$WORK/a.key"
+exits 2 "--tls_key of another certificate" "--tls_key=$WORK/b.key: is not the private key of the certificate" \
+  "${small[@]}" --tls_cert="$WORK/a.crt" --tls_key="$WORK/b.key"
+exits 2 "--tls_client_ca without a certificate" "--tls_client_ca=$WORK/junk.pem: holds no PEM certificate" \
+  "${small[@]}" --tls_cert="$WORK/a.crt" --tls_key="$WORK/a.key" --tls_client_ca="$WORK/junk.pem"
+exits 2 "--listen without a host" "--listen=:50051: no host" "${small[@]}" --listen=:50051
+exits 2 "--metrics_listen on the --listen port" "name the same port" \
+  "${small[@]}" --listen=127.0.0.1:50999 --metrics_listen=127.0.0.1:50999
+exits 2 "an IPv6 --metrics_listen" "the metrics endpoint listens on IPv4 only" \
+  "${small[@]}" --metrics_listen=[::1]:9999
+exits 2 "--head_dim at its default with --attention=mla" "--head_dim=128 with --attention=mla" \
+  "${mla[@]}" --head_dim=128
+exits 2 "--region_socket without --allow_shared_memory" "needs --allow_shared_memory" \
+  "${small[@]}" --region_socket=@attnserve-exit-test
+exits 2 "--q_dtype=bogus on a 16-bit cache" "--q_dtype=bogus must be bf16 or fp16" "${small[@]}" --q_dtype=bogus
+exits 2 "--num_kv_heads=-4" "--num_kv_heads=-4 out of range" "${small[@]}" --num_kv_heads=-4
+exits 2 "--kv_lora_rank at its default without --attention=mla" "--kv_lora_rank applies to --attention=mla only" \
+  "${small[@]}" --kv_lora_rank=512
+
 start_server || { echo "0 passed, 1 failed"; exit 1; }
 port=${GRPC_ADDR##*:}
 taken=("${small[@]}" --listen="127.0.0.1:$port")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import attnserve
+import attnserve.channel as attnserve_channel
 from server import TestServer
 
 
@@ -146,7 +147,7 @@ def test_a_dead_server_fails_the_call_instead_of_hanging():
         client.close()
 
 
-def test_an_interrupted_wait_abandons_its_slot_instead_of_wedging_it():
+def test_an_interrupted_wait_abandons_its_slot_instead_of_wedging_it(monkeypatch):
     """A KeyboardInterrupt while a call waits for its answer (the server is
     stopped meanwhile) abandons the call's slot: once the answer comes the
     slot is free again, and the next call runs (before, the slot stayed the
@@ -164,6 +165,9 @@ def test_an_interrupted_wait_abandons_its_slot_instead_of_wedging_it():
         q = rng.standard_normal((1, g.num_qo_heads, g.head_dim), np.float32)
         args = (1, q, [0, 1], [0, 1], pages, [g.page_size])
         expected = ch.prefill(*args).output
+        # The wait's probe of the stopped server would end the call as
+        # UNAVAILABLE if a loaded host delayed the interrupt past it.
+        monkeypatch.setattr(attnserve_channel, "_PROBE_EVERY_S", 600.0)
         os.kill(s.pid, signal.SIGSTOP)                        # no answer for now
         timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
         timer.start()

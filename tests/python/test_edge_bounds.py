@@ -79,7 +79,7 @@ def test_bodies_without_a_token_are_never_buffered(tokens):
         flood.done()
         assert ready["rejected"] == 256, ready
         assert grown <= 64 * MIB, f"the server holds {grown / MIB:.1f} MiB more for unauthenticated bodies"
-        assert server.metric('attnserve_requests_total{code="UNAUTHENTICATED",method="Prefill",shape="none"}') == 256
+        assert server.metric('attnserve_requests_total{code="UNAUTHENTICATED",method="Prefill",shape="prefill"}') == 256
         _works(server, "tok-a")
 
 
@@ -92,7 +92,7 @@ def test_an_authenticated_sender_that_stalls_is_cut_off(tokens):
         done = flood.done()
         assert done["rejected"] == 4, done
         assert server.metric(
-            'attnserve_requests_total{code="DEADLINE_EXCEEDED",method="Prefill",shape="none"}') == 4
+            'attnserve_requests_total{code="DEADLINE_EXCEEDED",method="Prefill",shape="prefill"}') == 4
         _works(server, "tok-a")
 
 
@@ -201,7 +201,7 @@ def test_queued_and_running_requests_hold_at_most_max_queue_bytes():
                 break
             time.sleep(0.05)
         with pytest.raises(attnserve.ResourceExhausted,
-                           match=r"queue full: queued and running requests hold \d+ bytes of "
+                           match=r"queue full: queued and running requests and unsent responses hold \d+ bytes of "
                                  r"server memory and this one would add \d+, "
                                  r"max_queue_bytes=1048576"):
             client.prefill(0, q[:2], [0, 2], [0, 1], pages[:1], [16])
@@ -214,5 +214,60 @@ def test_queued_and_running_requests_hold_at_most_max_queue_bytes():
             except attnserve.ResourceExhausted:
                 time.sleep(0.1)
         assert np.isfinite(small.lse).all()
+        client.free_pages(pages)
+        client.close()
+
+
+def test_responses_a_client_does_not_read_stay_within_max_queue_bytes():
+    """A response stays counted in --max_queue_bytes until gRPC has sent it,
+    not only until it is ready: a client that sends ReadKV calls on a
+    connection whose receive window it never opens (raw HTTP/2) gets a few
+    4 MiB responses made and the rest RESOURCE_EXHAUSTED, and another client
+    is refused too while they wait unsent; once that connection closes, the
+    bytes come back. (Before, every response was made and held: 16 stalled
+    calls held 1.6 GB against a 256 MiB bound.)"""
+    sys.path.insert(0, HERE)
+    import struct
+
+    import h2_flood
+    from attnserve.v1 import attention_pb2 as pb
+
+    flags = ["--check_kv_written=false", "--max_queue_bytes=16777216"]
+    with TestServer(num_layers=1, num_pages=256, page_size=16, num_qo_heads=4, num_kv_heads=4,
+                    head_dim=128, extra_flags=flags) as server:
+        client = attnserve.Client(server.address, timeout=60)
+        pages = client.allocate_pages(256)
+        slots = [p * 16 + i for p in pages[:128] for i in range(16)]  # 2,048 rows: 4 MiB of K and V
+        body = pb.ReadKVRequest(layer=0, slots=slots).SerializeToString()
+        message = b"\x00" + struct.pack(">I", len(body)) + body
+        conn = h2_flood.Connection(server.address, timeout=10)
+        # SETTINGS_INITIAL_WINDOW_SIZE 0: the server may send no response bytes.
+        conn.sock.sendall(h2_flood.frame(h2_flood.SETTINGS, 0, 0, struct.pack(">HI", 4, 0)))
+        conn.pump(0.2)
+        calls = 6
+        for i in range(calls):
+            stream = 1 + 2 * i
+            conn.open(stream, "/attnserve.v1.AttentionService/ReadKV", server.address, "")
+            conn.windows[stream] = 65535  # the server's window for the request: it fits
+            conn.sock.sendall(h2_flood.frame(h2_flood.DATA, h2_flood.END_STREAM, stream, message))
+        ok = 'attnserve_requests_total{code="OK",method="ReadKV",shape="none"}'
+        full = 'attnserve_requests_total{code="RESOURCE_EXHAUSTED",method="ReadKV",shape="none"}'
+        for _ in range(600):
+            conn.pump(0)
+            if server.metric(ok) + server.metric(full) >= calls:
+                break
+            time.sleep(0.05)
+        made = server.metric(ok)
+        assert 3 <= made <= 4 and server.metric(full) == calls - made, (made, server.metric(full))
+        with pytest.raises(attnserve.ResourceExhausted, match="unsent responses hold"):
+            client.read_kv(0, slots)
+        conn.sock.close()
+        for _ in range(600):                   # the unsent responses' bytes come back
+            try:
+                k, v = client.read_kv(0, slots)
+                break
+            except attnserve.ResourceExhausted:
+                time.sleep(0.05)
+        assert k.shape[0] == len(slots)
         client.free_pages(pages)
         client.close()
