@@ -44,10 +44,14 @@ class TestServer:
                  num_qo_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 64,
                  kv_dtype: str = "bf16", extra_flags=(), start_timeout_s: float = 60,
                  probe_credentials: grpc.ChannelCredentials | None = None,
-                 backend: str = "cpu", attention: str = "gqa", kv_lora_rank: int = 0,
+                 backend: str | None = None, attention: str = "gqa", kv_lora_rank: int = 0,
                  qk_rope_head_dim: int = 0):
         """attention="mla": a multi-head latent attention server of kv_lora_rank
-        and qk_rope_head_dim (num_kv_heads and head_dim are not passed)."""
+        and qk_rope_head_dim (num_kv_heads and head_dim are not passed).
+        backend: None takes $ATTNSERVE_TEST_BACKEND, else cpu (a GPU machine
+        runs a suite's host paths against the CUDA backend with it set)."""
+        if backend is None:
+            backend = os.environ.get("ATTNSERVE_TEST_BACKEND", "cpu")
         self.geometry = dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
                              num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, kv_dtype=kv_dtype)
