@@ -49,6 +49,12 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                       .Help("Requests queued in the scheduler, all tenants")
                       .Register(*registry_)
                       .Add({});
+  queue_held_bytes_ = &prometheus::BuildGauge()
+                          .Name("attnserve_queue_held_bytes")
+                          .Help("Bytes of server memory that queued and running requests and unsent responses "
+                                "hold (bounded by --max_queue_bytes), sampled at each scrape")
+                          .Register(*registry_)
+                          .Add({});
   tenant_pages_ = &prometheus::BuildGauge()
                        .Name("attnserve_tenant_kv_pages")
                        .Help("KV cache pages held, by tenant")

@@ -44,6 +44,7 @@ class Metrics {
   void ObserveRequest(Rpc rpc, absl::StatusCode code, Shape shape, double seconds);
   // Requests queued in the scheduler, all tenants.
   void SetQueueDepth(int64_t requests) { queue_depth_->Set(static_cast<double>(requests)); }
+  void SetQueueHeldBytes(int64_t bytes) { queue_held_bytes_->Set(static_cast<double>(bytes)); }
   // Pages a tenant holds.
   void SetTenantPages(const std::string& tenant, int64_t pages);
   // Bytes of the KV cache (K and V, every layer and page), either backend.
@@ -141,6 +142,7 @@ class Metrics {
   std::atomic<prometheus::Counter*> requests_[kRpcs][kCodes][kShapes] = {};
   std::atomic<prometheus::Histogram*> durations_[kRpcs][kShapes] = {};
   prometheus::Gauge* queue_depth_;
+  prometheus::Gauge* queue_held_bytes_;
   prometheus::Gauge* kv_cache_bytes_;
   prometheus::Gauge* memory_used_ = nullptr;   // registered by SetDeviceMemory
   prometheus::Gauge* memory_total_ = nullptr;

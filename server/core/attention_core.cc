@@ -217,6 +217,8 @@ void AttentionCore::ReapLoop() {
     plans_.TakeExpired(now);
   }
 }
+void AttentionCore::SampleGauges() const { metrics_->SetQueueHeldBytes(scheduler_->held_bytes()); }
+
 ServerInfoData AttentionCore::Info() const {
   const KvGeometry& g = backend_->Geometry();
   ServerInfoData info;

@@ -71,6 +71,9 @@ class AttentionCore {
   ~AttentionCore();
 
   ServerInfoData Info() const;
+  // Sets the gauges read only when scraped (the queue's held bytes, which
+  // unsent responses release from the edge's threads).
+  void SampleGauges() const;
   uint64_t incarnation() const { return incarnation_; }
   const KvGeometry& geometry() const { return backend_->Geometry(); }
   const RequestLimits& limits() const { return limits_; }

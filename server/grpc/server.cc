@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
@@ -172,10 +173,14 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
 // Serves the registry in the Prometheus text format at /metrics.
 class MetricsEndpoint final : public CivetHandler {
  public:
+  // before_collect runs at each scrape, before the registry is read (gauges
+  // sampled then).
   static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
-      const std::string& listen, std::shared_ptr<prometheus::Registry> registry) {
+      const std::string& listen, std::shared_ptr<prometheus::Registry> registry,
+      std::function<void()> before_collect) {
     ATTN_RETURN_IF_ERROR(CheckPortFree(listen, "--metrics_listen"));
     std::unique_ptr<MetricsEndpoint> e(new MetricsEndpoint(std::move(registry)));
+    e->before_collect_ = std::move(before_collect);
     try {
       e->server_ = std::make_unique<CivetServer>(
           std::vector<std::string>{"listening_ports", listen, "num_threads", "2"});
@@ -211,6 +216,7 @@ class MetricsEndpoint final : public CivetHandler {
  private:
   // The registry's families and the process's own (server/process_metrics.h).
   std::string Body() const {
+    if (before_collect_) before_collect_();
     std::vector<prometheus::MetricFamily> families = registry_->Collect();
     AppendProcessMetrics(&families);
     return prometheus::TextSerializer().Serialize(families);
@@ -227,6 +233,7 @@ class MetricsEndpoint final : public CivetHandler {
       : registry_(std::move(registry)) {}
 
   std::shared_ptr<prometheus::Registry> registry_;
+  std::function<void()> before_collect_;
   std::unique_ptr<CivetServer> server_;
   int port_ = 0;
 };
@@ -242,7 +249,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
 
   ATTN_RETURN_IF_ERROR(CheckPortFree(options.listen, "--listen"));
   if (!options.metrics_listen.empty()) {
-    auto endpoint = MetricsEndpoint::Start(options.metrics_listen, metrics->registry());
+    auto endpoint = MetricsEndpoint::Start(options.metrics_listen, metrics->registry(),
+                                           [core] { core->SampleGauges(); });
     if (!endpoint.ok()) return endpoint.status();
     s->metrics_endpoint_ = *std::move(endpoint);
     s->metrics_address_ =

@@ -261,6 +261,8 @@ def test_responses_a_client_does_not_read_stay_within_max_queue_bytes():
         assert 3 <= made <= 4 and server.metric(full) == calls - made, (made, server.metric(full))
         with pytest.raises(attnserve.ResourceExhausted, match="unsent responses hold"):
             client.read_kv(0, slots)
+        held = server.metric("attnserve_queue_held_bytes")
+        assert made * 4 * MIB <= held <= 16 * MIB, held    # the gauge shows the unsent responses
         conn.sock.close()
         for _ in range(600):                   # the unsent responses' bytes come back
             try:
@@ -269,5 +271,10 @@ def test_responses_a_client_does_not_read_stay_within_max_queue_bytes():
             except attnserve.ResourceExhausted:
                 time.sleep(0.05)
         assert k.shape[0] == len(slots)
+        for _ in range(600):                   # and the gauge goes back to nothing held
+            if server.metric("attnserve_queue_held_bytes") == 0:
+                break
+            time.sleep(0.05)
+        assert server.metric("attnserve_queue_held_bytes") == 0
         client.free_pages(pages)
         client.close()
