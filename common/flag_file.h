@@ -1,8 +1,8 @@
 // Reading a file that a flag names (--auth_tokens_file, --tls_*): the whole
-// file, which must be a regular file (a symlink to one, as Kubernetes
-// mounts secrets, is one). A directory opens without error as an empty
-// stream, so a mount path given instead of the file in it would otherwise
-// read as an empty file.
+// file, which must not be a directory (a regular file, a symlink to one as
+// Kubernetes mounts secrets, or a pipe such as <(...) or /dev/stdin). A
+// directory opens without error as an empty stream, so a mount path given
+// instead of the file in it would otherwise read as an empty file.
 #pragma once
 
 #include <sys/stat.h>
@@ -20,16 +20,16 @@
 
 namespace attnserve {
 
-// NOT_FOUND when the file cannot be opened, INVALID_ARGUMENT when it is not
-// a regular file; both name the flag ("--tls_cert") and the path.
+// NOT_FOUND when the file cannot be opened, INVALID_ARGUMENT when it is a
+// directory; both name the flag ("--tls_cert") and the path.
 inline absl::StatusOr<std::string> ReadFlagFile(absl::string_view flag, const std::string& path) {
   struct stat st {};
   if (stat(path.c_str(), &st) != 0) {
     return absl::NotFoundError(absl::StrCat(flag, "=", path, ": cannot open (", std::strerror(errno), ")"));
   }
-  if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, "=", path, ": not a regular file", S_ISDIR(st.st_mode) ? " but a directory (name the file in it)" : ""));
+  if (S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, "=", path, ": a directory, not a file (name the file in it)"));
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat(flag, "=", path, ": cannot open"));

@@ -176,7 +176,8 @@ std::vector<char*> ParseCommandLine(int argc, char** argv, const ProgramUsage& p
   }
   // Abseil reads a --flagfile that names a directory as an empty file, so
   // that a mount path given instead of the file in it would start the
-  // program on its defaults.
+  // program on its defaults. (Only the command line's: a --flagfile named
+  // inside a flagfile is Abseil's alone.)
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
     if (arg == "--") break;
@@ -191,9 +192,8 @@ std::vector<char*> ParseCommandLine(int argc, char** argv, const ProgramUsage& p
     }
     for (absl::string_view file : absl::StrSplit(files, ',', absl::SkipEmpty())) {
       struct stat st {};
-      if (stat(std::string(file).c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
-        std::cerr << "--flagfile=" << file << ": not a regular file"
-                  << (S_ISDIR(st.st_mode) ? " but a directory (name the file in it)" : "") << "\n";
+      if (stat(std::string(file).c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+        std::cerr << "--flagfile=" << file << ": a directory, not a file (name the file in it)\n";
         std::exit(kExitUsage);
       }
     }

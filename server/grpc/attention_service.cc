@@ -272,11 +272,25 @@ class AttentionServiceImpl::Call final
           grpc_status.error_message());
     }
     finished_at_ = absl::Now();
-    if (grpc_status.ok()) {
+    if (grpc_status.ok() && response_.Length() >= kSplitWriteBytes) {
+      // The response's held bytes go back once gRPC has written it out
+      // (OnWriteDone), not when the call is deleted after its status: a
+      // client that sends its next request on this answer must find them
+      // back. A client that reads nothing never lets the write complete.
+      StartWrite(&response_);
+    } else if (grpc_status.ok()) {
       StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc_status);
     } else {
       ServerBidiReactor::Finish(grpc_status);
     }
+  }
+
+  // A large response's write has completed (or the stream broke): its held
+  // bytes go back, then the status follows.
+  void OnWriteDone(bool /*ok*/) override {
+    if (release_held_) std::exchange(release_held_, nullptr)();
+    response_.Clear();
+    ServerBidiReactor::Finish(grpc::Status::OK);
   }
 
   // Request stages (Metrics::RequestStage) of a Prefill: the time since the
@@ -344,9 +358,14 @@ class AttentionServiceImpl::Call final
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
   // The scheduler's release of the response's bytes (CallContext::
-  // hold_response), run when the call is deleted. Set on the scheduler's
-  // finisher while the core's done callback holds a reference.
+  // hold_response): run once a response of kSplitWriteBytes or more has
+  // been written out (OnWriteDone), else when the call is deleted. Set on
+  // the scheduler's finisher while the core's done callback holds a
+  // reference.
   mutable std::function<void()> release_held_;
+  // Responses this large are written, then finished (two gRPC operations
+  // instead of one, which costs a smaller response more than it gains).
+  static constexpr size_t kSplitWriteBytes = 64 << 10;
   const uint64_t request_id_;
   int64_t bytes_in_ = 0;
   const absl::Time start_;

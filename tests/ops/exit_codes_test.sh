@@ -83,10 +83,14 @@ exits 2 "a cache past 2^50 bytes" "exceed the cache's bound of 2^50 bytes" --bac
   --num_pages=536870912 --num_layers=1024 --page_size=128 --num_qo_heads=256 --num_kv_heads=256 \
   --head_dim=256 --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0
 exits 2 "a word that is not a flag" "unexpected argument 'num_pages=5'" "${small[@]}" num_pages=5
-exits 2 "a directory as --auth_tokens_file" "--auth_tokens_file=$WORK: not a regular file but a directory" \
+exits 2 "a directory as --auth_tokens_file" "--auth_tokens_file=$WORK: a directory, not a file" \
   "${small[@]}" --auth_tokens_file="$WORK"
-exits 2 "a directory as --flagfile" "--flagfile=$WORK: not a regular file but a directory" \
+exits 2 "a directory as --flagfile" "--flagfile=$WORK: a directory, not a file" \
   "${small[@]}" --flagfile="$WORK"
+# A pipe is read as a file is (only a directory is refused).
+start_server --flagfile=<(printf -- '--num_pages=17\n') || true
+check "--flagfile from a pipe is read" grep -q "pages=17 " "$SERVER_LOG"
+stop_server
 printf 'tok-a alice\ntok-b bob\ntok-a bob\n' >"$WORK/tokens"
 exits 2 "a token listed twice" "line 3: the token is listed before (for tenant 'alice')" \
   "${small[@]}" --auth_tokens_file="$WORK/tokens"

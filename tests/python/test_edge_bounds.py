@@ -278,3 +278,22 @@ def test_responses_a_client_does_not_read_stay_within_max_queue_bytes():
         assert server.metric("attnserve_queue_held_bytes") == 0
         client.free_pages(pages)
         client.close()
+
+
+def test_a_client_sending_one_request_at_a_time_is_never_refused_for_bytes():
+    """Responses of 64 KiB or more stop counting once gRPC has written them
+    out, so a client that sends its next request on each answer always finds
+    their bytes back: 400 ReadKVs of 640 KiB, one at a time, under a 1 MiB
+    --max_queue_bytes all run (while responses counted until the call was
+    deleted, after its status, about 4% were RESOURCE_EXHAUSTED)."""
+    flags = ["--check_kv_written=false", "--max_queue_bytes=1048576"]
+    with TestServer(num_layers=1, num_pages=64, page_size=16, num_qo_heads=4, num_kv_heads=4,
+                    head_dim=64, extra_flags=flags) as server:
+        client = attnserve.Client(server.address, timeout=60)
+        pages = client.allocate_pages(20)
+        slots = [p * 16 + i for p in pages for i in range(16)]   # 320 rows x 1 KiB of K and V
+        for _ in range(400):
+            k, v = client.read_kv(0, slots)
+        assert k.shape[0] == len(slots)
+        client.free_pages(pages)
+        client.close()
