@@ -299,7 +299,9 @@ std::vector<int64_t> Cluster::LoseServer(int32_t server, Loss why, bool gone) {
   if (why == Loss::kUnreachable) {
     s.kv->Abandon();
   } else {
-    s.kv->Reset();
+    // A lost lease leaves the server up: the leases the manager still has
+    // to revoke (abandoned while it seemed unreachable) may live.
+    s.kv->Reset(/*restarted=*/why == Loss::kRestarted);
   }
   ++s.epoch;
   s.unreachable_since.reset();

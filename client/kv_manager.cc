@@ -112,10 +112,10 @@ void KvManager::ClearBookkeeping() {
   dirty_ = false;
 }
 
-void KvManager::Reset() {
+void KvManager::Reset(bool restarted) {
   ClearBookkeeping();
   EndLease();
-  unrevoked_.clear();  // the server that restarted has none of them
+  if (restarted) unrevoked_.clear();  // the server that restarted has none of them
 }
 
 void KvManager::Abandon() {

@@ -170,8 +170,11 @@ class KvManager {
   // anyway). The next Plan() starts a new lease.
   absl::Status Release();
   // Forgets every sequence and plan without an RPC (the server restarted;
-  // then client->ForgetIncarnation() once the state is re-created).
-  void Reset();
+  // then client->ForgetIncarnation() once the state is re-created). With
+  // restarted false (the manager's lease was found gone on a server that
+  // did not restart), the earlier leases still to revoke are kept: the
+  // server may hold them, and the next call or Release() revokes them.
+  void Reset(bool restarted = true);
   // As Reset(), for a server that cannot be reached: with the lease, the
   // server frees everything within the lease's ttl; without, the pages the
   // manager held are counted as leaked.

@@ -114,6 +114,36 @@ TEST(KvManagerPartialFailureTest, AFinishWhoseReplyIsLostNeverLeavesASequenceOve
   EXPECT_TRUE(mgr.Release().ok());
 }
 
+// A manager that abandoned its lease (its server seemed unreachable; the
+// server, alive, keeps the lease and its pages) and then finds its next
+// lease gone forgets that one (Reset(false), as the cluster does), but still
+// revokes the first: Release() leaves nothing held. Before, that Reset()
+// dropped the leases left to revoke, and their pages stayed held until their
+// ttl.
+TEST(KvManagerPartialFailureTest, ALostLeaseKeepsTheEarlierLeasesToRevoke) {
+  auto server = TestServer::Start(SmallServer());
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto client = ConnectWith((*server)->grpc_address(), nullptr);
+  auto admin = ConnectWith((*server)->grpc_address(), nullptr);
+  ASSERT_NE(client, nullptr);
+  ASSERT_NE(admin, nullptr);
+  KvManager mgr(client.get());
+  ASSERT_TRUE(mgr.Plan({1}, {8}).ok());
+  const uint64_t first = mgr.lease_id();
+  ASSERT_NE(first, 0u);
+  mgr.Abandon();
+  auto held = admin->ListHoldings(0);
+  ASSERT_TRUE(held.ok()) << held.status();
+  ASSERT_EQ(held->leases_size(), 1);
+  EXPECT_EQ(held->leases(0).lease_id(), first);
+  mgr.Reset(/*restarted=*/false);
+  EXPECT_TRUE(mgr.Release().ok());
+  held = admin->ListHoldings(0);
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->leases_size(), 0) << "the abandoned lease was never revoked";
+  EXPECT_EQ(held->unleased().page_ids_size(), 0);
+}
+
 // Issue #29, item 2: Finish(a, b) while b's server is briefly unreachable.
 // The old cluster had a's server free and forget `a` but kept listing it,
 // and decoding `a` attended over a fresh one-token sequence.

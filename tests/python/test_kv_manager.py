@@ -366,3 +366,26 @@ def test_a_plan_runs_only_on_the_manager_that_made_it(client):
         b.run(layer, q, kv, kv)
     a.release()
     b.release()
+
+
+def test_a_lost_lease_keeps_the_earlier_leases_to_revoke():
+    """A manager that abandoned its lease (its server seemed unreachable;
+    the server, alive, still holds the lease's pages and plan) and later
+    loses its next lease forgets that one, but still revokes the first:
+    release() leaves nothing held. Before, the lost lease's reset() dropped
+    the leases left to revoke, and the server held their pages until their
+    ttl (the cluster's fault test saw it)."""
+    with TestServer() as server:
+        client = attnserve.Client(server.address, timeout=30)
+        admin = attnserve.Client(server.address, timeout=30)
+        mgr = attnserve.KvManager(client)
+        mgr.plan(["a"], [40])
+        first = mgr.lease_id
+        mgr.abandon()                                   # as the cluster does for an unreachable server
+        assert [lease.lease_id for lease in admin.list_holdings().leases] == [first]
+        mgr.reset(restarted=False)                      # the next lease found gone, the server up
+        mgr.release()
+        h = admin.list_holdings()
+        assert not h.leases and not h.unleased.pages, h
+        client.close()
+        admin.close()

@@ -241,11 +241,15 @@ class _State:
             self._lease.abandon()
         self._lease = None
 
-    def reset(self) -> None:
-        """Forgets every sequence and plan without an RPC (after a server restart)."""
+    def reset(self, restarted: bool = True) -> None:
+        """Forgets every sequence and plan without an RPC: after a server
+        restart, or (restarted False) once the manager's lease is found gone
+        on a server that did not restart, which may still hold the earlier
+        leases left to revoke (the next call or release() revokes them)."""
         self._clear()
         self._end_lease()
-        self._unrevoked.clear()  # the server that restarted has none of them
+        if restarted:
+            self._unrevoked.clear()  # the server that restarted has none of them
 
     def abandon(self) -> None:
         """reset() for a server that cannot be reached: with the lease, the

@@ -418,7 +418,9 @@ class Cluster:
             s.kv.abandon()
             s.reachable = False
         else:
-            s.kv.reset()
+            # A lost lease leaves the server up: the leases the manager still
+            # has to revoke (abandoned while it seemed unreachable) may live.
+            s.kv.reset(restarted=why == "restarted")
         s.epoch += 1
         s.unreachable_since = None
         s.gone = s.gone or gone
