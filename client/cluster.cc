@@ -300,7 +300,8 @@ std::vector<int64_t> Cluster::LoseServer(int32_t server, Loss why, bool gone) {
     s.kv->Abandon();
   } else {
     // A lost lease leaves the server up: the leases the manager still has
-    // to revoke (abandoned while it seemed unreachable) may live.
+    // to revoke (a Release()'s or Plan()'s RevokeLease that failed, or
+    // abandoned while the server seemed unreachable) may live.
     s.kv->Reset(/*restarted=*/why == Loss::kRestarted);
   }
   ++s.epoch;

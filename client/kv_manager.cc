@@ -113,6 +113,8 @@ void KvManager::ClearBookkeeping() {
 }
 
 void KvManager::Reset(bool restarted) {
+  // The lease found gone, most likely; revoking it again costs nothing if so.
+  if (!restarted && keeper_ != nullptr) unrevoked_.push_back(keeper_->id());
   ClearBookkeeping();
   EndLease();
   if (restarted) unrevoked_.clear();  // the server that restarted has none of them

@@ -206,8 +206,9 @@ class AttentionServiceImpl::Call final
     // reference to the reactor until it has run, while the context may go
     // once the call is done (a call answered by the drain, say).
     c->is_cancelled = [this] { return given_up(); };
-    // The response lives in response_ until the call is deleted (after
-    // gRPC's OnDone and the core's answer): its bytes stay held till then.
+    // The response's bytes stay held until gRPC has written it out (a
+    // large one, OnWriteDone) or the call is deleted (after gRPC's OnDone
+    // and the core's answer).
     c->hold_response = [this](std::function<void()> release) { release_held_ = std::move(release); };
   }
 

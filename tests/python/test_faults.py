@@ -1266,3 +1266,51 @@ def test_a_cluster_step_of_other_sequences_is_planned_at_once_on_a_restarted_ser
     finally:
         cluster.close()
         server.stop()
+
+
+def test_a_lease_whose_revocation_failed_outlives_no_later_lease_loss():
+    """A cluster server's manager fails to revoke its lease L1 (release()'s
+    RevokeLease, and the next plan's, are lost: L1 keeps pages and plans and
+    waits to be revoked), gets a new lease L2, and then loses L2 (revoked):
+    the cluster forgets L2 but not L1, and release() revokes it, leaving
+    nothing held. Before, losing L2 reset the manager as if its server had
+    restarted, which dropped L1: its pages stayed held until its ttl (the
+    cluster fault test failed so on a loaded host)."""
+    server = TestServer(num_pages=256, **GEOMETRY)
+    faults = FaultInjector(seed=1)
+    cluster = attnserve.Cluster([server.address], lease=True, timeout=30, channel_options=RECONNECT,
+                                interceptors=faults.interceptors)
+    admin = attnserve.Client(server.address, timeout=30)
+    g = cluster.server_info
+    rng = np.random.default_rng(0)
+
+    def step(ids, lens):
+        st = cluster.plan(ids, lens)
+        for layer in range(g.num_layers):
+            q = rng.standard_normal((st.total_q, g.num_qo_heads, g.head_dim), np.float32)
+            k = rng.standard_normal((st.total_q, g.num_kv_heads, g.head_dim), np.float32)
+            cluster.run(layer, q, k, k, step=st)
+    try:
+        kv = cluster.kv_manager(0)
+        step([1], [9])
+        step([1], [2])                          # a stale plan waits to be released
+        first = kv.lease_id
+        for method in ("ReleasePlan", "ListHoldings", "RevokeLease"):
+            faults.fail_next(method, UNREACHABLE)
+        with pytest.raises(attnserve.AttnserveError):
+            cluster.release()
+        assert held(admin, first) != ([], []), "the test needs L1 to hold something"
+        faults.fail_next("RevokeLease", UNREACHABLE)
+        step([2], [3])                          # the best-effort revocation fails: a new lease
+        second = kv.lease_id
+        assert second not in (0, first)
+        admin.revoke_lease(second)
+        with pytest.raises(attnserve.SequencesLost) as lost:
+            step([2], [1])
+        cluster.finish(*lost.value.seq_ids)
+        cluster.release()
+        assert held(admin, 0) == ([], []), admin.list_holdings()
+    finally:
+        cluster.close()
+        admin.close()
+        server.stop()

@@ -246,6 +246,9 @@ class _State:
         restart, or (restarted False) once the manager's lease is found gone
         on a server that did not restart, which may still hold the earlier
         leases left to revoke (the next call or release() revokes them)."""
+        if not restarted and self._lease is not None:
+            # Found gone, most likely; revoking it again costs nothing if so.
+            self._unrevoked.append(self._lease.lease_id)
         self._clear()
         self._end_lease()
         if restarted:

@@ -419,7 +419,8 @@ class Cluster:
             s.reachable = False
         else:
             # A lost lease leaves the server up: the leases the manager still
-            # has to revoke (abandoned while it seemed unreachable) may live.
+            # has to revoke (a release()'s or plan's RevokeLease that failed,
+            # or abandoned while the server seemed unreachable) may live.
             s.kv.reset(restarted=why == "restarted")
         s.epoch += 1
         s.unreachable_since = None
