@@ -4,13 +4,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/shared_memory.h"
+#include "common/flag_file.h"
 #include "common/region_socket.h"
 #include "common/tensor_wire.h"
 #include "common/transport.h"
@@ -21,14 +20,6 @@
 
 namespace attnserve {
 namespace {
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // The dtype of queries, outputs, states and 16-bit K/V rows.
 v1::DType WireDType(const v1::ServerInfo& info) { return QueryDType(info); }
@@ -305,14 +296,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (options.tls) {
     grpc::SslCredentialsOptions ssl;
     if (!options.tls_ca.empty()) {
-      auto ca = ReadFile(options.tls_ca);
+      auto ca = ReadFlagFile("tls_ca", options.tls_ca);
       if (!ca.ok()) return ca.status();
       ssl.pem_root_certs = *ca;
     }
     if (!options.tls_cert.empty()) {
-      auto cert = ReadFile(options.tls_cert);
+      auto cert = ReadFlagFile("tls_cert", options.tls_cert);
       if (!cert.ok()) return cert.status();
-      auto key = ReadFile(options.tls_key);
+      auto key = ReadFlagFile("tls_key", options.tls_key);
       if (!key.ok()) return key.status();
       ssl.pem_cert_chain = *cert;
       ssl.pem_private_key = *key;

@@ -1,4 +1,5 @@
-// Reading a file that a flag names (--auth_tokens_file, --tls_*): the whole
+// Reading a file that a flag or option names (the server's
+// --auth_tokens_file and --tls_*, the client's tls_ca, tls_cert, tls_key): the whole
 // file, which must not be a directory (a regular file, a symlink to one as
 // Kubernetes mounts secrets, or a pipe such as <(...) or /dev/stdin). A
 // directory opens without error as an empty stream, so a mount path given

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <memory>
 #include <new>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -308,22 +309,34 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
 // codes".
 constexpr int kExitRuntime = 1;
 
+// HOST:PORT split at its last colon; HOST without the brackets of an IPv6
+// literal. Nothing without a colon.
+struct HostPort {
+  std::string host;
+  std::string port;
+};
+std::optional<HostPort> SplitHostPort(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return std::nullopt;
+  HostPort hp{address.substr(0, colon), address.substr(colon + 1)};
+  if (hp.host.size() >= 2 && hp.host.front() == '[' && hp.host.back() == ']') {
+    hp.host = hp.host.substr(1, hp.host.size() - 2);
+  }
+  return hp;
+}
+
 // A --listen or --metrics_listen value: HOST:PORT with PORT in [0, 65535]
 // and a HOST that resolves. gRPC and civetweb would only say that they
 // cannot listen there.
 absl::Status CheckListenAddress(absl::string_view flag, const std::string& address) {
-  const size_t colon = address.rfind(':');
+  const std::optional<HostPort> hp = SplitHostPort(address);
   int port = -1;
-  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
-      port < 0 || port > 65535) {
+  if (!hp || !absl::SimpleAtoi(hp->port, &port) || port < 0 || port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         flag, "=", address, ": not HOST:PORT (e.g. 127.0.0.1:50051, 0.0.0.0:50051, [::]:50051; "
         "port 0 picks a free one)"));
   }
-  std::string host = address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
+  const std::string& host = hp->host;
   if (host.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         flag, "=", address, ": no host (0.0.0.0:", port, " listens on every IPv4 address, [::]:", port,
@@ -342,20 +355,15 @@ absl::Status CheckListenAddress(absl::string_view flag, const std::string& addre
   return absl::OkStatus();
 }
 
-// --listen and --metrics_listen on one port (not 0) of one host, or of
-// every host: the second to bind would fail with no word of why.
+// --listen and --metrics_listen (both passed CheckListenAddress) on one
+// port (not 0) of one host, or of every host: the second to bind would fail
+// with no word of why.
 absl::Status CheckDistinctAddresses(const std::string& listen, const std::string& metrics) {
-  auto split = [](const std::string& a) {
-    const size_t colon = a.rfind(':');
-    std::string host = a.substr(0, colon);
-    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-    return std::pair<std::string, std::string>(host, a.substr(colon + 1));
-  };
-  const auto [grpc_host, grpc_port] = split(listen);
-  const auto [metrics_host, metrics_port] = split(metrics);
+  const HostPort grpc = *SplitHostPort(listen);
+  const HostPort metric = *SplitHostPort(metrics);
   auto every = [](const std::string& h) { return h == "0.0.0.0" || h == "::"; };
-  if (grpc_port == metrics_port && grpc_port != "0" &&
-      (grpc_host == metrics_host || every(grpc_host) || every(metrics_host))) {
+  if (grpc.port == metric.port && grpc.port != "0" &&
+      (grpc.host == metric.host || every(grpc.host) || every(metric.host))) {
     return absl::InvalidArgumentError(absl::StrCat("--metrics_listen=", metrics, " and --listen=", listen,
                                                    " name the same port: give the metrics endpoint another"));
   }
@@ -525,7 +533,7 @@ int Run() {
   if (address.ok() && !metrics_listen.empty()) {
     address = CheckListenAddress("--metrics_listen", metrics_listen);
     // civetweb, which serves /metrics, is built without IPv6 here.
-    if (address.ok() && metrics_listen.find(':') != metrics_listen.rfind(':')) {
+    if (address.ok() && SplitHostPort(metrics_listen)->host.find(':') != std::string::npos) {
       address = absl::InvalidArgumentError(absl::StrCat(
           "--metrics_listen=", metrics_listen,
           ": the metrics endpoint listens on IPv4 only (e.g. 0.0.0.0:9464 or 127.0.0.1:9464)"));

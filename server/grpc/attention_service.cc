@@ -194,7 +194,7 @@ class AttentionServiceImpl::Call final
   }
 
   // Fills the caller's context of a core call.
-  void Bind(CallContext* c) const {
+  void Bind(CallContext* c) {
     c->tenant = tenant_;
     c->request_id = request_id_;
     c->message_bytes = bytes_in_;  // gRPC's slices, held until the call is answered
@@ -363,7 +363,7 @@ class AttentionServiceImpl::Call final
   // been written out (OnWriteDone), else when the call is deleted. Set on
   // the scheduler's finisher while the core's done callback holds a
   // reference.
-  mutable std::function<void()> release_held_;
+  std::function<void()> release_held_;
   // Responses this large are written, then finished (two gRPC operations
   // instead of one, which costs a smaller response more than it gains).
   static constexpr size_t kSplitWriteBytes = 64 << 10;
