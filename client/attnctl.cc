@@ -17,6 +17,7 @@
 //   attnctl health [SERVICE]             (exit 0 only when SERVING)
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <random>
 #include <string>
 #include <tuple>
@@ -24,6 +25,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -59,16 +61,65 @@ int Fail(const absl::Status& status) {
 }
 
 
-absl::StatusOr<std::vector<int64_t>> ParseInts(const std::vector<char*>& args, size_t from) {
+// The integer arguments args[from..], each in [0, hi]: an error naming
+// the argument (`what`), its position and the bound otherwise.
+absl::StatusOr<std::vector<int64_t>> ParseInts(const std::vector<char*>& args, size_t from, const char* what,
+                                               int64_t hi) {
   std::vector<int64_t> out;
   for (size_t i = from; i < args.size(); ++i) {
     int64_t v;
     if (!absl::SimpleAtoi(args[i], &v)) {
-      return absl::InvalidArgumentError(absl::StrCat("not an integer: ", args[i]));
+      return absl::InvalidArgumentError(absl::StrCat(what, " ", args[i], " (argument ", i - from + 1,
+                                                     ") is not an integer in [0, ", hi, "]"));
+    }
+    if (v < 0 || v > hi) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " ", args[i], " (argument ", i - from + 1, ") out of range [0, ", hi, "]"));
     }
     out.push_back(v);
   }
   return out;
+}
+
+// set-scales' --layer, --k_scale and --v_scale: each scale list one or
+// more numbers separated by single commas.
+absl::StatusOr<LayerKvScales> ScalesFromFlags() {
+  LayerKvScales l;
+  l.layer = absl::GetFlag(FLAGS_layer);
+  for (auto [flag, name, out] : {std::tuple{absl::GetFlag(FLAGS_k_scale), "--k_scale", &l.k_scale},
+                                 std::tuple{absl::GetFlag(FLAGS_v_scale), "--v_scale", &l.v_scale}}) {
+    if (flag.empty()) {
+      return absl::InvalidArgumentError(
+          "usage: attnctl set-scales --layer=L --k_scale=X[,X...] --v_scale=Y[,Y...]");
+    }
+    for (absl::string_view part : absl::StrSplit(flag, ',')) {
+      float x = 0;
+      if (!absl::SimpleAtof(part, &x)) {
+        return absl::InvalidArgumentError(absl::StrCat(name, "=", flag, ": not a list of numbers (\"", part, "\")"));
+      }
+      out->push_back(x);
+    }
+  }
+  return l;
+}
+
+// The commands' arguments, before attnctl connects: usage (exit 2) for a
+// command that needs arguments and has none, and an error naming the
+// argument and its bound (exit 2) for a bad one.
+absl::Status CheckArgs(const std::string& cmd, const std::vector<char*>& args) {
+  const char* usage = nullptr;
+  if (cmd == "free") usage = "attnctl free PAGE...";
+  if (cmd == "write") usage = "attnctl write [--layer=L] SLOT...";
+  if (cmd == "read") usage = "attnctl read [--layer=L] [--dequantize] SLOT...";
+  if (cmd == "unregister") usage = "attnctl unregister NAME...";
+  if (cmd == "set-scales") return ScalesFromFlags().status();
+  if (usage == nullptr) return absl::OkStatus();
+  if (args.size() < 3) return absl::InvalidArgumentError(absl::StrCat("usage: ", usage));
+  if (cmd == "free") return ParseInts(args, 2, "PAGE", std::numeric_limits<int32_t>::max()).status();
+  if (cmd == "write" || cmd == "read") {
+    return ParseInts(args, 2, "SLOT", std::numeric_limits<int64_t>::max()).status();
+  }
+  return absl::OkStatus();
 }
 
 // The numeric flags of prefill and merge, before anything is allocated: an
@@ -94,7 +145,7 @@ absl::Status CheckCountFlags(const std::string& cmd) {
   } else if (cmd == "merge") {
     const int64_t states = absl::GetFlag(FLAGS_states), n = absl::GetFlag(FLAGS_n);
     ranges = {{"states", states, 1, 256},
-              {"n", n, 0, kMaxRows},
+              {"n", n, 1, kMaxRows},
               {"states x --n (rows in all)", states * n, 0, kMaxRows}};
   }
   // In order: a product is checked once its factors are in range.
@@ -222,6 +273,10 @@ int Main(std::vector<char*> args) {
     std::cerr << "error: " << s.message() << "\n";
     return 2;
   }
+  if (absl::Status s = CheckArgs(cmd, args); !s.ok()) {
+    std::cerr << (absl::StartsWith(s.message(), "usage: ") ? "" : "error: ") << s.message() << "\n";
+    return 2;
+  }
   ClientOptions options = ClientOptionsFromFlags();
   options.fetch_info = cmd != "health";  // probes carry no credentials
   auto client = Client::Connect(options);
@@ -254,11 +309,7 @@ int Main(std::vector<char*> args) {
     return 0;
   }
   if (cmd == "free") {
-    if (args.size() < 3) {
-      std::cerr << "usage: attnctl free PAGE...\n";
-      return 2;
-    }
-    auto ids = ParseInts(args, 2);
+    auto ids = ParseInts(args, 2, "PAGE", std::numeric_limits<int32_t>::max());  // checked: CheckArgs
     if (!ids.ok()) return Fail(ids.status());
     std::vector<int32_t> pages(ids->begin(), ids->end());
     absl::Status s = c.FreePages(pages);
@@ -267,7 +318,7 @@ int Main(std::vector<char*> args) {
     return 0;
   }
   if (cmd == "write" || cmd == "read") {
-    auto slots = ParseInts(args, 2);
+    auto slots = ParseInts(args, 2, "SLOT", std::numeric_limits<int64_t>::max());  // checked: CheckArgs
     if (!slots.ok()) return Fail(slots.status());
     const KvGeometry g = GeometryOf(c.info());
     if (cmd == "write") {
@@ -309,26 +360,11 @@ int Main(std::vector<char*> args) {
     return 0;
   }
   if (cmd == "set-scales") {
-    LayerKvScales l;
-    l.layer = absl::GetFlag(FLAGS_layer);
-    for (auto [flag, name, out] : {std::tuple{absl::GetFlag(FLAGS_k_scale), "--k_scale", &l.k_scale},
-                                   std::tuple{absl::GetFlag(FLAGS_v_scale), "--v_scale", &l.v_scale}}) {
-      for (absl::string_view part : absl::StrSplit(flag, ',', absl::SkipEmpty())) {
-        float x = 0;
-        if (!absl::SimpleAtof(part, &x)) {
-          std::cerr << "error: " << name << "=" << flag << ": not a list of numbers\n";
-          return 2;
-        }
-        out->push_back(x);
-      }
-      if (out->empty()) {
-        std::cerr << "usage: attnctl set-scales --layer=L --k_scale=X[,X...] --v_scale=Y[,Y...]\n";
-        return 2;
-      }
-    }
-    absl::Status s = c.SetKvScales({l});
+    auto l = ScalesFromFlags();  // checked: CheckArgs
+    if (!l.ok()) return Fail(l.status());
+    absl::Status s = c.SetKvScales({*l});
     if (!s.ok()) return Fail(s);
-    std::cout << "layer " << l.layer << " scales set\n";
+    std::cout << "layer " << l->layer << " scales set\n";
     return 0;
   }
   if (cmd == "regions") {
@@ -392,6 +428,17 @@ int Main(std::vector<char*> args) {
 }  // namespace attnserve
 
 int main(int argc, char** argv) {
+  // A negative number would reach the flag parser as an unknown flag ("-1"
+  // as flag "1"); attnctl's arguments (pages, slots, counts) are >= 0. (Not
+  // the value of a flag given as "--flag VALUE".)
+  for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {
+    const std::string prev = argv[i - 1];
+    const bool flag_value = i > 1 && prev[0] == '-' && prev.find('=') == std::string::npos;
+    if (!flag_value && argv[i][0] == '-' && argv[i][1] >= '0' && argv[i][1] <= '9') {
+      std::cerr << "error: argument " << argv[i] << " is negative: pages, slots and counts are >= 0\n";
+      return 2;
+    }
+  }
   std::vector<char*> args = attnserve::ParseCommandLine(
       argc, argv,
       {"attnctl",

@@ -20,6 +20,12 @@ uint64_t MakeIncarnation() {
   return id;
 }
 
+// How a Prefill's pin errors name its pages: kv_indices, then the append
+// slots' pages.
+PageTable::PinNames PrefillPinNames(const PrefillTask& task) {
+  return {"kv_indices", static_cast<size_t>(task.num_kv_indices), "append_slots", task.append_slots};
+}
+
 }  // namespace
 
 // The region ranges one request holds: inputs resolved into its tensors'
@@ -291,7 +297,7 @@ void AttentionCore::FreePages(const CallContext& ctx, absl::Span<const int32_t> 
 
 template <typename CallT>
 void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
-                           absl::string_view field, std::unique_ptr<Job> job) {
+                           const PageTable::PinNames& names, std::unique_ptr<Job> job) {
   job->tenant = call.tenant;
   job->request_id = call.request_id;
   job->response_bytes = job->held_bytes;  // what the caller set: the response buffers
@@ -301,7 +307,7 @@ void AttentionCore::Submit(const CallT& call, std::vector<int32_t> pages,
   job->is_cancelled = call.is_cancelled;
   absl::Status status = RenewLease(call);
   if (status.ok()) {
-    status = pages_.PinOwned(call.tenant, pages, field, PageTable::Holder::kRequest,
+    status = pages_.PinOwned(call.tenant, pages, names, PageTable::Holder::kRequest,
                              call.lease_id);
   }
   if (!status.ok()) {
@@ -337,8 +343,10 @@ absl::StatusOr<uint64_t> AttentionCore::CreatePlan(const CallContext& ctx,
   ATTN_ASSIGN_OR_RETURN(plan->options, ValidatePlanOptions(options, backend_->Geometry()));
   absl::ReaderMutexLock hold(&lease_mu_);
   ATTN_RETURN_IF_ERROR(RenewLease(ctx));
-  ATTN_RETURN_IF_ERROR(pages_.PinOwned(ctx.tenant, plan->layout.pages, "kv_indices/append_slots",
-                                       PageTable::Holder::kPlan, ctx.lease_id));
+  ATTN_RETURN_IF_ERROR(pages_.PinOwned(
+      ctx.tenant, plan->layout.pages,
+      {"kv_indices", plan->kv_indices.size(), "append_slots", plan->append_slots.data()},
+      PageTable::Holder::kPlan, ctx.lease_id));
   // Once pinned, a page whole in every layer stays so: its requests' checks
   // skip it.
   if (written_ != nullptr) {
@@ -526,7 +534,8 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
     job->task.out_pinned = o->direct && lse->direct;
     job->on_success = std::move(mark);
     job->done = regions.Wrap(std::move(done), metrics_);
-    Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
+    const PageTable::PinNames names = PrefillPinNames(job->task);
+    Submit(call, std::move(validated->pages), names, std::move(job));
     return;
   }
   out->o_bytes = validated->out_bytes;
@@ -553,7 +562,8 @@ void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
   job->held_bytes = out_bytes;
   job->on_success = std::move(mark);
   job->done = regions.Wrap(std::move(done), metrics_);
-  Submit(call, std::move(validated->pages), "kv_indices/append_slots", std::move(job));
+  const PageTable::PinNames names = PrefillPinNames(job->task);
+  Submit(call, std::move(validated->pages), names, std::move(job));
 }
 
 void AttentionCore::Cancel(const std::string& tenant, uint64_t request_id, absl::Status why) {
@@ -604,7 +614,7 @@ void AttentionCore::WriteKv(const WriteKvCall& request, DoneCallback done) {
   job->rows.v_on_device = call.v.on_device;
   job->rows.rows_fp8 = rows_fp8;
   job->done = regions.Wrap(std::move(done), metrics_);
-  Submit(call, *std::move(pages), "slots", std::move(job));
+  Submit(call, *std::move(pages), {"slots", 0, "slots", call.slots.data()}, std::move(job));
 }
 
 void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
@@ -671,7 +681,7 @@ void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
     job->held_bytes = g.HasVPool() ? 2 * bytes : bytes;
   }
   job->done = regions.Wrap(std::move(done), metrics_);
-  Submit(call, *std::move(pages), "slots", std::move(job));
+  Submit(call, *std::move(pages), {"slots", 0, "slots", call.slots.data()}, std::move(job));
 }
 
 void AttentionCore::MergeStates(const MergeStatesCall& request, DoneCallback done) {

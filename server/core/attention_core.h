@@ -163,7 +163,7 @@ class AttentionCore {
   struct PendingRelease;
   // Pins `pages` for `tenant` and queues `job`; on any error runs done.
   template <typename CallT>
-  void Submit(const CallT& call, std::vector<int32_t> pages, absl::string_view field,
+  void Submit(const CallT& call, std::vector<int32_t> pages, const PageTable::PinNames& names,
               std::unique_ptr<Job> job);
   void UpdatePageGauges();
   // Renews ctx's lease when it names one (a request naming a lease keeps it

@@ -133,8 +133,14 @@ std::vector<PageTable::Held> PageTable::List(absl::string_view tenant, uint64_t 
   return out;
 }
 
+std::string PageTable::PinNames::Of(size_t i, int32_t page) const {
+  if (i < kv_count || slots == nullptr) return absl::StrCat(kv_field, "[", i, "]=", page);
+  const size_t j = i - kv_count;
+  return absl::StrCat(slots_field, "[", j, "]=", slots[j], " (page ", page, ")");
+}
+
 absl::Status PageTable::PinOwned(absl::string_view tenant, absl::Span<const int32_t> pages,
-                                 absl::string_view field, Holder holder, uint64_t lease) {
+                                 const PinNames& names, Holder holder, uint64_t lease) {
   absl::MutexLock lock(&mu_);
   const int32_t id = TenantId(tenant);
   // One pass (requests list thousands of pages); a page of another tenant
@@ -146,7 +152,7 @@ absl::Status PageTable::PinOwned(absl::string_view tenant, absl::Span<const int3
         --pins_[pages[j]];
         if (holder == Holder::kPlan) --plan_pins_[pages[j]];
       }
-      return CheckHeld(p, id, lease, absl::StrCat(field, ": page ", p));
+      return CheckHeld(p, id, lease, names.Of(i, p));
     }
     ++pins_[p];
     if (holder == Holder::kPlan) ++plan_pins_[p];

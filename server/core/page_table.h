@@ -18,6 +18,7 @@
 //   pages.Free("default", *ids);
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -67,18 +68,36 @@ class PageTable {
   };
   std::vector<Held> List(absl::string_view tenant, uint64_t lease = 0) const;
 
+  // How an error names entry i (page p) of a list to pin: the first
+  // kv_count entries as "kv_indices[i]=p", the rest as the pages of
+  // `slots_field`'s slots: "append_slots[j]=s (page p)". A field alone
+  // names every entry "field[i]=p".
+  struct PinNames {
+    PinNames(const char* field) : kv_field(field) {}  // NOLINT: a field alone, implicitly
+    PinNames(absl::string_view field) : kv_field(field) {}  // NOLINT
+    PinNames(absl::string_view kv_field, size_t kv_count, absl::string_view slots_field,
+             const int64_t* slots)
+        : kv_field(kv_field), kv_count(kv_count), slots_field(slots_field), slots(slots) {}
+    std::string Of(size_t i, int32_t page) const;
+
+    absl::string_view kv_field;
+    size_t kv_count = SIZE_MAX;
+    absl::string_view slots_field;
+    const int64_t* slots = nullptr;
+  };
+
   // Who holds a pin: a request in flight, or a plan (CreatePlan). A page a
   // plan holds cannot be freed (FAILED_PRECONDITION) until the plan lets go.
   enum class Holder { kRequest, kPlan };
 
   // Checks that every page (in range) belongs to `tenant` (and, when `lease`
   // is non-zero, is held under it) and pins them all, or pins none and
-  // returns an error naming `field`: NOT_FOUND for a page that is not
+  // returns an error naming the entry (`names`): NOT_FOUND for a page that is not
   // allocated, PERMISSION_DENIED for another tenant's, FAILED_PRECONDITION
   // for one not under the lease. Pins are counts: a page listed n times is
   // pinned n times, and Unpin of the same list (and holder) releases them.
   absl::Status PinOwned(absl::string_view tenant, absl::Span<const int32_t> pages,
-                        absl::string_view field, Holder holder = Holder::kRequest,
+                        const PinNames& names, Holder holder = Holder::kRequest,
                         uint64_t lease = 0);
   // True when a page freed while pinned was released for scrubbing (then
   // TakeReleased has work).
@@ -106,7 +125,7 @@ class PageTable {
   // Frees one page the caller checked (owner id `id`).
   void FreeOne(int32_t page, int32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why `page` may not be used by tenant `id` under `lease`, naming it as
-  // `what` (e.g. "kv_indices: page 7"); OK when it may.
+  // `what` (e.g. "kv_indices[3]=7"); OK when it may.
   absl::Status CheckHeld(int32_t page, int32_t id, uint64_t lease, absl::string_view what) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

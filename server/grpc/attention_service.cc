@@ -54,7 +54,7 @@ AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth*
       read_timeout_(options.read_timeout),
       limits_(core->limits().max_request_rows, core->limits().max_request_kv_indices,
               core->geometry().num_pages, kMaxMergeStates, core->geometry().num_qo_heads,
-              core->geometry().num_layers),
+              core->geometry().num_layers, core->geometry().num_kv_heads),
       prefill_requests_(kPooledPrefillRequests, kPooledPrefillBytes,
                         [](v1::PrefillRequest* r) { return ResetForReuse(r); }) {
   options.channels.access_log = options.access_log;

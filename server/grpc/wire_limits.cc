@@ -226,8 +226,9 @@ absl::Status CheckWire(const grpc::ByteBuffer& bytes, const WireMessage& message
 
 RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, int64_t num_pages,
                                      int64_t max_merge_states, int64_t num_qo_heads,
-                                     int64_t num_layers) {
+                                     int64_t num_layers, int64_t num_kv_heads) {
   using F = WireField;
+  if (num_kv_heads < 0) num_kv_heads = num_qo_heads;
   region_ref = {"attnserve.v1.RegionRef", {}};
   attention_options = {"attnserve.v1.AttentionOptions",
                        {{3, "sinks", F::kRepeatedFixed32, num_qo_heads, nullptr, "num_qo_heads"}}};
@@ -298,11 +299,11 @@ RequestWireLimits::RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, i
   revoke_lease = {"attnserve.v1.RevokeLeaseRequest", {}};
   list_holdings = {"attnserve.v1.ListHoldingsRequest", {}};
   release_holdings = {"attnserve.v1.ReleaseHoldingsRequest", {}};
-  // Scales per KV head: at most num_qo_heads (>= num_kv_heads; validation
-  // checks the count).
+  // Scales per KV head: at most num_kv_heads (validation checks the count:
+  // 1 or num_kv_heads).
   layer_kv_scales = {"attnserve.v1.LayerKvScales",
-                     {{2, "k_scale", F::kRepeatedFixed32, num_qo_heads, nullptr, "num_qo_heads"},
-                      {3, "v_scale", F::kRepeatedFixed32, num_qo_heads, nullptr, "num_qo_heads"}}};
+                     {{2, "k_scale", F::kRepeatedFixed32, num_kv_heads, nullptr, "num_kv_heads"},
+                      {3, "v_scale", F::kRepeatedFixed32, num_kv_heads, nullptr, "num_kv_heads"}}};
   set_kv_scales = {"attnserve.v1.SetKvScalesRequest",
                    {{1, "layers", F::kRepeatedMessage, num_layers, &layer_kv_scales, "num_layers"}}};
   get_kv_scales = {"attnserve.v1.GetKvScalesRequest", {}};

@@ -59,10 +59,12 @@ struct RequestWireLimits {
   // max_rows: query or KV rows one request may carry (and so sequences);
   // max_kv_indices: page ids one Prefill may name; num_pages: the pool's
   // pages; max_merge_states: states one MergeStates may merge; num_qo_heads:
-  // sinks one AttentionOptions may hold; num_layers: a plan's layer_options.
+  // sinks one AttentionOptions may hold; num_layers: a plan's layer_options;
+  // num_kv_heads: scales one layer's k_scale or v_scale may hold (-1: as
+  // num_qo_heads).
   RequestWireLimits(int64_t max_rows, int64_t max_kv_indices, int64_t num_pages,
                     int64_t max_merge_states, int64_t num_qo_heads = 1024,
-                    int64_t num_layers = 1024);
+                    int64_t num_layers = 1024, int64_t num_kv_heads = -1);
   RequestWireLimits(const RequestWireLimits&) = delete;  // the messages point at each other
   RequestWireLimits& operator=(const RequestWireLimits&) = delete;
 

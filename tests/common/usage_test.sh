@@ -94,7 +94,23 @@ check "attnctl prefill --kv_len=-5 exits 2" counts_refused "--kv_len = -5 out of
 check "attnctl prefill --batch x --q_len bounded" counts_refused "--batch x --q_len (query rows at most) = 262144" \
   prefill --batch=4096 --q_len=64
 check "attnctl merge --states=-2 exits 2" counts_refused "--states = -2 out of range [1, 256]" merge --states=-2
-check "attnctl merge --n=-1 exits 2" counts_refused "--n = -1 out of range [0, 65536]" merge --n=-1
+check "attnctl merge --n=-1 exits 2" counts_refused "--n = -1 out of range [1, 65536]" merge --n=-1
+check "attnctl merge --n=0 exits 2 (no rows to merge)" counts_refused "--n = 0 out of range [1, 65536]" merge --n=0
+# Page ids and slots are checked before attnctl connects: a page id past
+# int32 is refused, not wrapped to another page.
+check "attnctl free 2^32 exits 2" counts_refused "PAGE 4294967296 (argument 2) out of range [0, 2147483647]" \
+  free 0 4294967296
+check "attnctl free x exits 2" counts_refused "PAGE x (argument 1) is not an integer" free x
+check "attnctl free -1 exits 2" counts_refused "argument -1 is negative" free -1
+check "attnctl free without pages exits 2" counts_refused "usage: attnctl free PAGE..." free
+check "attnctl write without slots exits 2" counts_refused "usage: attnctl write" write
+check "attnctl read without slots exits 2" counts_refused "usage: attnctl read" read
+check "attnctl read 2^63 exits 2" counts_refused "SLOT 9223372036854775808 (argument 1) is not an integer" \
+  read 9223372036854775808
+check "attnctl set-scales --k_scale=1, exits 2" counts_refused '--k_scale=1,: not a list of numbers' \
+  set-scales --k_scale=1, --v_scale=1
+check "attnctl set-scales without --v_scale exits 2" counts_refused "usage: attnctl set-scales" set-scales --k_scale=1
+check "attnctl unregister without names exits 2" counts_refused "usage: attnctl unregister NAME..." unregister
 run attnecho "$ATTNECHO" bench/attnecho.cc
 run tcp_echo "$TCP_ECHO" bench/tcp_echo.cc
 run cluster_decode_bench "$CLUSTER_DECODE_BENCH" bench/cluster_decode_bench.cc

@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -126,10 +127,36 @@ TEST(PageTableTest, PinOwnedIsAllOrNothing) {
   ASSERT_TRUE(a.ok() && b.ok());
   absl::Status s = pages.PinOwned("alice", {(*a)[0], (*b)[0]}, "kv_indices");
   EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("kv_indices"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr(absl::StrCat("kv_indices[1]=", (*b)[0], " is not owned")));
   // The failed pin left (*a)[0] unpinned: freeing it returns it at once.
   ASSERT_TRUE(pages.Free("alice", {(*a)[0]}).ok());
   EXPECT_EQ(pages.FreeCount(), 6);
+}
+
+// An error names the entry that failed: its field, its index and its value
+// (for a slot, the slot and its page), not only the page.
+TEST(PageTableTest, PinErrorsNameTheEntry) {
+  PageTable pages(8, 0);
+  auto a = pages.Allocate("alice", 2);
+  ASSERT_TRUE(a.ok());
+  int32_t unallocated = 0;
+  while (unallocated == (*a)[0] || unallocated == (*a)[1]) ++unallocated;
+  // Pages [a0, a1] from kv_indices, then two append slots' pages (page size 16).
+  const int64_t slots[] = {int64_t{(*a)[1]} * 16 + 3, int64_t{unallocated} * 16 + 5};
+  absl::Status s = pages.PinOwned("alice", {(*a)[0], (*a)[1], (*a)[1], unallocated},
+                                  {"kv_indices", 2, "append_slots", slots});
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr(absl::StrCat("append_slots[1]=", slots[1], " (page ", unallocated, ") is not allocated")));
+  s = pages.PinOwned("alice", {(*a)[0], unallocated}, {"kv_indices", 2, "append_slots", slots});
+  EXPECT_THAT(std::string(s.message()), HasSubstr(absl::StrCat("kv_indices[1]=", unallocated, " is not allocated")));
+  const int64_t write_slots[] = {int64_t{unallocated} * 16};
+  s = pages.PinOwned("alice", {unallocated}, {"slots", 0, "slots", write_slots});
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr(absl::StrCat("slots[0]=", write_slots[0], " (page ", unallocated, ") is not allocated")));
+  // Nothing stayed pinned: both pages free at once.
+  ASSERT_TRUE(pages.Free("alice", *a).ok());
+  EXPECT_EQ(pages.FreeCount(), 8);
 }
 
 TEST(PageTableTest, PageFreedWhilePinnedIsNotReallocatedUntilUnpinned) {
@@ -275,7 +302,7 @@ TEST(PageTableTest, LeasedPagesAreUsedOnlyUnderTheirLeaseAndFreedWithIt) {
   absl::Status s =
       pages.PinOwned("alice", {(*l1)[0], (*l2)[1]}, "kv_indices", PageTable::Holder::kRequest, 11);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(std::string(s.message()), HasSubstr("kv_indices: page"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr(absl::StrCat("kv_indices[1]=", (*l2)[1], " is not held")));
   EXPECT_THAT(std::string(s.message()), HasSubstr("not held under lease 0xb"));
   EXPECT_EQ(pages.PinOwned("alice", *none, "kv_indices", PageTable::Holder::kRequest, 11).code(),
             absl::StatusCode::kFailedPrecondition);

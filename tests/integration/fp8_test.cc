@@ -332,7 +332,8 @@ TEST(Fp8ServerTest, BadInputsNameTheFieldAndChangeNothing) {
   expect_invalid(set({{0, {1.f, 2.f}, {1.f}}, {1, {1.f}, {1e31f}}}), "layers[1].v_scale[0]");
   expect_invalid(set({{2, {1.f}, {1.f}}}), "layers[0].layer=2 out of range [0, 2)");
   expect_invalid(set({{-1, {1.f}, {1.f}}}), "layers[0].layer=-1");
-  expect_invalid(set({{0, {1.f, 2.f, 3.f}, {1.f}}}), "layers[0].k_scale has 3 entries");
+  // Past num_kv_heads the wire limit answers before parsing, with the same bound.
+  expect_invalid(set({{0, {1.f, 2.f, 3.f}, {1.f}}}), "layers[0].k_scale has more than 2 entries (num_kv_heads=2)");
   expect_invalid(set({{0, {}, {1.f}}}), "layers[0].k_scale has 0 entries");
   expect_invalid(set({{1, {1.f}, {1.f}}, {1, {2.f}, {2.f}}}), "layers[1].layer=1 is repeated");
   expect_invalid(set({}), "layers is empty");

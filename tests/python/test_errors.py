@@ -88,6 +88,30 @@ def test_arguments_that_cannot_be_sent_fail_before_any_call(client):
         client.prefill(0, q, [0, 1], [0, 0], [], [], lse_base="10")
     with pytest.raises(ValueError, match="append_k and append_v"):
         client.prefill(0, q, [0, 1], [0, 0], [], [], append_slots=[0], append_k=q)
+    # Unsigned values past int64 are named, not wrapped to a negative slot.
+    k = np.ones((2, g.num_kv_heads, g.head_dim), np.float32)
+    with pytest.raises(ValueError, match=r"slots\[1\]=9223372036854775808 does not fit in int64"):
+        client.write_kv(0, np.array([0, 1 << 63], np.uint64), k, k)
+    # Ids are [0, 2^64): the field is named.
+    with pytest.raises(ValueError, match=r"plan_id=-1 out of range \[0, 2\^64\)"):
+        client.release_plan(-1)
+    with pytest.raises(TypeError, match="plan_id: an integer expected, got float"):
+        client.release_plan(1.5)
+
+
+def test_a_page_error_names_the_entry(client):
+    """NOT_FOUND names the field, the index and the value of the entry."""
+    g = client.server_info
+    pages = client.allocate_pages(2)
+    client.free_pages([pages[1]])
+    q = q_rows(1, g)
+    with pytest.raises(attnserve.NotFound, match=rf"kv_indices\[1\]={pages[1]} is not allocated"):
+        client.prefill(0, q, [0, 1], [0, 2], pages, [1])
+    k = np.ones((1, g.num_kv_heads, g.head_dim), np.float32)
+    slot = pages[1] * g.page_size + 3
+    with pytest.raises(attnserve.NotFound, match=rf"slots\[0\]={slot} \(page {pages[1]}\) is not allocated"):
+        client.write_kv(0, [slot], k, k)
+    client.free_pages([pages[0]])
 
 
 def test_resource_exhausted(client):

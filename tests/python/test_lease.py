@@ -144,6 +144,11 @@ def test_bad_lease_arguments_name_the_field(server):
         client.grant_lease(0.5)
     with pytest.raises(attnserve.InvalidArgument, match="lease_id"):
         client.keep_alive(0)
+    for ttl in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="ttl=.* is not a finite number of seconds"):
+            client.grant_lease(ttl)
+    with pytest.raises(ValueError, match=r"lease_id=-1 out of range \[0, 2\^64\)"):
+        client.keep_alive(-1)
     info = client.info()
     assert info.lease_default_ttl_ms == 30000 and info.lease_max_ttl_ms == 3600000
     client.close()

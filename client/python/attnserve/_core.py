@@ -20,7 +20,7 @@ from attnserve._settings import RETRY_SERVICE_CONFIG, TRANSPORT_OPTIONS
 from attnserve.errors import (AttnserveError, Cancelled, DeadlineExceeded, StaleIncarnation,
                               Unavailable, connect_cause)
 from attnserve.layout import (PrefillLayout, _extend, _floats, _int32, _lse_base, _options,
-                              fill_layout)
+                              _ttl_ms, _uint64, fill_layout)
 from attnserve.regions import RegionTensor
 from attnserve.results import (Holdings, HoldingsList, LeaseGrant, LeaseInfo, PrefillResult,
                                RegionInfo, ServerInfo)
@@ -203,7 +203,7 @@ class _Core:
         """Name `lease_id` (0: none) in every later request that takes a lease:
         what allocate_pages, create_plan and register_*_region make is held
         under it, and the pages and plans a request uses must be."""
-        self._lease_id = int(lease_id)
+        self._lease_id = _uint64(lease_id, "lease_id")
 
     def _observe(self, incarnation: int, method: str) -> None:
         if not incarnation:
@@ -438,7 +438,7 @@ class _Core:
         return "GetKvScales", pb.GetKvScalesRequest().SerializeToString(), parse
 
     def _req_release_plan(self, plan_id: int) -> _Request:
-        req = pb.ReleasePlanRequest(plan_id=int(plan_id), expected_incarnation=self._incarnation,
+        req = pb.ReleasePlanRequest(plan_id=_uint64(plan_id, "plan_id"), expected_incarnation=self._incarnation,
                                     lease_id=self._lease_id)
 
         def parse(raw):
@@ -560,7 +560,7 @@ class _Core:
 
 
     def _req_grant_lease(self, ttl) -> _Request:
-        ttl_ms = 0 if ttl is None else int(round(float(ttl) * 1000))
+        ttl_ms = _ttl_ms(ttl)
         req = pb.GrantLeaseRequest(ttl_ms=ttl_ms, expected_incarnation=self._incarnation)
 
         def parse(raw):
@@ -570,7 +570,7 @@ class _Core:
         return "GrantLease", req.SerializeToString(), parse
 
     def _req_keep_alive(self, lease_id: int) -> _Request:
-        req = pb.KeepAliveRequest(lease_id=int(lease_id), expected_incarnation=self._incarnation)
+        req = pb.KeepAliveRequest(lease_id=_uint64(lease_id, "lease_id"), expected_incarnation=self._incarnation)
 
         def parse(raw):
             resp = pb.KeepAliveResponse.FromString(raw)
@@ -579,7 +579,7 @@ class _Core:
         return "KeepAlive", req.SerializeToString(), parse
 
     def _req_revoke_lease(self, lease_id: int) -> _Request:
-        req = pb.RevokeLeaseRequest(lease_id=int(lease_id), expected_incarnation=self._incarnation)
+        req = pb.RevokeLeaseRequest(lease_id=_uint64(lease_id, "lease_id"), expected_incarnation=self._incarnation)
 
         def parse(raw):
             resp = pb.RevokeLeaseResponse.FromString(raw)
@@ -588,7 +588,7 @@ class _Core:
         return "RevokeLease", req.SerializeToString(), parse
 
     def _req_list_holdings(self, lease_id: int) -> _Request:
-        req = pb.ListHoldingsRequest(lease_id=int(lease_id))
+        req = pb.ListHoldingsRequest(lease_id=_uint64(lease_id, "lease_id"))
 
         def parse(raw):
             resp = pb.ListHoldingsResponse.FromString(raw)

@@ -5,6 +5,8 @@ attnserve.channel both build requests from them."""
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -100,7 +102,7 @@ class PrefillLayout:
                  lse_base: str = "2") -> "PrefillLayout":
         """The layout of a plan registered with create_plan(): the plan id and
         the options; the indptrs, page ids and append slots stay on the server."""
-        req = pb.PrefillRequest(plan_id=int(plan_id), lse_base=_lse_base(lse_base))
+        req = pb.PrefillRequest(plan_id=_uint64(plan_id, "plan_id"), lse_base=_lse_base(lse_base))
         if sm_scale is not None:
             req.sm_scale = float(sm_scale)
         if causal is not None:
@@ -154,6 +156,11 @@ def _ints(values, name: str) -> list:
         raise TypeError(f"{name}: {e}") from None
     if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: integers expected, got {arr.dtype}")
+    if arr.size and arr.dtype.kind == "u" and arr.dtype.itemsize >= 8:
+        big = np.flatnonzero(arr.reshape(-1) > np.iinfo(np.int64).max)
+        if big.size:  # would wrap to a negative int64
+            i = int(big[0])
+            raise ValueError(f"{name}[{i}]={int(arr.reshape(-1)[i])} does not fit in int64")
     return arr.astype(np.int64, copy=False).reshape(-1).tolist()
 
 
@@ -173,6 +180,27 @@ def _int32(value, name: str) -> int:
     if not -(1 << 31) <= v < (1 << 31):
         raise ValueError(f"{name}={v} does not fit in int32")
     return v
+
+
+def _uint64(value, name: str) -> int:
+    """An id (plan or lease): an integer in [0, 2^64)."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: an integer expected, got {type(value).__name__}") from None
+    if not 0 <= v < (1 << 64):
+        raise ValueError(f"{name}={v} out of range [0, 2^64)")
+    return v
+
+
+def _ttl_ms(ttl, name: str = "ttl") -> int:
+    """Seconds (None: 0, the server's default) as whole milliseconds."""
+    if ttl is None:
+        return 0
+    t = float(ttl)
+    if not math.isfinite(t) or abs(t) >= 2.0 ** 53 / 1000:
+        raise ValueError(f"{name}={ttl!r} is not a finite number of seconds")
+    return int(round(t * 1000))
 
 
 def _lse_base(base) -> int:
