@@ -526,6 +526,29 @@ def test_unsupported_plan_options_are_named(filled, kind, kwargs, name):
         plan(**kwargs)
 
 
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_flashinfers_no_split_and_workspace_reset_are_taken(filled, client, kind):
+    """fixed_split_size=-1 is FlashInfer's "no fixed split" (engines pass it
+    by default); reset_workspace_buffer takes torch tensors (the server keeps
+    the workspace) or the wrapper's own cache, and refuses another cache."""
+    w, qo, plan = _wrapper(kind, filled)
+    plan(fixed_split_size=-1)
+    q = _q(filled, qo[-1])
+    want = w.run(q, filled.cache[0])
+    w.reset_workspace_buffer(torch.empty(1024, dtype=torch.uint8),
+                             torch.empty(1024, dtype=torch.uint8))
+    w.reset_workspace_buffer(filled.cache, torch.empty(8, dtype=torch.uint8))
+    assert torch.equal(w.run(q, filled.cache[0]), want)
+    other = fi.PagedKVCache(client, max_num_pages=1)
+    try:
+        with pytest.raises(ValueError, match="a PagedKVCache other than this wrapper's"):
+            w.reset_workspace_buffer(other, torch.empty(8))
+    finally:
+        other.close()
+    with pytest.raises(TypeError, match="int_workspace_buffer: a torch tensor expected"):
+        w.reset_workspace_buffer(filled.cache, None)
+
+
 @pytest.mark.parametrize("kind, kwargs, name", [
     ("decode", dict(skip_softmax_threshold_scale_factor=0.5), "skip_softmax_threshold"),
     ("decode", dict(kv_cache_sf=torch.zeros(1)), "kv_cache_sf"),
@@ -937,6 +960,10 @@ FLASHINFER_SIGNATURES = {
         ("*sinks", None), ("*kv_cache_sf", None),
         ("*skip_softmax_threshold_scale_factor", None), ("*use_fp16_softmax", None),
         ("*uses_spcompress", None)],
+    "BatchDecodeWithPagedKVCacheWrapper.reset_workspace_buffer": [
+        ("float_workspace_buffer", _E), ("int_workspace_buffer", _E)],
+    "BatchPrefillWithPagedKVCacheWrapper.reset_workspace_buffer": [
+        ("float_workspace_buffer", _E), ("int_workspace_buffer", _E)],
     "append_paged_kv_cache": [
         ("append_key", _E), ("append_value", _E), ("batch_indices", _E), ("positions", _E),
         ("paged_kv_cache", _E), ("kv_indices", _E), ("kv_indptr", _E),

@@ -557,19 +557,39 @@ def test_flashinfer_mla_wrapper(client, transport):
                                          return_lse_base_on_e=True)
                 assert torch.equal(o_e, o)
                 assert np.allclose(lse_e.numpy(), lse.numpy() * np.log(2.0), atol=1e-5)
-                # FlashInfer's run_return_lse; o_scale multiplies the output.
+                # run_return_lse (ours, as the GQA wrappers'); o_scale is FlashInfer's
+                # 12th positional argument, the scale of an FP8 output: 1.0 is none.
                 o_r, lse_r = wrapper.run_return_lse(q[..., :RANK], q[..., RANK:],
                                                     kv_cache[layer], kv_cache[layer])
                 assert torch.equal(o_r, o) and torch.equal(lse_r, lse)
                 o_s = wrapper.run(q[..., :RANK], q[..., RANK:], kv_cache[layer],
-                                  kv_cache[layer], o_scale=0.5, ckv_scale=1.0, kpe_scale=1.0)
-                assert torch.allclose(o_s.float(), o.float() * 0.5, rtol=1e-2, atol=1e-6)
+                                  kv_cache[layer], None, None, False, None, None, None, False,
+                                  1.0, ckv_scale=1.0, kpe_scale=1.0)
+                assert torch.equal(o_s, o)
+        # Pages past a request's ceil(kv_len / page_size) are not read, as in
+        # FlashInfer: request 0 (16 tokens) given both its pages answers the same.
+        qo1 = torch.tensor([0, 1, 2], dtype=torch.int32)
+        q1 = torch.from_numpy(rng.standard_normal((2, HEADS, QK)).astype(np.float32)).to(bf16)
+        answers = []
+        for indptr, indices in ((kv_indptr, kv_indices),
+                                (torch.tensor([0, 2, 5], dtype=torch.int32),
+                                 torch.tensor(pages_of[0] + pages_of[1], dtype=torch.int32))):
+            wrapper.plan(qo1, indptr, indices, kv_len_arr, HEADS, RANK, ROPE, 16, True,
+                         MODEL_SCALE, bf16, bf16)
+            answers.append(wrapper.run(q1[..., :RANK], q1[..., RANK:], kv_cache[0], kv_cache[0]))
+        assert kv_lens == [16, 35] and torch.equal(answers[0], answers[1])
+        with pytest.raises(ValueError, match=r"request 1 has 2 pages in kv_indptr for "
+                                             r"kv_len_arr\[1\]=35: it needs ceil"):
+            wrapper.plan(qo1, torch.tensor([0, 1, 3], dtype=torch.int32), kv_indices[:3],
+                         kv_len_arr, HEADS, RANK, ROPE, 16, True, MODEL_SCALE, bf16, bf16)
         with pytest.raises(NotImplementedError, match=r"ckv_scale=0\.5 \(the server applies its "
                                                       r"cache's own KV scales"):
             wrapper.run(q[..., :RANK], q[..., RANK:], kv_cache[0], kv_cache[0], ckv_scale=0.5)
-        with pytest.raises(ValueError, match="o_scale=nan must be finite"):
-            wrapper.run(q[..., :RANK], q[..., RANK:], kv_cache[0], kv_cache[0],
-                        o_scale=float("nan"))
+        for o_scale in (0.5, float("nan")):
+            with pytest.raises(NotImplementedError, match=rf"o_scale={o_scale} \(the scale of an "
+                                                          "FP8 output"):
+                wrapper.run(q[..., :RANK], q[..., RANK:], kv_cache[0], kv_cache[0],
+                            o_scale=o_scale)
         with pytest.raises(ValueError, match="head_dim_ckv=512, but the server's KV cache has "
                                              "64"):
             wrapper.plan(qo, kv_indptr, kv_indices, kv_len_arr, HEADS, 512, ROPE, 16, True,

@@ -19,7 +19,7 @@ import torch
 
 from attnserve._flashinfer_cache import (AttentionFuture, LayerCache, _append_slots, _check_geometry,
                                          _check_layout, _ints, _layer_of, _unsupported)
-from attnserve._flashinfer_wrapper import _Wrapper, _scalar
+from attnserve._flashinfer_wrapper import _Wrapper
 
 
 class BatchMLAPagedAttentionWrapper(_Wrapper):
@@ -55,8 +55,8 @@ class BatchMLAPagedAttentionWrapper(_Wrapper):
         """Plans a step (FlashInfer's arguments): qo_indptr [batch + 1] (query
         rows of each request), kv_indptr [batch + 1] into kv_indices (page
         indices into the PagedKVCache, 0..max_num_pages-1), kv_len_arr
-        [batch] (each request's KV length in tokens, its pages'
-        ceil(kv_len / page_size)); num_heads, head_dim_ckv (kv_lora_rank),
+        [batch] (each request's KV length in tokens: it reads the first
+        ceil(kv_len / page_size) of its pages); num_heads, head_dim_ckv (kv_lora_rank),
         head_dim_kpe (qk_rope_head_dim) and page_size must be the server's.
         causal: bottom-right (a request's last query row sees every key).
         sm_scale: the model's (DeepSeek: 1/sqrt(qk_nope_head_dim +
@@ -79,11 +79,21 @@ class BatchMLAPagedAttentionWrapper(_Wrapper):
         ps = cache.page_size
         pages = np.diff(kv_indptr_a) if batch else np.zeros(0, np.int64)
         need = -(-kv_lens // ps)
-        if np.any(pages != need):
-            b = int(np.nonzero(pages != need)[0][0])
+        if np.any(pages < need):
+            b = int(np.nonzero(pages < need)[0][0])
             raise ValueError(f"request {b} has {int(pages[b])} pages in kv_indptr for "
                              f"kv_len_arr[{b}]={int(kv_lens[b])}: it needs ceil(kv_len / "
                              f"page_size={ps}) = {int(need[b])}")
+        if np.any(pages > need):
+            # As FlashInfer: a request reads its first ceil(kv_len / page_size)
+            # pages; the spare ones after them are not used.
+            idx = _ints(kv_indices, "kv_indices")
+            if kv_indptr_a[0] != 0 or len(idx) != kv_indptr_a[-1]:
+                raise ValueError(f"kv_indptr must rise from 0 to len(kv_indices)={len(idx)}")
+            keep = np.concatenate([np.arange(kv_indptr_a[b], kv_indptr_a[b] + need[b])
+                                   for b in range(batch)]).astype(np.int64)
+            kv_indices = idx[keep]
+            kv_indptr_a = np.concatenate([[0], np.cumsum(need)]).astype(np.int64)
         last = np.where(kv_lens > 0, kv_lens - (need - 1) * ps, 0)
         kv_indptr_a, kv_pages, kv_last = _check_layout(
             cache, kv_indptr_a, kv_indices, last, ("kv_indptr", "kv_indices", "kv_len_arr"))
@@ -102,7 +112,7 @@ class BatchMLAPagedAttentionWrapper(_Wrapper):
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None,
             return_lse: bool = False, profiler_buffer=None, kv_len=None, page_table=None,
-            return_lse_base_on_e: bool = False, *, o_scale=None, ckv_scale=None,
+            return_lse_base_on_e: bool = False, o_scale=None, *, ckv_scale=None,
             ckv_scale_arr=None, kpe_scale=None):
         """Attention of the absorbed queries q_nope [rows, num_heads,
         head_dim_ckv] and q_pe [rows, num_heads, head_dim_kpe] over the
@@ -112,21 +122,23 @@ class BatchMLAPagedAttentionWrapper(_Wrapper):
         base e with return_lse_base_on_e)."""
         return self._now(lambda: self.run_async(q_nope, q_pe, ckv_cache, kpe_cache, out, lse,
                                                 return_lse, profiler_buffer, kv_len, page_table,
-                                                return_lse_base_on_e, o_scale=o_scale,
+                                                return_lse_base_on_e, o_scale,
                                                 ckv_scale=ckv_scale, ckv_scale_arr=ckv_scale_arr,
                                                 kpe_scale=kpe_scale))
 
     def run_return_lse(self, q_nope, q_pe, ckv_cache, kpe_cache, *args, **kwargs):
+        """run() with return_lse=True (an attnserve addition, as the GQA
+        wrappers' run_return_lse; FlashInfer's MLA wrapper has none)."""
         return self.run(q_nope, q_pe, ckv_cache, kpe_cache, *args, return_lse=True, **kwargs)
 
     def run_async(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None,
                   return_lse: bool = False, profiler_buffer=None, kv_len=None,
-                  page_table=None, return_lse_base_on_e: bool = False, *, o_scale=None,
+                  page_table=None, return_lse_base_on_e: bool = False, o_scale=None, *,
                   ckv_scale=None, ckv_scale_arr=None, kpe_scale=None) -> AttentionFuture:
         """run(), returning an AttentionFuture as soon as the request is sent.
-        o_scale multiplies the output; ckv_scale and kpe_scale (FlashInfer's
-        FP8 dequantization scales) may only be None or 1.0: the server keeps
-        its cache's scales (set_kv_scales)."""
+        o_scale (FlashInfer's dequantization scale of an FP8 output), ckv_scale
+        and kpe_scale (of an FP8 cache) may only be None or 1.0: the output is
+        bf16 or fp16, and the server keeps its cache's scales (set_kv_scales)."""
         fp8_scales = "the server applies its cache's own KV scales (client.set_kv_scales)"
 
         def unit(x):  # 1.0 (a float) is no scale at all
@@ -135,6 +147,8 @@ class BatchMLAPagedAttentionWrapper(_Wrapper):
                      kv_len=(kv_len, None, "the cutlass backend's layout: plan() has it"),
                      page_table=(page_table, None, "the cutlass backend's layout: plan() "
                                  "has it"),
+                     o_scale=(unit(o_scale), None, "the scale of an FP8 output: attnserve "
+                              "writes the output in q's 16-bit dtype"),
                      ckv_scale=(unit(ckv_scale), None, fp8_scales),
                      kpe_scale=(unit(kpe_scale), None, fp8_scales),
                      ckv_scale_arr=(ckv_scale_arr, None, fp8_scales))
@@ -158,8 +172,7 @@ class BatchMLAPagedAttentionWrapper(_Wrapper):
         if q_pe.device != q_nope.device:
             raise ValueError(f"q_pe is on {q_pe.device}, q_nope on {q_nope.device}")
         q = torch.cat([q_nope, q_pe], dim=-1)
-        o_scale = None if o_scale is None else _scalar(o_scale, "o_scale")
-        return self._run(q, ckv_cache, (), q_scale=None, k_scale=None, v_scale=o_scale, out=out,
+        return self._run(q, ckv_cache, (), q_scale=None, k_scale=None, v_scale=None, out=out,
                          lse=lse, return_lse=return_lse, window_left=None, sinks=None,
                          causal=self._causal, lse_base="e" if return_lse_base_on_e else "2")
 

@@ -67,6 +67,22 @@ class _Wrapper:
     def kv_cache(self) -> PagedKVCache:
         return self._cache
 
+    def reset_workspace_buffer(self, float_workspace_buffer, int_workspace_buffer) -> None:
+        """FlashInfer's: the workspace buffers of later plans. The server keeps
+        attnserve's workspace, so torch tensors are taken and not used; a
+        PagedKVCache must be this wrapper's own (a wrapper stays with its
+        cache: make another wrapper for another cache)."""
+        if isinstance(float_workspace_buffer, PagedKVCache):
+            if float_workspace_buffer is not self._cache:
+                raise ValueError("float_workspace_buffer: a PagedKVCache other than this "
+                                 "wrapper's: a wrapper stays with the cache it was made with")
+        elif not torch.is_tensor(float_workspace_buffer):
+            raise TypeError("float_workspace_buffer: a torch tensor or this wrapper's "
+                            f"PagedKVCache expected, not {type(float_workspace_buffer).__name__}")
+        if not torch.is_tensor(int_workspace_buffer):
+            raise TypeError("int_workspace_buffer: a torch tensor expected, not "
+                            f"{type(int_workspace_buffer).__name__}")
+
     def _set_plan(self, qo_indptr: np.ndarray, kv_indptr, kv_indices, kv_last, *,
                   causal: bool, sm_scale, window_left, logits_soft_cap, q_data_type,
                   kv_data_type, o_data_type) -> None:

@@ -94,6 +94,14 @@ __all__ = ["PagedKVCache", "LayerCache", "AttentionFuture",
            "append_paged_mla_kv_cache", "get_batch_indices_positions", "get_seq_lens",
            "merge_state", "merge_state_in_place", "merge_states", "TRANSPORTS"]
 
+def _no_split(fixed_split_size):
+    """FlashInfer's fixed_split_size, with its -1 (no fixed split, what
+    engines pass by default) as None."""
+    if not torch.is_tensor(fixed_split_size) and fixed_split_size == -1:
+        return None
+    return fixed_split_size
+
+
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
     """FlashInfer's BatchDecodeWithPagedKVCacheWrapper on attnserve.
 
@@ -151,7 +159,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             window_right=(window_right, 0, "no right window bound"),
             block_tables=(block_tables, None, "the trtllm-gen layout: use indptr / indices"),
             seq_lens=(seq_lens, None, "the trtllm-gen layout: use indptr / last_page_len"),
-            fixed_split_size=(fixed_split_size, None, "the server splits KV its own way"),
+            fixed_split_size=(_no_split(fixed_split_size), None,
+                              "the server splits KV its own way; -1, as None, is none"),
             disable_split_kv=(disable_split_kv, False, "the server splits KV its own way"))
         if _int_arg(q_len_per_req, "q_len_per_req") < 1:
             raise ValueError(f"q_len_per_req must be >= 1, got {q_len_per_req}")
@@ -322,7 +331,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             block_tables=(block_tables, None, "the trtllm-gen layout: use the indptrs"),
             max_token_per_sequence=(max_token_per_sequence, None, "cudnn only"),
             max_sequence_kv=(max_sequence_kv, None, "cudnn only"),
-            fixed_split_size=(fixed_split_size, None, "the server splits KV its own way"),
+            fixed_split_size=(_no_split(fixed_split_size), None,
+                              "the server splits KV its own way; -1, as None, is none"),
             disable_split_kv=(disable_split_kv, False, "the server splits KV its own way"))
         _check_geometry(cache, num_qo_heads=(num_qo_heads, "num_qo_heads"),
                         num_kv_heads=(num_kv_heads, "num_kv_heads"),
