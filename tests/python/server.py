@@ -123,6 +123,30 @@ class TestServer:
     def pid(self) -> int:
         return self._proc.pid
 
+    def pause(self, timeout: float = 30.0) -> None:
+        """SIGSTOP, then waits until every thread of the server has stopped:
+        a stop reaches a process's threads only once one of them runs, so
+        on a loaded host a thread polling a channel may still answer for a
+        while after the signal."""
+        os.kill(self._proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while True:
+            states = []
+            for task in os.listdir(f"/proc/{self._proc.pid}/task"):
+                try:
+                    with open(f"/proc/{self._proc.pid}/task/{task}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except FileNotFoundError:  # a thread that ended meanwhile
+                    pass
+            if states and all(st in "Tt" for st in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server's threads did not stop: {states}")
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        os.kill(self._proc.pid, signal.SIGCONT)
+
     def rss_bytes(self) -> int:
         """The server's resident memory now (VmRSS)."""
         with open(f"/proc/{self._proc.pid}/status") as f:

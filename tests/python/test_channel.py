@@ -168,14 +168,14 @@ def test_an_interrupted_wait_abandons_its_slot_instead_of_wedging_it(monkeypatch
         # The wait's probe of the stopped server would end the call as
         # UNAVAILABLE if a loaded host delayed the interrupt past it.
         monkeypatch.setattr(attnserve_channel, "_PROBE_EVERY_S", 600.0)
-        os.kill(s.pid, signal.SIGSTOP)                        # no answer for now
+        s.pause()                                             # no answer for now
         timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
                 ch.prefill(*args)
         finally:
-            os.kill(s.pid, signal.SIGCONT)                    # the answer comes
+            s.resume()                                        # the answer comes
         assert np.array_equal(ch.prefill(*args, timeout=20).output, expected)
         ch.close(timeout=10)
         region.close(client)

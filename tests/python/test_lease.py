@@ -179,7 +179,7 @@ def test_abandon_cancels_a_renewal_in_flight():
     with TestServer() as server:
         client = attnserve.Client(server.address, timeout=60)
         lease = attnserve.Lease(client, ttl=6.0)              # renewed every 2 s
-        os.kill(server._proc.pid, signal.SIGSTOP)
+        server.pause()
         try:
             for _ in range(400):
                 if lease._renewal is not None:
@@ -192,7 +192,7 @@ def test_abandon_cancels_a_renewal_in_flight():
             assert call._future.cancelled()
             assert not lease._thread.is_alive() and client.lease_id == 0
         finally:
-            os.kill(server._proc.pid, signal.SIGCONT)
+            server.resume()
         client.close()
 
 
