@@ -5,9 +5,17 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 
 namespace attnserve {
+
+absl::Status CheckPlanLease(const Plan& plan, uint64_t lease) {
+  if (lease == 0 || plan.lease == lease) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "plan_id=%d is not held under lease %#x: a client may use only the plans of its own lease",
+      plan.id, lease));
+}
 
 int64_t PlanBytes(const Plan& plan) {
   auto bytes = [](const auto& v) {

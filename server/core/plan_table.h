@@ -49,6 +49,10 @@ struct Plan {
 // against the tenant's --max_plan_bytes_per_tenant.
 int64_t PlanBytes(const Plan& plan);
 
+// A request naming a lease (non-zero) may use only a plan made under it:
+// FAILED_PRECONDITION otherwise.
+absl::Status CheckPlanLease(const Plan& plan, uint64_t lease);
+
 class PlanTable {
  public:
   PlanTable(int32_t max_per_tenant, int64_t max_bytes_per_tenant, absl::Duration idle_timeout)
