@@ -738,6 +738,30 @@ def test_a_server_unreachable_past_the_deadline_loses_its_sequences():
             s.stop()
 
 
+@pytest.mark.parametrize("never", [None, -1.0])
+def test_a_server_is_never_declared_lost_with_none_or_a_negative_deadline(never):
+    """server_lost_after None or negative (as C++'s negative
+    server_lost_after_s): an unreachable server's calls fail as
+    Unavailable, its sequences stay the cluster's."""
+    servers, cluster = _two_servers(server_lost_after=never)
+    try:
+        assert cluster.server_lost_after is None
+        g = cluster.server_info
+        step = cluster.plan([1, 2, 3, 4], [8, 8, 8, 8])
+        servers[1].stop()
+        rng = np.random.default_rng(294)
+        q = rng.standard_normal((32, g.num_qo_heads, g.head_dim), np.float32)
+        k = rng.standard_normal((32, g.num_kv_heads, g.head_dim), np.float32)
+        for _ in range(2):
+            with pytest.raises(attnserve.Unavailable):
+                cluster.run(0, q, k, k, step=step)
+        assert cluster.lost == [] and sorted(cluster.sequences) == [1, 2, 3, 4]
+    finally:
+        cluster.close()
+        for s in servers:
+            s.stop()
+
+
 def test_the_lease_reconciles_what_a_failed_call_left_in_doubt():
     faults = FaultInjector(3)
     with TestServer(num_pages=64, **GEOMETRY) as server:

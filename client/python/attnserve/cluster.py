@@ -231,7 +231,7 @@ class Cluster:
         DeadlineExceeded for this many seconds (from the first such failure,
         with no success since) has its sequences declared lost
         (SequencesLost): finish() of them then succeeds without it. 0: at its
-        first such failure; None: never. The default, 60, is twice the
+        first such failure; None or a negative value: never. The default, 60, is twice the
         servers' default lease ttl.
       resolver: (host, port) -> ["ip:port", ...] for dns:/// (default
         getaddrinfo_resolver; tests put their own).
@@ -265,7 +265,9 @@ class Cluster:
         self.split_min_tokens = int(split_min_tokens)
         self.max_servers_per_sequence = int(max_servers_per_sequence)
         self.refresh_interval = float(refresh_interval)
-        self.server_lost_after = None if server_lost_after is None else float(server_lost_after)
+        # None or a negative value: never (as C++'s negative server_lost_after_s).
+        self.server_lost_after = (None if server_lost_after is None or float(server_lost_after) < 0
+                                  else float(server_lost_after))
         self.lse_base = lse_base
         self._kv_options = dict(causal=causal, sm_scale=sm_scale, lse_base=lse_base,
                                 server_plans=server_plans, lease=lease, lease_ttl=lease_ttl,
