@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -263,6 +264,19 @@ int Merge(Client& client) {
   return ok ? 0 : 3;
 }
 
+// Whether `arg` is a flag written without "=VALUE" that takes the next
+// argument as its value (not a boolean flag: --dequantize, --nocausal).
+bool TakesNextArg(absl::string_view arg) {
+  if (arg.size() < 2 || arg[0] != '-' || absl::StrContains(arg, '=')) return false;
+  arg.remove_prefix(arg[1] == '-' ? 2 : 1);
+  const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(arg);
+  if (flag == nullptr && absl::StartsWith(arg, "no")) {
+    flag = absl::FindCommandLineFlag(arg.substr(2));
+    if (flag != nullptr && flag->IsOfType<bool>()) return false;
+  }
+  return flag != nullptr && !flag->IsOfType<bool>();
+}
+
 int Main(std::vector<char*> args) {
   if (args.size() < 2) {
     std::cerr << absl::ProgramUsageMessage() << "\n(attnctl --help also lists the flags)\n";
@@ -432,8 +446,7 @@ int main(int argc, char** argv) {
   // as flag "1"); attnctl's arguments (pages, slots, counts) are >= 0. (Not
   // the value of a flag given as "--flag VALUE".)
   for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) {
-    const std::string prev = argv[i - 1];
-    const bool flag_value = i > 1 && prev[0] == '-' && prev.find('=') == std::string::npos;
+    const bool flag_value = i > 1 && attnserve::TakesNextArg(argv[i - 1]);
     if (!flag_value && argv[i][0] == '-' && argv[i][1] >= '0' && argv[i][1] <= '9') {
       std::cerr << "error: argument " << argv[i] << " is negative: pages, slots and counts are >= 0\n";
       return 2;

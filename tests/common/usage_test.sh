@@ -102,6 +102,8 @@ check "attnctl free 2^32 exits 2" counts_refused "PAGE 4294967296 (argument 2) o
   free 0 4294967296
 check "attnctl free x exits 2" counts_refused "PAGE x (argument 1) is not an integer" free x
 check "attnctl free -1 exits 2" counts_refused "argument -1 is negative" free -1
+check "attnctl read --dequantize -5 exits 2 (a boolean flag takes no value)" counts_refused \
+  "argument -5 is negative" read --dequantize -5
 check "attnctl free without pages exits 2" counts_refused "usage: attnctl free PAGE..." free
 check "attnctl write without slots exits 2" counts_refused "usage: attnctl write" write
 check "attnctl read without slots exits 2" counts_refused "usage: attnctl read" read

@@ -147,6 +147,12 @@ def test_bad_lease_arguments_name_the_field(server):
     for ttl in (float("inf"), float("nan")):
         with pytest.raises(ValueError, match="ttl=.* is not a finite number of seconds"):
             client.grant_lease(ttl)
+    with pytest.raises(ValueError, match="does not fit in int64 milliseconds"):
+        client.grant_lease(1e17)
+    # Under half a millisecond is not 0 (the server's default): it is refused.
+    for ttl in (0.0004, -0.0004):
+        with pytest.raises(attnserve.InvalidArgument, match=r"ttl_ms=(1 out of range|-1 is negative)"):
+            client.grant_lease(ttl)
     with pytest.raises(ValueError, match=r"lease_id=-1 out of range \[0, 2\^64\)"):
         client.keep_alive(-1)
     info = client.info()

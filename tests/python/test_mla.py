@@ -578,6 +578,12 @@ def test_flashinfer_mla_wrapper(client, transport):
                          MODEL_SCALE, bf16, bf16)
             answers.append(wrapper.run(q1[..., :RANK], q1[..., RANK:], kv_cache[0], kv_cache[0]))
         assert kv_lens == [16, 35] and torch.equal(answers[0], answers[1])
+        # Spare pages with kv_indptr offset into a longer kv_indices buffer.
+        wrapper.plan(qo1, torch.tensor([1, 3, 6], dtype=torch.int32),
+                     torch.tensor([7] + pages_of[0] + pages_of[1] + [6, 4], dtype=torch.int32),
+                     kv_len_arr, HEADS, RANK, ROPE, 16, True, MODEL_SCALE, bf16, bf16)
+        assert torch.equal(wrapper.run(q1[..., :RANK], q1[..., RANK:], kv_cache[0], kv_cache[0]),
+                           answers[0])
         with pytest.raises(ValueError, match=r"request 1 has 2 pages in kv_indptr for "
                                              r"kv_len_arr\[1\]=35: it needs ceil"):
             wrapper.plan(qo1, torch.tensor([0, 1, 3], dtype=torch.int32), kv_indices[:3],

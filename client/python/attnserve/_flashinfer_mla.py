@@ -88,8 +88,10 @@ class BatchMLAPagedAttentionWrapper(_Wrapper):
             # As FlashInfer: a request reads its first ceil(kv_len / page_size)
             # pages; the spare ones after them are not used.
             idx = _ints(kv_indices, "kv_indices")
-            if kv_indptr_a[0] != 0 or len(idx) != kv_indptr_a[-1]:
-                raise ValueError(f"kv_indptr must rise from 0 to len(kv_indices)={len(idx)}")
+            if kv_indptr_a[0] < 0 or kv_indptr_a[-1] > len(idx):
+                raise ValueError(f"kv_indptr runs from {int(kv_indptr_a[0])} to "
+                                 f"{int(kv_indptr_a[-1])}, outside [0, len(kv_indices)="
+                                 f"{len(idx)}]")
             keep = np.concatenate([np.arange(kv_indptr_a[b], kv_indptr_a[b] + need[b])
                                    for b in range(batch)]).astype(np.int64)
             kv_indices = idx[keep]

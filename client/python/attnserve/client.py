@@ -431,8 +431,9 @@ class Client(_Core):
     # ------------------------------------------------------------ leases
     def grant_lease(self, ttl: Optional[float] = None, *,
                     timeout: Optional[float] = None) -> LeaseGrant:
-        """A new lease (docs/security.md, "Leases") living `ttl` seconds (None:
-        the server's default) unless renewed; attnserve.Lease keeps one alive."""
+        """A new lease (docs/security.md, "Leases") living `ttl` seconds (None
+        or 0: the server's default) unless renewed; attnserve.Lease keeps one
+        alive."""
         return self._call(self._req_grant_lease(ttl), timeout)
 
     def keep_alive(self, lease_id: int, *, timeout: Optional[float] = None) -> float:

@@ -194,13 +194,20 @@ def _uint64(value, name: str) -> int:
 
 
 def _ttl_ms(ttl, name: str = "ttl") -> int:
-    """Seconds (None: 0, the server's default) as whole milliseconds."""
+    """Seconds as whole milliseconds; None and 0 are 0, the server's default.
+    Any other value stays non-zero (a ttl under half a millisecond is 1 ms,
+    which the server refuses as below its minimum, not its default)."""
     if ttl is None:
         return 0
     t = float(ttl)
-    if not math.isfinite(t) or abs(t) >= 2.0 ** 53 / 1000:
+    if not math.isfinite(t):
         raise ValueError(f"{name}={ttl!r} is not a finite number of seconds")
-    return int(round(t * 1000))
+    if abs(t) * 1000 >= 2.0 ** 63:
+        raise ValueError(f"{name}={ttl!r} seconds does not fit in int64 milliseconds")
+    ms = int(round(t * 1000))
+    if ms == 0 and t != 0:
+        ms = 1 if t > 0 else -1
+    return ms
 
 
 def _lse_base(base) -> int:
