@@ -26,8 +26,10 @@
 // configured); they trade buffered memory per connection for throughput.
 #pragma once
 
+#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -69,9 +71,19 @@ inline std::vector<TransportArg> ParseTransportArgs(const std::string& spec,
     if (item.empty()) continue;
     const size_t eq = item.find('=');
     char* rest = nullptr;
+    errno = 0;
     const long value = eq == std::string::npos ? 0 : std::strtol(item.c_str() + eq + 1, &rest, 0);
-    if (eq == std::string::npos || eq == 0 || rest == nullptr || *rest != '\0') {
+    if (eq == std::string::npos || eq == 0 || rest == nullptr || *rest != '\0' ||
+        rest == item.c_str() + eq + 1) {
       *error += "'" + item + "' is not name=integer; ";
+      continue;
+    }
+    // gRPC's integer arguments are ints: a value past them is refused, not
+    // wrapped into another limit (2^32 + 1 streams would become 1).
+    if (errno == ERANGE || value < std::numeric_limits<int>::min() ||
+        value > std::numeric_limits<int>::max()) {
+      *error += "'" + item + "' is out of range [" + std::to_string(std::numeric_limits<int>::min()) +
+                ", " + std::to_string(std::numeric_limits<int>::max()) + "]; ";
       continue;
     }
     parsed.emplace_back(item.substr(0, eq), static_cast<int>(value));

@@ -389,3 +389,36 @@ def test_a_lost_lease_keeps_the_earlier_leases_to_revoke():
         assert not h.leases and not h.unleased.pages, h
         client.close()
         admin.close()
+
+
+def test_values_that_a_cast_would_change_are_refused(client):
+    """A value that would reach the server as another valid value after a
+    narrowing cast (kv_keys_after 2^32 as 0, 2.5 query rows as 2, a uint64
+    length as -1, layer 0.9 as 0) is refused before anything is sent."""
+    import torch
+    import attnserve.flashinfer as fi
+    g = client.server_info
+    mgr = attnserve.KvManager(client)
+    free = client.info().free_pages
+    with pytest.raises(ValueError, match=r"kv_keys_after must have one entry in \[0, 2\^31 - 1\]"):
+        mgr.plan_rows([1], [2], kv_keys_after=np.array([1 << 32], np.int64))
+    with pytest.raises(TypeError, match="q_rows: integers expected"):
+        mgr.plan_rows([1], [2], q_rows=[2.5])
+    with pytest.raises(ValueError, match="more than a step's"):
+        mgr.plan([1], np.array([(1 << 64) - 1], np.uint64))
+    assert mgr.sequences == [] and client.info().free_pages == free   # nothing was allocated
+    with pytest.raises(TypeError, match="layer: an integer expected, got float"):
+        client.write_kv(0.9, [0], np.zeros((1, g.num_kv_heads, g.head_dim), np.float32),
+                        np.zeros((1, g.num_kv_heads, g.head_dim), np.float32))
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=4294967306 is past int32"):
+        fi.get_batch_indices_positions(torch.tensor([0, 2], dtype=torch.int32),
+                                       torch.tensor([(1 << 32) + 10]), 2)
+    with pytest.raises(ValueError, match="max_message_bytes=-1048577 must be >= 1"):
+        attnserve.Client(client.target, max_message_bytes=-(1 << 20) - 1)
+    cluster = attnserve.Cluster([client.target], lease=False)
+    try:
+        with pytest.raises(ValueError, match="more than a step's"):
+            cluster.plan([1], np.array([(1 << 64) - 1], np.uint64))
+        assert cluster.sequences == []
+    finally:
+        cluster.close()

@@ -6,6 +6,7 @@ which the two clients send their own way."""
 
 from __future__ import annotations
 
+import operator
 import random
 import time
 from typing import Iterable, Optional
@@ -139,6 +140,13 @@ class _Core:
         self.timeout = timeout
         self.out = out
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        try:
+            max_message_bytes = operator.index(max_message_bytes)
+        except TypeError:
+            raise TypeError("max_message_bytes: an integer expected, got "
+                            f"{type(max_message_bytes).__name__}") from None
+        if max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes={max_message_bytes} must be >= 1")
         limit = int(min(max_message_bytes + (1 << 20), (1 << 31) - 1))
         self._channel_options = [
             ("grpc.max_send_message_length", limit),

@@ -12,6 +12,9 @@ import numpy as np
 from attnserve._kv_state import _LEASE_GONE, _START_LEASE, Plan, _call, _explained, _State
 from attnserve.errors import (AttnserveError, FailedPrecondition, LeaseExpired, NotFound,
                               SequencesLost, StaleIncarnation, Unimplemented, outcome_unknown)
+from attnserve.layout import _ints
+
+_INT32_MAX = (1 << 31) - 1
 
 
 class _Bookkeeping(_State):
@@ -207,15 +210,18 @@ class _Bookkeeping(_State):
         lens = self._validate(seq_ids, append_lens)
         rows = after = None
         if q_rows is not None:
-            rows = np.asarray(q_rows, dtype=np.int64).reshape(-1)
+            rows = np.asarray(_ints(q_rows, "plan_rows: q_rows"), dtype=np.int64)
             if len(rows) != len(lens) or (rows < lens).any():
                 raise ValueError("plan_rows: q_rows must have one entry per sequence, each "
                                  ">= its append_lens")
+            if rows.sum(dtype=np.float64) > _INT32_MAX:
+                raise ValueError(f"plan_rows: q_rows add up to {int(rows.sum(dtype=np.float64))} "
+                                 f"rows, more than {_INT32_MAX} (2^31 - 1)")
         if kv_keys_after is not None:
-            after = np.asarray(kv_keys_after, dtype=np.int64).reshape(-1)
-            if len(after) != len(lens) or (after < 0).any():
-                raise ValueError("plan_rows: kv_keys_after must have one entry >= 0 per "
-                                 "sequence")
+            after = np.asarray(_ints(kv_keys_after, "plan_rows: kv_keys_after"), dtype=np.int64)
+            if len(after) != len(lens) or (after < 0).any() or (after > _INT32_MAX).any():
+                raise ValueError("plan_rows: kv_keys_after must have one entry in [0, 2^31 - 1] "
+                                 "per sequence")
         if apply_sinks is not None and len(np.asarray(apply_sinks).reshape(-1)) != len(lens):
             raise ValueError("plan_rows: apply_sinks must have one entry per sequence")
         lost = [sid for sid in seq_ids if sid in self._lost]
@@ -251,7 +257,7 @@ class _Bookkeeping(_State):
                 raise self._failed(e, leak=total) from None
             self._check_unchanged(seq_ids, lease)
         plan, grown = self._lay_out(page_size, seq_ids, lens, needs, new_pages, rows,
-                                    kv_keys_after, apply_sinks)
+                                    after, apply_sinks)
         registered = False
         if self.server_plans:
             try:

@@ -10,7 +10,7 @@ from typing import Hashable, Optional, Sequence
 
 import numpy as np
 
-from attnserve.layout import PrefillLayout
+from attnserve.layout import PrefillLayout, _int32
 from attnserve.layout import _options as _as_options
 from attnserve.errors import (AttnserveError, Cancelled, FailedPrecondition, LeaseExpired,
                               SequencesLost, StaleIncarnation, outcome_unknown)
@@ -118,7 +118,8 @@ class _State:
         # Attention options (docs/design.md, "Variants") of every layer, and
         # per layer those that replace them (e.g. windowed layers).
         self.options = _as_options(options)
-        self.layer_options = {int(k): _as_options(v) for k, v in (layer_options or {}).items()}
+        self.layer_options = {_int32(k, "layer_options key"): _as_options(v)
+                              for k, v in (layer_options or {}).items()}
         # Register each step's layout with CreatePlan (False: send it with every
         # layer, as for a server without plans, which also turns this off).
         self.server_plans = server_plans

@@ -48,7 +48,7 @@ from attnserve import dtypes as _dt
 from attnserve.client import Client
 from attnserve.errors import (AttnserveError, DataLoss, DeadlineExceeded, ResourceExhausted,
                               SequencesLost, StaleIncarnation, Unavailable)
-from attnserve._kv_state import _checked_layer, _explained
+from attnserve._kv_state import _MAX_STEP_TOKENS, _checked_layer, _explained
 from attnserve.kv_manager import KvManager, Plan
 from attnserve.merge import merge_states
 from attnserve.results import PrefillResult
@@ -574,6 +574,9 @@ class Cluster:
             raise ValueError("plan: seq_ids has duplicates")
         if (lens < 0).any():
             raise ValueError(f"plan: q_lens[{int(np.argmax(lens < 0))}] is negative")
+        if lens.sum(dtype=np.float64) > _MAX_STEP_TOKENS:  # before a cast could wrap them
+            raise ValueError(f"plan: q_lens add up to {int(lens.sum(dtype=np.float64))} tokens, "
+                             f"more than a step's {_MAX_STEP_TOKENS} (2^31 - 1)")
         lens = lens.astype(np.int64)
         # Now and then: new servers join, free pages and restarts are read (the
         # sequences a restart lost are reported when they are named).

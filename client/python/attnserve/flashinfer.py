@@ -495,6 +495,9 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int, batch_indices
     total = int(ind[-1]) if batch else 0
     if total > nnz:
         raise ValueError(f"append_indptr ends at {total}, past nnz={nnz}")
+    if batch and int(lens.max()) > (1 << 31) - 1:  # positions are int32
+        b = int(torch.argmax(lens))
+        raise ValueError(f"seq_lens[{b}]={int(lens[b])} is past int32 (2^31 - 1)")
     b = torch.repeat_interleave(torch.arange(batch, dtype=torch.int64), counts)
     row = torch.arange(total, dtype=torch.int64) - ind[:-1][b]
     pos = lens[b] - counts[b] + row

@@ -176,7 +176,10 @@ def _extend(repeated, values, name: str) -> list:
 
 
 def _int32(value, name: str) -> int:
-    v = int(value)
+    try:
+        v = operator.index(value)  # an integer: 0.9 is not layer 0
+    except TypeError:
+        raise TypeError(f"{name}: an integer expected, got {type(value).__name__}") from None
     if not -(1 << 31) <= v < (1 << 31):
         raise ValueError(f"{name}={v} does not fit in int32")
     return v
