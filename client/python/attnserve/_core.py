@@ -6,7 +6,6 @@ which the two clients send their own way."""
 
 from __future__ import annotations
 
-import operator
 import random
 import time
 from typing import Iterable, Optional
@@ -20,8 +19,8 @@ from attnserve import regions as _regions
 from attnserve._settings import RETRY_SERVICE_CONFIG, TRANSPORT_OPTIONS
 from attnserve.errors import (AttnserveError, Cancelled, DeadlineExceeded, StaleIncarnation,
                               Unavailable, connect_cause)
-from attnserve.layout import (PrefillLayout, _extend, _floats, _int32, _lse_base, _options,
-                              _ttl_ms, _uint64, fill_layout)
+from attnserve.layout import (PrefillLayout, _extend, _floats, _index, _int32, _lse_base,
+                              _options, _ttl_ms, _uint64, fill_layout)
 from attnserve.regions import RegionTensor
 from attnserve.results import (Holdings, HoldingsList, LeaseGrant, LeaseInfo, PrefillResult,
                                RegionInfo, ServerInfo)
@@ -140,11 +139,7 @@ class _Core:
         self.timeout = timeout
         self.out = out
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        try:
-            max_message_bytes = operator.index(max_message_bytes)
-        except TypeError:
-            raise TypeError("max_message_bytes: an integer expected, got "
-                            f"{type(max_message_bytes).__name__}") from None
+        max_message_bytes = _index(max_message_bytes, "max_message_bytes")
         if max_message_bytes < 1:
             raise ValueError(f"max_message_bytes={max_message_bytes} must be >= 1")
         limit = int(min(max_message_bytes + (1 << 20), (1 << 31) - 1))
@@ -446,7 +441,8 @@ class _Core:
         return "GetKvScales", pb.GetKvScalesRequest().SerializeToString(), parse
 
     def _req_release_plan(self, plan_id: int) -> _Request:
-        req = pb.ReleasePlanRequest(plan_id=_uint64(plan_id, "plan_id"), expected_incarnation=self._incarnation,
+        req = pb.ReleasePlanRequest(plan_id=_uint64(plan_id, "plan_id"),
+                                    expected_incarnation=self._incarnation,
                                     lease_id=self._lease_id)
 
         def parse(raw):
@@ -578,7 +574,8 @@ class _Core:
         return "GrantLease", req.SerializeToString(), parse
 
     def _req_keep_alive(self, lease_id: int) -> _Request:
-        req = pb.KeepAliveRequest(lease_id=_uint64(lease_id, "lease_id"), expected_incarnation=self._incarnation)
+        req = pb.KeepAliveRequest(lease_id=_uint64(lease_id, "lease_id"),
+                                  expected_incarnation=self._incarnation)
 
         def parse(raw):
             resp = pb.KeepAliveResponse.FromString(raw)
@@ -587,7 +584,8 @@ class _Core:
         return "KeepAlive", req.SerializeToString(), parse
 
     def _req_revoke_lease(self, lease_id: int) -> _Request:
-        req = pb.RevokeLeaseRequest(lease_id=_uint64(lease_id, "lease_id"), expected_incarnation=self._incarnation)
+        req = pb.RevokeLeaseRequest(lease_id=_uint64(lease_id, "lease_id"),
+                                    expected_incarnation=self._incarnation)
 
         def parse(raw):
             resp = pb.RevokeLeaseResponse.FromString(raw)

@@ -94,6 +94,7 @@ __all__ = ["PagedKVCache", "LayerCache", "AttentionFuture",
            "append_paged_mla_kv_cache", "get_batch_indices_positions", "get_seq_lens",
            "merge_state", "merge_state_in_place", "merge_states", "TRANSPORTS"]
 
+
 def _no_split(fixed_split_size):
     """FlashInfer's fixed_split_size, with its -1 (no fixed split, what
     engines pass by default) as None."""

@@ -175,11 +175,17 @@ def _extend(repeated, values, name: str) -> list:
     return ints
 
 
-def _int32(value, name: str) -> int:
+def _index(value, name: str) -> int:
+    """An integer argument (int, numpy or torch integer), never a float
+    truncated into one (0.9 is not layer 0); TypeError names it."""
     try:
-        v = operator.index(value)  # an integer: 0.9 is not layer 0
+        return operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: an integer expected, got {type(value).__name__}") from None
+
+
+def _int32(value, name: str) -> int:
+    v = _index(value, name)
     if not -(1 << 31) <= v < (1 << 31):
         raise ValueError(f"{name}={v} does not fit in int32")
     return v
@@ -187,10 +193,7 @@ def _int32(value, name: str) -> int:
 
 def _uint64(value, name: str) -> int:
     """An id (plan or lease): an integer in [0, 2^64)."""
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: an integer expected, got {type(value).__name__}") from None
+    v = _index(value, name)
     if not 0 <= v < (1 << 64):
         raise ValueError(f"{name}={v} out of range [0, 2^64)")
     return v
