@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/args.h"
 #include "bench/check_cuda.h"
 #include "bench/gpu_spin.h"
 #include "kernels/decode/decode_cuda.h"
@@ -490,9 +491,8 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--four_ctas=-1") == 0 || std::strcmp(argv[i], "--four_ctas=0") == 0 ||
                std::strcmp(argv[i], "--four_ctas=1") == 0) {
       g_four_ctas = std::atoi(argv[i] + 12);
-    } else if (std::strncmp(argv[i], "--kv_heads=", 11) == 0 && std::atoi(argv[i] + 11) >= 1 &&
-               std::atoi(argv[i] + 11) <= 64) {
-      g_kv_heads = std::atoi(argv[i] + 11);
+    } else if (std::strncmp(argv[i], "--kv_heads=", 11) == 0) {
+      if (!BenchIntArg("--kv_heads", argv[i] + 11, 1, 64, &g_kv_heads)) return 2;
     } else {
       std::fprintf(stderr, "usage: %s [--quick] [--only=WORKLOAD] [--four_ctas=-1|0|1] [--kv_heads=1..64]\n", argv[0]);
       return 2;

@@ -46,6 +46,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/args.h"
 #include "bench/check_cuda.h"
 #include "kernels/fp8.h"
 #include "kernels/merge/merge_cuda.h"
@@ -532,13 +533,19 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strncmp(argv[i], "--page_sizes=", 13) == 0) {
       page_sizes.clear();
-      for (const char* p = argv[i] + 13; *p != 0;) {
-        page_sizes.push_back(std::max(1, std::atoi(p)));
-        while (*p != 0 && *p != ',') ++p;
-        if (*p == ',') ++p;
+      std::string list = argv[i] + 13;
+      for (size_t at = 0; at <= list.size();) {
+        size_t comma = list.find(',', at);
+        if (comma == std::string::npos) comma = list.size();
+        int ps = 0;
+        if (!BenchIntArg("--page_sizes", list.substr(at, comma - at).c_str(), 1, 128, &ps)) return 2;
+        page_sizes.push_back(ps);
+        at = comma + 1;
       }
     }
-    if (std::strncmp(argv[i], "--trace=", 8) == 0) trace_ctas = std::atoi(argv[i] + 8);
+    if (std::strncmp(argv[i], "--trace=", 8) == 0 && !BenchIntArg("--trace", argv[i] + 8, 0, 1 << 20, &trace_ctas)) {
+      return 2;
+    }
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--merge-only") == 0) merge_only = true;
     if (std::strncmp(argv[i], "--kernel=", 9) == 0) only_kernel = argv[i] + 9;
@@ -641,8 +648,8 @@ int main(int argc, char** argv) {
       }
       // One point of the sweep (sweep_lenN), with --page_sizes and --trace.
       if (name.rfind("sweep_len", 0) == 0) {
-        const int len = std::atoi(name.c_str() + 9);
-        if (len < 1 || len > 16384 || 16384 % len != 0) {
+        int len = 0;
+        if (!BenchIntArg("--workload", name.c_str() + 9, 1, 16384, &len) || 16384 % len != 0) {
           std::fprintf(stderr, "--workload=%s: sweep_lenN takes N dividing 16384\n", name.c_str());
           return 2;
         }
