@@ -211,6 +211,44 @@ def test_stale_incarnation_after_a_restart():
     client.close()
 
 
+def test_reconnect_moves_forks_and_their_leases_to_the_new_channel():
+    """A KvManager works on a fork of the client (its own lease): after
+    client.reconnect() (a transient failure, same server) the fork used the
+    closed channel, so its calls raised gRPC's raw ValueError, its lease
+    thread died without a word and the server freed the pages the manager
+    still counted as its own. Now the fork moves with the client; after
+    close(), its calls and its lease's renewals say the client is closed."""
+    import threading
+    import time
+    with TestServer(num_layers=1, page_size=4, num_qo_heads=2, num_kv_heads=1,
+                    head_dim=64) as srv:
+        client = attnserve.Client(srv.address, timeout=10)
+        admin = attnserve.Client(srv.address, timeout=10)
+        mgr = attnserve.KvManager(client, lease_ttl=1)
+        rng = np.random.default_rng(3)
+        q = rng.standard_normal((3, 2, 64)).astype(np.float32)
+        k = rng.standard_normal((3, 1, 64)).astype(np.float32)
+        mgr.plan([1], [3])
+        mgr.run(0, q, k, k)
+        client.reconnect()
+        time.sleep(2.5)  # past the ttl: only renewals on the new channel keep it
+        assert mgr.lease_id in [lease.lease_id for lease in admin.list_holdings().leases]
+        assert mgr._lease.error is None
+        mgr.plan([1], [1])
+        mgr.run(0, q[:1], k[:1], k[:1])
+        client.close()
+        with pytest.raises(attnserve.Cancelled, match="client is closed"):
+            mgr.plan([1], [1])
+        deadline = time.monotonic() + 5
+        while mgr._lease._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not mgr._lease._thread.is_alive()
+        assert isinstance(mgr._lease.error, attnserve.Cancelled)
+        assert not [t for t in threading.enumerate()
+                    if t.name == f"attnserve-lease-{mgr.lease_id:x}"]
+        admin.close()
+
+
 def test_every_request_that_names_pages_carries_the_incarnation(client):
     """What the server checks (FAILED_PRECONDITION on a stale value) needs the
     client to send expected_incarnation on every such request."""

@@ -16,6 +16,8 @@ import os
 import random
 import time
 
+import grpc
+import grpc.aio
 import numpy as np
 import pytest
 
@@ -978,6 +980,61 @@ def test_an_interrupted_async_run_is_a_run_that_may_have_appended():
             await mgr.plan([7], [1])
         await mgr.run(1, q, k, k, plan=plan)
         await mgr.plan([7], [1])
+        await mgr.close()
+        await client.close()
+
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        asyncio.run(main(server.address))
+
+
+@pytest.mark.parametrize("then", ["finish_other", "plan_again"])
+def test_an_async_run_that_fails_after_its_plan_went_stale_still_marks_its_sequences(then):
+    """AsyncKvManager lets finish() and plan() overlap a run(). A run whose
+    plan went stale while it was in flight (finish() of another of its
+    sequences, or a later plan of the same one) and then failed left its
+    sequences unmarked: plan() went on over rows that may never have been
+    written (with --check_kv_written=false, attention over zeros). Now
+    plan() refuses them: that step can no longer run, finish() them."""
+    class FailLater(grpc.aio.UnaryUnaryClientInterceptor):
+        armed = False
+
+        async def intercept_unary_unary(self, continuation, details, request):
+            method = details.method.decode() if isinstance(details.method, bytes) \
+                else details.method
+            if self.armed and method.endswith("/Prefill"):
+                self.armed = False
+                await asyncio.sleep(0.3)                  # in flight, then lost, unsent
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "injected: connection lost")
+            return await continuation(details, request)
+
+    async def main(address):
+        fault = FailLater()
+        client = AsyncClient(address, timeout=30, interceptors=[fault])
+        await client.info()
+        g = client.server_info
+        mgr = attnserve.AsyncKvManager(client)
+        rng = np.random.default_rng(12)
+
+        def rows(n):
+            return (rng.standard_normal((n, g.num_qo_heads, g.head_dim), np.float32),
+                    rng.standard_normal((n, g.num_kv_heads, g.head_dim), np.float32))
+        plan = await mgr.plan([1, 2], [3, 3])
+        q, k = rows(6)
+        fault.armed = True
+        run = asyncio.ensure_future(mgr.run(0, q, k, k, plan=plan))
+        await asyncio.sleep(0.1)                          # the Prefill is on its way
+        if then == "finish_other":
+            await mgr.finish(1)
+        else:
+            await mgr.plan([2], [1])                      # commits step 2 over step 1's rows
+        with pytest.raises(attnserve.Unavailable):
+            await run
+        with pytest.raises(attnserve.FailedPrecondition,
+                           match="sequences 2: layer 0 of step 1: .*can no longer run"):
+            await mgr.plan([2], [1])
+        await mgr.finish(2)
+        await mgr.plan([2], [1])                          # a new sequence 2 starts clean
         await mgr.close()
         await client.close()
 

@@ -671,6 +671,46 @@ def test_a_plan_per_step_released_at_the_next(grpc_cache, client):
     assert held().plans == ()
 
 
+@pytest.mark.parametrize("lost", ["CreatePlan", "ReleasePlan"])
+def test_a_lost_plan_reply_holds_no_server_plan_past_the_next_step(server, client, lost):
+    """A CreatePlan whose reply was lost made a plan the wrapper never
+    learned of, and a ReleasePlan that failed UNAVAILABLE may have left one:
+    both stayed under the cache's lease until cache.close() or the idle
+    timeout (300 s), and counted against --max_plans_per_tenant. The next
+    CreatePlan now lists the lease's plans and releases those no wrapper
+    knows of."""
+    from faults import REPLY_LOST, UNREACHABLE, FaultInjector
+    faults = FaultInjector(1)
+    c_rpc = attnserve.Client(server.address, timeout=60, interceptors=faults.interceptors)
+    cache = fi.PagedKVCache(c_rpc, 8)
+    try:
+        b = Batch(cache, [12, 30], seed=21)
+        b.fill()
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(cache)
+
+        def held():
+            return client.list_holdings(cache.lease_id).leases[0].holdings.plans
+        plan_decode(w, b)
+        if lost == "CreatePlan":
+            faults.fail_next("CreatePlan", REPLY_LOST)
+            with pytest.raises(attnserve.DeadlineExceeded):
+                w.run(_q(b, 2), cache[0])
+            assert len(held()) == 1 and not w._plans   # the orphan
+        else:
+            w.run(_q(b, 2), cache[0])
+            faults.fail_next("ReleasePlan", UNREACHABLE)  # UNAVAILABLE: not released
+            plan_decode(w, b)                            # releases the last step's plan
+            w._settle_releases()
+            assert len(held()) == 1 and not w._plans     # the orphan
+        w.run(_q(b, 2), cache[1])
+        assert held() == tuple(w._plans.values())        # only this step's plan
+        w.close()
+        assert held() == ()
+    finally:
+        cache.close()
+        c_rpc.close()
+
+
 def test_close_frees_everything(client):
     free = client.info().free_pages
     for transport in TRANSPORTS:

@@ -263,6 +263,47 @@ def test_the_async_client_registers_regions_too(server):
     asyncio.run(run())
 
 
+def test_close_after_a_lost_unregister_reply_unmaps_the_region(server):
+    """An UnregisterRegion whose reply is lost leaves the region registered
+    in the client's view; the next close(client) gets NotFound (the server
+    did unregister it) and must unmap and close the memfd, not raise for
+    ever (sync and async)."""
+    import asyncio
+
+    from faults import REPLY_LOST, FaultInjector
+
+    faults = FaultInjector(1)
+    c = attnserve.Client(server.address, timeout=60, interceptors=faults.interceptors)
+    try:
+        region = SharedMemoryRegion(1 << 16).register(c, "py-lost")
+        fd = region.fd
+        faults.fail_next("UnregisterRegion", REPLY_LOST)
+        with pytest.raises(attnserve.DeadlineExceeded):
+            region.close(c)
+        assert region.name == "py-lost" and os.path.exists(f"/proc/self/fd/{fd}")
+        assert c.list_regions() == []  # the server did unregister it
+        region.close(c)
+        assert region.name is None and region.fd == -1
+        with pytest.raises(ValueError, match="register"):
+            region.tensor(0, (1,), "fp32")
+    finally:
+        c.close()
+
+    async def run():
+        async with attnserve.AsyncClient(server.address, timeout=60,
+                                         interceptors=faults.aio_interceptors) as ac:
+            region = SharedMemoryRegion(4096)
+            await ac.register_system_region("py-lost-aio", region.fd, 4096)
+            region.name = "py-lost-aio"
+            faults.fail_next("UnregisterRegion", REPLY_LOST)
+            with pytest.raises(attnserve.DeadlineExceeded):
+                await region.close_async(ac)
+            assert region.name == "py-lost-aio" and await ac.list_regions() == []
+            await region.close_async(ac)
+            assert region.name is None and region.fd == -1
+    asyncio.run(run())
+
+
 def test_regions_are_off_without_the_flag():
     with TestServer() as s, attnserve.Client(s.address, timeout=60) as c:
         with SharedMemoryRegion(4096) as region:

@@ -124,6 +124,23 @@ def _pair(into, names: str):
     return into
 
 
+class _Link:
+    """A client's channel and its stubs, shared by the client and its forks
+    (fork(): the KV managers, PagedKVCache): reconnect() and close() on any
+    of them move or close all of them. `closes` counts the channels closed
+    (close(), reconnect()) and `closed` says close() was called, so that a
+    call cut short by either says so (_Core._closed_error)."""
+
+    __slots__ = ("channel", "stubs", "health", "closes", "closed")
+
+    def __init__(self):
+        self.channel = None
+        self.stubs: dict = {}
+        self.health = None
+        self.closes = 0
+        self.closed = False
+
+
 class _Core:
     """State and wire encoding shared by Client and AsyncClient."""
 
@@ -166,13 +183,32 @@ class _Core:
         self._incarnation = 0
         self._lease_id = 0
         self._info: Optional[ServerInfo] = None
-        # Channels this client closed (close(), reconnect()), and whether
-        # close() did: a call cut short by either says so (_closed_error).
-        self._channel_closes = 0
-        self._closed = False
+        # The channel, shared with this client's forks (fork()).
+        self._link = _Link()
         # The holder connections of the system regions this client
         # registered, by region name (attnserve.regions).
         self._region_holders: dict = {}
+
+    # The shared channel's parts (_Link), for reading.
+    @property
+    def _channel(self):
+        return self._link.channel
+
+    @property
+    def _stubs(self) -> dict:
+        return self._link.stubs
+
+    @property
+    def _health(self):
+        return self._link.health
+
+    @property
+    def _channel_closes(self) -> int:
+        return self._link.closes
+
+    @property
+    def _closed(self) -> bool:
+        return self._link.closed
 
     def _closed_error(self, method: str, started: int):
         """The error of a call that began when the client had closed

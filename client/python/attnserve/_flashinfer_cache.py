@@ -14,7 +14,7 @@ import numpy as np
 
 import torch  # attnserve.flashinfer, which imports this module, says when it is missing
 
-from attnserve.errors import AttnserveError
+from attnserve.errors import AttnserveError, NotFound, outcome_unknown
 from attnserve.lease import Lease
 from attnserve.regions import RegionTensor, SharedMemoryRegion
 
@@ -592,6 +592,69 @@ class _Null:
 
 
 # ---------------------------------------------------------------- the cache
+class _PlanLedger:
+    """The server plans a PagedKVCache's wrappers hold under its lease. A
+    CreatePlan or ReleasePlan whose reply was lost may leave a plan on the
+    server that no wrapper knows of; the next create() then lists the
+    lease's plans and releases those first, so that a lost reply holds no
+    plan past the next step (--max_plans_per_tenant counts them)."""
+
+    def __init__(self, cache: "PagedKVCache"):
+        self._cache = cache
+        self._lock = threading.Lock()
+        self._known: set = set()   # made, not yet released by a wrapper
+        self._in_doubt = False
+        self._creating = 0         # CreatePlans in flight (their ids not known yet)
+
+    def create(self, *layout) -> int:
+        self.settle()
+        with self._lock:
+            self._creating += 1
+        try:
+            plan_id = self._cache.rpc.create_plan(*layout)
+        except AttnserveError as e:
+            if outcome_unknown(e):
+                self.doubt()
+            raise
+        finally:
+            with self._lock:
+                self._creating -= 1
+        with self._lock:
+            self._known.add(plan_id)
+        return plan_id
+
+    def forget(self, plan_id: int) -> None:
+        """A wrapper is releasing plan_id (or found it gone)."""
+        with self._lock:
+            self._known.discard(plan_id)
+
+    def doubt(self) -> None:
+        with self._lock:
+            self._in_doubt = True
+
+    def settle(self) -> None:
+        """After an unknown outcome: releases the lease's plans no wrapper
+        knows of (not while a CreatePlan is in flight, whose plan would be
+        among them)."""
+        with self._lock:
+            if not self._in_doubt or self._creating:
+                return
+            self._in_doubt = False
+            known = set(self._known)
+        rpc = self._cache.rpc
+        try:
+            held = rpc.list_holdings(self._cache.lease_id)
+            for lease in held.leases:
+                for plan_id in lease.holdings.plans:
+                    if plan_id not in known:
+                        try:
+                            rpc.release_plan(plan_id)
+                        except NotFound:
+                            pass  # released meanwhile
+        except AttnserveError:
+            self.doubt()  # tried again at the next create()
+
+
 class LayerCache:
     """One layer of a PagedKVCache: what run() and append_paged_kv_cache()
     take where FlashInfer takes that layer's cache tensor."""
@@ -670,6 +733,7 @@ class PagedKVCache:
             else torch.device("cpu"))
         self.rpc = client.fork()
         self._lease = Lease(self.rpc, lease_ttl)
+        self._server_plans = _PlanLedger(self)
         self._pending: dict = {}       # layer -> [(slots, k, v), ...] queued appends
         self._pending_lock = threading.Lock()
         self._closed = False

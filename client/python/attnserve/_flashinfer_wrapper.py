@@ -12,7 +12,7 @@ import numpy as np
 import torch  # attnserve.flashinfer, which imports this module, says when it is missing
 
 from attnserve.layout import AttentionOptions, PrefillLayout
-from attnserve.errors import AttnserveError, NotFound
+from attnserve.errors import AttnserveError, NotFound, outcome_unknown
 from attnserve._flashinfer_cache import (AttentionFuture, PagedKVCache, _Request, _check_kv_layout,
                                          _float_arg, _int_arg, _kv_format, _layer_of,
                                          _torch_dtype, _unsupported)
@@ -177,18 +177,22 @@ class _Wrapper:
                 keep.append((plan_ids, runs))
                 continue
             for plan_id in plan_ids:
+                self._cache._server_plans.forget(plan_id)
                 try:
                     self._releases.append(rpc._call_future(rpc._req_release_plan(plan_id), None))
                 except AttnserveError:
-                    pass  # the lease holds the plan: it goes when the cache closes
+                    self._cache._server_plans.doubt()  # the next CreatePlan releases it
         self._retired = keep
 
     def _settle_releases(self) -> None:
         for call in self._releases:
             try:
                 call.result()
-            except (NotFound, AttnserveError):
+            except NotFound:
                 pass  # gone already (idle timeout, lease ended): released either way
+            except AttnserveError as e:
+                if outcome_unknown(e):
+                    self._cache._server_plans.doubt()  # the next CreatePlan releases it
         self._releases = []
 
     def _server_plan(self, slots: Optional[np.ndarray]):
@@ -200,9 +204,9 @@ class _Wrapper:
         if plan_id is None:
             if key and len(self._plans) >= 2:
                 return None
-            plan_id = self._cache.rpc.create_plan(self._qo_indptr, self._kv_indptr,
-                                                  self._kv_indices, self._kv_last,
-                                                  slots if slots is not None else [])
+            plan_id = self._cache._server_plans.create(self._qo_indptr, self._kv_indptr,
+                                                       self._kv_indices, self._kv_last,
+                                                       slots if slots is not None else [])
             self._plans[key] = plan_id
         return plan_id
 

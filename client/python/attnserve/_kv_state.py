@@ -54,6 +54,9 @@ class Plan:
     append_lens: Optional[np.ndarray] = None
     kv_keys_after: Optional[np.ndarray] = None
     apply_sinks: Optional[np.ndarray] = None
+    # The manager's records of seq_ids once committed (_State._apply): a
+    # failed run() marks these, not whatever sequence has the id by then.
+    _sequences: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def total_q(self) -> int:
@@ -94,13 +97,16 @@ def _explained(e: AttnserveError, prefix: str) -> AttnserveError:
 
 
 class _Sequence:
-    __slots__ = ("pages", "length", "plan", "unwritten")
+    __slots__ = ("pages", "length", "plan", "unwritten", "lost")
 
     def __init__(self):
         self.pages: list = []
         self.length = 0
         self.plan: Optional[Plan] = None
         self.unwritten: set = set()  # layers of `plan` whose run() failed
+        # (step, layer) of earlier plans whose run() failed after a later
+        # plan of the sequence was committed: no run() writes them again.
+        self.lost: set = set()
 
 
 class _State:
@@ -186,10 +192,15 @@ class _State:
         stale: dict = {}   # the same, for plans gone stale: no run() writes them again
         for sid in seq_ids:
             s = self._seqs.get(sid)
-            if s is not None and s.unwritten:
+            if s is None:
+                continue
+            if s.unwritten:
                 key = (s.plan.step if s.plan is not None else 0, tuple(sorted(s.unwritten)))
                 live = s.plan is not None and s.plan.valid
                 (groups if live else stale).setdefault(key, []).append(sid)
+            for step in sorted({step for step, _ in s.lost}):
+                key = (step, tuple(sorted(layer for st, layer in s.lost if st == step)))
+                stale.setdefault(key, []).append(sid)
 
         def describe(of: dict) -> str:
             return "; ".join(f"sequences {', '.join(map(repr, ids))}: "
@@ -205,8 +216,8 @@ class _State:
         if stale:
             says.append(describe(stale) + ": a run() of that layer failed or was interrupted, "
                         "and that plan can no longer run (finish() of another of its sequences "
-                        "made it stale), so their K/V of that step may never be written: "
-                        "finish() the sequences")
+                        "or a later plan made it stale), so their K/V of that step may never "
+                        "be written: finish() the sequences")
         if says:
             raise FailedPrecondition("; and ".join(says), method="plan")
 
@@ -413,6 +424,7 @@ class _State:
             self._retire(s.plan)
             s.plan = plan
             s.unwritten = set()
+        plan._sequences = tuple(self._seqs[sid] for sid in plan.seq_ids)
         self._latest = plan
 
     def _retire(self, plan: Optional[Plan]) -> None:
@@ -453,12 +465,20 @@ class _State:
 
     def _mark_unwritten(self, plan: Plan, layer: int) -> None:
         """A run() of `plan` failed or was interrupted: it may or may not have
-        appended this layer's rows."""
-        if plan.valid:  # the latest plan of each of its sequences
-            appended = plan.append_lens if plan.append_lens is not None else plan.q_lens
-            for sid, n in zip(plan.seq_ids, appended.tolist()):
-                if n:
-                    self._seqs[sid].unwritten.add(layer)
+        appended this layer's rows. Each of its sequences the manager still
+        holds records it, whether or not the plan went stale while the run
+        was in flight (a finish() of another of its sequences, a later plan
+        of this one: AsyncKvManager lets them overlap a run), so that plan()
+        refuses the sequence (check_written) rather than attend over rows
+        that may never have been written."""
+        appended = plan.append_lens if plan.append_lens is not None else plan.q_lens
+        for sid, s, n in zip(plan.seq_ids, plan._sequences, appended.tolist()):
+            if not n or self._seqs.get(sid) is not s:
+                continue  # finished since: its pages went with it
+            if s.plan is plan:
+                s.unwritten.add(layer)
+            else:
+                s.lost.add((plan.step, layer))
 
     def _check_layer(self, layer) -> int:
         """run()'s layer, before anything is sent: a layer the server does not

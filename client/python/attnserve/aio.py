@@ -55,23 +55,24 @@ class AsyncClient(_Core):
         self._open()
 
     def _open(self) -> None:
+        link = self._link
         if self._credentials is not None:
-            self._channel = grpc.aio.secure_channel(self.target, self._credentials,
-                                                    options=self._channel_options,
-                                                    interceptors=self._interceptors)
+            link.channel = grpc.aio.secure_channel(self.target, self._credentials,
+                                                   options=self._channel_options,
+                                                   interceptors=self._interceptors)
         else:
-            self._channel = grpc.aio.insecure_channel(self.target, options=self._channel_options,
-                                                      interceptors=self._interceptors)
-        self._stubs = {name: self._channel.unary_unary(method_path(name)) for name in METHODS}
-        self._health = self._channel.unary_unary(HEALTH_CHECK)
+            link.channel = grpc.aio.insecure_channel(self.target, options=self._channel_options,
+                                                     interceptors=self._interceptors)
+        link.stubs = {name: link.channel.unary_unary(method_path(name)) for name in METHODS}
+        link.health = link.channel.unary_unary(HEALTH_CHECK)
 
     async def close(self) -> None:
         """Closes the channel: calls still in flight raise Cancelled, and so
         does every later call."""
-        self._closed = True
-        self._channel_closes += 1
+        self._link.closed = True
+        self._link.closes += 1
         self._close_region_holders()
-        await self._channel.close()
+        await self._link.channel.close()
 
     async def _connect(self) -> ServerInfo:
         """info(), as Client's connect: a named cause fails at once, a
@@ -98,10 +99,11 @@ class AsyncClient(_Core):
 
     async def reconnect(self) -> ServerInfo:
         """New channel, incarnation forgotten, geometry read again. The
-        holders of registered regions stay."""
-        self._channel_closes += 1
-        await self._channel.close()
-        self._closed = False
+        holders of registered regions stay. Forks move to the new channel
+        and keep their incarnation, as Client.reconnect's."""
+        self._link.closes += 1
+        await self._link.channel.close()
+        self._link.closed = False
         self.forget_incarnation()
         self._open()
         return await self._connect()
@@ -271,7 +273,7 @@ class AsyncClient(_Core):
         return await self._call(self._req_release_holdings(), timeout)
 
     def fork(self) -> "AsyncClient":
-        """As Client.fork: same channel, no lease."""
+        """As Client.fork: same channel (reconnect() on either moves both), no lease."""
         c = object.__new__(type(self))
         c.__dict__.update(self.__dict__)
         c._lease_id = 0

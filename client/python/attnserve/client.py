@@ -160,24 +160,25 @@ class Client(_Core):
             time.sleep(backoff)
 
     def _open(self) -> None:
+        link = self._link
         if self._credentials is not None:
-            self._channel = grpc.secure_channel(self.target, self._credentials,
-                                                options=self._channel_options)
+            link.channel = grpc.secure_channel(self.target, self._credentials,
+                                               options=self._channel_options)
         else:
-            self._channel = grpc.insecure_channel(self.target, options=self._channel_options)
-        calls = self._channel
+            link.channel = grpc.insecure_channel(self.target, options=self._channel_options)
+        calls = link.channel
         if self._interceptors:
-            calls = grpc.intercept_channel(self._channel, *self._interceptors)
-        self._stubs = {name: calls.unary_unary(_method_path(name)) for name in _METHODS}
-        self._health = self._channel.unary_unary(HEALTH_CHECK)
+            calls = grpc.intercept_channel(link.channel, *self._interceptors)
+        link.stubs = {name: calls.unary_unary(_method_path(name)) for name in _METHODS}
+        link.health = link.channel.unary_unary(HEALTH_CHECK)
 
     def close(self) -> None:
         """Closes the channel: calls still in flight raise Cancelled, and so
         does every later call."""
-        self._closed = True
-        self._channel_closes += 1
+        self._link.closed = True
+        self._link.closes += 1
         self._close_region_holders()
-        self._channel.close()
+        self._link.channel.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -187,10 +188,12 @@ class Client(_Core):
 
     def reconnect(self) -> ServerInfo:
         """New channel, incarnation forgotten, geometry read again. The
-        holders of registered regions stay."""
-        self._channel_closes += 1
-        self._channel.close()
-        self._closed = False
+        holders of registered regions stay. Forks (the KV managers,
+        PagedKVCache) move to the new channel too and keep the incarnation
+        they knew, so that they learn of a restart from their next call."""
+        self._link.closes += 1
+        self._link.channel.close()
+        self._link.closed = False
         self.forget_incarnation()
         self._open()
         return self._connect()
@@ -456,7 +459,8 @@ class Client(_Core):
     def fork(self) -> "Client":
         """A client over the same channel, with this one's server info and
         incarnation and no lease: for a component that holds state under a
-        lease of its own (the KV managers). Closing either closes the channel."""
+        lease of its own (the KV managers). Closing either closes the channel;
+        reconnect() on either moves both to the new one."""
         c = object.__new__(type(self))
         c.__dict__.update(self.__dict__)
         c._lease_id = 0

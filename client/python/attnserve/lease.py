@@ -12,7 +12,9 @@ lease is gone stops the keeper (`expired` turns true, `error` says why), and
 every request naming the lease raises attnserve.LeaseExpired. A server found
 restarted, which ended every lease, stops it too (`error` is the
 StaleIncarnation; `expired` stays false: the restart is what to act on).
-Other failed renewals (server unreachable) are retried every quarter period.
+A client that was closed stops it (`error` is the Cancelled). Other failed
+renewals (server unreachable, a reconnect() in progress) are retried every
+quarter period, the last error kept in `error`.
 
 AsyncLease is the same for an AsyncClient, renewing from an asyncio task.
 """
@@ -36,7 +38,7 @@ class Lease:
         grant = client.grant_lease(ttl)
         self.lease_id = grant.lease_id
         self.ttl = grant.ttl
-        self.error: Optional[AttnserveError] = None
+        self.error: Optional[Exception] = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._renewal = None  # the KeepAlive in flight, which _halt() cancels
@@ -71,7 +73,13 @@ class Lease:
             except (LeaseExpired, StaleIncarnation) as e:  # a restart ends every lease
                 self.error = e
                 return
-            except AttnserveError:
+            except AttnserveError as e:
+                if self._client._closed:  # close(): no renewal can reach the server again
+                    self.error = e
+                    return
+                wait = max(period / 4.0, 0.05)
+            except Exception as e:  # not the server's answer: kept for the owner, and tried again
+                self.error = e
                 wait = max(period / 4.0, 0.05)
 
     def _halt(self) -> None:
@@ -121,7 +129,7 @@ class AsyncLease:
         self._client = client
         self.lease_id = lease_id
         self.ttl = ttl
-        self.error: Optional[AttnserveError] = None
+        self.error: Optional[Exception] = None
         self._task: Optional[asyncio.Task] = None
 
     @classmethod
@@ -147,7 +155,13 @@ class AsyncLease:
             except (LeaseExpired, StaleIncarnation) as e:  # a restart ends every lease
                 self.error = e
                 return
-            except AttnserveError:
+            except AttnserveError as e:
+                if self._client._closed:  # close(): no renewal can reach the server again
+                    self.error = e
+                    return
+                wait = max(period / 4.0, 0.05)
+            except Exception as e:  # not the server's answer: kept for the owner, and tried again
+                self.error = e
                 wait = max(period / 4.0, 0.05)
 
     def abandon(self) -> None:

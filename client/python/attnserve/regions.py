@@ -59,7 +59,7 @@ import grpc
 import numpy as np
 
 from attnserve import dtypes as _dt
-from attnserve.errors import error_for
+from attnserve.errors import NotFound, error_for
 
 # Each dtype's element bytes, numpy view type and wire dtype. FP8 (K and V
 # rows as an FP8 cache stores them) is viewed as uint8 bit patterns.
@@ -271,7 +271,12 @@ class SharedMemoryRegion:
         register_system_region or list_regions)."""
         if client is not None and self.name is not None:
             _not_async(client, "close", "close_async")
-            client.unregister_region(self.name, timeout=timeout)
+            try:
+                client.unregister_region(self.name, timeout=timeout)
+            except NotFound:
+                # Already gone: an earlier close() whose reply was lost, or
+                # a server that restarted. The name is free either way.
+                pass
         elif self._client is not None and self.name is not None:
             self._client._drop_region_holder(self.name)
         self._unmap()
@@ -280,7 +285,10 @@ class SharedMemoryRegion:
         """close(client) through an attnserve.aio.AsyncClient: unregisters
         the region, then unmaps and closes it."""
         if self.name is not None:
-            await client.unregister_region(self.name, timeout=timeout)
+            try:
+                await client.unregister_region(self.name, timeout=timeout)
+            except NotFound:
+                pass  # already gone, as in close()
         self._unmap()
 
     def _unmap(self) -> None:
