@@ -987,16 +987,18 @@ def test_an_interrupted_async_run_is_a_run_that_may_have_appended():
         asyncio.run(main(server.address))
 
 
-@pytest.mark.parametrize("then", ["finish_other", "plan_again"])
+@pytest.mark.parametrize("then", ["finish_other", "plan_again", "plan_in_flight"])
 def test_an_async_run_that_fails_after_its_plan_went_stale_still_marks_its_sequences(then):
     """AsyncKvManager lets finish() and plan() overlap a run(). A run whose
     plan went stale while it was in flight (finish() of another of its
-    sequences, or a later plan of the same one) and then failed left its
-    sequences unmarked: plan() went on over rows that may never have been
-    written (with --check_kv_written=false, attention over zeros). Now
-    plan() refuses them: that step can no longer run, finish() them."""
+    sequences, or a later plan of the same one, committed before the run
+    failed or while it failed) and then failed left its sequences unmarked:
+    plan() went on over rows that may never have been written (with
+    --check_kv_written=false, attention over zeros). Now plan() refuses
+    them: that step can no longer run, finish() them."""
     class FailLater(grpc.aio.UnaryUnaryClientInterceptor):
         armed = False
+        slow_create = False
 
         async def intercept_unary_unary(self, continuation, details, request):
             method = details.method.decode() if isinstance(details.method, bytes) \
@@ -1006,6 +1008,9 @@ def test_an_async_run_that_fails_after_its_plan_went_stale_still_marks_its_seque
                 await asyncio.sleep(0.3)                  # in flight, then lost, unsent
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
                                            grpc.aio.Metadata(), "injected: connection lost")
+            if self.slow_create and method.endswith("/CreatePlan"):
+                self.slow_create = False
+                await asyncio.sleep(0.6)                  # the run fails meanwhile
             return await continuation(details, request)
 
     async def main(address):
@@ -1027,6 +1032,7 @@ def test_an_async_run_that_fails_after_its_plan_went_stale_still_marks_its_seque
         if then == "finish_other":
             await mgr.finish(1)
         else:
+            fault.slow_create = then == "plan_in_flight"
             await mgr.plan([2], [1])                      # commits step 2 over step 1's rows
         with pytest.raises(attnserve.Unavailable):
             await run

@@ -711,6 +711,55 @@ def test_a_lost_plan_reply_holds_no_server_plan_past_the_next_step(server, clien
         c_rpc.close()
 
 
+def test_settling_a_lost_plan_reply_spares_the_plans_other_threads_make(server, client):
+    """The release of plans no wrapper knows of (after a lost CreatePlan
+    reply) compares the lease's plans with those the wrappers know once the
+    list is in: a plan another thread's wrapper made while ListHoldings was
+    on its way is known by then and stays (before, it was released and that
+    wrapper's next run() failed NotFound)."""
+    import threading
+
+    import grpc
+    from faults import REPLY_LOST, FaultInjector
+
+    class SlowList(grpc.UnaryUnaryClientInterceptor):
+        armed = False
+
+        def intercept_unary_unary(self, continuation, details, request):
+            if self.armed and details.method.endswith("/ListHoldings"):
+                self.armed = False
+                time.sleep(0.5)
+            return continuation(details, request)
+    faults, slow = FaultInjector(1), SlowList()
+    rpc = attnserve.Client(server.address, timeout=60,
+                           interceptors=lambda t: faults.interceptors(t) + [slow])
+    cache = fi.PagedKVCache(rpc, 8)
+    try:
+        b = Batch(cache, [12, 30], seed=22)
+        b.fill()
+        wa = fi.BatchDecodeWithPagedKVCacheWrapper(cache)
+        wb = fi.BatchDecodeWithPagedKVCacheWrapper(cache)
+        plan_decode(wa, b)
+        plan_decode(wb, b)
+        faults.fail_next("CreatePlan", REPLY_LOST)
+        with pytest.raises(attnserve.DeadlineExceeded):
+            wa.run(_q(b, 2), cache[0])
+        slow.armed = True
+        t = threading.Thread(target=lambda: wa.run(_q(b, 2), cache[0]))
+        t.start()                       # settles: its ListHoldings is slow
+        time.sleep(0.1)
+        wb.run(_q(b, 2), cache[0])      # wb's CreatePlan lands meanwhile
+        t.join()
+        wb.run(_q(b, 2), cache[1])
+        held = client.list_holdings(cache.lease_id).leases[0].holdings.plans
+        assert sorted(held) == sorted([*wa._plans.values(), *wb._plans.values()])
+        wa.close()
+        wb.close()
+    finally:
+        cache.close()
+        rpc.close()
+
+
 def test_close_frees_everything(client):
     free = client.info().free_pages
     for transport in TRANSPORTS:

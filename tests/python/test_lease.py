@@ -109,6 +109,22 @@ def test_a_killed_process_pages_come_back_within_the_ttl_and_a_second(server):
     client.close()
 
 
+def test_a_failed_renewal_is_in_error_until_one_succeeds(server):
+    """Renewals that fail (the server unreachable) are retried and say why
+    in `error`, which a renewal that succeeds clears."""
+    from faults import FaultInjector
+    faults = FaultInjector(1)
+    client = attnserve.Client(server.address, timeout=60, interceptors=faults.interceptors)
+    with attnserve.Lease(client, ttl=3.0) as lease:
+        assert lease.error is None
+        faults.set_down(server.address, True)
+        assert _wait(lambda: isinstance(lease.error, attnserve.Unavailable))
+        faults.set_down(server.address, False)
+        assert _wait(lambda: lease.error is None)
+        assert not lease.expired
+    client.close()
+
+
 def test_list_and_release_holdings(server):
     client = attnserve.Client(server.address, timeout=60)
     unleased = client.allocate_pages(2)

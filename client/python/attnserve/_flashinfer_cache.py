@@ -612,14 +612,14 @@ class _PlanLedger:
             self._creating += 1
         try:
             plan_id = self._cache.rpc.create_plan(*layout)
-        except AttnserveError as e:
-            if outcome_unknown(e):
-                self.doubt()
-            raise
-        finally:
+        except BaseException as e:
             with self._lock:
                 self._creating -= 1
+                if not isinstance(e, AttnserveError) or outcome_unknown(e):
+                    self._in_doubt = True  # it may have made the plan
+            raise
         with self._lock:
+            self._creating -= 1
             self._known.add(plan_id)
         return plan_id
 
@@ -640,10 +640,17 @@ class _PlanLedger:
             if not self._in_doubt or self._creating:
                 return
             self._in_doubt = False
-            known = set(self._known)
         rpc = self._cache.rpc
         try:
             held = rpc.list_holdings(self._cache.lease_id)
+            # What the wrappers know once the list is in (a plan made while
+            # it was on its way is listed and known); none while a
+            # CreatePlan is in flight, whose plan the list may hold.
+            with self._lock:
+                if self._creating:
+                    self._in_doubt = True
+                    return
+                known = set(self._known)
             for lease in held.leases:
                 for plan_id in lease.holdings.plans:
                     if plan_id not in known:

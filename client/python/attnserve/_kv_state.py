@@ -421,6 +421,11 @@ class _State:
             if s is None:
                 s = self._seqs[sid] = _Sequence()
             s.pages, s.length = pages, length
+            if s.plan is not None and s.unwritten:
+                # A run() of the plan this one replaces failed while it was
+                # being made (after plan() checked): no run() writes those
+                # rows again.
+                s.lost.update((s.plan.step, layer) for layer in s.unwritten)
             self._retire(s.plan)
             s.plan = plan
             s.unwritten = set()

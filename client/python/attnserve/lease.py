@@ -14,7 +14,7 @@ restarted, which ended every lease, stops it too (`error` is the
 StaleIncarnation; `expired` stays false: the restart is what to act on).
 A client that was closed stops it (`error` is the Cancelled). Other failed
 renewals (server unreachable, a reconnect() in progress) are retried every
-quarter period, the last error kept in `error`.
+quarter period, the last one's error in `error` until a renewal succeeds.
 
 AsyncLease is the same for an AsyncClient, renewing from an asyncio task.
 """
@@ -70,12 +70,13 @@ class Lease:
                     with self._lock:
                         self._renewal = None
                 wait = period
+                self.error = None
             except (LeaseExpired, StaleIncarnation) as e:  # a restart ends every lease
                 self.error = e
                 return
             except AttnserveError as e:
+                self.error = e
                 if self._client._closed:  # close(): no renewal can reach the server again
-                    self.error = e
                     return
                 wait = max(period / 4.0, 0.05)
             except Exception as e:  # not the server's answer: kept for the owner, and tried again
@@ -152,12 +153,13 @@ class AsyncLease:
             try:
                 await self._client.keep_alive(self.lease_id, timeout=self.ttl)
                 wait = period
+                self.error = None
             except (LeaseExpired, StaleIncarnation) as e:  # a restart ends every lease
                 self.error = e
                 return
             except AttnserveError as e:
+                self.error = e
                 if self._client._closed:  # close(): no renewal can reach the server again
-                    self.error = e
                     return
                 wait = max(period / 4.0, 0.05)
             except Exception as e:  # not the server's answer: kept for the owner, and tried again
