@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from attnserve._flashinfer_cache import (AttentionFuture, LayerCache, _append_slots, _check_geometry,
+from attnserve._flashinfer_transport import AttentionFuture
+from attnserve._flashinfer_cache import (LayerCache, _append_slots, _check_geometry,
                                          _check_layout, _ints, _layer_of, _unsupported)
 from attnserve._flashinfer_wrapper import _Wrapper
 

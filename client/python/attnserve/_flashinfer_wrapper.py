@@ -13,7 +13,8 @@ import torch  # attnserve.flashinfer, which imports this module, says when it is
 
 from attnserve.layout import AttentionOptions, PrefillLayout
 from attnserve.errors import AttnserveError, NotFound, outcome_unknown
-from attnserve._flashinfer_cache import (AttentionFuture, PagedKVCache, _Request, _check_kv_layout,
+from attnserve._flashinfer_transport import AttentionFuture, _Request
+from attnserve._flashinfer_cache import (PagedKVCache, _check_kv_layout,
                                          _float_arg, _int_arg, _kv_format, _layer_of,
                                          _torch_dtype, _unsupported)
 

@@ -79,7 +79,8 @@ except ImportError as e:  # pragma: no cover - the module is torch's API
 
 # The cache and its transports, and the wrappers' base, in modules of their
 # own; their public names are this module's.
-from attnserve._flashinfer_cache import (TRANSPORTS, AttentionFuture, LayerCache, PagedKVCache,
+from attnserve._flashinfer_transport import AttentionFuture
+from attnserve._flashinfer_cache import (TRANSPORTS, LayerCache, PagedKVCache,
                                          _append_slots, _check_geometry, _check_kv_layout, _int_arg,
                                          _check_layout, _ints, _seq_lens, _unsupported)
 from attnserve._flashinfer_wrapper import _check_tensor, _Wrapper
