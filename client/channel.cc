@@ -98,10 +98,13 @@ absl::StatusOr<std::unique_ptr<RequestChannel>> Client::OpenChannel(
 RequestChannel::~RequestChannel() { Close().IgnoreError(); }
 
 absl::Status RequestChannel::Close() {
+  bool again = false;
   {
     absl::MutexLock lock(&mu_);
-    if (closed_) return absl::OkStatus();
+    if (close_answered_) return absl::OkStatus();
     closed_ = true;
+    again = close_sent_;
+    close_sent_ = true;
   }
   freed_.SignalAll();
   grpc::ClientContext ctx;
@@ -110,7 +113,14 @@ absl::Status RequestChannel::Close() {
   v1::CloseChannelRequest req;
   req.set_channel_id(id_);
   v1::CloseChannelResponse resp;
-  return Client::FromGrpc(client_->stub()->CloseChannel(&ctx, req, &resp));
+  absl::Status status = Client::FromGrpc(client_->stub()->CloseChannel(&ctx, req, &resp));
+  // A second send that finds no channel: the first one closed it.
+  if (again && absl::IsNotFound(status)) status = absl::OkStatus();
+  if (!OutcomeUnknown(status)) {
+    absl::MutexLock lock(&mu_);
+    close_answered_ = true;
+  }
+  return status;
 }
 
 absl::StatusOr<int32_t> RequestChannel::Acquire(int64_t deadline_ns) {

@@ -55,7 +55,10 @@ class RequestChannel {
   // As Client::PrefillInto: the result's vectors are reused.
   absl::Status PrefillInto(const PrefillArgs& args, PrefillResult* result);
 
-  // CloseChannel now; later calls fail with FAILED_PRECONDITION.
+  // CloseChannel now; later calls fail with FAILED_PRECONDITION. A
+  // CloseChannel whose outcome is unknown (OutcomeUnknown: it timed out, or
+  // never left) is sent again by the next Close() or the destructor, where
+  // NOT_FOUND means the earlier one went through (OK).
   absl::Status Close();
 
  private:
@@ -81,7 +84,11 @@ class RequestChannel {
   double timeout_s_ = 0;
   absl::Mutex mu_;
   absl::CondVar freed_;
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;  // no new requests
+  // The server has answered a CloseChannel (closed, or never had it); until
+  // then Close() sends it (again).
+  bool close_answered_ ABSL_GUARDED_BY(mu_) = false;
+  bool close_sent_ ABSL_GUARDED_BY(mu_) = false;  // a CloseChannel was sent before
   std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);
   // Slots whose caller gave up waiting: free again once their answer came.
   std::vector<int32_t> abandoned_ ABSL_GUARDED_BY(mu_);

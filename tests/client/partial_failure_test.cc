@@ -13,10 +13,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/channel.h"
 #include "client/client.h"
 #include "client/cluster.h"
 #include "client/kv_manager.h"
+#include "client/shared_memory.h"
 #include "client/workload.h"
+#include "common/channel_layout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/fault_injection.h"
@@ -79,6 +82,50 @@ std::unique_ptr<Client> ConnectWith(const std::string& target,
   auto c = Client::Connect(o);
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? *std::move(c) : nullptr;
+}
+
+// A RequestChannel::Close() whose CloseChannel failed with its outcome
+// unknown is sent again by the next Close(): one that never left keeps the
+// channel open on the server until then; one whose reply was lost closed it,
+// and the second send's NOT_FOUND is OK. Before, the second Close() returned
+// OK without a word to the server, which kept the channel (and one of the
+// tenant's --max_channels_per_tenant) until its region went.
+TEST(ChannelPartialFailureTest, ACloseWhoseOutcomeIsUnknownIsSentAgain) {
+  TestServerOptions options = SmallServer();
+  options.extra_flags = {"--allow_shared_memory"};
+  auto server = TestServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto faults = std::make_shared<FaultInjector>(1);
+  auto client = ConnectWith((*server)->grpc_address(), faults);
+  auto admin = ConnectWith((*server)->grpc_address(), nullptr);
+  ASSERT_NE(client, nullptr);
+  ASSERT_NE(admin, nullptr);
+  const int64_t bytes = ChannelBytes(2, 64 << 10);
+  auto shm = SharedMemory::Create(absl::StrCat("attn_pf_", getpid()), 2 * bytes);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  ASSERT_TRUE(client->RegisterSystemRegion("io", **shm, 0, 2 * bytes).ok());
+  auto open_channels = [&]() {
+    auto held = admin->ListHoldings();
+    EXPECT_TRUE(held.ok()) << held.status();
+    return held.ok() ? held->unleased().channel_ids_size() : -1;
+  };
+  ChannelOptions co;
+  co.slot_count = 2;
+  co.slot_bytes = 64 << 10;
+  for (const Fault fault : {Fault::kUnreachable, Fault::kReplyLost}) {
+    SCOPED_TRACE(fault == Fault::kUnreachable ? "unreachable" : "reply lost");
+    auto channel = client->OpenChannel("io", (*shm)->data(), fault == Fault::kUnreachable ? 0 : bytes,
+                                       bytes, co);
+    ASSERT_TRUE(channel.ok()) << channel.status();
+    ASSERT_EQ(open_channels(), 1);
+    faults->FailNext("CloseChannel", fault);
+    const absl::Status first = (*channel)->Close();
+    EXPECT_TRUE(OutcomeUnknown(first)) << first;
+    EXPECT_EQ(open_channels(), fault == Fault::kUnreachable ? 1 : 0);
+    EXPECT_TRUE((*channel)->Close().ok());
+    EXPECT_EQ(open_channels(), 0);
+    EXPECT_TRUE((*channel)->Close().ok());  // answered: nothing more is sent
+  }
 }
 
 // Issue #29, item 1: FreePages times out on the client while the server

@@ -84,6 +84,37 @@ def test_channel_is_the_clients_prefill(server):
         client.close()
 
 
+@pytest.mark.parametrize("fault", ["unreachable", "reply lost"])
+def test_a_close_whose_outcome_is_unknown_is_sent_again(server, fault):
+    """A CloseChannel that failed with its outcome unknown: one that never
+    left kept the channel open on the server, and close() never sent it
+    again (idempotent at once), so the channel held one of the tenant's
+    --max_channels_per_tenant until its region went. The next close() now
+    sends it again; after a lost reply its NOT_FOUND is a success."""
+    from faults import REPLY_LOST, UNREACHABLE, FaultInjector
+    faults = FaultInjector(1)
+    client = attnserve.Client(server.address, timeout=60, interceptors=faults.interceptors)
+    region = attnserve.SharedMemoryRegion(1 << 20).register(client, "chan-close")
+
+    def open_channels():
+        return len(client.list_holdings().unleased.channels)
+    try:
+        ch = client.open_channel(region, 0, slot_count=2, slot_bytes=64 << 10)
+        before = open_channels()
+        faults.fail_next("CloseChannel", UNREACHABLE if fault == "unreachable" else REPLY_LOST)
+        ch.close()
+        assert ch.closed
+        assert open_channels() == (before if fault == "unreachable" else before - 1)
+        ch.close()
+        assert open_channels() == before - 1
+        calls = dict(faults.calls)
+        ch.close()                                   # answered: nothing more is sent
+        assert faults.calls == calls
+    finally:
+        region.close(client)
+        client.close()
+
+
 def _decode_setup(client):
     g = client.server_info
     pages = client.allocate_pages(1)

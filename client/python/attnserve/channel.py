@@ -45,7 +45,8 @@ from typing import Optional
 
 import grpc
 
-from attnserve.errors import AttnserveError, DeadlineExceeded, Unavailable, error_for
+from attnserve.errors import (AttnserveError, DeadlineExceeded, Unavailable, error_for,
+                              outcome_unknown)
 from attnserve.layout import PrefillLayout
 
 MAGIC = 0x4e484341          # "ACHN"
@@ -267,6 +268,7 @@ class RequestChannel:
         self._in_flight: dict = {}       # slot -> ChannelCall not yet collected
         self._abandoned: set = set()     # slots whose caller gave up on the answer
         self._closed = False
+        self._close_answered = False  # the server answered a CloseChannel
         self._calls = itertools.count()
         return self
 
@@ -494,27 +496,36 @@ class RequestChannel:
 
     def close(self, *, timeout: Optional[float] = None) -> None:
         """CloseChannel; the calls still in flight are answered first (their
-        results stay readable). Idempotent. Lets go of the ring's memory, so
-        that the region can be closed after."""
+        results stay readable). Idempotent once the server has answered: a
+        CloseChannel whose outcome is unknown (it timed out, or never left)
+        is sent again by the next close(), where NOT_FOUND means the earlier
+        one went through. Errors are not raised (a server that is gone took
+        its channels with it). Lets go of the ring's memory, so that the
+        region can be closed after."""
         with self._lock:
-            if self._closed:
+            if self._close_answered:
                 return
+            again = self._closed
             self._closed = True
             calls = list(self._in_flight.values())
             self._lock.notify_all()
-        for call in calls:
-            try:
-                call._collect(None)
-            except TimeoutError:
-                pass
+        if not again:
+            for call in calls:
+                try:
+                    call._collect(None)
+                except TimeoutError:
+                    pass
+        answered = True
         try:
             self._client._call(self._client._req_close_channel(self.id),
                                _PROBE_TIMEOUT_S if timeout is None else timeout)
-        except AttnserveError:
-            pass  # the server may be gone: its channels went with it
+        except AttnserveError as e:
+            answered = not outcome_unknown(e)  # NOT_FOUND included: closed already
         finally:
             self._header = None
             self._controls = None
+            with self._lock:
+                self._close_answered = self._close_answered or answered
 
     def __enter__(self) -> "RequestChannel":
         return self
