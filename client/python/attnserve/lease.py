@@ -28,6 +28,21 @@ from typing import Optional
 from attnserve.errors import AttnserveError, LeaseExpired, StaleIncarnation
 
 
+def _after_failed_renewal(lease, e: Exception, period: float) -> Optional[float]:
+    """Records why a renewal of `lease` failed (its `error`); the wait before
+    the next one, or None when renewing is over: the lease is gone, the
+    server restarted (which ended every lease) or the client was closed.
+    Anything else (the server unreachable, a reconnect() in progress, an
+    error that is not the server's answer) is tried again every quarter
+    period."""
+    lease.error = e
+    if isinstance(e, (LeaseExpired, StaleIncarnation)):
+        return None
+    if isinstance(e, AttnserveError) and lease._client._closed:
+        return None
+    return max(period / 4.0, 0.05)
+
+
 class Lease:
     """A lease on `client`, made the client's lease (client.use_lease) and
     renewed from a daemon thread until close() (or the with block's end),
@@ -71,17 +86,10 @@ class Lease:
                         self._renewal = None
                 wait = period
                 self.error = None
-            except (LeaseExpired, StaleIncarnation) as e:  # a restart ends every lease
-                self.error = e
-                return
-            except AttnserveError as e:
-                self.error = e
-                if self._client._closed:  # close(): no renewal can reach the server again
+            except Exception as e:
+                wait = _after_failed_renewal(self, e, period)
+                if wait is None:
                     return
-                wait = max(period / 4.0, 0.05)
-            except Exception as e:  # not the server's answer: kept for the owner, and tried again
-                self.error = e
-                wait = max(period / 4.0, 0.05)
 
     def _halt(self) -> None:
         """Stops renewing: a renewal in flight is cancelled (on a server that
@@ -154,17 +162,10 @@ class AsyncLease:
                 await self._client.keep_alive(self.lease_id, timeout=self.ttl)
                 wait = period
                 self.error = None
-            except (LeaseExpired, StaleIncarnation) as e:  # a restart ends every lease
-                self.error = e
-                return
-            except AttnserveError as e:
-                self.error = e
-                if self._client._closed:  # close(): no renewal can reach the server again
+            except Exception as e:
+                wait = _after_failed_renewal(self, e, period)
+                if wait is None:
                     return
-                wait = max(period / 4.0, 0.05)
-            except Exception as e:  # not the server's answer: kept for the owner, and tried again
-                self.error = e
-                wait = max(period / 4.0, 0.05)
 
     def abandon(self) -> None:
         """Stops renewing without an RPC (as Lease.abandon)."""
