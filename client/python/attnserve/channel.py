@@ -515,10 +515,11 @@ class RequestChannel:
                     call._collect(None)
                 except TimeoutError:
                     pass
-        answered = True
+        answered = False  # interrupted (KeyboardInterrupt): sent again next time
         try:
             self._client._call(self._client._req_close_channel(self.id),
                                _PROBE_TIMEOUT_S if timeout is None else timeout)
+            answered = True
         except AttnserveError as e:
             answered = not outcome_unknown(e)  # NOT_FOUND included: closed already
         finally:
