@@ -75,7 +75,7 @@ run() {  # run NAME BINARY SOURCES...
   check "$name --no_such_flag exits 2 (a flag error)" test $? -eq 2
 }
 
-run attnserve "$ATTNSERVE" server/main.cc
+run attnserve "$ATTNSERVE" server/flags.cc
 run attnctl "$ATTNCTL" client/attnctl.cc client/cli_flags.cc client/variant_flags.cc
 run attnbench "$ATTNBENCH" client/attnbench.cc client/cli_flags.cc client/variant_flags.cc
 

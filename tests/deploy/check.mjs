@@ -10,7 +10,7 @@
 //    schemas (kubernetes-models), plus a strict pass that rejects unknown fields
 //    (the schemas themselves allow them, so a typo would pass silently);
 //  - the objects of one overlay against each other, the server's flags
-//    (server/main.cc) and the image it runs (the Dockerfile's CUDA or CPU
+//    (server/flags.cc) and the image it runs (the Dockerfile's CUDA or CPU
 //    target): ports, probes, selectors, the StatefulSet's headless Service,
 //    spreading over nodes, drain time, security context, resources,
 //    placeholder Secrets;
@@ -52,9 +52,9 @@ const read = (rel) => fs.readFileSync(path.join(root, rel), "utf8");
 const exists = (rel) => fs.existsSync(path.join(root, rel));
 
 // ------------------------------------------------------------------ the server
-// Flags the server defines (ABSL_FLAG in server/main.cc) with their defaults.
+// Flags the server defines (ABSL_FLAG in server/flags.cc) with their defaults.
 function serverFlags() {
-  const src = read("server/main.cc");
+  const src = read("server/flags.cc");
   const flags = new Map();
   const re = /ABSL_FLAG\(\s*[\w:]+\s*,\s*(\w+)\s*,\s*([^,]+?)\s*,/g;
   for (let m; (m = re.exec(src)); ) flags.set(m[1], m[2].replace(/^"|"$/g, ""));
@@ -572,7 +572,7 @@ async function overlayChecks(name, objs, images) {
     for (const a of allFlags) {
       const n = flagName(a);
       if (!n || !a.startsWith("--")) p.push(`"${a}" is not a --flag`);
-      else if (!FLAGS.has(n) && !BUILTIN_FLAGS.has(n)) p.push(`--${n} is not defined in server/main.cc`);
+      else if (!FLAGS.has(n) && !BUILTIN_FLAGS.has(n)) p.push(`--${n} is not defined in server/flags.cc`);
     }
     return p;
   });
