@@ -5,6 +5,9 @@ and 16) checked layer by layer against the float64 reference over the whole
 sequence, a restart that loses exactly that server's sequences, mixed
 geometries refused, DNS discovery; the numpy merge and kv_keys_after."""
 
+import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -535,5 +538,82 @@ def test_a_step_runs_only_on_the_cluster_that_planned_it():
             run_and_check(x, ref, mine, rng)
             x.release()
             y.release()
+    finally:
+        stop(servers)
+
+
+def test_a_finish_interrupted_on_one_server_still_forgets_the_sequence_on_the_others():
+    """Ctrl-C while one server's part of finish() is on its way (here: that
+    server's manager forgot the sequence, the reply was still coming): the
+    other servers' managers still forget it before the interruption goes on.
+    A manager still holding the old rows would extend them when the id is
+    planned again: attention over the old sequence's keys with no error."""
+    servers = start(2, page_size=1, num_pages=4096)
+    try:
+        with attnserve.Cluster([s.address for s in servers], split_min_tokens=8, timeout=60) as c:
+            rng = np.random.default_rng(35)
+            run_and_check(c, Reference(c.server_info), c.plan(["B"], [32]), rng)
+            assert len(c.shards_of("B")) == 2
+            first = min(sh.server for sh in c.shards_of("B"))
+            kv = c.kv_manager(first)
+            real = kv.finish
+
+            def finish_then_interrupted(*ids):
+                real(*ids)
+                raise KeyboardInterrupt
+
+            kv.finish = finish_then_interrupted
+            with pytest.raises(KeyboardInterrupt):
+                c.finish("B")
+            del kv.finish
+            assert "B" not in c.sequences
+            assert not c.kv_manager(0).has("B") and not c.kv_manager(1).has("B")
+            # The id again: only its new rows.
+            run_and_check(c, Reference(c.server_info), c.plan(["B"], [4]), rng)
+            c.release()
+    finally:
+        stop(servers)
+
+
+def test_a_run_interrupted_while_another_server_works_returns_once_that_part_ends():
+    """Ctrl-C while run() waits for a part of the step on another server (the
+    server stopped): run() still waits that part out before the interruption
+    goes on, as for any failure (a Prefill still in flight could append into
+    pages the caller frees next)."""
+    servers = start(2, page_size=1, num_pages=4096)
+    try:
+        with attnserve.Cluster([s.address for s in servers], timeout=60) as c:
+            g = c.server_info
+            step = c.plan(["A", "B"], [4, 4])
+            assert len(step.parts) == 2
+            slow = step.parts[1].server  # the part a pool thread runs
+            kv = c.kv_manager(slow)
+            real, ended = kv.run, []
+
+            def run_recorded(*args, **kwargs):
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    ended.append(time.monotonic())
+
+            kv.run = run_recorded
+            rng = np.random.default_rng(36)
+            q = rng.standard_normal((8, g.num_qo_heads, g.head_dim), np.float32)
+            k = rng.standard_normal((8, g.num_kv_heads, g.head_dim), np.float32)
+            servers[slow].pause()
+            interrupt = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+            resume = threading.Timer(2.0, servers[slow].resume)
+            interrupt.start()
+            resume.start()
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    c.run(0, q, k, k, step=step)
+                raised = time.monotonic()
+            finally:
+                interrupt.join()
+                resume.join()
+            del kv.run
+            assert ended and ended[0] <= raised
+            c.release()
     finally:
         stop(servers)

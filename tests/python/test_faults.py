@@ -14,6 +14,7 @@ partial failures of issue #29 one at a time.
 import asyncio
 import os
 import random
+import signal
 import time
 
 import grpc
@@ -933,6 +934,72 @@ def _interrupt_after(obj, method, when=lambda n: True):
         return result
     setattr(obj, method, call)
     return lambda: setattr(obj, method, real)
+
+
+def _sigint_inside(obj, method):
+    """obj.method first sends this process SIGINT (Ctrl-C landing while the
+    manager's own bookkeeping runs, between its calls to the server);
+    returns a function that restores it."""
+    real = getattr(obj, method)
+
+    def call(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+    setattr(obj, method, call)
+    return lambda: delattr(obj, method)
+
+
+def _lease_pages(client, lease_id):
+    return sorted(p for info in client.list_holdings(lease_id).leases
+                  if info.lease_id == lease_id for p in info.holdings.pages)
+
+
+def test_ctrl_c_while_a_plan_lays_out_its_step_leaves_nothing_held():
+    """Ctrl-C after plan()'s AllocatePages, while it lays out the step: plan()
+    raises KeyboardInterrupt before its CreatePlan leaves, the manager knows
+    nothing new, and the next call frees the pages it had been given."""
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        client = attnserve.Client(server.address, timeout=30)
+        with attnserve.KvManager(client) as mgr:
+            mgr.plan([1], [3])
+            restore = _sigint_inside(mgr, "_lay_out")
+            with pytest.raises(KeyboardInterrupt):
+                mgr.plan([2, 3], [40, 40])
+            restore()
+            assert sorted(mgr.sequences) == [1]
+            mgr.plan([4], [1])
+            mgr.finish(4)
+            assert _lease_pages(client, mgr.lease_id) == sorted(mgr.pages_of(1))
+        client.close()
+
+
+def test_ctrl_c_while_a_plan_commits_comes_out_of_the_next_call():
+    """Ctrl-C while plan() commits its step (no call left to make): the step
+    commits whole and plan() returns it; the interruption comes out of the
+    manager's next call before it does anything. Raised by plan() itself, it
+    would say the step had failed, and the same step planned again would
+    grow the sequences twice over rows never written."""
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        client = attnserve.Client(server.address, timeout=30)
+        g = client.server_info
+        with attnserve.KvManager(client) as mgr:
+            restore = _sigint_inside(mgr, "_apply")
+            try:
+                plan = mgr.plan([1, 2], [3, 5])
+            except KeyboardInterrupt:
+                pytest.fail("plan() raised the interruption of a step it had committed")
+            finally:
+                restore()
+            assert (mgr.kv_len(1), mgr.kv_len(2)) == (3, 5) and mgr._latest is plan
+            rng = np.random.default_rng(11)
+            q = rng.standard_normal((8, g.num_qo_heads, g.head_dim), np.float32)
+            k = rng.standard_normal((8, g.num_kv_heads, g.head_dim), np.float32)
+            with pytest.raises(KeyboardInterrupt):
+                mgr.run(0, q, k, k)
+            for layer in range(g.num_layers):
+                mgr.run(layer, q, k, k)
+            mgr.plan([1, 2], [1, 1])  # every layer of the step was written
+        client.close()
 
 
 def test_an_interrupted_run_is_a_run_that_may_have_appended():

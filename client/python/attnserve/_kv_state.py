@@ -146,6 +146,9 @@ class _State:
         self._to_free: list = []        # no lease: pages surely held, owned by no sequence
         self._leaked = 0
         self._interrupting = False      # _interrupted() is settling a flow: no more calls
+        # A KeyboardInterrupt held through a call's last step (KvManager):
+        # raised at the next call, before it does anything.
+        self._held_interrupt = False
 
     # ------------------------------------------------------------ queries
     @property

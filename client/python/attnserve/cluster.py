@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional, Sequence
 
@@ -48,6 +48,7 @@ from attnserve import dtypes as _dt
 from attnserve.client import Client
 from attnserve.errors import (AttnserveError, DataLoss, DeadlineExceeded, ResourceExhausted,
                               SequencesLost, StaleIncarnation, Unavailable)
+from attnserve._interrupts import held_interrupt
 from attnserve._kv_state import _MAX_STEP_TOKENS, _checked_layer, _explained
 from attnserve.kv_manager import KvManager, Plan
 from attnserve.merge import merge_states
@@ -73,6 +74,17 @@ class _Part:
     plan: Plan              # that server's KvManager step
     q_rows: np.ndarray      # [plan rows] the caller's row of each
     append_rows: np.ndarray  # [plan appends] the caller's row of each
+
+
+def _wait_out(future) -> None:
+    """Waits until future has ended, through any further interruptions (a
+    part of a step still in flight could append its rows into pages the
+    caller frees next and someone else is given)."""
+    while not future.done():
+        try:
+            wait([future])
+        except BaseException:  # noqa: B036 - the first interruption is the one raised
+            pass
 
 
 @dataclass
@@ -830,6 +842,10 @@ class Cluster:
             except BaseException as e:
                 if unexpected is None:
                     unexpected = e
+                if j > 0:
+                    # Interrupted (KeyboardInterrupt) while this part runs on
+                    # its own thread: it is still waited out.
+                    _wait_out(futures[pi])
         if unexpected is not None:
             raise unexpected
         # Restarts, lost leases and servers unreachable for too long lose
@@ -905,17 +921,27 @@ class Cluster:
                 if self._servers[sh.server].kv.has(sid):
                     per_server.setdefault(sh.server, []).append(sid)
         # Every named sequence goes, whatever the servers answer.
-        for sid in seq_ids:
-            seq = self._seqs.pop(sid)
-            if seq.step is not None:
-                seq.step.valid = False
+        with held_interrupt() as hold:
+            for sid in seq_ids:
+                seq = self._seqs.pop(sid)
+                if seq.step is not None:
+                    seq.step.valid = False
         lost, unconfirmed, first = [], [], None
+        interrupted = KeyboardInterrupt() if hold.got else None
         for srv, ids in sorted(per_server.items()):
             try:
                 self._servers[srv].kv.finish(*ids)
                 error = None
             except AttnserveError as e:
                 error = e
+            except BaseException as e:
+                # Interrupted (KeyboardInterrupt): that manager forgot the
+                # sequences (its finish settles what it left in doubt), and
+                # the other servers' are still asked to, before the
+                # interruption goes on: a manager still holding one of them
+                # would extend its old rows if its id were planned again.
+                interrupted = interrupted or e
+                continue
             # A restart, a lost lease, or an unreachability declared a loss:
             # the pages are gone (or freed when the lease ends).
             if self._observe(srv, error, lost) or error is None:
@@ -923,6 +949,8 @@ class Cluster:
             first = first or error
             unconfirmed.append(f"server {self._servers[srv].address} (sequences "
                                f"{', '.join(map(repr, ids))}): {error.details}")
+        if interrupted is not None:
+            raise interrupted
         if first is not None:
             raise type(first)(
                 f"finish: sequences {', '.join(map(repr, seq_ids))} are finished (forgotten by "

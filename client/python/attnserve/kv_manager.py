@@ -39,6 +39,7 @@ import asyncio
 import weakref
 from typing import Hashable, Optional, Sequence
 
+from attnserve._interrupts import held_interrupt
 from attnserve._kv_flows import _Bookkeeping
 from attnserve._kv_state import _START_LEASE, Plan
 from attnserve.errors import AttnserveError, LeaseExpired
@@ -79,32 +80,59 @@ class KvManager(_Bookkeeping):
         self.page_size = client.server_info.page_size
 
     def _drive(self, flow):
-        """Runs a flow with the blocking client."""
+        """Runs a flow with the blocking client. A KeyboardInterrupt is taken
+        while a call waits on the server, or held while the flow's own
+        bookkeeping runs (held_interrupt): if the flow then has a call left,
+        the call never leaves and the interruption is raised; either way the
+        flow settles the interrupted call as one whose outcome is unknown.
+        One held through the flow's last step (the call has committed:
+        raising it would tell the caller it failed) is raised at the
+        manager's next call, before that call does anything."""
+        self._raise_held_interrupt()
         result, error = None, None
         lease = self._lease
-        while True:
-            try:
-                op = flow.send(result) if error is None else flow.throw(error)
-            except StopIteration as stop:
-                return stop.value
-            result, error = None, None
-            lease, error = self._lease_still(lease, op)
-            if error is not None:
-                continue
-            try:
-                if op is _START_LEASE:
-                    result = Lease(self._rpc, self.lease_ttl)
-                    # A manager dropped without close(): the lease stops being
-                    # renewed, and the server frees what it holds within its ttl.
-                    weakref.finalize(self, result.abandon)
-                else:
-                    method, args, kwargs = op
-                    result = getattr(self._rpc, method)(*args, **kwargs)
-            except AttnserveError as e:
-                error = e
-            except BaseException:
-                self._interrupted(flow)
-                raise
+        try:
+            while True:
+                hold = held_interrupt()
+                try:
+                    with hold:
+                        op = flow.send(result) if error is None else flow.throw(error)
+                except StopIteration as stop:
+                    self._held_interrupt = hold.got
+                    return stop.value
+                except BaseException as e:  # the flow's own error: it has ended
+                    if hold.got:
+                        raise KeyboardInterrupt from e
+                    raise
+                if hold.got:
+                    raise KeyboardInterrupt
+                result, error = None, None
+                lease, error = self._lease_still(lease, op)
+                if error is not None:
+                    continue
+                try:
+                    if op is _START_LEASE:
+                        result = Lease(self._rpc, self.lease_ttl)
+                        # A manager dropped without close(): the lease stops being
+                        # renewed, and the server frees what it holds within its ttl.
+                        weakref.finalize(self, result.abandon)
+                    else:
+                        method, args, kwargs = op
+                        result = getattr(self._rpc, method)(*args, **kwargs)
+                except AttnserveError as e:
+                    error = e
+        except BaseException:
+            # A flow that raised has ended; one still waiting at a call was
+            # interrupted there.
+            if flow.gi_frame is not None:
+                with held_interrupt():  # a second interrupt: the first is raised
+                    self._interrupted(flow)
+            raise
+
+    def _raise_held_interrupt(self) -> None:
+        if self._held_interrupt:
+            self._held_interrupt = False
+            raise KeyboardInterrupt
 
     def plan(self, seq_ids: Sequence, q_lens) -> Plan:
         """Grows seq_ids[b] by q_lens[b] tokens and lays the step out.
@@ -152,6 +180,7 @@ class KvManager(_Bookkeeping):
         or may not have appended that layer's rows: until that layer of that
         plan has run again successfully, plan() refuses its sequences.
         """
+        self._raise_held_interrupt()
         p = self._plan_for_run(plan)
         layer = self._check_layer(layer)
         lease = self._lease
@@ -161,9 +190,12 @@ class KvManager(_Bookkeeping):
         except AttnserveError as e:
             raise self._run_failed(p, layer, e, lease) from None
         except BaseException:  # interrupted (KeyboardInterrupt, ...): it may have appended
-            self._mark_unwritten(p, layer)
+            with held_interrupt():
+                self._mark_unwritten(p, layer)
             raise
-        self._run_ok(p, layer)
+        with held_interrupt() as hold:
+            self._run_ok(p, layer)
+        self._held_interrupt = hold.got  # the layer ran: raised at the next call
         return r
 
     def undo(self, plan: Plan) -> None:
@@ -195,11 +227,15 @@ class KvManager(_Bookkeeping):
         self._drive(self._release_flow())
 
     def close(self) -> None:
-        """release(), best effort: errors are swallowed."""
+        """release(), best effort: errors are swallowed (an interruption held
+        from an earlier call is raised after it)."""
+        held, self._held_interrupt = self._held_interrupt, False
         try:
             self.release()
         except AttnserveError:
             pass
+        if held:
+            raise KeyboardInterrupt
 
     def __enter__(self) -> "KvManager":
         return self
