@@ -483,9 +483,23 @@ absl::StatusOr<std::shared_ptr<const ClusterStep>> Cluster::PlanOnce(
 }
 
 absl::Status Cluster::CheckWritten(absl::Span<const int64_t> seq_ids) {
+  // A layer that failed on one server holds up every sequence of its step,
+  // as a KvManager's failed Run() holds up its whole plan: planning any of
+  // them would make the step stale, and the layer could not run again.
+  std::vector<int64_t> ids(seq_ids.begin(), seq_ids.end());
+  absl::flat_hash_set<int64_t> listed(seq_ids.begin(), seq_ids.end());
+  for (int64_t id : seq_ids) {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end() || it->second.step == nullptr || !live_steps_.contains(it->second.step->step)) {
+      continue;
+    }
+    for (int64_t other : it->second.step->seq_ids) {
+      if (listed.insert(other).second) ids.push_back(other);
+    }
+  }
   for (int32_t srv = 0; srv < num_servers(); ++srv) {
     std::vector<int64_t> here;
-    for (int64_t id : seq_ids) {
+    for (int64_t id : ids) {
       auto it = seqs_.find(id);
       if (it == seqs_.end()) continue;
       for (const Shard& sh : it->second.shards) {

@@ -264,8 +264,9 @@ class Cluster {
   absl::StatusOr<std::shared_ptr<const ClusterStep>> PlanOnce(absl::Span<const int64_t> seq_ids,
                                                               absl::Span<const int32_t> q_lens,
                                                               bool* again);
-  // The sequences' shards on each server hold every layer of the last
-  // Run() (KvManager::CheckWritten), naming the server where one does not.
+  // The sequences' shards on each server, and those of the other sequences
+  // of their live steps, hold every layer of the last Run()
+  // (KvManager::CheckWritten), naming the server where one does not.
   absl::Status CheckWritten(absl::Span<const int64_t> seq_ids);
   // Plans each server's share (PlanRows) into step->parts, in server order;
   // a failure takes back the plans before it and says what it found (*again

@@ -1,6 +1,7 @@
 #include "client/kv_manager.h"
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <utility>
@@ -55,7 +56,28 @@ KvManager::~KvManager() = default;
 
 void KvManager::Retire(const std::shared_ptr<const StepPlan>& plan) {
   if (plan == nullptr || !live_steps_.erase(plan->step)) return;
+  ran_layers_.erase(plan->step);
   if (plan->plan_id != 0) unreleased_.push_back(plan->plan_id);
+}
+
+void KvManager::MarkUnrun(const StepPlan& plan, const absl::flat_hash_set<int64_t>& gone) {
+  auto ran = ran_layers_.find(plan.step);
+  if (ran == ran_layers_.end()) return;  // not live
+  std::vector<int32_t> unrun;
+  for (int32_t layer = 0; layer < client_->info().num_layers(); ++layer) {
+    if (!std::binary_search(ran->second.begin(), ran->second.end(), layer)) unrun.push_back(layer);
+  }
+  if (unrun.empty()) return;
+  for (size_t b = 0; b < plan.seq_ids.size(); ++b) {
+    if (plan.append_lens[b] == 0 || gone.contains(plan.seq_ids[b])) continue;
+    auto it = seqs_.find(plan.seq_ids[b]);
+    if (it == seqs_.end() || it->second.plan.get() != &plan) continue;
+    std::vector<int32_t>& unwritten = it->second.unwritten;
+    std::vector<int32_t> merged;
+    std::set_union(unwritten.begin(), unwritten.end(), unrun.begin(), unrun.end(),
+                   std::back_inserter(merged));
+    unwritten = std::move(merged);
+  }
 }
 
 absl::Status KvManager::ReleaseStale() {
@@ -94,6 +116,7 @@ std::vector<int64_t> KvManager::LoseAll() {
   std::sort(lost.begin(), lost.end());
   seqs_.clear();
   live_steps_.clear();
+  ran_layers_.clear();
   unreleased_.clear();
   latest_.reset();
   to_free_.clear();
@@ -105,6 +128,7 @@ std::vector<int64_t> KvManager::LoseAll() {
 void KvManager::ClearBookkeeping() {
   seqs_.clear();
   live_steps_.clear();
+  ran_layers_.clear();
   unreleased_.clear();
   latest_.reset();
   lost_.clear();
@@ -227,6 +251,13 @@ absl::Status KvManager::Reconcile() {
   if (!missing.empty()) {
     // Pages of a live sequence that the lease no longer holds: something
     // freed them behind the manager's back. Never attend over them again.
+    // The other sequences of their plans keep their rows, but the layers of
+    // that step that had not run can no longer run for them.
+    const absl::flat_hash_set<int64_t> gone(missing.begin(), missing.end());
+    for (int64_t id : missing) {
+      const std::shared_ptr<const StepPlan>& plan = seqs_.find(id)->second.plan;
+      if (plan != nullptr) MarkUnrun(*plan, gone);
+    }
     for (int64_t id : missing) {
       auto it = seqs_.find(id);
       Retire(it->second.plan);
@@ -312,7 +343,7 @@ bool KvManager::IsLatestPlan(const StepPlan* plan) const {
 
 absl::Status KvManager::CheckWritten(absl::Span<const int64_t> seq_ids) const {
   // (step, layers) -> sequences; apart, those whose plan went stale (Finish()
-  // of another of its sequences), which no Run() can write again.
+  // or the loss of another of its sequences), which no Run() can write again.
   std::map<std::pair<int64_t, std::vector<int32_t>>, std::vector<int64_t>> groups, stale;
   for (int64_t id : seq_ids) {
     auto it = seqs_.find(id);
@@ -343,9 +374,9 @@ absl::Status KvManager::CheckWritten(absl::Span<const int64_t> seq_ids) const {
   if (!stale.empty()) {
     says.push_back(absl::StrCat(
         describe(stale),
-        ": a Run() of that layer failed, and that plan can no longer run (Finish() of another "
-        "of its sequences made it stale), so their K/V of that step may never be written: "
-        "Finish() the sequences"));
+        ": a Run() of that layer failed or never completed, and that plan can no longer run "
+        "(Finish() of another of its sequences, or its loss, made it stale), so their K/V of "
+        "that step may never be written: Finish() the sequences"));
   }
   return absl::FailedPreconditionError(absl::StrJoin(says, "; and "));
 }
@@ -525,8 +556,11 @@ absl::StatusOr<std::shared_ptr<const StepPlan>> KvManager::PlanOnce(
   // Commit: nothing below fails.
   step_ = plan->step;
   live_steps_.insert(plan->step);
+  ran_layers_[plan->step];
   for (size_t b = 0; b < seq_ids.size(); ++b) {
-    Sequence& s = seqs_[seq_ids[b]];
+    auto [at, started] = seqs_.try_emplace(seq_ids[b]);
+    Sequence& s = at->second;
+    if (started) s.started_step = plan->step;
     s.pages = std::move(pages_after[b]);
     s.length = plan->kv_lens[b];
     Retire(s.plan);
@@ -594,6 +628,11 @@ absl::StatusOr<PrefillResult> KvManager::Run(int32_t layer, absl::Span<const uin
   args.append_v = v_new;
   auto out = rpc()->Prefill(args);
   if (!out.ok() && IsLeaseExpired(out.status())) return Failed(out.status());
+  if (out.ok()) {
+    std::vector<int32_t>& ran = ran_layers_[plan->step];
+    auto at = std::lower_bound(ran.begin(), ran.end(), layer);
+    if (at == ran.end() || *at != layer) ran.insert(at, layer);
+  }
   // The plan is live, so it is the latest plan of each of its sequences.
   for (size_t b = 0; b < plan->seq_ids.size(); ++b) {
     if (plan->append_lens[b] == 0) continue;  // nothing appended here
@@ -633,7 +672,9 @@ absl::Status KvManager::Undo(const std::shared_ptr<const StepPlan>& plan) {
     s.length = old_length;
     s.plan = nullptr;
     s.unwritten.clear();
-    if (old_length == 0 && s.pages.empty()) seqs_.erase(it);
+    // A sequence this plan started is forgotten; one that existed before
+    // (even empty) stays.
+    if (s.started_step == plan->step) seqs_.erase(it);
   }
   if (latest_ == plan) latest_.reset();
   return FreeUnowned(std::move(freed));

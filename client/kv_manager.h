@@ -136,7 +136,8 @@ class KvManager {
   // Takes back `plan`, which must be the latest plan of each of its
   // sequences: their lengths go back, the pages it allocated are freed, its
   // server plan is released and it goes stale, as do the plans it had made
-  // stale (their server plans are gone). Sequences it started are forgotten.
+  // stale (their server plans are gone). Sequences it started are forgotten
+  // (one that existed before it, even empty, stays).
   // For a cluster whose step failed on another server. The bookkeeping is
   // taken back whatever happens; an error says the frees failed (as for
   // Finish()).
@@ -212,6 +213,7 @@ class KvManager {
     int64_t length = 0;
     std::shared_ptr<const StepPlan> plan;  // the latest plan that includes it
     std::vector<int32_t> unwritten;        // layers of `plan` whose Run() failed, ascending
+    int64_t started_step = 0;              // the step of the plan that started it
   };
 
   Client* rpc() const { return own_ != nullptr ? own_.get() : client_; }
@@ -228,6 +230,10 @@ class KvManager {
   const AttentionOptions& AttentionOf(int32_t layer) const;
   // Marks a sequence's plan stale; its server plan waits in unreleased_.
   void Retire(const std::shared_ptr<const StepPlan>& plan);
+  // `plan` goes stale with `gone` lost mid-step: its other sequences record
+  // the layers no Run() completed as unwritten, which no Run() can write
+  // now (CheckWritten then refuses them until they are finished).
+  void MarkUnrun(const StepPlan& plan, const absl::flat_hash_set<int64_t>& gone);
   // ReleasePlan of the stale server plans; NOT_FOUND counts as released.
   absl::Status ReleaseStale();
   // Before a call that allocates: the lease (a new one when there is none,
@@ -264,6 +270,8 @@ class KvManager {
   absl::flat_hash_map<int64_t, Sequence> seqs_;
   std::shared_ptr<const StepPlan> latest_;
   absl::flat_hash_set<int64_t> live_steps_;  // plans no later plan or Finish touched
+  // Each live step's layers that a Run() completed, ascending.
+  absl::flat_hash_map<int64_t, std::vector<int32_t>> ran_layers_;
   std::vector<uint64_t> unreleased_;
   absl::flat_hash_set<int64_t> lost_;        // sequences lost with a lease, not yet finished
   // Lease mode: a fork of client_ holding the lease (declared before

@@ -20,6 +20,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -519,6 +520,61 @@ TEST(ClusterLossTest, AServerUnreachablePastTheDeadlineLosesItsSequences) {
   EXPECT_TRUE(c.Release().ok());
   EXPECT_TRUE(c.Sequences().empty());
   EXPECT_TRUE(c.Lost().empty());
+}
+
+// A layer that failed on one server holds up every sequence of its step,
+// not only that server's: planning a sequence whose part ran would make the
+// step stale, and the failed layer could then never run again for the
+// others. Plan() says so until the layer has run again.
+TEST(ClusterLossTest, ALayerThatFailedOnOneServerHoldsUpEverySequenceOfItsStep) {
+  setenv("OMP_NUM_THREADS", "1", 1);
+  setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  TestServerOptions o;
+  o.num_layers = 2;
+  o.num_pages = 64;
+  o.page_size = 4;
+  o.num_qo_heads = 2;
+  o.num_kv_heads = 1;
+  o.head_dim = 64;
+  std::vector<std::unique_ptr<TestServer>> servers;
+  ClusterOptions options;
+  for (int i = 0; i < 2; ++i) {
+    auto s = TestServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    options.targets.push_back((*s)->grpc_address());
+    servers.push_back(*std::move(s));
+  }
+  auto faults = std::make_shared<FaultInjector>(35);
+  options.client.timeout_s = 30;
+  options.client.interceptors = faults->Interceptors();
+  auto cluster = Cluster::Connect(options);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  Cluster& c = **cluster;
+  const KvGeometry g = c.geometry();
+  auto step = c.Plan({1, 2, 3, 4}, {8, 8, 8, 8});
+  ASSERT_TRUE(step.ok()) << step.status();
+  std::vector<int64_t> on[2];
+  for (int64_t id : {1, 2, 3, 4}) on[c.ShardsOf(id)[0].server].push_back(id);
+  ASSERT_FALSE(on[0].empty());
+  ASSERT_FALSE(on[1].empty());
+
+  std::mt19937_64 gen(35);
+  const int64_t n = (*step)->total_q();
+  const auto q = RandomHalves(gen, g.dtype, n * g.num_qo_heads * g.head_dim);
+  const auto k = RandomHalves(gen, g.dtype, n * g.RowElems());
+  faults->FailNext("Prefill", Fault::kUnreachable);  // one server's part, not the other's
+  auto out = c.Run(0, q, k, k, step->get());
+  ASSERT_EQ(out.status().code(), absl::StatusCode::kUnavailable) << out.status();
+  const int failed = absl::StrContains(out.status().message(), servers[0]->grpc_address()) ? 0 : 1;
+  const int64_t ran = on[1 - failed][0];  // its part of layer 0 ran
+  auto refused = c.Plan({ran}, {1});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("run that layer of that plan again"));
+  // The layer again: the step goes on, and so do its sequences.
+  ASSERT_TRUE(c.Run(0, q, k, k, step->get()).ok());
+  ASSERT_TRUE(c.Run(1, q, k, k, step->get()).ok());
+  EXPECT_TRUE(c.Plan({ran}, {1}).ok());
+  EXPECT_TRUE(c.Release().ok());
 }
 
 }  // namespace

@@ -609,13 +609,56 @@ TEST_F(KvManagerFailureTest, FinishingPartOfAPlanWhoseRunFailedSaysTheRestCanOnl
   auto refused = mgr.Plan({9}, {1});
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(refused.status().message(),
-              HasSubstr("sequences 9: layer 1 of step 1: a Run() of that layer failed, and that "
-                        "plan can no longer run (Finish() of another of its sequences made it "
-                        "stale), so their K/V of that step may never be written: Finish() the "
-                        "sequences"));
+              HasSubstr("sequences 9: layer 1 of step 1: a Run() of that layer failed or never "
+                        "completed, and that plan can no longer run (Finish() of another of its "
+                        "sequences, or its loss, made it stale), so their K/V of that step may "
+                        "never be written: Finish() the sequences"));
   EXPECT_EQ(mgr.Run(1, q, k, k, plan->get()).status().code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(mgr.Finish({9}).ok());
   EXPECT_TRUE(mgr.Plan({9}, {2}).ok());  // a new sequence under the same id
+}
+
+TEST_F(KvManagerFailureTest, ASequenceLostMidStepLeavesTheRestOfItsPlanToBeFinished) {
+  KvManager mgr(client_.get());
+  auto plan = mgr.Plan({1, 2}, {4, 4});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const auto q = RandomHalves(gen_, geo_.dtype, 8 * geo_.num_qo_heads * geo_.head_dim);
+  const auto k = RandomHalves(gen_, geo_.dtype, 8 * geo_.RowElems());
+  ASSERT_TRUE(mgr.Run(0, q, k, k, plan->get()).ok());
+  // A lost reply leaves the holdings in doubt; then a client of the tenant
+  // without the lease frees 1's pages behind the manager's back, which the
+  // next reconciliation finds.
+  faults_->FailNext("AllocatePages", Fault::kReplyLost);
+  EXPECT_EQ(mgr.Plan({3}, {4}).status().code(), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(admin_->ReleasePlan((*plan)->plan_id).ok());
+  ASSERT_TRUE(admin_->FreePages(mgr.PagesOf(1)).ok());
+  auto lost = mgr.Plan({4}, {4});
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(lost.status().message(), HasSubstr("1"));
+  // 2 keeps its rows of layer 0, but layer 1 of its step can never run now:
+  // a later step would attend over rows never written.
+  auto refused = mgr.Plan({2}, {1});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("sequences 2: layer 1 of step 1: a Run() of that layer failed or never "
+                        "completed, and that plan can no longer run"));
+  EXPECT_EQ(mgr.KvLen(2), 4);
+  ASSERT_TRUE(mgr.Finish({1, 2}).ok());
+  EXPECT_TRUE(mgr.Plan({2}, {2}).ok());  // a new sequence under the same id
+}
+
+TEST_F(KvManagerFailureTest, UndoKeepsASequenceThatExistedBeforeItsPlan) {
+  KvManager mgr(client_.get());
+  ASSERT_TRUE(mgr.Plan({7}, {0}).ok());
+  ASSERT_TRUE(mgr.Has(7));
+  auto plan = mgr.Plan({7, 8}, {4, 4});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_TRUE(mgr.Undo(*plan).ok());
+  EXPECT_TRUE(mgr.Has(7));
+  EXPECT_EQ(mgr.KvLen(7), 0);
+  EXPECT_FALSE(mgr.Has(8));  // the plan undone started it
+  EXPECT_TRUE(mgr.Finish({7}).ok());
+  EXPECT_TRUE(Held(mgr.lease_id()).first.empty());
 }
 
 TEST_F(KvManagerFailureTest, RunRefusesALayerTheServerLacksWithoutHoldingUpTheSequences) {

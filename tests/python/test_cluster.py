@@ -617,3 +617,38 @@ def test_a_run_interrupted_while_another_server_works_returns_once_that_part_end
             c.release()
     finally:
         stop(servers)
+
+
+def test_a_layer_that_failed_on_one_server_holds_up_every_sequence_of_its_step():
+    """A layer whose part failed on one server holds up every sequence of the
+    step, not only that server's: planning one whose part ran would make the
+    step stale, and the failed layer could then never run again for the
+    others. plan() says so until the layer has run again."""
+    from faults import UNREACHABLE, FaultInjector
+    servers = start(2, page_size=4, num_pages=64)
+    faults = FaultInjector(35)
+    try:
+        with attnserve.Cluster([s.address for s in servers], timeout=30,
+                               interceptors=faults.interceptors) as c:
+            g = c.server_info
+            step = c.plan([1, 2, 3, 4], [8, 8, 8, 8])
+            on = {0: [], 1: []}
+            for sid in (1, 2, 3, 4):
+                on[c.shards_of(sid)[0].server].append(sid)
+            assert on[0] and on[1]
+            rng = np.random.default_rng(37)
+            q = rng.standard_normal((32, g.num_qo_heads, g.head_dim), np.float32)
+            k = rng.standard_normal((32, g.num_kv_heads, g.head_dim), np.float32)
+            faults.fail_next("Prefill", UNREACHABLE)  # one server's part, not the other's
+            with pytest.raises(attnserve.Unavailable) as failed:
+                c.run(0, q, k, k, step=step)
+            bad = 0 if servers[0].address in str(failed.value) else 1
+            ran = on[1 - bad][0]  # its part of layer 0 ran
+            with pytest.raises(attnserve.FailedPrecondition, match="run that layer of that plan again"):
+                c.plan([ran], [1])
+            for layer in range(g.num_layers):  # the layer again: the step goes on
+                c.run(layer, q, k, k, step=step)
+            c.plan([ran], [1])
+            c.release()
+    finally:
+        stop(servers)

@@ -795,6 +795,55 @@ def test_the_lease_reconciles_what_a_failed_call_left_in_doubt():
         admin.close()
 
 
+def test_a_sequence_lost_mid_step_leaves_the_rest_of_its_plan_to_be_finished():
+    """The reconciliation finds a sequence's pages freed behind the manager's
+    back between two layers of its step: that sequence is lost, and the
+    others of the plan keep their rows, but the layers of that step that had
+    not run can no longer run for them, so plan() refuses them until they
+    are finished (a later step would attend over rows never written)."""
+    faults = FaultInjector(8)
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        client = attnserve.Client(server.address, timeout=30, interceptors=faults.interceptors)
+        admin = attnserve.Client(server.address, timeout=30)
+        g = client.server_info
+        with attnserve.KvManager(client) as mgr:
+            plan = mgr.plan([1, 2], [4, 4])
+            rng = np.random.default_rng(12)
+            q = rng.standard_normal((8, g.num_qo_heads, g.head_dim), np.float32)
+            k = rng.standard_normal((8, g.num_kv_heads, g.head_dim), np.float32)
+            mgr.run(0, q, k, k)
+            faults.fail_next("AllocatePages", REPLY_LOST)  # the holdings are in doubt
+            with pytest.raises(attnserve.DeadlineExceeded):
+                mgr.plan([3], [4])
+            admin.release_plan(plan.plan_id)               # a client without the lease
+            admin.free_pages(mgr.pages_of(1))
+            with pytest.raises(attnserve.SequencesLost) as lost:
+                mgr.plan([4], [4])
+            assert lost.value.seq_ids == [1]
+            with pytest.raises(attnserve.FailedPrecondition,
+                               match="sequences 2: layer 1 of step 1: .*never completed, and that "
+                                     "plan can no longer run"):
+                mgr.plan([2], [1])
+            assert mgr.kv_len(2) == 4
+            mgr.finish(1, 2)
+            mgr.plan([2], [2])                             # a new sequence under the same id
+        client.close()
+        admin.close()
+
+
+def test_undo_keeps_a_sequence_that_existed_before_its_plan():
+    with TestServer(num_pages=64, **GEOMETRY) as server:
+        client = attnserve.Client(server.address, timeout=30)
+        with attnserve.KvManager(client) as mgr:
+            mgr.plan([7], [0])
+            plan = mgr.plan([7, 8], [4, 4])
+            mgr.undo(plan)
+            assert mgr.has(7) and mgr.kv_len(7) == 0
+            assert not mgr.has(8)                          # the plan undone started it
+            mgr.finish(7)
+        client.close()
+
+
 def test_without_a_lease_a_free_whose_outcome_is_unknown_is_leaked_never_retried():
     faults = FaultInjector(4)
     with TestServer(num_pages=64, **GEOMETRY) as server:

@@ -97,7 +97,12 @@ class _Bookkeeping(_State):
         self._dirty = False
         if missing:
             # Pages of a live sequence the lease no longer holds: freed behind
-            # the manager's back. Never attend over them again.
+            # the manager's back. Never attend over them again. The other
+            # sequences of their plans keep their rows, but the layers of that
+            # step that had not run can no longer run for them.
+            gone = set(missing)
+            for sid in missing:
+                self._mark_unrun(self._seqs[sid].plan, gone)
             for sid in missing:
                 self._retire(self._seqs.pop(sid).plan)
                 self._lost.add(sid)

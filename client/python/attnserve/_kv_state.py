@@ -57,6 +57,8 @@ class Plan:
     # The manager's records of seq_ids once committed (_State._apply): a
     # failed run() marks these, not whatever sequence has the id by then.
     _sequences: tuple = field(default=(), repr=False, compare=False)
+    # The layers a run() of this plan completed while it was live.
+    _ran: set = field(default_factory=set, repr=False, compare=False)
 
     @property
     def total_q(self) -> int:
@@ -97,7 +99,7 @@ def _explained(e: AttnserveError, prefix: str) -> AttnserveError:
 
 
 class _Sequence:
-    __slots__ = ("pages", "length", "plan", "unwritten", "lost")
+    __slots__ = ("pages", "length", "plan", "unwritten", "lost", "started")
 
     def __init__(self):
         self.pages: list = []
@@ -107,6 +109,7 @@ class _Sequence:
         # (step, layer) of earlier plans whose run() failed after a later
         # plan of the sequence was committed: no run() writes them again.
         self.lost: set = set()
+        self.started = 0  # the step of the plan that started it
 
 
 class _State:
@@ -217,10 +220,10 @@ class _State:
                         "layer of that plan again (with the same q, k_new, v_new) or finish() "
                         "the sequences")
         if stale:
-            says.append(describe(stale) + ": a run() of that layer failed or was interrupted, "
-                        "and that plan can no longer run (finish() of another of its sequences "
-                        "or a later plan made it stale), so their K/V of that step may never "
-                        "be written: finish() the sequences")
+            says.append(describe(stale) + ": a run() of that layer failed, was interrupted or "
+                        "never completed, and that plan can no longer run (finish() of another "
+                        "of its sequences, a later plan or a lost sequence made it stale), so "
+                        "their K/V of that step may never be written: finish() the sequences")
         if says:
             raise FailedPrecondition("; and ".join(says), method="plan")
 
@@ -423,6 +426,7 @@ class _State:
             s = self._seqs.get(sid)
             if s is None:
                 s = self._seqs[sid] = _Sequence()
+                s.started = plan.step
             s.pages, s.length = pages, length
             if s.plan is not None and s.unwritten:
                 # A run() of the plan this one replaces failed while it was
@@ -512,8 +516,23 @@ class _State:
 
     def _run_ok(self, plan: Plan, layer: int) -> None:
         if plan.valid:
+            plan._ran.add(layer)
             for sid in plan.seq_ids:
                 self._seqs[sid].unwritten.discard(layer)
+
+    def _mark_unrun(self, plan: Optional[Plan], gone: set) -> None:
+        """`plan` goes stale with the sequences `gone` lost mid-step: its other
+        sequences keep their rows, but record the layers no run() of it
+        completed as lost (no run() writes them now), so that plan() refuses
+        them until they are finished."""
+        if plan is None or not plan.valid:
+            return
+        unrun = [layer for layer in range(self.client.server_info.num_layers)
+                 if layer not in plan._ran]
+        appended = plan.append_lens if plan.append_lens is not None else plan.q_lens
+        for sid, s, n in zip(plan.seq_ids, plan._sequences, appended.tolist()):
+            if n and sid not in gone and self._seqs.get(sid) is s and s.plan is plan:
+                s.lost.update((plan.step, layer) for layer in unrun)
 
     def _undo(self, plan: Plan) -> list:
         """The bookkeeping of undo(); returns the pages to free."""
@@ -532,7 +551,7 @@ class _State:
             del s.pages[keep:]
             s.plan = None
             s.unwritten = set()
-            if s.length == 0 and not s.pages:
+            if s.started == plan.step:  # this plan started it; one that existed before stays
                 del self._seqs[sid]
         if self._latest is plan:
             self._latest = None

@@ -604,9 +604,19 @@ class Cluster:
         if lost:
             raise SequencesLost(lost, "a server holding them restarted or left", method="plan")
         # A sequence whose last run() of some layer failed on a server is
-        # refused until that layer has run again (KvManager.check_written).
+        # refused until that layer has run again (KvManager.check_written),
+        # and so is every other sequence of that step, as a KvManager's
+        # failed run() holds up its whole plan: planning one of them would
+        # make the step stale, and the layer could not run again.
+        ids, listed, steps = list(seq_ids), set(seq_ids), set()
+        for sid in seq_ids:
+            seq = self._seqs.get(sid)
+            if seq is not None and seq.step is not None and seq.step.valid and id(seq.step) not in steps:
+                steps.add(id(seq.step))
+                ids += [o for o in seq.step.seq_ids if o not in listed]
+                listed.update(seq.step.seq_ids)
         for i, server in enumerate(self._servers):
-            here = [sid for sid in seq_ids if sid in self._seqs
+            here = [sid for sid in ids if sid in self._seqs
                     and any(sh.server == i for sh in self._seqs[sid].shards)]
             if here:
                 try:
