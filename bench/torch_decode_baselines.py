@@ -15,7 +15,7 @@ ms times each call on an idle device (host launch latency included);
 ms_queued times it queued behind a spin kernel (device time alone), as
 attnserve_decode_bench reports both.
 
-Usage: bench/torch_decode_baselines.py [--quick]
+Usage: bench/torch_decode_baselines.py [--quick] [--only=NAME,...]
 """
 import argparse
 import os
@@ -40,10 +40,17 @@ SHAPES = [
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated shape names (default: all)")
     args = ap.parse_args()
+    names = [n for n in args.only.split(",") if n]
+    unknown = [n for n in names if n not in {s[0] for s in SHAPES}]
+    if unknown:
+        ap.error(f"--only: unknown shape {unknown[0]!r}; the shapes are {', '.join(s[0] for s in SHAPES)}")
     reps = 10 if args.quick else 50
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
     for name, b, ql, kl in SHAPES:
+        if names and name not in names:
+            continue
         torch_baselines.run(name, b, ql, kl, reps, queued=True)
 
 
