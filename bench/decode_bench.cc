@@ -21,7 +21,7 @@
 // prefill families read 16-bit pools only).
 //
 // Usage: attnserve_decode_bench [--quick] [--only=WORKLOAD[,WORKLOAD...]]
-//                               [--four_ctas=-1|0|1] [--kv_heads=N]
+//                               [--four_ctas=-1|0|1] [--kv_heads=N] [--trace]
 //   --only: run the workloads of those names alone (e.g. decode_b1, for ncu)
 //   --four_ctas: DecodeLaunchOptions::four_ctas of every decode launch (FP8,
 //     head_dim 128: the kernel compiled for four CTAs an SM; -1, the
@@ -29,6 +29,9 @@
 //     kernel alone, DecodePlanOptions::wide_ctas_per_sm 0)
 //   --kv_heads: KV heads of every workload (default 4; 8 query heads each):
 //     the same bytes a KV head, the pool's rows N heads wide
+//   --trace: one more launch of each decode workload with per-CTA stamps
+//     (DecodeLaunchOptions::trace), printed as a "TRACE ..." line: when the
+//     CTAs started, how long each streamed its K/V, and the tail
 // Prints one "RESULT key=value ..." line per measurement, then a table with
 // the targets.
 #include <cuda_runtime.h>
@@ -60,6 +63,53 @@ int g_four_ctas = -1;
 
 // --kv_heads: KV heads of every workload (8 query heads each).
 int g_kv_heads = 4;
+
+// --trace: after the timed runs, one more launch of each decode workload
+// with DecodeLaunchOptions::trace, summarized by PrintTrace.
+bool g_trace = false;
+
+// One traced launch (kDecodeTraceWords words a CTA): when the CTAs started,
+// how long each streamed its K/V, and when the number still streaming fell
+// to 95 / 75 / 50 / 25 / 0% of them (the tail), in us from the first start.
+void PrintTrace(const std::string& name, int page_size, const std::vector<unsigned long long>& w) {
+  const size_t n = w.size() / kDecodeTraceWords;
+  if (n == 0) return;
+  auto at = [&](size_t i, int k) { return w[i * kDecodeTraceWords + k]; };
+  unsigned long long t0 = at(0, kDecodeTraceStart), last_start = t0, end = 0;
+  for (size_t i = 0; i < n; ++i) {
+    t0 = std::min(t0, at(i, kDecodeTraceStart));
+    last_start = std::max(last_start, at(i, kDecodeTraceStart));
+    end = std::max(end, at(i, kDecodeTraceEnd));
+  }
+  std::vector<double> streamed(n), took(n);
+  int per_sm[1024] = {0};
+  for (size_t i = 0; i < n; ++i) {
+    streamed[i] = (at(i, kDecodeTraceStreamed) - t0) * 1e-3;
+    took[i] = (at(i, kDecodeTraceStreamed) - at(i, kDecodeTraceStart)) * 1e-3;
+    per_sm[at(i, kDecodeTraceSm) % 1024]++;
+  }
+  // Streaming time of CTAs alone on their SM against those sharing it.
+  double alone = 0, shared = 0;
+  int n_alone = 0, n_shared = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (per_sm[at(i, kDecodeTraceSm) % 1024] == 1) {
+      alone += took[i];
+      ++n_alone;
+    } else {
+      shared += took[i];
+      ++n_shared;
+    }
+  }
+  std::sort(streamed.begin(), streamed.end());
+  std::sort(took.begin(), took.end());
+  auto q = [](const std::vector<double>& v, double f) { return v[std::min(v.size() - 1, size_t(f * (v.size() - 1) + 0.5))]; };
+  std::printf("TRACE workload=%s page_size=%d ctas=%zu span_us=%.2f last_start_us=%.2f "
+              "stream_us_min=%.2f stream_us_p50=%.2f stream_us_max=%.2f stream_us_alone=%.2f (%d) stream_us_shared=%.2f (%d) "
+              "streaming_until_us: 95%%=%.2f 75%%=%.2f 50%%=%.2f 25%%=%.2f 0%%=%.2f\n",
+              name.c_str(), page_size, n, (end - t0) * 1e-3, (last_start - t0) * 1e-3, took.front(), q(took, 0.5),
+              took.back(), n_alone ? alone / n_alone : 0.0, n_alone, n_shared ? shared / n_shared : 0.0, n_shared,
+              q(streamed, 0.05), q(streamed, 0.25), q(streamed, 0.5), q(streamed, 0.75), streamed.back());
+}
 
 constexpr int kD = 128;
 
@@ -301,6 +351,21 @@ Row RunWorkload(const Workload& w, int repeats) {
     });
   }
   const double merge_share = std::max(0.0, (ms - ms_nomerge) / ms);
+  if (g_trace && dplan.cluster <= 1) {
+    unsigned long long* d_trace = nullptr;
+    const size_t words = size_t(n_items) * kDecodeTraceWords;
+    CHECK_CUDA(cudaMalloc(&d_trace, words * sizeof(unsigned long long)));
+    CHECK_CUDA(cudaMemset(d_trace, 0, words * sizeof(unsigned long long)));
+    DecodeLaunchOptions traced{dplan.cluster, false, g_four_ctas};
+    traced.trace = d_trace;
+    CHECK_CUDA(PagedDecodeCuda(params(0, o_dec), dplan.tile_rows, static_cast<DecodeWorkItem*>(d_items), n_items,
+                               part_o, part_lse, counters, nullptr, traced));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<unsigned long long> h_trace(words);
+    CHECK_CUDA(cudaMemcpy(h_trace.data(), d_trace, words * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaFree(d_trace));
+    PrintTrace(w.name, w.page_size, h_trace);
+  }
   std::printf("RESULT kernel=decode workload=%s kv_dtype=%s kv_heads=%d batch=%d q=%d kv=%d page_size=%d ms=%.4f kv_tbs=%.3f "
               "ms_queued=%.4f kv_tbs_queued=%.3f items=%d "
               "tile_rows=%d chunk=%d split_tiles=%d cluster=%d ctas_per_sm=%d wide_ctas_per_sm=%d four_ctas=%d ms_without_merge=%.4f "
@@ -493,8 +558,11 @@ int main(int argc, char** argv) {
       g_four_ctas = std::atoi(argv[i] + 12);
     } else if (std::strncmp(argv[i], "--kv_heads=", 11) == 0) {
       if (!BenchIntArg("--kv_heads", argv[i] + 11, 1, 64, &g_kv_heads)) return 2;
+    } else if (std::strcmp(argv[i], "--trace") == 0) {
+      g_trace = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--only=WORKLOAD] [--four_ctas=-1|0|1] [--kv_heads=1..64]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--only=WORKLOAD] [--four_ctas=-1|0|1] [--kv_heads=1..64] [--trace]\n",
+                   argv[0]);
       return 2;
     }
   }

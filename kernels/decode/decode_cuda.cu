@@ -225,6 +225,7 @@ cudaError_t PagedDecodeCuda(const PagedPrefillParams& params, int32_t tile_rows,
   args.cluster = options.cluster;
   args.slots_per_layer = geo.SlotsPerLayer();
   args.page = FastDiv(geo.page_size);
+  args.trace = options.trace;
   return ATTNSERVE_DISPATCH_DECODE(geo.head_dim, tile_rows, geo.dtype, geo.kv_fp8, cudaErrorInvalidValue,
                                    LaunchDecode, args, num_items, stream, options.four_ctas);
 }

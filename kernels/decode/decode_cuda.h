@@ -51,6 +51,15 @@ int32_t DecodeWideCtasPerSm(int32_t head_dim, KvDType dtype, int32_t tile_rows,
 int32_t DecodeMaxCluster(int32_t head_dim, KvDType dtype, int32_t tile_rows,
                          Fp8Format kv_fp8 = Fp8Format::kNone);
 
+// DecodeLaunchOptions::trace: the words each CTA writes.
+enum DecodeTraceStamp : int {
+  kDecodeTraceStart = 0,     // %globaltimer (ns) as the CTA starts
+  kDecodeTraceStreamed = 1,  // thread 0's warp has streamed and used its K/V (the main loop's end)
+  kDecodeTraceEnd = 2,       // its rows or partials written (a merging CTA: before the merge)
+  kDecodeTraceSm = 3,        // %smid
+  kDecodeTraceWords = 4,
+};
+
 struct DecodeLaunchOptions {
   // plan.cluster: > 1 runs cluster mode (num_items a multiple of it).
   int32_t cluster = 0;
@@ -65,6 +74,11 @@ struct DecodeLaunchOptions {
   // both); 0 / 1: never / always (tests and benchmarks). Ignored elsewhere
   // and in cluster mode.
   int32_t four_ctas = -1;
+  // Benchmark only: when set, each CTA i writes words
+  // [i * kDecodeTraceWords, (i + 1) * kDecodeTraceWords) (DecodeTraceStamp,
+  // kernels/decode/traits.cuh): when it started, when its K/V had all
+  // streamed in, when it had written its rows, and its SM.
+  unsigned long long* trace = nullptr;
 };
 
 // Runs every work item (one CTA of 128 threads each). params: q, o, lse,

@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/decode/decode_cuda.h"
 #include "kernels/decode/traits.cuh"
 #include "kernels/math.h"
 #include "kernels/sm80/mma.cuh"
@@ -83,6 +84,22 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8, kFour>()))
   float* s_row_l = s_row_m + kM;                                  // (M)
   int* s_last = reinterpret_cast<int*>(s_row_l + kM);
 
+  // Benchmark only: the CTA's stamps (DecodeTraceStamp), by thread 0. The
+  // pointer is read from the kernel's parameters at each stamp, so that it
+  // holds no register through the kernel.
+  auto stamp = [&](int at) {
+    if (args.trace != nullptr && tid == 0) {
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      args.trace[blockIdx.x * kDecodeTraceWords + at] = t;
+    }
+  };
+  stamp(kDecodeTraceStart);
+  if (args.trace != nullptr && tid == 0) {
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    args.trace[blockIdx.x * kDecodeTraceWords + kDecodeTraceSm] = sm;
+  }
   const DecodeWorkItem item = args.items[blockIdx.x];
   const PrefillSeq& seq = item.seq_info;
   const int H = args.p.geo.num_qo_heads;
@@ -580,6 +597,7 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8, kFour>()))
     __syncwarp();  // the next iteration refills the stages before these
   }
   mma::CpAsyncWait<0>();
+  stamp(kDecodeTraceStreamed);  // thread 0's warp: the CTA's other warps may still compute
 
   // ---- Combine the 4 warps: row max / sum, then each warp's O scaled by
   // 2^(m_w - m) / l into shared memory (over Q and the rings: barrier first).
@@ -735,6 +753,7 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8, kFour>()))
       if (q % kRowQuads == 0) write_lse(row, l > 0.f ? m + log2f(l) : -INFINITY);
     }
     cluster.sync();
+    stamp(kDecodeTraceEnd);
     return;
 #else
     __trap();  // the plan chooses cluster mode only on sm_90+ (DecodeMaxCluster)
@@ -757,6 +776,7 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8, kFour>()))
       const int64_t row = out_row(tid, &t);
       if (row >= 0) write_lse(row, row_lse2(tid));
     }
+    stamp(kDecodeTraceEnd);
     return;
   }
 
@@ -775,6 +795,7 @@ __global__ void __launch_bounds__(128, (DecodeMinBlocks<D, MT, F8, kFour>()))
     __stcg(dst + 1, make_float4(v[4], v[5], v[6], v[7]));
   }
   if (tid < valid_rows) __stcg(args.part_lse + slot * kM + tid, row_lse2(tid));
+  stamp(kDecodeTraceEnd);
   if (args.skip_merge) return;
   __threadfence();
   __syncthreads();

@@ -31,7 +31,11 @@ struct DecodeKernelArgs {
   int32_t cluster;  // > 1: cluster mode (grid = tiles x cluster, sm_90)
   int64_t slots_per_layer;    // p.geo.SlotsPerLayer()
   FastDiv page;               // p.geo.page_size, as a divider of key positions
+  // Benchmark only (DecodeLaunchOptions::trace): per CTA, kDecodeTraceWords
+  // words (DecodeTraceStamp, decode_cuda.h); null in the server.
+  unsigned long long* trace;
 };
+
 
 constexpr int ConstMax(int a, int b) { return a > b ? a : b; }
 
