@@ -252,6 +252,35 @@ def test_prefill_causal_defaults_to_false(filled):
             b.reference(0, q, qo, causal=False))
 
 
+def test_plan_keeps_a_copy_of_its_index_arrays(filled):
+    """FlashInfer's plan() copies its arrays, so an engine may refill its own
+    before run() (int64 here, torch.tensor's default, which numpy would
+    otherwise share): run() attends with the layout that was planned."""
+    b, c = filled, filled.cache
+    qo = torch.tensor([0, 4, 6, 19])
+    indptr, indices, last = b.indptr.long(), b.indices.long(), b.last.long()
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(c)
+    w.plan(qo, indptr, indices, last, c.num_qo_heads, c.num_kv_heads, c.head_dim, c.page_size,
+           causal=True, q_data_type=BF16)
+    planned = qo.numpy().copy()
+    qo[1], last[0] = 1, 1                                   # the engine's buffers, refilled
+    q = _q(b, 19)
+    matches(w.run(q, c[0], return_lse=True), b.reference(0, q, planned, causal=True),
+            b.reference(0, q, qo.numpy(), causal=True))
+
+
+def test_wrappers_dropped_without_close_hold_no_plans(filled):
+    """A loop that makes a wrapper a step (FlashInfer's wrappers are cheap to
+    make) runs past --max_plans_per_tenant (64): a dropped wrapper's server
+    plans go at the cache's next plan."""
+    b, c = filled, filled.cache
+    q = _q(b, len(b.kv_lens))
+    for _ in range(70):
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(c)
+        plan_decode(w, b)
+        matches(w.run(q, c[1], return_lse=True), b.reference(1, q, decode_qo(3), causal=False))
+
+
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_sm_scale(filled, kind):
     b, c = filled, filled.cache

@@ -55,7 +55,9 @@ def _ints(x, name: str) -> np.ndarray:
         raise TypeError(f"{name}: integers expected, got {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name}: a 1-D array expected, got shape {list(arr.shape)}")
-    return arr.astype(np.int64, copy=False)
+    # A copy, as FlashInfer's plan() takes one: the caller may refill its
+    # own array or tensor before run() uses what was planned.
+    return arr.astype(np.int64, copy=True)
 
 
 def _torch_dtype(value, name: str):
@@ -227,8 +229,10 @@ class _PlanLedger:
         self._known: set = set()   # made, not yet released by a wrapper
         self._in_doubt = False
         self._creating = 0         # CreatePlans in flight (their ids not known yet)
+        self._abandoned: list = []  # plans of wrappers dropped without close()
 
     def create(self, *layout) -> int:
+        self._release_abandoned()
         self.settle()
         with self._lock:
             self._creating += 1
@@ -244,6 +248,27 @@ class _PlanLedger:
             self._creating -= 1
             self._known.add(plan_id)
         return plan_id
+
+    def abandon(self, plan_ids: set) -> None:
+        """A wrapper was dropped (garbage-collected) without close() while it
+        held plan_ids: the next create() releases them, so that a loop that
+        makes a wrapper a step holds no more plans than one that reuses it
+        (weakref.finalize: no call to the server from here)."""
+        with self._lock:
+            ids = [p for p in plan_ids if p in self._known]
+            self._known.difference_update(ids)
+            self._abandoned.extend(ids)
+
+    def _release_abandoned(self) -> None:
+        with self._lock:
+            ids, self._abandoned = self._abandoned, []
+        for plan_id in ids:
+            try:
+                self._cache.rpc.release_plan(plan_id)
+            except NotFound:
+                pass  # gone already (idle timeout, lease ended)
+            except AttnserveError:
+                self.doubt()  # no wrapper knows it now: settle() releases it
 
     def forget(self, plan_id: int) -> None:
         """A wrapper is releasing plan_id (or found it gone)."""

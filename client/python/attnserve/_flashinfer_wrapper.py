@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -50,6 +51,11 @@ class _Wrapper:
         # next plan() comes, and must not find its plan gone).
         self._retired: list = []         # [(plan ids, futures)]
         self._releases: list = []        # ReleasePlan calls in flight
+        # Every server plan id this wrapper holds (in _plans or _retired):
+        # given back to the cache's ledger if the wrapper is dropped without
+        # close(), and released by the cache's next CreatePlan.
+        self._held: set = set()
+        weakref.finalize(self, float_workspace_buffer._server_plans.abandon, self._held)
         self._layouts: dict = {}
         self._tls = threading.local()    # .blocking: inside run() (see _now)
 
@@ -178,6 +184,7 @@ class _Wrapper:
                 keep.append((plan_ids, runs))
                 continue
             for plan_id in plan_ids:
+                self._held.discard(plan_id)
                 self._cache._server_plans.forget(plan_id)
                 try:
                     self._releases.append(rpc._call_future(rpc._req_release_plan(plan_id), None))
@@ -209,12 +216,14 @@ class _Wrapper:
                                                        self._kv_indices, self._kv_last,
                                                        slots if slots is not None else [])
             self._plans[key] = plan_id
+            self._held.add(plan_id)
         return plan_id
 
     def close(self) -> None:
         """Releases this wrapper's server plans now (the cache's close() does too)."""
         if self._cache._closed:
             self._plans, self._runs, self._retired, self._releases = {}, [], [], []
+            self._held.clear()
             return
         self._release_plans(wait=True)
         self._settle_releases()
