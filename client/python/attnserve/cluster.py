@@ -34,7 +34,6 @@ call fails").
 
 from __future__ import annotations
 
-import math
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -49,6 +48,8 @@ from attnserve.client import Client
 from attnserve.errors import (AttnserveError, DataLoss, DeadlineExceeded, ResourceExhausted,
                               SequencesLost, StaleIncarnation, Unavailable)
 from attnserve._interrupts import held_interrupt
+from attnserve._cluster_placement import (Shard, causal_spread, place_tokens,  # noqa: F401
+                                          share_step)
 from attnserve._kv_state import _MAX_STEP_TOKENS, _checked_layer, _explained
 from attnserve.kv_manager import KvManager, Plan
 from attnserve.merge import merge_states
@@ -56,15 +57,6 @@ from attnserve.results import PrefillResult
 
 _DNS = "dns:///"
 _LOST_WHY = "a server holding them restarted, lost their pages or could not be reached"
-
-
-@dataclass
-class Shard:
-    """Positions [start, start + length) of a sequence, on server `server`."""
-
-    server: int
-    start: int
-    length: int
 
 
 @dataclass
@@ -186,21 +178,6 @@ def getaddrinfo_resolver(host: str, port: str) -> list:
     return sorted(out)
 
 
-def causal_spread(n: int, k: int) -> list:
-    """How a step spreads n new tokens of one sequence over k servers, in
-    position order: each server gets the same share of the causal attention
-    among the new tokens (the keys [a, n) take (n - a)^2 / 2 of the n^2 / 2
-    triangle, so the last m of k shards start at n (1 - sqrt(m / k)); the
-    first shard is the smallest). Sums to n."""
-    k = max(k, 1)
-    sizes, prev = [], 0
-    for j in range(1, k + 1):
-        bound = n if j == k else int(math.floor(n * (1 - math.sqrt((k - j) / k)) + 0.5))
-        sizes.append(max(0, bound - prev))
-        prev = max(prev, bound)
-    return sizes
-
-
 def _rows(x, idx: np.ndarray):
     """x[idx] for numpy or torch."""
     if _dt.is_torch(x):
@@ -209,13 +186,6 @@ def _rows(x, idx: np.ndarray):
     if isinstance(x, _dt.RawBits):
         return x[idx]
     return np.asarray(x)[idx]
-
-
-def _carries_sinks(shard: Shard) -> bool:
-    """Whether a sequence's attention sinks enter its softmax on the server of
-    this shard: on the one holding its first keys only, so that the merge by
-    LSE of its servers' states counts them exactly once."""
-    return shard.start == 0
 
 
 def _count(x) -> int:
@@ -624,73 +594,11 @@ class Cluster:
                 except AttnserveError as e:
                     raise _explained(e, f"server {server.address}: ") from None
 
-        ps = self._geometry["page_size"]
         free = [s.free_estimate() if s.usable else -1 for s in self._servers]
-        chunks = []  # per sequence: [(server, count)] in position order
-        for sid, n in zip(seq_ids, lens.tolist()):
-            seq = self._seqs.get(sid)
-            shards = seq.shards if seq is not None else []
-            order = [shards[-1].server] if shards else []
-            tail_len = shards[-1].length if shards else 0
-            holding = {sh.server for sh in shards}
-            others = sorted((i for i in range(len(self._servers))
-                             if free[i] >= 0 and i not in holding), key=lambda i: -free[i])
-            room = (self.max_servers_per_sequence - len(shards)
-                    if self.max_servers_per_sequence else len(others))
-            order += others[:max(0, room)]
-            if not order:
-                raise AttnserveError("no server of the cluster is reachable",
-                                     grpc.StatusCode.UNAVAILABLE, "plan")
-            spread = self.split_min_tokens > 0 and n >= self.split_min_tokens
-            sizes = causal_spread(n, len(order) if spread else 1)
-            want = sizes + [0] * (len(order) - len(sizes))
-            carry, mine = 0, []
-            for j, srv in enumerate(order):
-                tail = j == 0 and bool(shards)
-                base = tail_len if tail else 0
-                cap = max(0, free[srv]) * ps + (-(-base // ps) * ps - base)
-                desired = want[j] + carry
-                take = min(desired, cap)
-                carry = desired - take
-                if take > 0 or (j == 0 and n == 0 and not shards):
-                    mine.append((srv, take))
-                    free[srv] -= -(-(base + take) // ps) - -(-base // ps)
-            if carry > 0:
-                limit = (f", or max_servers_per_sequence={self.max_servers_per_sequence}"
-                         if self.max_servers_per_sequence else "")
-                raise ResourceExhausted(f"sequence {sid!r}: {carry} of its {n} new tokens fit "
-                                        f"on no server (too few free pages{limit})",
-                                        method="plan")
-            chunks.append(mine)
-
-        # Each server's share: every shard of a sequence (old and new) attends
-        # with the step's rows of that sequence that can see some of it.
-        per_server = [[] for _ in self._servers]  # (b, append, offset, end, skip, sinks)
-        causal = self._kv_options["causal"]
-        shards_after, length_after = [], []
-        for b, (sid, n) in enumerate(zip(seq_ids, lens.tolist())):
-            seq = self._seqs.get(sid)
-            shards = [Shard(sh.server, sh.start, sh.length) for sh in seq.shards] if seq else []
-            start = seq.length if seq else 0
-            appended = [0] * len(shards)
-            offset = 0
-            for srv, count in chunks[b]:
-                if shards and shards[-1].server == srv:
-                    shards[-1].length += count
-                    appended[-1] = count
-                else:
-                    shards.append(Shard(srv, start + offset, count))
-                    appended.append(count)
-                offset += count
-            length_after.append(start + n)
-            shards_after.append(shards)
-            for sh, a in zip(shards, appended):
-                end = sh.start + sh.length
-                # The step's row r is position start + r: it sees this shard
-                # from position sh.start on (causal); the rows before stay away.
-                skip = min(max(sh.start - start, 0), n) if causal else 0
-                per_server[sh.server].append((b, a, max(0, end - a - start), end, skip,
-                                              _carries_sinks(sh)))
+        chunks = place_tokens(seq_ids, lens.tolist(), self._seqs, free, self._geometry["page_size"],
+                              self.split_min_tokens, self.max_servers_per_sequence)
+        per_server, shards_after, length_after = share_step(
+            seq_ids, lens.tolist(), self._seqs, chunks, len(self._servers), self._kv_options["causal"])
 
         step = ClusterStep(step=self._step + 1, seq_ids=tuple(seq_ids),
                            q_lens=lens.astype(np.int32),
