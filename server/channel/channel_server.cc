@@ -205,6 +205,8 @@ class ChannelServer::Poller final : public ChannelEndpoint,
   std::vector<uint64_t> taken_;  // per slot, the last request_seq taken (poller thread only)
   std::unique_ptr<std::atomic<bool>[]> busy_;  // per slot: a request in flight
   std::vector<std::shared_ptr<std::string>> copies_;  // per slot: where its bytes are copied
+  // What a slot's copy keeps between requests (above: the request's own).
+  static constexpr uint32_t kKeptCopyBytes = 256 << 10;
   std::atomic<bool> closing_{false};
   absl::Mutex mu_;
   int inflight_ ABSL_GUARDED_BY(mu_) = 0;
@@ -246,8 +248,17 @@ void ChannelServer::Poller::Take(int32_t slot, uint64_t seq) {
     // One copy out of the slot: the client may write it at any time, so the
     // server reads the request only from here.
     // (A request abandoned at shutdown may still hold the slot's last copy.)
-    if (copies_[slot].use_count() > 1) copies_[slot] = std::make_shared<std::string>();
-    r->bytes = copies_[slot];
+    // A slot keeps its copy for the next request only up to kKeptCopyBytes:
+    // a larger one is the request's alone and goes with it, so that an idle
+    // channel holds at most slot_count * kKeptCopyBytes (a client that once
+    // filled every 16 MiB slot would otherwise leave 1 GiB a channel held,
+    // counted by no cap).
+    if (request_bytes > kKeptCopyBytes) {
+      r->bytes = std::make_shared<std::string>();
+    } else {
+      if (copies_[slot].use_count() > 1) copies_[slot] = std::make_shared<std::string>();
+      r->bytes = copies_[slot];
+    }
     r->bytes->resize(request_bytes);
     std::memcpy(r->bytes->data(), ChannelPayload(ring_.base, ring_.slot_bytes, slot),
                 request_bytes);

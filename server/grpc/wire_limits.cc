@@ -63,6 +63,22 @@ bool CountVarints(CodedInputStream* input, uint32_t length, int64_t limit, int64
   return true;
 }
 
+// The wire types protobuf parses as an occurrence of `field` (any other it
+// keeps as an unknown field).
+bool Takes(const WireField& field, WireFormatLite::WireType wire) {
+  if (wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) return true;  // a message, or packed
+  switch (field.kind) {
+    case WireField::kRepeatedScalar:
+      return wire == WireFormatLite::WIRETYPE_VARINT;
+    case WireField::kRepeatedFixed32:
+      return wire == WireFormatLite::WIRETYPE_FIXED32;
+    case WireField::kMessage:
+    case WireField::kRepeatedMessage:
+      return false;
+  }
+  return false;
+}
+
 class Walker {
  public:
   Walker(CodedInputStream* input, const WireMessage& top) : input_(input), top_(top) {}
@@ -99,13 +115,20 @@ class Walker {
       size_t index = 0;
       while (index < message.fields.size() && message.fields[index].number != number) ++index;
       const WireField* field = index < message.fields.size() ? &message.fields[index] : nullptr;
+      const WireFormatLite::WireType wire = WireFormatLite::GetTagWireType(tag);
+      // A listed field in a wire type its kind does not take (a message sent
+      // as a varint) is one protobuf keeps as an unknown field on the heap:
+      // counted as one, or a flood of two-byte tags would each cost a heap
+      // entry.
+      if (field != nullptr && !Takes(*field, wire)) field = nullptr;
       if (field == nullptr && ++unlisted > kMaxUnlisted) {
         return Malformed(frame, absl::StrCat("more than ", kMaxUnlisted,
                                              " occurrences of singular or unknown fields (field ", number,
-                                             " the last): fields this server does not know, or a "
-                                             "singular field repeated"));
+                                             " the last): fields this server does not know, a "
+                                             "singular field repeated, or a field in a wire type "
+                                             "that is not its own"));
       }
-      switch (WireFormatLite::GetTagWireType(tag)) {
+      switch (wire) {
         case WireFormatLite::WIRETYPE_VARINT: {
           uint64_t value = 0;
           if (!input_->ReadVarint64(&value)) return Malformed(frame, "truncated varint");

@@ -87,6 +87,31 @@ TEST(WireLimitsTest, EveryRepeatedAndMessageFieldOfEveryRequestIsListed) {
   }
 }
 
+// A listed field in a wire type that is not its own (the q tensor, field 2
+// of a Prefill, sent as a varint; kv_indices, field 5, as a fixed64) is one
+// protobuf keeps as an unknown field: past 64 such occurrences the request
+// is refused before parsing, not after a heap entry each.
+TEST(WireLimitsTest, ListedFieldsInAnotherWireTypeCountAsUnknown) {
+  const RequestWireLimits limits(1000, 1000, 1000, 16);
+  auto repeated = [](const std::string& one, int n) {
+    std::string s;
+    for (int i = 0; i < n; ++i) s += one;
+    return s;
+  };
+  const std::string q_as_varint("\x10\x00", 2);
+  const std::string indices_as_fixed64 = std::string("\x29", 1) + std::string(8, '\0');
+  for (const std::string& one : {q_as_varint, indices_as_fixed64}) {
+    EXPECT_TRUE(CheckWire(Buffer(repeated(one, 64)), limits.prefill).ok());
+    absl::Status s = CheckWire(Buffer(repeated(one, 65)), limits.prefill);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("a field in a wire type that is not its own"));
+  }
+  // Its own wire types still count as entries of the field, not as unknown.
+  std::string indices;
+  for (int i = 0; i < 100; ++i) indices += std::string("\x28\x01", 2);  // kv_indices as varints
+  EXPECT_TRUE(CheckWire(Buffer(indices), limits.prefill).ok());
+}
+
 // 64 occurrences of unlisted fields in one message pass (a newer client's
 // few fields, or singular fields); 65 are refused, at the top level and in
 // a nested message, naming where.

@@ -212,3 +212,42 @@ def test_an_interrupted_wait_abandons_its_slot_instead_of_wedging_it(monkeypatch
         region.close(client)
         client.free_pages(pages)
         client.close()
+
+
+def _rss_anon(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon")
+
+
+def test_an_idle_channel_keeps_no_copy_of_its_large_requests():
+    """The server copies each request out of its slot. A slot keeps that
+    copy's buffer for the next request only up to 256 KiB (docs/transport.md,
+    "What it costs"), so after 4 MiB requests in each of 16 slots the idle
+    channel holds no 64 MiB of the server's memory."""
+    with TestServer(extra_flags=["--allow_shared_memory"]) as server:
+        client = attnserve.Client(server.address, timeout=60)
+        slot_bytes, slots = 4 << 20, 16
+        region = attnserve.SharedMemoryRegion(
+            attnserve_channel.channel_bytes(slots, slot_bytes)).register(client, "big")
+        try:
+            ch = client.open_channel(region, 0, slot_count=slots, slot_bytes=slot_bytes)
+            g = client.server_info
+            before = _rss_anon(server._proc.pid)
+            # 3 MiB of queries over a page never allocated: refused once the
+            # server has copied the request out of its slot and checked it.
+            rows = (3 << 20) // (g.num_qo_heads * g.head_dim * 2)
+            q = np.ones((rows, g.num_qo_heads, g.head_dim), np.float32)
+            layout = attnserve.PrefillLayout.encode([0, rows], [0, 1], [g.num_pages - 1], [1])
+            calls = [ch.prefill_layout_async(0, q, layout) for _ in range(slots)]
+            for call in calls:
+                with pytest.raises(attnserve.AttnserveError, match="kv_indices"):
+                    call.result()
+            grown = _rss_anon(server._proc.pid) - before
+            assert grown < (32 << 20), f"the idle channel holds {grown >> 20} MiB of the server's memory"
+            ch.close()
+        finally:
+            region.close(client)
+            client.close()
