@@ -54,6 +54,18 @@ constexpr char kKeyRemoved[] =
 // never shrink (so no access through the mapping can fault past its end)
 // and may be written.
 absl::Status CheckDepositFd(int fd) {
+  // F_GET_SEALS first: it answers only for the kernel's shmem and hugetlbfs
+  // files and fails at once for anything else, without asking the file's
+  // filesystem. fstat and fstatfs on a file of a FUSE mount wait for its
+  // daemon, which a hostile one never answers, and this runs on the region
+  // socket's one thread.
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0) {
+    return absl::InvalidArgumentError(
+        "the file descriptor is not a memfd: create the region's memory with "
+        "memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING) (no MFD_HUGETLB; files on disk and "
+        "sockets are refused)");
+  }
   struct stat st {};
   if (fstat(fd, &st) != 0) {
     return absl::InvalidArgumentError(
@@ -71,12 +83,6 @@ absl::Status CheckDepositFd(int fd) {
     return absl::InvalidArgumentError(
         "the memfd is not open read-write: send the descriptor memfd_create returned (the "
         "server writes outputs into regions)");
-  }
-  const int seals = fcntl(fd, F_GET_SEALS);
-  if (seals < 0) {
-    return absl::InvalidArgumentError(
-        "the file cannot be sealed: create it with memfd_create(name, MFD_CLOEXEC | "
-        "MFD_ALLOW_SEALING)");
   }
   if ((seals & F_SEAL_SHRINK) == 0) {
     return absl::InvalidArgumentError(
