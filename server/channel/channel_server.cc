@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -347,12 +348,21 @@ absl::StatusOr<ChannelServer::Opened> ChannelServer::Open(const CallContext& ctx
         auto poller = std::make_shared<Poller>(this, r);
         opened.slot_count = r.slot_count;
         opened.slot_bytes = r.slot_bytes;
-        std::thread([poller]() mutable {
-          ChannelServer* server = poller->server_;
-          poller->Run();
-          poller.reset();  // the ring's region is released before the server may go
-          server->ThreadDone();
-        }).detach();
+        try {
+          std::thread([poller]() mutable {
+            ChannelServer* server = poller->server_;
+            poller->Run();
+            poller.reset();  // the ring's region is released before the server may go
+            server->ThreadDone();
+          }).detach();
+        } catch (const std::system_error& e) {
+          // The host has no thread left to give (RLIMIT_NPROC, memory): the
+          // channel is refused, and the server goes on serving.
+          ThreadDone();
+          return absl::ResourceExhaustedError(
+              absl::StrCat("the server cannot start the channel's poller thread (", e.what(),
+                           "): close other channels, or use gRPC Prefill calls"));
+        }
         return std::shared_ptr<ChannelEndpoint>(poller);
       });
   if (!id.ok()) return id.status();
