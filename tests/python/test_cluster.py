@@ -652,3 +652,39 @@ def test_a_layer_that_failed_on_one_server_holds_up_every_sequence_of_its_step()
             c.release()
     finally:
         stop(servers)
+
+
+def test_a_ctrl_c_held_by_a_manager_does_not_keep_a_finish_from_it():
+    """A manager holds a KeyboardInterrupt that came while it recorded a
+    layer's run (raised at its next call). A cluster's finish() still has
+    that manager forget the sequence before the interruption comes out;
+    raised before the manager's finish ran, it kept the old rows for the id."""
+    servers = start(2, page_size=1, num_pages=4096)
+    try:
+        with attnserve.Cluster([s.address for s in servers], split_min_tokens=8, timeout=60) as c:
+            g = c.server_info
+            step = c.plan(["B"], [32])
+            assert len(c.shards_of("B")) == 2
+            rng = np.random.default_rng(38)
+            q = rng.standard_normal((32, g.num_qo_heads, g.head_dim), np.float32)
+            k = rng.standard_normal((32, g.num_kv_heads, g.head_dim), np.float32)
+            first = step.parts[0].server                    # the part run on this thread
+            kv = c.kv_manager(first)
+            real = kv._run_ok
+
+            def run_ok_then_ctrl_c(plan, layer):
+                signal.raise_signal(signal.SIGINT)
+                return real(plan, layer)
+
+            for layer in range(g.num_layers):
+                if layer == g.num_layers - 1:
+                    kv._run_ok = run_ok_then_ctrl_c
+                c.run(layer, q, k, k, step=step)
+            del kv._run_ok
+            with pytest.raises(KeyboardInterrupt):
+                c.finish("B")
+            assert not c.kv_manager(0).has("B") and not c.kv_manager(1).has("B")
+            run_and_check(c, Reference(c.server_info), c.plan(["B"], [4]), rng)
+            c.release()
+    finally:
+        stop(servers)

@@ -281,6 +281,51 @@ def test_wrappers_dropped_without_close_hold_no_plans(filled):
         matches(w.run(q, c[1], return_lse=True), b.reference(1, q, decode_qo(3), causal=False))
 
 
+def test_a_dropped_wrappers_plans_go_only_once_its_runs_are_answered(filled, server):
+    """A run still in flight when its wrapper is dropped keeps its plan: the
+    cache releases the plan at a later CreatePlan, once the run has its
+    answer (as a live wrapper's plan() does), never under the queued run."""
+    import gc
+    b, c = filled, filled.cache
+    q = _q(b, len(b.kv_lens))
+    w = fi.BatchDecodeWithPagedKVCacheWrapper(c)
+    plan_decode(w, b)
+    w.run(q, c[1])                                          # the server plan exists
+    ledger = c._server_plans
+    server.pause()
+    try:
+        future = w.run_async(q, c[1], return_lse=True)      # queued: the server is stopped
+        plan_ids = frozenset(w._held.ids)
+        del w
+        gc.collect()
+        ledger._release_abandoned()                         # what the next CreatePlan does first
+        assert [ids for ids, _ in ledger._abandoned] == [plan_ids]
+    finally:
+        server.resume()
+    matches(future.result(), b.reference(1, q, decode_qo(3), causal=False))
+    w2 = fi.BatchDecodeWithPagedKVCacheWrapper(c)
+    plan_decode(w2, b)
+    w2.run(q, c[1])                                         # its CreatePlan releases them now
+    assert ledger._abandoned == [] and not plan_ids & ledger._known
+
+
+def test_a_collection_inside_the_plan_ledger_does_not_deadlock(grpc_cache):
+    """weakref.finalize runs a dropped wrapper's abandon() on whatever thread
+    a garbage collection runs, which may be inside the ledger's own lock."""
+    import threading
+    from attnserve._flashinfer_cache import _HeldPlans
+    ledger = grpc_cache._server_plans
+
+    def collect_inside_the_lock():
+        with ledger._lock:
+            ledger.abandon(_HeldPlans())
+
+    t = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "abandon() waited for the lock its own thread held"
+
+
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_sm_scale(filled, kind):
     b, c = filled, filled.cache

@@ -216,6 +216,17 @@ def _last_per_slot(entry: tuple) -> tuple:
 
 
 # ---------------------------------------------------------------- the cache
+class _HeldPlans:
+    """The server plans a wrapper holds and the runs made under them, for its
+    finalizer (which must not hold the wrapper)."""
+
+    __slots__ = ("ids", "runs")
+
+    def __init__(self):
+        self.ids: set = set()
+        self.runs: list = []
+
+
 class _PlanLedger:
     """The server plans a PagedKVCache's wrappers hold under its lease. A
     CreatePlan or ReleasePlan whose reply was lost may leave a plan on the
@@ -229,7 +240,11 @@ class _PlanLedger:
         self._known: set = set()   # made, not yet released by a wrapper
         self._in_doubt = False
         self._creating = 0         # CreatePlans in flight (their ids not known yet)
-        self._abandoned: list = []  # plans of wrappers dropped without close()
+        # Plans of wrappers dropped without close(): (ids, runs), put in the
+        # inbox by abandon(), released by create() once their runs are done
+        # (_abandoned: taken from the inbox, runs still in flight).
+        self._inbox: list = []
+        self._abandoned: list = []
 
     def create(self, *layout) -> int:
         self._release_abandoned()
@@ -249,26 +264,36 @@ class _PlanLedger:
             self._known.add(plan_id)
         return plan_id
 
-    def abandon(self, plan_ids: set) -> None:
+    def abandon(self, held: "_HeldPlans") -> None:
         """A wrapper was dropped (garbage-collected) without close() while it
-        held plan_ids: the next create() releases them, so that a loop that
-        makes a wrapper a step holds no more plans than one that reuses it
-        (weakref.finalize: no call to the server from here)."""
-        with self._lock:
-            ids = [p for p in plan_ids if p in self._known]
-            self._known.difference_update(ids)
-            self._abandoned.extend(ids)
+        held server plans (held.ids) with runs made under them (held.runs):
+        the next create() releases each once those runs have their answers,
+        so that a loop that makes a wrapper a step holds no more plans than
+        one that reuses it. Called by weakref.finalize, on whatever thread a
+        collection runs, even one inside this ledger's lock: no lock here
+        (list.append is atomic), no call to the server."""
+        self._inbox.append((frozenset(held.ids), list(held.runs)))
 
     def _release_abandoned(self) -> None:
-        with self._lock:
-            ids, self._abandoned = self._abandoned, []
-        for plan_id in ids:
-            try:
-                self._cache.rpc.release_plan(plan_id)
-            except NotFound:
-                pass  # gone already (idle timeout, lease ended)
-            except AttnserveError:
-                self.doubt()  # no wrapper knows it now: settle() releases it
+        while self._inbox:
+            self._abandoned.append(self._inbox.pop())
+        if not self._abandoned:
+            return
+        ready, waiting = [], []
+        for ids, runs in self._abandoned:
+            (ready if all(f.done() for f in runs) else waiting).append((ids, runs))
+        self._abandoned = waiting  # their runs still in flight: at a later create()
+        for ids, _ in ready:
+            with self._lock:
+                ids = [p for p in ids if p in self._known]
+                self._known.difference_update(ids)
+            for plan_id in ids:
+                try:
+                    self._cache.rpc.release_plan(plan_id)
+                except NotFound:
+                    pass  # gone already (idle timeout, lease ended)
+                except AttnserveError:
+                    self.doubt()  # no wrapper knows it now: settle() releases it
 
     def forget(self, plan_id: int) -> None:
         """A wrapper is releasing plan_id (or found it gone)."""

@@ -15,7 +15,7 @@ import torch  # attnserve.flashinfer, which imports this module, says when it is
 from attnserve.layout import AttentionOptions, PrefillLayout
 from attnserve.errors import AttnserveError, NotFound, outcome_unknown
 from attnserve._flashinfer_transport import AttentionFuture, _Request
-from attnserve._flashinfer_cache import (PagedKVCache, _check_kv_layout,
+from attnserve._flashinfer_cache import (PagedKVCache, _HeldPlans, _check_kv_layout,
                                          _float_arg, _int_arg, _kv_format, _layer_of,
                                          _torch_dtype, _unsupported)
 
@@ -54,7 +54,7 @@ class _Wrapper:
         # Every server plan id this wrapper holds (in _plans or _retired):
         # given back to the cache's ledger if the wrapper is dropped without
         # close(), and released by the cache's next CreatePlan.
-        self._held: set = set()
+        self._held = _HeldPlans()
         weakref.finalize(self, float_workspace_buffer._server_plans.abandon, self._held)
         self._layouts: dict = {}
         self._tls = threading.local()    # .blocking: inside run() (see _now)
@@ -184,13 +184,16 @@ class _Wrapper:
                 keep.append((plan_ids, runs))
                 continue
             for plan_id in plan_ids:
-                self._held.discard(plan_id)
+                self._held.ids.discard(plan_id)
                 self._cache._server_plans.forget(plan_id)
                 try:
                     self._releases.append(rpc._call_future(rpc._req_release_plan(plan_id), None))
                 except AttnserveError:
                     self._cache._server_plans.doubt()  # the next CreatePlan releases it
         self._retired = keep
+        # What a finalizer would have to wait for: the runs this wrapper still
+        # keeps (results it holds, nothing more).
+        self._held.runs[:] = [f for _, runs in keep for f in runs]
 
     def _settle_releases(self) -> None:
         for call in self._releases:
@@ -216,14 +219,15 @@ class _Wrapper:
                                                        self._kv_indices, self._kv_last,
                                                        slots if slots is not None else [])
             self._plans[key] = plan_id
-            self._held.add(plan_id)
+            self._held.ids.add(plan_id)
         return plan_id
 
     def close(self) -> None:
         """Releases this wrapper's server plans now (the cache's close() does too)."""
         if self._cache._closed:
             self._plans, self._runs, self._retired, self._releases = {}, [], [], []
-            self._held.clear()
+            self._held.ids.clear()
+            self._held.runs.clear()
             return
         self._release_plans(wait=True)
         self._settle_releases()
@@ -310,6 +314,7 @@ class _Wrapper:
         if len(self._runs) >= 256:              # a plan run for many steps
             self._runs = [f for f in self._runs if not f.done()]
         self._runs.append(future)
+        self._held.runs.append(future)
         return future
 
 

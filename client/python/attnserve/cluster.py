@@ -620,7 +620,7 @@ class Cluster:
                                       [length_after[e[0]] - e[3] for e in entries],
                                       [e[5] for e in entries])
             except BaseException as e:
-                lost = []
+                lost, interrupted = [], None
                 for i, p in reversed(done):
                     # undo takes the bookkeeping back whatever happens; a free
                     # it could not confirm is its manager's to settle.
@@ -630,6 +630,8 @@ class Cluster:
                         self._observe(i, u, lost)
                     except AttnserveError:
                         pass
+                    except BaseException as u:  # interrupted: the other undos still run
+                        interrupted = interrupted or u
                     # The server's previous plan of these sequences went
                     # stale when this one was made, and undo does not bring
                     # it back: the cluster steps that ran them there cannot
@@ -649,6 +651,8 @@ class Cluster:
                 # Lost sequences of the step fail it; others lost now are
                 # reported when a call names them, and the step can be planned
                 # again at once.
+                if interrupted is not None and isinstance(e, AttnserveError):
+                    raise interrupted
                 named = [sid for sid in lost if sid in wanted]
                 if named:
                     raise SequencesLost(named, f"server {s.address}: {e.details}" if accounted

@@ -79,7 +79,7 @@ class KvManager(_Bookkeeping):
                          options=options, layer_options=layer_options)
         self.page_size = client.server_info.page_size
 
-    def _drive(self, flow):
+    def _drive(self, flow, finishing: bool = False):
         """Runs a flow with the blocking client. A KeyboardInterrupt is taken
         while a call waits on the server, or held while the flow's own
         bookkeeping runs (held_interrupt): if the flow then has a call left,
@@ -87,8 +87,15 @@ class KvManager(_Bookkeeping):
         flow settles the interrupted call as one whose outcome is unknown.
         One held through the flow's last step (the call has committed:
         raising it would tell the caller it failed) is raised at the
-        manager's next call, before that call does anything."""
-        self._raise_held_interrupt()
+        manager's next call, before that call does anything. finishing
+        (finish, undo, release: they forget whatever happens, and a cluster
+        counts on every server's running): one held from an earlier call is
+        raised once the flow has ended, not before it starts."""
+        held_before = False
+        if finishing:
+            held_before, self._held_interrupt = self._held_interrupt, False
+        else:
+            self._raise_held_interrupt()
         result, error = None, None
         lease = self._lease
         try:
@@ -98,10 +105,12 @@ class KvManager(_Bookkeeping):
                     with hold:
                         op = flow.send(result) if error is None else flow.throw(error)
                 except StopIteration as stop:
+                    if finishing and (held_before or hold.got):
+                        raise KeyboardInterrupt from None
                     self._held_interrupt = hold.got
                     return stop.value
                 except BaseException as e:  # the flow's own error: it has ended
-                    if hold.got:
+                    if hold.got or held_before:
                         raise KeyboardInterrupt from e
                     raise
                 if hold.got:
@@ -204,7 +213,7 @@ class KvManager(_Bookkeeping):
         released and it goes stale (as do the plans it had made stale). For a
         cluster whose step failed on another server. The bookkeeping is taken
         back whatever happens; an error says the frees failed (as finish())."""
-        self._drive(self._undo_flow(plan))
+        self._drive(self._undo_flow(plan), finishing=True)
 
     def finish(self, *seq_ids: Hashable) -> None:
         """Releases the sequences' plans, frees their pages (one FreePages) and
@@ -214,7 +223,7 @@ class KvManager(_Bookkeeping):
         not be confirmed (with the lease, they are freed at the next call or
         when the lease ends; without, pages that may or may not have been
         freed count in leaked_pages)."""
-        self._drive(self._finish_flow(seq_ids))
+        self._drive(self._finish_flow(seq_ids), finishing=True)
 
     def release(self) -> None:
         """Forgets every sequence (lost ones too) and frees everything the
@@ -224,18 +233,15 @@ class KvManager(_Bookkeeping):
         succeeds; if it fails, it is tried again at the next call, and the
         lease ends within its ttl anyway). The next plan() starts a new
         lease."""
-        self._drive(self._release_flow())
+        self._drive(self._release_flow(), finishing=True)
 
     def close(self) -> None:
         """release(), best effort: errors are swallowed (an interruption held
-        from an earlier call is raised after it)."""
-        held, self._held_interrupt = self._held_interrupt, False
+        from an earlier call is raised once it is done)."""
         try:
             self.release()
         except AttnserveError:
             pass
-        if held:
-            raise KeyboardInterrupt
 
     def __enter__(self) -> "KvManager":
         return self
