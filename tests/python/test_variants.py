@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import attnserve
-from attnserve import cluster as cluster_mod
+from attnserve import _cluster_placement as placement_mod
 from attnserve.merge import merge_states
 from attnserve.reference import (KvMirror, compare, reference_merge, reference_prefill,
                                  within_tolerance)
@@ -208,7 +208,7 @@ def test_kv_manager_options_per_layer(client, server_plans):
 def _spread_cluster_error(servers, rng, sinks, monkeypatch, carries):
     """The largest error, over a spread step and a decode step, of a cluster
     whose sinks go where carries(shard) says."""
-    monkeypatch.setattr(cluster_mod, "_carries_sinks", carries)
+    monkeypatch.setattr(placement_mod, "_carries_sinks", carries)
     options = attnserve.AttentionOptions(window_left=40, logits_soft_cap=10.0, sinks=sinks)
     worst = dict(o_rel_error=0.0, lse_max_abs=0.0, inf_mismatches=0, nan=0)
     with attnserve.Cluster([s.address for s in servers], split_min_tokens=24, options=options,
