@@ -454,11 +454,9 @@ INSTANTIATE_TEST_SUITE_P(Modes, ClusterFaultsTest,
 namespace attnserve {
 namespace {
 
-// A server that stays unreachable past server_lost_after_s (0 here: at its
-// first failure) loses its sequences: Finish() and Release() of them succeed
-// without it, Plan() and Run() of them fail with DATA_LOSS, and the others
-// keep working.
-TEST(ClusterLossTest, AServerUnreachablePastTheDeadlineLosesItsSequences) {
+// Two servers of the loss tests' small geometry, their addresses in
+// options->targets.
+void StartTwoServers(std::vector<std::unique_ptr<TestServer>>* servers, ClusterOptions* options) {
   setenv("OMP_NUM_THREADS", "1", 1);
   setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
   TestServerOptions o;
@@ -468,14 +466,23 @@ TEST(ClusterLossTest, AServerUnreachablePastTheDeadlineLosesItsSequences) {
   o.num_qo_heads = 2;
   o.num_kv_heads = 1;
   o.head_dim = 64;
-  std::vector<std::unique_ptr<TestServer>> servers;
-  ClusterOptions options;
   for (int i = 0; i < 2; ++i) {
     auto s = TestServer::Start(o);
     ASSERT_TRUE(s.ok()) << s.status();
-    options.targets.push_back((*s)->grpc_address());
-    servers.push_back(*std::move(s));
+    options->targets.push_back((*s)->grpc_address());
+    servers->push_back(*std::move(s));
   }
+}
+
+// A server that stays unreachable past server_lost_after_s (0 here: at its
+// first failure) loses its sequences: Finish() and Release() of them succeed
+// without it, Plan() and Run() of them fail with DATA_LOSS, and the others
+// keep working.
+TEST(ClusterLossTest, AServerUnreachablePastTheDeadlineLosesItsSequences) {
+  std::vector<std::unique_ptr<TestServer>> servers;
+  ClusterOptions options;
+  StartTwoServers(&servers, &options);
+  if (HasFatalFailure()) return;
   options.client.timeout_s = 30;
   options.server_lost_after_s = 0;
   auto cluster = Cluster::Connect(options);
@@ -527,23 +534,10 @@ TEST(ClusterLossTest, AServerUnreachablePastTheDeadlineLosesItsSequences) {
 // step stale, and the failed layer could then never run again for the
 // others. Plan() says so until the layer has run again.
 TEST(ClusterLossTest, ALayerThatFailedOnOneServerHoldsUpEverySequenceOfItsStep) {
-  setenv("OMP_NUM_THREADS", "1", 1);
-  setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-  TestServerOptions o;
-  o.num_layers = 2;
-  o.num_pages = 64;
-  o.page_size = 4;
-  o.num_qo_heads = 2;
-  o.num_kv_heads = 1;
-  o.head_dim = 64;
   std::vector<std::unique_ptr<TestServer>> servers;
   ClusterOptions options;
-  for (int i = 0; i < 2; ++i) {
-    auto s = TestServer::Start(o);
-    ASSERT_TRUE(s.ok()) << s.status();
-    options.targets.push_back((*s)->grpc_address());
-    servers.push_back(*std::move(s));
-  }
+  StartTwoServers(&servers, &options);
+  if (HasFatalFailure()) return;
   auto faults = std::make_shared<FaultInjector>(35);
   options.client.timeout_s = 30;
   options.client.interceptors = faults->Interceptors();
