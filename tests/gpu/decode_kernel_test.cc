@@ -1,8 +1,9 @@
 // The decode kernel family (kernels/decode/decode_cuda.h) with its host plan,
 // on random data against the float64 reference of gpu_test_util.h. Outputs,
 // LSEs and the partial workspace are poisoned with 0xFF bytes (NaN) before
-// every run; every batch runs twice on the same split counters, which the
-// kernel must leave at zero.
+// every run; every batch runs three times on the same split counters, which
+// the kernel must leave at zero, and its last two runs (the served launch)
+// must give the same bits.
 #include <cuda_runtime.h>
 
 #include <algorithm>
