@@ -44,7 +44,15 @@ AttentionCore::AttentionCore(CoreOptions options, std::unique_ptr<Backend> backe
   regions_.SetReleaseListener([this](const Region* region) {
     for (const std::string& tenant : channels_.CloseRegion(region)) UpdateChannelGauge(tenant);
   });
-  if (options.check_kv_written) written_ = std::make_unique<WrittenRows>(backend_->Geometry());
+  if (options.check_kv_written) {
+    written_ = std::make_unique<WrittenRows>(backend_->Geometry());
+    // A page's rows count as unwritten from the moment it can be allocated
+    // again: cleared at allocation instead, a request or plan of the new
+    // owner racing the AllocatePages call could find the old owner's bits.
+    pages_.SetFreeListener([written = written_.get()](absl::Span<const int32_t> pages) {
+      written->Reset(pages);
+    });
+  }
   {
     const KvGeometry& g = backend_->Geometry();
     absl::MutexLock lock(&scales_mu_);
@@ -147,7 +155,6 @@ absl::StatusOr<std::vector<int32_t>> AttentionCore::AllocatePages(const CallCont
   absl::ReaderMutexLock hold(&lease_mu_);
   ATTN_RETURN_IF_ERROR(RenewLease(ctx));
   auto pages = pages_.Allocate(ctx.tenant, count, ctx.lease_id);
-  if (pages.ok() && written_ != nullptr) written_->Reset(*pages);
   UpdatePageGauges();
   if (pages.ok()) metrics_->SetTenantPages(ctx.tenant, pages_.TenantPages(ctx.tenant));
   return pages;

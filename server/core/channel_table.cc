@@ -129,8 +129,18 @@ absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const Reg
       return absl::NotFoundError(absl::StrCat("ring.name: region '", ring.name,
                                               "' was unregistered while the channel opened"));
     }
+    // A ring already polled: the second poller would take the first's
+    // requests and write answers into its slots.
+    for (const auto& [id, other] : channels_) {
+      if (other.region == r.region.get() && r.base < other.ring_end && other.ring_begin < r.base + r.byte_size) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "ring: bytes [", ring.offset, ", ", ring.offset + r.byte_size, ") of region '", ring.name,
+            "' overlap the ring of open channel ", absl::Hex(id, absl::kZeroPad16),
+            ": CloseChannel it, or open the channel on bytes no open channel uses"));
+      }
+    }
     per_tenant_[tenant] += 1;
-    channels_[r.id] = Entry{tenant, lease, r.region.get(), nullptr};
+    channels_[r.id] = Entry{tenant, lease, r.region.get(), nullptr, r.base, r.base + r.byte_size};
   }
   auto endpoint = make(r);
   absl::MutexLock lock(&mu_);

@@ -71,8 +71,9 @@ class ChannelTable {
   // and the bound: FAILED_PRECONDITION when regions are off; NOT_FOUND /
   // PERMISSION_DENIED for an unknown / another tenant's region;
   // INVALID_ARGUMENT for a CUDA region, a range out of the region or not
-  // 64-byte aligned, a bad header; RESOURCE_EXHAUSTED past
-  // --max_channels_per_tenant.
+  // 64-byte aligned, a bad header; FAILED_PRECONDITION for a range that
+  // overlaps an open channel's ring (named by its id); RESOURCE_EXHAUSTED
+  // past --max_channels_per_tenant.
   // `lease`: the channel is held under it (0: none).
   absl::StatusOr<uint64_t> Open(const std::string& tenant, const RegionTable& regions,
                                 const RegionRefView& ring, const MakeEndpoint& make,
@@ -102,6 +103,10 @@ class ChannelTable {
     uint64_t lease = 0;
     const Region* region = nullptr;
     std::shared_ptr<ChannelEndpoint> endpoint;
+    // The ring's bytes in the region: no two open channels share one (two
+    // pollers on one ring would each take the other's requests).
+    const char* ring_begin = nullptr;
+    const char* ring_end = nullptr;
   };
 
   const ChannelLimits limits_;

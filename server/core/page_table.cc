@@ -178,6 +178,7 @@ void PageTable::Release(int32_t page) {
     owner_[page] = kScrubbing;
     released_.push_back(page);
   } else {
+    if (on_free_) on_free_(absl::MakeConstSpan(&page, 1));
     owner_[page] = kFree;
     free_list_.push_back(page);
   }
@@ -192,8 +193,13 @@ std::vector<int32_t> PageTable::TakeReleased() {
 
 void PageTable::FinishScrub(absl::Span<const int32_t> pages) {
   absl::MutexLock lock(&mu_);
+  std::vector<int32_t> freed;
+  freed.reserve(pages.size());
   for (int32_t p : pages) {
-    if (owner_[p] != kScrubbing) continue;  // not ours to free (a caller bug)
+    if (owner_[p] == kScrubbing) freed.push_back(p);  // else not ours to free (a caller bug)
+  }
+  if (on_free_ && !freed.empty()) on_free_(freed);
+  for (int32_t p : freed) {
     owner_[p] = kFree;
     free_list_.push_back(p);
   }

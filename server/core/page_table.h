@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -109,6 +110,13 @@ class PageTable {
   // Pages from TakeReleased whose KV rows are now zero: they become free.
   void FinishScrub(absl::Span<const int32_t> pages);
 
+  // Called, under the table's lock, with pages about to go back to the free
+  // list (their previous owner's bookkeeping is cleared there, before anyone
+  // can allocate them: WrittenRows). Set once, before the table is shared;
+  // it must not call back into the table.
+  using FreeListener = std::function<void(absl::Span<const int32_t>)>;
+  void SetFreeListener(FreeListener listener) { on_free_ = std::move(listener); }
+
   int32_t num_pages() const { return static_cast<int32_t>(owner_.size()); }
   int32_t FreeCount() const;
   int32_t TenantPages(absl::string_view tenant) const;
@@ -133,6 +141,7 @@ class PageTable {
 
   const int32_t tenant_max_pages_;
   const bool scrub_freed_;
+  FreeListener on_free_;
   mutable absl::Mutex mu_;
   std::vector<int32_t> owner_ ABSL_GUARDED_BY(mu_);  // tenant id, kFree, kReleasing or kScrubbing
   std::vector<uint64_t> lease_ ABSL_GUARDED_BY(mu_);  // of an owned page; 0: none

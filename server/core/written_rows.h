@@ -4,14 +4,15 @@
 // (--check_kv_written, docs/operations.md).
 //
 // One bit per (layer, page, row): WriteKV and a Prefill's fused appends set
-// the bits of their rows when they succeed; allocating a page clears its bits
-// in every layer. A bit per row, not a count per page, because engines write
+// the bits of their rows when they succeed; a page going back to the free
+// list has its bits cleared in every layer (PageTable's free listener), so
+// a page is never allocatable with its previous owner's bits. A bit per row, not a count per page, because engines write
 // out of order: a decode step that appends row 9 of a page says nothing of
 // rows 0..8 in that layer. At one bit per row and layer this is 1/8 of a
 // byte per KV row per layer (for 32 layers and 524,288 rows: 2 MiB).
 //
 //   WrittenRows written(geometry);
-//   written.Reset(pages);                               // AllocatePages
+//   written.Reset(pages);                               // back to the free list
 //   ATTN_RETURN_IF_ERROR(written.CheckPrefill(task));   // before queueing
 //   job->on_success = written.Marker(layer, slots, n, nullptr);  // Scheduler::Finish
 //
@@ -37,7 +38,8 @@ class WrittenRows {
  public:
   explicit WrittenRows(const KvGeometry& geo);
 
-  // Pages handed to a new owner: none of their rows is written, in any layer.
+  // Pages going back to the free list: none of their rows is written, in
+  // any layer.
   void Reset(absl::Span<const int32_t> pages);
 
   // Marks slots[0, n) of `layer` written (validated slots).
@@ -51,7 +53,7 @@ class WrittenRows {
   // The positions of a layout whose pages CheckPrefill must look at in any
   // layer: each sequence's partial last page and every page not yet whole
   // (all its rows written) in every layer. A page whole in every layer stays
-  // so while it is pinned (only a new owner's Reset clears it), so a plan
+  // so while it is pinned (only its return to the free list clears it), so a plan
   // takes these once, after pinning its pages, for its requests of every
   // layer: a decode step's 32 layers then look at a few pages per sequence
   // each rather than at all of them.

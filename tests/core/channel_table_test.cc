@@ -177,8 +177,16 @@ TEST_F(ChannelTableTest, OpensValidatesAndCopiesTheGeometry) {
   }
   EXPECT_EQ(channels.TenantChannels("alice"), 1);
 
+  // A ring overlapping an open channel's is refused, naming it.
+  WriteHeader(shm.data() + 128 + 64, 2, 4096);
+  auto twice = channels.Open("alice", regions, Ref("r", 128 + 64, kRing), Maker());
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kFailedPrecondition) << twice.status();
+  EXPECT_THAT(std::string(twice.status().message()), HasSubstr("overlap the ring of open channel"));
+  EXPECT_EQ(channels.TenantChannels("alice"), 1);
+
   // The cap, and who may close what.
-  ASSERT_TRUE(channels.Open("alice", regions, Ref("r", 128, kRing), Maker()).ok());
+  WriteHeader(shm.data() + 128 + kRing, 2, 4096);
+  ASSERT_TRUE(channels.Open("alice", regions, Ref("r", 128 + kRing, kRing), Maker()).ok());
   auto capped = channels.Open("alice", regions, Ref("r", 128, kRing), Maker());
   EXPECT_EQ(capped.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(capped.status().message()), HasSubstr("--max_channels_per_tenant"));
@@ -227,8 +235,9 @@ TEST_F(ChannelTableTest, ARegionThatGoesClosesItsChannelsAndStaysMappedForThem) 
   ASSERT_TRUE(regions.Register("alice", System("b", b->Deposit(regions), 1 << 16)).ok());
   WriteHeader(a->data(), 2, 4096);
   WriteHeader(b->data(), 2, 4096);
+  WriteHeader(a->data() + kRing, 2, 4096);
   ASSERT_TRUE(channels.Open("alice", regions, Ref("a", 0, kRing), Maker()).ok());
-  ASSERT_TRUE(channels.Open("alice", regions, Ref("a", 0, kRing), Maker()).ok());
+  ASSERT_TRUE(channels.Open("alice", regions, Ref("a", kRing, kRing), Maker()).ok());
   ASSERT_TRUE(channels.Open("alice", regions, Ref("b", 0, kRing), Maker()).ok());
   // The channels' holds are neither "in use" nor a bar to unregistering.
   for (const RegionInfoData& info : regions.List("alice")) EXPECT_EQ(info.in_use, 0) << info.name;

@@ -44,6 +44,41 @@ TEST(PageTableTest, AllocatesDistinctPagesInRangeToTheTenant) {
             absl::StatusCode::kPermissionDenied);
 }
 
+// The free listener (WrittenRows' reset) sees each page as it goes back to
+// the free list, before it can be allocated: on Free without scrubbing, at
+// the last Unpin of a page freed while pinned, and at FinishScrub with it;
+// never at Allocate (a new owner's requests may already be racing that call).
+TEST(PageTableTest, TheFreeListenerSeesPagesBeforeTheyCanBeAllocatedAgain) {
+  for (bool scrub : {false, true}) {
+    SCOPED_TRACE(scrub);
+    PageTable pages(4, 0, scrub);
+    std::vector<int32_t> seen;
+    pages.SetFreeListener([&](absl::Span<const int32_t> p) { seen.insert(seen.end(), p.begin(), p.end()); });
+    auto a = pages.Allocate("alice", 4);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_TRUE(seen.empty());
+    ASSERT_TRUE(pages.PinOwned("alice", {(*a)[1]}, "kv_indices").ok());
+    ASSERT_TRUE(pages.Free("alice", {(*a)[0], (*a)[1]}).ok());
+    if (scrub) {
+      EXPECT_TRUE(seen.empty());  // zeroed first
+      std::vector<int32_t> released = pages.TakeReleased();
+      EXPECT_EQ(released, std::vector<int32_t>{(*a)[0]});
+      EXPECT_EQ(pages.FreeCount(), 0);
+      pages.FinishScrub(released);
+    }
+    EXPECT_EQ(seen, std::vector<int32_t>{(*a)[0]});
+    EXPECT_EQ(pages.FreeCount(), 1);
+    // The pinned page goes at its last Unpin (and its scrub).
+    EXPECT_EQ(pages.Unpin({(*a)[1]}), scrub);
+    if (scrub) pages.FinishScrub(pages.TakeReleased());
+    EXPECT_EQ(seen, (std::vector<int32_t>{(*a)[0], (*a)[1]}));
+    EXPECT_EQ(pages.FreeCount(), 2);
+    seen.clear();
+    ASSERT_TRUE(pages.Allocate("bob", 2).ok());
+    EXPECT_TRUE(seen.empty());
+  }
+}
+
 TEST(PageTableTest, AllocateMoreThanFreeFailsAndChangesNothing) {
   PageTable pages(8, 0);
   ASSERT_TRUE(pages.Allocate("alice", 6).ok());

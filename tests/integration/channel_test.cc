@@ -436,6 +436,50 @@ TEST_F(ChannelTest, OpenAndCloseErrorsNameTheFieldAndTheBound) {
   EXPECT_TRUE(alice_->Health().ok());
 }
 
+// Two channels on one ring would have two pollers take each other's
+// requests and answer into each other's slots (as after an OpenChannel whose
+// reply was lost, then retried): a ring that overlaps an open channel's is
+// refused, naming that channel, and the range is free again once it closes.
+TEST_F(ChannelTest, ARingOverlappingAnOpenChannelsIsRefused) {
+  const int64_t ring = ChannelBytes(2, 4096);
+  v1::OpenChannelResponse first;
+  {
+    RawRing fresh(shm_->data(), 2, 4096);
+    grpc::Status s = OpenRaw(alice_.get(), Ref("io", 0, ring), &first);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  char id[17];
+  std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(first.channel_id()));
+  for (int64_t at : {int64_t{0}, int64_t{64}, ring - 64, -(ring - 64)}) {
+    SCOPED_TRACE(at);
+    const int64_t off = at < 0 ? 2 * ring + at : at;  // -x: a ring ending x bytes into the first
+    const int64_t bytes = at < 0 ? ring : ring;
+    RawRing fresh(shm_->data() + (at < 0 ? ring + 64 : off), 2, 4096);
+    const int64_t ref_off = at < 0 ? ring + 64 - ring : off;
+    v1::OpenChannelResponse resp;
+    grpc::Status s = OpenRaw(alice_.get(), Ref("io", ref_off, bytes), &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(std::string("overlap the ring of open channel ") + id));
+  }
+  EXPECT_EQ(Metric(*server_, "attnserve_open_channels", "tenant=\"alice\""), 1);
+  {  // the next bytes are free
+    RawRing fresh(shm_->data() + ring, 2, 4096);
+    v1::OpenChannelResponse resp;
+    grpc::Status s = OpenRaw(alice_.get(), Ref("io", ring, ring), &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_TRUE(CloseRaw(alice_.get(), resp.channel_id()).ok());
+  }
+  ASSERT_TRUE(CloseRaw(alice_.get(), first.channel_id()).ok());
+  {  // and the first ring's, once its channel closed
+    RawRing fresh(shm_->data(), 2, 4096);
+    v1::OpenChannelResponse resp;
+    grpc::Status s = OpenRaw(alice_.get(), Ref("io", 0, ring), &resp);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+    ASSERT_TRUE(CloseRaw(alice_.get(), resp.channel_id()).ok());
+  }
+  EXPECT_TRUE(alice_->Health().ok());
+}
+
 TEST_F(ChannelTest, BadSlotContentsAreAnsweredInTheSlotAndTheServerKeepsServing) {
   std::mt19937_64 gen(5);
   KvMirror mirror(geo_);

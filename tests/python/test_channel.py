@@ -117,6 +117,76 @@ def test_a_close_whose_outcome_is_unknown_is_sent_again(server, fault):
         client.close()
 
 
+def test_one_ring_never_has_two_channels(server):
+    """An OpenChannel whose reply was lost left a channel the client had no
+    id for; the retry on the same bytes opened a second one there, and both
+    of the server's pollers took each request: answers went to the wrong
+    calls (another request's rows, without an error). The server now refuses
+    a ring that overlaps an open channel's, naming it, and the client
+    refuses, before writing anything, bytes one of its own open channels
+    polls."""
+    from faults import REPLY_LOST, FaultInjector
+    faults = FaultInjector(1)
+    client = attnserve.Client(server.address, timeout=60, interceptors=faults.interceptors)
+    g = client.server_info
+    region = attnserve.SharedMemoryRegion(1 << 20).register(client, "chan-twice")
+    try:
+        pages, rng = _decode_setup(client)
+        q = rng.standard_normal((3, g.num_qo_heads, g.head_dim), np.float32)
+        args = (1, q, [0, 3], [0, 1], pages, [g.page_size])
+        expected = client.prefill(*args)
+        before = set(client.list_holdings().unleased.channels)
+        faults.fail_next("OpenChannel", REPLY_LOST)
+        with pytest.raises(attnserve.DeadlineExceeded):
+            client.open_channel(region, 0, slot_count=2, slot_bytes=64 << 10)
+        (orphan,) = set(client.list_holdings().unleased.channels) - before
+        with pytest.raises(attnserve.FailedPrecondition,
+                           match=f"overlap the ring of open channel {orphan:016x}"):
+            client.open_channel(region, 0, slot_count=2, slot_bytes=64 << 10)
+        client.close_channel(orphan)
+        ch = client.open_channel(region, 0, slot_count=2, slot_bytes=64 << 10)
+        # A second channel of this client on the same bytes: refused before
+        # its header is written, so the first one's calls are untouched.
+        with pytest.raises(ValueError, match=f"overlap the ring of open channel {ch.id}"):
+            client.open_channel(region, 1024, slot_count=2, slot_bytes=64 << 10)
+        for _ in range(20):
+            r = ch.prefill(*args)
+            assert np.array_equal(r.output, expected.output)
+        ch.close()
+        again = client.open_channel(region, 0, slot_count=2, slot_bytes=64 << 10)  # free again
+        assert np.array_equal(again.prefill(*args).output, expected.output)
+        again.close()
+        client.free_pages(pages)
+    finally:
+        region.close(client)
+        client.close()
+
+
+def test_a_call_after_the_clients_close_raises_cancelled(server):
+    """A channel call after Client.close() went out anyway, and with the
+    server gone it waited forever (its probe's own Cancelled read as "the
+    server is still there")."""
+    client = attnserve.Client(server.address, timeout=60)
+    g = client.server_info
+    region = attnserve.SharedMemoryRegion(1 << 20).register(client, "chan-closed")
+    pages, rng = _decode_setup(client)
+    ch = client.open_channel(region, 0, slot_count=2, slot_bytes=64 << 10)
+    q = rng.standard_normal((1, g.num_qo_heads, g.head_dim), np.float32)
+    ch.prefill(1, q, [0, 1], [0, 1], pages, [g.page_size])
+    ch.close()
+    client.free_pages(pages)
+    region.close(client)
+    ch2_client = attnserve.Client(server.address, timeout=60)
+    region2 = attnserve.SharedMemoryRegion(1 << 20).register(ch2_client, "chan-closed2")
+    pages2, _ = _decode_setup(ch2_client)
+    ch2 = ch2_client.open_channel(region2, 0, slot_count=2, slot_bytes=64 << 10)
+    ch2_client.free_pages(pages2)
+    ch2_client.close()
+    with pytest.raises(attnserve.Cancelled, match="the client is closed"):
+        ch2.prefill(1, q, [0, 1], [0, 1], pages2, [g.page_size])
+    client.close()
+
+
 def _decode_setup(client):
     g = client.server_info
     pages = client.allocate_pages(1)

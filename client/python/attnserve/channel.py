@@ -41,12 +41,13 @@ import itertools
 import platform
 import threading
 import time
+import weakref
 from typing import Optional
 
 import grpc
 
-from attnserve.errors import (AttnserveError, DeadlineExceeded, Unavailable, error_for,
-                              outcome_unknown)
+from attnserve.errors import (AttnserveError, Cancelled, DeadlineExceeded, Unavailable,
+                              error_for, outcome_unknown)
 from attnserve.layout import PrefillLayout
 
 MAGIC = 0x4e484341          # "ACHN"
@@ -206,6 +207,38 @@ class ChannelCall:
                 self._error = e
 
 
+# The rings of each region's open channels in this process: (region's
+# attribute) key -> [offset, end, channel id or None while it opens].
+_RINGS_LOCK = threading.Lock()
+
+
+def _reserve_ring(region, begin: int, end: int) -> object:
+    key = object()
+    with _RINGS_LOCK:
+        rings = region.__dict__.setdefault("_channel_rings", {})
+        for other_begin, other_end, other_id in rings.values():
+            if other_begin < end and begin < other_end:
+                whose = "a channel opening" if other_id is None else f"open channel {other_id}"
+                raise ValueError(f"offset={begin}: bytes [{begin}, {end}) of region "
+                                 f"'{region.name}' overlap the ring of {whose} in this process "
+                                 f"(bytes [{other_begin}, {other_end})): close it first, or "
+                                 "open the channel on other bytes")
+        rings[key] = [begin, end, None]
+    return key
+
+
+def _name_ring(region, key, channel_id: int) -> None:
+    with _RINGS_LOCK:
+        ring = region.__dict__.get("_channel_rings", {}).get(key)
+        if ring is not None:
+            ring[2] = channel_id
+
+
+def _release_ring(region, key) -> None:
+    with _RINGS_LOCK:
+        region.__dict__.get("_channel_rings", {}).pop(key, None)
+
+
 class RequestChannel:
     """A request channel on a ring in a registered SharedMemoryRegion; made by
     Client.open_channel. Thread-safe: each call in flight holds one slot."""
@@ -242,6 +275,10 @@ class RequestChannel:
         self.ring_bytes = size
         self._spin_s = max(float(spin_us), 0.0) * 1e-6
         self._sys = sysc
+        # Bytes this client's open channel polls are not written over: the
+        # server would refuse the channel (FAILED_PRECONDITION), but the
+        # header written first would already have garbled the other's calls.
+        self._ring_key = _reserve_ring(region, offset, offset + size)
         buf = region.buf
         header = _Header.from_buffer(buf, offset)
         controls = [_Control.from_buffer(buf, self._control_at(i)) for i in range(slot_count)]
@@ -254,9 +291,12 @@ class RequestChannel:
         try:
             resp = client._call(client._req_open_channel(region.name, offset, size), timeout)
         except BaseException:
-            del header, controls
+            header = controls = None
+            _release_ring(region, self._ring_key)
             raise
         self.id = resp.channel_id
+        _name_ring(region, self._ring_key, self.id)
+        weakref.finalize(self, _release_ring, region, self._ring_key)
         self.incarnation = resp.incarnation
         self._header = header
         self._controls = controls
@@ -316,13 +356,21 @@ class RequestChannel:
                             f"the request needs {n} bytes, more than the channel's slot_bytes="
                             f"{self.slot_bytes}: put its tensors in a region, or open the "
                             "channel with larger slots", "Prefill")
+        closed = self._client._closed_error("Prefill", self._client._channel_closes)
+        if closed is not None:
+            raise closed
+        # The ring's views, taken once: close() drops the channel's own.
+        header, controls = self._header, self._controls
+        if header is None or controls is None:
+            raise error_for(grpc.StatusCode.FAILED_PRECONDITION, f"channel {self.id} is closed",
+                            "Prefill")
         t = self._client._timeout(timeout)
         deadline = None if t is None else time.monotonic() + t
         slot = self._acquire(deadline)
         try:
             at = self._payload_at(slot)
             self._region.buf[at:at + n] = body
-            control = self._controls[slot]
+            control = controls[slot]
             control.method = METHOD_PREFILL
             control.request_bytes = n
             seq = self._seq[slot] + 1
@@ -335,9 +383,9 @@ class RequestChannel:
             self._release(slot)
             raise
         self._sys.fence()
-        if self._header.server_sleeping:
+        if header.server_sleeping:
             with self._wake_lock:
-                self._header.server_wake = (self._header.server_wake + 1) & 0xFFFFFFFF
+                header.server_wake = (header.server_wake + 1) & 0xFFFFFFFF
             self._sys.wake(self._server_wake_at)
         return call
 
@@ -464,10 +512,11 @@ class RequestChannel:
         self._release(slot, abandoned=True)
         raise error
 
-    def _server_gone(self) -> Optional[Unavailable]:
+    def _server_gone(self) -> Optional[AttnserveError]:
         """Unavailable when the server that opened the channel is gone or
-        restarted (no answer will come), else None (e.g. draining: answers
-        may still come)."""
+        restarted (no answer will come), Cancelled when the client was closed
+        (nothing can tell), else None (e.g. draining: answers may still
+        come)."""
         try:
             info = self._client.info(timeout=_PROBE_TIMEOUT_S)
         except AttnserveError as e:
@@ -475,6 +524,9 @@ class RequestChannel:
                 return Unavailable(
                     f"channel {self.id}: the server does not answer ({e.details}); {_REOPEN}",
                     grpc.StatusCode.UNAVAILABLE, "Prefill")
+            if e.code == grpc.StatusCode.CANCELLED:  # the client was closed meanwhile
+                return Cancelled(f"channel {self.id}: {e.details}", grpc.StatusCode.CANCELLED,
+                                 "Prefill")
             return None
         if info.incarnation != self.incarnation:
             return Unavailable(
@@ -525,6 +577,7 @@ class RequestChannel:
         finally:
             self._header = None
             self._controls = None
+            _release_ring(self._region, self._ring_key)
             with self._lock:
                 self._close_answered = self._close_answered or answered
 

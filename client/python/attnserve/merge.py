@@ -65,7 +65,7 @@ def merge_states(vs, lses, lse_base: str = "2", out=None) -> tuple:
 
     numpy inputs (float32, float16, float64, ...): returns (v [..., d]
     float32, lse [...] float32); `out` (optional, float32 [..., d], may be a
-    view into a larger array) receives v. Any torch input: the torch path on
+    view into a larger array, and may be one of vs) receives v. Any torch input: the torch path on
     that tensor's device, v in vs[0]'s dtype."""
     if len(vs) == 0 or len(vs) != len(lses):
         raise ValueError(f"merge_states: {len(vs)} values and {len(lses)} LSEs")
@@ -104,7 +104,9 @@ def _merge_numpy(vs, lses, lse_base, out):
                              f"{out.dtype} {list(out.shape)}")
         o2 = out.reshape(rows, d)  # a view when out is contiguous enough
         result = out
-        if not np.shares_memory(o2, out):
+        # Written block by block while the inputs are read: an `out` that is
+        # (or overlaps) an input gets the result through a buffer instead.
+        if not np.shares_memory(o2, out) or any(np.shares_memory(out, a) for a in v2 + l2):
             o2 = np.empty((rows, d), np.float32)
     lse_out = np.empty(rows, np.float32)
     exp = np.exp2 if lse_base == "2" else np.exp
