@@ -182,7 +182,7 @@ struct ShapeSpec {
 // shape. The variants of a shape read the same pages with different queries.
 int64_t PagesPerClient(const std::vector<ShapeSpec>& specs, int32_t batch, int32_t page_size) {
   int64_t pages = 0;
-  for (const ShapeSpec& s : specs) pages += int64_t{batch} * ((s.kv_len + page_size - 1) / page_size);
+  for (const ShapeSpec& s : specs) pages += int64_t{batch} * ((int64_t{s.kv_len} + page_size - 1) / page_size);
   return pages;
 }
 
@@ -581,10 +581,30 @@ int Main() {
     return 2;
   }
   if (concurrency < 1 || absl::GetFlag(FLAGS_batch) < 1 || absl::GetFlag(FLAGS_q_len) < 1 ||
-      absl::GetFlag(FLAGS_kv_len) < 1 || rate < 0 || max_requests < 0 ||
-      absl::GetFlag(FLAGS_duration_s) < 0) {
+      absl::GetFlag(FLAGS_kv_len) < 1 || !(rate >= 0) || max_requests < 0 ||
+      !(absl::GetFlag(FLAGS_duration_s) >= 0)) {
     std::cerr << "error: --concurrency, --batch, --q_len, --kv_len must be >= 1; --rate, "
                  "--requests, --duration_s >= 0\n";
+    return 2;
+  }
+  // Bounds that keep the run's arithmetic (its end time, page counts, the
+  // request's tensors) far from overflowing.
+  if (!(rate <= 1e9) || !(absl::GetFlag(FLAGS_duration_s) <= 1e7)) {
+    std::cerr << "error: --rate must be at most 1e9 requests/s and --duration_s at most 1e7 s\n";
+    return 2;
+  }
+  constexpr int32_t kMaxLen = 1 << 24;
+  if (absl::GetFlag(FLAGS_q_len) > kMaxLen || absl::GetFlag(FLAGS_kv_len) > kMaxLen ||
+      absl::GetFlag(FLAGS_batch) > kMaxLen) {
+    std::cerr << "error: --batch, --q_len and --kv_len must be at most " << kMaxLen << "\n";
+    return 2;
+  }
+  if (const double scale = absl::GetFlag(FLAGS_kv_scale); !(scale >= 0) || !std::isfinite(scale)) {
+    std::cerr << "error: --kv_scale=" << scale << " must be finite and >= 0 (0: keep the server's)\n";
+    return 2;
+  }
+  if (absl::Status s = CheckClientFlags(); !s.ok()) {
+    std::cerr << "error: " << s.message() << "\n";
     return 2;
   }
 
@@ -604,6 +624,23 @@ int Main() {
     if (want != have) {
       std::cerr << "error: --kv_dtype=" << want << ", but the server's KV cache is " << have
                 << " (its --kv_dtype)\n";
+      return 1;
+    }
+  }
+  // A request's queries must fit a message (the output is as large), or with
+  // --shm stay a sane size for one client's region.
+  {
+    int32_t most_q = 1;
+    for (const ShapeSpec& sp : specs) most_q = std::max(most_q, sp.q_len);
+    const int64_t q_bytes = int64_t{absl::GetFlag(FLAGS_batch)} * most_q * start_info.num_qo_heads() *
+                            start_info.head_dim() * 2;
+    const int64_t most = absl::GetFlag(FLAGS_shm) ? (int64_t{1} << 32) : start_info.max_message_bytes();
+    if (q_bytes > most) {
+      std::cerr << absl::StrFormat(
+          "error: --batch=%d x --q_len=%d query rows a request are %d bytes of queries, more than "
+          "the %d a request may carry (%s): lower --batch or --q_len\n",
+          absl::GetFlag(FLAGS_batch), most_q, q_bytes, most,
+          absl::GetFlag(FLAGS_shm) ? "4 GiB a region" : "the server's max_message_bytes");
       return 1;
     }
   }

@@ -56,6 +56,22 @@ absl::StatusOr<std::unique_ptr<RequestChannel>> Client::OpenChannel(
                                                    " is less than the ring needs: ", needed,
                                                    " (ChannelBytes(slot_count, slot_bytes))"));
   }
+  // Bytes this client's open channel polls are not written over: the server
+  // would refuse the channel (FAILED_PRECONDITION), but the header written
+  // first would already have garbled the other's calls.
+  {
+    absl::MutexLock lock(&rings_mu_);
+    for (const OpenRing& ring : open_rings_) {
+      if (ring.begin < base + needed && base < ring.end) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "OpenChannel: bytes [", offset, ", ", offset + needed, ") of region '", region_name,
+            "' overlap the ring of ", ring.channel_id == 0 ? std::string("a channel opening")
+                                                           : absl::StrCat("open channel ", ring.channel_id),
+            " of this client: Close it first, or open the channel on other bytes"));
+      }
+    }
+    open_rings_.push_back({base, base + needed, 0});
+  }
   // The header and every control block from scratch (payloads need not be).
   auto* header = reinterpret_cast<ChannelHeader*>(base);
   std::memset(static_cast<void*>(header), 0, sizeof(ChannelHeader));
@@ -79,8 +95,17 @@ absl::StatusOr<std::unique_ptr<RequestChannel>> Client::OpenChannel(
   req.set_lease_id(lease_id());
   v1::OpenChannelResponse resp;
   grpc::Status s = stub_->OpenChannel(&ctx, req, &resp);
-  if (!s.ok()) return FromGrpc(s);
+  if (!s.ok()) {
+    ForgetRing(base);
+    return FromGrpc(s);
+  }
   Learn(resp.incarnation());
+  {
+    absl::MutexLock lock(&rings_mu_);
+    for (OpenRing& ring : open_rings_) {
+      if (ring.begin == base) ring.channel_id = resp.channel_id();
+    }
+  }
   std::unique_ptr<RequestChannel> channel(new RequestChannel());
   channel->client_ = this;
   channel->base_ = base;
@@ -95,6 +120,13 @@ absl::StatusOr<std::unique_ptr<RequestChannel>> Client::OpenChannel(
   return channel;
 }
 
+void Client::ForgetRing(const char* begin) {
+  absl::MutexLock lock(&rings_mu_);
+  open_rings_.erase(std::remove_if(open_rings_.begin(), open_rings_.end(),
+                                   [begin](const OpenRing& r) { return r.begin == begin; }),
+                    open_rings_.end());
+}
+
 RequestChannel::~RequestChannel() { Close().IgnoreError(); }
 
 absl::Status RequestChannel::Close() {
@@ -107,6 +139,7 @@ absl::Status RequestChannel::Close() {
     close_sent_ = true;
   }
   freed_.SignalAll();
+  if (!again) client_->ForgetRing(base_);  // this client writes it no more
   grpc::ClientContext ctx;
   client_->PrepareContext(&ctx);
   ctx.set_deadline(std::chrono::system_clock::now() + kProbeDeadline);

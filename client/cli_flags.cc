@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "grpc/support/log.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "server address");
@@ -55,6 +56,16 @@ ClientOptions ClientOptionsFromFlags() {
   options.grpc_args = absl::GetFlag(FLAGS_grpc_args);
   options.busy_poll = absl::GetFlag(FLAGS_busy_poll);
   return options;
+}
+
+absl::Status CheckAttentionFlags();  // variant_flags.cc
+
+absl::Status CheckClientFlags() {
+  if (absl::Status s = CheckClientOptions(ClientOptionsFromFlags()); !s.ok()) {
+    // Named as the flags they came from.
+    return absl::InvalidArgumentError(absl::StrCat("--", s.message()));
+  }
+  return CheckAttentionFlags();
 }
 
 }  // namespace attnserve

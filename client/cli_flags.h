@@ -25,6 +25,11 @@ ClientOptions ClientOptionsFromFlags();
 absl::StatusOr<AttentionOptions> AttentionOptionsFromFlags(int32_t num_qo_heads,
                                                            std::mt19937_64& gen);
 
+// The flag errors a command-line tool reports before it connects (and exits
+// 2 for): the connection flags Client::Connect would refuse
+// (CheckClientOptions) and a --sinks that does not parse.
+absl::Status CheckClientFlags();
+
 // Keeps gRPC's own log lines off stderr (unless GRPC_VERBOSITY is set): the
 // programs print each failed call's status instead. Call once at start.
 void HideGrpcLogs();

@@ -59,6 +59,16 @@ absl::Status CheckOptions(const ClientOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("connect_timeout_s=", o.connect_timeout_s, " must be finite and > 0"));
   }
+  if (o.tls && !o.tls_cert.empty() && o.tls_key.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("tls_cert=", o.tls_cert, " needs tls_key (the certificate's key)"));
+  }
+  if (o.tls && o.tls_cert.empty() && !o.tls_key.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("tls_key=", o.tls_key, " needs tls_cert (the key's certificate)"));
+  }
+  std::vector<std::string> arg_names;
+  std::string arg_error;
+  ParseTransportArgs(o.grpc_args, &arg_names, &arg_error);
+  if (!arg_error.empty()) return absl::InvalidArgumentError(absl::StrCat("grpc_args: ", arg_error));
   return absl::OkStatus();
 }
 
@@ -204,6 +214,8 @@ absl::Status Client::FromGrpc(const grpc::Status& status) {
   }
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), m);
 }
+
+absl::Status CheckClientOptions(const ClientOptions& options) { return CheckOptions(options); }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (absl::Status bad = CheckOptions(options); !bad.ok()) return bad;

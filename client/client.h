@@ -233,6 +233,11 @@ bool IsStaleIncarnation(const absl::Status& status);
 // code is the server's definite answer: the request changed nothing.
 bool OutcomeUnknown(const absl::Status& status);
 
+// The options Connect would refuse before connecting (INVALID_ARGUMENT
+// naming the field and its bound): for command-line tools, which report
+// them as flag errors.
+absl::Status CheckClientOptions(const ClientOptions& options);
+
 class Client {
  public:
   ~Client();
@@ -403,6 +408,18 @@ class Client {
   // by region name.
   absl::Mutex holders_mu_;
   absl::flat_hash_map<std::string, UniqueFd> region_holders_ ABSL_GUARDED_BY(holders_mu_);
+  // The rings (this process's addresses) of this client's open request
+  // channels, and of one opening (channel_id 0): OpenChannel writes no ring
+  // header over bytes one of them polls. A ring leaves at the channel's
+  // first Close.
+  struct OpenRing {
+    const char* begin;
+    const char* end;
+    uint64_t channel_id;
+  };
+  absl::Mutex rings_mu_;
+  std::vector<OpenRing> open_rings_ ABSL_GUARDED_BY(rings_mu_);
+  void ForgetRing(const char* begin);
 };
 
 }  // namespace attnserve

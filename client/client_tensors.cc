@@ -321,6 +321,12 @@ absl::StatusOr<State> Client::MergeStates(absl::Span<const State> states, int64_
   absl::Status parsed = ReadTensorResponse(bytes, "attnserve.v1.MergeStatesResponse", &v,
                                            Into(&out.v), &lse, Into(&out.lse), &seen);
   if (!parsed.ok()) return absl::InternalError(parsed.message());
+  // The caller indexes the result as (n, h, d) and (n, h): a response of
+  // another size is the server's error, not an index out of range here.
+  if (static_cast<int64_t>(out.v.size()) != n * h * d || static_cast<int64_t>(out.lse.size()) != n * h) {
+    return absl::InternalError(absl::StrCat("MergeStates answered v of ", out.v.size(), " and lse of ",
+                                            out.lse.size(), " values for ", n, " x ", h, " rows of ", d));
+  }
   return out;
 }
 

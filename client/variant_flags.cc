@@ -45,4 +45,17 @@ absl::StatusOr<AttentionOptions> AttentionOptionsFromFlags(int32_t num_qo_heads,
   return o;
 }
 
+absl::Status CheckAttentionFlags() {
+  const std::string sinks = absl::GetFlag(FLAGS_sinks);
+  if (sinks.empty() || sinks == "random") return absl::OkStatus();
+  for (absl::string_view part : absl::StrSplit(sinks, ',')) {
+    float x = 0;
+    if (!absl::SimpleAtof(part, &x)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--sinks=", sinks, ": '", part, "' is not a number"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace attnserve

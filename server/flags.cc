@@ -8,12 +8,14 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/internal/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/kv_geometry.h"
+#include "common/transport.h"
 #include "kernels/plan/kernel_select.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC address (host:port; port 0 picks one)");
@@ -467,6 +469,20 @@ absl::Status ServerFlags(const CoreOptions& core, StartOptions* start) {
   server.access_log = absl::GetFlag(FLAGS_access_log);
   server.transport_tuning = absl::GetFlag(FLAGS_transport_tuning);
   server.grpc_args = absl::GetFlag(FLAGS_grpc_args);
+  // Checked here, before the backend allocates the KV cache (which can take
+  // a minute), rather than when the gRPC server starts.
+  if (server.tls_cert.empty() != server.tls_key.empty()) {
+    return Invalid("--tls_cert and --tls_key must be given together");
+  }
+  if (!server.tls_client_ca.empty() && server.tls_cert.empty()) {
+    return Invalid("--tls_client_ca needs --tls_cert and --tls_key");
+  }
+  {
+    std::vector<std::string> names;
+    std::string error;
+    ParseTransportArgs(server.grpc_args, &names, &error);
+    if (!error.empty()) return Invalid(absl::StrCat("--grpc_args: ", error));
+  }
   server.channel_spin_us = absl::GetFlag(FLAGS_channel_spin_us);
   ServerOptions::Limits& limits = server.limits;
   limits.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);

@@ -151,10 +151,6 @@ void Scheduler::Stop() {
 
 void Scheduler::ScrubReleased(DoneCallback done) {
   std::vector<int32_t> pages = pages_->TakeReleased();
-  if (pages.empty()) {
-    if (done) done(absl::OkStatus());
-    return;
-  }
   const int64_t page_size = backend_->Geometry().page_size;
   const size_t per_job = static_cast<size_t>(std::max<int64_t>(1, kScrubRowsPerJob / page_size));
   std::vector<std::unique_ptr<Job>> jobs;
@@ -166,14 +162,25 @@ void Scheduler::ScrubReleased(DoneCallback done) {
                       pages.begin() + std::min(pages.size(), begin + per_job));
     jobs.push_back(std::move(job));
   }
-  // `done` runs when the last part finishes, whatever order they finish in.
-  auto remaining = std::make_shared<std::atomic<size_t>>(jobs.size());
-  auto shared_done = std::make_shared<DoneCallback>(std::move(done));
-  for (auto& job : jobs) {
-    job->done = [remaining, shared_done](absl::Status) {
-      if (remaining->fetch_sub(1) == 1 && *shared_done) (*shared_done)(absl::OkStatus());
-    };
+  // Each part counts itself out when it finishes, whatever order the parts
+  // finish in; `done` waits for every part queued up to now, this call's
+  // and earlier ones' (a concurrent call may have taken this caller's pages).
+  bool done_now = false;
+  {
+    absl::MutexLock lock(&scrub_mu_);
+    for (auto& job : jobs) {
+      const uint64_t seq = scrub_next_++;
+      scrub_outstanding_.insert(seq);
+      job->done = [this, seq](absl::Status) { ScrubPartDone(seq); };
+    }
+    if (done && scrub_outstanding_.empty()) {
+      done_now = true;
+    } else if (done) {
+      scrub_waiters_.emplace_back(scrub_next_, std::move(done));
+    }
   }
+  if (done_now) done(absl::OkStatus());
+  if (jobs.empty()) return;
   {
     absl::MutexLock lock(&mu_);
     if (!stopping_) {
@@ -185,6 +192,21 @@ void Scheduler::ScrubReleased(DoneCallback done) {
     }
   }
   for (auto& job : jobs) job->done(absl::UnavailableError("server is shutting down"));
+}
+
+void Scheduler::ScrubPartDone(uint64_t seq) {
+  std::vector<DoneCallback> ready;
+  {
+    absl::MutexLock lock(&scrub_mu_);
+    scrub_outstanding_.erase(seq);
+    // A waiter's parts are those numbered below its mark.
+    const uint64_t first_open = scrub_outstanding_.empty() ? scrub_next_ : *scrub_outstanding_.begin();
+    auto it = std::partition(scrub_waiters_.begin(), scrub_waiters_.end(),
+                             [first_open](const auto& w) { return w.first > first_open; });
+    for (auto w = it; w != scrub_waiters_.end(); ++w) ready.push_back(std::move(w->second));
+    scrub_waiters_.erase(it, scrub_waiters_.end());
+  }
+  for (DoneCallback& done : ready) done(absl::OkStatus());
 }
 
 void Scheduler::SetFaultHandler(std::function<void(const absl::Status&)> handler) {

@@ -30,6 +30,7 @@
 #include <string>
 #include <utility>
 #include <memory>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -148,8 +149,10 @@ class Scheduler {
   // KV rows are zero in every layer. The work goes in jobs of a bounded size
   // on an internal queue that takes its round-robin turn with the tenants,
   // so a large free cannot stall everyone else. `done` (may be null) runs
-  // once all of it has finished, OK also when there was nothing to do or the
-  // scheduler is stopping (the pages then stay out of the free list).
+  // once all of it has finished, and every scrub queued before it (which
+  // may hold pages this call's caller released: a concurrent call takes all
+  // the released pages there are), OK also when there was nothing to do or
+  // the scheduler is stopping (the pages then stay out of the free list).
   void ScrubReleased(DoneCallback done);
 
   // Called (from the worker) when the backend fails with INTERNAL, UNKNOWN or
@@ -237,6 +240,13 @@ class Scheduler {
   bool finish_stop_ ABSL_GUARDED_BY(finish_mu_) = false;
   std::vector<std::thread> finishers_;
   absl::once_flag stop_once_;
+  // Scrub parts queued and not yet finished, by a sequence number in queue
+  // order, and the ScrubReleased callers waiting for every part up to theirs.
+  void ScrubPartDone(uint64_t seq);
+  absl::Mutex scrub_mu_;
+  uint64_t scrub_next_ ABSL_GUARDED_BY(scrub_mu_) = 0;
+  std::set<uint64_t> scrub_outstanding_ ABSL_GUARDED_BY(scrub_mu_);
+  std::vector<std::pair<uint64_t, DoneCallback>> scrub_waiters_ ABSL_GUARDED_BY(scrub_mu_);
 };
 
 }  // namespace attnserve

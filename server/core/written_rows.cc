@@ -89,6 +89,9 @@ std::vector<WrittenRows::Position> WrittenRows::Unsettled(absl::Span<const Prefi
                                                           const int32_t* kv_indices) const {
   std::vector<Position> out;
   for (size_t s = 0; s < seqs.size(); ++s) {
+    // A sequence without query rows reads nothing: not checked (as a
+    // request without a plan does not keep it).
+    if (seqs[s].q_len == 0) continue;
     const int32_t num_pages = (seqs[s].kv_len + page_size_ - 1) / page_size_;
     for (int32_t i = 0; i < num_pages; ++i) {
       const bool partial = i + 1 == num_pages && seqs[s].kv_len % page_size_ != 0;

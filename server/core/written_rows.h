@@ -51,7 +51,8 @@ class WrittenRows {
     int32_t index;
   };
   // The positions of a layout whose pages CheckPrefill must look at in any
-  // layer: each sequence's partial last page and every page not yet whole
+  // layer (sequences with query rows only: one without reads nothing): each
+  // sequence's partial last page and every page not yet whole
   // (all its rows written) in every layer. A page whole in every layer stays
   // so while it is pinned (only its return to the free list clears it), so a plan
   // takes these once, after pinning its pages, for its requests of every

@@ -113,6 +113,32 @@ check "attnctl set-scales --k_scale=1, exits 2" counts_refused '--k_scale=1,: no
   set-scales --k_scale=1, --v_scale=1
 check "attnctl set-scales without --v_scale exits 2" counts_refused "usage: attnctl set-scales" set-scales --k_scale=1
 check "attnctl unregister without names exits 2" counts_refused "usage: attnctl unregister NAME..." unregister
+# Connection and attention flags that Connect or the request would refuse
+# are flag errors too: exit 2 before connecting.
+check "attnctl --timeout_s=-1 exits 2" counts_refused "--timeout_s=-1 must be finite and >= 0" --timeout_s=-1 info
+check "attnctl --connect_timeout_s=nan exits 2" counts_refused "--connect_timeout_s=nan must be finite" \
+  --connect_timeout_s=nan info
+check "attnctl --grpc_args=foo exits 2" counts_refused "--grpc_args: 'foo' is not name=integer" --grpc_args=foo info
+check "attnctl --sinks=, exits 2" counts_refused "--sinks=,: '' is not a number" --sinks=, prefill
+check "attnctl --tls_cert without --tls_key exits 2" counts_refused "--tls_cert=/dev/null needs tls_key" \
+  --tls --tls_cert=/dev/null alloc 2
+# attnbench likewise, and its run's own bounds (an end time that would
+# overflow, page counts past 32 bits, a scale it would ignore).
+bench_refused() {  # bench_refused EXPECTED ARGS...
+  local want=$1 out rc
+  shift
+  out=$("$ATTNBENCH" --target=127.0.0.1:1 "$@" 2>&1)
+  rc=$?
+  [[ $rc -eq 2 && "$out" == *"$want"* ]] || { echo "rc=$rc: $out"; return 1; }
+}
+check "attnbench --timeout_s=-1 exits 2" bench_refused "--timeout_s=-1 must be finite" --timeout_s=-1
+check "attnbench --sinks=abc exits 2" bench_refused "--sinks=abc: 'abc' is not a number" --sinks=abc
+check "attnbench --duration_s=1e10 exits 2" bench_refused "--duration_s at most 1e7 s" --duration_s=1e10 --requests=5
+check "attnbench --duration_s=nan exits 2" bench_refused "--duration_s >= 0" --duration_s=nan
+check "attnbench --rate=nan exits 2" bench_refused "--rate, --requests, --duration_s >= 0" --rate=nan
+check "attnbench --kv_len=2147483640 exits 2" bench_refused "at most 16777216" --kv_len=2147483640
+check "attnbench --kv_scale=-1 exits 2" bench_refused "--kv_scale=-1 must be finite and >= 0" --kv_scale=-1
+check "attnbench --kv_scale=nan exits 2" bench_refused "--kv_scale=nan must be finite" --kv_scale=nan
 run attnecho "$ATTNECHO" bench/attnecho.cc
 run tcp_echo "$TCP_ECHO" bench/tcp_echo.cc
 run cluster_decode_bench "$CLUSTER_DECODE_BENCH" bench/cluster_decode_bench.cc

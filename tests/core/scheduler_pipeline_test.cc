@@ -240,6 +240,43 @@ TEST(SchedulerScrubTest, ReleasedPagesAreZeroedInEveryLayerThenFreed) {
   EXPECT_EQ(held_rows, g.num_layers * g.page_size);
 }
 
+// Two FreePages at once: the first call's scrub took both calls' pages (it
+// takes every released page), so the second found nothing to do and
+// answered at once, while its pages were still being zeroed (an
+// AllocatePages right after it then found them missing). A call now answers
+// only once every scrub queued before it has finished.
+TEST(SchedulerScrubTest, ACallWhosePagesAConcurrentCallTookWaitsForThem) {
+  FakeBackend backend;
+  backend.set_block_first(false);
+  absl::Notification gate;
+  backend.set_zero_gate(&gate);
+  KvGeometry& g = backend.mutable_geometry();
+  g.num_pages = 8;
+  PageTable pages(g.num_pages, 0, /*scrub_freed=*/true);
+  Metrics metrics;
+  Scheduler scheduler(&backend, &pages, &metrics, SchedulerOptions{});
+  auto a = pages.Allocate("alice", 4);
+  auto b = pages.Allocate("bob", 4);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE(pages.Free("alice", *a).ok());
+  ASSERT_TRUE(pages.Free("bob", *b).ok());  // released before alice's call takes them
+  absl::Notification alice_done, bob_done;
+  scheduler.ScrubReleased([&](absl::Status) { alice_done.Notify(); });  // takes all 8
+  scheduler.ScrubReleased([&](absl::Status) { bob_done.Notify(); });    // nothing left to take
+  EXPECT_FALSE(bob_done.WaitForNotificationWithTimeout(absl::Milliseconds(200)))
+      << "answered while its pages were still being zeroed";
+  EXPECT_EQ(pages.FreeCount(), 0);
+  gate.Notify();
+  ASSERT_TRUE(alice_done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(bob_done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_EQ(pages.FreeCount(), g.num_pages);
+  // With nothing queued, a call answers at once.
+  absl::Notification idle;
+  scheduler.ScrubReleased([&](absl::Status) { idle.Notify(); });
+  EXPECT_TRUE(idle.HasBeenNotified());
+  scheduler.Stop();
+}
+
 }  // namespace
 }  // namespace scheduler_test
 }  // namespace attnserve

@@ -107,6 +107,7 @@ class FakeBackend final : public Backend {
   }
 
   absl::Status ZeroPages(absl::Span<const int32_t> pages, BatchStats*) override {
+    if (zero_gate_ != nullptr) zero_gate_->WaitForNotification();
     absl::MutexLock lock(&mu_);
     EXPECT_TRUE(pending_.empty()) << "ZeroPages while a batch is in flight";
     for (int32_t layer = 0; layer < geo_.num_layers; ++layer) {
@@ -153,6 +154,8 @@ class FakeBackend final : public Backend {
     return mu_.AwaitWithTimeout(absl::Condition(&reached), limit);
   }
   void set_block_first(bool b) { block_first_ = b; }
+  // ZeroPages waits for `gate` (set before the scheduler runs).
+  void set_zero_gate(absl::Notification* gate) { zero_gate_ = gate; }
   void set_status(absl::Status s) { status_ = s; }
   void WaitEntered() { entered_.WaitForNotification(); }
   void Release() { release_.Notify(); }
@@ -172,6 +175,7 @@ class FakeBackend final : public Backend {
  private:
   KvGeometry geo_;
   bool block_first_ = true;
+  absl::Notification* zero_gate_ = nullptr;
   int depth_ = 1;
   absl::Status status_;
   absl::Notification entered_, release_;

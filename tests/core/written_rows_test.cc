@@ -31,6 +31,7 @@ PrefillTask Task(int32_t layer, const std::vector<int32_t>& pages, int32_t kv_le
   PrefillTask t;
   t.layer = layer;
   PrefillSeq seq;
+  seq.q_len = 1;
   seq.kv_len = kv_len;
   seq.layer = layer;
   t.seqs.push_back(seq);
@@ -130,6 +131,26 @@ TEST(WrittenRowsTest, APlansCheckLooksOnlyAtPagesNotYetWholeInEveryLayer) {
   written.Reset(again);
   EXPECT_EQ(unsettled(), (Positions{{0, 0}, {0, 2}}));
   EXPECT_FALSE(written.CheckPrefill(task).ok());
+}
+
+// A plan's sequence without query rows reads nothing, so its pages are not
+// looked at: its partial last page, never written, refused every Prefill of
+// the plan, where the same layout without a plan was accepted.
+TEST(WrittenRowsTest, APlansSequenceWithoutQueryRowsIsNotLookedAt) {
+  WrittenRows written(Geometry());
+  const std::vector<int32_t> pages = {3, 5, 6};
+  PrefillTask task = Task(0, pages, 10);
+  PrefillSeq empty = task.seqs[0];
+  empty.q_len = 0;
+  empty.kv_start = 2;  // page 6, 2 of its rows: unwritten
+  empty.kv_len = 2;
+  task.seqs.push_back(empty);
+  const std::vector<int64_t> whole = {12, 13, 14, 15, 20, 21, 22, 23, 24, 25};
+  written.Mark(0, whole.data(), 10);
+  written.Mark(1, whole.data(), 10);
+  const std::vector<WrittenRows::Position> at = written.Unsettled(task.seqs, task.kv_indices);
+  for (const auto& p : at) EXPECT_EQ(p.seq, 0) << "looked at the sequence without query rows";
+  EXPECT_TRUE(written.CheckPrefill(task, &at).ok());
 }
 
 TEST(WrittenRowsTest, EveryPageSizeAndRow) {

@@ -477,6 +477,20 @@ TEST_F(ChannelTest, ARingOverlappingAnOpenChannelsIsRefused) {
     ASSERT_TRUE(s.ok()) << s.error_message();
     ASSERT_TRUE(CloseRaw(alice_.get(), resp.channel_id()).ok());
   }
+  // The C++ client refuses its own open channel's bytes before writing
+  // anything over them.
+  auto open = alice_->OpenChannel("io", shm_->data(), 0, ring, ChannelOptions{2, 4096, 100});
+  ASSERT_TRUE(open.ok()) << open.status();
+  auto over = alice_->OpenChannel("io", shm_->data(), 64, ring, ChannelOptions{2, 4096, 100});
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kInvalidArgument) << over.status();
+  EXPECT_THAT(std::string(over.status().message()),
+              HasSubstr(absl::StrCat("overlap the ring of open channel ", (*open)->id(), " of this client")));
+  // (The refused open wrote no header at byte 64, inside the open ring.)
+  EXPECT_NE(reinterpret_cast<const ChannelHeader*>(shm_->data() + 64)->magic, kChannelMagic);
+  ASSERT_TRUE((*open)->Close().ok());
+  auto again = alice_->OpenChannel("io", shm_->data(), 64, ring, ChannelOptions{2, 4096, 100});
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE((*again)->Close().ok());
   EXPECT_TRUE(alice_->Health().ok());
 }
 

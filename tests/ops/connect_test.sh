@@ -37,5 +37,8 @@ start_server || { echo "0 passed, 1 failed"; exit 1; }
 ctl_fails "the metrics port" "$METRICS_ADDR answers HTTP/1, not gRPC: is it attnserve's metrics port" \
   --target="$METRICS_ADDR" info
 check "the gRPC port answers" "$ATTNCTL" --connect_timeout_s=30 --target="$GRPC_ADDR" info
+# One state, a third of whose rows see nothing: those merge to (0, -inf),
+# which attnctl's reference once computed as NaN (exit 3 on a right answer).
+check "attnctl merge --states=1 verifies" "$ATTNCTL" --target="$GRPC_ADDR" merge --states=1
 check "--help lists --connect_timeout_s" bash -c '"$1" --help | grep -q -- "--connect_timeout_s=10 "' _ "$ATTNCTL"
 finish

@@ -47,6 +47,9 @@ exits 2 "--prefill_kernel=sm90 on the cpu backend" \
   "--prefill_kernel=sm90 selects a CUDA kernel family, but the backend is cpu" \
   "${small[@]}" --prefill_kernel=sm90
 exits 2 "--flagfile missing" "flagfile" "${small[@]}" --flagfile="$WORK/none.flags"
+exits 2 "--tls_client_ca without a certificate" "--tls_client_ca needs --tls_cert and --tls_key" \
+  "${small[@]}" --tls_client_ca="$WORK/none.pem"
+exits 2 "--grpc_args=foo" "--grpc_args: 'foo' is not name=integer" "${small[@]}" --grpc_args=foo
 exits 2 "--grpc_args past an int" "grpc.max_concurrent_streams=4294967297' is out of range" \
   "${small[@]}" --grpc_args=grpc.max_concurrent_streams=4294967297
 exits 2 "--kv_dtype=int8" "--kv_dtype=int8 must be bf16, fp16, fp8_e4m3 or fp8_e5m2" \
