@@ -131,8 +131,12 @@ absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const Reg
     }
     // A ring already polled: the second poller would take the first's
     // requests and write answers into its slots.
+    const RegionSlice mine{r.region, r.base, r.byte_size};
     for (const auto& [id, other] : channels_) {
-      if (other.region == r.region.get() && r.base < other.ring_end && other.ring_begin < r.base + r.byte_size) {
+      // (A view of the other ring's region: the entry's channel holds it.)
+      const RegionSlice theirs{std::shared_ptr<const Region>(std::shared_ptr<const Region>(), other.region),
+                               other.ring, other.ring_bytes};
+      if (SlicesOverlap(mine, theirs)) {
         return absl::FailedPreconditionError(absl::StrCat(
             "ring: bytes [", ring.offset, ", ", ring.offset + r.byte_size, ") of region '", ring.name,
             "' overlap the ring of open channel ", absl::Hex(id, absl::kZeroPad16),
@@ -140,7 +144,7 @@ absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const Reg
       }
     }
     per_tenant_[tenant] += 1;
-    channels_[r.id] = Entry{tenant, lease, r.region.get(), nullptr, r.base, r.base + r.byte_size};
+    channels_[r.id] = Entry{tenant, lease, r.region.get(), nullptr, r.base, r.byte_size};
   }
   auto endpoint = make(r);
   absl::MutexLock lock(&mu_);

@@ -103,10 +103,11 @@ class ChannelTable {
     uint64_t lease = 0;
     const Region* region = nullptr;
     std::shared_ptr<ChannelEndpoint> endpoint;
-    // The ring's bytes in the region: no two open channels share one (two
-    // pollers on one ring would each take the other's requests).
-    const char* ring_begin = nullptr;
-    const char* ring_end = nullptr;
+    // The ring's bytes: no two open channels share one (two pollers on one
+    // ring would each take the other's requests), whatever names the memory
+    // is registered under (SlicesOverlap: one memfd deposited twice).
+    char* ring = nullptr;
+    int64_t ring_bytes = 0;
   };
 
   const ChannelLimits limits_;

@@ -202,6 +202,25 @@ TEST_F(ChannelTableTest, OpensValidatesAndCopiesTheGeometry) {
   EXPECT_EQ(channels.TenantChannels("alice"), 1);
 }
 
+// One memfd registered under two names is one memory: a ring opened through
+// one name refuses the same bytes through the other (the server maps each
+// registration apart, so their addresses differ).
+TEST_F(ChannelTableTest, OneMemoryUnderTwoNamesHoldsOneRingPerRange) {
+  RegionTable regions(On(), nullptr);
+  ChannelTable channels(ChannelLimits{4});
+  Shm shm(1 << 16);
+  ASSERT_TRUE(regions.Register("alice", System("a", shm.Deposit(regions), 1 << 16)).ok());
+  ASSERT_TRUE(regions.Register("alice", System("b", shm.Deposit(regions), 1 << 16)).ok());
+  WriteHeader(shm.data(), 2, 4096);
+  ASSERT_TRUE(channels.Open("alice", regions, Ref("a", 0, kRing), Maker()).ok());
+  auto twice = channels.Open("alice", regions, Ref("b", 0, kRing), Maker());
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kFailedPrecondition) << twice.status();
+  EXPECT_THAT(std::string(twice.status().message()), HasSubstr("overlap the ring of open channel"));
+  WriteHeader(shm.data() + kRing, 2, 4096);
+  EXPECT_TRUE(channels.Open("alice", regions, Ref("b", kRing, kRing), Maker()).ok());
+  EXPECT_EQ(channels.TenantChannels("alice"), 2);
+}
+
 TEST_F(ChannelTableTest, RegionsOffAndCudaRegionsAreRefused) {
   RegionTable off(RegionLimits{}, nullptr);
   ChannelTable channels(ChannelLimits{4});
