@@ -118,14 +118,15 @@ def test_an_unknown_method_is_unimplemented_without_reading_its_body(tokens):
 def test_a_tenants_plans_hold_at_most_their_bytes():
     """--max_plan_bytes_per_tenant bounds what CreatePlan keeps (a plan holds
     its layout's arrays, about 16 bytes a kv index and 48 a sequence, for up
-    to --plan_idle_timeout_s): 1,500 sequences that each list one page 16
-    times (a shared prefix; 241 keys, within the cache's 16 x 16 rows a
+    to --plan_idle_timeout_s, and the positions its requests check for
+    written rows): 1,500 sequences of one query row that each list one page
+    16 times (a shared prefix; 241 keys, within the cache's 16 x 16 rows a
     layer) take about 460 KB, so the third such plan passes 1 MiB."""
     with TestServer(num_pages=16, extra_flags=["--max_plan_bytes_per_tenant=1048576"]) as server:
         client = attnserve.Client(server.address, timeout=30)
         page = client.allocate_pages(1)[0]
         seqs, per = 1500, 16
-        layout = dict(qo_indptr=[0] + [1] * seqs, kv_indptr=[per * b for b in range(seqs + 1)],
+        layout = dict(qo_indptr=list(range(seqs + 1)), kv_indptr=[per * b for b in range(seqs + 1)],
                       kv_indices=[page] * (seqs * per), kv_last_page_len=[1] * seqs)
         plans = [client.create_plan(**layout) for _ in range(2)]
         with pytest.raises(attnserve.ResourceExhausted,
