@@ -261,9 +261,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   std::vector<std::string> arg_names;
   std::string arg_error;
   for (const TransportArg& arg : ParseTransportArgs(options.grpc_args, &arg_names, &arg_error)) {
-    args.SetInt(arg.name, arg.value);
+    args.SetInt(arg.name, arg.value);  // (a malformed entry: refused by CheckOptions above)
   }
-  if (!arg_error.empty()) return absl::InvalidArgumentError(absl::StrCat("grpc_args: ", arg_error));
   if (options.interceptors) {
     c->channel_ = grpc::experimental::CreateCustomChannelWithInterceptors(
         options.target, creds, args, options.interceptors(options.target));

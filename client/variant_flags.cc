@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
@@ -20,6 +22,23 @@ ABSL_FLAG(std::string, sinks, "",
           "head, or num_qo_heads comma-separated numbers; empty: none");
 
 namespace attnserve {
+namespace {
+
+// The numbers of a --sinks list ("a,b,..."), or the error naming the entry.
+absl::StatusOr<std::vector<float>> ParseSinks(const std::string& sinks) {
+  std::vector<float> out;
+  for (absl::string_view part : absl::StrSplit(sinks, ',')) {
+    float x = 0;
+    if (!absl::SimpleAtof(part, &x)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--sinks=", sinks, ": '", part, "' is not a number"));
+    }
+    out.push_back(x);
+  }
+  return out;
+}
+
+}  // namespace
 
 absl::StatusOr<AttentionOptions> AttentionOptionsFromFlags(int32_t num_qo_heads,
                                                            std::mt19937_64& gen) {
@@ -33,14 +52,9 @@ absl::StatusOr<AttentionOptions> AttentionOptionsFromFlags(int32_t num_qo_heads,
     for (int32_t h = 0; h < num_qo_heads; ++h) o.sinks.push_back(dist(gen));
     return o;
   }
-  for (absl::string_view part : absl::StrSplit(sinks, ',')) {
-    float x = 0;
-    if (!absl::SimpleAtof(part, &x)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--sinks=", sinks, ": '", part, "' is not a number"));
-    }
-    o.sinks.push_back(x);
-  }
+  auto parsed = ParseSinks(sinks);
+  if (!parsed.ok()) return parsed.status();
+  o.sinks = *std::move(parsed);
   if (o.sinks.size() == 1) o.sinks.assign(num_qo_heads, o.sinks[0]);
   return o;
 }
@@ -48,14 +62,7 @@ absl::StatusOr<AttentionOptions> AttentionOptionsFromFlags(int32_t num_qo_heads,
 absl::Status CheckAttentionFlags() {
   const std::string sinks = absl::GetFlag(FLAGS_sinks);
   if (sinks.empty() || sinks == "random") return absl::OkStatus();
-  for (absl::string_view part : absl::StrSplit(sinks, ',')) {
-    float x = 0;
-    if (!absl::SimpleAtof(part, &x)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--sinks=", sinks, ": '", part, "' is not a number"));
-    }
-  }
-  return absl::OkStatus();
+  return ParseSinks(sinks).status();
 }
 
 }  // namespace attnserve

@@ -120,8 +120,8 @@ struct DeviceBatch {
     return Compare(b.geo.dtype, last_o, last_lse, ref.o, ref.lse);
   }
   // Whether the outputs equal, bit for bit, those of the last Check (the
-  // same plan on the same inputs gives the same bits: docs/design.md,
-  // section 2.3); "" when they do.
+  // same plan on the same inputs gives the same bits: docs/design.md
+  // section 3, "Deterministic answers"); "" when they do.
   std::string SameAsLast() {
     const std::vector<uint16_t> got_o = o.Download();
     const std::vector<float> got_lse = lse.Download();
