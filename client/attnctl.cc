@@ -15,6 +15,7 @@
 //   attnctl scales                       (an FP8 server's KV scales, every layer)
 //   attnctl set-scales --layer=0 --k_scale=0.02 --v_scale=0.01   (or one value per KV head: 0.02,0.03)
 //   attnctl health [SERVICE]             (exit 0 only when SERVING)
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <limits>
@@ -94,11 +95,18 @@ absl::StatusOr<LayerKvScales> ScalesFromFlags() {
           "usage: attnctl set-scales --layer=L --k_scale=X[,X...] --v_scale=Y[,Y...]");
     }
     for (absl::string_view part : absl::StrSplit(flag, ',')) {
-      float x = 0;
-      if (!absl::SimpleAtof(part, &x)) {
+      double x = 0;
+      if (!absl::SimpleAtod(part, &x)) {
         return absl::InvalidArgumentError(absl::StrCat(name, "=", flag, ": not a list of numbers (\"", part, "\")"));
       }
-      out->push_back(x);
+      // The wire carries float32: a value that would become an infinity or
+      // 0 there is named here as given.
+      const float f = static_cast<float>(x);
+      if (std::isfinite(x) && (!std::isfinite(f) || (x != 0 && f == 0))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, "=", flag, ": ", part, " does not fit a float32 (0, or a magnitude in [1.4e-45, 3.4e38])"));
+      }
+      out->push_back(f);
     }
   }
   return l;

@@ -275,6 +275,10 @@ class Cluster {
                          const StepShares& shares, ClusterStep* step, bool* again);
   // Takes new sequences: listed, reachable and not gone.
   static bool Usable(const Server& s) { return s.listed && s.reachable && !s.gone; }
+  // A call that failed without reaching its server (UNAVAILABLE, DEADLINE_EXCEEDED).
+  static bool Unreachable(const absl::Status& s) {
+    return s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded;
+  }
   absl::StatusOr<int32_t> AddServer(const std::string& address);
   // kv_scales_ to the server unless its incarnation has them already.
   absl::Status ApplyScales(int32_t server);

@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace attnserve {
 namespace {
@@ -88,13 +89,30 @@ absl::StatusOr<std::vector<std::vector<Chunk>>> PlaceTokens(
       }
     }
     if (carry > 0) {
+      // Servers with free pages that hold an earlier range of the sequence
+      // cannot take its new tokens: a sequence's positions on one server
+      // are one contiguous range (docs/cluster.md, "Placement").
+      std::vector<int32_t> held_with_room;
+      for (size_t j = 0; j + 1 < held.size(); ++j) {
+        const int32_t srv = held[j].server;
+        if ((*free)[srv] > 0 && srv != held.back().server &&
+            std::find(held_with_room.begin(), held_with_room.end(), srv) == held_with_room.end()) {
+          held_with_room.push_back(srv);
+        }
+      }
       return absl::ResourceExhaustedError(absl::StrCat(
           "sequence ", seq_ids[b], ": ", carry, " of its ", n,
           " new tokens fit on no server (too few free pages",
           rules.max_servers_per_sequence > 0
               ? absl::StrCat(", or max_servers_per_sequence=", rules.max_servers_per_sequence)
               : "",
-          ")"));
+          ")",
+          held_with_room.empty()
+              ? ""
+              : absl::StrCat("; the servers with free pages (", absl::StrJoin(held_with_room, ", "),
+                             ", as Servers() lists them) hold earlier positions of it, and a sequence's "
+                             "positions on one server are one range: finish it and start it again, or add "
+                             "a server")));
     }
   }
   return chunks;

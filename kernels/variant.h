@@ -114,14 +114,22 @@ ATTN_HOST_DEVICE float SoftCapTanh(float x) {
 #endif
 }
 
+// The smallest multiplier of an uncapped positive-scale transform: one that
+// underflows to 0 makes a masked key's -inf x 0 = NaN. Float32's smallest
+// normal, so that no flush-to-zero instruction drops it either.
+inline constexpr float kMinLogitMul = 1.17549435e-38f;
+
 // A sequence's logit transform in the kernels' base-2 units: Log2(d) =
 // d * scale * log2(e), or, with a soft-cap c, c * log2(e) * tanh(d * scale /
 // c), d the raw dot product; -inf (masked) stays -inf. Kernels that take a
 // row's maximum on raw dot products flip Q's sign when sm_scale is negative
 // and ask for the magnitude (positive_scale: the scale applied is
-// |sm_scale|, at least 1e-30, so that the transform is increasing in d and a
-// masked -inf stays -inf); the others apply sm_scale as it is. Two floats,
-// so that the soft-cap costs the kernels' main loops one register.
+// |sm_scale|; uncapped, the multiplier is at least kMinLogitMul, so that the
+// transform is increasing in d and a masked -inf stays -inf; a row's logits
+// change only where |sm_scale x k_scale| is below 1.2e-38, where a logit
+// that is not 0 to float precision needs |dot| above about 1e35); the others
+// apply sm_scale as it is. Two floats, so that the soft-cap costs the
+// kernels' main loops one register.
 struct LogitTransform {
   float mul = 0.f;  // scale * log2(e); soft-capped: scale / c
   float cap = 0.f;  // soft-capped: c * log2(e); 0: no soft-cap
@@ -134,21 +142,31 @@ struct LogitTransform {
                                             float k_scale = 1.f) {
     LogitTransform t;
     float scale = s.sm_scale * k_scale;
-    if (positive_scale) {
-      scale = scale < 0.f ? -scale : scale;
-      scale = scale > 1e-30f ? scale : 1e-30f;
-    }
+    if (positive_scale) scale = scale < 0.f ? -scale : scale;
     // The multiplier stays finite, so that a zero dot product gives a zero
     // logit: scale / c overflows for a tiny cap (every logit is then within
-    // c of 0, and tanh saturates for the others either way), and an FP8 K
-    // scale can push scale * log2(e) past float32 (the other logits of such
-    // a row overflow: no defined result, docs/design.md).
+    // c of 0, and tanh saturates for the others either way). Uncapped, the
+    // server's bounds (|sm_scale| <= 1e30, an FP8 k_scale <= 1e8) keep
+    // scale * log2(e) below 1.45e38; only the decode family's k_scale also
+    // carries its fp16 Q's 2^-e, which exceeds 1 only for rows of |q| above
+    // 2^14, whose logits at such scales overflow anyway.
     const float m = s.soft_cap > 0.f ? scale / s.soft_cap : scale * kLog2e;
     t.mul = m > 3.4028235e38f ? 3.4028235e38f : (m < -3.4028235e38f ? -3.4028235e38f : m);
     if (s.soft_cap > 0.f) t.cap = s.soft_cap * kLog2e;
+    if (positive_scale) t = t.TimesPow2(1.f);
     return t;
   }
   ATTN_HOST_DEVICE bool capped() const { return cap > 0.f; }
+  // A positive-scale transform for rows whose Q carries a factor 2^e (an FP8
+  // kernel's fp16 Q, pow2 = 2^-e, |e| <= 100): the multiplier times pow2,
+  // uncapped at least kMinLogitMul. (Capped, a multiplier of 0 only makes
+  // the logits 0: the kernels mask after the tanh.)
+  ATTN_HOST_DEVICE LogitTransform TimesPow2(float pow2) const {
+    LogitTransform r = *this;
+    r.mul *= pow2;
+    if (!capped() && !(r.mul >= kMinLogitMul)) r.mul = kMinLogitMul;
+    return r;
+  }
   // d -> the base-2 logit.
   ATTN_HOST_DEVICE float Log2(float d) const {
     if (!capped()) return d * mul;

@@ -290,11 +290,10 @@ __global__ void __launch_bounds__(128, 2)
   // fp16 Q carries (e from shared memory at each use, |e| <= 100, so 2^-e is
   // a normal float: no registers held across the main loop).
   auto row_logit = [&](int mt, int h) {
-    LogitTransform t = logit;
     if constexpr (kQToHalf) {
-      t.mul *= __int_as_float((127 - s_qexp[warp_row0 + mt * 16 + (lane >> 2) + h * 8]) << 23);
+      return logit.TimesPow2(__int_as_float((127 - s_qexp[warp_row0 + mt * 16 + (lane >> 2) + h * 8]) << 23));
     }
-    return t;
+    return logit;
   };
   [[maybe_unused]] const bool e5m2 = args.p.geo.kv_fp8 == Fp8Format::kE5m2;
 

@@ -395,7 +395,7 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const int e = s_qexp[qb * Tr::kM + wg_row0 + warp * 16 + (lane >> 2) + 8 * h];
-              row_mul[h] = logit.mul * __int_as_float((127 - e) << 23);
+              row_mul[h] = logit.TimesPow2(__int_as_float((127 - e) << 23)).mul;
             }
           }
         }

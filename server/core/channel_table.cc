@@ -137,10 +137,16 @@ absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const Reg
       const RegionSlice theirs{std::shared_ptr<const Region>(std::shared_ptr<const Region>(), other.region),
                                other.ring, other.ring_bytes};
       if (SlicesOverlap(mine, theirs)) {
+        // Another tenant's channel (the same memory registered by both) is
+        // not named: its id is that tenant's.
         return absl::FailedPreconditionError(absl::StrCat(
             "ring: bytes [", ring.offset, ", ", ring.offset + r.byte_size, ") of region '", ring.name,
-            "' overlap the ring of open channel ", absl::Hex(id, absl::kZeroPad16),
-            ": CloseChannel it, or open the channel on bytes no open channel uses"));
+            "' overlap the ring of ",
+            other.tenant == tenant
+                ? absl::StrCat("open channel ", absl::Hex(id, absl::kZeroPad16),
+                               ": CloseChannel it, or open the channel on bytes no open channel uses")
+                : "another tenant's open channel (the same memory, registered by both): open the "
+                  "channel on bytes no open channel uses"));
       }
     }
     per_tenant_[tenant] += 1;

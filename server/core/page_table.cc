@@ -98,7 +98,8 @@ absl::Status PageTable::Free(absl::string_view tenant, absl::Span<const int32_t>
     if (plan_pins_[p] > 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           "page_ids[", i, "]=", p, " is held by a plan (CreatePlan): release the plans "
-          "that name it (ReleasePlan) before freeing the page"));
+          "that name it (ReleasePlan) before freeing the page (a released plan holds its "
+          "pages until the requests running on it finish)"));
     }
   }
   for (int32_t p : page_ids) FreeOne(p, id);

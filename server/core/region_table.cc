@@ -505,7 +505,11 @@ absl::StatusOr<RegionSlice> RegionTable::Resolve(const std::string& tenant,
                                                    " out of range [0, ", region->byte_size,
                                                    "] (the size of region '", ref.name, "')"));
   }
-  if (ref.byte_size < 0 || ref.byte_size > region->byte_size - ref.offset) {
+  if (ref.byte_size < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".byte_size=", ref.byte_size, " is negative (a tensor's bytes, >= 0)"));
+  }
+  if (ref.byte_size > region->byte_size - ref.offset) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".offset + ", field, ".byte_size = ", ref.offset, " + ", ref.byte_size,
         " exceeds the size of region '", ref.name, "' (", region->byte_size, " bytes)"));

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -72,6 +73,10 @@ using validate_detail::CheckVPresence;
 absl::Status ValidateTensor(const TensorView& t, absl::string_view field, TensorDType dtype,
                             absl::Span<const int64_t> shape) {
   if (t.dtype != dtype) {
+    if (TensorUnset(t)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, " is unset: must be a ", TensorDTypeName(dtype),
+                                                     " tensor of shape [", absl::StrJoin(shape, ", "), "]"));
+    }
     return absl::InvalidArgumentError(absl::StrCat(field, ".dtype=", TensorDTypeName(t.dtype),
                                                    " must be ", TensorDTypeName(dtype)));
   }
@@ -140,7 +145,8 @@ absl::StatusOr<bool> KvRowsAreFp8(const TensorView& k, const TensorView& v,
   const TensorDType fp8 = TensorDTypeOf(geo.kv_fp8);
   if (k.dtype != half && k.dtype != fp8) {
     return absl::InvalidArgumentError(absl::StrCat(
-        k_field, ".dtype=", TensorDTypeName(k.dtype), " must be ", TensorDTypeName(half),
+        k_field, TensorUnset(k) ? " is unset:" : absl::StrCat(".dtype=", TensorDTypeName(k.dtype)),
+        " must be ", TensorDTypeName(half),
         " (quantized by the server) or ", TensorDTypeName(fp8),
         " (stored as it is): this server's KV cache is ", Fp8FormatName(geo.kv_fp8)));
   }
@@ -173,7 +179,8 @@ absl::Status ValidateKvScales(absl::Span<const LayerScalesView> layers, const Kv
           absl::StrCat(at, ".layer=", l.layer, " is repeated: one entry per layer"));
     }
     seen[l.layer] = true;
-    for (auto [name, scales] : {std::pair{"k_scale", l.k_scale}, std::pair{"v_scale", l.v_scale}}) {
+    for (auto [name, scales, most] :
+         {std::tuple{"k_scale", l.k_scale, kMaxKScale}, std::tuple{"v_scale", l.v_scale, kMaxVScale}}) {
       if (scales.size() != 1 && static_cast<int64_t>(scales.size()) != geo.num_kv_heads) {
         return absl::InvalidArgumentError(absl::StrCat(
             at, ".", name, " has ", scales.size(), " entries, must have 1 (the whole layer) or "
@@ -181,9 +188,9 @@ absl::Status ValidateKvScales(absl::Span<const LayerScalesView> layers, const Kv
       }
       for (size_t h = 0; h < scales.size(); ++h) {
         const float x = scales[h];
-        if (!(x > 0.f && x <= kMaxKvScale)) {
+        if (!(x > 0.f && x <= most)) {
           return absl::InvalidArgumentError(absl::StrCat(
-              at, ".", name, "[", h, "]=", x, " must be finite and in (0, ", kMaxKvScale,
+              at, ".", name, "[", h, "]=", x, " must be finite and in (0, ", most,
               "] (real value = fp8 value x scale)"));
         }
       }

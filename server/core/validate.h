@@ -161,9 +161,13 @@ absl::StatusOr<bool> KvRowsAreFp8(const TensorView& k, const TensorView& v,
 
 // SetKvScales: an FP8 cache; layers in [0, num_layers), each at most once;
 // k_scale and v_scale of 1 or num_kv_heads entries, each finite and in (0,
-// kMaxKvScale] (so that every FP8 value times its scale stays finite in
-// float32). INVALID_ARGUMENT naming the field and the bound.
-inline constexpr float kMaxKvScale = 1e30f;
+// kMaxKScale] or (0, kMaxVScale]. INVALID_ARGUMENT naming the field and the
+// bound. V's bound keeps every FP8 value times its scale finite in float32;
+// K's keeps the logit multiplier |sm_scale| x k_scale x log2(e) finite
+// (|sm_scale| <= kMaxSmScaleMagnitude: 1e30 x 1e8 x 1.44 < 3.4e38), so that
+// no kernel clamps it (LogitTransform::Of, kernels/variant.h).
+inline constexpr float kMaxKScale = 1e8f;
+inline constexpr float kMaxVScale = 1e30f;
 absl::Status ValidateKvScales(absl::Span<const LayerScalesView> layers, const KvGeometry& geo);
 
 // States one MergeStates request may merge.

@@ -182,8 +182,11 @@ class MetricsEndpoint final : public CivetHandler {
     std::unique_ptr<MetricsEndpoint> e(new MetricsEndpoint(std::move(registry)));
     e->before_collect_ = std::move(before_collect);
     try {
-      e->server_ = std::make_unique<CivetServer>(
-          std::vector<std::string>{"listening_ports", listen, "num_threads", "2"});
+      // A connection that sends no request holds a thread for at most
+      // request_timeout_ms (civetweb's default, 30 s, let two idle
+      // connections stall every scrape past Prometheus's 10 s timeout).
+      e->server_ = std::make_unique<CivetServer>(std::vector<std::string>{
+          "listening_ports", listen, "num_threads", "4", "request_timeout_ms", "2000"});
     } catch (const std::exception& ex) {
       return absl::UnavailableError(
           absl::StrCat("--metrics_listen=", listen, ": cannot serve metrics there: ", ex.what()));
@@ -257,7 +260,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
         absl::StrCat(HostOf(options.metrics_listen), ":", s->metrics_endpoint_->port());
   }
 
-  grpc::EnableDefaultHealthCheckService(true);
+  // Health is ours, not gRPC's default service: its requests are bounded
+  // (server/grpc/health_service.h).
+  grpc::EnableDefaultHealthCheckService(false);
+  s->health_ = std::make_unique<HealthService>(options.limits.request_read_timeout);
   if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   ServiceOptions service_options;
   service_options.access_log = options.access_log;
@@ -300,6 +306,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
   int port = 0;
   builder.AddListeningPort(options.listen, *creds, &port);
   builder.RegisterService(s->service_.get());
+  builder.RegisterService(s->health_.get());
   // gRPC checks a message's size only once the whole message has arrived,
   // as the service does: the service's check names --max_message_bytes
   // (gRPC's would not), so gRPC's own limit is its largest.
@@ -325,24 +332,18 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(const ServerOption
     s->region_socket_name_ = region_options.name;
     s->service_->SetRegionSocket(region_options.name);
   }
-  grpc::HealthCheckServiceInterface* health = s->server_->GetHealthCheckService();
-  health->SetServingStatus(true);
-  health->SetServingStatus(kServiceName, true);
   return s;
 }
 
 AttnServer::~AttnServer() {
   region_socket_.reset();
+  if (health_) health_->Shutdown();
   if (server_) server_->Shutdown();
 }
 
 AttnServer::AttnServer() = default;
 
-void AttnServer::SetNotServing() {
-  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
-  health->SetServingStatus(false);
-  health->SetServingStatus(kServiceName, false);
-}
+void AttnServer::SetNotServing() { health_->SetServing(false); }
 
 int AttnServer::Drain(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
@@ -368,6 +369,7 @@ int AttnServer::Drain(absl::Duration timeout) {
   // Every RPC is finished: this only closes the listener and the connections
   // (an idle client's connection included) and waits for the last responses
   // to leave.
+  health_->Shutdown();  // health Watch streams end
   server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Milliseconds(200)));
   if (abandoned == 0) core_->Shutdown();  // nothing queued or running: returns at once
   return abandoned;

@@ -15,6 +15,7 @@
 #include "server/core/attention_core.h"
 #include "server/grpc/attention_service.h"
 #include "server/grpc/auth.h"
+#include "server/grpc/health_service.h"
 #include "server/metrics.h"
 
 namespace attnserve {
@@ -85,6 +86,7 @@ class AttnServer {
 
   AttentionCore* core_ = nullptr;
   std::unique_ptr<AttentionServiceImpl> service_;
+  std::unique_ptr<HealthService> health_;  // outlives server_
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   std::unique_ptr<RegionSocket> region_socket_;

@@ -79,6 +79,23 @@ TEST(PlaceTokensTest, TokensThatFitNowhereNameTheSequenceAndTheLimit) {
   EXPECT_THAT((*all)[0], ::testing::ElementsAre(IsChunk(2, 10), IsChunk(1, 2)));
 }
 
+// A sequence spread over two servers whose last server is full cannot grow
+// on the first, which has room: its positions there are one range. The
+// error says so, naming that server.
+TEST(PlaceTokensTest, ServersHoldingEarlierPositionsAreNamedWhenTheyHaveRoom) {
+  const std::vector<std::vector<Shard>> shards = {{Shard{0, 0, 4}, Shard{1, 4, 12}}};
+  std::vector<int64_t> free = {7, 0};
+  auto chunks = PlaceTokens({5}, {1}, shards, Rules(4), &free);
+  EXPECT_EQ(chunks.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(chunks.status().message(),
+              HasSubstr("sequence 5: 1 of its 1 new tokens fit on no server (too few free pages); the "
+                        "servers with free pages (0, as Servers() lists them) hold earlier positions of it"));
+  // With no room there either, only the pages are short.
+  free = {0, 0};
+  auto full = PlaceTokens({5}, {1}, shards, Rules(4), &free);
+  EXPECT_EQ(full.status().message(), "sequence 5: 1 of its 1 new tokens fit on no server (too few free pages)");
+}
+
 TEST(PlaceTokensTest, NoServerTakingTokensIsUnavailable) {
   std::vector<int64_t> free = {-1, -1};
   const std::vector<std::vector<Shard>> shards(1);

@@ -111,6 +111,8 @@ check "attnctl read 2^63 exits 2" counts_refused "SLOT 9223372036854775808 (argu
   read 9223372036854775808
 check "attnctl set-scales --k_scale=1, exits 2" counts_refused '--k_scale=1,: not a list of numbers' \
   set-scales --k_scale=1, --v_scale=1
+check "attnctl set-scales --k_scale=1e40 exits 2 (beyond float32)" counts_refused \
+  '--k_scale=1e40: 1e40 does not fit a float32' set-scales --k_scale=1e40 --v_scale=1
 check "attnctl set-scales without --v_scale exits 2" counts_refused "usage: attnctl set-scales" set-scales --k_scale=1
 check "attnctl unregister without names exits 2" counts_refused "usage: attnctl unregister NAME..." unregister
 # Connection and attention flags that Connect or the request would refuse

@@ -219,6 +219,14 @@ TEST_F(ChannelTableTest, OneMemoryUnderTwoNamesHoldsOneRingPerRange) {
   WriteHeader(shm.data() + kRing, 2, 4096);
   EXPECT_TRUE(channels.Open("alice", regions, Ref("b", kRing, kRing), Maker()).ok());
   EXPECT_EQ(channels.TenantChannels("alice"), 2);
+  // The same memory registered by another tenant: refused too, without
+  // naming alice's channel (its id is hers).
+  ASSERT_TRUE(regions.Register("bob", System("c", shm.Deposit(regions), 1 << 16)).ok());
+  auto bobs = channels.Open("bob", regions, Ref("c", 0, kRing), Maker());
+  EXPECT_EQ(bobs.status().code(), absl::StatusCode::kFailedPrecondition) << bobs.status();
+  EXPECT_THAT(std::string(bobs.status().message()),
+              HasSubstr("overlap the ring of another tenant's open channel (the same memory, registered by both)"));
+  EXPECT_THAT(std::string(bobs.status().message()), ::testing::Not(HasSubstr("CloseChannel")));
 }
 
 TEST_F(ChannelTableTest, RegionsOffAndCudaRegionsAreRefused) {

@@ -95,6 +95,8 @@ INSTANTIATE_TEST_SUITE_P(
                "v.shape[2]"},
         KvCase{"WriteVUnset", [](KvFixture& f) { f.v = TensorView{}; }, false, kInvalid,
                "v is unset: this GQA server takes K rows in k and V rows in v"},
+        KvCase{"WriteKUnset", [](KvFixture& f) { f.k = TensorView{}; }, false, kInvalid,
+               "k is unset: must be a DTYPE_BF16 tensor of shape [4, 2, 64]"},
         KvCase{"WriteVData", [](KvFixture& f) { f.v.data = f.v.data.substr(0, 10); }, false,
                kInvalid, "v.data"},
         KvCase{"ReadLayer", [](KvFixture& f) { f.layer = 7; }, true, kInvalid, "layer=7"},

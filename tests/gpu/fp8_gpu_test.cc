@@ -162,6 +162,43 @@ TEST(Fp8Cuda, Bf16QueriesOfEveryMagnitudeMatchReference) {
   }
 }
 
+// Rows of tiny queries (|q| ~ 2^-100: their fp16 Q carries 2^100) at tiny
+// or zero scales: the prefill families' multiplier sm_scale x k_scale x
+// log2(e) x 2^-100 underflowed to 0, and a masked key's -inf x 0 made the
+// causal rows NaN; it is now at least float32's smallest normal
+// (LogitTransform::TimesPow2, kernels/variant.h). Every logit is 0 to
+// float precision either way: each row attends uniformly.
+TEST(Fp8Cuda, TinyScalesOverTinyQueriesStayFinite) {
+  ATTNSERVE_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(4141);
+  for (int round = 0; round < 4; ++round) {
+    HostBatch b;
+    b.geo.head_dim = round < 2 ? 128 : 64;
+    b.geo.page_size = round % 2 == 0 ? 16 : 1;
+    b.geo.num_kv_heads = 2;
+    b.geo.num_qo_heads = 8;
+    b.geo.dtype = KvDType::kBf16;
+    b.geo.num_layers = 2;
+    b.geo.num_pages = 6000 / b.geo.page_size + 4;
+    gpu_test::MakePools(&b, &rng);
+    gpu_test::QuantizePools(&b, round % 2 == 0 ? Fp8Format::kE4m3 : Fp8Format::kE5m2, /*per_head=*/true, &rng);
+    const float scales[] = {1e-31f, 0.f, -1e-33f, 1e-36f};
+    for (int s = 0; s < 4; ++s) {
+      gpu_test::AddSeq(&b, 20 + static_cast<int>(rng() % 140), 200 + static_cast<int>(rng() % 1200), s % 2,
+                       /*causal=*/true, false, scales[s], &rng);
+    }
+    gpu_test::FinishBatch(&b, std::ldexp(1.f, -100), &rng);
+    if (Sm90PrefillSupported()) {
+      const gpu_test::RunResult p = gpu_test::RunPrefill(b, PrefillKernel::kSm90Overlap);
+      EXPECT_EQ(p.error, "") << "sm90 round " << round << ": " << gpu_test::Describe(b);
+    }
+    for (const PrefillKernel k : {PrefillKernel::kSm80, PrefillKernel::kSm80Rows64}) {
+      const gpu_test::RunResult p = gpu_test::RunPrefill(b, k);
+      EXPECT_EQ(p.error, "") << PrefillKernelName(k) << " round " << round << ": " << gpu_test::Describe(b);
+    }
+  }
+}
+
 // The sm90 consumers' conversion of bf16 Q rows to fp16 times 2^e
 // (QRowsToHalf, kernels/sm90/fp8_tiles.cuh, which finds each row's largest
 // magnitude on the bits) bit for bit against its definition: e is

@@ -330,6 +330,10 @@ TEST(Fp8ServerTest, BadInputsNameTheFieldAndChangeNothing) {
   expect_invalid(set({{0, {inf}, {1.f}}}), "layers[0].k_scale[0]=inf");
   expect_invalid(set({{0, {std::nanf("")}, {1.f}}}), "layers[0].k_scale[0]=nan");
   expect_invalid(set({{0, {1.f, 2.f}, {1.f}}, {1, {1.f}, {1e31f}}}), "layers[1].v_scale[0]");
+  // K's bound is lower: |sm_scale| (<= 1e30) x k_scale x log2(e) stays a
+  // finite float (1e19 x 1e20 overflowed and was clamped: wrong logits).
+  expect_invalid(set({{0, {1e20f}, {1.f}}}), "layers[0].k_scale[0]=1e+20 must be finite and in (0, 1e+08]");
+  expect_invalid(set({{0, {1.f, 1.5e8f}, {1.f}}}), "layers[0].k_scale[1]=1.5e+08");
   expect_invalid(set({{2, {1.f}, {1.f}}}), "layers[0].layer=2 out of range [0, 2)");
   expect_invalid(set({{-1, {1.f}, {1.f}}}), "layers[0].layer=-1");
   // Past num_kv_heads the wire limit answers before parsing, with the same bound.

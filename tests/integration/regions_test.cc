@@ -340,7 +340,7 @@ TEST_F(RegionsTest, BadReferencesNameTheFieldChangeNothingAndTheServerKeepsServi
        [](v1::PrefillRequest* r) { r->mutable_q()->mutable_region()->set_offset((1 << 16) - 100); },
        grpc::StatusCode::INVALID_ARGUMENT, "exceeds the size of region 'io' (65536 bytes)"},
       {"negative size", [](v1::PrefillRequest* r) { r->mutable_q()->mutable_region()->set_byte_size(-2); },
-       grpc::StatusCode::INVALID_ARGUMENT, "q.region.byte_size = 0 + -2"},
+       grpc::StatusCode::INVALID_ARGUMENT, "q.region.byte_size=-2 is negative"},
       {"size not the shape's",
        [=](v1::PrefillRequest* r) { r->mutable_q()->mutable_region()->set_byte_size(q_bytes - 2); },
        grpc::StatusCode::INVALID_ARGUMENT, "q.region.byte_size="},

@@ -155,7 +155,8 @@ def main():
     p.add_argument("--send_for", type=float, default=3.0,
                    help="seconds to keep sending while the windows grow")
     args = p.parse_args()
-    path = f"/attnserve.v1.AttentionService/{args.method}"
+    # A method of the attention service, or a whole path ("/grpc.health.v1.Health/Check").
+    path = args.method if args.method.startswith("/") else f"/attnserve.v1.AttentionService/{args.method}"
     conns = []
     for _ in range(args.connections):
         c = Connection(args.address, timeout=10)

@@ -703,3 +703,23 @@ def test_a_ctrl_c_held_by_a_manager_does_not_keep_a_finish_from_it():
             c.release()
     finally:
         stop(servers)
+
+
+def test_a_full_last_server_names_the_servers_holding_earlier_positions():
+    """A sequence spread over two servers whose last server is full cannot
+    grow on the first, which has room (its positions on one server are one
+    range): the error says so and names that server (as client/
+    cluster_placement.cc does)."""
+    from attnserve._cluster_placement import Shard, place_tokens
+
+    class Seq:
+        shards = [Shard(0, 0, 4), Shard(1, 4, 12)]
+
+    with pytest.raises(attnserve.ResourceExhausted,
+                       match=r"sequence 'a': 1 of its 1 new tokens fit on no server \(too few free "
+                             r"pages\); the servers with free pages \(0, as servers\(\) lists them\) "
+                             r"hold earlier positions of it"):
+        place_tokens(["a"], [1], {"a": Seq()}, [7, 0], 4, 0, 0)
+    with pytest.raises(attnserve.ResourceExhausted) as e:
+        place_tokens(["a"], [1], {"a": Seq()}, [0, 0], 4, 0, 0)
+    assert e.value.details.endswith("(too few free pages)")

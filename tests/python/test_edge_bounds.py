@@ -6,6 +6,7 @@ and idle connections are closed after --connection_idle_timeout_s. The
 hostile client is h2_flood.py (raw HTTP/2: bodies that stop half-way)."""
 
 import json
+import signal
 import os
 import subprocess
 import sys
@@ -113,6 +114,74 @@ def test_an_unknown_method_is_unimplemented_without_reading_its_body(tokens):
         ready = flood.ready()
         flood.done()
         assert ready["rejected"] == 4 and ready["sent"] < 8 * MIB, ready
+
+
+def test_health_requests_must_arrive_at_once(tokens):
+    """The health service answers without a token (probes), so its requests
+    are bounded apart (server/grpc/health_service.h): a body that stalls is
+    cut off within 250 ms, and the server holds at most what arrived by
+    then. gRPC's default health service read each 256 MiB claim whole,
+    for as long as the sender took (+2.3 GB for 16 such calls)."""
+    with TestServer(extra_flags=[f"--auth_tokens_file={tokens}"]) as server:
+        before = server.rss_bytes()
+        flood = Flood(server.address, "--connections", 4, "--streams", 4, "--claim", 256 * MIB,
+                      "--method", "/grpc.health.v1.Health/Check", "--send_for", 3, "--hold", 1)
+        ready = flood.ready()
+        grown = server.rss_bytes() - before
+        flood.done()
+        assert ready["rejected"] == 16, ready
+        # What 16 streams can send in 250 ms on loopback, with room: far
+        # below the 4 GiB claimed.
+        assert grown <= 1024 * MIB, f"the server holds {grown / MIB:.1f} MiB more for health bodies"
+        # Without a token, as a probe asks.
+        import grpc
+        from attnserve import _wire
+        with grpc.insecure_channel(server.address) as channel:
+            check = channel.unary_unary("/grpc.health.v1.Health/Check")
+            assert _wire.health_status(check(_wire.health_request(""), timeout=10)) == "SERVING"
+        client = attnserve.Client(server.address, token="tok-a")
+        assert client.health() == "SERVING"
+        assert client.health("attnserve.v1.AttentionService") == "SERVING"
+        with pytest.raises(attnserve.NotFound, match="unknown service 'nope'"):
+            client.health("nope")
+        client.close()
+        _works(server, "tok-a")
+
+
+def test_health_watch_sends_the_status_and_its_change_at_a_drain():
+    """Watch sends the status at once and again when a drain turns it
+    NOT_SERVING; an unknown service is SERVICE_UNKNOWN."""
+    import grpc
+    from attnserve import _wire
+    with TestServer() as server:
+        channel = grpc.insecure_channel(server.address)
+        watch = channel.unary_stream("/grpc.health.v1.Health/Watch")
+        unknown = watch(_wire.health_request("nope"), timeout=10)
+        assert _wire.health_status(next(unknown)) == "SERVICE_UNKNOWN"
+        unknown.cancel()
+        stream = watch(_wire.health_request(""), timeout=30)
+        assert _wire.health_status(next(stream)) == "SERVING"
+        server._proc.send_signal(signal.SIGTERM)
+        assert _wire.health_status(next(stream)) == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError):
+            next(stream)
+        channel.close()
+
+
+def test_idle_connections_to_metrics_do_not_stall_a_scrape():
+    """Six connections to /metrics that send nothing hold its threads for at
+    most 2 s (civetweb's default of 30 s let two of them stall every scrape
+    past Prometheus's 10 s timeout)."""
+    import socket
+    with TestServer() as server:
+        host, port = server.metrics_address.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port))) for _ in range(6)]
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert server.metric("attnserve_kv_pages") >= 0
+        assert time.monotonic() - start < 5.0
+        for s in idle:
+            s.close()
 
 
 def test_a_tenants_plans_hold_at_most_their_bytes():

@@ -215,12 +215,19 @@ def test_bad_scales_and_rows_name_the_field(fp8_server):
                               ({0: (float("inf"), 1.0)}, "layers[0].k_scale[0]=inf"),
                               ({0: (float("nan"), 1.0)}, "layers[0].k_scale[0]=nan"),
                               ({5: (1.0, 1.0)}, "layers[0].layer=5 out of range"),
+                              # K's bound keeps |sm_scale| x k_scale x log2(e) finite.
+                              ({0: (1.5e8, 1e30)}, "layers[0].k_scale[0]=1.5e+08 must be finite and in (0, 1e+08]"),
                               # Past num_kv_heads the wire limit answers, before parsing.
                               ({0: ([1.0, 2.0, 3.0], 1.0)},
                                "layers[0].k_scale has more than 2 entries (num_kv_heads=2)"),
                               ({}, "layers is empty")]:
             with pytest.raises(attnserve.InvalidArgument, match=re.escape(field)):
                 c.set_kv_scales(scales)
+        # A finite value beyond float32 is refused by the client as given, not
+        # sent as an infinity or 0.
+        for value in (1e39, 1e-50):
+            with pytest.raises(ValueError, match=re.escape(f"scales[0] k_scale: {value!r} does not fit a float32")):
+                c.set_kv_scales({0: (value, 1.0)})
         after = c.kv_scales()
         assert after.keys() == before.keys()
         for layer in after:

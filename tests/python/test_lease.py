@@ -78,6 +78,33 @@ def test_an_expired_lease_raises_lease_expired_and_its_pages_go(server):
     client.close()
 
 
+def test_listing_a_lease_does_not_keep_it_alive(server):
+    """ListHoldings names a lease without renewing it (docs/security.md): a
+    monitor listing a dead client's lease does not keep its pages."""
+    client = attnserve.Client(server.address, timeout=60)
+    free = client.info().free_pages
+    grant = client.grant_lease(1.0)
+    watcher = attnserve.Client(server.address, timeout=60)
+    client.use_lease(grant.lease_id)
+    pages = client.allocate_pages(2)
+
+    def listed_then_gone():
+        try:
+            watcher.list_holdings(grant.lease_id)
+        except attnserve.LeaseExpired:
+            return True
+        return False
+
+    start = time.monotonic()
+    assert _wait(listed_then_gone, 10.0)
+    assert time.monotonic() - start < 8.0
+    assert _wait(lambda: client.info().free_pages == free)
+    with pytest.raises(attnserve.LeaseExpired):
+        client.free_pages(pages)
+    watcher.close()
+    client.close()
+
+
 def test_a_killed_process_pages_come_back_within_the_ttl_and_a_second(server):
     client = attnserve.Client(server.address, timeout=60)
     free = client.info().free_pages

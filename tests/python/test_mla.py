@@ -588,6 +588,11 @@ def test_flashinfer_mla_wrapper(client, transport):
                                              r"kv_len_arr\[1\]=35: it needs ceil"):
             wrapper.plan(qo1, torch.tensor([0, 1, 3], dtype=torch.int32), kv_indices[:3],
                          kv_len_arr, HEADS, RANK, ROPE, 16, True, MODEL_SCALE, bf16, bf16)
+        # Causal rows must already be in the cache (docs/flashinfer.md).
+        with pytest.raises(ValueError, match=r"^request 0 has 17 query rows but kv_len_arr\[0\]=16: "
+                                             r"causal rows must already be in the cache"):
+            wrapper.plan(torch.tensor([0, 17, 18], dtype=torch.int32), kv_indptr, kv_indices,
+                         kv_len_arr, HEADS, RANK, ROPE, 16, True, MODEL_SCALE, bf16, bf16)
         with pytest.raises(NotImplementedError, match=r"ckv_scale=0\.5 \(the server applies its "
                                                       r"cache's own KV scales"):
             wrapper.run(q[..., :RANK], q[..., RANK:], kv_cache[0], kv_cache[0], ckv_scale=0.5)

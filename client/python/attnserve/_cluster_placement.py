@@ -84,8 +84,16 @@ def place_tokens(seq_ids, lens, seqs, free, page_size, split_min_tokens, max_ser
         if carry > 0:
             limit = (f", or max_servers_per_sequence={max_servers_per_sequence}"
                      if max_servers_per_sequence else "")
+            # Servers with free pages that hold an earlier range of the
+            # sequence cannot take its new tokens: a sequence's positions on
+            # one server are one contiguous range (docs/cluster.md, "Placement").
+            held = sorted({sh.server for sh in shards[:-1]
+                           if free[sh.server] > 0 and sh.server != shards[-1].server})
+            why = (f"; the servers with free pages ({', '.join(map(str, held))}, as servers() lists "
+                   "them) hold earlier positions of it, and a sequence's positions on one server "
+                   "are one range: finish it and start it again, or add a server") if held else ""
             raise ResourceExhausted(f"sequence {sid!r}: {carry} of its {n} new tokens fit "
-                                    f"on no server (too few free pages{limit})", method="plan")
+                                    f"on no server (too few free pages{limit}){why}", method="plan")
         chunks.append(mine)
     return chunks
 

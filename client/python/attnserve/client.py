@@ -279,8 +279,9 @@ class Client(_Core):
     def set_kv_scales(self, scales, *, timeout: Optional[float] = None) -> None:
         """An FP8 server's KV scales (real = fp8 value x scale): {layer: (k_scale,
         v_scale)}, each a number (the whole layer) or [num_kv_heads] values,
-        finite and in (0, 1e30]. All layers given or none change; layers not
-        given keep theirs (1.0 from the start). Writes after this quantize
+        finite and positive, k_scale at most 1e8, v_scale at most 1e30. All
+        layers given or none change; layers not given keep theirs (1.0 from
+        the start). Writes after this quantize
         with them and reads dequantize with them (docs/design.md, "FP8 KV
         cache")."""
         return self._call(self._req_set_kv_scales(scales), timeout)

@@ -22,10 +22,19 @@ def _floats(values, name: str) -> list:
     if _dt.is_torch(values):
         values = values.detach().to("cpu").float().numpy()
     try:
-        arr = np.asarray(values, dtype=np.float64)
+        arr = np.asarray(values, dtype=np.float64).reshape(-1)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{name}: {e}") from None
-    return arr.reshape(-1).tolist()
+    # The wire carries float32: a finite value that would become an infinity
+    # or 0 there is refused here, naming the value given.
+    with np.errstate(over="ignore", under="ignore"):
+        narrow = arr.astype(np.float32)
+    lost = np.isfinite(arr) & (~np.isfinite(narrow) | ((arr != 0) & (narrow == 0)))
+    if lost.any():
+        x = float(arr[np.argmax(lost)])
+        raise ValueError(f"{name}: {x!r} does not fit a float32 (0, or a magnitude in "
+                         "[1.4e-45, 3.4e38])")
+    return arr.tolist()
 
 
 @dataclass(frozen=True)
