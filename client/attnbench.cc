@@ -356,9 +356,10 @@ double RunTimed(std::vector<BenchWorker>& workers, LatencyStats* stats) {
   return elapsed;
 }
 
-// The report on stdout and, with --json, in that file.
-absl::Status Report(const v1::ServerInfo& info, const BenchConfig& config, const LatencyStats& stats,
-                    double elapsed, std::optional<double> per_launch, const std::string& metrics_note) {
+// The report on stdout and, with --json, in that file; the run's failed
+// requests and wrong results.
+absl::StatusOr<int64_t> Report(const v1::ServerInfo& info, const BenchConfig& config, const LatencyStats& stats,
+                               double elapsed, std::optional<double> per_launch, const std::string& metrics_note) {
   const std::string& workload = config.workload;
   const int32_t concurrency = absl::GetFlag(FLAGS_concurrency);
   const double rate = absl::GetFlag(FLAGS_rate);
@@ -399,7 +400,7 @@ absl::Status Report(const v1::ServerInfo& info, const BenchConfig& config, const
       codes.empty() ? "none" : absl::StrJoin(codes, " "), metrics_note);
 
   const std::string path = absl::GetFlag(FLAGS_json);
-  if (path.empty()) return absl::OkStatus();
+  if (path.empty()) return s.Errors();
   std::vector<std::string> errors;
   for (const auto& [code, count] : s.errors) errors.push_back(absl::StrFormat("\"%s\": %d", code, count));
   std::vector<std::string> samples;
@@ -424,7 +425,7 @@ absl::Status Report(const v1::ServerInfo& info, const BenchConfig& config, const
       FormatMs(s.Percentile(100)), s.Errors(), absl::StrJoin(errors, ", "), s.wrong,
       per_launch ? absl::StrFormat("%.6g", *per_launch) : "null", absl::StrJoin(samples, ", "));
   if (!f.good()) return absl::UnavailableError(absl::StrCat("cannot write ", path));
-  return absl::OkStatus();
+  return s.Errors();
 }
 
 int Main() {
@@ -503,11 +504,12 @@ int Main() {
     }
   }
   for (BenchWorker& w : workers) w.TearDown();
-  if (absl::Status s = Report(info, config, stats, elapsed, per_launch, metrics_note); !s.ok()) {
-    std::cerr << "error: " << s.message() << "\n";
+  const absl::StatusOr<int64_t> errors = Report(info, config, stats, elapsed, per_launch, metrics_note);
+  if (!errors.ok()) {
+    std::cerr << "error: " << errors.status().message() << "\n";
     return 1;
   }
-  return stats.Take(false).Errors() == 0 ? 0 : 1;
+  return *errors == 0 ? 0 : 1;
 }
 
 }  // namespace

@@ -87,7 +87,8 @@ absl::Status BenchWorker::SetUp(const ClientOptions& options, const std::vector<
   auto client = Client::Connect(options);
   if (!client.ok()) return client.status();
   client_ = *std::move(client);
-  const KvGeometry g = GeometryOf(client_->info());
+  geo_ = GeometryOf(client_->info());
+  const KvGeometry& g = geo_;
   const int32_t batch = config.batch;
   const int64_t need = PagesPerClient(specs, batch, g.page_size);
   auto pages = client_->AllocatePages(static_cast<int32_t>(std::max<int64_t>(need, 1)));
@@ -232,7 +233,7 @@ void BenchWorker::SendOne(BenchClock::time_point start, LatencyStats* stats) {
     args.q_rows = shape.in.total_q();
   }
   const int64_t q_bytes = static_cast<int64_t>(shape.in.q.size()) * 2;
-  const KvGeometry geo = GeometryOf(client_->info());
+  const KvGeometry& geo = geo_;
   const int64_t lse_bytes = q_bytes / (2 * geo.head_dim) * 4;
   // An MLA server's outputs are v_head_dim wide: o_bytes of the region.
   const int64_t o_bytes = q_bytes / geo.head_dim * geo.VDim();
@@ -262,7 +263,7 @@ void BenchWorker::SendOne(BenchClock::time_point start, LatencyStats* stats) {
   if (status.ok() && in_region && verify) status = GetResult(o_bytes, lse_bytes);
   bool wrong = false;
   if (status.ok() && verify) {
-    const KvDType dtype = GeometryOf(client_->info()).dtype;
+    const KvDType dtype = geo_.dtype;
     const Comparison c = Compare(dtype, shape.o_ref, shape.lse_ref, result_.o, result_.lse);
     wrong = !c.Ok(dtype);
     if (wrong) std::cerr << "\nwrong result (" << shape.name << "): " << c.ToString() << "\n";

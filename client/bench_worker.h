@@ -91,6 +91,7 @@ class BenchWorker {
   absl::Status GetResult(int64_t o_bytes, int64_t lse_bytes);
 
   BenchConfig config_;
+  KvGeometry geo_;  // the server's (SetUp), read by every request
   std::unique_ptr<Client> client_;
   std::vector<int32_t> pages_;
   std::unique_ptr<KvMirror> mirror_;

@@ -33,20 +33,23 @@ class HealthService::Call : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   Call(HealthService* service, bool watch) : service_(service), watch_(watch), start_(absl::Now()) {}
 
   void Start() {
-    bool admitted = false;
+    std::optional<grpc::Status> refused;
     {
       absl::MutexLock lock(&service_->mu_);
-      if (!service_->shut_down_ && service_->reading_ < kMaxReading) {
-        admitted = true;
+      if (service_->shut_down_) {
+        refused = grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+      } else if (service_->reading_ >= kMaxReading) {
+        refused = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                               absl::StrCat("more than ", kMaxReading,
+                                            " health calls are waiting for their requests: try again"));
+      } else {
         reading_ = true;
         ++service_->reading_;
         service_->calls_.insert(this);
       }
     }
-    if (!admitted) {
-      TryFinish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                             absl::StrCat("more than ", kMaxReading,
-                                          " health calls are waiting for their requests: try again")));
+    if (refused.has_value()) {
+      TryFinish(*refused);
       return;
     }
     StartRead(&request_);
@@ -225,7 +228,11 @@ HealthService::~HealthService() {
 void HealthService::Sweep() {
   const absl::Duration tick = std::clamp(read_timeout_ / 10, absl::Milliseconds(1), absl::Milliseconds(50));
   absl::MutexLock lock(&mu_);
-  while (!mu_.AwaitWithTimeout(absl::Condition(&stop_), tick)) {
+  // Asleep while no call waits for its request.
+  auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || reading_ > 0; };
+  while (true) {
+    mu_.Await(absl::Condition(&wake));
+    if (stop_ || mu_.AwaitWithTimeout(absl::Condition(&stop_), tick)) break;
     const absl::Time now = absl::Now();
     std::vector<Call*> overdue;
     for (Call* call : calls_) {
