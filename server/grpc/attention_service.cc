@@ -42,7 +42,8 @@ AttentionServiceImpl::AttentionServiceImpl(AttentionCore* core, const TokenAuth*
   channels_ = std::make_unique<ChannelServer>(core, metrics, &limits_, &prefill_requests_,
                                               options.channels);
   RegisterMethods();
-  sweeper_ = std::thread([this] { SweepReads(); });
+  sweeper_ = std::make_unique<ReadSweeper>(ReadSweeper::TickFor(read_timeout_, absl::Milliseconds(100)),
+                                           [this](absl::Time now) { return SweepReads(now); });
 }
 
 void AttentionServiceImpl::RegisterMethods() {
@@ -79,40 +80,24 @@ void AttentionServiceImpl::RegisterMethods() {
   }
 }
 
-AttentionServiceImpl::~AttentionServiceImpl() {
-  {
-    absl::MutexLock lock(&sweep_mu_);
-    sweep_stop_ = true;
-  }
-  if (sweeper_.joinable()) sweeper_.join();
-}
+AttentionServiceImpl::~AttentionServiceImpl() { sweeper_.reset(); }
 
-void AttentionServiceImpl::SweepReads() {
-  // Ten looks per timeout, at most every 100 ms: a stalled sender is cut off
-  // within a tenth of the timeout (or 100 ms) after it.
-  const absl::Duration tick =
-      std::clamp(read_timeout_ / 10, absl::Milliseconds(1), absl::Milliseconds(100));
-  absl::MutexLock stop_lock(&sweep_mu_);
-  while (!sweep_mu_.AwaitWithTimeout(absl::Condition(&sweep_stop_), tick)) {
-    const absl::Time now = absl::Now();
-    std::vector<Call*> overdue;
-    {
-      absl::MutexLock lock(&calls_mu_);
-      for (Call* call : calls_) {
-        if (call->ReadOverdue(now)) {
-          call->Ref();  // alive until finished here, whoever finishes first
-          overdue.push_back(call);
-        }
+bool AttentionServiceImpl::SweepReads(absl::Time now) {
+  std::vector<Call*> overdue;
+  {
+    absl::MutexLock lock(&calls_mu_);
+    for (Call* call : calls_) {
+      if (call->ReadOverdue(now)) {
+        call->Ref();  // alive until finished here, whoever finishes first
+        overdue.push_back(call);
       }
     }
-    if (overdue.empty()) continue;
-    sweep_mu_.Unlock();
-    for (Call* call : overdue) {
-      call->FinishReadOverdue();
-      call->Unref();
-    }
-    sweep_mu_.Lock();
   }
+  for (Call* call : overdue) {
+    call->FinishReadOverdue();
+    call->Unref();
+  }
+  return true;  // keeps looking: most calls read
 }
 
 int AttentionServiceImpl::AbandonInflight(const absl::Status& status) {

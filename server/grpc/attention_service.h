@@ -33,7 +33,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
-#include <thread>
+#include <memory>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -47,6 +47,7 @@
 #include "server/core/attention_core.h"
 #include "server/grpc/auth.h"
 #include "server/grpc/message_pool.h"
+#include "server/grpc/read_sweeper.h"
 #include "server/grpc/wire_limits.h"
 #include "server/metrics.h"
 
@@ -152,14 +153,10 @@ class AttentionServiceImpl final : public grpc::Service {
   // Request channels' pollers; they share limits_ and prefill_requests_
   // (destroyed first: it waits for its pollers).
   std::unique_ptr<ChannelServer> channels_;
-  // The read timeout of every call, kept by one thread that looks at the
-  // calls still reading a few times per timeout (SweepReads), rather than
-  // by a timer per call, whose setting and cancelling cost each request a
-  // completion-queue round and a thread hand-off.
-  void SweepReads();
-  absl::Mutex sweep_mu_;
-  bool sweep_stop_ ABSL_GUARDED_BY(sweep_mu_) = false;
-  std::thread sweeper_;
+  // The read timeout of every call (read_sweeper.h): finishes the calls
+  // whose request is overdue.
+  bool SweepReads(absl::Time now);
+  std::unique_ptr<ReadSweeper> sweeper_;  // stopped first (the destructor)
 };
 
 }  // namespace attnserve

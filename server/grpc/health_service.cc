@@ -52,6 +52,7 @@ class HealthService::Call : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       TryFinish(*refused);
       return;
     }
+    service_->sweeper_->Wake();
     StartRead(&request_);
   }
 
@@ -214,44 +215,33 @@ HealthService::HealthService(absl::Duration read_timeout)
                                    return call;
                                  }));
   }
-  sweeper_ = std::thread([this] { Sweep(); });
+  sweeper_ = std::make_unique<ReadSweeper>(ReadSweeper::TickFor(read_timeout_, absl::Milliseconds(50)),
+                                           [this](absl::Time now) { return Sweep(now); });
 }
 
-HealthService::~HealthService() {
+HealthService::~HealthService() { sweeper_.reset(); }
+
+bool HealthService::Sweep(absl::Time now) {
+  std::vector<Call*> overdue;
+  bool reading;
   {
     absl::MutexLock lock(&mu_);
-    stop_ = true;
-  }
-  if (sweeper_.joinable()) sweeper_.join();
-}
-
-void HealthService::Sweep() {
-  const absl::Duration tick = std::clamp(read_timeout_ / 10, absl::Milliseconds(1), absl::Milliseconds(50));
-  absl::MutexLock lock(&mu_);
-  // Asleep while no call waits for its request.
-  auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || reading_ > 0; };
-  while (true) {
-    mu_.Await(absl::Condition(&wake));
-    if (stop_ || mu_.AwaitWithTimeout(absl::Condition(&stop_), tick)) break;
-    const absl::Time now = absl::Now();
-    std::vector<Call*> overdue;
     for (Call* call : calls_) {
       if (call->ReadOverdue(now, read_timeout_)) {
         call->Ref();
         overdue.push_back(call);
       }
     }
-    if (overdue.empty()) continue;
-    mu_.Unlock();
-    for (Call* call : overdue) {
-      call->TryFinish(grpc::Status(
-          grpc::StatusCode::DEADLINE_EXCEEDED,
-          absl::StrCat("the HealthCheckRequest did not arrive within ", absl::FormatDuration(read_timeout_),
-                       " of the call's start")));
-      call->Unref();
-    }
-    mu_.Lock();
+    reading = reading_ > 0;
   }
+  for (Call* call : overdue) {
+    call->TryFinish(grpc::Status(
+        grpc::StatusCode::DEADLINE_EXCEEDED,
+        absl::StrCat("the HealthCheckRequest did not arrive within ", absl::FormatDuration(read_timeout_),
+                     " of the call's start")));
+    call->Unref();
+  }
+  return reading;
 }
 
 void HealthService::SetServing(bool serving) {

@@ -18,14 +18,15 @@
 #pragma once
 
 #include <atomic>
+#include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/impl/service_type.h"
 #include "grpcpp/support/server_callback.h"
+#include "server/grpc/read_sweeper.h"
 
 namespace attnserve {
 
@@ -50,7 +51,9 @@ class HealthService : public grpc::Service {
 
  private:
   class Call;
-  void Sweep();
+  // The read timeouts: finishes the overdue calls; whether any call still
+  // waits for its request.
+  bool Sweep(absl::Time now);
 
   const absl::Duration read_timeout_;
   mutable absl::Mutex mu_;
@@ -58,8 +61,7 @@ class HealthService : public grpc::Service {
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_set<Call*> calls_ ABSL_GUARDED_BY(mu_);
   int reading_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread sweeper_;
+  std::unique_ptr<ReadSweeper> sweeper_;  // stopped first (the destructor)
 };
 
 }  // namespace attnserve
