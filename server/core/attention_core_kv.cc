@@ -17,7 +17,7 @@ void AttentionCore::WriteKv(const WriteKvCall& request, DoneCallback done) {
     done(stale);
     return;
   }
-  RegionUse regions(&regions_, request.tenant);
+  RegionUse regions(&regions_, &channels_, request.tenant);
   WriteKvCall resolved;
   const bool any_region = request.k.region.set || request.v.region.set;
   if (any_region) {
@@ -84,7 +84,7 @@ void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
   job->rows.slots = call.slots.data();
   job->rows.n = n;
   job->rows.rows_fp8 = rows_fp8;
-  RegionUse regions(&regions_, call.tenant);
+  RegionUse regions(&regions_, &channels_, call.tenant);
   if (!g.HasVPool() && call.v_region.set) {
     done(absl::InvalidArgumentError(
         "v_region must be unset: an MLA server (--attention=mla) has no V rows; k_region "
@@ -126,7 +126,7 @@ void AttentionCore::ReadKv(const ReadKvCall& call, DoneCallback done) {
 }
 
 void AttentionCore::MergeStates(const MergeStatesCall& request, DoneCallback done) {
-  RegionUse regions(&regions_, request.tenant);
+  RegionUse regions(&regions_, &channels_, request.tenant);
   MergeStatesCall resolved;
   bool any_region = request.v_region.set || request.lse_region.set;
   for (size_t i = 0; i < request.v.size() && !any_region; ++i) {

@@ -23,7 +23,7 @@ PageTable::PinNames PrefillPinNames(const PrefillTask& task) {
 void AttentionCore::Prefill(const PrefillCall& request, DoneCallback done) {
   // Tensors in regions: resolved into a copy of the call whose views point
   // into the mappings (no copy of the bytes).
-  RegionUse regions(&regions_, request.tenant);
+  RegionUse regions(&regions_, &channels_, request.tenant);
   PrefillCall resolved;
   const bool any_region = request.q.region.set || request.append_k.region.set ||
                           request.append_v.region.set || request.out_region.set ||

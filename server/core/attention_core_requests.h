@@ -25,12 +25,12 @@ inline int64_t RowElemBytes(const TensorView& t) {
 
 // The region ranges one request holds: inputs resolved into its tensors'
 // views, outputs checked to be exactly their size and to overlap nothing
-// else the request names. Wrap() hands them to the done callback, which
-// releases them after the edge has answered.
+// else the request names nor an open channel's ring. Wrap() hands them to
+// the done callback, which releases them after the edge has answered.
 class AttentionCore::RegionUse {
  public:
-  RegionUse(const RegionTable* table, const std::string& tenant)
-      : table_(table), tenant_(tenant) {}
+  RegionUse(const RegionTable* table, const ChannelTable* channels, const std::string& tenant)
+      : table_(table), channels_(channels), tenant_(tenant) {}
 
   // Points t->data at its region range when t names one.
   absl::Status Input(TensorView* t, int64_t elem_bytes, const std::string& field) {
@@ -78,6 +78,8 @@ class AttentionCore::RegionUse {
                                                      ": an output may not share bytes with another "
                                                      "tensor"));
     }
+    // (Rings are in system regions.)
+    if (!slice.on_device()) ATTN_RETURN_IF_ERROR(channels_->CheckNotRing(tenant_, slice, field, ref.name, ref.offset));
     OutputSlot out;
     out.data = slice.data;
     out.on_device = slice.on_device();
@@ -115,6 +117,7 @@ class AttentionCore::RegionUse {
   };
 
   const RegionTable* const table_;
+  const ChannelTable* const channels_;
   const std::string& tenant_;
   std::vector<Use> uses_;
 };

@@ -263,6 +263,24 @@ std::vector<std::pair<uint64_t, uint64_t>> ChannelTable::List(const std::string&
   return out;
 }
 
+absl::Status ChannelTable::CheckNotRing(const std::string& tenant, const RegionSlice& slice,
+                                        absl::string_view field, absl::string_view name,
+                                        int64_t offset) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, other] : channels_) {
+    // (A view of the ring's region: the entry's channel holds it.)
+    const RegionSlice ring{std::shared_ptr<const Region>(std::shared_ptr<const Region>(), other.region),
+                           other.ring, other.ring_bytes};
+    if (!SlicesOverlap(slice, ring)) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, " [", offset, ", ", offset + slice.bytes, ") of region '", name, "' overlaps the ring of ",
+        other.tenant == tenant ? absl::StrCat("open channel ", absl::Hex(id, absl::kZeroPad16))
+                               : std::string("another tenant's open channel (the same memory, registered by both)"),
+        ": an answer may not be written over a channel's ring; use bytes no open channel uses"));
+  }
+  return absl::OkStatus();
+}
+
 int32_t ChannelTable::TenantChannels(const std::string& tenant) const {
   absl::MutexLock lock(&mu_);
   auto it = per_tenant_.find(tenant);

@@ -97,6 +97,15 @@ class ChannelTable {
 
   int32_t TenantChannels(const std::string& tenant) const;
 
+  // OK unless `slice` (an output range `field` [offset, offset + bytes) of
+  // region `name`, named as the request names it) shares bytes with an
+  // open channel's ring: an answer written there would overwrite the ring's
+  // header or its slots while the channel's poller reads them.
+  // FAILED_PRECONDITION naming the field and, for `tenant`'s own channel,
+  // its id.
+  absl::Status CheckNotRing(const std::string& tenant, const RegionSlice& slice, absl::string_view field,
+                            absl::string_view name, int64_t offset) const;
+
  private:
   struct Entry {
     std::string tenant;

@@ -494,6 +494,67 @@ TEST_F(ChannelTest, ARingOverlappingAnOpenChannelsIsRefused) {
   EXPECT_TRUE(alice_->Health().ok());
 }
 
+// An answer written over an open channel's ring would overwrite its header
+// and slots while the channel's poller reads them: an output range there is
+// refused, over gRPC and through the channel alike, naming the channel, and
+// the channel keeps serving; the bytes just past the ring take the answer.
+TEST_F(ChannelTest, AnOutputOverAnOpenChannelsRingIsRefused) {
+  std::mt19937_64 gen(29);
+  KvMirror mirror(geo_);
+  WorkloadSpec spec;
+  spec.batch = 2;
+  spec.max_q_len = 4;
+  spec.max_kv_len = 40;
+  const std::vector<int32_t> pages = Fill(mirror, gen, spec);
+  ASSERT_FALSE(pages.empty());
+  auto channel = Open();
+  ASSERT_NE(channel, nullptr);
+  char id[17];
+  std::snprintf(id, sizeof(id), "%016llx", static_cast<unsigned long long>(channel->id()));
+  const PrefillInputs in = RandomPrefill(gen, geo_, spec, pages);
+  const int64_t q_bytes = static_cast<int64_t>(in.q.size()) * 2;
+  const int64_t lse_bytes = in.total_q() * geo_.num_qo_heads * 4;
+  for (int64_t at : {int64_t{0}, int64_t{4096}, kRingBytes - 64}) {
+    SCOPED_TRACE(at);
+    // (The other output past the ring: the two go together.)
+    PrefillArgs o_args = ArgsOf(in);
+    o_args.output_region = RegionRef{"io", at, q_bytes};
+    o_args.lse_region = RegionRef{"io", kRingBytes, lse_bytes};
+    PrefillArgs lse_args = ArgsOf(in);
+    lse_args.output_region = RegionRef{"io", kRingBytes, q_bytes};
+    lse_args.lse_region = RegionRef{"io", at, lse_bytes};
+    for (const auto& [args, field] : {std::pair{o_args, "output_region ["}, std::pair{lse_args, "lse_region ["}}) {
+      absl::Status grpc_status = alice_->Prefill(args).status();
+      absl::Status channel_status = channel->Prefill(args).status();
+      for (const absl::Status& s : {grpc_status, channel_status}) {
+        EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+        EXPECT_THAT(std::string(s.message()), HasSubstr(absl::StrCat(field, at, ", ")));
+        EXPECT_THAT(std::string(s.message()), HasSubstr(std::string("overlaps the ring of open channel ") + id));
+      }
+    }
+  }
+  EXPECT_EQ(reinterpret_cast<const ChannelHeader*>(shm_->data())->magic, kChannelMagic);
+  // The channel still serves, and the bytes past its ring take an answer.
+  PrefillResult got;
+  ASSERT_TRUE(channel->PrefillInto(ArgsOf(in), &got).ok());
+  ExpectMatchesReference(mirror, in, got);
+  PrefillArgs past = ArgsOf(in);
+  past.output_region = RegionRef{"io", kRingBytes, q_bytes};
+  past.lse_region = RegionRef{"io", kRingBytes + q_bytes, lse_bytes};
+  std::memset(shm_->data() + kRingBytes, 0xff, q_bytes + lse_bytes);
+  auto out = alice_->Prefill(past);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(std::memcmp(shm_->data() + kRingBytes, got.o.data(), q_bytes), 0);
+  EXPECT_EQ(std::memcmp(shm_->data() + kRingBytes + q_bytes, got.lse.data(), lse_bytes), 0);
+  // Closed, its ring's bytes are the region's again.
+  ASSERT_TRUE(channel->Close().ok());
+  PrefillArgs over = ArgsOf(in);
+  over.output_region = RegionRef{"io", 0, q_bytes};
+  over.lse_region = RegionRef{"io", q_bytes, lse_bytes};
+  EXPECT_TRUE(alice_->Prefill(over).ok());
+  EXPECT_TRUE(alice_->Health().ok());
+}
+
 TEST_F(ChannelTest, BadSlotContentsAreAnsweredInTheSlotAndTheServerKeepsServing) {
   std::mt19937_64 gen(5);
   KvMirror mirror(geo_);
