@@ -15,7 +15,11 @@ absl::StatusOr<absl::flat_hash_map<std::string, std::string>> TokenAuth::Parse(
     const std::string& path) {
   auto text_or = ReadFlagFile("--auth_tokens_file", path);
   if (!text_or.ok()) return text_or.status();
-  std::istringstream in(*text_or);
+  // A leading UTF-8 byte-order mark (editors on some systems write one)
+  // is not part of the first token.
+  absl::string_view text_all = *text_or;
+  absl::ConsumePrefix(&text_all, "\xEF\xBB\xBF");
+  std::istringstream in{std::string(text_all)};
   absl::flat_hash_map<std::string, std::string> tenants;
   std::string line;
   for (int line_no = 1; std::getline(in, line); ++line_no) {
@@ -35,6 +39,14 @@ absl::StatusOr<absl::flat_hash_map<std::string, std::string>> TokenAuth::Parse(
           "--auth_tokens_file=", path, " line ", line_no, ": the token is listed before (for tenant '",
           it->second, "'): each token names one tenant"));
     }
+  }
+  // No token at all (an empty file, or one truncated while it is rewritten)
+  // would refuse every call of every tenant.
+  if (tenants.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--auth_tokens_file=", path,
+        " holds no token: every call would be refused (one 'TOKEN TENANT' line per token; without the "
+        "flag every caller is tenant 'default')"));
   }
   return tenants;
 }

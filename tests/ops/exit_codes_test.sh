@@ -99,6 +99,9 @@ stop_server
 printf 'tok-a alice\ntok-b bob\ntok-a bob\n' >"$WORK/tokens"
 exits 2 "a token listed twice" "line 3: the token is listed before (for tenant 'alice')" \
   "${small[@]}" --auth_tokens_file="$WORK/tokens"
+printf '# tokens\n\n' >"$WORK/no_tokens"
+exits 2 "a token file without a token" "--auth_tokens_file=$WORK/no_tokens holds no token" \
+  "${small[@]}" --auth_tokens_file="$WORK/no_tokens"
 echo junk >"$WORK/junk.pem"
 openssl req -x509 -newkey rsa:2048 -nodes -keyout "$WORK/a.key" -out "$WORK/a.crt" -days 2 -subj /CN=localhost \
   >/dev/null 2>&1

@@ -44,7 +44,22 @@ check "SIGHUP reload adds a token" test $ok -eq 1
 out=$(ctl --target="$GRPC_ADDR" --token=tok-beta-456 info 2>&1)
 check "SIGHUP reload removes a token" grep -q UNAUTHENTICATED <<<"$out"
 check "server still serving after reload" kill -0 "$SERVER_PID"
-check "tokens never appear in the log" bash -c "! grep -qE 'tok-(alpha|beta|gamma)' '$SERVER_LOG'"
+# A file emptied (as by a tool that truncates it before it writes) keeps the
+# old tokens, and says why; a byte-order mark is not part of the first token.
+: >"$WORK/tokens"
+kill -HUP "$SERVER_PID"
+for _ in $(seq 1 100); do grep -q "holds no token" "$SERVER_LOG" && break; sleep 0.05; done
+check "SIGHUP of an emptied file is logged" grep -q "holds no token" "$SERVER_LOG"
+check "SIGHUP of an emptied file keeps the tokens" ctl --target="$GRPC_ADDR" --token=tok-gamma-789 info
+printf '\xef\xbb\xbftok-delta-000 delta\ntok-alpha-123 alpha\n' >"$WORK/tokens"
+kill -HUP "$SERVER_PID"
+ok=0
+for _ in $(seq 1 100); do
+  if ctl --target="$GRPC_ADDR" --token=tok-delta-000 info >/dev/null 2>&1; then ok=1; break; fi
+  sleep 0.05
+done
+check "a byte-order mark is not part of the first token" test $ok -eq 1
+check "tokens never appear in the log" bash -c "! grep -qE 'tok-(alpha|beta|gamma|delta)' '$SERVER_LOG'"
 stop_server
 
 # ---- TLS and mTLS
