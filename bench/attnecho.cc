@@ -17,8 +17,11 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "common/kv_geometry.h"
 #include "common/tensor_wire.h"
 #include "common/transport.h"
 #include "common/usage.h"
@@ -45,6 +48,37 @@ ABSL_FLAG(bool, retain_freed_memory, true,
           "keep memory freed by malloc for the next message, as attnserve's --retain_freed_memory");
 
 namespace attnserve {
+
+// What is wrong with the flags (as attnserve names its own), or "": the
+// geometry it reports must be one attnserve serves, since attnbench and the
+// clients compute with it.
+std::string CheckFlags() {
+  KvGeometry g;
+  g.num_layers = absl::GetFlag(FLAGS_num_layers);
+  g.page_size = absl::GetFlag(FLAGS_page_size);
+  g.num_qo_heads = absl::GetFlag(FLAGS_num_qo_heads);
+  g.num_kv_heads = absl::GetFlag(FLAGS_num_kv_heads);
+  g.head_dim = absl::GetFlag(FLAGS_head_dim);
+  if (std::string bad = GeometryShapeError(g, "--"); !bad.empty()) return bad;
+  if (const int32_t pages = absl::GetFlag(FLAGS_num_pages); pages < 1) {
+    return absl::StrCat("--num_pages=", pages, " out of range [1, ", INT32_MAX, "]");
+  }
+  if (const std::string d = absl::GetFlag(FLAGS_kv_dtype); d != "bf16" && d != "fp16") {
+    return absl::StrCat("--kv_dtype=", d, " must be bf16 or fp16");
+  }
+  if (const int64_t b = absl::GetFlag(FLAGS_max_message_bytes); b < 1 || b > INT32_MAX) {
+    return absl::StrCat("--max_message_bytes=", b, " out of range [1, ", INT32_MAX, "]");
+  }
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  const size_t colon = listen.rfind(':');
+  int port = -1;
+  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(listen.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::StrCat("--listen=", listen, " must be HOST:PORT (port in [0, 65535]; 0 picks one)");
+  }
+  return "";
+}
+
 namespace {
 
 // One thread that finishes reactors handed to it, in order.
@@ -92,6 +126,9 @@ class Responder {
 class EchoService final
     : public v1::AttentionService::WithRawCallbackMethod_Prefill<
           v1::AttentionService::CallbackService> {
+  static constexpr int64_t kLeaseTtlMs = 30000;
+  std::atomic<uint64_t> next_lease_{1};
+
  public:
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetServerInfoRequest*,
@@ -109,6 +146,8 @@ class EchoService final
     info->set_free_pages(absl::GetFlag(FLAGS_num_pages));
     info->set_max_message_bytes(absl::GetFlag(FLAGS_max_message_bytes));
     info->set_incarnation(1);
+    info->set_lease_default_ttl_ms(kLeaseTtlMs);
+    info->set_lease_max_ttl_ms(kLeaseTtlMs);
     return Done(ctx);
   }
 
@@ -129,6 +168,27 @@ class EchoService final
 
   grpc::ServerUnaryReactor* FreePages(grpc::CallbackServerContext* ctx, const v1::FreePagesRequest*,
                                       v1::FreePagesResponse*) override {
+    return Done(ctx);
+  }
+
+  // Leases (attnbench holds its pages under one): granted and renewed;
+  // attnecho holds nothing, so nothing is ever released.
+  grpc::ServerUnaryReactor* GrantLease(grpc::CallbackServerContext* ctx, const v1::GrantLeaseRequest* request,
+                                       v1::GrantLeaseResponse* response) override {
+    response->set_lease_id(next_lease_.fetch_add(1));
+    response->set_ttl_ms(request->ttl_ms() > 0 ? request->ttl_ms() : kLeaseTtlMs);
+    response->set_incarnation(1);
+    return Done(ctx);
+  }
+  grpc::ServerUnaryReactor* KeepAlive(grpc::CallbackServerContext* ctx, const v1::KeepAliveRequest*,
+                                      v1::KeepAliveResponse* response) override {
+    response->set_ttl_ms(kLeaseTtlMs);
+    response->set_incarnation(1);
+    return Done(ctx);
+  }
+  grpc::ServerUnaryReactor* RevokeLease(grpc::CallbackServerContext* ctx, const v1::RevokeLeaseRequest*,
+                                        v1::RevokeLeaseResponse* response) override {
+    response->set_incarnation(1);
     return Done(ctx);
   }
 
@@ -225,6 +285,10 @@ int main(int argc, char** argv) {
        "attnecho [flags]: attnserve's API with no compute, the transport floor for attnbench.\n"
        "Prefill answers with the query bytes as the output; KV writes are dropped.",
        {{"bench/attnecho.cc", "Flags"}}});
+  if (const std::string bad = attnserve::CheckFlags(); !bad.empty()) {
+    std::cerr << "attnecho: " << bad << "\n";
+    return 2;
+  }
   if (absl::GetFlag(FLAGS_retain_freed_memory)) attnserve::RetainFreedMemory();
   attnserve::EchoService service;
   grpc::ServerBuilder builder;

@@ -354,8 +354,13 @@ int Main() {
                                " keys per client must be < 2^31"));
   }
   if (layer < 0) bad.push_back(absl::StrCat("--layer=", layer, " must be >= 0"));
-  if (!(warmup_s >= 0)) bad.push_back(absl::StrCat("--warmup_s=", warmup_s, " must be >= 0"));
-  if (!(duration_s > 0)) bad.push_back(absl::StrCat("--duration_s=", duration_s, " must be > 0"));
+  // (At most 1e7 s: the run's time points stay far from overflowing.)
+  if (!(warmup_s >= 0 && warmup_s <= 1e7)) {
+    bad.push_back(absl::StrCat("--warmup_s=", warmup_s, " must be in [0, 1e7]"));
+  }
+  if (!(duration_s > 0 && duration_s <= 1e7)) {
+    bad.push_back(absl::StrCat("--duration_s=", duration_s, " must be in (0, 1e7]"));
+  }
   if (!(absl::GetFlag(FLAGS_timeout_s) > 0)) {
     bad.push_back(absl::StrCat("--timeout_s=", absl::GetFlag(FLAGS_timeout_s), " must be > 0"));
   }

@@ -49,6 +49,47 @@ ABSL_FLAG(int32_t, socket_buffer_bytes, 0,
 
 namespace {
 
+// The largest IN or OUT of a case (--cases), on both ends.
+constexpr uint64_t kMaxCaseBytes = uint64_t{1} << 30;
+
+// A case's byte counts, IN:OUT.
+struct Case {
+  uint64_t in = 0, out = 0;
+};
+
+// --cases, or an error naming the entry and the bound.
+std::vector<Case> ParseCases(std::string* error) {
+  std::vector<Case> cases;
+  for (absl::string_view c : absl::StrSplit(absl::GetFlag(FLAGS_cases), ',', absl::SkipEmpty())) {
+    std::vector<absl::string_view> io = absl::StrSplit(c, ':');
+    Case k;
+    if (io.size() != 2 || !absl::SimpleAtoi(io[0], &k.in) || !absl::SimpleAtoi(io[1], &k.out) ||
+        k.in > kMaxCaseBytes || k.out > kMaxCaseBytes) {
+      *error = "--cases entry '" + std::string(c) + "' is not IN:OUT, each a byte count in [0, " +
+               std::to_string(kMaxCaseBytes) + "]";
+      return {};
+    }
+    cases.push_back(k);
+  }
+  if (cases.empty()) *error = "--cases is empty: give at least one IN:OUT";
+  return cases;
+}
+
+// The flag errors (exit 2), or "".
+std::string CheckFlags() {
+  if (!absl::GetFlag(FLAGS_listen).empty() && !absl::GetFlag(FLAGS_connect).empty()) {
+    return "--listen (server only) and --connect (client only) exclude each other";
+  }
+  for (const auto& [name, v] : {std::pair{"--iterations", absl::GetFlag(FLAGS_iterations)},
+                                std::pair{"--warmup", absl::GetFlag(FLAGS_warmup)},
+                                std::pair{"--socket_buffer_bytes", absl::GetFlag(FLAGS_socket_buffer_bytes)}}) {
+    if (v < 0) return std::string(name) + "=" + std::to_string(v) + " must be >= 0 (0: the default)";
+  }
+  std::string error;
+  if (absl::GetFlag(FLAGS_listen).empty()) ParseCases(&error);
+  return error;
+}
+
 [[noreturn]] void Die(const std::string& what) {
   std::perror(what.c_str());
   std::exit(1);
@@ -103,6 +144,7 @@ void ServeConnection(int fd) {
   for (;;) {
     uint64_t sizes[2];
     if (!RecvAll(fd, reinterpret_cast<char*>(sizes), sizeof(sizes))) break;
+    if (sizes[0] > kMaxCaseBytes || sizes[1] > kMaxCaseBytes) break;  // not a tcp_echo client
     if (in.size() < sizes[0]) in.resize(sizes[0], 1);
     if (out.size() < sizes[1]) out.resize(sizes[1], 2);
     if (!RecvAll(fd, in.data(), sizes[0])) break;
@@ -171,6 +213,10 @@ int main(int argc, char** argv) {
        "tcp_echo [flags]: round trips of raw bytes over one TCP connection (no gRPC): the floor "
        "under attnecho for the same byte counts.",
        {{"bench/tcp_echo.cc", "Flags"}}});
+  if (const std::string bad = CheckFlags(); !bad.empty()) {
+    std::fprintf(stderr, "tcp_echo: %s\n", bad.c_str());
+    return 2;
+  }
   if (!absl::GetFlag(FLAGS_listen).empty()) {
     int port = 0;
     const int fd = Listen(absl::GetFlag(FLAGS_listen), &port);
@@ -189,14 +235,9 @@ int main(int argc, char** argv) {
   const int fd = Connect(target);
   std::printf("| in bytes | out bytes | iterations | p50 ms | p99 ms | mean ms | GB/s (in+out) |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
-  for (absl::string_view c : absl::StrSplit(absl::GetFlag(FLAGS_cases), ',', absl::SkipEmpty())) {
-    std::vector<absl::string_view> io = absl::StrSplit(c, ':');
-    uint64_t sizes[2] = {0, 0};
-    if (io.size() != 2 || !absl::SimpleAtoi(io[0], &sizes[0]) ||
-        !absl::SimpleAtoi(io[1], &sizes[1])) {
-      std::fprintf(stderr, "tcp_echo: --cases entry '%s' is not IN:OUT\n", std::string(c).c_str());
-      return 2;
-    }
+  std::string unused;
+  for (const Case& c : ParseCases(&unused)) {  // (checked: CheckFlags)
+    uint64_t sizes[2] = {c.in, c.out};
     int iterations = absl::GetFlag(FLAGS_iterations);
     if (iterations <= 0) iterations = sizes[0] + sizes[1] < (32u << 20) ? 2000 : 30;
     int warmup = absl::GetFlag(FLAGS_warmup);

@@ -47,6 +47,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -61,6 +62,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -171,6 +173,13 @@ class ArrivalQueue {
   bool closed_ = false;
 };
 
+std::atomic<bool> g_interrupted{false};
+void OnInterrupt(int sig) {
+  g_interrupted.store(true);
+  std::signal(sig, SIG_DFL);
+}
+bool Interrupted() { return g_interrupted.load(std::memory_order_relaxed); }
+
 // The flag errors attnbench reports before it connects (exit 2).
 absl::Status CheckFlags() {
   const double rate = absl::GetFlag(FLAGS_rate), duration_s = absl::GetFlag(FLAGS_duration_s);
@@ -196,6 +205,36 @@ absl::Status CheckFlags() {
   // request's tensors) far from overflowing.
   if (!(rate <= 1e9) || !(duration_s <= 1e7)) {
     return absl::InvalidArgumentError("--rate must be at most 1e9 requests/s and --duration_s at most 1e7 s");
+  }
+  if (rate > 0 && rate < 1e-3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rate=", rate, " must be 0 (closed loop) or at least 0.001 requests/s"));
+  }
+  if (const std::string d = absl::GetFlag(FLAGS_kv_dtype);
+      !d.empty() && d != "bf16" && d != "fp16" && d != "fp8_e4m3" && d != "fp8_e5m2") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_dtype=", d, " must be bf16, fp16, fp8_e4m3 or fp8_e5m2 (or empty: any)"));
+  }
+  if (const std::string m = absl::GetFlag(FLAGS_metrics); !m.empty()) {
+    const size_t colon = m.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(m.substr(colon + 1), &port) || port < 1 ||
+        port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--metrics=", m, " must be HOST:PORT of the server's /metrics (port in [1, 65535])"));
+    }
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    // Found unwritable before the run, not after it. (A file that was not
+    // there is removed again: the report writes it.)
+    const bool existed = access(path.c_str(), F_OK) == 0;
+    std::ofstream probe(path, std::ios::app);
+    if (!probe) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--json=", path, ": cannot be written (", std::strerror(errno), ")"));
+    }
+    probe.close();
+    if (!existed) unlink(path.c_str());
   }
   constexpr int32_t kMaxLen = 1 << 24;
   if (absl::GetFlag(FLAGS_q_len) > kMaxLen || absl::GetFlag(FLAGS_kv_len) > kMaxLen ||
@@ -298,7 +337,7 @@ double RunTimed(std::vector<BenchWorker>& workers, LatencyStats* stats) {
         }
         return;
       }
-      while (Clock::now() < end) {
+      while (Clock::now() < end && !Interrupted()) {
         if (max_requests > 0 && issued.fetch_add(1) >= max_requests) break;
         w.SendOne(Clock::now(), stats);
       }
@@ -311,9 +350,16 @@ double RunTimed(std::vector<BenchWorker>& workers, LatencyStats* stats) {
       std::exponential_distribution<double> gap(rate);
       Clock::time_point t = start;
       int64_t accepted = 0;
-      while (!stop.load() && (max_requests <= 0 || accepted < max_requests)) {
-        t += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(gap(gen)));
-        if (t >= end) break;
+      while (!stop.load() && !Interrupted() && (max_requests <= 0 || accepted < max_requests)) {
+        // The gap in seconds first: past the end (or past what a time
+        // point holds) it ends the arrivals.
+        const double g = gap(gen);
+        if (end != Clock::time_point::max() && !(g < std::chrono::duration<double>(end - t).count())) {
+          std::this_thread::sleep_until(end);  // the run lasts its --duration_s
+          break;
+        }
+        if (!(g < 1e7)) break;  // (--requests alone: no end; --rate >= 0.001 makes this rare)
+        t += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(g));
         std::this_thread::sleep_until(t);
         if (arrivals.Push(t)) {
           ++accepted;
@@ -430,6 +476,10 @@ absl::StatusOr<int64_t> Report(const v1::ServerInfo& info, const BenchConfig& co
 
 int Main() {
   if (absl::GetFlag(FLAGS_retain_freed_memory)) RetainFreedMemory();
+  // SIGINT / SIGTERM end the run early; the clients then release what they
+  // hold (a second signal ends the process at once; the leases release it).
+  std::signal(SIGINT, OnInterrupt);
+  std::signal(SIGTERM, OnInterrupt);
   if (absl::Status s = CheckFlags(); !s.ok()) {
     std::cerr << "error: " << s.message() << "\n";
     return 2;
@@ -448,6 +498,13 @@ int Main() {
   if (absl::Status s = CheckServer((*info_client)->info(), config, specs, concurrency); !s.ok()) {
     std::cerr << "error: " << s.message() << "\n";
     return 1;
+  }
+  // --metrics, asked for, is reachable before anything is set up.
+  if (!metrics.empty()) {
+    if (auto m = ScrapeBatchRequests(metrics); !m.ok()) {
+      std::cerr << "error: --metrics=" << metrics << ": " << m.status().message() << "\n";
+      return 1;
+    }
   }
   // The same sinks in every client.
   std::mt19937_64 sink_gen(absl::GetFlag(FLAGS_seed));
@@ -489,6 +546,11 @@ int Main() {
       metrics_note = absl::StrCat("not measured (", m.status().ToString(), ")");
     }
   }
+  if (Interrupted()) {
+    for (BenchWorker& w : workers) w.TearDown();
+    std::cerr << "interrupted during set-up: nothing measured\n";
+    return 130;
+  }
   LatencyStats stats;
   const double elapsed = RunTimed(workers, &stats);
   std::optional<double> per_launch;
@@ -508,6 +570,10 @@ int Main() {
   if (!errors.ok()) {
     std::cerr << "error: " << errors.status().message() << "\n";
     return 1;
+  }
+  if (Interrupted()) {
+    std::cerr << "interrupted: the report covers the " << elapsed << " s that ran\n";
+    return 130;
   }
   return *errors == 0 ? 0 : 1;
 }

@@ -122,6 +122,15 @@ absl::Status CheckArgs(const std::string& cmd, const std::vector<char*>& args) {
   if (cmd == "read") usage = "attnctl read [--layer=L] [--dequantize] SLOT...";
   if (cmd == "unregister") usage = "attnctl unregister NAME...";
   if (cmd == "set-scales") return ScalesFromFlags().status();
+  if (cmd == "alloc") {
+    // No default count: pages outlive attnctl (they hold no lease), so it
+    // takes only what it is told to.
+    if (args.size() != 3) {
+      return absl::InvalidArgumentError(
+          "usage: attnctl alloc COUNT (the pages stay allocated until `attnctl free` or `attnctl release-all`)");
+    }
+    return ParseInts(args, 2, "COUNT", std::numeric_limits<int32_t>::max()).status();
+  }
   if (usage == nullptr) return absl::OkStatus();
   if (args.size() < 3) return absl::InvalidArgumentError(absl::StrCat("usage: ", usage));
   if (cmd == "free") return ParseInts(args, 2, "PAGE", std::numeric_limits<int32_t>::max()).status();
@@ -333,14 +342,7 @@ int Main(std::vector<char*> args) {
     return 0;
   }
   if (cmd == "alloc") {
-    // No default count: pages outlive attnctl (they hold no lease), so it
-    // takes only what it is told to.
-    int32_t count = 0;
-    if (args.size() != 3 || !absl::SimpleAtoi(args[2], &count)) {
-      std::cerr << "usage: attnctl alloc COUNT (the pages stay allocated until `attnctl free` "
-                   "or `attnctl release-all`)\n";
-      return 2;
-    }
+    const int32_t count = static_cast<int32_t>((*ParseInts(args, 2, "COUNT", INT32_MAX))[0]);  // checked: CheckArgs
     auto pages = c.AllocatePages(count);
     if (!pages.ok()) return Fail(pages.status());
     std::cout << absl::StrJoin(*pages, " ") << "\n";

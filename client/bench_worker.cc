@@ -87,6 +87,9 @@ absl::Status BenchWorker::SetUp(const ClientOptions& options, const std::vector<
   auto client = Client::Connect(options);
   if (!client.ok()) return client.status();
   client_ = *std::move(client);
+  auto lease = LeaseKeeper::Start(client_.get());
+  if (!lease.ok()) return lease.status();
+  lease_ = *std::move(lease);
   geo_ = GeometryOf(client_->info());
   const KvGeometry& g = geo_;
   const int32_t batch = config.batch;
@@ -346,6 +349,8 @@ void BenchWorker::TearDown() {
     absl::Status s = client_->FreePages(pages_);
     if (!s.ok()) std::cerr << "free pages: " << s.ToString() << "\n";
   }
+  pages_.clear();
+  lease_.reset();  // revokes what is left
 }
 
 }  // namespace attnserve

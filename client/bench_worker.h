@@ -21,6 +21,7 @@
 #include "client/bench_stats.h"
 #include "client/channel.h"
 #include "client/client.h"
+#include "client/lease.h"
 #ifdef ATTNSERVE_CLIENT_CUDA
 #include "client/cuda_memory.h"
 #endif
@@ -81,7 +82,8 @@ class BenchWorker {
   // Sends the next request; latency runs from `start` (its scheduled arrival
   // in the open loop).
   void SendOne(BenchClock::time_point start, LatencyStats* stats);
-  // Releases the plans, channel, regions and pages (errors printed).
+  // Releases the plans, channel, regions and pages, then revokes the lease
+  // (errors printed).
   void TearDown();
 
  private:
@@ -93,6 +95,9 @@ class BenchWorker {
   BenchConfig config_;
   KvGeometry geo_;  // the server's (SetUp), read by every request
   std::unique_ptr<Client> client_;
+  // What the client makes is held under a lease: a run killed before its
+  // TearDown leaves nothing held past the lease's ttl.
+  std::unique_ptr<LeaseKeeper> lease_;
   std::vector<int32_t> pages_;
   std::unique_ptr<KvMirror> mirror_;
   std::vector<BenchShape> shapes_;

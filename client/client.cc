@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -58,6 +60,40 @@ absl::Status CheckOptions(const ClientOptions& o) {
   if (!std::isfinite(o.connect_timeout_s) || o.connect_timeout_s <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("connect_timeout_s=", o.connect_timeout_s, " must be finite and > 0"));
+  }
+  if (o.target.empty()) {
+    return absl::InvalidArgumentError("target is empty: the server's HOST:PORT (e.g. 127.0.0.1:50051)");
+  }
+  // HOST:PORT with a numeric port (not a gRPC URI such as unix:PATH): the
+  // port is a TCP port.
+  if (const size_t colon = o.target.rfind(':');
+      colon != std::string::npos && o.target.find("://") == std::string::npos &&
+      !absl::StartsWith(o.target, "unix:") && !absl::StartsWith(o.target, "unix-abstract:")) {
+    const absl::string_view port = absl::string_view(o.target).substr(colon + 1);
+    int64_t p = 0;
+    if (!port.empty() && absl::c_all_of(port, absl::ascii_isdigit) &&
+        (!absl::SimpleAtoi(port, &p) || p < 1 || p > 65535)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("target=", o.target, ": port ", port, " out of range [1, 65535]"));
+    }
+  }
+  if (!o.tls) {
+    for (const auto& [name, value] : {std::pair{"tls_ca", &o.tls_ca}, std::pair{"tls_cert", &o.tls_cert},
+                                      std::pair{"tls_key", &o.tls_key}}) {
+      if (!value->empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, "=", *value, " is set without tls: it applies only to a TLS connection (set tls too)"));
+      }
+    }
+  }
+  if (o.tls) {
+    for (const auto& [name, value] : {std::pair{"tls_ca", &o.tls_ca}, std::pair{"tls_cert", &o.tls_cert},
+                                      std::pair{"tls_key", &o.tls_key}}) {
+      if (value->empty()) continue;
+      if (auto read = ReadFlagFile(name, *value); !read.ok()) {
+        return absl::InvalidArgumentError(read.status().message());
+      }
+    }
   }
   if (o.tls && !o.tls_cert.empty() && o.tls_key.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("tls_cert=", o.tls_cert, " needs tls_key (the certificate's key)"));
@@ -303,6 +339,17 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     }
     const grpc_connectivity_state state = c->channel_->GetState(true);
     if (state != GRPC_CHANNEL_READY) c->channel_->WaitForStateChange(state, deadline);
+  }
+  // What the client computes from (page counts, divisions by page_size and
+  // the head counts) must be a geometry attnserve serves: another server
+  // on the port, or a broken one, is refused here, not met later as a
+  // division by zero or a wrong result.
+  std::string bad = GeometryShapeError(GeometryOf(info), "ServerInfo.");
+  if (bad.empty() && info.num_pages() < 1) bad = absl::StrCat("ServerInfo.num_pages=", info.num_pages(), " < 1");
+  if (!bad.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        options.target, " answered GetServerInfo with a geometry no attnserve server has (", bad,
+        "): is it an attnserve server?"));
   }
   c->Learn(info.incarnation());
   c->info_ = std::move(info);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace attnserve {
 
@@ -107,5 +108,42 @@ struct KvGeometry {
   int64_t LayerBytes() const { return LayerElems() * KvElemBytes(); }
   int64_t PoolBytes() const { return PoolElems() * KvElemBytes(); }
 };
+
+// What is wrong with a geometry's shape (every field but num_pages), named
+// as `prefix` + field ("--" for the server's flags, "ServerInfo." for what a
+// client was told), or "" when nothing is: num_layers in [1, 1024],
+// page_size in [1, 128], num_kv_heads in [1, 256], num_qo_heads in [1, 256]
+// and a multiple of it, a supported head_dim, or for MLA supported latent
+// sizes with num_kv_heads 1 and head_dim their sum.
+inline std::string GeometryShapeError(const KvGeometry& g, const std::string& prefix) {
+  auto range = [&](const char* field, int32_t v, int32_t lo, int32_t hi) {
+    return prefix + field + "=" + std::to_string(v) + " out of range [" + std::to_string(lo) + ", " +
+           std::to_string(hi) + "]";
+  };
+  if (g.num_layers < 1 || g.num_layers > 1024) return range("num_layers", g.num_layers, 1, 1024);
+  if (g.page_size < 1 || g.page_size > 128) return range("page_size", g.page_size, 1, 128);
+  if (g.IsMla()) {
+    if (!IsSupportedKvLoraRank(g.kv_lora_rank)) {
+      return prefix + "kv_lora_rank=" + std::to_string(g.kv_lora_rank) + " must be a multiple of 16 in [16, 1024]";
+    }
+    if (!IsSupportedRopeDim(g.qk_rope_head_dim)) {
+      return prefix + "qk_rope_head_dim=" + std::to_string(g.qk_rope_head_dim) +
+             " must be a multiple of 16 in [0, 256]";
+    }
+    if (g.num_kv_heads != 1 || g.head_dim != g.kv_lora_rank + g.qk_rope_head_dim) {
+      return prefix + "num_kv_heads=" + std::to_string(g.num_kv_heads) + " and " + prefix +
+             "head_dim=" + std::to_string(g.head_dim) + " must be 1 and kv_lora_rank + qk_rope_head_dim (" +
+             std::to_string(g.kv_lora_rank + g.qk_rope_head_dim) + ") with MLA";
+    }
+  } else if (!IsSupportedHeadDim(g.head_dim)) {
+    return prefix + "head_dim=" + std::to_string(g.head_dim) + " must be " + kSupportedHeadDims;
+  }
+  if (g.num_kv_heads < 1 || g.num_kv_heads > 256) return range("num_kv_heads", g.num_kv_heads, 1, 256);
+  if (g.num_qo_heads < 1 || g.num_qo_heads > 256 || g.num_qo_heads % g.num_kv_heads != 0) {
+    return prefix + "num_qo_heads=" + std::to_string(g.num_qo_heads) + " must be in [1, 256] and a multiple of " +
+           prefix + "num_kv_heads=" + std::to_string(g.num_kv_heads);
+  }
+  return "";
+}
 
 }  // namespace attnserve

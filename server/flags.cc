@@ -231,28 +231,12 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
     return absl::InvalidArgumentError(absl::StrCat(
         "--kv_dtype=", dtype, " must be bf16, fp16, fp8_e4m3 or fp8_e5m2"));
   }
-  if (g.num_layers < 1 || g.num_layers > 1024) {
-    return absl::InvalidArgumentError(absl::StrCat("--num_layers=", g.num_layers, " out of range [1, 1024]"));
-  }
-  if (g.page_size < 1 || g.page_size > 128) {
-    return absl::InvalidArgumentError(absl::StrCat("--page_size=", g.page_size, " out of range [1, 128]"));
-  }
-  if (!g.IsMla() && !IsSupportedHeadDim(g.head_dim)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--head_dim=", g.head_dim, " must be ", kSupportedHeadDims));
-  }
   if (g.IsMla() && g.KvIsFp8()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--kv_dtype=", dtype, " with --attention=mla: an MLA cache is bf16 or fp16 so far"));
   }
-  if (g.num_kv_heads < 1 || g.num_kv_heads > 256) {
-    return absl::InvalidArgumentError(absl::StrCat("--num_kv_heads=", g.num_kv_heads, " out of range [1, 256]"));
-  }
-  if (g.num_qo_heads < 1 || g.num_qo_heads > 256 ||
-      g.num_qo_heads % g.num_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--num_qo_heads=", g.num_qo_heads, " must be in [1, 256] and a multiple of --num_kv_heads=",
-        g.num_kv_heads));
+  if (const std::string error = GeometryShapeError(g, "--"); !error.empty()) {
+    return absl::InvalidArgumentError(error);
   }
   const int64_t cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
   int64_t pages = absl::GetFlag(FLAGS_num_pages);

@@ -12,6 +12,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
+#include "attnserve/v1/attention.grpc.pb.h"
 #include "client/shared_memory.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/async_generic_service.h"
@@ -182,6 +183,111 @@ TEST_F(ClientErrorsTest, BadOptionsNameTheFieldAndTheBound) {
   EXPECT_EQ(client_->FreePages({1}).code(), absl::StatusCode::kUnavailable);  // the stand-in's answer
   client_->set_timeout_s(1e300);
   EXPECT_EQ(client_->FreePages({1}).code(), absl::StatusCode::kUnavailable);
+}
+
+
+// A stand-in whose GetServerInfo answers what the test sets.
+class InfoServer final : public v1::AttentionService::Service {
+ public:
+  grpc::Status GetServerInfo(grpc::ServerContext*, const v1::GetServerInfoRequest*, v1::ServerInfo* out) override {
+    absl::MutexLock lock(&mu_);
+    *out = info_;
+    return grpc::Status::OK;
+  }
+  void Set(const v1::ServerInfo& info) {
+    absl::MutexLock lock(&mu_);
+    info_ = info;
+  }
+
+ private:
+  absl::Mutex mu_;
+  v1::ServerInfo info_ ABSL_GUARDED_BY(mu_);
+};
+
+// What the client computes with (page counts, divisions by page_size and
+// the head counts) must be a geometry attnserve serves: a server that
+// reports another is refused at connect, naming the field, rather than met
+// later as a division by zero or a wrong result.
+TEST(ClientConnectTest, AServerReportingAGeometryNoAttnserveServesIsRefused) {
+  InfoServer service;
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  v1::ServerInfo good;
+  good.set_num_layers(2);
+  good.set_num_pages(64);
+  good.set_page_size(16);
+  good.set_num_qo_heads(8);
+  good.set_num_kv_heads(2);
+  good.set_head_dim(128);
+  good.set_kv_dtype(v1::DTYPE_BF16);
+  good.set_incarnation(7);
+  ClientOptions options;
+  options.target = "127.0.0.1:" + std::to_string(port);
+  options.timeout_s = 10;
+  service.Set(good);
+  ASSERT_TRUE(Client::Connect(options).ok());
+  const std::vector<std::pair<std::function<void(v1::ServerInfo*)>, std::string>> bad = {
+      {[](v1::ServerInfo* i) { i->set_page_size(0); }, "ServerInfo.page_size=0 out of range [1, 128]"},
+      {[](v1::ServerInfo* i) { i->set_num_layers(0); }, "ServerInfo.num_layers=0 out of range [1, 1024]"},
+      {[](v1::ServerInfo* i) { i->set_num_kv_heads(0); }, "ServerInfo.num_kv_heads=0 out of range [1, 256]"},
+      {[](v1::ServerInfo* i) { i->set_num_kv_heads(3); }, "ServerInfo.num_qo_heads=8 must be in [1, 256] and a "
+                                                          "multiple of ServerInfo.num_kv_heads=3"},
+      {[](v1::ServerInfo* i) { i->set_head_dim(100); }, "ServerInfo.head_dim=100 must be 64, 128 or 256"},
+      {[](v1::ServerInfo* i) { i->set_num_pages(0); }, "ServerInfo.num_pages=0 < 1"},
+      {[](v1::ServerInfo* i) { *i = v1::ServerInfo(); }, "ServerInfo.num_layers=0"},
+  };
+  for (const auto& [change, message] : bad) {
+    SCOPED_TRACE(message);
+    v1::ServerInfo info = good;
+    change(&info);
+    service.Set(info);
+    auto client = Client::Connect(options);
+    ASSERT_FALSE(client.ok());
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kFailedPrecondition) << client.status();
+    EXPECT_THAT(std::string(client.status().message()), HasSubstr(message));
+    EXPECT_THAT(std::string(client.status().message()), HasSubstr("is it an attnserve server?"));
+  }
+  server->Shutdown();
+}
+
+// Options refused before anything connects, each naming the option and its
+// bound.
+TEST(ClientConnectTest, BadOptionsNameTheOptionAndTheBound) {
+  const std::vector<std::pair<std::function<void(ClientOptions*)>, std::string>> bad = {
+      {[](ClientOptions* o) { o->target = ""; }, "target is empty"},
+      {[](ClientOptions* o) { o->target = "127.0.0.1:99999"; }, "port 99999 out of range [1, 65535]"},
+      {[](ClientOptions* o) { o->target = "127.0.0.1:0"; }, "port 0 out of range [1, 65535]"},
+      {[](ClientOptions* o) { o->tls_ca = "/etc/hostname"; }, "tls_ca=/etc/hostname is set without tls"},
+      {[](ClientOptions* o) {
+         o->tls_cert = "a";
+         o->tls_key = "b";
+       },
+       "tls_cert=a is set without tls"},
+      {[](ClientOptions* o) {
+         o->tls = true;
+         o->tls_ca = "/nonexistent/ca.pem";
+       },
+       "tls_ca=/nonexistent/ca.pem: cannot open"},
+  };
+  for (const auto& [change, message] : bad) {
+    SCOPED_TRACE(message);
+    ClientOptions options;
+    options.target = "127.0.0.1:1";
+    change(&options);
+    auto client = Client::Connect(options);
+    ASSERT_FALSE(client.ok());
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << client.status();
+    EXPECT_THAT(std::string(client.status().message()), HasSubstr(message));
+  }
+  // A gRPC URI is not a HOST:PORT.
+  ClientOptions uri;
+  uri.target = "unix:/nonexistent/attnserve.sock";
+  uri.connect_timeout_s = 0.5;
+  EXPECT_NE(Client::Connect(uri).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -83,4 +83,29 @@ check "... and says why before allocating: pages needed, free, the flags to chan
   "error: --concurrency=1 clients x 255744 KV pages each .* = 255744 pages, but the server has 256 of its 256 pages free: lower --concurrency, --batch or --kv_len .*--num_pages" \
   "$WORK/toobig.err"
 check "every page freed afterwards" test "$(metric 'attnserve_kv_pages{state="used"}')" = 0
+# Flags refused before anything connects (exit 2), each naming the flag.
+for bad in "--rate=1e-300|--rate=1e-300 must be 0 (closed loop) or at least 0.001" \
+           "--kv_dtype=foo|--kv_dtype=foo must be bf16, fp16, fp8_e4m3 or fp8_e5m2" \
+           "--metrics=nonsense|--metrics=nonsense must be HOST:PORT" \
+           "--json=$WORK|--json=$WORK: cannot be written"; do
+  "$ATTNBENCH" --target="$GRPC_ADDR" --requests=1 "${bad%%|*}" >/dev/null 2>"$WORK/flag.err"
+  rc=$?
+  check "${bad%%|*}: exit 2" test $rc -eq 2
+  check "... naming it" grep -qF -- "${bad#*|}" "$WORK/flag.err"
+done
+# An open loop whose next arrival falls past --duration_s still runs for it.
+start_s=$(date +%s.%N)
+"$ATTNBENCH" --target="$GRPC_ADDR" --workload=decode --rate=0.001 --duration_s=1 --kv_len=32 >"$WORK/slow.out" 2>/dev/null
+check "an open loop at 0.001 requests/s exits 0" test $? -eq 0
+check "... after its --duration_s" python3 -c "import sys, time; sys.exit(time.time() - $start_s < 0.9)"
+# SIGTERM ends the run early; the clients release what they held and the
+# report covers what ran (exit 130).
+"$ATTNBENCH" --target="$GRPC_ADDR" --workload=decode --duration_s=30 --kv_len=64 >"$WORK/term.out" 2>"$WORK/term.err" &
+bench_pid=$!
+for _ in $(seq 1 100); do grep -q "done [0-9]" "$WORK/term.err" && break; sleep 0.05; done
+kill -TERM $bench_pid
+wait $bench_pid
+check "SIGTERM: exit 130" test $? -eq 130
+check "... with the report of what ran" grep -q "^requests: " "$WORK/term.out"
+check "... and every page freed" test "$(metric 'attnserve_kv_pages{state="used"}')" = 0
 finish

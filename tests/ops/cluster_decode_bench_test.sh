@@ -90,7 +90,8 @@ refused() {
 check "no --targets refused" refused 2 "--targets is empty"
 check "--clients=0 refused" refused --targets="$TWO" --clients=0 2 "--clients=0 must be >= 1"
 check "--kv_len=0 refused" refused --targets="$TWO" --kv_len=0 2 "--kv_len=0 must be >= 1"
-check "--duration_s=0 refused" refused --targets="$TWO" --duration_s=0 2 "--duration_s=0 must be > 0"
+check "--duration_s=0 refused" refused --targets="$TWO" --duration_s=0 2 "--duration_s=0 must be in (0, 1e7]"
+check "--duration_s=1e300 refused" refused --targets="$TWO" --duration_s=1e300 2 "--duration_s=1e+300 must be in (0, 1e7]"
 check "--layer past the servers' layers refused" refused --targets="$TWO" --layer=2 2 \
   "--layer=2 must be < the servers' num_layers (2)"
 check "--metrics of another length refused" refused --targets="$TWO" --metrics="${METRICS[0]}" 2 \

@@ -41,4 +41,23 @@ check "the gRPC port answers" "$ATTNCTL" --connect_timeout_s=30 --target="$GRPC_
 # which attnctl's reference once computed as NaN (exit 3 on a right answer).
 check "attnctl merge --states=1 verifies" "$ATTNCTL" --target="$GRPC_ADDR" merge --states=1
 check "--help lists --connect_timeout_s" bash -c '"$1" --help | grep -q -- "--connect_timeout_s=10 "' _ "$ATTNCTL"
+# Connection flags and arguments refused before connecting (exit 2), each
+# naming the flag or argument and its bound.
+ctl_refuses() {  # ctl_refuses NAME PATTERN ARGS...
+  local name=$1 pattern=$2
+  shift 2
+  "$ATTNCTL" "$@" >"$WORK/out" 2>"$WORK/err"
+  local rc=$?
+  check "$name: exits 2" test $rc -eq 2
+  check "$name: says '$pattern'" grep -qF -- "$pattern" "$WORK/err"
+}
+ctl_refuses "an empty --target" "--target is empty" --target= info
+ctl_refuses "a port past 65535" "port 99999 out of range [1, 65535]" --target=127.0.0.1:99999 info
+ctl_refuses "--tls_ca without --tls" "--tls_ca=/etc/hostname is set without tls" --tls_ca=/etc/hostname \
+  --target="$GRPC_ADDR" info
+ctl_refuses "an unreadable --tls_ca" "--tls_ca=$WORK/none.pem: cannot open" --tls --tls_ca="$WORK/none.pem" \
+  --target="$GRPC_ADDR" info
+ctl_refuses "alloc past int32" "COUNT 99999999999 (argument 1) out of range [0, 2147483647]" \
+  --target="$GRPC_ADDR" alloc 99999999999
+ctl_refuses "alloc of a word" "COUNT abc (argument 1) is not an integer" --target="$GRPC_ADDR" alloc abc
 finish

@@ -9,6 +9,33 @@ WORK=$(mktemp -d)
 ECHO_PID=""
 trap '[[ -n "$ECHO_PID" ]] && kill "$ECHO_PID" 2>/dev/null; rm -rf "$WORK"' EXIT
 
+# The geometry attnecho reports must be one attnserve serves (attnbench and
+# the clients compute with it); a flag outside it exits 2 naming it, as
+# attnserve's own.
+for bad in "--page_size=0|--page_size=0 out of range [1, 128]" "--num_layers=0|--num_layers=0 out of range" \
+           "--num_kv_heads=3|must be in [1, 256] and a multiple of --num_kv_heads=3" \
+           "--head_dim=100|--head_dim=100 must be 64, 128 or 256" "--kv_dtype=fp8_e4m3|must be bf16 or fp16" \
+           "--num_pages=-1|--num_pages=-1 out of range" "--max_message_bytes=0|--max_message_bytes=0 out of range" \
+           "--listen=nonsense|--listen=nonsense must be HOST:PORT"; do
+  timeout 20 "$ATTNECHO" --listen=127.0.0.1:0 "${bad%%|*}" >"$WORK/bad.log" 2>&1
+  rc=$?
+  check "attnecho ${bad%%|*}: exits 2" test $rc -eq 2
+  check "... naming it" grep -qF -- "${bad#*|}" "$WORK/bad.log"
+done
+# tcp_echo (the floor under attnecho): cases past 1 GiB, negative counts and
+# both roles at once exit 2 before anything is allocated.
+TCP_ECHO=$(dirname "$ATTNECHO")/tcp_echo
+for bad in "--cases=99999999999999:1|is not IN:OUT, each a byte count in [0, 1073741824]" \
+           "--cases=|--cases is empty" "--iterations=-1|--iterations=-1 must be >= 0" \
+           "--listen=127.0.0.1:0 --connect=127.0.0.1:1|exclude each other"; do
+  # shellcheck disable=SC2086
+  timeout 20 "$TCP_ECHO" ${bad%%|*} >"$WORK/bad.log" 2>&1
+  rc=$?
+  check "tcp_echo ${bad%%|*}: exits 2" test $rc -eq 2
+  check "... naming it" grep -qF -- "${bad#*|}" "$WORK/bad.log"
+done
+check "tcp_echo measures a small case" timeout 60 "$TCP_ECHO" --cases=1024:1024 --iterations=5
+
 "$ATTNECHO" --listen=127.0.0.1:0 --num_qo_heads=8 --num_kv_heads=2 --head_dim=64 >"$WORK/echo.log" 2>&1 &
 ECHO_PID=$!
 for _ in $(seq 1 200); do grep -q "listening grpc=" "$WORK/echo.log" && break; sleep 0.05; done

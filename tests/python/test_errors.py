@@ -383,6 +383,50 @@ def test_only_idempotent_methods_are_retried_on_unavailable():
     assert calls == expected
 
 
+@pytest.mark.parametrize("change,message", [
+    (dict(page_size=0), "ServerInfo.page_size=0 out of range [1, 128]"),
+    (dict(num_layers=0), "ServerInfo.num_layers=0 out of range [1, 1024]"),
+    (dict(num_kv_heads=0), "ServerInfo.num_kv_heads=0 out of range [1, 256]"),
+    (dict(num_kv_heads=3), "ServerInfo.num_qo_heads=8 must be in [1, 256] and a multiple of "
+                           "ServerInfo.num_kv_heads=3"),
+    (dict(head_dim=100), "ServerInfo.head_dim=100 must be 64, 128 or 256"),
+    (dict(num_pages=0), "ServerInfo.num_pages=0 < 1"),
+    (None, ""),
+])
+def test_a_server_reporting_a_geometry_no_attnserve_serves_is_refused(change, message):
+    """What the client computes with must be a geometry attnserve serves: a
+    stand-in that reports another is refused at connect (and by info()),
+    naming the field, as by the C++ client."""
+    from concurrent import futures
+    from attnserve.v1 import attention_pb2 as pb
+    info = dict(num_layers=2, num_pages=64, page_size=16, num_qo_heads=8, num_kv_heads=2,
+                head_dim=128, kv_dtype=pb.DTYPE_BF16, incarnation=7)
+    if change:
+        info.update(change)
+
+    class Info(grpc.GenericRpcHandler):
+        def service(self, details):
+            return grpc.unary_unary_rpc_method_handler(
+                lambda request, context: pb.ServerInfo(**info).SerializeToString())
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[Info()])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        if change is None:
+            assert attnserve.Client(f"127.0.0.1:{port}", timeout=10).info().page_size == 16
+            return
+        with pytest.raises(attnserve.FailedPrecondition) as e:
+            attnserve.Client(f"127.0.0.1:{port}", timeout=10)
+        assert message in str(e.value)
+        assert "is it an attnserve server?" in str(e.value)
+        c = attnserve.Client(f"127.0.0.1:{port}", fetch_info=False, timeout=10)
+        with pytest.raises(attnserve.FailedPrecondition, match="ServerInfo."):
+            c.info()
+    finally:
+        server.stop(0)
+
+
 def test_the_retry_policy_is_the_cpp_clients():
     import json
     import re as _re

@@ -17,8 +17,8 @@ from attnserve import _wire
 from attnserve import dtypes as _dt
 from attnserve import regions as _regions
 from attnserve._settings import RETRY_SERVICE_CONFIG, TRANSPORT_OPTIONS
-from attnserve.errors import (AttnserveError, Cancelled, DeadlineExceeded, StaleIncarnation,
-                              Unavailable, connect_cause)
+from attnserve.errors import (AttnserveError, Cancelled, DeadlineExceeded, FailedPrecondition,
+                              StaleIncarnation, Unavailable, connect_cause)
 from attnserve.layout import (PrefillLayout, _extend, _floats, _index, _int32, _lse_base,
                               _options, _ttl_ms, _uint64, fill_layout)
 from attnserve.regions import RegionTensor
@@ -123,6 +123,37 @@ def _pair(into, names: str):
         raise ValueError(f"{names}: a pair of RegionTensors (both or neither)")
     return into
 
+
+
+def geometry_error(m) -> str:
+    """What is wrong with a ServerInfo's geometry, or "" (common/kv_geometry.h's
+    GeometryShapeError, with ServerInfo.num_pages at least 1)."""
+    def rng(field, v, lo, hi):
+        return f"ServerInfo.{field}={v} out of range [{lo}, {hi}]"
+    if not 1 <= m.num_layers <= 1024:
+        return rng("num_layers", m.num_layers, 1, 1024)
+    if not 1 <= m.page_size <= 128:
+        return rng("page_size", m.page_size, 1, 128)
+    if m.attention == pb.ATTENTION_MLA:
+        if not (16 <= m.kv_lora_rank <= 1024 and m.kv_lora_rank % 16 == 0):
+            return f"ServerInfo.kv_lora_rank={m.kv_lora_rank} must be a multiple of 16 in [16, 1024]"
+        if not (0 <= m.qk_rope_head_dim <= 256 and m.qk_rope_head_dim % 16 == 0):
+            return (f"ServerInfo.qk_rope_head_dim={m.qk_rope_head_dim} must be a multiple of 16 in "
+                    "[0, 256]")
+        if m.num_kv_heads != 1 or m.head_dim != m.kv_lora_rank + m.qk_rope_head_dim:
+            return (f"ServerInfo.num_kv_heads={m.num_kv_heads} and ServerInfo.head_dim={m.head_dim} "
+                    f"must be 1 and kv_lora_rank + qk_rope_head_dim "
+                    f"({m.kv_lora_rank + m.qk_rope_head_dim}) with MLA")
+    elif m.head_dim not in (64, 128, 256):
+        return f"ServerInfo.head_dim={m.head_dim} must be 64, 128 or 256"
+    if not 1 <= m.num_kv_heads <= 256:
+        return rng("num_kv_heads", m.num_kv_heads, 1, 256)
+    if not 1 <= m.num_qo_heads <= 256 or m.num_qo_heads % m.num_kv_heads:
+        return (f"ServerInfo.num_qo_heads={m.num_qo_heads} must be in [1, 256] and a multiple of "
+                f"ServerInfo.num_kv_heads={m.num_kv_heads}")
+    if m.num_pages < 1:
+        return f"ServerInfo.num_pages={m.num_pages} < 1"
+    return ""
 
 class _Link:
     """A client's channel and its stubs, shared by the client and its forks
@@ -318,6 +349,14 @@ class _Core:
     def _req_info(self) -> _Request:
         def parse(raw):
             m = pb.ServerInfo.FromString(raw)
+            bad = geometry_error(m)
+            if bad:
+                # What the client computes with (page counts, divisions by
+                # page_size and the head counts) must be a geometry
+                # attnserve serves (the C++ client's check, client.cc).
+                raise FailedPrecondition(
+                    f"{self.target} answered GetServerInfo with a geometry no attnserve server "
+                    f"has ({bad}): is it an attnserve server?", method="GetServerInfo")
             info = ServerInfo(
                 version=m.version, backend=m.backend, device=m.device, num_layers=m.num_layers,
                 num_pages=m.num_pages, page_size=m.page_size, num_qo_heads=m.num_qo_heads,
