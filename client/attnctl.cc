@@ -35,6 +35,7 @@
 #include "client/cli_flags.h"
 #include "client/client.h"
 #include "client/workload.h"
+#include "google/protobuf/text_format.h"
 #include "common/dtype.h"
 #include "common/usage.h"
 
@@ -56,6 +57,25 @@ ABSL_FLAG(std::string, v_scale, "", "set-scales: V's scale of --layer, as --k_sc
 
 namespace attnserve {
 namespace {
+
+// A message as text, one "name: value" line per field in the proto's order,
+// zeros included (DebugString leaves out a field at its default: free_pages
+// vanished exactly when the cache was full).
+std::string EveryField(const google::protobuf::Message& m) {
+  const google::protobuf::Descriptor* d = m.GetDescriptor();
+  const google::protobuf::Reflection* r = m.GetReflection();
+  std::string out;
+  for (int i = 0; i < d->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = d->field(i);
+    const int n = f->is_repeated() ? r->FieldSize(m, f) : 1;
+    for (int k = 0; k < n; ++k) {
+      std::string value;
+      google::protobuf::TextFormat::PrintFieldValueToString(m, f, f->is_repeated() ? k : -1, &value);
+      absl::StrAppend(&out, f->name(), ": ", value, "\n");
+    }
+  }
+  return out;
+}
 
 int Fail(const absl::Status& status) {
   std::cerr << "error: " << status.ToString() << "\n";
@@ -338,7 +358,7 @@ int Main(std::vector<char*> args) {
     return s.ok() ? 0 : 1;
   }
   if (cmd == "info") {
-    std::cout << c.info().DebugString();
+    std::cout << EveryField(c.info());
     return 0;
   }
   if (cmd == "alloc") {

@@ -70,6 +70,12 @@ absl::StatusOr<ChannelGeometry> ReadChannelHeader(const char* base, int64_t byte
   return ChannelGeometry{static_cast<int32_t>(slot_count), static_cast<int32_t>(slot_bytes)};
 }
 
+RegionSlice ChannelTable::RingOf(const Entry& e) {
+  // A view of the ring's region (no reference taken: the entry's channel
+  // holds the region).
+  return RegionSlice{std::shared_ptr<const Region>(std::shared_ptr<const Region>(), e.region), e.ring, e.ring_bytes};
+}
+
 absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const RegionTable& regions,
                                             const RegionRefView& ring, const MakeEndpoint& make,
                                             uint64_t lease) {
@@ -133,10 +139,7 @@ absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const Reg
     // requests and write answers into its slots.
     const RegionSlice mine{r.region, r.base, r.byte_size};
     for (const auto& [id, other] : channels_) {
-      // (A view of the other ring's region: the entry's channel holds it.)
-      const RegionSlice theirs{std::shared_ptr<const Region>(std::shared_ptr<const Region>(), other.region),
-                               other.ring, other.ring_bytes};
-      if (SlicesOverlap(mine, theirs)) {
+      if (SlicesOverlap(mine, RingOf(other))) {
         // Another tenant's channel (the same memory registered by both) is
         // not named: its id is that tenant's.
         return absl::FailedPreconditionError(absl::StrCat(
@@ -268,10 +271,7 @@ absl::Status ChannelTable::CheckNotRing(const std::string& tenant, const RegionS
                                         int64_t offset) const {
   absl::MutexLock lock(&mu_);
   for (const auto& [id, other] : channels_) {
-    // (A view of the ring's region: the entry's channel holds it.)
-    const RegionSlice ring{std::shared_ptr<const Region>(std::shared_ptr<const Region>(), other.region),
-                           other.ring, other.ring_bytes};
-    if (!SlicesOverlap(slice, ring)) continue;
+    if (!SlicesOverlap(slice, RingOf(other))) continue;
     return absl::FailedPreconditionError(absl::StrCat(
         field, " [", offset, ", ", offset + slice.bytes, ") of region '", name, "' overlaps the ring of ",
         other.tenant == tenant ? absl::StrCat("open channel ", absl::Hex(id, absl::kZeroPad16))

@@ -118,6 +118,8 @@ class ChannelTable {
     char* ring = nullptr;
     int64_t ring_bytes = 0;
   };
+  // An entry's ring as a slice of its region.
+  static RegionSlice RingOf(const Entry& e);
 
   const ChannelLimits limits_;
   mutable absl::Mutex mu_;

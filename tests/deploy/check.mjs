@@ -1178,6 +1178,33 @@ async function metricChecks() {
     for (const [title, e] of exprs) for (const x of checkExpr(e, shown, false)) p.push(`${title}: ${x}`);
     return p;
   });
+  // A series shown in bytes is a byte count: its metric's name says so
+  // (a count of leases or regions on a bytes axis reads "2 B").
+  await check("dashboard: every series on a bytes axis is a byte count, every byte count on one", () => {
+    const p = [];
+    for (const pn of dash.panels) {
+      const defaults = (pn.fieldConfig && pn.fieldConfig.defaults) || {};
+      const unitOf = (refId) => {
+        let unit = defaults.unit;
+        for (const o of (pn.fieldConfig && pn.fieldConfig.overrides) || []) {
+          if (o.matcher && o.matcher.id === "byFrameRefID" && o.matcher.options === refId) {
+            for (const prop of o.properties || []) if (prop.id === "unit") unit = prop.value;
+          }
+        }
+        return unit;
+      };
+      for (const t of pn.targets || []) {
+        const names = promqlRefs(t.expr).selectors.map((x) => x.name);
+        const bytes = names.length > 0 && names.every((n) => /_bytes(_total|_sum|_count|_bucket)?$/.test(n));
+        const unit = unitOf(t.refId);
+        if (unit === "bytes" && !bytes) p.push(`${pn.title} ${t.refId}: ${names.join(", ")} on a bytes axis`);
+        if (bytes && unit !== "bytes" && unit !== "Bps" && unit !== "binBps" && !/histogram_quantile|\//.test(t.expr)) {
+          p.push(`${pn.title} ${t.refId}: ${names.join(", ")} (bytes) shown as ${unit}`);
+        }
+      }
+    }
+    return p;
+  });
   await check("dashboard: every contract metric and documented extra is shown", () => {
     const used = new Set();
     for (const [, e] of exprs) {

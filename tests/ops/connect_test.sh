@@ -41,6 +41,13 @@ check "the gRPC port answers" "$ATTNCTL" --connect_timeout_s=30 --target="$GRPC_
 # which attnctl's reference once computed as NaN (exit 3 on a right answer).
 check "attnctl merge --states=1 verifies" "$ATTNCTL" --target="$GRPC_ADDR" merge --states=1
 check "--help lists --connect_timeout_s" bash -c '"$1" --help | grep -q -- "--connect_timeout_s=10 "' _ "$ATTNCTL"
+# info prints every field, a zero too: free_pages 0 when the cache is full.
+"$ATTNCTL" --target="$GRPC_ADDR" alloc 256 >/dev/null
+check "info says free_pages: 0 on a full cache" bash -c '"$1" --target="$2" info | grep -qx "free_pages: 0"' _ \
+  "$ATTNCTL" "$GRPC_ADDR"
+check "... and every field of ServerInfo" bash -c '[ "$("$1" --target="$2" info | wc -l)" -ge 25 ]' _ \
+  "$ATTNCTL" "$GRPC_ADDR"
+"$ATTNCTL" --target="$GRPC_ADDR" release-all >/dev/null
 # Connection flags and arguments refused before connecting (exit 2), each
 # naming the flag or argument and its bound.
 ctl_refuses() {  # ctl_refuses NAME PATTERN ARGS...
