@@ -427,6 +427,16 @@ def test_a_server_reporting_a_geometry_no_attnserve_serves_is_refused(change, me
         server.stop(0)
 
 
+@pytest.mark.parametrize("target,message", [
+    ("", "target is empty"),
+    ("127.0.0.1:99999", "port 99999 out of range [1, 65535]"),
+    ("127.0.0.1:0", "port 0 out of range [1, 65535]"),
+])
+def test_a_target_that_cannot_be_a_server_is_refused_before_connecting(target, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        attnserve.Client(target, connect_timeout=1)
+
+
 def test_the_retry_policy_is_the_cpp_clients():
     import json
     import re as _re

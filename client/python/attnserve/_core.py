@@ -183,6 +183,14 @@ class _Core:
             raise ValueError(f"out must be 'numpy', 'torch' or 'raw', not {out!r}")
         if bool(tls_cert) != bool(tls_key):
             raise ValueError("tls_cert and tls_key go together (mTLS)")
+        if not target:
+            raise ValueError("target is empty: the server's HOST:PORT (e.g. 127.0.0.1:50051)")
+        # HOST:PORT with a numeric port (not a gRPC URI such as unix:PATH):
+        # a TCP port, as the C++ client checks (CheckOptions).
+        host, _, port = target.rpartition(":")
+        if (host and port.isdigit() and "://" not in target
+                and not target.startswith(("unix:", "unix-abstract:")) and not 1 <= int(port) <= 65535):
+            raise ValueError(f"target={target}: port {port} out of range [1, 65535]")
         self.target = target
         self.timeout = timeout
         self.out = out
