@@ -179,6 +179,15 @@ void OnInterrupt(int sig) {
   std::signal(sig, SIG_DFL);
 }
 bool Interrupted() { return g_interrupted.load(std::memory_order_relaxed); }
+// Sleeps until `t`, or until `stop` or a signal (looked at every 50 ms).
+template <typename TimePoint>
+void SleepUntil(TimePoint t, const std::atomic<bool>& stop) {
+  while (!stop.load() && !Interrupted()) {
+    const auto now = TimePoint::clock::now();
+    if (now >= t) return;
+    std::this_thread::sleep_until(std::min(t, now + std::chrono::milliseconds(50)));
+  }
+}
 
 // The flag errors attnbench reports before it connects (exit 2).
 absl::Status CheckFlags() {
@@ -355,12 +364,13 @@ double RunTimed(std::vector<BenchWorker>& workers, LatencyStats* stats) {
         // point holds) it ends the arrivals.
         const double g = gap(gen);
         if (end != Clock::time_point::max() && !(g < std::chrono::duration<double>(end - t).count())) {
-          std::this_thread::sleep_until(end);  // the run lasts its --duration_s
+          SleepUntil(end, stop);  // the run lasts its --duration_s
           break;
         }
         if (!(g < 1e7)) break;  // (--requests alone: no end; --rate >= 0.001 makes this rare)
         t += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(g));
-        std::this_thread::sleep_until(t);
+        SleepUntil(t, stop);
+        if (Interrupted()) break;
         if (arrivals.Push(t)) {
           ++accepted;
         } else {

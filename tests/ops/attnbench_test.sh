@@ -108,4 +108,16 @@ wait $bench_pid
 check "SIGTERM: exit 130" test $? -eq 130
 check "... with the report of what ran" grep -q "^requests: " "$WORK/term.out"
 check "... and every page freed" test "$(metric 'attnserve_kv_pages{state="used"}')" = 0
+# An open loop waiting for its next arrival (or for its end) ends on SIGTERM
+# at once, not at the arrival.
+"$ATTNBENCH" --target="$GRPC_ADDR" --workload=decode --rate=0.001 --duration_s=60 --kv_len=64 >/dev/null 2>&1 &
+bench_pid=$!
+sleep 1.5
+start_s=$(date +%s)
+kill -TERM $bench_pid
+wait $bench_pid
+rc=$?
+check "SIGTERM of a waiting open loop: exit 130" test $rc -eq 130
+check "... within seconds" test $(( $(date +%s) - start_s )) -le 5
+check "... and every page freed" test "$(metric 'attnserve_kv_pages{state="used"}')" = 0
 finish
