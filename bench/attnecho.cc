@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "common/host_port.h"
 #include "common/kv_geometry.h"
 #include "common/tensor_wire.h"
 #include "common/transport.h"
@@ -70,10 +70,8 @@ std::string CheckFlags() {
     return absl::StrCat("--max_message_bytes=", b, " out of range [1, ", INT32_MAX, "]");
   }
   const std::string listen = absl::GetFlag(FLAGS_listen);
-  const size_t colon = listen.rfind(':');
-  int port = -1;
-  if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(listen.substr(colon + 1), &port) ||
-      port < 0 || port > 65535) {
+  const std::optional<HostPort> hp = SplitHostPort(listen);
+  if (!hp || hp->host.empty() || PortNumber(hp->port, 0) < 0) {
     return absl::StrCat("--listen=", listen, " must be HOST:PORT (port in [0, 65535]; 0 picks one)");
   }
   return "";

@@ -32,6 +32,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "common/host_port.h"
 #include "common/usage.h"
 
 ABSL_FLAG(std::string, cases, "524288:532480,134217728:134283264",
@@ -127,14 +128,14 @@ void Tune(int fd) {
   }
 }
 
-// Splits HOST:PORT.
-std::pair<std::string, std::string> HostPort(const std::string& address) {
-  const auto colon = address.rfind(':');
-  if (colon == std::string::npos) {
+// Splits HOST:PORT (exit 2 if it is not).
+attnserve::HostPort HostPortOf(const std::string& address) {
+  const std::optional<attnserve::HostPort> hp = attnserve::SplitHostPort(address);
+  if (!hp) {
     std::fprintf(stderr, "tcp_echo: %s is not HOST:PORT\n", address.c_str());
     std::exit(2);
   }
-  return {address.substr(0, colon), address.substr(colon + 1)};
+  return *hp;
 }
 
 // Serves one connection: header (in, out), `in` bytes in, `out` bytes back.
@@ -154,7 +155,7 @@ void ServeConnection(int fd) {
 }
 
 int Listen(const std::string& address, int* port) {
-  auto [host, port_s] = HostPort(address);
+  auto [host, port_s] = HostPortOf(address);
   addrinfo hints{};
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
@@ -186,7 +187,7 @@ void ServeForever(int listen_fd) {
 }
 
 int Connect(const std::string& address) {
-  auto [host, port] = HostPort(address);
+  auto [host, port] = HostPortOf(address);
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* ai = nullptr;

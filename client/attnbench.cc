@@ -62,7 +62,6 @@
 
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -72,6 +71,7 @@
 #include "client/bench_worker.h"
 #include "client/cli_flags.h"
 #include "client/client.h"
+#include "common/host_port.h"
 #include "common/transport.h"
 #include "common/usage.h"
 
@@ -225,10 +225,8 @@ absl::Status CheckFlags() {
         absl::StrCat("--kv_dtype=", d, " must be bf16, fp16, fp8_e4m3 or fp8_e5m2 (or empty: any)"));
   }
   if (const std::string m = absl::GetFlag(FLAGS_metrics); !m.empty()) {
-    const size_t colon = m.rfind(':');
-    int port = 0;
-    if (colon == std::string::npos || colon == 0 || !absl::SimpleAtoi(m.substr(colon + 1), &port) || port < 1 ||
-        port > 65535) {
+    const std::optional<HostPort> hp = SplitHostPort(m);
+    if (!hp || hp->host.empty() || PortNumber(hp->port, 1) < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("--metrics=", m, " must be HOST:PORT of the server's /metrics (port in [1, 65535])"));
     }

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/host_port.h"
 
 namespace attnserve {
 
@@ -72,19 +73,14 @@ LatencyStats::Snapshot LatencyStats::Take(bool with_samples) const {
 std::string FormatMs(double seconds) { return absl::StrFormat("%.3f", seconds * 1e3); }
 
 absl::StatusOr<std::string> FetchMetrics(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
+  const std::optional<HostPort> hp = SplitHostPort(address);
+  if (!hp || hp->host.empty() || hp->port.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics address '", address, "': want HOST:PORT"));
   }
-  std::string host = address.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  const std::string port = address.substr(colon + 1);
   addrinfo hints{}, *res = nullptr;
   hints.ai_socktype = SOCK_STREAM;
-  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || res == nullptr) {
+  if (getaddrinfo(hp->host.c_str(), hp->port.c_str(), &hints, &res) != 0 || res == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot resolve ", address));
   }
   const int fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);

@@ -6,13 +6,12 @@
 #include <cmath>
 #include <cstring>
 
-#include "absl/algorithm/container.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/shared_memory.h"
 #include "common/flag_file.h"
+#include "common/host_port.h"
 #include "common/region_socket.h"
 #include "common/tensor_wire.h"
 #include "common/transport.h"
@@ -66,16 +65,11 @@ absl::Status CheckOptions(const ClientOptions& o) {
   }
   // HOST:PORT with a numeric port (not a gRPC URI such as unix:PATH): the
   // port is a TCP port.
-  if (const size_t colon = o.target.rfind(':');
-      colon != std::string::npos && o.target.find("://") == std::string::npos &&
-      !absl::StartsWith(o.target, "unix:") && !absl::StartsWith(o.target, "unix-abstract:")) {
-    const absl::string_view port = absl::string_view(o.target).substr(colon + 1);
-    int64_t p = 0;
-    if (!port.empty() && absl::c_all_of(port, absl::ascii_isdigit) &&
-        (!absl::SimpleAtoi(port, &p) || p < 1 || p > 65535)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("target=", o.target, ": port ", port, " out of range [1, 65535]"));
-    }
+  if (const std::optional<HostPort> hp = SplitHostPort(o.target);
+      hp && o.target.find("://") == std::string::npos && !absl::StartsWith(o.target, "unix:") &&
+      !absl::StartsWith(o.target, "unix-abstract:") && AllDigits(hp->port) && PortNumber(hp->port, 1) < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target=", o.target, ": port ", hp->port, " out of range [1, 65535]"));
   }
   if (!o.tls) {
     for (const auto& [name, value] : {std::pair{"tls_ca", &o.tls_ca}, std::pair{"tls_cert", &o.tls_cert},

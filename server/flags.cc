@@ -14,6 +14,7 @@
 #include "absl/flags/internal/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/host_port.h"
 #include "common/kv_geometry.h"
 #include "common/transport.h"
 #include "kernels/plan/kernel_select.h"
@@ -259,29 +260,13 @@ absl::StatusOr<KvGeometry> GeometryFromFlags() {
   return g;
 }
 
-// HOST:PORT split at its last colon; HOST without the brackets of an IPv6
-// literal. Nothing without a colon.
-struct HostPort {
-  std::string host;
-  std::string port;
-};
-std::optional<HostPort> SplitHostPort(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) return std::nullopt;
-  HostPort hp{address.substr(0, colon), address.substr(colon + 1)};
-  if (hp.host.size() >= 2 && hp.host.front() == '[' && hp.host.back() == ']') {
-    hp.host = hp.host.substr(1, hp.host.size() - 2);
-  }
-  return hp;
-}
-
 // A --listen or --metrics_listen value: HOST:PORT with PORT in [0, 65535]
 // and a HOST that resolves. gRPC and civetweb would only say that they
 // cannot listen there.
 absl::Status CheckListenAddress(absl::string_view flag, const std::string& address) {
   const std::optional<HostPort> hp = SplitHostPort(address);
-  int port = -1;
-  if (!hp || !absl::SimpleAtoi(hp->port, &port) || port < 0 || port > 65535) {
+  const int port = hp ? PortNumber(hp->port, 0) : -1;
+  if (port < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         flag, "=", address, ": not HOST:PORT (e.g. 127.0.0.1:50051, 0.0.0.0:50051, [::]:50051; "
         "port 0 picks a free one)"));
