@@ -76,6 +76,24 @@ RegionSlice ChannelTable::RingOf(const Entry& e) {
   return RegionSlice{std::shared_ptr<const Region>(std::shared_ptr<const Region>(), e.region), e.ring, e.ring_bytes};
 }
 
+absl::Status ChannelTable::RingOverlapError(const std::string& tenant, const RegionSlice& mine,
+                                            const RegionRefView& ring) const {
+  for (const auto& [id, other] : channels_) {
+    if (!SlicesOverlap(mine, RingOf(other))) continue;
+    // Another tenant's channel (the same memory registered by both) is not
+    // named: its id is that tenant's.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ring: bytes [", ring.offset, ", ", ring.offset + mine.bytes, ") of region '", ring.name,
+        "' overlap the ring of ",
+        other.tenant == tenant
+            ? absl::StrCat("open channel ", absl::Hex(id, absl::kZeroPad16),
+                           ": CloseChannel it, or open the channel on bytes no open channel uses")
+            : "another tenant's open channel (the same memory, registered by both): open the "
+              "channel on bytes no open channel uses"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const RegionTable& regions,
                                             const RegionRefView& ring, const MakeEndpoint& make,
                                             uint64_t lease) {
@@ -95,6 +113,12 @@ absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const Reg
     return absl::InvalidArgumentError(absl::StrCat(
         "ring.offset=", ring.offset, ": the ring's address in region '", ring.name,
         "' must be a multiple of ", kChannelAlign, " bytes"));
+  }
+  {
+    // Checked before the header is read: bytes inside an open channel's
+    // ring are that ring's header or slots, changing under its poller.
+    absl::MutexLock lock(&mu_);
+    if (auto s = RingOverlapError(tenant, *slice, ring); !s.ok()) return s;
   }
   auto geometry = ReadChannelHeader(slice->data, slice->bytes, "ring");
   if (!geometry.ok()) return geometry.status();
@@ -136,21 +160,10 @@ absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const Reg
                                               "' was unregistered while the channel opened"));
     }
     // A ring already polled: the second poller would take the first's
-    // requests and write answers into its slots.
-    const RegionSlice mine{r.region, r.base, r.byte_size};
-    for (const auto& [id, other] : channels_) {
-      if (SlicesOverlap(mine, RingOf(other))) {
-        // Another tenant's channel (the same memory registered by both) is
-        // not named: its id is that tenant's.
-        return absl::FailedPreconditionError(absl::StrCat(
-            "ring: bytes [", ring.offset, ", ", ring.offset + r.byte_size, ") of region '", ring.name,
-            "' overlap the ring of ",
-            other.tenant == tenant
-                ? absl::StrCat("open channel ", absl::Hex(id, absl::kZeroPad16),
-                               ": CloseChannel it, or open the channel on bytes no open channel uses")
-                : "another tenant's open channel (the same memory, registered by both): open the "
-                  "channel on bytes no open channel uses"));
-      }
+    // requests and write answers into its slots. (Checked again: a channel
+    // may have opened on these bytes since the check above.)
+    if (auto s = RingOverlapError(tenant, RegionSlice{r.region, r.base, r.byte_size}, ring); !s.ok()) {
+      return s;
     }
     per_tenant_[tenant] += 1;
     channels_[r.id] = Entry{tenant, lease, r.region.get(), nullptr, r.base, r.byte_size};

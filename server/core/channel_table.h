@@ -120,6 +120,11 @@ class ChannelTable {
   };
   // An entry's ring as a slice of its region.
   static RegionSlice RingOf(const Entry& e);
+  // FAILED_PRECONDITION when `mine` (the ring OpenChannel names as `ring`)
+  // shares bytes with an open channel's ring; that channel is named by its
+  // id when it is `tenant`'s.
+  absl::Status RingOverlapError(const std::string& tenant, const RegionSlice& mine,
+                                const RegionRefView& ring) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ChannelLimits limits_;
   mutable absl::Mutex mu_;
