@@ -71,16 +71,7 @@ absl::Status CheckOptions(const ClientOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("target=", o.target, ": port ", hp->port, " out of range [1, 65535]"));
   }
-  if (!o.tls) {
-    for (const auto& [name, value] : {std::pair{"tls_ca", &o.tls_ca}, std::pair{"tls_cert", &o.tls_cert},
-                                      std::pair{"tls_key", &o.tls_key}}) {
-      if (!value->empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            name, "=", *value, " is set without tls: it applies only to a TLS connection (set tls too)"));
-      }
-    }
-  }
-  if (o.tls) {
+  if (UsesTls(o)) {
     for (const auto& [name, value] : {std::pair{"tls_ca", &o.tls_ca}, std::pair{"tls_cert", &o.tls_cert},
                                       std::pair{"tls_key", &o.tls_key}}) {
       if (value->empty()) continue;
@@ -89,10 +80,10 @@ absl::Status CheckOptions(const ClientOptions& o) {
       }
     }
   }
-  if (o.tls && !o.tls_cert.empty() && o.tls_key.empty()) {
+  if (!o.tls_cert.empty() && o.tls_key.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("tls_cert=", o.tls_cert, " needs tls_key (the certificate's key)"));
   }
-  if (o.tls && o.tls_cert.empty() && !o.tls_key.empty()) {
+  if (o.tls_cert.empty() && !o.tls_key.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("tls_key=", o.tls_key, " needs tls_cert (the key's certificate)"));
   }
   std::vector<std::string> arg_names;
@@ -126,7 +117,7 @@ std::string ConnectCause(const grpc::Status& s, const ClientOptions& o) {
   }
   if (absl::StrContains(m, "wrong version number") || absl::StrContains(m, "WRONG_VERSION_NUMBER")) {
     return absl::StrCat("TLS: ", o.target, " does not speak TLS (a server without --tls_cert): "
-                        "connect without tls");
+                        "connect without tls, tls_ca or tls_cert");
   }
   // A server that wants client certificates (--tls_client_ca) closes the
   // connection once the handshake has shown the client's.
@@ -247,8 +238,10 @@ absl::Status Client::FromGrpc(const grpc::Status& status) {
 
 absl::Status CheckClientOptions(const ClientOptions& options) { return CheckOptions(options); }
 
-absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
-  if (absl::Status bad = CheckOptions(options); !bad.ok()) return bad;
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& given) {
+  if (absl::Status bad = CheckOptions(given); !bad.ok()) return bad;
+  ClientOptions options = given;
+  options.tls = UsesTls(given);
   std::unique_ptr<Client> c(new Client());
   c->options_ = options;
   std::shared_ptr<grpc::ChannelCredentials> creds;

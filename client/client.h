@@ -53,9 +53,9 @@ struct ChannelOptions;
 struct ClientOptions {
   std::string target = "127.0.0.1:50051";
   std::string token;            // sent as "authorization: Bearer TOKEN" when set
-  bool tls = false;
-  std::string tls_ca;           // PEM file of the server's CA (TLS)
-  std::string tls_cert;         // PEM client certificate (mTLS)
+  bool tls = false;             // implied by tls_ca or tls_cert (UsesTls)
+  std::string tls_ca;           // PEM file of the server's CA (TLS; without it, the system's roots)
+  std::string tls_cert;         // PEM client certificate (mTLS, with tls_key)
   std::string tls_key;          // PEM client key (mTLS)
   int64_t max_message_bytes = 512ll << 20;  // 1 .. 2^31 - 1
   double timeout_s = 0;         // per-call deadline; 0: none (finite, >= 0)
@@ -232,6 +232,10 @@ bool IsStaleIncarnation(const absl::Status& status);
 // DATA_LOSS (the reply, not the request, may be what was lost). Any other
 // code is the server's definite answer: the request changed nothing.
 bool OutcomeUnknown(const absl::Status& status);
+
+// Whether Connect uses TLS: tls, or a CA or client certificate given (as the
+// Python client decides).
+inline bool UsesTls(const ClientOptions& o) { return o.tls || !o.tls_ca.empty() || !o.tls_cert.empty(); }
 
 // The options Connect would refuse before connecting (INVALID_ARGUMENT
 // naming the field and its bound): for command-line tools, which report

@@ -115,14 +115,6 @@ absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const Reg
         "' must be a multiple of ", kChannelAlign, " bytes"));
   }
   {
-    // Checked before the header is read: bytes inside an open channel's
-    // ring are that ring's header or slots, changing under its poller.
-    absl::MutexLock lock(&mu_);
-    if (auto s = RingOverlapError(tenant, *slice, ring); !s.ok()) return s;
-  }
-  auto geometry = ReadChannelHeader(slice->data, slice->bytes, "ring");
-  if (!geometry.ok()) return geometry.status();
-  {
     absl::MutexLock lock(&mu_);
     const int32_t open = per_tenant_[tenant];
     if (open >= limits_.max_channels_per_tenant) {
@@ -130,7 +122,12 @@ absl::StatusOr<uint64_t> ChannelTable::Open(const std::string& tenant, const Reg
           "tenant has ", open, " open channels: at most ", limits_.max_channels_per_tenant,
           " (--max_channels_per_tenant); CloseChannel one"));
     }
+    // Checked before the header is read: bytes inside an open channel's
+    // ring are that ring's header or slots, changing under its poller.
+    if (auto s = RingOverlapError(tenant, *slice, ring); !s.ok()) return s;
   }
+  auto geometry = ReadChannelHeader(slice->data, slice->bytes, "ring");
+  if (!geometry.ok()) return geometry.status();
   ChannelRing r;
   r.tenant = tenant;
   auto hold = std::make_shared<RegionHold>(slice->region);

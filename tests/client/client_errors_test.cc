@@ -261,12 +261,19 @@ TEST(ClientConnectTest, BadOptionsNameTheOptionAndTheBound) {
       {[](ClientOptions* o) { o->target = ""; }, "target is empty"},
       {[](ClientOptions* o) { o->target = "127.0.0.1:99999"; }, "port 99999 out of range [1, 65535]"},
       {[](ClientOptions* o) { o->target = "127.0.0.1:0"; }, "port 0 out of range [1, 65535]"},
-      {[](ClientOptions* o) { o->tls_ca = "/etc/hostname"; }, "tls_ca=/etc/hostname is set without tls"},
+      // A CA or a client certificate means TLS, with or without tls.
+      {[](ClientOptions* o) { o->tls_ca = "/nonexistent/ca.pem"; }, "tls_ca=/nonexistent/ca.pem: cannot open"},
       {[](ClientOptions* o) {
-         o->tls_cert = "a";
-         o->tls_key = "b";
+         o->tls_cert = "/nonexistent/c.pem";
+         o->tls_key = "/etc/hostname";
        },
-       "tls_cert=a is set without tls"},
+       "tls_cert=/nonexistent/c.pem: cannot open"},
+      {[](ClientOptions* o) { o->tls_key = "b"; }, "tls_key=b needs tls_cert (the key's certificate)"},
+      {[](ClientOptions* o) {
+         o->tls_cert = "/etc/hostname";
+         o->tls = true;
+       },
+       "tls_cert=/etc/hostname needs tls_key"},
       {[](ClientOptions* o) {
          o->tls = true;
          o->tls_ca = "/nonexistent/ca.pem";

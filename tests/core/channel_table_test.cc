@@ -166,10 +166,11 @@ TEST_F(ChannelTableTest, OpensValidatesAndCopiesTheGeometry) {
        "ring.offset=8: the ring's address in region 'r' must be a multiple of 64 bytes"},
       {"alice", Ref("r", (1 << 16) - 64, kRing), absl::StatusCode::kInvalidArgument,
        "exceeds the size of region 'r' (65536 bytes)"},
-      {"alice", Ref("r", 128, kRing - 1), absl::StatusCode::kInvalidArgument,
+      {"alice", Ref("r", 128 + 3 * kRing, kRing - 1), absl::StatusCode::kInvalidArgument,
        "ring.byte_size=8383 is less than the ring's layout"},
   };
   WriteHeader(shm.data() + 128, 2, 4096);
+  WriteHeader(shm.data() + 128 + 3 * kRing, 2, 4096);
   for (const auto& c : cases) {
     auto got = channels.Open(c.tenant, regions, c.ref, Maker());
     EXPECT_EQ(got.status().code(), c.code) << c.text << ": " << got.status();
@@ -177,11 +178,13 @@ TEST_F(ChannelTableTest, OpensValidatesAndCopiesTheGeometry) {
   }
   EXPECT_EQ(channels.TenantChannels("alice"), 1);
 
-  // A ring overlapping an open channel's is refused, naming it.
-  WriteHeader(shm.data() + 128 + 64, 2, 4096);
-  auto twice = channels.Open("alice", regions, Ref("r", 128 + 64, kRing), Maker());
-  EXPECT_EQ(twice.status().code(), absl::StatusCode::kFailedPrecondition) << twice.status();
-  EXPECT_THAT(std::string(twice.status().message()), HasSubstr("overlap the ring of open channel"));
+  // A ring overlapping an open channel's is refused, naming it, whatever the
+  // bytes there hold (they are the open ring's: no header is read).
+  for (int64_t at : {int64_t{128}, int64_t{128 + 64}, int64_t{128 + kRing - 64}}) {
+    auto twice = channels.Open("alice", regions, Ref("r", at, kRing), Maker());
+    EXPECT_EQ(twice.status().code(), absl::StatusCode::kFailedPrecondition) << twice.status();
+    EXPECT_THAT(std::string(twice.status().message()), HasSubstr("overlap the ring of open channel"));
+  }
   EXPECT_EQ(channels.TenantChannels("alice"), 1);
 
   // The cap, and who may close what.

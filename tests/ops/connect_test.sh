@@ -60,9 +60,11 @@ ctl_refuses() {  # ctl_refuses NAME PATTERN ARGS...
 }
 ctl_refuses "an empty --target" "--target is empty" --target= info
 ctl_refuses "a port past 65535" "port 99999 out of range [1, 65535]" --target=127.0.0.1:99999 info
-ctl_refuses "--tls_ca without --tls" "--tls_ca=/etc/hostname is set without tls" --tls_ca=/etc/hostname \
-  --target="$GRPC_ADDR" info
 ctl_refuses "an unreadable --tls_ca" "--tls_ca=$WORK/none.pem: cannot open" --tls --tls_ca="$WORK/none.pem" \
+  --target="$GRPC_ADDR" info
+ctl_refuses "an unreadable --tls_ca (TLS implied)" "--tls_ca=$WORK/none.pem: cannot open" --tls_ca="$WORK/none.pem" \
+  --target="$GRPC_ADDR" info
+ctl_refuses "--tls_key without --tls_cert" "--tls_key=/etc/hostname needs tls_cert" --tls_key=/etc/hostname \
   --target="$GRPC_ADDR" info
 ctl_refuses "alloc past int32" "COUNT 99999999999 (argument 1) out of range [0, 2147483647]" \
   --target="$GRPC_ADDR" alloc 99999999999

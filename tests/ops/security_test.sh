@@ -90,6 +90,7 @@ start_tls --tls_cert="$WORK/server.pem" --tls_key="$WORK/server.key"
 ok=0
 for _ in $(seq 1 100); do tls_health --tls --tls_ca="$WORK/ca.pem" && { ok=1; break; }; sleep 0.05; done
 check "TLS client is served" test $ok -eq 1
+check "--tls_ca alone means TLS, as in the Python client" tls_health --tls_ca="$WORK/ca.pem"
 check "plaintext client refused by a TLS server" bash -c "! '$ATTNCTL' --timeout_s=3 --target=$GRPC_ADDR health >/dev/null 2>&1"
 # The cause, named at once (a watchdog far beyond a prompt answer, not a
 # timing bound), and none of gRPC's own log lines.
@@ -113,6 +114,7 @@ check "no gRPC log line in the server's log" bash -c '! grep -Eq "Handshake fail
 stop_server
 start_tls
 says "TLS against plaintext" "TLS: $GRPC_ADDR does not speak TLS" --tls --tls_ca="$WORK/ca.pem"
+says "--tls_ca alone against plaintext" "TLS: $GRPC_ADDR does not speak TLS" --tls_ca="$WORK/ca.pem"
 stop_server
 start_tls --tls_cert="$WORK/server.pem" --tls_key="$WORK/server.key" --tls_client_ca="$WORK/ca.pem"
 ok=0

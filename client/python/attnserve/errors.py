@@ -205,7 +205,7 @@ def connect_cause(details: str, target: str, tls: bool, tls_ca: str | None = Non
                 f"host): {details}")
     if "wrong version number" in details or "WRONG_VERSION_NUMBER" in details:
         return (f"TLS: {target} does not speak TLS (a server without --tls_cert): connect "
-                "without tls")
+                "without tls, tls_ca or tls_cert")
     # A server that wants client certificates (--tls_client_ca) closes the
     # connection once the handshake has shown the client's.
     mtls = ("a server with --tls_client_ca wants a client certificate (tls_cert, tls_key)"
