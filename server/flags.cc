@@ -107,8 +107,8 @@ ABSL_FLAG(int64_t, lease_default_ttl_s, 30,
 ABSL_FLAG(int64_t, lease_max_ttl_s, 3600, "longest time-to-live GrantLease gives (1..86400)");
 ABSL_FLAG(int32_t, max_leases_per_tenant, 1024, "leases one tenant may hold at once");
 ABSL_FLAG(std::string, reflection, "auto",
-          "serve gRPC server reflection: on, off, or auto (on only without --auth_tokens_file: "
-          "reflection answers without a token)");
+          "serve gRPC server reflection: auto (on only without --auth_tokens_file: reflection "
+          "answers without a token), on (not with --auth_tokens_file) or off");
 ABSL_FLAG(bool, allow_shared_memory, false,
           "serve RegisterRegion: clients on this host may name shared-memory regions (sealed "
           "memfds sent over --region_socket, CUDA IPC) instead of sending tensor bytes; trusts "
@@ -482,6 +482,15 @@ absl::Status ServerFlags(const CoreOptions& core, StartOptions* start) {
   start->reflection = absl::GetFlag(FLAGS_reflection);
   if (start->reflection != "auto" && start->reflection != "on" && start->reflection != "off") {
     return Invalid(absl::StrCat("--reflection=", start->reflection, " must be auto, on or off"));
+  }
+  if (start->reflection == "on" && !start->auth_tokens_file.empty()) {
+    // gRPC's reflection service is not ours: it reads a request of any size,
+    // for as long as its sender takes, from callers with no token.
+    return Invalid(
+        "--reflection=on with --auth_tokens_file: reflection answers callers without a token and "
+        "reads their requests whole, of any size, so it would let them hold server memory; serve "
+        "reflection only without auth (--reflection=auto or off; clients can use "
+        "proto/attnserve/v1/attention.proto instead)");
   }
   return absl::OkStatus();
 }

@@ -30,7 +30,8 @@ grpc::ByteBuffer Serialized(HealthCheckResponse::ServingStatus status) {
 // sweep or status change holds it (refs_).
 class HealthService::Call : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  Call(HealthService* service, bool watch) : service_(service), watch_(watch), start_(absl::Now()) {}
+  Call(HealthService* service, bool watch, std::string peer)
+      : service_(service), watch_(watch), peer_(std::move(peer)), start_(absl::Now()) {}
 
   void Start() {
     std::optional<grpc::Status> refused;
@@ -101,9 +102,9 @@ class HealthService::Call : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
       return;
     }
-    {
-      absl::MutexLock lock(&service_->mu_);
-      watching_ = true;
+    if (std::optional<grpc::Status> refused = StartWatching(); refused.has_value()) {
+      TryFinish(*refused);
+      return;
     }
     Notify();
   }
@@ -152,6 +153,12 @@ class HealthService::Call : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         reading_ = false;
         --service_->reading_;
       }
+      if (watching_) {
+        watching_ = false;
+        --service_->watching_;
+        auto it = service_->watching_per_peer_.find(peer_);
+        if (--it->second == 0) service_->watching_per_peer_.erase(it);
+      }
     }
     Unref();
   }
@@ -180,6 +187,27 @@ class HealthService::Call : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       --service_->reading_;
     }
   }
+  // Counts this Watch open, or says why it may not be.
+  std::optional<grpc::Status> StartWatching() {
+    absl::MutexLock lock(&service_->mu_);
+    const int per_connection = service_->max_watching_per_connection_;
+    const int in_all = service_->max_watching_;
+    int& mine = service_->watching_per_peer_[peer_];
+    if (mine >= per_connection || service_->watching_ >= in_all) {
+      const bool connection = mine >= per_connection;
+      if (mine == 0) service_->watching_per_peer_.erase(peer_);
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          connection ? absl::StrCat("this connection has ", per_connection,
+                                    " health Watch calls open: at most ", per_connection, " per connection")
+                     : absl::StrCat("the server has ", in_all, " health Watch calls open: at most ", in_all,
+                                    " (Check is not limited)"));
+    }
+    ++mine;
+    ++service_->watching_;
+    watching_ = true;
+    return std::nullopt;
+  }
   HealthCheckResponse::ServingStatus Status() const {
     if (!known_) return HealthCheckResponse::SERVICE_UNKNOWN;
     absl::MutexLock lock(&service_->mu_);
@@ -188,6 +216,7 @@ class HealthService::Call : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   HealthService* const service_;
   const bool watch_;
+  const std::string peer_;
   const absl::Time start_;
   std::atomic<int> refs_{1};  // gRPC's, until OnDone
   grpc::ByteBuffer request_, response_;
@@ -203,14 +232,16 @@ class HealthService::Call : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   HealthCheckResponse::ServingStatus last_sent_ ABSL_GUARDED_BY(write_mu_) = HealthCheckResponse::UNKNOWN;
 };
 
-HealthService::HealthService(absl::Duration read_timeout)
-    : read_timeout_(std::min(read_timeout, kReadTimeout)) {
+HealthService::HealthService(absl::Duration read_timeout, int max_watching, int max_watching_per_connection)
+    : read_timeout_(std::min(read_timeout, kReadTimeout)),
+      max_watching_(max_watching),
+      max_watching_per_connection_(max_watching_per_connection) {
   const char* const names[] = {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"};
   for (int i = 0; i < 2; ++i) {
     AddMethod(new grpc::internal::RpcServiceMethod(names[i], grpc::internal::RpcMethod::BIDI_STREAMING, nullptr));
     MarkMethodRawCallback(i, new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
-                                 [this, watch = i == 1](grpc::CallbackServerContext*) {
-                                   auto* call = new Call(this, watch);
+                                 [this, watch = i == 1](grpc::CallbackServerContext* context) {
+                                   auto* call = new Call(this, watch, context->peer());
                                    call->Start();
                                    return call;
                                  }));
@@ -281,6 +312,11 @@ void HealthService::Shutdown() {
 int HealthService::reading() const {
   absl::MutexLock lock(&mu_);
   return reading_;
+}
+
+int HealthService::watching() const {
+  absl::MutexLock lock(&mu_);
+  return watching_;
 }
 
 }  // namespace attnserve

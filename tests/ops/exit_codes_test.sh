@@ -49,6 +49,10 @@ exits 2 "--prefill_kernel=sm90 on the cpu backend" \
 exits 2 "--flagfile missing" "flagfile" "${small[@]}" --flagfile="$WORK/none.flags"
 exits 2 "--tls_client_ca without a certificate" "--tls_client_ca needs --tls_cert and --tls_key" \
   "${small[@]}" --tls_client_ca="$WORK/none.pem"
+printf 'tok-a alice\n' >"$WORK/tokens"
+exits 2 "--reflection=on with --auth_tokens_file" "--reflection=on with --auth_tokens_file: reflection answers callers without a token" \
+  "${small[@]}" --auth_tokens_file="$WORK/tokens" --reflection=on
+exits 2 "--reflection=maybe" "--reflection=maybe must be auto, on or off" "${small[@]}" --reflection=maybe
 exits 2 "--grpc_args=foo" "--grpc_args: 'foo' is not name=integer" "${small[@]}" --grpc_args=foo
 exits 2 "--grpc_args past an int" "grpc.max_concurrent_streams=4294967297' is out of range" \
   "${small[@]}" --grpc_args=grpc.max_concurrent_streams=4294967297
