@@ -9,6 +9,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/shared_memory.h"
 #include "common/flag_file.h"
 #include "common/host_port.h"
@@ -202,6 +203,35 @@ KvGeometry GeometryOf(const v1::ServerInfo& info) {
   return g;
 }
 
+std::string GeometryDifference(const KvGeometry& a, const KvGeometry& b, absl::string_view a_is) {
+  std::vector<std::string> diffs;
+  auto cmp = [&](const char* name, int64_t x, int64_t y) {
+    if (x != y) diffs.push_back(absl::StrCat(name, "=", y, " (", a_is, " ", x, ")"));
+  };
+  cmp("num_layers", a.num_layers, b.num_layers);
+  cmp("page_size", a.page_size, b.page_size);
+  cmp("num_qo_heads", a.num_qo_heads, b.num_qo_heads);
+  cmp("num_kv_heads", a.num_kv_heads, b.num_kv_heads);
+  cmp("head_dim", a.head_dim, b.head_dim);
+  if (a.attention != b.attention) {
+    diffs.push_back(absl::StrCat("attention=", AttentionKindName(b.attention), " (", a_is, " ",
+                                 AttentionKindName(a.attention), ")"));
+  }
+  cmp("kv_lora_rank", a.kv_lora_rank, b.kv_lora_rank);
+  cmp("qk_rope_head_dim", a.qk_rope_head_dim, b.qk_rope_head_dim);
+  auto q_name = [](const KvGeometry& g) { return g.dtype == KvDType::kBf16 ? "bf16" : "fp16"; };
+  auto kv_name = [&](const KvGeometry& g) {
+    return g.KvIsFp8() ? Fp8FormatName(g.kv_fp8) : q_name(g);
+  };
+  if (std::string(kv_name(a)) != kv_name(b)) {
+    diffs.push_back(absl::StrCat("kv_dtype=", kv_name(b), " (", a_is, " ", kv_name(a), ")"));
+  }
+  if (a.dtype != b.dtype) {
+    diffs.push_back(absl::StrCat("q_dtype=", q_name(b), " (", a_is, " ", q_name(a), ")"));
+  }
+  return absl::StrJoin(diffs, ", ");
+}
+
 v1::DType QueryDType(const v1::ServerInfo& info) {
   return info.q_dtype() != v1::DTYPE_UNSPECIFIED ? info.q_dtype() : info.kv_dtype();
 }
@@ -359,6 +389,14 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   v1::ServerInfo info;
   grpc::Status s = stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &info);
   if (!s.ok()) return FromGrpc(s);
+  // A server restarted with another geometry: what this client lays out
+  // (slots, page counts, shapes) follows info(), read at Connect.
+  if (std::string diff = GeometryDifference(GeometryOf(info_), GeometryOf(info), "it had");
+      !diff.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        options_.target, " ", kAnotherGeometry, ": ", diff,
+        "; this client lays out requests for the geometry it connected to: Connect a new Client"));
+  }
   Learn(info.incarnation());
   return info;
 }

@@ -15,7 +15,9 @@
 // that names pages or slots. After a server restart those requests fail with
 // FAILED_PRECONDITION instead of touching pages that may now belong to
 // someone else; ForgetIncarnation() accepts the new server once the caller
-// has dropped what it held.
+// has dropped what it held. The client keeps the geometry it connected to
+// (info()): GetServerInfo() refuses a server back with another one
+// (FAILED_PRECONDITION, kAnotherGeometry), which needs a new Client.
 //
 // Leases (docs/security.md, "Leases"): with UseLease(id), every request that
 // takes a lease names it: what AllocatePages, CreatePlan, RegisterRegion and
@@ -35,6 +37,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.grpc.pb.h"
@@ -206,6 +210,17 @@ struct State {
 // The KV geometry a server reports (dtype: its q_dtype; kv_fp8: its
 // kv_dtype when that is FP8).
 KvGeometry GeometryOf(const v1::ServerInfo& info);
+
+// "" when b's geometry is a's (num_pages may differ), else what differs:
+// "page_size=8 (A_IS 16), ...", each field of b with a's beside it.
+std::string GeometryDifference(const KvGeometry& a, const KvGeometry& b, absl::string_view a_is);
+
+// In the FAILED_PRECONDITION of GetServerInfo from a server that restarted
+// with another geometry than the one the client connected to.
+inline constexpr absl::string_view kAnotherGeometry = "restarted with another geometry";
+inline bool IsAnotherGeometry(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kFailedPrecondition && absl::StrContains(s.message(), kAnotherGeometry);
+}
 
 // A server's query dtype: q_dtype, or kv_dtype from a server that predates
 // q_dtype (and has a 16-bit cache).

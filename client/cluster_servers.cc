@@ -51,36 +51,6 @@ absl::StatusOr<std::vector<std::string>> GetAddrInfo(const std::string& host,
   return out;
 }
 
-// "" when b's geometry is a's (num_pages may differ), else what differs.
-std::string GeometryDifference(const KvGeometry& a, const KvGeometry& b) {
-  std::vector<std::string> diffs;
-  auto cmp = [&](const char* name, int64_t x, int64_t y) {
-    if (x != y) diffs.push_back(absl::StrCat(name, "=", y, " (the others have ", x, ")"));
-  };
-  cmp("num_layers", a.num_layers, b.num_layers);
-  cmp("page_size", a.page_size, b.page_size);
-  cmp("num_qo_heads", a.num_qo_heads, b.num_qo_heads);
-  cmp("num_kv_heads", a.num_kv_heads, b.num_kv_heads);
-  cmp("head_dim", a.head_dim, b.head_dim);
-  if (a.attention != b.attention) {
-    diffs.push_back(absl::StrCat("attention=", AttentionKindName(b.attention), " (the others have ",
-                                 AttentionKindName(a.attention), ")"));
-  }
-  cmp("kv_lora_rank", a.kv_lora_rank, b.kv_lora_rank);
-  auto q_name = [](const KvGeometry& g) { return g.dtype == KvDType::kBf16 ? "bf16" : "fp16"; };
-  auto kv_name = [&](const KvGeometry& g) {
-    return g.KvIsFp8() ? Fp8FormatName(g.kv_fp8) : q_name(g);
-  };
-  if (std::string(kv_name(a)) != kv_name(b)) {
-    diffs.push_back(
-        absl::StrCat("kv_dtype=", kv_name(b), " (the others have ", kv_name(a), ")"));
-  }
-  if (a.dtype != b.dtype) {
-    diffs.push_back(absl::StrCat("q_dtype=", q_name(b), " (the others have ", q_name(a), ")"));
-  }
-  return absl::StrJoin(diffs, ", ");
-}
-
 }  // namespace
 
 absl::Status Cluster::LostError(absl::Span<const int64_t> ids, absl::string_view why) {
@@ -144,7 +114,7 @@ absl::StatusOr<int32_t> Cluster::AddServer(const std::string& address) {
   const KvGeometry g = GeometryOf((*client)->info());
   if (servers_.empty()) {
     geo_ = g;
-  } else if (std::string diff = GeometryDifference(geo_, g); !diff.empty()) {
+  } else if (std::string diff = GeometryDifference(geo_, g, "the others have"); !diff.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "server ", address, " has another geometry: ", diff,
         "; every server of a cluster must have the same layers, page size, heads, head_dim "
@@ -251,6 +221,9 @@ std::vector<int64_t> Cluster::LoseServer(int32_t server, Loss why, bool gone) {
       s.reachable = true;
       auto info = s.client->GetServerInfo();  // learns the new incarnation
       if (info.ok()) ReadInfo(server, *info);
+      // Back with another geometry: not a member any more (its client and
+      // KV manager lay out requests for the old one).
+      if (!info.ok() && IsAnotherGeometry(info.status())) s.gone = true;
       // No new sequences before it has the cluster's KV scales again.
       if (!info.ok() || !ApplyScales(server).ok()) s.reachable = false;
     }
@@ -301,8 +274,8 @@ absl::Status Cluster::Resolve() {
     // readiness blip); otherwise its KV is gone with it.
     auto info = s.client->GetServerInfo();
     if (info.ok() && info->incarnation() == s.client->incarnation()) continue;
-    std::vector<int64_t> l =
-        LoseServer(i, info.ok() ? Loss::kRestarted : Loss::kUnreachable, /*gone=*/true);
+    const bool restarted = info.ok() || IsAnotherGeometry(info.status());
+    std::vector<int64_t> l = LoseServer(i, restarted ? Loss::kRestarted : Loss::kUnreachable, /*gone=*/true);
     lost.insert(lost.end(), l.begin(), l.end());
   }
   for (const std::string& a : *resolved) {
@@ -330,6 +303,13 @@ absl::Status Cluster::Refresh() {
     if (s.gone) continue;
     auto info = s.client->GetServerInfo();
     s.reachable = info.ok();
+    if (IsAnotherGeometry(info.status())) {
+      // Restarted with another geometry: its sequences are lost and it
+      // leaves the cluster.
+      std::vector<int64_t> l = LoseServer(i, Loss::kRestarted, /*gone=*/true);
+      lost.insert(lost.end(), l.begin(), l.end());
+      continue;
+    }
     if (!info.ok()) {
       Observe(i, info.status(), &lost);  // unreachable too long: its sequences are lost
       continue;

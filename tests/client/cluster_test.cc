@@ -578,6 +578,41 @@ TEST(ClusterTest, RefreshSeesARestartBeforeAnyCall) {
   ASSERT_TRUE(c.Release().ok());
 }
 
+// A server back with another geometry loses its sequences, as any restart,
+// and leaves the cluster: its client and KV manager lay out requests for the
+// geometry they connected to. The rest keep serving.
+TEST(ClusterTest, AServerBackWithAnotherGeometryLeavesTheCluster) {
+  auto servers = StartServers(std::vector<TestServerOptions>(2));
+  ASSERT_EQ(servers.size(), 2u);
+  auto cluster = Cluster::Connect(OptionsFor(servers));
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  Cluster& c = **cluster;
+  ASSERT_TRUE(c.Plan({1, 2}, {16, 16}).ok());
+  const int32_t gone = c.ShardsOf(1)[0].server;
+  ASSERT_NE(c.ShardsOf(2)[0].server, gone);
+  const std::string address = servers[gone]->grpc_address();
+  ASSERT_EQ(servers[gone]->Stop(), 0);
+  TestServerOptions again;
+  again.page_size = 8;
+  again.extra_flags = {absl::StrCat("--listen=", address)};
+  auto restarted = TestServer::Start(again);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  absl::Status s = RetryWhileUnavailable([&] {
+    absl::Status r = c.Refresh();
+    return r.ok() ? absl::UnavailableError("reconnecting") : r;
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(LostSequences(s), ElementsAre(1));
+  EXPECT_FALSE(c.Servers()[gone].active);
+  ASSERT_TRUE(c.Finish({1}).ok());
+  // New sequences go to the other server only, and the cluster keeps working.
+  ASSERT_TRUE(c.Plan({3}, {16}).ok());
+  EXPECT_NE(c.ShardsOf(3)[0].server, gone);
+  ASSERT_TRUE(c.Refresh().ok());
+  ASSERT_TRUE(c.Finish({2, 3}).ok());
+  ASSERT_TRUE(c.Release().ok());
+}
+
 TEST(ClusterTest, RefusesServersWithAnotherGeometry) {
   std::vector<TestServerOptions> opts(2);
   opts[1].page_size = 8;

@@ -30,15 +30,21 @@ std::unique_ptr<Client> Connect(const std::string& target) {
 
 // Runs `call` until it stops failing with UNAVAILABLE (a channel reconnecting
 // to a restarted server), for up to 30 s; returns its last status.
+const absl::Status& StatusOf(const absl::Status& s) { return s; }
+template <typename T>
+const absl::Status& StatusOf(const absl::StatusOr<T>& s) {
+  return s.status();
+}
+
+// (`call` returns an absl::Status or an absl::StatusOr.)
 template <typename F>
-absl::Status RetryWhileUnavailable(F call) {
+auto RetryWhileUnavailable(F call) -> decltype(call()) {
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  absl::Status s;
-  do {
-    s = call();
-    if (!absl::IsUnavailable(s)) return s;
+  auto s = call();
+  while (absl::IsUnavailable(StatusOf(s)) && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(50));
-  } while (absl::Now() < deadline);
+    s = call();
+  }
   return s;
 }
 
@@ -137,6 +143,44 @@ TEST(RestartSafetyTest, AStaleClientCannotTouchPagesANewClientOwns) {
   ASSERT_TRUE(fresh.ok()) << fresh.status();
   EXPECT_EQ(a->incarnation(), b->incarnation());
   EXPECT_TRUE(a->FreePages(*fresh).ok());
+}
+
+// A server back on the port with another geometry is not one this client
+// can lay out requests for (slots and page counts follow the page size it
+// connected to): GetServerInfo says so, naming what changed, and adopts
+// nothing; the same geometry is adopted as before.
+TEST(RestartSafetyTest, AServerBackWithAnotherGeometryIsRefusedByGetServerInfo) {
+  TestServerOptions options;
+  auto first = TestServer::Start(options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string address = (*first)->grpc_address();
+  auto a = Connect(address);
+  ASSERT_TRUE(a);
+  const uint64_t known = a->incarnation();
+  ASSERT_EQ((*first)->Stop(), 0);
+
+  options.extra_flags = {absl::StrCat("--listen=", address)};
+  options.page_size = 8;
+  options.num_pages = 64;  // (num_pages may differ: it is no part of the check)
+  auto second = TestServer::Start(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  a->ForgetIncarnation();
+  absl::StatusOr<v1::ServerInfo> info = RetryWhileUnavailable([&] { return a->GetServerInfo(); });
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kFailedPrecondition) << info.status();
+  EXPECT_THAT(std::string(info.status().message()),
+              HasSubstr(absl::StrCat(address, " restarted with another geometry: page_size=8 (it had 16); ")));
+  EXPECT_TRUE(IsAnotherGeometry(info.status()));
+  EXPECT_EQ(a->incarnation(), 0u) << "adopted the other geometry's incarnation";
+  EXPECT_EQ(a->info().page_size(), 16);
+  ASSERT_EQ((*second)->Stop(), 0);
+
+  options.page_size = 16;
+  auto third = TestServer::Start(options);
+  ASSERT_TRUE(third.ok()) << third.status();
+  info = RetryWhileUnavailable([&] { return a->GetServerInfo(); });
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_NE(a->incarnation(), known);
+  EXPECT_EQ(a->incarnation(), info->incarnation());
 }
 
 TEST(RestartSafetyTest, EveryResponseCarriesTheIncarnation) {

@@ -273,6 +273,39 @@ def test_a_restart_loses_exactly_that_servers_sequences():
         stop(servers)
 
 
+def test_a_server_back_with_another_geometry_leaves_the_cluster():
+    """Its sequences are lost, as at any restart, and it takes no new ones
+    (as in the C++ cluster); the other server keeps serving."""
+    servers = start(2)
+    try:
+        with attnserve.Cluster([s.address for s in servers], timeout=120) as c:
+            c.plan([1, 2], [16, 16])
+            gone = c.shards_of(1)[0].server
+            assert c.shards_of(2)[0].server != gone
+            address = servers[gone].address
+            servers[gone].stop()
+            servers[gone] = TestServer(page_size=8, extra_flags=[f"--listen={address}"])
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    c.refresh()
+                except attnserve.SequencesLost as e:
+                    assert e.seq_ids == [1]
+                    break
+                assert time.monotonic() < deadline, "the restart was never seen"
+                time.sleep(0.05)
+            assert not c.servers()[gone].active
+            c.finish(1)
+            ref, rng = Reference(c.server_info), np.random.default_rng(5)
+            step = c.plan([3, 4], [16, 16])
+            assert gone not in {c.shards_of(3)[0].server, c.shards_of(4)[0].server}
+            run_and_check(c, ref, step, rng)
+            c.refresh()
+            c.release()
+    finally:
+        stop(servers)
+
+
 def test_refresh_sees_a_restart_before_any_call():
     servers = start(2)
     try:

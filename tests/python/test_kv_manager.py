@@ -422,3 +422,51 @@ def test_values_that_a_cast_would_change_are_refused(client):
         assert cluster.sequences == []
     finally:
         cluster.close()
+
+
+def test_after_reset_and_reconnect_the_managers_use_a_restarted_servers_page_size():
+    """A server back with another --page_size: once the application resets
+    its managers and reconnects its client (docs/python.md, "Incarnation and
+    restarts"), both managers lay out steps in the new page size (the
+    blocking one kept the first one's, and ran attention over unwritten rows
+    on a server without --check_kv_written)."""
+    first = TestServer(page_size=4, num_pages=64)
+    address = first.address
+    client = attnserve.Client(address, timeout=30)
+    mgr = attnserve.KvManager(client)
+    mgr.plan(["x"], [3])
+    first.stop()
+    second = TestServer(page_size=8, num_pages=64,
+                        extra_flags=[f"--listen={address}", "--check_kv_written=false"])
+    try:
+        mgr.reset()
+        client.reconnect()
+        assert mgr.page_size == client.server_info.page_size == 8
+        g = client.server_info
+        rng = np.random.default_rng(3)
+        mirror = KvMirror(g.num_kv_heads, g.head_dim)
+        plan = mgr.plan(["y"], [13])
+        assert len(plan.kv_indices) == 2 and list(plan.kv_last_page_len) == [5]
+        for layer in range(g.num_layers):
+            q = rng.standard_normal((13, g.num_qo_heads, g.head_dim)).astype(np.float32)
+            k, v = rng.standard_normal((2, 13, g.num_kv_heads, g.head_dim)).astype(np.float32)
+            r = mgr.run(layer, q, k, v)
+            mirror.write(layer, plan.append_slots, k, v)
+            o_ref, lse_ref = reference_prefill(mirror, layer, q, plan.qo_indptr, plan.kv_indptr,
+                                               plan.kv_indices, plan.kv_last_page_len,
+                                               page_size=g.page_size)
+            c = compare(o_ref, lse_ref, r.output, r.lse)
+            assert within_tolerance(c), (layer, c)
+        mgr.release()
+
+        async def async_side():
+            async with AsyncClient(address, timeout=30) as ac:
+                m = attnserve.AsyncKvManager(ac)
+                p = await m.plan(["z"], [13])
+                assert m.page_size == 8 and len(p.kv_indices) == 2
+                await m.release()
+        asyncio.run(async_side())
+    finally:
+        mgr.close()
+        client.close()
+        second.stop()

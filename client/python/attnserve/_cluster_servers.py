@@ -209,8 +209,14 @@ class _ServerSet:
                 s.reachable = True
                 try:
                     info = s.client.info()  # learns the new incarnation
-                    self._read_info(i, info)
-                    self._apply_scales(i, info.incarnation)
+                    if _geometry(info) != self._geometry:
+                        # Back with another geometry: it leaves the cluster
+                        # (as the C++ cluster's, whose clients keep theirs).
+                        s.gone = True
+                        s.reachable = False
+                    else:
+                        self._read_info(i, info)
+                        self._apply_scales(i, info.incarnation)
                 except AttnserveError:
                     s.reachable = False  # no new sequences before it has the scales
         return lost

@@ -175,6 +175,13 @@ class _State:
         return list(self._seqs[seq_id].pages)
 
     @property
+    def page_size(self) -> int:
+        """The server's page size, as the client last read it: a client
+        reconnect()ed to a server restarted with another --page_size gives
+        the new one (after reset())."""
+        return self.client.server_info.page_size
+
+    @property
     def num_pages(self) -> int:
         """Pages this manager's live sequences hold on the server."""
         return sum(len(s.pages) for s in self._seqs.values())

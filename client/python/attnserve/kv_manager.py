@@ -77,7 +77,6 @@ class KvManager(_Bookkeeping):
         super().__init__(client, causal=causal, sm_scale=sm_scale, lse_base=lse_base,
                          server_plans=server_plans, lease=lease, lease_ttl=lease_ttl,
                          options=options, layer_options=layer_options)
-        self.page_size = client.server_info.page_size
 
     def _drive(self, flow, finishing: bool = False):
         """Runs a flow with the blocking client. A KeyboardInterrupt is taken
@@ -265,10 +264,6 @@ class AsyncKvManager(_Bookkeeping):
                          server_plans=server_plans, lease=lease, lease_ttl=lease_ttl,
                          options=options, layer_options=layer_options)
         self._lock_made: Optional[asyncio.Lock] = None  # made in the loop that uses it
-
-    @property
-    def page_size(self) -> int:
-        return self.client.server_info.page_size
 
     @property
     def _lock(self) -> asyncio.Lock:
