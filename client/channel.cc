@@ -91,6 +91,7 @@ absl::StatusOr<std::unique_ptr<RequestChannel>> Client::OpenChannel(
   req.mutable_ring()->set_name(region_name);
   req.mutable_ring()->set_offset(offset);
   req.mutable_ring()->set_byte_size(byte_size);
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   v1::OpenChannelResponse resp;
@@ -290,6 +291,9 @@ absl::StatusOr<PrefillResult> RequestChannel::Prefill(const PrefillArgs& args) {
 }
 
 absl::Status RequestChannel::PrefillInto(const PrefillArgs& args, PrefillResult* result) {
+  if (args.expected_incarnation == 0) {
+    if (absl::Status g = client_->CheckGeometryAfterForget(); !g.ok()) return g;
+  }
   const int64_t deadline_ns =
       timeout_s_ > 0 ? absl::GetCurrentTimeNanos() + static_cast<int64_t>(timeout_s_ * 1e9) : 0;
   auto acquired = Acquire(deadline_ns);

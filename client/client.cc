@@ -391,14 +391,22 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   if (!s.ok()) return FromGrpc(s);
   // A server restarted with another geometry: what this client lays out
   // (slots, page counts, shapes) follows info(), read at Connect.
-  if (std::string diff = GeometryDifference(GeometryOf(info_), GeometryOf(info), "it had");
+  // (A client connected without fetch_info has no geometry to keep.)
+  if (std::string diff = info_.num_layers() > 0 ? GeometryDifference(GeometryOf(info_), GeometryOf(info), "it had")
+                                                : std::string();
       !diff.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         options_.target, " ", kAnotherGeometry, ": ", diff,
         "; this client lays out requests for the geometry it connected to: Connect a new Client"));
   }
   Learn(info.incarnation());
+  recheck_geometry_.store(false, std::memory_order_relaxed);
   return info;
+}
+
+absl::Status Client::CheckGeometryAfterForget() {
+  if (!recheck_geometry_.load(std::memory_order_relaxed)) return absl::OkStatus();
+  return GetServerInfo().status();
 }
 
 absl::StatusOr<std::vector<int32_t>> Client::AllocatePages(int32_t count) {
@@ -406,6 +414,7 @@ absl::StatusOr<std::vector<int32_t>> Client::AllocatePages(int32_t count) {
   PrepareContext(&ctx);
   v1::AllocatePagesRequest req;
   req.set_count(count);
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   v1::AllocatePagesResponse resp;
@@ -420,6 +429,7 @@ absl::Status Client::FreePages(absl::Span<const int32_t> page_ids) {
   PrepareContext(&ctx);
   v1::FreePagesRequest req;
   req.mutable_page_ids()->Assign(page_ids.begin(), page_ids.end());
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   v1::FreePagesResponse resp;
@@ -438,6 +448,7 @@ absl::Status Client::SetKvScales(absl::Span<const LayerKvScales> layers) {
     m->mutable_k_scale()->Assign(l.k_scale.begin(), l.k_scale.end());
     m->mutable_v_scale()->Assign(l.v_scale.begin(), l.v_scale.end());
   }
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   v1::SetKvScalesResponse resp;
   grpc::Status s = stub_->SetKvScales(&ctx, req, &resp);
@@ -475,6 +486,7 @@ absl::Status Client::RegisterSystemRegionFd(const std::string& name, int memfd, 
     // incarnation was forgotten (a restarted server, whose socket and
     // incarnation are not those read at connect): as the server says now.
     auto fresh = GetServerInfo();
+    if (IsAnotherGeometry(fresh.status())) return fresh.status();
     if (fresh.ok()) {
       socket = fresh->region_socket();
       expected = fresh->incarnation();
@@ -551,6 +563,7 @@ std::unique_ptr<Client> Client::Fork() const {
   std::unique_ptr<Client> c(new Client());
   c->options_ = options_;
   c->incarnation_.store(incarnation(), std::memory_order_relaxed);
+  c->recheck_geometry_.store(recheck_geometry_.load(std::memory_order_relaxed), std::memory_order_relaxed);
   c->channel_ = channel_;
   c->stub_ = v1::AttentionService::NewStub(channel_);
   c->raw_ = std::make_unique<RawMethods>(channel_);
@@ -588,6 +601,7 @@ absl::StatusOr<LeaseGrant> Client::GrantLease(int64_t ttl_ms) {
   PrepareContext(&ctx);
   v1::GrantLeaseRequest req;
   req.set_ttl_ms(ttl_ms);
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   v1::GrantLeaseResponse resp;
   grpc::Status s = stub_->GrantLease(&ctx, req, &resp);
@@ -604,6 +618,7 @@ absl::StatusOr<int64_t> Client::KeepAlive(uint64_t lease_id, double timeout_s,
   if (timeout_s > 0) ctx.set_deadline(DeadlineIn(timeout_s));
   v1::KeepAliveRequest req;
   req.set_lease_id(lease_id);
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   v1::KeepAliveResponse resp;
   grpc::Status s = stub_->KeepAlive(&ctx, req, &resp);
@@ -616,6 +631,7 @@ absl::StatusOr<v1::Holdings> Client::RevokeLease(uint64_t lease_id) {
   PrepareContext(&ctx);
   v1::RevokeLeaseRequest req;
   req.set_lease_id(lease_id);
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   v1::RevokeLeaseResponse resp;
   grpc::Status s = stub_->RevokeLease(&ctx, req, &resp);
@@ -638,6 +654,7 @@ absl::StatusOr<v1::Holdings> Client::ReleaseHoldings() {
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   v1::ReleaseHoldingsRequest req;
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   v1::ReleaseHoldingsResponse resp;
   grpc::Status s = stub_->ReleaseHoldings(&ctx, req, &resp);

@@ -17,7 +17,8 @@
 // someone else; ForgetIncarnation() accepts the new server once the caller
 // has dropped what it held. The client keeps the geometry it connected to
 // (info()): GetServerInfo() refuses a server back with another one
-// (FAILED_PRECONDITION, kAnotherGeometry), which needs a new Client.
+// (FAILED_PRECONDITION, kAnotherGeometry), which needs a new Client; after
+// ForgetIncarnation() the next call naming pages or slots reads it first.
 //
 // Leases (docs/security.md, "Leases"): with UseLease(id), every request that
 // takes a lease names it: what AllocatePages, CreatePlan, RegisterRegion and
@@ -369,7 +370,13 @@ class Client {
   uint64_t incarnation() const { return incarnation_.load(std::memory_order_relaxed); }
   // Accept whatever incarnation answers next (after a restart, once the
   // caller has re-created its pages).
-  void ForgetIncarnation() { incarnation_.store(0, std::memory_order_relaxed); }
+  // The next call that names pages, slots, plans, leases or regions first
+  // reads the server's info (GetServerInfo), so that a server back with
+  // another geometry is refused before anything is laid out for the old one.
+  void ForgetIncarnation() {
+    incarnation_.store(0, std::memory_order_relaxed);
+    if (info_.num_layers() > 0) recheck_geometry_.store(true, std::memory_order_relaxed);
+  }
 
   // Overall health ("" service) or one service; OK only when SERVING.
   absl::Status Health(const std::string& service = "");
@@ -396,6 +403,9 @@ class Client {
 
   // Remembers `seen` when nothing was remembered yet.
   void Learn(uint64_t seen);
+  // After ForgetIncarnation(): GetServerInfo() once, which refuses a server
+  // back with another geometry; OK at once otherwise.
+  absl::Status CheckGeometryAfterForget();
 
   // Whether a call's V input of v_size bytes (or a V region's name of that
   // length) goes on the wire: always to a GQA server; to an MLA server only
@@ -418,6 +428,7 @@ class Client {
 
   ClientOptions options_;
   std::atomic<uint64_t> incarnation_{0};
+  std::atomic<bool> recheck_geometry_{false};  // ForgetIncarnation() since the last GetServerInfo()
   std::atomic<uint64_t> lease_id_{0};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;

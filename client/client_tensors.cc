@@ -103,6 +103,7 @@ absl::Status Client::WriteKvInline(int32_t layer, absl::Span<const int64_t> slot
   v1::WriteKVRequest req;  // k and v follow inline
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   const int64_t n = static_cast<int64_t>(slots.size());
@@ -130,6 +131,7 @@ absl::StatusOr<KvData> Client::ReadKV(int32_t layer, absl::Span<const int64_t> s
   v1::ReadKVRequest req;
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   req.set_dequantize(dequantize);
@@ -249,6 +251,9 @@ absl::Status Client::DecodePrefill(const grpc::ByteBuffer& bytes, PrefillResult*
 }
 
 absl::Status Client::PrefillInto(const PrefillArgs& a, PrefillResult* result) {
+  if (a.expected_incarnation == 0) {
+    if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
+  }
   BorrowedMemory borrowed;
   grpc::ByteBuffer bytes;
   grpc::Status s = CallRaw(raw_->prefill, EncodePrefill(a, &borrowed), &bytes);
@@ -273,6 +278,7 @@ absl::StatusOr<uint64_t> Client::CreatePlan(const PlanLayout& layout) {
   for (const auto& [layer, options] : layout.layer_options) {
     SetOptions(options, &(*req.mutable_layer_options())[layer]);
   }
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   v1::CreatePlanResponse resp;
@@ -287,6 +293,7 @@ absl::Status Client::ReleasePlan(uint64_t plan_id) {
   PrepareContext(&ctx);
   v1::ReleasePlanRequest req;
   req.set_plan_id(plan_id);
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   v1::ReleasePlanResponse resp;
@@ -344,6 +351,7 @@ absl::Status Client::WriteKVFromRegions(int32_t layer, absl::Span<const int64_t>
     SetRegionTensor(req.mutable_v(), WireDType(info_),
                     {n, info_.num_kv_heads(), info_.head_dim()}, v);
   }
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   v1::WriteKVResponse resp;
@@ -359,6 +367,7 @@ absl::Status Client::ReadKVToRegions(int32_t layer, absl::Span<const int64_t> sl
   v1::ReadKVRequest req;
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
+  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
   req.set_expected_incarnation(incarnation());
   req.set_lease_id(lease_id());
   SetRef(req.mutable_k_region(), k);

@@ -172,6 +172,25 @@ TEST(RestartSafetyTest, AServerBackWithAnotherGeometryIsRefusedByGetServerInfo) 
   EXPECT_TRUE(IsAnotherGeometry(info.status()));
   EXPECT_EQ(a->incarnation(), 0u) << "adopted the other geometry's incarnation";
   EXPECT_EQ(a->info().page_size(), 16);
+  // Calls that lay out pages or slots read the geometry first, and change
+  // nothing on a server that has another.
+  auto other = Connect(address);
+  ASSERT_TRUE(other);
+  const int32_t free_before = other->GetServerInfo()->free_pages();
+  auto pages = a->AllocatePages(2);
+  EXPECT_TRUE(IsAnotherGeometry(pages.status())) << pages.status();
+  const std::vector<int64_t> slots = {0, 1};
+  const std::vector<uint16_t> rows(2 * GeometryOf(a->info()).RowElems(), 0x3f80);
+  EXPECT_TRUE(IsAnotherGeometry(a->WriteKV(0, slots, rows, rows)));
+  EXPECT_TRUE(IsAnotherGeometry(a->ReadKV(0, slots).status()));
+  EXPECT_EQ(other->GetServerInfo()->free_pages(), free_before);
+  // A client connected without reading the info has no geometry to keep.
+  ClientOptions lazy;
+  lazy.target = address;
+  lazy.fetch_info = false;
+  auto unread = Client::Connect(lazy);
+  ASSERT_TRUE(unread.ok()) << unread.status();
+  EXPECT_TRUE((*unread)->GetServerInfo().ok());
   ASSERT_EQ((*second)->Stop(), 0);
 
   options.page_size = 16;

@@ -306,6 +306,41 @@ def test_a_server_back_with_another_geometry_leaves_the_cluster():
         stop(servers)
 
 
+def test_a_server_whose_restart_was_seen_while_down_is_checked_when_it_answers():
+    """A restart found while the server could not answer leaves its client's
+    incarnation forgotten, so the next refresh() cannot compare incarnations:
+    it compares geometries, and one back with another leaves the cluster.
+    The cluster's server_info stays the members' geometry."""
+    servers = start(2)
+    try:
+        with attnserve.Cluster([s.address for s in servers], timeout=30) as c:
+            c.plan([1, 2], [16, 16])
+            address = servers[0].address
+            servers[0].stop()
+            # As a run that found it restarted would, while it is down again.
+            assert c._lose_server(0, "restarted") in ([1], [2])
+            assert c.client(0).incarnation == 0
+            servers[0] = TestServer(page_size=8, extra_flags=[f"--listen={address}"])
+            deadline = time.monotonic() + 30
+            while c.servers()[0].active or not c._servers[0].gone:
+                try:
+                    c.refresh()
+                except attnserve.AttnserveError:
+                    pass
+                assert time.monotonic() < deadline, "never refreshed"
+                time.sleep(0.05)
+            assert not c.servers()[0].active
+            assert c.server_info.page_size == 16
+            c.refresh()  # nothing more to say
+            for seq in c.sequences:
+                c.finish(seq)
+            step = c.plan([3], [16])
+            assert c.shards_of(3)[0].server == 1 and step.total_q == 16
+            c.release()
+    finally:
+        stop(servers)
+
+
 def test_refresh_sees_a_restart_before_any_call():
     servers = start(2)
     try:

@@ -86,7 +86,7 @@ class _ServerSet:
     """Cluster's servers: the methods that add, read, lose and close them.
 
     Works on the Cluster's state: _servers (list of _Server), _seqs
-    ({seq_id: _Sequence}: the shards each server holds), _geometry,
+    ({seq_id: _Sequence}: the shards each server holds), _geometry, _first_info,
     _kv_scales, _client_kwargs, _kv_options, _dns, _resolver,
     _refreshed_at, server_lost_after and _pool.
     """
@@ -96,6 +96,7 @@ class _ServerSet:
         g = _geometry(client.server_info)
         if self._geometry is None:
             self._geometry = g
+            self._first_info = client.server_info
         else:
             diff = [f"{k}={g[k]} (the others have {v})" for k, v in self._geometry.items()
                     if g[k] != v]
@@ -136,8 +137,12 @@ class _ServerSet:
 
     @property
     def server_info(self):
-        """The first server's ServerInfo (the geometry every server shares)."""
-        return self._servers[0].client.server_info
+        """The first member's ServerInfo (the geometry every server shares;
+        a server that left the cluster for another geometry is no member)."""
+        for s in self._servers:
+            if not s.gone and _geometry(s.client.server_info) == self._geometry:
+                return s.client.server_info
+        return self._first_info
 
     @property
     def num_servers(self) -> int:
@@ -305,7 +310,11 @@ class _ServerSet:
                 continue
             s.reachable = True
             s.unreachable_since = None
-            if expected and info.incarnation != expected:
+            if _geometry(info) != self._geometry:
+                # Back with another geometry (also when its incarnation was
+                # forgotten, and so cannot be compared): it leaves the cluster.
+                lost += self._lose_server(i, "restarted", gone=True)
+            elif expected and info.incarnation != expected:
                 lost += self._lose_server(i, "restarted")
             else:
                 self._read_info(i, info)

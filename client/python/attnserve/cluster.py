@@ -201,6 +201,7 @@ class Cluster(_ServerSet):
         self._refreshed_at = time.monotonic()
         self._servers: list = []
         self._geometry: Optional[dict] = None
+        self._first_info = None  # the first server's ServerInfo, as it joined
         # FP8 servers: the KV scales set through set_kv_scales, given again to
         # a server that joins or restarts (its scales start at 1.0).
         self._kv_scales: dict = {}
