@@ -1,4 +1,5 @@
 #include "client/client.h"
+#include "client/connect_checks.h"
 #include "client/raw_methods.h"
 
 #include <algorithm>
@@ -9,10 +10,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "client/shared_memory.h"
 #include "common/flag_file.h"
-#include "common/host_port.h"
 #include "common/region_socket.h"
 #include "common/tensor_wire.h"
 #include "common/transport.h"
@@ -36,108 +35,12 @@ bool SizesOf(absl::string_view message, int64_t* bytes, int64_t* limit) {
          absl::SimpleAtoi(message.substr(vs + 5, close - vs - 5), limit);
 }
 
-// The cause of a failed connection that gRPC's status names, said in terms
-// of attnserve's options; empty when the status names none a client can act
-// on (then the address may still become ready).
 // now + `seconds` as a deadline: a non-finite or huge value is capped (at
 // about three years), so that no conversion overflows.
 std::chrono::system_clock::time_point DeadlineIn(double seconds) {
   constexpr double kMaxSeconds = 1e8;
   const double s = std::isfinite(seconds) ? std::min(std::max(seconds, 0.0), kMaxSeconds) : kMaxSeconds;
   return std::chrono::system_clock::now() + std::chrono::microseconds(static_cast<int64_t>(s * 1e6));
-}
-
-// The options Connect refuses, naming the field and its bound.
-absl::Status CheckOptions(const ClientOptions& o) {
-  if (o.max_message_bytes < 1 || o.max_message_bytes > INT32_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes=", o.max_message_bytes,
-                                                   " must be in [1, 2147483647]"));
-  }
-  if (!std::isfinite(o.timeout_s) || o.timeout_s < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("timeout_s=", o.timeout_s, " must be finite and >= 0 (0: no deadline)"));
-  }
-  if (!std::isfinite(o.connect_timeout_s) || o.connect_timeout_s <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("connect_timeout_s=", o.connect_timeout_s, " must be finite and > 0"));
-  }
-  if (o.target.empty()) {
-    return absl::InvalidArgumentError("target is empty: the server's HOST:PORT (e.g. 127.0.0.1:50051)");
-  }
-  // HOST:PORT with a numeric port (not a gRPC URI such as unix:PATH): the
-  // port is a TCP port.
-  if (const std::optional<HostPort> hp = SplitHostPort(o.target);
-      hp && o.target.find("://") == std::string::npos && !absl::StartsWith(o.target, "unix:") &&
-      !absl::StartsWith(o.target, "unix-abstract:") && AllDigits(hp->port) && PortNumber(hp->port, 1) < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("target=", o.target, ": port ", hp->port, " out of range [1, 65535]"));
-  }
-  if (UsesTls(o)) {
-    for (const auto& [name, value] : {std::pair{"tls_ca", &o.tls_ca}, std::pair{"tls_cert", &o.tls_cert},
-                                      std::pair{"tls_key", &o.tls_key}}) {
-      if (value->empty()) continue;
-      if (auto read = ReadFlagFile(name, *value); !read.ok()) {
-        return absl::InvalidArgumentError(read.status().message());
-      }
-    }
-  }
-  if (!o.tls_cert.empty() && o.tls_key.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("tls_cert=", o.tls_cert, " needs tls_key (the certificate's key)"));
-  }
-  if (o.tls_cert.empty() && !o.tls_key.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("tls_key=", o.tls_key, " needs tls_cert (the key's certificate)"));
-  }
-  std::vector<std::string> arg_names;
-  std::string arg_error;
-  ParseTransportArgs(o.grpc_args, &arg_names, &arg_error);
-  if (!arg_error.empty()) return absl::InvalidArgumentError(absl::StrCat("grpc_args: ", arg_error));
-  return absl::OkStatus();
-}
-
-std::string ConnectCause(const grpc::Status& s, const ClientOptions& o) {
-  if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return "";
-  const std::string& m = s.error_message();
-  const std::string ca = o.tls_ca.empty() ? "the system's root CAs" : "tls_ca=" + o.tls_ca;
-  if (absl::StrContains(m, "DNS resolution failed") ||
-      absl::StrContains(m, "Domain name not found")) {
-    return absl::StrCat("cannot resolve the host of ", o.target, " (a typo?): ", m);
-  }
-  if (absl::StrContains(m, "Connection refused")) {
-    return absl::StrCat("connection refused: nothing listens on ", o.target,
-                        " (is attnserve running, and is this its --listen address?)");
-  }
-  if (absl::StrContains(m, "Failed parsing HTTP/2") || absl::StrContains(m, "http1") ||
-      absl::StrContains(m, "HTTP/1")) {
-    return absl::StrCat(o.target, " answers HTTP/1, not gRPC: is it attnserve's metrics port "
-                        "(--metrics_listen) instead of its --listen address?");
-  }
-  if (absl::StrContains(m, "certificate verify failed") ||
-      absl::StrContains(m, "CERTIFICATE_VERIFY_FAILED")) {
-    return absl::StrCat("TLS: the certificate of ", o.target, " is not signed by ", ca,
-                        " (or does not name the host): ", m);
-  }
-  if (absl::StrContains(m, "wrong version number") || absl::StrContains(m, "WRONG_VERSION_NUMBER")) {
-    return absl::StrCat("TLS: ", o.target, " does not speak TLS (a server without --tls_cert): "
-                        "connect without tls, tls_ca or tls_cert");
-  }
-  // A server that wants client certificates (--tls_client_ca) closes the
-  // connection once the handshake has shown the client's.
-  const std::string mtls =
-      o.tls_cert.empty()
-          ? "a server with --tls_client_ca wants a client certificate (tls_cert, tls_key)"
-          : absl::StrCat("a server with --tls_client_ca refuses a client certificate its CA did "
-                         "not sign (tls_cert=", o.tls_cert, ")");
-  if (absl::StrContains(m, "andshake failed")) {
-    return absl::StrCat("TLS handshake with ", o.target, " failed (", mtls, "?): ", m);
-  }
-  if (absl::StrContains(m, "Socket closed") || absl::StrContains(m, "Connection reset")) {
-    if (!o.tls) {
-      return absl::StrCat(o.target, " closed the connection before answering: if it is a TLS "
-                          "server (--tls_cert), connect with tls (and tls_ca)");
-    }
-    return absl::StrCat(o.target, " closed the connection after the TLS handshake: ", mtls);
-  }
-  return "";
 }
 
 }  // namespace
@@ -183,59 +86,6 @@ grpc::Status Client::CallRaw(const grpc::internal::RpcMethod& method, grpc::Byte
   return status;
 }
 
-KvGeometry GeometryOf(const v1::ServerInfo& info) {
-  KvGeometry g;
-  g.num_layers = info.num_layers();
-  g.num_pages = info.num_pages();
-  g.page_size = info.page_size();
-  g.num_qo_heads = info.num_qo_heads();
-  g.num_kv_heads = info.num_kv_heads();
-  g.head_dim = info.head_dim();
-  if (info.attention() == v1::ATTENTION_MLA) {
-    g.attention = AttentionKind::kMla;
-    g.kv_lora_rank = info.kv_lora_rank();
-    g.qk_rope_head_dim = info.qk_rope_head_dim();
-  }
-  g.dtype = QueryDType(info) == v1::DTYPE_FP16 ? KvDType::kFp16 : KvDType::kBf16;
-  g.kv_fp8 = info.kv_dtype() == v1::DTYPE_FP8_E4M3   ? Fp8Format::kE4m3
-             : info.kv_dtype() == v1::DTYPE_FP8_E5M2 ? Fp8Format::kE5m2
-                                                     : Fp8Format::kNone;
-  return g;
-}
-
-std::string GeometryDifference(const KvGeometry& a, const KvGeometry& b, absl::string_view a_is) {
-  std::vector<std::string> diffs;
-  auto cmp = [&](const char* name, int64_t x, int64_t y) {
-    if (x != y) diffs.push_back(absl::StrCat(name, "=", y, " (", a_is, " ", x, ")"));
-  };
-  cmp("num_layers", a.num_layers, b.num_layers);
-  cmp("page_size", a.page_size, b.page_size);
-  cmp("num_qo_heads", a.num_qo_heads, b.num_qo_heads);
-  cmp("num_kv_heads", a.num_kv_heads, b.num_kv_heads);
-  cmp("head_dim", a.head_dim, b.head_dim);
-  if (a.attention != b.attention) {
-    diffs.push_back(absl::StrCat("attention=", AttentionKindName(b.attention), " (", a_is, " ",
-                                 AttentionKindName(a.attention), ")"));
-  }
-  cmp("kv_lora_rank", a.kv_lora_rank, b.kv_lora_rank);
-  cmp("qk_rope_head_dim", a.qk_rope_head_dim, b.qk_rope_head_dim);
-  auto q_name = [](const KvGeometry& g) { return g.dtype == KvDType::kBf16 ? "bf16" : "fp16"; };
-  auto kv_name = [&](const KvGeometry& g) {
-    return g.KvIsFp8() ? Fp8FormatName(g.kv_fp8) : q_name(g);
-  };
-  if (std::string(kv_name(a)) != kv_name(b)) {
-    diffs.push_back(absl::StrCat("kv_dtype=", kv_name(b), " (", a_is, " ", kv_name(a), ")"));
-  }
-  if (a.dtype != b.dtype) {
-    diffs.push_back(absl::StrCat("q_dtype=", q_name(b), " (", a_is, " ", q_name(a), ")"));
-  }
-  return absl::StrJoin(diffs, ", ");
-}
-
-v1::DType QueryDType(const v1::ServerInfo& info) {
-  return info.q_dtype() != v1::DTYPE_UNSPECIFIED ? info.q_dtype() : info.kv_dtype();
-}
-
 absl::Status Client::FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   const std::string& m = status.error_message();
@@ -266,10 +116,8 @@ absl::Status Client::FromGrpc(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), m);
 }
 
-absl::Status CheckClientOptions(const ClientOptions& options) { return CheckOptions(options); }
-
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& given) {
-  if (absl::Status bad = CheckOptions(given); !bad.ok()) return bad;
+  if (absl::Status bad = CheckClientOptions(given); !bad.ok()) return bad;
   ClientOptions options = given;
   options.tls = UsesTls(given);
   std::unique_ptr<Client> c(new Client());
@@ -314,7 +162,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& giv
   std::vector<std::string> arg_names;
   std::string arg_error;
   for (const TransportArg& arg : ParseTransportArgs(options.grpc_args, &arg_names, &arg_error)) {
-    args.SetInt(arg.name, arg.value);  // (a malformed entry: refused by CheckOptions above)
+    args.SetInt(arg.name, arg.value);  // (a malformed entry: refused by CheckClientOptions above)
   }
   if (options.interceptors) {
     c->channel_ = grpc::experimental::CreateCustomChannelWithInterceptors(
