@@ -91,8 +91,7 @@ absl::StatusOr<std::unique_ptr<RequestChannel>> Client::OpenChannel(
   req.mutable_ring()->set_name(region_name);
   req.mutable_ring()->set_offset(offset);
   req.mutable_ring()->set_byte_size(byte_size);
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   req.set_lease_id(lease_id());
   v1::OpenChannelResponse resp;
   grpc::Status s = stub_->OpenChannel(&ctx, req, &resp);

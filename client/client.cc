@@ -262,8 +262,7 @@ absl::StatusOr<std::vector<int32_t>> Client::AllocatePages(int32_t count) {
   PrepareContext(&ctx);
   v1::AllocatePagesRequest req;
   req.set_count(count);
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   req.set_lease_id(lease_id());
   v1::AllocatePagesResponse resp;
   grpc::Status s = stub_->AllocatePages(&ctx, req, &resp);
@@ -277,8 +276,7 @@ absl::Status Client::FreePages(absl::Span<const int32_t> page_ids) {
   PrepareContext(&ctx);
   v1::FreePagesRequest req;
   req.mutable_page_ids()->Assign(page_ids.begin(), page_ids.end());
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   req.set_lease_id(lease_id());
   v1::FreePagesResponse resp;
   grpc::Status s = stub_->FreePages(&ctx, req, &resp);
@@ -296,8 +294,7 @@ absl::Status Client::SetKvScales(absl::Span<const LayerKvScales> layers) {
     m->mutable_k_scale()->Assign(l.k_scale.begin(), l.k_scale.end());
     m->mutable_v_scale()->Assign(l.v_scale.begin(), l.v_scale.end());
   }
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   v1::SetKvScalesResponse resp;
   grpc::Status s = stub_->SetKvScales(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
@@ -449,8 +446,7 @@ absl::StatusOr<LeaseGrant> Client::GrantLease(int64_t ttl_ms) {
   PrepareContext(&ctx);
   v1::GrantLeaseRequest req;
   req.set_ttl_ms(ttl_ms);
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   v1::GrantLeaseResponse resp;
   grpc::Status s = stub_->GrantLease(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
@@ -466,8 +462,7 @@ absl::StatusOr<int64_t> Client::KeepAlive(uint64_t lease_id, double timeout_s,
   if (timeout_s > 0) ctx.set_deadline(DeadlineIn(timeout_s));
   v1::KeepAliveRequest req;
   req.set_lease_id(lease_id);
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   v1::KeepAliveResponse resp;
   grpc::Status s = stub_->KeepAlive(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
@@ -479,8 +474,7 @@ absl::StatusOr<v1::Holdings> Client::RevokeLease(uint64_t lease_id) {
   PrepareContext(&ctx);
   v1::RevokeLeaseRequest req;
   req.set_lease_id(lease_id);
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   v1::RevokeLeaseResponse resp;
   grpc::Status s = stub_->RevokeLease(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);
@@ -502,8 +496,7 @@ absl::StatusOr<v1::Holdings> Client::ReleaseHoldings() {
   grpc::ClientContext ctx;
   PrepareContext(&ctx);
   v1::ReleaseHoldingsRequest req;
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   v1::ReleaseHoldingsResponse resp;
   grpc::Status s = stub_->ReleaseHoldings(&ctx, req, &resp);
   if (!s.ok()) return FromGrpc(s);

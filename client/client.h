@@ -406,6 +406,14 @@ class Client {
   // After ForgetIncarnation(): GetServerInfo() once, which refuses a server
   // back with another geometry; OK at once otherwise.
   absl::Status CheckGeometryAfterForget();
+  // Sets the request's expected_incarnation, after that check: every request
+  // that names pages, slots, plans, leases or regions goes through here.
+  template <typename Request>
+  absl::Status ExpectIncarnation(Request* req) {
+    if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
+    req->set_expected_incarnation(incarnation());
+    return absl::OkStatus();
+  }
 
   // Whether a call's V input of v_size bytes (or a V region's name of that
   // length) goes on the wire: always to a GQA server; to an MLA server only

@@ -103,8 +103,7 @@ absl::Status Client::WriteKvInline(int32_t layer, absl::Span<const int64_t> slot
   v1::WriteKVRequest req;  // k and v follow inline
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   req.set_lease_id(lease_id());
   const int64_t n = static_cast<int64_t>(slots.size());
   const std::vector<int64_t> shape = {n, info_.num_kv_heads(), info_.head_dim()};
@@ -131,8 +130,7 @@ absl::StatusOr<KvData> Client::ReadKV(int32_t layer, absl::Span<const int64_t> s
   v1::ReadKVRequest req;
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   req.set_lease_id(lease_id());
   req.set_dequantize(dequantize);
   grpc::ByteBuffer bytes;
@@ -278,8 +276,7 @@ absl::StatusOr<uint64_t> Client::CreatePlan(const PlanLayout& layout) {
   for (const auto& [layer, options] : layout.layer_options) {
     SetOptions(options, &(*req.mutable_layer_options())[layer]);
   }
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   req.set_lease_id(lease_id());
   v1::CreatePlanResponse resp;
   grpc::Status s = stub_->CreatePlan(&ctx, req, &resp);
@@ -293,8 +290,7 @@ absl::Status Client::ReleasePlan(uint64_t plan_id) {
   PrepareContext(&ctx);
   v1::ReleasePlanRequest req;
   req.set_plan_id(plan_id);
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   req.set_lease_id(lease_id());
   v1::ReleasePlanResponse resp;
   return FromGrpc(stub_->ReleasePlan(&ctx, req, &resp));
@@ -351,8 +347,7 @@ absl::Status Client::WriteKVFromRegions(int32_t layer, absl::Span<const int64_t>
     SetRegionTensor(req.mutable_v(), WireDType(info_),
                     {n, info_.num_kv_heads(), info_.head_dim()}, v);
   }
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   req.set_lease_id(lease_id());
   v1::WriteKVResponse resp;
   grpc::Status s = stub_->WriteKV(&ctx, req, &resp);
@@ -367,8 +362,7 @@ absl::Status Client::ReadKVToRegions(int32_t layer, absl::Span<const int64_t> sl
   v1::ReadKVRequest req;
   req.set_layer(layer);
   req.mutable_slots()->Assign(slots.begin(), slots.end());
-  if (absl::Status g = CheckGeometryAfterForget(); !g.ok()) return g;
-  req.set_expected_incarnation(incarnation());
+  if (absl::Status g = ExpectIncarnation(&req); !g.ok()) return g;
   req.set_lease_id(lease_id());
   SetRef(req.mutable_k_region(), k);
   if (SendsV(v.name.size())) SetRef(req.mutable_v_region(), v);

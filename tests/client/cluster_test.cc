@@ -30,12 +30,6 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::UnorderedElementsAre;
 
-absl::Status StatusOf(const absl::Status& s) { return s; }
-template <typename T>
-absl::Status StatusOf(const absl::StatusOr<T>& s) {
-  return s.status();
-}
-
 std::vector<std::unique_ptr<TestServer>> StartServers(const std::vector<TestServerOptions>& all) {
   std::vector<std::unique_ptr<TestServer>> servers;
   for (const TestServerOptions& o : all) {
@@ -54,17 +48,14 @@ ClusterOptions OptionsFor(const std::vector<std::unique_ptr<TestServer>>& server
   return o;
 }
 
-// Runs `call` until it stops failing with UNAVAILABLE (a channel reconnecting
-// to a restarted server), for up to 30 s; returns its last result.
-template <typename F>
-auto RetryWhileUnavailable(F call) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  auto r = call();
-  while (absl::IsUnavailable(StatusOf(r)) && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(50));
-    r = call();
-  }
-  return r;
+// Refresh() until it reports something (a restart found: DATA_LOSS naming
+// the lost sequences), while the restarted server's channel reconnects (it
+// answers OK, the server unreachable), for up to 30 s.
+absl::Status RefreshUntilItSaysMore(Cluster& c) {
+  return RetryWhileUnavailable([&] {
+    absl::Status r = c.Refresh();
+    return r.ok() ? absl::UnavailableError("reconnecting") : r;
+  });
 }
 
 // The whole sequences as one server would hold them: the test's own copy of
@@ -435,11 +426,7 @@ TEST(ClusterTest, ARestartLosesExactlyThatServersSequences) {
   RunAndCheck(c, ref, **step, gen);
 
   // Restart that server on the same address.
-  const std::string address = servers[gone]->grpc_address();
-  ASSERT_EQ(servers[gone]->Stop(), 0);
-  TestServerOptions again;
-  again.extra_flags = {absl::StrCat("--listen=", address)};
-  auto restarted = TestServer::Start(again);
+  auto restarted = TestServer::RestartOn(*servers[gone], TestServerOptions{});
   ASSERT_TRUE(restarted.ok()) << restarted.status();
   servers[gone] = *std::move(restarted);
 
@@ -500,11 +487,7 @@ TEST(ClusterTest, AStepOfOtherSequencesIsPlannedAtOnceOnARestartedServer) {
   ASSERT_TRUE(cluster.ok()) << cluster.status();
   Cluster& c = **cluster;
   ASSERT_TRUE(c.Plan({1}, {16}).ok());
-  const std::string address = servers[0]->grpc_address();
-  ASSERT_EQ(servers[0]->Stop(), 0);
-  TestServerOptions again;
-  again.extra_flags = {absl::StrCat("--listen=", address)};
-  auto restarted = TestServer::Start(again);
+  auto restarted = TestServer::RestartOn(*servers[0], TestServerOptions{});
   ASSERT_TRUE(restarted.ok()) << restarted.status();
   servers[0] = *std::move(restarted);
   auto step = RetryWhileUnavailable([&] { return c.Plan({5}, {4}); });
@@ -560,17 +543,9 @@ TEST(ClusterTest, RefreshSeesARestartBeforeAnyCall) {
   Cluster& c = **cluster;
   ASSERT_TRUE(c.Plan({1, 2}, {16, 16}).ok());
   const int32_t gone = c.ShardsOf(1)[0].server;
-  const std::string address = servers[gone]->grpc_address();
-  ASSERT_EQ(servers[gone]->Stop(), 0);
-  TestServerOptions again;
-  again.extra_flags = {absl::StrCat("--listen=", address)};
-  auto restarted = TestServer::Start(again);
+  auto restarted = TestServer::RestartOn(*servers[gone], TestServerOptions{});
   ASSERT_TRUE(restarted.ok()) << restarted.status();
-  absl::Status s = RetryWhileUnavailable([&] {
-    absl::Status r = c.Refresh();
-    // Unreachable while its channel reconnects: try again.
-    return r.ok() && !c.Servers()[gone].active ? absl::UnavailableError("reconnecting") : r;
-  });
+  absl::Status s = RefreshUntilItSaysMore(c);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(LostSequences(s), ElementsAre(1));
   EXPECT_THAT(c.Sequences(), ElementsAre(2));
@@ -590,17 +565,11 @@ TEST(ClusterTest, AServerBackWithAnotherGeometryLeavesTheCluster) {
   ASSERT_TRUE(c.Plan({1, 2}, {16, 16}).ok());
   const int32_t gone = c.ShardsOf(1)[0].server;
   ASSERT_NE(c.ShardsOf(2)[0].server, gone);
-  const std::string address = servers[gone]->grpc_address();
-  ASSERT_EQ(servers[gone]->Stop(), 0);
   TestServerOptions again;
   again.page_size = 8;
-  again.extra_flags = {absl::StrCat("--listen=", address)};
-  auto restarted = TestServer::Start(again);
+  auto restarted = TestServer::RestartOn(*servers[gone], again);
   ASSERT_TRUE(restarted.ok()) << restarted.status();
-  absl::Status s = RetryWhileUnavailable([&] {
-    absl::Status r = c.Refresh();
-    return r.ok() ? absl::UnavailableError("reconnecting") : r;
-  });
+  absl::Status s = RefreshUntilItSaysMore(c);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(LostSequences(s), ElementsAre(1));
   EXPECT_FALSE(c.Servers()[gone].active);

@@ -28,26 +28,6 @@ std::unique_ptr<Client> Connect(const std::string& target) {
   return client.ok() ? *std::move(client) : nullptr;
 }
 
-// Runs `call` until it stops failing with UNAVAILABLE (a channel reconnecting
-// to a restarted server), for up to 30 s; returns its last status.
-const absl::Status& StatusOf(const absl::Status& s) { return s; }
-template <typename T>
-const absl::Status& StatusOf(const absl::StatusOr<T>& s) {
-  return s.status();
-}
-
-// (`call` returns an absl::Status or an absl::StatusOr.)
-template <typename F>
-auto RetryWhileUnavailable(F call) -> decltype(call()) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  auto s = call();
-  while (absl::IsUnavailable(StatusOf(s)) && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(50));
-    s = call();
-  }
-  return s;
-}
-
 // After a restart, RegisterSystemRegion is refused (a stale incarnation)
 // until the client forgets the old incarnation; then it registers on the
 // new server (before, the deposit kept naming the incarnation read at
@@ -63,9 +43,7 @@ TEST(RestartSafetyTest, ARegionRegistersOnARestartedServerOnceTheIncarnationIsFo
   auto shm = SharedMemory::Create("io", 4096);
   ASSERT_TRUE(shm.ok()) << shm.status();
   ASSERT_TRUE(a->RegisterSystemRegion("io", **shm, 0, 4096).ok());
-  ASSERT_EQ((*first)->Stop(), 0);
-  options.extra_flags.push_back(absl::StrCat("--listen=", address));
-  auto second = TestServer::Start(options);
+  auto second = TestServer::RestartOn(**first, options);
   ASSERT_TRUE(second.ok()) << second.status();
   const absl::Status stale = a->RegisterSystemRegion("io", **shm, 0, 4096);
   EXPECT_TRUE(IsStaleIncarnation(stale)) << stale;
@@ -87,11 +65,9 @@ TEST(RestartSafetyTest, AStaleClientCannotTouchPagesANewClientOwns) {
   auto a_pages = a->AllocatePages(2);
   ASSERT_TRUE(a_pages.ok()) << a_pages.status();
   EXPECT_EQ(a->incarnation(), a->info().incarnation());
-  ASSERT_EQ((*first)->Stop(), 0);
 
   // A new server on the same port: auth is off, so A and B are one tenant.
-  options.extra_flags = {absl::StrCat("--listen=", address)};
-  auto second = TestServer::Start(options);
+  auto second = TestServer::RestartOn(**first, options);
   ASSERT_TRUE(second.ok()) << second.status();
   auto b = Connect(address);
   ASSERT_TRUE(b);
@@ -157,12 +133,9 @@ TEST(RestartSafetyTest, AServerBackWithAnotherGeometryIsRefusedByGetServerInfo) 
   auto a = Connect(address);
   ASSERT_TRUE(a);
   const uint64_t known = a->incarnation();
-  ASSERT_EQ((*first)->Stop(), 0);
-
-  options.extra_flags = {absl::StrCat("--listen=", address)};
   options.page_size = 8;
   options.num_pages = 64;  // (num_pages may differ: it is no part of the check)
-  auto second = TestServer::Start(options);
+  auto second = TestServer::RestartOn(**first, options);
   ASSERT_TRUE(second.ok()) << second.status();
   a->ForgetIncarnation();
   absl::StatusOr<v1::ServerInfo> info = RetryWhileUnavailable([&] { return a->GetServerInfo(); });
@@ -191,10 +164,8 @@ TEST(RestartSafetyTest, AServerBackWithAnotherGeometryIsRefusedByGetServerInfo) 
   auto unread = Client::Connect(lazy);
   ASSERT_TRUE(unread.ok()) << unread.status();
   EXPECT_TRUE((*unread)->GetServerInfo().ok());
-  ASSERT_EQ((*second)->Stop(), 0);
-
   options.page_size = 16;
-  auto third = TestServer::Start(options);
+  auto third = TestServer::RestartOn(**second, options);
   ASSERT_TRUE(third.ok()) << third.status();
   info = RetryWhileUnavailable([&] { return a->GetServerInfo(); });
   ASSERT_TRUE(info.ok()) << info.status();

@@ -194,6 +194,15 @@ bool TestServer::Alive() {
   return true;
 }
 
+absl::StatusOr<std::unique_ptr<TestServer>> TestServer::RestartOn(TestServer& old, TestServerOptions options) {
+  const std::string address = old.grpc_address();
+  if (const int code = old.Stop(); code != 0) {
+    return absl::InternalError(absl::StrCat("the server on ", address, " exited ", code, " at its stop"));
+  }
+  options.extra_flags.push_back(absl::StrCat("--listen=", address));
+  return Start(options);
+}
+
 int TestServer::Stop() { return WaitForExit(/*signal_first=*/true); }
 
 int TestServer::WaitForExit(bool signal_first) {

@@ -25,6 +25,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace attnserve {
 
@@ -47,6 +49,9 @@ struct TestServerOptions {
 class TestServer {
  public:
   static absl::StatusOr<std::unique_ptr<TestServer>> Start(const TestServerOptions& options);
+  // Stops `old` (expecting a clean exit) and starts a server of `options` on
+  // its gRPC address: a restart, as clients of that address see it.
+  static absl::StatusOr<std::unique_ptr<TestServer>> RestartOn(TestServer& old, TestServerOptions options);
   ~TestServer();
 
   const std::string& grpc_address() const { return grpc_address_; }
@@ -80,6 +85,25 @@ class TestServer {
   mutable absl::Mutex mu_;
   std::string output_ ABSL_GUARDED_BY(mu_);
 };
+
+// Runs `call` (returning an absl::Status or an absl::StatusOr) until it stops
+// failing with UNAVAILABLE (a channel reconnecting to a restarted server),
+// for up to 30 s; returns its last result.
+inline const absl::Status& StatusOf(const absl::Status& s) { return s; }
+template <typename T>
+const absl::Status& StatusOf(const absl::StatusOr<T>& s) {
+  return s.status();
+}
+template <typename F>
+auto RetryWhileUnavailable(F call) -> decltype(call()) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  auto r = call();
+  while (absl::IsUnavailable(StatusOf(r)) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+    r = call();
+  }
+  return r;
+}
 
 // Plain HTTP/1.0 GET of http://address/path; returns the body (200 only).
 absl::StatusOr<std::string> HttpGet(const std::string& address, const std::string& path);

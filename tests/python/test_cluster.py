@@ -273,6 +273,19 @@ def test_a_restart_loses_exactly_that_servers_sequences():
         stop(servers)
 
 
+def refresh_until_lost(c) -> list:
+    """refresh() until it raises SequencesLost (a restart found), while the
+    restarted server's channel reconnects; returns the lost sequences."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            c.refresh()
+        except attnserve.SequencesLost as e:
+            return e.seq_ids
+        assert time.monotonic() < deadline, "the restart was never seen"
+        time.sleep(0.05)  # unreachable while its channel reconnects
+
+
 def test_a_server_back_with_another_geometry_leaves_the_cluster():
     """Its sequences are lost, as at any restart, and it takes no new ones
     (as in the C++ cluster); the other server keeps serving."""
@@ -285,15 +298,7 @@ def test_a_server_back_with_another_geometry_leaves_the_cluster():
             address = servers[gone].address
             servers[gone].stop()
             servers[gone] = TestServer(page_size=8, extra_flags=[f"--listen={address}"])
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    c.refresh()
-                except attnserve.SequencesLost as e:
-                    assert e.seq_ids == [1]
-                    break
-                assert time.monotonic() < deadline, "the restart was never seen"
-                time.sleep(0.05)
+            assert refresh_until_lost(c) == [1]
             assert not c.servers()[gone].active
             c.finish(1)
             ref, rng = Reference(c.server_info), np.random.default_rng(5)
@@ -350,15 +355,7 @@ def test_refresh_sees_a_restart_before_any_call():
             address = servers[gone].address
             servers[gone].stop()
             servers[gone] = TestServer(extra_flags=[f"--listen={address}"])
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    c.refresh()
-                except attnserve.SequencesLost as e:
-                    assert e.seq_ids == [1]
-                    break
-                assert time.monotonic() < deadline, "the restart was never seen"
-                time.sleep(0.05)  # unreachable while its channel reconnects
+            assert refresh_until_lost(c) == [1]
             assert c.sequences == [2]
             c.finish(1)
             c.release()

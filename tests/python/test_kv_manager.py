@@ -35,6 +35,21 @@ def check_layout(mgr, plan, before):
         assert plan.append_slots[rows].tolist() == want_slots
 
 
+def run_and_compare(mgr, mirror, plan, layer, rng):
+    """Runs the plan's layer on random rows (kept in the mirror) and compares
+    the result with the float64 reference over the mirror."""
+    g = mgr.client.server_info
+    q = rng.standard_normal((plan.total_q, g.num_qo_heads, g.head_dim)).astype(np.float32)
+    k = rng.standard_normal((plan.total_q, g.num_kv_heads, g.head_dim)).astype(np.float32)
+    v = rng.standard_normal((plan.total_q, g.num_kv_heads, g.head_dim)).astype(np.float32)
+    r = mgr.run(layer, q, k, v)
+    mirror.write(layer, plan.append_slots, k, v)
+    o_ref, lse_ref = reference_prefill(mirror, layer, q, plan.qo_indptr, plan.kv_indptr,
+                                       plan.kv_indices, plan.kv_last_page_len,
+                                       page_size=g.page_size)
+    return compare(o_ref, lse_ref, r.output, r.lse)
+
+
 @pytest.mark.parametrize("server_plans", [True, False])
 def test_many_steps_with_sequences_finishing_and_starting(server, client, server_plans):
     g = client.server_info
@@ -66,15 +81,7 @@ def test_many_steps_with_sequences_finishing_and_starting(server, client, server
         assert (plan.plan_id != 0) == server_plans
         assert client.info().free_pages == start_free - mgr.num_pages
         for layer in range(g.num_layers):
-            q = rng.standard_normal((plan.total_q, 8, 64)).astype(np.float32)
-            k = rng.standard_normal((plan.total_q, 2, 64)).astype(np.float32)
-            v = rng.standard_normal((plan.total_q, 2, 64)).astype(np.float32)
-            r = mgr.run(layer, q, k, v)
-            mirror.write(layer, plan.append_slots, k, v)
-            o_ref, lse_ref = reference_prefill(mirror, layer, q, plan.qo_indptr, plan.kv_indptr,
-                                               plan.kv_indices, plan.kv_last_page_len,
-                                               page_size=g.page_size)
-            c = compare(o_ref, lse_ref, r.output, r.lse)
+            c = run_and_compare(mgr, mirror, plan, layer, rng)
             assert within_tolerance(c), (step, layer, c)
             steps_checked += 1
     assert steps_checked >= 40 and finished >= 3 and next_id >= 8
@@ -448,14 +455,7 @@ def test_after_reset_and_reconnect_the_managers_use_a_restarted_servers_page_siz
         plan = mgr.plan(["y"], [13])
         assert len(plan.kv_indices) == 2 and list(plan.kv_last_page_len) == [5]
         for layer in range(g.num_layers):
-            q = rng.standard_normal((13, g.num_qo_heads, g.head_dim)).astype(np.float32)
-            k, v = rng.standard_normal((2, 13, g.num_kv_heads, g.head_dim)).astype(np.float32)
-            r = mgr.run(layer, q, k, v)
-            mirror.write(layer, plan.append_slots, k, v)
-            o_ref, lse_ref = reference_prefill(mirror, layer, q, plan.qo_indptr, plan.kv_indptr,
-                                               plan.kv_indices, plan.kv_last_page_len,
-                                               page_size=g.page_size)
-            c = compare(o_ref, lse_ref, r.output, r.lse)
+            c = run_and_compare(mgr, mirror, plan, layer, rng)
             assert within_tolerance(c), (layer, c)
         mgr.release()
 

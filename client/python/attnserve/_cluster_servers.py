@@ -140,7 +140,7 @@ class _ServerSet:
         """The first member's ServerInfo (the geometry every server shares;
         a server that left the cluster for another geometry is no member)."""
         for s in self._servers:
-            if not s.gone and _geometry(s.client.server_info) == self._geometry:
+            if not s.gone:  # (one back with another geometry is gone at once)
                 return s.client.server_info
         return self._first_info
 
