@@ -9,7 +9,7 @@
 // 4 * head_dim * num_qo_heads * (visible (query, key) pairs).
 //
 // Usage: attnserve_kernel_bench [--quick]
-//          [--kernel=auto|sm80|sm80_rows64|sm90|sm90_overlap|sm90_overlap_nopp]
+//          [--kernel=auto|sm80|sm80_rows64|sm90|sm90_overlap|sm90_overlap_nopp|sm90_fp8q]
 //          [--merge-only] [--workload=NAME[,NAME...]] [--page_sizes=1,16,64]
 //          [--kv_dtype=bf16|fp8_e4m3|fp8_e5m2] [--q_dtype=bf16|fp16]
 // --kernel=auto (the default) times what the server picks per workload
@@ -616,7 +616,7 @@ int main(int argc, char** argv) {
     }
     if (!known) {
       std::fprintf(stderr,
-                   "--kernel=%s: expected auto, sm80, sm80_rows64, sm90, sm90_overlap or sm90_overlap_nopp\n",
+                   "--kernel=%s: expected auto, sm80, sm80_rows64, sm90, sm90_overlap, sm90_overlap_nopp or sm90_fp8q\n",
                    only_kernel.c_str());
       return 2;
     }

@@ -6,6 +6,7 @@ set(ATTNSERVE_CUDA_SOURCES
   kernels/sm80/prefill_fp8.cu
   kernels/sm90/prefill.cu
   kernels/sm90/prefill_fp8.cu
+  kernels/sm90/prefill_fp8q.cu
   kernels/merge/merge.cu
   kernels/kv/kv_rows.cu
   kernels/decode/decode_cuda.cu

@@ -141,6 +141,30 @@ ATTN_FP8_HD uint8_t Fp8Quantize(Fp8Format format, float x, float scale) {
   return DoubleToFp8(format, static_cast<double>(x) / static_cast<double>(scale));
 }
 
+// The power of two 2^e by which the FP8-query prefill kernel
+// (PrefillKernel::kSm90Fp8Q) multiplies a query row before it rounds the row
+// to E4M3 (to nearest, ties to even, saturating), from the row's largest
+// finite |q| (amax): amax 2^e lands in [128, 256), below E4M3's largest
+// finite 448, so no finite element saturates and the row's elements above
+// amax 2^-13 stay normal. The row's logit multiplier takes 2^-e back. e is
+// clamped to [-100, 100], as QHalfExponent's (LogitTransform::TimesPow2):
+// rows whose largest |q| is below 2^-93 keep fewer bits, elements of rows
+// whose largest |q| is 2^108 or more may saturate to +-448 2^-e, as infinite
+// elements do. amax 0 (or no finite element) gives e = 0.
+ATTN_FP8_HD int QFp8Exponent(float amax) {
+  if (!(amax > 0.f)) return 0;
+  uint32_t bits;
+#if defined(__CUDA_ARCH__)
+  bits = __float_as_uint(amax);
+#else
+  std::memcpy(&bits, &amax, sizeof(bits));
+#endif
+  const int biased = static_cast<int>((bits >> 23) & 0xffu);  // 0: subnormal
+  if (biased == 0xff) return 0;
+  const int e = biased == 0 ? 100 : 134 - biased;              // 7 - ilogb(amax)
+  return e < -100 ? -100 : (e > 100 ? 100 : e);
+}
+
 // 16-bit rows as floats (exact), for code that quantizes them on the device
 // as well as the host (common/dtype.h has the host-only versions).
 ATTN_FP8_HD float Bf16BitsToFloat(uint16_t bits) {

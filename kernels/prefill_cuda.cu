@@ -21,6 +21,8 @@ cudaError_t PagedPrefillCuda(const PagedPrefillParams& params, const PrefillWork
     case PrefillKernel::kSm90OverlapNoPp:
       return PagedPrefillSm90(params, items, num_items, part_o, part_lse, Sm90Variant::kOverlapNoPingPong,
                               stream);
+    case PrefillKernel::kSm90Fp8Q:
+      return PagedPrefillSm90(params, items, num_items, part_o, part_lse, Sm90Variant::kOverlapFp8Q, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -36,6 +38,8 @@ int32_t PrefillCtasPerSm(PrefillKernel kernel, int32_t head_dim, KvDType dtype, 
       return Sm90PrefillCtasPerSm(head_dim, dtype, Sm90Variant::kOverlap);
     case PrefillKernel::kSm90OverlapNoPp:
       return Sm90PrefillCtasPerSm(head_dim, dtype, Sm90Variant::kOverlapNoPingPong);
+    case PrefillKernel::kSm90Fp8Q:
+      return Sm90PrefillCtasPerSm(head_dim, dtype, Sm90Variant::kOverlapFp8Q);
   }
   return 1;
 }

@@ -55,8 +55,9 @@ ABSL_FLAG(std::string, q_dtype, "",
           "queries and outputs: bf16 or fp16; empty: --kv_dtype when that is bf16 or fp16, "
           "else bf16. A 16-bit --kv_dtype must equal it");
 ABSL_FLAG(std::string, prefill_kernel, "auto",
-          "CUDA prefill kernel family: auto (the heuristic's choice for the device), sm80 (mma.sync) "
-          "or sm90 (wgmma; Hopper GPUs only, head_dim 64 and 128)");
+          "CUDA prefill kernel family: auto (the heuristic's choice for the device), sm80 (mma.sync), "
+          "sm90 (wgmma; Hopper GPUs only, head_dim 64 and 128) or sm90_fp8q (sm90 with S = Q K^T in "
+          "FP8, queries rounded to E4M3: opt-in, --kv_dtype=fp8_e4m3 and head_dim 128 only)");
 ABSL_FLAG(int32_t, max_batch_tokens, 16384, "query rows per batch (a larger request runs alone)");
 ABSL_FLAG(int64_t, max_queue_delay_us, 1000,
           "most microseconds a batch waits for more requests while the device is busy");
@@ -410,7 +411,12 @@ absl::Status BackendFlags(const KvGeometry& geometry, const CoreOptions& core, S
   BackendOptions& backend = start->backend;
   start->prefill_kernel = absl::GetFlag(FLAGS_prefill_kernel);
   if (!ParsePrefillFamily(start->prefill_kernel.c_str(), &backend.prefill_family)) {
-    return Invalid(absl::StrCat("--prefill_kernel=", start->prefill_kernel, " must be auto, sm80 or sm90"));
+    return Invalid(
+        absl::StrCat("--prefill_kernel=", start->prefill_kernel, " must be auto, sm80, sm90 or sm90_fp8q"));
+  }
+  const char* why = "";
+  if (!PrefillFamilyFitsGeometry(backend.prefill_family, geometry, &why)) {
+    return Invalid(absl::StrCat("--prefill_kernel=", start->prefill_kernel, " ", why));
   }
   backend.kind = absl::GetFlag(FLAGS_backend);
   if (backend.kind != "auto" && backend.kind != "cuda" && backend.kind != "cpu") {

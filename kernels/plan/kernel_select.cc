@@ -16,6 +16,8 @@ const char* PrefillKernelName(PrefillKernel kernel) {
       return "sm90_overlap";
     case PrefillKernel::kSm90OverlapNoPp:
       return "sm90_overlap_nopp";
+    case PrefillKernel::kSm90Fp8Q:
+      return "sm90_fp8q";
   }
   return "unknown";
 }
@@ -36,6 +38,8 @@ bool ParsePrefillFamily(const char* text, PrefillFamily* family) {
     *family = PrefillFamily::kSm80;
   } else if (std::strcmp(text, "sm90") == 0) {
     *family = PrefillFamily::kSm90;
+  } else if (std::strcmp(text, "sm90_fp8q") == 0) {
+    *family = PrefillFamily::kSm90Fp8Q;
   } else {
     return false;
   }
@@ -50,18 +54,38 @@ const char* PrefillFamilyName(PrefillFamily family) {
       return "sm80";
     case PrefillFamily::kSm90:
       return "sm90";
+    case PrefillFamily::kSm90Fp8Q:
+      return "sm90_fp8q";
   }
   return "unknown";
 }
 
 bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device) {
-  return family != PrefillFamily::kSm90 || device.sm_major == 9;
+  return (family != PrefillFamily::kSm90 && family != PrefillFamily::kSm90Fp8Q) || device.sm_major == 9;
+}
+
+bool PrefillFamilyFitsGeometry(PrefillFamily family, const KvGeometry& geo, const char** why) {
+  if (family != PrefillFamily::kSm90Fp8Q) return true;
+  if (geo.kv_fp8 != Fp8Format::kE4m3) {
+    *why = "needs --kv_dtype=fp8_e4m3 (it reads K's stored E4M3 bytes)";
+    return false;
+  }
+  if (geo.head_dim != 128) {
+    *why = "needs --head_dim=128";
+    return false;
+  }
+  return true;
 }
 
 PrefillKernel ChoosePrefillKernel(const KvGeometry& geo, const PrefillDevice& device,
                                   int64_t max_packed_rows, PrefillFamily family, int64_t mean_kv_per_row) {
   const bool sm90_shape = geo.head_dim == 64 || geo.head_dim == 128;
-  if (family == PrefillFamily::kSm90 && sm90_shape) return PrefillKernel::kSm90Overlap;
+  if (family == PrefillFamily::kSm90Fp8Q && geo.kv_fp8 == Fp8Format::kE4m3 && geo.head_dim == 128) {
+    return PrefillKernel::kSm90Fp8Q;
+  }
+  if ((family == PrefillFamily::kSm90 || family == PrefillFamily::kSm90Fp8Q) && sm90_shape) {
+    return PrefillKernel::kSm90Overlap;
+  }
   // FP8 pools on Hopper: kSm90Overlap at every length (kernel_select.h).
   if (family == PrefillFamily::kAuto && geo.KvIsFp8() && device.sm_major == 9 && sm90_shape) {
     return PrefillKernel::kSm90Overlap;

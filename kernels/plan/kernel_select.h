@@ -34,13 +34,18 @@ enum class PrefillKernel : int32_t {
   kSm90Overlap,
   // kSm90Overlap without the turns between the warpgroups.
   kSm90OverlapNoPp,
+  // kSm90Overlap on E4M3 pools at head_dim 128 with S = Q K^T in FP8: each
+  // query row rounded to E4M3 times a power of two, K's stored bytes read as
+  // they are (Traits::kFp8Q). Opt-in (--prefill_kernel=sm90_fp8q): the
+  // queries' rounding is its own error.
+  kSm90Fp8Q,
 };
-inline constexpr int kNumPrefillKernels = 5;
+inline constexpr int kNumPrefillKernels = 6;
 
 // Whether the kernel is one of the wgmma family's (sm_90 devices only).
 inline bool IsSm90Kernel(PrefillKernel kernel) {
   return kernel == PrefillKernel::kSm90 || kernel == PrefillKernel::kSm90Overlap ||
-         kernel == PrefillKernel::kSm90OverlapNoPp;
+         kernel == PrefillKernel::kSm90OverlapNoPp || kernel == PrefillKernel::kSm90Fp8Q;
 }
 
 // CTAs of a persistent kernel's grid, which loop over the plan's items
@@ -48,13 +53,14 @@ inline bool IsSm90Kernel(PrefillKernel kernel) {
 // for the wgmma family's overlapped kernels; 0 for kernels that run one CTA
 // per item.
 inline int32_t PrefillPersistentCtas(PrefillKernel kernel, int32_t num_sms, int32_t ctas_per_sm) {
-  const bool persistent = kernel == PrefillKernel::kSm90Overlap || kernel == PrefillKernel::kSm90OverlapNoPp;
+  const bool persistent = kernel == PrefillKernel::kSm90Overlap || kernel == PrefillKernel::kSm90OverlapNoPp ||
+                          kernel == PrefillKernel::kSm90Fp8Q;
   return persistent ? (num_sms > 0 ? num_sms : 1) * (ctas_per_sm > 0 ? ctas_per_sm : 1) : 0;
 }
 
 // Stable lower-case name, used in metrics (the `family` label) and in
 // benchmark output: "sm80", "sm80_rows64", "sm90", "sm90_overlap",
-// "sm90_overlap_nopp".
+// "sm90_overlap_nopp", "sm90_fp8q".
 const char* PrefillKernelName(PrefillKernel kernel);
 
 // Packed query rows per tile (the plan's tile_rows).
@@ -67,21 +73,30 @@ struct PrefillDevice {
 };
 
 // Which families the heuristic may pick from (the server's
-// --prefill_kernel=auto|sm80|sm90).
+// --prefill_kernel=auto|sm80|sm90|sm90_fp8q).
 enum class PrefillFamily : int32_t {
   kAuto,  // the heuristic's choice for the device
   kSm80,  // the mma.sync family only (kSm80 or kSm80Rows64)
   kSm90,  // the wgmma family (kSm90Overlap) wherever it runs the head_dim
           // (64, 128); head_dim 256 stays on kSm80
+  kSm90Fp8Q,  // kSm90Fp8Q for every prefill batch; only on E4M3 pools at
+              // head_dim 128 (PrefillFamilyFitsGeometry)
 };
 
-// "auto" / "sm80" / "sm90" -> *family; false for any other text.
+// "auto" / "sm80" / "sm90" / "sm90_fp8q" -> *family; false for any other
+// text.
 bool ParsePrefillFamily(const char* text, PrefillFamily* family);
 const char* PrefillFamilyName(PrefillFamily family);
 
 // Whether the family's kernels run on the device: kSm90 needs compute
 // capability 9.x (sm_90a code only).
 bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device);
+
+// Whether the family runs a cache of this geometry: kSm90Fp8Q needs E4M3
+// pools at head_dim 128 (every other family runs every geometry, on the
+// kernels ChoosePrefillKernel picks). When false, *why says which field
+// and what it must be.
+bool PrefillFamilyFitsGeometry(PrefillFamily family, const KvGeometry& geo, const char** why);
 
 // Smallest mean KV length per query row (keys, sum(q_len * kv_len) /
 // sum(q_len) over the batch's prefill sequences) at which kAuto picks

@@ -56,6 +56,9 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
   constexpr int QB = Tr::kQBufs;
   using TC = typename GemmTypes<Tr, T>::TC;
   constexpr bool kQToHalf = GemmTypes<Tr, T>::kQToHalf;
+  // Each row's logit multiplier carries 2^-e of its query row's conversion
+  // (fp16 or FP8 queries times 2^e).
+  constexpr bool kRowExp = GemmTypes<Tr, T>::kConsumersConvertQ;
   const uint32_t base = cs.base;
   int8_t* const s_qexp = cs.s_qexp;
   RegAlloc<Tr::kConsumerRegs>();
@@ -129,7 +132,7 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
     float k_scale = 1.f;
     if constexpr (Tr::kFp8) k_scale = KvScaleAt(args.p.k_scales, seq.layer, args.p.geo.num_kv_heads, kvh);
     const LogitTransform logit = LogitTransform::Of(seq, /*positive_scale=*/true, k_scale);
-    // kQToHalf: the logit multipliers of the thread's rows h = 0, 1,
+    // kRowExp: the logit multipliers of the thread's rows h = 0, 1,
     // logit.mul times 2^-e (Q is stored times 2^e), read once the
     // warpgroup has converted its rows.
     [[maybe_unused]] float row_mul[2] = {logit.mul, logit.mul};
@@ -166,11 +169,21 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
     const uint32_t a_qt = cs.a_q(qb);
     auto issue_s = [&](int t) {
       const uint32_t k_at = cs.a_k + k_stage(t) * Tr::kKvBytes;
+      if constexpr (Tr::kFp8Q) {
+        // E4M3 Q rows (the tile's first column block) times K's stored
+        // bytes (the stage's upper half, Tr::kFp8At): 32 elements a step.
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t qa = a_qt + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
-        const uint32_t kb = k_at + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
-        WgmmaSS<KB, TC>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
+        for (int kk = 0; kk < D / 32; ++kk) {
+          WgmmaSSE4m3(s, MakeDesc(a_qt + wg_row0 * 128 + kk * 32, 16, 1024),
+                      MakeDesc(k_at + Tr::kFp8At + kk * 32, 16, 1024), kk > 0);
+        }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t qa = a_qt + (kk >> 2) * (Tr::kM * 128) + wg_row0 * 128 + (kk & 3) * 32;
+          const uint32_t kb = k_at + (kk >> 2) * (KB * 128) + (kk & 3) * 32;
+          WgmmaSS<KB, TC>(s, MakeDesc(qa, 16, 1024), MakeDesc(kb, 16, 1024), kk > 0);
+        }
       }
       WgmmaCommit();
     };
@@ -197,7 +210,7 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
       // soft-cap costs one multiply and one MUFU tanh per logit, and one copy
       // of the softmax serves both.
       float mul[2];
-      if constexpr (kQToHalf) {
+      if constexpr (kRowExp) {
         mul[0] = row_mul[0];
         mul[1] = row_mul[1];
       } else {
@@ -360,11 +373,16 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
       // rows) at turn 0 (+0.6-1.3% on FP8 prefill; on 16-bit pools, fencing
       // only for cp.async blocks, not tensor copies, was 1-3% slower at
       // page_size 16 and 64: bench/results/2026-12-04-session25-h200.md).
-      auto fences = [&](int t) { return Tr::kFp8 ? (t == 0 && !kQToHalf) : true; };
+      // Tr::kFp8Q: K's stored bytes go to wgmma as they landed, so every turn
+      // fences, as on 16-bit pools.
+      auto fences = [&](int t) { return Tr::kFp8 && !Tr::kFp8Q ? (t == 0 && !kQToHalf) : true; };
+      // K_t's barrier: Tr::kFp8Q reads the landed bytes (land), the other
+      // FP8 kernels the converted stage (full).
+      auto k_ready = [&](int t) { return Tr::kFp8Q ? cs.bar_k_land(k_stage(t)) : cs.bar_k(k_stage(t)); };
       // Waits for K_t (t < num_blocks) and V_{t-1} (t > 0), then for the turn.
       auto turn_begin = [&](int t) {
         stamp(t, 0);
-        if (t < num_blocks) MbarWait(cs.bar_k(k_stage(t)), k_phase(t));
+        if (t < num_blocks) MbarWait(k_ready(t), k_phase(t));
         if (t >= 1) MbarWait(cs.bar_v(v_stage(t - 1)), v_phase(t - 1));
         if (fences(t)) FenceProxyAsync();
         stamp(t, 1);
@@ -382,14 +400,22 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
       if (Tr::kPersistent || turns > 0) {
         MbarWait(cs.bar_q(qb), (qt / QB) & 1);
         tst.Now(12);
-        if constexpr (kQToHalf) {
-          // This warpgroup's rows of the landed bf16 tile as fp16 times 2^e
-          // (a negative scale's sign folded in), for its GEMMs once the
-          // warpgroup has synced (named barrier 5 + cw); the rows'
+        if constexpr (kRowExp) {
+          // This warpgroup's rows of the landed tile rewritten for its
+          // GEMMs once the warpgroup has synced (named barrier 5 + cw): bf16
+          // as fp16 times 2^e (kQToHalf, QRowsToHalf), or Tr::kFp8Q either
+          // type as E4M3 times 2^e over the tile's first column block
+          // (QRowsToFp8); a negative scale's sign folded in, the rows'
           // exponents beside the tile.
           if (wg_blocks > 0) {
-            QRowsToHalf<Tr, Tr::kWgRows>(cs.smem + (a_qt - base), s_qexp + qb * Tr::kM, wg_row0, ctid / Tr::kChunks,
-                                         ctid % Tr::kChunks, seq.sm_scale < 0.f);
+            uint8_t* const q_tile = cs.smem + (a_qt - base);
+            if constexpr (Tr::kFp8Q) {
+              QRowsToFp8<Tr, T, Tr::kWgRows>(q_tile, s_qexp + qb * Tr::kM, wg_row0, ctid / Tr::kChunks,
+                                            ctid % Tr::kChunks, seq.sm_scale < 0.f);
+            } else {
+              QRowsToHalf<Tr, Tr::kWgRows>(q_tile, s_qexp + qb * Tr::kM, wg_row0, ctid / Tr::kChunks,
+                                           ctid % Tr::kChunks, seq.sm_scale < 0.f);
+            }
             FenceProxyAsync();
             NamedBarSync(5 + cw, 128);
 #pragma unroll

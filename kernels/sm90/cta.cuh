@@ -141,7 +141,12 @@ struct CtaSmem {
 template <typename Tr, typename T>
 struct GemmTypes {
   using TC = std::conditional_t<Tr::kFp8, __half, T>;
-  static constexpr bool kQToHalf = Tr::kFp8 && std::is_same<T, __nv_bfloat16>::value;
+  static constexpr bool kQToHalf = Tr::kFp8 && !Tr::kFp8Q && std::is_same<T, __nv_bfloat16>::value;
+  // The consumers rewrite their rows of each landed Q tile (kQToHalf, or
+  // Tr::kFp8Q: QRowsToFp8 for either query type), a negative scale's sign
+  // included, and each row's logit multiplier takes the row's power of two
+  // back; otherwise the producer flips Q's sign for a negative scale.
+  static constexpr bool kConsumersConvertQ = kQToHalf || Tr::kFp8Q;
 };
 
 }  // namespace sm90

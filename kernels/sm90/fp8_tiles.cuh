@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "common/kv_geometry.h"
+#include "kernels/fp8.h"
 #include "kernels/fp8_device.cuh"
 #include "kernels/numerics.cuh"
 #include "kernels/sm90/ptx.cuh"
@@ -175,6 +176,65 @@ __device__ __forceinline__ void QRowsToHalf(uint8_t* q_tile, int8_t* exps, int r
     };
     *reinterpret_cast<uint4*>(at(p)) = make_uint4(conv(v[p].x), conv(v[p].y), conv(v[p].z), conv(v[p].w));
     if (c == 0) exps[row0 + p * Tr::kRowsPerPass + r0] = static_cast<int8_t>(e[p]);
+  }
+}
+
+// FP8 queries (Tr::kFp8Q, head_dim 128): a warpgroup's rows of a landed
+// 16-bit Q tile (kRows rows from row0, in TileOff's layout of Tr::kM rows)
+// as E4M3 times 2^e per row (QFp8Exponent of the row's largest finite |q|;
+// a negative scale's sign joins the factor), rounded to nearest even with
+// saturation (cvt.rn.satfinite), written over the tile's first column block:
+// row r's 128 bytes at r * 128, 16-byte chunk k at k ^ (r % 8) (the 128-byte
+// swizzle the FP8 wgmma's descriptor reads, as K's stored bytes lie). e goes
+// to exps[row]. Thread (r0 = t / 16, c = t % 16) holds 16-bit chunk c of its
+// rows (8 elements) and writes their 8 bytes, half of E4M3 chunk c / 2. A
+// row's 16 lanes are one warp's, and every lane has loaded all its rows
+// before the shuffles of the row maxima, so no write lands on a chunk not
+// yet read.
+template <typename Tr, typename T, int kRows>
+__device__ __forceinline__ void QRowsToFp8(uint8_t* q_tile, int8_t* exps, int row0, int r0, int c, bool negative) {
+  constexpr int kPasses = kRows / Tr::kRowsPerPass;
+  static_assert(Tr::kD == 128 && Tr::kChunks == 16 && kRows % Tr::kRowsPerPass == 0, "head_dim 128, whole passes");
+  auto row = [&](int p) { return row0 + p * Tr::kRowsPerPass + r0; };
+  uint4 v[kPasses];
+  float amax[kPasses];
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    v[p] = *reinterpret_cast<const uint4*>(q_tile + TileOff<Tr::kM>(row(p), c));
+    const uint32_t w[4] = {v[p].x, v[p].y, v[p].z, v[p].w};
+    float a = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 x = Unpack2<T>(w[j]);
+      a = fmaxf(a, fmaxf(FiniteAbs(x.x), FiniteAbs(x.y)));
+    }
+    amax[p] = a;
+  }
+#pragma unroll
+  for (int o = 1; o < Tr::kChunks; o <<= 1) {
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) amax[p] = fmaxf(amax[p], __shfl_xor_sync(0xffffffffu, amax[p], o));
+  }
+  auto e4m3x2 = [](float lo, float hi) -> uint32_t {
+    unsigned short d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return d;
+  };
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int e = QFp8Exponent(amax[p]);
+    const float f = __uint_as_float((static_cast<uint32_t>(127 + e) << 23) | (negative ? 0x80000000u : 0u));
+    const uint32_t w[4] = {v[p].x, v[p].y, v[p].z, v[p].w};
+    uint32_t b[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 x = Unpack2<T>(w[j]);
+      b[j] = e4m3x2(x.x * f, x.y * f);
+    }
+    const int r = row(p);
+    *reinterpret_cast<uint2*>(q_tile + r * 128 + ((((c >> 1) ^ (r & 7))) << 4) + (c & 1) * 8) =
+        make_uint2(b[0] | (b[1] << 16), b[2] | (b[3] << 16));
+    if (c == 0) exps[r] = static_cast<int8_t>(e);
   }
 }
 

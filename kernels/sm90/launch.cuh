@@ -19,18 +19,19 @@ namespace sm90 {
 // overlapped schedule with tensor-copy-engine loads (Traits::kTma); kCap,
 // kSinks: with soft-caps, sinks (Traits; only kOverlap, the serving kernel,
 // has instantiations without them, the others always carry both); kFp8: on
-// FP8 pools (Traits::kFp8, kOverlap only).
+// FP8 pools (Traits::kFp8, kOverlap only); kFp8Q: S = Q K^T in FP8
+// (Traits::kFp8Q).
 template <int D, typename T, int V, bool kTma = false, bool kCap = true, bool kSinks = true, bool kFp8 = false,
-          bool kTrace = false>
+          bool kTrace = false, bool kFp8Q = false>
 struct Kernel {
   static_assert((kCap && kSinks) || V == 1, "only kOverlap has kernels without soft-caps or sinks");
   static_assert(!kFp8 || V == 1, "FP8 pools run on kOverlap");
-  using Tr = Traits<D, V == 0 ? Schedule::kSerial : Schedule::kOverlap, V != 2, kTma, kCap, kSinks, kFp8>;
+  using Tr = Traits<D, V == 0 ? Schedule::kSerial : Schedule::kOverlap, V != 2, kTma, kCap, kSinks, kFp8, kFp8Q>;
   static auto Get() {
     if constexpr (V == 0) {
       return PagedPrefillSm90Kernel<D, T>;
     } else {
-      return PagedPrefillSm90OverlapKernel<D, T, V == 1, kTrace, kTma, kCap, kSinks, kFp8>;
+      return PagedPrefillSm90OverlapKernel<D, T, V == 1, kTrace, kTma, kCap, kSinks, kFp8, kFp8Q>;
     }
   }
 };
@@ -51,9 +52,9 @@ inline int32_t GridSize(bool persistent, int32_t num_items, int32_t max_ctas) {
 }
 
 template <int D, typename T, int V, bool kTma, bool kCap = true, bool kSinks = true, bool kFp8 = false,
-          bool kTrace = false>
+          bool kTrace = false, bool kFp8Q = false>
 cudaError_t LaunchKernel(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
-  using K = Kernel<D, T, V, kTma, kCap, kSinks, kFp8, kTrace>;
+  using K = Kernel<D, T, V, kTma, kCap, kSinks, kFp8, kTrace, kFp8Q>;
   using Tr = typename K::Tr;
   auto kernel = K::Get();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
@@ -78,6 +79,9 @@ cudaError_t LaunchOverlap(const PrefillKernelArgs& args, int32_t max_ctas, cudaS
 // soft-cap's code (the sinks' costs nothing measurable there: their code is
 // the epilogue's).
 cudaError_t LaunchOverlapFp8(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream);
+// kOverlap with S = Q K^T in FP8 (kernels/sm90/prefill_fp8q.cu; head_dim 128,
+// E4M3 pools): with or without the soft-cap's code.
+cudaError_t LaunchOverlapFp8Q(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream);
 // Its traced kernel (PagedPrefillSm90Traced; head_dim 128, bf16 queries, no
 // soft-cap or sinks).
 cudaError_t LaunchTracedFp8(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream);

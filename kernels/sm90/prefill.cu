@@ -68,6 +68,7 @@ int32_t CtasPerSm() {
   [&]() {                                                                           \
     switch (variant) {                                                              \
       case Sm90Variant::kOverlap:                                                   \
+      case Sm90Variant::kOverlapFp8Q:                                               \
         return ATTNSERVE_SM90_DISPATCH_V(head_dim, dtype, 1, FN, __VA_ARGS__);      \
       case Sm90Variant::kOverlapNoPingPong:                                         \
         return ATTNSERVE_SM90_DISPATCH_V(head_dim, dtype, 2, FN, __VA_ARGS__);      \
@@ -208,11 +209,15 @@ cudaError_t PagedPrefillSm90(const PagedPrefillParams& params, const PrefillWork
                              int32_t num_items, float* part_o, float* part_lse, Sm90Variant variant,
                              cudaStream_t stream) {
   PrefillKernelArgs args;
-  const cudaError_t err =
-      MakeArgs(params, items, num_items, part_o, part_lse, variant == Sm90Variant::kOverlap, &args);
-  if (err != cudaSuccess || num_items == 0) return err;
-  if (variant == Sm90Variant::kOverlap) SetTmaMaps(params, &args);
   const KvGeometry& geo = params.geo;
+  const bool fp8_q = variant == Sm90Variant::kOverlapFp8Q;
+  // FP8 queries: E4M3 pools at head_dim 128 only.
+  if (fp8_q && (geo.kv_fp8 != Fp8Format::kE4m3 || geo.head_dim != 128)) return cudaErrorInvalidValue;
+  const cudaError_t err =
+      MakeArgs(params, items, num_items, part_o, part_lse, variant == Sm90Variant::kOverlap || fp8_q, &args);
+  if (err != cudaSuccess || num_items == 0) return err;
+  if (variant == Sm90Variant::kOverlap || fp8_q) SetTmaMaps(params, &args);
+  if (fp8_q) return sm90::LaunchOverlapFp8Q(args, params.max_ctas, stream);
   if (geo.KvIsFp8()) return sm90::LaunchOverlapFp8(args, params.max_ctas, stream);
   return ATTNSERVE_SM90_DISPATCH(geo.head_dim, geo.dtype, variant, Launch, args, params.max_ctas, stream);
 }

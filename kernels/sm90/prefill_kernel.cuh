@@ -139,12 +139,13 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const __grid_co
 // kTma: K and V by the tensor copy engine (Traits); the tensor maps are read
 // from the kernel's parameter space (__grid_constant__).
 // kSoftCap, kSinks: with soft-caps, sinks (Traits).
-// kFp8: on FP8 pools (Traits::kFp8; T is the queries' and outputs' type).
+// kFp8: on FP8 pools (Traits::kFp8; T is the queries' and outputs' type);
+// kFp8Q: with S = Q K^T in FP8 (Traits::kFp8Q).
 template <int D, typename T, bool kPingPong, bool kTrace = false, bool kTma = false, bool kSoftCap = true,
-          bool kSinks = true, bool kFp8 = false>
+          bool kSinks = true, bool kFp8 = false, bool kFp8Q = false>
 __global__ void __launch_bounds__(kFp8 ? 512 : 384, 1)
     PagedPrefillSm90OverlapKernel(const __grid_constant__ PrefillKernelArgs args) {
-  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong, kTma, kSoftCap, kSinks, kFp8>, T, kTrace);
+  ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong, kTma, kSoftCap, kSinks, kFp8, kFp8Q>, T, kTrace);
 }
 
 #undef ATTNSERVE_SM90_BODY

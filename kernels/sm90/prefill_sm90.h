@@ -17,8 +17,9 @@ namespace attnserve {
 // The consumer warpgroups' schedule (kernels/sm90/traits.cuh, Schedule):
 // kSerial is PrefillKernel::kSm90; kOverlap (intra-warpgroup overlap and
 // turns over both GEMMs) kSm90Overlap; kOverlapNoPingPong (the overlap
-// alone) kSm90OverlapNoPp.
-enum class Sm90Variant : int32_t { kSerial, kOverlap, kOverlapNoPingPong };
+// alone) kSm90OverlapNoPp; kOverlapFp8Q (kOverlap with S = Q K^T in FP8, on
+// E4M3 pools at head_dim 128, else cudaErrorInvalidValue) kSm90Fp8Q.
+enum class Sm90Variant : int32_t { kSerial, kOverlap, kOverlapNoPingPong, kOverlapFp8Q };
 
 // Runs every work item as PagedPrefillCuda documents (the overlapped
 // variants on a persistent grid of one CTA per SM, at most params.max_ctas).

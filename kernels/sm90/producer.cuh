@@ -25,7 +25,8 @@ namespace sm90 {
 // stage's FP8 bytes (the producer's land barrier) rewritten in place as
 // fp16 (ConvertFp8Stage), then a fence to the async proxy and the stage's
 // full barrier. Order: K_0, then K_b before V_{b-1} (turn b's S reads K_b,
-// its P V V_{b-1}). (bf16 Q tiles are the consumers' to convert: each
+// its P V V_{b-1}); Tr::kFp8Q: V blocks alone. (bf16 Q tiles are the
+// consumers' to convert: each
 // warpgroup its own rows, QRowsToHalf.) No deadlock: each wait is for bytes
 // the producer issues without waiting on anything but stages the consumers
 // release after reading earlier conversions.
@@ -58,12 +59,17 @@ __device__ __forceinline__ void ConverterRole(const PrefillKernelArgs& args, con
       const int g = g0 + b;
       convert8(Tr::kVOff + (g % SV) * Tr::kKvBytes, cs.bar_v_land(g % SV), (g / SV) & 1, cs.bar_v(g % SV));
     };
-    if (num_blocks > 0) convert_k(0);
-    for (int b = 1; b < num_blocks; ++b) {
-      convert_k(b);
-      convert_v(b - 1);
+    if constexpr (Tr::kFp8Q) {
+      // K's bytes go to the FP8 wgmma as they landed: V blocks alone.
+      for (int b = 0; b < num_blocks; ++b) convert_v(b);
+    } else {
+      if (num_blocks > 0) convert_k(0);
+      for (int b = 1; b < num_blocks; ++b) {
+        convert_k(b);
+        convert_v(b - 1);
+      }
+      if (num_blocks > 0) convert_v(num_blocks - 1);
     }
-    if (num_blocks > 0) convert_v(num_blocks - 1);
   });
 }
 
@@ -74,7 +80,7 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
   constexpr int SK = Tr::kKStages;
   constexpr int SV = Tr::kVStages;
   constexpr int QB = Tr::kQBufs;
-  constexpr bool kQToHalf = GemmTypes<Tr, T>::kQToHalf;
+  constexpr bool kConsumersConvertQ = GemmTypes<Tr, T>::kConsumersConvertQ;
   uint8_t* const smem = cs.smem;
   const uint32_t base = cs.base;
   int32_t* const s_slot = cs.s_slot;
@@ -326,12 +332,12 @@ __device__ __forceinline__ void ProducerRole(const PrefillKernelArgs& args, cons
       // The Q tile of Q phase qp (tile qtile) once the consumers have
       // released the buffer's previous tile (after its last S): tracked by
       // q_full like K and V, or waited for and flipped for a negative scale
-      // (kQToHalf: the consumers flip it as they convert it).
+      // (kConsumersConvertQ: the consumers flip it as they convert it).
       auto load_q = [&](const Tile& qtile, int qp) {
         const int qb = qp % QB;
         if (qp >= QB) MbarWait(cs.bar_q_empty(qb), ((qp / QB) - 1) & 1);
         issue_q(qtile, qb);
-        if (!kQToHalf && qtile.seq.sm_scale < 0.f) {
+        if (!kConsumersConvertQ && qtile.seq.sm_scale < 0.f) {
           CpAsyncWait<0>();
           complete_q(qtile, qb);
         } else {

@@ -310,9 +310,12 @@ inline std::shared_ptr<const ReferenceResult> CachedReference(const HostBatch& b
   return res;
 }
 
-// Compares (o bits, lse) to the reference; returns an empty string when OK.
+// Compares (o bits, lse) to the reference; returns an empty string when OK:
+// the output's relative norm error below 1e-2 and every LSE within lse_tol
+// (1e-3; the FP8-query kernel's own bound is wider, fp8_gpu_test.cc).
 inline std::string Compare(KvDType dt, const std::vector<uint16_t>& o, const std::vector<float>& lse,
-                           const std::vector<double>& o_ref, const std::vector<double>& lse_ref) {
+                           const std::vector<double>& o_ref, const std::vector<double>& lse_ref,
+                           double lse_tol = 1e-3) {
   double num = 0, den = 0;
   for (size_t i = 0; i < o_ref.size(); ++i) {
     const double x = FromHalfBits(dt, o[i]);
@@ -331,7 +334,7 @@ inline std::string Compare(KvDType dt, const std::vector<uint16_t>& o, const std
       }
       continue;
     }
-    if (!(std::fabs(lse[i] - lse_ref[i]) < 1e-3)) {
+    if (!(std::fabs(lse[i] - lse_ref[i]) < lse_tol)) {
       return "LSE error at row " + std::to_string(i) + ": got " + std::to_string(lse[i]) + " want " +
              std::to_string(lse_ref[i]);
     }

@@ -26,6 +26,7 @@ TEST(KernelSelect, TileRowsPerHeadDim) {
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm80Rows64, 128), 64);
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm90, 64), 128);
   EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm90, 128), 128);
+  EXPECT_EQ(PrefillTileRows(PrefillKernel::kSm90Fp8Q, 128), 128);
   for (PrefillKernel k : {PrefillKernel::kSm90Overlap, PrefillKernel::kSm90OverlapNoPp}) {
     EXPECT_EQ(PrefillTileRows(k, 64), 128);
     EXPECT_EQ(PrefillTileRows(k, 128), 128);
@@ -93,10 +94,12 @@ TEST(KernelSelect, FamilyFlagValues) {
   EXPECT_EQ(f, PrefillFamily::kSm90);
   EXPECT_TRUE(ParsePrefillFamily("sm80", &f));
   EXPECT_EQ(f, PrefillFamily::kSm80);
-  for (const char* bad : {"", "SM90", "sm90a", "sm80_rows64", "hopper"}) {
+  EXPECT_TRUE(ParsePrefillFamily("sm90_fp8q", &f));
+  EXPECT_EQ(f, PrefillFamily::kSm90Fp8Q);
+  for (const char* bad : {"", "SM90", "sm90a", "sm80_rows64", "hopper", "sm90_fp8", "fp8q"}) {
     EXPECT_FALSE(ParsePrefillFamily(bad, &f)) << bad;
   }
-  for (PrefillFamily g : {PrefillFamily::kAuto, PrefillFamily::kSm80, PrefillFamily::kSm90}) {
+  for (PrefillFamily g : {PrefillFamily::kAuto, PrefillFamily::kSm80, PrefillFamily::kSm90, PrefillFamily::kSm90Fp8Q}) {
     PrefillFamily back;
     ASSERT_TRUE(ParsePrefillFamily(PrefillFamilyName(g), &back));
     EXPECT_EQ(back, g);
@@ -106,6 +109,43 @@ TEST(KernelSelect, FamilyFlagValues) {
   EXPECT_FALSE(PrefillFamilyRunsOn(PrefillFamily::kSm90, PrefillDevice{10, 0}));
   EXPECT_TRUE(PrefillFamilyRunsOn(PrefillFamily::kSm80, PrefillDevice{8, 0}));
   EXPECT_TRUE(PrefillFamilyRunsOn(PrefillFamily::kAuto, PrefillDevice{8, 0}));
+  EXPECT_TRUE(PrefillFamilyRunsOn(PrefillFamily::kSm90Fp8Q, PrefillDevice{9, 0}));
+  EXPECT_FALSE(PrefillFamilyRunsOn(PrefillFamily::kSm90Fp8Q, PrefillDevice{8, 9}));
+}
+
+// sm90_fp8q (S = Q K^T in FP8): every prefill batch of an E4M3 cache at
+// head_dim 128 runs kSm90Fp8Q, short and long; no other geometry fits the
+// family (the server refuses the flag), and no other family picks it.
+TEST(KernelSelect, Fp8QueriesFamilyRunsE4m3AtHeadDim128Only) {
+  const PrefillDevice h100{9, 0};
+  KvGeometry g = Geo(32, 4, 128);
+  g.kv_fp8 = Fp8Format::kE4m3;
+  const char* why = "";
+  EXPECT_TRUE(PrefillFamilyFitsGeometry(PrefillFamily::kSm90Fp8Q, g, &why));
+  for (int64_t rows : {1, 8, 64, 4096}) {
+    for (int64_t mean_kv : {0, 100, 4096}) {
+      EXPECT_EQ(ChoosePrefillKernel(g, h100, rows, PrefillFamily::kSm90Fp8Q, mean_kv), PrefillKernel::kSm90Fp8Q);
+      for (PrefillFamily other : {PrefillFamily::kAuto, PrefillFamily::kSm80, PrefillFamily::kSm90}) {
+        EXPECT_NE(ChoosePrefillKernel(g, h100, rows, other, mean_kv), PrefillKernel::kSm90Fp8Q);
+      }
+    }
+  }
+  KvGeometry e5m2 = g;
+  e5m2.kv_fp8 = Fp8Format::kE5m2;
+  EXPECT_FALSE(PrefillFamilyFitsGeometry(PrefillFamily::kSm90Fp8Q, e5m2, &why));
+  EXPECT_NE(std::string(why).find("--kv_dtype=fp8_e4m3"), std::string::npos) << why;
+  EXPECT_FALSE(PrefillFamilyFitsGeometry(PrefillFamily::kSm90Fp8Q, Geo(32, 4, 128), &why));
+  KvGeometry d64 = g;
+  d64.head_dim = 64;
+  EXPECT_FALSE(PrefillFamilyFitsGeometry(PrefillFamily::kSm90Fp8Q, d64, &why));
+  EXPECT_NE(std::string(why).find("--head_dim=128"), std::string::npos) << why;
+  for (PrefillFamily other : {PrefillFamily::kAuto, PrefillFamily::kSm80, PrefillFamily::kSm90}) {
+    EXPECT_TRUE(PrefillFamilyFitsGeometry(other, d64, &why));
+    EXPECT_TRUE(PrefillFamilyFitsGeometry(other, e5m2, &why));
+  }
+  EXPECT_TRUE(IsSm90Kernel(PrefillKernel::kSm90Fp8Q));
+  EXPECT_EQ(PrefillPersistentCtas(PrefillKernel::kSm90Fp8Q, 132, 1), 132);
+  EXPECT_STREQ(PrefillKernelName(PrefillKernel::kSm90Fp8Q), "sm90_fp8q");
 }
 
 // FP8 pools choose the kernel a 16-bit pool of the same shape gets, on

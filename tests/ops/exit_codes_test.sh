@@ -46,6 +46,15 @@ exits 2 "--tls_cert without --tls_key" "--tls_cert and --tls_key must be given t
 exits 2 "--prefill_kernel=sm90 on the cpu backend" \
   "--prefill_kernel=sm90 selects a CUDA kernel family, but the backend is cpu" \
   "${small[@]}" --prefill_kernel=sm90
+exits 2 "--prefill_kernel=sm90_fp8q on a bf16 cache" \
+  "--prefill_kernel=sm90_fp8q needs --kv_dtype=fp8_e4m3" "${small[@]}" --prefill_kernel=sm90_fp8q
+exits 2 "--prefill_kernel=sm90_fp8q at head_dim 64" "--prefill_kernel=sm90_fp8q needs --head_dim=128" \
+  "${small[@]}" --prefill_kernel=sm90_fp8q --kv_dtype=fp8_e4m3
+exits 2 "--prefill_kernel=sm90_fp8q on the cpu backend" \
+  "--prefill_kernel=sm90_fp8q selects a CUDA kernel family, but the backend is cpu" \
+  "${small[@]}" --prefill_kernel=sm90_fp8q --kv_dtype=fp8_e4m3 --head_dim=128
+exits 2 "--prefill_kernel=sm91" "--prefill_kernel=sm91 must be auto, sm80, sm90 or sm90_fp8q" \
+  "${small[@]}" --prefill_kernel=sm91
 exits 2 "--flagfile missing" "flagfile" "${small[@]}" --flagfile="$WORK/none.flags"
 exits 2 "--tls_client_ca without a certificate" "--tls_client_ca needs --tls_cert and --tls_key" \
   "${small[@]}" --tls_client_ca="$WORK/none.pem"

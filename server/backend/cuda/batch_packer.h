@@ -42,7 +42,7 @@ struct PackerLimits {
   int32_t num_sms = 0;
   PrefillDevice device;
   PrefillFamily family = PrefillFamily::kAuto;  // --prefill_kernel
-  int32_t ctas_per_sm[kNumPrefillKernels] = {1, 1, 1, 1, 1};  // by PrefillKernel
+  int32_t ctas_per_sm[kNumPrefillKernels] = {1, 1, 1, 1, 1, 1};  // by PrefillKernel
   // Decode family: off sends every sequence to the prefill family
   // (--decode_kernel=off). Its split partials share the prefill family's
   // workspace (max_partial_pairs (row, head) pairs of head_dim floats; both
