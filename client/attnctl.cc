@@ -240,7 +240,7 @@ int Prefill(Client& client) {
       rc = Fail(out.status());
     } else {
       std::vector<double> o_ref, lse_ref;
-      ReferencePrefill(mirror, in, &o_ref, &lse_ref);
+      ReferencePrefill(mirror, in, &o_ref, &lse_ref, client.info().fp8_query_min_rows());
       Comparison c = Compare(g.dtype, o_ref, lse_ref, out->o, out->lse);
       std::cout << "prefill: batch=" << spec.batch << " total_q=" << in.total_q()
                 << " kv_pages=" << in.kv_indices.size() << " backend=" << client.info().backend()

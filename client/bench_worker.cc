@@ -150,8 +150,8 @@ absl::Status BenchWorker::SetUp(const ClientOptions& options, const std::vector<
       shapes_.push_back(
           MakeShape(gen, g, s.name, batch, s.q_len, s.kv_len, layer, config.attention, pages_, &next));
       if (config.verify) {
-        ReferencePrefill(*mirror_, shapes_.back().in, &shapes_.back().o_ref,
-                         &shapes_.back().lse_ref);
+        ReferencePrefill(*mirror_, shapes_.back().in, &shapes_.back().o_ref, &shapes_.back().lse_ref,
+                         client_->info().fp8_query_min_rows());
       }
     }
   }

@@ -116,7 +116,7 @@ class MirrorRows final : public reference::KvRows {
 }  // namespace
 
 void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<double>* o,
-                      std::vector<double>* lse) {
+                      std::vector<double>* lse, int32_t fp8_query_min_rows) {
   const KvGeometry& g = kv.geometry();
   const double scale =
       in.sm_scale ? *in.sm_scale : 1.0 / std::sqrt(static_cast<double>(g.head_dim));
@@ -141,7 +141,20 @@ void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<d
     s.sinks = sinks && !in.options.sinks.empty() ? in.options.sinks.data() : nullptr;
     seqs.push_back(s);
   }
-  reference::Prefill(g, MirrorRows(kv), in.q.data(), in.total_q(), in.kv_indices, seqs, o, lse);
+  // The queries as the server computes with them.
+  std::vector<uint16_t> rounded;
+  const uint16_t* q = in.q.data();
+  if (fp8_query_min_rows > 0) {
+    rounded = in.q;
+    for (const reference::Seq& s : seqs) {
+      if (s.q_len < fp8_query_min_rows) continue;
+      for (int64_t r = s.q_start * g.num_qo_heads; r < (s.q_start + s.q_len) * g.num_qo_heads; ++r) {
+        reference::RoundQueryRowToE4m3(g.dtype, rounded.data() + r * g.head_dim, g.head_dim);
+      }
+    }
+    q = rounded.data();
+  }
+  reference::Prefill(g, MirrorRows(kv), q, in.total_q(), in.kv_indices, seqs, o, lse);
 }
 
 PrefillArgs ArgsOf(const PrefillInputs& in) {

@@ -91,8 +91,12 @@ struct PrefillInputs {
 // (total_q, Hq) with -inf for rows that see nothing (the sink's logit with
 // a sink). Row i of sequence b is at position p = i + kv_len - q_len +
 // kv_keys_after[b]; causal, it sees j <= p; a window drops j < p - window_left.
+// fp8_query_min_rows: the server's ServerInfo.fp8_query_min_rows; when
+// non-zero, the query rows of every sequence of at least that many rows are
+// rounded to E4M3 first, as that server computes them
+// (reference::RoundQueryRowToE4m3).
 void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<double>* o,
-                      std::vector<double>* lse);
+                      std::vector<double>* lse, int32_t fp8_query_min_rows = 0);
 
 // Attention options drawn at random over the cases of the variant
 // conformance suite (docs/design.md, "Variants"), for tests (tests/kernels,

@@ -98,6 +98,44 @@ void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
 
 }  // namespace
 
+namespace {
+
+// y rounded to E4M3: normals 1.mmm 2^E (E in [-6, 8]), subnormals m 2^-9;
+// a step of 2^(E - 3) in binade E. Magnitudes of 448 or more (where the
+// nearest value would be 480, E4M3's NaN pattern) saturate to 448.
+double RoundToE4m3(double y) {
+  if (std::isnan(y)) return y;
+  const double a = std::fabs(y);
+  double r = 448.0;
+  if (a < 448.0) {
+    int k = 0;
+    std::frexp(a, &k);  // a = m 2^k, m in [0.5, 1): floor(log2 a) = k - 1
+    const double step = std::ldexp(1.0, std::max(k - 1, -6) - 3);
+    r = std::nearbyint(a / step) * step;  // the default mode: ties to even
+  }
+  return std::copysign(r, y);
+}
+
+}  // namespace
+
+void RoundQueryRowToE4m3(KvDType dtype, uint16_t* row, int32_t n) {
+  double amax = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    const double x = HalfToFloat(dtype, row[i]);
+    if (std::isfinite(x)) amax = std::max(amax, std::fabs(x));
+  }
+  int e = 0;
+  if (amax > 0) {
+    int k = 0;
+    std::frexp(amax, &k);
+    e = std::clamp(7 - (k - 1), -100, 100);
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    const double y = RoundToE4m3(std::ldexp(static_cast<double>(HalfToFloat(dtype, row[i])), e));
+    row[i] = FloatToHalf(dtype, static_cast<float>(std::ldexp(y, -e)));
+  }
+}
+
 double Fp8Value(Fp8Format format, uint8_t bits) {
   // (-1)^s x 2^(e - bias) x (1 + m / 2^M) for a normal, 2^(1 - bias) x
   // m / 2^M for a subnormal (e = 0).

@@ -75,6 +75,16 @@ class HostPools final : public KvRows {
 // definition: NaN for its NaN patterns, +-inf for E5M2's infinities.
 double Fp8Value(Fp8Format format, uint8_t bits);
 
+// The FP8-query prefill kernel's rounding of one query row (one token, one
+// head; --prefill_kernel=sm90_fp8q, ServerInfo.fp8_query_min_rows), from
+// E4M3's definition: with a the row's largest finite |q| and e = 7 -
+// floor(log2 a) clamped to [-100, 100] (0 when a is 0), each element x
+// becomes E4M3(x 2^e) 2^-e, where E4M3 rounds to the nearest of its values
+// (ties to the even significand) and saturates at +-448 (an infinity too; a
+// NaN stays one, a zero keeps its sign). Rewrites the n elements of `row`
+// (dtype's 16-bit values) in place; every result is exact in 16 bits.
+void RoundQueryRowToE4m3(KvDType dtype, uint16_t* row, int32_t n);
+
 // One sequence of a ragged batch.
 struct Seq {
   int64_t q_start = 0;   // first query row in q

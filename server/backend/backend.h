@@ -192,6 +192,11 @@ class Backend {
   virtual std::string Name() const = 0;    // "cpu" or "cuda"
   virtual std::string Device() const = 0;  // human-readable device name
   virtual const KvGeometry& Geometry() const = 0;
+  // Non-zero when the backend computes every sequence of at least this many
+  // query rows with its queries rounded to E4M3 (the CUDA backend under
+  // --prefill_kernel=sm90_fp8q: 1, or kMaxDecodeQueryRows + 1 where the
+  // decode family takes the shorter ones); ServerInfo.fp8_query_min_rows.
+  virtual int32_t Fp8QueryMinRows() const { return 0; }
 
   // Memory in use on the backend's device (the KV pools, staging, workspace,
   // the CUDA context and anything else there), and the device's total, in

@@ -137,6 +137,7 @@ ServerInfoData AttentionCore::Info() const {
   info.incarnation = incarnation_;
   info.lease_default_ttl_ms = absl::ToInt64Milliseconds(leases_.limits().default_ttl);
   info.lease_max_ttl_ms = absl::ToInt64Milliseconds(leases_.limits().max_ttl);
+  info.fp8_query_min_rows = backend_->Fp8QueryMinRows();
   return info;
 }
 

@@ -269,6 +269,9 @@ struct ServerInfoData {
   uint64_t incarnation = 0;
   int64_t lease_default_ttl_ms = 0;
   int64_t lease_max_ttl_ms = 0;
+  // Sequences of at least this many query rows run with their queries
+  // rounded to E4M3 (Backend::Fp8QueryMinRows); 0: none.
+  int32_t fp8_query_min_rows = 0;
 };
 
 // What a tenant holds, or holds under one lease (ListHoldings, and what

@@ -150,6 +150,7 @@ void AttentionServiceImpl::GetServerInfo(Call* call) {
   out.set_incarnation(info.incarnation);
   out.set_lease_default_ttl_ms(info.lease_default_ttl_ms);
   out.set_lease_max_ttl_ms(info.lease_max_ttl_ms);
+  out.set_fp8_query_min_rows(info.fp8_query_min_rows);
   {
     absl::MutexLock lock(&region_socket_mu_);
     out.set_region_socket(region_socket_);

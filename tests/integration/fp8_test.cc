@@ -92,6 +92,9 @@ TEST(Fp8ServerTest, InfoAndMetricsReportTheDtypesAndTwiceThePages) {
   EXPECT_EQ(a.kv_cache_bytes(), int64_t{a.num_pages()} * a.page_bytes());
   EXPECT_EQ(b.kv_cache_bytes(), int64_t{b.num_pages()} * b.page_bytes());
   EXPECT_EQ(b.free_pages(), b.num_pages());
+  // The CPU backend never rounds queries (--prefill_kernel=sm90_fp8q is CUDA's).
+  EXPECT_EQ(a.fp8_query_min_rows(), 0);
+  EXPECT_EQ(b.fp8_query_min_rows(), 0);
   const KvGeometry g = GeometryOf(b);
   EXPECT_EQ(g.kv_fp8, Fp8Format::kE4m3);
   EXPECT_EQ(g.dtype, KvDType::kFp16);
@@ -296,6 +299,65 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8RowsTest,
 
 // Every bad input is INVALID_ARGUMENT naming the field; nothing stored, and
 // no scale, changes.
+// The tools' reference for a server that rounds queries
+// (ServerInfo.fp8_query_min_rows, --prefill_kernel=sm90_fp8q on a GPU): the
+// sequences of at least that many rows come out as the reference over their
+// queries rounded (reference::RoundQueryRowToE4m3), the shorter ones as over
+// the queries as sent, and the rounding moves the long ones' outputs.
+TEST(Fp8ServerTest, ReferenceRoundsTheQueriesOfTheSequencesTheServerRounds) {
+  KvGeometry g;
+  g.num_layers = 1;
+  g.num_pages = 64;
+  g.page_size = 16;
+  g.num_qo_heads = 4;
+  g.num_kv_heads = 2;
+  g.head_dim = 64;
+  g.dtype = KvDType::kBf16;
+  g.kv_fp8 = Fp8Format::kE4m3;
+  KvMirror mirror(g);
+  std::mt19937_64 gen(5150);
+  std::vector<int32_t> pages(g.num_pages);
+  for (int32_t p = 0; p < g.num_pages; ++p) pages[p] = p;
+  const std::vector<int64_t> slots = SlotsOfPages(g, pages);
+  const auto k = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
+  const auto v = RandomHalves(gen, g.dtype, static_cast<int64_t>(slots.size()) * g.RowElems());
+  mirror.Write(0, slots, k, v);
+  WorkloadSpec spec;
+  spec.batch = 8;
+  spec.max_q_len = 24;
+  spec.max_kv_len = 100;
+  PrefillInputs in = RandomPrefill(gen, g, spec, pages);
+  constexpr int32_t kMinRows = 9;
+  PrefillInputs rounded = in;
+  int long_seqs = 0, short_seqs = 0;
+  const int64_t row_heads = g.num_qo_heads;
+  for (size_t b = 0; b + 1 < in.qo_indptr.size(); ++b) {
+    const int64_t q_len = in.qo_indptr[b + 1] - in.qo_indptr[b];
+    if (q_len == 0) continue;
+    (q_len >= kMinRows ? long_seqs : short_seqs) += 1;
+    if (q_len < kMinRows) continue;
+    for (int64_t r = in.qo_indptr[b] * row_heads; r < in.qo_indptr[b + 1] * row_heads; ++r) {
+      reference::RoundQueryRowToE4m3(g.dtype, rounded.q.data() + r * g.head_dim, g.head_dim);
+    }
+  }
+  ASSERT_GT(long_seqs, 0);
+  ASSERT_GT(short_seqs, 0);
+  std::vector<double> o_plain, lse_plain, o_pre, lse_pre, o_got, lse_got;
+  ReferencePrefill(mirror, in, &o_plain, &lse_plain);
+  ReferencePrefill(mirror, rounded, &o_pre, &lse_pre);
+  ReferencePrefill(mirror, in, &o_got, &lse_got, kMinRows);
+  EXPECT_EQ(o_got, o_pre);
+  EXPECT_EQ(lse_got, lse_pre);
+  EXPECT_NE(o_got, o_plain);
+  // The short sequences' rows are as over the queries as sent.
+  for (size_t b = 0; b + 1 < in.qo_indptr.size(); ++b) {
+    if (in.qo_indptr[b + 1] - in.qo_indptr[b] >= kMinRows) continue;
+    for (int64_t r = in.qo_indptr[b] * row_heads; r < in.qo_indptr[b + 1] * row_heads; ++r) {
+      EXPECT_EQ(lse_got[r], lse_plain[r]) << "row " << r;
+    }
+  }
+}
+
 TEST(Fp8ServerTest, BadInputsNameTheFieldAndChangeNothing) {
   Fp8Server fp8 = StartServer("fp8_e4m3", "");
   Fp8Server bf16 = StartServer("bf16", "");

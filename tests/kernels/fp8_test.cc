@@ -378,5 +378,79 @@ INSTANTIATE_TEST_SUITE_P(Pools, Fp8PoolTest,
                                   (info.param.dtype == KvDType::kBf16 ? "Bf16" : "Fp16");
                          });
 
+// The FP8-query kernel's rounding of query rows (sm90_fp8q), as the float64
+// reference states it (reference::RoundQueryRowToE4m3: frexp, nearbyint)
+// and as the kernel computes it (kernels/fp8.h's QFp8Exponent, the row's
+// power of two from its largest finite |q|, then the one quantizer with
+// scale 2^-e): the two agree bit for bit on rows of both 16-bit types and of
+// every magnitude, with zeros, subnormals, ties, infinities and NaNs. A row
+// of bf16 values at 2^-120 keeps fewer bits (e clamps at 100).
+TEST(Fp8QueryRoundingTest, ReferenceMatchesTheKernelsDefinition) {
+  std::mt19937_64 rng(777);
+  int changed = 0, rows = 0;
+  for (const KvDType dtype : {KvDType::kBf16, KvDType::kFp16}) {
+    for (int round = 0; round < 400; ++round) {
+      const int n = 128;
+      std::vector<uint16_t> row(n);
+      // Magnitudes 2^lo .. 2^hi, with special elements.
+      const int lo = static_cast<int>(rng() % 60) - (dtype == KvDType::kBf16 ? 130 : 24);
+      const int span = static_cast<int>(rng() % 20);
+      for (int i = 0; i < n; ++i) {
+        const int ex = lo + static_cast<int>(rng() % (span + 1));
+        const double mant = 1.0 + static_cast<double>(rng() % 1024) / 1024.0;
+        double x = std::ldexp(mant, ex) * ((rng() & 1) != 0 ? -1.0 : 1.0);
+        if (dtype == KvDType::kFp16) x = std::max(-60000.0, std::min(60000.0, x));
+        row[i] = FloatToHalf(dtype, static_cast<float>(x));
+      }
+      switch (round % 8) {
+        case 1: row[rng() % n] = FloatToHalf(dtype, std::numeric_limits<float>::infinity()); break;
+        case 2: row[rng() % n] = FloatToHalf(dtype, std::numeric_limits<float>::quiet_NaN()); break;
+        case 3: std::fill(row.begin(), row.end(), FloatToHalf(dtype, 0.f)); row[0] = FloatToHalf(dtype, -0.f); break;
+        case 4: row[rng() % n] = FloatToHalf(dtype, -0.f); break;
+        default: break;
+      }
+      // The kernel's definition.
+      float amax = 0.f;
+      for (uint16_t b : row) {
+        const float x = HalfToFloat(dtype, b);
+        if (std::isfinite(x)) amax = std::max(amax, std::fabs(x));
+      }
+      const int e = QFp8Exponent(amax);
+      std::vector<uint16_t> want(n);
+      for (int i = 0; i < n; ++i) {
+        const float x = HalfToFloat(dtype, row[i]);
+        const float down = std::ldexp(1.f, -e);
+        want[i] = FloatToHalf(dtype, Fp8ToFloat(Fp8Format::kE4m3, Fp8Quantize(Fp8Format::kE4m3, x, down)) * down);
+      }
+      std::vector<uint16_t> got = row;
+      reference::RoundQueryRowToE4m3(dtype, got.data(), n);
+      for (int i = 0; i < n; ++i) {
+        const bool both_nan = std::isnan(HalfToFloat(dtype, got[i])) && std::isnan(HalfToFloat(dtype, want[i]));
+        ASSERT_TRUE(got[i] == want[i] || both_nan)
+            << (dtype == KvDType::kBf16 ? "bf16" : "fp16") << " round " << round << " element " << i << ": "
+            << HalfToFloat(dtype, row[i]) << " -> " << HalfToFloat(dtype, got[i]) << ", want "
+            << HalfToFloat(dtype, want[i]) << " (e " << e << ")";
+        changed += got[i] != row[i];
+      }
+      ++rows;
+    }
+  }
+  EXPECT_GT(changed, rows * 16);  // rounding to 3 mantissa bits moves most elements
+  // Ties to even: 1 + 2^-4 lies halfway between 1 and 1 + 2^-3 (E4M3's step
+  // at 1; the row's largest value 128 keeps e = 0 there).
+  std::vector<uint16_t> tie = {FloatToHalf(KvDType::kBf16, 128.f), FloatToHalf(KvDType::kBf16, 1.0625f),
+                               FloatToHalf(KvDType::kBf16, 1.1875f)};
+  reference::RoundQueryRowToE4m3(KvDType::kBf16, tie.data(), 3);
+  EXPECT_EQ(HalfToFloat(KvDType::kBf16, tie[1]), 1.f);
+  EXPECT_EQ(HalfToFloat(KvDType::kBf16, tie[2]), 1.25f);
+  EXPECT_EQ(QFp8Exponent(128.f), 0);
+  EXPECT_EQ(QFp8Exponent(1.f), 7);
+  EXPECT_EQ(QFp8Exponent(255.9f), 0);
+  EXPECT_EQ(QFp8Exponent(256.f), -1);
+  EXPECT_EQ(QFp8Exponent(0.f), 0);
+  EXPECT_EQ(QFp8Exponent(std::ldexp(1.f, -120)), 100);
+  EXPECT_EQ(QFp8Exponent(3.0e38f), -100);
+}
+
 }  // namespace
 }  // namespace attnserve

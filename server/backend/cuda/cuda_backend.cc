@@ -107,6 +107,10 @@ absl::Status CudaBackend::Init() {
         "--prefill_kernel=", PrefillFamilyName(options_.prefill_family), " needs a Hopper GPU (compute capability 9.x); ",
         prop.name, " has ", prop.major, ".", prop.minor, " (use --prefill_kernel=auto or sm80)"));
   }
+  if (const char* why = ""; !PrefillFamilyFitsGeometry(options_.prefill_family, g, &why)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prefill_kernel=", PrefillFamilyName(options_.prefill_family), " ", why));
+  }
 
   // What the packer plans with: the device, each kernel's occupancy, and the
   // batch sizes the staging holds.
@@ -143,6 +147,11 @@ absl::Status CudaBackend::Init() {
     // (KV head, 16-row tile) plus one per sequence; split ones add a partial
     // slot each.
     lim.decode = options_.decode_kernel && DecodeGeometrySupported(g);
+    // sm90_fp8q rounds the queries of every sequence the prefill family
+    // runs: all of them, or those the decode family leaves.
+    if (options_.prefill_family == PrefillFamily::kSm90Fp8Q) {
+      fp8_query_min_rows_ = lim.decode ? kMaxDecodeQueryRows + 1 : 1;
+    }
     lim.decode_ctas_per_sm[0] = DecodeCtasPerSm(g.head_dim, g.dtype, 16, g.kv_fp8);
     lim.decode_ctas_per_sm[1] = DecodeCtasPerSm(g.head_dim, g.dtype, DecodeMaxTileRows(g.head_dim), g.kv_fp8);
     lim.decode_wide_ctas_per_sm[0] = DecodeWideCtasPerSm(g.head_dim, g.dtype, 16, g.kv_fp8);

@@ -50,6 +50,7 @@ class CudaBackend final : public Backend {
   std::string Device() const override { return device_name_; }
   MemoryUsage Memory() const override { return memory_; }
   const KvGeometry& Geometry() const override { return geo_; }
+  int32_t Fp8QueryMinRows() const override { return fp8_query_min_rows_; }
 
   // Outputs of at least kDirectOutputBytes get a pinned buffer the download
   // lands in (no unpack copy); smaller ones cost less to unpack from staging
@@ -101,6 +102,7 @@ class CudaBackend final : public Backend {
   KvGeometry geo_;
   std::unique_ptr<RegionDevice> region_device_;
   std::string device_name_;
+  int32_t fp8_query_min_rows_ = 0;  // Fp8QueryMinRows
   MemoryUsage memory_;  // read once Init has allocated everything
   int64_t max_append_ = 0;
   // Pinned response buffers (AllocateOutput), at most the size class of one
