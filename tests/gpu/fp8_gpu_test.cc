@@ -385,17 +385,6 @@ HostBatch WithFp8RoundedQueries(const HostBatch& b) {
   return r;
 }
 
-// Relative norm error of 16-bit outputs against a float64 reference's.
-double OutputRelError(KvDType dt, const std::vector<uint16_t>& o, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size() && i < o.size(); ++i) {
-    const double d = gpu_test::FromHalfBits(dt, o[i]) - ref[i];
-    num += d * d;
-    den += ref[i] * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
 // The largest |LSE - reference| over rows the reference gives a finite LSE.
 double LseMaxError(const std::vector<float>& lse, const std::vector<double>& ref) {
   double worst = 0;
@@ -438,14 +427,14 @@ TEST(Fp8Cuda, Sm90Fp8QueriesMatchReferenceOverRoundedQueries) {
     EXPECT_EQ(r.error, "") << "round " << round << ": " << gpu_test::Describe(b);
     split += r.split;
     if (r.error.empty()) {
-      const double rel = OutputRelError(b.geo.dtype, r.o, gpu_test::CachedReference(b)->o);
+      const double rel = gpu_test::OutputRelError(b.geo.dtype, r.o, gpu_test::CachedReference(b)->o);
       worst = std::max(worst, rel);
       std::printf(
           "FP8_Q_ERROR round=%d q_dtype=%s rel_error_vs_unrounded_q=%.3e lse_vs_unrounded_q=%.3e "
           "rel_error_vs_rounded_q=%.3e lse_vs_rounded_q=%.3e\n",
           round, b.geo.dtype == KvDType::kBf16 ? "bf16" : "fp16", rel,
           LseMaxError(r.lse, gpu_test::CachedReference(b)->lse),
-          OutputRelError(b.geo.dtype, r.o, gpu_test::CachedReference(rounded)->o),
+          gpu_test::OutputRelError(b.geo.dtype, r.o, gpu_test::CachedReference(rounded)->o),
           LseMaxError(r.lse, gpu_test::CachedReference(rounded)->lse));
     }
   }

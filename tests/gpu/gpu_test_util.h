@@ -310,20 +310,27 @@ inline std::shared_ptr<const ReferenceResult> CachedReference(const HostBatch& b
   return res;
 }
 
+// Relative norm error of 16-bit outputs against a float64 reference's.
+inline double OutputRelError(KvDType dt, const std::vector<uint16_t>& o, const std::vector<double>& o_ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < o_ref.size() && i < o.size(); ++i) {
+    const double d = FromHalfBits(dt, o[i]) - o_ref[i];
+    num += d * d;
+    den += o_ref[i] * o_ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
 // Compares (o bits, lse) to the reference; returns an empty string when OK:
 // the output's relative norm error below 1e-2 and every LSE within lse_tol
 // (1e-3; the FP8-query kernel's own bound is wider, fp8_gpu_test.cc).
 inline std::string Compare(KvDType dt, const std::vector<uint16_t>& o, const std::vector<float>& lse,
                            const std::vector<double>& o_ref, const std::vector<double>& lse_ref,
                            double lse_tol = 1e-3) {
-  double num = 0, den = 0;
   for (size_t i = 0; i < o_ref.size(); ++i) {
-    const double x = FromHalfBits(dt, o[i]);
-    if (!std::isfinite(x)) return "non-finite output at element " + std::to_string(i);
-    num += (x - o_ref[i]) * (x - o_ref[i]);
-    den += o_ref[i] * o_ref[i];
+    if (!std::isfinite(FromHalfBits(dt, o[i]))) return "non-finite output at element " + std::to_string(i);
   }
-  const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  const double rel = OutputRelError(dt, o, o_ref);
   if (!(rel < 1e-2)) return "output relative norm error " + std::to_string(rel);
   for (size_t i = 0; i < lse_ref.size(); ++i) {
     if (std::isnan(lse[i])) return "NaN LSE at row " + std::to_string(i);
