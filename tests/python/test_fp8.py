@@ -85,6 +85,8 @@ def test_server_info_and_twice_the_pages(fp8_server):
             assert ib.page_bytes * 2 == ia.page_bytes
             assert ib.num_pages == 2 * ia.num_pages
             assert ib.kv_cache_bytes == ib.num_pages * ib.page_bytes
+            # The CPU backend never rounds queries (sm90_fp8q is CUDA's).
+            assert ia.fp8_query_min_rows == 0 and ib.fp8_query_min_rows == 0
             assert a.kv_scales() == {}
 
 

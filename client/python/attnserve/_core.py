@@ -377,7 +377,8 @@ class _Core:
                 kv_cache_bytes=m.kv_cache_bytes, page_bytes=m.page_bytes,
                 attention="mla" if m.attention == pb.ATTENTION_MLA else "gqa",
                 qk_head_dim=m.qk_head_dim, v_head_dim=m.v_head_dim,
-                kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim)
+                kv_lora_rank=m.kv_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim,
+                fp8_query_min_rows=m.fp8_query_min_rows)
             self._info = info
             if not self._incarnation:
                 self._incarnation = info.incarnation

@@ -90,6 +90,10 @@ class ServerInfo:
     v_head_dim: int = 0
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    # Non-zero under --prefill_kernel=sm90_fp8q: sequences of at least this
+    # many query rows are computed with each query row rounded to E4M3
+    # (docs/design.md section 3, "FP8 KV cache"); 0: no query is rounded.
+    fp8_query_min_rows: int = 0
 
     def __post_init__(self):
         # A server older than the MLA fields leaves them 0: head_dim.
