@@ -151,7 +151,7 @@ absl::Status BenchWorker::SetUp(const ClientOptions& options, const std::vector<
           MakeShape(gen, g, s.name, batch, s.q_len, s.kv_len, layer, config.attention, pages_, &next));
       if (config.verify) {
         ReferencePrefill(*mirror_, shapes_.back().in, &shapes_.back().o_ref, &shapes_.back().lse_ref,
-                         client_->info().fp8_query_min_rows());
+                         client_->info().fp8_query_min_rows(), &shapes_.back().lse_bound);
       }
     }
   }
@@ -267,7 +267,7 @@ void BenchWorker::SendOne(BenchClock::time_point start, LatencyStats* stats) {
   bool wrong = false;
   if (status.ok() && verify) {
     const KvDType dtype = geo_.dtype;
-    const Comparison c = Compare(dtype, shape.o_ref, shape.lse_ref, result_.o, result_.lse);
+    const Comparison c = Compare(dtype, shape.o_ref, shape.lse_ref, result_.o, result_.lse, shape.lse_bound);
     wrong = !c.Ok(dtype);
     if (wrong) std::cerr << "\nwrong result (" << shape.name << "): " << c.ToString() << "\n";
   }

@@ -67,7 +67,7 @@ std::string ShapeText(const BenchConfig& config);
 struct BenchShape {
   std::string name;
   PrefillInputs in;
-  std::vector<double> o_ref, lse_ref;  // with verify
+  std::vector<double> o_ref, lse_ref, lse_bound;  // with verify (ReferencePrefill)
   int64_t rows = 0;                    // query rows
   double flops = 0;  // 2 * (head_dim + VDim) * num_qo_heads * visible pairs
 };

@@ -94,9 +94,12 @@ struct PrefillInputs {
 // fp8_query_min_rows: the server's ServerInfo.fp8_query_min_rows; when
 // non-zero, the query rows of every sequence of at least that many rows are
 // rounded to E4M3 first, as that server computes them
-// (reference::RoundQueryRowToE4m3).
+// (reference::RoundQueryRowToE4m3). lse_bound (optional): each LSE entry's
+// bound for Compare, reference::kFp8QueryLseBound for those rows and
+// reference::kLseBound for the others.
 void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<double>* o,
-                      std::vector<double>* lse, int32_t fp8_query_min_rows = 0);
+                      std::vector<double>* lse, int32_t fp8_query_min_rows = 0,
+                      std::vector<double>* lse_bound = nullptr);
 
 // Attention options drawn at random over the cases of the variant
 // conformance suite (docs/design.md, "Variants"), for tests (tests/kernels,
@@ -144,15 +147,19 @@ int64_t PagesNeeded(const KvGeometry& geo, const WorkloadSpec& spec);
 
 // Result against the reference (docs/design.md section 3 tolerances).
 struct Comparison {
-  double o_rel_error = 0;      // ||o - ref|| / ||ref||
+  double o_rel_error = 0;      // ||o - ref|| / ||ref|| (bound: 1e-2)
   double lse_max_abs = 0;      // over rows where the reference is finite
+  int64_t lse_over_bound = 0;  // such rows off by more than their bound
   int64_t inf_mismatches = 0;  // -inf in one but not the other
   int64_t nan_count = 0;
   bool Ok(KvDType dtype) const;
   std::string ToString() const;
 };
 
+// lse_bound: each LSE entry's bound (ReferencePrefill's), or empty for
+// reference::kLseBound everywhere.
 Comparison Compare(KvDType dtype, absl::Span<const double> o_ref, absl::Span<const double> lse_ref,
-                   absl::Span<const uint16_t> o, absl::Span<const float> lse);
+                   absl::Span<const uint16_t> o, absl::Span<const float> lse,
+                   absl::Span<const double> lse_bound = {});
 
 }  // namespace attnserve

@@ -75,6 +75,15 @@ class HostPools final : public KvRows {
 // definition: NaN for its NaN patterns, +-inf for E5M2's infinities.
 double Fp8Value(Fp8Format format, uint8_t bits);
 
+// The conformance suite's LSE bounds against the float64 reference
+// (absolute, in the LSE's own units; docs/design.md section 3): every
+// kernel's rows, and the rows of sequences a server computes on queries
+// rounded to E4M3 (ServerInfo.fp8_query_min_rows: --prefill_kernel=
+// sm90_fp8q, whose FP8 tensor cores sum a step's 32 products with fewer bits
+// than fp32; measured up to 1.8e-3 against the rounded queries).
+inline constexpr double kLseBound = 1e-3;
+inline constexpr double kFp8QueryLseBound = 4e-3;
+
 // The FP8-query prefill kernel's rounding of one query row (one token, one
 // head; --prefill_kernel=sm90_fp8q, ServerInfo.fp8_query_min_rows), from
 // E4M3's definition: with a the row's largest finite |q| and e = 7 -

@@ -297,13 +297,13 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, Fp8RowsTest,
                            return name;
                          });
 
-// Every bad input is INVALID_ARGUMENT naming the field; nothing stored, and
-// no scale, changes.
 // The tools' reference for a server that rounds queries
 // (ServerInfo.fp8_query_min_rows, --prefill_kernel=sm90_fp8q on a GPU): the
 // sequences of at least that many rows come out as the reference over their
 // queries rounded (reference::RoundQueryRowToE4m3), the shorter ones as over
-// the queries as sent, and the rounding moves the long ones' outputs.
+// the queries as sent, and the rounding moves the long ones' outputs; their
+// LSEs are held to the FP8-query kernel's bound, the others' to every
+// kernel's (Compare with ReferencePrefill's lse_bound).
 TEST(Fp8ServerTest, ReferenceRoundsTheQueriesOfTheSequencesTheServerRounds) {
   KvGeometry g;
   g.num_layers = 1;
@@ -356,8 +356,47 @@ TEST(Fp8ServerTest, ReferenceRoundsTheQueriesOfTheSequencesTheServerRounds) {
       EXPECT_EQ(lse_got[r], lse_plain[r]) << "row " << r;
     }
   }
+  // The LSE bounds the tools compare with: the rounded rows' are the
+  // FP8-query kernel's (its tensor cores' sums), the others every kernel's.
+  std::vector<double> o_b, lse_b, bound, none;
+  ReferencePrefill(mirror, in, &o_b, &lse_b, kMinRows, &bound);
+  ReferencePrefill(mirror, in, &o_b, &lse_b, 0, &none);
+  ASSERT_EQ(bound.size(), lse_b.size());
+  ASSERT_EQ(none, std::vector<double>(lse_b.size(), reference::kLseBound));
+  int64_t long_row = -1, short_row = -1;
+  for (size_t b = 0; b + 1 < in.qo_indptr.size(); ++b) {
+    const bool rounds = in.qo_indptr[b + 1] - in.qo_indptr[b] >= kMinRows;
+    for (int64_t r = in.qo_indptr[b] * row_heads; r < in.qo_indptr[b + 1] * row_heads; ++r) {
+      EXPECT_EQ(bound[r], rounds ? reference::kFp8QueryLseBound : reference::kLseBound) << "row " << r;
+      (rounds ? long_row : short_row) = r;
+    }
+  }
+  ASSERT_GE(long_row, 0);
+  ASSERT_GE(short_row, 0);
+  // Compare holds each row to its own bound: an LSE 2e-3 off passes on a
+  // rounded row, fails on another, and 5e-3 fails everywhere.
+  const std::vector<uint16_t> o16 = [&] {
+    std::vector<uint16_t> o(o_got.size());
+    for (size_t i = 0; i < o.size(); ++i) o[i] = FloatToHalf(g.dtype, static_cast<float>(o_got[i]));
+    return o;
+  }();
+  auto lse_off = [&](int64_t row, double by) {
+    std::vector<float> lse(lse_got.begin(), lse_got.end());
+    lse[row] = static_cast<float>(lse_got[row] + by);
+    return lse;
+  };
+  EXPECT_TRUE(Compare(g.dtype, o_got, lse_got, o16, lse_off(long_row, 0), bound).Ok(g.dtype));
+  EXPECT_TRUE(Compare(g.dtype, o_got, lse_got, o16, lse_off(long_row, 2e-3), bound).Ok(g.dtype));
+  const Comparison short_off = Compare(g.dtype, o_got, lse_got, o16, lse_off(short_row, 2e-3), bound);
+  EXPECT_FALSE(short_off.Ok(g.dtype));
+  EXPECT_EQ(short_off.lse_over_bound, 1);
+  EXPECT_NE(short_off.ToString().find("lse_rows_over_bound=1"), std::string::npos) << short_off.ToString();
+  EXPECT_FALSE(Compare(g.dtype, o_got, lse_got, o16, lse_off(long_row, 5e-3), bound).Ok(g.dtype));
+  EXPECT_FALSE(Compare(g.dtype, o_got, lse_got, o16, lse_off(long_row, 2e-3)).Ok(g.dtype));
 }
 
+// Every bad input is INVALID_ARGUMENT naming the field; nothing stored, and
+// no scale, changes.
 TEST(Fp8ServerTest, BadInputsNameTheFieldAndChangeNothing) {
   Fp8Server fp8 = StartServer("fp8_e4m3", "");
   Fp8Server bf16 = StartServer("bf16", "");
