@@ -143,19 +143,8 @@ void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<d
     seqs.push_back(s);
   }
   // The queries as the server computes with them.
-  std::vector<uint16_t> rounded;
-  const uint16_t* q = in.q.data();
-  if (fp8_query_min_rows > 0) {
-    rounded = in.q;
-    for (const reference::Seq& s : seqs) {
-      if (s.q_len < fp8_query_min_rows) continue;
-      for (int64_t r = s.q_start * g.num_qo_heads; r < (s.q_start + s.q_len) * g.num_qo_heads; ++r) {
-        reference::RoundQueryRowToE4m3(g.dtype, rounded.data() + r * g.head_dim, g.head_dim);
-      }
-    }
-    q = rounded.data();
-  }
-  reference::Prefill(g, MirrorRows(kv), q, in.total_q(), in.kv_indices, seqs, o, lse);
+  for (reference::Seq& s : seqs) s.fp8_queries = fp8_query_min_rows > 0 && s.q_len >= fp8_query_min_rows;
+  reference::Prefill(g, MirrorRows(kv), in.q.data(), in.total_q(), in.kv_indices, seqs, o, lse);
   if (lse_bound != nullptr) {
     lse_bound->assign(static_cast<size_t>(in.total_q() * g.num_qo_heads), reference::kLseBound);
     for (const reference::Seq& s : seqs) {

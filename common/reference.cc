@@ -63,6 +63,7 @@ void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
     const int64_t begin = first(i), end = last(i);
     if (begin >= end && sink == kNegInf) continue;  // sees nothing: o 0, lse -inf
     for (int64_t c = 0; c < d; ++c) qd[c] = half(q[(row * hq + h) * d + c]);
+    if (s.fp8_queries) RoundQueryRowToE4m3(qd.data(), static_cast<int32_t>(d));
     double m = sink;
     for (int64_t j = begin; j < end; ++j) {
       // Four partial sums: one chain of dependent adds is bound by the add
@@ -118,11 +119,10 @@ double RoundToE4m3(double y) {
 
 }  // namespace
 
-void RoundQueryRowToE4m3(KvDType dtype, uint16_t* row, int32_t n) {
+void RoundQueryRowToE4m3(double* row, int32_t n) {
   double amax = 0;
   for (int32_t i = 0; i < n; ++i) {
-    const double x = HalfToFloat(dtype, row[i]);
-    if (std::isfinite(x)) amax = std::max(amax, std::fabs(x));
+    if (std::isfinite(row[i])) amax = std::max(amax, std::fabs(row[i]));
   }
   int e = 0;
   if (amax > 0) {
@@ -130,10 +130,14 @@ void RoundQueryRowToE4m3(KvDType dtype, uint16_t* row, int32_t n) {
     std::frexp(amax, &k);
     e = std::clamp(7 - (k - 1), -100, 100);
   }
-  for (int32_t i = 0; i < n; ++i) {
-    const double y = RoundToE4m3(std::ldexp(static_cast<double>(HalfToFloat(dtype, row[i])), e));
-    row[i] = FloatToHalf(dtype, static_cast<float>(std::ldexp(y, -e)));
-  }
+  for (int32_t i = 0; i < n; ++i) row[i] = std::ldexp(RoundToE4m3(std::ldexp(row[i], e)), -e);
+}
+
+void RoundQueryRowToE4m3(KvDType dtype, uint16_t* row, int32_t n) {
+  std::vector<double> x(n);
+  for (int32_t i = 0; i < n; ++i) x[i] = HalfToFloat(dtype, row[i]);
+  RoundQueryRowToE4m3(x.data(), n);
+  for (int32_t i = 0; i < n; ++i) row[i] = FloatToHalf(dtype, static_cast<float>(x[i]));
 }
 
 double Fp8Value(Fp8Format format, uint8_t bits) {

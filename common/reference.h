@@ -91,8 +91,14 @@ inline constexpr double kFp8QueryLseBound = 4e-3;
 // floor(log2 a) clamped to [-100, 100] (0 when a is 0), each element x
 // becomes E4M3(x 2^e) 2^-e, where E4M3 rounds to the nearest of its values
 // (ties to the even significand) and saturates at +-448 (an infinity too; a
-// NaN stays one, a zero keeps its sign). Rewrites the n elements of `row`
-// (dtype's 16-bit values) in place; every result is exact in 16 bits.
+// NaN stays one, a zero keeps its sign). Rewrites the n float64 elements of
+// `row` in place, exactly (the kernel multiplies the E4M3 values by 2^-e in
+// fp32; Seq::fp8_queries rounds a sequence's rows so).
+void RoundQueryRowToE4m3(double* row, int32_t n);
+// The same on a row of dtype's 16-bit values, its results stored back in
+// dtype: exact for bf16, and for fp16 rows whose largest |q| lies in
+// [2^-8, 65280) (below, the smallest steps fall under fp16's subnormals;
+// above, 65280 and beyond round to 65536, past fp16's range).
 void RoundQueryRowToE4m3(KvDType dtype, uint16_t* row, int32_t n);
 
 // One sequence of a ragged batch.
@@ -119,6 +125,9 @@ struct Seq {
   // and LSE = sinks[h].
   const float* sinks = nullptr;
   bool lse_base_e = false;  // LSE in natural log; base 2 otherwise
+  // The sequence's query rows rounded as the FP8-query kernel rounds them
+  // (RoundQueryRowToE4m3, in float64) before the math.
+  bool fp8_queries = false;
 };
 
 // (sm_scale, soft_cap) pairs at the ends of their ranges (the server's

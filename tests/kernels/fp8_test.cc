@@ -443,6 +443,16 @@ TEST(Fp8QueryRoundingTest, ReferenceMatchesTheKernelsDefinition) {
   reference::RoundQueryRowToE4m3(KvDType::kBf16, tie.data(), 3);
   EXPECT_EQ(HalfToFloat(KvDType::kBf16, tie[1]), 1.f);
   EXPECT_EQ(HalfToFloat(KvDType::kBf16, tie[2]), 1.25f);
+  // In float64 the rounding is exact where 16 bits are not: fp16's 65504
+  // rounds to 65536 (e = -8: 255.875 to 256), and a row whose largest value
+  // is 2^-10 keeps steps of 2^-26, below fp16's subnormals.
+  std::vector<double> wide = {65504.0, 1.0};
+  reference::RoundQueryRowToE4m3(wide.data(), 2);
+  EXPECT_EQ(wide[0], 65536.0);
+  EXPECT_EQ(wide[1], 1.0);  // 2^-8 scaled: twice E4M3's smallest subnormal
+  std::vector<double> small = {std::ldexp(1.0, -10), std::ldexp(3.0, -26)};
+  reference::RoundQueryRowToE4m3(small.data(), 2);
+  EXPECT_EQ(small[1], std::ldexp(3.0, -26));
   EXPECT_EQ(QFp8Exponent(128.f), 0);
   EXPECT_EQ(QFp8Exponent(1.f), 7);
   EXPECT_EQ(QFp8Exponent(255.9f), 0);

@@ -12,7 +12,9 @@ import pytest
 
 import attnserve
 from attnserve import dtypes as dt
-from attnserve.reference import KvMirror, compare, reference_prefill, within_tolerance
+from attnserve.reference import (FP8_QUERY_LSE_BOUND, LSE_BOUND, KvMirror, compare,
+                                 reference_prefill, round_query_rows_to_e4m3,
+                                 within_tolerance)
 from server import TestServer
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2")
@@ -67,6 +69,105 @@ def test_scales_divide_before_rounding():
                                   dt.float_to_fp8_bits(x / 0.5, "fp8_e4m3"))
     per_head = dt.float_to_fp8_bits(np.ones((2, 4)), "fp8_e4m3", np.array([[1.0], [0.25]]))
     assert per_head[0].tolist() == [0x38] * 4 and per_head[1].tolist() == [0x48] * 4  # 1, 4
+
+
+def _round_rows_by_definition(x):
+    """Each row of x (float64 [n, d]) as an sm90_fp8q server rounds it, from
+    E4M3's values: e such that the row's largest finite |x| times 2^e lies in
+    [128, 256) (clamped to [-100, 100]; 0 for a zero row), then the nearest
+    E4M3 value of x 2^e (ties to the even pattern, +-448 past it), times 2^-e."""
+    values, bits = _definition("fp8_e4m3")
+    out = np.empty_like(x)
+    for r, row in enumerate(x):
+        finite = row[np.isfinite(row)]
+        a = np.abs(finite).max() if finite.size else 0.0
+        e = 0
+        if a > 0:
+            while a * 2.0 ** e >= 256:
+                e -= 1
+            while a * 2.0 ** e < 128:
+                e += 1
+            e = min(max(e, -100), 100)
+        with np.errstate(invalid="ignore"):   # NaN elements: NaN below
+            y = np.abs(row) * 2.0 ** e
+            dist = np.abs(y[:, None] - values[None, :])
+            best = dist.min(axis=1, keepdims=True)
+            tie_even = np.where(dist == best, np.where(bits % 2 == 0, 0, 1), 2)
+            nearest = np.where(y >= values[-1], values[-1], values[np.argmin(tie_even, axis=1)])
+        out[r] = np.where(np.isnan(row), np.nan, np.copysign(nearest, row) * 2.0 ** -e)
+    return out
+
+
+@pytest.mark.parametrize("wire", [dt.DTYPE_BF16, dt.DTYPE_FP16])
+def test_query_rounding_matches_e4m3_on_every_16_bit_pattern(wire):
+    """round_query_rows_to_e4m3 (what reference_prefill does to the rows an
+    sm90_fp8q server rounds) against the definition, on every 16-bit pattern
+    in rows of 128 shuffled, plus rows of zeros, of the smallest values (the
+    exponent clamped at 100), and with an infinity or a NaN in them."""
+    rng = np.random.default_rng(7)
+    patterns = rng.permutation(np.arange(65536, dtype=np.uint32).astype(np.uint16))
+    with np.errstate(invalid="ignore"):   # the NaN patterns
+        x = dt.bf16_bits_to_float32(patterns).astype(np.float64) if wire == dt.DTYPE_BF16 else \
+            patterns.view(np.float16).astype(np.float64)
+    x = x.reshape(-1, 128)
+    tiny = 2.0 ** -133 if wire == dt.DTYPE_BF16 else 2.0 ** -24
+    extra = np.stack([np.zeros(128), np.where(np.arange(128) % 2, -tiny, tiny),
+                      np.where(np.arange(128) == 3, np.inf, rng.normal(size=128)),
+                      np.where(np.arange(128) == 5, np.nan, rng.normal(size=128) * 1e-3)])
+    x = np.concatenate([x, dt.bf16_bits_to_float32(dt.float32_to_bf16_bits(extra)).astype(np.float64)
+                        if wire == dt.DTYPE_BF16 else extra.astype(np.float16).astype(np.float64)])
+    got = round_query_rows_to_e4m3(x, wire)
+    want = _round_rows_by_definition(x)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok], want[ok])
+    np.testing.assert_array_equal(np.signbit(got[ok]), np.signbit(want[ok]))
+    if wire == dt.DTYPE_BF16:   # 2^-133 would want e = 140: at 100 every element rounds to zero
+        assert (got[-3] == 0).all() and np.signbit(got[-3]).sum() == 64
+    assert np.isfinite(got[-2]).all() and (got[-2] != 0).all()   # the infinity saturated
+
+
+def test_reference_rounds_the_rows_a_server_rounds_and_holds_them_to_their_bound():
+    """A mirror of a server whose fp8_query_min_rows is 9: a sequence of 12
+    rows is computed on rounded queries and held to FP8_QUERY_LSE_BOUND, one
+    of 3 rows on the queries as sent and held to LSE_BOUND."""
+    rng = np.random.default_rng(11)
+    info = attnserve.ServerInfo(version="", backend="cuda", device="", num_layers=1, num_pages=8,
+                                page_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                                kv_dtype="fp8_e4m3", free_pages=8, max_batch_tokens=0,
+                                max_message_bytes=0, incarnation=1, q_dtype="bf16",
+                                fp8_query_min_rows=9)
+    mirror = KvMirror.for_server(info)
+    assert mirror.fp8_query_min_rows == 9
+    slots = np.arange(64)
+    mirror.write(0, slots, rng.normal(size=(64, 2, 64)), rng.normal(size=(64, 2, 64)))
+    q = rng.normal(size=(15, 4, 64)) * 3
+    q_sent = q.copy()
+    args = ([0, 3, 15], [0, 2, 4], [0, 1, 2, 3], [16, 16])
+    o, lse, bound = reference_prefill(mirror, 0, q, *args, page_size=16, return_lse_bound=True)
+    np.testing.assert_array_equal(q, q_sent)                  # the caller's queries untouched
+    assert (bound[:3] == LSE_BOUND).all() and (bound[3:] == FP8_QUERY_LSE_BOUND).all()
+    o_sent, lse_sent = reference_prefill(mirror, 0, q, *args, page_size=16, fp8_query_min_rows=0)
+    rounded = q.copy()
+    rounded[3:] = round_query_rows_to_e4m3(q[3:])
+    o_r, lse_r = reference_prefill(mirror, 0, rounded, *args, page_size=16, fp8_query_min_rows=0)
+    np.testing.assert_array_equal(o[:3], o_sent[:3])
+    np.testing.assert_array_equal(lse[:3], lse_sent[:3])
+    np.testing.assert_array_equal(o[3:], o_r[3:])
+    np.testing.assert_array_equal(lse[3:], lse_r[3:])
+    assert np.abs(lse[3:] - lse_sent[3:]).max() > 1e-3       # the rounding moved them
+
+    def check(row, delta):
+        got = lse.copy()
+        got[row, 1] += delta
+        return within_tolerance(compare(o, lse, o.astype(np.float32), got, bound))
+    assert check(5, 2e-3)            # a rounded row, within its bound
+    assert not check(1, 2e-3)        # a row of the short sequence, past 1e-3
+    assert not check(5, 5e-3)        # past every bound
+    c = compare(o, lse, o.astype(np.float32), lse + 2e-3, bound)
+    assert c["lse_rows_over_bound"] == 3 * 4 and not within_tolerance(c)
+    # Without bounds, compare and within_tolerance hold every row to 1e-3.
+    assert not within_tolerance(compare(o, lse, o.astype(np.float32), lse + 2e-3))
 
 
 @pytest.fixture(scope="module")
