@@ -144,15 +144,8 @@ void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<d
   }
   // The queries as the server computes with them.
   for (reference::Seq& s : seqs) s.fp8_queries = fp8_query_min_rows > 0 && s.q_len >= fp8_query_min_rows;
-  reference::Prefill(g, MirrorRows(kv), in.q.data(), in.total_q(), in.kv_indices, seqs, o, lse);
-  if (lse_bound != nullptr) {
-    lse_bound->assign(static_cast<size_t>(in.total_q() * g.num_qo_heads), reference::kLseBound);
-    for (const reference::Seq& s : seqs) {
-      if (fp8_query_min_rows <= 0 || s.q_len < fp8_query_min_rows) continue;
-      std::fill(lse_bound->begin() + s.q_start * g.num_qo_heads,
-                lse_bound->begin() + (s.q_start + s.q_len) * g.num_qo_heads, reference::kFp8QueryLseBound);
-    }
-  }
+  reference::Prefill(g, MirrorRows(kv), in.q.data(), in.total_q(), in.kv_indices, seqs, o, lse,
+                     /*threads=*/1, lse_bound);
 }
 
 PrefillArgs ArgsOf(const PrefillInputs& in) {

@@ -95,8 +95,9 @@ struct PrefillInputs {
 // non-zero, the query rows of every sequence of at least that many rows are
 // rounded to E4M3 first, as that server computes them
 // (reference::RoundQueryRowToE4m3). lse_bound (optional): each LSE entry's
-// bound for Compare, reference::kFp8QueryLseBound for those rows and
-// reference::kLseBound for the others.
+// bound for Compare, the FP8-query kernel's for those rows (at least
+// reference::kFp8QueryLseBound, more for large logits: reference::Prefill)
+// and reference::kLseBound for the others.
 void ReferencePrefill(const KvMirror& kv, const PrefillInputs& in, std::vector<double>* o,
                       std::vector<double>* lse, int32_t fp8_query_min_rows = 0,
                       std::vector<double>* lse_bound = nullptr);

@@ -17,7 +17,7 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 // One (sequence, query head): every row of the sequence for that head.
 void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
                     const std::vector<int32_t>& kv_indices, const Seq& s, int64_t h,
-                    std::vector<double>* o, std::vector<double>* lse) {
+                    std::vector<double>* o, std::vector<double>* lse, std::vector<double>* lse_bound) {
   // MLA: one KV head; a latent row's first VDim() values are its V.
   const int64_t hq = g.num_qo_heads, d = g.head_dim, dv = g.VDim(), ps = g.page_size;
   const int64_t kv_head = h / (g.num_qo_heads / g.num_kv_heads);
@@ -63,7 +63,21 @@ void PrefillSeqHead(const KvGeometry& g, const KvRows& kv, const uint16_t* q,
     const int64_t begin = first(i), end = last(i);
     if (begin >= end && sink == kNegInf) continue;  // sees nothing: o 0, lse -inf
     for (int64_t c = 0; c < d; ++c) qd[c] = half(q[(row * hq + h) * d + c]);
-    if (s.fp8_queries) RoundQueryRowToE4m3(qd.data(), static_cast<int32_t>(d));
+    if (s.fp8_queries) {
+      RoundQueryRowToE4m3(qd.data(), static_cast<int32_t>(d));
+      if (lse_bound != nullptr) {
+        // The largest sum of |products| of a key the row sees, scaled as its logit.
+        double mag = 0;
+        for (int64_t j = begin; j < end; ++j) {
+          const double* kj = k.data() + (j - lo) * d;
+          double sum = 0;
+          for (int64_t c = 0; c < d; ++c) sum += std::fabs(qd[c] * kj[c]);
+          mag = std::max(mag, sum);
+        }
+        mag *= std::fabs(s.sm_scale) / (s.lse_base_e ? 1.0 : std::log(2.0));
+        (*lse_bound)[row * hq + h] = std::max(kFp8QueryLseBound, kFp8QueryLseSlope * mag);
+      }
+    }
     double m = sink;
     for (int64_t j = begin; j < end; ++j) {
       // Four partial sums: one chain of dependent adds is bound by the add
@@ -164,10 +178,12 @@ double Fp8Value(Fp8Format format, uint8_t bits) {
 
 void Prefill(const KvGeometry& geo, const KvRows& kv, const uint16_t* q, int64_t total_q,
              const std::vector<int32_t>& kv_indices, const std::vector<Seq>& seqs,
-             std::vector<double>* o, std::vector<double>* lse, int threads) {
+             std::vector<double>* o, std::vector<double>* lse, int threads,
+             std::vector<double>* lse_bound) {
   const int64_t hq = geo.num_qo_heads;
   o->assign(total_q * hq * geo.VDim(), 0.0);
   lse->assign(total_q * hq, kNegInf);
+  if (lse_bound != nullptr) lse_bound->assign(total_q * hq, kLseBound);
   std::vector<std::pair<size_t, int64_t>> work;  // (sequence, head)
   for (size_t s = 0; s < seqs.size(); ++s) {
     for (int64_t h = 0; h < hq; ++h) work.emplace_back(s, h);
@@ -175,7 +191,7 @@ void Prefill(const KvGeometry& geo, const KvRows& kv, const uint16_t* q, int64_t
   // Each (sequence, head) writes its own elements of o and lse.
   auto run = [&](size_t begin, size_t step) {
     for (size_t w = begin; w < work.size(); w += step) {
-      PrefillSeqHead(geo, kv, q, kv_indices, seqs[work[w].first], work[w].second, o, lse);
+      PrefillSeqHead(geo, kv, q, kv_indices, seqs[work[w].first], work[w].second, o, lse, lse_bound);
     }
   };
   const size_t n = static_cast<size_t>(std::max(1, threads));

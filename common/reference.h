@@ -79,11 +79,15 @@ double Fp8Value(Fp8Format format, uint8_t bits);
 // (absolute, in the LSE's own units; docs/design.md section 3): every
 // kernel's rows, and the rows of sequences a server computes on queries
 // rounded to E4M3 (ServerInfo.fp8_query_min_rows: --prefill_kernel=
-// sm90_fp8q, whose FP8 tensor cores sum a step's 32 products with fewer bits
-// than fp32; seen up to 1.1e-3 in the kernel tests and 1.6e-3 through a
-// server, against the rounded queries).
+// sm90_fp8q, whose FP8 tensor cores sum a step's 32 products with about 13
+// bits, so that a logit's error grows with the sum of its products'
+// magnitudes): kFp8QueryLseBound, or kFp8QueryLseSlope times the row's
+// largest |sm_scale| sum_d |q_d k_jd| over the keys it sees (in the LSE's
+// units), whichever is larger (Prefill's lse_bound). Seen up to 2^-11.8 of
+// that sum through a server, bench/results/2026-12-07-session42-h100.md.
 inline constexpr double kLseBound = 1e-3;
 inline constexpr double kFp8QueryLseBound = 4e-3;
+inline constexpr double kFp8QueryLseSlope = 1.0 / 1024;
 
 // The FP8-query prefill kernel's rounding of one query row (one token, one
 // head; --prefill_kernel=sm90_fp8q, ServerInfo.fp8_query_min_rows), from
@@ -149,10 +153,13 @@ inline constexpr ScaleAndCap kExtremeScalesAndCaps[] = {
 // Fills o (total_q, num_qo_heads, VDim()) and lse (total_q, num_qo_heads),
 // each in its sequence's base; a row that sees nothing (and a row of no
 // sequence) gets o = 0 and lse = -inf, or the sink's logit when it has one. `threads` > 1 splits the (sequence,
-// head) pairs over that many threads.
+// head) pairs over that many threads. lse_bound (optional, (total_q,
+// num_qo_heads)): each LSE's bound for a kernel's result, kLseBound, and on
+// the rows of Seq::fp8_queries sequences the FP8-query kernel's (above).
 void Prefill(const KvGeometry& geo, const KvRows& kv, const uint16_t* q, int64_t total_q,
              const std::vector<int32_t>& kv_indices, const std::vector<Seq>& seqs,
-             std::vector<double>* o, std::vector<double>* lse, int threads = 1);
+             std::vector<double>* o, std::vector<double>* lse, int threads = 1,
+             std::vector<double>* lse_bound = nullptr);
 
 // One partial state: v (rows, d) in the dtype given to Merge, lse (rows).
 struct State {

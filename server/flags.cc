@@ -57,7 +57,7 @@ ABSL_FLAG(std::string, q_dtype, "",
 ABSL_FLAG(std::string, prefill_kernel, "auto",
           "CUDA prefill kernel family: auto (the heuristic's choice for the device), sm80 (mma.sync), "
           "sm90 (wgmma; Hopper GPUs only, head_dim 64 and 128) or sm90_fp8q (sm90 with S = Q K^T in "
-          "FP8, queries rounded to E4M3: opt-in, --kv_dtype=fp8_e4m3 and head_dim 128 only)");
+          "FP8, queries rounded to E4M3: opt-in, --kv_dtype=fp8_e4m3 or fp8_e5m2 and head_dim 128 only)");
 ABSL_FLAG(int32_t, max_batch_tokens, 16384, "query rows per batch (a larger request runs alone)");
 ABSL_FLAG(int64_t, max_queue_delay_us, 1000,
           "most microseconds a batch waits for more requests while the device is busy");

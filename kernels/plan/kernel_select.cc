@@ -66,8 +66,8 @@ bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device) {
 
 bool PrefillFamilyFitsGeometry(PrefillFamily family, const KvGeometry& geo, const char** why) {
   if (family != PrefillFamily::kSm90Fp8Q) return true;
-  if (geo.kv_fp8 != Fp8Format::kE4m3) {
-    *why = "needs --kv_dtype=fp8_e4m3 (it reads K's stored E4M3 bytes)";
+  if (!geo.KvIsFp8()) {
+    *why = "needs --kv_dtype=fp8_e4m3 or fp8_e5m2 (it reads K's stored FP8 bytes)";
     return false;
   }
   if (geo.head_dim != 128) {
@@ -80,7 +80,7 @@ bool PrefillFamilyFitsGeometry(PrefillFamily family, const KvGeometry& geo, cons
 PrefillKernel ChoosePrefillKernel(const KvGeometry& geo, const PrefillDevice& device,
                                   int64_t max_packed_rows, PrefillFamily family, int64_t mean_kv_per_row) {
   const bool sm90_shape = geo.head_dim == 64 || geo.head_dim == 128;
-  if (family == PrefillFamily::kSm90Fp8Q && geo.kv_fp8 == Fp8Format::kE4m3 && geo.head_dim == 128) {
+  if (family == PrefillFamily::kSm90Fp8Q && geo.KvIsFp8() && geo.head_dim == 128) {
     return PrefillKernel::kSm90Fp8Q;
   }
   if ((family == PrefillFamily::kSm90 || family == PrefillFamily::kSm90Fp8Q) && sm90_shape) {

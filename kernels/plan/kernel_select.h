@@ -34,9 +34,9 @@ enum class PrefillKernel : int32_t {
   kSm90Overlap,
   // kSm90Overlap without the turns between the warpgroups.
   kSm90OverlapNoPp,
-  // kSm90Overlap on E4M3 pools at head_dim 128 with S = Q K^T in FP8: each
-  // query row rounded to E4M3 times a power of two, K's stored bytes read as
-  // they are (Traits::kFp8Q). Opt-in (--prefill_kernel=sm90_fp8q): the
+  // kSm90Overlap on FP8 pools (E4M3 or E5M2) at head_dim 128 with S = Q K^T
+  // in FP8: each query row rounded to E4M3 times a power of two, K's stored
+  // bytes read as they are (Traits::kFp8Q). Opt-in (--prefill_kernel=sm90_fp8q): the
   // queries' rounding is its own error.
   kSm90Fp8Q,
 };
@@ -79,7 +79,7 @@ enum class PrefillFamily : int32_t {
   kSm80,  // the mma.sync family only (kSm80 or kSm80Rows64)
   kSm90,  // the wgmma family (kSm90Overlap) wherever it runs the head_dim
           // (64, 128); head_dim 256 stays on kSm80
-  kSm90Fp8Q,  // kSm90Fp8Q for every prefill batch; only on E4M3 pools at
+  kSm90Fp8Q,  // kSm90Fp8Q for every prefill batch; only on FP8 pools at
               // head_dim 128 (PrefillFamilyFitsGeometry)
 };
 
@@ -92,8 +92,8 @@ const char* PrefillFamilyName(PrefillFamily family);
 // capability 9.x (sm_90a code only).
 bool PrefillFamilyRunsOn(PrefillFamily family, const PrefillDevice& device);
 
-// Whether the family runs a cache of this geometry: kSm90Fp8Q needs E4M3
-// pools at head_dim 128 (every other family runs every geometry, on the
+// Whether the family runs a cache of this geometry: kSm90Fp8Q needs FP8
+// pools (E4M3 or E5M2) at head_dim 128 (every other family runs every geometry, on the
 // kernels ChoosePrefillKernel picks). When false, *why says which field
 // and what it must be.
 bool PrefillFamilyFitsGeometry(PrefillFamily family, const KvGeometry& geo, const char** why);

@@ -171,10 +171,11 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
       const uint32_t k_at = cs.a_k + k_stage(t) * Tr::kKvBytes;
       if constexpr (Tr::kFp8Q) {
         // E4M3 Q rows (the tile's first column block) times K's stored
-        // bytes (the stage's upper half, Tr::kFp8At): 32 elements a step.
+        // bytes (the stage's upper half, Tr::kFp8At; E4M3 or E5M2): 32
+        // elements a step.
 #pragma unroll
         for (int kk = 0; kk < D / 32; ++kk) {
-          WgmmaSSE4m3(s, MakeDesc(a_qt + wg_row0 * 128 + kk * 32, 16, 1024),
+          WgmmaSSFp8<Tr::kFp8QKE5m2>(s, MakeDesc(a_qt + wg_row0 * 128 + kk * 32, 16, 1024),
                       MakeDesc(k_at + Tr::kFp8At + kk * 32, 16, 1024), kk > 0);
         }
       } else {

@@ -19,10 +19,10 @@ namespace sm90 {
 // overlapped schedule with tensor-copy-engine loads (Traits::kTma); kCap,
 // kSinks: with soft-caps, sinks (Traits; only kOverlap, the serving kernel,
 // has instantiations without them, the others always carry both); kFp8: on
-// FP8 pools (Traits::kFp8, kOverlap only); kFp8Q: S = Q K^T in FP8
-// (Traits::kFp8Q).
+// FP8 pools (Traits::kFp8, kOverlap only); kFp8Q: S = Q K^T in FP8 on K
+// stored in that format (Traits::kFp8Q; kNone: not).
 template <int D, typename T, int V, bool kTma = false, bool kCap = true, bool kSinks = true, bool kFp8 = false,
-          bool kTrace = false, bool kFp8Q = false>
+          bool kTrace = false, Fp8Format kFp8Q = Fp8Format::kNone>
 struct Kernel {
   static_assert((kCap && kSinks) || V == 1, "only kOverlap has kernels without soft-caps or sinks");
   static_assert(!kFp8 || V == 1, "FP8 pools run on kOverlap");
@@ -52,7 +52,7 @@ inline int32_t GridSize(bool persistent, int32_t num_items, int32_t max_ctas) {
 }
 
 template <int D, typename T, int V, bool kTma, bool kCap = true, bool kSinks = true, bool kFp8 = false,
-          bool kTrace = false, bool kFp8Q = false>
+          bool kTrace = false, Fp8Format kFp8Q = Fp8Format::kNone>
 cudaError_t LaunchKernel(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream) {
   using K = Kernel<D, T, V, kTma, kCap, kSinks, kFp8, kTrace, kFp8Q>;
   using Tr = typename K::Tr;
@@ -80,7 +80,7 @@ cudaError_t LaunchOverlap(const PrefillKernelArgs& args, int32_t max_ctas, cudaS
 // the epilogue's).
 cudaError_t LaunchOverlapFp8(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream);
 // kOverlap with S = Q K^T in FP8 (kernels/sm90/prefill_fp8q.cu; head_dim 128,
-// E4M3 pools): with or without the soft-cap's code.
+// E4M3 or E5M2 pools): with or without the soft-cap's code.
 cudaError_t LaunchOverlapFp8Q(const PrefillKernelArgs& args, int32_t max_ctas, cudaStream_t stream);
 // Its traced kernel (PagedPrefillSm90Traced; head_dim 128, bf16 queries, no
 // soft-cap or sinks).

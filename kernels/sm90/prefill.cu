@@ -211,8 +211,8 @@ cudaError_t PagedPrefillSm90(const PagedPrefillParams& params, const PrefillWork
   PrefillKernelArgs args;
   const KvGeometry& geo = params.geo;
   const bool fp8_q = variant == Sm90Variant::kOverlapFp8Q;
-  // FP8 queries: E4M3 pools at head_dim 128 only.
-  if (fp8_q && (geo.kv_fp8 != Fp8Format::kE4m3 || geo.head_dim != 128)) return cudaErrorInvalidValue;
+  // FP8 queries: FP8 pools (E4M3 or E5M2) at head_dim 128 only.
+  if (fp8_q && (!geo.KvIsFp8() || geo.head_dim != 128)) return cudaErrorInvalidValue;
   const cudaError_t err =
       MakeArgs(params, items, num_items, part_o, part_lse, variant == Sm90Variant::kOverlap || fp8_q, &args);
   if (err != cudaSuccess || num_items == 0) return err;

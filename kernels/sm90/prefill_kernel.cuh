@@ -140,9 +140,9 @@ __global__ void __launch_bounds__(384, 1) PagedPrefillSm90Kernel(const __grid_co
 // from the kernel's parameter space (__grid_constant__).
 // kSoftCap, kSinks: with soft-caps, sinks (Traits).
 // kFp8: on FP8 pools (Traits::kFp8; T is the queries' and outputs' type);
-// kFp8Q: with S = Q K^T in FP8 (Traits::kFp8Q).
+// kFp8Q: with S = Q K^T in FP8 on K stored in that format (Traits::kFp8Q).
 template <int D, typename T, bool kPingPong, bool kTrace = false, bool kTma = false, bool kSoftCap = true,
-          bool kSinks = true, bool kFp8 = false, bool kFp8Q = false>
+          bool kSinks = true, bool kFp8 = false, Fp8Format kFp8Q = Fp8Format::kNone>
 __global__ void __launch_bounds__(kFp8 ? 512 : 384, 1)
     PagedPrefillSm90OverlapKernel(const __grid_constant__ PrefillKernelArgs args) {
   ATTNSERVE_SM90_BODY(Traits<D, Schedule::kOverlap, kPingPong, kTma, kSoftCap, kSinks, kFp8, kFp8Q>, T, kTrace);

@@ -18,7 +18,7 @@ namespace attnserve {
 // kSerial is PrefillKernel::kSm90; kOverlap (intra-warpgroup overlap and
 // turns over both GEMMs) kSm90Overlap; kOverlapNoPingPong (the overlap
 // alone) kSm90OverlapNoPp; kOverlapFp8Q (kOverlap with S = Q K^T in FP8, on
-// E4M3 pools at head_dim 128, else cudaErrorInvalidValue) kSm90Fp8Q.
+// FP8 pools at head_dim 128, else cudaErrorInvalidValue) kSm90Fp8Q.
 enum class Sm90Variant : int32_t { kSerial, kOverlap, kOverlapNoPingPong, kOverlapFp8Q };
 
 // Runs every work item as PagedPrefillCuda documents (the overlapped

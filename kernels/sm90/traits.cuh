@@ -79,8 +79,9 @@ enum class Schedule : int { kSerial, kOverlap };
 // (the decode family's QHalfExponent), converted in place by each consumer
 // warpgroup, its own rows, once the tile lands (the rows' exponents beside
 // the tile, kQExpOff); K's scale joins the logit scale, V's the output's.
-// kFp8Queries (kFp8Kv, head_dim 128, E4M3 pools; PrefillKernel::kSm90Fp8Q,
-// opt-in): S = Q K^T runs in FP8 on the stored K bytes. Each consumer
+// kFp8Queries (kFp8Kv, head_dim 128; PrefillKernel::kSm90Fp8Q, opt-in): S =
+// Q K^T runs in FP8 on the stored K bytes, whose format it names (E4M3 or
+// E5M2 as the B operand; kNone: the queries stay in 16 bits). Each consumer
 // warpgroup rounds its rows of the landed Q tile to E4M3 times a power of two
 // per row (QRowsToFp8, QFp8Exponent in kernels/fp8.h), into the tile's first
 // column block, as the 128-byte swizzled 128 x 128-byte operand the FP8
@@ -89,7 +90,8 @@ enum class Schedule : int { kSerial, kOverlap };
 // in fp16. The queries' rounding is this kernel's own error
 // (docs/design.md section 3, "FP8 KV cache").
 template <int D, Schedule kSchedule = Schedule::kSerial, bool kTurns = true, bool kTmaLoads = false,
-          bool kSoftCaps = true, bool kSinkSets = true, bool kFp8Kv = false, bool kFp8Queries = false>
+          bool kSoftCaps = true, bool kSinkSets = true, bool kFp8Kv = false,
+          Fp8Format kFp8Queries = Fp8Format::kNone>
 struct Traits {
   static_assert(D == 64 || D == 128, "the sm90 family runs head_dim 64 and 128");
   static constexpr int kD = D;
@@ -102,7 +104,8 @@ struct Traits {
   static constexpr bool kSinks = kSinkSets;
   static constexpr bool kFp8 = kFp8Kv;
   static_assert(!kFp8 || kSchedule == Schedule::kOverlap, "FP8 pools run on the overlapped schedule");
-  static constexpr bool kFp8Q = kFp8Queries;
+  static constexpr bool kFp8Q = kFp8Queries != Fp8Format::kNone;
+  static constexpr bool kFp8QKE5m2 = kFp8Queries == Fp8Format::kE5m2;  // K's bytes are E5M2
   static_assert(!kFp8Q || (kFp8 && D == 128), "FP8 queries: FP8 pools at head_dim 128");
   // FP8 bytes of a block's K (or V) rows: the upper half of the stage.
   static constexpr int kFp8Bytes = 128 * D;

@@ -296,8 +296,8 @@ TEST(Fp8Cuda, Sm90QRowConversionMatchesDefinitionBitForBit) {
 // A random prefill batch on an FP8 pool (round picks the geometry; head_dim
 // 64 and 128, and 256 with_256): sequences of 1 .. 300 rows over up to
 // 6,000 keys, with every variant, negative scales and base-e LSEs.
-// fp8q: head_dim 128 and E4M3 pools whatever the round (the FP8-query
-// kernel's geometry).
+// fp8q: head_dim 128 whatever the round (the FP8-query kernel's geometry;
+// E4M3 and E5M2 pools alike).
 HostBatch MakeFp8PrefillBatch(int round, std::mt19937_64* rng, bool with_256 = false, bool fp8q = false) {
   HostBatch b;
   const int page_sizes[] = {16, 1, 128, 7, 64, 8};
@@ -313,7 +313,7 @@ HostBatch MakeFp8PrefillBatch(int round, std::mt19937_64* rng, bool with_256 = f
   b.geo.num_layers = 2;
   b.geo.num_pages = 14000 / b.geo.page_size + 4;
   gpu_test::MakePools(&b, rng);
-  gpu_test::QuantizePools(&b, fp8q || (round / 4) % 2 == 0 ? Fp8Format::kE4m3 : Fp8Format::kE5m2,
+  gpu_test::QuantizePools(&b, (round / 4) % 2 == 0 ? Fp8Format::kE4m3 : Fp8Format::kE5m2,
                           /*per_head=*/round % 3 != 1, rng);
   if ((*rng)() % 2 == 0) gpu_test::AddSinkSet(&b, rng);
   const int nseq = 1 + static_cast<int>((*rng)() % 4);
@@ -405,15 +405,15 @@ HostBatch WithFp8RoundedQueries(const HostBatch& b) {
 
 // The FP8-query kernel (kSm90Fp8Q: S = Q K^T in FP8) against the float64
 // reference over the dequantized pools and the queries rounded as the kernel
-// rounds them (WithFp8RoundedQueries): head_dim 128, E4M3 pools, bf16 and
-// fp16 queries, page sizes 1 .. 128, GQA, per-layer and per-head scales,
+// rounds them (WithFp8RoundedQueries): head_dim 128, E4M3 and E5M2 pools
+// (K's bytes the B operand as stored either way), bf16 and fp16 queries, page sizes 1 .. 128, GQA, per-layer and per-head scales,
 // negative scales, every variant, split plans and a grid of 3 CTAs. The
 // output bound is every kernel's (relative norm error below 1e-2); LSEs
 // within kFp8QLseTol, not 1e-3: the FP8 tensor cores sum a step's 32
 // products with fewer bits than fp32 (docs/design.md section 3, "FP8 KV
 // cache"). Its own error against the reference over the queries as sent is
 // printed (FP8_Q_ERROR lines), not bounded: it is what a user opts into. It
-// refuses E5M2 pools and head_dim 64.
+// refuses head_dim 64 and 16-bit pools.
 constexpr double kFp8QLseTol = reference::kFp8QueryLseBound;
 TEST(Fp8Cuda, Sm90Fp8QueriesMatchReferenceOverRoundedQueries) {
   ATTNSERVE_SKIP_WITHOUT_GPU();
@@ -439,9 +439,9 @@ TEST(Fp8Cuda, Sm90Fp8QueriesMatchReferenceOverRoundedQueries) {
       const double rel = gpu_test::OutputRelError(b.geo.dtype, r.o, gpu_test::CachedReference(b)->o);
       worst = std::max(worst, rel);
       std::printf(
-          "FP8_Q_ERROR round=%d q_dtype=%s rel_error_vs_unrounded_q=%.3e lse_vs_unrounded_q=%.3e "
+          "FP8_Q_ERROR round=%d kv=%s q_dtype=%s rel_error_vs_unrounded_q=%.3e lse_vs_unrounded_q=%.3e "
           "rel_error_vs_rounded_q=%.3e lse_vs_rounded_q=%.3e\n",
-          round, b.geo.dtype == KvDType::kBf16 ? "bf16" : "fp16", rel,
+          round, Fp8FormatName(b.geo.kv_fp8), b.geo.dtype == KvDType::kBf16 ? "bf16" : "fp16", rel,
           LseMaxError(r.lse, gpu_test::CachedReference(b)->lse),
           gpu_test::OutputRelError(b.geo.dtype, r.o, gpu_test::CachedReference(rounded)->o),
           LseMaxError(r.lse, gpu_test::CachedReference(rounded)->lse));
@@ -449,10 +449,11 @@ TEST(Fp8Cuda, Sm90Fp8QueriesMatchReferenceOverRoundedQueries) {
   }
   std::printf("FP8_Q_ERROR worst=%.3e\n", worst);
   EXPECT_GT(split, 3);
-  // Geometries it does not run.
-  for (int round : {4, 6}) {  // E5M2 pools at head_dim 128; head_dim 64
+  // Geometries it does not run: head_dim 64, and 16-bit pools.
+  for (int round : {6, 0}) {
     HostBatch b = MakeFp8PrefillBatch(round, &rng);
-    ASSERT_TRUE(b.geo.kv_fp8 == Fp8Format::kE5m2 || b.geo.head_dim == 64);
+    if (round == 0) b.geo.kv_fp8 = Fp8Format::kNone;  // its 16-bit pools
+    ASSERT_TRUE(!b.geo.KvIsFp8() || b.geo.head_dim == 64);
     std::string err;
     gpu_test::DeviceBatch d(b, &err);
     ASSERT_EQ(err, "");

@@ -113,28 +113,30 @@ TEST(KernelSelect, FamilyFlagValues) {
   EXPECT_FALSE(PrefillFamilyRunsOn(PrefillFamily::kSm90Fp8Q, PrefillDevice{8, 9}));
 }
 
-// sm90_fp8q (S = Q K^T in FP8): every prefill batch of an E4M3 cache at
-// head_dim 128 runs kSm90Fp8Q, short and long; no other geometry fits the
-// family (the server refuses the flag), and no other family picks it.
-TEST(KernelSelect, Fp8QueriesFamilyRunsE4m3AtHeadDim128Only) {
+// sm90_fp8q (S = Q K^T in FP8): every prefill batch of an FP8 cache (E4M3
+// or E5M2) at head_dim 128 runs kSm90Fp8Q, short and long; no other
+// geometry fits the family (the server refuses the flag), and no other
+// family picks it.
+TEST(KernelSelect, Fp8QueriesFamilyRunsFp8PoolsAtHeadDim128Only) {
   const PrefillDevice h100{9, 0};
   KvGeometry g = Geo(32, 4, 128);
   g.kv_fp8 = Fp8Format::kE4m3;
+  KvGeometry e5m2 = g;
+  e5m2.kv_fp8 = Fp8Format::kE5m2;
   const char* why = "";
-  EXPECT_TRUE(PrefillFamilyFitsGeometry(PrefillFamily::kSm90Fp8Q, g, &why));
-  for (int64_t rows : {1, 8, 64, 4096}) {
-    for (int64_t mean_kv : {0, 100, 4096}) {
-      EXPECT_EQ(ChoosePrefillKernel(g, h100, rows, PrefillFamily::kSm90Fp8Q, mean_kv), PrefillKernel::kSm90Fp8Q);
-      for (PrefillFamily other : {PrefillFamily::kAuto, PrefillFamily::kSm80, PrefillFamily::kSm90}) {
-        EXPECT_NE(ChoosePrefillKernel(g, h100, rows, other, mean_kv), PrefillKernel::kSm90Fp8Q);
+  for (const KvGeometry& f : {g, e5m2}) {
+    EXPECT_TRUE(PrefillFamilyFitsGeometry(PrefillFamily::kSm90Fp8Q, f, &why));
+    for (int64_t rows : {1, 8, 64, 4096}) {
+      for (int64_t mean_kv : {0, 100, 4096}) {
+        EXPECT_EQ(ChoosePrefillKernel(f, h100, rows, PrefillFamily::kSm90Fp8Q, mean_kv), PrefillKernel::kSm90Fp8Q);
+        for (PrefillFamily other : {PrefillFamily::kAuto, PrefillFamily::kSm80, PrefillFamily::kSm90}) {
+          EXPECT_NE(ChoosePrefillKernel(f, h100, rows, other, mean_kv), PrefillKernel::kSm90Fp8Q);
+        }
       }
     }
   }
-  KvGeometry e5m2 = g;
-  e5m2.kv_fp8 = Fp8Format::kE5m2;
-  EXPECT_FALSE(PrefillFamilyFitsGeometry(PrefillFamily::kSm90Fp8Q, e5m2, &why));
-  EXPECT_NE(std::string(why).find("--kv_dtype=fp8_e4m3"), std::string::npos) << why;
   EXPECT_FALSE(PrefillFamilyFitsGeometry(PrefillFamily::kSm90Fp8Q, Geo(32, 4, 128), &why));
+  EXPECT_NE(std::string(why).find("--kv_dtype=fp8_e4m3 or fp8_e5m2"), std::string::npos) << why;
   KvGeometry d64 = g;
   d64.head_dim = 64;
   EXPECT_FALSE(PrefillFamilyFitsGeometry(PrefillFamily::kSm90Fp8Q, d64, &why));

@@ -47,9 +47,9 @@ exits 2 "--prefill_kernel=sm90 on the cpu backend" \
   "--prefill_kernel=sm90 selects a CUDA kernel family, but the backend is cpu" \
   "${small[@]}" --prefill_kernel=sm90
 exits 2 "--prefill_kernel=sm90_fp8q on a bf16 cache" \
-  "--prefill_kernel=sm90_fp8q needs --kv_dtype=fp8_e4m3" "${small[@]}" --prefill_kernel=sm90_fp8q
+  "--prefill_kernel=sm90_fp8q needs --kv_dtype=fp8_e4m3 or fp8_e5m2" "${small[@]}" --prefill_kernel=sm90_fp8q
 exits 2 "--prefill_kernel=sm90_fp8q at head_dim 64" "--prefill_kernel=sm90_fp8q needs --head_dim=128" \
-  "${small[@]}" --prefill_kernel=sm90_fp8q --kv_dtype=fp8_e4m3
+  "${small[@]}" --prefill_kernel=sm90_fp8q --kv_dtype=fp8_e5m2
 exits 2 "--prefill_kernel=sm90_fp8q on the cpu backend" \
   "--prefill_kernel=sm90_fp8q selects a CUDA kernel family, but the backend is cpu" \
   "${small[@]}" --prefill_kernel=sm90_fp8q --kv_dtype=fp8_e4m3 --head_dim=128

@@ -5,6 +5,7 @@ stored bytes and dequantized rows, KV scales, prefill and the KV manager
 against the float64 reference over the dequantized values, the cluster's
 scales, and the errors."""
 
+import math
 import re
 
 import numpy as np
@@ -12,8 +13,8 @@ import pytest
 
 import attnserve
 from attnserve import dtypes as dt
-from attnserve.reference import (FP8_QUERY_LSE_BOUND, LSE_BOUND, KvMirror, compare,
-                                 reference_prefill, round_query_rows_to_e4m3,
+from attnserve.reference import (FP8_QUERY_LSE_BOUND, FP8_QUERY_LSE_SLOPE, LSE_BOUND, KvMirror,
+                                 compare, reference_prefill, round_query_rows_to_e4m3,
                                  within_tolerance)
 from server import TestServer
 
@@ -129,8 +130,10 @@ def test_query_rounding_matches_e4m3_on_every_16_bit_pattern(wire):
 
 def test_reference_rounds_the_rows_a_server_rounds_and_holds_them_to_their_bound():
     """A mirror of a server whose fp8_query_min_rows is 9: a sequence of 12
-    rows is computed on rounded queries and held to FP8_QUERY_LSE_BOUND, one
-    of 3 rows on the queries as sent and held to LSE_BOUND."""
+    rows is computed on rounded queries and held to the FP8-query kernel's
+    bound (FP8_QUERY_LSE_BOUND or FP8_QUERY_LSE_SLOPE times the row's largest
+    scaled sum of |q_d k_d|), one of 3 rows on the queries as sent and held
+    to LSE_BOUND."""
     rng = np.random.default_rng(11)
     info = attnserve.ServerInfo(version="", backend="cuda", device="", num_layers=1, num_pages=8,
                                 page_size=16, num_qo_heads=4, num_kv_heads=2, head_dim=64,
@@ -146,7 +149,19 @@ def test_reference_rounds_the_rows_a_server_rounds_and_holds_them_to_their_bound
     args = ([0, 3, 15], [0, 2, 4], [0, 1, 2, 3], [16, 16])
     o, lse, bound = reference_prefill(mirror, 0, q, *args, page_size=16, return_lse_bound=True)
     np.testing.assert_array_equal(q, q_sent)                  # the caller's queries untouched
-    assert (bound[:3] == LSE_BOUND).all() and (bound[3:] == FP8_QUERY_LSE_BOUND).all()
+    assert (bound[:3] == LSE_BOUND).all() and (bound[3:] >= FP8_QUERY_LSE_BOUND).all()
+    # Row 14 (the last, at position 31 of its 32 keys), from the definition.
+    k_rows = mirror.rows(0, list(range(32, 64)))[0]             # [32, Hkv, D], dequantized
+    q14 = round_query_rows_to_e4m3(q[14])
+    for h in range(4):
+        mag = max(sum(abs(q14[h, c] * k_rows[j, h // 2, c]) for c in range(64)) for j in range(32))
+        want = max(FP8_QUERY_LSE_BOUND, FP8_QUERY_LSE_SLOPE * mag / 8 / math.log(2.0))
+        assert bound[14, h] == pytest.approx(want, rel=1e-12)
+    assert (bound[3:] > FP8_QUERY_LSE_BOUND).any()
+    # Queries twice as large round to twice the values: every bound past the floor doubles.
+    _, _, bound2 = reference_prefill(mirror, 0, 2 * q, *args, page_size=16, return_lse_bound=True)
+    past = bound[3:] > FP8_QUERY_LSE_BOUND
+    np.testing.assert_allclose(bound2[3:][past], 2 * bound[3:][past], rtol=1e-12)
     o_sent, lse_sent = reference_prefill(mirror, 0, q, *args, page_size=16, fp8_query_min_rows=0)
     rounded = q.copy()
     rounded[3:] = round_query_rows_to_e4m3(q[3:])
@@ -162,8 +177,9 @@ def test_reference_rounds_the_rows_a_server_rounds_and_holds_them_to_their_bound
         got[row, 1] += delta
         return within_tolerance(compare(o, lse, o.astype(np.float32), got, bound))
     assert check(5, 2e-3)            # a rounded row, within its bound
+    assert check(5, 0.5 * bound[5, 1])
     assert not check(1, 2e-3)        # a row of the short sequence, past 1e-3
-    assert not check(5, 5e-3)        # past every bound
+    assert not check(5, 1.5 * bound[5, 1])   # past its bound
     c = compare(o, lse, o.astype(np.float32), lse + 2e-3, bound)
     assert c["lse_rows_over_bound"] == 3 * 4 and not within_tolerance(c)
     # Without bounds, compare and within_tolerance hold every row to 1e-3.

@@ -49,10 +49,13 @@ def as_float64(x, wire_dtype: int = _dt.DTYPE_BF16) -> np.ndarray:
 # LSE's own units; docs/design.md section 3): every row's, and the rows of
 # sequences a server computes on queries rounded to E4M3
 # (ServerInfo.fp8_query_min_rows, --prefill_kernel=sm90_fp8q, whose FP8 tensor
-# cores sum with fewer bits than fp32). The C++ reference's kLseBound and
-# kFp8QueryLseBound.
+# cores sum a step's 32 products with about 13 bits): FP8_QUERY_LSE_BOUND or
+# FP8_QUERY_LSE_SLOPE times the row's largest |sm_scale| sum_d |q_d k_jd|
+# over the keys it sees (in the LSE's units), whichever is larger. The C++
+# reference's kLseBound, kFp8QueryLseBound and kFp8QueryLseSlope.
 LSE_BOUND = 1e-3
 FP8_QUERY_LSE_BOUND = 4e-3
+FP8_QUERY_LSE_SLOPE = 1.0 / 1024
 
 
 def round_query_rows_to_e4m3(q, wire_dtype: int = _dt.DTYPE_BF16) -> np.ndarray:
@@ -231,7 +234,8 @@ def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_
     that many rows are rounded as the server rounds them
     (round_query_rows_to_e4m3) before the math; 0: none. return_lse_bound:
     also return each LSE entry's bound [total_q, Hq] for compare
-    (FP8_QUERY_LSE_BOUND on those rows, LSE_BOUND on the others)."""
+    (the FP8-query kernel's on those rows, at least FP8_QUERY_LSE_BOUND;
+    LSE_BOUND on the others)."""
     o_window = o_cap = o_sinks = None
     if options is not None:
         get = options.get if isinstance(options, dict) else (lambda k: getattr(options, k))
@@ -269,10 +273,10 @@ def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_
         k = np.repeat(k, group, axis=1)                      # [kv_len, Hq, D]
         v = np.repeat(v, group, axis=1)
         sink = sinks if sinks is not None and apply[b] else None
-        if 0 < fp8_query_min_rows <= q_len:
+        rounds = 0 < fp8_query_min_rows <= q_len
+        if rounds:
             q64[qo[b]:qo[b + 1]] = round_query_rows_to_e4m3(q64[qo[b]:qo[b + 1]],
                                                             mirror.wire_dtype)
-            lse_bound[qo[b]:qo[b + 1]] = FP8_QUERY_LSE_BOUND
         for i in range(q_len):
             row = qo[b] + i
             pos = i + kv_len - q_len + after[b]
@@ -283,6 +287,10 @@ def reference_prefill(mirror: KvMirror, layer: int, q, qo_indptr, kv_indptr, kv_
                     lse[row] = sink if lse_base == "e" else sink / math.log(2.0)
                 continue
             logits = np.einsum("hd,jhd->hj", q64[row], k[begin:end]) * scale   # [Hq, keys]
+            if rounds:   # the largest sum of |products|, scaled as a logit, in the LSE's units
+                mag = np.einsum("hd,jhd->hj", np.abs(q64[row]), np.abs(k[begin:end])).max(axis=1)
+                mag = mag * abs(scale) / (1.0 if lse_base == "e" else math.log(2.0))
+                lse_bound[row] = np.maximum(FP8_QUERY_LSE_BOUND, FP8_QUERY_LSE_SLOPE * mag)
             if cap > 0:
                 logits = cap * np.tanh(logits / cap)
             m = logits.max(axis=1, keepdims=True)
