@@ -40,19 +40,23 @@ def _definition(fmt):
     return np.array(values), np.array(bits)
 
 
+def _nearest(a, fmt):
+    """Index into _definition(fmt) of the value nearest each magnitude a (of
+    two equally near, the even bit pattern; the largest at or past it)."""
+    values, bits = _definition(fmt)
+    with np.errstate(invalid="ignore"):   # NaN magnitudes: their callers' own answer
+        dist = np.abs(a[:, None] - values[None, :])
+        best = dist.min(axis=1, keepdims=True)
+        tie_even = np.where(dist == best, np.where(bits % 2 == 0, 0, 1), 2)
+        return np.where(a >= values[-1], len(values) - 1, np.argmin(tie_even, axis=1))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantizer_matches_the_definition_on_every_bf16_pattern(fmt):
     values, bits = _definition(fmt)
     x = dt.bf16_bits_to_float32(np.arange(65536, dtype=np.uint32).astype(np.uint16))
     got = dt.float_to_fp8_bits(x, fmt)
-    a = np.abs(x.astype(np.float64))
-    dist = np.abs(a[:, None] - values[None, :])
-    best = dist.min(axis=1, keepdims=True)
-    # Nearest; of two equally near, the even bit pattern; saturation at max.
-    tie_even = np.where(dist == best, np.where(bits % 2 == 0, 0, 1), 2)
-    want = bits[np.argmin(tie_even, axis=1)]
-    with np.errstate(invalid="ignore"):
-        want = np.where(a >= values[-1], bits[-1], want)
+    want = bits[_nearest(np.abs(x.astype(np.float64)), fmt)]
     want = (want | np.where(np.signbit(x), 0x80, 0)).astype(np.uint8)
     want = np.where(np.isnan(x), 0x7F, want)
     np.testing.assert_array_equal(got, want)
@@ -77,7 +81,7 @@ def _round_rows_by_definition(x):
     E4M3's values: e such that the row's largest finite |x| times 2^e lies in
     [128, 256) (clamped to [-100, 100]; 0 for a zero row), then the nearest
     E4M3 value of x 2^e (ties to the even pattern, +-448 past it), times 2^-e."""
-    values, bits = _definition("fp8_e4m3")
+    values, _ = _definition("fp8_e4m3")
     out = np.empty_like(x)
     for r, row in enumerate(x):
         finite = row[np.isfinite(row)]
@@ -89,12 +93,7 @@ def _round_rows_by_definition(x):
             while a * 2.0 ** e < 128:
                 e += 1
             e = min(max(e, -100), 100)
-        with np.errstate(invalid="ignore"):   # NaN elements: NaN below
-            y = np.abs(row) * 2.0 ** e
-            dist = np.abs(y[:, None] - values[None, :])
-            best = dist.min(axis=1, keepdims=True)
-            tie_even = np.where(dist == best, np.where(bits % 2 == 0, 0, 1), 2)
-            nearest = np.where(y >= values[-1], values[-1], values[np.argmin(tie_even, axis=1)])
+        nearest = values[_nearest(np.abs(row) * 2.0 ** e, "fp8_e4m3")]   # NaN elements: NaN below
         out[r] = np.where(np.isnan(row), np.nan, np.copysign(nearest, row) * 2.0 ** -e)
     return out
 
