@@ -65,7 +65,8 @@ def release_orphan_plans(admin):
 
 
 class Workload:
-    """What both workloads share: the model, the counts, the steps' data."""
+    """What both workloads share: the model, the counts, the steps' data, the
+    rounds of faults (run)."""
 
     def __init__(self, seed: int, info):
         self.rng = np.random.default_rng(seed)
@@ -114,6 +115,47 @@ class Workload:
         for sid in ids:
             self.lens.pop(sid, None)
             self.model.erase(sid)
+
+    # run()'s settings and hooks, each workload's own: the rates of both
+    # faults, how many restarts spread over the rounds, restart_one() (a
+    # server restarted), the holder release() empties (a KvManager or a
+    # Cluster) and the admin clients of the servers a lease bounds.
+    FAULT_RATE = 0.2
+    RESTART_SPREAD = 3
+
+    def run(self, rounds: int, min_injected: int = 0):
+        """rounds rounds with the restarts spread over them, then more rounds
+        (no restarts, at most `rounds` more) until min_injected faults were
+        injected: how many calls a round makes, and so how many faults it
+        draws, depends on the machine's timing."""
+        self.faults.set_rates(unreachable=self.FAULT_RATE, reply_lost=self.FAULT_RATE)
+        for round_ in _rounds(rounds, lambda: self.faults.injected < min_injected):
+            if round_ < rounds and round_ and round_ % (rounds // self.RESTART_SPREAD + 1) == 0:
+                if self.restart_due:
+                    self.restart_one()
+                self.restart_due = True
+            action = self.pick.randrange(100)
+            if action < 2:
+                holder = self.holder()
+                try:
+                    holder.release()
+                    error = None
+                except attnserve.AttnserveError as e:
+                    error = e
+                assert not holder.sequences and not holder.lost
+                self.model.clear()
+                self.lens.clear()
+                if error is not None:
+                    self.settle(error)
+            elif action < 25 and self.lens:
+                ids = [sid for sid in self.lens if self.pick.randrange(3) == 0]
+                if ids:
+                    self.finish(ids)
+            else:
+                self.step()
+            if self.lease:  # a lease bounds what the servers hold for it
+                for admin in self.lease_admins():
+                    assert held(admin) == ([], []), round_
 
     def report(self, name, faults):
         print(f"[faults] {name}: injected {faults.injected} (unreachable "
@@ -239,37 +281,14 @@ class ManagerWorkload(Workload):
                 return
             self.disturb()
 
-    def run(self, rounds: int, min_injected: int = 0):
-        """rounds rounds with the restarts spread over them, then more rounds
-        (no restarts, at most `rounds` more) until min_injected faults were
-        injected: how many calls a round makes, and so how many faults it
-        draws, depends on the machine's timing."""
-        self.faults.set_rates(unreachable=0.2, reply_lost=0.2)
-        for round_ in _rounds(rounds, lambda: self.faults.injected < min_injected):
-            if round_ < rounds and round_ and round_ % (rounds // 3 + 1) == 0:
-                if self.restart_due:
-                    self.restart()
-                self.restart_due = True
-            action = self.pick.randrange(100)
-            if action < 2:
-                try:
-                    self.mgr.release()
-                    error = None
-                except attnserve.AttnserveError as e:
-                    error = e
-                assert not self.mgr.sequences and not self.mgr.lost
-                self.model.clear()
-                self.lens.clear()
-                if error is not None:
-                    self.settle(error)
-            elif action < 25 and self.lens:
-                ids = [sid for sid in self.lens if self.pick.randrange(3) == 0]
-                if ids:
-                    self.finish(ids)
-            else:
-                self.step()
-            if self.lease:  # a manager with a lease holds nothing outside it
-                assert held(self.admin) == ([], []), round_
+    def restart_one(self):
+        self.restart()
+
+    def holder(self):
+        return self.mgr
+
+    def lease_admins(self):
+        return [self.admin]
 
     def check_nothing_held(self):
         if self.restart_due:
@@ -409,6 +428,8 @@ def test_async_manager_no_wrong_result_under_injected_failures():
 
 class ClusterWorkload(Workload):
     SERVERS = 3
+    FAULT_RATE = 0.1
+    RESTART_SPREAD = 4
 
     def __init__(self, lease: bool, seed: int):
         # Without a lease, pages leak: room for them.
@@ -525,35 +546,14 @@ class ClusterWorkload(Workload):
                 return
             self.disturb()
 
-    def run(self, rounds: int, min_injected: int = 0):
-        """As ManagerWorkload.run."""
-        self.faults.set_rates(unreachable=0.1, reply_lost=0.1)
-        for round_ in _rounds(rounds, lambda: self.faults.injected < min_injected):
-            if round_ < rounds and round_ and round_ % (rounds // 4 + 1) == 0:
-                if self.restart_due:
-                    self.restart(self.pick.randrange(self.SERVERS))
-                self.restart_due = True
-            action = self.pick.randrange(100)
-            if action < 2:
-                try:
-                    self.cluster.release()
-                    error = None
-                except attnserve.AttnserveError as e:
-                    error = e
-                assert not self.cluster.sequences and not self.cluster.lost
-                self.model.clear()
-                self.lens.clear()
-                if error is not None:
-                    self.settle(error)
-            elif action < 25 and self.lens:
-                ids = [sid for sid in self.lens if self.pick.randrange(3) == 0]
-                if ids:
-                    self.finish(ids)
-            else:
-                self.step()
-            if self.lease:  # the managers hold nothing outside their leases
-                for admin in self.admins:
-                    assert held(admin) == ([], []), round_
+    def restart_one(self):
+        self.restart(self.pick.randrange(self.SERVERS))
+
+    def holder(self):
+        return self.cluster
+
+    def lease_admins(self):
+        return self.admins
 
     def check_nothing_held(self):
         if self.restart_due:
