@@ -22,6 +22,7 @@
 //
 // Usage: attnserve_decode_bench [--quick] [--only=WORKLOAD[,WORKLOAD...]]
 //                               [--four_ctas=-1|0|1] [--kv_heads=N] [--trace]
+//                               [--trace_dump=PATH]
 //   --only: run the workloads of those names alone (e.g. decode_b1, for ncu)
 //   --four_ctas: DecodeLaunchOptions::four_ctas of every decode launch (FP8,
 //     head_dim 128: the kernel compiled for four CTAs an SM; -1, the
@@ -31,7 +32,10 @@
 //     the same bytes a KV head, the pool's rows N heads wide
 //   --trace: one more launch of each decode workload with per-CTA stamps
 //     (DecodeLaunchOptions::trace), printed as a "TRACE ..." line: when the
-//     CTAs started, how long each streamed its K/V, and the tail
+//     CTAs started, how long each streamed its K/V, and the tail; and a
+//     "TRACE_PAIRS ..." line: on SMs holding two CTAs, the faster and the
+//     slower one
+//   --trace_dump: with --trace, every traced CTA appended to PATH as CSV
 // Prints one "RESULT key=value ..." line per measurement, then a table with
 // the targets.
 #include <cuda_runtime.h>
@@ -67,6 +71,10 @@ int g_kv_heads = 4;
 // --trace: after the timed runs, one more launch of each decode workload
 // with DecodeLaunchOptions::trace, summarized by PrintTrace.
 bool g_trace = false;
+// --trace_dump=PATH: with --trace, every traced CTA appended to PATH as CSV
+// (workload, page_size, cta, sm, then ns from the launch's first start:
+// start, streamed, end).
+std::string g_trace_dump;
 
 // One traced launch (kDecodeTraceWords words a CTA): when the CTAs started,
 // how long each streamed its K/V, and when the number still streaming fell
@@ -98,6 +106,35 @@ void PrintTrace(const std::string& name, int page_size, const std::vector<unsign
     } else {
       shared += took[i];
       ++n_shared;
+    }
+  }
+  // SMs holding two CTAs: the faster and the slower one's streaming time,
+  // and how often the CTA that started first is the faster (us).
+  std::vector<std::vector<size_t>> on_sm(1024);
+  for (size_t i = 0; i < n; ++i) on_sm[at(i, kDecodeTraceSm) % 1024].push_back(i);
+  double pair_fast = 0, pair_slow = 0;
+  int pairs = 0, first_faster = 0;
+  for (const auto& v : on_sm) {
+    if (v.size() != 2) continue;
+    const size_t a = at(v[0], kDecodeTraceStart) <= at(v[1], kDecodeTraceStart) ? v[0] : v[1];
+    const size_t b = a == v[0] ? v[1] : v[0];
+    pair_fast += std::min(took[a], took[b]);
+    pair_slow += std::max(took[a], took[b]);
+    first_faster += took[a] <= took[b];
+    ++pairs;
+  }
+  std::printf("TRACE_PAIRS workload=%s page_size=%d sm_pairs=%d stream_us_faster=%.2f stream_us_slower=%.2f "
+              "first_started_faster=%d\n",
+              name.c_str(), page_size, pairs, pairs ? pair_fast / pairs : 0.0, pairs ? pair_slow / pairs : 0.0,
+              first_faster);
+  if (!g_trace_dump.empty()) {
+    if (FILE* f = std::fopen(g_trace_dump.c_str(), "a")) {
+      for (size_t i = 0; i < n; ++i) {
+        auto rel = [&](int k) { return static_cast<long long>(at(i, k) - t0); };
+        std::fprintf(f, "%s,%d,%zu,%llu,%lld,%lld,%lld\n", name.c_str(), page_size, i, at(i, kDecodeTraceSm),
+                     rel(kDecodeTraceStart), rel(kDecodeTraceStreamed), rel(kDecodeTraceEnd));
+      }
+      std::fclose(f);
     }
   }
   std::sort(streamed.begin(), streamed.end());
@@ -560,8 +597,10 @@ int main(int argc, char** argv) {
       if (!BenchIntArg("--kv_heads", argv[i] + 11, 1, 64, &g_kv_heads)) return 2;
     } else if (std::strcmp(argv[i], "--trace") == 0) {
       g_trace = true;
+    } else if (std::strncmp(argv[i], "--trace_dump=", 13) == 0) {
+      g_trace_dump = argv[i] + 13;
     } else {
-      std::fprintf(stderr, "usage: %s [--quick] [--only=WORKLOAD] [--four_ctas=-1|0|1] [--kv_heads=1..64] [--trace]\n",
+      std::fprintf(stderr, "usage: %s [--quick] [--only=WORKLOAD] [--four_ctas=-1|0|1] [--kv_heads=1..64] [--trace] [--trace_dump=PATH]\n",
                    argv[0]);
       return 2;
     }

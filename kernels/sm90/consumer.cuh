@@ -47,10 +47,29 @@ __device__ __forceinline__ void QuadTranspose(uint32_t (&w)[4], int j) {
   }
 }
 
+// Folds a[0 .. 2W) and b[0 .. 2W) pairwise into a[0] and b[0]: a tree of
+// log2(2W) levels, the two arrays' levels side by side.
+template <int W, int N, typename Op>
+__device__ __forceinline__ void TreeFold(float (&a)[N], float (&b)[N], Op op) {
+  static_assert(W >= 1 && 2 * W <= N && (W & (W - 1)) == 0, "a power of two");
+#pragma unroll
+  for (int n = 0; n < W; ++n) {
+    a[n] = op(a[n], a[n + W]);
+    b[n] = op(b[n], b[n + W]);
+  }
+  if constexpr (W > 1) TreeFold<W / 2>(a, b, op);
+}
+
 template <typename Tr, typename T, bool kTrace>
 __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, const CtaSmem<Tr>& cs, int tid, int wg) {
   constexpr int D = Tr::kD;
   constexpr int KB = Tr::kKB;
+  // Interleaved chains of the softmax's row maxima (a power of two; see
+  // softmax): four in the plain kernels on 16-bit pools; one on FP8 pools,
+  // where more chains measured slower on `batch` and 32 x 512 (an H100,
+  // same-call A/B: bench/results/2026-12-07-session44-h100.md), and in the
+  // kernels with soft-caps or sinks, whose registers then spill.
+  constexpr int kChains = Tr::kFp8 || Tr::kSoftCap || Tr::kSinks ? 1 : 4;
   constexpr int SK = Tr::kKStages;
   constexpr int SV = Tr::kVStages;
   constexpr int QB = Tr::kQBufs;
@@ -240,17 +259,47 @@ __device__ __forceinline__ void ConsumerRole(const PrefillKernelArgs& args, cons
       bool rescale = false;
       alpha[0] = alpha[1] = 1.f;
       if (!fixed_max) {
+        // Each row's block maximum over the thread's KB / 4 logits, times
+        // its multiplier. With kChains > 1 in that many interleaved chains,
+        // then folded (KB / 8 / kChains + log2(kChains) dependent steps
+        // instead of a chain of KB / 8; the same value), both rows' chains
+        // and shuffles side by side; with one, a row at a time.
         float mx2[2];
         bool grow = false;
+        if constexpr (kChains == 1) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float mx = -INFINITY;
+          for (int h = 0; h < 2; ++h) {
+            float mx = -INFINITY;
 #pragma unroll
-          for (int n = 0; n < KB / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          mx2[h] = mx * mul[h];
-          grow |= mx2[h] > m_run[h] + kLazyRescale;
+            for (int n = 0; n < KB / 8; ++n) mx = fmaxf(mx, fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx2[h] = mx * mul[h];
+            grow |= mx2[h] > m_run[h] + kLazyRescale;
+          }
+        } else {
+          float v[2][kChains];
+#pragma unroll
+          for (int n = 0; n < KB / 8; ++n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float x = fmaxf(s[4 * n + 2 * h], s[4 * n + 2 * h + 1]);
+              v[h][n % kChains] = n < kChains ? x : fmaxf(v[h][n % kChains], x);
+            }
+          }
+          TreeFold<kChains / 2>(v[0], v[1], [](float a, float b) { return fmaxf(a, b); });
+#pragma unroll
+          for (int o = 1; o <= 2; o <<= 1) {
+            const float x0 = __shfl_xor_sync(0xffffffffu, v[0][0], o);
+            const float x1 = __shfl_xor_sync(0xffffffffu, v[1][0], o);
+            v[0][0] = fmaxf(v[0][0], x0);
+            v[1][0] = fmaxf(v[1][0], x1);
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            mx2[h] = v[h][0] * mul[h];
+            grow |= mx2[h] > m_run[h] + kLazyRescale;
+          }
         }
         rescale = __any_sync(0xffffffffu, grow);
 #pragma unroll
