@@ -389,6 +389,7 @@ Result RunPrefill(const Workload& w, int page_size, const PrefillKernel* forced,
     p.seqs = static_cast<PrefillSeq*>(d_seqs);
     p.sinks = w.sinks ? static_cast<const float*>(d_sinks) : nullptr;
     p.any_soft_cap = AnySoftCap(seqs.data(), w.batch);
+    p.mean_kv_per_row = MeanKvPerRow(seqs.data(), w.batch);  // as the server sets it
     p.num_seqs = w.batch;
     p.total_q = w.batch * w.q_len;
     p.geo = g;

@@ -83,6 +83,13 @@ struct PagedPrefillParams {
   // without the sinks' code only when sinks is null). Whoever fills seqs
   // sets it (AnySoftCap below).
   bool any_soft_cap = false;
+  // The batch's mean KV length per query row (MeanKvPerRow below, over the
+  // sequences the prefill family runs; 0: not given). On 16-bit pools the
+  // sm90 family loads pages by the tensor copy engine only at
+  // kSm90TensorCopyMinMeanKv keys and up (kernels/plan/kernel_select.h,
+  // Sm90TensorCopies), by cp.async below it; 0 takes the tensor copies
+  // wherever the pages allow.
+  int64_t mean_kv_per_row = 0;
   int32_t num_seqs = 0;
   int32_t total_q = 0;          // rows of q / o / lse
   KvGeometry geo;
@@ -92,6 +99,18 @@ struct PagedPrefillParams {
   // persistent_ctas should match. Tests set a few to run many items per CTA.
   int32_t max_ctas = 0;
 };
+
+// The mean KV length per query row of seqs[0, n): sum(q_len * kv_len) /
+// sum(q_len), 0 when they have no rows (mean_kv_per_row; the measure
+// ChoosePrefillKernel takes too).
+inline int64_t MeanKvPerRow(const PrefillSeq* seqs, int32_t n) {
+  int64_t rows = 0, row_keys = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    rows += seqs[i].q_len;
+    row_keys += int64_t{seqs[i].q_len} * seqs[i].kv_len;
+  }
+  return rows > 0 ? row_keys / rows : 0;
+}
 
 // Whether any of seqs[0, n) has a soft-cap (any_soft_cap).
 inline bool AnySoftCap(const PrefillSeq* seqs, int32_t n) {

@@ -110,6 +110,27 @@ bool PrefillFamilyFitsGeometry(PrefillFamily family, const KvGeometry& geo, cons
 // against 87 / 88. Below 128 keys it was not measured and stays on sm80.
 inline constexpr int64_t kAutoSm90MinMeanKv = 128;
 
+// Smallest mean KV length per query row (as for kAutoSm90MinMeanKv) at which
+// the sm90 family loads pages of 8 rows or more by the tensor copy engine on
+// 16-bit pools; below it, by cp.async as at page_size 1. On short sequences
+// the tensor copies lost: an H100, same-call A/B, bf16, causal 16k / n
+// sequences of n keys, cp.async against tensor copies at page_size 16 / 64:
+// n = 256 +8.1% / +6.5%, 512 +6.9% / +2.6%, 1024 +3.3% / 0.0%, 2048 -1.7% /
+// -2.4%, 4096 -3.1% / -3.9%; `batch`, `prefix` and `long` -0.7 to -5.1%
+// (bench/results/2026-12-07-session44-h100.md, c8; with this rule, c9:
+// +7.8 / +5.1% at 256 keys, +8.5 / +3.4% at 512, +2.9 / +0.3% at 1024, the
+// longer workloads on the same kernel as before). The two loads give the
+// same bits (PagedPrefillCuda.TensorCopiesAndCpAsyncBothMatch). FP8 pools
+// keep the tensor copies at every length (cp.async within 1% below 2k keys,
+// behind above).
+inline constexpr int64_t kSm90TensorCopyMinMeanKv = 1536;
+
+// Whether the sm90 family may load this batch's pages by the tensor copy
+// engine (PagedPrefillParams::mean_kv_per_row; 0: not given, yes).
+inline bool Sm90TensorCopies(const KvGeometry& geo, int64_t mean_kv_per_row) {
+  return geo.KvIsFp8() || mean_kv_per_row <= 0 || mean_kv_per_row >= kSm90TensorCopyMinMeanKv;
+}
+
 // The kernel for a batch whose longest sequence packs max_packed_rows rows
 // (q_len * num_qo_heads / num_kv_heads) and whose query rows see
 // mean_kv_per_row keys on average (as for kAutoSm90MinMeanKv), among the

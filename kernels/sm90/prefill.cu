@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kernels/plan/kernel_select.h"
 #include "kernels/sm90/launch.cuh"
 
 namespace attnserve {
@@ -146,12 +147,14 @@ bool EncodeCacheMap(const void* cache, const KvGeometry& geo, int rows, CUtensor
 // The K and V tensor maps for Traits::kTma, kept per thread for the last
 // caches and geometry (a server launches on the same caches every time).
 // Leaves args->tma_run 0 (cp.async alone) for pages of fewer than 8 rows
-// (whose boxes would not be 1024-byte aligned in the stage), or when the maps
+// (whose boxes would not be 1024-byte aligned in the stage), for batches of
+// short sequences on 16-bit pools (Sm90TensorCopies), or when the maps
 // cannot be made (the driver lacks the entry point, or the slots of every
 // layer do not fit the kernel's 32-bit coordinates).
 void SetTmaMaps(const PagedPrefillParams& params, PrefillKernelArgs* args) {
   const KvGeometry& geo = params.geo;
   args->tma_run = 0;
+  if (!Sm90TensorCopies(geo, params.mean_kv_per_row)) return;
   const int64_t total_slots = geo.SlotsPerLayer() * geo.num_layers;
   if (total_slots <= 0 || total_slots >= INT32_MAX) return;
   // Rows per box: the largest power of two that divides page_size, at most

@@ -159,6 +159,9 @@ struct PrefillRun {
   // on their rows rounded as the FP8-query kernel rounds them, and holds
   // each LSE to its row's bound (CachedReference's fp8_query_min_rows).
   int fp8_query_min_rows = 0;
+  // PagedPrefillParams::mean_kv_per_row (0: tensor copies wherever the pages
+  // allow; the batch's own mean: as the server runs it).
+  int64_t mean_kv_per_row = 0;
 };
 
 // Plan + prefill kernel (+ split merge), once, against the reference.
@@ -193,6 +196,7 @@ inline RunResult RunPrefill(const HostBatch& b, PrefillKernel kernel, const Pref
   if (!err.empty()) return res;
   PagedPrefillParams p = d.Params();
   p.max_ctas = run.max_ctas;
+  p.mean_kv_per_row = run.mean_kv_per_row;
   if (run.drop_scales) p.k_scales = p.v_scales = nullptr;
   // Twice: against the reference, then the same bits again.
   for (int again = 0; again < 2; ++again) {

@@ -8,8 +8,10 @@
 // (gpu_test::CachedReference).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "kernels/kv/kv_rows_cuda.h"
 #include "kernels/merge/merge_cuda.h"
+#include "kernels/plan/kernel_select.h"
 #include "kernels/prefill_cuda.h"
 #include "tests/gpu/family_run.h"
 
@@ -39,8 +42,10 @@ PrefillKernel KernelOf(PrefillKernel param, int variant, int head_dim) {
 }
 
 RunResult RunAndCheck(const HostBatch& b, PrefillKernel kernel, bool force_split, int min_chunk,
-                      int32_t max_ctas = 0, int32_t plan_ctas = -1) {
-  return gpu_test::RunPrefill(b, kernel, PrefillRun{force_split, min_chunk, max_ctas, plan_ctas});
+                      int32_t max_ctas = 0, int32_t plan_ctas = -1, int64_t mean_kv_per_row = 0) {
+  PrefillRun run{force_split, min_chunk, max_ctas, plan_ctas};
+  run.mean_kv_per_row = mean_kv_per_row;
+  return gpu_test::RunPrefill(b, kernel, run);
 }
 
 std::string Describe(const HostBatch& b, PrefillKernel kernel, bool split) {
@@ -113,10 +118,14 @@ TEST_P(PagedPrefillCuda, RandomRaggedBatches) {
     const int32_t grids[] = {0, 0, 1, 2, 3, 7};
     const int32_t max_ctas = grids[rng() % 6];
     const int32_t plan_ctas = rng() % 4 == 0 ? static_cast<int32_t>(1 + rng() % 5) : -1;
-    const RunResult r = RunAndCheck(b, kernel, force_split, min_chunk, max_ctas, plan_ctas);
+    // Half the batches as the server runs them (their mean KV length per row:
+    // at page_size 16 and 64 these short batches load by cp.async on the
+    // sm90 family), half with the tensor copies wherever the pages allow.
+    const int64_t mean_kv = rng() % 2 ? MeanKvPerRow(b.seqs.data(), static_cast<int32_t>(b.seqs.size())) : 0;
+    const RunResult r = RunAndCheck(b, kernel, force_split, min_chunk, max_ctas, plan_ctas, mean_kv);
     splits += r.split;
     ASSERT_EQ(r.error, "") << "batch " << it << " (max_ctas " << max_ctas << ", plan_ctas " << plan_ctas
-                           << "): " << Describe(b, kernel, r.split);
+                           << ", mean_kv_per_row " << mean_kv << "): " << Describe(b, kernel, r.split);
   }
   EXPECT_GT(splits, 20) << "too few batches exercised split-KV";
 }
@@ -259,6 +268,45 @@ TEST_P(PagedPrefillCuda, CausalShift) {
       EXPECT_EQ(r.error, "") << Describe(b, kernel, r.split);
     }
   }
+}
+
+// The sm90 family's two loads of pages of 16 and 64 rows, the tensor copy
+// engine's (mean_kv_per_row 0) and cp.async's (a short batch's mean, as the
+// server runs it: Sm90TensorCopies), on the same batches: each against the
+// reference. Prints whether the two gave the same bits.
+TEST_P(PagedPrefillCuda, TensorCopiesAndCpAsyncBothMatch) {
+  if (GetParam() != PrefillKernel::kSm90Overlap) GTEST_SKIP() << "the serving sm90 kernel's choice";
+  std::mt19937_64 rng(20261207);
+  int same = 0, runs = 0;
+  for (int it = 0; it < 24; ++it) {
+    HostBatch b;
+    b.geo.head_dim = it % 3 == 0 ? 64 : 128;
+    b.geo.num_qo_heads = 8;
+    b.geo.num_kv_heads = 2;
+    b.geo.page_size = it % 2 ? 64 : 16;
+    b.geo.dtype = it % 4 < 2 ? KvDType::kBf16 : KvDType::kFp16;
+    b.geo.num_layers = 2;
+    b.geo.num_pages = std::max(4, 6000 / b.geo.page_size);
+    gpu_test::MakePools(&b, &rng);
+    const int nseq = 1 + rng() % 4;
+    for (int s = 0; s < nseq; ++s) {
+      const int q_len = 1 + rng() % 300;
+      const int kv_len = q_len + rng() % 900;
+      gpu_test::AddSeq(&b, q_len, kv_len, rng() % 2, rng() % 4 != 0, false,
+                       1.f / std::sqrt(float(b.geo.head_dim)), &rng);
+    }
+    gpu_test::FinishBatch(&b, 1.f, &rng);
+    const int64_t mean_kv = MeanKvPerRow(b.seqs.data(), static_cast<int32_t>(b.seqs.size()));
+    ASSERT_FALSE(Sm90TensorCopies(b.geo, mean_kv)) << "a batch meant for cp.async: mean " << mean_kv;
+    const PrefillKernel kernel = Kernel(it % 2, b.geo.head_dim);
+    const RunResult copies = RunAndCheck(b, kernel, it % 3 == 1, 128, 0, -1, 0);
+    ASSERT_EQ(copies.error, "") << "tensor copies, batch " << it << ": " << Describe(b, kernel, copies.split);
+    const RunResult async = RunAndCheck(b, kernel, it % 3 == 1, 128, 0, -1, mean_kv);
+    ASSERT_EQ(async.error, "") << "cp.async, batch " << it << ": " << Describe(b, kernel, async.split);
+    same += copies.o == async.o && copies.lse == async.lse;
+    ++runs;
+  }
+  std::printf("TENSOR_COPIES_CP_ASYNC_SAME_BITS %d of %d batches\n", same, runs);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, PagedPrefillCuda,

@@ -2,8 +2,10 @@
 #include "kernels/plan/kernel_select.h"
 
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/paged_prefill.h"
 
 namespace attnserve {
 namespace {
@@ -182,6 +184,36 @@ TEST(KernelSelect, Fp8PoolsChooseAsSixteenBitPools) {
   }
   EXPECT_GT(sm90, 0);
   EXPECT_GT(sm80, 0);
+}
+
+// The sm90 family's loads: tensor copies for 16-bit pools from
+// kSm90TensorCopyMinMeanKv keys a row up (or when the mean is not given),
+// cp.async below; FP8 pools always tensor copies. The mean is
+// MeanKvPerRow's: sum(q_len * kv_len) / sum(q_len).
+TEST(KernelSelect, Sm90TensorCopiesFromTheMeanKvPerRow) {
+  KvGeometry g16 = Geo(32, 4, 128);
+  KvGeometry g8 = g16;
+  g8.kv_fp8 = Fp8Format::kE4m3;
+  EXPECT_TRUE(Sm90TensorCopies(g16, 0));
+  EXPECT_FALSE(Sm90TensorCopies(g16, 1));
+  EXPECT_FALSE(Sm90TensorCopies(g16, kSm90TensorCopyMinMeanKv - 1));
+  EXPECT_TRUE(Sm90TensorCopies(g16, kSm90TensorCopyMinMeanKv));
+  EXPECT_TRUE(Sm90TensorCopies(g16, 16384));
+  for (int64_t m : {int64_t{0}, int64_t{1}, int64_t{512}, kSm90TensorCopyMinMeanKv, int64_t{16384}}) {
+    EXPECT_TRUE(Sm90TensorCopies(g8, m)) << m;
+  }
+
+  std::vector<PrefillSeq> seqs(3);
+  seqs[0].q_len = 512;  // 32 x 512 causal's kind: 512 keys a row
+  seqs[0].kv_len = 512;
+  seqs[1].q_len = 0;  // no rows: not counted
+  seqs[1].kv_len = 100000;
+  seqs[2].q_len = 1;  // a decode row over 8k keys
+  seqs[2].kv_len = 8192;
+  EXPECT_EQ(MeanKvPerRow(seqs.data(), 3), (512 * 512 + 8192) / 513);
+  EXPECT_EQ(MeanKvPerRow(seqs.data(), 0), 0);
+  EXPECT_EQ(MeanKvPerRow(seqs.data() + 1, 1), 0);
+  EXPECT_FALSE(Sm90TensorCopies(g16, MeanKvPerRow(seqs.data(), 3)));
 }
 
 }  // namespace

@@ -61,6 +61,7 @@ absl::Status BatchPacker::Flatten(absl::Span<const PrefillTask> tasks, PackedBat
   seqs_.clear();
   sinks_.clear();
   out->any_soft_cap = false;
+  out->mean_kv_per_row = 0;
   for (const PrefillTask& t : tasks) {
     int32_t sink_set = -1;  // this task's set in sinks_, once a sequence uses it
     for (const PrefillSeq& s : t.seqs) {
@@ -175,8 +176,8 @@ absl::Status BatchPacker::Plan(PackedBatch* out) {
       rows += s.q_len;
       row_keys += int64_t{s.q_len} * s.kv_len;
     }
-    out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows, limits_.family,
-                                      rows > 0 ? row_keys / rows : 0);
+    out->mean_kv_per_row = rows > 0 ? row_keys / rows : 0;
+    out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows, limits_.family, out->mean_kv_per_row);
     PrefillPlanOptions popt;
     popt.num_sms = limits_.num_sms;
     popt.ctas_per_sm = limits_.ctas_per_sm[static_cast<int>(out->kernel)];

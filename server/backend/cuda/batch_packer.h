@@ -105,6 +105,9 @@ struct PackedBatch {
   int32_t num_sink_sets = 0;
   int64_t off_sinks = 0;
   bool any_soft_cap = false;
+  // The prefill sequences' mean KV length per query row
+  // (PagedPrefillParams::mean_kv_per_row; 0 when none).
+  int64_t mean_kv_per_row = 0;
   int64_t off_q = 0, off_idx = 0, off_seqs = 0, off_items = 0, off_merges = 0;
   int64_t off_slots = 0, off_k = 0, off_v = 0;
   int64_t in_bytes = 0;  // staging bytes packed (holes for device inputs included)

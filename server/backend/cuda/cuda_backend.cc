@@ -304,6 +304,7 @@ absl::Status CudaBackend::Launch(absl::Span<const PrefillTask> tasks, const Pack
   pp.seqs = reinterpret_cast<const PrefillSeq*>(d_in + b.off_seqs);
   pp.sinks = b.num_sink_sets > 0 ? reinterpret_cast<const float*>(d_in + b.off_sinks) : nullptr;
   pp.any_soft_cap = b.any_soft_cap;
+  pp.mean_kv_per_row = b.mean_kv_per_row;
   pp.num_seqs = b.num_seqs;
   pp.total_q = static_cast<int32_t>(b.total_q);
   pp.geo = g;
