@@ -170,13 +170,9 @@ absl::Status BatchPacker::Plan(PackedBatch* out) {
   const std::vector<PrefillSeq>& rest = num_decode > 0 ? prefill_seqs_ : seqs_;
   if (num_decode < n) {
     const int64_t group = geo_.num_qo_heads / geo_.num_kv_heads;
-    int64_t max_packed_rows = 0, rows = 0, row_keys = 0;
-    for (const PrefillSeq& s : rest) {
-      max_packed_rows = std::max<int64_t>(max_packed_rows, s.q_len * group);
-      rows += s.q_len;
-      row_keys += int64_t{s.q_len} * s.kv_len;
-    }
-    out->mean_kv_per_row = rows > 0 ? row_keys / rows : 0;
+    int64_t max_packed_rows = 0;
+    for (const PrefillSeq& s : rest) max_packed_rows = std::max<int64_t>(max_packed_rows, s.q_len * group);
+    out->mean_kv_per_row = MeanKvPerRow(rest.data(), n);
     out->kernel = ChoosePrefillKernel(geo_, limits_.device, max_packed_rows, limits_.family, out->mean_kv_per_row);
     PrefillPlanOptions popt;
     popt.num_sms = limits_.num_sms;
