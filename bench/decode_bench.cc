@@ -90,17 +90,18 @@ void PrintTrace(const std::string& name, int page_size, const std::vector<unsign
     end = std::max(end, at(i, kDecodeTraceEnd));
   }
   std::vector<double> streamed(n), took(n);
-  int per_sm[1024] = {0};
+  // The CTAs each SM ran.
+  std::vector<std::vector<size_t>> on_sm(1024);
   for (size_t i = 0; i < n; ++i) {
     streamed[i] = (at(i, kDecodeTraceStreamed) - t0) * 1e-3;
     took[i] = (at(i, kDecodeTraceStreamed) - at(i, kDecodeTraceStart)) * 1e-3;
-    per_sm[at(i, kDecodeTraceSm) % 1024]++;
+    on_sm[at(i, kDecodeTraceSm) % 1024].push_back(i);
   }
   // Streaming time of CTAs alone on their SM against those sharing it.
   double alone = 0, shared = 0;
   int n_alone = 0, n_shared = 0;
   for (size_t i = 0; i < n; ++i) {
-    if (per_sm[at(i, kDecodeTraceSm) % 1024] == 1) {
+    if (on_sm[at(i, kDecodeTraceSm) % 1024].size() == 1) {
       alone += took[i];
       ++n_alone;
     } else {
@@ -110,8 +111,6 @@ void PrintTrace(const std::string& name, int page_size, const std::vector<unsign
   }
   // SMs holding two CTAs: the faster and the slower one's streaming time,
   // and how often the CTA that started first is the faster (us).
-  std::vector<std::vector<size_t>> on_sm(1024);
-  for (size_t i = 0; i < n; ++i) on_sm[at(i, kDecodeTraceSm) % 1024].push_back(i);
   double pair_fast = 0, pair_slow = 0;
   int pairs = 0, first_faster = 0;
   for (const auto& v : on_sm) {
