@@ -1,3 +1,4 @@
+# NOT RUN: no machine could be started for it (three tries), and the session's device time ran out.
 # s45 c3: the landing build (HEAD a02a06e's kernels and server; this session's kernel change was
 # not kept): on an H200, #34's table (bf16 prefill at page_size 1 / 16 / 64 against PyTorch's cuDNN
 # and FA2; decode against PyTorch's decode baselines); on any card, the region tests with the
